@@ -1,0 +1,32 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv on a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch; GPU users install their own build first (the package accepts torch>=2.4).
+TORCH  ?= torch==2.13.0
+OUT    ?= runs/demo
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[cli,test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m gradaccum train --compare --out $(OUT)
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PIP) install -q -e ".[bench]"
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info

@@ -1,0 +1,32 @@
+"""gradaccum: gradient accumulation for PyTorch that is exactly one big batch.
+
+    from gradaccum import Accumulator
+    acc = Accumulator(model, optimizer)
+    result = acc.step(batch, loss_fn, micro_batch_size=8)   # one optimizer step on the whole batch
+
+Every micro-batch backpropagates its item sum; the window's gradient is divided once by the total
+item count across all ranks, so uneven micro-batches, padded sequences and short last windows are
+weighted exactly as in one big batch.
+"""
+
+from .accumulator import AccumSchedule, Accumulator, Window, is_out_of_memory
+from .batching import split_batch
+from .checking import EquivalenceReport, check_equivalence
+from .losses import causal_lm_loss, token_cross_entropy
+from .result import StepResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accumulator",
+    "AccumSchedule",
+    "EquivalenceReport",
+    "StepResult",
+    "Window",
+    "causal_lm_loss",
+    "check_equivalence",
+    "is_out_of_memory",
+    "split_batch",
+    "token_cross_entropy",
+    "__version__",
+]

@@ -1,0 +1,131 @@
+"""Batches and micro-batches: split along dim 0, count items, check leading dimensions.
+
+A *batch* is a Tensor, a tuple/list of batches, or a dict of batches; anything else (a string,
+a number, ``None``) is carried to every chunk unchanged. Every tensor in a batch must share its
+leading dimension: that dimension is what gets split and what counts as items by default.
+Splitting returns views (``torch.split``), so no data is copied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, List, Optional, Union
+
+import torch
+
+Batch = Any
+MicroBatchSize = Union[int, str, None]
+
+__all__ = ["leading_dim", "split_batch", "check_micro_batch_size", "as_micro_batches"]
+
+
+def _tensors(batch: Batch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor in ``batch``, depth first."""
+    if isinstance(batch, torch.Tensor):
+        yield "", batch
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            for path, t in _tensors(value):
+                yield f"[{key!r}]{path}", t
+    elif isinstance(batch, (tuple, list)):
+        for i, value in enumerate(batch):
+            for path, t in _tensors(value):
+                yield f"[{i}]{path}", t
+
+
+def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
+    """The shared leading dimension of every tensor in ``batch``.
+
+    Raises:
+        ValueError: when the batch holds no tensor, a 0-d tensor, or tensors whose leading
+            dimensions disagree (the message names both paths and sizes).
+    """
+    first: Optional[tuple[str, int]] = None
+    for path, t in _tensors(batch):
+        if t.dim() == 0:
+            raise ValueError(
+                f"{argument}{path} is a 0-d tensor; every tensor in a batch needs a leading "
+                "(item) dimension to split and count. Give it shape (n, ...)."
+            )
+        if first is None:
+            first = (path, t.shape[0])
+        elif t.shape[0] != first[1]:
+            raise ValueError(
+                f"tensors in {argument} disagree on their leading dimension: "
+                f"{argument}{first[0] or ''} has {first[1]} items but {argument}{path} has "
+                f"{t.shape[0]}. Every tensor of one batch must hold the same items along dim 0."
+            )
+    if first is None:
+        raise ValueError(
+            f"{argument} holds no tensor (got {type(batch).__name__}); a batch is a Tensor, "
+            "a tuple/list of Tensors, or a dict of Tensors."
+        )
+    return first[1]
+
+
+def _split(batch: Batch, size: int, chunks: int) -> List[Batch]:
+    if isinstance(batch, torch.Tensor):
+        return list(torch.split(batch, size, dim=0))
+    if isinstance(batch, Mapping):
+        parts = {k: _split(v, size, chunks) for k, v in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(chunks)]
+    if isinstance(batch, (tuple, list)):
+        columns = [_split(v, size, chunks) for v in batch]
+        rows = [[col[i] for col in columns] for i in range(chunks)]
+        if isinstance(batch, tuple):
+            make = getattr(type(batch), "_make", None)  # namedtuple
+            return [make(r) if make else tuple(r) for r in rows]
+        return rows
+    return [batch] * chunks  # non-tensor values reach every chunk unchanged
+
+
+def check_micro_batch_size(micro_batch_size: MicroBatchSize) -> None:
+    """Raise a ``ValueError`` naming the value unless it is None, a positive int or "auto"."""
+    if micro_batch_size is None or micro_batch_size == "auto":
+        return
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise ValueError(
+            f"micro_batch_size must be a positive int, 'auto' or None, got {micro_batch_size!r}"
+        )
+    if micro_batch_size <= 0:
+        raise ValueError(
+            f"micro_batch_size must be >= 1, got {micro_batch_size}; pass the number of items "
+            "per forward/backward pass, or 'auto' to find it on out-of-memory errors"
+        )
+
+
+def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
+    """Split ``batch`` along dim 0 into chunks of ``micro_batch_size`` items (the last may be smaller).
+
+    >>> [c.shape[0] for c in split_batch(torch.zeros(10, 3), 4)]
+    [4, 4, 2]
+    """
+    check_micro_batch_size(micro_batch_size)
+    n = leading_dim(batch)
+    if n == 0:
+        raise ValueError("batch has 0 items along dim 0; there is nothing to step on")
+    chunks = math.ceil(n / micro_batch_size)
+    return _split(batch, micro_batch_size, chunks)
+
+
+def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int]) -> List[Batch]:
+    """Turn ``step()``'s ``window`` argument into a checked list of micro-batches.
+
+    With ``micro_batch_size=None`` the window is a sequence of micro-batches; with an int it is one
+    batch to split. Every micro-batch is checked here, before any forward pass runs.
+    """
+    if micro_batch_size is None:
+        if isinstance(window, (torch.Tensor, Mapping)) or not isinstance(window, Sequence):
+            raise ValueError(
+                f"window must be a sequence of micro-batches when micro_batch_size is None, got a "
+                f"{type(window).__name__}; pass a list of micro-batches, or one batch together "
+                "with micro_batch_size=M to split it"
+            )
+        micro_batches = list(window)
+        if not micro_batches:
+            raise ValueError("window is empty (0 micro-batches); pass at least one micro-batch")
+        for i, mb in enumerate(micro_batches):
+            leading_dim(mb, argument=f"window[{i}]")
+        return micro_batches
+    return split_batch(window, micro_batch_size)

@@ -1,0 +1,240 @@
+"""check_equivalence: is accumulation on *this* model the same as one big batch?
+
+It computes the full-batch gradient ``grad L(batch)`` and the accumulated one
+``sum_k n_k grad L_k / sum_k n_k`` from the same starting state, compares them parameter by
+parameter, and names the modules that break the equivalence:
+
+* BatchNorm in training mode (statistics per micro-batch), dropout in training mode;
+* any leaf module that draws random numbers in forward;
+* any module whose output differs between the full batch and the concatenated micro-batches
+  while its input does not (its output for one item depends on the other items).
+
+The model is left exactly as found: parameters, buffers (running statistics), gradients,
+train/eval modes and the RNG state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .batching import Batch, split_batch
+
+__all__ = ["EquivalenceReport", "check_equivalence"]
+
+
+@dataclass(frozen=True)
+class EquivalenceReport:
+    """Outcome of :func:`check_equivalence`.
+
+    Attributes:
+        equivalent: ``max_rel_diff <= rtol``.
+        max_rel_diff: max over parameters of ``||g_acc - g_full|| / ||g_full||``.
+        suspects: ``(module name, reason)`` for each module that breaks equivalence.
+        loss_full, loss_accumulated: the full-batch loss and the item-weighted window loss.
+    """
+
+    equivalent: bool
+    max_rel_diff: float
+    suspects: List[Tuple[str, str]] = field(default_factory=list)
+    loss_full: float = 0.0
+    loss_accumulated: float = 0.0
+    rtol: float = 0.0
+
+    def __str__(self) -> str:
+        verdict = "equivalent" if self.equivalent else "NOT equivalent"
+        lines = [f"{verdict}: max relative gradient difference {self.max_rel_diff:.3e} "
+                 f"(rtol {self.rtol:.1e}); loss {self.loss_full:.6g} full vs "
+                 f"{self.loss_accumulated:.6g} accumulated"]
+        lines += [f"  suspect {name or '<model>'}: {reason}" for name, reason in self.suspects]
+        return "\n".join(lines)
+
+
+class _Snapshot:
+    """Everything check_equivalence may touch, to put back afterwards."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.tensors = {k: v.detach().clone() for k, v in _state_tensors(model)}
+        self.grads = {n: None if p.grad is None else p.grad.detach().clone()
+                      for n, p in model.named_parameters()}
+        self.modes = {n: m.training for n, m in model.named_modules()}
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore_values(self) -> None:
+        with torch.no_grad():
+            for k, v in _state_tensors(self.model):
+                v.copy_(self.tensors[k])
+        for n, m in self.model.named_modules():
+            m.training = self.modes[n]
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def restore(self) -> None:
+        self.restore_values()
+        for n, p in self.model.named_parameters():
+            p.grad = self.grads[n]
+
+
+def _state_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    return [("p:" + n, p) for n, p in model.named_parameters()] + \
+           [("b:" + n, b) for n, b in model.named_buffers()]
+
+
+def _first_tensor(x: Any) -> Optional[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+class _Recorder:
+    """Forward hooks: each module's first input and output tensor, and leaf RNG use."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.io: Dict[str, List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]] = {}
+        self.random: set = set()
+        self._rng: Dict[str, torch.Tensor] = {}
+        self._handles = []
+        for name, module in model.named_modules():
+            leaf = not any(True for _ in module.children())
+            self._handles.append(module.register_forward_pre_hook(self._pre(name, leaf)))
+            self._handles.append(module.register_forward_hook(self._post(name, leaf)))
+
+    def _pre(self, name: str, leaf: bool) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if leaf:
+                self._rng[name] = torch.get_rng_state()
+        return hook
+
+    def _post(self, name: str, leaf: bool) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if leaf and not torch.equal(self._rng.pop(name), torch.get_rng_state()):
+                self.random.add(name)
+            inp, out = _first_tensor(args), _first_tensor(output)
+            self.io.setdefault(name, []).append(
+                (None if inp is None else inp.detach().clone(), None if out is None else out.detach().clone()))
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
+    from .accumulator import _unpack_loss  # the same loss contract as Accumulator
+
+    for p in model.parameters():
+        p.grad = None
+    loss_sum, items = 0.0, 0.0
+    for mb in micro_batches:
+        loss, n = _unpack_loss(loss_fn(model, mb), mb)
+        (loss * n).backward()
+        loss_sum += float(loss.detach()) * float(n)
+        items += float(n)
+    grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters()
+             if p.grad is not None}
+    return grads, loss_sum / items
+
+
+def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], rtol: float) -> bool:
+    if a is None or b is None or a.shape != b.shape:
+        return True  # nothing comparable: not evidence against the module
+    a, b = a.double(), b.double()
+    scale = max(a.abs().max().item(), 1e-30)
+    return (a - b).abs().max().item() <= rtol * scale
+
+
+def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_size: int, *,
+                      rtol: float = 1e-5) -> EquivalenceReport:
+    """Compare one big batch's gradient with the accumulated gradient over micro-batches.
+
+    Args:
+        model: the model, in the mode you train it in (training mode, usually).
+        loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss or ``(mean_loss, num_items)``.
+        batch: one batch, split along dim 0 into chunks of ``micro_batch_size``.
+        rtol: the largest relative gradient difference still called equivalent; float32 models
+            round differently for different splits at about 1e-6.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        >>> fn = lambda m, b: m(b).pow(2).mean()
+        >>> report = check_equivalence(m, fn, torch.randn(8, 4), 2)
+        >>> report.equivalent, report.suspects[0][0]
+        (False, '1')
+    """
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if not rtol > 0:
+        raise ValueError(f"rtol must be > 0, got {rtol!r}")
+    micro_batches = split_batch(batch, micro_batch_size)
+    snapshot = _Snapshot(model)
+    suspects: Dict[str, List[str]] = {}
+
+    def suspect(name: str, reason: str) -> None:
+        if reason not in suspects.setdefault(name, []):
+            suspects[name].append(reason)
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            suspect(name, "BatchNorm in training mode normalizes with per-micro-batch statistics "
+                          "(and updates its running statistics once per micro-batch)")
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            suspect(name, f"dropout (p={module.p}) in training mode draws different masks per split")
+    try:
+        full_rec = _Recorder(model)
+        try:
+            g_full, loss_full = _window_grads(model, loss_fn, [batch])
+        finally:
+            full_rec.remove()
+        snapshot.restore_values()
+        acc_rec = _Recorder(model)
+        try:
+            g_acc, loss_acc = _window_grads(model, loss_fn, micro_batches)
+        finally:
+            acc_rec.remove()
+    finally:
+        snapshot.restore()
+
+    max_rel = 0.0
+    for name, gf in g_full.items():
+        ga = g_acc.get(name, torch.zeros_like(gf))
+        denom = max(gf.norm().item(), 1e-30)
+        max_rel = max(max_rel, (ga - gf).norm().item() / denom)
+    for name in sorted(full_rec.random | acc_rec.random):
+        suspect(name, "draws random numbers in forward, so a different split sees different draws")
+    k = len(micro_batches)
+    mixing: List[str] = []
+    for name, calls in full_rec.io.items():
+        acc_calls = acc_rec.io.get(name, [])
+        if len(calls) != 1 or len(acc_calls) != k or k == 1:
+            continue
+        inp_f, out_f = calls[0]
+        try:
+            inp_a = None if inp_f is None else torch.cat([c[0] for c in acc_calls])  # type: ignore[misc]
+            out_a = None if out_f is None else torch.cat([c[1] for c in acc_calls])  # type: ignore[misc]
+        except (RuntimeError, TypeError):
+            continue
+        if _same(inp_f, inp_a, rtol) and not _same(out_f, out_a, rtol):
+            mixing.append(name)
+    for name in mixing:  # the deepest modules only: a parent differs because its child does
+        if not any(other != name and (name == "" or other.startswith(name + ".")) for other in mixing):
+            suspect(name, "its output for an item depends on the other items of the micro-batch")
+    ordered = sorted(suspects.items(), key=lambda kv: (kv[0] == "", kv[0]))
+    return EquivalenceReport(
+        equivalent=max_rel <= rtol,
+        max_rel_diff=max_rel,
+        suspects=[(name, "; ".join(reasons)) for name, reasons in ordered],
+        loss_full=loss_full,
+        loss_accumulated=loss_acc,
+        rtol=rtol,
+    )

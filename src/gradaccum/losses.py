@@ -1,0 +1,68 @@
+"""Loss helpers that return ``(mean_loss, num_items)`` so windows are weighted by items, not batches.
+
+For a causal language model the items are the next-token targets that are not ``ignore_index``. A
+micro-batch of sequences padded to different lengths holds a different number of them, which is
+why dividing each micro-batch's mean by N mis-weights the window; the Accumulator instead weights
+each micro-batch's mean by its count and divides by the window's total count::
+
+    window loss = sum_k count_k * mean_k / sum_k count_k
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_lm_loss", "token_cross_entropy"]
+
+
+def token_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over targets that are not ``ignore_index``, and their count.
+
+    ``logits`` is ``(..., vocab)``, ``targets`` the matching ``(...)``. The count stays a tensor on
+    the logits' device (no host synchronisation). A micro-batch with no counted target returns a
+    mean of 0 that carries no weight.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match targets of shape "
+            f"{tuple(targets.shape)}: logits must be targets.shape + (vocab,)"
+        )
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    if flat_logits.dtype in (torch.float16, torch.bfloat16):
+        flat_logits = flat_logits.float()  # softmax in float32; never *down*cast float64
+    flat_targets = targets.reshape(-1)
+    total = F.cross_entropy(flat_logits, flat_targets, ignore_index=ignore_index, reduction="sum")
+    count = (flat_targets != ignore_index).sum()
+    return total / count.clamp(min=1).to(total.dtype), count
+
+
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss of a causal LM: position t predicts ``labels[:, t + 1]``.
+
+    Args:
+        logits: ``(batch, seq, vocab)``, the model's output for ``input_ids``.
+        labels: ``(batch, seq)``, usually ``input_ids`` with padding set to ``ignore_index``.
+
+    Returns:
+        ``(mean_loss, num_targets)``: the mean over the ``labels[:, 1:]`` that are not ignored,
+        and how many there are. Pass both back from a ``loss_fn``.
+
+    Example:
+        >>> logits = torch.zeros(2, 4, 5)
+        >>> labels = torch.tensor([[1, 2, 3, -100], [1, 2, -100, -100]])
+        >>> causal_lm_loss(logits, labels)[1].item()   # 2 + 1 targets after the shift
+        3
+    """
+    if logits.dim() != 3 or labels.dim() != 2:
+        raise ValueError(
+            f"causal_lm_loss expects logits (batch, seq, vocab) and labels (batch, seq), got "
+            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
+    return token_cross_entropy(logits[:, :-1, :], labels[:, 1:], ignore_index=ignore_index)

@@ -1,0 +1,43 @@
+"""What one window did: returned by every ``step()``, so the step is never hidden."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional
+
+__all__ = ["StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one window.
+
+    Attributes:
+        loss: item-weighted mean loss over the whole window (all ranks): sum n_k L_k / sum n_k.
+        num_items: items in the window across all ranks (the normalizer).
+        micro_batches: forward/backward passes this rank ran for the window that counted.
+        grad_norm: total gradient norm before clipping (after normalization and unscaling);
+            None when the window had no finite gradient to measure.
+        skipped: True when no optimizer step was taken (non-finite gradient, fp16 overflow,
+            or a window with 0 items).
+        lr: learning rate of the first parameter group used for this window.
+        step: optimizer steps taken so far, this one included.
+        micro_batch_size: the split used when the window was one batch (int or "auto"); else None.
+        accum_steps: the accumulation factor in force (for schedules); equals micro_batches
+            except on a short last window.
+        epoch: the epoch in ``train()``; None from ``step()``.
+    """
+
+    loss: float
+    num_items: int
+    micro_batches: int
+    grad_norm: Optional[float]
+    skipped: bool
+    lr: float
+    step: int
+    micro_batch_size: Optional[int] = None
+    accum_steps: Optional[int] = None
+    epoch: Optional[int] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)

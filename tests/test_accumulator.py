@@ -1,0 +1,274 @@
+"""Accumulator: one step on a window equals one step on the concatenated batch (float64, rtol 1e-10)."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import Accumulator, StepResult, causal_lm_loss
+from helpers import (RTOL, assert_params_close, clone_pair, concat, mse, reference_step,
+                     regression_batch, regression_model)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 3, 7, 10, 16])
+def test_split_batch_equals_full_batch(opt_name, micro_batch_size):
+    """Any split of a 10-item batch, two windows in a row (momentum/Adam state carries over)."""
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, opt_name)
+    acc = Accumulator(model, opt)
+    for seed in (1, 2):
+        batch = regression_batch(10, seed=seed)
+        result = acc.step(batch, mse, micro_batch_size=micro_batch_size)
+        ref_loss = reference_step(ref, ref_opt, lambda: mse(ref, batch))
+        assert_params_close(model, ref)
+        assert result.loss == pytest.approx(ref_loss, rel=RTOL)
+        assert result.num_items == 10
+        assert result.micro_batches == math.ceil(10 / micro_batch_size)
+        assert result.micro_batch_size == micro_batch_size
+        assert not result.skipped
+    assert acc.steps == 2
+
+
+@pytest.mark.parametrize("sizes", [[5, 1, 3], [1, 1, 1, 9], [2, 7], [4]])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_uneven_window_is_item_weighted(sizes, opt_name):
+    """Micro-batches of different sizes count by items, not by 1/N each."""
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, opt_name)
+    window = [regression_batch(n, seed=10 + i) for i, n in enumerate(sizes)]
+    result = Accumulator(model, opt).step(window, mse)
+    ref_loss = reference_step(ref, ref_opt, lambda: mse(ref, concat(window)))
+    assert_params_close(model, ref)
+    assert result.loss == pytest.approx(ref_loss, rel=RTOL)
+    assert result.num_items == sum(sizes)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 11, dim: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + torch.tanh(self.mix(h.cumsum(dim=1)))  # causal mixing
+        return self.out(h)
+
+
+def padded_micro_batch(lengths, seed, vocab=11, pad_to=None):
+    g = torch.Generator().manual_seed(seed)
+    t = pad_to or max(lengths)
+    ids = torch.zeros(len(lengths), t, dtype=torch.long)
+    labels = torch.full((len(lengths), t), -100)
+    for i, n in enumerate(lengths):
+        seq = torch.randint(1, vocab, (n,), generator=g)
+        ids[i, :n] = seq
+        labels[i, :n] = seq
+    return {"input_ids": ids, "labels": labels, "note": "kept"}
+
+
+def lm_loss(model, mb):
+    assert mb["note"] == "kept"
+    return causal_lm_loss(model(mb["input_ids"]), mb["labels"])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_padded_sequences_weight_by_tokens(opt_name):
+    """Variable token counts per micro-batch: the step is the mean over every target token."""
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    ref, opt, ref_opt = clone_pair(model, opt_name)
+    window = [padded_micro_batch([9, 2, 5], 1), padded_micro_batch([2], 2),
+              padded_micro_batch([12, 12, 3, 7], 3), padded_micro_batch([1, 4], 4)]
+    result = Accumulator(model, opt).step(window, lm_loss)
+
+    big = padded_micro_batch([9, 2, 5, 2, 12, 12, 3, 7, 1, 4], 0, pad_to=12)
+    for key in ("input_ids", "labels"):  # the same sequences, padded together as one batch
+        big[key] = torch.cat([nn.functional.pad(mb[key], (0, 12 - mb[key].shape[1]),
+                                                value=0 if key == "input_ids" else -100) for mb in window])
+    ref_loss = reference_step(ref, ref_opt, lambda: lm_loss(ref, big)[0])
+    assert_params_close(model, ref)
+    assert result.num_items == (9 - 1) + (2 - 1) + (5 - 1) + 1 + 11 + 11 + 2 + 6 + 0 + 3
+    assert result.loss == pytest.approx(ref_loss, rel=RTOL)
+
+
+def test_dividing_by_n_would_be_caught():
+    """The bug the popular tools have: (1/N) sum of micro-batch means differs from the item mean."""
+    model = regression_model()
+    ref = copy.deepcopy(model)
+    window = [regression_batch(n, seed=i) for i, n in enumerate([6, 1])]
+    Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5)).step(window, mse)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    reference_step(ref, ref_opt, lambda: sum(mse(ref, mb) for mb in window) / len(window))
+    with pytest.raises(AssertionError):
+        assert_params_close(model, ref)
+
+
+def test_parameters_do_not_move_inside_a_window_and_grads_are_cleared():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    window = [regression_batch(3, seed=i) for i in range(4)]
+    with acc.window(len(window)) as w:
+        for mb in window:
+            with w.micro_batch():
+                w.backward(mse(model, mb), num_items=3)
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert all(p.grad is not None for p in model.parameters())
+        result = w.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert result.step == 1 and result.micro_batches == 4
+
+
+def test_lower_level_window_matches_step():
+    """The hand-written loop path and step() are the same machinery and give the same result."""
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "adamw")
+    window = [regression_batch(n, seed=20 + n) for n in (4, 2, 5)]
+    acc = Accumulator(model, opt)
+    with acc.window(3) as w:
+        for x, y in window:
+            with w.micro_batch():
+                w.backward(nn.functional.mse_loss(model(x), y), num_items=x.shape[0])
+        w.step()
+    reference_step(ref, ref_opt, lambda: mse(ref, concat(window)))
+    assert_params_close(model, ref)
+
+
+def test_stale_gradients_do_not_leak_into_the_window():
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    batch = regression_batch(6)
+    Accumulator(model, opt).step(batch, mse, micro_batch_size=4)
+    reference_step(ref, ref_opt, lambda: mse(ref, batch))
+    assert_params_close(model, ref)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 0.5, 1e6])
+def test_clipping_applies_to_the_normalized_window_gradient(max_norm):
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    batch = regression_batch(9)
+    result = Accumulator(model, opt, max_grad_norm=max_norm).step(batch, mse, micro_batch_size=2)
+    ref_opt.zero_grad()
+    mse(ref, batch).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item()
+    ref_opt.step()
+    assert_params_close(model, ref)
+    assert result.grad_norm == pytest.approx(ref_norm, rel=1e-9)
+
+
+def test_scheduler_steps_once_per_optimizer_step_and_never_on_a_skipped_one():
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    acc = Accumulator(model, opt, scheduler=sched)
+    batch = regression_batch(8)
+    r1 = acc.step(batch, mse, micro_batch_size=2)
+    assert (r1.lr, opt.param_groups[0]["lr"]) == (1.0, 0.5)
+    bad = (batch[0], batch[1] * float("nan"))
+    r2 = acc.step(bad, mse, micro_batch_size=2)
+    assert r2.skipped and opt.param_groups[0]["lr"] == 0.5 and r2.step == 1
+    r3 = acc.step(batch, mse, micro_batch_size=4)
+    assert r3.lr == 0.5 and opt.param_groups[0]["lr"] == 0.25 and r3.step == 2
+
+
+def test_nonfinite_window_is_skipped_and_the_next_is_exact():
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "adamw")
+    acc = Accumulator(model, opt)
+    x, y = regression_batch(6)
+    y_bad = y.clone()
+    y_bad[4] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    result = acc.step((x, y_bad), mse, micro_batch_size=2)
+    assert result.skipped and result.grad_norm is None and result.step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.state == {} or all(not s for s in opt.state.values())
+    acc.step((x, y), mse, micro_batch_size=4)
+    reference_step(ref, ref_opt, lambda: mse(ref, (x, y)))
+    assert_params_close(model, ref)
+
+
+def test_nonfinite_raise_is_a_clear_error_and_moves_nothing():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), nonfinite="raise")
+    x, y = regression_batch(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(FloatingPointError, match="not finite"):
+        acc.step((x, y * float("nan")), mse, micro_batch_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_window_with_zero_items_takes_no_step():
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1))
+    mb = padded_micro_batch([1, 1], 0)  # one token each: no next-token target after the shift
+    before = [p.detach().clone() for p in model.parameters()]
+    result = acc.step([mb], lm_loss)
+    assert result.skipped and result.num_items == 0 and result.loss == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bf16_autocast_runs_and_matches_fp32_roughly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    batch = tuple(t.float() for t in regression_batch(12))
+    Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16").step(batch, mse, micro_batch_size=5)
+    reference_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), lambda: mse(ref, batch))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+def test_fp16_scaler_unscales_once_and_backs_off_on_overflow():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, opt, precision="fp16", max_grad_norm=10.0)
+    x, y = (t.float() for t in regression_batch(12))
+    scale0 = acc.precision.scaler.get_scale()
+    result = acc.step((x, y), mse, micro_batch_size=5)
+    assert not result.skipped
+    reference_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), lambda: mse(ref, (x, y)), max_grad_norm=10.0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)  # fp16 forward; unscaled exactly once
+    before = [p.detach().clone() for p in model.parameters()]
+    result = acc.step((x * 1e30, y), mse, micro_batch_size=5)  # overflows in fp16
+    assert result.skipped
+    assert acc.precision.scaler.get_scale() < scale0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_step_result_fields():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.3))
+    r = acc.step([regression_batch(2), regression_batch(3)], mse)
+    assert isinstance(r, StepResult)
+    assert (r.num_items, r.micro_batches, r.step, r.lr, r.skipped, r.micro_batch_size) == (5, 2, 1, 0.3, False, None)
+    assert isinstance(r.loss, float) and isinstance(r.grad_norm, float)
+    assert set(r.to_dict()) >= {"loss", "num_items", "micro_batches", "grad_norm", "skipped", "lr", "step",
+                                "micro_batch_size"}
+
+
+def test_state_dict_round_trip():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.step(regression_batch(4), mse, micro_batch_size=2)
+    other = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    other.load_state_dict(acc.state_dict())
+    assert other.steps == 1
+    with pytest.raises(ValueError, match="precision"):
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16").load_state_dict(acc.state_dict())

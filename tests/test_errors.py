@@ -1,0 +1,127 @@
+"""Bad input is a clear error naming the argument and value, raised before anything moves."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradaccum import Accumulator
+from helpers import mse, regression_batch, regression_model
+
+
+@pytest.fixture
+def setup():
+    model = regression_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    yield model, opt, Accumulator(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "parameters moved"
+    assert all(p.grad is None for p in model.parameters()), "gradients left behind"
+    assert not opt.state, "optimizer state changed"
+
+
+@pytest.mark.parametrize("value, match", [
+    (0, "micro_batch_size must be >= 1, got 0"),
+    (-3, "micro_batch_size must be >= 1, got -3"),
+    (2.5, "micro_batch_size must be a positive int, 'auto' or None, got 2.5"),
+    ("big", "micro_batch_size must be a positive int, 'auto' or None, got 'big'"),
+    (True, "micro_batch_size must be a positive int"),
+])
+def test_bad_micro_batch_size(setup, value, match):
+    _, _, acc = setup
+    with pytest.raises(ValueError, match=match):
+        acc.step(regression_batch(4), mse, micro_batch_size=value)
+
+
+def test_empty_window(setup):
+    _, _, acc = setup
+    with pytest.raises(ValueError, match=r"window is empty \(0 micro-batches\)"):
+        acc.step([], mse)
+
+
+def test_batch_given_without_micro_batch_size(setup):
+    _, _, acc = setup
+    with pytest.raises(ValueError, match="window must be a sequence of micro-batches"):
+        acc.step(torch.zeros(4, 5), mse)
+
+
+def test_leading_dimensions_disagree(setup):
+    _, _, acc = setup
+    x, y = regression_batch(6)
+    with pytest.raises(ValueError, match=r"disagree on their leading dimension: .*\[0\] has 6 items but .*\[1\] has 5"):
+        acc.step((x, y[:5]), mse, micro_batch_size=2)
+
+
+def test_leading_dimensions_disagree_in_a_later_micro_batch(setup):
+    _, _, acc = setup
+    x, y = regression_batch(6)
+    with pytest.raises(ValueError, match=r"window\[1\]\[0\] has 3 items but window\[1\]\[1\] has 2"):
+        acc.step([(x[:3], y[:3]), (x[3:], y[4:])], mse)
+
+
+@pytest.mark.parametrize("accum_steps", [0, -1, 1.5, "4", True])
+def test_bad_accum_steps(setup, accum_steps):
+    _, _, acc = setup
+    with pytest.raises(ValueError, match=f"accum_steps must be a positive int, got {accum_steps!r}"):
+        acc.train([regression_batch(2)], mse, accum_steps=accum_steps)
+
+
+def test_bad_schedule_values(setup):
+    _, _, acc = setup
+    with pytest.raises(ValueError, match=r"accum_steps\[2\] must be a positive int, got 0"):
+        acc.train([], mse, accum_steps={0: 2, 2: 0})
+    with pytest.raises(ValueError, match="keys must be epochs"):
+        acc.train([], mse, accum_steps={-1: 2})
+
+
+def test_bad_epochs(setup):
+    _, _, acc = setup
+    with pytest.raises(ValueError, match="epochs must be a positive int, got 0"):
+        acc.train([], mse, accum_steps=2, epochs=0)
+
+
+def test_unknown_precision():
+    model = regression_model()
+    with pytest.raises(ValueError, match="precision must be one of 'fp32', 'bf16', 'fp16', got 'fp8'"):
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp8")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_grad_norm": 0}, "max_grad_norm must be a positive finite number or None, got 0"),
+    ({"max_grad_norm": float("inf")}, "max_grad_norm must be a positive finite number"),
+    ({"nonfinite": "ignore"}, "nonfinite must be 'skip' or 'raise', got 'ignore'"),
+])
+def test_bad_constructor_values(kwargs, match):
+    model = regression_model()
+    with pytest.raises(ValueError, match=match):
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_wrong_types():
+    model = regression_model()
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got list"):
+        Accumulator(model, [])
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        Accumulator(lambda x: x, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_loss_fn_that_returns_a_vector(setup):
+    _, _, acc = setup
+    with pytest.raises(ValueError, match=r"loss must be a scalar tensor .* got \(2, 3\)"):
+        acc.step(regression_batch(4), lambda m, b: (m(b[0]) - b[1]).pow(2), micro_batch_size=2)
+
+
+def test_window_misuse(setup):
+    model, _, acc = setup
+    x, y = regression_batch(4)
+    with pytest.raises(RuntimeError, match="must run inside `with window.micro_batch"):
+        with acc.window(2) as w:
+            w.backward(mse(model, (x, y)), 4)
+    with pytest.raises(RuntimeError, match="opened for 2 micro-batches but 1 ran"):
+        with acc.window(2) as w:
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), 4)
+            w.step()
+    with pytest.raises(RuntimeError, match="closed without step"):
+        with acc.window(1) as w:
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), 4)

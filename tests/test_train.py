@@ -1,0 +1,94 @@
+"""Accumulator.train: windows of accum_steps, short last windows exact, schedules, drop_last."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gradaccum import Accumulator
+from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
+
+
+def loader_of(n: int, batch_size: int):
+    x, y = regression_batch(n, seed=7)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False), (x, y)
+
+
+def reference_epochs(ref, ref_opt, data, window_items, epochs):
+    x, y = data
+    for _ in range(epochs):
+        start = 0
+        for items in window_items:
+            sl = slice(start, start + items)
+            reference_step(ref, ref_opt, lambda: mse(ref, (x[sl], y[sl])))
+            start += items
+
+
+@pytest.mark.parametrize("n, batch_size, accum, expect", [
+    (23, 3, 4, [12, 11]),       # 8 loader batches (last of 2 items): 4 + 4 micro-batches
+    (23, 5, 2, [10, 10, 3]),    # short last window of one 3-item micro-batch
+    (9, 2, 8, [9]),             # one window, accum larger than the epoch
+])
+def test_windows_and_short_last_window(n, batch_size, accum, expect):
+    loader, data = loader_of(n, batch_size)
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "adamw")
+    results = list(Accumulator(model, opt).train(loader, mse, accum_steps=accum, epochs=2))
+    reference_epochs(ref, ref_opt, data, expect, epochs=2)
+    assert [r.num_items for r in results] == expect * 2
+    assert [r.epoch for r in results] == [0] * len(expect) + [1] * len(expect)
+    assert results[-1].step == 2 * len(expect)
+    assert_params_close(model, ref)
+
+
+def test_drop_last_skips_the_short_window():
+    loader, data = loader_of(23, 5)
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    results = list(Accumulator(model, opt).train(loader, mse, accum_steps=2, drop_last=True))
+    reference_epochs(ref, ref_opt, data, [10, 10], epochs=1)
+    assert [r.num_items for r in results] == [10, 10]
+    assert_params_close(model, ref)
+
+
+@pytest.mark.parametrize("schedule", [{0: 1, 1: 3}, lambda epoch: 1 if epoch == 0 else 3])
+def test_accumulation_schedule(schedule):
+    loader, data = loader_of(12, 2)
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    results = list(Accumulator(model, opt).train(loader, mse, accum_steps=schedule, epochs=2))
+    assert [r.accum_steps for r in results] == [1] * 6 + [3] * 2
+    reference_epochs(ref, ref_opt, data, [2] * 6, epochs=1)
+    reference_epochs(ref, ref_opt, data, [6, 6], epochs=1)
+    assert_params_close(model, ref)
+
+
+def test_schedule_before_first_key_is_one():
+    from gradaccum import AccumSchedule
+    s = AccumSchedule({2: 4, 5: 8})
+    assert [s(e) for e in range(7)] == [1, 1, 4, 4, 4, 8, 8]
+    with pytest.raises(ValueError, match="accum_steps for epoch 0 must be a positive int, got 0"):
+        AccumSchedule(lambda e: 0)(0)
+
+
+def test_set_epoch_is_called_on_the_sampler():
+    calls = []
+
+    class Sampler(torch.utils.data.Sampler):
+        def __init__(self):
+            pass
+
+        def __iter__(self):
+            return iter(range(4))
+
+        def __len__(self):
+            return 4
+
+        def set_epoch(self, e):
+            calls.append(e)
+
+    x, y = regression_batch(4)
+    loader = DataLoader(TensorDataset(x, y), batch_size=2, sampler=Sampler())
+    model = regression_model()
+    list(Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1)).train(loader, mse, accum_steps=2, epochs=3))
+    assert calls == [0, 1, 2]
