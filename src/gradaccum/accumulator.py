@@ -241,7 +241,9 @@ class Accumulator:
             buffers of this dtype, rounded once for the optimizer.
         nonfinite: ``"skip"`` a window whose gradient is not finite, or ``"raise"``.
         reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch
-            instead of once per window; saves FSDP2 the unsharded gradient memory.
+            instead of once per window; saves FSDP2 the unsharded gradient memory. Every rank must
+            then run the same number of micro-batches per window (as under FSDP2 anyway, whose
+            forward all-gathers); with the default, DDP ranks may run different numbers.
 
     Example:
         >>> model = nn.Linear(3, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)

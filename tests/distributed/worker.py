@@ -1,0 +1,330 @@
+"""Distributed scenarios, run by torchrun with 2 gloo processes on the CPU (see test_distributed.py).
+
+Each scenario compares against a single-process float64 reference on the union of both ranks'
+windows, computed on every rank from the same seed, and counts the gradient reductions. A scenario
+prints ``PASS <name>`` on rank 0, or ``FAIL <name>: <why>`` and the run goes on.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradaccum import Accumulator
+
+RANK, WORLD = 0, 1
+# each rank's window: micro-batch sizes (uneven shares: 11 items against 6)
+SHARES = {0: [4, 4, 3], 1: [5, 1]}
+# the same number of micro-batches per rank (uneven sizes), where every micro-batch communicates
+EQUAL_COUNTS = {0: [4, 3], 1: [5, 1]}
+
+
+def model_fn(unused_branch: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(5, 16)
+            self.b = nn.Linear(16, 3)
+            self.extra = nn.Linear(16, 3)  # used only by micro-batches flagged "extra"
+
+        def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            out = self.b(h)
+            return out + self.extra(h) if extra else out
+
+    net = Net().double()
+    if not unused_branch:
+        net.extra.requires_grad_(False)
+    return net
+
+
+def data(rank: int, k: int, n: int):
+    g = torch.Generator().manual_seed(1000 * rank + k)
+    return torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 3, generator=g, dtype=torch.float64)
+
+
+def window_of(rank: int, offset: int = 0):
+    return [data(rank, offset + k, n) for k, n in enumerate(SHARES[rank])]
+
+
+def mse(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def reference(windows_per_step, opt_name: str = "adamw", unused_branch: bool = False, extra_of=None):
+    """Single-process steps on the union of all ranks' windows."""
+    ref = model_fn(unused_branch)
+    opt = make_opt(ref, opt_name)
+    for step_windows in windows_per_step:
+        opt.zero_grad(set_to_none=True)
+        items = sum(x.shape[0] for w in step_windows for x, _ in w)
+        total = 0
+        for r, w in enumerate(step_windows):
+            for k, (x, y) in enumerate(w):
+                extra = extra_of(r, k) if extra_of else False
+                total = total + nn.functional.mse_loss(ref(x, extra), y, reduction="sum") / 3
+        (total / items).backward()
+        opt.step()
+    return ref
+
+
+def make_opt(model, name):
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def close(a: nn.Module, b: nn.Module, rtol: float = 1e-10) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+class Counter:
+    calls = 0
+    bytes = 0
+
+
+def counting_hook():
+    """A DDP comm hook that counts bucket all-reduces and their bytes."""
+    counter = Counter()
+
+    def counting_allreduce_hook(state, bucket):
+        counter.calls += 1
+        counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+        return default_hooks.allreduce_hook(None, bucket)
+
+    return counting_allreduce_hook, counter
+
+
+class CountReduceScatters:
+    """Counts torch.distributed reduce-scatter calls (FSDP2's gradient reduction) while active."""
+
+    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __enter__(self):
+        self.calls = 0
+        self._saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, fn in self._saved.items():
+            setattr(dist, name, self._wrap(fn))
+        return self
+
+    def _wrap(self, fn):
+        def wrapper(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+# --------------------------------------------------------------------------- scenarios
+
+def ddp_uneven_exact():
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "adamw"))
+    steps = [[window_of(r, 0) for r in range(WORLD)], [window_of(r, 10) for r in range(WORLD)]]
+    for i in range(2):
+        result = acc.step(steps[i][RANK], mse)
+        assert result.num_items == 17, result.num_items  # global: 11 + 6
+        assert result.micro_batches == len(SHARES[RANK])
+    close(model.module, reference(steps))
+    return "num_items global, params exact"
+
+
+def ddp_loss_is_the_global_item_mean():
+    model = DDP(model_fn())
+    wins = [window_of(r, 70) for r in range(WORLD)]
+    x = torch.cat([x for w in wins for x, _ in w])
+    y = torch.cat([y for w in wins for _, y in w])
+    expected = mse(model_fn(), (x, y)).item()
+    result = Accumulator(model, make_opt(model, "sgd")).step(wins[RANK], mse)
+    assert abs(result.loss - expected) <= 1e-12 * abs(expected), (result.loss, expected)
+    return f"loss {result.loss:.6f} = the union's mean"
+
+
+def ddp_one_reduction_per_window():
+    model = DDP(model_fn(), bucket_cap_mb=25)
+    hook_fn, hook = counting_hook()
+    model.register_comm_hook(None, hook_fn)
+    # baseline: one synchronised backward of the same model
+    mse(model, data(RANK, 0, 4)).backward()
+    per_backward = hook.calls
+    model.zero_grad(set_to_none=True)
+    hook.calls = 0
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    win = [data(RANK, k, n) for k, n in enumerate(EQUAL_COUNTS[RANK])]
+    seen_before_boundary = []
+    with acc.window(len(win)) as w:
+        for k, mb in enumerate(win):
+            with w.micro_batch():
+                w.backward(mse(model, mb), num_items=mb[0].shape[0])
+            if k == 0:  # not reduced yet: the two ranks' gradients still differ
+                g = model.module.a.weight.grad.detach().clone()
+                other = [torch.zeros_like(g) for _ in range(WORLD)]
+                dist.all_gather(other, g)
+                seen_before_boundary.append(not torch.allclose(other[0], other[1]))
+                seen_before_boundary.append(hook.calls)
+        w.step()
+    assert per_backward >= 1
+    assert hook.calls == per_backward, f"{hook.calls} reductions in the window, {per_backward} in one backward"
+    assert seen_before_boundary == [True, 0], seen_before_boundary
+    return f"{hook.calls} all-reduce(s) per window = one synchronised backward; {hook.bytes} bytes"
+
+
+def ddp_find_unused_parameters_exact():
+    extra_of = lambda r, k: k == 0  # noqa: E731 - only the first micro-batch of each rank uses .extra
+    model = DDP(model_fn(unused_branch=True), find_unused_parameters=True)
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    steps = []
+    for s in range(2):
+        wins = [window_of(r, 20 * (s + 1)) for r in range(WORLD)]
+        steps.append(wins)
+        mine = [(x, y, k) for k, (x, y) in enumerate(wins[RANK])]
+        acc.step(mine, lambda m, b: nn.functional.mse_loss(m(b[0], extra_of(RANK, b[2])), b[1]))
+    close(model.module, reference(steps, "sgd", unused_branch=True, extra_of=extra_of))
+    return "a parameter used by the first micro-batch only is reduced exactly"
+
+
+def ddp_static_graph_is_a_clear_error():
+    model = DDP(model_fn(), static_graph=True)
+    try:
+        Accumulator(model, make_opt(model, "sgd"))
+    except ValueError as e:
+        assert "static_graph=True" in str(e) and "static_graph=False" in str(e), str(e)
+        return "ValueError naming static_graph and the fix"
+    raise AssertionError("no error for static_graph=True")
+
+
+def ddp_reduce_every_micro_batch_exact():
+    model = DDP(model_fn())
+    hook_fn, hook = counting_hook()
+    model.register_comm_hook(None, hook_fn)
+    acc = Accumulator(model, make_opt(model, "adamw"), reduce_every_micro_batch=True)
+    # every micro-batch communicates, so both ranks run the same number (uneven sizes: 7 vs 6)
+    shares = EQUAL_COUNTS
+    steps = [[[data(r, 30 + k, n) for k, n in enumerate(shares[r])] for r in range(WORLD)]]
+    acc.step(steps[0][RANK], mse)
+    close(model.module, reference(steps))
+    assert hook.calls == 2, hook.calls
+    return f"{hook.calls} reductions for 2 micro-batches, still exact"
+
+
+def ddp_exception_restores_sync():
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"))
+
+    def boom(m, b):
+        raise KeyError("boom")
+
+    try:
+        acc.step(window_of(RANK), boom)
+    except KeyError:
+        pass
+    assert model.require_backward_grad_sync is True
+    assert all(p.grad is None for p in model.parameters())
+    steps = [[window_of(r, 40) for r in range(WORLD)]]
+    acc.step(steps[0][RANK], mse)
+    close(model.module, reference(steps, "sgd"))
+    return "require_backward_grad_sync restored, next window exact"
+
+
+def fsdp2_exact_and_one_reduce_scatter():
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    results = {}
+    for every in (False, True):
+        model = model_fn()
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model.b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        acc = Accumulator(model, make_opt(model, "adamw"), reduce_every_micro_batch=every)
+        # FSDP2 all-gathers in every forward, so both ranks run the same number of micro-batches
+        shares = EQUAL_COUNTS
+        steps = [[[data(r, 50 + k, n) for k, n in enumerate(shares[r])] for r in range(WORLD)]]
+        with CountReduceScatters() as comm:
+            acc.step(steps[0][RANK], mse)
+        rs = comm.calls
+        close(model, reference(steps))
+        assert model.a.weight.grad is None
+        results[every] = rs
+        # FSDP2 restores its sync flag: the next plain backward reduces again
+    assert results[False] == 2, results  # one per sharded group (a, b) per window
+    assert results[True] == 2 * 2, results  # once per micro-batch
+    return f"exact; reduce-scatters per window: {results[False]} (skipping) vs {results[True]} (every micro-batch)"
+
+
+def ddp_auto_micro_batch_agrees_on_oom():
+    """Rank 1 runs out of memory above 2 items per micro-batch; both ranks back off together."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "adamw"))
+    limit = 3 if RANK == 1 else 100  # rank 1 holds 6 items: 6 fails, 3 fits
+
+    def loss_fn(m, b):
+        if b[0].shape[0] > limit:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        return mse(m, b)
+
+    batches = [torch.cat([x for x, _ in window_of(r, 60)]) for r in range(WORLD)]
+    ys = [torch.cat([y for _, y in window_of(r, 60)]) for r in range(WORLD)]
+    result = acc.step((batches[RANK], ys[RANK]), loss_fn, micro_batch_size="auto")
+    assert result.micro_batch_size == 3, result.micro_batch_size
+    assert acc.auto_micro_batch_size == 3
+    close(model.module, reference([[[(batches[r], ys[r])] for r in range(WORLD)]]))
+    assert model.require_backward_grad_sync is True
+    return "both ranks settled on 3 after rank 1 alone ran out of memory, exact"
+
+
+SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
+             ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
+             ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
+             ddp_auto_micro_batch_agrees_on_oom]
+
+
+def main() -> int:
+    global RANK, WORLD
+    dist.init_process_group("gloo")
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    assert WORLD == 2, "run with --nproc_per_node=2 (or two agents of one process)"
+    names = sys.argv[1:] or [s.__name__ for s in SCENARIOS]
+    failed = 0
+    for scenario in SCENARIOS:
+        if scenario.__name__ not in names:
+            continue
+        try:
+            note = scenario()
+            verdict = torch.tensor([0])
+        except Exception:  # noqa: BLE001 - reported per scenario
+            note = traceback.format_exc().strip().splitlines()[-1]
+            verdict = torch.tensor([1])
+            traceback.print_exc()
+        dist.all_reduce(verdict)  # a scenario passes only if it passed on both ranks
+        if RANK == 0:
+            status = "PASS" if verdict.item() == 0 else "FAIL"
+            print(f"{status} {scenario.__name__}: {note}", flush=True)
+        failed += int(verdict.item() > 0)
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
