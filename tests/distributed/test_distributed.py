@@ -47,3 +47,27 @@ def test_two_torchrun_agents_nnodes_2():
     assert codes == [0, 0], outs
     joined = "\n".join(outs)
     assert "PASS ddp_uneven_exact" in joined and "PASS ddp_one_reduction_per_window" in joined, joined[-3000:]
+
+
+def test_cli_under_torchrun_rank0_writes_and_resume_extends(tmp_path):
+    """`torchrun --nproc_per_node=2 -m gradaccum train` unchanged: DistributedSampler shares, one
+    writer, and a run resumed for a second epoch equals a two-epoch run."""
+    import json
+
+    import torch
+
+    args = ["-m", "gradaccum", "train", "--model", "mlp", "--device", "cpu", "--micro-batch-size", "16",
+            "--accum-steps", "2", "--dtype", "float64"]
+    for extra, out in ((["--epochs", "1"], "resumed"), (["--epochs", "2", "--resume"], "resumed"),
+                       (["--epochs", "2"], "whole")):
+        proc = torchrun([*args, *extra, "--out", str(tmp_path / out)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    steps = [json.loads(x)["step"] for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, summary["steps"] + 1)), "duplicate or missing metric lines"
+    assert summary["steps"] == 2 * 23  # 1438 items over 2 ranks: 719 each, windows of 32
+    a = torch.load(tmp_path / "whole" / "last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)["model"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["last.pt", "loss.png", "metrics.jsonl", "summary.json"]

@@ -1,0 +1,200 @@
+"""The command line's tasks: digits (offline), MNIST from IDX files, and text for a byte-level LM.
+
+A :class:`Task` knows its training set size, how to gather the items at some indices into a batch,
+the loss (mean over items, and the item count), and how to evaluate a model on its test split.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..losses import causal_lm_loss
+
+__all__ = ["Task", "TaskError", "load_task", "TASKS"]
+
+TASKS = ("digits", "mnist", "text")
+
+
+class TaskError(ValueError):
+    """A data problem the user can fix (missing or corrupt file); the CLI prints it as one line."""
+
+
+@dataclass
+class Task:
+    name: str
+    num_train: int
+    gather: Callable[[Sequence[int]], Any]          # training indices -> batch
+    loss_fn: Callable[[nn.Module, Any], Any]        # (model, batch) -> mean loss or (mean, count)
+    evaluate: Callable[[nn.Module, torch.device], Dict[str, float]]
+    model_kwargs: Dict[str, Any]
+    default_model: str
+
+
+# -- images ---------------------------------------------------------------------------------
+
+def _image_task(name: str, x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor,
+                y_test: torch.Tensor) -> Task:
+    mean, std = x_train.mean(), x_train.std()
+    x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
+
+    def gather(idx: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        i = torch.as_tensor(idx, dtype=torch.long)
+        return x_train[i], y_train[i]
+
+    def loss_fn(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        p = next(model.parameters())
+        return F.cross_entropy(model(x.to(p.device, p.dtype)), y.to(p.device))
+
+    @torch.no_grad()
+    def evaluate(model: nn.Module, device: torch.device) -> Dict[str, float]:
+        loss_sum, correct = 0.0, 0
+        dtype = next(model.parameters()).dtype
+        for start in range(0, len(x_test), 512):
+            x, y = x_test[start:start + 512].to(device, dtype), y_test[start:start + 512].to(device)
+            logits = model(x).float()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            correct += (logits.argmax(1) == y).sum().item()
+        return {"test_loss": loss_sum / len(x_test), "test_accuracy": correct / len(x_test)}
+
+    return Task(name, len(x_train), gather, loss_fn, evaluate,
+                {"in_shape": tuple(x_train.shape[1:]), "num_classes": 10}, "lenet5")
+
+
+def _digits(test_fraction: float = 0.2) -> Task:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:  # pragma: no cover - the cli extra brings it
+        raise TaskError("the digits task needs scikit-learn: pip install 'gradaccum[cli]'") from e
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1)  # (1797, 1, 8, 8)
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))  # a fixed split
+    n_test = int(len(x) * test_fraction)
+    test, train = perm[:n_test], perm[n_test:]
+    return _image_task("digits", x[train], y[train], x[test], y[test])
+
+
+_IDX = {"train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
+        "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte"}
+
+
+def _find_idx(root: Path, key: str) -> Path:
+    base = _IDX[key]
+    sub = "train" if key.startswith("train") else "test"
+    for folder in (root, root / sub):
+        for candidate in (folder / base, folder / (base + ".gz")):
+            if candidate.is_file():
+                return candidate
+    raise TaskError(f"--data-path {root}: MNIST file {base} (or {base}.gz) not found in {root} or {root / sub}")
+
+
+def _read_idx(path: Path, magic: int, ndim: int) -> torch.Tensor:
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise TaskError(f"MNIST file {path} cannot be read: {e}") from None
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise TaskError(f"MNIST file {path} is truncated: {len(raw)} bytes, less than its header")
+    found, *dims = struct.unpack(f">{1 + ndim}I", raw[:header])
+    if found != magic:
+        raise TaskError(f"MNIST file {path} is not an IDX file of this kind (magic {found}, expected {magic})")
+    expected = header + int(torch.tensor(dims).prod().item())
+    if len(raw) != expected:
+        raise TaskError(f"MNIST file {path} is truncated or corrupt: {len(raw)} bytes, expected {expected}")
+    return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).reshape(dims)
+
+
+def _mnist(data_path: Optional[str]) -> Task:
+    if not data_path:
+        raise TaskError("--task mnist needs --data-path DIR holding the four MNIST IDX files")
+    root = Path(data_path)
+    if not root.is_dir():
+        raise TaskError(f"--data-path {data_path}: no such directory")
+    xs, ys = {}, {}
+    for split in ("train", "test"):
+        xs[split] = _read_idx(_find_idx(root, f"{split}_images"), 2051, 3).float().div(255).unsqueeze(1)
+        ys[split] = _read_idx(_find_idx(root, f"{split}_labels"), 2049, 1).long()
+        if len(xs[split]) != len(ys[split]):
+            raise TaskError(f"MNIST {split} images ({len(xs[split])}) and labels ({len(ys[split])}) disagree")
+    return _image_task("mnist", xs["train"], ys["train"], xs["test"], ys["test"])
+
+
+# -- text -----------------------------------------------------------------------------------
+
+def _default_text() -> Tuple[bytes, str]:
+    """Text every Python installation ships: some of the standard library's own sources."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / n for n in ("textwrap.py", "shlex.py", "fractions.py", "bisect.py", "heapq.py")]
+    return b"\n".join(f.read_bytes() for f in files if f.is_file()), f"{stdlib}/(textwrap, shlex, ...).py"
+
+
+def _text(data_path: Optional[str], max_len: int = 64) -> Task:
+    if data_path:
+        path = Path(data_path)
+        if not path.is_file():
+            raise TaskError(f"--data-path {data_path}: no such file (the text task reads one text file)")
+        raw = path.read_bytes()
+    else:
+        raw, _ = _default_text()
+    seqs: List[torch.Tensor] = []
+    for line in raw.splitlines():
+        line = line.strip()
+        for start in range(0, len(line), max_len):  # one sequence per line or chunk: lengths vary
+            piece = line[start:start + max_len]
+            if len(piece) >= 2:
+                seqs.append(torch.tensor(list(piece), dtype=torch.long))
+    if len(seqs) < 10:
+        raise TaskError(f"--data-path {data_path}: too little text ({len(seqs)} usable lines; need 10)")
+    n_test = max(1, len(seqs) // 10)
+    train, test = seqs[:-n_test], seqs[-n_test:]
+
+    def collate(items: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        t = max(len(s) for s in items)
+        ids = torch.zeros(len(items), t, dtype=torch.long)
+        labels = torch.full((len(items), t), -100, dtype=torch.long)
+        for i, s in enumerate(items):
+            ids[i, :len(s)] = s
+            labels[i, :len(s)] = s
+        return {"input_ids": ids, "labels": labels}
+
+    def loss_fn(model: nn.Module, batch: Dict[str, torch.Tensor]):
+        device = _device(model)
+        return causal_lm_loss(model(batch["input_ids"].to(device)), batch["labels"].to(device))
+
+    @torch.no_grad()
+    def evaluate(model: nn.Module, device: torch.device) -> Dict[str, float]:
+        total, count = 0.0, 0
+        for start in range(0, len(test), 64):
+            mean, n = loss_fn(model, collate(test[start:start + 64]))
+            total += mean.item() * n.item()
+            count += n.item()
+        loss = total / max(count, 1)
+        return {"test_loss": loss, "test_bits_per_byte": loss / 0.6931471805599453}
+
+    return Task("text", len(train), lambda idx: collate([train[i] for i in idx]), loss_fn, evaluate,
+                {"vocab": 256, "max_len": max_len}, "transformer")
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def load_task(name: str, data_path: Optional[str] = None) -> Task:
+    if name == "digits":
+        return _digits()
+    if name == "mnist":
+        return _mnist(data_path)
+    if name == "text":
+        return _text(data_path)
+    raise TaskError(f"--task must be one of {', '.join(TASKS)}, got {name!r}")

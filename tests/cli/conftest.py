@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def write_idx(path: Path, data: torch.Tensor, magic: int, gz: bool) -> None:
+    raw = struct.pack(f">{1 + data.dim()}I", magic, *data.shape) + bytes(data.to(torch.uint8).flatten().tolist())
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        raw = gzip.compress(raw)
+    path.write_bytes(raw)
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory):
+    """A tiny MNIST in the seed's MNIST_Data layout: train/ and test/, labels gzipped, images plain."""
+    root = tmp_path_factory.mktemp("MNIST_Data")
+    g = torch.Generator().manual_seed(0)
+    for split, n, prefix in (("train", 96, "train"), ("test", 32, "t10k")):
+        (root / split).mkdir()
+        labels = torch.randint(0, 10, (n,), generator=g)
+        images = (torch.rand(n, 28, 28, generator=g) * 60 + labels.view(-1, 1, 1) * 19).clamp(0, 255)
+        write_idx(root / split / f"{prefix}-images-idx3-ubyte", images, 2051, gz=False)
+        write_idx(root / split / f"{prefix}-labels-idx1-ubyte", labels, 2049, gz=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    lines = [("the quick brown fox jumps over the lazy dog " * (1 + i % 3))[: 8 + (i * 7) % 90] for i in range(120)]
+    path.write_text("\n".join(lines))
+    return path

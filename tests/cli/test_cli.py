@@ -1,0 +1,221 @@
+"""gradaccum train / eval / check, end to end on data the tests make themselves."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradaccum.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["--epochs", "1", "--device", "cpu"]
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "gradaccum", *args], capture_output=True, text=True,
+                          env=env, timeout=kwargs.get("timeout", 300), cwd=kwargs.get("cwd", ROOT))
+
+
+def test_train_writes_metrics_summary_checkpoint_and_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--model", "mlp", *FAST]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert {"step", "epoch", "loss", "lr", "num_items", "grad_norm", "samples_per_second"} <= set(rows[0])
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"test_accuracy", "test_loss", "steps", "wall_time_seconds", "peak_memory_bytes"} <= set(summary)
+    assert summary["steps"] == len(rows) == 12  # 1438 items / 128 per window
+    assert rows[-1]["num_items"] == 1438 - 11 * 128  # the short last window
+    state = load(out / "last.pt")
+    assert {"model", "optimizer"} <= set(state)
+    assert (out / "loss.png").stat().st_size > 1000
+    assert "test accuracy" in capsys.readouterr().out
+
+
+def test_default_digits_run_reaches_95_percent(tmp_path):
+    """The default run (LeNet-5, 32 x 4, 15 epochs) reaches at least 95% test accuracy."""
+    out = tmp_path / "default"
+    start = time.perf_counter()
+    assert main(["train", "--out", str(out), "--device", "cpu"]) == 0
+    assert json.loads((out / "summary.json").read_text())["test_accuracy"] >= 0.95
+    assert time.perf_counter() - start < 120
+
+
+@pytest.mark.parametrize("split", [["--micro-batch-size", "32", "--accum-steps", "1"],
+                                   ["--micro-batch-size", "5", "--batch-size", "32"]])
+def test_same_seed_same_effective_batch_same_model(tmp_path, split):
+    """8 x 4, 32 x 1 and uneven 5-item micro-batches of 32-item windows train the same model."""
+    common = ["--dtype", "float64", "--model", "mlp", "--optimizer", "adamw", "--lr", "0.001", *FAST]
+    assert main(["train", "--out", str(tmp_path / "a"), "--micro-batch-size", "8", "--accum-steps", "4", *common]) == 0
+    assert main(["train", "--out", str(tmp_path / "b"), *split, *common]) == 0
+    a, b = load(tmp_path / "a" / "last.pt"), load(tmp_path / "b" / "last.pt")
+    assert a["accumulator"]["steps"] == b["accumulator"]["steps"] == 45
+    assert max_diff(a["model"], b["model"]) < 1e-10
+
+
+def test_compare_overlays_curves_and_reports(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["train", "--compare", "--dtype", "float64", "--model", "mlp", "--out", str(out), *FAST]) == 0
+    report = json.loads((out / "compare.json").read_text())
+    assert report["max_abs_param_diff"] < 1e-10
+    assert report["accumulated"]["peak_memory_bytes"] < report["one_batch"]["peak_memory_bytes"]
+    assert (out / "compare.png").stat().st_size > 1000
+    assert "largest parameter difference" in capsys.readouterr().out
+
+
+def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_model(tmp_path):
+    args = ["train", "--model", "mlp", "--epochs", "3", "--checkpoint-every", "2", "--device", "cpu"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "gradaccum", *args, "--out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 15:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "summary.json").exists(), "the kill did not land mid-run"
+    saved = load(out / "last.pt")
+    assert 0 < saved["accumulator"]["steps"] < 36
+    assert main([*args, "--out", str(out), "--resume"]) == 0
+    whole, resumed = load(tmp_path / "whole" / "last.pt"), load(out / "last.pt")
+    assert resumed["accumulator"]["steps"] == whole["accumulator"]["steps"] == 36
+    assert max_diff(whole["model"], resumed["model"]) < 1e-6
+    rows = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert rows == list(range(1, 37))
+
+
+def test_corrupt_checkpoint_is_refused_and_left_in_place(tmp_path):
+    out = tmp_path / "bad"
+    out.mkdir()
+    (out / "last.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint")
+    before = (out / "last.pt").read_bytes()
+    proc = cli("train", "--out", str(out), "--resume", *FAST)
+    assert proc.returncode != 0
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "is corrupt or unreadable" in proc.stderr and "left in place" in proc.stderr
+    assert (out / "last.pt").read_bytes() == before
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    """A write that dies half-way leaves the previous checkpoint whole and no temporary file."""
+    from gradaccum.cli import checkpoint
+
+    path = tmp_path / "last.pt"
+    checkpoint.save_atomic({"x": torch.ones(3)}, path)
+
+    def dying_save(obj, f):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.torch, "save", dying_save)
+    with pytest.raises(OSError):
+        checkpoint.save_atomic({"x": torch.zeros(3)}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_eval_prints_the_test_metrics_of_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "e"
+    assert main(["train", "--out", str(out), "--model", "mlp", *FAST]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out / "last.pt"), "--device", "cpu"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert printed["test_accuracy"] == pytest.approx(summary["test_accuracy"])
+
+
+def test_mnist_idx_plain_and_gzip_in_the_seed_layout(tmp_path, mnist_dir, capsys):
+    out = tmp_path / "m"
+    assert main(["train", "--task", "mnist", "--data-path", str(mnist_dir), "--micro-batch-size", "16",
+                 "--out", str(out), *FAST]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and 0 <= summary["test_accuracy"] <= 1  # 96 items, windows of 64
+
+
+def test_mnist_truncated_file_is_named(tmp_path, mnist_dir, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(mnist_dir, broken)
+    f = broken / "train" / "train-images-idx3-ubyte"
+    f.write_bytes(f.read_bytes()[:1000])
+    assert main(["train", "--task", "mnist", "--data-path", str(broken), "--out", str(tmp_path / "o"), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "train-images-idx3-ubyte is truncated" in err and err.count("\n") == 1
+
+
+def test_text_task_weights_tokens(tmp_path, text_file):
+    out = tmp_path / "t"
+    assert main(["train", "--task", "text", "--data-path", str(text_file), "--micro-batch-size", "8",
+                 "--accum-steps", "2", "--out", str(out), *FAST]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["num_items"] > 16 for r in rows)  # items are next-token targets, not sequences
+    assert len({r["num_items"] for r in rows}) > 1  # variable lengths
+    assert "test_loss" in json.loads((out / "summary.json").read_text())
+
+
+def test_check_command_passes_the_default_model(capsys):
+    assert main(["check", "--micro-batch-size", "4", "--accum-steps", "4"]) == 0
+    assert "equivalent" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--accum-steps", "0"], "--accum-steps must be an integer >= 1, got 0"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be an integer >= 1 or 'auto', got 0"),
+    (["--micro-batch-size", "lots"], "must be an integer >= 1 or 'auto', got 'lots'"),
+    (["--accum-steps", "x"], "argument --accum-steps: invalid int value: 'x'"),
+    (["--task", "cifar"], "--task must be one of digits, mnist, text, got 'cifar'"),
+    (["--model", "resnet"], "--model must be one of lenet5, mlp, transformer, got 'resnet'"),
+    (["--model", "transformer"], "--model transformer does not fit --task digits"),
+    (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16, got 'fp8'"),
+    (["--task", "mnist", "--data-path", "/nonexistent/mnist"], "--data-path /nonexistent/mnist: no such directory"),
+    (["--task", "mnist"], "--task mnist needs --data-path"),
+    (["--task", "text", "--data-path", "/nonexistent.txt"], "--data-path /nonexistent.txt: no such file"),
+    (["--epochs", "0"], "--epochs must be an integer >= 1, got 0"),
+])
+def test_errors_are_one_line_with_the_argument_and_value(tmp_path, capsys, args, message):
+    code = None
+    try:
+        code = main(["train", "--out", str(tmp_path / "x"), *args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "x" / "last.pt").exists()
+
+
+def test_errors_as_a_subprocess_print_no_traceback():
+    proc = cli("train", "--accum-steps", "-1")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "gradaccum train: error: --accum-steps must be an integer >= 1, got -1"
+    proc = cli("eval", "--checkpoint", "/nonexistent/last.pt")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_version():
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("gradaccum ")
