@@ -418,11 +418,15 @@ class Accumulator:
         size = min(self.auto_micro_batch_size or n, n)
         if self.sync.distributed:  # every rank starts from the same size
             size = int(self.sync.all_reduce_(torch.tensor([size], device=self.device), "min").item())
+        backed_off = False
         while True:
             result = self._attempt(split_batch(batch, size), loss_fn, micro_batch_size=size, catch_oom=True)
             if result is not None:
-                self.auto_micro_batch_size = size
+                # a short window (fewer items than the size that works) must not shrink the memory
+                if backed_off or self.auto_micro_batch_size is None:
+                    self.auto_micro_batch_size = size
                 return result
+            backed_off = True
             _free_memory(self.device)
             if size == 1:
                 raise torch.OutOfMemoryError(

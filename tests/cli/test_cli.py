@@ -219,3 +219,12 @@ def test_errors_as_a_subprocess_print_no_traceback():
 def test_version():
     proc = cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("gradaccum ")
+
+
+def test_auto_micro_batch_size_from_the_command_line(tmp_path):
+    out = tmp_path / "auto"
+    assert main(["train", "--micro-batch-size", "auto", "--batch-size", "64", "--model", "mlp",
+                 "--out", str(out), *FAST]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["micro_batch_size"] == 64 and rows[0]["num_items"] == 64
+    assert json.loads((out / "summary.json").read_text())["micro_batch_size"] == 64

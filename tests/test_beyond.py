@@ -1,0 +1,231 @@
+"""Automatic micro-batch size, float32 accumulation buffers, the equivalence checker, BatchNorm warning."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import Accumulator, check_equivalence
+from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
+
+OOM_ERRORS = {
+    "cuda": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    "cpu": lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:114] DefaultCPUAllocator: can't allocate memory: "
+                                "you tried to allocate 8589934592 bytes."),
+}
+
+
+def oom_above(limit: int, kind: str, log: list):
+    """A loss_fn that runs out of memory *after* its forward (mid-window, partial gradients exist)."""
+    def loss_fn(model, batch):
+        log.append(batch[0].shape[0])
+        loss = mse(model, batch)
+        if batch[0].shape[0] > limit:
+            raise OOM_ERRORS[kind]()
+        return loss
+    return loss_fn
+
+
+@pytest.mark.parametrize("kind", ["cuda", "cpu"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_auto_halves_on_oom_and_stays_exact(kind, opt_name):
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, opt_name)
+    acc = Accumulator(model, opt)
+    log: list = []
+    batch = regression_batch(20)
+    # partial gradients of the failed attempts must not leak: the window starts again from zero
+    with acc.window(1) as w:  # leave stale gradients on the model first
+        with w.micro_batch():
+            w.backward(mse(model, regression_batch(3, seed=9)), 3)
+        result = w.step()
+    reference_step(ref, ref_opt, lambda: mse(ref, regression_batch(3, seed=9)))
+    result = acc.step(batch, oom_above(6, kind, log), micro_batch_size="auto")
+    reference_step(ref, ref_opt, lambda: mse(ref, batch))
+    assert_params_close(model, ref)
+    assert log[:2] == [20, 10] and result.micro_batch_size == 5 and acc.auto_micro_batch_size == 5
+    assert result.num_items == 20 and result.micro_batches == 4 and result.step == 2
+    # the size that worked is remembered: the next window does not hit the wall again
+    log.clear()
+    acc.step(regression_batch(20, seed=3), oom_above(6, kind, log), micro_batch_size="auto")
+    assert log == [5, 5, 5, 5]
+
+
+def test_auto_starts_from_the_whole_batch_when_it_fits():
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    log: list = []
+    result = Accumulator(model, opt).step(regression_batch(12), oom_above(100, "cpu", log), micro_batch_size="auto")
+    assert log == [12] and result.micro_batch_size == 12
+
+
+def test_auto_lets_other_errors_through_unchanged():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def broken(m, b):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        acc.step(regression_batch(8), broken, micro_batch_size="auto")
+    with pytest.raises(KeyError):
+        acc.step(regression_batch(8), lambda m, b: {}["x"], micro_batch_size="auto")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters()) and acc.auto_micro_batch_size is None
+
+
+def test_auto_gives_up_at_one_item_with_a_clear_error():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(torch.OutOfMemoryError, match="micro-batches of 1 item"):
+        acc.step(regression_batch(4), oom_above(0, "cuda", []), micro_batch_size="auto")
+
+
+def test_out_of_memory_without_auto_propagates():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        acc.step(regression_batch(8), oom_above(2, "cpu", []), micro_batch_size=4)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- float32 accumulation buffers ----------------------------------------------------------
+
+def _bf16_grad_error(n_micro: int, accum_dtype) -> float:
+    """Relative error of the accumulated gradient of a bf16 model against float64."""
+    torch.manual_seed(0)
+    model64 = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8)).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n_micro * 4, 32, generator=g, dtype=torch.float64)
+    y = torch.randn(n_micro * 4, 8, generator=g, dtype=torch.float64)
+    nn.functional.mse_loss(model64(x), y).backward()
+    model = copy.deepcopy(model64).to(torch.bfloat16)
+    with torch.no_grad():  # reference on the bf16-rounded weights, so only accumulation error remains
+        for p, q in zip(model64.parameters(), model.parameters()):
+            p.copy_(q.double())
+    model64.zero_grad()
+    nn.functional.mse_loss(model64(x.to(torch.bfloat16).double()), y.to(torch.bfloat16).double()).backward()
+    ref = torch.cat([p.grad.flatten() for p in model64.parameters()])
+    captured = {}
+
+    class Capture(torch.optim.SGD):
+        def step(self, closure=None):
+            captured["g"] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+    acc = Accumulator(model, Capture(model.parameters(), lr=0.0), accum_dtype=accum_dtype)
+    acc.step((x.to(torch.bfloat16), y.to(torch.bfloat16)), lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1].float()),
+             micro_batch_size=4)
+    return ((captured["g"] - ref).norm() / ref.norm()).item()
+
+
+def test_fp32_buffers_keep_the_bf16_gradient_error_flat():
+    plain = {n: _bf16_grad_error(n, None) for n in (8, 128)}
+    fp32 = {n: _bf16_grad_error(n, torch.float32) for n in (8, 128)}
+    assert fp32[128] * 3 < plain[128], (fp32, plain)       # several times below plain bf16 accumulation
+    assert fp32[128] < 2 * fp32[8], fp32                  # flat as N grows
+    assert plain[128] > 2 * plain[8], plain               # while plain bf16 drifts
+
+
+def test_fp32_buffers_hand_the_optimizer_a_rounded_gradient_and_clear_themselves():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(torch.bfloat16)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accum_dtype=torch.float32)
+    x, y = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8, 2, dtype=torch.bfloat16)
+    result = acc.step((x, y), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), micro_batch_size=2)
+    assert not result.skipped and result.micro_batches == 4
+    assert all(p.grad is None for p in model.parameters()) and acc.buffers.tensors() == []
+    # outside a window the hooks do nothing: a user's own backward keeps its .grad
+    nn.functional.mse_loss(model(x), y).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_fp32_buffers_are_refused_where_they_cannot_work():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="accum_dtype with precision='fp16'"):
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", accum_dtype=torch.float32)
+
+
+# -- the equivalence checker ---------------------------------------------------------------
+
+def _state(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+            [m.training for m in model.modules()], torch.get_rng_state())
+
+
+def _assert_untouched(model, saved):
+    state, grads, modes, rng = saved
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    for n, p in model.named_parameters():
+        assert (p.grad is None and grads[n] is None) or torch.equal(p.grad, grads[n])
+    assert [m.training for m in model.modules()] == modes
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_checker_passes_a_plain_model_and_leaves_it_as_found():
+    model = regression_model()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    saved = _state(model)
+    report = check_equivalence(model, mse, regression_batch(10), 3, rtol=1e-10)
+    assert report.equivalent and report.max_rel_diff < 1e-12 and report.suspects == []
+    assert report.loss_full == pytest.approx(report.loss_accumulated, rel=1e-12)
+    _assert_untouched(model, saved)
+
+
+def test_checker_names_batchnorm_and_restores_its_running_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
+    model[1].running_mean.fill_(0.5)
+    saved = _state(model)
+    report = check_equivalence(model, mse, regression_batch(12), 4)
+    assert not report.equivalent and report.max_rel_diff > 1e-3
+    names = [name for name, _ in report.suspects]
+    assert names == ["1"], report.suspects
+    assert "BatchNorm" in report.suspects[0][1] and "depends on the other items" in report.suspects[0][1]
+    _assert_untouched(model, saved)
+    assert "NOT equivalent" in str(report)
+
+
+def test_checker_names_dropout_and_functional_randomness():
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.lin(x) + 0.1 * torch.randn_like(self.lin(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Dropout(0.3), Noisy()).double()
+    saved = _state(model)
+    report = check_equivalence(model, mse, regression_batch(8), 2)
+    names = dict(report.suspects)
+    assert "1" in names and "dropout" in names["1"]
+    assert "2" in names and "random" in names["2"]
+    assert not report.equivalent
+    _assert_untouched(model, saved)
+    model.eval()  # in eval mode dropout is off, but the noise module still draws
+    assert "1" not in dict(check_equivalence(model, mse, regression_batch(8), 2).suspects)
+
+
+def test_accumulator_warns_once_about_batchnorm_in_training_mode():
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match=r"BatchNorm layers in training mode \(1\)"):
+        acc.step(regression_batch(8), mse, micro_batch_size=4)
+    acc.step(regression_batch(8), mse, micro_batch_size=4)  # no second warning (warnings are errors here)
+    model.eval()
+    Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1)).step(regression_batch(8), mse, micro_batch_size=4)
+
+
+def test_a_short_window_does_not_shrink_the_remembered_size():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    log: list = []
+    acc.step(regression_batch(16), oom_above(100, "cpu", log), micro_batch_size="auto")
+    acc.step(regression_batch(5), oom_above(100, "cpu", log), micro_batch_size="auto")
+    acc.step(regression_batch(16), oom_above(100, "cpu", log), micro_batch_size="auto")
+    assert log == [16, 5, 16] and acc.auto_micro_batch_size == 16
