@@ -133,7 +133,9 @@ class Window:
         self._abandoned = False
         self._defer = defer_reduction
         dtype = torch.float32 if acc.device.type == "mps" else torch.float64
-        self._totals = torch.zeros(2, dtype=dtype, device=acc.device)  # (sum n_k L_k, sum n_k)
+        self._loss_sum = torch.zeros((), dtype=dtype, device=acc.device)  # sum n_k L_k, on the device
+        self._host_items = 0.0  # sum of the counts given as Python numbers
+        self._device_items: Optional[torch.Tensor] = None  # sum of the counts given as tensors
 
     def __enter__(self) -> "Window":
         self._acc._begin_window()
@@ -198,14 +200,30 @@ class Window:
             raise ValueError(f"num_items must be >= 0, got {num_items}")
         acc = self._acc
         ref = acc._reference_items(num_items)
-        # the weight in the loss's precision (an int64 count / float would round to float32)
-        weight = torch.as_tensor(num_items, device=loss.device).to(torch.promote_types(loss.dtype, torch.float32)) / ref
+        weight: Union[float, torch.Tensor]
+        if isinstance(num_items, torch.Tensor):
+            # in the loss's precision: an int64 count / float would round the weight to float32
+            weight = num_items.to(torch.promote_types(loss.dtype, torch.float32)) / ref
+        else:
+            weight = num_items / ref  # a Python float: no device tensor per micro-batch
         with torch.autocast(device_type=acc.device.type, enabled=False):
             acc.precision.scale(loss * weight).backward()
-        stats = torch.stack([loss.detach().to(self._totals.dtype) * num_items,
-                             torch.as_tensor(num_items, dtype=self._totals.dtype, device=self._totals.device)])
-        self._totals.add_(stats)
+        detached = loss.detach().to(self._loss_sum.dtype)
+        if isinstance(num_items, torch.Tensor):
+            count = num_items.to(self._loss_sum.dtype)
+            self._loss_sum.add_(detached * count)
+            self._device_items = count if self._device_items is None else self._device_items + count
+        else:
+            self._loss_sum.add_(detached, alpha=num_items)
+            self._host_items += num_items
         self.done += 1
+
+    def totals(self) -> torch.Tensor:
+        """``(sum n_k L_k, sum n_k)`` of this rank's micro-batches, on the device."""
+        items = self._loss_sum.new_tensor(self._host_items)
+        if self._device_items is not None:
+            items = items + self._device_items
+        return torch.stack([self._loss_sum, items])
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
@@ -483,7 +501,7 @@ class Accumulator:
     def _finish_window(self, window: Window) -> StepResult:
         if self.buffers is not None:
             self.buffers.active = False
-        totals = self.sync.all_reduce_(window._totals)  # one small all-reduce per window
+        totals = self.sync.all_reduce_(window.totals())  # one small all-reduce per window
         self.precision.unscale_(self.optimizer)
         grads = self._grads()
         raw_norm = _total_norm(grads, self.device)

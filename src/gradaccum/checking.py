@@ -211,12 +211,13 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     finally:
         snapshot.restore()
 
+    random = full_rec.random | acc_rec.random
     max_rel = 0.0
     for name, gf in g_full.items():
         ga = g_acc.get(name, torch.zeros_like(gf))
         denom = max(gf.norm().item(), 1e-30)
         max_rel = max(max_rel, (ga - gf).norm().item() / denom)
-    for name in sorted(full_rec.random | acc_rec.random):  # noqa: C414
+    for name in sorted(random):
         suspect(name, "draws random numbers in forward, so a different split sees different draws")
     k = len(micro_batches)
     mixing: List[str] = []
@@ -232,7 +233,6 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
             continue
         if _same(inp_f, inp_a, rtol) and not _same(out_f, out_a, rtol):
             mixing.append(name)
-    random = full_rec.random | acc_rec.random
     for name in mixing:  # the deepest modules only: a parent differs because its child does
         if name in random:
             continue  # different draws explain it

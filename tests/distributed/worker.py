@@ -304,7 +304,6 @@ def main() -> int:
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     assert WORLD == 2, "run with --nproc_per_node=2 (or two agents of one process)"
     names = sys.argv[1:] or [s.__name__ for s in SCENARIOS]
-    failed = 0
     for scenario in SCENARIOS:
         if scenario.__name__ not in names:
             continue
@@ -319,7 +318,6 @@ def main() -> int:
         if RANK == 0:
             status = "PASS" if verdict.item() == 0 else "FAIL"
             print(f"{status} {scenario.__name__}: {note}", flush=True)
-        failed += int(verdict.item() > 0)
         dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -102,8 +102,6 @@ def _compare(cfg: Any, out: Path, accumulated: Any) -> None:
     """Train the same model with the whole window as one batch from the same seed; compare."""
     from dataclasses import replace
 
-    import torch
-
     from .. import sync
     from .report import plot_losses
     from .train import run_training
@@ -133,7 +131,6 @@ def _compare(cfg: Any, out: Path, accumulated: Any) -> None:
         if cfg.dtype == "float32":
             print("compare: in float32 the two runs round differently and the difference grows over "
                   "training; --dtype float64 shows them equal to ~1e-12")
-    del torch
 
 
 def _eval(args: argparse.Namespace) -> int:
