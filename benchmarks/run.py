@@ -188,8 +188,8 @@ def bandwidth() -> float:
 
 def distributed() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           "--master_addr=127.0.0.1", "--master_port=29533", str(ROOT / "benchmarks" / "dist_bench.py")],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(ROOT / "benchmarks" / "dist_bench.py")],
                           capture_output=True, text=True, env=env, timeout=900)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:

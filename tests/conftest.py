@@ -1,4 +1,33 @@
+"""Settings every test shares, so that a comparison never depends on the machine it runs on.
+
+* One intra-op thread, here and in every subprocess (torchrun workers, the command line): a float32
+  reduction rounds differently with a different thread count, so both sides of a comparison must run
+  with the same one. The variables are set before torch is imported and inherited by subprocesses.
+* Every test starts from the same seeds (torch, random): nothing depends on the order tests run in.
+"""
 import os
+import random
 import sys
 
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = "1"  # forced, not defaulted: the in-process side must equal the subprocesses
+os.environ.setdefault("PYTHONHASHSEED", "0")
+os.environ.pop("GRADACCUM_DEBUG", None)
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _same_start():
+    """Seed every test, and leave the process's torch defaults as found."""
+    torch.manual_seed(0)
+    random.seed(0)
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+    assert torch.get_num_threads() == 1, "a test changed the thread count"

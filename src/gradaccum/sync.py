@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any, Iterator, List
 
 import torch
@@ -26,10 +27,15 @@ from torch.nn.parallel import DistributedDataParallel
 __all__ = ["GradSync", "LocalSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_"]
 
-try:  # torch >= 2.6
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - torch 2.4/2.5
-    from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+
+def _fsdp2_module_type() -> Any:
+    """FSDP2's ``FSDPModule``, or None when FSDP was never imported: a model can only have been
+    sharded after that import, and importing it here would cost every user about a second."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):  # torch >= 2.6, 2.4/2.5
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "FSDPModule"):
+            return module.FSDPModule
+    return None
 
 
 def is_distributed() -> bool:
@@ -194,7 +200,8 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False) -> Gra
     """The seam that fits ``model``: DDP, FSDP2, or local."""
     if isinstance(model, DistributedDataParallel):
         return DDPSync(model, reduce_every_micro_batch=reduce_every_micro_batch)
-    if isinstance(model, FSDPModule):
+    fsdp_module = _fsdp2_module_type()
+    if fsdp_module is not None and isinstance(model, fsdp_module):
         return FSDP2Sync(model, reduce_every_micro_batch=reduce_every_micro_batch)
     return GradSync(model)
 

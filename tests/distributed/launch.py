@@ -1,4 +1,9 @@
-"""Launch torchrun (2 gloo processes on the CPU) from tests."""
+"""Launch torchrun (2 gloo processes on the CPU) from tests.
+
+One node: ``--standalone`` lets torchrun bind a free port itself, so no port is chosen here and none
+can be taken in between. Two agents (``--nnodes=2``) must share a rendezvous address: the port is
+picked free, and the launch is retried when another process took it first.
+"""
 from __future__ import annotations
 
 import os
@@ -9,6 +14,7 @@ from pathlib import Path
 from typing import List, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
+PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
 
 
 def free_port() -> int:
@@ -23,29 +29,39 @@ def env() -> dict:
     return e
 
 
-def torchrun_args(nproc: int = 2, *, nnodes: int = 1, node_rank: int = 0, port: int = 0) -> List[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1",
-            f"--master_port={port or free_port()}"]
+def torchrun_args(nproc: int = 2, *, extra: Sequence[str] = ()) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra]
 
 
-def torchrun(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_args() + list(script_args), cwd=cwd, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+def torchrun(script_args: Sequence[str], *, nproc: int = 2, timeout: int = 300, cwd: Path = ROOT,
+             extra: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_args(nproc, extra=extra) + list(script_args), cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
-def two_agents(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT):
+def _agent_args(node_rank: int, port: int) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=2",
+            f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+
+
+def two_agents(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT, tries: int = 3):
     """Two torchrun agents on 127.0.0.1, one process each: the --nnodes=2 launch across machines."""
-    port = free_port()
-    procs = [subprocess.Popen(torchrun_args(1, nnodes=2, node_rank=r, port=port) + list(script_args),
-                              cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = []
-    for p in procs:
+    for attempt in range(tries):
+        port = free_port()
+        procs = [subprocess.Popen(_agent_args(r, port) + list(script_args), cwd=cwd, env=env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(2)]
+        outs = []
         try:
-            outs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
+            for p in procs:
+                outs.append(p.communicate(timeout=timeout)[0])
+        finally:
             for q in procs:
-                q.kill()
-            raise
-    return [p.returncode for p in procs], outs
+                if q.poll() is None:
+                    q.kill()
+                    q.wait()
+        codes = [p.returncode for p in procs]
+        if codes != [0, 0] and attempt + 1 < tries and any(s in o for o in outs for s in PORT_TAKEN):
+            continue  # another process bound the port between free_port() and the launch
+        return codes, outs
+    raise AssertionError("unreachable")
