@@ -210,15 +210,19 @@ def test_nonfinite_raise_is_a_clear_error_and_moves_nothing():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_window_with_zero_items_takes_no_step():
+def test_window_with_zero_items_takes_no_step_and_says_so_once():
+    """Every label ignored: no loss to step on. The loss is nan (not a misleading 0.0), the window is
+    skipped (weight decay does not move the model either), and a warning says why, once."""
     torch.manual_seed(0)
     model = TinyLM().double()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1))
     mb = padded_micro_batch([1, 1], 0)  # one token each: no next-token target after the shift
     before = [p.detach().clone() for p in model.parameters()]
-    result = acc.step([mb], lm_loss)
-    assert result.skipped and result.num_items == 0 and result.loss == 0.0
+    with pytest.warns(UserWarning, match="counted 0 items"):
+        result = acc.step([mb], lm_loss)
+    assert result.skipped and result.num_items == 0 and math.isnan(result.loss) and result.step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert acc.step([mb], lm_loss).skipped  # no second warning (warnings are errors in this suite)
 
 
 def test_bf16_autocast_runs_and_matches_fp32_roughly():
@@ -272,3 +276,124 @@ def test_state_dict_round_trip():
     assert other.steps == 1
     with pytest.raises(ValueError, match="precision"):
         Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16").load_state_dict(acc.state_dict())
+
+
+class Float32Island(nn.Module):
+    """A float64 model whose middle computes in float32, as Llama's RMSNorm does (hidden states are
+    upcast to float32, normalized and cast back): that part rounds to float32 whatever the model's
+    dtype, so it matches the full batch only if it sees the very values the full batch feeds it."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.emb(ids).cumsum(dim=1)))
+        h32 = h.float()
+        h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.out(self.scale * h32.to(h.dtype))
+
+
+def test_known_counts_weigh_each_backward_as_the_full_batch_does():
+    """Counts known before the first backward (here the leading dimensions of a bare mean loss): each
+    micro-batch's backward weighs n_k / N, so even a float32 island rounds as in one big batch.
+    (SGD: its update is proportional to the gradient; Adam's first step is about lr * sign(g).)"""
+    torch.manual_seed(0)
+    model = Float32Island().double()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    window = [padded_micro_batch([5] * n, 30 + i, pad_to=5) for i, n in enumerate([3, 1, 4, 2])]
+    loss = lambda m, mb: nn.functional.cross_entropy(m(mb["input_ids"]).flatten(0, 1), mb["input_ids"].flatten())  # noqa: E731
+    Accumulator(model, opt).step(window, loss)
+    big = {"input_ids": torch.cat([mb["input_ids"] for mb in window])}
+    reference_step(ref, ref_opt, lambda: loss(ref, big))
+    assert_params_close(model, ref, rtol=1e-12, atol=1e-15)
+
+
+def test_a_token_counter_makes_a_padded_lm_window_round_as_the_full_batch():
+    """With ``num_items=count_targets`` the window's token count is known up front: the same n_k / N
+    weights as the full batch, through the float32 island too."""
+    from gradaccum import count_targets
+
+    torch.manual_seed(0)
+    model = Float32Island().double()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    window = [padded_micro_batch([9, 2, 5], 1, pad_to=12), padded_micro_batch([2], 2, pad_to=12),
+              padded_micro_batch([12, 12, 3, 7], 3, pad_to=12)]
+    result = Accumulator(model, opt).step(window, lm_loss, num_items=lambda mb: count_targets(mb["labels"]))
+    big = {key: torch.cat([mb[key] for mb in window]) for key in ("input_ids", "labels")}
+    big["note"] = "kept"
+    reference_step(ref, ref_opt, lambda: lm_loss(ref, big)[0])
+    assert result.num_items == 8 + 1 + 4 + 1 + 11 + 11 + 2 + 6
+    assert_params_close(model, ref, rtol=1e-12, atol=1e-15)
+
+
+def test_a_bare_mean_over_tokens_is_weighted_by_the_counter():
+    """A loss_fn returning only a mean over tokens (as Hugging Face's outputs.loss) is weighted by the
+    micro-batch's sequences unless a counter says how many tokens it is a mean over."""
+    from gradaccum import count_targets
+
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    window = [padded_micro_batch([9, 2], 1, pad_to=9), padded_micro_batch([3, 3, 4], 2, pad_to=9)]
+    mean_only = lambda m, mb: lm_loss(m, mb)[0]  # noqa: E731
+    Accumulator(model, opt).step(window, mean_only, num_items=lambda mb: count_targets(mb["labels"]))
+    big = {key: torch.cat([mb[key] for mb in window]) for key in ("input_ids", "labels")}
+    big["note"] = "kept"
+    reference_step(ref, ref_opt, lambda: lm_loss(ref, big)[0])
+    assert_params_close(model, ref)
+
+
+def test_a_wrong_counter_still_steps_exactly():
+    """The counts loss_fn returns are what the step normalizes by; a counter only fixes the backward
+    weights up front, so a wrong one costs a scaling pass, never exactness."""
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    ref, opt, ref_opt = clone_pair(model, "adamw")
+    window = [padded_micro_batch([9, 2, 5], 1, pad_to=9), padded_micro_batch([4], 2, pad_to=9)]
+    Accumulator(model, opt).step(window, lm_loss, num_items=lambda mb: 1000)
+    big = {key: torch.cat([mb[key] for mb in window]) for key in ("input_ids", "labels")}
+    big["note"] = "kept"
+    reference_step(ref, ref_opt, lambda: lm_loss(ref, big)[0])
+    assert_params_close(model, ref)
+
+
+def test_fractional_weights_are_reported_as_floats():
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    a, b = regression_batch(2, seed=1), regression_batch(2, seed=2)
+    acc = Accumulator(model, opt)
+    with acc.window(2) as w:
+        for mb, weight in ((a, 2.5), (b, 1.0)):
+            with w.micro_batch():
+                w.backward(mse(model, mb), weight)
+        result = w.step()
+    assert result.num_items == 3.5 and isinstance(result.num_items, float)
+    reference_step(ref, ref_opt, lambda: (2.5 * mse(ref, a) + 1.0 * mse(ref, b)) / 3.5)
+    assert_params_close(model, ref)
+    with acc.window(1) as w:
+        with w.micro_batch():
+            w.backward(mse(model, a), 2.0)
+        assert isinstance(w.step().num_items, int)
+
+
+def test_a_scheduler_that_raises_after_the_step_leaves_the_step_counted():
+    """OneCycleLR sized for 5 steps raises in the 6th step's scheduler.step(), after the optimizer
+    stepped: acc.steps counts that step (6, as the optimizer did), the error reaches the caller, and
+    the gradients are cleared."""
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    taken = []
+    opt.register_step_post_hook(lambda *_: taken.append(1))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=5)
+    acc = Accumulator(model, opt, scheduler=sched)
+    batch = regression_batch(4)
+    for _ in range(5):
+        acc.step(batch, mse, micro_batch_size=2)
+    with pytest.raises(ValueError, match="Tried to step 6 times"):
+        acc.step(batch, mse, micro_batch_size=2)
+    assert acc.steps == len(taken) == 6
+    assert all(p.grad is None for p in model.parameters())

@@ -40,7 +40,7 @@ def test_empty_window(setup):
 
 def test_batch_given_without_micro_batch_size(setup):
     _, _, acc = setup
-    with pytest.raises(ValueError, match="window must be a sequence of micro-batches"):
+    with pytest.raises(ValueError, match="window must be a list of micro-batches"):
         acc.step(torch.zeros(4, 5), mse)
 
 
@@ -125,3 +125,97 @@ def test_window_misuse(setup):
         with acc.window(1) as w:
             with w.micro_batch():
                 w.backward(mse(model, (x, y)), 4)
+
+
+@pytest.mark.parametrize("window", ["tuple", "list"])
+def test_a_batch_given_as_a_window_is_refused(setup, window):
+    """`step((X, Y), loss_fn)` without micro_batch_size used to run X and then Y as two micro-batches."""
+    _, _, acc = setup
+    x, y = regression_batch(6)
+    batch = (x, y) if window == "tuple" else [x, y]
+    with pytest.raises(ValueError, match=r"ambiguous.*micro_batch_size=M.*list of micro-batches"):
+        acc.step(batch, mse)
+
+
+def test_a_window_of_single_tensor_micro_batches_goes_in_tuples():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = regression_batch(6)
+    result = acc.step([(x[:4],), (x[4:],)], lambda m, b: m(b[0]).pow(2).mean())
+    assert result.num_items == 6 and result.micro_batches == 2
+
+
+def test_a_window_inside_an_open_window_is_refused_and_the_outer_one_survives():
+    from helpers import clone_pair, reference_step, assert_params_close
+
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    acc = Accumulator(model, opt)
+    a, b = regression_batch(3, seed=1), regression_batch(5, seed=2)
+    with acc.window(2) as w:
+        with w.micro_batch():
+            w.backward(mse(model, a), 3)
+        with pytest.raises(RuntimeError, match="a window is already open"):
+            acc.step(b, mse, micro_batch_size=2)
+        with pytest.raises(RuntimeError, match="a window is already open"):
+            acc.window(1)
+        with pytest.raises(RuntimeError, match="a window is already open"):
+            acc.train([b], mse, accum_steps=1)
+        with w.micro_batch():
+            w.backward(mse(model, b), 5)
+        result = w.step()
+    reference_step(ref, ref_opt, lambda: mse(ref, tuple(torch.cat(t) for t in zip(a, b))))
+    assert result.num_items == 8 and result.grad_norm > 0
+    assert_params_close(model, ref)
+    acc.step(b, mse, micro_batch_size=2)  # closed: usable again
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused():
+    model, other = regression_model(), regression_model(seed=1)
+    with pytest.raises(ValueError, match="the optimizer holds none of the Sequential's 4 trainable parameters"):
+        Accumulator(model, torch.optim.SGD(other.parameters(), lr=0.1))
+    frozen_head = regression_model()
+    frozen_head[2].requires_grad_(False)  # an optimizer over part of the model is fine
+    Accumulator(frozen_head, torch.optim.SGD(frozen_head[0].parameters(), lr=0.1))
+
+
+def test_data_parallel_must_be_auto_or_none():
+    model = regression_model()
+    with pytest.raises(ValueError, match="data_parallel must be 'auto' or 'none', got 'ddp'"):
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), data_parallel="ddp")
+
+
+@pytest.mark.parametrize("count, match", [(-1, "num_items must be a finite number >= 0"),
+                                          (float("nan"), "num_items must be a finite number >= 0"),
+                                          (torch.ones(2), "num_items must be one number")])
+def test_bad_num_items(setup, count, match):
+    model, _, acc = setup
+    x, y = regression_batch(4)
+    with pytest.raises(ValueError, match=match):
+        with acc.window(1) as w:
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), count)
+
+
+def test_a_detached_loss_is_our_error(setup):
+    model, _, acc = setup
+    with pytest.raises(ValueError, match="loss does not require grad"):
+        acc.step(regression_batch(4), lambda m, b: mse(m, b).detach(), micro_batch_size=2)
+
+
+def test_load_state_dict_names_missing_keys():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(KeyError, match="the state lacks 'steps', 'precision'"):
+        acc.load_state_dict({"auto_micro_batch_size": None})
+
+
+def test_check_equivalence_refuses_vector_and_detached_losses():
+    from gradaccum import check_equivalence
+
+    model = regression_model()
+    with pytest.raises(ValueError, match=r"must return a scalar loss .* got \(8, 3\)"):
+        check_equivalence(model, lambda m, b: (m(b[0]) - b[1]).pow(2), regression_batch(8), 4)
+    with pytest.raises(ValueError, match="does not require grad"):
+        check_equivalence(model, lambda m, b: mse(m, b).detach(), regression_batch(8), 4)
+    assert all(p.grad is None for p in model.parameters())

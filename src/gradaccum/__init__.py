@@ -9,11 +9,13 @@ item count across all ranks, so uneven micro-batches, padded sequences and short
 weighted exactly as in one big batch.
 """
 
-from .accumulator import AccumSchedule, Accumulator, Window, is_out_of_memory
+from .accumulator import Accumulator, Window, WindowPlan, is_out_of_memory
 from .batching import split_batch
 from .checking import EquivalenceReport, check_equivalence
-from .losses import causal_lm_loss, token_cross_entropy
+from .losses import causal_lm_loss, count_targets, token_cross_entropy
 from .result import StepResult
+from .sampler import WindowSampler
+from .schedule import AccumSchedule, num_steps
 
 __version__ = "0.1.0"
 
@@ -23,9 +25,13 @@ __all__ = [
     "EquivalenceReport",
     "StepResult",
     "Window",
+    "WindowPlan",
+    "WindowSampler",
     "causal_lm_loss",
     "check_equivalence",
+    "count_targets",
     "is_out_of_memory",
+    "num_steps",
     "split_batch",
     "token_cross_entropy",
     "__version__",

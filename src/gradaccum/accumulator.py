@@ -1,22 +1,29 @@
-"""Accumulator: a window of micro-batches -> scaled backward -> one reduction -> one optimizer step.
+"""Accumulator: a window of micro-batches -> weighted backward -> one reduction -> one optimizer step.
 
 The maths. A window holds micro-batches k = 1..K (on every rank r) with n_k items and mean loss L_k.
 One step on the whole window is a step on its item-weighted mean loss::
 
     L = sum_k n_k L_k / N,        grad L = sum_k n_k grad L_k / N,        N = sum_{r,k} n_k
 
-so each micro-batch backpropagates its item sum, as ``(n_k / R) * L_k`` (gradients add up in
-``.grad``), and at the boundary the summed gradient is multiplied once by ``R * W / N`` (W = the
-ranks the data-parallel reduction averaged over, 1 locally). R is a constant reference count, the
-first micro-batch's size, agreed across ranks once: it keeps the backward at the magnitude of a
-mean loss, which fp16's loss scale needs, and cancels exactly. Dividing each micro-batch by K instead is exact
-only when every n_k is equal, which uneven micro-batches, padded sequences and a short last window
-are not.
+so each micro-batch backpropagates ``(n_k * W / R) * L_k`` (gradients add up in ``.grad``; W is the
+number of ranks the data-parallel reduction averages over, 1 locally) and at the boundary the summed
+gradient is multiplied once by ``R / N``. R is the window's global item count whenever it is known
+before the first backward: the micro-batches' leading dimensions when ``loss_fn`` returns a bare mean,
+or what a ``num_items=`` counter says. Then ``R / N == 1``: no scaling pass, and each micro-batch's
+backward sees the very weights ``n_k / N`` of the full batch, so float32 parts of a float64 model (a
+Llama RMSNorm) round as one big batch does. When the counts come from ``loss_fn`` only (a
+``(mean, count)`` pair), R is a reference count fixed beforehand and the scale corrects it exactly.
+Dividing each micro-batch by K instead is exact only when every n_k is equal, which uneven
+micro-batches, padded sequences and a short last window are not.
+
+Ranks agree when a window opens (one small all-gather of micro-batch and item counts): a rank whose
+data ran out contributes zero items and still takes the step, so every rank steps the same number of
+times and nothing waits forever.
 
 At the boundary, in this order: one all-reduce of ``(loss sum, N)``; unscale (fp16); the total
 norm, measured on the normalized gradient; a non-finite check (skip or raise); clipping to
 ``max_grad_norm``; the optimizer step; the scheduler step; gradients cleared. The only host
-synchronisation is one ``.tolist()`` per window, for the result.
+synchronisations are one ``.tolist()`` per window for the result and, across ranks, the agreement.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ import contextlib
 import gc
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -36,12 +43,14 @@ from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch
 from .buffers import AccumulationBuffers
 from .precision import MixedPrecision
 from .result import StepResult
+from .schedule import AccumSchedule, AccumSteps, check_positive_int
 from .sync import GradSync, full_tensor, sync_for
 
-LossFn = Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Union[int, torch.Tensor]]]]
-AccumSteps = Union[int, Mapping[int, int], Callable[[int], int]]
+LossFn = Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Union[int, float, torch.Tensor]]]]
+Count = Union[int, float, torch.Tensor]
+CountFn = Callable[[Batch], Count]
 
-__all__ = ["Accumulator", "Window", "AccumSchedule", "is_out_of_memory"]
+__all__ = ["Accumulator", "Window", "WindowPlan", "AccumSchedule", "is_out_of_memory"]
 
 _NONFINITE = ("skip", "raise")
 _BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
@@ -54,56 +63,54 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _check_count(name: str, value: Any) -> Count:
+    """A count of items: a finite number >= 0, or a tensor (left on its device, unchecked)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (how many items the loss is a mean over), "
+                         f"got {value!r}")
     return value
 
 
-class AccumSchedule:
-    """The accumulation factor per epoch: an int, ``{first_epoch: N}`` or a callable ``epoch -> N``.
+def _unpack_loss(out: Any, count: Count) -> Tuple[torch.Tensor, Count]:
+    """``loss_fn`` output -> (mean loss, item count). A bare loss counts ``count``: the micro-batch's
+    leading dimension, or what the ``num_items`` counter said."""
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        return out[0], _check_count("the count returned by loss_fn", out[1])
+    if isinstance(out, torch.Tensor):
+        return out, count
+    raise TypeError(
+        f"loss_fn must return a scalar tensor (the mean loss over the micro-batch) or a pair "
+        f"(mean_loss, num_items), got {type(out).__name__}"
+    )
 
-    With a mapping, N holds from its epoch until the next key; epochs before the first key use 1
-    (as Lightning's ``GradientAccumulationScheduler``).
+
+def _as_number(count: Count) -> float:
+    return float(count.item()) if isinstance(count, torch.Tensor) else float(count)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """What every rank agreed on when a window opened.
+
+    Attributes:
+        micro_batches: this rank's micro-batches.
+        most, fewest: the largest and smallest count on any rank.
+        items: the window's global item count when every rank knew its own before the first
+            backward (then it is R, and the boundary scale is 1); else None.
     """
 
-    def __init__(self, accum_steps: AccumSteps) -> None:
-        self._fn: Callable[[int], int]
-        if isinstance(accum_steps, Mapping):
-            if not accum_steps:
-                raise ValueError("accum_steps mapping is empty; give at least {0: N}")
-            for epoch, n in accum_steps.items():
-                if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-                    raise ValueError(f"accum_steps keys must be epochs (ints >= 0), got {epoch!r}")
-                _check_positive_int(f"accum_steps[{epoch}]", n)
-            points = sorted(accum_steps.items())
-            self._fn = lambda e: next((n for start, n in reversed(points) if e >= start), 1)
-        elif callable(accum_steps):
-            self._fn = accum_steps
-        else:
-            _check_positive_int("accum_steps", accum_steps)
-            self._fn = lambda e: accum_steps  # type: ignore[return-value]
-
-    def __call__(self, epoch: int) -> int:
-        return _check_positive_int(f"accum_steps for epoch {epoch}", self._fn(epoch))
-
-
-def _unpack_loss(out: Any, micro_batch: Batch) -> Tuple[torch.Tensor, Union[int, torch.Tensor]]:
-    """``loss_fn`` output -> (mean loss, item count); a bare loss counts the leading dimension."""
-    if isinstance(out, (tuple, list)) and len(out) == 2:
-        loss, n = out
-    elif isinstance(out, torch.Tensor):
-        loss, n = out, leading_dim(micro_batch, argument="micro_batch")
-    else:
-        raise TypeError(
-            f"loss_fn must return a scalar tensor (the mean loss over the micro-batch) or a pair "
-            f"(mean_loss, num_items), got {type(out).__name__}"
-        )
-    return loss, n
+    micro_batches: int
+    most: int
+    fewest: int
+    items: Optional[float]
 
 
 class Window:
-    """One open window: N micro-batches, each a forward and backward, then one ``step()``.
+    """One open window: its micro-batches, each a forward and backward, then one ``step()``.
 
     This is the lower-level path for people who keep their own loop; ``Accumulator.step`` is built
     on it. Every micro-batch runs inside ``micro_batch()`` (which skips the gradient reduction
@@ -116,34 +123,81 @@ class Window:
                     window.backward(loss, num_items=len(mb[0]))
             result = window.step()
 
+    Under data parallelism a rank whose data has run out opens ``acc.window(0)`` and calls
+    ``step()``: it contributes no items, the others' step stays exact, and every rank steps.
+    ``num_items=`` (this rank's items in the window, known before the first backward) makes each
+    backward weigh exactly ``n_k / N`` and saves the scaling pass at the boundary.
+
     Leaving the block by an exception, or without ``step()``, drops the window's gradients.
     """
 
     def __init__(self, acc: "Accumulator", num_micro_batches: Optional[int], *,
-                 micro_batch_size: Optional[Any] = None, defer_reduction: bool = False) -> None:
-        if num_micro_batches is not None:
-            _check_positive_int("num_micro_batches", num_micro_batches)
+                 num_items: Optional[Count] = None, micro_batch_size: Optional[Any] = None,
+                 defer_reduction: bool = False, can_pad: bool = False,
+                 plan: Optional[WindowPlan] = None) -> None:
+        if num_micro_batches is not None and not (acc.sync.distributed and num_micro_batches == 0):
+            check_positive_int("num_micro_batches", num_micro_batches)
+        if num_items is not None:
+            _check_count("num_items", num_items)
         self._acc = acc
         self.size = num_micro_batches
         self.micro_batch_size = micro_batch_size
         self.done = 0
+        #: zero-weight micro-batches this rank runs so that every rank runs as many (FSDP2)
+        self.padding = 0
+        self.plan: Optional[WindowPlan] = plan  # agreed already (train() needs it before opening)
+        self._num_items = num_items
+        self._can_pad = can_pad
         self._open = False
         self._in_micro_batch = False
         self._result: Optional[StepResult] = None
         self._abandoned = False
         self._defer = defer_reduction
+        self._reference: Optional[float] = None  # R for this window when known up front
         dtype = torch.float32 if acc.device.type == "mps" else torch.float64
         self._loss_sum = torch.zeros((), dtype=dtype, device=acc.device)  # sum n_k L_k, on the device
         self._host_items = 0.0  # sum of the counts given as Python numbers
         self._device_items: Optional[torch.Tensor] = None  # sum of the counts given as tensors
 
     def __enter__(self) -> "Window":
-        self._acc._begin_window()
+        acc = self._acc
+        acc._begin_window(self)
+        try:
+            if self.size is not None:
+                if self.plan is None:
+                    self.plan = acc._agree(self.size, self._num_items, self._can_pad)
+                self._follow(self.plan)
+            elif self._num_items is not None and not acc.sync.distributed:
+                self._reference = _as_number(self._num_items)
+        except BaseException:
+            acc._end_window(self)
+            raise
         self._open = True
         return self
 
+    def _follow(self, plan: WindowPlan) -> None:
+        """Act on the agreement, identically on every rank."""
+        sync = self._acc.sync
+        if plan.items is not None and plan.items > 0:
+            self._reference = plan.items
+        if plan.most == plan.fewest:
+            return
+        if sync.needs_equal_counts:
+            if not self._can_pad:
+                raise ValueError(
+                    f"{type(sync).__name__} needs the same number of micro-batches on every rank (a "
+                    f"collective runs in each), but this window has {plan.fewest} to {plan.most}: open "
+                    f"acc.window({plan.most}) on every rank, or use acc.step()/acc.train(), which pad a "
+                    "rank that has fewer with zero-weight micro-batches"
+                )
+            self.padding = plan.most - plan.micro_batches
+            self.size = plan.most
+        elif plan.fewest == 0:
+            self._defer = True  # a rank without data runs no backward: reduce once, after all of them
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._open = False
+        self._acc._end_window(self)
         if self._result is None:
             self._acc._clear_grads()
             if exc_type is None and not self._abandoned:
@@ -178,13 +232,15 @@ class Window:
         finally:
             self._in_micro_batch = False
 
-    def backward(self, loss: torch.Tensor, num_items: Union[int, torch.Tensor]) -> None:
-        """Backpropagate ``num_items * loss`` (the micro-batch's item sum); remember both for the step.
+    def _weight(self, num_items: Count, loss: torch.Tensor) -> Union[float, torch.Tensor]:
+        acc = self._acc
+        ref = self._reference if self._reference is not None else acc._reference_items(num_items)
+        if isinstance(num_items, torch.Tensor):
+            # in the loss's precision: an int64 count / float would round the weight to float32
+            return num_items.to(torch.promote_types(loss.dtype, torch.float32)) * (acc.sync.grad_divisor / ref)
+        return num_items * acc.sync.grad_divisor / ref  # a Python float: no device tensor per micro-batch
 
-        Args:
-            loss: the **mean** loss over the micro-batch's items, a scalar tensor.
-            num_items: how many items that mean is over (an int, or a tensor left on the device).
-        """
+    def _check_loss(self, loss: Any) -> None:
         if not self._in_micro_batch:
             raise RuntimeError(
                 "window.backward() must run inside `with window.micro_batch():`, which also wraps "
@@ -196,16 +252,25 @@ class Window:
                 f"loss must be a scalar tensor (the mean over the micro-batch's items), got {shape}; "
                 "reduce it with .mean() or return (mean_loss, num_items)"
             )
-        if isinstance(num_items, (int, float)) and not isinstance(num_items, bool) and num_items < 0:
-            raise ValueError(f"num_items must be >= 0, got {num_items}")
+        if not loss.requires_grad:
+            raise ValueError(
+                "loss does not require grad: it was computed under torch.no_grad(), detached, or from "
+                "a model with no trainable parameter. Compute it from the model's output inside "
+                "window.micro_batch(), without .detach() or .item()"
+            )
+
+    def backward(self, loss: torch.Tensor, num_items: Count) -> None:
+        """Backpropagate ``num_items * loss`` (the micro-batch's item sum); remember both for the step.
+
+        Args:
+            loss: the **mean** loss over the micro-batch's items, a scalar tensor.
+            num_items: how many items that mean is over (an int, a float weight, or a tensor left on
+                the device).
+        """
+        self._check_loss(loss)
+        _check_count("num_items", num_items)
         acc = self._acc
-        ref = acc._reference_items(num_items)
-        weight: Union[float, torch.Tensor]
-        if isinstance(num_items, torch.Tensor):
-            # in the loss's precision: an int64 count / float would round the weight to float32
-            weight = num_items.to(torch.promote_types(loss.dtype, torch.float32)) / ref
-        else:
-            weight = num_items / ref  # a Python float: no device tensor per micro-batch
+        weight = self._weight(num_items, loss)
         with torch.autocast(device_type=acc.device.type, enabled=False):
             acc.precision.scale(loss * weight).backward()
         detached = loss.detach().to(self._loss_sum.dtype)
@@ -218,12 +283,26 @@ class Window:
             self._host_items += num_items
         self.done += 1
 
+    def backward_padding(self, loss: torch.Tensor) -> None:
+        """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
+        runs the forward and backward collectives that ranks with data run (FSDP2)."""
+        self._check_loss(loss)
+        self._weight(0, loss)  # takes part in fixing R, as the ranks with data do
+        with torch.autocast(device_type=self._acc.device.type, enabled=False):
+            self._acc.precision.scale(loss * 0.0).backward()
+        self.done += 1
+
     def totals(self) -> torch.Tensor:
         """``(sum n_k L_k, sum n_k)`` of this rank's micro-batches, on the device."""
         items = self._loss_sum.new_tensor(self._host_items)
         if self._device_items is not None:
             items = items + self._device_items
         return torch.stack([self._loss_sum, items])
+
+    @property
+    def reference_items(self) -> Optional[float]:
+        """R: the count the backward weights were divided by (see the module docstring)."""
+        return self._reference if self._reference is not None else self._acc.reference_items
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
@@ -234,14 +313,20 @@ class Window:
         """Reduce counts, normalize, unscale, clip, take (or skip) the one optimizer step."""
         if self._result is not None:
             raise RuntimeError("step() was already called for this window; open a new one")
-        if self.done == 0:
+        acc = self._acc
+        empty_here = self.plan is not None and acc.sync.distributed
+        if self.done == 0 and not empty_here:
             raise RuntimeError("step() on a window with no micro-batch; run at least one backward first")
         if self.size is not None and self.done != self.size:
             raise RuntimeError(
                 f"the window was opened for {self.size} micro-batches but {self.done} ran; under "
                 "data parallelism the last one is the one that reduces gradients, so the counts must match"
             )
-        self._result = self._acc._finish_window(self)
+        if self.done == 0 and self.plan is not None and self.plan.most > 0 and self._reference is None:
+            acc._reference_items(0)  # the ranks with data fix R in their first backward: take part
+        if self._defer:
+            acc.sync.reduce_gradients_(acc._materialized_grads())
+        self._result = acc._finish_window(self)
         return self._result
 
 
@@ -249,8 +334,9 @@ class Accumulator:
     """Gradient accumulation that equals one optimizer step on the whole window.
 
     Args:
-        model: the module (plain, ``DistributedDataParallel``, or FSDP2 ``fully_shard``-ed).
-        optimizer: any ``torch.optim.Optimizer``.
+        model: the module: plain, ``DistributedDataParallel``, FSDP2 ``fully_shard``-ed, or anything
+            holding one of them (``torch.compile(ddp_model)``, Accelerate's prepared model).
+        optimizer: any ``torch.optim.Optimizer`` over (some of) the model's trainable parameters.
         scheduler: stepped once per optimizer step taken, never on a skipped window.
         max_grad_norm: clip the window's gradient to this total 2-norm, after normalization and
             unscaling.
@@ -259,17 +345,12 @@ class Accumulator:
             buffers of this dtype, rounded once for the optimizer.
         nonfinite: ``"skip"`` a window whose gradient is not finite, or ``"raise"``.
         reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch
-            instead of once per window; saves FSDP2 the unsharded gradient memory. Every rank must
-            then run the same number of micro-batches per window (as under FSDP2 anyway, whose
-            forward all-gathers); with the default, DDP ranks may run different numbers.
-
-    Example:
-        >>> model = nn.Linear(3, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> acc = Accumulator(model, opt)
-        >>> loss_fn = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])
-        >>> batch = (torch.randn(10, 3), torch.randn(10, 1))
-        >>> acc.step(batch, loss_fn, micro_batch_size=4).num_items
-        10
+            instead of once per window: for FSDP2 this keeps only sharded gradients between
+            micro-batches (less memory, N times the communication).
+        data_parallel: ``"auto"`` finds the DDP or FSDP2 module in ``model`` and, when
+            ``torch.distributed`` runs several ranks and none reduces the gradients, refuses the
+            model (the replicas would drift apart). ``"none"`` trains each rank on its own items on
+            purpose: no collective at all.
     """
 
     def __init__(
@@ -283,6 +364,7 @@ class Accumulator:
         accum_dtype: Optional[torch.dtype] = None,
         nonfinite: str = "skip",
         reduce_every_micro_batch: bool = False,
+        data_parallel: str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -302,6 +384,7 @@ class Accumulator:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameter that requires grad; there is nothing to accumulate")
+        _check_optimizer_covers(optimizer, params, model)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -310,7 +393,8 @@ class Accumulator:
         self.params = params
         self.device = params[0].device
         self.precision = MixedPrecision(precision, self.device)
-        self.sync: GradSync = sync_for(model, reduce_every_micro_batch=reduce_every_micro_batch)
+        self.sync: GradSync = sync_for(model, reduce_every_micro_batch=reduce_every_micro_batch,
+                                       data_parallel=data_parallel)
         self.buffers: Optional[AccumulationBuffers] = None
         if accum_dtype is not None:
             if self.sync.distributed:
@@ -329,99 +413,120 @@ class Accumulator:
         self.steps = 0
         #: the micro-batch size that last worked under micro_batch_size="auto"
         self.auto_micro_batch_size: Optional[int] = None
-        #: R, the constant reference item count of the backward weights (see the module docstring)
+        #: R for windows whose item count is not known up front (see the module docstring)
         self.reference_items: Optional[float] = None
-        self._warned_batchnorm = False
+        self._window: Optional[Window] = None
+        self._replay: Optional[Batch] = None  # the last micro-batch run, for zero-weight padding
+        self._warned: set = set()
 
     # -- the high-level path ---------------------------------------------------------------
 
     def step(self, window: Union[Batch, Sequence[Batch]], loss_fn: LossFn, *,
-             micro_batch_size: MicroBatchSize = None) -> StepResult:
+             micro_batch_size: MicroBatchSize = None, num_items: Optional[CountFn] = None) -> StepResult:
         """Run the window's micro-batches and take exactly one optimizer step (or skip it).
 
         Args:
-            window: a sequence of micro-batches, or one batch when ``micro_batch_size`` is given.
+            window: a list of micro-batches, or one batch when ``micro_batch_size`` is given. Under
+                data parallelism a rank whose data ran out passes ``[]``.
             loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss, or ``(mean_loss, num_items)``.
             micro_batch_size: split the batch along dim 0 into chunks of this size (the last may
                 be smaller); ``"auto"`` starts from the whole batch (or the last size that worked)
                 and halves on out-of-memory errors.
+            num_items: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted
+                before any forward pass (e.g. ``gradaccum.count_targets(mb["labels"])``). A bare
+                loss is then weighted by it instead of the leading dimension, and each backward
+                weighs exactly ``n_k / N``. The step is exact without it too.
         """
+        self._check_idle()
         check_micro_batch_size(micro_batch_size)
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
+        _check_loss_fn(loss_fn)
+        if num_items is not None and not callable(num_items):
+            raise TypeError(f"num_items must be a function micro_batch -> count, got {type(num_items).__name__}; "
+                            "pass counts of a hand-written loop to window.backward(loss, num_items=...)")
         if micro_batch_size == "auto":
-            return self._step_auto(window, loss_fn)
-        micro_batches = as_micro_batches(window, micro_batch_size)  # type: ignore[arg-type]
-        self._reference_items(leading_dim(micro_batches[0]))
-        result = self._attempt(micro_batches, loss_fn, micro_batch_size=micro_batch_size)
+            return self._step_auto(window, loss_fn, num_items)
+        micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
+                                         allow_empty=self.sync.distributed)
+        result = self._attempt(micro_batches, loss_fn, num_items, micro_batch_size=micro_batch_size)
         assert result is not None
         return result
 
-    def window(self, num_micro_batches: Optional[int] = None, *,
+    def window(self, num_micro_batches: Optional[int] = None, *, num_items: Optional[Count] = None,
                micro_batch_size: Optional[Any] = None) -> Window:
-        """Open a window for a hand-written loop (see :class:`Window`)."""
-        return Window(self, num_micro_batches, micro_batch_size=micro_batch_size)
+        """Open a window for a hand-written loop (see :class:`Window`).
 
-    def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: AccumSteps,
-              epochs: int = 1, drop_last: bool = False) -> Iterator[StepResult]:
-        """Group consecutive items of ``loader`` (each one micro-batch) into windows of ``accum_steps``.
-
-        At the end of each epoch a shorter window is stepped, normalized by its own item count,
-        unless ``drop_last=True``. ``accum_steps`` may be an int, ``{epoch: N}`` or ``epoch -> N``.
-        A sampler with ``set_epoch`` (``DistributedSampler``) is told each epoch.
+        Args:
+            num_micro_batches: this rank's micro-batches in the window (0 on a rank whose data
+                ran out). Ranks agree on the counts when it opens.
+            num_items: this rank's items in the window, if known before the first backward.
         """
-        schedule = AccumSchedule(accum_steps)
-        _check_positive_int("epochs", epochs)
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
-        return self._train(loader, loss_fn, schedule, epochs, drop_last)
+        self._check_idle()
+        return Window(self, num_micro_batches, num_items=num_items, micro_batch_size=micro_batch_size)
 
-    def _train(self, loader: Iterable[Batch], loss_fn: LossFn, schedule: AccumSchedule,
-               epochs: int, drop_last: bool) -> Iterator[StepResult]:
-        for epoch in range(epochs):
-            sampler = getattr(loader, "sampler", None)
-            if callable(getattr(sampler, "set_epoch", None)):
-                sampler.set_epoch(epoch)  # type: ignore[union-attr]
-            n = schedule(epoch)
-            pending: List[Batch] = []
-            for micro_batch in loader:
-                pending.append(micro_batch)
-                if len(pending) == n:
-                    yield replace(self.step(pending, loss_fn), accum_steps=n, epoch=epoch)
-                    pending = []
-            if pending and not drop_last:
-                yield replace(self.step(pending, loss_fn), accum_steps=n, epoch=epoch)
+    def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,
+              epochs: int = 1, drop_last: bool = False, num_items: Optional[CountFn] = None) -> Iterator[StepResult]:
+        """Group the loader's micro-batches into windows and step once per window.
+
+        Windows come from the loader's :class:`~gradaccum.WindowSampler` (``batch_sampler=``), which
+        knows where each global window ends, or from ``accum_steps`` consecutive micro-batches: an
+        int, ``{epoch: N}`` or ``epoch -> N``. At the end of each epoch a shorter window is stepped,
+        normalized by its own item count, unless ``drop_last=True``. A sampler with ``set_epoch``
+        is told each epoch. Under data parallelism every rank steps as often as the rank with the
+        most windows; a rank whose data ran out contributes no items.
+        """
+        from .training import train_windows
+
+        self._check_idle()
+        _check_loss_fn(loss_fn)
+        return train_windows(self, loader, loss_fn, accum_steps=accum_steps, epochs=epochs,
+                             drop_last=drop_last, num_items=num_items)
 
     # -- one attempt at a window -----------------------------------------------------------
 
-    def _attempt(self, micro_batches: List[Batch], loss_fn: LossFn, *, micro_batch_size: Any,
-                 catch_oom: bool = False) -> Optional[StepResult]:
-        """Forward/backward every micro-batch, then step. With ``catch_oom``, an out-of-memory
-        error drops the window and returns None, after every rank has agreed on it."""
+    def _count(self, micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Tuple[List[Count], float]:
+        """Each micro-batch's item count before any forward pass, and their sum: what a bare mean
+        loss is weighted by (the leading dimension, or the ``num_items`` counter)."""
+        counts: List[Count] = [count_fn(mb) if count_fn is not None else leading_dim(mb) for mb in micro_batches]
+        return counts, sum(_as_number(_check_count("num_items(micro_batch)", c)) for c in counts)
+
+    def _attempt(self, micro_batches: List[Batch], loss_fn: LossFn, count_fn: Optional[CountFn], *,
+                 micro_batch_size: Any, catch_oom: bool = False, plan: Optional[WindowPlan] = None,
+                 counts: Optional[List[Count]] = None) -> Optional[StepResult]:
+        """Forward/backward every micro-batch (and the padding FSDP2 needs), then step. With
+        ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank
+        has agreed on it."""
+        if counts is None:
+            counts, total = self._count(micro_batches, count_fn)
+        else:
+            total = sum(_as_number(c) for c in counts)
         defer = catch_oom and self.sync.distributed  # no collective before the ranks agree
-        with Window(self, len(micro_batches), micro_batch_size=micro_batch_size,
-                    defer_reduction=defer) as window:
+        with Window(self, len(micro_batches), num_items=total, micro_batch_size=micro_batch_size,
+                    defer_reduction=defer, can_pad=bool(micro_batches) or self._replay is not None,
+                    plan=plan) as window:
             oom = False
-            for mb in micro_batches:
+            for mb, count in zip(micro_batches, counts):
                 try:
                     with window.micro_batch():
-                        window.backward(*_unpack_loss(loss_fn(self.model, mb), mb))
+                        window.backward(*_unpack_loss(loss_fn(self.model, mb), count))
                 except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
                     if not (catch_oom and is_out_of_memory(error)):
                         raise
                     oom = True
                     break
+            if self.sync.needs_equal_counts and micro_batches:
+                self._replay = micro_batches[-1]
+            for _ in range(window.padding):
+                with window.micro_batch():
+                    window.backward_padding(_unpack_loss(loss_fn(self.model, self._replay), 0)[0])
             if defer:
                 flag = torch.tensor([1.0 if oom else 0.0], device=self.device)
                 oom = bool(self.sync.all_reduce_(flag, "max").item())
             if oom:
                 window.abandon()
                 return None
-            if defer:
-                self.sync.reduce_gradients_(self._materialized_grads())
             return window.step()
 
-    def _step_auto(self, batch: Batch, loss_fn: LossFn) -> StepResult:
+    def _step_auto(self, batch: Batch, loss_fn: LossFn, count_fn: Optional[CountFn]) -> StepResult:
         """micro_batch_size="auto": start from the whole batch or the last size that worked, halve
         on out-of-memory. A failed attempt's partial gradients are dropped, so the step equals one
         made with the final size from the start."""
@@ -432,13 +537,13 @@ class Accumulator:
                 "error first. Pass an int micro_batch_size (found once, e.g. with DDP)"
             )
         n = leading_dim(batch)
-        self._reference_items(n)  # before any forward pass: its collective must not meet an OOM
         size = min(self.auto_micro_batch_size or n, n)
         if self.sync.distributed:  # every rank starts from the same size
             size = int(self.sync.all_reduce_(torch.tensor([size], device=self.device), "min").item())
         backed_off = False
         while True:
-            result = self._attempt(split_batch(batch, size), loss_fn, micro_batch_size=size, catch_oom=True)
+            result = self._attempt(split_batch(batch, size), loss_fn, count_fn, micro_batch_size=size,
+                                   catch_oom=True)
             if result is not None:
                 # a short window (fewer items than the size that works) must not shrink the memory
                 if backed_off or self.auto_micro_batch_size is None:
@@ -453,20 +558,53 @@ class Accumulator:
                 )
             size = max(1, size // 2)
 
-    # -- the boundary ----------------------------------------------------------------------
+    # -- window life cycle -----------------------------------------------------------------
 
-    def _reference_items(self, items: Union[int, float, torch.Tensor]) -> float:
-        """R, fixed at its first use (one host sync and, across ranks, one max all-reduce, once)."""
+    def _check_idle(self) -> None:
+        if self._window is not None:
+            raise RuntimeError(
+                "a window is already open on this Accumulator: finish it with window.step() before "
+                "calling step(), train() or window() again (a nested window would drop the open "
+                "window's gradients)"
+            )
+
+    def _agree(self, num_micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
+        """Every rank's micro-batch count and up-front item count, from one small all-gather."""
+        if not self.sync.distributed:
+            items = None if num_items is None else _as_number(num_items)
+            return WindowPlan(num_micro_batches, num_micro_batches, num_micro_batches, items)
+        known = num_items is not None
+        mine = torch.tensor([float(num_micro_batches), _as_number(num_items) if known else 0.0,
+                             1.0 if known else 0.0, 1.0 if can_pad or num_micro_batches > 0 else 0.0],
+                            dtype=torch.float64 if self.device.type != "mps" else torch.float32,
+                            device=self.device)
+        rows = self.sync.all_gather(mine).tolist()  # the agreement's one host synchronisation
+        counts = [int(r[0]) for r in rows]
+        plan = WindowPlan(num_micro_batches, max(counts), min(counts),
+                          sum(r[1] for r in rows) if all(r[2] for r in rows) else None)
+        stuck = [r for r, row in enumerate(rows) if self.sync.needs_equal_counts and row[0] < plan.most and not row[3]]
+        if stuck:
+            raise ValueError(
+                f"rank(s) {stuck} have no micro-batch in this window and none run before it to repeat "
+                f"with zero weight, while {type(self.sync).__name__} needs every rank to run "
+                f"{plan.most}: give every rank data in its first window"
+            )
+        return plan
+
+    def _reference_items(self, items: Count) -> float:
+        """R for windows whose count is not known up front, fixed at its first use (one host sync
+        and, across ranks, one max all-reduce, once)."""
         if self.reference_items is None:
-            ref = max(float(items), 1.0)
+            ref = max(_as_number(items), 1.0)
             if self.sync.distributed:
                 ref = float(self.sync.all_reduce_(torch.tensor([ref], device=self.device), "max").item())
             self.reference_items = ref
         return self.reference_items
 
-    def _begin_window(self) -> None:
-        if not self._warned_batchnorm and self.model.training:
-            self._warned_batchnorm = True
+    def _begin_window(self, window: Window) -> None:
+        self._check_idle()  # before anything changes: a nested window would clear the open one
+        if "batchnorm" not in self._warned and self.model.training:
+            self._warned.add("batchnorm")
             names = [n for n, m in self.model.named_modules() if isinstance(m, _BATCHNORM) and m.training]
             if names:
                 warnings.warn(
@@ -474,11 +612,18 @@ class Accumulator:
                     f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
                     "accumulation is not equivalent to one big batch. Check with "
                     "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.",
-                    stacklevel=4,
+                    stacklevel=5,
                 )
+        self._window = window
         self._clear_grads()  # stale gradients would leak into the window
         if self.buffers is not None:
             self.buffers.active = True
+
+    def _end_window(self, window: Window) -> None:
+        if self._window is window:
+            self._window = None
+        if self.buffers is not None:
+            self.buffers.active = False
 
     def _grads(self) -> List[torch.Tensor]:
         if self.buffers is not None:
@@ -496,7 +641,13 @@ class Accumulator:
             p.grad = None
         if self.buffers is not None:
             self.buffers.clear()
-            self.buffers.active = False
+
+    # -- the boundary ----------------------------------------------------------------------
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=4)
 
     def _finish_window(self, window: Window) -> StepResult:
         if self.buffers is not None:
@@ -509,47 +660,52 @@ class Accumulator:
             [totals.to(torch.float64), raw_norm.reshape(1).to(device=totals.device, dtype=torch.float64)]
         ).tolist()  # the window's one host synchronisation
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ref = self.reference_items or 1.0
-        scale = ref * self.sync.grad_divisor / num_items if num_items > 0 else 0.0
+        ref = window.reference_items or 1.0
+        scale = ref / num_items if num_items > 0 else 0.0
         grad_norm: Optional[float] = raw_norm_f * scale
         finite = grad_norm is not None and math.isfinite(grad_norm)
-        if num_items <= 0 or not finite:
-            if not finite and self.nonfinite == "raise" and self.precision.scaler is None:
-                self._clear_grads()
-                raise FloatingPointError(
-                    f"the window's gradient is not finite (norm {grad_norm}); no step was taken and "
-                    "the gradients were cleared. Lower the learning rate, use max_grad_norm, or pass "
-                    "nonfinite='skip' to skip such windows"
-                )
-            self.precision.skip(self.optimizer)
-            skipped = True
-            if not finite:
-                grad_norm = None
-        else:
-            coef = scale
-            if self.max_grad_norm is not None:
-                coef *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))  # as clip_grad_norm_
-            if grads:
-                torch._foreach_mul_(grads, coef)
-            if self.buffers is not None:
-                self.buffers.write_grads_()
-            self.precision.step(self.optimizer)
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self.steps += 1
-            skipped = False
-        self._clear_grads()
+        skipped = True
+        try:
+            if num_items <= 0 or not finite:
+                if not finite and self.nonfinite == "raise" and self.precision.scaler is None:
+                    raise FloatingPointError(
+                        f"the window's gradient is not finite (norm {grad_norm}); no step was taken and "
+                        "the gradients were cleared. Lower the learning rate, use max_grad_norm, or pass "
+                        "nonfinite='skip' to skip such windows"
+                    )
+                if num_items <= 0 and window.done > 0:
+                    self._warn_once("no_items", "a window counted 0 items (e.g. every label is the "
+                                    "ignore_index): it has no loss to step on, so it was skipped; its "
+                                    "StepResult.loss is nan")
+                self.precision.skip(self.optimizer)
+                if not finite:
+                    grad_norm = None
+            else:
+                coef = scale
+                if self.max_grad_norm is not None:
+                    coef *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))  # as clip_grad_norm_
+                if grads and coef != 1.0:
+                    torch._foreach_mul_(grads, coef)
+                if self.buffers is not None:
+                    self.buffers.write_grads_()
+                self.precision.step(self.optimizer)
+                self.steps += 1  # counted before the scheduler, which may raise after the step
+                skipped = False
+                if self.scheduler is not None:
+                    self.scheduler.step()
+        finally:
+            self._clear_grads()
         size = window.micro_batch_size
         return StepResult(
-            loss=loss_sum / num_items if num_items > 0 else 0.0,
-            num_items=int(round(num_items)),
-            micro_batches=window.done,
+            loss=loss_sum / num_items if num_items > 0 else math.nan,
+            num_items=int(num_items) if float(num_items).is_integer() else num_items,
+            micro_batches=window.done - window.padding,
             grad_norm=grad_norm,
             skipped=skipped,
             lr=lr,
             step=self.steps,
             micro_batch_size=size if isinstance(size, int) else None,
-            accum_steps=window.done,
+            accum_steps=window.done - window.padding,
         )
 
     # -- state -----------------------------------------------------------------------------
@@ -560,10 +716,30 @@ class Accumulator:
                 "reference_items": self.reference_items, "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        missing = [k for k in ("steps", "precision") if k not in state]
+        if missing:
+            raise KeyError(f"Accumulator.load_state_dict: the state lacks {', '.join(map(repr, missing))}; "
+                           "pass what Accumulator.state_dict() returned")
         self.precision.load_state_dict(state["precision"])
         self.steps = int(state["steps"])
         self.auto_micro_batch_size = state.get("auto_micro_batch_size")
         self.reference_items = state.get("reference_items")
+
+
+def _check_loss_fn(loss_fn: Any) -> None:
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
+
+
+def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: List[torch.Tensor], model: nn.Module) -> None:
+    """An optimizer over none of the model's trainable parameters would 'step' and move nothing."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in held for p in params):
+        raise ValueError(
+            f"the optimizer holds none of the {type(model).__name__}'s {len(params)} trainable "
+            "parameters, so its steps would never move the model: build it over this model's "
+            "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
+        )
 
 
 def _total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["leading_dim", "split_batch", "check_micro_batch_size", "as_micro_batches"]
+__all__ = ["leading_dim", "split_batch", "check_micro_batch_size", "check_micro_batches", "as_micro_batches"]
 
 
 def _tensors(batch: Batch) -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,23 +109,41 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     return _split(batch, micro_batch_size, chunks)
 
 
-def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int]) -> List[Batch]:
+def check_micro_batches(micro_batches: List[Batch], *, argument: str = "window") -> None:
+    """Check every micro-batch's leading dimensions, before any forward pass runs."""
+    for i, mb in enumerate(micro_batches):
+        leading_dim(mb, argument=f"{argument}[{i}]")
+
+
+def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int], *,
+                     allow_empty: bool = False) -> List[Batch]:
     """Turn ``step()``'s ``window`` argument into a checked list of micro-batches.
 
-    With ``micro_batch_size=None`` the window is a sequence of micro-batches; with an int it is one
-    batch to split. Every micro-batch is checked here, before any forward pass runs.
+    With ``micro_batch_size=None`` the window is a list of micro-batches; with an int it is one
+    batch to split. A tuple or list holding bare tensors is refused without ``micro_batch_size``:
+    ``(inputs, targets)`` would otherwise be read as two micro-batches, ``inputs`` and then
+    ``targets``. Every micro-batch is checked here, before any forward pass runs.
     """
-    if micro_batch_size is None:
-        if isinstance(window, (torch.Tensor, Mapping)) or not isinstance(window, Sequence):
-            raise ValueError(
-                f"window must be a sequence of micro-batches when micro_batch_size is None, got a "
-                f"{type(window).__name__}; pass a list of micro-batches, or one batch together "
-                "with micro_batch_size=M to split it"
-            )
-        micro_batches = list(window)
-        if not micro_batches:
-            raise ValueError("window is empty (0 micro-batches); pass at least one micro-batch")
-        for i, mb in enumerate(micro_batches):
-            leading_dim(mb, argument=f"window[{i}]")
-        return micro_batches
-    return split_batch(window, micro_batch_size)
+    if micro_batch_size is not None:
+        return split_batch(window, micro_batch_size)
+    if isinstance(window, (torch.Tensor, Mapping)) or not isinstance(window, Sequence) or isinstance(window, str):
+        raise ValueError(
+            f"window must be a list of micro-batches when micro_batch_size is None, got a "
+            f"{type(window).__name__}; pass a list of micro-batches, or one batch together "
+            "with micro_batch_size=M to split it"
+        )
+    if any(isinstance(mb, torch.Tensor) for mb in window):
+        shapes = ", ".join(str(tuple(mb.shape)) if isinstance(mb, torch.Tensor) else type(mb).__name__
+                           for mb in list(window)[:4])
+        raise ValueError(
+            f"window is a {type(window).__name__} holding tensors ({shapes}{', ...' if len(window) > 4 else ''}), "
+            "which is ambiguous: one batch such as (inputs, targets), or a window of micro-batches? "
+            "For one batch pass micro_batch_size=M (step(batch, loss_fn, micro_batch_size=8)); for a "
+            "window pass a list of micro-batches ([(x1, y1), (x2, y2)]; a micro-batch that is a single "
+            "tensor goes in a tuple: [(x1,), (x2,)])"
+        )
+    micro_batches = list(window)
+    if not micro_batches and not allow_empty:
+        raise ValueError("window is empty (0 micro-batches); pass at least one micro-batch")
+    check_micro_batches(micro_batches)
+    return micro_batches

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .batching import Batch, split_batch
+from .batching import Batch, leading_dim, split_batch
 
 __all__ = ["EquivalenceReport", "check_equivalence"]
 
@@ -136,14 +136,28 @@ class _Recorder:
             h.remove()
 
 
-def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
+def _checked_loss(out: Any, micro_batch: Batch) -> Tuple[torch.Tensor, Any]:
+    """``loss_fn``'s output under the Accumulator's contract, or an error that says the fix."""
     from .accumulator import _unpack_loss  # the same loss contract as Accumulator
 
+    loss, n = _unpack_loss(out, leading_dim(micro_batch))
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar loss (the mean over the micro-batch's items), got "
+                         f"{shape}; reduce it with .mean() or return (mean_loss, num_items)")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn returned a loss that does not require grad (detached, .item()-ed or "
+                         "computed under torch.no_grad()): check_equivalence compares gradients, so "
+                         "return the loss computed from the model's output")
+    return loss, n
+
+
+def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
     for p in model.parameters():
         p.grad = None
     loss_sum, items = 0.0, 0.0
     for mb in micro_batches:
-        loss, n = _unpack_loss(loss_fn(model, mb), mb)
+        loss, n = _checked_loss(loss_fn(model, mb), mb)
         (loss * n).backward()
         loss_sum += float(loss.detach()) * float(n)
         items += float(n)

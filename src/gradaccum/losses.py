@@ -15,7 +15,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_lm_loss", "token_cross_entropy"]
+__all__ = ["causal_lm_loss", "count_targets", "token_cross_entropy"]
 
 
 def token_cross_entropy(
@@ -66,3 +66,22 @@ def causal_lm_loss(
             f"{tuple(logits.shape)} and {tuple(labels.shape)}"
         )
     return token_cross_entropy(logits[:, :-1, :], labels[:, 1:], ignore_index=ignore_index)
+
+
+def count_targets(labels: torch.Tensor, *, shift: bool = True, ignore_index: int = -100) -> int:
+    """How many targets a causal LM's loss is a mean over, counted from the labels before any
+    forward pass: the ``labels[:, 1:]`` (``shift=True``) that are not ``ignore_index``.
+
+    Give it to ``Accumulator.step``/``train`` as ``num_items=lambda mb: count_targets(mb["labels"])``:
+    the window's token count is then known before the first backward, so each micro-batch's backward
+    weighs exactly ``tokens_k / tokens`` as the full batch does (float32 parts of a float64 model,
+    such as Llama's RMSNorm, then round as in one big batch) and no scaling pass is needed. It also
+    makes a bare mean-over-tokens loss, like Hugging Face's ``outputs.loss``, weighted by tokens.
+
+    >>> count_targets(torch.tensor([[1, 2, 3, -100], [1, 2, -100, -100]]))
+    3
+    """
+    if labels.dim() < 1 or (shift and labels.dim() != 2):
+        raise ValueError(f"count_targets expects labels of shape (batch, seq), got {tuple(labels.shape)}")
+    targets = labels[:, 1:] if shift else labels
+    return int((targets != ignore_index).sum())

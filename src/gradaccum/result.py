@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 __all__ = ["StepResult"]
 
@@ -13,8 +13,10 @@ class StepResult:
     """The outcome of one window.
 
     Attributes:
-        loss: item-weighted mean loss over the whole window (all ranks): sum n_k L_k / sum n_k.
-        num_items: items in the window across all ranks (the normalizer).
+        loss: item-weighted mean loss over the whole window (all ranks): sum n_k L_k / sum n_k;
+            nan when the window counted no item (it is then skipped).
+        num_items: items in the window across all ranks (the normalizer); an int, or a float when
+            the counts given were fractional weights.
         micro_batches: forward/backward passes this rank ran for the window that counted.
         grad_norm: total gradient norm before clipping (after normalization and unscaling);
             None when the window had no finite gradient to measure.
@@ -26,10 +28,12 @@ class StepResult:
         accum_steps: the accumulation factor in force (for schedules); equals micro_batches
             except on a short last window.
         epoch: the epoch in ``train()``; None from ``step()``.
+        window: the window's index within its epoch in ``train()`` (what a checkpoint saves to
+            resume after it: ``window + 1``); None from ``step()``.
     """
 
     loss: float
-    num_items: int
+    num_items: Union[int, float]
     micro_batches: int
     grad_norm: Optional[float]
     skipped: bool
@@ -38,6 +42,7 @@ class StepResult:
     micro_batch_size: Optional[int] = None
     accum_steps: Optional[int] = None
     epoch: Optional[int] = None
+    window: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -1,13 +1,21 @@
 """The distributed seam: the one module that imports ``torch.distributed``.
 
 A :class:`GradSync` decides, per micro-batch, whether the backward pass reduces gradients across
-ranks, and does the window's one small all-reduce of the item count and loss sum. The local default
-does nothing. Data-parallel wrappers *average* the gradient over ``world_size`` ranks while reducing;
-``grad_divisor`` says by how much, so that the boundary can turn the result into the exact
-item-weighted mean over every rank's window::
+ranks, and does the window's small collectives: the agreement when a window opens (how many
+micro-batches and items each rank holds) and the all-reduce of the item count and loss sum at its
+end. The local default does nothing. Data-parallel wrappers *average* the gradient over
+``world_size`` ranks while reducing, so each micro-batch's backward carries a factor W
+(``grad_divisor``) and the window's gradient comes out as the exact item-weighted mean over every
+rank's window::
 
-    reduced grad   = (1 / W) * sum_ranks sum_micro (n_k / R) * grad(mean_loss_k)
-    window grad    = reduced grad * (R * W / N_global)  =  sum_k n_k * grad(mean_loss_k) / N_global
+    backward weight  = n_k * W / R                  (R: the window's global item count, when known)
+    reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad(mean_loss_k)
+    window grad      = reduced grad * R / N_global  =  sum_k n_k * grad(mean_loss_k) / N_global
+
+The wrapper is found anywhere in the model: ``torch.compile(DDP(model))`` (``OptimizedModule``),
+Accelerate's wrappers and user modules that hold a DDP or FSDP2 module all reduce through it. A model
+that no data-parallel wrapper reduces is refused in a process group of several ranks: each rank would
+step on its own gradients and the replicas would drift apart in silence.
 
 Every switch a context flips is restored on the way out, also when an exception leaves it.
 """
@@ -17,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,17 +33,30 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["GradSync", "LocalSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
-           "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_"]
+           "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
+           "DATA_PARALLEL"]
+
+#: ``data_parallel=`` values: find the wrapper (and refuse none under several ranks), or train per rank
+DATA_PARALLEL = ("auto", "none")
+
+
+def _loaded_type(modules: Sequence[str], name: str) -> Any:
+    """``name`` from the first of ``modules`` already imported, else None. A model can only have
+    been wrapped by a class whose module was imported, and importing FSDP here would cost every
+    user about a second."""
+    for module_name in modules:
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+    return None
 
 
 def _fsdp2_module_type() -> Any:
-    """FSDP2's ``FSDPModule``, or None when FSDP was never imported: a model can only have been
-    sharded after that import, and importing it here would cost every user about a second."""
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):  # torch >= 2.6, 2.4/2.5
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "FSDPModule"):
-            return module.FSDPModule
-    return None
+    return _loaded_type(("torch.distributed.fsdp", "torch.distributed._composable.fsdp"), "FSDPModule")
+
+
+def _fsdp1_type() -> Any:
+    return _loaded_type(("torch.distributed.fsdp",), "FullyShardedDataParallel")
 
 
 def is_distributed() -> bool:
@@ -85,6 +106,9 @@ class GradSync:
     distributed: bool = False
     #: whether reduce_gradients_ works (after backward passes that all skipped their reduction)
     can_reduce_later: bool = True
+    #: whether every rank must run the same number of micro-batches per window (a collective in
+    #: every forward or every backward)
+    needs_equal_counts: bool = False
     group: Any = None
 
     def __init__(self, model: nn.Module) -> None:
@@ -104,9 +128,17 @@ class GradSync:
             all_reduce_(tensor, op, self.group)
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked along a new first dimension, in rank order."""
+        if not self.distributed:
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.stack(parts)
+
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         """Average already-accumulated local gradients across ranks now (used when every backward
-        of the window skipped its reduction, e.g. while the micro-batch size is being found)."""
+        of the window skipped its reduction: a rank without data, or the micro-batch size search)."""
 
 
 LocalSync = GradSync
@@ -116,21 +148,29 @@ class DDPSync(GradSync):
     """``DistributedDataParallel``: ``no_sync()`` around every micro-batch but the last.
 
     DDP reads ``require_backward_grad_sync`` in *forward*, so the context covers forward and backward.
+    Every DDP module of the model (usually one) is switched.
     """
 
     distributed = True
 
-    def __init__(self, model: DistributedDataParallel, *, reduce_every_micro_batch: bool = False) -> None:
-        super().__init__(model)
-        if getattr(model, "static_graph", False) and not reduce_every_micro_batch:
-            raise ValueError(
-                "DistributedDataParallel(static_graph=True) cannot skip the gradient reduction "
-                "between micro-batches: its graph is recorded from the first iteration, and "
-                "no_sync() iterations break it. Construct DDP with static_graph=False (the default), "
-                "or pass reduce_every_micro_batch=True to reduce after every micro-batch."
-            )
+    def __init__(self, modules: Sequence[DistributedDataParallel], *, reduce_every_micro_batch: bool = False) -> None:
+        super().__init__(modules[0])
+        for ddp in modules:
+            if getattr(ddp, "static_graph", False) and not reduce_every_micro_batch:
+                raise ValueError(
+                    "DistributedDataParallel(static_graph=True) cannot skip the gradient reduction "
+                    "between micro-batches: its graph is recorded from the first iteration, and "
+                    "no_sync() iterations break it. Construct DDP with static_graph=False (the default), "
+                    "or pass reduce_every_micro_batch=True to reduce after every micro-batch."
+                )
+        self.modules = list(modules)
         self.reduce_every_micro_batch = reduce_every_micro_batch
-        self.group = getattr(model, "process_group", None)
+        self.needs_equal_counts = reduce_every_micro_batch
+        self.group = getattr(modules[0], "process_group", None)
+        sizes = {dist.get_world_size(getattr(m, "process_group", None)) for m in modules}
+        if len(sizes) != 1:
+            raise ValueError(f"the model's DistributedDataParallel modules span process groups of "
+                             f"different sizes {sorted(sizes)}; use one process group for data parallelism")
         self.grad_divisor = float(self.world_size)
 
     @property
@@ -141,9 +181,11 @@ class DDPSync(GradSync):
     def micro_batch(self, *, last: bool) -> Iterator[None]:
         if last or self.reduce_every_micro_batch:
             yield
-        else:
-            with self.model.no_sync():  # restores require_backward_grad_sync on any exit
-                yield
+            return
+        with contextlib.ExitStack() as stack:
+            for ddp in self.modules:
+                stack.enter_context(ddp.no_sync())  # restores require_backward_grad_sync on any exit
+            yield
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         if not grads:
@@ -163,14 +205,17 @@ class FSDP2Sync(GradSync):
     Skipping keeps each rank's *unsharded* gradient between micro-batches: about
     ``P * bytes * (1 - 1/W)`` more memory than the sharded gradient, for one reduce-scatter per window
     instead of N. ``reduce_every_micro_batch=True`` trades the other way: sharded gradients only, N
-    reduce-scatters per window.
+    reduce-scatters per window. FSDP2 all-gathers in every forward, so every rank runs the same number
+    of micro-batches; ``Accumulator.step``/``train`` pad a rank that has fewer with zero-weight ones.
     """
 
     distributed = True
     can_reduce_later = False
+    needs_equal_counts = True
 
-    def __init__(self, model: nn.Module, *, reduce_every_micro_batch: bool = False) -> None:
-        super().__init__(model)
+    def __init__(self, modules: Sequence[nn.Module], *, reduce_every_micro_batch: bool = False) -> None:
+        super().__init__(modules[0])
+        self.modules = list(modules)  # the outermost fully_shard-ed modules
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self.grad_divisor = float(self.world_size)
 
@@ -179,7 +224,8 @@ class FSDP2Sync(GradSync):
         return dist.get_world_size()
 
     def _set_sync(self, enabled: bool) -> None:
-        self.model.set_requires_gradient_sync(enabled, recurse=True)  # type: ignore[operator]
+        for module in self.modules:
+            module.set_requires_gradient_sync(enabled, recurse=True)  # type: ignore[operator]
 
     @contextlib.contextmanager
     def micro_batch(self, *, last: bool) -> Iterator[None]:
@@ -196,13 +242,54 @@ class FSDP2Sync(GradSync):
         raise NotImplementedError("FSDP2 reduces gradients only inside its backward pass")
 
 
-def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False) -> GradSync:
-    """The seam that fits ``model``: DDP, FSDP2, or local."""
-    if isinstance(model, DistributedDataParallel):
-        return DDPSync(model, reduce_every_micro_batch=reduce_every_micro_batch)
-    fsdp_module = _fsdp2_module_type()
-    if fsdp_module is not None and isinstance(model, fsdp_module):
-        return FSDP2Sync(model, reduce_every_micro_batch=reduce_every_micro_batch)
+def _outermost(modules: List[nn.Module], root: nn.Module, kind: Any) -> List[nn.Module]:
+    inner = {id(child) for m in modules for child in m.modules() if child is not m and isinstance(child, kind)}
+    return [m for m in modules if id(m) not in inner]
+
+
+def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_parallel: str = "auto") -> GradSync:
+    """The seam that fits ``model``: the DDP or FSDP2 module found anywhere inside it, or local.
+
+    Raises:
+        ValueError: FSDP1, DDP mixed with FSDP2, or (with ``data_parallel="auto"``) a model that no
+            data-parallel wrapper reduces while ``torch.distributed`` runs several ranks.
+    """
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be 'auto' or 'none', got {data_parallel!r}")
+    modules = list(model.modules())
+    fsdp1 = _fsdp1_type()
+    if fsdp1 is not None and any(isinstance(m, fsdp1) for m in modules):
+        raise ValueError(
+            "FullyShardedDataParallel (FSDP1) is not supported: its no_sync() and gradient "
+            "pre/post-division differ from DDP's. Shard the model with FSDP2's fully_shard(model) "
+            "instead (torch.distributed.fsdp.fully_shard), which gradaccum supports"
+        )
+    ddps = [m for m in modules if isinstance(m, DistributedDataParallel)]
+    fsdp_type = _fsdp2_module_type()
+    fsdps = [m for m in modules if fsdp_type is not None and isinstance(m, fsdp_type)]
+    if data_parallel == "none":
+        if ddps or fsdps:
+            raise ValueError(
+                f"data_parallel='none' but the model holds a {'DistributedDataParallel' if ddps else 'fully_shard'} "
+                "module, which reduces gradients across ranks: leave data_parallel='auto'"
+            )
+        return GradSync(model)
+    if ddps and fsdps:
+        raise ValueError("the model holds both DistributedDataParallel and fully_shard modules; "
+                         "use one data-parallel wrapper")
+    if ddps:
+        return DDPSync(_outermost(ddps, model, DistributedDataParallel),  # type: ignore[arg-type]
+                       reduce_every_micro_batch=reduce_every_micro_batch)
+    if fsdps:
+        return FSDP2Sync(_outermost(fsdps, model, fsdp_type), reduce_every_micro_batch=reduce_every_micro_batch)
+    if is_distributed() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"torch.distributed runs {dist.get_world_size()} ranks but no DistributedDataParallel or "
+            f"fully_shard module reduces this {type(model).__name__}'s gradients: every rank would step "
+            "on its own gradients and the replicas would drift apart. Wrap the model "
+            "(DistributedDataParallel(model) or fully_shard(model); torch.compile(ddp_model) is fine), "
+            "or pass data_parallel='none' to train each rank on its own data on purpose"
+        )
     return GradSync(model)
 
 

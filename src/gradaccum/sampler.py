@@ -1,0 +1,181 @@
+"""Data order that depends on the seed alone: global windows, cut into each rank's micro-batches.
+
+The global batch B (the items of one optimizer step, across all ranks) is the invariant. Each epoch
+is a seeded permutation of the dataset, cut into global windows of B items; rank r of W takes a
+contiguous share of every window (sizes differ by at most one item) and cuts it into micro-batches of
+at most m items::
+
+    window g of epoch e   = perm(seed + e)[g * B : (g + 1) * B]
+    rank r's share        = window[r * b // W : (r + 1) * b // W]        (b = len(window))
+
+A window's items do not depend on W, and an accumulated step is exact on the union of the ranks'
+shares, so the same seed and B train the same model on 1, 2 or 8 ranks, and a run checkpointed on W
+ranks continues on W' ranks: the position saved is (epoch, window), never a per-rank offset.
+With B < W some ranks have no item in a window; they contribute zero items to its step.
+
+Used as a DataLoader's ``batch_sampler`` (workers keep working), ``Accumulator.train`` reads where each
+window ends from it and advances its position after every step, so ``state_dict()`` is always the
+position to resume from, even while the DataLoader's workers prefetch ahead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.utils.data import Sampler
+
+from . import sync
+from .schedule import check_positive_int
+
+__all__ = ["WindowSampler"]
+
+
+class WindowSampler(Sampler[List[int]]):
+    """A batch sampler over global windows of ``global_batch_size`` items.
+
+    Args:
+        dataset_size: items in the dataset.
+        global_batch_size: B, items per optimizer step across all ranks.
+        micro_batch_size: m, the most items one forward/backward of one rank takes.
+        seed: the permutation of epoch e is drawn from ``seed + e``.
+        shuffle: ``False`` keeps the dataset order.
+        rank, world_size: default to torch.distributed's (0 and 1 without a process group).
+        drop_last: drop the short last window of each epoch on every rank.
+
+    Example::
+
+        sampler = WindowSampler(len(dataset), global_batch_size=256, micro_batch_size=16, seed=0)
+        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2)
+        for result in acc.train(loader, loss_fn, epochs=3):   # windows come from the sampler
+            if result.step % 100 == 0:
+                save({"model": ..., "sampler": sampler.state_dict()})   # resumes on any world size
+    """
+
+    def __init__(self, dataset_size: int, global_batch_size: int, micro_batch_size: int, *, seed: int = 0,
+                 shuffle: bool = True, rank: Optional[int] = None, world_size: Optional[int] = None,
+                 drop_last: bool = False) -> None:
+        check_positive_int("dataset_size", dataset_size)
+        check_positive_int("global_batch_size", global_batch_size)
+        check_positive_int("micro_batch_size", micro_batch_size)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        world = sync.world_size() if world_size is None else world_size
+        check_positive_int("world_size", world)
+        here = sync.rank() if rank is None else rank
+        if isinstance(here, bool) or not isinstance(here, int) or not 0 <= here < world:
+            raise ValueError(f"rank must be an int in [0, {world}), got {here!r}")
+        if drop_last and dataset_size < global_batch_size:
+            raise ValueError(f"drop_last=True with dataset_size={dataset_size} < global_batch_size="
+                             f"{global_batch_size} leaves no window: lower global_batch_size or keep the short window")
+        self.dataset_size = dataset_size
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = here
+        self.world_size = world
+        self.drop_last = drop_last
+        #: the epoch being (or about to be) iterated
+        self.epoch = 0
+        #: the first window of ``epoch`` that the next iteration yields: windows before it are done
+        self.start_window = 0
+
+    # -- where the windows are ------------------------------------------------------------
+
+    @property
+    def num_windows(self) -> int:
+        """Global windows per epoch, the same on every rank: the optimizer steps of one epoch."""
+        full, rest = divmod(self.dataset_size, self.global_batch_size)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        """The epoch's permutation of the dataset (int64; cached for the last epoch asked)."""
+        cached = getattr(self, "_cached_order", None)
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        if self.shuffle:
+            order = torch.randperm(self.dataset_size, generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            order = torch.arange(self.dataset_size)
+        self._cached_order = (epoch, order)
+        return order
+
+    def _bounds(self, window: int) -> range:
+        """Positions in the epoch's order of this rank's share of ``window``."""
+        start = window * self.global_batch_size
+        b = min(self.global_batch_size, self.dataset_size - start)
+        w, r = self.world_size, self.rank
+        return range(start + r * b // w, start + (r + 1) * b // w)
+
+    def window_items(self, window: int, *, epoch: Optional[int] = None) -> List[int]:
+        """The dataset indices of global window ``window`` (all ranks' items)."""
+        if not 0 <= window < self.num_windows:
+            raise IndexError(f"window {window} is outside [0, {self.num_windows})")
+        order = self._order(self.epoch if epoch is None else epoch)
+        return order[window * self.global_batch_size:(window + 1) * self.global_batch_size].tolist()
+
+    def windows(self) -> Iterator[List[List[int]]]:
+        """This rank's micro-batches (lists of dataset indices), one list per remaining window of
+        the epoch, from ``start_window`` on. A window may be empty on some ranks when B < W."""
+        order, m = self._order(self.epoch), self.micro_batch_size
+        for w in range(self.start_window, self.num_windows):
+            span = self._bounds(w)
+            mine = order[span.start:span.stop].tolist()
+            yield [mine[i:i + m] for i in range(0, len(mine), m)]
+
+    def window_sizes(self) -> List[int]:
+        """How many micro-batches this rank has in each remaining window of the epoch."""
+        m = self.micro_batch_size
+        return [-(-len(self._bounds(w)) // m) for w in range(self.start_window, self.num_windows)]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        windows = list(self.windows())  # fixed now: the position may advance while workers prefetch
+        return (mb for mbs in windows for mb in mbs)
+
+    def __len__(self) -> int:
+        """Micro-batches this rank yields in one iteration (from ``start_window``)."""
+        return sum(self.window_sizes())
+
+    # -- position -------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch``; a new epoch starts at its first window, the current one stays put."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if epoch != self.epoch:
+            self.epoch, self.start_window = epoch, 0
+
+    def advance(self, windows: int = 1) -> None:
+        """Mark ``windows`` more windows of the epoch as done (``Accumulator.train`` calls it after
+        every step; a hand-written loop calls it after each ``window.step()``)."""
+        self.start_window = min(self.start_window + windows, self.num_windows)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The position to resume from and what fixes the data order; no rank or world size."""
+        return {"epoch": self.epoch, "window": self.start_window, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "dataset_size": self.dataset_size,
+                "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resume at ``state``'s position, on any rank of any world size and micro-batch size.
+
+        Raises:
+            ValueError: the state was written for another data order (seed, global batch size,
+                dataset size, shuffle or drop_last differ), naming what differs.
+        """
+        missing = [k for k in ("epoch", "window") if k not in state]
+        if missing:
+            raise ValueError(f"WindowSampler.load_state_dict: the state lacks {', '.join(missing)}; "
+                             "pass what WindowSampler.state_dict() returned")
+        differs = [f"{k}={state[k]!r} (here {getattr(self, k)!r})"
+                   for k in ("seed", "global_batch_size", "dataset_size", "shuffle", "drop_last")
+                   if k in state and state[k] != getattr(self, k)]
+        if differs:
+            raise ValueError("the saved sampler state is for another data order: " + ", ".join(differs)
+                             + "; construct the WindowSampler with the saved values to continue that run")
+        epoch, window = int(state["epoch"]), int(state["window"])
+        if epoch < 0 or not 0 <= window <= self.num_windows:
+            raise ValueError(f"the saved position (epoch {epoch}, window {window}) is outside this "
+                             f"sampler's {self.num_windows} windows per epoch")
+        self.epoch, self.start_window = epoch, window

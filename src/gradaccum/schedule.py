@@ -1,0 +1,71 @@
+"""How many micro-batches make a window, epoch by epoch, and how many optimizer steps that makes.
+
+``Accumulator.train`` groups a loader's micro-batches into windows of ``accum_steps``; a shorter last
+window per epoch is stepped unless ``drop_last``. :func:`num_steps` counts the steps that takes, so a
+learning-rate schedule can be sized before training::
+
+    steps = num_steps(len(loader), accum_steps=4, epochs=3)
+    scheduler = OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Union
+
+__all__ = ["AccumSchedule", "AccumSteps", "num_steps"]
+
+AccumSteps = Union[int, Mapping[int, int], Callable[[int], int]]
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class AccumSchedule:
+    """The accumulation factor per epoch: an int, ``{first_epoch: N}`` or a callable ``epoch -> N``.
+
+    With a mapping, N holds from its epoch until the next key; epochs before the first key use 1
+    (as Lightning's ``GradientAccumulationScheduler``).
+    """
+
+    def __init__(self, accum_steps: AccumSteps) -> None:
+        self._fn: Callable[[int], int]
+        if isinstance(accum_steps, Mapping):
+            if not accum_steps:
+                raise ValueError("accum_steps mapping is empty; give at least {0: N}")
+            for epoch, n in accum_steps.items():
+                if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+                    raise ValueError(f"accum_steps keys must be epochs (ints >= 0), got {epoch!r}")
+                check_positive_int(f"accum_steps[{epoch}]", n)
+            points = sorted(accum_steps.items())
+            self._fn = lambda e: next((n for start, n in reversed(points) if e >= start), 1)
+        elif callable(accum_steps):
+            self._fn = accum_steps
+        else:
+            check_positive_int("accum_steps", accum_steps)
+            self._fn = lambda e: accum_steps  # type: ignore[return-value]
+
+    def __call__(self, epoch: int) -> int:
+        return check_positive_int(f"accum_steps for epoch {epoch}", self._fn(epoch))
+
+
+def num_steps(num_micro_batches: int, accum_steps: AccumSteps, *, epochs: int = 1, drop_last: bool = False) -> int:
+    """The optimizer steps ``Accumulator.train`` takes over ``epochs`` epochs of ``num_micro_batches``.
+
+    Per epoch e with accumulation N_e: ``ceil(M / N_e)`` windows, or ``floor(M / N_e)`` with
+    ``drop_last``. Under data parallelism give the largest per-rank ``len(loader)``: every rank takes
+    as many steps as the rank with the most windows (the others contribute no items to the rest).
+
+    >>> num_steps(10, 4), num_steps(10, 4, drop_last=True), num_steps(10, {0: 1, 1: 5}, epochs=2)
+    (3, 2, 12)
+    """
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 0:
+        raise ValueError(f"num_micro_batches must be an int >= 0 (e.g. len(loader)), got {num_micro_batches!r}")
+    check_positive_int("epochs", epochs)
+    schedule = AccumSchedule(accum_steps)
+    if drop_last:
+        return sum(num_micro_batches // schedule(e) for e in range(epochs))
+    return sum(-(-num_micro_batches // schedule(e)) for e in range(epochs))

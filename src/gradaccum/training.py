@@ -1,0 +1,103 @@
+"""``Accumulator.train``: a loader's micro-batches -> windows -> one step each, epoch after epoch.
+
+Windows come from the loader's :class:`~gradaccum.WindowSampler` (it knows where every global window
+ends and which micro-batches are this rank's) or from ``accum_steps`` consecutive micro-batches.
+
+Under data parallelism the ranks agree at every window (one small all-gather): while any rank has
+micro-batches left, every rank opens the window, a rank whose data ran out contributing zero items,
+so every rank takes the same steps and each step is exact on the items that exist. When no rank has
+any left, the epoch ends on all of them together. Uneven shards (streaming data, packing, filtering)
+therefore neither hang nor drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from itertools import islice
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional
+
+from .batching import Batch, check_micro_batches
+from .result import StepResult
+from .schedule import AccumSchedule, AccumSteps, check_positive_int
+
+if TYPE_CHECKING:
+    from .accumulator import Accumulator, CountFn, LossFn
+
+__all__ = ["train_windows"]
+
+
+def _window_sampler(loader: Any) -> Any:
+    from .sampler import WindowSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return batch_sampler if isinstance(batch_sampler, WindowSampler) else None
+
+
+def train_windows(acc: "Accumulator", loader: Iterable[Batch], loss_fn: "LossFn", *,
+                  accum_steps: Optional[AccumSteps], epochs: int, drop_last: bool,
+                  num_items: Optional["CountFn"]) -> Iterator[StepResult]:
+    """Validate everything up front (nothing runs before the first ``next()`` otherwise), then loop."""
+    check_positive_int("epochs", epochs)
+    sampler = _window_sampler(loader)
+    if sampler is not None:
+        if accum_steps is not None:
+            raise ValueError(
+                f"accum_steps={accum_steps!r} was given, but the loader's WindowSampler already cuts the "
+                "epoch into windows of global_batch_size items: drop accum_steps"
+            )
+        if drop_last:
+            raise ValueError("drop_last=True was given, but the loader's WindowSampler decides about the "
+                             "short last window: construct it with WindowSampler(..., drop_last=True)")
+        return _sampler_windows(acc, loader, sampler, loss_fn, epochs, num_items)
+    if accum_steps is None:
+        raise ValueError("accum_steps is required (micro-batches per window, e.g. accum_steps=4) unless the "
+                         "loader's batch_sampler is a gradaccum.WindowSampler, which cuts the windows")
+    return _grouped_windows(acc, loader, loss_fn, AccumSchedule(accum_steps), epochs, drop_last, num_items)
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if callable(getattr(holder, "set_epoch", None)):
+            holder.set_epoch(epoch)
+            return
+
+
+def _grouped_windows(acc: "Accumulator", loader: Iterable[Batch], loss_fn: "LossFn", schedule: AccumSchedule,
+                     epochs: int, drop_last: bool, num_items: Optional["CountFn"]) -> Iterator[StepResult]:
+    for epoch in range(epochs):
+        _set_epoch(loader, epoch)
+        n = schedule(epoch)
+        batches = iter(loader)
+        window = 0
+        while True:
+            pending: List[Batch] = list(islice(batches, n))
+            check_micro_batches(pending, argument="loader window")
+            counts, total = acc._count(pending, num_items)
+            plan = acc._agree(len(pending), total, bool(pending) or acc._replay is not None)
+            if plan.most == 0:
+                break  # no rank has any micro-batch left
+            if drop_last and plan.fewest < n:
+                break  # the short last window (on some rank) is dropped on every rank
+            result = acc._attempt(pending, loss_fn, num_items, micro_batch_size=None, plan=plan, counts=counts)
+            assert result is not None
+            yield replace(result, accum_steps=n, epoch=epoch, window=window)
+            window += 1
+
+
+def _sampler_windows(acc: "Accumulator", loader: Iterable[Batch], sampler: Any, loss_fn: "LossFn",
+                     epochs: int, num_items: Optional["CountFn"]) -> Iterator[StepResult]:
+    for epoch in range(sampler.epoch, epochs):
+        sampler.set_epoch(epoch)
+        first = sampler.start_window
+        sizes = sampler.window_sizes()  # this rank's micro-batches in each remaining window
+        batches = iter(loader)
+        for offset, size in enumerate(sizes):
+            pending = list(islice(batches, size))
+            if len(pending) != size:
+                raise RuntimeError(f"the loader yielded {len(pending)} micro-batches for window "
+                                   f"{first + offset} of epoch {epoch}, its WindowSampler planned {size}")
+            check_micro_batches(pending, argument="loader window")
+            result = acc._attempt(pending, loss_fn, num_items, micro_batch_size=None)
+            assert result is not None
+            sampler.advance()  # the position a checkpoint saves: this window is done
+            yield replace(result, accum_steps=size, epoch=epoch, window=first + offset)
