@@ -19,6 +19,13 @@ SCENARIOS = [
     "ddp_exception_restores_sync",
     "fsdp2_exact_and_one_reduce_scatter",
     "ddp_auto_micro_batch_agrees_on_oom",
+    "ddp_train_uneven_windows",
+    "ddp_every_micro_batch_uneven_windows",
+    "fsdp2_train_uneven_windows",
+    "ddp_hand_written_window_with_no_data",
+    "fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank",
+    "compiled_ddp_exact_with_uneven_counts",
+    "unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice",
 ]
 
 

@@ -7,6 +7,7 @@ prints ``PASS <name>`` on rank 0, or ``FAIL <name>: <why>`` and the run goes on.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import sys
 import traceback
@@ -292,15 +293,157 @@ def ddp_auto_micro_batch_agrees_on_oom():
     return "both ranks settled on 3 after rank 1 alone ran out of memory, exact"
 
 
+# --------------------------------------------------------------------------- uneven data (#10)
+
+def loader_of(rank: int, sizes, offset: int):
+    """A rank's loader: micro-batches of the given sizes (a list stands in for a DataLoader)."""
+    return [data(rank, offset + k, n) for k, n in enumerate(sizes)]
+
+
+# rank 0 holds 5 windows of 2 micro-batches; rank 1 holds 3.5: its 4th window has 1 micro-batch,
+# and it has nothing for the 5th
+UNEVEN = {0: [3, 2, 4, 1, 2, 2, 3, 3, 1, 4], 1: [2, 2, 1, 3, 4, 4, 2]}
+
+
+def windows_of(loaders, per_window: int):
+    """Per step, every rank's window (possibly empty): the reference's view of the union."""
+    steps = max(-(-len(l) // per_window) for l in loaders)
+    return [[l[w * per_window:(w + 1) * per_window] for l in loaders] for w in range(steps)]
+
+
+def params_equal_on_all_ranks(model: nn.Module) -> bool:
+    flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(every, flat)
+    return all(torch.equal(every[0], other) for other in every[1:])
+
+
+def _train_uneven(model, opt_name: str, **acc_kwargs):
+    loaders = [loader_of(r, UNEVEN[r], 100) for r in range(WORLD)]
+    acc = Accumulator(model, make_opt(model, opt_name), **acc_kwargs)
+    results = list(acc.train(loaders[RANK], mse, accum_steps=2))
+    assert [r.step for r in results] == [1, 2, 3, 4, 5], [r.step for r in results]
+    expected_items = [sum(x.shape[0] for w in step for x, _ in w) for step in windows_of(loaders, 2)]
+    assert [r.num_items for r in results] == expected_items, ([r.num_items for r in results], expected_items)
+    assert params_equal_on_all_ranks(model), "the replicas differ"
+    return windows_of(loaders, 2), results
+
+
+def ddp_train_uneven_windows():
+    model = DDP(model_fn())
+    steps, results = _train_uneven(model, "adamw")
+    close(model.module, reference(steps))
+    return f"5 steps on both ranks (rank 1's data ran out), items {[r.num_items for r in results]}, exact"
+
+
+def ddp_every_micro_batch_uneven_windows():
+    model = DDP(model_fn())
+    steps, _ = _train_uneven(model, "sgd", reduce_every_micro_batch=True)
+    close(model.module, reference(steps, "sgd"))
+    return "reducing every micro-batch: rank 1 padded with zero-weight micro-batches, exact"
+
+
+def fsdp2_train_uneven_windows():
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    model = model_fn()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    steps, _ = _train_uneven(model, "adamw")
+    close(model, reference(steps))
+    return "FSDP2: counts padded to the busiest rank, 5 steps each, exact"
+
+
+def ddp_hand_written_window_with_no_data():
+    """The hand-written loop's way: a rank without data opens acc.window(0) and steps."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    wins = [window_of(0, 80), []]
+    with acc.window(len(wins[RANK])) as w:
+        for x, y in wins[RANK]:
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), num_items=x.shape[0])
+        result = w.step()
+    assert result.num_items == 11 and result.step == 1, result
+    close(model.module, reference([wins], "sgd"))
+    again = Accumulator(model, make_opt(model, "sgd")).step(wins[RANK], mse)  # step([]) on rank 1
+    assert again.num_items == 11 and params_equal_on_all_ranks(model)
+    return "acc.window(0) and acc.step([]) on the rank without data: exact, no hang"
+
+
+def fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    model = model_fn()
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    try:
+        acc.window(len(SHARES[RANK])).__enter__()
+    except ValueError as e:
+        assert "needs the same number of micro-batches on every rank" in str(e) and "acc.window(3)" in str(e), e
+        return "both ranks raised the same ValueError before any collective could wait"
+    raise AssertionError("no error")
+
+
+def compiled_ddp_exact_with_uneven_counts():
+    """torch.compile(DDP(model)) is what Accelerate builds with dynamo_backend: it must reduce once per
+    window and normalize by the global count, with 3 micro-batches on one rank and 2 on the other."""
+    notes = []
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        ddp = DDP(model_fn())
+        hook_fn, hook = counting_hook()
+        ddp.register_comm_hook(None, hook_fn)
+        per_backward = 1  # a model this small fits one bucket
+        model = torch.compile(ddp, backend=backend)
+        acc = Accumulator(model, make_opt(model, "adamw"))
+        steps = [[window_of(r, 90 + 10 * s) for r in range(WORLD)] for s in range(2)]
+        for s in range(2):
+            result = acc.step(steps[s][RANK], mse)
+            assert result.num_items == 17, result.num_items
+        close(ddp.module, reference(steps))
+        assert hook.calls == 2 * per_backward, f"{hook.calls} all-reduces for 2 windows"
+        notes.append(f"{backend}: exact, {hook.calls} all-reduces / 2 windows")
+    return "; ".join(notes)
+
+
+def unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice():
+    model = model_fn()
+    try:
+        Accumulator(model, make_opt(model, "sgd"))
+    except ValueError as e:
+        assert "no DistributedDataParallel or fully_shard module" in str(e) and "data_parallel='none'" in str(e), e
+    else:
+        raise AssertionError("an unwrapped model was accepted under 2 ranks")
+    acc = Accumulator(model, make_opt(model, "sgd"), data_parallel="none")
+    result = acc.step(window_of(RANK, 95), mse)
+    assert result.num_items == sum(SHARES[RANK]), result.num_items  # this rank's items only
+    return "refused with the fix; data_parallel='none' steps each rank on its own items"
+
+
 SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
-             ddp_auto_micro_batch_agrees_on_oom]
+             ddp_auto_micro_batch_agrees_on_oom, ddp_train_uneven_windows, ddp_every_micro_batch_uneven_windows,
+             fsdp2_train_uneven_windows, ddp_hand_written_window_with_no_data,
+             fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
+             unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice]
 
 
 def main() -> int:
     global RANK, WORLD
-    dist.init_process_group("gloo")
+    # a hang would be the worst failure: make any collective that waits a minute an error instead
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     assert WORLD == 2, "run with --nproc_per_node=2 (or two agents of one process)"
     names = sys.argv[1:] or [s.__name__ for s in SCENARIOS]
