@@ -190,7 +190,7 @@ def test_nonfinite_window_is_skipped_and_the_next_is_exact():
     y_bad[4] = float("inf")
     before = [p.detach().clone() for p in model.parameters()]
     result = acc.step((x, y_bad), mse, micro_batch_size=2)
-    assert result.skipped and result.grad_norm is None and result.step == 0
+    assert result.skipped and not math.isfinite(result.loss) and result.step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     assert opt.state == {} or all(not s for s in opt.state.values())
@@ -262,7 +262,7 @@ def test_step_result_fields():
     r = acc.step([regression_batch(2), regression_batch(3)], mse)
     assert isinstance(r, StepResult)
     assert (r.num_items, r.micro_batches, r.step, r.lr, r.skipped, r.micro_batch_size) == (5, 2, 1, 0.3, False, None)
-    assert isinstance(r.loss, float) and isinstance(r.grad_norm, float)
+    assert isinstance(r.loss, float) and r.grad_norm is None  # not measured unless asked: a pass saved
     assert set(r.to_dict()) >= {"loss", "num_items", "micro_batches", "grad_norm", "skipped", "lr", "step",
                                 "micro_batch_size"}
 
@@ -397,3 +397,30 @@ def test_a_scheduler_that_raises_after_the_step_leaves_the_step_counted():
         acc.step(batch, mse, micro_batch_size=2)
     assert acc.steps == len(taken) == 6
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_compute_grad_norm_reports_the_full_batch_norm():
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    batch = regression_batch(9)
+    result = Accumulator(model, opt, compute_grad_norm=True).step(batch, mse, micro_batch_size=2)
+    ref_opt.zero_grad()
+    mse(ref, batch).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
+    ref_opt.step()
+    assert result.grad_norm == pytest.approx(ref_norm, rel=1e-12)
+    assert_params_close(model, ref)
+
+
+def test_a_nonfinite_gradient_behind_a_finite_loss_is_skipped_when_the_norm_is_measured():
+    """sqrt at 0 has an infinite derivative: the loss is finite, the gradient is not. Measuring the
+    norm (compute_grad_norm or max_grad_norm) catches it; the loss-only default check cannot."""
+    for kwargs in ({"compute_grad_norm": True}, {"max_grad_norm": 1.0}):
+        model = regression_model()
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = regression_batch(4)
+        sqrt_loss = lambda m, b: (m(b[0]) * 0).sqrt().mean() + mse(m, b)  # noqa: E731
+        result = acc.step((x, y), sqrt_loss, micro_batch_size=2)
+        assert math.isfinite(result.loss) and not math.isfinite(result.grad_norm) and result.skipped
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

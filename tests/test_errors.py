@@ -150,7 +150,7 @@ def test_a_window_inside_an_open_window_is_refused_and_the_outer_one_survives():
 
     model = regression_model()
     ref, opt, ref_opt = clone_pair(model, "sgd")
-    acc = Accumulator(model, opt)
+    acc = Accumulator(model, opt, compute_grad_norm=True)
     a, b = regression_batch(3, seed=1), regression_batch(5, seed=2)
     with acc.window(2) as w:
         with w.micro_batch():

@@ -21,8 +21,9 @@ data ran out contributes zero items and still takes the step, so every rank step
 times and nothing waits forever.
 
 At the boundary, in this order: one all-reduce of ``(loss sum, N)``; unscale (fp16); the total
-norm, measured on the normalized gradient; a non-finite check (skip or raise); clipping to
-``max_grad_norm``; the optimizer step; the scheduler step; gradients cleared. The only host
+norm of the normalized gradient (with ``max_grad_norm``, fp16 or ``compute_grad_norm``: a pass over
+the gradient that the plain loop does not make); a non-finite check of the loss and that norm (skip
+or raise); clipping; the optimizer step; the scheduler step; gradients cleared. The only host
 synchronisations are one ``.tolist()`` per window for the result and, across ranks, the agreement.
 """
 
@@ -270,16 +271,18 @@ class Window:
         self._check_loss(loss)
         _check_count("num_items", num_items)
         acc = self._acc
-        weight = self._weight(num_items, loss)
-        with torch.autocast(device_type=acc.device.type, enabled=False):
-            acc.precision.scale(loss * weight).backward()
-        detached = loss.detach().to(self._loss_sum.dtype)
+        scaled = acc.precision.scale(loss * self._weight(num_items, loss))
+        if acc.precision.dtype is None:
+            scaled.backward()
+        else:  # the forward ran under autocast; its backward must not
+            with torch.autocast(device_type=acc.device.type, enabled=False):
+                scaled.backward()
         if isinstance(num_items, torch.Tensor):
             count = num_items.to(self._loss_sum.dtype)
-            self._loss_sum.add_(detached * count)
+            self._loss_sum.add_(loss.detach() * count)
             self._device_items = count if self._device_items is None else self._device_items + count
         else:
-            self._loss_sum.add_(detached, alpha=num_items)
+            self._loss_sum.add_(loss.detach(), alpha=num_items)  # promoted into the float64 sum
             self._host_items += num_items
         self.done += 1
 
@@ -351,6 +354,10 @@ class Accumulator:
             ``torch.distributed`` runs several ranks and none reduces the gradients, refuses the
             model (the replicas would drift apart). ``"none"`` trains each rank on its own items on
             purpose: no collective at all.
+        compute_grad_norm: measure the window's total gradient norm for ``StepResult.grad_norm``
+            (one pass over the gradient). It is always measured with ``max_grad_norm`` or fp16;
+            otherwise ``grad_norm`` is None and the non-finite check uses the window's loss, which
+            costs nothing.
     """
 
     def __init__(
@@ -365,6 +372,7 @@ class Accumulator:
         nonfinite: str = "skip",
         reduce_every_micro_batch: bool = False,
         data_parallel: str = "auto",
+        compute_grad_norm: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -390,6 +398,7 @@ class Accumulator:
         self.scheduler = scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.nonfinite = nonfinite
+        self.compute_grad_norm = bool(compute_grad_norm)
         self.params = params
         self.device = params[0].device
         self.precision = MixedPrecision(precision, self.device)
@@ -485,9 +494,12 @@ class Accumulator:
 
     def _count(self, micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Tuple[List[Count], float]:
         """Each micro-batch's item count before any forward pass, and their sum: what a bare mean
-        loss is weighted by (the leading dimension, or the ``num_items`` counter)."""
-        counts: List[Count] = [count_fn(mb) if count_fn is not None else leading_dim(mb) for mb in micro_batches]
-        return counts, sum(_as_number(_check_count("num_items(micro_batch)", c)) for c in counts)
+        loss is weighted by (the leading dimension, or the ``num_items`` counter). Every
+        micro-batch's leading dimensions are checked here, before anything runs."""
+        counts: List[Count] = [leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
+        if count_fn is not None:
+            counts = [_check_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
+        return counts, float(sum(_as_number(c) for c in counts))
 
     def _attempt(self, micro_batches: List[Batch], loss_fn: LossFn, count_fn: Optional[CountFn], *,
                  micro_batch_size: Any, catch_oom: bool = False, plan: Optional[WindowPlan] = None,
@@ -652,25 +664,32 @@ class Accumulator:
     def _finish_window(self, window: Window) -> StepResult:
         if self.buffers is not None:
             self.buffers.active = False
-        totals = self.sync.all_reduce_(window.totals())  # one small all-reduce per window
         self.precision.unscale_(self.optimizer)
         grads = self._grads()
-        raw_norm = _total_norm(grads, self.device)
-        loss_sum, num_items, raw_norm_f = torch.cat(
-            [totals.to(torch.float64), raw_norm.reshape(1).to(device=totals.device, dtype=torch.float64)]
-        ).tolist()  # the window's one host synchronisation
+        measure = self.max_grad_norm is not None or self.compute_grad_norm or self.precision.scaler is not None
+        if self.sync.distributed or window._device_items is not None:
+            totals = self.sync.all_reduce_(window.totals())  # one small all-reduce per window
+            parts = [totals.to(torch.float64)]
+        else:  # the count is a host number already: only the loss sum crosses to the host
+            parts = [window._loss_sum.reshape(1).to(torch.float64)]
+        if measure:
+            parts.append(_total_norm(grads, self.device).reshape(1).to(device=parts[0].device, dtype=torch.float64))
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the window's one host sync
+        loss_sum = host[0]
+        num_items = host[1] if len(host) == (3 if measure else 2) else window._host_items
         lr = float(self.optimizer.param_groups[0]["lr"])
         ref = window.reference_items or 1.0
         scale = ref / num_items if num_items > 0 else 0.0
-        grad_norm: Optional[float] = raw_norm_f * scale
-        finite = grad_norm is not None and math.isfinite(grad_norm)
+        grad_norm: Optional[float] = host[-1] * scale if measure else None
+        finite = math.isfinite(loss_sum) and (grad_norm is None or math.isfinite(grad_norm))
         skipped = True
         try:
             if num_items <= 0 or not finite:
                 if not finite and self.nonfinite == "raise" and self.precision.scaler is None:
                     raise FloatingPointError(
-                        f"the window's gradient is not finite (norm {grad_norm}); no step was taken and "
-                        "the gradients were cleared. Lower the learning rate, use max_grad_norm, or pass "
+                        f"the window's {'gradient' if math.isfinite(loss_sum) else 'loss'} is not finite "
+                        f"(loss sum {loss_sum}, gradient norm {grad_norm}); no step was taken and the "
+                        "gradients were cleared. Lower the learning rate, use max_grad_norm, or pass "
                         "nonfinite='skip' to skip such windows"
                     )
                 if num_items <= 0 and window.done > 0:
@@ -678,8 +697,6 @@ class Accumulator:
                                     "ignore_index): it has no loss to step on, so it was skipped; its "
                                     "StepResult.loss is nan")
                 self.precision.skip(self.optimizer)
-                if not finite:
-                    grad_norm = None
             else:
                 coef = scale
                 if self.max_grad_norm is not None:
@@ -743,8 +760,12 @@ def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: List[torch
 
 
 def _total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The gradient's total 2-norm: one fused pass for plain tensors on one device (the common
+    case, without get_total_norm's per-call grouping); DTensors and mixed devices take the general path."""
     if not grads:
         return torch.zeros((), device=device)
+    if hasattr(torch, "_foreach_norm") and all(type(g) is torch.Tensor and g.device == device for g in grads):
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     norm = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
         else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     return full_tensor(norm)

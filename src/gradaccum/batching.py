@@ -41,6 +41,12 @@ def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
         ValueError: when the batch holds no tensor, a 0-d tensor, or tensors whose leading
             dimensions disagree (the message names both paths and sizes).
     """
+    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
+        return batch.shape[0]
+    if type(batch) in (tuple, list) and batch and all(type(t) is torch.Tensor and t.dim() > 0 for t in batch):
+        n = batch[0].shape[0]  # the common (inputs, targets) case, without the general walk
+        if all(t.shape[0] == n for t in batch):
+            return n
     first: Optional[tuple[str, int]] = None
     for path, t in _tensors(batch):
         if t.dim() == 0:
@@ -122,7 +128,7 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
     With ``micro_batch_size=None`` the window is a list of micro-batches; with an int it is one
     batch to split. A tuple or list holding bare tensors is refused without ``micro_batch_size``:
     ``(inputs, targets)`` would otherwise be read as two micro-batches, ``inputs`` and then
-    ``targets``. Every micro-batch is checked here, before any forward pass runs.
+    ``targets``.
     """
     if micro_batch_size is not None:
         return split_batch(window, micro_batch_size)
@@ -145,5 +151,4 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
     micro_batches = list(window)
     if not micro_batches and not allow_empty:
         raise ValueError("window is empty (0 micro-batches); pass at least one micro-batch")
-    check_micro_batches(micro_batches)
-    return micro_batches
+    return micro_batches  # leading dimensions are checked when the Accumulator counts the items

@@ -32,10 +32,8 @@ class MixedPrecision:
         self.scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler(device.type) if precision == "fp16" else None
         )
-
-    @property
-    def dtype(self) -> Optional[torch.dtype]:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        #: the autocast dtype, or None for fp32
+        self.dtype: Optional[torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
     def autocast(self) -> ContextManager[Any]:
         """The forward pass's context: autocast to bf16/fp16 on the parameters' device, or nothing."""

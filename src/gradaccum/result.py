@@ -18,10 +18,12 @@ class StepResult:
         num_items: items in the window across all ranks (the normalizer); an int, or a float when
             the counts given were fractional weights.
         micro_batches: forward/backward passes this rank ran for the window that counted.
-        grad_norm: total gradient norm before clipping (after normalization and unscaling);
-            None when the window had no finite gradient to measure.
-        skipped: True when no optimizer step was taken (non-finite gradient, fp16 overflow,
-            or a window with 0 items).
+        grad_norm: total gradient norm before clipping (after normalization and unscaling), when
+            measured: with ``max_grad_norm``, fp16, or ``Accumulator(compute_grad_norm=True)``;
+            None otherwise (measuring is a pass over the whole gradient). inf or nan when the
+            gradient was not finite (the window is then skipped).
+        skipped: True when no optimizer step was taken (non-finite loss, non-finite measured
+            gradient, fp16 overflow, or a window with 0 items).
         lr: learning rate of the first parameter group used for this window.
         step: optimizer steps taken so far, this one included.
         micro_batch_size: the split used when the window was one batch (int or "auto"); else None.

@@ -16,7 +16,7 @@ from dataclasses import replace
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional
 
-from .batching import Batch, check_micro_batches
+from .batching import Batch
 from .result import StepResult
 from .schedule import AccumSchedule, AccumSteps, check_positive_int
 
@@ -71,8 +71,7 @@ def _grouped_windows(acc: "Accumulator", loader: Iterable[Batch], loss_fn: "Loss
         window = 0
         while True:
             pending: List[Batch] = list(islice(batches, n))
-            check_micro_batches(pending, argument="loader window")
-            counts, total = acc._count(pending, num_items)
+            counts, total = acc._count(pending, num_items)  # checks every micro-batch, before any forward
             plan = acc._agree(len(pending), total, bool(pending) or acc._replay is not None)
             if plan.most == 0:
                 break  # no rank has any micro-batch left
@@ -96,7 +95,6 @@ def _sampler_windows(acc: "Accumulator", loader: Iterable[Batch], sampler: Any, 
             if len(pending) != size:
                 raise RuntimeError(f"the loader yielded {len(pending)} micro-batches for window "
                                    f"{first + offset} of epoch {epoch}, its WindowSampler planned {size}")
-            check_micro_batches(pending, argument="loader window")
             result = acc._attempt(pending, loss_fn, num_items, micro_batch_size=None)
             assert result is not None
             sampler.advance()  # the position a checkpoint saves: this window is done
