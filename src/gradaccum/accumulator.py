@@ -549,16 +549,18 @@ class Accumulator:
                 "error first. Pass an int micro_batch_size (found once, e.g. with DDP)"
             )
         n = leading_dim(batch)
-        size = min(self.auto_micro_batch_size or n, n)
+        if n == 0 and not self.sync.distributed:
+            raise ValueError("batch has 0 items along dim 0; there is nothing to step on")
+        size = min(self.auto_micro_batch_size or n, n) if n else 2 ** 62  # an empty share follows the others
         if self.sync.distributed:  # every rank starts from the same size
             size = int(self.sync.all_reduce_(torch.tensor([size], device=self.device), "min").item())
         backed_off = False
         while True:
-            result = self._attempt(split_batch(batch, size), loss_fn, count_fn, micro_batch_size=size,
-                                   catch_oom=True)
+            micro_batches = split_batch(batch, size) if n else []
+            result = self._attempt(micro_batches, loss_fn, count_fn, micro_batch_size=size, catch_oom=True)
             if result is not None:
                 # a short window (fewer items than the size that works) must not shrink the memory
-                if backed_off or self.auto_micro_batch_size is None:
+                if n and (backed_off or self.auto_micro_batch_size is None):
                     self.auto_micro_batch_size = size
                 return result
             backed_off = True

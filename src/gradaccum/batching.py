@@ -131,6 +131,8 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
     ``targets``.
     """
     if micro_batch_size is not None:
+        if allow_empty and leading_dim(window) == 0:
+            return []  # a rank whose share is empty: it takes part with zero items
         return split_batch(window, micro_batch_size)
     if isinstance(window, (torch.Tensor, Mapping)) or not isinstance(window, Sequence) or isinstance(window, str):
         raise ValueError(

@@ -377,6 +377,30 @@ def ddp_hand_written_window_with_no_data():
     return "acc.window(0) and acc.step([]) on the rank without data: exact, no hang"
 
 
+def ddp_empty_share_with_a_split_or_auto_size():
+    """A rank whose share of a global window is empty (B < W, the short last window) passes an empty
+    batch with micro_batch_size=M or "auto": it takes part with zero items, also in the OOM back-off."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "adamw"))
+    x0, y0 = (torch.cat(t) for t in zip(*window_of(0, 85)))
+    batches = [(x0, y0), (x0[:0], y0[:0])]
+    steps = [[[batches[0]], []]]
+    result = acc.step(batches[RANK], mse, micro_batch_size=4)
+    assert result.num_items == 11 and result.micro_batches == (3 if RANK == 0 else 0), result
+    limit = 5  # rank 0 runs out of memory above 5 items; rank 1 has none and must follow its back-off
+
+    def loss_fn(m, b):
+        if b[0].shape[0] > limit:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        return mse(m, b)
+
+    result = acc.step(batches[RANK], loss_fn, micro_batch_size="auto")
+    assert result.num_items == 11 and result.micro_batch_size == 5, result
+    steps.append([[batches[0]], []])
+    close(model.module, reference(steps))
+    return "empty shares took part in a split step and in the auto back-off (11 -> 5), exact"
+
+
 def fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank():
     from torch.distributed.device_mesh import init_device_mesh
     try:
@@ -435,7 +459,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
              ddp_auto_micro_batch_agrees_on_oom, ddp_train_uneven_windows, ddp_every_micro_batch_uneven_windows,
-             fsdp2_train_uneven_windows, ddp_hand_written_window_with_no_data,
+             fsdp2_train_uneven_windows, ddp_hand_written_window_with_no_data, ddp_empty_share_with_a_split_or_auto_size,
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice]
 
