@@ -17,7 +17,7 @@ REPEATS = 2 if QUICK else 5
 def throughput() -> List[dict]:
     """One window of B items split into N micro-batches, against N = 1 in the same run."""
     rows = []
-    for name, width, d_in, batch in (("compute-bound (784-2048-2048-10, B=512)", 2048, 784, 512),
+    for name, width, d_in, batch in (("compute-bound (784-2048-2048-10, B=256)", 2048, 784, 256),
                                      ("weight-bound (4096-1024-1024-10, B=32)", 1024, 4096, 32)):
         x, y = data(batch, d_in)
         fns = {}

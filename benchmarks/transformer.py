@@ -38,7 +38,7 @@ from gradaccum.tasks.models import TinyTransformer
 M = 4                     # sequences per micro-batch
 NS: Sequence[int] = (1, 4, 16) if QUICK else (1, 2, 4, 8, 16)
 REPEATS = 2 if QUICK else 4
-MICRO_BATCHES_PER_BLOCK = 16 if QUICK else 32
+MICRO_BATCHES_PER_BLOCK = 16 if QUICK else 24
 STEPS = 3                 # windows for the distance
 LR = 0.1
 METHODS = ("gradaccum", "hand", "accelerate", "trainer")
