@@ -29,9 +29,10 @@ profiler's private entry points (``torch.autograd._enable_profiler``), the same 
 ``torch.profiler.profile`` calls; it cannot run inside another profiler.
 
 What it costs on the CPU (``make bench`` measures it, docs/benchmarks.md section 3): about half a
-millisecond to start and stop, plus roughly 5 to 25 microseconds per allocation made in the region
-(its free included) on a 2-core machine, nearly all of it in the profiler turning the events into its
-own records when the region ends; the code inside the region runs at full speed. That is a fraction
+millisecond to start and stop, plus about 7 microseconds per allocation made in the region (its free
+included) on a quiet core and up to 40 on a busy 2-core machine, nearly all of it in the profiler
+turning the events into its own records when the region ends; the code inside the region runs at
+full speed. That is a fraction
 of a small training window: measure some windows (the first, or one in a hundred), not every one.
 torch 2.13's profiler also prints ``profiler_start``/``profiler_stop`` to stderr for every region;
 ``KINETO_LOG_LEVEL=6`` in the environment, set before the first region, silences it.
