@@ -24,6 +24,7 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+# docs/benchmarks.md (+ .json, .png); BENCH_QUICK=1 make bench is a one-minute smoke run of every section
 bench: install
 	$(PIP) install -q -e ".[bench]"
 	$(PY) benchmarks/run.py

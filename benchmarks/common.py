@@ -1,0 +1,155 @@
+"""What every benchmark section shares: the quick switch, timing side by side, tables, small models.
+
+Timing rule: the alternatives of one comparison run in the same process, one block each per repeat,
+in an order that rotates every repeat (A B C, B C A, C A B, ...), so that drift and the position in
+the sequence hit all of them alike. A ratio is taken per repeat (same repeat, same conditions) and
+its median over the repeats is reported, with the spread of the per-repeat ratios.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+#: BENCH_QUICK=1: fewer repeats and sizes, for a smoke run (about a minute); figures are noisier
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+
+
+class Timer:
+    """Seconds taken by a callable: ``perf_counter`` on the CPU; CUDA events (synchronized) on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def rotate(names: Sequence[str], repeat: int) -> List[str]:
+    k = repeat % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def side_by_side(fns: Mapping[str, Callable[[], object]], repeats: int, *,
+                 timer: Optional[Timer] = None, warmup: int = 1) -> Dict[str, List[float]]:
+    """Seconds per call of each function, ``repeats`` samples each, order rotated every repeat."""
+    timer = timer or Timer(torch.device("cpu"))
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: Dict[str, List[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in rotate(names, r):
+            samples[name].append(timer(fns[name]))
+    return samples
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def paired_ratio(samples: Mapping[str, List[float]], num: str, den: str) -> Dict[str, float]:
+    """Median and interquartile range of the per-repeat ratios ``num / den``."""
+    ratios = sorted(a / b for a, b in zip(samples[num], samples[den]))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}
+
+
+def table(rows: Sequence[Mapping[str, object]], cols: Sequence[str], fmt: Optional[Mapping[str, str]] = None,
+          headers: Optional[Mapping[str, str]] = None) -> str:
+    fmt, headers = fmt or {}, headers or {}
+    out = ["| " + " | ".join(headers.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("-" if v is None else format(v, fmt.get(c, "")) if not isinstance(v, str) else v)
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def machine() -> Dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: Dict[str, object] = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+                               "python": platform.python_version(), "threads": torch.get_num_threads(),
+                               "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    try:
+        info["load_average_at_start"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    for name in ("accelerate", "transformers"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
+    return info
+
+
+# -- the models and data of the overhead benchmark ------------------------------------------------
+
+def mlp(width: int = 512, d_in: int = 784, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def ce(model: nn.Module, batch) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def data(n: int, d_in: int = 784, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def sgd(model: nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+_ACCELERATOR = None
+
+
+def accelerator(num_steps: int, *, cpu: bool = True):
+    """One Accelerator for the process (Accelerate keeps process-wide state, so the first call's
+    ``cpu`` holds), set to ``num_steps`` and realigned to the start of a window; None when
+    Accelerate is not installed. The CUDA section runs in a process of its own for that reason."""
+    global _ACCELERATOR
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return None
+    if _ACCELERATOR is None:
+        _ACCELERATOR = Accelerator(gradient_accumulation_steps=num_steps, cpu=cpu)
+    # the Trainer shares Accelerate's gradient state and sets it to 1 step: set it back every time
+    _ACCELERATOR.gradient_accumulation_steps = num_steps
+    _ACCELERATOR.gradient_state.plugin_kwargs.update(sync_with_dataloader=False)
+    _ACCELERATOR.step = 0
+    return _ACCELERATOR

@@ -1,0 +1,23 @@
+"""Section 2: launch dist_bench.py under torchrun (2 gloo processes, ``--standalone``: torchrun picks
+a free port itself, so concurrent runs never race for a fixed one)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+from common import QUICK, ROOT
+
+
+def distributed() -> Optional[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), BENCH_QUICK="1" if QUICK else "0")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "benchmarks" / "dist_bench.py")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
