@@ -424,3 +424,34 @@ def test_a_nonfinite_gradient_behind_a_finite_loss_is_skipped_when_the_norm_is_m
         result = acc.step((x, y), sqrt_loss, micro_batch_size=2)
         assert math.isfinite(result.loss) and not math.isfinite(result.grad_norm) and result.skipped
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_token_counted_windows_keep_the_backward_near_a_mean_loss():
+    """causal_lm_loss counts tokens while the window's up-front count is sequences: the first window
+    learns the ratio, and later windows divide by about their token count, so the backward stays at
+    a mean loss's magnitude (what fp16's loss scale needs) instead of tokens-per-sequence times it.
+    The steps stay exact, and the ratio is in state_dict so a resume rounds the same."""
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    acc = Accumulator(model, opt)
+    windows = [[padded_micro_batch([9, 12, 5], 1, pad_to=12), padded_micro_batch([11], 2, pad_to=12)],
+               [padded_micro_batch([12, 10], 3, pad_to=12), padded_micro_batch([8, 12], 4, pad_to=12)]]
+    first = acc.step(windows[0], lm_loss)
+    assert acc.count_ratio == first.num_items / 4  # tokens per sequence in window 1
+    weights = []
+    with acc.window(2, num_items=4) as w:  # 4 sequences up front, as step() would count them
+        weights.append(w.reference_items)
+        for mb in windows[1]:
+            with w.micro_batch():
+                w.backward(*lm_loss(model, mb))
+        second = w.step()
+    assert weights[0] == 4 * first.num_items / 4 and abs(weights[0] - second.num_items) < 0.2 * second.num_items
+    for window in windows:
+        big = {key: torch.cat([mb[key] for mb in window]) for key in ("input_ids", "labels")}
+        big["note"] = "kept"
+        reference_step(ref, ref_opt, lambda: lm_loss(ref, big)[0])
+    assert_params_close(model, ref)
+    restored = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    restored.load_state_dict(acc.state_dict())
+    assert restored.count_ratio == acc.count_ratio

@@ -178,9 +178,12 @@ class Window:
 
     def _follow(self, plan: WindowPlan) -> None:
         """Act on the agreement, identically on every rank."""
-        sync = self._acc.sync
+        acc = self._acc
+        sync = acc.sync
         if plan.items is not None and plan.items > 0:
-            self._reference = plan.items
+            # counts known up front: R = N exactly (ratio 1). When loss_fn counts other items (tokens
+            # of sequences), the last window's ratio keeps the backward near a mean loss's magnitude
+            self._reference = plan.items * acc.count_ratio
         if plan.most == plan.fewest:
             return
         if sync.needs_equal_counts:
@@ -424,6 +427,8 @@ class Accumulator:
         self.auto_micro_batch_size: Optional[int] = None
         #: R for windows whose item count is not known up front (see the module docstring)
         self.reference_items: Optional[float] = None
+        #: items loss_fn counted per item counted up front, in the last window (1.0 when they agree)
+        self.count_ratio = 1.0
         self._window: Optional[Window] = None
         self._replay: Optional[Batch] = None  # the last micro-batch run, for zero-weight padding
         self._warned: set = set()
@@ -681,6 +686,9 @@ class Accumulator:
         num_items = host[1] if len(host) == (3 if measure else 2) else window._host_items
         lr = float(self.optimizer.param_groups[0]["lr"])
         ref = window.reference_items or 1.0
+        upfront = window.plan.items if window.plan is not None else None
+        if upfront and num_items > 0:  # the same global numbers on every rank: the same ratio
+            self.count_ratio = num_items / upfront
         scale = ref / num_items if num_items > 0 else 0.0
         grad_norm: Optional[float] = host[-1] * scale if measure else None
         finite = math.isfinite(loss_sum) and (grad_norm is None or math.isfinite(grad_norm))
@@ -732,7 +740,8 @@ class Accumulator:
     def state_dict(self) -> Dict[str, Any]:
         """What resuming needs beyond the model and optimizer: step count, scaler, auto size."""
         return {"steps": self.steps, "auto_micro_batch_size": self.auto_micro_batch_size,
-                "reference_items": self.reference_items, "precision": self.precision.state_dict()}
+                "reference_items": self.reference_items, "count_ratio": self.count_ratio,
+                "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         missing = [k for k in ("steps", "precision") if k not in state]
@@ -743,6 +752,7 @@ class Accumulator:
         self.steps = int(state["steps"])
         self.auto_micro_batch_size = state.get("auto_micro_batch_size")
         self.reference_items = state.get("reference_items")
+        self.count_ratio = float(state.get("count_ratio", 1.0))
 
 
 def _check_loss_fn(loss_fn: Any) -> None:
