@@ -44,3 +44,20 @@ def test_prepared_model_optimizer_and_loader_are_exact(accelerator):
         assert result.loss == pytest.approx(reference_step(ref, ref_opt, window, ref_sched), rel=1e-12)
     assert len(results) == total == 3 and sched.last_epoch == total
     assert_params_close(model, ref)
+
+
+@pytest.mark.xfail(strict=True, reason="library gap (#10): an AcceleratedOptimizer holding Accelerate's "
+                   "GradScaler is accepted; its step() unscales gradients gradaccum never scaled")
+def test_an_optimizer_with_accelerates_grad_scaler_is_refused_with_the_fix(accelerator):
+    """``Accelerator(mixed_precision="fp16")`` on a GPU gives the prepared optimizer a GradScaler, and
+    ``AcceleratedOptimizer.step()`` runs ``scaler.step()``: it divides gradaccum's (unscaled) gradients by
+    the loss scale. The first window raises GradScaler's "did not use scaler.scale(loss)" AssertionError,
+    which names neither gradaccum nor the fix; once anything has called ``scaler.scale`` (one
+    ``accelerator.backward`` anywhere), every step is 65536 times too small and reported as taken.
+    Here the scaler is built on the CPU, as Accelerate builds it on a GPU."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = torch.nn.Linear(4, 1)
+    opt = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"GradScaler.*precision='fp16'"):
+        Accumulator(model, opt)
