@@ -192,6 +192,31 @@ def accelerate_dynamo_backend_is_compiled_ddp_and_exact():
     return "torch.compile(DDP(model)) found through OptimizedModule, exact, 1 all-reduce per window"
 
 
+def accelerate_prepared_window_sampler_is_refused_with_the_fix():
+    """Library gap (xfail in test_stacks.py). A WindowSampler already gives each rank its share of every
+    window; ``accelerator.prepare`` on 2 processes wraps it in a BatchSamplerShard that shards it again,
+    so each rank sees every other micro-batch of its share (here 7 of the 20 items are never seen).
+    ``acc.train`` then no longer sees the WindowSampler and asks for ``accum_steps``, which, given,
+    trains on that data in silence. It should refuse the loader and say not to prepare it."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradaccum import WindowSampler
+
+    accelerator = _accelerator()
+    dataset = TensorDataset(*data(0, 600, 20))
+    sampler = WindowSampler(len(dataset), global_batch_size=8, micro_batch_size=3, shuffle=False)
+    inner = model_fn()
+    p_model, p_opt, p_loader = accelerator.prepare(inner, make_opt(inner, "sgd"),
+                                                   DataLoader(dataset, batch_sampler=sampler))
+    acc = Accumulator(p_model, p_opt)
+    try:
+        list(acc.train(p_loader, mse))
+    except ValueError as e:
+        assert "WindowSampler" in str(e) and "prepare" in str(e), str(e)
+        return "refused, naming accelerator.prepare"
+    raise AssertionError("a WindowSampler sharded again by Accelerate was accepted")
+
+
 # --------------------------------------------------------------------------- ZeRO, transformers
 
 def zero_redundancy_optimizer_uneven_counts():
@@ -243,7 +268,8 @@ def hf_gpt2_ddp_uneven_data_train():
 
 SCENARIOS = [ddp_over_compiled_eager_and_aot_eager, ddp_over_compiled_inductor,
              accelerate_prepared_exact_with_raw_scheduler, accelerate_prepared_scheduler_steps_once_per_process,
-             accelerate_dynamo_backend_is_compiled_ddp_and_exact, zero_redundancy_optimizer_uneven_counts,
+             accelerate_dynamo_backend_is_compiled_ddp_and_exact,
+             accelerate_prepared_window_sampler_is_refused_with_the_fix, zero_redundancy_optimizer_uneven_counts,
              hf_gpt2_ddp_uneven_data_train]
 
 

@@ -18,9 +18,17 @@ SCENARIOS = [
     "accelerate_prepared_exact_with_raw_scheduler",
     "accelerate_prepared_scheduler_steps_once_per_process",
     "accelerate_dynamo_backend_is_compiled_ddp_and_exact",
+    "accelerate_prepared_window_sampler_is_refused_with_the_fix",
     "zero_redundancy_optimizer_uneven_counts",
     "hf_gpt2_ddp_uneven_data_train",
 ]
+
+# library gaps found here: a failing scenario each, until the library is fixed
+GAPS = {
+    "accelerate_prepared_window_sampler_is_refused_with_the_fix":
+        "library gap (#10): a WindowSampler sharded again by accelerator.prepare (BatchSamplerShard) is not "
+        "recognised; train() asks for accum_steps and then trains on half of each rank's share",
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,8 @@ def verdicts():
     return lines, proc
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GAPS[n]))
+                                  if n in GAPS else n for n in SCENARIOS])
 def test_scenario(verdicts, name):
     lines, proc = verdicts
     assert name in lines, f"scenario {name} did not report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
