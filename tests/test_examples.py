@@ -1,6 +1,7 @@
 """The examples a newcomer reads first must run and say what they claim."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +25,14 @@ def test_accelerate_toy_regression_reaches_2_04_both_ways():
 @pytest.mark.parametrize("name", ["plain_loop.py", "train_loop.py"])
 def test_examples_run(name):
     assert "loss" in run(name)
+
+
+def test_hf_causal_lm_gradaccum_is_one_big_batch_and_the_naive_loop_is_not():
+    pytest.importorskip("transformers")
+    out = run("hf_causal_lm.py")
+    assert "14 micro-batches of 4, windows of 4: 8 optimizer steps" in out
+    assert len(re.findall(r"^step \d+: loss \d\.\d+ over \d+ tokens$", out, re.M)) == 8
+    found = re.search(r"distance from one big batch per window: gradaccum (\S+), naive loss/4 loop (\S+)$", out, re.M)
+    assert found, out
+    ours, naive = map(float, found.groups())
+    assert ours < 1e-10 and naive > 1e-2, out

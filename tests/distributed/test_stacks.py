@@ -1,0 +1,63 @@
+"""The stacks users train with (#10), under torchrun with 2 gloo processes on the CPU: DDP over
+torch.compile, Accelerate, ZeroRedundancyOptimizer and a transformers GPT-2 with uneven data. The
+scenarios live in stacks_worker.py and run in one launch (transformers and dynamo import once)."""
+from __future__ import annotations
+
+import pytest
+
+from distributed.launch import ROOT, torchrun
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+WORKER = str(ROOT / "tests" / "distributed" / "stacks_worker.py")
+SCENARIOS = [
+    "ddp_over_compiled_eager_and_aot_eager",
+    "ddp_over_compiled_inductor",
+    "accelerate_prepared_exact_with_raw_scheduler",
+    "accelerate_prepared_scheduler_steps_once_per_process",
+    "accelerate_dynamo_backend_is_compiled_ddp_and_exact",
+    "accelerate_prepared_window_sampler_is_refused_with_the_fix",
+    "zero_redundancy_optimizer_uneven_counts",
+    "hf_gpt2_ddp_uneven_data_train",
+]
+
+# library gaps found here: a failing scenario each, until the library is fixed
+GAPS = {
+    "accelerate_prepared_window_sampler_is_refused_with_the_fix":
+        "library gap (#10): a WindowSampler sharded again by accelerator.prepare (BatchSamplerShard) is not "
+        "recognised; train() asks for accum_steps and then trains on part of each rank's share",
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    proc = torchrun([WORKER], timeout=600)
+    lines = {}
+    for line in proc.stdout.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("PASS", "FAIL", "SKIP"):
+            lines[rest.split(":")[0]] = (status, line)
+    return lines, proc
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GAPS[n]))
+                                  if n in GAPS else n for n in SCENARIOS])
+def test_scenario(verdicts, name):
+    lines, proc = verdicts
+    assert name in lines, f"scenario {name} did not report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    status, line = lines[name]
+    if status == "SKIP":
+        pytest.skip(line)
+    assert status == "PASS", f"{line}\n{proc.stderr[-4000:]}"
+
+
+def test_every_scenario_is_listed():
+    """A scenario added to the worker but not here would never be asserted."""
+    import ast
+
+    tree = ast.parse((ROOT / "tests" / "distributed" / "stacks_worker.py").read_text())
+    listed = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                  and any(getattr(t, "id", None) == "SCENARIOS" for t in node.targets))
+    assert [elt.id for elt in listed.elts] == SCENARIOS

@@ -1,0 +1,63 @@
+"""Accelerate as a client (#10), single process: the prepared model, optimizer and DataLoader go to
+the Accumulator, the raw scheduler to ``scheduler=``. Two processes: distributed/stacks_worker.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from torch.utils.data import DataLoader  # noqa: E402
+
+from gradaccum import Accumulator, num_steps  # noqa: E402
+from helpers import assert_params_close  # noqa: E402
+from hf_helpers import gpt2, lm_loss, pad, reference_step, sequences, unpad  # noqa: E402
+
+
+@pytest.fixture
+def accelerator():
+    """Accelerate keeps its state in process-wide singletons: reset them after the test."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield accelerate.Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_prepared_model_optimizer_and_loader_are_exact(accelerator):
+    """Micro-batches of 2 padded sequences, windows of 2 (the last one short), AdamW, a warmup schedule:
+    every step equals one on the window's sequences as one padded batch."""
+    data = sequences([9, 3, 6, 2, 8, 5, 4, 7, 2, 5], seed=3)
+    loader = DataLoader(data, batch_size=2, collate_fn=pad)
+    model, ref = gpt2(), gpt2()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref))
+    total = num_steps(len(loader), 2)
+    sched, ref_sched = (torch.optim.lr_scheduler.LambdaLR(o, lambda s: (s + 1) / (total + 1)) for o in (opt, ref_opt))
+    p_model, p_opt, p_loader = accelerator.prepare(model, opt, loader)
+    assert isinstance(p_opt, accelerate.optimizer.AcceleratedOptimizer)
+    acc = Accumulator(p_model, p_opt, scheduler=sched)
+    results = list(acc.train(p_loader, lm_loss, accum_steps=2))
+    seen = [unpad(mb) for mb in loader]
+    for w, result in enumerate(results):
+        window = [s for mb in seen[2 * w:2 * w + 2] for s in mb]
+        assert result.loss == pytest.approx(reference_step(ref, ref_opt, window, ref_sched), rel=1e-12)
+    assert len(results) == total == 3 and sched.last_epoch == total
+    assert_params_close(model, ref)
+
+
+@pytest.mark.xfail(strict=True, reason="library gap (#10): an AcceleratedOptimizer holding Accelerate's "
+                   "GradScaler is accepted; its step() unscales gradients gradaccum never scaled")
+def test_an_optimizer_with_accelerates_grad_scaler_is_refused_with_the_fix(accelerator):
+    """``Accelerator(mixed_precision="fp16")`` on a GPU gives the prepared optimizer a GradScaler, and
+    ``AcceleratedOptimizer.step()`` runs ``scaler.step()``: it divides gradaccum's (unscaled) gradients by
+    the loss scale. The first window raises GradScaler's "did not use scaler.scale(loss)" AssertionError,
+    which names neither gradaccum nor the fix; once anything has called ``scaler.scale`` (one
+    ``accelerator.backward`` anywhere), every step is 65536 times too small and reported as taken.
+    Here the scaler is built on the CPU, as Accelerate builds it on a GPU."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = torch.nn.Linear(4, 1)
+    opt = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"GradScaler.*precision='fp16'"):
+        Accumulator(model, opt)
