@@ -46,8 +46,6 @@ def test_prepared_model_optimizer_and_loader_are_exact(accelerator):
     assert_params_close(model, ref)
 
 
-@pytest.mark.xfail(strict=True, reason="library gap (#10): an AcceleratedOptimizer holding Accelerate's "
-                   "GradScaler is accepted; its step() unscales gradients gradaccum never scaled")
 def test_an_optimizer_with_accelerates_grad_scaler_is_refused_with_the_fix(accelerator):
     """``Accelerator(mixed_precision="fp16")`` on a GPU gives the prepared optimizer a GradScaler, and
     ``AcceleratedOptimizer.step()`` runs ``scaler.step()``: it divides gradaccum's (unscaled) gradients by

@@ -396,6 +396,7 @@ class Accumulator:
         if not params:
             raise ValueError("model has no parameter that requires grad; there is nothing to accumulate")
         _check_optimizer_covers(optimizer, params, model)
+        _check_no_foreign_scaler(optimizer)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -768,6 +769,19 @@ def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: List[torch
             f"the optimizer holds none of the {type(model).__name__}'s {len(params)} trainable "
             "parameters, so its steps would never move the model: build it over this model's "
             "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
+        )
+
+
+def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
+    """Accelerate's prepared optimizer under ``mixed_precision="fp16"`` carries a GradScaler and runs
+    ``scaler.step()`` in its own ``step()``: it would unscale gradients gradaccum never scaled."""
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
+        raise ValueError(
+            f"the optimizer ({type(optimizer).__name__}) carries its own enabled GradScaler, so its step() "
+            "would unscale gradients gradaccum never scaled (Accelerate's prepared optimizer under "
+            "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
+            "precision='fp16' to Accumulator, which owns the scaler"
         )
 
 

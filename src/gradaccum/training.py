@@ -27,10 +27,25 @@ __all__ = ["train_windows"]
 
 
 def _window_sampler(loader: Any) -> Any:
+    """The loader's WindowSampler, or None. One wrapped in another batch sampler is refused: the
+    wrapper (Accelerate's BatchSamplerShard from ``accelerator.prepare``) would shard each rank's
+    share again, and part of the data would never be seen."""
     from .sampler import WindowSampler
 
     batch_sampler = getattr(loader, "batch_sampler", None)
-    return batch_sampler if isinstance(batch_sampler, WindowSampler) else None
+    if isinstance(batch_sampler, WindowSampler):
+        return batch_sampler
+    inner, depth = batch_sampler, 0
+    while inner is not None and depth < 4:
+        inner, depth = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler", None), depth + 1
+        if isinstance(inner, WindowSampler):
+            raise ValueError(
+                f"the loader's WindowSampler is wrapped in a {type(batch_sampler).__name__}, which shards "
+                "it again (accelerator.prepare does this), so each rank would see only part of its share: "
+                "the WindowSampler already gives every rank its share, so do not pass this DataLoader to "
+                "accelerator.prepare; move each micro-batch to the device in loss_fn instead"
+            )
+    return None
 
 
 def train_windows(acc: "Accumulator", loader: Iterable[Batch], loss_fn: "LossFn", *,

@@ -204,7 +204,7 @@ def accelerate_dynamo_backend_is_compiled_ddp_and_exact():
 
 
 def accelerate_prepared_window_sampler_is_refused_with_the_fix():
-    """Library gap (xfail in test_stacks.py). A WindowSampler already gives each rank its share of every
+    """A library gap found here, now closed. A WindowSampler already gives each rank its share of every
     window; ``accelerator.prepare`` on 2 processes wraps it in a BatchSamplerShard that shards it again,
     so each rank sees every other micro-batch of its share (here 7 of the 20 items are never seen).
     ``acc.train`` then no longer sees the WindowSampler and asks for ``accum_steps``, which, given,

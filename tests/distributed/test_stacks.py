@@ -23,12 +23,8 @@ SCENARIOS = [
     "hf_gpt2_ddp_uneven_data_train",
 ]
 
-# library gaps found here: a failing scenario each, until the library is fixed
-GAPS = {
-    "accelerate_prepared_window_sampler_is_refused_with_the_fix":
-        "library gap (#10): a WindowSampler sharded again by accelerator.prepare (BatchSamplerShard) is not "
-        "recognised; train() asks for accum_steps and then trains on part of each rank's share",
-}
+# library gaps found here: a failing scenario each, marked xfail until the library is fixed
+GAPS: dict = {}
 
 
 @pytest.fixture(scope="module")
