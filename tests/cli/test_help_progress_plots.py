@@ -2,7 +2,26 @@
 lines off a terminal, the counts it prints, and plots a reader can read."""
 from __future__ import annotations
 
+import io
 import re
+
+from gradaccum.cli.progress import Progress
+
+
+def test_progress_off_a_terminal_is_a_plain_line_every_k_steps_and_every_10_seconds():
+    """The clock is injected: no test waits, and none depends on how fast this machine is."""
+    stream, now = io.StringIO(), [0.0]
+
+    def tick() -> float:
+        return now[0]
+
+    progress = Progress(100, stream=stream, clock=tick, terminal=False, unit="images")
+    for step in range(1, 101):
+        now[0] += 20.0 if step == 33 else 0.5  # 10 steps take 5 s; step 33 takes 20 s
+        progress.update(step, loss=0.5, items=128, seconds=0.01)
+    lines = stream.getvalue().splitlines()
+    assert [int(x.split("step ")[1].split("/")[0]) for x in lines] == [10, 20, 30, 33, 40, 50, 60, 70, 80, 90, 100]
+    assert lines[0] == "gradaccum train: step 10/100 (10%), loss 0.5000, 12,800 images/s, ETA 0:00:01"
 
 
 def test_a_log_axis_over_a_narrow_range_gets_plain_ticks():
