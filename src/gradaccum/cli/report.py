@@ -133,7 +133,7 @@ def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, An
     bottom.set_xlabel("optimizer step")
     bottom.grid(alpha=0.3)
     if nonzero or zero:
-        bottom.legend(loc="upper left", fontsize=8)
+        bottom.legend(loc="best", fontsize=8)
     if dtype == "float32":
         note = ("float32: the two runs sum in a different order and round differently (~1e-7 per step);\n"
                 "the difference compounds over training")
