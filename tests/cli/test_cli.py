@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -100,43 +101,116 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-def start_and_kill_mid_run(out: Path, args, sig: int, *, after_rows: int = 8) -> subprocess.Popen:
-    """Start the CLI, wait for ``after_rows`` optimizer steps and a checkpoint, then send ``sig``."""
+def wait_for(proc: subprocess.Popen, ready, what: str, log: Path) -> None:
+    """Poll until ``ready()``; the deadline only bounds a hung run, no assertion depends on timing."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.005)
+    assert proc.poll() is None, f"the run ended before {what}: {log.read_text()}"
+
+
+def start_and_kill_mid_run(out: Path, args, sig: int, *, after_rows: int = 8, checkpoint: bool = True,
+                           again: bool = False) -> subprocess.Popen:
+    """Start the CLI, wait for ``after_rows`` optimizer steps (and a checkpoint, unless ``checkpoint``
+    is False), then send ``sig``; with ``again``, send it a second time once the first was acknowledged."""
     log = out.parent / f"{out.name}.stderr"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "gradaccum", *args, "--out", str(out)], env=cli_env(),
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "last.pt").exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= after_rows:
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, f"the run ended before it could be interrupted: {log.read_text()}"
+    wait_for(proc, lambda: ((out / "last.pt").exists() or not checkpoint) and metrics.exists()
+             and len(metrics.read_text().splitlines()) >= after_rows, "it could be interrupted", log)
     proc.send_signal(sig)
+    if again:
+        wait_for(proc, lambda: "received" in log.read_text(), "the first signal was acknowledged", log)
+        proc.send_signal(sig)
     proc.wait(timeout=120)
     return proc
 
 
+def temp_files(folder: Path) -> list:
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name or ".write-probe-" in p.name)
+
+
+def stderr_lines(out: Path) -> list:
+    return (out.parent / f"{out.name}.stderr").read_text().splitlines()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_kill_9_mid_run_then_resume_is_bit_identical(tmp_path, uninterrupted, dtype):
-    """A run killed with SIGKILL and resumed ends with exactly the uninterrupted run's model: both
-    runs are subprocesses with the same thread settings, so even float32 agrees to the bit."""
-    args = [*KILL_ARGS, "--dtype", dtype]
-    out = tmp_path / "killed"
-    proc = start_and_kill_mid_run(out, args, signal.SIGKILL)
+def test_ctrl_c_then_kill_9_then_resume_is_bit_identical(tmp_path, uninterrupted, dtype):
+    """With the default --checkpoint-every 0, Ctrl-C finishes the window, writes an atomic checkpoint,
+    prints where it is and the command that resumes it, and exits 130. That run resumed and killed
+    with kill -9 keeps its last periodic checkpoint whole; the printed command then ends with exactly
+    the uninterrupted model (both sides are subprocesses with one thread, so float32 agrees to the
+    bit too), and its progress (stderr is a pipe) is a plain line every tenth of the run."""
+    args = [a for a in KILL_ARGS if a not in ("--checkpoint-every", "2")] + ["--dtype", dtype]
+    out = tmp_path / "ctrl-c"
+    proc = start_and_kill_mid_run(out, args, signal.SIGINT, checkpoint=False)
+    assert proc.returncode == 130
+    last = stderr_lines(out)[-1]
+    assert last.startswith("gradaccum train: SIGINT: stopped after step ") and f"checkpoint {out}/last.pt" in last
+    assert not (out / "summary.json").exists() and temp_files(out) == []
+    step = load(out / "last.pt")["accumulator"]["steps"]
+    assert f"step {step} of 120" in last and 8 <= step < 120
+    rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, step + 1)), "a metrics line for every step the checkpoint holds, no more"
+    command = shlex.split(last.split("resume with: ", 1)[1])
+    assert command[-1] == "--resume"
+
+    # resumed with a checkpoint every 2 steps (a setting that may change) and killed with SIGKILL
+    proc = start_and_kill_mid_run(out, [*KILL_ARGS, "--dtype", dtype, "--resume"], signal.SIGKILL,
+                                  after_rows=step + 8)
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "summary.json").exists(), "the kill did not land mid-run"
-    saved = load(out / "last.pt")
-    assert 0 < saved["accumulator"]["steps"] < 120
-    resumed = cli(*args, "--out", str(out), "--resume")
+    killed_at = load(out / "last.pt")["accumulator"]["steps"]
+    assert step < killed_at < 120
+    # what kill -9 during a checkpoint write leaves: a temporary file that is never read, and goes
+    (out / ".last.pt.tmp-99999999").write_bytes(b"half a checkpoint")
+
+    resumed = subprocess.run(command, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     whole, after = load(uninterrupted(dtype) / "last.pt"), load(out / "last.pt")
-    assert after["accumulator"]["steps"] == whole["accumulator"]["steps"] == 120
-    assert max_diff(whole["model"], after["model"]) == 0.0
+    assert after["accumulator"]["steps"] == 120
     assert all(torch.equal(whole["model"][k], after["model"][k]) for k in whole["model"])
     rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows == list(range(1, 121))
+    assert rows == list(range(1, 121)), "duplicate or missing metric lines"
+    assert temp_files(out) == []
+
+    progress = [line for line in resumed.stderr.splitlines() if "/120 (" in line]
+    shown = {int(line.split("step ", 1)[1].split("/", 1)[0]) for line in progress}
+    assert {s for s in range(12, 121, 12) if s > killed_at} <= shown and 120 in shown  # every 12 steps, and the last
+    assert all(" images/s, ETA " in line and ", loss " in line for line in progress)
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path):
+    """SIGTERM (a scheduler, `kill`) is a Ctrl-C with exit code 143."""
+    out = tmp_path / "term"
+    proc = start_and_kill_mid_run(out, [*KILL_ARGS, "--dtype", "float32"], signal.SIGTERM)
+    assert proc.returncode == 143
+    last = stderr_lines(out)[-1]
+    saved = load(out / "last.pt")
+    step = saved["accumulator"]["steps"]
+    assert last.startswith(f"gradaccum train: SIGTERM: stopped after step {step} of 120; checkpoint {out}/last.pt")
+    assert "resume with: " in last and last.endswith(" --resume")
+    assert (saved["epoch"], saved["window"]) == divmod(step, 12)  # the next window: 12 per epoch
+    assert temp_files(out) == []
+
+
+def test_second_ctrl_c_stops_at_once_without_a_half_checkpoint(tmp_path):
+    """Ctrl-C twice: the command leaves at once with 130; whatever the second one interrupted (a
+    window, or the checkpoint write) last.pt is whole and no temporary file is left."""
+    out = tmp_path / "twice"
+    args = ["train", "--model", "mlp", "--epochs", "3", "--device", "cpu", "--checkpoint-every", "1",
+            "--micro-batch-size", "1", "--batch-size", "512"]  # long windows: the second lands in one
+    proc = start_and_kill_mid_run(out, args, signal.SIGINT, after_rows=1, again=True)
+    assert proc.returncode == 130
+    lines = stderr_lines(out)
+    assert "SIGINT received: finishing this window" in lines[-2]
+    assert lines[-1].startswith("gradaccum train: second SIGINT: stopped at once, without a new checkpoint; "
+                                f"{out}/last.pt is whole and holds step ") and lines[-1].endswith(" --resume")
+    assert temp_files(out) == []
+    saved = load(out / "last.pt")  # whole
+    assert saved["accumulator"]["steps"] >= 1
 
 
 def test_corrupt_checkpoint_is_refused_and_left_in_place(tmp_path):

@@ -1,7 +1,8 @@
 """``gradaccum train | eval | check``: the seed experiments end to end.
 
-Every user mistake ends as one line on stderr and a non-zero exit, never a traceback
-(``GRADACCUM_DEBUG=1`` shows the traceback of an unexpected error).
+Every user mistake ends as one line on stderr and exit code 2, never a traceback
+(``GRADACCUM_DEBUG=1`` shows the traceback of an unexpected error). What happens to the run folder,
+on Ctrl-C and on ``--resume`` is in :mod:`gradaccum.cli.lifecycle`.
 """
 
 from __future__ import annotations
@@ -9,11 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
-from typing import Any, List, NoReturn, Optional, Union
+from typing import Any, List, NoReturn, Optional, Sequence, Union
 
 __all__ = ["main"]
+
+# measured: the largest parameter difference of `gradaccum train --compare --dtype float64` (digits,
+# LeNet-5, 32 x 4, 15 epochs) is 7e-15
+FLOAT64_AGREEMENT = "~1e-14 (7e-15 on the default digits run)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,53 +36,158 @@ def _micro_batch_size(text: str) -> Union[int, str]:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
+def _check_micro_batch_size(text: str) -> int:
+    """check compares one concrete split with one batch: 'auto' (a train option) has no split to check."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1, got {text!r}" + (" ('auto' is for train: check compares one concrete "
+                                                       "split with one batch)" if text == "auto" else ""))
+    return value
+
+
+def _choices(values: Sequence[str]) -> str:
+    return "{" + ",".join(values) + "}"
+
+
+def _per_task(key: str) -> str:
+    from .config import DEFAULTS
+
+    return ", ".join(f"{task} {d[key]:g}" if isinstance(d[key], float) else f"{task} {d[key]}"
+                     for task, d in DEFAULTS.items())
+
+
+def _defaults_table() -> str:
+    from .config import DEFAULTS
+
+    rows = [("task", "model", "epochs", "optimizer", "lr")]
+    rows += [(t, d["model"], str(d["epochs"]), d["optimizer"], f"{d['lr']:g}") for t, d in DEFAULTS.items()]
+    return "\n".join("  " + "  ".join(f"{c:<11}" for c in row).rstrip() for row in rows)
+
+
 def _parser() -> argparse.ArgumentParser:
     from .. import __version__
+    from ..precision import PRECISIONS
+    from ..tasks.data import TASKS
+    from ..tasks.models import MODELS
+    from .config import DEFAULT_ACCUM_STEPS, DEFAULT_AUTO_BATCH, DEVICES, DTYPES, OPTIMIZERS
 
+    raw = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="gradaccum", description="Gradient accumulation that is exactly one big batch.")
     p.add_argument("--version", action="version", version=f"gradaccum {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{train,eval,check}")
 
-    t = sub.add_parser("train", help="train a task's model with accumulation; writes metrics, plots, checkpoints")
-    t.add_argument("--task", default="digits", help="digits (default, offline) | mnist | text")
-    t.add_argument("--data-path", help="mnist: folder of the IDX files; text: a text file")
-    t.add_argument("--model", help="lenet5 | mlp (images), transformer (text)")
-    t.add_argument("--micro-batch-size", type=_micro_batch_size, default=32, help="items per forward/backward, or auto")
-    t.add_argument("--accum-steps", type=int, default=4, help="micro-batches per optimizer step")
-    t.add_argument("--batch-size", type=int, help="items per window (default: micro-batch size x accum steps; 128 with auto)")
-    t.add_argument("--epochs", type=int)
-    t.add_argument("--optimizer", help="sgd (momentum 0.9) | adamw")
-    t.add_argument("--lr", type=float)
-    t.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
-    t.add_argument("--max-grad-norm", type=float)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", default="runs/latest", help="output folder (metrics.jsonl, summary.json, last.pt, loss.png)")
-    t.add_argument("--checkpoint-every", type=int, default=0, help="write last.pt every K optimizer steps (and at the end)")
-    t.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
-    t.add_argument("--compare", action="store_true", help="also train with the whole window as one batch, and compare")
-    t.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    t.add_argument("--dtype", default="float32", help="float32 | float64 (float64 shows --compare's equality to ~1e-12)")
+    t = sub.add_parser(
+        "train", help="train a task's model with accumulation; writes metrics, plots, checkpoints",
+        description="Train a task's model with gradient accumulation: each optimizer step is one window\n"
+                    "of B items, cut into N micro-batches of M items: B = M x N.",
+        epilog=f"per-task defaults (a flag you give wins):\n{_defaults_table()}\n\n"
+               "exit codes:\n"
+               "  0        done, or already complete\n"
+               "  1        trained, but the final checkpoint or summary.json could not be written\n"
+               "  2        a usage error (one line on stderr)\n"
+               "  130/143  stopped by SIGINT (Ctrl-C) / SIGTERM after writing a checkpoint: resume with\n"
+               "           --resume (a second signal stops at once, without one)",
+        formatter_class=raw, allow_abbrev=False)
+    t.add_argument("--task", default="digits", metavar=_choices(TASKS),
+                   help="digits: scikit-learn's 8x8 digits, offline; mnist: the IDX files in --data-path; "
+                        "text: a byte-level language model (default: digits)")
+    t.add_argument("--data-path", metavar="PATH",
+                   help="mnist: the folder of the four IDX files (or of train/ and test/); text: one text file "
+                        "(default: some of Python's own standard library sources); not used by digits")
+    t.add_argument("--model", metavar=_choices(MODELS),
+                   help=f"lenet5 or mlp for images, transformer for text (default per task: {_per_task('model')})")
+    t.add_argument("--micro-batch-size", type=_micro_batch_size, default=32, metavar="{M,auto}",
+                   help="items per forward/backward; auto starts from the whole window and halves on "
+                        "out-of-memory (default: 32)")
+    t.add_argument("--accum-steps", type=int, metavar="N",
+                   help=f"micro-batches per optimizer step (default: {DEFAULT_ACCUM_STEPS}, or B / M with "
+                        "--batch-size)")
+    t.add_argument("--batch-size", type=int, metavar="B",
+                   help="items per optimizer step; any two of B, M, N give the third, all three must agree "
+                        f"(default: M x N; {DEFAULT_AUTO_BATCH} with --micro-batch-size auto)")
+    t.add_argument("--epochs", type=int, metavar="E",
+                   help=f"passes over the training set (default per task: {_per_task('epochs')})")
+    t.add_argument("--optimizer", metavar=_choices(OPTIMIZERS),
+                   help=f"sgd with momentum 0.9, or adamw with weight decay 0.01 (default per task: "
+                        f"{_per_task('optimizer')})")
+    t.add_argument("--lr", type=float, metavar="LR", help=f"learning rate (default per task: {_per_task('lr')})")
+    t.add_argument("--precision", default="fp32", metavar=_choices(PRECISIONS),
+                   help="bf16: autocast; fp16: autocast and a loss scaler (default: fp32)")
+    t.add_argument("--max-grad-norm", type=float, metavar="X",
+                   help="clip each step's gradient to this total norm (default: no clipping)")
+    t.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seeds the model's initialisation and the data order (default: 0)")
+    t.add_argument("--out", default="runs/latest", metavar="DIR",
+                   help="the run folder: metrics.jsonl, summary.json, last.pt, loss.png; a folder holding "
+                        "another run is refused unless --resume or --overwrite (default: runs/latest)")
+    t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="also write last.pt every K optimizer steps; 0: only at the end and when stopped by "
+                        "Ctrl-C or SIGTERM (default: 0)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last.pt, with the same flags (only --epochs may grow); "
+                        "with no checkpoint yet it says so and starts fresh (default: off)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the run in --out: first remove its files (those above, compare.*, baseline/); "
+                        "other files stay (default: off)")
+    t.add_argument("--compare", action="store_true",
+                   help="also train the whole window as one batch from the same seed, and compare: compare.png, "
+                        "compare.json (default: off)")
+    t.add_argument("--device", default="auto", metavar=_choices(DEVICES),
+                   help="auto: cuda when available (default: auto)")
+    t.add_argument("--dtype", default="float32", metavar=_choices(DTYPES),
+                   help=f"parameter dtype; float64 shows --compare's two runs equal to {FLOAT64_AGREEMENT} "
+                        "(default: float32)")
 
-    e = sub.add_parser("eval", help="print the test metrics of a saved model")
-    e.add_argument("--checkpoint", required=True, help="a last.pt written by gradaccum train")
-    e.add_argument("--data-path", help="override the data path saved in the checkpoint")
-    e.add_argument("--device", default="auto")
+    e = sub.add_parser("eval", help="print the test metrics of a saved model (and the step it holds)",
+                       description="Print the test metrics of a checkpoint as one JSON line, with the step,\n"
+                                   "epoch and window it holds.",
+                       epilog="exit codes: 0 done, 2 a usage error (one line)", formatter_class=raw,
+                       allow_abbrev=False)
+    e.add_argument("--checkpoint", required=True, metavar="FILE", help="a last.pt written by gradaccum train (required)")
+    e.add_argument("--data-path", metavar="PATH",
+                   help="read the data from here instead of the path saved in the checkpoint (default: saved)")
+    e.add_argument("--device", default="auto", metavar=_choices(DEVICES),
+                   help="auto: cuda when available (default: auto)")
 
-    c = sub.add_parser("check", help="is accumulation equivalent to one big batch on this model?")
-    c.add_argument("--task", default="digits")
-    c.add_argument("--data-path")
-    c.add_argument("--model")
-    c.add_argument("--micro-batch-size", type=int, default=8)
-    c.add_argument("--accum-steps", type=int, default=4)
-    c.add_argument("--rtol", type=float, default=1e-5)
-    c.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("check", help="is accumulation equivalent to one big batch on this model?",
+                       description="Compare one big batch's gradient with the gradient accumulated over\n"
+                                   "micro-batches, from the same start, and name the modules that break the\n"
+                                   "equivalence (BatchNorm, dropout, ...).",
+                       epilog="exit codes: 0 equivalent, 1 not equivalent, 2 a usage error (one line)",
+                       formatter_class=raw, allow_abbrev=False)
+    c.add_argument("--task", default="digits", metavar=_choices(TASKS), help="(default: digits)")
+    c.add_argument("--data-path", metavar="PATH", help="as for train: mnist's folder or text's file (default: none)")
+    c.add_argument("--model", metavar=_choices(MODELS), help=f"(default per task: {_per_task('model')})")
+    c.add_argument("--micro-batch-size", type=_check_micro_batch_size, default=8, metavar="M",
+                   help="items per micro-batch of the split to check (default: 8)")
+    c.add_argument("--accum-steps", type=int, default=4, metavar="N",
+                   help="micro-batches: the batch is M x N items (default: 4)")
+    c.add_argument("--rtol", type=float, default=1e-5, metavar="R",
+                   help="the largest relative gradient difference still called equivalent; float32 splits "
+                        "differ by ~1e-6 (default: 1e-05)")
+    c.add_argument("--seed", type=int, default=0, metavar="S", help="seeds the model (default: 0)")
     return p
 
 
-def _train(args: argparse.Namespace) -> int:
+def _resume_command(argv: Sequence[str]) -> str:
+    """The command that resumes this run: the user's own words, with --resume and without --overwrite."""
+    main_file = os.path.basename(sys.argv[0]) if sys.argv else ""
+    prog = [sys.executable, "-m", "gradaccum"] if main_file == "__main__.py" else ["gradaccum"]
+    args = [a for a in argv if a != "--overwrite"]
+    if "--resume" not in args:
+        args.append("--resume")
+    return shlex.join([*prog, *args])
+
+
+def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .. import sync
     from .checkpoint import CLIError
     from .config import TrainConfig
+    from .lifecycle import check_out
     from .train import run_training
 
     cfg = TrainConfig(task=args.task, data_path=args.data_path, model=args.model,
@@ -84,78 +195,116 @@ def _train(args: argparse.Namespace) -> int:
                       batch_size=args.batch_size, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr,
                       precision=args.precision, max_grad_norm=args.max_grad_norm, seed=args.seed, out=args.out,
                       checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype)
-    out = Path(cfg.out)
     if args.compare and cfg.micro_batch_size == "auto":
         raise CLIError("--compare needs an integer --micro-batch-size (the baseline is one batch of M x N)")
-    result = run_training(cfg, out, resume=args.resume, label=f"accumulate {cfg.micro_batch_size} x {cfg.accum_steps}")
-    if sync.is_rank_zero():
+    out = check_out(args.out)
+    result = run_training(cfg, out, resume=args.resume, overwrite=args.overwrite, command=_resume_command(argv))
+    if sync.is_rank_zero() and not result.already_complete:
         s = result.summary
         metric = f"test accuracy {s['test_accuracy']:.4f}" if "test_accuracy" in s else f"test loss {s['test_loss']:.4f}"
-        print(f"{cfg.task}/{cfg.model}: {s['steps']} steps of {cfg.window_items} items, {metric}, "
-              f"{s['wall_time_seconds']:.1f}s, peak memory {s['peak_memory_bytes'] / 2**20:.2f} MiB -> {out}")
-    if args.compare:
-        _compare(cfg, out, result)
+        memory = (f", peak memory {s['peak_memory_bytes'] / 2**20:.2f} MiB" if s.get("peak_memory_bytes") is not None
+                  else "")
+        print(f"{cfg.task}/{cfg.model}: {_steps_phrase(result.history, result.unit)}, {metric}, "
+              f"{s['wall_time_seconds']:.1f}s{memory} -> {out}")
+    if args.compare and not (result.already_complete and (out / "compare.json").exists()):
+        _compare(cfg, out, result, resume=args.resume, command=_resume_command(argv))
+    assert result.lifecycle is not None
+    result.lifecycle.raise_if_unsaved()
     return 0
 
 
-def _compare(cfg: Any, out: Path, accumulated: Any) -> None:
+def _steps_phrase(history: List[Any], unit: str) -> str:
+    """``12 steps of 128 images (1 shorter)``, ``1 step of 1438 images``, ``9 steps of 221 to 460 tokens``:
+    the items each step really used, not the flags."""
+    sizes = [int(r["num_items"]) for r in history]
+    if not sizes:
+        return "0 steps"
+    k, top = len(sizes), max(sizes)
+    steps = f"{k} step{'' if k == 1 else 's'}"
+    full = sum(1 for n in sizes if n == top)
+    if full == k:
+        return f"{steps} of {top} {unit}"
+    if 2 * full >= k:
+        return f"{steps} of {top} {unit} ({k - full} shorter)"
+    return f"{steps} of {min(sizes)} to {top} {unit}"
+
+
+def _compare(cfg: Any, out: Path, accumulated: Any, *, resume: bool, command: str) -> None:
     """Train the same model with the whole window as one batch from the same seed; compare."""
     from dataclasses import replace
 
     from .. import sync
-    from .report import plot_losses
+    from .lifecycle import BASELINE, CHECKPOINT
+    from .report import plot_compare
     from .train import run_training
 
-    base_cfg = replace(cfg, micro_batch_size=cfg.window_items, accum_steps=1, batch_size=None,
-                       out=str(out / "baseline"), checkpoint_every=0)
-    baseline = run_training(base_cfg, out / "baseline", label=f"one batch of {cfg.window_items}")
+    window = int(accumulated.summary["window_items"])  # as trained: at most the training set
+    base_cfg = replace(cfg, micro_batch_size=window, accum_steps=1, batch_size=None,
+                       out=str(out / BASELINE), checkpoint_every=0)
+    # the baseline is this run's own sub-run: resumed with it, else started over
+    base_resume = resume and (out / BASELINE / CHECKPOINT).exists()
+    baseline = run_training(base_cfg, out / BASELINE, resume=base_resume, overwrite=not base_resume,
+                            command=command, label=f"one batch of {window}")
+    assert accumulated.model is not None and baseline.model is not None
     diff = max((a - b).abs().max().item() for a, b in
                zip(accumulated.model.state_dict().values(), baseline.model.state_dict().values()))
     a, b = accumulated.summary, baseline.summary
     report = {"max_abs_param_diff": diff,
-              "accumulated": {"micro_batch_size": cfg.micro_batch_size, "accum_steps": cfg.accum_steps,
-                              "peak_memory_bytes": a["peak_memory_bytes"], "test_loss": a["test_loss"],
+              "accumulated": {"micro_batch_size": cfg.micro_batch_size, "accum_steps": cfg.micro_batches,
+                              "peak_memory_bytes": a.get("peak_memory_bytes"), "test_loss": a["test_loss"],
                               "test_accuracy": a.get("test_accuracy"), "wall_time_seconds": a["wall_time_seconds"]},
-              "one_batch": {"micro_batch_size": cfg.window_items, "accum_steps": 1,
-                            "peak_memory_bytes": b["peak_memory_bytes"], "test_loss": b["test_loss"],
+              "one_batch": {"micro_batch_size": window, "accum_steps": 1,
+                            "peak_memory_bytes": b.get("peak_memory_bytes"), "test_loss": b["test_loss"],
                             "test_accuracy": b.get("test_accuracy"), "wall_time_seconds": b["wall_time_seconds"]},
-              "peak_memory_source": a["peak_memory_source"]}
+              "peak_memory_source": a.get("peak_memory_source")}
     if sync.is_rank_zero():
         (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot_losses({f"accumulate {cfg.micro_batch_size} x {cfg.accum_steps}": accumulated.history,
-                     f"one batch of {cfg.window_items}": baseline.history}, out / "compare.png")
+        plot_compare(accumulated.history, baseline.history, (accumulated.label, baseline.label),
+                     out / "compare.png", title=accumulated.title, max_param_diff=diff, dtype=cfg.dtype,
+                     float64_agreement=FLOAT64_AGREEMENT)
         mib = 2 ** 20
-        print(f"compare: largest parameter difference {diff:.3e}; peak memory "
-              f"{a['peak_memory_bytes'] / mib:.2f} MiB accumulated vs {b['peak_memory_bytes'] / mib:.2f} MiB "
-              f"one batch ({a['peak_memory_source'].split(':')[0]}) -> {out / 'compare.png'}")
+        memory = ""
+        if a.get("peak_memory_bytes") is not None and b.get("peak_memory_bytes") is not None:
+            memory = (f"; peak memory {a['peak_memory_bytes'] / mib:.2f} MiB accumulated vs "
+                      f"{b['peak_memory_bytes'] / mib:.2f} MiB one batch ({a['peak_memory_source'].split(':')[0]})")
+        print(f"compare: largest parameter difference {diff:.3e}{memory} -> {out / 'compare.png'}")
         if cfg.dtype == "float32":
-            print("compare: in float32 the two runs round differently and the difference grows over "
-                  "training; --dtype float64 shows them equal to ~1e-12")
+            print("compare: in float32 the two runs round differently and the difference compounds over "
+                  f"training; --dtype float64 shows them equal to {FLOAT64_AGREEMENT}")
+    assert baseline.lifecycle is not None
+    baseline.lifecycle.raise_if_unsaved()
 
 
-def _eval(args: argparse.Namespace) -> int:
+def _eval(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from dataclasses import replace
 
     from ..tasks.data import load_task
-    from .checkpoint import load_checkpoint
+    from .checkpoint import CLIError, load_checkpoint
     from .config import TrainConfig
     from .train import build, resolve_device
 
-    state = load_checkpoint(Path(args.checkpoint))
-    cfg = TrainConfig(**state["config"])
-    if args.data_path:
-        cfg = replace(cfg, data_path=args.data_path)
     device = resolve_device(args.device)
+    path = Path(args.checkpoint)
+    state = load_checkpoint(path)
+    try:
+        cfg = TrainConfig(**state["config"])
+    except (TypeError, ValueError):
+        raise CLIError(f"--checkpoint {path} holds settings this version cannot read; evaluate it with the "
+                       "gradaccum that wrote it") from None
+    if args.data_path is not None:
+        cfg = replace(cfg, data_path=args.data_path)  # validated, and made absolute, like train's
     task = load_task(cfg.task, cfg.data_path)
     model = build(cfg, task, device)
     model.load_state_dict(state["model"])
     model.eval()
     metrics = task.evaluate(model, device)
-    print(json.dumps({"checkpoint": args.checkpoint, "task": cfg.task, "model": cfg.model, **metrics}))
+    held = {"step": int(state["accumulator"]["steps"]), "epoch": int(state["epoch"]), "window": int(state["window"])}
+    print(json.dumps({"checkpoint": args.checkpoint, "task": cfg.task, "model": cfg.model, **held,
+                      "complete": (held["epoch"], held["window"]) == (cfg.epochs, 0), **metrics}))
     return 0
 
 
-def _check(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .. import check_equivalence
     from ..tasks.data import load_task
     from .config import TrainConfig
@@ -177,11 +326,20 @@ def _check(args: argparse.Namespace) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     from ..tasks.data import TaskError
     from .checkpoint import CLIError
+    from .lifecycle import Stopped
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    command_argv = argv[argv.index(args.command):] if args.command in argv else [args.command]
     try:
-        return {"train": _train, "eval": _eval, "check": _check}[args.command](args)
-    except (CLIError, TaskError, ValueError, FileNotFoundError, PermissionError) as e:
+        return {"train": _train, "eval": _eval, "check": _check}[args.command](args, command_argv)
+    except Stopped as e:
+        print(f"gradaccum {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except CLIError as e:
+        print(f"gradaccum {args.command}: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    except (TaskError, ValueError, FileNotFoundError, PermissionError) as e:
         print(f"gradaccum {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

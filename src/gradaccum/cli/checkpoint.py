@@ -1,14 +1,21 @@
-"""Checkpoints: written atomically (temporary file, fsync, rename), refused and left in place when corrupt."""
+"""Checkpoint files: written atomically (temporary file, fsync, rename), refused and left in place when corrupt.
+
+What a checkpoint holds and when it is written is decided in :mod:`gradaccum.cli.lifecycle`; this module
+only reads and writes one file.
+"""
 
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, BinaryIO, Dict, Optional
 
 import torch
 
-__all__ = ["CLIError", "save_atomic", "load_checkpoint", "REQUIRED_KEYS"]
+__all__ = ["CLIError", "save_atomic", "load_checkpoint", "temp_name", "is_temp_for", "describe_os_error",
+           "REQUIRED_KEYS"]
 
 REQUIRED_KEYS = ("model", "optimizer", "accumulator", "config", "epoch", "window")
 
@@ -17,14 +24,59 @@ class CLIError(Exception):
     """A user-facing problem: the command line prints it as one line and exits non-zero."""
 
 
+def temp_name(path: Path) -> Path:
+    """Where :func:`save_atomic` writes before the rename: hidden, beside ``path``, per process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def is_temp_for(name: str, target: str) -> bool:
+    """Is ``name`` a temporary file of :func:`save_atomic` for ``target`` (of any process)?"""
+    return name.startswith(f".{target}.tmp-")
+
+
+def describe_os_error(error: BaseException) -> str:
+    """``File too large`` / ``No space left on device``: the system's words, no class name."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return os.strerror(error.errno)
+    return "the write failed"
+
+
+class _RecordingWriter:
+    """A file wrapper that keeps the OSError of a failed write: torch.save turns it into its own
+    RuntimeError text, which names neither the cause nor the fix."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_atomic(obj: Dict[str, Any], path: Path) -> None:
-    """Write ``obj`` to ``path`` so that a reader (or a kill -9) sees the old file or the new, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write ``obj`` to ``path`` so that a reader (or a kill -9) sees the old file or the new, never half.
+
+    On failure the temporary file is removed, ``path`` is untouched, and the error is an OSError with
+    the system's reason (``File too large``, ``No space left on device``) where there is one.
+    """
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
+            writer = _RecordingWriter(f)
+            try:
+                torch.save(obj, writer)  # type: ignore[arg-type]
+                f.flush()
+            except Exception as e:  # noqa: BLE001 - torch's RuntimeError hides the OSError below it
+                if writer.error is not None and writer.error is not e:
+                    raise writer.error from None
+                raise
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
@@ -38,15 +90,25 @@ def save_atomic(obj: Dict[str, Any], path: Path) -> None:
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Load a gradaccum checkpoint with ``weights_only=True``; a bad file is refused, never touched."""
+    """Load a gradaccum checkpoint with ``weights_only=True``; a bad file is refused, never touched.
+
+    The reason is in our words: torch's own text is long, may carry ANSI escapes, and cut to one
+    line it stops mid-word."""
     if not path.is_file():
         raise CLIError(f"checkpoint {path} does not exist; train first, or give the path of a last.pt")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same answer
-        reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+    reason = None
+    if not zipfile.is_zipfile(path):
+        reason = "not a torch.save archive: empty, truncated or another format"
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            reason = "it holds objects that torch.load(weights_only=True) does not load"
+        except Exception:  # noqa: BLE001 - any unreadable file gets the same answer
+            reason = "a torch.save archive that torch.load cannot read (damaged, or from a newer torch)"
+    if reason is not None:
         raise CLIError(f"checkpoint {path} is corrupt or unreadable ({reason}); it was left in place: "
-                       "move it away to start over, or restore a good copy") from None
+                       "move it away to start over, or restore a good copy")
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CLIError(f"checkpoint {path} is not a gradaccum checkpoint (missing {', '.join(missing)}); "

@@ -3,36 +3,73 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from ..precision import PRECISIONS
 from ..tasks.data import TASKS
 from ..tasks.models import MODELS
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "DEVICES", "DEFAULTS"]
+__all__ = ["TrainConfig", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
+           "DEFAULT_AUTO_BATCH", "window_shape"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float64")
+DEFAULT_ACCUM_STEPS = 4
+DEFAULT_AUTO_BATCH = 128  # the window with --micro-batch-size auto and no --batch-size
 # per task: model, epochs, optimizer, learning rate
 DEFAULTS: Dict[str, Dict[str, Any]] = {
     "digits": {"model": "lenet5", "epochs": 15, "optimizer": "sgd", "lr": 0.02},
     "mnist": {"model": "lenet5", "epochs": 2, "optimizer": "sgd", "lr": 0.05},
     "text": {"model": "transformer", "epochs": 1, "optimizer": "adamw", "lr": 3e-3},
 }
+# settings that may differ between a run and its --resume: they do not change the trained model
+# (epochs may only grow; that is checked where the checkpoint's position is known)
+RESUMABLE_CHANGES = ("out", "checkpoint_every", "epochs", "device")
+
+
+def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str], accum_steps: Optional[int],
+                 world_size: int = 1) -> Tuple[int, Optional[int]]:
+    """Resolve a window from the flags: ``(B, N)``, B items per window over W ranks, N micro-batches
+    per rank (None with ``"auto"``, which picks the split itself).
+
+    Any two of B, M, N give the third: ``B = M x N x W``. Given all three they must agree. With B and M
+    alone, N = ceil(B / (M x W)) and the last micro-batch may be smaller (an exact item-weighted step).
+    """
+    if micro_batch_size == "auto":
+        if accum_steps is not None:
+            raise ValueError(f"--accum-steps {accum_steps} does not apply with --micro-batch-size auto, which "
+                             "picks the split of each window itself; drop --accum-steps and give the window "
+                             "with --batch-size")
+        return (batch_size if batch_size is not None else DEFAULT_AUTO_BATCH), None
+    m = int(micro_batch_size)
+    ranks = f" x {world_size} ranks" if world_size > 1 else ""
+    if batch_size is None:
+        n = DEFAULT_ACCUM_STEPS if accum_steps is None else accum_steps
+        return m * n * world_size, n
+    if accum_steps is None:
+        return batch_size, math.ceil(batch_size / (m * world_size))
+    if batch_size != m * accum_steps * world_size:
+        raise ValueError(
+            f"--batch-size {batch_size}, --micro-batch-size {m} and --accum-steps {accum_steps} contradict each "
+            f"other: a window is micro-batch size x accum steps{ranks} = {m} x {accum_steps}"
+            f"{f' x {world_size}' if ranks else ''} = {m * accum_steps * world_size} items, not {batch_size}; "
+            f"give two of the three (e.g. drop --accum-steps to cut {batch_size} items into micro-batches of {m})")
+    return batch_size, accum_steps
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One ``gradaccum train`` run. The window is ``micro_batch_size * accum_steps`` items per rank
-    (or ``batch_size`` with ``micro_batch_size="auto"``)."""
+    """One ``gradaccum train`` run, as the flags gave it (None: not given). The window is ``window_items``
+    items per rank: ``micro_batch_size x accum_steps``, or ``batch_size`` (see :func:`window_shape`)."""
 
     task: str = "digits"
     data_path: Optional[str] = None
     model: Optional[str] = None
     micro_batch_size: Union[int, str] = 32
-    accum_steps: int = 4
+    accum_steps: Optional[int] = None
     batch_size: Optional[int] = None
     epochs: Optional[int] = None
     optimizer: Optional[str] = None
@@ -51,14 +88,26 @@ class TrainConfig:
 
         if self.task not in TASKS:
             raise bad("--task", self.task, f"one of {', '.join(TASKS)}")
+        if self.data_path is not None:
+            if self.task == "digits":
+                raise ValueError(f"--data-path {self.data_path} is not used by --task digits (its data ships "
+                                 "with scikit-learn); drop --data-path, or pass --task mnist or --task text")
+            if not self.data_path.strip():
+                raise ValueError(f"--data-path must name a {'folder' if self.task == 'mnist' else 'file'}, "
+                                 "got an empty string")
+            # stored absolute, so that eval and --resume work from any folder
+            object.__setattr__(self, "data_path", os.path.abspath(os.path.expanduser(self.data_path)))
         if self.model is not None and self.model not in MODELS:
             raise bad("--model", self.model, f"one of {', '.join(MODELS)}")
-        if self.micro_batch_size != "auto" and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
+        if self.micro_batch_size != "auto" and (isinstance(self.micro_batch_size, bool)
+                                                or not isinstance(self.micro_batch_size, int)
+                                                or self.micro_batch_size < 1):
             raise bad("--micro-batch-size", self.micro_batch_size, "an integer >= 1 or 'auto'")
-        if not isinstance(self.accum_steps, int) or self.accum_steps < 1:
+        if self.accum_steps is not None and (not isinstance(self.accum_steps, int) or self.accum_steps < 1):
             raise bad("--accum-steps", self.accum_steps, "an integer >= 1")
         if self.batch_size is not None and self.batch_size < 1:
             raise bad("--batch-size", self.batch_size, "an integer >= 1")
+        window_shape(self.batch_size, self.micro_batch_size, self.accum_steps)
         if self.epochs is not None and self.epochs < 1:
             raise bad("--epochs", self.epochs, "an integer >= 1")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
@@ -85,11 +134,19 @@ class TrainConfig:
     @property
     def window_items(self) -> int:
         """Items per window on each rank."""
-        if self.batch_size is not None:
-            return self.batch_size
-        if self.micro_batch_size == "auto":
-            return 128
-        return int(self.micro_batch_size) * self.accum_steps
+        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps)[0]
+
+    @property
+    def micro_batches(self) -> Optional[int]:
+        """Micro-batches per window (the last may be smaller); None with ``"auto"``."""
+        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps)[1]
+
+    def training_settings(self) -> Dict[str, Any]:
+        """What determines the trained model: the settings, with the window resolved (so that
+        ``--micro-batch-size 8 --accum-steps 4`` and ``--micro-batch-size 8 --batch-size 32`` match)."""
+        d = {k: v for k, v in asdict(self).items() if k not in RESUMABLE_CHANGES}
+        d.update(batch_size=self.window_items, accum_steps=self.micro_batches)
+        return d
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -1,29 +1,145 @@
-"""Plots of training curves (matplotlib, imported lazily; the core never needs it)."""
+"""Plots of training curves (matplotlib, imported lazily; the core never needs it).
+
+Every plot has a title naming the task, the model and the window. Few steps are drawn with markers,
+so that a 1-step run shows a point, and a log axis that spans less than a decade gets plain ticks
+(2.2, 2.25, 2.3) instead of none or a crowd of ``2x10^0``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["plot_losses", "plot_compare"]
+
+MARKERS_UP_TO = 40  # steps; more than that and markers only clutter the line
 
 
-def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path) -> None:
-    """One line per run: loss against optimizer step."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - the cli extra brings it
-        print(f"gradaccum: matplotlib is missing, so {path.name} was not drawn: pip install 'gradaccum[cli]'")
+        return None
+    return plt
+
+
+def _missing(path: Path) -> None:  # pragma: no cover
+    print(f"gradaccum: matplotlib is missing, so {path.name} was not drawn: pip install 'gradaccum[cli]'")
+
+
+def readable_log_ticks(ax: Any) -> None:
+    """On a log y axis spanning less than a decade, put 3-6 plain ticks (2.2, 2.25, 2.3) on it."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter, NullLocator
+
+    ax.autoscale_view()
+    lo, hi = ax.get_ylim()
+    if lo <= 0 or hi >= 10 * lo:
+        return  # whole decades: matplotlib's own 10^k ticks read well
+    ticks = [t for t in MaxNLocator(nbins=5).tick_values(lo, hi) if lo <= t <= hi and t > 0]
+    if len(ticks) < 2:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.4g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _integer_steps(ax: Any, steps: Sequence[int]) -> None:
+    """Steps are whole numbers; a single step gets room on both sides."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(set(steps)) == 1:
+        ax.set_xlim(steps[0] - 1, steps[0] + 1)
+
+
+def _loss_panel(ax: Any, curves: Dict[str, List[Dict[str, Any]]]) -> None:
+    values: List[float] = []
     for (label, rows), style in zip(curves.items(), ("-", "--", ":", "-.")):
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (item-weighted window mean)")
-    ax.set_yscale("log")
+        steps = [r["step"] for r in rows]
+        losses = [r["loss"] for r in rows]
+        values += losses
+        marker = "o" if len(rows) <= MARKERS_UP_TO else None
+        ax.plot(steps, losses, style, marker=marker, markersize=6 if len(rows) == 1 else 4,
+                markerfacecolor="none" if style != "-" else None, label=label)
+    ax.set_ylabel("training loss\n(item-weighted window mean)")
+    positive = [v for v in values if v > 0]
+    if positive:
+        if max(positive) == min(positive):  # one value (a 1-step run): a range around it, with ticks to read
+            ax.set_ylim(min(positive) * 0.8, max(positive) * 1.25)
+        ax.set_yscale("log")
+        readable_log_ticks(ax)
+    _integer_steps(ax, [r["step"] for rows in curves.values() for r in rows])
     ax.grid(alpha=0.3)
     ax.legend()
+
+
+def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: str = "") -> None:
+    """One line per run: loss against optimizer step."""
+    plt = _pyplot()
+    if plt is None:  # pragma: no cover
+        return _missing(path)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _loss_panel(ax, curves)
+    ax.set_xlabel("optimizer step")
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, Any]], labels: Sequence[str],
+                 path: Path, *, title: str, max_param_diff: float, dtype: str,
+                 float64_agreement: Optional[str] = None) -> None:
+    """The two runs' losses, and below them their per-step difference on a log scale (the curves
+    overlay exactly in float64, so only the difference shows the result)."""
+    plt = _pyplot()
+    if plt is None:  # pragma: no cover
+        return _missing(path)
+    from matplotlib.ticker import NullLocator
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
+                                     gridspec_kw={"height_ratios": (3, 2)})
+    _loss_panel(top, {labels[0]: accumulated, labels[1]: one_batch})
+    top.set_title(f"{title}\nlargest parameter difference at the end: {max_param_diff:.1e}", fontsize=10)
+
+    by_step = {r["step"]: r["loss"] for r in one_batch}
+    steps = [r["step"] for r in accumulated if r["step"] in by_step]
+    diffs = [abs(r["loss"] - by_step[r["step"]]) for r in accumulated if r["step"] in by_step]
+    nonzero = [(s, d) for s, d in zip(steps, diffs) if d > 0]
+    zero = [s for s, d in zip(steps, diffs) if d == 0]
+    marker = "o" if len(steps) <= MARKERS_UP_TO else None
+    if nonzero:  # the line breaks (NaN) at equal steps instead of bridging them
+        bottom.plot(steps, [d if d > 0 else float("nan") for d in diffs], "-", color="C3", marker=marker,
+                    markersize=4, label="|loss difference|")
+    floor = min([d for _, d in nonzero], default=1e-16) / 10
+    if zero:  # log scale has no 0: exactly equal steps sit on the floor, marked as such
+        bottom.plot(zero, [floor] * len(zero), "|", color="C2", markersize=8,
+                    label=f"equal to the bit ({len(zero)} of {len(steps)} steps)")
+    shown = [d for _, d in nonzero] + ([floor] if zero else [])
+    if shown and max(shown) == min(shown):  # one value: give the axis a range around it
+        bottom.set_ylim(min(shown) / 10, max(shown) * 10)
+    bottom.set_yscale("log")
+    if nonzero:
+        readable_log_ticks(bottom)
+    else:  # nothing but equal steps: the floor is not a value, so no scale to read
+        bottom.set_yticks([])
+        bottom.yaxis.set_minor_locator(NullLocator())
+    bottom.set_ylabel("per-step |loss difference|\n(log scale)")
+    bottom.set_xlabel("optimizer step")
+    bottom.grid(alpha=0.3)
+    if nonzero or zero:
+        bottom.legend(loc="best", fontsize=8)
+    if dtype == "float32":
+        note = ("float32: the two runs sum in a different order and round differently (~1e-7 per step);\n"
+                "the difference compounds over training")
+        if float64_agreement:
+            note += f" (--dtype float64 shows them equal to {float64_agreement})"
+        bottom.set_title(note, fontsize=8, loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,9 +1,12 @@
-"""One training run of the command line: data -> windows -> Accumulator.step -> metrics, checkpoints.
+"""One training run of the command line: data -> windows -> Accumulator.step -> metrics.
 
 Data order depends on the seed alone: each epoch is a seeded permutation of the training set
 (``DistributedSampler``, also with one process), cut into windows of ``window_items`` items, each
 window into micro-batches. The same seed and effective batch therefore give the same model however
-the window is split. Under torchrun every rank takes its share of each epoch, and only rank 0 writes.
+the window is split. Under torchrun every rank takes its share of each epoch.
+
+The run's folder, checkpoints, signals and resuming belong to :mod:`gradaccum.cli.lifecycle`: this
+loop asks it what to start from and tells it after each window where the run stands.
 """
 
 from __future__ import annotations
@@ -11,9 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -25,20 +27,32 @@ from .. import sync
 from ..accumulator import Accumulator
 from ..tasks.data import Task, load_task
 from ..tasks.models import build_model
-from .checkpoint import CLIError, load_checkpoint, save_atomic
-from .config import TrainConfig
+from .checkpoint import CLIError
+from .config import DEVICES, TrainConfig
+from .lifecycle import Position, RunLifecycle
+from .progress import Progress
 
 __all__ = ["RunResult", "run_training", "resolve_device", "setup_distributed"]
 
 
 @dataclass
 class RunResult:
+    """What a run leaves: its summary, one metrics row per step, the model, and its folder's life
+    cycle (``raise_if_unsaved`` reports a final write that failed, after the caller has printed)."""
+
     summary: Dict[str, Any]
     history: List[Dict[str, Any]] = field(default_factory=list)
     model: Optional[nn.Module] = None
+    unit: str = "items"
+    already_complete: bool = False
+    lifecycle: Optional[RunLifecycle] = None
+    label: str = "train"        # the run in a legend: "accumulate 32 x 4 = 128"
+    title: str = ""             # task, model and window, for plots
 
 
 def resolve_device(name: str) -> torch.device:
+    if name not in DEVICES:
+        raise CLIError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -112,23 +126,48 @@ def build(cfg: TrainConfig, task: Task, device: torch.device) -> nn.Module:
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))
 
 
-def _progress(total: int, initial: int, label: str) -> Any:
-    quiet = not sys.stderr.isatty() or not sync.is_rank_zero()
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        quiet = True
-    if quiet:
-        return None
-    return tqdm(total=total, initial=initial, desc=label, unit="step", leave=False)
+def window_words(cfg: TrainConfig, available: int, unit: str) -> str:
+    """The window as trained, in words: ``32 x 4 = 128 images``, or the whole training set when the
+    flags ask for more items than this rank has (``--micro-batch-size 100000``: 1438, not 400000)."""
+    if cfg.window_items <= available:
+        b, m, n = cfg.window_items, cfg.micro_batch_size, cfg.micro_batches
+        if m == "auto":
+            return f"{b} {unit} in auto-sized micro-batches"
+        if int(m) * int(n or 0) == b:
+            return f"{m} x {n} = {b} {unit}"
+        return f"{b} {unit} in micro-batches of {m}"
+    whole = f"{available} {unit} (all)"
+    if cfg.micro_batch_size == "auto":
+        return f"{whole} in auto-sized micro-batches"
+    m = int(cfg.micro_batch_size)
+    return f"{whole} as one micro-batch" if m >= available else f"{whole} in micro-batches of {m}"
 
 
-def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, label: str = "train",
+def plot_title(cfg: TrainConfig, task: Task, available: int) -> str:
+    """Task, model and window (line 1) and the rest of the recipe (line 2), for every plot of the run."""
+    return (f"{cfg.task} / {cfg.model}: windows of {window_words(cfg, available, task.window_unit)}\n"
+            f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.precision}, {cfg.dtype}, seed {cfg.seed}")
+
+
+def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite: bool = False,
+                 command: str = "gradaccum train --resume", label: Optional[str] = None,
                  task: Optional[Task] = None) -> RunResult:
+    """Train ``cfg`` into ``out`` (fresh, resumed or already complete: the life cycle decides)."""
     device = resolve_device(cfg.device)
     setup_distributed(device)
     rank0 = sync.is_rank_zero()
+    life = RunLifecycle(out, resume=resume, overwrite=overwrite, command=command,
+                        checkpoint_every=cfg.checkpoint_every)
     task = task or load_task(cfg.task, cfg.data_path)
+    sampler = DistributedSampler(range(task.num_train), num_replicas=sync.world_size(), rank=sync.rank(),
+                                 shuffle=True, seed=cfg.seed, drop_last=False)
+    per_window = cfg.window_items
+    label = label or f"accumulate {window_words(cfg, len(sampler), task.window_unit)}"
+    windows_per_epoch = math.ceil(len(sampler) / per_window)
+    epochs = int(cfg.epochs)  # type: ignore[arg-type]
+    total_steps = windows_per_epoch * epochs
+    plan, state = life.plan(cfg, total_steps)  # refuses (one line) before anything is written
+
     model = build(cfg, task, device)
     wrapped: nn.Module = model
     if sync.is_distributed():
@@ -137,99 +176,77 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, label: st
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = _optimizer(cfg, model)
     acc = Accumulator(wrapped, optimizer, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm)
-    sampler = DistributedSampler(range(task.num_train), num_replicas=sync.world_size(), rank=sync.rank(),
-                                 shuffle=True, seed=cfg.seed, drop_last=False)
-    per_window = cfg.window_items
-    windows_per_epoch = math.ceil(len(sampler) / per_window)
-    total_steps = windows_per_epoch * cfg.epochs  # type: ignore[operator]
-    ckpt_path, metrics_path = out / "last.pt", out / "metrics.jsonl"
-    history: List[Dict[str, Any]] = []
-    start_epoch, start_window, elapsed = 0, 0, 0.0
-
-    if resume and ckpt_path.exists():
-        state = load_checkpoint(ckpt_path)
-        saved = TrainConfig(**state["config"])
-        # data order depends on the seed and the epoch only, so a run may be extended with more epochs
-        if replace(saved, out=cfg.out, checkpoint_every=cfg.checkpoint_every, epochs=cfg.epochs) != cfg:
-            changed = [k for k, v in saved.to_dict().items()
-                       if k not in ("out", "checkpoint_every", "epochs") and getattr(cfg, k) != v]
-            raise CLIError(f"--resume: {ckpt_path} was written with other settings ({', '.join(changed)}); "
-                           "resume with the same flags (only --epochs may grow), or pass another --out")
+    elapsed = 0.0
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         acc.load_state_dict(state["accumulator"])
-        start_epoch, start_window, elapsed = state["epoch"], state["window"], state.get("elapsed", 0.0)
-        if metrics_path.exists():  # keep the lines of the steps the checkpoint holds
-            lines = metrics_path.read_text().splitlines()
-            history = [json.loads(x) for x in lines if x.strip()]
-            history = [h for h in history if h["step"] <= acc.steps]
-    elif rank0 and out.exists():
-        for stale in (metrics_path, out / "summary.json"):
-            if stale.exists():
-                stale.unlink()
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
-        with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(h) + "\n" for h in history)
+        elapsed = float(state.get("elapsed", 0.0))
+    life.prepare(plan)
+    history = life.kept_history(plan.position.step) if plan.kind != "fresh" else []
+
+    def checkpoint_state() -> Dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "accumulator": acc.state_dict(),
+                "config": cfg.to_dict(), "elapsed": elapsed, "total_steps": total_steps}
 
     meter = MemoryMeter(device)
     loss_fn = meter.wrap(task.loss_fn)
-
-    def checkpoint(epoch: int, window: int) -> None:
-        if rank0:
-            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "accumulator": acc.state_dict(), "config": cfg.to_dict(), "epoch": epoch,
-                         "window": window, "elapsed": elapsed, "total_steps": total_steps}, ckpt_path)
-        sync.barrier()
-
-    bar = _progress(total_steps, start_epoch * windows_per_epoch + start_window, label)
-    metrics_file = open(metrics_path, "a") if rank0 else None
-    try:
-        for epoch in range(start_epoch, cfg.epochs):  # type: ignore[arg-type]
-            sampler.set_epoch(epoch)
-            order = list(sampler)
-            first = start_window if epoch == start_epoch else 0
-            for w in range(first, windows_per_epoch):
-                idx = order[w * per_window:(w + 1) * per_window]
-                t0 = time.perf_counter()
-                if cfg.micro_batch_size == "auto":
-                    result = acc.step(task.gather(idx), loss_fn, micro_batch_size="auto")
-                else:
-                    m = int(cfg.micro_batch_size)
-                    result = acc.step([task.gather(idx[i:i + m]) for i in range(0, len(idx), m)], loss_fn)
-                dt = time.perf_counter() - t0
-                elapsed += dt
-                row = {"step": result.step, "epoch": epoch, "window": w, "loss": result.loss, "lr": result.lr,
-                       "num_items": result.num_items, "grad_norm": result.grad_norm, "skipped": result.skipped,
-                       "micro_batches": result.micro_batches, "accum_steps": result.accum_steps,
-                       "micro_batch_size": result.micro_batch_size or cfg.micro_batch_size,
-                       "samples_per_second": len(idx) * sync.world_size() / dt if dt > 0 else None}
-                history.append(row)
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{result.loss:.4f}")
-                last_window = epoch == cfg.epochs - 1 and w == windows_per_epoch - 1  # type: ignore[operator]
-                if cfg.checkpoint_every and result.step % cfg.checkpoint_every == 0 and not last_window:
-                    checkpoint(epoch if w + 1 < windows_per_epoch else epoch + 1,
-                               (w + 1) % windows_per_epoch)
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()
-        if bar is not None:
-            bar.close()
-    checkpoint(cfg.epochs, 0)  # type: ignore[arg-type]
+    position = plan.position
+    if plan.kind != "complete":
+        progress = Progress(total_steps, position.epoch * windows_per_epoch + position.window, label=label,
+                            unit=task.unit, enabled=rank0)
+        with life.handling_signals(), life.metrics(history) as metrics_file:
+            try:
+                for epoch in range(position.epoch, epochs):
+                    sampler.set_epoch(epoch)
+                    order = list(sampler)
+                    first = position.window if epoch == position.epoch else 0
+                    for w in range(first, windows_per_epoch):
+                        idx = order[w * per_window:(w + 1) * per_window]
+                        t0 = time.perf_counter()
+                        if cfg.micro_batch_size == "auto":
+                            result = acc.step(task.gather(idx), loss_fn, micro_batch_size="auto")
+                        else:
+                            m = int(cfg.micro_batch_size)
+                            result = acc.step([task.gather(idx[i:i + m]) for i in range(0, len(idx), m)], loss_fn)
+                        dt = time.perf_counter() - t0
+                        elapsed += dt
+                        row = {"step": result.step, "epoch": epoch, "window": w, "loss": result.loss,
+                               "lr": result.lr, "num_items": result.num_items, "grad_norm": result.grad_norm,
+                               "skipped": result.skipped, "micro_batches": result.micro_batches,
+                               "accum_steps": result.accum_steps,
+                               "micro_batch_size": result.micro_batch_size or cfg.micro_batch_size,
+                               "samples_per_second": len(idx) * sync.world_size() / dt if dt > 0 else None}
+                        history.append(row)
+                        if metrics_file is not None:
+                            metrics_file.write(json.dumps(row) + "\n")
+                            metrics_file.flush()
+                        progress.update(epoch * windows_per_epoch + w + 1, result.loss, result.num_items, dt)
+                        position = (Position(epoch, w + 1, result.step) if w + 1 < windows_per_epoch
+                                    else Position(epoch + 1, 0, result.step))
+                        life.after_window(position, checkpoint_state, last=position.epoch == epochs)
+            finally:
+                progress.close()
+            life.finish(position, checkpoint_state)
     model.eval()
+    if plan.kind == "complete" and plan.has_summary:  # left as it was
+        summary = json.loads((out / "summary.json").read_text())
+        return RunResult(summary, history, model, task.unit, already_complete=True, lifecycle=life,
+                         label=label, title=plot_title(cfg, task, len(sampler)))
     summary: Dict[str, Any] = dict(task.evaluate(model, device))
-    summary.update(steps=acc.steps, wall_time_seconds=elapsed, epochs=cfg.epochs, window_items=per_window,
+    summary.update(steps=acc.steps, wall_time_seconds=elapsed, epochs=cfg.epochs,
+                   window_items=min(per_window, len(sampler)),
                    world_size=sync.world_size(), device=str(device), config=cfg.to_dict(),
                    micro_batch_size=acc.auto_micro_batch_size or cfg.micro_batch_size)
-    summary.update(meter.peak(model, optimizer))
+    if plan.kind == "complete":
+        summary.update(peak_memory_bytes=None, peak_memory_source="not measured: this summary was written by a "
+                       "later --resume of the finished run")
+    else:
+        summary.update(meter.peak(model, optimizer))
+    life.write_summary(summary)
     if rank0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         from .report import plot_losses
 
-        plot_losses({label: history}, out / "loss.png")
-    return RunResult(summary, history, model)
+        plot_losses({label: history}, out / "loss.png", title=plot_title(cfg, task, len(sampler)))
+    return RunResult(summary, history, model, task.unit, already_complete=plan.kind == "complete", lifecycle=life,
+                     label=label, title=plot_title(cfg, task, len(sampler)))

@@ -38,6 +38,8 @@ class Task:
     evaluate: Callable[[nn.Module, torch.device], Dict[str, float]]
     model_kwargs: Dict[str, Any]
     default_model: str
+    unit: str = "items"                             # what num_items counts, in words: images, tokens
+    window_unit: str = "items"                      # what a window of --batch-size counts: images, sequences
 
 
 # -- images ---------------------------------------------------------------------------------
@@ -68,7 +70,8 @@ def _image_task(name: str, x_train: torch.Tensor, y_train: torch.Tensor, x_test:
         return {"test_loss": loss_sum / len(x_test), "test_accuracy": correct / len(x_test)}
 
     return Task(name, len(x_train), gather, loss_fn, evaluate,
-                {"in_shape": tuple(x_train.shape[1:]), "num_classes": 10}, "lenet5")
+                {"in_shape": tuple(x_train.shape[1:]), "num_classes": 10}, "lenet5", unit="images",
+                window_unit="images")
 
 
 def _digits_file() -> Path:
@@ -192,7 +195,8 @@ def _text(data_path: Optional[str], max_len: int = 64) -> Task:
         return {"test_loss": loss, "test_bits_per_byte": loss / 0.6931471805599453}
 
     return Task("text", len(train), lambda idx: collate([train[i] for i in idx]), loss_fn, evaluate,
-                {"vocab": 256, "max_len": max_len}, "transformer")
+                {"vocab": 256, "max_len": max_len}, "transformer", unit="tokens",
+                window_unit="sequences")
 
 
 def _device(model: nn.Module) -> torch.device:
