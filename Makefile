@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m gradaccum train --compare --dtype float64 --out $(OUT)
+	$(PY) -m gradaccum train --compare --dtype float64 --overwrite --out $(OUT)
 
 test: install
 	$(PY) -m pytest -q
