@@ -40,6 +40,7 @@ torch 2.13's profiler also prints ``profiler_start``/``profiler_stop`` to stderr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -194,6 +195,7 @@ def _start_cpu_events() -> None:
             "the profiler's memory events. Measure outside the profiler, or pass profile_memory=True "
             "to your own torch.profiler.profile and read its memory events"
         )
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else Kineto prints profiler_start/stop per region
     config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
     activities = {ProfilerActivity.CPU}
     # An empty scope set would record every operator (~40 us each to collect); STATIC_RUNTIME_MODEL

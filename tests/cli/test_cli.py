@@ -74,11 +74,15 @@ def test_same_seed_same_effective_batch_same_model(tmp_path, split):
 
 
 def test_compare_overlays_curves_and_reports(tmp_path, capsys):
+    """LeNet-5's activations (6 x 28 x 28 per image after conv1) dwarf its 61k parameters, so the
+    measured peak of 4 micro-batches of 32 is well below one batch of 128. (On a tiny MLP it is not:
+    from the second micro-batch on, a backward holds a fresh gradient beside .grad while adding it.)"""
     out = tmp_path / "cmp"
-    assert main(["train", "--compare", "--dtype", "float64", "--model", "mlp", "--out", str(out), *FAST]) == 0
+    assert main(["train", "--compare", "--dtype", "float64", "--out", str(out), *FAST]) == 0
     report = json.loads((out / "compare.json").read_text())
     assert report["max_abs_param_diff"] < 1e-10
-    assert report["accumulated"]["peak_memory_bytes"] < report["one_batch"]["peak_memory_bytes"]
+    assert report["peak_memory_source"].startswith("measured")
+    assert report["accumulated"]["peak_memory_bytes"] < 0.6 * report["one_batch"]["peak_memory_bytes"]
     assert (out / "compare.png").stat().st_size > 1000
     assert "largest parameter difference" in capsys.readouterr().out
 

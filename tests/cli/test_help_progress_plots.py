@@ -127,7 +127,7 @@ def test_text_runs_count_tokens_and_eval_from_another_folder_names_the_step(tmp_
     out = tmp_path / "t"
     assert main(["train", "--task", "text", "--data-path", text_file.name, "--micro-batch-size", "8",
                  "--accum-steps", "2", "--out", str(out), *FAST]) == 0
-    assert re.search(r"text/transformer: \d+ steps of \d+ to \d+ tokens, test loss", capsys.readouterr().out)
+    assert re.search(r"text/transformer: \d+ steps of \d+ sequences( \(1 shorter\))?, \d+ to \d+ tokens each, test loss", capsys.readouterr().out)
     assert load(out / "last.pt")["config"]["data_path"] == str(text_file)
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "--checkpoint", str(out / "last.pt"), "--device", "cpu"]) == 0

@@ -83,7 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train", help="train a task's model with accumulation; writes metrics, plots, checkpoints",
         description="Train a task's model with gradient accumulation: each optimizer step is one window\n"
-                    "of B items, cut into N micro-batches of M items: B = M x N.",
+                    "of B items across all ranks (the global batch), cut into N micro-batches of M items\n"
+                    "on each of W ranks: B = M x N x W. The data order depends on --seed alone, so the\n"
+                    "same seed and B train the same model on any number of ranks (under torchrun:\n"
+                    "torchrun --nproc_per_node=W -m gradaccum train ...).",
         epilog=f"per-task defaults (a flag you give wins):\n{_defaults_table()}\n\n"
                "exit codes:\n"
                "  0        done, or already complete\n"
@@ -104,11 +107,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="items per forward/backward; auto starts from the whole window and halves on "
                         "out-of-memory (default: 32)")
     t.add_argument("--accum-steps", type=int, metavar="N",
-                   help=f"micro-batches per optimizer step (default: {DEFAULT_ACCUM_STEPS}, or B / M with "
-                        "--batch-size)")
+                   help=f"micro-batches per optimizer step on each rank (default: {DEFAULT_ACCUM_STEPS}, or "
+                        "B / (M x W) with --batch-size)")
     t.add_argument("--batch-size", type=int, metavar="B",
-                   help="items per optimizer step; any two of B, M, N give the third, all three must agree "
-                        f"(default: M x N; {DEFAULT_AUTO_BATCH} with --micro-batch-size auto)")
+                   help="the global batch: items per optimizer step across all W ranks; any two of B, M, N "
+                        "give the third, all three must agree (default: M x N x W; "
+                        f"{DEFAULT_AUTO_BATCH} with --micro-batch-size auto)")
     t.add_argument("--epochs", type=int, metavar="E",
                    help=f"passes over the training set (default per task: {_per_task('epochs')})")
     t.add_argument("--optimizer", metavar=_choices(OPTIMIZERS),
@@ -138,6 +142,10 @@ def _parser() -> argparse.ArgumentParser:
                         "compare.json (default: off)")
     t.add_argument("--device", default="auto", metavar=_choices(DEVICES),
                    help="auto: cuda when available (default: auto)")
+    t.add_argument("--shard", action="store_true",
+                   help="shard parameters, gradients and optimizer state over the ranks with FSDP2 "
+                        "(fully_shard); checkpoints become the folder last.dcp (torch.distributed.checkpoint), "
+                        "resumable on another number of ranks (default: off)")
     t.add_argument("--dtype", default="float32", metavar=_choices(DTYPES),
                    help=f"parameter dtype; float64 shows --compare's two runs equal to {FLOAT64_AGREEMENT} "
                         "(default: float32)")
@@ -147,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "epoch and window it holds.",
                        epilog="exit codes: 0 done, 2 a usage error (one line)", formatter_class=raw,
                        allow_abbrev=False)
-    e.add_argument("--checkpoint", required=True, metavar="FILE", help="a last.pt written by gradaccum train (required)")
+    e.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="a last.pt, or the last.dcp folder of a --shard run, written by gradaccum train (required)")
     e.add_argument("--data-path", metavar="PATH",
                    help="read the data from here instead of the path saved in the checkpoint (default: saved)")
     e.add_argument("--device", default="auto", metavar=_choices(DEVICES),
@@ -190,13 +199,18 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .lifecycle import check_out
     from .train import run_training
 
+    world_size = _launch_world_size()
     cfg = TrainConfig(task=args.task, data_path=args.data_path, model=args.model,
                       micro_batch_size=args.micro_batch_size, accum_steps=args.accum_steps,
                       batch_size=args.batch_size, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr,
                       precision=args.precision, max_grad_norm=args.max_grad_norm, seed=args.seed, out=args.out,
-                      checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype)
+                      checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype,
+                      shard=args.shard, world_size=world_size)
     if args.compare and cfg.micro_batch_size == "auto":
         raise CLIError("--compare needs an integer --micro-batch-size (the baseline is one batch of M x N)")
+    if args.compare and cfg.shard:
+        raise CLIError("--compare does not work with --shard: the comparison reads whole parameters; compare "
+                       "without --shard (the sharded run is the same maths)")
     out = check_out(args.out)
     result = run_training(cfg, out, resume=args.resume, overwrite=args.overwrite, command=_resume_command(argv))
     if sync.is_rank_zero() and not result.already_complete:
@@ -204,8 +218,9 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         metric = f"test accuracy {s['test_accuracy']:.4f}" if "test_accuracy" in s else f"test loss {s['test_loss']:.4f}"
         memory = (f", peak memory {s['peak_memory_bytes'] / 2**20:.2f} MiB" if s.get("peak_memory_bytes") is not None
                   else "")
-        print(f"{cfg.task}/{cfg.model}: {_steps_phrase(result.history, result.unit)}, {metric}, "
-              f"{s['wall_time_seconds']:.1f}s{memory} -> {out}")
+        ranks = f" on {s['world_size']} ranks" if s.get("world_size", 1) > 1 else ""
+        print(f"{cfg.task}/{cfg.model}: {_steps_phrase(result.history, result.unit, result.window_unit)}{ranks}, "
+              f"{metric}, {s['wall_time_seconds']:.1f}s{memory} -> {out}")
     if args.compare and not (result.already_complete and (out / "compare.json").exists()):
         _compare(cfg, out, result, resume=args.resume, command=_resume_command(argv))
     assert result.lifecycle is not None
@@ -213,20 +228,35 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _steps_phrase(history: List[Any], unit: str) -> str:
-    """``12 steps of 128 images (1 shorter)``, ``1 step of 1438 images``, ``9 steps of 221 to 460 tokens``:
-    the items each step really used, not the flags."""
+def _launch_world_size() -> int:
+    """The ranks of this launch: torchrun's WORLD_SIZE, else 1."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _sizes_phrase(sizes: List[int], unit: str) -> str:
+    k, top = len(sizes), max(sizes)
+    full = sum(1 for n in sizes if n == top)
+    if full == k:
+        return f"{top} {unit}"
+    if 2 * full >= k:
+        return f"{top} {unit} ({k - full} shorter)"
+    return f"{min(sizes)} to {top} {unit}"
+
+
+def _steps_phrase(history: List[Any], unit: str, window_unit: Optional[str] = None) -> str:
+    """``12 steps of 128 images (1 shorter)``, ``1 step of 1438 images``, ``9 steps of 64 sequences,
+    221 to 460 tokens each``: what each step really used across all ranks, not the flags."""
     sizes = [int(r["num_items"]) for r in history]
     if not sizes:
         return "0 steps"
-    k, top = len(sizes), max(sizes)
-    steps = f"{k} step{'' if k == 1 else 's'}"
-    full = sum(1 for n in sizes if n == top)
-    if full == k:
-        return f"{steps} of {top} {unit}"
-    if 2 * full >= k:
-        return f"{steps} of {top} {unit} ({k - full} shorter)"
-    return f"{steps} of {min(sizes)} to {top} {unit}"
+    steps = f"{len(sizes)} step{'' if len(sizes) == 1 else 's'}"
+    windows = [int(r["window_items"]) for r in history if "window_items" in r]
+    if window_unit is None or window_unit == unit or len(windows) != len(sizes):
+        return f"{steps} of {_sizes_phrase(sizes, unit)}"
+    return f"{steps} of {_sizes_phrase(windows, window_unit)}, {_sizes_phrase(sizes, unit)} each"
 
 
 def _compare(cfg: Any, out: Path, accumulated: Any, *, resume: bool, command: str) -> None:
@@ -239,7 +269,9 @@ def _compare(cfg: Any, out: Path, accumulated: Any, *, resume: bool, command: st
     from .train import run_training
 
     window = int(accumulated.summary["window_items"])  # as trained: at most the training set
-    base_cfg = replace(cfg, micro_batch_size=window, accum_steps=1, batch_size=None,
+    ranks = int(accumulated.summary.get("world_size", 1))
+    # one micro-batch per rank: each rank's whole share of the global window at once
+    base_cfg = replace(cfg, micro_batch_size=-(-window // ranks), accum_steps=None, batch_size=window,
                        out=str(out / BASELINE), checkpoint_every=0)
     # the baseline is this run's own sub-run: resumed with it, else started over
     base_resume = resume and (out / BASELINE / CHECKPOINT).exists()
@@ -285,7 +317,12 @@ def _eval(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     device = resolve_device(args.device)
     path = Path(args.checkpoint)
-    state = load_checkpoint(path)
+    if path.is_dir():  # a --shard run's last.dcp: its gradaccum.pt says what model to build
+        from .sharding import META, META_KEYS, sharded_folder
+
+        state = load_checkpoint((sharded_folder(path) or path) / META, required=META_KEYS)
+    else:
+        state = load_checkpoint(path)
     try:
         cfg = TrainConfig(**state["config"])
     except (TypeError, ValueError):
@@ -295,7 +332,12 @@ def _eval(args: argparse.Namespace, argv: Sequence[str]) -> int:
         cfg = replace(cfg, data_path=args.data_path)  # validated, and made absolute, like train's
     task = load_task(cfg.task, cfg.data_path)
     model = build(cfg, task, device)
-    model.load_state_dict(state["model"])
+    if path.is_dir():
+        from .sharding import load_sharded_model
+
+        load_sharded_model(model, path)
+    else:
+        model.load_state_dict(state["model"])
     model.eval()
     metrics = task.evaluate(model, device)
     held = {"step": int(state["accumulator"]["steps"]), "epoch": int(state["epoch"]), "window": int(state["window"])}

@@ -89,7 +89,7 @@ def save_atomic(obj: Dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
-def load_checkpoint(path: Path) -> Dict[str, Any]:
+def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]:
     """Load a gradaccum checkpoint with ``weights_only=True``; a bad file is refused, never touched.
 
     The reason is in our words: torch's own text is long, may carry ANSI escapes, and cut to one
@@ -109,7 +109,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     if reason is not None:
         raise CLIError(f"checkpoint {path} is corrupt or unreadable ({reason}); it was left in place: "
                        "move it away to start over, or restore a good copy")
-    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise CLIError(f"checkpoint {path} is not a gradaccum checkpoint (missing {', '.join(missing)}); "
                        "it was left in place")

@@ -26,14 +26,17 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
     "text": {"model": "transformer", "epochs": 1, "optimizer": "adamw", "lr": 3e-3},
 }
 # settings that may differ between a run and its --resume: they do not change the trained model
-# (epochs may only grow; that is checked where the checkpoint's position is known)
-RESUMABLE_CHANGES = ("out", "checkpoint_every", "epochs", "device")
+# (epochs may only grow; that is checked where the checkpoint's position is known). How the global
+# batch is cut (ranks, micro-batch size, accumulation) changes rounding only, never which items a
+# step sees: a run may move to another world size or micro-batch size with the same --batch-size.
+RESUMABLE_CHANGES = ("out", "checkpoint_every", "epochs", "device", "world_size", "micro_batch_size",
+                     "accum_steps")
 
 
 def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str], accum_steps: Optional[int],
                  world_size: int = 1) -> Tuple[int, Optional[int]]:
-    """Resolve a window from the flags: ``(B, N)``, B items per window over W ranks, N micro-batches
-    per rank (None with ``"auto"``, which picks the split itself).
+    """Resolve a window from the flags: ``(B, N)``, B items per optimizer step over all W ranks (the
+    global batch), N micro-batches per rank (None with ``"auto"``, which picks the split itself).
 
     Any two of B, M, N give the third: ``B = M x N x W``. Given all three they must agree. With B and M
     alone, N = ceil(B / (M x W)) and the last micro-batch may be smaller (an exact item-weighted step).
@@ -62,8 +65,9 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str], a
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One ``gradaccum train`` run, as the flags gave it (None: not given). The window is ``window_items``
-    items per rank: ``micro_batch_size x accum_steps``, or ``batch_size`` (see :func:`window_shape`)."""
+    """One ``gradaccum train`` run, as the flags gave it (None: not given). The window is
+    ``window_items`` items per optimizer step across all ``world_size`` ranks (the global batch):
+    ``batch_size``, or ``micro_batch_size x accum_steps x world_size`` (see :func:`window_shape`)."""
 
     task: str = "digits"
     data_path: Optional[str] = None
@@ -81,6 +85,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     device: str = "auto"
     dtype: str = "float32"
+    shard: bool = False
+    world_size: int = 1  # the ranks this launch runs on (torchrun's WORLD_SIZE); may change on --resume
 
     def __post_init__(self) -> None:
         def bad(flag: str, value: Any, want: str) -> ValueError:
@@ -107,7 +113,13 @@ class TrainConfig:
             raise bad("--accum-steps", self.accum_steps, "an integer >= 1")
         if self.batch_size is not None and self.batch_size < 1:
             raise bad("--batch-size", self.batch_size, "an integer >= 1")
-        window_shape(self.batch_size, self.micro_batch_size, self.accum_steps)
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise bad("WORLD_SIZE", self.world_size, "an integer >= 1 (torchrun sets it)")
+        window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)
+        if self.shard and self.micro_batch_size == "auto":
+            raise ValueError("--micro-batch-size auto does not work with --shard: FSDP2 reduces gradients only "
+                             "inside backward, so the ranks cannot agree on an out-of-memory error first; pass "
+                             "an integer --micro-batch-size")
         if self.epochs is not None and self.epochs < 1:
             raise bad("--epochs", self.epochs, "an integer >= 1")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
@@ -133,19 +145,19 @@ class TrainConfig:
 
     @property
     def window_items(self) -> int:
-        """Items per window on each rank."""
-        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps)[0]
+        """The global batch B: items per optimizer step, across all ranks."""
+        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)[0]
 
     @property
     def micro_batches(self) -> Optional[int]:
-        """Micro-batches per window (the last may be smaller); None with ``"auto"``."""
-        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps)[1]
+        """Micro-batches per window on each rank (the last may be smaller); None with ``"auto"``."""
+        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)[1]
 
     def training_settings(self) -> Dict[str, Any]:
-        """What determines the trained model: the settings, with the window resolved (so that
-        ``--micro-batch-size 8 --accum-steps 4`` and ``--micro-batch-size 8 --batch-size 32`` match)."""
+        """What determines the trained model: the settings with the global batch resolved, without
+        how it is cut (``-M 8 -N 4`` on 2 ranks and ``--batch-size 64 -M 16`` on 1 rank match)."""
         d = {k: v for k, v in asdict(self).items() if k not in RESUMABLE_CHANGES}
-        d.update(batch_size=self.window_items, accum_steps=self.micro_batches)
+        d.update(batch_size=self.window_items)
         return d
 
     def to_dict(self) -> Dict[str, Any]:

@@ -16,7 +16,8 @@ Before anything is written
     * ``--resume`` of a finished run: one line that it is complete; ``summary.json`` is left as it was.
 
 Checkpoints
-    ``last.pt`` is replaced atomically (:func:`~gradaccum.cli.checkpoint.save_atomic`): every K steps
+    ``last.pt`` is replaced atomically (:func:`~gradaccum.cli.checkpoint.save_atomic`); with ``--shard``
+    it is the folder ``last.dcp`` that every rank writes (:mod:`gradaccum.cli.sharding`): every K steps
     with ``--checkpoint-every K``, at the end, and when stopped by a signal. A write that fails (disk
     full, file too large) keeps the previous checkpoint, says so in one line, and the run goes on:
     ``metrics.jsonl`` is written line by line and ``summary.json`` at the end regardless; a failed
@@ -34,9 +35,16 @@ Ctrl-C (SIGINT) and SIGTERM
 
 Distributed
     Rank 0 alone inspects and writes the folder and broadcasts its decision; every rank waits at a
-    barrier after each write and loads the same checkpoint. A checkpoint's position is (epoch, window),
-    so a sampler can place any world size there. (Under torchrun every rank must also agree to stop
-    at the same window: ``stop_requested`` is the one place to all-reduce the flag.)
+    barrier after each write and loads the same checkpoint. A checkpoint's position is (epoch, window)
+    of the global windows, so it resumes on any world size. After each window the ranks all-reduce
+    the stop flag, so all of them stop at the same window even when only some got the signal. torchrun
+    forwards its own Ctrl-C to the workers, which the terminal signalled already: under torchrun the
+    same signal again within a second is that copy, not a second Ctrl-C.
+
+Elastic restarts (``torchrun --max-restarts=K``)
+    A restarted worker group runs the same command again: with ``--resume`` it continues from the
+    last checkpoint (and with none yet it starts fresh and says so). Without ``--resume`` the folder
+    holds this run's files and is refused, with one line that says to add ``--resume`` to the command.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
@@ -56,12 +65,16 @@ from .. import sync
 from .checkpoint import CLIError, describe_os_error, is_temp_for, load_checkpoint, save_atomic, temp_name
 from .config import TrainConfig
 
-__all__ = ["ARTIFACTS", "BASELINE", "CHECKPOINT", "Position", "Plan", "Stopped", "WriteFailed",
+__all__ = ["ARTIFACTS", "BASELINE", "CHECKPOINT", "SHARDED_CHECKPOINT", "Position", "Plan", "Stopped", "WriteFailed",
            "RunLifecycle", "check_out"]
 
 CHECKPOINT = "last.pt"
+SHARDED_CHECKPOINT = "last.dcp"  # a folder: --shard's torch.distributed.checkpoint
 #: the files one run writes into its folder; --overwrite removes these and nothing else
-ARTIFACTS = (CHECKPOINT, "metrics.jsonl", "summary.json", "loss.png", "compare.json", "compare.png")
+ARTIFACTS = (CHECKPOINT, SHARDED_CHECKPOINT, "metrics.jsonl", "summary.json", "loss.png", "compare.json",
+             "compare.png", f".{SHARDED_CHECKPOINT}.old")
+#: the same signal again within this many seconds is a launcher forwarding the first (torchrun)
+REPEAT_SECONDS = 1.0
 #: --compare's one-batch run: a run folder of its own inside this one
 BASELINE = "baseline"
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -173,10 +186,15 @@ class RunLifecycle:
         checkpoint_every: K of ``--checkpoint-every`` (0: only at the end and when stopped).
         name: the subcommand, for the lines this prints (``gradaccum train: ...``).
         exit: how a second signal ends the process (``os._exit``: at once, no unwinding through torch).
+        sharded: the checkpoint is ``last.dcp``, a folder every rank writes (``--shard``).
+        write: how a checkpoint is written, ``write(obj, path)``: rank 0 alone for a file, every rank
+            for a sharded one (default: :func:`~gradaccum.cli.checkpoint.save_atomic`).
+        device: where the stop flag's all-reduce runs (NCCL needs CUDA tensors).
     """
 
     def __init__(self, out: Path, *, resume: bool, overwrite: bool, command: str, checkpoint_every: int = 0,
-                 name: str = "train", exit: Callable[[int], Any] = os._exit) -> None:
+                 name: str = "train", exit: Callable[[int], Any] = os._exit, sharded: bool = False,
+                 write: Optional[Callable[[Dict[str, Any], Path], None]] = None, device: Any = "cpu") -> None:
         if resume and overwrite:
             raise CLIError("--resume and --overwrite contradict each other: --resume continues the run in "
                            "--out, --overwrite deletes it; pass one of them")
@@ -186,7 +204,10 @@ class RunLifecycle:
         self.command = command
         self.checkpoint_every = checkpoint_every
         self.prefix = f"gradaccum {name}:"
-        self.checkpoint = out / CHECKPOINT
+        self.sharded = sharded
+        self.checkpoint = out / (SHARDED_CHECKPOINT if sharded else CHECKPOINT)
+        self._write = write or save_atomic
+        self.device = device
         self.rank0 = sync.is_rank_zero()
         self.total_steps = 0
         self.saved: Optional[Position] = None      # what last.pt holds
@@ -194,6 +215,7 @@ class RunLifecycle:
         self.summary_error: Optional[str] = None   # why summary.json could not be written, if it could not
         self.final: Optional[Position] = None      # where training ended, once it has
         self._signal: Optional[int] = None         # the first SIGINT/SIGTERM received
+        self._signal_at = 0.0                      # when (time.monotonic), to tell a launcher's copy
         self._leaving = False                      # a second signal was received: leaving at once
         self._exit = exit                          # how the second signal leaves (tests replace it)
 
@@ -216,10 +238,26 @@ class RunLifecycle:
             raise CLIError(outcome[1])
         plan = outcome[1]
         if plan.kind != "fresh" and state is None:  # the other ranks read the same file
-            state = load_checkpoint(self.checkpoint)
+            state = self._read()
         if plan.kind != "fresh":
             self.saved = plan.position
         return plan, state
+
+    def _exists(self) -> bool:
+        if self.sharded:
+            from .sharding import sharded_folder
+
+            return sharded_folder(self.checkpoint) is not None
+        return self.checkpoint.exists()
+
+    def _read(self) -> Dict[str, Any]:
+        """The checkpoint (a sharded one: its gradaccum.pt; the shards load into the model later)."""
+        if self.sharded:
+            from .sharding import META, META_KEYS, sharded_folder
+
+            folder = sharded_folder(self.checkpoint) or self.checkpoint
+            return load_checkpoint(folder / META, required=META_KEYS)
+        return load_checkpoint(self.checkpoint)
 
     def _decide(self, cfg: TrainConfig) -> Tuple[Plan, Optional[Dict[str, Any]]]:
         start = Position(0, 0, 0)
@@ -229,13 +267,23 @@ class RunLifecycle:
         if not self.resume:
             runs = [a for a in artifacts if not any(is_temp_for(a, x) for x in ARTIFACTS)]
             if runs:
+                restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+                if restart:
+                    raise CLIError(f"torchrun restarted the workers (restart {restart}), but this command has no "
+                                   f"--resume, so it cannot continue the run in --out {self.out}; add --resume to "
+                                   "the torchrun command (with no checkpoint yet it starts fresh)")
                 raise CLIError(f"--out {self.out} holds another run ({', '.join(runs)}); pass --resume to "
                                "continue it, --overwrite to replace it, or another --out")
             return Plan("fresh", start, artifacts), None
-        if not self.checkpoint.exists():
+        other = self.out / (CHECKPOINT if self.sharded else SHARDED_CHECKPOINT)
+        if not self._exists() and other.exists():
+            raise CLIError(f"--resume: {self.out} holds {other.name}, a {'non-' if self.sharded else ''}sharded "
+                           f"run's checkpoint; resume it {'without' if self.sharded else 'with'} --shard")
+        if not self._exists():
             return Plan("fresh", start, artifacts,
-                        note=f"--resume: nothing to resume in {self.out} (no {CHECKPOINT}); starting from step 0"), None
-        state = load_checkpoint(self.checkpoint)
+                        note=f"--resume: nothing to resume in {self.out} (no {self.checkpoint.name}); "
+                             "starting from step 0"), None
+        state = self._read()
         try:
             saved = TrainConfig(**state["config"])
         except (TypeError, ValueError):
@@ -245,8 +293,11 @@ class RunLifecycle:
         changed = [k for k in theirs if mine.get(k) != theirs[k]]
         if changed:
             was = ", ".join(f"--{k.replace('_', '-')} {theirs[k]} (now {mine.get(k)})" for k in changed)
-            raise CLIError(f"--resume: {self.checkpoint} was written with other settings: {was}; resume with "
-                           "the same flags (only --epochs may grow), or pass another --out")
+            hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
+                    f"{theirs['batch_size']}" if "batch_size" in changed else "")
+            raise CLIError(f"--resume: {self.checkpoint} was written with other settings: {was}{hint}; resume "
+                           "with the same settings (only --epochs may grow; the ranks and the micro-batch size "
+                           "may change), or pass another --out")
         at = Position(int(state["epoch"]), int(state["window"]), int(state["accumulator"]["steps"]))
         epochs = int(cfg.epochs)  # type: ignore[arg-type]
         if (epochs, 0) < (at.epoch, at.window):
@@ -353,8 +404,11 @@ class RunLifecycle:
         if self._leaving:
             return
         name = signal.Signals(signum).name
+        if (self._signal == signum and "TORCHELASTIC_RUN_ID" in os.environ
+                and time.monotonic() - self._signal_at < REPEAT_SECONDS):
+            return  # torchrun forwarding the Ctrl-C the terminal already sent to this worker: the same one
         if self._signal is None:
-            self._signal = signum
+            self._signal, self._signal_at = signum, time.monotonic()
             # os.write: a print here could re-enter a print the loop is in
             self._write_line(f"{name} received: finishing this window, then writing a checkpoint (a second "
                              f"{name} stops at once, without one)")
@@ -375,6 +429,15 @@ class RunLifecycle:
             os.write(2, f"{self.prefix} {line}\n".encode())
 
     def stop_requested(self) -> bool:
+        """Did a signal ask to stop, here or on any rank? (Under torchrun an all-reduce per window:
+        every rank stops after the same window.)"""
+        if sync.is_distributed():
+            import torch
+
+            flag = torch.tensor([self._signal or 0], device=self.device)
+            seen = int(sync.all_reduce_(flag, "max").item())
+            if seen and self._signal is None:
+                self._signal = seen  # a peer was signalled: stop with it, with its exit code
         return self._signal is not None
 
     def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool) -> None:
@@ -403,9 +466,9 @@ class RunLifecycle:
         how it went. A failed write keeps the previous checkpoint and prints one line (once per run of
         failures)."""
         error = None
-        if self.rank0:
+        if self.rank0 or self.sharded:  # a sharded checkpoint is written by every rank
             try:
-                save_atomic({**state(), "epoch": position.epoch, "window": position.window}, self.checkpoint)
+                self._write({**state(), "epoch": position.epoch, "window": position.window}, self.checkpoint)
             except OSError as e:
                 error = describe_os_error(e)
         error = sync.broadcast_object(error)  # the barrier: no rank runs ahead of the write

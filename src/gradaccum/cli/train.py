@@ -1,9 +1,12 @@
-"""One training run of the command line: data -> windows -> Accumulator.step -> metrics.
+"""One training run of the command line: global windows -> each rank's micro-batches -> one step each.
 
-Data order depends on the seed alone: each epoch is a seeded permutation of the training set
-(``DistributedSampler``, also with one process), cut into windows of ``window_items`` items, each
-window into micro-batches. The same seed and effective batch therefore give the same model however
-the window is split. Under torchrun every rank takes its share of each epoch.
+The global batch B (``--batch-size``, or M x N x W) is the invariant: every optimizer step sees B
+items across all ranks, whatever the number of ranks. Data order depends on the seed alone
+(:class:`~gradaccum.WindowSampler`): each epoch is a seeded permutation cut into global windows of
+B, and each rank takes its share of every window, cut into micro-batches of at most M. The same seed
+and B therefore train the same model on 1, 2 or 8 ranks, and a run continues on another world size
+(or micro-batch size) from its checkpoint. Under torchrun the model is wrapped in DDP, or sharded
+with FSDP2 (``--shard``, see :mod:`gradaccum.cli.sharding`).
 
 The run's folder, checkpoints, signals and resuming belong to :mod:`gradaccum.cli.lifecycle`: this
 loop asks it what to start from and tells it after each window where the run stands.
@@ -11,26 +14,28 @@ loop asks it what to start from and tells it after each window where the run sta
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DistributedSampler
 
 from .. import sync
 from ..accumulator import Accumulator
+from ..memory import PeakMeter, state_bytes
+from ..sampler import WindowSampler
 from ..tasks.data import Task, load_task
 from ..tasks.models import build_model
 from .checkpoint import CLIError
 from .config import DEVICES, TrainConfig
 from .lifecycle import Position, RunLifecycle
 from .progress import Progress
+from .sharding import load_sharded, save_sharded, setup_distributed, shard_model
 
 __all__ = ["RunResult", "run_training", "resolve_device", "setup_distributed"]
 
@@ -48,6 +53,7 @@ class RunResult:
     lifecycle: Optional[RunLifecycle] = None
     label: str = "train"        # the run in a legend: "accumulate 32 x 4 = 128"
     title: str = ""             # task, model and window, for plots
+    window_unit: str = "items"  # what the global batch counts: images, sequences
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,56 +68,55 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def setup_distributed(device: torch.device) -> None:
-    """Join the torchrun process group when launched with more than one process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not sync.is_distributed():
-        import torch.distributed as dist  # the CLI's one use outside the seam: joining the group
-
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-
-
-class MemoryMeter:
-    """Peak memory of a run. CUDA: the allocator's peak. CPU: an estimate that counts what
-    accumulation changes: parameters, gradients, optimizer state, plus the largest set of
-    activations saved for backward by one micro-batch (via saved-tensors hooks)."""
+class _Memory:
+    """Peak memory of the run. CUDA: the allocator's peak over the whole run. CPU: the allocator's
+    events of one window (the second this process runs, when optimizer state exists), measured by
+    :class:`~gradaccum.memory.PeakMeter`, plus the parameters and optimizer state held before it.
+    Measuring never stops a run: where the profiler's entry points differ (another torch), the
+    summary says it was not measured, and why."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.peak_activations = 0
-        self._live = 0
-        self._seen: set = set()
+        self.window_peak: Optional[int] = None
+        self.held = 0
+        self.failure: Optional[str] = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in self._seen and not isinstance(t, nn.Parameter):
-            self._seen.add(key)
-            self._live += key[1]
-            self.peak_activations = max(self.peak_activations, self._live)
-        return t
+    @contextlib.contextmanager
+    def window(self, model: nn.Module, optimizer: torch.optim.Optimizer, measure: bool) -> Iterator[None]:
+        meter = None
+        if measure and self.device.type == "cpu" and self.window_peak is None and self.failure is None:
+            held = state_bytes(model, optimizer)
+            self.held = held["parameters"] + held["optimizer_state"]
+            try:
+                meter = PeakMeter("cpu")
+                meter.__enter__()
+            except Exception as e:  # noqa: BLE001 - the profiler's private API; the run goes on
+                meter, self.failure = None, f"{type(e).__name__}: {e}"
+        try:
+            yield
+        finally:
+            if meter is not None:
+                try:
+                    meter.__exit__(None, None, None)
+                    self.window_peak = meter.result.peak_bytes
+                except Exception as e:  # noqa: BLE001 - as above
+                    self.failure = f"{type(e).__name__}: {e}"
 
-    def wrap(self, loss_fn: Any) -> Any:
-        if self.device.type == "cuda":
-            return loss_fn
-
-        def measured(model: nn.Module, batch: Any) -> Any:
-            self._live, self._seen = 0, set()
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-                return loss_fn(model, batch)
-        return measured
-
-    def peak(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    def summary(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        static = sum(state_bytes(model, optimizer).values())
         if self.device.type == "cuda":
             return {"peak_memory_bytes": torch.cuda.max_memory_allocated(self.device),
-                    "peak_memory_source": "CUDA allocator (max_memory_allocated)"}
-        params = sum(p.numel() * p.element_size() for p in model.parameters())
-        state = sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                    for t in s.values() if isinstance(t, torch.Tensor))
-        return {"peak_memory_bytes": 2 * params + state + self.peak_activations,
-                "peak_activation_bytes": self.peak_activations,
-                "peak_memory_source": "estimate: parameters + gradients + optimizer state + "
-                                      "activations saved for backward by one micro-batch"}
+                    "peak_memory_source": "CUDA allocator (max_memory_allocated)", "static_memory_bytes": static}
+        if self.window_peak is None:
+            why = f"the profiler failed ({self.failure})" if self.failure else "no window ran"
+            return {"peak_memory_bytes": None, "peak_memory_source": f"not measured: {why}",
+                    "static_memory_bytes": static}
+        return {"peak_memory_bytes": self.held + self.window_peak,
+                "peak_memory_source": "measured: the CPU allocator's events of one window (PyTorch profiler), "
+                                      "plus the parameters and optimizer state held before it",
+                "static_memory_bytes": static}
 
 
 def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -127,20 +132,21 @@ def build(cfg: TrainConfig, task: Task, device: torch.device) -> nn.Module:
 
 
 def window_words(cfg: TrainConfig, available: int, unit: str) -> str:
-    """The window as trained, in words: ``32 x 4 = 128 images``, or the whole training set when the
-    flags ask for more items than this rank has (``--micro-batch-size 100000``: 1438, not 400000)."""
-    if cfg.window_items <= available:
-        b, m, n = cfg.window_items, cfg.micro_batch_size, cfg.micro_batches
+    """The window as trained, in words: ``32 x 4 = 128 images``, ``16 x 2 x 2 ranks = 64 images``, or
+    the whole training set when the flags ask for more items than there are (``--micro-batch-size
+    100000``: 1438, not 400000)."""
+    b, m, n, w = cfg.window_items, cfg.micro_batch_size, cfg.micro_batches, cfg.world_size
+    ranks = f" x {w} ranks" if w > 1 else ""
+    if b <= available:
         if m == "auto":
-            return f"{b} {unit} in auto-sized micro-batches"
-        if int(m) * int(n or 0) == b:
-            return f"{m} x {n} = {b} {unit}"
-        return f"{b} {unit} in micro-batches of {m}"
+            return f"{b} {unit} in auto-sized micro-batches" + (f" on {w} ranks" if w > 1 else "")
+        if int(m) * int(n or 0) * w == b:
+            return f"{m} x {n}{ranks} = {b} {unit}"
+        return f"{b} {unit} in micro-batches of {m}" + (f" on {w} ranks" if w > 1 else "")
     whole = f"{available} {unit} (all)"
-    if cfg.micro_batch_size == "auto":
+    if m == "auto":
         return f"{whole} in auto-sized micro-batches"
-    m = int(cfg.micro_batch_size)
-    return f"{whole} as one micro-batch" if m >= available else f"{whole} in micro-batches of {m}"
+    return f"{whole} as one micro-batch" if int(m) * w >= available else f"{whole} in micro-batches of {m}"
 
 
 def plot_title(cfg: TrainConfig, task: Task, available: int) -> str:
@@ -149,74 +155,102 @@ def plot_title(cfg: TrainConfig, task: Task, available: int) -> str:
             f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.precision}, {cfg.dtype}, seed {cfg.seed}")
 
 
+def _wrap(cfg: TrainConfig, model: nn.Module, device: torch.device) -> nn.Module:
+    """DDP under torchrun, FSDP2 with --shard, the model itself on one process."""
+    if cfg.shard:
+        return shard_model(model, device)
+    if sync.is_distributed():
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
 def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite: bool = False,
                  command: str = "gradaccum train --resume", label: Optional[str] = None,
                  task: Optional[Task] = None) -> RunResult:
     """Train ``cfg`` into ``out`` (fresh, resumed or already complete: the life cycle decides)."""
     device = resolve_device(cfg.device)
-    setup_distributed(device)
+    setup_distributed(device, shard=cfg.shard)
+    if cfg.world_size != sync.world_size():  # the launch decides; B = M x N x W is checked again
+        cfg = replace(cfg, world_size=sync.world_size())
     rank0 = sync.is_rank_zero()
-    life = RunLifecycle(out, resume=resume, overwrite=overwrite, command=command,
-                        checkpoint_every=cfg.checkpoint_every)
     task = task or load_task(cfg.task, cfg.data_path)
-    sampler = DistributedSampler(range(task.num_train), num_replicas=sync.world_size(), rank=sync.rank(),
-                                 shuffle=True, seed=cfg.seed, drop_last=False)
-    per_window = cfg.window_items
-    label = label or f"accumulate {window_words(cfg, len(sampler), task.window_unit)}"
-    windows_per_epoch = math.ceil(len(sampler) / per_window)
+    batch = cfg.window_items
+    sampler = WindowSampler(task.num_train, batch, batch if cfg.micro_batch_size == "auto" else int(cfg.micro_batch_size),
+                            seed=cfg.seed, rank=sync.rank(), world_size=sync.world_size())
+    label = label or f"accumulate {window_words(cfg, task.num_train, task.window_unit)}"
+    windows_per_epoch = sampler.num_windows
     epochs = int(cfg.epochs)  # type: ignore[arg-type]
     total_steps = windows_per_epoch * epochs
+    parts: Dict[str, Any] = {}  # the model and optimizer, for a sharded checkpoint's writer
+
+    def write_sharded(meta: Dict[str, Any], path: Path) -> None:
+        save_sharded(parts["model"], parts["optimizer"], meta, path)
+
+    life = RunLifecycle(out, resume=resume, overwrite=overwrite, command=command,
+                        checkpoint_every=cfg.checkpoint_every, sharded=cfg.shard,
+                        write=write_sharded if cfg.shard else None, device=device)
     plan, state = life.plan(cfg, total_steps)  # refuses (one line) before anything is written
 
     model = build(cfg, task, device)
-    wrapped: nn.Module = model
-    if sync.is_distributed():
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = _optimizer(cfg, model)
-    acc = Accumulator(wrapped, optimizer, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm)
+    wrapped = _wrap(cfg, model, device)
+    optimizer = _optimizer(cfg, wrapped if cfg.shard else model)
+    parts.update(model=wrapped, optimizer=optimizer)
+    acc = Accumulator(wrapped, optimizer, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm,
+                      compute_grad_norm=True)
     elapsed = 0.0
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if cfg.shard:
+            load_sharded(wrapped, optimizer, life.checkpoint)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
         acc.load_state_dict(state["accumulator"])
         elapsed = float(state.get("elapsed", 0.0))
     life.prepare(plan)
     history = life.kept_history(plan.position.step) if plan.kind != "fresh" else []
 
     def checkpoint_state() -> Dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "accumulator": acc.state_dict(),
-                "config": cfg.to_dict(), "elapsed": elapsed, "total_steps": total_steps}
+        held = {} if cfg.shard else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        return {**held, "accumulator": acc.state_dict(), "config": cfg.to_dict(), "elapsed": elapsed,
+                "total_steps": total_steps}
 
-    meter = MemoryMeter(device)
-    loss_fn = meter.wrap(task.loss_fn)
+    memory = _Memory(device)
     position = plan.position
     if plan.kind != "complete":
         progress = Progress(total_steps, position.epoch * windows_per_epoch + position.window, label=label,
                             unit=task.unit, enabled=rank0)
         with life.handling_signals(), life.metrics(history) as metrics_file:
             try:
+                ran = 0
+                measure_at = 1 if total_steps - (position.epoch * windows_per_epoch + position.window) > 1 else 0
                 for epoch in range(position.epoch, epochs):
                     sampler.set_epoch(epoch)
-                    order = list(sampler)
-                    first = position.window if epoch == position.epoch else 0
-                    for w in range(first, windows_per_epoch):
-                        idx = order[w * per_window:(w + 1) * per_window]
+                    sampler.start_window = position.window if epoch == position.epoch else 0
+                    first = sampler.start_window
+                    for offset, micro_batches in enumerate(sampler.windows()):
+                        w = first + offset
                         t0 = time.perf_counter()
-                        if cfg.micro_batch_size == "auto":
-                            result = acc.step(task.gather(idx), loss_fn, micro_batch_size="auto")
-                        else:
-                            m = int(cfg.micro_batch_size)
-                            result = acc.step([task.gather(idx[i:i + m]) for i in range(0, len(idx), m)], loss_fn)
+                        with memory.window(wrapped, optimizer, measure=ran == measure_at):
+                            if cfg.micro_batch_size == "auto":
+                                share = [i for mb in micro_batches for i in mb]
+                                result = acc.step(task.gather(share), task.loss_fn, micro_batch_size="auto",
+                                                  num_items=task.count)
+                            else:
+                                result = acc.step([task.gather(mb) for mb in micro_batches], task.loss_fn,
+                                                  num_items=task.count)
                         dt = time.perf_counter() - t0
+                        ran += 1
                         elapsed += dt
+                        samples = min(batch, task.num_train - w * batch)  # the global window's items
                         row = {"step": result.step, "epoch": epoch, "window": w, "loss": result.loss,
-                               "lr": result.lr, "num_items": result.num_items, "grad_norm": result.grad_norm,
-                               "skipped": result.skipped, "micro_batches": result.micro_batches,
-                               "accum_steps": result.accum_steps,
+                               "lr": result.lr, "num_items": result.num_items, "window_items": samples,
+                               "grad_norm": result.grad_norm, "skipped": result.skipped,
+                               "micro_batches": result.micro_batches, "accum_steps": result.accum_steps,
                                "micro_batch_size": result.micro_batch_size or cfg.micro_batch_size,
-                               "samples_per_second": len(idx) * sync.world_size() / dt if dt > 0 else None}
+                               "world_size": sync.world_size(),
+                               "samples_per_second": samples / dt if dt > 0 else None}
                         history.append(row)
                         if metrics_file is not None:
                             metrics_file.write(json.dumps(row) + "\n")
@@ -229,24 +263,28 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
                 progress.close()
             life.finish(position, checkpoint_state)
     model.eval()
+    title = plot_title(cfg, task, task.num_train)
     if plan.kind == "complete" and plan.has_summary:  # left as it was
         summary = json.loads((out / "summary.json").read_text())
         return RunResult(summary, history, model, task.unit, already_complete=True, lifecycle=life,
-                         label=label, title=plot_title(cfg, task, len(sampler)))
-    summary: Dict[str, Any] = dict(task.evaluate(model, device))
+                         label=label, title=title, window_unit=task.window_unit)
+    summary: Dict[str, Any] = dict(task.evaluate(wrapped if cfg.shard else model, device))
+    per_step = [float(r["num_items"]) for r in history]
     summary.update(steps=acc.steps, wall_time_seconds=elapsed, epochs=cfg.epochs,
-                   window_items=min(per_window, len(sampler)),
-                   world_size=sync.world_size(), device=str(device), config=cfg.to_dict(),
-                   micro_batch_size=acc.auto_micro_batch_size or cfg.micro_batch_size)
+                   global_batch_size=batch, window_items=min(batch, task.num_train), world_size=sync.world_size(),
+                   micro_batch_size=acc.auto_micro_batch_size or cfg.micro_batch_size,
+                   accum_steps=cfg.micro_batches, sharded=cfg.shard, device=str(device), config=cfg.to_dict(),
+                   threads=torch.get_num_threads())
+    summary[f"{task.unit}_per_step"] = sum(per_step) / len(per_step) if per_step else None
     if plan.kind == "complete":
         summary.update(peak_memory_bytes=None, peak_memory_source="not measured: this summary was written by a "
                        "later --resume of the finished run")
     else:
-        summary.update(meter.peak(model, optimizer))
+        summary.update(memory.summary(wrapped, optimizer))
     life.write_summary(summary)
     if rank0:
         from .report import plot_losses
 
-        plot_losses({label: history}, out / "loss.png", title=plot_title(cfg, task, len(sampler)))
+        plot_losses({label: history}, out / "loss.png", title=title)
     return RunResult(summary, history, model, task.unit, already_complete=plan.kind == "complete", lifecycle=life,
-                     label=label, title=plot_title(cfg, task, len(sampler)))
+                     label=label, title=title, window_unit=task.window_unit)

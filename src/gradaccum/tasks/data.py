@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..losses import causal_lm_loss
+from ..losses import causal_lm_loss, count_targets
 
 __all__ = ["Task", "TaskError", "load_task", "TASKS"]
 
@@ -40,6 +40,7 @@ class Task:
     default_model: str
     unit: str = "items"                             # what num_items counts, in words: images, tokens
     window_unit: str = "items"                      # what a window of --batch-size counts: images, sequences
+    count: Optional[Callable[[Any], int]] = None    # a micro-batch's items before any forward (if not its length)
 
 
 # -- images ---------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def _text(data_path: Optional[str], max_len: int = 64) -> Task:
     train, test = seqs[:-n_test], seqs[-n_test:]
 
     def collate(items: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
-        t = max(len(s) for s in items)
+        t = max((len(s) for s in items), default=2)  # an empty share (some rank of a short window) too
         ids = torch.zeros(len(items), t, dtype=torch.long)
         labels = torch.full((len(items), t), -100, dtype=torch.long)
         for i, s in enumerate(items):
@@ -196,7 +197,7 @@ def _text(data_path: Optional[str], max_len: int = 64) -> Task:
 
     return Task("text", len(train), lambda idx: collate([train[i] for i in idx]), loss_fn, evaluate,
                 {"vocab": 256, "max_len": max_len}, "transformer", unit="tokens",
-                window_unit="sequences")
+                window_unit="sequences", count=lambda batch: count_targets(batch["labels"]))
 
 
 def _device(model: nn.Module) -> torch.device:

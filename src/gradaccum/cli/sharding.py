@@ -1,0 +1,179 @@
+"""The command line's own use of ``torch.distributed``: joining the group, ``--shard`` and its checkpoints.
+
+The library's seam (:mod:`gradaccum.sync`) reduces gradients; this module is what a training *run*
+adds on top: joining torchrun's process group, sharding the model with FSDP2 (``fully_shard``), and
+checkpoints of a sharded model through ``torch.distributed.checkpoint`` (DCP).
+
+A sharded checkpoint is a folder (``last.dcp``): every rank writes its shards, rank 0 adds
+``gradaccum.pt`` (the position, the Accumulator's state, the settings). It is atomic in effect: it is
+written to a temporary folder, which rank 0 then puts in place with two renames (the old folder
+aside, the new one in)::
+
+    .last.dcp.tmp-dcp  --(all ranks: dcp.save; rank 0: gradaccum.pt)-->  complete
+    last.dcp -> .last.dcp.old ;  .last.dcp.tmp-dcp -> last.dcp ;  remove .last.dcp.old
+
+A reader takes ``last.dcp``, or ``.last.dcp.old`` if a crash fell between the two renames; a
+temporary folder is never read. DCP stores global tensor shapes, so a checkpoint written by W ranks
+loads on W' ranks, sharded or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import sync
+from .checkpoint import CLIError, load_checkpoint, save_atomic
+
+__all__ = ["setup_distributed", "shard_model", "save_sharded", "load_sharded", "load_sharded_model",
+           "sharded_folder", "META", "META_KEYS"]
+
+META = "gradaccum.pt"
+#: what gradaccum.pt holds (the model and optimizer are DCP's shards beside it)
+META_KEYS = ("accumulator", "config", "epoch", "window")
+
+
+def setup_distributed(device: torch.device, *, shard: bool = False) -> None:
+    """Join torchrun's process group (several processes), or make a group of one for ``--shard``."""
+    if sync.is_distributed():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    elif shard:  # fully_shard and DCP need a group, even of one process
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+
+
+def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2 over all ranks: each child that holds parameters, then the root (parameters, gradients
+    and optimizer state sharded; each forward all-gathers a child's parameters in turn)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for child in model.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _temp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-dcp")  # one name for every rank: they write one folder
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def sharded_folder(path: Path) -> Optional[Path]:
+    """The complete checkpoint folder to read: ``path``, or the previous one set aside by a swap a
+    crash interrupted; None when there is none."""
+    for candidate in (path, _old(path)):
+        if (candidate / META).is_file():
+            return candidate
+    return None
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, meta: Dict[str, Any], path: Path) -> None:
+    """Every rank: write the sharded checkpoint at ``path`` (see the module docstring). Raises an
+    OSError on every rank when the write fails; ``path`` then still holds the previous checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    tmp, old = _temp(path), _old(path)
+    error = None
+    if sync.is_rank_zero():
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(tmp)  # a write a crash abandoned
+    sync.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
+        if sync.is_rank_zero():
+            save_atomic(meta, tmp / META)
+    except Exception as e:  # noqa: BLE001 - DCP wraps the OSError of a full disk in its own exception
+        error = e
+    error = sync.broadcast_object(None if error is None else _os_error(error))
+    if error is not None:
+        if sync.is_rank_zero():
+            shutil.rmtree(tmp, ignore_errors=True)
+        sync.barrier()
+        raise error
+    if sync.is_rank_zero():
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(path.parent)
+    sync.barrier()
+
+
+def _os_error(error: BaseException) -> OSError:
+    """The OSError under a DCP failure (its text names the system's reason), or one that says what failed."""
+    seen: Any = error
+    for _ in range(8):
+        if isinstance(seen, OSError):
+            return OSError(seen.errno, seen.strerror or str(seen))
+        failures = getattr(seen, "failures", None)  # CheckpointException: {rank: exception}
+        if isinstance(failures, dict) and failures:
+            seen = next(iter(failures.values()))
+            seen = seen[0] if isinstance(seen, tuple) else seen
+            continue
+        seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            break
+    return OSError(f"the sharded checkpoint could not be written ({type(error).__name__})")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Every rank: load the model's and the optimizer's shards, whatever the world size that wrote them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = sharded_folder(path)
+    if folder is None:
+        raise CLIError(f"checkpoint {path} does not exist or is incomplete; train first, or give a last.dcp folder")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_sharded_model(model: nn.Module, path: Path) -> Dict[str, Any]:
+    """One process, no group: a sharded checkpoint's model into a plain model (``gradaccum eval``);
+    returns its ``gradaccum.pt``."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = sharded_folder(path)
+    if folder is None:
+        raise CLIError(f"checkpoint {path} does not exist or is incomplete (no {META}); train first, or give "
+                       "the last.dcp folder a --shard run wrote")
+    meta = load_checkpoint(folder / META, required=META_KEYS)
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except Exception:  # noqa: BLE001 - DCP's own text is long; the reason in our words
+        raise CLIError(f"checkpoint {path} holds shards this model cannot load (another model, or damaged); "
+                       "it was left in place") from None
+    model.load_state_dict(state["model"])
+    return meta
