@@ -221,10 +221,11 @@ def test_a_failed_final_checkpoint_keeps_the_previous_one_and_the_summary_and_me
                           cwd=ROOT, timeout=300, preexec_fn=_full_disk(400_000))
     assert proc.returncode == 1, proc.stderr
     said = [line for line in proc.stderr.splitlines() if "/24 (" not in line]  # not progress
-    assert said[0] == (f"gradaccum train: warning: the checkpoint at step 15 (epoch 1, window 3) could not be "
+    assert said[0] == f"gradaccum train: --resume: continuing {out} from step 12 (epoch 1, window 0) of last.pt"
+    assert said[1] == (f"gradaccum train: warning: the checkpoint at step 15 (epoch 1, window 3) could not be "
                        f"written (File too large); {out}/last.pt still holds step 12 (epoch 1, window 0); "
                        "training goes on")  # once: step 20 fails too, silently
-    assert len(said) == 2
+    assert len(said) == 3
     last = said[-1]
     assert last == (f"gradaccum train: error: the final checkpoint could not be written to {out}/last.pt (File too "
                     "large); it still holds step 12 (epoch 1, window 0); metrics.jsonl and summary.json were "
@@ -297,3 +298,28 @@ def test_resume_keeps_the_metrics_lines_of_the_checkpoint_and_drops_a_torn_one(t
     life = RunLifecycle(tmp_path, resume=True, overwrite=False, command="")
     assert [r["step"] for r in life.kept_history(3)] == [1, 2, 3]
     assert [r["step"] for r in life.kept_history(9)] == [1, 2, 3, 4]
+
+
+def test_a_signal_handled_just_after_the_stop_all_reduce_waits_for_the_next_window(tmp_path, monkeypatch, capfd):
+    """Under torchrun the ranks all-reduce the stop flag after every window. Python runs a signal
+    handler between bytecodes, so it can run just as that collective returns: the rank must still
+    act on the all-reduced flag (its peers saw no signal and go on into the next window), and stop
+    one window later, when the next all-reduce carries it. Acting on its own flag instead made it
+    wait forever in the checkpoint broadcast while its peers waited in the next window."""
+    from gradaccum.cli import lifecycle
+    from gradaccum.cli.lifecycle import RunLifecycle
+
+    life = RunLifecycle(tmp_path / "run", resume=False, overwrite=False, command="gradaccum train --resume")
+    monkeypatch.setattr(lifecycle.sync, "is_distributed", lambda: True)
+
+    def all_reduce_(tensor, op="sum", group=None):
+        agreed = tensor.clone()  # max over ranks whose flags were all 0
+        if not life._signal:
+            life._on_signal(signal.SIGTERM, None)  # this rank's handler runs as the collective returns
+        tensor.copy_(agreed)
+        return tensor
+
+    monkeypatch.setattr(lifecycle.sync, "all_reduce_", all_reduce_)
+    assert life.stop_requested() is False  # what every rank agreed on: go on together
+    assert life.stop_requested() is True   # the next window's all-reduce carries the signal
+    assert life._stopping == signal.SIGTERM

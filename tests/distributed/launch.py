@@ -65,3 +65,25 @@ def two_agents(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = RO
             continue  # another process bound the port between free_port() and the launch
         return codes, outs
     raise AssertionError("unreachable")
+
+
+def start_torchrun(script_args: Sequence[str], *, nproc: int = 2, log: Path, cwd: Path = ROOT,
+                   extra: Sequence[str] = ()) -> subprocess.Popen:
+    """torchrun in a session of its own, output to ``log``: a test can send the whole process group a
+    signal, as a terminal's Ctrl-C does (the agent and every worker receive it)."""
+    with open(log, "w") as f:
+        return subprocess.Popen(torchrun_args(nproc, extra=extra) + list(script_args), cwd=cwd, env=env(),
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_cli(cli_args: Sequence[str], *, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
+    """``python -m gradaccum ...`` as one process, in a session of its own, output to ``log``."""
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "gradaccum", *cli_args], cwd=cwd, env=env(),
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_cli(cli_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m gradaccum ...`` as one process (world size 1), with the suite's environment."""
+    return subprocess.run([sys.executable, "-m", "gradaccum", *cli_args], cwd=cwd, env=env(), capture_output=True,
+                          text=True, timeout=timeout)

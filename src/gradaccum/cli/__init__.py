@@ -373,16 +373,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     command_argv = argv[argv.index(args.command):] if args.command in argv else [args.command]
+    from ..sync import is_rank_zero
+
+    def say(line: str) -> None:  # every rank meets the same stop or usage error: rank 0 says it once
+        if is_rank_zero():
+            print(line, file=sys.stderr)
+
     try:
-        return {"train": _train, "eval": _eval, "check": _check}[args.command](args, command_argv)
+        try:
+            return {"train": _train, "eval": _eval, "check": _check}[args.command](args, command_argv)
+        finally:
+            from .sharding import teardown_distributed
+
+            teardown_distributed()
     except Stopped as e:
-        print(f"gradaccum {args.command}: {e}", file=sys.stderr)
+        say(f"gradaccum {args.command}: {e}")
         return e.exit_code
     except CLIError as e:
-        print(f"gradaccum {args.command}: error: {e}", file=sys.stderr)
+        say(f"gradaccum {args.command}: error: {e}")
         return getattr(e, "exit_code", 2)
     except (TaskError, ValueError, FileNotFoundError, PermissionError) as e:
-        print(f"gradaccum {args.command}: error: {e}", file=sys.stderr)
+        say(f"gradaccum {args.command}: error: {e}")
         return 2
     except KeyboardInterrupt:
         print(f"gradaccum {args.command}: interrupted", file=sys.stderr)

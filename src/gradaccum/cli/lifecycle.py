@@ -38,8 +38,9 @@ Distributed
     barrier after each write and loads the same checkpoint. A checkpoint's position is (epoch, window)
     of the global windows, so it resumes on any world size. After each window the ranks all-reduce
     the stop flag, so all of them stop at the same window even when only some got the signal. torchrun
-    forwards its own Ctrl-C to the workers, which the terminal signalled already: under torchrun the
-    same signal again within a second is that copy, not a second Ctrl-C.
+    forwards the Ctrl-C it receives to its workers; where a worker also gets the terminal's (a launcher
+    that keeps workers in its process group), the same signal again within a second under torchrun is
+    that copy, not a second Ctrl-C.
 
 Elastic restarts (``torchrun --max-restarts=K``)
     A restarted worker group runs the same command again: with ``--resume`` it continues from the
@@ -216,6 +217,7 @@ class RunLifecycle:
         self.final: Optional[Position] = None      # where training ended, once it has
         self._signal: Optional[int] = None         # the first SIGINT/SIGTERM received
         self._signal_at = 0.0                      # when (time.monotonic), to tell a launcher's copy
+        self._stopping: Optional[int] = None       # the signal all ranks agreed to stop on
         self._leaving = False                      # a second signal was received: leaving at once
         self._exit = exit                          # how the second signal leaves (tests replace it)
 
@@ -310,7 +312,10 @@ class RunLifecycle:
             note = (f"{self.out} is complete: {epochs} epochs, {at.step} steps; nothing to train"
                     + ("; summary.json left as it was" if has_summary else "; writing its missing summary.json"))
             return Plan("complete", at, stray, note=note, has_summary=has_summary), state
-        return Plan("resume", at, stray, has_summary=has_summary), state
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        why = f"torchrun restart {restart}: " if restart else "--resume: "
+        return Plan("resume", at, stray, has_summary=has_summary,
+                    note=f"{why}continuing {self.out} from {at} of {self.checkpoint.name}"), state
 
     # -- the folder -------------------------------------------------------------------------------
 
@@ -396,7 +401,7 @@ class RunLifecycle:
             yield
         finally:
             for s, handler in previous.items():
-                signal.signal(s, signal.SIG_IGN if self._signal is not None else handler)
+                signal.signal(s, signal.SIG_IGN if self._signal is not None or self._stopping else handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         """Never raises: an exception raised here inside torch (a hook, a checkpoint write) comes out
@@ -429,16 +434,21 @@ class RunLifecycle:
             os.write(2, f"{self.prefix} {line}\n".encode())
 
     def stop_requested(self) -> bool:
-        """Did a signal ask to stop, here or on any rank? (Under torchrun an all-reduce per window:
-        every rank stops after the same window.)"""
+        """Did a signal ask to stop, here or on any rank? Under torchrun an all-reduce per window, and
+        the answer is the all-reduced flag alone: a signal whose handler runs after the collective
+        returned (Python runs handlers between bytecodes) waits for the next window's all-reduce,
+        else this rank would stop while its peers go on into the next window and wait forever."""
+        local = self._signal or 0  # read once, before the collective
         if sync.is_distributed():
             import torch
 
-            flag = torch.tensor([self._signal or 0], device=self.device)
-            seen = int(sync.all_reduce_(flag, "max").item())
-            if seen and self._signal is None:
-                self._signal = seen  # a peer was signalled: stop with it, with its exit code
-        return self._signal is not None
+            flag = torch.tensor([local], device=self.device)
+            agreed = int(sync.all_reduce_(flag, "max").item())
+        else:
+            agreed = local
+        if agreed:
+            self._stopping = agreed  # the signal every rank stops with (a peer's, maybe)
+        return bool(agreed)
 
     def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool) -> None:
         """Called after each window: stop if a signal asked to (raises :class:`Stopped`), else write
@@ -449,7 +459,7 @@ class RunLifecycle:
             self.save(position, state)
 
     def _stop(self, position: Position, state: Callable[[], Dict[str, Any]]) -> None:
-        signum = signal.Signals(self._signal)  # type: ignore[arg-type]
+        signum = signal.Signals(self._stopping)  # type: ignore[arg-type]
         done = f"{signum.name}: stopped after step {position.step} of {self.total_steps}"
         if self.save(position, state, quiet=True):
             message = f"{done}; checkpoint {self.checkpoint} ({position}); resume with: {self.command}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -32,23 +33,44 @@ from torch import nn
 from .. import sync
 from .checkpoint import CLIError, load_checkpoint, save_atomic
 
-__all__ = ["setup_distributed", "shard_model", "save_sharded", "load_sharded", "load_sharded_model",
+__all__ = ["setup_distributed", "teardown_distributed", "shard_model", "save_sharded", "load_sharded", "load_sharded_model",
            "sharded_folder", "META", "META_KEYS"]
 
 META = "gradaccum.pt"
+_made_group = False  # this process joined (or made) the group: the command leaves it at its end
 #: what gradaccum.pt holds (the model and optimizer are DCP's shards beside it)
 META_KEYS = ("accumulator", "config", "epoch", "window")
 
 
 def setup_distributed(device: torch.device, *, shard: bool = False) -> None:
-    """Join torchrun's process group (several processes), or make a group of one for ``--shard``."""
+    """Join torchrun's process group (several processes), or make a group of one for ``--shard``.
+
+    The group's keys go under a prefix of torchrun's restart count: a restarted worker group meets in
+    the agent's store, where the previous attempt's keys (its peers' closed addresses) still are, and
+    gloo could read those before the new peer writes its own."""
+    global _made_group
     if sync.is_distributed():
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _made_group = True
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore(f"gradaccum/attempt_{attempt}", store),
+                                rank=rank, world_size=world_size)
     elif shard:  # fully_shard and DCP need a group, even of one process
+        _made_group = True
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)
+
+
+def teardown_distributed() -> None:
+    """Leave the group this command made: a gloo group still alive at interpreter exit can abort the
+    process ('terminate called without an active exception') after its work is done."""
+    global _made_group
+    if _made_group and sync.is_distributed():
+        dist.destroy_process_group()
+    _made_group = False
 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
@@ -171,7 +193,9 @@ def load_sharded_model(model: nn.Module, path: Path) -> Dict[str, Any]:
     meta = load_checkpoint(folder / META, required=META_KEYS)
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=str(folder))
+        with warnings.catch_warnings():  # DCP warns of the single-process load we ask for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, checkpoint_id=str(folder), no_dist=not sync.is_distributed())
     except Exception:  # noqa: BLE001 - DCP's own text is long; the reason in our words
         raise CLIError(f"checkpoint {path} holds shards this model cannot load (another model, or damaged); "
                        "it was left in place") from None

@@ -70,16 +70,19 @@ def resolve_device(name: str) -> torch.device:
 
 class _Memory:
     """Peak memory of the run. CUDA: the allocator's peak over the whole run. CPU: the allocator's
-    events of one window (the second this process runs, when optimizer state exists), measured by
+    events of one window (the third this process runs: optimizer state exists), measured by
     :class:`~gradaccum.memory.PeakMeter`, plus the parameters and optimizer state held before it.
     Measuring never stops a run: where the profiler's entry points differ (another torch), the
     summary says it was not measured, and why."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, sharded: bool = False) -> None:
         self.device = device
         self.window_peak: Optional[int] = None
         self.held = 0
         self.failure: Optional[str] = None
+        if sharded and device.type == "cpu":  # its frees of earlier windows' buffers are unattributable
+            self.failure = ("FSDP2 frees buffers of earlier windows inside each window, which the CPU "
+                            "profiler cannot attribute; run without --shard to measure")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -93,7 +96,7 @@ class _Memory:
                 meter = PeakMeter("cpu")
                 meter.__enter__()
             except Exception as e:  # noqa: BLE001 - the profiler's private API; the run goes on
-                meter, self.failure = None, f"{type(e).__name__}: {e}"
+                meter, self.failure = None, f"the profiler failed ({type(e).__name__}: {e})"
         try:
             yield
         finally:
@@ -102,7 +105,7 @@ class _Memory:
                     meter.__exit__(None, None, None)
                     self.window_peak = meter.result.peak_bytes
                 except Exception as e:  # noqa: BLE001 - as above
-                    self.failure = f"{type(e).__name__}: {e}"
+                    self.failure = f"the profiler failed ({type(e).__name__}: {e})"
 
     def summary(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         static = sum(state_bytes(model, optimizer).values())
@@ -110,7 +113,7 @@ class _Memory:
             return {"peak_memory_bytes": torch.cuda.max_memory_allocated(self.device),
                     "peak_memory_source": "CUDA allocator (max_memory_allocated)", "static_memory_bytes": static}
         if self.window_peak is None:
-            why = f"the profiler failed ({self.failure})" if self.failure else "no window ran"
+            why = self.failure or "no window ran"
             return {"peak_memory_bytes": None, "peak_memory_source": f"not measured: {why}",
                     "static_memory_bytes": static}
         return {"peak_memory_bytes": self.held + self.window_peak,
@@ -216,7 +219,7 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
         return {**held, "accumulator": acc.state_dict(), "config": cfg.to_dict(), "elapsed": elapsed,
                 "total_steps": total_steps}
 
-    memory = _Memory(device)
+    memory = _Memory(device, sharded=cfg.shard)
     position = plan.position
     if plan.kind != "complete":
         progress = Progress(total_steps, position.epoch * windows_per_epoch + position.window, label=label,
@@ -224,7 +227,9 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
         with life.handling_signals(), life.metrics(history) as metrics_file:
             try:
                 ran = 0
-                measure_at = 1 if total_steps - (position.epoch * windows_per_epoch + position.window) > 1 else 0
+                # the third window this process runs (optimizer state exists, DDP has rebuilt its
+                # buckets), or the last one when fewer run
+                measure_at = min(2, total_steps - (position.epoch * windows_per_epoch + position.window) - 1)
                 for epoch in range(position.epoch, epochs):
                     sampler.set_epoch(epoch)
                     sampler.start_window = position.window if epoch == position.epoch else 0

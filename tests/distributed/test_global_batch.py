@@ -1,0 +1,213 @@
+"""The global batch is the invariant (#11), end to end through `gradaccum train` under torchrun.
+
+The same seed and --batch-size train the same model on 1, 2 and 4 ranks; a run stopped by Ctrl-C on
+W ranks continues on W' ranks; a worker killed with SIGKILL under `torchrun --max-restarts` is
+restarted and the run ends as if nothing happened; --shard's DCP checkpoint resumes on another world
+size. float64 throughout, so that "the same model" is asserted to 1e-9 (different world sizes add in
+another order) and "the same run" to the bit (same world size).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed.launch import run_cli, start_cli, start_torchrun, torchrun
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 46  # digits: 1438 training images, windows of 64: 23 per epoch, 2 epochs
+COMMON = ["train", "--model", "lenet5", "--dtype", "float64", "--batch-size", "64", "--epochs", "2",
+          "--optimizer", "adamw", "--lr", "0.001", "--device", "cpu"]
+
+
+def train(out: Path, *extra: str, micro: int = 8) -> list:
+    return [*COMMON, "--micro-batch-size", str(micro), "--out", str(out), *extra]
+
+
+def module(args: list) -> list:
+    return ["-m", "gradaccum", *args]
+
+
+def model_of(out: Path) -> dict:
+    return torch.load(out / "last.pt", weights_only=True)["model"]
+
+
+def rows(out: Path) -> list:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted run on W ranks, made once per W."""
+    made = {}
+
+    def run(world: int) -> Path:
+        if world not in made:
+            out = tmp_path_factory.mktemp(f"ranks{world}")
+            proc = run_cli(train(out)) if world == 1 else torchrun(module(train(out)), nproc=world)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+            made[world] = out
+        return made[world]
+    return run
+
+
+@pytest.fixture
+def started():
+    """Processes a test starts; whatever still runs at teardown (a test that failed, a run that hung)
+    is killed with every descendant (torchrun starts each worker in a session of its own)."""
+    psutil = pytest.importorskip("psutil")
+    procs: list = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+            proc.kill()
+            proc.wait()
+
+
+def wait_for_rows(out: Path, proc, n: int, log: Path, *, checkpoint: bool = False) -> None:
+    """Wait until ``n`` steps are in metrics.jsonl (and, with ``checkpoint``, last.pt exists)."""
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n and (
+                not checkpoint or (out / "last.pt").exists()):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"no {n} steps before the run ended or 180 s passed:\n{log.read_text()[-3000:]}")
+
+
+def test_the_same_seed_and_global_batch_train_the_same_model_on_1_2_and_4_ranks(runs):
+    one = runs(1)
+    counts = [r["num_items"] for r in rows(one)]
+    assert len(counts) == STEPS and counts[0] == 64 and counts[22] == 1438 - 22 * 64
+    for world in (2, 4):
+        out = runs(world)
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["world_size"], summary["global_batch_size"], summary["steps"]) == (world, 64, STEPS)
+        assert summary["accum_steps"] == -(-64 // (8 * world))  # per rank: 4 on 2 ranks, 2 on 4
+        assert [r["num_items"] for r in rows(out)] == counts  # every step saw the same global items
+        assert max_diff(model_of(one), model_of(out)) < 1e-9
+
+
+def test_stopped_on_2_ranks_by_ctrl_c_continues_on_1_rank(runs, tmp_path, started):
+    """Ctrl-C to torchrun's process group, as a terminal sends it (torchrun forwards it to its workers,
+    which run in sessions of their own): they agree to stop after the same window and write one
+    checkpoint, mid-epoch; one process then finishes the run, with another micro-batch size too, and
+    ends with the model of the uninterrupted runs."""
+    out, log = tmp_path / "moved", tmp_path / "torchrun.log"
+    proc = start_torchrun(module(train(out)), log=log)
+    started.append(proc)
+    wait_for_rows(out, proc, 5, log)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    held = torch.load(out / "last.pt", weights_only=True)
+    assert 5 <= held["accumulator"]["steps"] < STEPS, log.read_text()[-3000:]
+    said = log.read_text()
+    assert said.count("SIGINT: stopped after step") == 1  # one line, from rank 0
+    assert "second SIGINT: stopped at once" not in said  # torchrun's forwarded copy is not a second Ctrl-C
+    resumed = run_cli(train(out, "--resume", micro=4))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"continuing {out} from step {held['accumulator']['steps']}" in resumed.stderr
+    assert [r["step"] for r in rows(out)] == list(range(1, STEPS + 1))
+    assert max_diff(model_of(runs(1)), model_of(out)) < 1e-9
+
+
+def test_a_signal_to_one_worker_stops_every_rank_after_the_same_window(tmp_path, started):
+    """SIGTERM to rank 1's worker alone (a scheduler preempting one process): the ranks all-reduce the
+    stop flag after each window, so rank 0 stops with it after the same window instead of waiting for
+    it forever; one checkpoint, one line."""
+    psutil = pytest.importorskip("psutil")
+    out, log = tmp_path / "one", tmp_path / "torchrun.log"
+    proc = start_torchrun(module(train(out)), log=log)
+    started.append(proc)
+    wait_for_rows(out, proc, 5, log)
+    workers = {p.environ().get("RANK"): p for p in psutil.Process(proc.pid).children(recursive=True)
+               if p.environ().get("RANK") is not None}
+    workers["1"].send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    said = log.read_text()
+    held = torch.load(out / "last.pt", weights_only=True)["accumulator"]["steps"]
+    assert 5 <= held < STEPS, said[-3000:]
+    assert said.count(f"SIGTERM: stopped after step {held} of {STEPS}") == 1, said[-3000:]
+
+
+def test_stopped_on_1_rank_continues_on_2_ranks(runs, tmp_path, started):
+    out, log = tmp_path / "grown", tmp_path / "cli.log"
+    proc = start_cli(train(out), log=log)
+    started.append(proc)
+    wait_for_rows(out, proc, 5, log)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+    resumed = torchrun(module(train(out, "--resume")))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == STEPS
+    assert [r["step"] for r in rows(out)] == list(range(1, STEPS + 1))
+    assert max_diff(model_of(runs(1)), model_of(out)) < 1e-9
+
+
+def test_a_worker_killed_under_max_restarts_is_restarted_and_the_run_ends_as_the_uninterrupted_one(runs, tmp_path,
+                                                                                                  started):
+    """`torchrun --max-restarts=1 ... train --resume --checkpoint-every 5`: the first start has nothing
+    to resume and says so; SIGKILL to rank 1's worker mid-run makes torchrun restart the group, which
+    continues from the last checkpoint. Same world size: the model equals the uninterrupted one to the bit,
+    and each step is in the metrics exactly once."""
+    psutil = pytest.importorskip("psutil")
+    out, log = tmp_path / "elastic", tmp_path / "elastic.log"
+    proc = start_torchrun(module(train(out, "--resume", "--checkpoint-every", "5")), log=log,
+                          extra=["--max-restarts=1"])
+    started.append(proc)
+    wait_for_rows(out, proc, 12, log, checkpoint=True)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if p.environ().get("RANK") == "1" and p.environ().get("TORCHELASTIC_RESTART_COUNT") == "0"]
+    assert len(workers) == 1, workers
+    workers[0].send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    said = log.read_text()
+    assert said.count("--resume: nothing to resume") == 1  # rank 0 of the first start, one line
+    assert "torchrun restart 1: continuing" in said
+    assert [r["step"] for r in rows(out)] == list(range(1, STEPS + 1))
+    whole, after = model_of(runs(2)), model_of(out)
+    assert all(torch.equal(whole[k], after[k]) for k in whole)
+
+
+def test_sharded_on_2_ranks_resumes_on_1_rank_from_its_dcp_checkpoint(runs, tmp_path):
+    """--shard: FSDP2 over 2 ranks, the checkpoint a torch.distributed.checkpoint folder. A crash that
+    fell between its two renames (previous folder set aside, a half-written one beside it) still
+    resumes from the complete one, on 1 rank; the result is the model of the unsharded runs."""
+    out = tmp_path / "sharded"
+    first = torchrun(module(train(out, "--shard", "--epochs", "1")))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "last.dcp" / "gradaccum.pt").is_file() and not (out / "last.pt").exists()
+    os.replace(out / "last.dcp", out / ".last.dcp.old")
+    (out / ".last.dcp.tmp-dcp").mkdir()
+    (out / ".last.dcp.tmp-dcp" / "__0_0.distcp").write_bytes(b"half written")
+    resumed = run_cli(train(out, "--shard", "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"continuing {out} from step 23 (epoch 1, window 0) of last.dcp" in resumed.stderr
+    assert not (out / ".last.dcp.tmp-dcp").exists() and not (out / ".last.dcp.old").exists()
+    shown = run_cli(["eval", "--checkpoint", str(out / "last.dcp"), "--device", "cpu"])
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["step"] == STEPS
+    import torch.distributed.checkpoint as dcp
+
+    like = {k: torch.zeros_like(v) for k, v in model_of(runs(1)).items()}
+    state = {"model": like}
+    with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):
+        dcp.load(state, checkpoint_id=str(out / "last.dcp"), no_dist=True)
+    assert max_diff(model_of(runs(1)), state["model"]) < 1e-9
