@@ -20,7 +20,7 @@ from common import QUICK, ROOT, Timer, accelerator, ce, data, median, mlp, paire
 from gradaccum import Accumulator
 
 N = 4
-REPEATS = 4 if QUICK else 12
+REPEATS = 4 if QUICK else 24
 #: windows per timed block: a block of a few tens of milliseconds is above the timer's noise
 BLOCK = {8: 8, 256: 2}
 #: the goals of issue #13, per micro-batch size: (bare, with clipping)

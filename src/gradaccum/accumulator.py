@@ -110,6 +110,29 @@ class WindowPlan:
     items: Optional[float]
 
 
+class _MicroBatch:
+    """One micro-batch's context: the sync switch (skip the reduction unless ``reduces``) and autocast,
+    each entered only where it does something (a local fp32 window pays for neither)."""
+
+    __slots__ = ("window", "reduces", "stack")
+
+    def __init__(self, window: "Window", reduces: bool) -> None:
+        self.window, self.reduces, self.stack = window, reduces, None
+
+    def __enter__(self) -> None:
+        acc = self.window._acc
+        if acc.sync.distributed or acc.precision.dtype is not None:
+            self.stack = contextlib.ExitStack()
+            self.stack.enter_context(acc.sync.micro_batch(last=self.reduces))
+            self.stack.enter_context(acc.precision.autocast())
+        self.window._in_micro_batch = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.window._in_micro_batch = False
+        if self.stack is not None:
+            self.stack.close()  # restores every switch, also when an exception leaves the block
+
+
 class Window:
     """One open window: its micro-batches, each a forward and backward, then one ``step()``.
 
@@ -155,8 +178,8 @@ class Window:
         self._abandoned = False
         self._defer = defer_reduction
         self._reference: Optional[float] = None  # R for this window when known up front
-        dtype = torch.float32 if acc.device.type == "mps" else torch.float64
-        self._loss_sum = torch.zeros((), dtype=dtype, device=acc.device)  # sum n_k L_k, on the device
+        self._sum_dtype = torch.float32 if acc.device.type == "mps" else torch.float64
+        self._loss_sum: Optional[torch.Tensor] = None  # sum n_k L_k, on the device (made by the first)
         self._host_items = 0.0  # sum of the counts given as Python numbers
         self._device_items: Optional[torch.Tensor] = None  # sum of the counts given as tensors
 
@@ -210,8 +233,7 @@ class Window:
                     "`with acc.window(...)` block to take its optimizer step"
                 )
 
-    @contextlib.contextmanager
-    def micro_batch(self, *, last: Optional[bool] = None) -> Iterator[None]:
+    def micro_batch(self, *, last: Optional[bool] = None) -> "_MicroBatch":
         """Context for one micro-batch's forward and backward.
 
         ``last`` defaults to "this is micro-batch number ``num_micro_batches``"; pass it when the
@@ -228,13 +250,7 @@ class Window:
             if self.size is None:
                 raise ValueError("pass micro_batch(last=...) when the window was opened without a size")
             last = self.done == self.size - 1
-        acc = self._acc
-        self._in_micro_batch = True
-        try:
-            with acc.sync.micro_batch(last=bool(last) and not self._defer), acc.precision.autocast():
-                yield
-        finally:
-            self._in_micro_batch = False
+        return _MicroBatch(self, bool(last) and not self._defer)
 
     def _weight(self, num_items: Count, loss: torch.Tensor) -> Union[float, torch.Tensor]:
         acc = self._acc
@@ -281,12 +297,16 @@ class Window:
             with torch.autocast(device_type=acc.device.type, enabled=False):
                 scaled.backward()
         if isinstance(num_items, torch.Tensor):
-            count = num_items.to(self._loss_sum.dtype)
-            self._loss_sum.add_(loss.detach() * count)
+            count = num_items.to(self._sum_dtype)
+            part = loss.detach() * count
             self._device_items = count if self._device_items is None else self._device_items + count
+            self._loss_sum = part.to(self._sum_dtype) if self._loss_sum is None else self._loss_sum.add_(part)
         else:
-            self._loss_sum.add_(loss.detach(), alpha=num_items)  # promoted into the float64 sum
             self._host_items += num_items
+            if self._loss_sum is None:  # the first: one op, in the sum's (float64) precision
+                self._loss_sum = loss.detach().to(self._sum_dtype) * num_items
+            else:
+                self._loss_sum.add_(loss.detach(), alpha=num_items)  # promoted into the float64 sum
         self.done += 1
 
     def backward_padding(self, loss: torch.Tensor) -> None:
@@ -298,12 +318,19 @@ class Window:
             self._acc.precision.scale(loss * 0.0).backward()
         self.done += 1
 
+    def loss_sum(self) -> torch.Tensor:
+        """``sum n_k L_k`` of this rank's micro-batches, on the device (0 before any)."""
+        if self._loss_sum is None:
+            return torch.zeros((), dtype=self._sum_dtype, device=self._acc.device)
+        return self._loss_sum
+
     def totals(self) -> torch.Tensor:
         """``(sum n_k L_k, sum n_k)`` of this rank's micro-batches, on the device."""
-        items = self._loss_sum.new_tensor(self._host_items)
+        loss_sum = self.loss_sum()
+        items = loss_sum.new_tensor(self._host_items)
         if self._device_items is not None:
             items = items + self._device_items
-        return torch.stack([self._loss_sum, items])
+        return torch.stack([loss_sum, items])
 
     @property
     def reference_items(self) -> Optional[float]:
@@ -679,9 +706,9 @@ class Accumulator:
             totals = self.sync.all_reduce_(window.totals())  # one small all-reduce per window
             parts = [totals.to(torch.float64)]
         else:  # the count is a host number already: only the loss sum crosses to the host
-            parts = [window._loss_sum.reshape(1).to(torch.float64)]
+            parts = [window.loss_sum().reshape(1)]
         if measure:
-            parts.append(_total_norm(grads, self.device).reshape(1).to(device=parts[0].device, dtype=torch.float64))
+            parts.append(_total_norm(grads, self.device).reshape(1).to(device=parts[0].device, dtype=parts[0].dtype))
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the window's one host sync
         loss_sum = host[0]
         num_items = host[1] if len(host) == (3 if measure else 2) else window._host_items
