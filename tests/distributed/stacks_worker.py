@@ -10,10 +10,8 @@ fail on one rank only compare both ranks' values, so both fail together. Collect
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -24,13 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_helpe
 
 from gradaccum import Accumulator, count_targets  # noqa: E402
 from gradaccum.sync import DDPSync  # noqa: E402
-from worker import close, counting_hook, data, make_opt, model_fn, mse, reference  # noqa: E402
+from worker import Skip, close, counting_hook, data, make_opt, model_fn, mse, reference, run_scenarios  # noqa: E402
 
 RANK, WORLD = 0, 1
 
 
-class Skip(Exception):
-    """The machine lacks what a scenario needs (reported as SKIP, never as PASS)."""
 # each rank's window: micro-batch sizes, a different number of micro-batches per rank. No size 1:
 # torch.compile specialises on it, so the number of graphs would depend on the order sizes come in
 SHARES = {0: [4, 4, 3], 1: [5, 2]}
@@ -284,34 +280,11 @@ SCENARIOS = [ddp_over_compiled_eager_and_aot_eager, ddp_over_compiled_inductor,
              hf_gpt2_ddp_uneven_data_train]
 
 
-def main() -> int:
+def _set_rank(rank: int, world: int) -> None:
     global RANK, WORLD
-    # a hang would be the worst failure: make any collective that waits a minute an error instead
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    RANK, WORLD = dist.get_rank(), dist.get_world_size()
-    assert WORLD == 2, "run with --nproc_per_node=2"
-    names = sys.argv[1:] or [s.__name__ for s in SCENARIOS]
-    for scenario in SCENARIOS:
-        if scenario.__name__ not in names:
-            continue
-        try:
-            note = scenario()
-            verdict = torch.tensor([0])
-        except Skip as e:
-            note, verdict = str(e), torch.tensor([1])
-        except Exception:  # noqa: BLE001 - reported per scenario
-            note = traceback.format_exc().strip().splitlines()[-1]
-            verdict = torch.tensor([2])
-            traceback.print_exc()
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # a scenario passes only if it passed on both ranks
-        if RANK == 0:
-            status = ("PASS", "SKIP", "FAIL")[int(verdict.item())]
-            print(f"{status} {scenario.__name__}: {note}", flush=True)
-        dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    RANK, WORLD = rank, world
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    sys.exit(run_scenarios(SCENARIOS, _set_rank))

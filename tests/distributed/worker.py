@@ -464,32 +464,46 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice]
 
 
-def main() -> int:
-    global RANK, WORLD
+class Skip(Exception):
+    """A scenario that cannot run on this machine (inductor without a C++ compiler): reported as SKIP."""
+
+
+def run_scenarios(scenarios, set_rank) -> int:
+    """Join the group, run the scenarios named on the command line (all by default) and print, on rank
+    0, ``PASS``/``SKIP``/``FAIL <name>: <note>`` per scenario: a scenario passes only if it passed on
+    both ranks. ``set_rank(rank, world)`` sets the calling module's globals."""
     # a hang would be the worst failure: make any collective that waits a minute an error instead
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    RANK, WORLD = dist.get_rank(), dist.get_world_size()
-    assert WORLD == 2, "run with --nproc_per_node=2 (or two agents of one process)"
-    names = sys.argv[1:] or [s.__name__ for s in SCENARIOS]
-    for scenario in SCENARIOS:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2, "run with --nproc_per_node=2 (or two agents of one process)"
+    set_rank(rank, world)
+    names = sys.argv[1:] or [s.__name__ for s in scenarios]
+    for scenario in scenarios:
         if scenario.__name__ not in names:
             continue
         try:
             note = scenario()
             verdict = torch.tensor([0])
+        except Skip as e:
+            note, verdict = str(e), torch.tensor([1])
         except Exception:  # noqa: BLE001 - reported per scenario
             note = traceback.format_exc().strip().splitlines()[-1]
-            verdict = torch.tensor([1])
+            verdict = torch.tensor([2])
             traceback.print_exc()
-        dist.all_reduce(verdict)  # a scenario passes only if it passed on both ranks
-        if RANK == 0:
-            status = "PASS" if verdict.item() == 0 else "FAIL"
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            status = ("PASS", "SKIP", "FAIL")[int(verdict.item())]
             print(f"{status} {scenario.__name__}: {note}", flush=True)
         dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
+def _set_rank(rank: int, world: int) -> None:
+    global RANK, WORLD
+    RANK, WORLD = rank, world
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    sys.exit(run_scenarios(SCENARIOS, _set_rank))
