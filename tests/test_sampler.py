@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradaccum import Accumulator, WindowSampler
-from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
+from helpers import assert_params_close, mse, reference_step, regression_batch, regression_model
 
 
 def all_ranks(world: int, **kw):

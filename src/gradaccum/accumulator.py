@@ -117,14 +117,15 @@ class _MicroBatch:
     __slots__ = ("window", "reduces", "stack")
 
     def __init__(self, window: "Window", reduces: bool) -> None:
-        self.window, self.reduces, self.stack = window, reduces, None
+        self.window, self.reduces = window, reduces
+        self.stack: Optional[contextlib.ExitStack] = None
 
     def __enter__(self) -> None:
         acc = self.window._acc
         if acc.sync.distributed or acc.precision.dtype is not None:
-            self.stack = contextlib.ExitStack()
-            self.stack.enter_context(acc.sync.micro_batch(last=self.reduces))
-            self.stack.enter_context(acc.precision.autocast())
+            stack = self.stack = contextlib.ExitStack()
+            stack.enter_context(acc.sync.micro_batch(last=self.reduces))
+            stack.enter_context(acc.precision.autocast())
         self.window._in_micro_batch = True
 
     def __exit__(self, *exc: Any) -> None:
@@ -621,7 +622,7 @@ class Accumulator:
             items = None if num_items is None else _as_number(num_items)
             return WindowPlan(num_micro_batches, num_micro_batches, num_micro_batches, items)
         known = num_items is not None
-        mine = torch.tensor([float(num_micro_batches), _as_number(num_items) if known else 0.0,
+        mine = torch.tensor([float(num_micro_batches), 0.0 if num_items is None else _as_number(num_items),
                              1.0 if known else 0.0, 1.0 if can_pad or num_micro_batches > 0 else 0.0],
                             dtype=torch.float64 if self.device.type != "mps" else torch.float32,
                             device=self.device)
@@ -738,6 +739,7 @@ class Accumulator:
             else:
                 coef = scale
                 if self.max_grad_norm is not None:
+                    assert grad_norm is not None  # measured whenever clipping
                     coef *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))  # as clip_grad_norm_
                 if grads and coef != 1.0:
                     torch._foreach_mul_(grads, coef)
@@ -788,7 +790,7 @@ def _check_loss_fn(loss_fn: Any) -> None:
         raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
 
 
-def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: List[torch.Tensor], model: nn.Module) -> None:
+def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], model: nn.Module) -> None:
     """An optimizer over none of the model's trainable parameters would 'step' and move nothing."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if not any(id(p) in held for p in params):

@@ -203,7 +203,7 @@ def _start_cpu_events() -> None:
     # only the allocator's memory events remain.
     scopes = {RecordScope.STATIC_RUNTIME_MODEL}
     torch.autograd._prepare_profiler(config, activities)
-    torch.autograd._enable_profiler(config, activities, scopes)
+    torch.autograd._enable_profiler(config, activities, scopes)  # type: ignore[call-arg]  # stubs lag
 
 
 def _stop_cpu_events() -> List[Tuple[int, int, int]]:

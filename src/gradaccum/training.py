@@ -71,7 +71,8 @@ def train_windows(acc: "Accumulator", loader: Iterable[Batch], loss_fn: "LossFn"
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:
-    for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+    holders: List[Any] = [getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)]
+    for holder in holders:
         if callable(getattr(holder, "set_epoch", None)):
             holder.set_epoch(epoch)
             return

@@ -6,7 +6,6 @@ prints ``PASS <name>`` on rank 0, or ``FAIL <name>: <why>`` and the run goes on.
 """
 from __future__ import annotations
 
-import copy
 import datetime
 import os
 import sys

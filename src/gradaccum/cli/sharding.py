@@ -176,7 +176,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path)
     if folder is None:
         raise CLIError(f"checkpoint {path} does not exist or is incomplete; train first, or give a last.dcp folder")
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    state: Dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 

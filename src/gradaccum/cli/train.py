@@ -270,8 +270,8 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
     model.eval()
     title = plot_title(cfg, task, task.num_train)
     if plan.kind == "complete" and plan.has_summary:  # left as it was
-        summary = json.loads((out / "summary.json").read_text())
-        return RunResult(summary, history, model, task.unit, already_complete=True, lifecycle=life,
+        kept = json.loads((out / "summary.json").read_text())
+        return RunResult(kept, history, model, task.unit, already_complete=True, lifecycle=life,
                          label=label, title=title, window_unit=task.window_unit)
     summary: Dict[str, Any] = dict(task.evaluate(wrapped if cfg.shard else model, device))
     per_step = [float(r["num_items"]) for r in history]
