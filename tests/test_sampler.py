@@ -94,6 +94,14 @@ def test_bad_arguments(kw, match):
         WindowSampler(**args)
 
 
+def test_built_under_a_launcher_before_the_process_group_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 before the process group exists.*init_process_group"):
+        WindowSampler(40, 8, 4)
+    assert WindowSampler(40, 8, 4, rank=1, world_size=2).rank == 1  # told explicitly: fine
+
+
 def data():
     x, y = regression_batch(29, seed=11)
     return TensorDataset(x, y), x, y
@@ -128,10 +136,11 @@ def test_train_over_a_window_sampler_is_one_step_per_global_window(workers):
     assert_params_close(model, ref)
 
 
-@pytest.mark.parametrize("resume_micro", [3, 2])
-def test_train_resumes_mid_epoch_from_the_sampler_state(resume_micro):
-    """Stop after 5 windows, save model, optimizer, Accumulator and sampler; continue in fresh objects.
-    Same micro-batch size: bit-identical to the uninterrupted run. Another one: equal in float64."""
+@pytest.mark.parametrize("resume_micro, stop_at", [(3, 5), (2, 5), (3, 8)])
+def test_train_resumes_mid_epoch_from_the_sampler_state(resume_micro, stop_at):
+    """Stop after 5 windows (mid-epoch) or 8 (the last of epoch 1), save model, optimizer,
+    Accumulator and sampler; continue in fresh objects with ``epochs=3 - acc.epoch``. Same
+    micro-batch size: bit-identical to the uninterrupted run. Another one: equal in float64."""
     dataset, x, y = data()
     kw = dict(dataset_size=29, global_batch_size=8, seed=2, rank=0, world_size=1)
 
@@ -145,18 +154,20 @@ def test_train_resumes_mid_epoch_from_the_sampler_state(resume_micro):
     list(whole_acc.train(whole_loader, mse, epochs=3))
     model, opt, acc, sampler, loader = fresh(3)
     for result in acc.train(loader, mse, epochs=3):
-        if result.step == 5:
+        if result.step == stop_at:
             saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
                                    "acc": acc.state_dict(), "sampler": sampler.state_dict()})
             break
-    assert (saved["sampler"]["epoch"], saved["sampler"]["window"]) == (1, 1)
+    assert (saved["sampler"]["epoch"], saved["sampler"]["window"]) == ((1, 1) if stop_at == 5 else (1, 4))
+    assert saved["acc"]["epoch"] == (1 if stop_at == 5 else 2)  # finished epochs
     model, opt, acc, sampler, loader = fresh(resume_micro)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     acc.load_state_dict(saved["acc"])
     sampler.load_state_dict(saved["sampler"])
-    rest = list(acc.train(loader, mse, epochs=3))
-    assert [r.step for r in rest] == list(range(6, 13)) and rest[0].window == 1
+    rest = list(acc.train(loader, mse, epochs=3 - acc.epoch))  # what is left of 3 epochs
+    assert [r.step for r in rest] == list(range(stop_at + 1, 13))
+    assert (rest[0].epoch, rest[0].window) == ((1, 1) if stop_at == 5 else (2, 0))
     if resume_micro == 3:
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole_model.parameters()))
     else:
@@ -174,3 +185,25 @@ def test_train_refuses_accum_steps_or_drop_last_beside_a_window_sampler():
         acc.train(loader, mse, drop_last=True)
     with pytest.raises(ValueError, match="accum_steps is required"):
         acc.train(list(loader), mse)
+
+
+def test_train_called_once_per_epoch_trains_a_new_epoch_each_time():
+    """The usual loop with an evaluation between epochs: each call continues from the sampler's
+    position (a finished epoch moves on to the next), bit-identical to one call for all epochs."""
+    dataset, _, _ = data()
+    kw = dict(dataset_size=29, global_batch_size=8, micro_batch_size=3, seed=2, rank=0, world_size=1)
+
+    def fresh():
+        model = regression_model()
+        sampler = WindowSampler(**kw)
+        return model, Accumulator(model, torch.optim.AdamW(model.parameters(), lr=0.01)), sampler, \
+            DataLoader(dataset, batch_sampler=sampler)
+
+    once, acc, _, loader = fresh()
+    whole = list(acc.train(loader, mse, epochs=3))
+    model, acc, sampler, loader = fresh()
+    per_epoch = [list(acc.train(loader, mse)) for _ in range(3)]
+    assert [[(r.epoch, r.window) for r in rs] for rs in per_epoch] == \
+        [[(e, w) for w in range(4)] for e in range(3)]
+    assert [r.loss for rs in per_epoch for r in rs] == [r.loss for r in whole]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), once.parameters()))

@@ -71,24 +71,41 @@ def test_schedule_before_first_key_is_one():
         AccumSchedule(lambda e: 0)(0)
 
 
+class _EpochSampler(torch.utils.data.Sampler):
+    """Four items in order; records the epochs it is told (as DistributedSampler is)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __iter__(self):
+        return iter(range(4))
+
+    def __len__(self):
+        return 4
+
+    def set_epoch(self, e):
+        self.calls.append(e)
+
+
 def test_set_epoch_is_called_on_the_sampler():
-    calls = []
-
-    class Sampler(torch.utils.data.Sampler):
-        def __init__(self):
-            pass
-
-        def __iter__(self):
-            return iter(range(4))
-
-        def __len__(self):
-            return 4
-
-        def set_epoch(self, e):
-            calls.append(e)
-
     x, y = regression_batch(4)
-    loader = DataLoader(TensorDataset(x, y), batch_size=2, sampler=Sampler())
+    sampler = _EpochSampler()
+    calls = sampler.calls
+    loader = DataLoader(TensorDataset(x, y), batch_size=2, sampler=sampler)
     model = regression_model()
     list(Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1)).train(loader, mse, accum_steps=2, epochs=3))
     assert calls == [0, 1, 2]
+
+
+def test_train_called_once_per_epoch_tells_the_sampler_a_new_epoch_each_time():
+    """A DistributedSampler-style loop calling train() once per epoch: the epochs count on (0, 1, 2),
+    so the sampler shuffles anew each time, and acc.epoch is saved for a resume."""
+    x, y = regression_batch(4)
+    sampler = _EpochSampler()
+    calls = sampler.calls
+    loader = DataLoader(TensorDataset(x, y), batch_size=2, sampler=sampler)
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    epochs = [[r.epoch for r in acc.train(loader, mse, accum_steps=2)] for _ in range(3)]
+    assert calls == [0, 1, 2] and epochs == [[0], [1], [2]]
+    assert acc.state_dict()["epoch"] == 3

@@ -17,8 +17,9 @@ Dividing each micro-batch by K instead is exact only when every n_k is equal, wh
 micro-batches, padded sequences and a short last window are not.
 
 Ranks agree when a window opens (one small all-gather of micro-batch and item counts): a rank whose
-data ran out contributes zero items and still takes the step, so every rank steps the same number of
-times and nothing waits forever.
+data ran out still runs a forward (a zero-weight repeat of a micro-batch it has, since DDP and FSDP2
+run collectives in forward) and contributes zero items, so every rank steps the same number of times
+and nothing waits forever.
 
 At the boundary, in this order: one all-reduce of ``(loss sum, N)``; unscale (fp16); the total
 norm of the normalized gradient (with ``max_grad_norm``, fp16 or ``compute_grad_norm``: a pass over
@@ -45,7 +46,7 @@ from .buffers import AccumulationBuffers
 from .precision import MixedPrecision
 from .result import StepResult
 from .schedule import AccumSchedule, AccumSteps, check_positive_int
-from .sync import GradSync, full_tensor, sync_for
+from .sync import DDPSync, GradSync, full_tensor, sync_for
 
 LossFn = Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Union[int, float, torch.Tensor]]]]
 Count = Union[int, float, torch.Tensor]
@@ -148,8 +149,18 @@ class Window:
                     window.backward(loss, num_items=len(mb[0]))
             result = window.step()
 
-    Under data parallelism a rank whose data has run out opens ``acc.window(0)`` and calls
-    ``step()``: it contributes no items, the others' step stays exact, and every rank steps.
+    Under data parallelism every rank runs a forward in each window (DDP and FSDP2 run collectives
+    there). A rank whose data ran out opens ``acc.window(0, pad=True)``, runs ``window.padding``
+    zero-weight micro-batches (any micro-batch it has, through ``window.backward_padding``) and steps
+    with the others: it contributes no items, and the step stays exact::
+
+        with acc.window(len(mine), pad=True) as window:
+            for mb in mine: ...                           # as above
+            for _ in range(window.padding):               # DDP: one on a rank with none; FSDP2: up to the most
+                with window.micro_batch():
+                    window.backward_padding(criterion(model(spare[0]), spare[1]))
+            result = window.step()
+
     ``num_items=`` (this rank's items in the window, known before the first backward) makes each
     backward weigh exactly ``n_k / N`` and saves the scaling pass at the boundary.
 
@@ -210,18 +221,12 @@ class Window:
             self._reference = plan.items * acc.count_ratio
         if plan.most == plan.fewest:
             return
-        if sync.needs_equal_counts:
-            if not self._can_pad:
-                raise ValueError(
-                    f"{type(sync).__name__} needs the same number of micro-batches on every rank (a "
-                    f"collective runs in each), but this window has {plan.fewest} to {plan.most}: open "
-                    f"acc.window({plan.most}) on every rank, or use acc.step()/acc.train(), which pad a "
-                    "rank that has fewer with zero-weight micro-batches"
-                )
-            self.padding = plan.most - plan.micro_batches
-            self.size = plan.most
-        elif plan.fewest == 0:
-            self._defer = True  # a rank without data runs no backward: reduce once, after all of them
+        target = _padded_count(plan.micro_batches, plan.most, sync.needs_equal_counts)
+        if target > plan.micro_batches:
+            # the agreement refused, on every rank alike, any window where a rank that must pad cannot
+            assert self._can_pad, "the agreement lets no rank pad that cannot"
+            self.padding = target - plan.micro_batches
+            self.size = target
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._open = False
@@ -356,8 +361,6 @@ class Window:
                 f"the window was opened for {self.size} micro-batches but {self.done} ran; under "
                 "data parallelism the last one is the one that reduces gradients, so the counts must match"
             )
-        if self.done == 0 and self.plan is not None and self.plan.most > 0 and self._reference is None:
-            acc._reference_items(0)  # the ranks with data fix R in their first backward: take part
         if self._defer:
             acc.sync.reduce_gradients_(acc._materialized_grads())
         self._result = acc._finish_window(self)
@@ -458,6 +461,8 @@ class Accumulator:
         self.reference_items: Optional[float] = None
         #: items loss_fn counted per item counted up front, in the last window (1.0 when they agree)
         self.count_ratio = 1.0
+        #: the next epoch train() runs when its loader has no WindowSampler (which keeps its own)
+        self.epoch = 0
         self._window: Optional[Window] = None
         self._replay: Optional[Batch] = None  # the last micro-batch run, for zero-weight padding
         self._warned: set = set()
@@ -495,27 +500,46 @@ class Accumulator:
         return result
 
     def window(self, num_micro_batches: Optional[int] = None, *, num_items: Optional[Count] = None,
-               micro_batch_size: Optional[Any] = None) -> Window:
+               micro_batch_size: Optional[Any] = None, pad: bool = False) -> Window:
         """Open a window for a hand-written loop (see :class:`Window`).
 
         Args:
             num_micro_batches: this rank's micro-batches in the window (0 on a rank whose data
                 ran out). Ranks agree on the counts when it opens.
             num_items: this rank's items in the window, if known before the first backward.
+            pad: this loop runs ``window.padding`` zero-weight micro-batches when the ranks' counts
+                call for it (DDP: a rank with none runs one; FSDP2: every rank as many as the most).
+                Without it such a window is refused on every rank alike.
         """
         self._check_idle()
-        return Window(self, num_micro_batches, num_items=num_items, micro_batch_size=micro_batch_size)
+        return Window(self, num_micro_batches, num_items=num_items, micro_batch_size=micro_batch_size,
+                      can_pad=pad)
+
+    def set_padding(self, micro_batch: Batch) -> None:
+        """A micro-batch this rank may run with zero weight in a window where it has none.
+
+        Under DDP and FSDP2 every rank must run a forward in each window (they run collectives in
+        forward: DDP's buffer broadcast and bucket rebuild, FSDP2's all-gathers). ``step()`` and
+        ``train()`` repeat the last micro-batch a rank ran; a rank that has none yet (a fresh
+        process resumed at a window where its share is empty) needs this one. Its loss must depend
+        on the model as a real micro-batch's does; it adds nothing to the gradient or the counts.
+        """
+        leading_dim(micro_batch, argument="micro_batch")
+        self._replay = micro_batch
 
     def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,
               epochs: int = 1, drop_last: bool = False, num_items: Optional[CountFn] = None) -> Iterator[StepResult]:
-        """Group the loader's micro-batches into windows and step once per window.
+        """Group the loader's micro-batches into windows and step once per window, for ``epochs`` epochs
+        from where training stands (call it once per epoch, or once for all).
 
         Windows come from the loader's :class:`~gradaccum.WindowSampler` (``batch_sampler=``), which
-        knows where each global window ends, or from ``accum_steps`` consecutive micro-batches: an
-        int, ``{epoch: N}`` or ``epoch -> N``. At the end of each epoch a shorter window is stepped,
-        normalized by its own item count, unless ``drop_last=True``. A sampler with ``set_epoch``
-        is told each epoch. Under data parallelism every rank steps as often as the rank with the
-        most windows; a rank whose data ran out contributes no items.
+        knows where each global window ends and where training stands, or from ``accum_steps``
+        consecutive micro-batches: an int, ``{epoch: N}`` or ``epoch -> N``, epochs counted by
+        ``acc.epoch`` (saved in ``state_dict``; an epoch left unfinished starts again). At the end of
+        each epoch a shorter window is stepped, normalized by its own item count, unless
+        ``drop_last=True``. A sampler with ``set_epoch`` is told each epoch. Under data parallelism
+        every rank steps as often as the rank with the most windows (with ``drop_last``, the fewest);
+        a rank whose data ran out contributes no items.
         """
         from .training import train_windows
 
@@ -546,24 +570,32 @@ class Accumulator:
         else:
             total = sum(_as_number(c) for c in counts)
         defer = catch_oom and self.sync.distributed  # no collective before the ranks agree
-        with Window(self, len(micro_batches), num_items=total, micro_batch_size=micro_batch_size,
+        # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket
+        # rebuild): under "auto", every rank first runs that forward on one item with zero weight,
+        # so that an out-of-memory error before a rank's forward cannot leave its peers waiting there
+        flush = [split_batch(micro_batches[0], 1)[0]] if defer and isinstance(self.sync, DDPSync) and micro_batches else []
+        with Window(self, len(flush) + len(micro_batches), num_items=total, micro_batch_size=micro_batch_size,
                     defer_reduction=defer, can_pad=bool(micro_batches) or self._replay is not None,
                     plan=plan) as window:
+            window.padding += len(flush)
             oom = False
-            for mb, count in zip(micro_batches, counts):
-                try:
+            try:
+                for mb in flush:
+                    with window.micro_batch():
+                        window.backward_padding(_unpack_loss(loss_fn(self.model, mb), 0)[0])
+                for mb, count in zip(micro_batches, counts):
                     with window.micro_batch():
                         window.backward(*_unpack_loss(loss_fn(self.model, mb), count))
-                except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
-                    if not (catch_oom and is_out_of_memory(error)):
-                        raise
-                    oom = True
-                    break
-            if self.sync.needs_equal_counts and micro_batches:
-                self._replay = micro_batches[-1]
-            for _ in range(window.padding):
-                with window.micro_batch():
-                    window.backward_padding(_unpack_loss(loss_fn(self.model, self._replay), 0)[0])
+            except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
+                if not (catch_oom and is_out_of_memory(error)):
+                    raise
+                oom = True
+            if self.sync.distributed and micro_batches:
+                self._replay = micro_batches[-1]  # to pad a later window where this rank has none
+            if not oom:
+                for _ in range(window.padding - len(flush)):
+                    with window.micro_batch():
+                        window.backward_padding(_unpack_loss(loss_fn(self.model, self._replay), 0)[0])
             if defer:
                 flag = torch.tensor([1.0 if oom else 0.0], device=self.device)
                 oom = bool(self.sync.all_reduce_(flag, "max").item())
@@ -623,19 +655,24 @@ class Accumulator:
             return WindowPlan(num_micro_batches, num_micro_batches, num_micro_batches, items)
         known = num_items is not None
         mine = torch.tensor([float(num_micro_batches), 0.0 if num_items is None else _as_number(num_items),
-                             1.0 if known else 0.0, 1.0 if can_pad or num_micro_batches > 0 else 0.0],
+                             1.0 if known else 0.0, 1.0 if can_pad else 0.0],
                             dtype=torch.float64 if self.device.type != "mps" else torch.float32,
                             device=self.device)
         rows = self.sync.all_gather(mine).tolist()  # the agreement's one host synchronisation
         counts = [int(r[0]) for r in rows]
         plan = WindowPlan(num_micro_batches, max(counts), min(counts),
                           sum(r[1] for r in rows) if all(r[2] for r in rows) else None)
-        stuck = [r for r, row in enumerate(rows) if self.sync.needs_equal_counts and row[0] < plan.most and not row[3]]
-        if stuck:
+        stuck = [r for r, row in enumerate(rows)
+                 if _padded_count(int(row[0]), plan.most, self.sync.needs_equal_counts) > row[0] and not row[3]]
+        if stuck:  # every rank sees the same rows: every rank raises, none waits in a collective
             raise ValueError(
-                f"rank(s) {stuck} have no micro-batch in this window and none run before it to repeat "
-                f"with zero weight, while {type(self.sync).__name__} needs every rank to run "
-                f"{plan.most}: give every rank data in its first window"
+                f"{type(self.sync).__name__} needs every rank to run "
+                f"{'as many micro-batches as the busiest' if self.sync.needs_equal_counts else 'a forward'} in "
+                f"each window (collectives run in forward), but rank(s) {stuck} run fewer "
+                f"({', '.join(str(int(rows[r][0])) for r in stuck)} of up to {plan.most}) and cannot pad: in "
+                "a hand-written loop open the window with acc.window(n, pad=True) and run window.padding "
+                "zero-weight micro-batches (window.backward_padding); with step()/train(), a rank with no "
+                "data yet needs acc.set_padding(micro_batch)"
             )
         return plan
 
@@ -770,7 +807,7 @@ class Accumulator:
     def state_dict(self) -> Dict[str, Any]:
         """What resuming needs beyond the model and optimizer: step count, scaler, auto size."""
         return {"steps": self.steps, "auto_micro_batch_size": self.auto_micro_batch_size,
-                "reference_items": self.reference_items, "count_ratio": self.count_ratio,
+                "reference_items": self.reference_items, "count_ratio": self.count_ratio, "epoch": self.epoch,
                 "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -783,6 +820,15 @@ class Accumulator:
         self.auto_micro_batch_size = state.get("auto_micro_batch_size")
         self.reference_items = state.get("reference_items")
         self.count_ratio = float(state.get("count_ratio", 1.0))
+        self.epoch = int(state.get("epoch", 0))
+
+
+def _padded_count(count: int, most: int, equal_counts: bool) -> int:
+    """How many micro-batches a rank runs when the busiest runs ``most``: as many under syncs with a
+    collective in every micro-batch, else at least one (DDP's forward collectives)."""
+    if equal_counts:
+        return most
+    return max(count, 1) if most > 0 else 0
 
 
 def _check_loss_fn(loss_fn: Any) -> None:

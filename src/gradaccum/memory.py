@@ -34,8 +34,9 @@ included) on a quiet core and up to 40 on a busy 2-core machine, nearly all of i
 turning the events into its own records when the region ends; the code inside the region runs at
 full speed. That is a fraction
 of a small training window: measure some windows (the first, or one in a hundred), not every one.
-torch 2.13's profiler also prints ``profiler_start``/``profiler_stop`` to stderr for every region;
-``KINETO_LOG_LEVEL=6`` in the environment, set before the first region, silences it.
+torch 2.13's profiler also prints ``profiler_start``/``profiler_stop`` to stderr for every region
+unless ``KINETO_LOG_LEVEL`` is set when it starts; PeakMeter sets it to 6 for that moment only (a
+value of yours is kept) and leaves the environment as it was.
 """
 
 from __future__ import annotations
@@ -195,15 +196,22 @@ def _start_cpu_events() -> None:
             "the profiler's memory events. Measure outside the profiler, or pass profile_memory=True "
             "to your own torch.profiler.profile and read its memory events"
         )
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else Kineto prints profiler_start/stop per region
     config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
     activities = {ProfilerActivity.CPU}
     # An empty scope set would record every operator (~40 us each to collect); STATIC_RUNTIME_MODEL
     # is emitted only by TorchScript's static runtime, so in eager mode no operator is recorded and
     # only the allocator's memory events remain.
     scopes = {RecordScope.STATIC_RUNTIME_MODEL}
-    torch.autograd._prepare_profiler(config, activities)
-    torch.autograd._enable_profiler(config, activities, scopes)  # type: ignore[call-arg]  # stubs lag
+    # Kineto reads KINETO_LOG_LEVEL when it starts (else it prints profiler_start/stop per region):
+    # set for that moment only, the user's environment is left as it was
+    before = os.environ.get("KINETO_LOG_LEVEL")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    try:
+        torch.autograd._prepare_profiler(config, activities)
+        torch.autograd._enable_profiler(config, activities, scopes)  # type: ignore[call-arg]  # stubs lag
+    finally:
+        if before is None:
+            del os.environ["KINETO_LOG_LEVEL"]
 
 
 def _stop_cpu_events() -> List[Tuple[int, int, int]]:

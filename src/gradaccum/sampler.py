@@ -20,6 +20,7 @@ position to resume from, even while the DataLoader's workers prefetch ahead.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -60,6 +61,13 @@ class WindowSampler(Sampler[List[int]]):
         check_positive_int("micro_batch_size", micro_batch_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if (rank is None or world_size is None) and launched > 1 and not sync.is_distributed():
+            raise ValueError(
+                f"WindowSampler(rank={rank!r}, world_size={world_size!r}) under a launcher of WORLD_SIZE="
+                f"{launched} before the process group exists would read this rank as the only one: create "
+                "it after torch.distributed.init_process_group, or pass rank= and world_size="
+            )
         world = sync.world_size() if world_size is None else world_size
         check_positive_int("world_size", world)
         here = sync.rank() if rank is None else rank

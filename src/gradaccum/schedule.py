@@ -57,7 +57,9 @@ def num_steps(num_micro_batches: int, accum_steps: AccumSteps, *, epochs: int = 
 
     Per epoch e with accumulation N_e: ``ceil(M / N_e)`` windows, or ``floor(M / N_e)`` with
     ``drop_last``. Under data parallelism give the largest per-rank ``len(loader)``: every rank takes
-    as many steps as the rank with the most windows (the others contribute no items to the rest).
+    as many steps as the rank with the most windows (the others contribute no items to the rest);
+    with ``drop_last``, the smallest (the first short window on any rank ends the epoch on all). A
+    loader on a :class:`~gradaccum.WindowSampler` takes ``sampler.num_windows`` steps per epoch.
 
     >>> num_steps(10, 4), num_steps(10, 4, drop_last=True), num_steps(10, {0: 1, 1: 5}, epochs=2)
     (3, 2, 12)

@@ -2,12 +2,18 @@
 
 Windows come from the loader's :class:`~gradaccum.WindowSampler` (it knows where every global window
 ends and which micro-batches are this rank's) or from ``accum_steps`` consecutive micro-batches.
+``epochs=E`` trains E epochs from where training stands: the sampler's position (a finished epoch
+moves on to the next; a resumed one is finished first), else the Accumulator's epoch counter, so
+calling ``train`` once per epoch trains one new epoch each time (and tells the sampler which).
+``acc.epoch`` counts the finished epochs (saved in ``acc.state_dict()``): a run of E epochs resumed
+from a checkpoint goes on with ``epochs=E - acc.epoch``.
 
 Under data parallelism the ranks agree at every window (one small all-gather): while any rank has
-micro-batches left, every rank opens the window, a rank whose data ran out contributing zero items,
-so every rank takes the same steps and each step is exact on the items that exist. When no rank has
-any left, the epoch ends on all of them together. Uneven shards (streaming data, packing, filtering)
-therefore neither hang nor drift.
+micro-batches left, every rank opens the window, a rank whose data ran out repeating its last
+micro-batch with zero weight (DDP and FSDP2 run collectives in every forward) and so contributing no
+items. Every rank takes the same steps and each step is exact on the items that exist; when no rank
+has any left, the epoch ends on all of them together. Uneven shards (streaming data, packing,
+filtering) therefore neither hang nor drift.
 """
 
 from __future__ import annotations
@@ -80,7 +86,8 @@ def _set_epoch(loader: Any, epoch: int) -> None:
 
 def _grouped_windows(acc: "Accumulator", loader: Iterable[Batch], loss_fn: "LossFn", schedule: AccumSchedule,
                      epochs: int, drop_last: bool, num_items: Optional["CountFn"]) -> Iterator[StepResult]:
-    for epoch in range(epochs):
+    start = acc.epoch
+    for epoch in range(start, start + epochs):
         _set_epoch(loader, epoch)
         n = schedule(epoch)
         batches = iter(loader)
@@ -97,11 +104,13 @@ def _grouped_windows(acc: "Accumulator", loader: Iterable[Batch], loss_fn: "Loss
             assert result is not None
             yield replace(result, accum_steps=n, epoch=epoch, window=window)
             window += 1
+        acc.epoch = epoch + 1
 
 
 def _sampler_windows(acc: "Accumulator", loader: Iterable[Batch], sampler: Any, loss_fn: "LossFn",
                      epochs: int, num_items: Optional["CountFn"]) -> Iterator[StepResult]:
-    for epoch in range(sampler.epoch, epochs):
+    start = sampler.epoch + (1 if sampler.start_window >= sampler.num_windows else 0)
+    for epoch in range(start, start + epochs):
         sampler.set_epoch(epoch)
         first = sampler.start_window
         sizes = sampler.window_sizes()  # this rank's micro-batches in each remaining window
@@ -114,4 +123,7 @@ def _sampler_windows(acc: "Accumulator", loader: Iterable[Batch], sampler: Any, 
             result = acc._attempt(pending, loss_fn, num_items, micro_batch_size=None)
             assert result is not None
             sampler.advance()  # the position a checkpoint saves: this window is done
+            if offset == len(sizes) - 1:
+                acc.epoch = epoch + 1  # finished, also in a checkpoint taken at this step
             yield replace(result, accum_steps=size, epoch=epoch, window=first + offset)
+        acc.epoch = epoch + 1

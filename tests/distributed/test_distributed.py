@@ -24,6 +24,8 @@ SCENARIOS = [
     "fsdp2_train_uneven_windows",
     "ddp_hand_written_window_with_no_data",
     "ddp_empty_share_with_a_split_or_auto_size",
+    "ddp_a_rank_out_of_data_after_one_window_with_buffers",
+    "ddp_a_fresh_rank_with_an_empty_first_share_needs_set_padding",
     "fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank",
     "compiled_ddp_exact_with_uneven_counts",
     "unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice",

@@ -26,7 +26,7 @@ SHARES = {0: [4, 4, 3], 1: [5, 1]}
 EQUAL_COUNTS = {0: [4, 3], 1: [5, 1]}
 
 
-def model_fn(unused_branch: bool = False) -> nn.Module:
+def model_fn(unused_branch: bool = False, buffer: bool = False) -> nn.Module:
     torch.manual_seed(0)
 
     class Net(nn.Module):
@@ -35,10 +35,12 @@ def model_fn(unused_branch: bool = False) -> nn.Module:
             self.a = nn.Linear(5, 16)
             self.b = nn.Linear(16, 3)
             self.extra = nn.Linear(16, 3)  # used only by micro-batches flagged "extra"
+            if buffer:  # DDP broadcasts buffers in forward: a collective in the first forward of a window
+                self.register_buffer("scale", torch.full((3,), 2.0))
 
         def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
             h = torch.tanh(self.a(x))
-            out = self.b(h)
+            out = self.b(h) * self.scale if buffer else self.b(h)
             return out + self.extra(h) if extra else out
 
     net = Net().double()
@@ -61,9 +63,9 @@ def mse(model, batch):
     return nn.functional.mse_loss(model(x), y)
 
 
-def reference(windows_per_step, opt_name: str = "adamw", unused_branch: bool = False, extra_of=None):
-    """Single-process steps on the union of all ranks' windows."""
-    ref = model_fn(unused_branch)
+def reference(windows_per_step, opt_name: str = "adamw", unused_branch: bool = False, extra_of=None, model=None):
+    """Single-process steps on the union of all ranks' windows (of ``model``, default model_fn())."""
+    ref = model if model is not None else model_fn(unused_branch)
     opt = make_opt(ref, opt_name)
     for step_windows in windows_per_step:
         opt.zero_grad(set_to_none=True)
@@ -306,8 +308,8 @@ UNEVEN = {0: [3, 2, 4, 1, 2, 2, 3, 3, 1, 4], 1: [2, 2, 1, 3, 4, 4, 2]}
 
 def windows_of(loaders, per_window: int):
     """Per step, every rank's window (possibly empty): the reference's view of the union."""
-    steps = max(-(-len(l) // per_window) for l in loaders)
-    return [[l[w * per_window:(w + 1) * per_window] for l in loaders] for w in range(steps)]
+    steps = max(-(-len(rank_mbs) // per_window) for rank_mbs in loaders)
+    return [[rank_mbs[w * per_window:(w + 1) * per_window] for rank_mbs in loaders] for w in range(steps)]
 
 
 def params_equal_on_all_ranks(model: nn.Module) -> bool:
@@ -360,20 +362,73 @@ def fsdp2_train_uneven_windows():
 
 
 def ddp_hand_written_window_with_no_data():
-    """The hand-written loop's way: a rank without data opens acc.window(0) and steps."""
-    model = DDP(model_fn())
+    """The hand-written loop's way: a rank without data opens acc.window(0, pad=True) and runs
+    window.padding zero-weight micro-batches of any batch it has (DDP runs collectives in forward);
+    without pad=True the same window is refused on both ranks. step([]) pads with set_padding's."""
+    model = DDP(model_fn(buffer=True))
     acc = Accumulator(model, make_opt(model, "sgd"))
     wins = [window_of(0, 80), []]
-    with acc.window(len(wins[RANK])) as w:
+    spare = data(1, 81, 2)
+    try:
+        acc.window(len(wins[RANK])).__enter__()
+    except ValueError as e:
+        assert "acc.window(n, pad=True)" in str(e) and "rank(s) [1]" in str(e), e
+    else:
+        raise AssertionError("a window with an empty rank and no padding was accepted")
+    with acc.window(len(wins[RANK]), pad=True) as w:
+        assert w.padding == (0 if RANK == 0 else 1), w.padding
         for x, y in wins[RANK]:
             with w.micro_batch():
                 w.backward(mse(model, (x, y)), num_items=x.shape[0])
+        for _ in range(w.padding):
+            with w.micro_batch():
+                w.backward_padding(mse(model, spare))
         result = w.step()
-    assert result.num_items == 11 and result.step == 1, result
-    close(model.module, reference([wins], "sgd"))
-    again = Accumulator(model, make_opt(model, "sgd")).step(wins[RANK], mse)  # step([]) on rank 1
+    assert result.num_items == 11 and result.step == 1 and result.micro_batches == len(wins[RANK]), result
+    reference_model = model_fn(buffer=True)
+    close(model.module, reference([wins], "sgd", model=reference_model))
+    fresh = Accumulator(model, make_opt(model, "sgd"))
+    fresh.set_padding(spare)
+    again = fresh.step(wins[RANK], mse)  # step([]) on rank 1
     assert again.num_items == 11 and params_equal_on_all_ranks(model)
-    return "acc.window(0) and acc.step([]) on the rank without data: exact, no hang"
+    return "refused without pad=True; with it (and set_padding for step([])): exact, no hang"
+
+
+def ddp_a_rank_out_of_data_after_one_window_with_buffers():
+    """Rank 1's data runs out after one window. After the first synchronised backward DDP rebuilds its
+    buckets in the next forward, and a model with buffers broadcasts them in each window's first
+    forward: both are collectives, so the rank without data must still run a forward (a zero-weight
+    repeat of its last micro-batch). It used to skip it, and both ranks waited forever."""
+    notes = []
+    for sizes in ({0: [3, 2, 4, 1], 1: [2, 2]}, {0: [3, 2, 4, 1, 2, 2], 1: [1, 4]}):
+        model = DDP(model_fn(buffer=True))
+        loaders = [loader_of(r, sizes[r], 300) for r in range(WORLD)]
+        acc = Accumulator(model, make_opt(model, "adamw"))
+        results = list(acc.train(loaders[RANK], mse, accum_steps=2))
+        steps = windows_of(loaders, 2)
+        assert len(results) == len(steps) and params_equal_on_all_ranks(model)
+        close(model.module, reference(steps, model=model_fn(buffer=True)))
+        notes.append(f"{len(steps)} windows vs {len(sizes[1]) // 2}")
+    return "exact, replicas identical: " + ", ".join(notes)
+
+
+def ddp_a_fresh_rank_with_an_empty_first_share_needs_set_padding():
+    """A fresh process (resumed, say) whose share of its first window is empty has no micro-batch to
+    repeat: refused on both ranks alike, with the fix; with acc.set_padding it takes part."""
+    model = DDP(model_fn(buffer=True))
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    wins = [window_of(0, 90), []]
+    try:
+        acc.step(wins[RANK], mse)
+    except ValueError as e:
+        assert "acc.set_padding(micro_batch)" in str(e) and "rank(s) [1]" in str(e), e
+    else:
+        raise AssertionError("an empty first share without padding was accepted")
+    if RANK == 1:
+        acc.set_padding(data(1, 91, 3))
+    acc.step(wins[RANK], mse)
+    close(model.module, reference([wins], "sgd", model=model_fn(buffer=True)))
+    return "refused alike on both ranks without it; exact with set_padding"
 
 
 def ddp_empty_share_with_a_split_or_auto_size():
@@ -383,6 +438,7 @@ def ddp_empty_share_with_a_split_or_auto_size():
     acc = Accumulator(model, make_opt(model, "adamw"))
     x0, y0 = (torch.cat(t) for t in zip(*window_of(0, 85)))
     batches = [(x0, y0), (x0[:0], y0[:0])]
+    acc.set_padding(data(RANK, 86, 2))  # rank 1 has no data yet: what it repeats with zero weight
     steps = [[[batches[0]], []]]
     result = acc.step(batches[RANK], mse, micro_batch_size=4)
     assert result.num_items == 11 and result.micro_batches == (3 if RANK == 0 else 0), result
@@ -413,7 +469,7 @@ def fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank():
     try:
         acc.window(len(SHARES[RANK])).__enter__()
     except ValueError as e:
-        assert "needs the same number of micro-batches on every rank" in str(e) and "acc.window(3)" in str(e), e
+        assert "as many micro-batches as the busiest" in str(e) and "acc.window(n, pad=True)" in str(e), e
         return "both ranks raised the same ValueError before any collective could wait"
     raise AssertionError("no error")
 
@@ -459,6 +515,8 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
              ddp_auto_micro_batch_agrees_on_oom, ddp_train_uneven_windows, ddp_every_micro_batch_uneven_windows,
              fsdp2_train_uneven_windows, ddp_hand_written_window_with_no_data, ddp_empty_share_with_a_split_or_auto_size,
+             ddp_a_rank_out_of_data_after_one_window_with_buffers,
+             ddp_a_fresh_rank_with_an_empty_first_share_needs_set_padding,
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice]
 
