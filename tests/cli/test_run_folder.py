@@ -92,6 +92,15 @@ def test_resume_refuses_fewer_epochs_and_leaves_a_finished_run_as_it_was(tmp_pat
                             "summary.json left as it was\n")
     assert snapshot(out) == before, "summary.json (or anything else) was rewritten"
 
+    # another window (--accum-steps fixes B = M x N x W): refused, with the flags that keep it
+    assert main(["train", "--out", str(out), "--resume", "--model", "mlp", "--epochs", "3", "--device", "cpu",
+                 "--accum-steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert_one_clean_line(err)
+    assert ("--batch-size 128 (now 64); --batch-size is the global batch: on another number of ranks pass "
+            "--batch-size 128 and drop --accum-steps") in err, err
+    assert snapshot(out) == before
+
 
 def _make(tmp_path: Path, kind: str) -> Path:
     """A file for the error cases below."""
@@ -238,6 +247,21 @@ def test_a_failed_final_checkpoint_keeps_the_previous_one_and_the_summary_and_me
     assert temp_files(out) == []
 
 
+def test_a_failed_final_checkpoint_with_none_before_it_does_not_suggest_resume(tmp_path):
+    """No checkpoint was ever written: --resume would have nothing to continue, so the line says how
+    to train again instead."""
+    out = tmp_path / "full"
+    proc = subprocess.run([sys.executable, "-m", "gradaccum", "train", "--out", str(out), *MLP], capture_output=True,
+                          text=True, env=cli_env(), cwd=ROOT, timeout=300, preexec_fn=_full_disk(400_000))
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.endswith("no checkpoint exists; metrics.jsonl and summary.json were written; free some space in "
+                         f"{out}, then run the same command with --overwrite to train again (no checkpoint holds "
+                         "this run)"), last
+    assert not (out / "last.pt").exists() and temp_files(out) == []
+    assert json.loads((out / "summary.json").read_text())["checkpoint"]["step"] is None
+
+
 def test_a_second_signal_during_a_checkpoint_write_leaves_the_previous_checkpoint_and_no_temp_file(tmp_path, capfd):
     """Real signals to this process: the first asks to stop; the second arrives half-way through the
     checkpoint that the stop writes. It leaves at once with 130, after removing the temporary file;
@@ -290,14 +314,17 @@ def test_signal_handlers_are_restored_after_a_run_that_was_not_stopped(tmp_path)
 
 
 def test_resume_keeps_the_metrics_lines_of_the_checkpoint_and_drops_a_torn_one(tmp_path):
-    """kill -9 can leave steps after the checkpoint, and a last line cut in half: neither comes back."""
-    from gradaccum.cli.lifecycle import RunLifecycle
+    """kill -9 can leave steps after the checkpoint, and a last line cut in half: neither comes back.
+    Rows are kept by their (epoch, window) position: a skipped window repeats the step before it."""
+    from gradaccum.cli.lifecycle import Position, RunLifecycle
 
-    rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
+    at = [(0, 0, 1), (0, 1, 1), (0, 2, 2), (1, 0, 3), (1, 1, 4)]  # (epoch, window, step): window 1 skipped
+    rows = [json.dumps({"step": s, "epoch": e, "window": w, "loss": 1.0 / s}) for e, w, s in at]
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 5, "lo')
     life = RunLifecycle(tmp_path, resume=True, overwrite=False, command="")
-    assert [r["step"] for r in life.kept_history(3)] == [1, 2, 3]
-    assert [r["step"] for r in life.kept_history(9)] == [1, 2, 3, 4]
+    assert [r["window"] for r in life.kept_history(Position(0, 2, 1))] == [0, 1]  # the skip kept, not step 2
+    assert [r["step"] for r in life.kept_history(Position(1, 0, 2))] == [1, 1, 2]
+    assert [r["step"] for r in life.kept_history(Position(9, 0, 9))] == [1, 1, 2, 3, 4]
 
 
 def test_a_signal_handled_just_after_the_stop_all_reduce_waits_for_the_next_window(tmp_path, monkeypatch, capfd):

@@ -120,6 +120,7 @@ def test_stopped_on_2_ranks_by_ctrl_c_continues_on_1_rank(runs, tmp_path, starte
     said = log.read_text()
     assert said.count("SIGINT: stopped after step") == 1  # one line, from rank 0
     assert "second SIGINT: stopped at once" not in said  # torchrun's forwarded copy is not a second Ctrl-C
+    assert "resume with: torchrun --standalone --nproc_per_node=2 -m gradaccum train " in said  # the same launcher
     resumed = run_cli(train(out, "--resume", micro=4))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"continuing {out} from step {held['accumulator']['steps']}" in resumed.stderr
@@ -211,3 +212,18 @@ def test_sharded_on_2_ranks_resumes_on_1_rank_from_its_dcp_checkpoint(runs, tmp_
     with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):
         dcp.load(state, checkpoint_id=str(out / "last.dcp"), no_dist=True)
     assert max_diff(model_of(runs(1)), state["model"]) < 1e-9
+
+
+def test_a_last_window_smaller_than_the_ranks_leaves_one_rank_without_data_and_nothing_hangs(tmp_path):
+    """1438 images in windows of 1437: the last window holds one item, on rank 1 alone. Rank 0 still
+    runs a zero-weight forward (DDP's forward collectives), both ranks step, and the model is the
+    one-process model."""
+    args = ["train", "--model", "mlp", "--dtype", "float64", "--batch-size", "1437", "--micro-batch-size", "256",
+            "--epochs", "1", "--device", "cpu"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = run_cli([*args, "--out", str(one)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(module([*args, "--out", str(two)]), timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert [r["num_items"] for r in rows(two)] == [r["num_items"] for r in rows(one)] == [1437, 1]
+    assert max_diff(model_of(one), model_of(two)) < 1e-9

@@ -34,8 +34,10 @@ Ctrl-C (SIGINT) and SIGTERM
     is never read, and the next run in the folder removes it.
 
 Distributed
-    Rank 0 alone inspects and writes the folder and broadcasts its decision; every rank waits at a
-    barrier after each write and loads the same checkpoint. A checkpoint's position is (epoch, window)
+    Rank 0 alone inspects, reads and writes the folder and broadcasts what it found (the decision,
+    the checkpoint itself), so other nodes need no copy of ``--out``; every rank waits at a barrier
+    after each write. A sharded checkpoint is written and read by every rank: ``--shard`` needs
+    ``--out`` on a filesystem all nodes share. A checkpoint's position is (epoch, window)
     of the global windows, so it resumes on any world size. After each window the ranks all-reduce
     the stop flag, so all of them stop at the same window even when only some got the signal. torchrun
     forwards the Ctrl-C it receives to its workers; where a worker also gets the terminal's (a launcher
@@ -239,8 +241,10 @@ class RunLifecycle:
         if outcome[0] == "error":
             raise CLIError(outcome[1])
         plan = outcome[1]
-        if plan.kind != "fresh" and state is None:  # the other ranks read the same file
-            state = self._read()
+        if plan.kind != "fresh":
+            # rank 0's checkpoint on every rank: another node's --out may hold no file, or a stale one
+            # (DDP broadcasts parameters only at construction, so a stale load would drift silently)
+            state = sync.broadcast_object(state)
         if plan.kind != "fresh":
             self.saved = plan.position
         return plan, state
@@ -295,8 +299,10 @@ class RunLifecycle:
         changed = [k for k in theirs if mine.get(k) != theirs[k]]
         if changed:
             was = ", ".join(f"--{k.replace('_', '-')} {theirs[k]} (now {mine.get(k)})" for k in changed)
+            drop = (" and drop --accum-steps (it fixes B = M x N x ranks)" if cfg.accum_steps is not None
+                    else "")
             hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
-                    f"{theirs['batch_size']}" if "batch_size" in changed else "")
+                    f"{theirs['batch_size']}{drop}" if "batch_size" in changed else "")
             raise CLIError(f"--resume: {self.checkpoint} was written with other settings: {was}{hint}; resume "
                            "with the same settings (only --epochs may grow; the ranks and the micro-batch size "
                            "may change), or pass another --out")
@@ -359,8 +365,9 @@ class RunLifecycle:
             raise CLIError(f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder "
                            "you can write to with --out") from None
 
-    def kept_history(self, steps: int) -> List[Dict[str, Any]]:
-        """The metrics lines of the steps the checkpoint holds (a killed run may have written more)."""
+    def kept_history(self, at: Position) -> List[Dict[str, Any]]:
+        """The metrics lines of the windows before the checkpoint's position (a killed run may have
+        written more). By (epoch, window), not step: a skipped window repeats its step number."""
         path = self.out / "metrics.jsonl"
         if not path.exists():
             return []
@@ -370,7 +377,8 @@ class RunLifecycle:
                 rows.append(json.loads(line))
             except ValueError:  # a line torn by kill -9 (or blank): the checkpoint is the truth
                 continue
-        return [r for r in rows if isinstance(r, dict) and r.get("step", steps + 1) <= steps]
+        return [r for r in rows if isinstance(r, dict) and "epoch" in r and "window" in r
+                and (r["epoch"], r["window"]) < (at.epoch, at.window)]
 
     @contextlib.contextmanager
     def metrics(self, history: List[Dict[str, Any]]) -> Iterator[Optional[TextIO]]:
@@ -379,8 +387,10 @@ class RunLifecycle:
             yield None
             return
         path = self.out / "metrics.jsonl"
-        with open(path, "w") as f:
+        tmp = temp_name(path)  # replaced whole: a kill while rewriting cannot lose the kept lines
+        with open(tmp, "w") as f:
             f.writelines(json.dumps(h) + "\n" for h in history)
+        os.replace(tmp, path)
         with open(path, "a") as f:
             yield f
 
@@ -530,8 +540,9 @@ class RunLifecycle:
             problems.append(f"summary.json could not be written ({summary_error})")
         if problems:
             wrote = "metrics.jsonl was" if summary_error else "metrics.jsonl and summary.json were"
-            raise WriteFailed(f"{'; '.join(problems)}; {wrote} written; free some space in {self.out}, then run "
-                              f"the same command with --resume to finish")
+            then = ("run the same command with --resume to finish" if self.saved is not None else
+                    "run the same command with --overwrite to train again (no checkpoint holds this run)")
+            raise WriteFailed(f"{'; '.join(problems)}; {wrote} written; free some space in {self.out}, then {then}")
 
     def say(self, line: str) -> None:
         """One line on stderr, from rank 0."""

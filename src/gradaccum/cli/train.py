@@ -182,6 +182,8 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
     batch = cfg.window_items
     sampler = WindowSampler(task.num_train, batch, batch if cfg.micro_batch_size == "auto" else int(cfg.micro_batch_size),
                             seed=cfg.seed, rank=sync.rank(), world_size=sync.world_size())
+    # a named run (--compare's baseline) says which it is in its progress lines
+    prefix = f"gradaccum train ({label}):" if label else "gradaccum train:"
     label = label or f"accumulate {window_words(cfg, task.num_train, task.window_unit)}"
     windows_per_epoch = sampler.num_windows
     epochs = int(cfg.epochs)  # type: ignore[arg-type]
@@ -202,6 +204,8 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
     parts.update(model=wrapped, optimizer=optimizer)
     acc = Accumulator(wrapped, optimizer, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm,
                       compute_grad_norm=True)
+    if sync.is_distributed():  # a fresh process resumed where its share is empty still runs a forward
+        acc.set_padding(task.gather([0]))
     elapsed = 0.0
     if state is not None:
         if cfg.shard:
@@ -212,7 +216,7 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
         acc.load_state_dict(state["accumulator"])
         elapsed = float(state.get("elapsed", 0.0))
     life.prepare(plan)
-    history = life.kept_history(plan.position.step) if plan.kind != "fresh" else []
+    history = life.kept_history(plan.position) if plan.kind != "fresh" else []
 
     def checkpoint_state() -> Dict[str, Any]:
         held = {} if cfg.shard else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -223,7 +227,7 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
     position = plan.position
     if plan.kind != "complete":
         progress = Progress(total_steps, position.epoch * windows_per_epoch + position.window, label=label,
-                            unit=task.unit, enabled=rank0)
+                            unit=task.unit, prefix=prefix, enabled=rank0)
         with life.handling_signals(), life.metrics(history) as metrics_file:
             try:
                 ran = 0
@@ -269,8 +273,8 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
             life.finish(position, checkpoint_state)
     model.eval()
     title = plot_title(cfg, task, task.num_train)
-    if plan.kind == "complete" and plan.has_summary:  # left as it was
-        kept = json.loads((out / "summary.json").read_text())
+    if plan.kind == "complete" and plan.has_summary:  # left as it was (rank 0's copy, on every rank)
+        kept = sync.broadcast_object(json.loads((out / "summary.json").read_text()) if rank0 else None)
         return RunResult(kept, history, model, task.unit, already_complete=True, lifecycle=life,
                          label=label, title=title, window_unit=task.window_unit)
     summary: Dict[str, Any] = dict(task.evaluate(wrapped if cfg.shard else model, device))
