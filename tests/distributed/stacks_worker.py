@@ -10,7 +10,6 @@ fail on one rank only compare both ranks' values, so both fail together. Collect
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_helpe
 
 from gradaccum import Accumulator, count_targets  # noqa: E402
 from gradaccum.sync import DDPSync  # noqa: E402
-from worker import Skip, close, counting_hook, data, make_opt, model_fn, mse, reference, run_scenarios  # noqa: E402
+from worker import Skip, close, counting_hook, data, main, make_opt, model_fn, mse, reference  # noqa: E402
 
 RANK, WORLD = 0, 1
 
@@ -286,11 +285,5 @@ SCENARIOS = [ddp_over_compiled_eager_and_aot_eager, ddp_over_compiled_inductor,
              hf_gpt2_ddp_uneven_data_train]
 
 
-def _set_rank(rank: int, world: int) -> None:
-    global RANK, WORLD
-    RANK, WORLD = rank, world
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(run_scenarios(SCENARIOS, _set_rank))
+    sys.exit(main(SCENARIOS, globals()))

@@ -556,11 +556,12 @@ def run_scenarios(scenarios, set_rank) -> int:
     return 0
 
 
-def _set_rank(rank: int, world: int) -> None:
-    global RANK, WORLD
-    RANK, WORLD = rank, world
+def main(scenarios, namespace: dict) -> int:
+    """A worker script's entry point: run ``scenarios`` with RANK and WORLD set in ``namespace``
+    (the calling module's globals)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return run_scenarios(scenarios, lambda rank, world: namespace.update(RANK=rank, WORLD=world))
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(run_scenarios(SCENARIOS, _set_rank))
+    sys.exit(main(SCENARIOS, globals()))
