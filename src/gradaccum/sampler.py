@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Sampler
 
 from . import sync
-from .schedule import check_positive_int
+from ._checks import non_negative_int, positive_int
 
 __all__ = ["WindowSampler"]
 
@@ -56,9 +56,9 @@ class WindowSampler(Sampler[List[int]]):
     def __init__(self, dataset_size: int, global_batch_size: int, micro_batch_size: int, *, seed: int = 0,
                  shuffle: bool = True, rank: Optional[int] = None, world_size: Optional[int] = None,
                  drop_last: bool = False) -> None:
-        check_positive_int("dataset_size", dataset_size)
-        check_positive_int("global_batch_size", global_batch_size)
-        check_positive_int("micro_batch_size", micro_batch_size)
+        positive_int("dataset_size", dataset_size)
+        positive_int("global_batch_size", global_batch_size)
+        positive_int("micro_batch_size", micro_batch_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -69,7 +69,7 @@ class WindowSampler(Sampler[List[int]]):
                 "it after torch.distributed.init_process_group, or pass rank= and world_size="
             )
         world = sync.world_size() if world_size is None else world_size
-        check_positive_int("world_size", world)
+        positive_int("world_size", world)
         here = sync.rank() if rank is None else rank
         if isinstance(here, bool) or not isinstance(here, int) or not 0 <= here < world:
             raise ValueError(f"rank must be an int in [0, {world}), got {here!r}")
