@@ -139,6 +139,7 @@ class WindowTotals:
         device_items: the sum of the counts given as tensors, on the device (None if none was).
         reference: R, the count the backward weights were divided by.
         ran: whether this rank ran any micro-batch with items (for the empty-window warning).
+        can_pad: whether this rank can pad its next window (has run a micro-batch to repeat).
     """
 
     loss_sum: torch.Tensor
@@ -146,11 +147,13 @@ class WindowTotals:
     device_items: Optional[torch.Tensor]
     reference: float
     ran: bool
+    can_pad: bool = True
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the boundary did: the window's global loss sum and item count, the norm, the verdict."""
+    """What the boundary did: the window's global loss sum and item count, the norm, the verdict,
+    and what the ranks told each other on the way (every rank can pad; any rank asked to stop)."""
 
     loss_sum: float
     num_items: float
@@ -158,6 +161,8 @@ class Outcome:
     skipped: bool
     lr: float
     step: int
+    peers_can_pad: bool = False
+    stop_requested: bool = False
 
 
 class Boundary:
@@ -172,6 +177,10 @@ class Boundary:
         self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
         self.counters = Counters()
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        #: set by ``Accumulator.request_stop``; carried to every rank by the next boundary's all-reduce
+        self.stop_requested = False
+        #: whether the first reduced gradient is still to be compared across ranks (see check_replicas)
+        self.verify_replicas = sync.replicated_grads
         self._warned: set = set()
 
     def finish(self, totals: WindowTotals) -> Outcome:
@@ -179,7 +188,14 @@ class Boundary:
         self.grads.close()
         self.precision.unscale_(self.optimizer)
         grads = self.grads.tensors()
-        loss_sum, num_items, raw_norm = self._host_numbers(totals, grads)
+        if self.verify_replicas:
+            self.verify_replicas = False
+            try:
+                check_replicas(grads, self.sync, self.device)
+            except BaseException:
+                self.grads.clear()
+                raise
+        loss_sum, num_items, raw_norm, peers_can_pad, stop = self._host_numbers(totals, grads)
         lr = float(self.optimizer.param_groups[0]["lr"])
         scale = boundary_scale(totals.reference, num_items)
         grad_norm = raw_norm * scale if raw_norm is not None else None
@@ -192,24 +208,31 @@ class Boundary:
                 self._skip(decision, loss_sum, grad_norm, totals.ran)
         finally:
             self.grads.clear()
-        return Outcome(loss_sum, num_items, grad_norm, decision is not Verdict.STEP, lr, self.counters.steps)
+        return Outcome(loss_sum, num_items, grad_norm, decision is not Verdict.STEP, lr, self.counters.steps,
+                       peers_can_pad, stop)
 
     def _host_numbers(self, totals: WindowTotals, grads: List[torch.Tensor]) -> tuple:
-        """``(loss sum, N, raw norm or None)`` on the host, from one small all-reduce (across ranks, or
-        when a count is a tensor) and the window's one host synchronisation."""
+        """``(loss sum, N, raw norm or None, every rank can pad, a stop was asked)`` on the host, from
+        one small all-reduce (across ranks, or when a count is a tensor) and the window's one host
+        synchronisation. Across ranks the all-reduce also sums the can-pad and stop flags, so the
+        next window needs no agreement and a stop reaches every rank at the same window."""
+        stop = self.stop_requested
+        self.stop_requested = False
         if self.sync.distributed or totals.device_items is not None:
             items = totals.loss_sum.new_tensor(totals.host_items)
             if totals.device_items is not None:
                 items = items + totals.device_items
-            parts = [self.sync.all_reduce_(torch.stack([totals.loss_sum, items])).to(torch.float64)]
+            flags = totals.loss_sum.new_tensor([1.0 if totals.can_pad else 0.0, 1.0 if stop else 0.0])
+            parts = [self.sync.all_reduce_(torch.cat([torch.stack([totals.loss_sum, items]), flags])).to(torch.float64)]
         else:  # the count is a host number already: only the loss sum crosses to the host
             parts = [totals.loss_sum.reshape(1)]
         if self.measure:
             parts.append(total_norm(grads, self.device).reshape(1).to(device=parts[0].device, dtype=parts[0].dtype))
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the window's one host sync
         raw_norm = host.pop() if self.measure else None
-        num_items = host[1] if len(host) == 2 else totals.host_items
-        return host[0], num_items, raw_norm
+        if len(host) == 1:
+            return host[0], totals.host_items, raw_norm, True, stop
+        return host[0], host[1], raw_norm, host[2] >= self.sync.world_size, host[3] > 0
 
     def _step(self, grads: List[torch.Tensor], coef: float, loss: float) -> None:
         if grads and coef != 1.0:
@@ -245,6 +268,35 @@ class Boundary:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=6)
+
+
+def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.device) -> None:
+    """After the first window's reduction, the ranks' gradients must be equal: compare a fingerprint
+    (the sum of the per-parameter norms, and a position-weighted sum) across ranks, once.
+
+    A ``loss_fn`` that runs the inner module (``ddp.module``, or Lightning's ``self.net`` under
+    manual optimization) bypasses DDP's forward, which is where DDP prepares its reduction: the
+    backward then reduces nothing, each rank steps on its own gradient, and the replicas drift apart
+    without a word. Every rank sees every fingerprint, so every rank raises alike. The cost: one
+    pass over the gradient, one all-gather of two numbers and one host synchronisation, once.
+    """
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
+        weights = torch.arange(1, len(grads) + 1, dtype=torch.float64, device=norms.device)
+        mine = torch.stack([norms.sum(), (norms * weights).sum()])
+    else:
+        mine = torch.zeros(2, dtype=torch.float64, device=device)
+    rows = sync.all_gather(mine.to(device)).tolist()
+    first = rows[0]
+    if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(first, row)):
+        raise RuntimeError(
+            "the ranks' gradients differ after the window's reduction (gradient fingerprints per rank: "
+            f"{[round(r[0], 8) for r in rows]}), so DistributedDataParallel never reduced them: each rank "
+            "would step on its own gradient and the replicas would drift apart. loss_fn must run the model "
+            "it is given (the DDP-wrapped one), not the module inside it (ddp.module, or self.net inside a "
+            "LightningModule); in Lightning use gradaccum.integrations.lightning.ExactAccumulation, which "
+            "keeps Lightning's own DDP forward. No step was taken"
+        )
 
 
 def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:

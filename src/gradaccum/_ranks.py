@@ -7,10 +7,22 @@ and items each holds (one small all-gather): a rank with fewer pads with zero-we
 micro-batch it ran before (:attr:`RankAgreement.replay`), or, where it cannot, every rank raises the
 same error, so none waits in a collective.
 
+**Asking only when a rank can differ.** The agreement is skipped when every rank can know the
+counts without asking: a :class:`~gradaccum.WindowSampler` knows every rank's share of every window
+(:meth:`RankAgreement.known_plan`); and under DDP, once every rank has a micro-batch to pad with
+(learned at the previous boundary, whose one all-reduce carries that flag), a rank decides alone: it
+runs its own micro-batches, or one zero-weight repeat when it has none (:meth:`RankAgreement.local_plan`).
+So in the steady state a window costs one small collective (the boundary's) and no host
+synchronisation before its first forward. FSDP2, ``reduce_every_micro_batch`` and hand-written
+windows opened without ``pad=True`` still ask, since a rank there can differ in a way the others
+must know before the first forward.
+
 **R** (see :mod:`gradaccum._boundary` for the maths) must be the same on every rank. When every
 rank knew its items before the first backward, R = N, the window's global count, from that same
-all-gather. Otherwise R is fixed once, at its first use, by a max all-reduce of the first count,
-and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
+all-gather (or from the sampler's shares). A window planned without asking uses the previous
+window's global count (every rank learned it at that boundary): equal windows get R = N and no
+scaling pass, others an exact correction. Otherwise R is fixed once, at its first use, by a max
+all-reduce of the first count, and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
 of sequences), the last window's ratio of the two (:attr:`RankAgreement.count_ratio`) keeps R near
 the count the backward really divides, which is what fp16's loss scale needs.
 """
@@ -18,7 +30,7 @@ the count the backward really divides, which is what fp16's loss scale needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -69,10 +81,32 @@ class RankAgreement:
         self.count_ratio = 1.0
         #: the last micro-batch this rank ran, repeated with zero weight where it has none
         self.replay: Optional[Batch] = None
+        #: the previous window's global item count (the same on every rank): R for unasked windows
+        self.last_items: Optional[float] = None
+        #: every rank could pad at the last boundary: a DDP rank may then plan its window alone
+        self.peers_can_pad = False
 
     def set_replay(self, micro_batch: Batch) -> None:
         leading_dim(micro_batch, argument="micro_batch")
         self.replay = micro_batch
+
+    def local_plan(self, num_micro_batches: int, num_items: Optional[Count], *, can_pad: bool) -> Optional[WindowPlan]:
+        """A plan this rank can make alone, or None when the ranks must agree first."""
+        n = num_micro_batches
+        if not self.sync.distributed:
+            return WindowPlan(n, n, n, None if num_items is None else as_number(num_items))
+        if self.sync.needs_equal_counts or not can_pad or not self.peers_can_pad:
+            return None
+        return WindowPlan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
+
+    def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float]) -> Optional[WindowPlan]:
+        """The plan from every rank's micro-batch count, known without asking (a WindowSampler), or
+        None when some rank must pad and may not be able to (then the ranks ask, and refuse together)."""
+        most, fewest = max(counts), min(counts)
+        pads = any(padded_count(c, most, self.sync.needs_equal_counts) > c for c in counts)
+        if pads and not self.peers_can_pad:
+            return None
+        return WindowPlan(mine, most, fewest, items)
 
     def agree(self, num_micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
         """Every rank's micro-batch count and up-front item count, from one small all-gather."""
@@ -115,6 +149,8 @@ class RankAgreement:
                 # R = N exactly (ratio 1). When loss_fn counts other items (tokens of sequences), the
                 # last window's ratio keeps the backward near a mean loss's magnitude
                 return plan.items * self.count_ratio
+            if self.sync.distributed and self.last_items:
+                return self.last_items  # the same on every rank; exact after the boundary's correction
             return None
         if num_items is not None and not self.sync.distributed:
             return as_number(num_items)
@@ -130,15 +166,21 @@ class RankAgreement:
             self.reference_items = ref
         return self.reference_items
 
-    def observe(self, plan: Optional[WindowPlan], num_items: float) -> None:
-        """After the boundary: the same global numbers on every rank give the same ratio."""
+    def observe(self, plan: Optional[WindowPlan], num_items: float, peers_can_pad: bool) -> None:
+        """After the boundary: the same global numbers on every rank give the same ratio and R."""
         upfront = plan.items if plan is not None else None
         if upfront and num_items > 0:
             self.count_ratio = num_items / upfront
+        if self.sync.distributed:
+            if num_items > 0:
+                self.last_items = num_items
+            self.peers_can_pad = peers_can_pad
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"reference_items": self.reference_items, "count_ratio": self.count_ratio}
+        return {"reference_items": self.reference_items, "count_ratio": self.count_ratio,
+                "last_items": self.last_items}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.reference_items = state.get("reference_items")
         self.count_ratio = float(state.get("count_ratio", 1.0))
+        self.last_items = state.get("last_items")

@@ -154,7 +154,14 @@ def _sampler_windows(ctx: WindowContext, counters: Any, loader: Iterable[Batch],
             if len(pending) != size:
                 raise RuntimeError(f"the loader yielded {len(pending)} micro-batches for window "
                                    f"{first + offset} of epoch {epoch}, its WindowSampler planned {size}")
-            result = _step(ctx, pending, spec)
+            if spec.auto is None:  # every rank's share is known: no agreement to ask for
+                m = sampler.micro_batch_size
+                shares = sampler.shares(first + offset)
+                plan = ctx.ranks.known_plan(size, [-(-s // m) for s in shares],
+                                            float(sum(shares)) if spec.num_items is None else None)
+                result = _step(ctx, pending, spec, plan=plan)
+            else:
+                result = _step(ctx, pending, spec)
             sampler.advance()  # the position a checkpoint saves: this window is done
             if offset == len(sizes) - 1:
                 counters.epoch = epoch + 1  # finished, also in a checkpoint taken at this step

@@ -185,7 +185,8 @@ class Window:
         ctx.grads.open()
         try:
             if self.size is not None and self.plan is None:
-                self.plan = ctx.ranks.agree(self.size, self._num_items, self._can_pad)
+                self.plan = (ctx.ranks.local_plan(self.size, self._num_items, can_pad=self._can_pad)
+                             or ctx.ranks.agree(self.size, self._num_items, self._can_pad))
             self._reference = ctx.ranks.window_reference(self.plan if self.size is not None else None,
                                                          self._num_items)
             if self.plan is not None and self.size is not None:
@@ -302,7 +303,7 @@ class Window:
         if loss_sum is None:
             loss_sum = torch.zeros((), dtype=self._sum_dtype, device=self.ctx.device)
         return WindowTotals(loss_sum, self._host_items, self._device_items, self.reference_items or 1.0,
-                            ran=self.done > 0)
+                            ran=self.done > 0, can_pad=self._can_pad or self.ctx.ranks.replay is not None)
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
@@ -329,13 +330,14 @@ class Window:
         if self._defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
         out = ctx.boundary.finish(self.totals())
-        ctx.ranks.observe(self.plan, out.num_items)
+        ctx.ranks.observe(self.plan, out.num_items, out.peers_can_pad)
         size, counted = self.micro_batch_size, self.done - self.padding
         self._result = StepResult(
             loss=out.loss_sum / out.num_items if out.num_items > 0 else float("nan"),
             num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
             micro_batches=counted, grad_norm=out.grad_norm, skipped=out.skipped, lr=out.lr, step=out.step,
             micro_batch_size=size if isinstance(size, int) else None, accum_steps=counted,
+            stop_requested=out.stop_requested,
         )
         return self._result
 

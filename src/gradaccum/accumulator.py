@@ -221,6 +221,12 @@ class Accumulator:
                          self.auto if micro_batch_size == "auto" else None)
         return train_windows(self.context, self.counters, loader, spec)
 
+    def request_stop(self) -> None:
+        """Ask every rank to stop: the next window's ``StepResult.stop_requested`` is True on every
+        rank (the flag rides in the boundary's all-reduce, so asking costs no collective of its own).
+        Safe to call from a signal handler."""
+        self.context.boundary.stop_requested = True
+
     def set_padding(self, micro_batch: Batch) -> None:
         """A micro-batch this rank may run with zero weight in a window where it has none.
 

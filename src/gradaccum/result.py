@@ -32,6 +32,8 @@ class StepResult:
         epoch: the epoch in ``train()``; None from ``step()``.
         window: the window's index within its epoch in ``train()`` (what a checkpoint saves to
             resume after it: ``window + 1``); None from ``step()``.
+        stop_requested: some rank called ``Accumulator.request_stop()`` before this window's
+            boundary; every rank sees the same value, so all can stop after this same window.
     """
 
     loss: float
@@ -45,6 +47,7 @@ class StepResult:
     accum_steps: Optional[int] = None
     epoch: Optional[int] = None
     window: Optional[int] = None
+    stop_requested: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

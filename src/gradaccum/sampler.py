@@ -116,6 +116,13 @@ class WindowSampler(Sampler[List[int]]):
         w, r = self.world_size, self.rank
         return range(start + r * b // w, start + (r + 1) * b // w)
 
+    def shares(self, window: int) -> List[int]:
+        """How many items every rank (in rank order) has in global window ``window`` of this epoch:
+        what each rank knows of the others without asking (``Accumulator.train`` needs no agreement)."""
+        b = min(self.global_batch_size, self.dataset_size - window * self.global_batch_size)
+        w = self.world_size
+        return [(r + 1) * b // w - r * b // w for r in range(w)]
+
     def window_items(self, window: int, *, epoch: Optional[int] = None) -> List[int]:
         """The dataset indices of global window ``window`` (all ranks' items)."""
         if not 0 <= window < self.num_windows:

@@ -107,6 +107,8 @@ class GradSync:
     #: whether the wrapper runs collectives in a window's first forward (DDP's buffer broadcast and
     #: bucket rebuild), so every rank must reach that forward
     collectives_in_forward: bool = False
+    #: whether every rank holds the whole reduced gradient (DDP), so replicas can be compared
+    replicated_grads: bool = False
     group: Any = None
 
     @property
@@ -144,6 +146,7 @@ class DDPSync(GradSync):
 
     distributed = True
     collectives_in_forward = True
+    replicated_grads = True
 
     def __init__(self, modules: Sequence[DistributedDataParallel], *, reduce_every_micro_batch: bool = False) -> None:
         for ddp in modules:
