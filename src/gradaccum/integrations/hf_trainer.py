@@ -156,7 +156,14 @@ class ExactTrainer(Trainer):
         batch's mean token loss ``S / n``. Both from the logits, in their dtype."""
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         outputs = model(**model_inputs)
-        logits = outputs["logits"] if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+        if isinstance(outputs, torch.Tensor):
+            logits: Optional[torch.Tensor] = outputs  # a bare tensor from forward is taken as the logits
+        elif isinstance(outputs, dict):
+            logits = outputs.get("logits")
+        elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+            logits = outputs[0]  # return_dict=False without labels: logits come first
+        else:
+            logits = getattr(outputs, "logits", None)
         if logits is None:
             raise ValueError("ExactTrainer: the model returned no 'logits'; ExactTrainer computes the loss from them "
                              f"(got {type(outputs).__name__}). Return logits from forward when no labels are given")
