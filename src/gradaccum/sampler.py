@@ -41,7 +41,8 @@ class WindowSampler(Sampler[List[int]]):
         micro_batch_size: m, the most items one forward/backward of one rank takes.
         seed: the permutation of epoch e is drawn from ``seed + e``.
         shuffle: ``False`` keeps the dataset order.
-        rank, world_size: default to torch.distributed's (0 and 1 without a process group).
+        rank: defaults to torch.distributed's (0 without a process group).
+        world_size: defaults to torch.distributed's (1 without a process group).
         drop_last: drop the short last window of each epoch on every rank.
 
     Example::
