@@ -1,6 +1,6 @@
 """The maths of a window, and its boundary: from the accumulated gradient to one optimizer step.
 
-This is the one place the maths is written; the README and the other docstrings point here.
+This is the one place the maths is written; the docs (docs/index.md) and the other docstrings point here.
 
 A window holds micro-batches k (on every rank r) with n_k items and mean loss L_k. One step on the
 whole window is a step on its item-weighted mean loss::
