@@ -18,10 +18,11 @@ windows opened without ``pad=True`` still ask, since a rank there can differ in 
 must know before the first forward.
 
 **R** (see :mod:`gradaccum._boundary` for the maths) must be the same on every rank. When every
-rank knew its items before the first backward, R = N, the window's global count, from that same
-all-gather (or from the sampler's shares). A window planned without asking uses the previous
-window's global count (every rank learned it at that boundary): equal windows get R = N and no
-scaling pass, others an exact correction. Otherwise R is fixed once, at its first use, by a max
+rank knew its items before the first backward, R = N, the window's global count, from the
+sampler's shares or (the first window) from the agreement. Other windows use the previous window's
+global count (every rank learned it at that boundary), whether they asked or not, so a resumed
+process rounds as the uninterrupted one did: equal windows get R = N and no scaling pass, others an
+exact correction. Otherwise R is fixed once, at its first use, by a max
 all-reduce of the first count, and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
 of sequences), the last window's ratio of the two (:attr:`RankAgreement.count_ratio`) keeps R near
 the count the backward really divides, which is what fp16's loss scale needs.
@@ -50,12 +51,14 @@ class WindowPlan:
         most, fewest: the largest and smallest count on any rank.
         items: the window's global item count when every rank knew its own before the first
             backward (then it is R, and the boundary scale is 1); else None.
+        asked: the ranks exchanged counts for this plan (an all-gather), rather than knowing them.
     """
 
     micro_batches: int
     most: int
     fewest: int
     items: Optional[float]
+    asked: bool = False
 
 
 def padded_count(count: int, most: int, equal_counts: bool) -> int:
@@ -121,7 +124,7 @@ class RankAgreement:
         rows = self.sync.all_gather(mine).tolist()  # the agreement's one host synchronisation
         counts = [int(r[0]) for r in rows]
         plan = WindowPlan(num_micro_batches, max(counts), min(counts),
-                          sum(r[1] for r in rows) if all(r[2] for r in rows) else None)
+                          sum(r[1] for r in rows) if all(r[2] for r in rows) else None, asked=True)
         stuck = [r for r, row in enumerate(rows)
                  if padded_count(int(row[0]), plan.most, self.sync.needs_equal_counts) > row[0] and not row[3]]
         if stuck:  # every rank sees the same rows: every rank raises, none waits in a collective
@@ -145,7 +148,10 @@ class RankAgreement:
     def window_reference(self, plan: Optional[WindowPlan], num_items: Optional[Count]) -> Optional[float]:
         """R for a window whose counts were known up front, else None (fixed at the first backward)."""
         if plan is not None:
-            if plan.items is not None and plan.items > 0:
+            # an asked-for plan takes R as an unasked one would, so that whether a window asked (a
+            # fresh process always asks first) never changes the rounding: a resume stays bit-identical
+            settled = self.sync.distributed and plan.asked and self.last_items
+            if plan.items is not None and plan.items > 0 and not settled:
                 # R = N exactly (ratio 1). When loss_fn counts other items (tokens of sequences), the
                 # last window's ratio keeps the backward near a mean loss's magnitude
                 return plan.items * self.count_ratio
