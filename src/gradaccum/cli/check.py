@@ -87,7 +87,7 @@ def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
     task = load_task(cfg.task, cfg.data_path)
     model = build(cfg, task, torch.device("cpu"))
     items = min(cfg.window_items, task.num_train)
-    if items < cfg.window_items:
+    if items < cfg.window_items and math.ceil(items / m) >= 2:
         print(f"gradaccum check: --micro-batch-size {m} x --accum-steps {n} = {cfg.window_items} items is more than "
               f"the {task.num_train} of the training set; checking all {task.num_train}", file=sys.stderr)
     batch = task.gather(list(range(items)))
