@@ -23,6 +23,12 @@ def load(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
+def train_rows(out: Path) -> list:
+    """metrics.jsonl's rows of training windows (the others hold each epoch's test metrics)."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "train"]
+
+
 def max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
@@ -41,7 +47,7 @@ def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def test_train_writes_metrics_summary_checkpoint_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--model", "mlp", *FAST]) == 0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = train_rows(out)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert {"step", "epoch", "loss", "lr", "num_items", "grad_norm", "samples_per_second"} <= set(rows[0])
     summary = json.loads((out / "summary.json").read_text())
@@ -156,7 +162,7 @@ def test_ctrl_c_then_kill_9_then_resume_is_bit_identical(tmp_path, uninterrupted
     assert not (out / "summary.json").exists() and temp_files(out) == []
     step = load(out / "last.pt")["accumulator"]["steps"]
     assert f"step {step} of 120" in last and 8 <= step < 120
-    rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r["step"] for r in train_rows(out)]
     assert rows == list(range(1, step + 1)), "a metrics line for every step the checkpoint holds, no more"
     command = shlex.split(last.split("resume with: ", 1)[1])
     assert command[-1] == "--resume"
@@ -176,7 +182,7 @@ def test_ctrl_c_then_kill_9_then_resume_is_bit_identical(tmp_path, uninterrupted
     whole, after = load(uninterrupted(dtype) / "last.pt"), load(out / "last.pt")
     assert after["accumulator"]["steps"] == 120
     assert all(torch.equal(whole["model"][k], after["model"][k]) for k in whole["model"])
-    rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r["step"] for r in train_rows(out)]
     assert rows == list(range(1, 121)), "duplicate or missing metric lines"
     assert temp_files(out) == []
 
@@ -281,7 +287,7 @@ def test_text_task_weights_tokens(tmp_path, text_file):
     out = tmp_path / "t"
     assert main(["train", "--task", "text", "--data-path", str(text_file), "--micro-batch-size", "8",
                  "--accum-steps", "2", "--out", str(out), *FAST]) == 0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = train_rows(out)
     assert all(r["num_items"] > 16 for r in rows)  # items are next-token targets, not sequences
     assert len({r["num_items"] for r in rows}) > 1  # variable lengths
     assert "test_loss" in json.loads((out / "summary.json").read_text())
@@ -337,6 +343,6 @@ def test_auto_micro_batch_size_from_the_command_line(tmp_path):
     out = tmp_path / "auto"
     assert main(["train", "--micro-batch-size", "auto", "--batch-size", "64", "--model", "mlp",
                  "--out", str(out), *FAST]) == 0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = train_rows(out)
     assert rows[0]["micro_batch_size"] == 64 and rows[0]["num_items"] == 64
     assert json.loads((out / "summary.json").read_text())["micro_batch_size"] == 64

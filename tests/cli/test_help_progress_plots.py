@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from gradaccum.cli import FLOAT64_AGREEMENT, _parser, main
+from gradaccum.cli import main
+from gradaccum.cli.parser import FLOAT64_AGREEMENT, build_parser as _parser
 from gradaccum.cli.config import window_shape
 from gradaccum.cli.progress import Progress
 
@@ -39,9 +40,10 @@ def test_every_flag_has_help_with_its_default_and_choices_instead_of_metavars():
     assert "exit codes: 0 equivalent, 1 not equivalent, 2 a usage error" in check
 
 
-def test_the_readme_synopsis_names_every_flag_and_the_measured_float64_agreement():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Command line", 1)[1].split("\n## ", 1)[0]
+def test_the_cli_guide_synopsis_names_every_flag_and_the_measured_float64_agreement():
+    """docs/guides/cli.md (the README links it) lists every flag of every subcommand."""
+    guide = (ROOT / "docs" / "guides" / "cli.md").read_text()
+    section = guide.split("# Command line", 1)[1].split("\n## ", 1)[0]
     for name, sub in _subparsers().items():
         for action in sub._actions:
             if action.dest != "help":
@@ -50,9 +52,10 @@ def test_the_readme_synopsis_names_every_flag_and_the_measured_float64_agreement
 
 
 def test_the_window_check_takes_a_world_size():
-    assert window_shape(None, 32, 4) == (128, 4)
-    assert window_shape(32, 5, None) == (32, 7)  # the last micro-batch holds 2
-    assert window_shape(256, 32, 4, world_size=2) == (256, 4)
+    assert window_shape(None, 32, 4) == (128, 32, 4)
+    assert window_shape(32, 5, None) == (32, 5, 7)  # the last micro-batch holds 2
+    assert window_shape(256, 32, 4, world_size=2) == (256, 32, 4)
+    assert window_shape(256, None, 4, world_size=2) == (256, 32, 4)
     with pytest.raises(ValueError, match=r"--batch-size 256, --micro-batch-size 32 and --accum-steps 4 contradict "
                                          r"each other: a window is micro-batch size x accum steps x 3 ranks = "
                                          r"32 x 4 x 3 = 384 items, not 256"):
@@ -91,9 +94,11 @@ def test_counts_are_what_the_step_used_and_plots_are_titled_with_markers_for_one
     progress = [line.split(" step ", 1)[0] for line in captured.err.splitlines() if " step 1/1 " in line]
     assert progress == ["gradaccum train:", "gradaccum train (one batch of 1438):"]  # which run is which
     loss, _, compare = figures  # loss.png, the baseline's loss.png, compare.png
-    (ax,) = loss.axes
+    ax, lr_ax, norm_ax = loss.axes  # loss (and the test loss), learning rate, gradient norm
     assert ax.get_title().startswith("digits / mlp: windows of 1438 images (all) as one micro-batch\n")
-    assert [line.get_marker() for line in ax.get_lines()] == ["o"]
+    assert "float32 parameters, fp32 compute" in ax.get_title()
+    assert [line.get_marker() for line in ax.get_lines()] == ["o", "s"]  # training loss, test loss at the end
+    assert lr_ax.get_ylabel() == "learning rate" and norm_ax.get_ylabel().startswith("gradient norm")
     loss.canvas.draw()
     ticks = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
     assert len(ticks) >= 3 and all(re.fullmatch(r"\d+(\.\d+)?", t) for t in ticks), ticks  # not 10^0, 10^1
@@ -130,7 +135,7 @@ def test_text_runs_count_tokens_and_eval_from_another_folder_names_the_step(tmp_
     out = tmp_path / "t"
     assert main(["train", "--task", "text", "--data-path", text_file.name, "--micro-batch-size", "8",
                  "--accum-steps", "2", "--out", str(out), *FAST]) == 0
-    assert re.search(r"text/transformer: \d+ steps of \d+ sequences( \(1 shorter\))?, \d+ to \d+ tokens each, test loss", capsys.readouterr().out)
+    assert re.search(r"text/transformer: \d+ steps of \d+ sequences( \(1 shorter\))?, \d+ to \d+ tokens per step \(all ranks\), test loss", capsys.readouterr().out)
     assert load(out / "last.pt")["config"]["data_path"] == str(text_file)
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "--checkpoint", str(out / "last.pt"), "--device", "cpu"]) == 0

@@ -20,7 +20,7 @@ import torch
 
 from gradaccum.cli import main
 
-from .test_cli import FAST, ROOT, cli_env, load, temp_files
+from .test_cli import FAST, ROOT, cli_env, load, temp_files, train_rows
 
 MLP = ["--model", "mlp", *FAST]  # 12 steps of 128 digits
 
@@ -34,7 +34,7 @@ def snapshot(folder: Path) -> dict:
 
 
 def steps_in(out: Path) -> list:
-    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in train_rows(out)]
 
 
 def assert_one_clean_line(err: str, command: str = "train") -> None:
@@ -54,8 +54,10 @@ def test_a_folder_holding_another_run_is_refused_untouched_and_overwrite_replace
 
     assert main(["train", "--out", str(out), "--model", "mlp", "--epochs", "2", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
+    (events,) = [p.name for p in out.glob("events.out.tfevents.*")]
     assert_one_clean_line(err)
-    assert (f"--out {out} holds another run (last.pt, metrics.jsonl, summary.json, loss.png, baseline); "
+    assert (f"--out {out} holds another run (last.pt, metrics.jsonl, metrics.csv, summary.json, loss.png, "
+            f"{events}, baseline); "
             "pass --resume to continue it, --overwrite to replace it, or another --out") in err
     assert snapshot(out) == before, "a refused run touched the folder"
 
@@ -199,10 +201,10 @@ def test_out_on_a_read_only_filesystem_is_refused_in_one_line(tmp_path, monkeypa
             folder.chmod(0o755)
         code, err, words = proc.returncode, proc.stderr, "is not writable (permission denied)"
     else:  # pragma: no cover - root without namespaces: chmod does not stop root
-        from gradaccum.cli import lifecycle
+        from gradaccum.cli import folder
 
-        monkeypatch.setattr(lifecycle.os, "access", lambda *a, **k: False)
-        monkeypatch.setattr(lifecycle, "_read_only", lambda path: True)
+        monkeypatch.setattr(folder.os, "access", lambda *a, **k: False)
+        monkeypatch.setattr(folder, "_read_only", lambda path: True)
         code, err, words = main(args), capsys.readouterr().err, "is on a read-only filesystem"
     assert code == 2
     assert_one_clean_line(err)
@@ -333,20 +335,20 @@ def test_a_signal_handled_just_after_the_stop_all_reduce_waits_for_the_next_wind
     act on the all-reduced flag (its peers saw no signal and go on into the next window), and stop
     one window later, when the next all-reduce carries it. Acting on its own flag instead made it
     wait forever in the checkpoint broadcast while its peers waited in the next window."""
-    from gradaccum.cli import lifecycle
+    from gradaccum.cli import signals
     from gradaccum.cli.lifecycle import RunLifecycle
 
     life = RunLifecycle(tmp_path / "run", resume=False, overwrite=False, command="gradaccum train --resume")
-    monkeypatch.setattr(lifecycle.sync, "is_distributed", lambda: True)
+    monkeypatch.setattr(signals.sync, "is_distributed", lambda: True)
 
     def all_reduce_(tensor, op="sum", group=None):
         agreed = tensor.clone()  # max over ranks whose flags were all 0
-        if not life._signal:
-            life._on_signal(signal.SIGTERM, None)  # this rank's handler runs as the collective returns
+        if not life.signals._signal:
+            life.signals._on_signal(signal.SIGTERM, None)  # this rank's handler runs as the collective returns
         tensor.copy_(agreed)
         return tensor
 
-    monkeypatch.setattr(lifecycle.sync, "all_reduce_", all_reduce_)
+    monkeypatch.setattr(signals.sync, "all_reduce_", all_reduce_)
     assert life.stop_requested() is False  # what every rank agreed on: go on together
     assert life.stop_requested() is True   # the next window's all-reduce carries the signal
-    assert life._stopping == signal.SIGTERM
+    assert life.signals.stopping == signal.SIGTERM

@@ -40,7 +40,9 @@ def model_of(out: Path) -> dict:
 
 
 def rows(out: Path) -> list:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The training windows' rows of metrics.jsonl (not the test metrics at each epoch's end)."""
+    every = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in every if r.get("kind", "train") == "train"]
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, Dict, Optional
 import torch
 
 __all__ = ["CLIError", "save_atomic", "load_checkpoint", "temp_name", "is_temp_for", "describe_os_error",
-           "REQUIRED_KEYS"]
+           "fsync_dir", "REQUIRED_KEYS"]
 
 REQUIRED_KEYS = ("model", "optimizer", "accumulator", "config", "epoch", "window")
 
@@ -82,11 +82,16 @@ def save_atomic(obj: Dict[str, Any], path: Path) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable: after a crash the folder lists the new name."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]:

@@ -5,20 +5,23 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Union
 
 from ..precision import PRECISIONS
 from ..tasks.data import TASKS
 from ..tasks.models import MODELS
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
-           "DEFAULT_AUTO_BATCH", "window_shape"]
+__all__ = ["TrainConfig", "Window", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
+           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "window_shape", "check_int"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float64")
+DEFAULT_MICRO_BATCH_SIZE = 32
 DEFAULT_ACCUM_STEPS = 4
 DEFAULT_AUTO_BATCH = 128  # the window with --micro-batch-size auto and no --batch-size
+#: seeds torch's generators take with room for one more per epoch (seed + epoch is each epoch's order)
+SEED_RANGE = (0, 2**63 - 2**20)
 # per task: model, epochs, optimizer, learning rate
 DEFAULTS: Dict[str, Dict[str, Any]] = {
     "digits": {"model": "lenet5", "epochs": 15, "optimizer": "sgd", "lr": 0.02},
@@ -33,34 +36,64 @@ RESUMABLE_CHANGES = ("out", "checkpoint_every", "epochs", "device", "world_size"
                      "accum_steps")
 
 
-def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str], accum_steps: Optional[int],
-                 world_size: int = 1) -> Tuple[int, Optional[int]]:
-    """Resolve a window from the flags: ``(B, N)``, B items per optimizer step over all W ranks (the
-    global batch), N micro-batches per rank (None with ``"auto"``, which picks the split itself).
+def check_int(flag: str, value: Any, minimum: int = 1, *, maximum: Optional[int] = None, extra: str = "") -> None:
+    """One check for every integer flag: ``--accum-steps must be an integer >= 1, got 0``."""
+    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
+    if not bad and maximum is not None and value > maximum:
+        raise ValueError(f"{flag} must be an integer from {minimum} to {maximum}, got {value!r}{extra}")
+    if bad:
+        want = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{flag} must be an integer {want}{extra}, got {value!r}")
 
-    Any two of B, M, N give the third: ``B = M x N x W``. Given all three they must agree. With B and M
-    alone, N = ceil(B / (M x W)) and the last micro-batch may be smaller (an exact item-weighted step).
+
+class Window(NamedTuple):
+    """A window resolved from the flags: ``items`` (B) per optimizer step across all ranks, cut into
+    micro-batches of ``micro_batch_size`` (M, or ``"auto"``), ``accum_steps_per_rank`` (N) per rank
+    (None with ``"auto"``, which picks the split itself)."""
+
+    items: int
+    micro_batch_size: Union[int, str]
+    accum_steps_per_rank: Optional[int]
+
+
+def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, None], accum_steps: Optional[int],
+                 world_size: int = 1) -> Window:
+    """Resolve a window from the flags the user gave (None: not given): ``B = M x N x W``.
+
+    Any two of B, M, N give the third; given all three they must agree. One or none given: the
+    missing ones default to M = 32 and N = 4. With B and M alone, N = ceil(B / (M x W)) and the last
+    micro-batch may be smaller (an exact item-weighted step); with B and N alone, M = B / (N x W),
+    which must come out whole.
     """
+    ranks = f" x {world_size} ranks" if world_size > 1 else ""
     if micro_batch_size == "auto":
         if accum_steps is not None:
             raise ValueError(f"--accum-steps {accum_steps} does not apply with --micro-batch-size auto, which "
                              "picks the split of each window itself; drop --accum-steps and give the window "
                              "with --batch-size")
-        return (batch_size if batch_size is not None else DEFAULT_AUTO_BATCH), None
-    m = int(micro_batch_size)
-    ranks = f" x {world_size} ranks" if world_size > 1 else ""
+        return Window(batch_size if batch_size is not None else DEFAULT_AUTO_BATCH, "auto", None)
+    if batch_size is not None and accum_steps is not None and micro_batch_size is None:
+        m, rest = divmod(batch_size, accum_steps * world_size)
+        if rest or m < 1:
+            raise ValueError(
+                f"--batch-size {batch_size} does not split into --accum-steps {accum_steps} equal micro-batches"
+                f"{' on each of ' + str(world_size) + ' ranks' if world_size > 1 else ''}; give --micro-batch-size "
+                f"M instead of --accum-steps (the last micro-batch may be smaller), or a --batch-size divisible "
+                f"by {accum_steps * world_size}")
+        return Window(batch_size, m, accum_steps)
+    m = DEFAULT_MICRO_BATCH_SIZE if micro_batch_size is None else int(micro_batch_size)
     if batch_size is None:
         n = DEFAULT_ACCUM_STEPS if accum_steps is None else accum_steps
-        return m * n * world_size, n
+        return Window(m * n * world_size, m, n)
     if accum_steps is None:
-        return batch_size, math.ceil(batch_size / (m * world_size))
+        return Window(batch_size, m, math.ceil(batch_size / (m * world_size)))
     if batch_size != m * accum_steps * world_size:
         raise ValueError(
             f"--batch-size {batch_size}, --micro-batch-size {m} and --accum-steps {accum_steps} contradict each "
             f"other: a window is micro-batch size x accum steps{ranks} = {m} x {accum_steps}"
             f"{f' x {world_size}' if ranks else ''} = {m * accum_steps * world_size} items, not {batch_size}; "
             f"give two of the three (e.g. drop --accum-steps to cut {batch_size} items into micro-batches of {m})")
-    return batch_size, accum_steps
+    return Window(batch_size, m, accum_steps)
 
 
 @dataclass(frozen=True)
@@ -72,7 +105,7 @@ class TrainConfig:
     task: str = "digits"
     data_path: Optional[str] = None
     model: Optional[str] = None
-    micro_batch_size: Union[int, str] = 32
+    micro_batch_size: Union[int, str, None] = None
     accum_steps: Optional[int] = None
     batch_size: Optional[int] = None
     epochs: Optional[int] = None
@@ -81,7 +114,7 @@ class TrainConfig:
     precision: str = "fp32"
     max_grad_norm: Optional[float] = None
     seed: int = 0
-    out: str = "runs/latest"
+    out: Optional[str] = None
     checkpoint_every: int = 0
     device: str = "auto"
     dtype: str = "float32"
@@ -105,23 +138,20 @@ class TrainConfig:
             object.__setattr__(self, "data_path", os.path.abspath(os.path.expanduser(self.data_path)))
         if self.model is not None and self.model not in MODELS:
             raise bad("--model", self.model, f"one of {', '.join(MODELS)}")
-        if self.micro_batch_size != "auto" and (isinstance(self.micro_batch_size, bool)
-                                                or not isinstance(self.micro_batch_size, int)
-                                                or self.micro_batch_size < 1):
-            raise bad("--micro-batch-size", self.micro_batch_size, "an integer >= 1 or 'auto'")
-        if self.accum_steps is not None and (not isinstance(self.accum_steps, int) or self.accum_steps < 1):
-            raise bad("--accum-steps", self.accum_steps, "an integer >= 1")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise bad("--batch-size", self.batch_size, "an integer >= 1")
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise bad("WORLD_SIZE", self.world_size, "an integer >= 1 (torchrun sets it)")
+        if self.micro_batch_size not in (None, "auto"):
+            check_int("--micro-batch-size", self.micro_batch_size, extra=" or 'auto'")
+        for flag, value in (("--accum-steps", self.accum_steps), ("--batch-size", self.batch_size)):
+            if value is not None:
+                check_int(flag, value)
+        check_int("--seed", self.seed, SEED_RANGE[0], maximum=SEED_RANGE[1])
+        check_int("WORLD_SIZE", self.world_size, extra=" (torchrun sets it)")
         window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)
         if self.shard and self.micro_batch_size == "auto":
             raise ValueError("--micro-batch-size auto does not work with --shard: FSDP2 reduces gradients only "
                              "inside backward, so the ranks cannot agree on an out-of-memory error first; pass "
                              "an integer --micro-batch-size")
-        if self.epochs is not None and self.epochs < 1:
-            raise bad("--epochs", self.epochs, "an integer >= 1")
+        if self.epochs is not None:
+            check_int("--epochs", self.epochs)
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise bad("--optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
@@ -130,8 +160,7 @@ class TrainConfig:
             raise bad("--precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise bad("--max-grad-norm", self.max_grad_norm, "a positive number")
-        if self.checkpoint_every < 0:
-            raise bad("--checkpoint-every", self.checkpoint_every, "an integer >= 0 (0: only at the end)")
+        check_int("--checkpoint-every", self.checkpoint_every, 0, extra=" (0: only at the end)")
         if self.dtype not in DTYPES:
             raise bad("--dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if self.dtype == "float64" and self.precision != "fp32":
@@ -144,14 +173,19 @@ class TrainConfig:
                 object.__setattr__(self, name, defaults[name])
 
     @property
-    def window_items(self) -> int:
-        """The global batch B: items per optimizer step, across all ranks."""
-        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)[0]
+    def window(self) -> Window:
+        """B, M and N as resolved from the flags given (see :func:`window_shape`)."""
+        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)
 
     @property
-    def micro_batches(self) -> Optional[int]:
-        """Micro-batches per window on each rank (the last may be smaller); None with ``"auto"``."""
-        return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)[1]
+    def window_items(self) -> int:
+        """The global batch B: items per optimizer step, across all ranks."""
+        return self.window.items
+
+    @property
+    def accum_steps_per_rank(self) -> Optional[int]:
+        """N: micro-batches per window on each rank (the last may be smaller); None with ``"auto"``."""
+        return self.window.accum_steps_per_rank
 
     def training_settings(self) -> Dict[str, Any]:
         """What determines the trained model: the settings with the global batch resolved, without

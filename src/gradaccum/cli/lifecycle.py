@@ -1,10 +1,11 @@
 """The life of one run's folder (``--out``): what may be written there, checkpoints, signals, resuming.
 
-The training loop (:mod:`gradaccum.cli.train`) asks this module; it never touches the folder itself.
+The training loop (:mod:`gradaccum.cli.run`) asks this module; it never touches the folder itself.
+The folder's decisions are :mod:`gradaccum.cli.folder`'s, the signal handlers :mod:`gradaccum.cli.signals`'.
 
 Before anything is written
     ``check_out`` refuses, in one line, an empty ``--out``, a path that is a file or lies under one,
-    and a folder on a read-only filesystem or without write permission. ``RunLifecycle.plan`` then
+    and a folder on a read-only filesystem or without write permission. ``RunLifecycle.plan`` (:meth:`RunFolder.decide <gradaccum.cli.folder.RunFolder.decide>`) then
     decides from the folder and the flags, still without writing:
 
     * new or empty folder (or one holding only files of no run): a fresh run;
@@ -53,130 +54,28 @@ Elastic restarts (``torchrun --max-restarts=K``)
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import signal
 import sys
-import threading
-import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .. import sync
-from .checkpoint import CLIError, describe_os_error, is_temp_for, load_checkpoint, save_atomic, temp_name
+from .checkpoint import CLIError, describe_os_error, save_atomic
 from .config import TrainConfig
+from .folder import (ARTIFACTS, BASELINE, CHECKPOINT, SHARDED_CHECKPOINT, Position, ResumePlan, RunFolder,
+                     check_out)
+from .signals import EXIT_CODES, StopSignals, Stopped
 
-__all__ = ["ARTIFACTS", "BASELINE", "CHECKPOINT", "SHARDED_CHECKPOINT", "Position", "Plan", "Stopped", "WriteFailed",
-           "RunLifecycle", "check_out"]
-
-CHECKPOINT = "last.pt"
-SHARDED_CHECKPOINT = "last.dcp"  # a folder: --shard's torch.distributed.checkpoint
-#: the files one run writes into its folder; --overwrite removes these and nothing else
-ARTIFACTS = (CHECKPOINT, SHARDED_CHECKPOINT, "metrics.jsonl", "summary.json", "loss.png", "compare.json",
-             "compare.png", f".{SHARDED_CHECKPOINT}.old")
-#: the same signal again within this many seconds is a launcher forwarding the first (torchrun)
-REPEAT_SECONDS = 1.0
-#: --compare's one-batch run: a run folder of its own inside this one
-BASELINE = "baseline"
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-
-class Stopped(BaseException):
-    """The run stops on a signal. ``str()`` is the one line to print, ``exit_code`` 130 or 143.
-
-    A BaseException: raised from a signal handler anywhere, no ``except Exception`` may swallow it."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+__all__ = ["ARTIFACTS", "BASELINE", "CHECKPOINT", "SHARDED_CHECKPOINT", "Position", "ResumePlan", "Stopped",
+           "WriteFailed", "RunLifecycle", "check_out"]
 
 
 class WriteFailed(CLIError):
     """Training finished but its final checkpoint could not be written: exit 1, not a usage error."""
 
     exit_code = 1
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where a run stands: the next window to run is ``window`` of ``epoch``; ``step`` steps are taken."""
-
-    epoch: int
-    window: int
-    step: int
-
-    def __str__(self) -> str:
-        return f"step {self.step} (epoch {self.epoch}, window {self.window})"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the folder and the flags decide before anything is written.
-
-    ``kind``: ``"fresh"``, ``"resume"`` or ``"complete"``; ``position``: where training starts;
-    ``remove``: the artifacts to remove first; ``note``: a line to print, if any."""
-
-    kind: str
-    position: Position
-    remove: List[str]
-    note: Optional[str] = None
-    has_summary: bool = False
-
-
-def check_out(text: str, flag: str = "--out") -> Path:
-    """``--out`` as a folder this process may create and write, or a one-line CLIError; writes nothing."""
-    if not text.strip():
-        raise CLIError(f"{flag} is an empty string; pass the folder for the run's files, e.g. {flag} runs/digits")
-    path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
-        raise CLIError(f"{flag} {text} is a file, not a folder; pass a folder, e.g. {flag} {text}.run, "
-                       "or move the file away")
-    existing = Path(os.path.abspath(path))
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise CLIError(f"{flag} {text}: {existing} is a file, so no folder can be made under it; "
-                       f"pass another {flag}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        if _read_only(existing):
-            raise CLIError(f"{flag} {text} is on a read-only filesystem ({existing}); pass a folder on a "
-                           f"writable one with {flag}")
-        raise CLIError(f"{flag} {text}: {existing} is not writable (permission denied); pass a folder you "
-                       f"can write to with {flag}")
-    return path
-
-
-def _read_only(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def _artifacts_in(folder: Path) -> List[str]:
-    """This folder's run artifacts, sorted (never listing order), temporary files of writes included."""
-    if not folder.is_dir():
-        return []
-    found = [name for name in ARTIFACTS if (folder / name).exists()]
-    if (folder / BASELINE).is_dir():
-        found.append(BASELINE)
-    found += sorted(p.name for p in folder.iterdir() if any(is_temp_for(p.name, a) for a in ARTIFACTS))
-    return found
-
-
-def _remove_artifacts(folder: Path, names: List[str]) -> None:
-    for name in names:
-        path = folder / name
-        if name == BASELINE:  # the baseline's own artifacts, then the folder if nothing else is left
-            _remove_artifacts(path, _artifacts_in(path))
-            with contextlib.suppress(OSError):
-                path.rmdir()
-        elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)  # a checkpoint may become a directory (torch.distributed.checkpoint)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
 
 
 class RunLifecycle:
@@ -198,43 +97,39 @@ class RunLifecycle:
     def __init__(self, out: Path, *, resume: bool, overwrite: bool, command: str, checkpoint_every: int = 0,
                  name: str = "train", exit: Callable[[int], Any] = os._exit, sharded: bool = False,
                  write: Optional[Callable[[Dict[str, Any], Path], None]] = None, device: Any = "cpu") -> None:
-        if resume and overwrite:
-            raise CLIError("--resume and --overwrite contradict each other: --resume continues the run in "
-                           "--out, --overwrite deletes it; pass one of them")
+        self.prefix = f"gradaccum {name}:"
+        self.folder = RunFolder(out, resume=resume, overwrite=overwrite, sharded=sharded, say=self.say)
         self.out = out
-        self.resume = resume
-        self.overwrite = overwrite
         self.command = command
         self.checkpoint_every = checkpoint_every
-        self.prefix = f"gradaccum {name}:"
         self.sharded = sharded
-        self.checkpoint = out / (SHARDED_CHECKPOINT if sharded else CHECKPOINT)
+        self.checkpoint = self.folder.checkpoint
         self._write = write or save_atomic
-        self.device = device
         self.rank0 = sync.is_rank_zero()
         self.total_steps = 0
-        self.saved: Optional[Position] = None      # what last.pt holds
+        self.saved: Optional[Position] = None      # what the checkpoint holds
         self.write_error: Optional[str] = None     # why the latest checkpoint write failed, if it did
         self.summary_error: Optional[str] = None   # why summary.json could not be written, if it could not
         self.final: Optional[Position] = None      # where training ended, once it has
-        self._signal: Optional[int] = None         # the first SIGINT/SIGTERM received
-        self._signal_at = 0.0                      # when (time.monotonic), to tell a launcher's copy
-        self._stopping: Optional[int] = None       # the signal all ranks agreed to stop on
-        self._leaving = False                      # a second signal was received: leaving at once
-        self._exit = exit                          # how the second signal leaves (tests replace it)
+        self.signals = StopSignals(prefix=self.prefix, checkpoint=self.checkpoint, command=command, exit=exit,
+                                   saved=lambda: None if self.saved is None else str(self.saved), device=device)
+
+    def use_writer(self, write: Callable[[Dict[str, Any], Path], None]) -> None:
+        """Write checkpoints with ``write(obj, path)`` (a sharded checkpoint's, once the model exists)."""
+        self._write = write
 
     # -- before anything is written -------------------------------------------------------------
 
-    def plan(self, cfg: TrainConfig, total_steps: int) -> Tuple[Plan, Optional[Dict[str, Any]]]:
-        """Decide fresh / resume / complete from the folder and the flags; returns the plan and the
-        checkpoint to load (None when fresh). Raises a one-line CLIError; writes nothing."""
-        self.total_steps = total_steps
+    def plan(self, cfg: TrainConfig) -> Tuple[ResumePlan, Optional[Dict[str, Any]]]:
+        """Decide fresh / resume / complete from the folder and the flags (rank 0, told to every rank);
+        returns the plan (its ``config`` the settings to train with) and the checkpoint to load (None
+        when fresh). Raises a one-line CLIError; writes nothing."""
         outcome: Any = None
         state = None
         if self.rank0:
             try:
-                plan, state = self._decide(cfg)
-                outcome = ("plan", plan)
+                plan, state = self.folder.decide(cfg)
+                outcome = ("plan", plan if plan.config is not None else replace(plan, config=cfg))
             except CLIError as e:
                 outcome = ("error", str(e))
         outcome = sync.broadcast_object(outcome)
@@ -245,231 +140,34 @@ class RunLifecycle:
             # rank 0's checkpoint on every rank: another node's --out may hold no file, or a stale one
             # (DDP broadcasts parameters only at construction, so a stale load would drift silently)
             state = sync.broadcast_object(state)
-        if plan.kind != "fresh":
             self.saved = plan.position
         return plan, state
 
-    def _exists(self) -> bool:
-        if self.sharded:
-            from .sharding import sharded_folder
-
-            return sharded_folder(self.checkpoint) is not None
-        return self.checkpoint.exists()
-
-    def _read(self) -> Dict[str, Any]:
-        """The checkpoint (a sharded one: its gradaccum.pt; the shards load into the model later)."""
-        if self.sharded:
-            from .sharding import META, META_KEYS, sharded_folder
-
-            folder = sharded_folder(self.checkpoint) or self.checkpoint
-            return load_checkpoint(folder / META, required=META_KEYS)
-        return load_checkpoint(self.checkpoint)
-
-    def _decide(self, cfg: TrainConfig) -> Tuple[Plan, Optional[Dict[str, Any]]]:
-        start = Position(0, 0, 0)
-        artifacts = _artifacts_in(self.out)
-        if self.overwrite:
-            return Plan("fresh", start, artifacts), None
-        if not self.resume:
-            runs = [a for a in artifacts if not any(is_temp_for(a, x) for x in ARTIFACTS)]
-            if runs:
-                restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-                if restart:
-                    raise CLIError(f"torchrun restarted the workers (restart {restart}), but this command has no "
-                                   f"--resume, so it cannot continue the run in --out {self.out}; add --resume to "
-                                   "the torchrun command (with no checkpoint yet it starts fresh)")
-                raise CLIError(f"--out {self.out} holds another run ({', '.join(runs)}); pass --resume to "
-                               "continue it, --overwrite to replace it, or another --out")
-            return Plan("fresh", start, artifacts), None
-        other = self.out / (CHECKPOINT if self.sharded else SHARDED_CHECKPOINT)
-        if not self._exists() and other.exists():
-            raise CLIError(f"--resume: {self.out} holds {other.name}, a {'non-' if self.sharded else ''}sharded "
-                           f"run's checkpoint; resume it {'without' if self.sharded else 'with'} --shard")
-        if not self._exists():
-            return Plan("fresh", start, artifacts,
-                        note=f"--resume: nothing to resume in {self.out} (no {self.checkpoint.name}); "
-                             "starting from step 0"), None
-        state = self._read()
-        try:
-            saved = TrainConfig(**state["config"])
-        except (TypeError, ValueError):
-            raise CLIError(f"--resume: {self.checkpoint} holds settings this version cannot read; resume with "
-                           "the gradaccum that wrote it, or pass another --out") from None
-        mine, theirs = cfg.training_settings(), saved.training_settings()
-        changed = [k for k in theirs if mine.get(k) != theirs[k]]
-        if changed:
-            was = ", ".join(f"--{k.replace('_', '-')} {theirs[k]} (now {mine.get(k)})" for k in changed)
-            drop = (" and drop --accum-steps (it fixes B = M x N x ranks)" if cfg.accum_steps is not None
-                    else "")
-            hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
-                    f"{theirs['batch_size']}{drop}" if "batch_size" in changed else "")
-            raise CLIError(f"--resume: {self.checkpoint} was written with other settings: {was}{hint}; resume "
-                           "with the same settings (only --epochs may grow; the ranks and the micro-batch size "
-                           "may change), or pass another --out")
-        at = Position(int(state["epoch"]), int(state["window"]), int(state["accumulator"]["steps"]))
-        epochs = int(cfg.epochs)  # type: ignore[arg-type]
-        if (epochs, 0) < (at.epoch, at.window):
-            done = f"{at.epoch} epochs" + (f" and {at.window} windows" if at.window else "") + f", {at.step} steps"
-            raise CLIError(f"--resume --epochs {epochs}: {self.checkpoint} already holds {done}; pass "
-                           f"--epochs {at.epoch + (1 if at.window else 0)} or more, or another --out")
-        stray = [a for a in artifacts if any(is_temp_for(a, x) for x in ARTIFACTS)]  # never read: removed
-        has_summary = (self.out / "summary.json").exists()
-        if (epochs, 0) == (at.epoch, at.window):
-            note = (f"{self.out} is complete: {epochs} epochs, {at.step} steps; nothing to train"
-                    + ("; summary.json left as it was" if has_summary else "; writing its missing summary.json"))
-            return Plan("complete", at, stray, note=note, has_summary=has_summary), state
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        why = f"torchrun restart {restart}: " if restart else "--resume: "
-        return Plan("resume", at, stray, has_summary=has_summary,
-                    note=f"{why}continuing {self.out} from {at} of {self.checkpoint.name}"), state
-
-    # -- the folder -------------------------------------------------------------------------------
-
-    def prepare(self, plan: Plan) -> None:
-        """Create the folder, prove it takes a write, then remove what the plan says (rank 0; every
-        rank waits). Nothing is removed if the folder cannot be written; a folder made here goes again."""
-        error = None
-        if self.rank0:
-            try:
-                self._make_writable_folder()
-            except CLIError as e:
-                error = str(e)
-            else:
-                _remove_artifacts(self.out, plan.remove)
-                if plan.note:
-                    self.say(plan.note)
-        error = sync.broadcast_object(error)
-        if error is not None:
-            raise CLIError(error)
-
-    def _make_writable_folder(self) -> None:
-        made: List[Path] = []
-        folder = Path(os.path.abspath(self.out))
-        while not folder.exists():
-            made.append(folder)
-            folder = folder.parent
-        probe = self.out / f".write-probe-{os.getpid()}"
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            with open(probe, "wb") as f:
-                f.write(b"gradaccum")
-                f.flush()
-                os.fsync(f.fileno())
-            probe.unlink()
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                probe.unlink()
-            for folder in made:  # deepest first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise CLIError(f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder "
-                           "you can write to with --out") from None
+    def prepare(self, plan: ResumePlan) -> None:
+        """Create the folder and remove what the plan says (see :meth:`RunFolder.prepare`)."""
+        self.folder.prepare(plan)
 
     def kept_history(self, at: Position) -> List[Dict[str, Any]]:
-        """The metrics lines of the windows before the checkpoint's position (a killed run may have
-        written more). By (epoch, window), not step: a skipped window repeats its step number."""
-        path = self.out / "metrics.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line torn by kill -9 (or blank): the checkpoint is the truth
-                continue
-        return [r for r in rows if isinstance(r, dict) and "epoch" in r and "window" in r
-                and (r["epoch"], r["window"]) < (at.epoch, at.window)]
-
-    @contextlib.contextmanager
-    def metrics(self, history: List[Dict[str, Any]]) -> Iterator[Optional[TextIO]]:
-        """``metrics.jsonl`` rewritten with ``history``, open to append one line per step (rank 0)."""
-        if not self.rank0:
-            yield None
-            return
-        path = self.out / "metrics.jsonl"
-        tmp = temp_name(path)  # replaced whole: a kill while rewriting cannot lose the kept lines
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(h) + "\n" for h in history)
-        os.replace(tmp, path)
-        with open(path, "a") as f:
-            yield f
+        return self.folder.kept_history(at)
 
     # -- while training -------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def handling_signals(self) -> Iterator[None]:
-        """SIGINT and SIGTERM, while training: the first asks to stop after the window, the second
-        leaves at once. On the way out the previous handlers come back, unless a signal stopped the
-        run: then both stay ignored, so that one more Ctrl-C cannot turn the exit into a traceback."""
-        if threading.current_thread() is not threading.main_thread():  # handlers live in the main thread
-            yield
-            return
-        previous = {s: signal.getsignal(s) for s in EXIT_CODES}
-        for s in EXIT_CODES:
-            signal.signal(s, self._on_signal)
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, signal.SIG_IGN if self._signal is not None or self._stopping else handler)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        """Never raises: an exception raised here inside torch (a hook, a checkpoint write) comes out
-        as torch's RuntimeError. The first signal sets a flag; the second leaves with ``os._exit``."""
-        if self._leaving:
-            return
-        name = signal.Signals(signum).name
-        if (self._signal == signum and "TORCHELASTIC_RUN_ID" in os.environ
-                and time.monotonic() - self._signal_at < REPEAT_SECONDS):
-            return  # torchrun forwarding the Ctrl-C the terminal already sent to this worker: the same one
-        if self._signal is None:
-            self._signal, self._signal_at = signum, time.monotonic()
-            # os.write: a print here could re-enter a print the loop is in
-            self._write_line(f"{name} received: finishing this window, then writing a checkpoint (a second "
-                             f"{name} stops at once, without one)")
-            return
-        self._leaving = True
-        with contextlib.suppress(OSError):  # a checkpoint being written: its temporary file goes
-            temp_name(self.checkpoint).unlink()
-        if self.checkpoint.exists():
-            held = f" and holds {self.saved}" if self.saved is not None else ""
-            where = f"{self.checkpoint} is whole{held}; resume with: {self.command}"
-        else:
-            where = f"no checkpoint was written; {self.command} starts the run again"
-        self._write_line(f"second {name}: stopped at once, without a new checkpoint; {where}")
-        self._exit(EXIT_CODES[signal.Signals(signum)])
-
-    def _write_line(self, line: str) -> None:
-        if self.rank0:
-            os.write(2, f"{self.prefix} {line}\n".encode())
+    def handling_signals(self) -> contextlib.AbstractContextManager:
+        return self.signals.handling_signals()
 
     def stop_requested(self) -> bool:
-        """Did a signal ask to stop, here or on any rank? Under torchrun an all-reduce per window, and
-        the answer is the all-reduced flag alone: a signal whose handler runs after the collective
-        returned (Python runs handlers between bytecodes) waits for the next window's all-reduce,
-        else this rank would stop while its peers go on into the next window and wait forever."""
-        local = self._signal or 0  # read once, before the collective
-        if sync.is_distributed():
-            import torch
-
-            flag = torch.tensor([local], device=self.device)
-            agreed = int(sync.all_reduce_(flag, "max").item())
-        else:
-            agreed = local
-        if agreed:
-            self._stopping = agreed  # the signal every rank stops with (a peer's, maybe)
-        return bool(agreed)
+        return self.signals.stop_requested()
 
     def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool) -> None:
         """Called after each window: stop if a signal asked to (raises :class:`Stopped`), else write
         the periodic checkpoint when it is due (the last window's is written by :meth:`finish`)."""
-        if self.stop_requested():
+        if self.signals.stop_requested():
             self._stop(position, state)
         if self.checkpoint_every and position.step % self.checkpoint_every == 0 and not last:
             self.save(position, state)
 
     def _stop(self, position: Position, state: Callable[[], Dict[str, Any]]) -> None:
-        signum = signal.Signals(self._stopping)  # type: ignore[arg-type]
+        signum = signal.Signals(self.signals.stopping)  # type: ignore[arg-type]
         done = f"{signum.name}: stopped after step {position.step} of {self.total_steps}"
         if self.save(position, state, quiet=True):
             message = f"{done}; checkpoint {self.checkpoint} ({position}); resume with: {self.command}"
@@ -510,17 +208,7 @@ class RunLifecycle:
 
     def write_summary(self, summary: Dict[str, Any]) -> None:
         """``summary.json``, atomically (rank 0). A failure is reported by :meth:`raise_if_unsaved`."""
-        if not self.rank0:
-            return
-        path = self.out / "summary.json"
-        tmp = temp_name(path)
-        try:
-            tmp.write_text(json.dumps({**summary, "checkpoint": self._checkpoint_note()}, indent=2) + "\n")
-            os.replace(tmp, path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            self.summary_error = describe_os_error(e)
+        self.summary_error = self.folder.write_json("summary.json", {**summary, "checkpoint": self._checkpoint_note()})
 
     def _checkpoint_note(self) -> Dict[str, Any]:
         held = self.saved
@@ -546,6 +234,5 @@ class RunLifecycle:
 
     def say(self, line: str) -> None:
         """One line on stderr, from rank 0."""
-        if self.rank0:
+        if sync.is_rank_zero():
             print(f"{self.prefix} {line}", file=sys.stderr, flush=True)
-

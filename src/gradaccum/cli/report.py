@@ -1,16 +1,20 @@
 """Plots of training curves (matplotlib, imported lazily; the core never needs it).
 
-Every plot has a title naming the task, the model and the window. Few steps are drawn with markers,
+``loss.png`` has three panels over the windows of the run: the training loss with the test loss at
+each epoch's end and the epoch boundaries, the learning rate, and the gradient norm; skipped windows
+(no optimizer step) are marked and counted. Every plot has a title naming the task, the model and
+the window. Few steps are drawn with markers,
 so that a 1-step run shows a point, and a log axis that spans less than a decade gets plain ticks
 (2.2, 2.25, 2.3) instead of none or a crowd of ``2x10^0``.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["plot_losses", "plot_compare"]
+__all__ = ["plot_losses", "plot_compare", "training_rows"]
 
 MARKERS_UP_TO = 40  # steps; more than that and markers only clutter the line
 
@@ -56,8 +60,18 @@ def _integer_steps(ax: Any, steps: Sequence[int]) -> None:
         ax.set_xlim(steps[0] - 1, steps[0] + 1)
 
 
-def _loss_panel(ax: Any, curves: Dict[str, List[Dict[str, Any]]]) -> None:
+def training_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The windows that took a step (not the test-metric rows, not skipped windows)."""
+    return [r for r in rows if r.get("kind", "train") == "train" and not r.get("skipped")]
+
+
+def _loss_label(unit: str) -> str:
+    return f"training loss\n({'token' if unit == 'tokens' else 'item'}-weighted window mean)"
+
+
+def _loss_panel(ax: Any, curves: Dict[str, List[Dict[str, Any]]], unit: str = "items") -> None:
     values: List[float] = []
+    curves = {label: training_rows(rows) for label, rows in curves.items()}
     for (label, rows), style in zip(curves.items(), ("-", "--", ":", "-.")):
         steps = [r["step"] for r in rows]
         losses = [r["loss"] for r in rows]
@@ -65,7 +79,7 @@ def _loss_panel(ax: Any, curves: Dict[str, List[Dict[str, Any]]]) -> None:
         marker = "o" if len(rows) <= MARKERS_UP_TO else None
         ax.plot(steps, losses, style, marker=marker, markersize=6 if len(rows) == 1 else 4,
                 markerfacecolor="none" if style != "-" else None, label=label)
-    ax.set_ylabel("training loss\n(item-weighted window mean)")
+    ax.set_ylabel(_loss_label(unit))
     positive = [v for v in values if v > 0]
     if positive:
         if max(positive) == min(positive):  # one value (a 1-step run): a range around it, with ticks to read
@@ -77,16 +91,58 @@ def _loss_panel(ax: Any, curves: Dict[str, List[Dict[str, Any]]]) -> None:
     ax.legend()
 
 
-def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: str = "") -> None:
-    """One line per run: loss against optimizer step."""
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _run_panels(axes: Sequence[Any], rows: List[Dict[str, Any]], label: str, unit: str) -> None:
+    """Loss (with test loss and epoch boundaries), learning rate and gradient norm against the window."""
+    loss_ax, lr_ax, norm_ax = axes
+    train = [r for r in rows if r.get("kind", "train") == "train"]
+    x = {id(r): int(r.get("window_index", r["step"] - 1)) + 1 for r in train}
+    ok = [r for r in train if not r.get("skipped") and _finite(r.get("loss"))]
+    marker = "o" if len(ok) <= MARKERS_UP_TO else None
+    loss_ax.plot([x[id(r)] for r in ok], [r["loss"] for r in ok], "-", marker=marker, markersize=4,
+                 label=f"training: {label}")
+    evals = [r for r in rows if r.get("kind") == "eval" and _finite(r.get("test_loss"))]
+    if evals:
+        loss_ax.plot([int(r["window_index"]) + 1 for r in evals], [r["test_loss"] for r in evals], "s--",
+                     color="C1", markersize=5, label="test loss (epoch end)")
+    skipped = [x[id(r)] for r in train if r.get("skipped")]
+    if skipped:
+        loss_ax.plot(skipped, [0.02] * len(skipped), "x", color="C3", transform=loss_ax.get_xaxis_transform(),
+                     label=f"skipped: {len(skipped)} of {len(train)} windows (non-finite, no step)")
+    positive = [r["loss"] for r in ok if r["loss"] > 0] + [r["test_loss"] for r in evals if r["test_loss"] > 0]
+    if positive:
+        if max(positive) == min(positive):
+            loss_ax.set_ylim(min(positive) * 0.8, max(positive) * 1.25)
+        loss_ax.set_yscale("log")
+        readable_log_ticks(loss_ax)
+    loss_ax.set_ylabel(_loss_label(unit))
+    loss_ax.legend(fontsize=8)
+    for ax, key, name in ((lr_ax, "lr", "learning rate"), (norm_ax, "grad_norm", "gradient norm\n(before clipping)")):
+        pts = [(x[id(r)], r[key]) for r in train if _finite(r.get(key))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color="C2", marker=marker, markersize=3)
+        ax.set_ylabel(name, fontsize=9)
+    ends = sorted({int(r["window_index"]) + 1 for r in evals})
+    for ax in axes:
+        for end in ends[:-1] if ends and ends[-1] == max(x.values(), default=0) else ends:
+            ax.axvline(end + 0.5, color="0.6", linestyle=":", linewidth=1)
+        ax.grid(alpha=0.3)
+    _integer_steps(norm_ax, sorted(x.values()) or [1])
+
+
+def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: str = "", unit: str = "items") -> None:
+    """One run's curves (the first of ``curves``): loss, learning rate and gradient norm per window."""
     plt = _pyplot()
     if plt is None:  # pragma: no cover
         return _missing(path)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    _loss_panel(ax, curves)
-    ax.set_xlabel("optimizer step")
+    label, rows = next(iter(curves.items()))
+    fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": (3, 1, 1)})
+    _run_panels(axes, rows, label, unit)
+    axes[-1].set_xlabel("window (one optimizer step each, unless skipped); dotted: epoch ends")
     if title:
-        ax.set_title(title, fontsize=10)
+        axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -107,6 +163,7 @@ def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, An
     _loss_panel(top, {labels[0]: accumulated, labels[1]: one_batch})
     top.set_title(f"{title}\nlargest parameter difference at the end: {max_param_diff:.1e}", fontsize=10)
 
+    accumulated, one_batch = training_rows(accumulated), training_rows(one_batch)
     by_step = {r["step"]: r["loss"] for r in one_batch}
     steps = [r["step"] for r in accumulated if r["step"] in by_step]
     diffs = [abs(r["loss"] - by_step[r["step"]]) for r in accumulated if r["step"] in by_step]

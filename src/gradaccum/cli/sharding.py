@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import sync
-from .checkpoint import CLIError, load_checkpoint, save_atomic
+from .checkpoint import CLIError, fsync_dir, load_checkpoint, save_atomic
 
 __all__ = ["setup_distributed", "teardown_distributed", "shard_model", "save_sharded", "load_sharded", "load_sharded_model",
            "sharded_folder", "META", "META_KEYS"]
@@ -69,8 +69,8 @@ def teardown_distributed() -> None:
     """Leave the group this command made: a gloo group still alive at interpreter exit can abort the
     process ('terminate called without an active exception') after its work is done. The sharded
     model's DTensors and device mesh sit in reference cycles that still hold the group: collected
-    first, so the group goes now, not in the interpreter's teardown (measured under load: 5 aborts
-    in 23 --shard runs on 2 ranks without the collection, 0 in 22 with it)."""
+    first, so the group goes now, not in the interpreter's teardown (how often it aborted with and
+    without: docs/measurements.md)."""
     global _made_group
     if _made_group and sync.is_distributed():
         gc.collect()
@@ -143,7 +143,7 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, meta: Dict[
             os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     sync.barrier()
 
 
@@ -162,14 +162,6 @@ def _os_error(error: BaseException) -> OSError:
         if seen is None:
             break
     return OSError(f"the sharded checkpoint could not be written ({type(error).__name__})")
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:

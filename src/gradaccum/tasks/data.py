@@ -132,8 +132,13 @@ def _mnist(data_path: Optional[str]) -> Task:
     if not data_path:
         raise TaskError("--task mnist needs --data-path DIR holding the four MNIST IDX files")
     root = Path(data_path)
+    if root.is_file():
+        raise TaskError(f"--data-path {data_path} is a file; --task mnist reads a folder holding the four IDX "
+                        "files (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-..., plain or .gz) or their "
+                        "train/ and test/ folders: pass that folder")
     if not root.is_dir():
-        raise TaskError(f"--data-path {data_path}: no such directory")
+        raise TaskError(f"--data-path {data_path}: no such directory; pass the folder holding the four MNIST IDX "
+                        "files")
     xs, ys = {}, {}
     for split in ("train", "test"):
         xs[split] = _read_idx(_find_idx(root, f"{split}_images"), 2051, 3).float().div(255).unsqueeze(1)
@@ -155,6 +160,9 @@ def _default_text() -> Tuple[bytes, str]:
 def _text(data_path: Optional[str], max_len: int = 64) -> Task:
     if data_path:
         path = Path(data_path)
+        if path.is_dir():
+            raise TaskError(f"--data-path {data_path} is a folder; --task text reads one text file: pass a file "
+                            "in it")
         if not path.is_file():
             raise TaskError(f"--data-path {data_path}: no such file (the text task reads one text file)")
         raw = path.read_bytes()

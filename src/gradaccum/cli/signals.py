@@ -1,0 +1,133 @@
+"""Ctrl-C (SIGINT) and SIGTERM during training: finish the window, then stop on every rank together.
+
+The first signal is acknowledged at once and lets the current window finish; the run then writes a
+checkpoint and stops (:mod:`gradaccum.cli.lifecycle`). A second signal leaves at once (``os._exit``,
+exit 130 or 143), without a new checkpoint: a write in progress is abandoned and its temporary file
+removed. The handler never raises (an exception raised inside torch's C++ comes out as its
+RuntimeError), and after a stop both signals stay ignored.
+
+Under torchrun the ranks all-reduce the stop flag after each window, so all of them stop at the same
+window even when only some got the signal. torchrun forwards the Ctrl-C it receives to its workers;
+where a worker also gets the terminal's, the same signal again within a second is that copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from .. import sync
+from .checkpoint import temp_name
+
+__all__ = ["EXIT_CODES", "REPEAT_SECONDS", "StopSignals", "Stopped"]
+
+#: the same signal again within this many seconds is a launcher forwarding the first (torchrun)
+REPEAT_SECONDS = 1.0
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Stopped(BaseException):
+    """The run stops on a signal. ``str()`` is the one line to print, ``exit_code`` 130 or 143.
+
+    A BaseException: raised from a signal handler anywhere, no ``except Exception`` may swallow it."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopSignals:
+    """The run's SIGINT and SIGTERM handlers and the stop flag the ranks agree on.
+
+    Args:
+        prefix: starts each line printed (``gradaccum train:``).
+        checkpoint: the checkpoint a second signal leaves (its temporary file is removed).
+        command: the command that resumes the run.
+        saved: what the checkpoint holds now, in words (None: nothing yet), asked when leaving.
+        exit: how a second signal ends the process (``os._exit``; tests replace it).
+        device: where the stop flag's all-reduce runs (NCCL needs CUDA tensors).
+    """
+
+    def __init__(self, *, prefix: str, checkpoint: Path, command: str, saved: Callable[[], Optional[str]],
+                 exit: Callable[[int], Any] = os._exit, device: Any = "cpu") -> None:
+        self.prefix = prefix
+        self.checkpoint = checkpoint
+        self.command = command
+        self.saved = saved
+        self.device = device
+        self.rank0 = sync.is_rank_zero()
+        self._signal: Optional[int] = None         # the first SIGINT/SIGTERM received
+        self._signal_at = 0.0                      # when (time.monotonic), to tell a launcher's copy
+        self.stopping: Optional[int] = None        # the signal all ranks agreed to stop on
+        self._leaving = False                      # a second signal was received: leaving at once
+        self._exit = exit
+
+    @contextlib.contextmanager
+    def handling_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM, while training: the first asks to stop after the window, the second
+        leaves at once. On the way out the previous handlers come back, unless a signal stopped the
+        run: then both stay ignored, so that one more Ctrl-C cannot turn the exit into a traceback."""
+        if threading.current_thread() is not threading.main_thread():  # handlers live in the main thread
+            yield
+            return
+        previous = {s: signal.getsignal(s) for s in EXIT_CODES}
+        for s in EXIT_CODES:
+            signal.signal(s, self._on_signal)
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, signal.SIG_IGN if self._signal is not None or self.stopping else handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """Never raises: an exception raised here inside torch (a hook, a checkpoint write) comes out
+        as torch's RuntimeError. The first signal sets a flag; the second leaves with ``os._exit``."""
+        if self._leaving:
+            return
+        name = signal.Signals(signum).name
+        if (self._signal == signum and "TORCHELASTIC_RUN_ID" in os.environ
+                and time.monotonic() - self._signal_at < REPEAT_SECONDS):
+            return  # torchrun forwarding the Ctrl-C the terminal already sent to this worker: the same one
+        if self._signal is None:
+            self._signal, self._signal_at = signum, time.monotonic()
+            # os.write: a print here could re-enter a print the loop is in
+            self._write_line(f"{name} received: finishing this window, then writing a checkpoint (a second "
+                             f"{name} stops at once, without one)")
+            return
+        self._leaving = True
+        with contextlib.suppress(OSError):  # a checkpoint being written: its temporary file goes
+            temp_name(self.checkpoint).unlink()
+        if self.checkpoint.exists():
+            saved = self.saved()
+            held = f" and holds {saved}" if saved is not None else ""
+            where = f"{self.checkpoint} is whole{held}; resume with: {self.command}"
+        else:
+            where = f"no checkpoint was written; {self.command} starts the run again"
+        self._write_line(f"second {name}: stopped at once, without a new checkpoint; {where}")
+        self._exit(EXIT_CODES[signal.Signals(signum)])
+
+    def _write_line(self, line: str) -> None:
+        if self.rank0:
+            os.write(2, f"{self.prefix} {line}\n".encode())
+
+    def stop_requested(self) -> bool:
+        """Did a signal ask to stop, here or on any rank? Under torchrun an all-reduce per window, and
+        the answer is the all-reduced flag alone: a signal whose handler runs after the collective
+        returned (Python runs handlers between bytecodes) waits for the next window's all-reduce,
+        else this rank would stop while its peers go on into the next window and wait forever."""
+        local = self._signal or 0  # read once, before the collective
+        if sync.is_distributed():
+            import torch
+
+            flag = torch.tensor([local], device=self.device)
+            agreed = int(sync.all_reduce_(flag, "max").item())
+        else:
+            agreed = local
+        if agreed:
+            self.stopping = agreed  # the signal every rank stops with (a peer's, maybe)
+        return bool(agreed)

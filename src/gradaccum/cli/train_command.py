@@ -1,0 +1,177 @@
+"""``gradaccum train``: flags -> settings -> the run folder -> training (and ``--compare``) -> one line.
+
+Exit codes: 0 done (or already complete), 1 a final write failed, 2 a usage error, 3 the run
+diverged (its last loss is not finite, or most windows were skipped), 130/143 stopped by a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from .. import sync
+from .checkpoint import CLIError
+
+__all__ = ["Diverged", "resume_command", "steps_phrase", "train_command"]
+
+
+class Diverged(CLIError):
+    """Training ran to its end, but the model is not trained: exit 3."""
+
+    exit_code = 3
+
+
+def resume_command(argv: Sequence[str], out: Optional[str] = None) -> str:
+    """The command that resumes this run: the user's own words, with --resume (and the --out chosen
+    when none was given) and without --overwrite.
+    Under torchrun, the same launcher on one node (the run also resumes on any other number of ranks);
+    on several nodes the launcher's own flags are the user's to repeat."""
+    main_file = os.path.basename(sys.argv[0]) if sys.argv else ""
+    prog = [sys.executable, "-m", "gradaccum"] if main_file == "__main__.py" else ["gradaccum"]
+    args = [a for a in argv if a != "--overwrite"]
+    if out is not None and "--out" not in args and not any(a.startswith("--out=") for a in args):
+        args += ["--out", out]  # the folder this run chose for itself
+    if "--resume" not in args:
+        args.append("--resume")
+    world, local = (int(os.environ.get(k, "1") or 1) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+    if world > 1:
+        launcher = (f"torchrun --standalone --nproc_per_node={world}" if local == world
+                    else "torchrun <your --nnodes/--node_rank/--rdzv flags>")
+        return f"{launcher} -m gradaccum {shlex.join(args)}"
+    return shlex.join([*prog, *args])
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from .config import TrainConfig
+
+    if args.resume and args.overwrite:
+        raise CLIError("--resume and --overwrite contradict each other: --resume continues the run in "
+                       "--out, --overwrite deletes it; pass one of them")
+    if args.out is None and (args.resume or args.overwrite):
+        flag = "--resume" if args.resume else "--overwrite"
+        raise CLIError(f"{flag} needs --out, the run folder to {'continue' if args.resume else 'replace'} "
+                       f"(e.g. {flag} --out runs/version_0); a plain run gets a new folder of its own")
+    return TrainConfig(task=args.task, data_path=args.data_path, model=args.model,
+                       micro_batch_size=args.micro_batch_size, accum_steps=args.accum_steps,
+                       batch_size=args.batch_size, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr,
+                       precision=args.precision, max_grad_norm=args.max_grad_norm, seed=args.seed, out=args.out,
+                       checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype,
+                       shard=args.shard, world_size=_launch_world_size())
+
+
+def train_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from dataclasses import replace
+
+    from .lifecycle import check_out
+    from .outdir import claim_run_folder, release_if_empty
+    from .run import resolve_device, run_training
+    from .sharding import setup_distributed
+
+    cfg = _settings(args)
+    if args.compare and cfg.window[1] == "auto":
+        raise CLIError("--compare needs an integer --micro-batch-size (the baseline is one batch of M x N)")
+    if args.compare and cfg.shard:
+        raise CLIError("--compare does not work with --shard: the comparison reads whole parameters; compare "
+                       "without --shard (the sharded run is the same maths)")
+    claimed = None
+    if args.out is None:  # a new runs/version_K, the same on every rank
+        setup_distributed(resolve_device(cfg.device), shard=cfg.shard)
+        claimed = claim_run_folder()
+        cfg = replace(cfg, out=str(claimed))
+    out = check_out(str(cfg.out))
+    command = resume_command(argv, None if claimed is None else str(claimed))
+    try:
+        result = run_training(cfg, out, resume=args.resume, overwrite=args.overwrite, command=command)
+    except BaseException:
+        release_if_empty(claimed)
+        raise
+    if sync.is_rank_zero() and not result.already_complete:
+        print(_outcome_line(cfg, result, out))
+    compared = sync.broadcast_object((out / "compare.json").exists() if sync.is_rank_zero() else None)
+    if args.compare and not (result.already_complete and compared):
+        from .compare import run_compare
+
+        run_compare(result.config, out, result, resume=args.resume, command=command)
+    elif compared and args.resume and not result.already_complete:
+        result.lifecycle.say("note: compare.json, compare.png and baseline/ are from before this --resume and "
+                             "compare the run as it was then; resume with --compare to bring them up to date")
+    assert result.lifecycle is not None
+    result.lifecycle.raise_if_unsaved()
+    _raise_if_diverged(result.summary, result.config, out)
+    return 0
+
+
+def _outcome_line(cfg: Any, result: Any, out: Path) -> str:
+    s = result.summary
+    if "test_accuracy" in s:
+        metric = f"test accuracy {s['test_accuracy']:.4f}"
+    else:
+        metric = f"test loss {_number(s.get('test_loss'))}"
+    memory = (f", peak memory {s['peak_memory_bytes'] / 2**20:.2f} MiB" if s.get("peak_memory_bytes") is not None
+              else "")
+    ranks = f" on {s['world_size']} ranks" if s.get("world_size", 1) > 1 else ""
+    return (f"{cfg.task}/{cfg.model}: {steps_phrase(result.history, result.unit, result.window_unit)}{ranks}, "
+            f"{metric}, {s['wall_time_seconds']:.1f}s{memory} -> {out}")
+
+
+def _number(value: Any) -> str:
+    return "not finite" if value is None or not math.isfinite(value) else f"{value:.4f}"
+
+
+def _raise_if_diverged(summary: Dict[str, Any], cfg: Any, out: Path) -> None:
+    """Exit 3 when the run ended with a non-finite loss or with most of its windows skipped."""
+    windows, skipped = summary.get("windows"), summary.get("skipped_windows")
+    if not windows or skipped is None:
+        return  # a summary written before these counts existed
+    last = summary.get("last_loss")
+    bad_end = last is None or not math.isfinite(last)
+    if not bad_end and 2 * skipped <= windows:
+        return
+    why = [f"{skipped} of {windows} windows were skipped (non-finite loss or gradient: no optimizer step)"]
+    if bad_end:
+        why.append("the last loss is not finite")
+    fix = f"lower --lr (now {cfg.lr:g})" + ("" if cfg.max_grad_norm else " or clip with --max-grad-norm 1.0")
+    raise Diverged(f"the run diverged: {' and '.join(why)}; its files in {out} describe a model that is not "
+                   f"trained; {fix}, and train again with --overwrite")
+
+
+def _launch_world_size() -> int:
+    """The ranks of this launch: torchrun's WORLD_SIZE, else 1."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _sizes_phrase(sizes: List[int], unit: str) -> str:
+    k, top = len(sizes), max(sizes)
+    full = sum(1 for n in sizes if n == top)
+    if full == k:
+        return f"{top} {unit}"
+    if 2 * full >= k:
+        return f"{top} {unit} ({k - full} shorter)"
+    return f"{min(sizes)} to {top} {unit}"
+
+
+def steps_phrase(history: List[Any], unit: str, window_unit: Optional[str] = None) -> str:
+    """``12 steps of 128 images (1 shorter)``, ``1 step of 1438 images``, ``9 steps of 64 sequences,
+    221 to 460 tokens per step (all ranks)``: what each step really used across all ranks, not the
+    flags, and how many windows were skipped."""
+    trained = [r for r in history if r.get("kind", "train") == "train"]
+    rows = [r for r in trained if not r.get("skipped")]
+    skipped = len(trained) - len(rows)
+    tail = f" ({skipped} of {len(trained)} windows skipped: non-finite loss or gradient, no step)" if skipped else ""
+    sizes = [int(r["num_items"]) for r in rows]
+    if not sizes:
+        return "0 steps" + tail
+    steps = f"{len(sizes)} step{'' if len(sizes) == 1 else 's'}"
+    windows = [int(r["window_items"]) for r in rows if "window_items" in r]
+    if window_unit is None or window_unit == unit or len(windows) != len(sizes):
+        return f"{steps} of {_sizes_phrase(sizes, unit)}{tail}"
+    return (f"{steps} of {_sizes_phrase(windows, window_unit)}, {_sizes_phrase(sizes, unit)} per step "
+            f"(all ranks){tail}")
