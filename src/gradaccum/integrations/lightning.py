@@ -120,7 +120,7 @@ class ExactAccumulation(Callback):
                             "num_items=lambda batch: count_targets(batch['labels'])")
         self.num_items = num_items
         self._reference: Optional[float] = None   # R, agreed across ranks once per fit
-        self._pending: Optional[float] = None     # n_k of the micro-batch about to be backpropagated
+        self.pending: Optional[float] = None      #:  n_k of the micro-batch about to be backpropagated
         self._window = 0.0                        # sum of n_k backpropagated since the last zero_grad
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
         self._original_training_step: Optional[Callable[..., Any]] = None
@@ -165,7 +165,7 @@ class ExactAccumulation(Callback):
                 if callback.num_items is not None:
                     raise ValueError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
                                      "too; keep one source of the count (drop num_items=... or return the mean)")
-                callback._pending = _as_count(out[1], "training_step's (mean, count)")
+                callback.pending = _as_count(out[1], "training_step's (mean, count)")
                 return out[0]
             return out
 
@@ -177,9 +177,9 @@ class ExactAccumulation(Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         if self.num_items is not None:
-            self._pending = _as_count(self.num_items(batch), "num_items(batch)")
+            self.pending = _as_count(self.num_items(batch), "num_items(batch)")
         else:
-            self._pending = None  # the leading dimension, unless training_step returns a count
+            self.pending = None  # the leading dimension, unless training_step returns a count
         self._batch = batch
 
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
@@ -188,10 +188,10 @@ class ExactAccumulation(Callback):
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            loss: torch.Tensor) -> None:
-        n = self._pending
+        n = self.pending
         if n is None:
             n = float(leading_dimension(self._batch))
-        self._pending = None
+        self.pending = None
         self._batch = None
         if self._reference is None:
             self._reference = self._agree_reference(trainer, n)
