@@ -13,7 +13,6 @@ projection of the extra latency to W = 1024 ranks.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import statistics

@@ -524,3 +524,24 @@ def test_train_with_auto_micro_batches_equals_one_step_per_window():
     assert_params_close(model, ref)
     with pytest.raises(ValueError, match="takes 'auto' or None"):
         acc.train(loader, mse, accum_steps=3, micro_batch_size=4)
+
+
+def test_a_stop_request_reaches_the_next_boundary_even_when_it_arrives_during_one():
+    """request_stop() may run in a signal handler at any moment: one made after a boundary read the
+    flag (here: inside the optimizer step) is carried by the next window, never lost."""
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, opt)
+    batch = regression_batch(4)
+    assert not acc.step(batch, mse, micro_batch_size=2).stop_requested
+    step = opt.step
+
+    def step_and_ask(*a, **k):
+        acc.request_stop()
+        return step(*a, **k)
+
+    opt.step = step_and_ask
+    assert not acc.step(batch, mse, micro_batch_size=2).stop_requested  # asked after this boundary's read
+    opt.step = step
+    assert acc.step(batch, mse, micro_batch_size=2).stop_requested      # carried by the next
+    assert not acc.step(batch, mse, micro_batch_size=2).stop_requested  # and only once

@@ -177,8 +177,10 @@ class Boundary:
         self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
         self.counters = Counters()
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        #: set by ``Accumulator.request_stop``; carried to every rank by the next boundary's all-reduce
-        self.stop_requested = False
+        #: counted by ``Accumulator.request_stop`` (maybe from a signal handler); each new request is
+        #: carried to every rank by the next boundary's all-reduce
+        self.stop_requests = 0
+        self._stops_carried = 0
         #: whether the first reduced gradient is still to be compared across ranks (see check_replicas)
         self.verify_replicas = sync.replicated_grads
         self._warned: set = set()
@@ -216,8 +218,8 @@ class Boundary:
         one small all-reduce (across ranks, or when a count is a tensor) and the window's one host
         synchronisation. Across ranks the all-reduce also sums the can-pad and stop flags, so the
         next window needs no agreement and a stop reaches every rank at the same window."""
-        stop = self.stop_requested
-        self.stop_requested = False
+        requests = self.stop_requests  # read once: a request made after this waits for the next window
+        stop, self._stops_carried = requests > self._stops_carried, requests
         if self.sync.distributed or totals.device_items is not None:
             items = totals.loss_sum.new_tensor(totals.host_items)
             if totals.device_items is not None:

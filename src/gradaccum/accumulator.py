@@ -118,6 +118,10 @@ class Accumulator:
         """Optimizer steps taken."""
         return self.counters.steps
 
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.counters.steps = int(value)
+
     @property
     def skipped(self) -> int:
         """Windows that took no step (non-finite loss or gradient, fp16 overflow, no item)."""
@@ -128,10 +132,18 @@ class Accumulator:
         """Epochs ``train()`` finished (the next one it runs, without a WindowSampler)."""
         return self.counters.epoch
 
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.counters.epoch = int(value)
+
     @property
     def auto_micro_batch_size(self) -> Optional[int]:
         """The micro-batch size that last worked under ``micro_batch_size="auto"``."""
         return self.auto.size
+
+    @auto_micro_batch_size.setter
+    def auto_micro_batch_size(self, value: Optional[int]) -> None:
+        self.auto.size = value
 
     @property
     def reference_items(self) -> Optional[float]:
@@ -225,7 +237,7 @@ class Accumulator:
         """Ask every rank to stop: the next window's ``StepResult.stop_requested`` is True on every
         rank (the flag rides in the boundary's all-reduce, so asking costs no collective of its own).
         Safe to call from a signal handler."""
-        self.context.boundary.stop_requested = True
+        self.context.boundary.stop_requests += 1
 
     def set_padding(self, micro_batch: Batch) -> None:
         """A micro-batch this rank may run with zero weight in a window where it has none.

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Sampler
 
 from . import sync
-from ._checks import non_negative_int, positive_int
+from ._checks import positive_int
 
 __all__ = ["WindowSampler"]
 

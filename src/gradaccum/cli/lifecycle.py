@@ -59,7 +59,7 @@ import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import sync
 from .checkpoint import CLIError, describe_os_error, save_atomic
@@ -155,13 +155,16 @@ class RunLifecycle:
     def handling_signals(self) -> contextlib.AbstractContextManager:
         return self.signals.handling_signals()
 
-    def stop_requested(self) -> bool:
-        return self.signals.stop_requested()
+    def on_stop_signal(self, request_stop: Callable[[], Any]) -> None:
+        """What a first SIGINT/SIGTERM calls: ``acc.request_stop``, which the next boundary carries."""
+        self.signals.on_first = request_stop
 
-    def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool) -> None:
-        """Called after each window: stop if a signal asked to (raises :class:`Stopped`), else write
-        the periodic checkpoint when it is due (the last window's is written by :meth:`finish`)."""
-        if self.signals.stop_requested():
+    def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool,
+                     stop: bool = False) -> None:
+        """Called after each window with its ``StepResult.stop_requested``: stop if a signal asked to
+        (raises :class:`Stopped`), else write the periodic checkpoint when it is due (the last
+        window's is written by :meth:`finish`)."""
+        if self.signals.stop_requested(stop):
             self._stop(position, state)
         if self.checkpoint_every and position.step % self.checkpoint_every == 0 and not last:
             self.save(position, state)

@@ -66,6 +66,9 @@ class StopSignals:
         self.stopping: Optional[int] = None        # the signal all ranks agreed to stop on
         self._leaving = False                      # a second signal was received: leaving at once
         self._exit = exit
+        #: called at the first signal (the run sets ``acc.request_stop``: the window's boundary then
+        #: tells every rank, with no collective of its own)
+        self.on_first: Callable[[], Any] = lambda: None
 
     @contextlib.contextmanager
     def handling_signals(self) -> Iterator[None]:
@@ -95,6 +98,7 @@ class StopSignals:
             return  # torchrun forwarding the Ctrl-C the terminal already sent to this worker: the same one
         if self._signal is None:
             self._signal, self._signal_at = signum, time.monotonic()
+            self.on_first()
             # os.write: a print here could re-enter a print the loop is in
             self._write_line(f"{name} received: finishing this window, then writing a checkpoint (a second "
                              f"{name} stops at once, without one)")
@@ -115,12 +119,14 @@ class StopSignals:
         if self.rank0:
             os.write(2, f"{self.prefix} {line}\n".encode())
 
-    def stop_requested(self) -> bool:
-        """Did a signal ask to stop, here or on any rank? Under torchrun an all-reduce per window, and
-        the answer is the all-reduced flag alone: a signal whose handler runs after the collective
-        returned (Python runs handlers between bytecodes) waits for the next window's all-reduce,
-        else this rank would stop while its peers go on into the next window and wait forever."""
-        local = self._signal or 0  # read once, before the collective
+    def stop_requested(self, asked: bool) -> bool:
+        """Stop after this window? ``asked`` is the window's ``StepResult.stop_requested``: a signal
+        on some rank reached every rank in the boundary's all-reduce, at the same window, so the
+        ranks decide alike and no window pays a collective for it. Only on that window one more
+        all-reduce tells every rank which signal it was (the exit code: 130 or 143)."""
+        if not asked:
+            return False
+        local = self._signal or 0  # 0 on a rank that received none
         if sync.is_distributed():
             import torch
 
@@ -128,6 +134,5 @@ class StopSignals:
             agreed = int(sync.all_reduce_(flag, "max").item())
         else:
             agreed = local
-        if agreed:
-            self.stopping = agreed  # the signal every rank stops with (a peer's, maybe)
-        return bool(agreed)
+        self.stopping = agreed or int(signal.SIGTERM)  # the signal every rank stops with (a peer's, maybe)
+        return True
