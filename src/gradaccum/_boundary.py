@@ -18,15 +18,18 @@ At the boundary it is multiplied once by the **boundary scale** ``R / N`` (:func
 
 R is a reference count, the same on every rank. When the window's global item count is known
 before the first backward (the micro-batches' leading dimensions for a bare mean loss, or a
-``num_items=`` counter), R = N: the scale is 1, there is no scaling pass, and each backward weighs
+``num_items=`` counter) and ``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and each backward weighs
 exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model, such as a Llama
 RMSNorm, round as in one big batch). When the counts come from ``loss_fn`` only (a ``(mean, count)``
 pair), R is fixed beforehand (:mod:`gradaccum._ranks`) and the scale corrects it exactly. Dividing each
 micro-batch by K instead is exact only when every n_k is equal, which uneven micro-batches, padded
 sequences and a short last window are not.
 
-At the boundary, in this order: one all-reduce of ``(sum n_k L_k, N)`` across ranks; unscale (fp16,
-once); the total norm of the normalized gradient (with clipping, fp16 or ``compute_grad_norm``); the
+The gradient itself is reduced across ranks before the boundary, by DDP or FSDP2 inside the last
+micro-batch's backward (:mod:`gradaccum.sync` skips the reduction in the others). At the boundary,
+in this order: unscale (fp16, once); on the first window under DDP, a check that the replicas'
+gradients agree (:func:`check_replicas`); one all-reduce of ``(sum n_k L_k, N)`` and two flags across
+ranks; the total norm of the normalized gradient (with clipping, fp16 or ``compute_grad_norm``); the
 **verdict** (:func:`verdict`: step, skip or raise, from the loss and that norm); the **clip
 coefficient** (:func:`clip_coefficient`) folded into the scale, so clipping costs no extra pass; the
 optimizer step; the scheduler step (only on steps taken); gradients cleared. The only host
@@ -138,7 +141,7 @@ class WindowTotals:
         host_items: the sum of the counts given as Python numbers.
         device_items: the sum of the counts given as tensors, on the device (None if none was).
         reference: R, the count the backward weights were divided by.
-        ran: whether this rank ran any micro-batch with items (for the empty-window warning).
+        ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad: whether this rank can pad its next window (has run a micro-batch to repeat).
     """
 

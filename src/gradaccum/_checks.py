@@ -7,28 +7,42 @@ the fix. The command line passes its flag names (``--accum-steps``) as ``name``.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-__all__ = ["Count", "positive_int", "non_negative_int", "positive_number", "item_count", "callable_loss_fn",
+__all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count", "callable_loss_fn",
            "scalar_loss", "split_loss_output", "as_number", "training_batchnorms"]
 
 #: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
 Count = Union[int, float, torch.Tensor]
 
 
+def _is_int_from(value: Any, minimum: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum  # True is no int here
+
+
+def check_int(flag: str, value: Any, minimum: int = 1, *, maximum: Optional[int] = None, extra: str = "") -> None:
+    """The command line's integer flags: ``--accum-steps must be an integer >= 1, got 0``."""
+    bad = not _is_int_from(value, minimum)
+    if not bad and maximum is not None and value > maximum:
+        raise ValueError(f"{flag} must be an integer from {minimum} to {maximum}, got {value!r}{extra}")
+    if bad:
+        want = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{flag} must be an integer {want}{extra}, got {value!r}")
+
+
 def positive_int(name: str, value: Any, *, hint: str = "") -> int:
-    """``value`` if it is an int >= 1 (``True`` is not an int here)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` if it is an int >= 1 (the library's arguments: ``epochs must be a positive int``)."""
+    if not _is_int_from(value, 1):
         raise ValueError(f"{name} must be a positive int, got {value!r}{hint}")
     return value
 
 
 def non_negative_int(name: str, value: Any, *, hint: str = "") -> int:
     """``value`` if it is an int >= 0; ``hint`` follows the name (``" (e.g. len(loader))"``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not _is_int_from(value, 0):
         raise ValueError(f"{name} must be an int >= 0{hint}, got {value!r}")
     return value
 

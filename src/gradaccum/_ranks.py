@@ -146,20 +146,24 @@ class RankAgreement:
         return max(0, padded_count(plan.micro_batches, plan.most, self.sync.needs_equal_counts) - plan.micro_batches)
 
     def window_reference(self, plan: Optional[WindowPlan], num_items: Optional[Count]) -> Optional[float]:
-        """R for a window whose counts were known up front, else None (fixed at the first backward)."""
-        if plan is not None:
-            # an asked-for plan takes R as an unasked one would, so that whether a window asked (a
-            # fresh process always asks first) never changes the rounding: a resume stays bit-identical
-            settled = self.sync.distributed and plan.asked and self.last_items
-            if plan.items is not None and plan.items > 0 and not settled:
-                # R = N exactly (ratio 1). When loss_fn counts other items (tokens of sequences), the
-                # last window's ratio keeps the backward near a mean loss's magnitude
-                return plan.items * self.count_ratio
-            if self.sync.distributed and self.last_items:
-                return self.last_items  # the same on every rank; exact after the boundary's correction
-            return None
-        if num_items is not None and not self.sync.distributed:
-            return as_number(num_items)
+        """R for a window, the same on every rank, chosen in this order:
+
+        1. across ranks, a window whose plan was asked for once a previous window's global count is
+           known: that count (as an unasked window would take; so whether a window asked, which a
+           fresh process always does first, never changes the rounding, and a resume is bit-identical);
+        2. the window's global count known up front (the sampler's shares, the first agreement, or
+           one process's own count): N, times the last window's ratio of the items ``loss_fn``
+           counted to those counted up front (1 when they are the same items: then R = N exactly);
+        3. across ranks, a window planned alone: the previous window's global count;
+        4. None: R is fixed at the first backward (:meth:`reference_for`).
+        """
+        across = self.sync.distributed
+        if plan is None:  # a window opened without a size: only one process knows its count
+            return as_number(num_items) if num_items is not None and not across else None
+        if across and self.last_items and (plan.asked or plan.items is None):  # cases 1 and 3
+            return self.last_items
+        if plan.items is not None and plan.items > 0:  # case 2
+            return plan.items * self.count_ratio
         return None
 
     def reference_for(self, items: Count) -> float:

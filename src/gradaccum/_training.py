@@ -8,8 +8,10 @@ once per epoch trains one new epoch each time (and tells the sampler which). ``a
 finished epochs (saved in ``acc.state_dict()``): a run of E epochs resumed from a checkpoint goes on
 with ``epochs=E - acc.epoch``.
 
-Under data parallelism the ranks agree at every window of a plain loader (one small all-gather):
-while any rank has micro-batches left, every rank opens the window, a rank whose data ran out
+Over a WindowSampler no rank asks anything: every rank knows every share. Over a plain loader,
+whose ranks may run out at different windows, the ranks agree at every window (one small
+all-gather; under ``micro_batch_size="auto"`` the back-off asks once more): while any rank has
+micro-batches left, every rank opens the window, a rank whose data ran out
 repeating its last micro-batch with zero weight and so contributing no items. Every rank takes the
 same steps and each step is exact on the items that exist; when no rank has any left, the epoch ends
 on all of them together.
@@ -25,6 +27,7 @@ from itertools import islice
 from typing import Any, Iterable, Iterator, List, Optional
 
 from ._autosize import AutoMicroBatch
+from ._boundary import Counters
 from ._checks import positive_int
 from ._window import CountFn, LossFn, WindowContext, count_items, run_window
 from .batching import Batch, concat_batches, slice_batch
@@ -67,9 +70,9 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
     return None
 
 
-def train_windows(ctx: WindowContext, epoch: Any, loader: Iterable[Batch], spec: TrainSpec) -> Iterator[StepResult]:
+def train_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], spec: TrainSpec) -> Iterator[StepResult]:
     """Validate everything up front (nothing runs before the first ``next()`` otherwise), then loop.
-    ``epoch`` is the Accumulator's :class:`~gradaccum._boundary.Counters` (its ``epoch`` advances here)."""
+    ``counters`` are the Accumulator's (their ``epoch`` advances here)."""
     positive_int("epochs", spec.epochs)
     sampler = window_sampler(loader)
     if sampler is not None:
@@ -81,11 +84,11 @@ def train_windows(ctx: WindowContext, epoch: Any, loader: Iterable[Batch], spec:
         if spec.drop_last:
             raise ValueError("drop_last=True was given, but the loader's WindowSampler decides about the "
                              "short last window: construct it with WindowSampler(..., drop_last=True)")
-        return _sampler_windows(ctx, epoch, loader, sampler, spec)
+        return _sampler_windows(ctx, counters, loader, sampler, spec)
     if spec.accum_steps is None:
         raise ValueError("accum_steps is required (micro-batches per window, e.g. accum_steps=4) unless the "
                          "loader's batch_sampler is a gradaccum.WindowSampler, which cuts the windows")
-    return _grouped_windows(ctx, epoch, loader, AccumSchedule(spec.accum_steps), spec)
+    return _grouped_windows(ctx, counters, loader, AccumSchedule(spec.accum_steps), spec)
 
 
 def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, **run: Any) -> StepResult:
@@ -115,7 +118,7 @@ def _set_epoch(loader: Any, epoch: int) -> None:
             return
 
 
-def _grouped_windows(ctx: WindowContext, counters: Any, loader: Iterable[Batch], schedule: AccumSchedule,
+def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], schedule: AccumSchedule,
                      spec: TrainSpec) -> Iterator[StepResult]:
     start = counters.epoch
     for epoch in range(start, start + spec.epochs):
@@ -141,7 +144,7 @@ def _grouped_windows(ctx: WindowContext, counters: Any, loader: Iterable[Batch],
         counters.epoch = epoch + 1
 
 
-def _sampler_windows(ctx: WindowContext, counters: Any, loader: Iterable[Batch], sampler: WindowSampler,
+def _sampler_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], sampler: WindowSampler,
                      spec: TrainSpec) -> Iterator[StepResult]:
     start = sampler.epoch + (1 if sampler.start_window >= sampler.num_windows else 0)
     for epoch in range(start, start + spec.epochs):

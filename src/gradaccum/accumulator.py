@@ -4,9 +4,11 @@ The facade: it checks its arguments before anything moves, builds the parts, and
 the part that owns it::
 
     acc.step / acc.train / acc.window
-      -> _window.run_window     the micro-batches' forward and weighted backward   (_window.Window)
-      -> _ranks.RankAgreement   when ranks talk; the reference count R; padding
-      -> _boundary.Boundary     one reduction, unscale, norm, verdict, clip, optimizer step
+      -> _ranks.RankAgreement   the window's plan: asked of the ranks or known; R; padding
+      -> _window.run_window     the micro-batches' forward and weighted backward   (_window.Window);
+                                the gradient is reduced across ranks by DDP/FSDP2 inside the last
+                                micro-batch's backward (sync.py switches it off before)
+      -> _boundary.Boundary     unscale, one all-reduce of the counts, norm, verdict, clip, step
       -> StepResult
 
 The maths (why each micro-batch backpropagates ``n_k * W / R`` times its mean loss, and why the

@@ -26,7 +26,8 @@ class StepResult:
             gradient, fp16 overflow, or a window with 0 items).
         lr: learning rate of the first parameter group used for this window.
         step: optimizer steps taken so far, this one included.
-        micro_batch_size: the split used when the window was one batch (int or "auto"); else None.
+        micro_batch_size: the split used when the window was one batch (with "auto", the size it
+            settled on); None for a list of micro-batches.
         accum_steps: the accumulation factor in force (for schedules); equals micro_batches
             except on a short last window.
         epoch: the epoch in ``train()``; None from ``step()``.

@@ -39,8 +39,9 @@ Distributed
     the checkpoint itself), so other nodes need no copy of ``--out``; every rank waits at a barrier
     after each write. A sharded checkpoint is written and read by every rank: ``--shard`` needs
     ``--out`` on a filesystem all nodes share. A checkpoint's position is (epoch, window)
-    of the global windows, so it resumes on any world size. After each window the ranks all-reduce
-    the stop flag, so all of them stop at the same window even when only some got the signal. torchrun
+    of the global windows, so it resumes on any world size. A signal reaches every rank in the
+    window's boundary all-reduce (``StepResult.stop_requested``, see :mod:`gradaccum.cli.signals`),
+    so all of them stop at the same window even when only some got the signal. torchrun
     forwards the Ctrl-C it receives to its workers; where a worker also gets the terminal's (a launcher
     that keeps workers in its process group), the same signal again within a second under torchrun is
     that copy, not a second Ctrl-C.

@@ -6,8 +6,11 @@ exit 130 or 143), without a new checkpoint: a write in progress is abandoned and
 removed. The handler never raises (an exception raised inside torch's C++ comes out as its
 RuntimeError), and after a stop both signals stay ignored.
 
-Under torchrun the ranks all-reduce the stop flag after each window, so all of them stop at the same
-window even when only some got the signal. torchrun forwards the Ctrl-C it receives to its workers;
+The first signal also calls ``acc.request_stop()``: the window's boundary carries it to every rank
+in the all-reduce it makes anyway, so all ranks see ``StepResult.stop_requested`` at the same window
+(even when only some got the signal) and no window pays a collective for it; on that window alone
+one all-reduce tells every rank which signal it was (exit 130 or 143; 143 when the stop was asked by
+code rather than a signal). torchrun forwards the Ctrl-C it receives to its workers;
 where a worker also gets the terminal's, the same signal again within a second is that copy.
 """
 
