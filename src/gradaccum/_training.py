@@ -103,10 +103,10 @@ def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, **run: Any)
                              "give it one to pad with, acc.set_padding(micro_batch)")
         result = spec.auto.step(batch,
                                 lambda mbs, size: run_window(ctx, mbs, spec.loss_fn,
-                                                             count_items(mbs, spec.num_items)[0],
+                                                             count_items(mbs, spec.num_items),
                                                              micro_batch_size=size, catch_oom=True))
     else:
-        result = run_window(ctx, pending, spec.loss_fn, count_items(pending, spec.num_items)[0], **run)
+        result = run_window(ctx, pending, spec.loss_fn, count_items(pending, spec.num_items), **run)
     assert result is not None
     return result
 
@@ -128,8 +128,8 @@ def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
         window = 0
         while True:
             pending: List[Batch] = list(islice(batches, n))
-            counts, total = count_items(pending, spec.num_items)  # checks every micro-batch, before any forward
-            plan = ctx.ranks.agree(len(pending), total, bool(pending) or ctx.ranks.replay is not None)
+            counts = count_items(pending, spec.num_items)  # checks every micro-batch, before any forward
+            plan = ctx.ranks.agree(len(pending), counts.total, bool(pending) or ctx.ranks.replay is not None)
             if plan.most == 0:
                 break  # no rank has any micro-batch left
             if spec.drop_last and plan.fewest < n:

@@ -26,7 +26,7 @@ from .precision import MixedPrecision
 from .result import StepResult
 from .sync import GradSync
 
-__all__ = ["Window", "WindowContext", "OpenWindow", "run_window", "count_items", "is_out_of_memory",
+__all__ = ["Window", "WindowContext", "OpenWindow", "run_window", "Counts", "count_items", "is_out_of_memory",
            "LossFn", "CountFn"]
 
 #: ``loss_fn(model, micro_batch)`` -> the mean loss over the micro-batch's items, or ``(mean, count)``
@@ -344,27 +344,34 @@ class Window:
 
 # -- running a window's micro-batches ---------------------------------------------------------------
 
-def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Tuple[List[Count], float]:
-    """Each micro-batch's item count before any forward pass, and their sum: what a bare mean loss is
-    weighted by (the leading dimension, or the ``num_items`` counter). Every micro-batch's leading
-    dimensions are checked here, before anything runs."""
-    counts: List[Count] = [leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
+@dataclass(frozen=True)
+class Counts:
+    """Each micro-batch's item count before any forward pass, and their sum (a tensor count is read
+    once, here: one host synchronisation per tensor)."""
+
+    each: List[Count]
+    total: float
+
+
+def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Counts:
+    """What a bare mean loss is weighted by: the leading dimension, or the ``num_items`` counter.
+    Every micro-batch's leading dimensions are checked here, before anything runs."""
+    each: List[Count] = [leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
     if count_fn is not None:
-        counts = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
-    return counts, float(sum(as_number(c) for c in counts))
+        each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
+    return Counts(each, float(sum(as_number(c) for c in each)))
 
 
 def _loss(loss_fn: LossFn, model: nn.Module, micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
     return split_loss_output(loss_fn(model, micro_batch), count)
 
 
-def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, counts: List[Count], *,
+def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
                micro_batch_size: Any = None, catch_oom: bool = False,
                plan: Optional[WindowPlan] = None) -> Optional[StepResult]:
     """Forward/backward every micro-batch (and the padding the ranks need), then step. With
     ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank has
     agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
-    total = sum(as_number(c) for c in counts)
     defer = catch_oom and ctx.sync.distributed  # no collective before the ranks agree
     # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):
     # under "auto", every rank first runs that forward on one item with zero weight, so that an
@@ -372,7 +379,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
     flush = ([split_batch(micro_batches[0], 1)[0]]
              if defer and ctx.sync.collectives_in_forward and micro_batches else [])
     ranks = ctx.ranks
-    with Window(ctx, len(flush) + len(micro_batches), num_items=total, micro_batch_size=micro_batch_size,
+    with Window(ctx, len(flush) + len(micro_batches), num_items=counts.total, micro_batch_size=micro_batch_size,
                 defer_reduction=defer, can_pad=bool(micro_batches) or ranks.replay is not None,
                 plan=plan) as window:
         window.padding += len(flush)
@@ -381,7 +388,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
             for mb in flush:
                 with window.micro_batch():
                     window.backward_padding(_loss(loss_fn, ctx.model, mb, 0)[0])
-            for mb, count in zip(micro_batches, counts):
+            for mb, count in zip(micro_batches, counts.each):
                 with window.micro_batch():
                     window.backward(*_loss(loss_fn, ctx.model, mb, count))
         except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle

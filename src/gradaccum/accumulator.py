@@ -181,10 +181,10 @@ class Accumulator:
         _check_count_fn(num_items)
         if micro_batch_size == "auto":
             return self.auto.step(window, lambda mbs, size: run_window(
-                self.context, mbs, loss_fn, count_items(mbs, num_items)[0], micro_batch_size=size, catch_oom=True))
+                self.context, mbs, loss_fn, count_items(mbs, num_items), micro_batch_size=size, catch_oom=True))
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
                                          allow_empty=self.sync.distributed)
-        result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items)[0],
+        result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items),
                             micro_batch_size=micro_batch_size)
         assert result is not None
         return result
