@@ -101,20 +101,18 @@ def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, **run: Any)
         else:
             raise ValueError("this rank's share of the window is empty and it has run no micro-batch yet: "
                              "give it one to pad with, acc.set_padding(micro_batch)")
-        result = spec.auto.step(batch,
-                                lambda mbs, size: run_window(ctx, mbs, spec.loss_fn,
-                                                             count_items(mbs, spec.num_items),
-                                                             micro_batch_size=size, catch_oom=True))
-    else:
-        result = run_window(ctx, pending, spec.loss_fn, count_items(pending, spec.num_items), **run)
-    assert result is not None
+        return spec.auto.step(batch, lambda mbs, size: run_window(ctx, mbs, spec.loss_fn, count_items(mbs, spec.num_items),
+                                                                  micro_batch_size=size, catch_oom=True))
+    result = run_window(ctx, pending, spec.loss_fn, count_items(pending, spec.num_items), **run)
+    assert result is not None  # None only with catch_oom
     return result
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:
     for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
-        if callable(getattr(holder, "set_epoch", None)):
-            holder.set_epoch(epoch)
+        set_epoch = getattr(holder, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
             return
 
 
@@ -137,8 +135,9 @@ def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
             if spec.auto is not None:
                 result = _step(ctx, pending, spec)
             else:
-                result = run_window(ctx, pending, spec.loss_fn, counts, plan=plan)
-                assert result is not None
+                attempt = run_window(ctx, pending, spec.loss_fn, counts, plan=plan)
+                assert attempt is not None  # None only with catch_oom
+                result = attempt
             yield replace(result, accum_steps=n, epoch=epoch, window=window)
             window += 1
         counters.epoch = epoch + 1

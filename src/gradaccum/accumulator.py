@@ -18,7 +18,7 @@ boundary multiplies by ``R / N``) is in :mod:`gradaccum._boundary`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -310,7 +310,8 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     own = getattr(scheduler, "optimizer", None)
     if own is None:
         return
-    ours, seen = optimizer, []
+    ours: Any = optimizer
+    seen: List[Any] = []
     while ours is not None and len(seen) < 4:  # Accelerate's AcceleratedOptimizer holds the raw one
         seen.append(ours)
         ours = getattr(ours, "optimizer", None)

@@ -97,7 +97,7 @@ def train_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from .compare import run_compare
 
         run_compare(result.config, out, result, resume=args.resume, command=command)
-    elif compared and args.resume and not result.already_complete:
+    elif compared and args.resume and not result.already_complete and result.lifecycle is not None:
         result.lifecycle.say("note: compare.json, compare.png and baseline/ are from before this --resume and "
                              "compare the run as it was then; resume with --compare to bring them up to date")
     assert result.lifecycle is not None
