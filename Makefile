@@ -1,4 +1,5 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv on a fresh clone.
+# `make docs` builds the site (docs/ + mkdocs.yml) into site/, warnings as errors.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 OUT    ?= runs/demo
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +25,15 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+# the API reference is generated from the docstrings: --strict turns a renamed function into a failed build
+docs: install
+	$(PIP) install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
+
 # docs/benchmarks.md (+ .json, .png); BENCH_QUICK=1 make bench is a one-minute smoke run of every section
 bench: install
 	$(PIP) install -q -e ".[bench]"
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) runs build src/*.egg-info
+	rm -rf $(VENV) runs build site src/*.egg-info

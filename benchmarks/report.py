@@ -166,8 +166,11 @@ micro-batch holds as many tokens as the others (the N = 1 rows).
         params = mrows[0]["params"]
         parts.append(f"**{model}** ({params / 1e6:.2f} M parameters): tokens/s (time per window / hand loop's) "
                      "/ distance\n\n" + table(
-            list(by_n.values()), ["N", "padding", "gradaccum", "hand", "accelerate", "trainer"], {},
-            {"accelerate": "Accelerate accumulate()", "trainer": "HF Trainer", "hand": "hand loop"}) + "\n")
+            list(by_n.values()), ["N", "padding", "gradaccum", "hand", "accelerate", "trainer", "trainer-exact",
+                                  "lightning", "lightning-exact"], {},
+            {"accelerate": "Accelerate accumulate()", "trainer": "HF Trainer", "hand": "hand loop",
+             "trainer-exact": "ExactTrainer", "lightning": "Lightning", "lightning-exact": "Lightning + ExactAccumulation"})
+            + "\n")
     trainer_gpt2 = [x for x in rows if x["method"] == "trainer" and x["N"] == 1 and "GPT" in x["model"]]
     trainer_tiny = [x for x in rows if x["method"] == "trainer" and x["N"] > 1 and "Tiny" in x["model"]]
     notes = []

@@ -10,6 +10,9 @@ sequences, each padded to its own longest sequence:
 * HF ``Trainer`` with ``gradient_accumulation_steps=N``: it counts the window's tokens and hands
   them to models whose ``forward`` takes ``**kwargs`` (GPT-2 does); a custom ``forward(input_ids,
   labels)`` that returns its mean loss (the TinyTransformer wrapper here) gets loss / N instead.
+* trainer-exact: gradaccum's ``ExactTrainer`` in place of ``Trainer``, same arguments.
+* lightning: PyTorch Lightning's ``accumulate_grad_batches=N`` (loss / N per micro-batch).
+* lightning-exact: the same Trainer with ``ExactAccumulation(num_items=<targets after the shift>)``.
 
 Speed: target tokens (not padding) per second, side by side in one run, order rotated every repeat.
 Distance: after S windows of SGD with momentum from the same initial weights, the parameter update
@@ -41,7 +44,7 @@ REPEATS = 2 if QUICK else 4
 MICRO_BATCHES_PER_BLOCK = 16 if QUICK else 24
 STEPS = 3                 # windows for the distance
 LR = 0.1
-METHODS = ("gradaccum", "hand", "accelerate", "trainer")
+METHODS = ("gradaccum", "hand", "accelerate", "trainer", "trainer-exact", "lightning", "lightning-exact")
 
 Batch = Dict[str, torch.Tensor]
 
@@ -166,7 +169,8 @@ class _Clock:
         self.ends: List[float] = []
 
 
-def _trainer(model: nn.Module, data: TextWindows, n: int, windows: int) -> Optional[Callable[[int], List[float]]]:
+def _trainer(model: nn.Module, data: TextWindows, n: int, windows: int,
+             exact: bool = False) -> Optional[Callable[[int], List[float]]]:
     """A Trainer over windows 0..windows-1 in order; calling it trains ``k`` windows from window 0
     and returns the seconds of windows 1..k-1 (the first one includes the Trainer's start)."""
     try:
@@ -175,8 +179,11 @@ def _trainer(model: nn.Module, data: TextWindows, n: int, windows: int) -> Optio
     except ImportError:
         return None
     transformers.logging.set_verbosity_error()
+    cls = Trainer
+    if exact:
+        from gradaccum.integrations.hf_trainer import ExactTrainer as cls
     if isinstance(model, TinyLM):
-        model.as_trainer_model = True
+        model.as_trainer_model = not exact  # ExactTrainer computes the loss from the logits
     idx = [i for w in range(windows) for i in data.indices(w, n)]
     dataset = [{"idx": i} for i in idx]
     args = TrainingArguments(
@@ -188,7 +195,7 @@ def _trainer(model: nn.Module, data: TextWindows, n: int, windows: int) -> Optio
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     clock = _Clock()
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, optimizers=(opt, sched),
+    trainer = cls(model=model, args=args, train_dataset=dataset, optimizers=(opt, sched),
                       data_collator=lambda items: data.gather([it["idx"] for it in items]),
                       callbacks=[clock.callback])
     trainer.remove_callback(PrinterCallback)  # it prints each train()'s summary
@@ -201,10 +208,67 @@ def _trainer(model: nn.Module, data: TextWindows, n: int, windows: int) -> Optio
     return run
 
 
+def _lightning(model: nn.Module, data: TextWindows, n: int, windows: int,
+               exact: bool) -> Optional[Callable[[int], List[float]]]:
+    """A Lightning fit over windows 0..windows-1 in order (a new ``pl.Trainer`` per call, as users
+    fit); calling it trains ``k`` windows and returns the seconds of windows 1..k-1."""
+    try:
+        import warnings
+
+        import pytorch_lightning as pl
+    except ImportError:
+        return None
+    from gradaccum.integrations.lightning import ExactAccumulation
+
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    micro = [mb for w in range(windows) for mb in data.window(w, n)]
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+            return lm_loss(self.model, batch)[0]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return opt
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.ends: List[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+            if (batch_idx + 1) % n == 0:
+                self.ends.append(time.perf_counter())
+
+    lit = Lit()
+
+    def run(k: int) -> List[float]:
+        clock = Clock()
+        callbacks: List[Any] = [clock]
+        if exact:
+            callbacks.append(ExactAccumulation(num_items=lambda b: int((b["labels"][:, 1:] != -100).sum())))
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=k, accumulate_grad_batches=n, logger=False,
+                             callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, num_sanity_val_steps=0)
+        trainer.fit(lit, torch.utils.data.DataLoader(micro[:k * n], batch_size=None))
+        return [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    return run
+
+
 # -- distance from one big batch ------------------------------------------------------------------
 
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().double().flatten() for p in model.parameters()])
+
+
+def _framework(name: str, model: nn.Module, data: TextWindows, n: int,
+               windows: int) -> Optional[Callable[[int], List[float]]]:
+    if name.startswith("trainer"):
+        return _trainer(model, data, n, windows, exact=name.endswith("exact"))
+    return _lightning(model, data, n, windows, exact=name.endswith("exact"))
 
 
 def reference(base: nn.Module, data: TextWindows, n: int) -> torch.Tensor:
@@ -225,8 +289,8 @@ def distances(base: nn.Module, data: TextWindows, n: int) -> Dict[str, float]:
     out: Dict[str, float] = {}
     for name in METHODS:
         model = copy.deepcopy(base)
-        if name == "trainer":
-            run = _trainer(model, data, n, STEPS)
+        if name in ("trainer", "trainer-exact", "lightning", "lightning-exact"):
+            run = _framework(name, model, data, n, STEPS)
             if run is None:
                 continue
             run(STEPS)
@@ -250,8 +314,8 @@ def speeds(base: nn.Module, data: TextWindows, n: int) -> Dict[str, Dict[str, fl
     runs: Dict[str, Callable[[], float]] = {}
     for name in METHODS:
         model = copy.deepcopy(base)
-        if name == "trainer":
-            trainer = _trainer(model, data, n, w + 1)
+        if name in ("trainer", "trainer-exact", "lightning", "lightning-exact"):
+            trainer = _framework(name, model, data, n, w + 1)
             if trainer is not None:
                 runs[name] = lambda t=trainer: sum(t(w + 1)) / w
             continue

@@ -31,3 +31,16 @@ def _same_start():
     yield
     torch.set_default_dtype(dtype)
     assert torch.get_num_threads() == 1, "a test changed the thread count"
+
+
+# Property-based tests (tests/test_properties.py): "ci" is the default, fixed-seed and small, so a run
+# is the same on every machine; HYPOTHESIS_PROFILE=dev draws many more windows when hunting a bug.
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # only test_properties.py needs it (the `test` extra installs it)
+    pass
+else:
+    _common = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("ci", max_examples=25, derandomize=True, database=None, **_common)
+    settings.register_profile("dev", max_examples=500, **_common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

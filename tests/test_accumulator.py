@@ -175,7 +175,8 @@ def test_scheduler_steps_once_per_optimizer_step_and_never_on_a_skipped_one():
     r1 = acc.step(batch, mse, micro_batch_size=2)
     assert (r1.lr, opt.param_groups[0]["lr"]) == (1.0, 0.5)
     bad = (batch[0], batch[1] * float("nan"))
-    r2 = acc.step(bad, mse, micro_batch_size=2)
+    with pytest.warns(UserWarning, match="was not finite, so it was skipped"):
+        r2 = acc.step(bad, mse, micro_batch_size=2)
     assert r2.skipped and opt.param_groups[0]["lr"] == 0.5 and r2.step == 1
     r3 = acc.step(batch, mse, micro_batch_size=4)
     assert r3.lr == 0.5 and opt.param_groups[0]["lr"] == 0.25 and r3.step == 2
@@ -189,8 +190,12 @@ def test_nonfinite_window_is_skipped_and_the_next_is_exact():
     y_bad = y.clone()
     y_bad[4] = float("inf")
     before = [p.detach().clone() for p in model.parameters()]
-    result = acc.step((x, y_bad), mse, micro_batch_size=2)
+    with pytest.warns(UserWarning, match="loss was not finite, so it was skipped"):
+        result = acc.step((x, y_bad), mse, micro_batch_size=2)
     assert result.skipped and not math.isfinite(result.loss) and result.step == 0
+    assert acc.skipped == 1 and acc.state_dict()["skipped"] == 1
+    assert acc.step((x, y_bad), mse, micro_batch_size=2).skipped  # warned once only (warnings are errors here)
+    assert acc.skipped == 2
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     assert opt.state == {} or all(not s for s in opt.state.values())
@@ -421,7 +426,8 @@ def test_a_nonfinite_gradient_behind_a_finite_loss_is_skipped_when_the_norm_is_m
         before = [p.detach().clone() for p in model.parameters()]
         x, y = regression_batch(4)
         sqrt_loss = lambda m, b: (m(b[0]) * 0).sqrt().mean() + mse(m, b)  # noqa: E731
-        result = acc.step((x, y), sqrt_loss, micro_batch_size=2)
+        with pytest.warns(UserWarning, match="gradient was not finite"):
+            result = acc.step((x, y), sqrt_loss, micro_batch_size=2)
         assert math.isfinite(result.loss) and not math.isfinite(result.grad_norm) and result.skipped
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -455,3 +461,87 @@ def test_token_counted_windows_keep_the_backward_near_a_mean_loss():
     restored = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     restored.load_state_dict(acc.state_dict())
     assert restored.count_ratio == acc.count_ratio
+
+
+def test_reduce_lr_on_plateau_is_stepped_with_the_window_loss():
+    """ReduceLROnPlateau needs a metric: the window's loss is given, and only on steps taken."""
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    acc = Accumulator(model, opt, scheduler=sched)
+    batch = regression_batch(8)
+    first = acc.step(batch, mse, micro_batch_size=4)
+    assert sched.best == first.loss
+    for _ in range(3):
+        acc.step((batch[0], batch[1] * 100), mse, micro_batch_size=4)  # worse: the lr halves
+    assert opt.param_groups[0]["lr"] < 1.0
+
+
+def test_a_scheduler_over_another_optimizer_is_refused():
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    other = torch.optim.SGD(regression_model().parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="over another optimizer"):
+        Accumulator(model, opt, scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+
+
+def test_load_state_dict_of_none_names_what_to_pass():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"takes the dict Accumulator.state_dict\(\) returned, got NoneType"):
+        acc.load_state_dict(None)
+
+
+def test_a_plain_backward_inside_a_window_names_window_backward():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = regression_batch(4)
+    with pytest.raises(RuntimeError, match=r"window.backward\(\) never ran.*plain loss.backward\(\)"):
+        with acc.window(1) as window:
+            with window.micro_batch():
+                mse(model, batch).backward()
+            window.step()
+
+
+def test_train_with_auto_micro_batches_equals_one_step_per_window():
+    """train(micro_batch_size="auto") joins each window's micro-batches and backs off on
+    out-of-memory errors; every window still equals one big step on its items."""
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "adamw")
+    x, y = regression_batch(20)
+    loader = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 20, 4)]  # 5 micro-batches: windows of 3 and 2
+
+    def fails_above_5(m, b):
+        if b[0].shape[0] > 5:
+            raise torch.OutOfMemoryError("injected")
+        return mse(m, b)
+
+    acc = Accumulator(model, opt)
+    results = list(acc.train(loader, fails_above_5, accum_steps=3, micro_batch_size="auto"))
+    assert [r.num_items for r in results] == [12, 8] and acc.auto_micro_batch_size <= 5
+    for sl in (slice(0, 12), slice(12, 20)):
+        reference_step(ref, ref_opt, lambda: mse(ref, (x[sl], y[sl])))
+    assert_params_close(model, ref)
+    with pytest.raises(ValueError, match="takes 'auto' or None"):
+        acc.train(loader, mse, accum_steps=3, micro_batch_size=4)
+
+
+def test_a_stop_request_reaches_the_next_boundary_even_when_it_arrives_during_one():
+    """request_stop() may run in a signal handler at any moment: one made after a boundary read the
+    flag (here: inside the optimizer step) is carried by the next window, never lost."""
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, opt)
+    batch = regression_batch(4)
+    assert not acc.step(batch, mse, micro_batch_size=2).stop_requested
+    step = opt.step
+
+    def step_and_ask(*a, **k):
+        acc.request_stop()
+        return step(*a, **k)
+
+    opt.step = step_and_ask
+    assert not acc.step(batch, mse, micro_batch_size=2).stop_requested  # asked after this boundary's read
+    opt.step = step
+    assert acc.step(batch, mse, micro_batch_size=2).stop_requested      # carried by the next
+    assert not acc.step(batch, mse, micro_batch_size=2).stop_requested  # and only once

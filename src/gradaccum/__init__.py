@@ -13,6 +13,7 @@ from .accumulator import Accumulator, Window, WindowPlan, is_out_of_memory
 from .batching import split_batch
 from .checking import EquivalenceReport, check_equivalence
 from .losses import causal_lm_loss, count_targets, token_cross_entropy
+from .memory import PeakMeter
 from .result import StepResult
 from .sampler import WindowSampler
 from .schedule import AccumSchedule, num_steps
@@ -23,6 +24,7 @@ __all__ = [
     "Accumulator",
     "AccumSchedule",
     "EquivalenceReport",
+    "PeakMeter",
     "StepResult",
     "Window",
     "WindowPlan",

@@ -14,10 +14,12 @@ from typing import Any, List, Optional, Union
 
 import torch
 
+#: a Tensor, a tuple/list of batches, or a dict of batches (other values ride along unchanged)
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["leading_dim", "split_batch", "check_micro_batch_size", "check_micro_batches", "as_micro_batches"]
+__all__ = ["Batch", "leading_dim", "split_batch", "concat_batches", "slice_batch", "check_micro_batch_size",
+           "as_micro_batches"]
 
 
 def _tensors(batch: Batch) -> Iterator[tuple[str, torch.Tensor]]:
@@ -115,10 +117,40 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     return _split(batch, micro_batch_size, chunks)
 
 
-def check_micro_batches(micro_batches: List[Batch], *, argument: str = "window") -> None:
-    """Check every micro-batch's leading dimensions, before any forward pass runs."""
-    for i, mb in enumerate(micro_batches):
-        leading_dim(mb, argument=f"{argument}[{i}]")
+def concat_batches(batches: Sequence[Batch]) -> Batch:
+    """The inverse of :func:`split_batch`: micro-batches joined along dim 0 (non-tensor values are
+    taken from the first).
+
+    >>> concat_batches([torch.zeros(2, 3), torch.zeros(1, 3)]).shape[0]
+    3
+    """
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(batches)) if len(batches) > 1 else first
+    if isinstance(first, Mapping):
+        return {k: concat_batches([b[k] for b in batches]) for k in first}
+    if isinstance(first, (tuple, list)):
+        columns = [concat_batches([b[i] for b in batches]) for i in range(len(first))]
+        if isinstance(first, tuple):
+            make = getattr(type(first), "_make", None)  # namedtuple
+            return make(columns) if make else tuple(columns)
+        return columns
+    return first
+
+
+def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
+    """Items ``start:stop`` of every tensor in ``batch`` (views; non-tensor values unchanged)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, Mapping):
+        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        parts = [slice_batch(v, start, stop) for v in batch]
+        if isinstance(batch, tuple):
+            make = getattr(type(batch), "_make", None)
+            return make(parts) if make else tuple(parts)
+        return parts
+    return batch
 
 
 def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int], *,

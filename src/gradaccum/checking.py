@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ._checks import positive_int, positive_number, scalar_loss, split_loss_output, training_batchnorms
 from .batching import Batch, leading_dim, split_batch
 
 __all__ = ["EquivalenceReport", "check_equivalence"]
@@ -138,18 +139,9 @@ class _Recorder:
 
 def _checked_loss(out: Any, micro_batch: Batch) -> Tuple[torch.Tensor, Any]:
     """``loss_fn``'s output under the Accumulator's contract, or an error that says the fix."""
-    from .accumulator import _unpack_loss  # the same loss contract as Accumulator
-
-    loss, n = _unpack_loss(out, leading_dim(micro_batch))
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn must return a scalar loss (the mean over the micro-batch's items), got "
-                         f"{shape}; reduce it with .mean() or return (mean_loss, num_items)")
-    if not loss.requires_grad:
-        raise ValueError("loss_fn returned a loss that does not require grad (detached, .item()-ed or "
-                         "computed under torch.no_grad()): check_equivalence compares gradients, so "
-                         "return the loss computed from the model's output")
-    return loss, n
+    loss, n = split_loss_output(out, leading_dim(micro_batch))
+    return scalar_loss(loss, subject="loss_fn must return a scalar loss",
+                       where="loss_fn (check_equivalence compares gradients)"), n
 
 
 def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
@@ -192,10 +184,8 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         >>> report.equivalent, report.suspects[0][0]
         (False, '1')
     """
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    if not rtol > 0:
-        raise ValueError(f"rtol must be > 0, got {rtol!r}")
+    positive_int("micro_batch_size", micro_batch_size)
+    positive_number("rtol", rtol)
     micro_batches = split_batch(batch, micro_batch_size)
     snapshot = _Snapshot(model)
     suspects: Dict[str, List[str]] = {}
@@ -204,10 +194,10 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         if reason not in suspects.setdefault(name, []):
             suspects[name].append(reason)
 
+    for name in training_batchnorms(model):
+        suspect(name, "BatchNorm in training mode normalizes with per-micro-batch statistics "
+                      "(and updates its running statistics once per micro-batch)")
     for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-            suspect(name, "BatchNorm in training mode normalizes with per-micro-batch statistics "
-                          "(and updates its running statistics once per micro-batch)")
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
             suspect(name, f"dropout (p={module.p}) in training mode draws different masks per split")
     try:

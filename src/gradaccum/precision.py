@@ -56,7 +56,7 @@ class MixedPrecision:
         else:
             optimizer.step()
 
-    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+    def skip(self) -> None:
         """No step this window; with a scaler, back the scale off (its overflow was recorded by unscale_)."""
         if self.scaler is not None:
             self.scaler.update()

@@ -26,12 +26,15 @@ class StepResult:
             gradient, fp16 overflow, or a window with 0 items).
         lr: learning rate of the first parameter group used for this window.
         step: optimizer steps taken so far, this one included.
-        micro_batch_size: the split used when the window was one batch (int or "auto"); else None.
+        micro_batch_size: the split used when the window was one batch (with "auto", the size it
+            settled on); None for a list of micro-batches.
         accum_steps: the accumulation factor in force (for schedules); equals micro_batches
             except on a short last window.
         epoch: the epoch in ``train()``; None from ``step()``.
         window: the window's index within its epoch in ``train()`` (what a checkpoint saves to
             resume after it: ``window + 1``); None from ``step()``.
+        stop_requested: some rank called ``Accumulator.request_stop()`` before this window's
+            boundary; every rank sees the same value, so all can stop after this same window.
     """
 
     loss: float
@@ -45,6 +48,7 @@ class StepResult:
     accum_steps: Optional[int] = None
     epoch: Optional[int] = None
     window: Optional[int] = None
+    stop_requested: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

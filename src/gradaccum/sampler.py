@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Sampler
 
 from . import sync
-from .schedule import check_positive_int
+from ._checks import positive_int
 
 __all__ = ["WindowSampler"]
 
@@ -41,7 +41,8 @@ class WindowSampler(Sampler[List[int]]):
         micro_batch_size: m, the most items one forward/backward of one rank takes.
         seed: the permutation of epoch e is drawn from ``seed + e``.
         shuffle: ``False`` keeps the dataset order.
-        rank, world_size: default to torch.distributed's (0 and 1 without a process group).
+        rank: defaults to torch.distributed's (0 without a process group).
+        world_size: defaults to torch.distributed's (1 without a process group).
         drop_last: drop the short last window of each epoch on every rank.
 
     Example::
@@ -56,9 +57,9 @@ class WindowSampler(Sampler[List[int]]):
     def __init__(self, dataset_size: int, global_batch_size: int, micro_batch_size: int, *, seed: int = 0,
                  shuffle: bool = True, rank: Optional[int] = None, world_size: Optional[int] = None,
                  drop_last: bool = False) -> None:
-        check_positive_int("dataset_size", dataset_size)
-        check_positive_int("global_batch_size", global_batch_size)
-        check_positive_int("micro_batch_size", micro_batch_size)
+        positive_int("dataset_size", dataset_size)
+        positive_int("global_batch_size", global_batch_size)
+        positive_int("micro_batch_size", micro_batch_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -69,7 +70,7 @@ class WindowSampler(Sampler[List[int]]):
                 "it after torch.distributed.init_process_group, or pass rank= and world_size="
             )
         world = sync.world_size() if world_size is None else world_size
-        check_positive_int("world_size", world)
+        positive_int("world_size", world)
         here = sync.rank() if rank is None else rank
         if isinstance(here, bool) or not isinstance(here, int) or not 0 <= here < world:
             raise ValueError(f"rank must be an int in [0, {world}), got {here!r}")
@@ -115,6 +116,13 @@ class WindowSampler(Sampler[List[int]]):
         b = min(self.global_batch_size, self.dataset_size - start)
         w, r = self.world_size, self.rank
         return range(start + r * b // w, start + (r + 1) * b // w)
+
+    def shares(self, window: int) -> List[int]:
+        """How many items every rank (in rank order) has in global window ``window`` of this epoch:
+        what each rank knows of the others without asking (``Accumulator.train`` needs no agreement)."""
+        b = min(self.global_batch_size, self.dataset_size - window * self.global_batch_size)
+        w = self.world_size
+        return [(r + 1) * b // w - r * b // w for r in range(w)]
 
     def window_items(self, window: int, *, epoch: Optional[int] = None) -> List[int]:
         """The dataset indices of global window ``window`` (all ranks' items)."""

@@ -11,17 +11,13 @@ learning-rate schedule can be sized before training::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Union
+from typing import Callable, Union
+
+from ._checks import non_negative_int, positive_int
 
 __all__ = ["AccumSchedule", "AccumSteps", "num_steps"]
 
 AccumSteps = Union[int, Mapping[int, int], Callable[[int], int]]
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class AccumSchedule:
@@ -39,17 +35,17 @@ class AccumSchedule:
             for epoch, n in accum_steps.items():
                 if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
                     raise ValueError(f"accum_steps keys must be epochs (ints >= 0), got {epoch!r}")
-                check_positive_int(f"accum_steps[{epoch}]", n)
+                positive_int(f"accum_steps[{epoch}]", n)
             points = sorted(accum_steps.items())
             self._fn = lambda e: next((n for start, n in reversed(points) if e >= start), 1)
         elif callable(accum_steps):
             self._fn = accum_steps
         else:
-            check_positive_int("accum_steps", accum_steps)
+            positive_int("accum_steps", accum_steps)
             self._fn = lambda e: accum_steps  # type: ignore[return-value]
 
     def __call__(self, epoch: int) -> int:
-        return check_positive_int(f"accum_steps for epoch {epoch}", self._fn(epoch))
+        return positive_int(f"accum_steps for epoch {epoch}", self._fn(epoch))
 
 
 def num_steps(num_micro_batches: int, accum_steps: AccumSteps, *, epochs: int = 1, drop_last: bool = False) -> int:
@@ -64,9 +60,8 @@ def num_steps(num_micro_batches: int, accum_steps: AccumSteps, *, epochs: int = 
     >>> num_steps(10, 4), num_steps(10, 4, drop_last=True), num_steps(10, {0: 1, 1: 5}, epochs=2)
     (3, 2, 12)
     """
-    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 0:
-        raise ValueError(f"num_micro_batches must be an int >= 0 (e.g. len(loader)), got {num_micro_batches!r}")
-    check_positive_int("epochs", epochs)
+    non_negative_int("num_micro_batches", num_micro_batches, hint=" (e.g. len(loader))")
+    positive_int("epochs", epochs)
     schedule = AccumSchedule(accum_steps)
     if drop_last:
         return sum(num_micro_batches // schedule(e) for e in range(epochs))

@@ -4,13 +4,8 @@ A :class:`GradSync` decides, per micro-batch, whether the backward pass reduces 
 ranks, and does the window's small collectives: the agreement when a window opens (how many
 micro-batches and items each rank holds) and the all-reduce of the item count and loss sum at its
 end. The local default does nothing. Data-parallel wrappers *average* the gradient over
-``world_size`` ranks while reducing, so each micro-batch's backward carries a factor W
-(``grad_divisor``) and the window's gradient comes out as the exact item-weighted mean over every
-rank's window::
-
-    backward weight  = n_k * W / R                  (R: the window's global item count, when known)
-    reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad(mean_loss_k)
-    window grad      = reduced grad * R / N_global  =  sum_k n_k * grad(mean_loss_k) / N_global
+``world_size`` ranks while reducing, which the backward weights make up for with the factor W
+(``grad_divisor``; the maths is in :mod:`gradaccum._boundary`).
 
 The wrapper is found anywhere in the model: ``torch.compile(DDP(model))`` (``OptimizedModule``),
 Accelerate's wrappers and user modules that hold a DDP or FSDP2 module all reduce through it. A model
@@ -32,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["GradSync", "LocalSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
+__all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
            "DATA_PARALLEL"]
 
@@ -109,10 +104,12 @@ class GradSync:
     #: whether every rank must run the same number of micro-batches per window (a collective in
     #: every forward or every backward)
     needs_equal_counts: bool = False
+    #: whether the wrapper runs collectives in a window's first forward (DDP's buffer broadcast and
+    #: bucket rebuild), so every rank must reach that forward
+    collectives_in_forward: bool = False
+    #: whether every rank holds the whole reduced gradient (DDP), so replicas can be compared
+    replicated_grads: bool = False
     group: Any = None
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
 
     @property
     def world_size(self) -> int:
@@ -140,9 +137,6 @@ class GradSync:
         of the window skipped its reduction: a rank without data, or the micro-batch size search)."""
 
 
-LocalSync = GradSync
-
-
 class DDPSync(GradSync):
     """``DistributedDataParallel``: ``no_sync()`` around every micro-batch but the last.
 
@@ -151,9 +145,10 @@ class DDPSync(GradSync):
     """
 
     distributed = True
+    collectives_in_forward = True
+    replicated_grads = True
 
     def __init__(self, modules: Sequence[DistributedDataParallel], *, reduce_every_micro_batch: bool = False) -> None:
-        super().__init__(modules[0])
         for ddp in modules:
             if getattr(ddp, "static_graph", False) and not reduce_every_micro_batch:
                 raise ValueError(
@@ -213,7 +208,6 @@ class FSDP2Sync(GradSync):
     needs_equal_counts = True
 
     def __init__(self, modules: Sequence[nn.Module], *, reduce_every_micro_batch: bool = False) -> None:
-        super().__init__(modules[0])
         self.modules = list(modules)  # the outermost fully_shard-ed modules
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self.grad_divisor = float(self.world_size)
@@ -241,7 +235,7 @@ class FSDP2Sync(GradSync):
         raise NotImplementedError("FSDP2 reduces gradients only inside its backward pass")
 
 
-def _outermost(modules: List[nn.Module], root: nn.Module, kind: Any) -> List[nn.Module]:
+def _outermost(modules: List[nn.Module], kind: Any) -> List[nn.Module]:
     inner = {id(child) for m in modules for child in m.modules() if child is not m and isinstance(child, kind)}
     return [m for m in modules if id(m) not in inner]
 
@@ -272,15 +266,15 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
                 f"data_parallel='none' but the model holds a {'DistributedDataParallel' if ddps else 'fully_shard'} "
                 "module, which reduces gradients across ranks: leave data_parallel='auto'"
             )
-        return GradSync(model)
+        return GradSync()
     if ddps and fsdps:
         raise ValueError("the model holds both DistributedDataParallel and fully_shard modules; "
                          "use one data-parallel wrapper")
     if ddps:
-        return DDPSync(_outermost(ddps, model, DistributedDataParallel),  # type: ignore[arg-type]
+        return DDPSync(_outermost(ddps, DistributedDataParallel),  # type: ignore[arg-type]
                        reduce_every_micro_batch=reduce_every_micro_batch)
     if fsdps:
-        return FSDP2Sync(_outermost(fsdps, model, fsdp_type), reduce_every_micro_batch=reduce_every_micro_batch)
+        return FSDP2Sync(_outermost(fsdps, fsdp_type), reduce_every_micro_batch=reduce_every_micro_batch)
     if is_distributed() and dist.get_world_size() > 1:
         raise ValueError(
             f"torch.distributed runs {dist.get_world_size()} ranks but no DistributedDataParallel or "
@@ -289,7 +283,7 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
             "(DistributedDataParallel(model) or fully_shard(model); torch.compile(ddp_model) is fine), "
             "or pass data_parallel='none' to train each rank on its own data on purpose"
         )
-    return GradSync(model)
+    return GradSync()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

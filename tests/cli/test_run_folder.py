@@ -288,11 +288,13 @@ def test_a_second_signal_during_a_checkpoint_write_leaves_the_previous_checkpoin
 
     try:
         with life.handling_signals():
+            asked = []
+            life.on_stop_signal(lambda: asked.append(True))  # acc.request_stop in a run
             os.kill(os.getpid(), signal.SIGINT)  # the first: finish the window, then a checkpoint
-            assert life.stop_requested()
-            with pytest.raises(Left) as left:
+            assert asked == [True]
+            with pytest.raises(Left) as left:  # the window's StepResult.stop_requested carried it
                 life.after_window(Position(0, 2, 2), lambda: {"step": torch.tensor(2), "half": SecondCtrlC()},
-                                  last=False)
+                                  last=False, stop=True)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # on its way out: a third is ignored
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -329,26 +331,23 @@ def test_resume_keeps_the_metrics_lines_of_the_checkpoint_and_drops_a_torn_one(t
     assert [r["step"] for r in life.kept_history(Position(9, 0, 9))] == [1, 1, 2, 3, 4]
 
 
-def test_a_signal_handled_just_after_the_stop_all_reduce_waits_for_the_next_window(tmp_path, monkeypatch, capfd):
-    """Under torchrun the ranks all-reduce the stop flag after every window. Python runs a signal
-    handler between bytecodes, so it can run just as that collective returns: the rank must still
-    act on the all-reduced flag (its peers saw no signal and go on into the next window), and stop
-    one window later, when the next all-reduce carries it. Acting on its own flag instead made it
-    wait forever in the checkpoint broadcast while its peers waited in the next window."""
+def test_a_stop_is_decided_by_the_window_flag_and_names_the_signal_of_any_rank(tmp_path, monkeypatch):
+    """Under torchrun a signal reaches the ranks in the window's StepResult.stop_requested (the same
+    on every rank); a rank that received none stops too, and one all-reduce on that window alone
+    tells it which signal stopped the run. No window without a stop pays a collective."""
     from gradaccum.cli import signals
     from gradaccum.cli.lifecycle import RunLifecycle
 
     life = RunLifecycle(tmp_path / "run", resume=False, overwrite=False, command="gradaccum train --resume")
     monkeypatch.setattr(signals.sync, "is_distributed", lambda: True)
+    calls = []
 
     def all_reduce_(tensor, op="sum", group=None):
-        agreed = tensor.clone()  # max over ranks whose flags were all 0
-        if not life.signals._signal:
-            life.signals._on_signal(signal.SIGTERM, None)  # this rank's handler runs as the collective returns
-        tensor.copy_(agreed)
+        calls.append(op)
+        tensor.fill_(int(signal.SIGTERM))  # a peer received SIGTERM; this rank none
         return tensor
 
     monkeypatch.setattr(signals.sync, "all_reduce_", all_reduce_)
-    assert life.stop_requested() is False  # what every rank agreed on: go on together
-    assert life.stop_requested() is True   # the next window's all-reduce carries the signal
+    assert life.signals.stop_requested(False) is False and calls == []  # no stop: no collective
+    assert life.signals.stop_requested(True) is True and calls == ["max"]
     assert life.signals.stopping == signal.SIGTERM

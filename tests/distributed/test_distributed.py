@@ -29,6 +29,10 @@ SCENARIOS = [
     "fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank",
     "compiled_ddp_exact_with_uneven_counts",
     "unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice",
+    "ddp_step_costs_one_collective_and_one_sync_per_window",
+    "ddp_step_with_a_rank_without_data_costs_the_same",
+    "ddp_train_over_a_window_sampler_costs_one_collective_per_window",
+    "ddp_a_bypassed_wrapper_is_refused_on_every_rank",
 ]
 
 

@@ -510,6 +510,146 @@ def unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice():
     return "refused with the fix; data_parallel='none' steps each rank on its own items"
 
 
+class CountCalls:
+    """Counts, while active, the collectives issued from Python (``torch.distributed`` functions;
+    DDP's own bucket all-reduces run in C++ and are not counted) and the host synchronisations
+    (``Tensor.item``, ``Tensor.tolist``, ``Tensor.cpu``). ``marks`` records the counts at chosen
+    moments (e.g. each window's first forward)."""
+
+    COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor",
+                   "all_gather_object", "broadcast_object_list", "barrier")
+    SYNCS = ("item", "tolist", "cpu")
+
+    def __enter__(self):
+        self.collectives = self.syncs = 0
+        self.marks = []
+        self._saved = [(dist, n, getattr(dist, n)) for n in self.COLLECTIVES if hasattr(dist, n)]
+        self._saved += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in self.SYNCS]
+        for owner, name, fn in self._saved:
+            setattr(owner, name, self._wrap(fn, "collectives" if owner is dist else "syncs"))
+        return self
+
+    def _wrap(self, fn, field):
+        def wrapper(*args, **kwargs):
+            setattr(self, field, getattr(self, field) + 1)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def mark(self):
+        self.marks.append((self.collectives, self.syncs))
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+
+def _steady_counts(run_window, windows: int, warmup: int = 2):
+    """Per-window (collectives, host syncs, syncs before the window's first forward) after ``warmup``."""
+    for w in range(warmup):
+        run_window(w, None)
+    rows = []
+    for w in range(warmup, warmup + windows):
+        with CountCalls() as c:
+            first = []
+            run_window(w, lambda: first.append((c.collectives, c.syncs)) if not first else None)
+        rows.append((c.collectives, c.syncs, first[0][1] if first else None, first[0][0] if first else None))
+    return rows
+
+
+def ddp_step_costs_one_collective_and_one_sync_per_window():
+    """acc.step with equal counts: besides DDP's buckets, one small all-reduce and one host sync per
+    window, none of either before the window's first forward; the steps stay exact. (SGD: torch's
+    single-tensor Adam reads its step counter with .item(), a sync the hand loop pays as well.)"""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    steps = []
+
+    def run(w, on_forward):
+        wins = [[data(r, 40 + 4 * w + k, 4) for k in range(3)] for r in range(WORLD)]
+        steps.append(wins)
+        acc.step(wins[RANK], lambda m, b: (on_forward and on_forward(), mse(m, b))[1])
+
+    rows = _steady_counts(run, windows=4)
+    assert all(r[0] == 1 and r[1] == 1 and r[2] == 0 and r[3] == 0 for r in rows), rows
+    close(model.module, reference(steps, "sgd"))
+    return f"(collectives, syncs, syncs before forward, collectives before forward) per window: {rows[0]}"
+
+
+def ddp_step_with_a_rank_without_data_costs_the_same():
+    """A window where rank 1 has no data: it repeats its last micro-batch with zero weight, decided
+    alone (no agreement), and the step is exact on rank 0's items."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    steps = []
+
+    def run(w, on_forward):
+        wins = [[data(r, 60 + 4 * w + k, 3) for k in range(2)] for r in range(WORLD)]
+        if w == 3:
+            wins[1] = []
+        steps.append(wins)
+        result = acc.step(wins[RANK], lambda m, b: (on_forward and on_forward(), mse(m, b))[1])
+        assert result.num_items == (6 if w == 3 else 12), result.num_items
+
+    rows = _steady_counts(run, windows=2)
+    assert all(r[0] == 1 and r[1] == 1 and r[2] == 0 for r in rows), rows
+    close(model.module, reference(steps, "sgd"))
+    assert params_equal_on_all_ranks(model.module)
+    return f"the empty window: {rows[1]}"
+
+
+def ddp_train_over_a_window_sampler_costs_one_collective_per_window():
+    """acc.train over a WindowSampler: every rank knows every share, so no agreement at all, also in
+    the first window and the short last one; exact against the union of each global window."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradaccum import WindowSampler
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(45, 5, generator=g, dtype=torch.float64), torch.randn(45, 3, generator=g, dtype=torch.float64)
+    sampler = WindowSampler(45, global_batch_size=16, micro_batch_size=3, seed=1)
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler)
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    with CountCalls() as c:
+        results = []
+        for result in acc.train(loader, mse):
+            c.mark()
+            results.append(result)
+    per_window = [b[0] - a[0] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+    syncs = [b[1] - a[1] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+    # the first window also compares the replicas' gradients once (one more all-gather and sync)
+    assert [r.num_items for r in results] == [16, 16, 13] and per_window == [2, 1, 1], (per_window, results)
+    # the first window's extra .tolist() calls are the sampler cutting the epoch's order on the host
+    assert syncs[1:] == [1, 1], syncs
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    for w in range(3):
+        idx = sampler.window_items(w, epoch=0)
+        opt.zero_grad(set_to_none=True)
+        mse(ref, (x[idx], y[idx])).backward()
+        opt.step()
+    close(model.module, ref)
+    return f"collectives per window {per_window}, host syncs {syncs}"
+
+
+def ddp_a_bypassed_wrapper_is_refused_on_every_rank():
+    """loss_fn runs ddp.module instead of the model it is given: DDP never reduces, and the first
+    window raises on every rank (a gradient fingerprint compared once) before any step."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        acc.step(window_of(RANK, 80), lambda m, b: mse(m.module, b))
+    except RuntimeError as e:
+        assert "never reduced them" in str(e) and "ddp.module" in str(e), e
+    else:
+        raise AssertionError("a bypassed DDP stepped silently")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a step was taken"
+    result = acc.step(window_of(RANK, 81), mse)  # the right loss_fn goes on, exactly
+    assert result.step == 1 and params_equal_on_all_ranks(model.module)
+    return "refused on both ranks, nothing moved"
+
+
 SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
@@ -518,7 +658,10 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_a_rank_out_of_data_after_one_window_with_buffers,
              ddp_a_fresh_rank_with_an_empty_first_share_needs_set_padding,
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
-             unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice]
+             unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
+             ddp_step_costs_one_collective_and_one_sync_per_window, ddp_step_with_a_rank_without_data_costs_the_same,
+             ddp_train_over_a_window_sampler_costs_one_collective_per_window,
+             ddp_a_bypassed_wrapper_is_refused_on_every_rank]
 
 
 class Skip(Exception):

@@ -7,11 +7,12 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, NamedTuple, Optional, Union
 
+from .._checks import check_int
 from ..precision import PRECISIONS
 from ..tasks.data import TASKS
 from ..tasks.models import MODELS
 
-__all__ = ["TrainConfig", "Window", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
+__all__ = ["TrainConfig", "WindowShape", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
            "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "window_shape", "check_int"]
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -36,17 +37,7 @@ RESUMABLE_CHANGES = ("out", "checkpoint_every", "epochs", "device", "world_size"
                      "accum_steps")
 
 
-def check_int(flag: str, value: Any, minimum: int = 1, *, maximum: Optional[int] = None, extra: str = "") -> None:
-    """One check for every integer flag: ``--accum-steps must be an integer >= 1, got 0``."""
-    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
-    if not bad and maximum is not None and value > maximum:
-        raise ValueError(f"{flag} must be an integer from {minimum} to {maximum}, got {value!r}{extra}")
-    if bad:
-        want = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{flag} must be an integer {want}{extra}, got {value!r}")
-
-
-class Window(NamedTuple):
+class WindowShape(NamedTuple):
     """A window resolved from the flags: ``items`` (B) per optimizer step across all ranks, cut into
     micro-batches of ``micro_batch_size`` (M, or ``"auto"``), ``accum_steps_per_rank`` (N) per rank
     (None with ``"auto"``, which picks the split itself)."""
@@ -57,7 +48,7 @@ class Window(NamedTuple):
 
 
 def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, None], accum_steps: Optional[int],
-                 world_size: int = 1) -> Window:
+                 world_size: int = 1) -> WindowShape:
     """Resolve a window from the flags the user gave (None: not given): ``B = M x N x W``.
 
     Any two of B, M, N give the third; given all three they must agree. One or none given: the
@@ -71,7 +62,7 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, No
             raise ValueError(f"--accum-steps {accum_steps} does not apply with --micro-batch-size auto, which "
                              "picks the split of each window itself; drop --accum-steps and give the window "
                              "with --batch-size")
-        return Window(batch_size if batch_size is not None else DEFAULT_AUTO_BATCH, "auto", None)
+        return WindowShape(batch_size if batch_size is not None else DEFAULT_AUTO_BATCH, "auto", None)
     if batch_size is not None and accum_steps is not None and micro_batch_size is None:
         m, rest = divmod(batch_size, accum_steps * world_size)
         if rest or m < 1:
@@ -80,20 +71,20 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, No
                 f"{' on each of ' + str(world_size) + ' ranks' if world_size > 1 else ''}; give --micro-batch-size "
                 f"M instead of --accum-steps (the last micro-batch may be smaller), or a --batch-size divisible "
                 f"by {accum_steps * world_size}")
-        return Window(batch_size, m, accum_steps)
+        return WindowShape(batch_size, m, accum_steps)
     m = DEFAULT_MICRO_BATCH_SIZE if micro_batch_size is None else int(micro_batch_size)
     if batch_size is None:
         n = DEFAULT_ACCUM_STEPS if accum_steps is None else accum_steps
-        return Window(m * n * world_size, m, n)
+        return WindowShape(m * n * world_size, m, n)
     if accum_steps is None:
-        return Window(batch_size, m, math.ceil(batch_size / (m * world_size)))
+        return WindowShape(batch_size, m, math.ceil(batch_size / (m * world_size)))
     if batch_size != m * accum_steps * world_size:
         raise ValueError(
             f"--batch-size {batch_size}, --micro-batch-size {m} and --accum-steps {accum_steps} contradict each "
             f"other: a window is micro-batch size x accum steps{ranks} = {m} x {accum_steps}"
             f"{f' x {world_size}' if ranks else ''} = {m * accum_steps * world_size} items, not {batch_size}; "
             f"give two of the three (e.g. drop --accum-steps to cut {batch_size} items into micro-batches of {m})")
-    return Window(batch_size, m, accum_steps)
+    return WindowShape(batch_size, m, accum_steps)
 
 
 @dataclass(frozen=True)
@@ -173,7 +164,7 @@ class TrainConfig:
                 object.__setattr__(self, name, defaults[name])
 
     @property
-    def window(self) -> Window:
+    def window(self) -> WindowShape:
         """B, M and N as resolved from the flags given (see :func:`window_shape`)."""
         return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)
 

@@ -259,21 +259,6 @@ class RunFolder:
                            "you can write to with --out") from None
 
     def kept_history(self, at: Position) -> List[Dict[str, Any]]:
-        """The metrics lines of the windows before the checkpoint's position (a killed run may have
-        written more). By (epoch, window), not step: a skipped window repeats its step number."""
-        path = self.out / "metrics.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line torn by kill -9 (or blank): the checkpoint is the truth
-                continue
-        return [r for r in rows if isinstance(r, dict) and "epoch" in r and "window" in r
-                and (r["epoch"], r["window"]) < (at.epoch, at.window)]
-
-    def kept_history(self, at: Position) -> List[Dict[str, Any]]:
         """The metrics rows of the windows before the checkpoint's position (a killed run may have
         written more): training rows by (epoch, window), not step (a skipped window repeats its step
         number); an epoch's evaluation row when that epoch is done."""

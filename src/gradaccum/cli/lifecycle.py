@@ -39,8 +39,9 @@ Distributed
     the checkpoint itself), so other nodes need no copy of ``--out``; every rank waits at a barrier
     after each write. A sharded checkpoint is written and read by every rank: ``--shard`` needs
     ``--out`` on a filesystem all nodes share. A checkpoint's position is (epoch, window)
-    of the global windows, so it resumes on any world size. After each window the ranks all-reduce
-    the stop flag, so all of them stop at the same window even when only some got the signal. torchrun
+    of the global windows, so it resumes on any world size. A signal reaches every rank in the
+    window's boundary all-reduce (``StepResult.stop_requested``, see :mod:`gradaccum.cli.signals`),
+    so all of them stop at the same window even when only some got the signal. torchrun
     forwards the Ctrl-C it receives to its workers; where a worker also gets the terminal's (a launcher
     that keeps workers in its process group), the same signal again within a second under torchrun is
     that copy, not a second Ctrl-C.
@@ -59,7 +60,7 @@ import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import sync
 from .checkpoint import CLIError, describe_os_error, save_atomic
@@ -155,13 +156,16 @@ class RunLifecycle:
     def handling_signals(self) -> contextlib.AbstractContextManager:
         return self.signals.handling_signals()
 
-    def stop_requested(self) -> bool:
-        return self.signals.stop_requested()
+    def on_stop_signal(self, request_stop: Callable[[], Any]) -> None:
+        """What a first SIGINT/SIGTERM calls: ``acc.request_stop``, which the next boundary carries."""
+        self.signals.on_first = request_stop
 
-    def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool) -> None:
-        """Called after each window: stop if a signal asked to (raises :class:`Stopped`), else write
-        the periodic checkpoint when it is due (the last window's is written by :meth:`finish`)."""
-        if self.signals.stop_requested():
+    def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool,
+                     stop: bool = False) -> None:
+        """Called after each window with its ``StepResult.stop_requested``: stop if a signal asked to
+        (raises :class:`Stopped`), else write the periodic checkpoint when it is due (the last
+        window's is written by :meth:`finish`)."""
+        if self.signals.stop_requested(stop):
             self._stop(position, state)
         if self.checkpoint_every and position.step % self.checkpoint_every == 0 and not last:
             self.save(position, state)

@@ -17,7 +17,6 @@ at each epoch's end, and the run folder's checkpoints and stop requests, which b
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import time
@@ -153,26 +152,8 @@ class MicroBatches:
 def _steps(acc: Accumulator, loader: MicroBatches, task: Task, epochs: int, auto: bool) -> Iterable[StepResult]:
     """``acc.train`` over the loader; with ``--micro-batch-size auto`` each window's share is one
     batch stepped with the out-of-memory back-off."""
-    if not auto:
-        return acc.train(loader, task.loss_fn, epochs=epochs, num_items=task.count)
-    if "micro_batch_size" in inspect.signature(acc.train).parameters:
-        return acc.train(loader, task.loss_fn, epochs=epochs, num_items=task.count,  # type: ignore[call-arg]
-                         micro_batch_size="auto")
-    return _auto_steps(acc, loader, task, epochs)
-
-
-def _auto_steps(acc: Accumulator, loader: MicroBatches, task: Task, epochs: int) -> Iterator[StepResult]:
-    """Until ``Accumulator.train`` takes ``micro_batch_size="auto"``: the same windows through ``acc.step``."""
-    sampler = loader.batch_sampler
-    for epoch in range(sampler.epoch, sampler.epoch + epochs):
-        sampler.set_epoch(epoch)
-        first = sampler.start_window
-        for offset, micro_batches in enumerate(list(sampler.windows())):
-            share = [i for mb in micro_batches for i in mb]
-            result = acc.step(task.gather(share), task.loss_fn, micro_batch_size="auto", num_items=task.count)
-            sampler.advance()
-            acc.epoch = epoch + (1 if first + offset == sampler.num_windows - 1 else 0)
-            yield replace(result, epoch=epoch, window=first + offset)
+    return acc.train(loader, task.loss_fn, epochs=epochs, num_items=task.count,
+                     micro_batch_size="auto" if auto else None)
 
 
 def _timed(steps: Iterable[StepResult], memory: RunMemory,
@@ -278,7 +259,7 @@ class WindowHooks:
                               **t.evaluate()}
             self.metrics.write(self.last_eval)
         at = Position(epoch + 1, 0, result.step) if ended else Position(epoch, window + 1, result.step)
-        self.life.after_window(at, t.checkpoint_state, last=at.epoch == t.cfg.epochs)
+        self.life.after_window(at, t.checkpoint_state, last=at.epoch == t.cfg.epochs, stop=result.stop_requested)
         if at.epoch == t.cfg.epochs:
             self.life.finish(at, t.checkpoint_state)
 
@@ -297,6 +278,7 @@ def _train(trainer: Trainer, life: RunLifecycle, plan: ResumePlan, history: List
     loader = MicroBatches(sampler, trainer.task)
     steps = _steps(trainer.acc, loader, trainer.task, int(cfg.epochs) - trainer.acc.epoch,  # type: ignore[arg-type]
                    auto=cfg.window[1] == "auto")
+    life.on_stop_signal(trainer.acc.request_stop)
     with life.handling_signals(), MetricsLog(life.out, history, enabled=sync.is_rank_zero()) as metrics:
         hooks = WindowHooks(trainer, life, metrics, progress)
         try:

@@ -6,8 +6,11 @@ exit 130 or 143), without a new checkpoint: a write in progress is abandoned and
 removed. The handler never raises (an exception raised inside torch's C++ comes out as its
 RuntimeError), and after a stop both signals stay ignored.
 
-Under torchrun the ranks all-reduce the stop flag after each window, so all of them stop at the same
-window even when only some got the signal. torchrun forwards the Ctrl-C it receives to its workers;
+The first signal also calls ``acc.request_stop()``: the window's boundary carries it to every rank
+in the all-reduce it makes anyway, so all ranks see ``StepResult.stop_requested`` at the same window
+(even when only some got the signal) and no window pays a collective for it; on that window alone
+one all-reduce tells every rank which signal it was (exit 130 or 143; 143 when the stop was asked by
+code rather than a signal). torchrun forwards the Ctrl-C it receives to its workers;
 where a worker also gets the terminal's, the same signal again within a second is that copy.
 """
 
@@ -66,6 +69,9 @@ class StopSignals:
         self.stopping: Optional[int] = None        # the signal all ranks agreed to stop on
         self._leaving = False                      # a second signal was received: leaving at once
         self._exit = exit
+        #: called at the first signal (the run sets ``acc.request_stop``: the window's boundary then
+        #: tells every rank, with no collective of its own)
+        self.on_first: Callable[[], Any] = lambda: None
 
     @contextlib.contextmanager
     def handling_signals(self) -> Iterator[None]:
@@ -95,6 +101,7 @@ class StopSignals:
             return  # torchrun forwarding the Ctrl-C the terminal already sent to this worker: the same one
         if self._signal is None:
             self._signal, self._signal_at = signum, time.monotonic()
+            self.on_first()
             # os.write: a print here could re-enter a print the loop is in
             self._write_line(f"{name} received: finishing this window, then writing a checkpoint (a second "
                              f"{name} stops at once, without one)")
@@ -115,12 +122,14 @@ class StopSignals:
         if self.rank0:
             os.write(2, f"{self.prefix} {line}\n".encode())
 
-    def stop_requested(self) -> bool:
-        """Did a signal ask to stop, here or on any rank? Under torchrun an all-reduce per window, and
-        the answer is the all-reduced flag alone: a signal whose handler runs after the collective
-        returned (Python runs handlers between bytecodes) waits for the next window's all-reduce,
-        else this rank would stop while its peers go on into the next window and wait forever."""
-        local = self._signal or 0  # read once, before the collective
+    def stop_requested(self, asked: bool) -> bool:
+        """Stop after this window? ``asked`` is the window's ``StepResult.stop_requested``: a signal
+        on some rank reached every rank in the boundary's all-reduce, at the same window, so the
+        ranks decide alike and no window pays a collective for it. Only on that window one more
+        all-reduce tells every rank which signal it was (the exit code: 130 or 143)."""
+        if not asked:
+            return False
+        local = self._signal or 0  # 0 on a rank that received none
         if sync.is_distributed():
             import torch
 
@@ -128,6 +137,5 @@ class StopSignals:
             agreed = int(sync.all_reduce_(flag, "max").item())
         else:
             agreed = local
-        if agreed:
-            self.stopping = agreed  # the signal every rank stops with (a peer's, maybe)
-        return bool(agreed)
+        self.stopping = agreed or int(signal.SIGTERM)  # the signal every rank stops with (a peer's, maybe)
+        return True

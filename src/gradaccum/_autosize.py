@@ -1,0 +1,75 @@
+"""``micro_batch_size="auto"``: find the largest micro-batch that fits, by halving on out-of-memory.
+
+A window starts from the whole batch (or the last size that worked), and on an out-of-memory error
+drops the attempt's partial gradients and retries the same window with half the size. The failed
+attempt leaves nothing behind, so the step equals one made with the final size from the start. A
+short window (fewer items than the size that works) does not shrink the remembered size.
+
+Under data parallelism every rank starts from the same size (a min all-reduce), and the ranks agree
+on an error after the window, before any gradient is reduced (:func:`gradaccum._window.run_window`
+with ``catch_oom``), so one rank's error backs every rank off and none waits.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable, List, Optional
+
+import torch
+
+from .batching import Batch, leading_dim, split_batch
+from .result import StepResult
+from .sync import GradSync
+
+__all__ = ["AutoMicroBatch"]
+
+#: ``attempt(micro_batches, size)`` -> the step, or None after an out-of-memory error on any rank
+Attempt = Callable[[List[Batch], int], Optional[StepResult]]
+
+
+class AutoMicroBatch:
+    """The out-of-memory back-off, and the size that last worked (saved in ``state_dict``)."""
+
+    def __init__(self, sync: GradSync, device: torch.device) -> None:
+        self.sync, self.device = sync, device
+        #: the micro-batch size that last worked
+        self.size: Optional[int] = None
+
+    def check_supported(self) -> None:
+        if self.sync.distributed and not self.sync.can_reduce_later:
+            raise ValueError(
+                f"micro_batch_size='auto' is not supported with {type(self.sync).__name__}: its "
+                "gradients reduce only inside backward, so ranks cannot agree on an out-of-memory "
+                "error first. Pass an int micro_batch_size (found once, e.g. with DDP)"
+            )
+
+    def step(self, batch: Batch, attempt: Attempt) -> StepResult:
+        """Step on ``batch``, halving the micro-batch size on out-of-memory until an attempt succeeds."""
+        self.check_supported()
+        n = leading_dim(batch)
+        if n == 0 and not self.sync.distributed:
+            raise ValueError("batch has 0 items along dim 0; there is nothing to step on")
+        size = min(self.size or n, n) if n else 2 ** 62  # an empty share follows the others
+        if self.sync.distributed:  # every rank starts from the same size
+            size = int(self.sync.all_reduce_(torch.tensor([size], device=self.device), "min").item())
+        backed_off = False
+        while True:
+            result = attempt(split_batch(batch, size) if n else [], size)
+            if result is not None:
+                if n and (backed_off or self.size is None):
+                    self.size = size
+                return result
+            backed_off = True
+            _free_memory(self.device)
+            if size == 1:
+                raise torch.OutOfMemoryError(
+                    "micro_batch_size='auto' ran out of memory with micro-batches of 1 item; "
+                    "the model does not fit: reduce its size, use precision='bf16', or shard it"
+                )
+            size = max(1, size // 2)
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

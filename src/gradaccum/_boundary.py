@@ -1,0 +1,316 @@
+"""The maths of a window, and its boundary: from the accumulated gradient to one optimizer step.
+
+This is the one place the maths is written; the docs (docs/index.md) and the other docstrings point here.
+
+A window holds micro-batches k (on every rank r) with n_k items and mean loss L_k. One step on the
+whole window is a step on its item-weighted mean loss::
+
+    L = sum_k n_k L_k / N,        grad L = sum_k n_k grad L_k / N,        N = sum_{r,k} n_k
+
+Each micro-batch backpropagates ``w_k * L_k`` with the **backward weight** ``w_k = n_k * W / R``
+(:func:`backward_weight`); gradients add up in ``.grad``. W is the number of ranks the data-parallel
+reduction averages over (1 locally), so after the reduction the gradient is ``sum n_k grad L_k / R``.
+At the boundary it is multiplied once by the **boundary scale** ``R / N`` (:func:`boundary_scale`)::
+
+    backward weight  = n_k * W / R
+    reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad L_k  =  sum n_k grad L_k / R
+    window grad      = reduced grad * R / N  =  grad L
+
+R is a reference count, the same on every rank. When the window's global item count is known
+before the first backward (the micro-batches' leading dimensions for a bare mean loss, or a
+``num_items=`` counter) and ``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and each backward weighs
+exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model, such as a Llama
+RMSNorm, round as in one big batch). When the counts come from ``loss_fn`` only (a ``(mean, count)``
+pair), R is fixed beforehand (:mod:`gradaccum._ranks`) and the scale corrects it exactly. Dividing each
+micro-batch by K instead is exact only when every n_k is equal, which uneven micro-batches, padded
+sequences and a short last window are not.
+
+The gradient itself is reduced across ranks before the boundary, by DDP or FSDP2 inside the last
+micro-batch's backward (:mod:`gradaccum.sync` skips the reduction in the others). At the boundary,
+in this order: unscale (fp16, once); on the first window under DDP, a check that the replicas'
+gradients agree (:func:`check_replicas`); one all-reduce of ``(sum n_k L_k, N)`` and two flags across
+ranks; the total norm of the normalized gradient (with clipping, fp16 or ``compute_grad_norm``); the
+**verdict** (:func:`verdict`: step, skip or raise, from the loss and that norm); the **clip
+coefficient** (:func:`clip_coefficient`) folded into the scale, so clipping costs no extra pass; the
+optimizer step; the scheduler step (only on steps taken); gradients cleared. The only host
+synchronisation is one ``.tolist()`` of those few numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, List, Optional, Union
+
+import torch
+
+from ._gradients import WindowGradients
+from .precision import MixedPrecision
+from .sync import GradSync, full_tensor
+
+__all__ = ["backward_weight", "boundary_scale", "clip_coefficient", "Verdict", "verdict", "Counters",
+           "WindowTotals", "Outcome", "Boundary"]
+
+#: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
+CLIP_EPS = 1e-6
+
+
+# -- the maths, on plain numbers -------------------------------------------------------------------
+
+def backward_weight(num_items: Union[int, float, torch.Tensor], reference: float, grad_divisor: float,
+                    loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
+    """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
+
+    A Python count gives a Python float (no device tensor per micro-batch); a tensor count stays on
+    its device, in the loss's precision (an int64 count divided by a float would round to float32).
+
+    >>> backward_weight(3, reference=12.0, grad_divisor=2.0)
+    0.5
+    """
+    if isinstance(num_items, torch.Tensor):
+        return num_items.to(torch.promote_types(loss_dtype, torch.float32)) * (grad_divisor / reference)
+    return num_items * grad_divisor / reference
+
+
+def boundary_scale(reference: float, num_items: float) -> float:
+    """``R / N``, the factor that turns the reduced gradient into the window's mean gradient (0 for a
+    window that counted no item: it takes no step).
+
+    >>> boundary_scale(12.0, 12.0), boundary_scale(12.0, 8.0), boundary_scale(12.0, 0.0)
+    (1.0, 1.5, 0.0)
+    """
+    return reference / num_items if num_items > 0 else 0.0
+
+
+def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float]) -> float:
+    """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales; 1 without clipping.
+
+    >>> clip_coefficient(4.0, 1.0) < 0.25 < clip_coefficient(4.0, None)
+    True
+    """
+    if max_grad_norm is None:
+        return 1.0
+    assert grad_norm is not None, "the norm is measured whenever clipping"
+    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
+
+
+class Verdict(enum.Enum):
+    """What the boundary does with a window."""
+
+    STEP = "step"
+    SKIP_EMPTY = "skip: no item"          # every label ignored: no loss to step on
+    SKIP_NONFINITE = "skip: not finite"   # or fp16 overflow: the scaler backs off
+    RAISE = "raise"
+
+
+def verdict(loss_sum: float, num_items: float, grad_norm: Optional[float], *, nonfinite: str,
+            has_scaler: bool) -> Verdict:
+    """Step, skip or raise, from the window's global loss sum, item count and (measured) norm.
+
+    A non-finite loss or norm skips (``nonfinite="skip"``) or raises; under fp16 it always skips,
+    since an overflow is how the loss scaler learns to back off.
+
+    >>> verdict(1.0, 4, None, nonfinite="raise", has_scaler=False), verdict(1.0, 0, None, nonfinite="raise", has_scaler=False)
+    (<Verdict.STEP: 'step'>, <Verdict.SKIP_EMPTY: 'skip: no item'>)
+    """
+    finite = math.isfinite(loss_sum) and (grad_norm is None or math.isfinite(grad_norm))
+    if not finite:
+        return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
+    return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
+
+
+# -- the procedure ------------------------------------------------------------------------------------
+
+@dataclass
+class Counters:
+    """Where training stands: optimizer steps taken, windows skipped, epochs finished by ``train()``."""
+
+    steps: int = 0
+    skipped: int = 0
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class WindowTotals:
+    """What one rank's window hands the boundary.
+
+    Attributes:
+        loss_sum: ``sum n_k L_k`` of this rank's micro-batches, on the device.
+        host_items: the sum of the counts given as Python numbers.
+        device_items: the sum of the counts given as tensors, on the device (None if none was).
+        reference: R, the count the backward weights were divided by.
+        ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
+        can_pad: whether this rank can pad its next window (has run a micro-batch to repeat).
+    """
+
+    loss_sum: torch.Tensor
+    host_items: float
+    device_items: Optional[torch.Tensor]
+    reference: float
+    ran: bool
+    can_pad: bool = True
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the boundary did: the window's global loss sum and item count, the norm, the verdict,
+    and what the ranks told each other on the way (every rank can pad; any rank asked to stop)."""
+
+    loss_sum: float
+    num_items: float
+    grad_norm: Optional[float]
+    skipped: bool
+    lr: float
+    step: int
+    peers_can_pad: bool = False
+    stop_requested: bool = False
+
+
+class Boundary:
+    """Runs a window's boundary (the module docstring's order) and counts the steps it takes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, precision: MixedPrecision,
+                 sync: GradSync, grads: WindowGradients, max_grad_norm: Optional[float],
+                 compute_grad_norm: bool, nonfinite: str, device: torch.device) -> None:
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.precision, self.sync, self.grads = precision, sync, grads
+        self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
+        self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
+        self.counters = Counters()
+        self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        #: counted by ``Accumulator.request_stop`` (maybe from a signal handler); each new request is
+        #: carried to every rank by the next boundary's all-reduce
+        self.stop_requests = 0
+        self._stops_carried = 0
+        #: whether the first reduced gradient is still to be compared across ranks (see check_replicas)
+        self.verify_replicas = sync.replicated_grads
+        self._warned: set = set()
+
+    def finish(self, totals: WindowTotals) -> Outcome:
+        """Reduce, unscale, measure, decide, clip, step; the window's gradients are cleared after."""
+        self.grads.close()
+        self.precision.unscale_(self.optimizer)
+        grads = self.grads.tensors()
+        if self.verify_replicas:
+            self.verify_replicas = False
+            try:
+                check_replicas(grads, self.sync, self.device)
+            except BaseException:
+                self.grads.clear()
+                raise
+        loss_sum, num_items, raw_norm, peers_can_pad, stop = self._host_numbers(totals, grads)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        scale = boundary_scale(totals.reference, num_items)
+        grad_norm = raw_norm * scale if raw_norm is not None else None
+        decision = verdict(loss_sum, num_items, grad_norm, nonfinite=self.nonfinite,
+                           has_scaler=self.precision.scaler is not None)
+        try:
+            if decision is Verdict.STEP:
+                self._step(grads, scale * clip_coefficient(grad_norm, self.max_grad_norm), loss_sum / num_items)
+            else:
+                self._skip(decision, loss_sum, grad_norm, totals.ran)
+        finally:
+            self.grads.clear()
+        return Outcome(loss_sum, num_items, grad_norm, decision is not Verdict.STEP, lr, self.counters.steps,
+                       peers_can_pad, stop)
+
+    def _host_numbers(self, totals: WindowTotals, grads: List[torch.Tensor]) -> tuple:
+        """``(loss sum, N, raw norm or None, every rank can pad, a stop was asked)`` on the host, from
+        one small all-reduce (across ranks, or when a count is a tensor) and the window's one host
+        synchronisation. Across ranks the all-reduce also sums the can-pad and stop flags, so the
+        next window needs no agreement and a stop reaches every rank at the same window."""
+        requests = self.stop_requests  # read once: a request made after this waits for the next window
+        stop, self._stops_carried = requests > self._stops_carried, requests
+        if self.sync.distributed or totals.device_items is not None:
+            items = totals.loss_sum.new_tensor(totals.host_items)
+            if totals.device_items is not None:
+                items = items + totals.device_items
+            flags = totals.loss_sum.new_tensor([1.0 if totals.can_pad else 0.0, 1.0 if stop else 0.0])
+            parts = [self.sync.all_reduce_(torch.cat([torch.stack([totals.loss_sum, items]), flags])).to(torch.float64)]
+        else:  # the count is a host number already: only the loss sum crosses to the host
+            parts = [totals.loss_sum.reshape(1)]
+        if self.measure:
+            parts.append(total_norm(grads, self.device).reshape(1).to(device=parts[0].device, dtype=parts[0].dtype))
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the window's one host sync
+        raw_norm = host.pop() if self.measure else None
+        if len(host) == 1:
+            return host[0], totals.host_items, raw_norm, True, stop
+        return host[0], host[1], raw_norm, host[2] >= self.sync.world_size, host[3] > 0
+
+    def _step(self, grads: List[torch.Tensor], coef: float, loss: float) -> None:
+        if grads and coef != 1.0:
+            torch._foreach_mul_(grads, coef)
+        self.grads.write_back()
+        self.precision.step(self.optimizer)
+        self.counters.steps += 1  # counted before the scheduler, which may raise after the step
+        if self.scheduler is not None:
+            if self.steps_on_loss:
+                self.scheduler.step(loss)  # ReduceLROnPlateau: the window's loss is the metric
+            else:
+                self.scheduler.step()
+
+    def _skip(self, decision: Verdict, loss_sum: float, grad_norm: Optional[float], ran: bool) -> None:
+        if decision is Verdict.RAISE:
+            raise FloatingPointError(
+                f"the window's {'gradient' if math.isfinite(loss_sum) else 'loss'} is not finite "
+                f"(loss sum {loss_sum}, gradient norm {grad_norm}); no step was taken and the "
+                "gradients were cleared. Lower the learning rate, use max_grad_norm, or pass "
+                "nonfinite='skip' to skip such windows"
+            )
+        self.counters.skipped += 1
+        if decision is Verdict.SKIP_EMPTY and ran:
+            self._warn_once("no_items", "a window counted 0 items (e.g. every label is the ignore_index): it has "
+                            "no loss to step on, so it was skipped; its StepResult.loss is nan")
+        elif decision is Verdict.SKIP_NONFINITE and self.precision.scaler is None:
+            self._warn_once("nonfinite", f"a window's {'gradient' if math.isfinite(loss_sum) else 'loss'} was not "
+                            "finite, so it was skipped (no step; StepResult.skipped is True, acc.skipped counts "
+                            "them). Lower the learning rate, use max_grad_norm, or pass nonfinite='raise' to stop")
+        self.precision.skip()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=6)
+
+
+def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.device) -> None:
+    """After the first window's reduction, the ranks' gradients must be equal: compare a fingerprint
+    (the sum of the per-parameter norms, and a position-weighted sum) across ranks, once.
+
+    A ``loss_fn`` that runs the inner module (``ddp.module``, or Lightning's ``self.net`` under
+    manual optimization) bypasses DDP's forward, which is where DDP prepares its reduction: the
+    backward then reduces nothing, each rank steps on its own gradient, and the replicas drift apart
+    without a word. Every rank sees every fingerprint, so every rank raises alike. The cost: one
+    pass over the gradient, one all-gather of two numbers and one host synchronisation, once.
+    """
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
+        weights = torch.arange(1, len(grads) + 1, dtype=torch.float64, device=norms.device)
+        mine = torch.stack([norms.sum(), (norms * weights).sum()])
+    else:
+        mine = torch.zeros(2, dtype=torch.float64, device=device)
+    rows = sync.all_gather(mine.to(device)).tolist()
+    first = rows[0]
+    if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(first, row)):
+        raise RuntimeError(
+            "the ranks' gradients differ after the window's reduction (gradient fingerprints per rank: "
+            f"{[round(r[0], 8) for r in rows]}), so DistributedDataParallel never reduced them: each rank "
+            "would step on its own gradient and the replicas would drift apart. loss_fn must run the model "
+            "it is given (the DDP-wrapped one), not the module inside it (ddp.module, or self.net inside a "
+            "LightningModule); in Lightning use gradaccum.integrations.lightning.ExactAccumulation, which "
+            "keeps Lightning's own DDP forward. No step was taken"
+        )
+
+
+def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The gradient's total 2-norm: one fused pass for plain tensors on one device (the common case,
+    without get_total_norm's per-call grouping); DTensors and mixed devices take the general path."""
+    if not grads:
+        return torch.zeros((), device=device)
+    if hasattr(torch, "_foreach_norm") and all(type(g) is torch.Tensor and g.device == device for g in grads):
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    norm = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
+        else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return full_tensor(norm)

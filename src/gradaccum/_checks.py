@@ -1,0 +1,117 @@
+"""Argument checks shared by the library and the command line.
+
+Each check raises before anything changes, with a message that names the argument, the value and
+the fix. The command line passes its flag names (``--accum-steps``) as ``name``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+__all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count", "callable_loss_fn",
+           "scalar_loss", "split_loss_output", "as_number", "training_batchnorms"]
+
+#: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
+Count = Union[int, float, torch.Tensor]
+
+
+def _is_int_from(value: Any, minimum: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum  # True is no int here
+
+
+def check_int(flag: str, value: Any, minimum: int = 1, *, maximum: Optional[int] = None, extra: str = "") -> None:
+    """The command line's integer flags: ``--accum-steps must be an integer >= 1, got 0``."""
+    bad = not _is_int_from(value, minimum)
+    if not bad and maximum is not None and value > maximum:
+        raise ValueError(f"{flag} must be an integer from {minimum} to {maximum}, got {value!r}{extra}")
+    if bad:
+        want = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{flag} must be an integer {want}{extra}, got {value!r}")
+
+
+def positive_int(name: str, value: Any, *, hint: str = "") -> int:
+    """``value`` if it is an int >= 1 (the library's arguments: ``epochs must be a positive int``)."""
+    if not _is_int_from(value, 1):
+        raise ValueError(f"{name} must be a positive int, got {value!r}{hint}")
+    return value
+
+
+def non_negative_int(name: str, value: Any, *, hint: str = "") -> int:
+    """``value`` if it is an int >= 0; ``hint`` follows the name (``" (e.g. len(loader))"``)."""
+    if not _is_int_from(value, 0):
+        raise ValueError(f"{name} must be an int >= 0{hint}, got {value!r}")
+    return value
+
+
+def positive_number(name: str, value: Any, *, what: str = "a positive finite number", hint: str = "") -> float:
+    """``value`` as a float if it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be {what}, got {value!r}{hint}")
+    return float(value)
+
+
+def item_count(name: str, value: Any) -> Count:
+    """A count of items: a finite number >= 0, or a one-element tensor (left on its device, unchecked:
+    checking its value would synchronise with the device)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (how many items the loss is a mean over), "
+                         f"got {value!r}")
+    return value
+
+
+def as_number(count: Count) -> float:
+    """A count as a Python float (a tensor count synchronises with its device)."""
+    return float(count.item()) if isinstance(count, torch.Tensor) else float(count)
+
+
+def callable_loss_fn(loss_fn: Any) -> None:
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
+
+
+def split_loss_output(out: Any, count: Count) -> Tuple[Any, Count]:
+    """``loss_fn``'s output -> (mean loss, item count). A bare loss counts ``count``: the micro-batch's
+    leading dimension, or what a ``num_items`` counter said. The loss itself is checked by
+    :func:`scalar_loss`."""
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        return out[0], item_count("the count returned by loss_fn", out[1])
+    if isinstance(out, torch.Tensor):
+        return out, count
+    raise TypeError(
+        f"loss_fn must return a scalar tensor (the mean loss over the micro-batch) or a pair "
+        f"(mean_loss, num_items), got {type(out).__name__}"
+    )
+
+
+def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", where: str) -> torch.Tensor:
+    """A scalar loss that requires grad, or an error that says how to get one. ``subject`` opens the
+    message (``"loss_fn must return a scalar loss"``); ``where`` names what the loss is computed
+    inside, for the fix (``"window.micro_batch()"``)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"{subject} (the mean over the micro-batch's items), got {shape}; "
+            "reduce it with .mean() or return (mean_loss, num_items)"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "loss does not require grad: it was computed under torch.no_grad(), detached, or from "
+            f"a model with no trainable parameter. Compute it from the model's output inside {where}, "
+            "without .detach() or .item()"
+        )
+    return loss
+
+
+def training_batchnorms(model: nn.Module) -> List[str]:
+    """Names of the BatchNorm layers in training mode: their statistics are per micro-batch, so
+    accumulation over them is not one big batch."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]

@@ -1,0 +1,100 @@
+"""Where a window's gradient lives: the parameters' ``.grad``, or float32 accumulation buffers.
+
+Summing N bf16 gradients in bf16 rounds N times to 8 bits of mantissa, so the error of the window's
+gradient grows with N. With buffers (``Accumulator(accum_dtype=torch.float32)``), each micro-batch's
+gradient is folded into a float32 tensor right after its backward (a post-accumulate-grad hook), the
+bf16 ``.grad`` is dropped at once, and at the boundary the normalized float32 sum is rounded to the
+parameter's dtype exactly once::
+
+    buffer  = sum_k float32(grad_k)          (one rounding per micro-batch at most, in float32)
+    p.grad  = dtype(buffer * scale)          (one rounding to bf16, for the optimizer)
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+__all__ = ["AccumulationBuffers", "WindowGradients"]
+
+
+class AccumulationBuffers:
+    """Per-parameter float buffers, filled by hooks only while a window is open."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], dtype: torch.dtype) -> None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"accum_dtype must be a floating dtype such as torch.float32, got {dtype}")
+        self.dtype = dtype
+        self.params = [p for p in params if p.dtype != dtype]
+        self._buffers: Dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.active = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._fold)
+
+    def _fold(self, p: torch.Tensor) -> None:
+        if not self.active or p.grad is None:
+            return
+        buf = self._buffers.get(p)  # type: ignore[call-overload]
+        if buf is None:
+            self._buffers[p] = p.grad.to(self.dtype)  # type: ignore[index]
+        else:
+            buf.add_(p.grad)
+        p.grad = None  # the low-precision gradient lives only until its hook
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The buffers holding gradient, in parameter order."""
+        return [self._buffers[p] for p in self.params if p in self._buffers]
+
+    def write_grads_(self) -> None:
+        """Hand the optimizer each buffer rounded once to its parameter's dtype."""
+        for p in self.params:
+            buf = self._buffers.get(p)
+            if buf is not None:
+                p.grad = buf.to(p.dtype)
+        self._buffers.clear()
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+class WindowGradients:
+    """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
+        self.params = list(params)
+        self.buffers = buffers
+
+    def open(self) -> None:
+        """A window opens: stale gradients would leak into it."""
+        self.clear()
+        if self.buffers is not None:
+            self.buffers.active = True
+
+    def close(self) -> None:
+        if self.buffers is not None:
+            self.buffers.active = False
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The tensors holding the window's gradient (the buffers, or the ``.grad`` that exist)."""
+        if self.buffers is not None:
+            return self.buffers.tensors()
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def materialized(self) -> List[torch.Tensor]:
+        """Every parameter's ``.grad``, zeros where none was made (for an explicit reduction)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]  # type: ignore[misc]
+
+    def write_back(self) -> None:
+        """Before the optimizer step: buffers rounded once into ``.grad``."""
+        if self.buffers is not None:
+            self.buffers.write_grads_()
+
+    def clear(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.buffers is not None:
+            self.buffers.clear()

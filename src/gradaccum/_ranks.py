@@ -1,0 +1,196 @@
+"""When ranks talk about a window, and the reference count R: the one owner of both.
+
+**Agreement.** Under data parallelism every rank must run a forward in each window (DDP and FSDP2
+run collectives in forward), and under FSDP2 (or ``reduce_every_micro_batch``) every rank must run
+as many micro-batches as the busiest. When a window opens, the ranks exchange how many micro-batches
+and items each holds (one small all-gather): a rank with fewer pads with zero-weight repeats of a
+micro-batch it ran before (:attr:`RankAgreement.replay`), or, where it cannot, every rank raises the
+same error, so none waits in a collective.
+
+**Asking only when a rank can differ.** The agreement is skipped when every rank can know the
+counts without asking: a :class:`~gradaccum.WindowSampler` knows every rank's share of every window
+(:meth:`RankAgreement.known_plan`); and under DDP, once every rank has a micro-batch to pad with
+(learned at the previous boundary, whose one all-reduce carries that flag), a rank decides alone: it
+runs its own micro-batches, or one zero-weight repeat when it has none (:meth:`RankAgreement.local_plan`).
+So in the steady state a window costs one small collective (the boundary's) and no host
+synchronisation before its first forward. FSDP2, ``reduce_every_micro_batch`` and hand-written
+windows opened without ``pad=True`` still ask, since a rank there can differ in a way the others
+must know before the first forward.
+
+**R** (see :mod:`gradaccum._boundary` for the maths) must be the same on every rank. When every
+rank knew its items before the first backward, R = N, the window's global count, from the
+sampler's shares or (the first window) from the agreement. Other windows use the previous window's
+global count (every rank learned it at that boundary), whether they asked or not, so a resumed
+process rounds as the uninterrupted one did: equal windows get R = N and no scaling pass, others an
+exact correction. Otherwise R is fixed once, at its first use, by a max
+all-reduce of the first count, and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
+of sequences), the last window's ratio of the two (:attr:`RankAgreement.count_ratio`) keeps R near
+the count the backward really divides, which is what fp16's loss scale needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from ._checks import Count, as_number
+from .batching import Batch, leading_dim
+from .sync import GradSync
+
+__all__ = ["WindowPlan", "RankAgreement", "padded_count"]
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """What every rank agreed on when a window opened.
+
+    Attributes:
+        micro_batches: this rank's micro-batches.
+        most, fewest: the largest and smallest count on any rank.
+        items: the window's global item count when every rank knew its own before the first
+            backward (then it is R, and the boundary scale is 1); else None.
+        asked: the ranks exchanged counts for this plan (an all-gather), rather than knowing them.
+    """
+
+    micro_batches: int
+    most: int
+    fewest: int
+    items: Optional[float]
+    asked: bool = False
+
+
+def padded_count(count: int, most: int, equal_counts: bool) -> int:
+    """How many micro-batches a rank runs when the busiest runs ``most``: as many under syncs with a
+    collective in every micro-batch, else at least one (DDP's forward collectives).
+
+    >>> padded_count(0, 3, equal_counts=False), padded_count(1, 3, equal_counts=True), padded_count(0, 0, False)
+    (1, 3, 0)
+    """
+    if equal_counts:
+        return most
+    return max(count, 1) if most > 0 else 0
+
+
+class RankAgreement:
+    """The window's agreement across ranks, the reference count R and the padding micro-batch."""
+
+    def __init__(self, sync: GradSync, device: torch.device) -> None:
+        self.sync, self.device = sync, device
+        #: R for windows whose item count is not known up front
+        self.reference_items: Optional[float] = None
+        #: items loss_fn counted per item counted up front, in the last window (1.0 when they agree)
+        self.count_ratio = 1.0
+        #: the last micro-batch this rank ran, repeated with zero weight where it has none
+        self.replay: Optional[Batch] = None
+        #: the previous window's global item count (the same on every rank): R for unasked windows
+        self.last_items: Optional[float] = None
+        #: every rank could pad at the last boundary: a DDP rank may then plan its window alone
+        self.peers_can_pad = False
+
+    def set_replay(self, micro_batch: Batch) -> None:
+        leading_dim(micro_batch, argument="micro_batch")
+        self.replay = micro_batch
+
+    def local_plan(self, num_micro_batches: int, num_items: Optional[Count], *, can_pad: bool) -> Optional[WindowPlan]:
+        """A plan this rank can make alone, or None when the ranks must agree first."""
+        n = num_micro_batches
+        if not self.sync.distributed:
+            return WindowPlan(n, n, n, None if num_items is None else as_number(num_items))
+        if self.sync.needs_equal_counts or not can_pad or not self.peers_can_pad:
+            return None
+        return WindowPlan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
+
+    def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float]) -> Optional[WindowPlan]:
+        """The plan from every rank's micro-batch count, known without asking (a WindowSampler), or
+        None when some rank must pad and may not be able to (then the ranks ask, and refuse together)."""
+        most, fewest = max(counts), min(counts)
+        pads = any(padded_count(c, most, self.sync.needs_equal_counts) > c for c in counts)
+        if pads and not self.peers_can_pad:
+            return None
+        return WindowPlan(mine, most, fewest, items)
+
+    def agree(self, num_micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
+        """Every rank's micro-batch count and up-front item count, from one small all-gather."""
+        if not self.sync.distributed:
+            items = None if num_items is None else as_number(num_items)
+            return WindowPlan(num_micro_batches, num_micro_batches, num_micro_batches, items)
+        known = num_items is not None
+        mine = torch.tensor([float(num_micro_batches), 0.0 if num_items is None else as_number(num_items),
+                             1.0 if known else 0.0, 1.0 if can_pad else 0.0],
+                            dtype=torch.float64 if self.device.type != "mps" else torch.float32,
+                            device=self.device)
+        rows = self.sync.all_gather(mine).tolist()  # the agreement's one host synchronisation
+        counts = [int(r[0]) for r in rows]
+        plan = WindowPlan(num_micro_batches, max(counts), min(counts),
+                          sum(r[1] for r in rows) if all(r[2] for r in rows) else None, asked=True)
+        stuck = [r for r, row in enumerate(rows)
+                 if padded_count(int(row[0]), plan.most, self.sync.needs_equal_counts) > row[0] and not row[3]]
+        if stuck:  # every rank sees the same rows: every rank raises, none waits in a collective
+            raise ValueError(
+                f"{type(self.sync).__name__} needs every rank to run "
+                f"{'as many micro-batches as the busiest' if self.sync.needs_equal_counts else 'a forward'} in "
+                f"each window (collectives run in forward), but rank(s) {stuck} run fewer "
+                f"({', '.join(str(int(rows[r][0])) for r in stuck)} of up to {plan.most}) and cannot pad: in "
+                "a hand-written loop open the window with acc.window(n, pad=True) and run window.padding "
+                "zero-weight micro-batches (window.backward_padding); with step()/train(), a rank with no "
+                "data yet needs acc.set_padding(micro_batch)"
+            )
+        return plan
+
+    def padding(self, plan: WindowPlan) -> int:
+        """Zero-weight micro-batches this rank runs on top of its own, by the agreement."""
+        if plan.most == plan.fewest:
+            return 0
+        return max(0, padded_count(plan.micro_batches, plan.most, self.sync.needs_equal_counts) - plan.micro_batches)
+
+    def window_reference(self, plan: Optional[WindowPlan], num_items: Optional[Count]) -> Optional[float]:
+        """R for a window, the same on every rank, chosen in this order:
+
+        1. across ranks, a window whose plan was asked for once a previous window's global count is
+           known: that count (as an unasked window would take; so whether a window asked, which a
+           fresh process always does first, never changes the rounding, and a resume is bit-identical);
+        2. the window's global count known up front (the sampler's shares, the first agreement, or
+           one process's own count): N, times the last window's ratio of the items ``loss_fn``
+           counted to those counted up front (1 when they are the same items: then R = N exactly);
+        3. across ranks, a window planned alone: the previous window's global count;
+        4. None: R is fixed at the first backward (:meth:`reference_for`).
+        """
+        across = self.sync.distributed
+        if plan is None:  # a window opened without a size: only one process knows its count
+            return as_number(num_items) if num_items is not None and not across else None
+        if across and self.last_items and (plan.asked or plan.items is None):  # cases 1 and 3
+            return self.last_items
+        if plan.items is not None and plan.items > 0:  # case 2
+            return plan.items * self.count_ratio
+        return None
+
+    def reference_for(self, items: Count) -> float:
+        """R for windows whose count is not known up front, fixed at its first use (one host sync
+        and, across ranks, one max all-reduce, once)."""
+        if self.reference_items is None:
+            ref = max(as_number(items), 1.0)
+            if self.sync.distributed:
+                ref = float(self.sync.all_reduce_(torch.tensor([ref], device=self.device), "max").item())
+            self.reference_items = ref
+        return self.reference_items
+
+    def observe(self, plan: Optional[WindowPlan], num_items: float, peers_can_pad: bool) -> None:
+        """After the boundary: the same global numbers on every rank give the same ratio and R."""
+        upfront = plan.items if plan is not None else None
+        if upfront and num_items > 0:
+            self.count_ratio = num_items / upfront
+        if self.sync.distributed:
+            if num_items > 0:
+                self.last_items = num_items
+            self.peers_can_pad = peers_can_pad
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"reference_items": self.reference_items, "count_ratio": self.count_ratio,
+                "last_items": self.last_items}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.reference_items = state.get("reference_items")
+        self.count_ratio = float(state.get("count_ratio", 1.0))
+        self.last_items = state.get("last_items")

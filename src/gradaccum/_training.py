@@ -1,0 +1,172 @@
+"""``Accumulator.train``: a loader's micro-batches -> windows -> one step each, epoch after epoch.
+
+Windows come from the loader's :class:`~gradaccum.WindowSampler` (it knows where every global window
+ends and which micro-batches are this rank's) or from ``accum_steps`` consecutive micro-batches.
+``epochs=E`` trains E epochs from where training stands: the sampler's position (a finished epoch
+moves on to the next; a resumed one is finished first), else the epoch counter, so calling ``train``
+once per epoch trains one new epoch each time (and tells the sampler which). ``acc.epoch`` counts the
+finished epochs (saved in ``acc.state_dict()``): a run of E epochs resumed from a checkpoint goes on
+with ``epochs=E - acc.epoch``.
+
+Over a WindowSampler no rank asks anything: every rank knows every share. Over a plain loader,
+whose ranks may run out at different windows, the ranks agree at every window (one small
+all-gather; under ``micro_batch_size="auto"`` the back-off asks once more): while any rank has
+micro-batches left, every rank opens the window, a rank whose data ran out
+repeating its last micro-batch with zero weight and so contributing no items. Every rank takes the
+same steps and each step is exact on the items that exist; when no rank has any left, the epoch ends
+on all of them together.
+
+Every window runs through :func:`gradaccum._window.run_window`, the entry point ``Accumulator.step``
+uses; with ``micro_batch_size="auto"`` through the same out-of-memory back-off as ``step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import islice
+from typing import Any, Iterable, Iterator, List, Optional
+
+from ._autosize import AutoMicroBatch
+from ._boundary import Counters
+from ._checks import positive_int
+from ._window import CountFn, LossFn, WindowContext, count_items, run_window
+from .batching import Batch, concat_batches, slice_batch
+from .result import StepResult
+from .sampler import WindowSampler
+from .schedule import AccumSchedule, AccumSteps
+
+__all__ = ["TrainSpec", "train_windows"]
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """``train()``'s arguments, checked."""
+
+    loss_fn: LossFn
+    accum_steps: Optional[AccumSteps]
+    epochs: int
+    drop_last: bool
+    num_items: Optional[CountFn]
+    auto: Optional[AutoMicroBatch]  # set for micro_batch_size="auto"
+
+
+def window_sampler(loader: Any) -> Optional[WindowSampler]:
+    """The loader's WindowSampler, or None. One wrapped in another batch sampler is refused: the
+    wrapper (Accelerate's BatchSamplerShard from ``accelerator.prepare``) would shard each rank's
+    share again, and part of the data would never be seen."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(batch_sampler, WindowSampler):
+        return batch_sampler
+    inner, depth = batch_sampler, 0
+    while inner is not None and depth < 4:
+        inner, depth = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler", None), depth + 1
+        if isinstance(inner, WindowSampler):
+            raise ValueError(
+                f"the loader's WindowSampler is wrapped in a {type(batch_sampler).__name__}, which shards "
+                "it again (accelerator.prepare does this), so each rank would see only part of its share: "
+                "the WindowSampler already gives every rank its share, so do not pass this DataLoader to "
+                "accelerator.prepare; move each micro-batch to the device in loss_fn instead"
+            )
+    return None
+
+
+def train_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], spec: TrainSpec) -> Iterator[StepResult]:
+    """Validate everything up front (nothing runs before the first ``next()`` otherwise), then loop.
+    ``counters`` are the Accumulator's (their ``epoch`` advances here)."""
+    positive_int("epochs", spec.epochs)
+    sampler = window_sampler(loader)
+    if sampler is not None:
+        if spec.accum_steps is not None:
+            raise ValueError(
+                f"accum_steps={spec.accum_steps!r} was given, but the loader's WindowSampler already cuts the "
+                "epoch into windows of global_batch_size items: drop accum_steps"
+            )
+        if spec.drop_last:
+            raise ValueError("drop_last=True was given, but the loader's WindowSampler decides about the "
+                             "short last window: construct it with WindowSampler(..., drop_last=True)")
+        return _sampler_windows(ctx, counters, loader, sampler, spec)
+    if spec.accum_steps is None:
+        raise ValueError("accum_steps is required (micro-batches per window, e.g. accum_steps=4) unless the "
+                         "loader's batch_sampler is a gradaccum.WindowSampler, which cuts the windows")
+    return _grouped_windows(ctx, counters, loader, AccumSchedule(spec.accum_steps), spec)
+
+
+def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, **run: Any) -> StepResult:
+    """One window: through the out-of-memory back-off under "auto", else as it comes."""
+    if spec.auto is not None:
+        if pending:
+            batch = concat_batches(pending)
+        elif ctx.ranks.replay is not None:  # an empty share: zero items, shaped like a micro-batch it ran
+            batch = slice_batch(ctx.ranks.replay, 0, 0)
+        else:
+            raise ValueError("this rank's share of the window is empty and it has run no micro-batch yet: "
+                             "give it one to pad with, acc.set_padding(micro_batch)")
+        result = spec.auto.step(batch,
+                                lambda mbs, size: run_window(ctx, mbs, spec.loss_fn,
+                                                             count_items(mbs, spec.num_items)[0],
+                                                             micro_batch_size=size, catch_oom=True))
+    else:
+        result = run_window(ctx, pending, spec.loss_fn, count_items(pending, spec.num_items)[0], **run)
+    assert result is not None
+    return result
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if callable(getattr(holder, "set_epoch", None)):
+            holder.set_epoch(epoch)
+            return
+
+
+def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], schedule: AccumSchedule,
+                     spec: TrainSpec) -> Iterator[StepResult]:
+    start = counters.epoch
+    for epoch in range(start, start + spec.epochs):
+        _set_epoch(loader, epoch)
+        n = schedule(epoch)
+        batches = iter(loader)
+        window = 0
+        while True:
+            pending: List[Batch] = list(islice(batches, n))
+            counts, total = count_items(pending, spec.num_items)  # checks every micro-batch, before any forward
+            plan = ctx.ranks.agree(len(pending), total, bool(pending) or ctx.ranks.replay is not None)
+            if plan.most == 0:
+                break  # no rank has any micro-batch left
+            if spec.drop_last and plan.fewest < n:
+                break  # the short last window (on some rank) is dropped on every rank
+            if spec.auto is not None:
+                result = _step(ctx, pending, spec)
+            else:
+                result = run_window(ctx, pending, spec.loss_fn, counts, plan=plan)
+                assert result is not None
+            yield replace(result, accum_steps=n, epoch=epoch, window=window)
+            window += 1
+        counters.epoch = epoch + 1
+
+
+def _sampler_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], sampler: WindowSampler,
+                     spec: TrainSpec) -> Iterator[StepResult]:
+    start = sampler.epoch + (1 if sampler.start_window >= sampler.num_windows else 0)
+    for epoch in range(start, start + spec.epochs):
+        sampler.set_epoch(epoch)
+        first = sampler.start_window
+        sizes = sampler.window_sizes()  # this rank's micro-batches in each remaining window
+        batches = iter(loader)
+        for offset, size in enumerate(sizes):
+            pending = list(islice(batches, size))
+            if len(pending) != size:
+                raise RuntimeError(f"the loader yielded {len(pending)} micro-batches for window "
+                                   f"{first + offset} of epoch {epoch}, its WindowSampler planned {size}")
+            if spec.auto is None:  # every rank's share is known: no agreement to ask for
+                m = sampler.micro_batch_size
+                shares = sampler.shares(first + offset)
+                plan = ctx.ranks.known_plan(size, [-(-s // m) for s in shares],
+                                            float(sum(shares)) if spec.num_items is None else None)
+                result = _step(ctx, pending, spec, plan=plan)
+            else:
+                result = _step(ctx, pending, spec)
+            sampler.advance()  # the position a checkpoint saves: this window is done
+            if offset == len(sizes) - 1:
+                counters.epoch = epoch + 1  # finished, also in a checkpoint taken at this step
+            yield replace(result, accum_steps=size, epoch=epoch, window=first + offset)
+        counters.epoch = epoch + 1

@@ -1,0 +1,246 @@
+"""Runs shared by the in-process tests (test_lightning.py, test_hf_trainer.py) and the torchrun worker
+(worker.py): a framework trains a tiny float64 causal LM on padded micro-batches of uneven sizes, and
+a float64 reference steps once per window on the union of every rank's micro-batches of that window.
+
+Data: ``rank_micro_batches(rank, world, sizes)`` gives each rank its own micro-batches (sequence
+counts from ``sizes``, lengths 3-30, each padded to its own longest). No DistributedSampler anywhere:
+every rank is handed exactly its list (Lightning: ``use_distributed_sampler=False``, each rank its own
+DataLoader; HF Trainer: one dataset interleaving the ranks' lists, which its sampler deals back one
+item per rank in turn), so the reference knows what each window held on every rank. The number of micro-batches is not a multiple of the accumulation: the last window is short.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from gradaccum import causal_lm_loss, count_targets
+from hf_helpers import pad, unpad
+
+Batch = Dict[str, torch.Tensor]
+LR = 0.1
+
+# micro-batch sizes (sequences) per rank; 7 micro-batches with accumulation 3: windows 3, 3, 1
+SIZES = {0: [2, 3, 1, 2, 3, 1, 2], 1: [3, 1, 2, 2, 1, 3, 2]}
+ACCUM = 3
+
+
+def float64_rmsnorm(model: nn.Module) -> nn.Module:
+    """Llama's RMSNorm computes in float32 even in a float64 model. Under Lightning, whose loop shows
+    a window's count only after its backwards, that float32 island rounds ``grad * W / R`` instead of
+    the big batch's ``grad / N`` (about 1e-7 relative); this variant computes it in the input dtype,
+    so the test isolates the weighting. Returns the model, changed in place."""
+    import types
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(forward, module)
+    return model
+
+
+class PlainForward(nn.Module):
+    """A model whose ``forward(input_ids, attention_mask, labels)`` takes no ``**kwargs``, as custom
+    models do: the stock Trainer then cannot pass ``num_items_in_batch`` and divides by the steps."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> Any:
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def stock(model: nn.Module) -> nn.Module:
+    """As the model class builds it: hf_helpers sets ``loss_type`` so the stock Trainer counts shifted
+    targets; a ``GPT2LMHeadModel(config)`` has ``loss_type`` None, which this restores."""
+    model.loss_type = None
+    return model
+
+
+def rank_micro_batches(rank: int, sizes: Sequence[int], seed: int = 0) -> List[Batch]:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    out = []
+    for n in sizes:
+        lengths = torch.randint(3, 31, (n,), generator=g).tolist()
+        out.append(pad([torch.randint(1, 50, (k,), generator=g) for k in lengths]))
+    return out
+
+
+def windows_of(per_rank: Sequence[Sequence[Batch]], accum: int) -> List[List[torch.Tensor]]:
+    """Every window's sequences, over all ranks: what one big batch per step holds."""
+    steps = -(-len(per_rank[0]) // accum)
+    return [[s for mbs in per_rank for mb in mbs[w * accum:(w + 1) * accum] for s in unpad(mb)]
+            for w in range(steps)]
+
+
+def make_optimizer(params) -> tuple:
+    # SGD with momentum: a uniformly mis-scaled gradient (the stock Trainer's 0.943x) moves the
+    # parameters by as much less; Adam would divide most of it away
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))  # a schedule that matters
+    return opt, sched
+
+
+def lm_logits(model: nn.Module, mb: Batch) -> torch.Tensor:
+    return model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+
+
+def reference(model: nn.Module, windows: Sequence[Sequence[torch.Tensor]], clip: Optional[float] = None,
+              epochs: int = 1) -> nn.Module:
+    """One float64 step per window: mean over every target of the window, backward, clip, step."""
+    model = copy.deepcopy(model)
+    opt, sched = make_optimizer(model.parameters())
+    model.window_losses = []  # the mean loss of every step, to compare with what the frameworks log
+    for _ in range(epochs):
+        for window in windows:
+            opt.zero_grad(set_to_none=True)
+            mb = pad(window)
+            loss = causal_lm_loss(lm_logits(model, mb), mb["labels"])[0]
+            model.window_losses.append(loss.item())
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            sched.step()
+    return model
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def params_close(a: nn.Module, b: nn.Module) -> Optional[str]:
+    """None when every parameter matches at rtol 1e-10, else the first mismatch."""
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        try:
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+        except AssertionError as e:
+            return f"{name}: {str(e).splitlines()[0]} (max diff {max_diff(a, b):.3e})"
+    return None
+
+
+def quiet() -> None:
+    """The frameworks' harmless notices on tiny CPU runs (few dataloader workers, no logger)."""
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+    warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()  # e.g. "loss_type=None ... Using the default loss"
+    except ImportError:
+        pass
+
+
+# -- Lightning ------------------------------------------------------------------------------------
+
+def lightning_module(model: nn.Module, *, return_count: bool = False):
+    import pytorch_lightning as pl
+
+    class LitLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.logged: List[float] = []
+
+        def training_step(self, batch: Batch, batch_idx: int) -> Any:
+            mean, n = causal_lm_loss(lm_logits(self.model, batch), batch["labels"])
+            self.log("train_loss", mean, batch_size=int(n))
+            self.logged.append(mean.item())
+            return (mean, n) if return_count else mean
+
+        def configure_optimizers(self) -> Any:
+            opt, sched = make_optimizer(self.parameters())
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return LitLM()
+
+
+def lightning_fit(model: nn.Module, micro_batches: Sequence[Batch], *, exact: bool, accum: int = ACCUM,
+                  clip: Optional[float] = None, world: int = 1, epochs: int = 1, return_count: bool = False,
+                  callbacks: Sequence[Any] = (), ckpt_path: Optional[str] = None, root: Optional[str] = None,
+                  checkpointing: bool = False):
+    """Train a copy of ``model`` with Lightning; returns (lightning module, trainer, callback)."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from gradaccum.integrations.lightning import ExactAccumulation
+
+    quiet()
+    lit = lightning_module(copy.deepcopy(model), return_count=return_count)
+    exact_cb = None
+    cbs = list(callbacks)
+    if exact:
+        exact_cb = ExactAccumulation() if return_count else ExactAccumulation(
+            num_items=lambda b: count_targets(b["labels"]))
+        cbs.append(exact_cb)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=epochs,
+        accumulate_grad_batches=accum, gradient_clip_val=clip, callbacks=cbs, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpointing,
+        use_distributed_sampler=False, default_root_dir=root or tempfile.mkdtemp(prefix="gradaccum-pl-"),
+        num_sanity_val_steps=0, deterministic=False)
+    loader = DataLoader(list(micro_batches), batch_size=None, shuffle=False)
+    trainer.fit(lit, loader, ckpt_path=ckpt_path)
+    return lit, trainer, exact_cb
+
+
+# -- Hugging Face Trainer -----------------------------------------------------------------------------
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.items = list(items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+
+def interleaved(per_rank: Sequence[Sequence[Batch]]) -> List[Batch]:
+    """Rank 0's first micro-batch, rank 1's first, rank 0's second, ...: the Trainer's distributed
+    sampler (batch size 1, not split) deals item i to rank i % W, so each rank gets exactly its own list.
+    Every rank holds as many micro-batches, so the length is a multiple of W and nothing is padded or
+    duplicated; window w on all ranks is items [w A W, (w + 1) A W)."""
+    return [mbs[k] for k in range(len(per_rank[0])) for mbs in per_rank]
+
+
+def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool, accum: int = ACCUM,
+           clip: Optional[float] = None, epochs: int = 1, out: Optional[str] = None,
+           save: bool = False, resume: Optional[str] = None, max_steps: int = -1,
+           trainer_cls: Optional[type] = None):
+    """Train a copy of ``model`` with the HF Trainer, one pre-padded micro-batch per dataset item
+    (``per_device_train_batch_size=1`` and a collator that unwraps), so micro-batches keep their
+    uneven sizes and paddings; sequential order (``train_sampling_strategy="sequential"``)."""
+    from transformers import Trainer, TrainingArguments
+
+    from gradaccum.integrations.hf_trainer import ExactTrainer
+
+    quiet()
+    cls = trainer_cls or (ExactTrainer if exact else Trainer)
+    model = copy.deepcopy(model)
+    opt, sched = make_optimizer(model.parameters())
+    args = TrainingArguments(
+        output_dir=out or tempfile.mkdtemp(prefix="gradaccum-hf-"), per_device_train_batch_size=1,
+        gradient_accumulation_steps=accum, num_train_epochs=epochs, max_steps=max_steps,
+        max_grad_norm=clip if clip is not None else 0.0, report_to="none", logging_strategy="steps",
+        logging_steps=1, save_strategy="steps" if save else "no", save_steps=1, eval_strategy="no",
+        disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, train_sampling_strategy="sequential",
+        remove_unused_columns=False, seed=0, data_seed=0, ddp_find_unused_parameters=False)
+    trainer = cls(model=model, args=args, train_dataset=ListDataset(interleaved(per_rank)),
+                  optimizers=(opt, sched), data_collator=lambda items: items[0])
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # it prints every log line
+    trainer.train(resume_from_checkpoint=resume)
+    return model, trainer

@@ -1,0 +1,50 @@
+"""Lightning (strategy="ddp") and the HF Trainer under torchrun, 2 gloo processes on the CPU: the
+integration equals one float64 step per window on the union of both ranks' micro-batches (rtol 1e-10),
+the replicas are bit-identical, and the framework's own accumulation is off by more than 1e-6. The
+scenarios live in worker.py and run in one launch (Lightning and transformers import once)."""
+from __future__ import annotations
+
+import pytest
+
+from distributed.launch import ROOT, torchrun
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("transformers")
+pytest.importorskip("pytorch_lightning")
+
+WORKER = str(ROOT / "tests" / "integrations" / "worker.py")
+SCENARIOS = [
+    "lightning_ddp_gpt2_clipped",
+    "lightning_ddp_llama_float64_norm_clipped",
+    "hf_ddp_gpt2_stock_loss_type",
+    "hf_ddp_llama_plain_forward_clipped",
+]
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    proc = torchrun([WORKER], timeout=300)
+    lines = {}
+    for line in proc.stdout.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("PASS", "FAIL"):
+            lines[rest.split(":")[0]] = (status, line)
+    return lines, proc
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(verdicts, name):
+    lines, proc = verdicts
+    assert name in lines, f"{name} did not report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    status, line = lines[name]
+    assert status == "PASS", f"{line}\n{proc.stderr[-3000:]}"
+
+
+def test_every_scenario_is_listed():
+    """A scenario added to the worker but not here would never be asserted."""
+    import ast
+
+    tree = ast.parse((ROOT / "tests" / "integrations" / "worker.py").read_text())
+    listed = next(node.value for node in tree.body if isinstance(node, ast.AnnAssign)
+                  and getattr(node.target, "id", None) == "SCENARIOS")
+    assert [k.value for k in listed.keys] == SCENARIOS
