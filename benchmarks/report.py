@@ -54,15 +54,15 @@ def overhead_section(r: Results) -> str:
     return f"""## 1. Overhead per window (MLP 784-512-512-10, N = 4, SGD with momentum, one thread)
 
 Five loops side by side in one run, {reps} repeats, the order rotated every repeat; each repeat times
-a block of windows ({blocks}). The hand loop is seed 003's: each micro-batch's `loss / N`,
+a block of windows ({blocks}). The hand loop is the plain PyTorch accumulation loop: each micro-batch's `loss / N`,
 backward, `step()`, `zero_grad()`. Milliseconds per window (medians):
 
 {ms}
 
 Ratios: the median of the per-repeat ratios (each against the baseline timed in the same repeat),
-with their interquartile range in brackets. Goals of issue #13: bare at most 1.03x the hand loop at
-micro-batch 8; with clipping at most 1.01x the hand loop plus `clip_grad_norm_(1.0)`; within 1.02x at
-micro-batch 256.
+with their interquartile range in brackets. The targets this library holds itself to: bare at most
+1.03x the hand loop at micro-batch 8; with clipping at most 1.01x the hand loop plus
+`clip_grad_norm_(1.0)`; within 1.02x at micro-batch 256.
 
 {ratios}
 
@@ -267,7 +267,8 @@ their order rotated every repeat, so that drift and the position in the sequence
 Memory is measured from the allocator (`gradaccum.memory.PeakMeter`), not estimated. A load average
 above zero at the start means other work shared the machine: the timings are then noisy, which the
 interquartile ranges of section 1 show. `BENCH_QUICK=1 make bench` is a smoke run of every section
-(about a minute); regenerate this page without it, on a quiet machine, before quoting it.
+(about a minute), written to `runs/bench-quick/` so that it never replaces this page; regenerate this
+page without it, on a quiet machine, before quoting it.
 Sections took: {durations}.
 
 {overhead_section(r)}

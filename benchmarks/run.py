@@ -1,4 +1,5 @@
-"""gradaccum benchmarks (`make bench`): writes docs/benchmarks.md, .json and .png from one run.
+"""gradaccum benchmarks (`make bench`): writes docs/benchmarks.md, .json and .png from one run
+(`BENCH_QUICK=1`: runs/bench-quick/ instead, so a smoke run never replaces the committed figures).
 
     make bench                       # the whole run, a few minutes on 2 cores
     BENCH_QUICK=1 make bench         # a smoke run of every section, about a minute
@@ -43,7 +44,8 @@ def _cuda() -> Any:
 
 def main() -> None:
     torch.set_num_threads(1)  # every figure with one thread: comparable, and less noise on a shared machine
-    DOCS.mkdir(exist_ok=True)
+    where = ROOT / "runs" / "bench-quick" if QUICK else DOCS
+    where.mkdir(parents=True, exist_ok=True)
     from distributed import distributed
     from memory_bench import memory, meter_cost
     from overhead import overhead, profile
@@ -65,12 +67,13 @@ def main() -> None:
     results["total_s"] = time.time() - started
 
     from report import plot, render
-    plot(results, DOCS / "benchmarks.png")
+    plot(results, where / "benchmarks.png")
     doc = render(results)
-    (DOCS / "benchmarks.md").write_text(doc)
-    (DOCS / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
+    (where / "benchmarks.md").write_text(doc)
+    (where / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
     print(doc)
-    print(f"[bench] {results['total_s']:.0f} s; wrote docs/benchmarks.md, .json, .png", file=sys.stderr)
+    print(f"[bench] {results['total_s']:.0f} s; wrote {where.relative_to(ROOT)}/benchmarks.md, .json, .png",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The Accelerate seed's toy regression: 8 points, accumulate 4 micro-batches of 2.
+"""The toy linear regression of Accelerate's gradient-accumulation guide: 8 points, accumulate 4
+micro-batches of 2.
 
 One step on the window equals one step on all 8 points: both print 2.04000.
 """

@@ -1,4 +1,4 @@
-"""A plain PyTorch loop (the seed 003 pattern) made exact with gradaccum's lower-level window.
+"""A plain PyTorch accumulation loop (each micro-batch's loss divided by N) made exact with gradaccum's lower-level window.
 
 The hand-written loop divides each micro-batch loss by N, which mis-weights the short last window
 (here 3 items against 16). With ``acc.window`` each micro-batch reports its mean loss and item count;

@@ -32,10 +32,8 @@ def _command(name: str) -> Callable[[argparse.Namespace, Sequence[str]], int]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from ..tasks.data import TaskError
-    from .checkpoint import CLIError
     from .parser import build_parser
-    from .signals import Stopped
+    from .sharding import teardown_distributed
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -45,19 +43,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)} (gradaccum {args.command} "
                                      "--help lists its flags)")
     command_argv = argv[argv.index(args.command):] if args.command in argv else [args.command]
-    from ..sync import is_rank_zero
+    code = _run(args, command_argv)
+    # only now: the command's frames (and an exception's traceback) are gone, so nothing holds the
+    # model, DDP's reducer, the optimizer or the Accumulator, which hold the process group; a group
+    # destroyed while they live is torn down again at interpreter exit, where gloo can abort
+    teardown_distributed()
+    return code
 
-    def say(line: str) -> None:  # every rank meets the same stop or usage error: rank 0 says it once
+
+def _run(args: argparse.Namespace, command_argv: Sequence[str]) -> int:
+    """The command's exit code; every error as one line (rank 0 says it once)."""
+    from ..sync import is_rank_zero
+    from ..tasks.data import TaskError
+    from .checkpoint import CLIError
+    from .signals import Stopped
+
+    def say(line: str) -> None:
         if is_rank_zero():
             print(line, file=sys.stderr)
 
     try:
-        try:
-            return _command(args.command)(args, command_argv)
-        finally:
-            from .sharding import teardown_distributed
-
-            teardown_distributed()
+        return _command(args.command)(args, command_argv)
     except Stopped as e:
         say(f"gradaccum {args.command}: {e}")
         return e.exit_code

@@ -203,13 +203,14 @@ class RunFolder:
         at = Position(int(state["epoch"]), int(state["window"]), int(state["accumulator"]["steps"]))
         epochs = int(cfg.epochs)  # type: ignore[arg-type]
         if (epochs, 0) < (at.epoch, at.window):
-            done = f"{at.epoch} epochs" + (f" and {at.window} windows" if at.window else "") + f", {at.step} steps"
+            done = (count(at.epoch, "epoch") + (f" and {count(at.window, 'window')}" if at.window else "")
+                    + f", {count(at.step, 'step')}")
             raise CLIError(f"--resume --epochs {epochs}: {self.checkpoint} already holds {done}; pass "
                            f"--epochs {at.epoch + (1 if at.window else 0)} or more, or another --out")
         stray = [a for a in artifacts if any(is_temp_for(a, x) for x in ARTIFACTS)]  # never read: removed
         has_summary = (self.out / "summary.json").exists()
         if (epochs, 0) == (at.epoch, at.window):
-            note = (f"{self.out} is complete: {epochs} epochs, {at.step} steps; nothing to train"
+            note = (f"{self.out} is complete: {count(epochs, 'epoch')}, {count(at.step, 'step')}; nothing to train"
                     + ("; summary.json left as it was" if has_summary else "; writing its missing summary.json"))
             return ResumePlan("complete", at, stray, note=note, has_summary=has_summary, config=cfg), state
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -287,6 +288,11 @@ class RunFolder:
             return describe_os_error(e)
         return None
 
+
+
+def count(n: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _before(row: Dict[str, Any], at: Position) -> bool:
