@@ -8,11 +8,12 @@ synchronisations (``Tensor.item/tolist/cpu``), the median time relative to the h
 distance from one big batch (float64, largest parameter difference after one window), plus a paper
 projection of the extra latency to W = 1024 ranks.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/dist_window_cost.py   # prints a Markdown table
+    torchrun --standalone --nproc_per_node=2 benchmarks/dist_window_cost.py   # prints one JSON line
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import statistics
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from gradaccum import Accumulator, WindowSampler
 
 N, M = 4, 8                      # micro-batches per window, items per micro-batch (per rank)
-REPEATS = int(os.environ.get("BENCH_REPEATS", "7"))
+REPEATS = 3 if os.environ.get("BENCH_QUICK") == "1" else 7
 WINDOWS = 6                      # windows per timed sample
 LATENCY_US = 50.0                # stated per-collective latency of a small all-reduce on a cluster, per log2(W) hop
 
@@ -116,11 +117,12 @@ def main() -> None:
     sampler = WindowSampler(len(ux), global_batch_size=N * M * world, micro_batch_size=M, shuffle=False)
     loader = DataLoader(TensorDataset(ux, uy), batch_sampler=sampler)
     contenders["gradaccum acc.train (WindowSampler)"] = lambda: gradaccum_train(acc_t, loader)
+    accelerator = None
     try:
         from accelerate import Accelerator
 
         accelerator = Accelerator(gradient_accumulation_steps=N, cpu=True)
-        model_a, opt_a = accelerator.prepare(net(), torch.optim.SGD(net().parameters(), lr=1e-3))
+        model_a = accelerator.prepare(net())
         opt_a = accelerator.prepare(torch.optim.SGD(model_a.parameters(), lr=1e-3))
 
         def accelerate_loop():
@@ -149,43 +151,55 @@ def main() -> None:
                 contenders[name]()
                 times[name].append((time.perf_counter() - t0) / WINDOWS)
             counts[name] = (c.collectives / WINDOWS, c.syncs / WINDOWS)
-    distance = distances(rank, world)
+    distance = distances(rank, world, accelerator if "Accelerate accumulate()" in contenders else None)
     if rank == 0:
         base = statistics.median(times["hand no_sync loop"])
-        print(f"2 gloo processes, MLP 784-512-512-10, N = {N}, micro-batch {M}, {REPEATS} rotated repeats of "
-              f"{WINDOWS} windows; torch {torch.__version__}\n")
-        print("| per window (steady state) | collectives besides DDP's buckets | host syncs | time / hand loop "
-              "| distance from one big batch (float64) | extra latency at W=1024 (paper) |")
-        print("|---|---|---|---|---|---|")
-        for name in names:
-            coll, syncs = counts[name]
-            extra = coll * LATENCY_US * math.log2(1024)
-            print(f"| {name} | {coll:g} | {syncs:g} | {statistics.median(times[name]) / base:.3f} "
-                  f"| {distance.get(name, float('nan')):.1e} | {extra:.0f} us |")
-        print(f"\nPaper projection: each small collective costs about {LATENCY_US:g} us per log2(W) step of a "
-              "latency-bound tree/ring on a cluster, so at W = 1024 one collective per window adds "
-              f"~{LATENCY_US * 10:.0f} us; the hand loop adds none (it reports no global loss and cannot "
-              "skip a non-finite window on every rank alike).")
+        rows = [{"contender": name, "collectives": counts[name][0], "host_syncs": counts[name][1],
+                 "time_ratio": statistics.median(times[name]) / base,
+                 "window_ms": 1e3 * statistics.median(times[name]),
+                 "distance": distance.get(name),
+                 "extra_latency_us_at_1024": counts[name][0] * LATENCY_US * math.log2(1024)} for name in names]
+        print(json.dumps({"N": N, "micro_batch": M, "repeats": REPEATS, "windows": WINDOWS,
+                          "latency_us_per_hop": LATENCY_US, "torch": torch.__version__, "rows": rows}))
     dist.destroy_process_group()
 
 
-def distances(rank: int, world: int) -> dict:
+def distances(rank: int, world: int, accelerator=None) -> dict:
     """Largest parameter difference after one window from one float64 step on the union of windows."""
     xs, ys = zip(*(data(r, 1, torch.float64) for r in range(world)))
+    ux, uy = torch.cat(xs), torch.cat(ys)
     ref = net(torch.float64)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    loss_fn(ref, (torch.cat(xs), torch.cat(ys))).backward()
+    loss_fn(ref, (ux, uy)).backward()
     opt.step()
-    out = {}
+
+    def gap(model: nn.Module) -> float:
+        return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
     x, y = xs[rank], ys[rank]
-    for name in ("hand no_sync loop", "gradaccum acc.step"):
-        model = DDP(net(torch.float64))
-        o = torch.optim.SGD(model.parameters(), lr=0.1)
-        if name.startswith("hand"):
-            hand_loop(model, o, x, y)
-        else:
-            gradaccum_step(model, o, x, y, Accumulator(model, o))
-        out[name] = max((p - q).abs().max().item() for p, q in zip(model.module.parameters(), ref.parameters()))
+    out = {}
+    model = DDP(net(torch.float64))
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    hand_loop(model, o, x, y)
+    out["hand no_sync loop"] = gap(model.module)
+    model = DDP(net(torch.float64))
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    gradaccum_step(model, o, x, y, Accumulator(model, o))
+    out["gradaccum acc.step"] = gap(model.module)
+    model = DDP(net(torch.float64))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sampler = WindowSampler(len(ux), global_batch_size=N * M * world, micro_batch_size=M, shuffle=False)
+    gradaccum_train(acc, DataLoader(TensorDataset(ux, uy), batch_sampler=sampler))
+    out["gradaccum acc.train (WindowSampler)"] = gap(model.module)
+    if accelerator is not None:
+        model_a = accelerator.prepare(net(torch.float64))
+        opt_a = accelerator.prepare(torch.optim.SGD(model_a.parameters(), lr=0.1))
+        for k in range(N):
+            with accelerator.accumulate(model_a):
+                accelerator.backward(loss_fn(model_a, (x[k * M:(k + 1) * M], y[k * M:(k + 1) * M])))
+                opt_a.step()
+                opt_a.zero_grad()
+        out["Accelerate accumulate()"] = gap(accelerator.unwrap_model(model_a))
     return out
 
 

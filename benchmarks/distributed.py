@@ -11,13 +11,25 @@ from typing import Optional
 from common import QUICK, ROOT
 
 
-def distributed() -> Optional[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), BENCH_QUICK="1" if QUICK else "0")
+def _launch(script: str) -> Optional[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), BENCH_QUICK="1" if QUICK else "0",
+               ACCELERATE_USE_CPU="1")  # Accelerate really runs DDP on the CPU under torchrun
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "benchmarks" / "dist_bench.py")],
+                           str(ROOT / "benchmarks" / script)],
                           capture_output=True, text=True, env=env, timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(proc.stderr[-2000:], file=sys.stderr)
         return None
     return json.loads(lines[-1])
+
+
+def distributed() -> Optional[dict]:
+    """One reduction per window against one per micro-batch (dist_bench.py)."""
+    return _launch("dist_bench.py")
+
+
+def window_cost() -> Optional[dict]:
+    """What a window costs besides DDP's buckets: gradaccum against the hand no_sync loop and
+    Accelerate (dist_window_cost.py)."""
+    return _launch("dist_window_cost.py")

@@ -46,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(1)  # every figure with one thread: comparable, and less noise on a shared machine
     where = ROOT / "runs" / "bench-quick" if QUICK else DOCS
     where.mkdir(parents=True, exist_ok=True)
-    from distributed import distributed
+    from distributed import distributed, window_cost
     from memory_bench import memory, meter_cost
     from overhead import overhead, profile
     from scaling import bandwidth, numerics, throughput
@@ -57,7 +57,8 @@ def main() -> None:
     started = time.time()
     sections: Dict[str, Callable[[], Any]] = {
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
-        "transformer": transformer, "distributed": distributed, "throughput": throughput,
+        "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
+        "throughput": throughput,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda}
     for name, fn in sections.items():
         t0 = time.time()

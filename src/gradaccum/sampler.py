@@ -98,15 +98,17 @@ class WindowSampler(Sampler[List[int]]):
         full, rest = divmod(self.dataset_size, self.global_batch_size)
         return full if self.drop_last or rest == 0 else full + 1
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        """The epoch's permutation of the dataset (int64; cached for the last epoch asked)."""
+    def _order(self, epoch: int) -> List[int]:
+        """The epoch's permutation of the dataset, as a list (made once per epoch, so cutting windows
+        from it reads no tensor on the host; cached for the last epoch asked)."""
         cached = getattr(self, "_cached_order", None)
         if cached is not None and cached[0] == epoch:
             return cached[1]
         if self.shuffle:
-            order = torch.randperm(self.dataset_size, generator=torch.Generator().manual_seed(self.seed + epoch))
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            order: List[int] = torch.randperm(self.dataset_size, generator=g).tolist()
         else:
-            order = torch.arange(self.dataset_size)
+            order = list(range(self.dataset_size))
         self._cached_order = (epoch, order)
         return order
 
@@ -129,7 +131,7 @@ class WindowSampler(Sampler[List[int]]):
         if not 0 <= window < self.num_windows:
             raise IndexError(f"window {window} is outside [0, {self.num_windows})")
         order = self._order(self.epoch if epoch is None else epoch)
-        return order[window * self.global_batch_size:(window + 1) * self.global_batch_size].tolist()
+        return order[window * self.global_batch_size:(window + 1) * self.global_batch_size]
 
     def windows(self) -> Iterator[List[List[int]]]:
         """This rank's micro-batches (lists of dataset indices), one list per remaining window of
@@ -137,7 +139,7 @@ class WindowSampler(Sampler[List[int]]):
         order, m = self._order(self.epoch), self.micro_batch_size
         for w in range(self.start_window, self.num_windows):
             span = self._bounds(w)
-            mine = order[span.start:span.stop].tolist()
+            mine = order[span.start:span.stop]
             yield [mine[i:i + m] for i in range(0, len(mine), m)]
 
     def window_sizes(self) -> List[int]:

@@ -7,11 +7,10 @@ import json
 import math
 import os
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from .test_cli import cli, cli_env, load, train_rows
+from .test_cli import cli, cli_env, train_rows
 
 MLP = ["--model", "mlp", "--epochs", "1", "--device", "cpu"]
 

@@ -11,10 +11,9 @@ item per rank in turn), so the reference knows what each window held on every ra
 from __future__ import annotations
 
 import copy
-import os
 import tempfile
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
