@@ -80,10 +80,14 @@ def test_cli_under_torchrun_rank0_writes_and_resume_extends(tmp_path):
         assert "Memory block of unknown size" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary["world_size"] == 2
-    steps = [json.loads(x)["step"] for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r.get("kind", "train") == "train"]  # eval rows: one per epoch end
+    assert [r["epoch"] for r in rows if r.get("kind") == "eval"] == [0, 1]
     assert steps == list(range(1, summary["steps"] + 1)), "duplicate or missing metric lines"
     assert summary["steps"] == 2 * 23  # 1438 items over 2 ranks: 719 each, windows of 32
     a = torch.load(tmp_path / "whole" / "last.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed under the same launcher: bit-identical"
-    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["last.pt", "loss.png", "metrics.jsonl", "summary.json"]
+    names = sorted(p.name for p in (tmp_path / "whole").iterdir() if not p.name.startswith("events.out.tfevents"))
+    assert names == ["last.pt", "loss.png", "metrics.csv", "metrics.jsonl", "summary.json"], names
+    assert sum(p.name.startswith("events.out.tfevents") for p in (tmp_path / "whole").iterdir()) == 1  # rank 0's
