@@ -51,7 +51,7 @@ from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
 __all__ = ["backward_weight", "boundary_scale", "clip_coefficient", "Verdict", "verdict", "Counters",
-           "WindowTotals", "Outcome", "Boundary"]
+           "WindowTotals", "Outcome", "Boundary", "InFlight"]
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
@@ -188,8 +188,9 @@ class Boundary:
         self.verify_replicas = sync.replicated_grads
         self._warned: set = set()
 
-    def finish(self, totals: WindowTotals) -> Outcome:
-        """Reduce, unscale, measure, decide, clip, step; the window's gradients are cleared after."""
+    def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None) -> Outcome:
+        """Reduce, unscale, measure, decide, clip, step; the window's gradients are cleared after.
+        ``in_flight`` is the all-reduce :meth:`launch` started, if the window started it."""
         self.grads.close()
         self.precision.unscale_(self.optimizer)
         grads = self.grads.tensors()
@@ -200,7 +201,7 @@ class Boundary:
             except BaseException:
                 self.grads.clear()
                 raise
-        loss_sum, num_items, raw_norm, peers_can_pad, stop = self._host_numbers(totals, grads)
+        loss_sum, num_items, raw_norm, peers_can_pad, stop = self._host_numbers(totals, grads, in_flight)
         lr = float(self.optimizer.param_groups[0]["lr"])
         scale = boundary_scale(totals.reference, num_items)
         grad_norm = raw_norm * scale if raw_norm is not None else None
@@ -216,19 +217,33 @@ class Boundary:
         return Outcome(loss_sum, num_items, grad_norm, decision is not Verdict.STEP, lr, self.counters.steps,
                        peers_can_pad, stop)
 
-    def _host_numbers(self, totals: WindowTotals, grads: List[torch.Tensor]) -> tuple:
-        """``(loss sum, N, raw norm or None, every rank can pad, a stop was asked)`` on the host, from
-        one small all-reduce (across ranks, or when a count is a tensor) and the window's one host
-        synchronisation. Across ranks the all-reduce also sums the can-pad and stop flags, so the
-        next window needs no agreement and a stop reaches every rank at the same window."""
+    def launch(self, totals: WindowTotals) -> "InFlight":
+        """Start the window's one all-reduce of ``(sum n_k L_k, N, can-pad, stop)`` across ranks
+        without waiting: called after the last micro-batch's forward and before its backward, so it
+        overlaps that backward and DDP's bucket all-reduce instead of adding a round trip after them.
+        Every rank launches it at the same point of the same window, so collectives stay in order."""
+        tensor = self._totals_tensor(totals)
+        return InFlight(tensor, self.sync.all_reduce_async(tensor))
+
+    def _totals_tensor(self, totals: WindowTotals) -> torch.Tensor:
         requests = self.stop_requests  # read once: a request made after this waits for the next window
         stop, self._stops_carried = requests > self._stops_carried, requests
-        if self.sync.distributed or totals.device_items is not None:
-            items = totals.loss_sum.new_tensor(totals.host_items)
-            if totals.device_items is not None:
-                items = items + totals.device_items
-            flags = totals.loss_sum.new_tensor([1.0 if totals.can_pad else 0.0, 1.0 if stop else 0.0])
-            parts = [self.sync.all_reduce_(torch.cat([torch.stack([totals.loss_sum, items]), flags])).to(torch.float64)]
+        items = totals.loss_sum.new_tensor(totals.host_items)
+        if totals.device_items is not None:
+            items = items + totals.device_items
+        flags = totals.loss_sum.new_tensor([1.0 if totals.can_pad else 0.0, 1.0 if stop else 0.0])
+        return torch.cat([torch.stack([totals.loss_sum, items]), flags])
+
+    def _host_numbers(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> tuple:
+        """``(loss sum, N, raw norm or None, every rank can pad, a stop was asked)`` on the host, from
+        one small all-reduce (across ranks, or when a count is a tensor; launched early when the
+        window could, see :meth:`launch`) and the window's one host synchronisation. Across ranks the
+        all-reduce also sums the can-pad and stop flags, so the next window needs no agreement and a
+        stop reaches every rank at the same window."""
+        if in_flight is not None:
+            parts = [in_flight.wait().to(torch.float64)]
+        elif self.sync.distributed or totals.device_items is not None:
+            parts = [self.sync.all_reduce_(self._totals_tensor(totals)).to(torch.float64)]
         else:  # the count is a host number already: only the loss sum crosses to the host
             parts = [totals.loss_sum.reshape(1)]
         if self.measure:
@@ -236,6 +251,8 @@ class Boundary:
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the window's one host sync
         raw_norm = host.pop() if self.measure else None
         if len(host) == 1:
+            requests = self.stop_requests  # one process: a request is its own answer
+            stop, self._stops_carried = requests > self._stops_carried, requests
             return host[0], totals.host_items, raw_norm, True, stop
         return host[0], host[1], raw_norm, host[2] >= self.sync.world_size, host[3] > 0
 
@@ -273,6 +290,18 @@ class Boundary:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=6)
+
+
+class InFlight:
+    """The window's all-reduce, launched before the last backward; ``wait()`` gives the summed tensor."""
+
+    def __init__(self, tensor: torch.Tensor, work: Any) -> None:
+        self.tensor, self.work = tensor, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.tensor
 
 
 def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.device) -> None:

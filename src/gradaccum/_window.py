@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ._boundary import Boundary, WindowTotals, backward_weight
+from ._boundary import Boundary, InFlight, WindowTotals, backward_weight
 from ._checks import Count, as_number, item_count, positive_int, scalar_loss, split_loss_output, training_batchnorms
 from ._gradients import WindowGradients
 from ._ranks import RankAgreement, WindowPlan
@@ -110,9 +110,11 @@ class _MicroBatch:
             stack.enter_context(ctx.sync.micro_batch(last=self.reduces))
             stack.enter_context(ctx.precision.autocast())
         self.window.in_micro_batch = True
+        self.window.reducing = self.reduces
 
     def __exit__(self, *exc: Any) -> None:
         self.window.in_micro_batch = False
+        self.window.reducing = False
         if self.stack is not None:
             self.stack.close()  # restores every switch, also when an exception leaves the block
 
@@ -165,6 +167,8 @@ class Window:
         self.padding = 0
         self.plan: Optional[WindowPlan] = plan  # agreed already (train() needs it before opening)
         self.in_micro_batch = False
+        #: the micro-batch running now is the one whose backward reduces across ranks
+        self.reducing = False
         self._num_items = num_items
         self._can_pad = can_pad
         self._open = False
@@ -176,6 +180,7 @@ class Window:
         self._loss_sum: Optional[torch.Tensor] = None  # sum n_k L_k, on the device (made by the first)
         self._host_items = 0.0  # sum of the counts given as Python numbers
         self._device_items: Optional[torch.Tensor] = None  # sum of the counts given as tensors
+        self._in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before the last backward
 
     # -- opening and closing ---------------------------------------------------------------------
 
@@ -238,6 +243,12 @@ class Window:
         return _MicroBatch(self, bool(last) and not self._defer)
 
     def _checked(self, loss: Any) -> torch.Tensor:
+        if self._in_flight is not None:
+            raise RuntimeError(
+                "window.backward() after the backward of the micro-batch that reduces across ranks (the "
+                "last): the window's counts were already sent to the other ranks. Run one backward per "
+                "micro_batch() block, and mark only the last micro-batch with micro_batch(last=True)"
+            )
         if not self.in_micro_batch:
             raise RuntimeError(
                 "window.backward() must run inside `with window.micro_batch():`, which also wraps "
@@ -267,7 +278,7 @@ class Window:
         """
         loss = self._checked(loss)
         item_count("num_items", num_items)
-        self._backward(loss * self._weight(num_items, loss))
+        weighted = loss * self._weight(num_items, loss)
         if isinstance(num_items, torch.Tensor):
             count = num_items.to(self._sum_dtype)
             part = loss.detach() * count
@@ -279,13 +290,22 @@ class Window:
                 self._loss_sum = loss.detach().to(self._sum_dtype) * num_items
             else:
                 self._loss_sum.add_(loss.detach(), alpha=num_items)  # promoted into the float64 sum
+        self._launch_if_last()
+        self._backward(weighted)
         self.done += 1
+
+    def _launch_if_last(self) -> None:
+        """Before the reducing backward, every count of the window is known: start the boundary's
+        all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`)."""
+        if self.reducing and self.ctx.sync.distributed and self._in_flight is None:
+            self._in_flight = self.ctx.boundary.launch(self.totals(ran=True))
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
         runs the forward and backward collectives that ranks with data run."""
         loss = self._checked(loss)
         self._weight(0, loss)  # takes part in fixing R, as the ranks with data do
+        self._launch_if_last()
         with torch.autocast(device_type=self.ctx.device.type, enabled=False):
             self.ctx.precision.scale(loss * 0.0).backward()
         self.done += 1
@@ -297,13 +317,13 @@ class Window:
         """R: the count the backward weights were divided by (see :mod:`gradaccum._boundary`)."""
         return self._reference if self._reference is not None else self.ctx.ranks.reference_items
 
-    def totals(self) -> WindowTotals:
+    def totals(self, *, ran: Optional[bool] = None) -> WindowTotals:
         """This rank's loss sum and item counts, as the boundary reads them."""
         loss_sum = self._loss_sum
         if loss_sum is None:
             loss_sum = torch.zeros((), dtype=self._sum_dtype, device=self.ctx.device)
         return WindowTotals(loss_sum, self._host_items, self._device_items, self.reference_items or 1.0,
-                            ran=self.done > 0, can_pad=self._can_pad or self.ctx.ranks.replay is not None)
+                            ran=self.done > 0 if ran is None else ran, can_pad=self._can_pad or self.ctx.ranks.replay is not None)
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
@@ -329,7 +349,7 @@ class Window:
         ctx = self.ctx
         if self._defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = ctx.boundary.finish(self.totals())
+        out = ctx.boundary.finish(self.totals(), self._in_flight)
         ctx.ranks.observe(self.plan, out.num_items, out.peers_can_pad)
         size, counted = self.micro_batch_size, self.done - self.padding
         self._result = StepResult(

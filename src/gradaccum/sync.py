@@ -124,6 +124,12 @@ class GradSync:
             all_reduce_(tensor, op, self.group)
         return tensor
 
+    def all_reduce_async(self, tensor: torch.Tensor) -> Any:
+        """Start an in-place sum all-reduce and return its work handle (``.wait()``), or None locally."""
+        if not self.distributed:
+            return None
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, in rank order."""
         if not self.distributed:
