@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace, command_argv: Sequence[str]) -> int:
     """The command's exit code; every error as one line (rank 0 says it once)."""
     from ..sync import is_rank_zero
     from ..tasks.data import TaskError
-    from .checkpoint import CLIError
+    from .errors import CLIError
     from .signals import Stopped
 
     def say(line: str) -> None:

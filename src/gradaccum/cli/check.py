@@ -15,7 +15,7 @@ import math
 import sys
 from typing import Any, Callable, Sequence, Tuple
 
-from .checkpoint import CLIError
+from .errors import CLIError
 
 __all__ = ["check_command", "import_object"]
 

@@ -14,14 +14,12 @@ from typing import Any, BinaryIO, Dict, Optional
 
 import torch
 
+from .errors import CLIError
+
 __all__ = ["CLIError", "save_atomic", "load_checkpoint", "temp_name", "is_temp_for", "describe_os_error",
            "fsync_dir", "REQUIRED_KEYS"]
 
 REQUIRED_KEYS = ("model", "optimizer", "accumulator", "config", "epoch", "window")
-
-
-class CLIError(Exception):
-    """A user-facing problem: the command line prints it as one line and exits non-zero."""
 
 
 def temp_name(path: Path) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import sync
-from .checkpoint import CLIError
+from .errors import CLIError
 from .folder import BASELINE, CHECKPOINT
 from .parser import FLOAT64_AGREEMENT
 from .report import plot_compare

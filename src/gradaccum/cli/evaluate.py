@@ -7,7 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Sequence, Tuple
 
-from .checkpoint import CLIError, load_checkpoint
+from .errors import CLIError
+from .checkpoint import load_checkpoint
 from .jsonfile import strict_json
 
 __all__ = ["eval_command", "find_checkpoint"]

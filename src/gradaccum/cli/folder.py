@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import sync
-from .checkpoint import CLIError, describe_os_error, is_temp_for, load_checkpoint, temp_name
+from .errors import CLIError
+from .checkpoint import describe_os_error, is_temp_for, load_checkpoint, temp_name
 from .config import TrainConfig
 from .jsonfile import strict_json
 

@@ -63,7 +63,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import sync
-from .checkpoint import CLIError, describe_os_error, save_atomic
+from .errors import CLIError
+from .checkpoint import describe_os_error, save_atomic
 from .config import TrainConfig
 from .folder import (ARTIFACTS, BASELINE, CHECKPOINT, SHARDED_CHECKPOINT, Position, ResumePlan, RunFolder,
                      check_out)

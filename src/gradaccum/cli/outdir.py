@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 from .. import sync
-from .checkpoint import CLIError, describe_os_error
+from .errors import CLIError
+from .checkpoint import describe_os_error
 
 __all__ = ["RUNS", "claim_run_folder", "release_if_empty"]
 

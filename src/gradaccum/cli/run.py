@@ -33,7 +33,7 @@ from ..result import StepResult
 from ..sampler import WindowSampler
 from ..tasks.data import Task, load_task
 from ..tasks.models import build_model
-from .checkpoint import CLIError
+from .errors import CLIError
 from .config import DEVICES, TrainConfig
 from .lifecycle import Position, ResumePlan, RunLifecycle
 from .measure import RunMemory

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import sync
-from .checkpoint import CLIError, fsync_dir, load_checkpoint, save_atomic
+from .errors import CLIError
+from .checkpoint import fsync_dir, load_checkpoint, save_atomic
 
 __all__ = ["setup_distributed", "teardown_distributed", "shard_model", "save_sharded", "load_sharded", "load_sharded_model",
            "sharded_folder", "META", "META_KEYS"]

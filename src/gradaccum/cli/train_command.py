@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import sync
-from .checkpoint import CLIError
+from .errors import CLIError
 
 __all__ = ["Diverged", "resume_command", "steps_phrase", "train_command"]
 
