@@ -121,7 +121,7 @@ most one small collective and one host sync per window, none before the first fo
 
 {table(w["rows"], ["contender", "collectives", "host_syncs", "time_ratio", "window_ms", "distance",
                    "extra_latency_us_at_1024"],
-       {"collectives": "g", "host_syncs": "g", "time_ratio": ".3f", "window_ms": ".2f", "distance": ".1e",
+       {"collectives": "g", "host_syncs": ".2f", "time_ratio": ".3f", "window_ms": ".2f", "distance": ".1e",
         "extra_latency_us_at_1024": ".0f"})}
 
 Paper projection to W = 1024 ranks: a small collective is latency-bound, about {w['latency_us_per_hop']:g} us
