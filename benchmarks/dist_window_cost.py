@@ -103,6 +103,41 @@ def gradaccum_step(model, opt, x, y, acc):
         acc.step(mbs, loss_fn)
 
 
+def sharded(dtype=torch.float32) -> nn.Module:
+    """The same MLP under FSDP2: each Linear sharded, then the root."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
+    model = net(dtype)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def fsdp2_hand_loop(model, opt, x, y):
+    """The hand loop FSDP2 users write: no gradient sync until the last micro-batch, ``loss / N``."""
+    for w in range(len(x) // (N * M)):
+        for k in range(N):
+            sl = slice((w * N + k) * M, (w * N + k + 1) * M)
+            model.set_requires_gradient_sync(k == N - 1)
+            (loss_fn(model, (x[sl], y[sl])) / N).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def fsdp2_contenders(x, y) -> dict:
+    """FSDP2: the set_requires_gradient_sync(False) hand loop and acc.step, each on its own model."""
+    hand = sharded()
+    hand_opt = torch.optim.SGD(hand.parameters(), lr=1e-3)
+    mine = sharded()
+    acc = Accumulator(mine, torch.optim.SGD(mine.parameters(), lr=1e-3))
+    return {"FSDP2 hand loop (set_requires_gradient_sync)": lambda: fsdp2_hand_loop(hand, hand_opt, x, y),
+            "FSDP2 gradaccum acc.step": lambda: gradaccum_step(mine, None, x, y, acc)}
+
+
 def gradaccum_train(acc, loader):
     for _ in acc.train(loader, loss_fn):
         pass
@@ -155,6 +190,7 @@ def main() -> None:
         contenders["Accelerate accumulate()"] = accelerate_loop
     except Exception as e:  # noqa: BLE001 - Accelerate is optional here
         print(f"# Accelerate skipped: {type(e).__name__}: {e}", file=sys.stderr)
+    contenders.update(fsdp2_contenders(x, y))
 
     for fn in contenders.values():  # warm-up (first windows: buckets, replica check, agreement)
         fn()
@@ -174,9 +210,14 @@ def main() -> None:
     if rank == 0:
         base = statistics.median(times["hand no_sync loop"])
         base_loader = statistics.median(times["hand no_sync loop over a DataLoader"])
+        base_fsdp = statistics.median(times["FSDP2 hand loop (set_requires_gradient_sync)"])
+
+        def baseline(name: str) -> float:
+            if name.startswith("FSDP2"):
+                return base_fsdp
+            return base_loader if "train" in name or "DataLoader" in name else base
         rows = [{"contender": name, "collectives": counts[name][0], "host_syncs": counts[name][1],
-                 "time_ratio": statistics.median(times[name]) / (base_loader if "train" in name or "DataLoader" in name
-                                                                 else base),
+                 "time_ratio": statistics.median(times[name]) / baseline(name),
                  "window_ms": 1e3 * statistics.median(times[name]),
                  "distance": distance.get(name),
                  "extra_latency_us_at_1024": counts[name][0] * LATENCY_US * math.log2(1024)} for name in names]

@@ -115,7 +115,8 @@ against gradaccum's `acc.step`, `acc.train` over a `WindowSampler` and Accelerat
 bucket all-reduces are the same for all), host synchronisations (`Tensor.item/tolist/cpu`; torch's
 SGD makes none), the median time against the hand loop, and the largest parameter difference from
 one float64 step on the union of both ranks' windows. `acc.train` is timed against the hand loop
-over a DataLoader with a DistributedSampler, the others against the hand loop over tensors. Goal: at
+over a DataLoader with a DistributedSampler, FSDP2's `acc.step` against the hand loop that toggles
+`set_requires_gradient_sync`, the others against the hand loop over tensors. Goal: at
 most one small collective and one host sync per window, none before the first forward, and within
 1.03x of the hand loop.
 
