@@ -87,3 +87,27 @@ def run_cli(cli_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT) ->
     """``python -m gradaccum ...`` as one process (world size 1), with the suite's environment."""
     return subprocess.run([sys.executable, "-m", "gradaccum", *cli_args], cwd=cwd, env=env(), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def scenario_verdicts(script: str, *, timeout: int = 300):
+    """Run a scenario worker under torchrun: ``({name: (status, line)}, proc)`` from the lines it
+    prints on rank 0 (``PASS``/``SKIP``/``FAIL <name>: <note>``, agreed by both ranks)."""
+    proc = torchrun([script], timeout=timeout)
+    lines = {}
+    for line in proc.stdout.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("PASS", "FAIL", "SKIP"):
+            lines[rest.split(":")[0]] = (status, line)
+    return lines, proc
+
+
+def assert_scenario(verdicts, name: str) -> None:
+    """The scenario reported and passed (a SKIP skips the test, with the worker's reason)."""
+    import pytest
+
+    lines, proc = verdicts
+    assert name in lines, f"scenario {name} did not report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    status, line = lines[name]
+    if status == "SKIP":
+        pytest.skip(line)
+    assert status == "PASS", f"{line}\n{proc.stderr[-4000:]}"

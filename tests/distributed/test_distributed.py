@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, torchrun, two_agents
+from distributed.launch import ROOT, assert_scenario, scenario_verdicts, torchrun, two_agents
 
 pytestmark = pytest.mark.distributed
 
@@ -38,21 +38,12 @@ SCENARIOS = [
 
 @pytest.fixture(scope="module")
 def verdicts():
-    proc = torchrun([WORKER])
-    lines = {}
-    for line in proc.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        if status in ("PASS", "FAIL"):
-            lines[rest.split(":")[0]] = (status, line)
-    return lines, proc
+    return scenario_verdicts(WORKER)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario(verdicts, name):
-    lines, proc = verdicts
-    assert name in lines, f"scenario {name} did not report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    status, line = lines[name]
-    assert status == "PASS", f"{line}\n{proc.stderr[-4000:]}"
+    assert_scenario(verdicts, name)
 
 
 def test_two_torchrun_agents_nnodes_2():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, torchrun
+from distributed.launch import ROOT, assert_scenario, scenario_verdicts
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
@@ -29,24 +29,13 @@ GAPS: dict = {}
 
 @pytest.fixture(scope="module")
 def verdicts():
-    proc = torchrun([WORKER], timeout=600)
-    lines = {}
-    for line in proc.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        if status in ("PASS", "FAIL", "SKIP"):
-            lines[rest.split(":")[0]] = (status, line)
-    return lines, proc
+    return scenario_verdicts(WORKER, timeout=600)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GAPS[n]))
                                   if n in GAPS else n for n in SCENARIOS])
 def test_scenario(verdicts, name):
-    lines, proc = verdicts
-    assert name in lines, f"scenario {name} did not report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    status, line = lines[name]
-    if status == "SKIP":
-        pytest.skip(line)
-    assert status == "PASS", f"{line}\n{proc.stderr[-4000:]}"
+    assert_scenario(verdicts, name)
 
 
 def test_every_scenario_is_listed():

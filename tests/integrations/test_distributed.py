@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, torchrun
+from distributed.launch import ROOT, assert_scenario, scenario_verdicts
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
@@ -23,21 +23,12 @@ SCENARIOS = [
 
 @pytest.fixture(scope="module")
 def verdicts():
-    proc = torchrun([WORKER], timeout=300)
-    lines = {}
-    for line in proc.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        if status in ("PASS", "FAIL"):
-            lines[rest.split(":")[0]] = (status, line)
-    return lines, proc
+    return scenario_verdicts(WORKER)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario(verdicts, name):
-    lines, proc = verdicts
-    assert name in lines, f"{name} did not report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    status, line = lines[name]
-    assert status == "PASS", f"{line}\n{proc.stderr[-3000:]}"
+    assert_scenario(verdicts, name)
 
 
 def test_every_scenario_is_listed():
