@@ -34,6 +34,16 @@ ranks; the total norm of the normalized gradient (with clipping, fp16 or ``compu
 coefficient** (:func:`clip_coefficient`) folded into the scale, so clipping costs no extra pass; the
 optimizer step; the scheduler step (only on steps taken); gradients cleared. The only host
 synchronisation is one ``.tolist()`` of those few numbers.
+
+**Windows that exchange nothing.** Under DDP the reduced gradient is the same on every rank, so a
+verdict read from it alone is the same on every rank too. When every rank also knows the window's
+global N up front (a WindowSampler's shares, or ``step(..., global_num_items=)``) and ``loss_fn``
+counts those items, the all-reduce above only tells the ranks each other's loss (and carries stop
+requests). ``Accumulator(loss_every=k)`` does it on every k-th window only (:meth:`Boundary.exchanges`);
+the windows between cost no collective besides DDP's own reduction. Their verdict reads the
+gradient's norm (measured always there), and a rank's non-finite loss still reaches every rank,
+through the gradient: its reducing backward is multiplied by ``nan`` (:func:`loss_check_factor`), so
+the reduced gradient, and every rank's verdict, are not finite. ``StepResult.loss`` is None there.
 """
 
 from __future__ import annotations
@@ -105,9 +115,10 @@ class Verdict(enum.Enum):
     RAISE = "raise"
 
 
-def verdict(loss_sum: float, num_items: float, grad_norm: Optional[float], *, nonfinite: str,
+def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[float], *, nonfinite: str,
             has_scaler: bool) -> Verdict:
-    """Step, skip or raise, from the window's global loss sum, item count and (measured) norm.
+    """Step, skip or raise, from the window's global loss sum (None when the ranks did not exchange
+    it: then the norm, always measured, carries it), item count and (measured) norm.
 
     A non-finite loss or norm skips (``nonfinite="skip"``) or raises; under fp16 it always skips,
     since an overflow is how the loss scaler learns to back off.
@@ -115,10 +126,26 @@ def verdict(loss_sum: float, num_items: float, grad_norm: Optional[float], *, no
     >>> verdict(1.0, 4, None, nonfinite="raise", has_scaler=False), verdict(1.0, 0, None, nonfinite="raise", has_scaler=False)
     (<Verdict.STEP: 'step'>, <Verdict.SKIP_EMPTY: 'skip: no item'>)
     """
-    finite = math.isfinite(loss_sum) and (grad_norm is None or math.isfinite(grad_norm))
+    finite = (loss_sum is None or math.isfinite(loss_sum)) and (grad_norm is None or math.isfinite(grad_norm))
     if not finite:
         return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
     return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
+
+
+def loss_check_factor(loss_sum: Optional[torch.Tensor], counted_as_known: bool) -> Union[float, torch.Tensor]:
+    """What a window that exchanges nothing multiplies its reducing backward by: 1, or ``nan`` when this
+    rank's loss sum is not finite or ``loss_fn`` counted other items than the known share (then the
+    window's global N is not the one every rank assumed). The nan reaches every rank through the
+    gradient's reduction, so every rank's verdict sees it; no host synchronisation (a device ``where``).
+
+    >>> loss_check_factor(torch.tensor(2.0), True).item(), loss_check_factor(None, False)
+    (1.0, nan)
+    """
+    if not counted_as_known:
+        return math.nan
+    if loss_sum is None:
+        return 1.0
+    return torch.where(torch.isfinite(loss_sum), 1.0, math.nan)
 
 
 # -- the procedure ------------------------------------------------------------------------------------
@@ -143,6 +170,10 @@ class WindowTotals:
         reference: R, the count the backward weights were divided by.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad: whether this rank can pad its next window (has run a micro-batch to repeat).
+        known_items: the window's global N, when every rank knew it up front and the window
+            exchanges nothing (see :meth:`Boundary.exchanges`); else None.
+        declared_items: the global N the caller declared (``step(global_num_items=)``), checked
+            against the ranks' counts when the window exchanges them; else None.
     """
 
     loss_sum: torch.Tensor
@@ -151,20 +182,23 @@ class WindowTotals:
     reference: float
     ran: bool
     can_pad: bool = True
+    known_items: Optional[float] = None
+    declared_items: Optional[float] = None
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the boundary did: the window's global loss sum and item count, the norm, the verdict,
-    and what the ranks told each other on the way (every rank can pad; any rank asked to stop)."""
+    """What the boundary did: the window's global loss sum (None when not exchanged) and item count,
+    the norm, the verdict, and what the ranks told each other on the way (every rank can pad, None
+    when not exchanged; any rank asked to stop)."""
 
-    loss_sum: float
+    loss_sum: Optional[float]
     num_items: float
     grad_norm: Optional[float]
     skipped: bool
     lr: float
     step: int
-    peers_can_pad: bool = False
+    peers_can_pad: Optional[bool] = False
     stop_requested: bool = False
 
 
@@ -173,7 +207,7 @@ class Boundary:
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, precision: MixedPrecision,
                  sync: GradSync, grads: WindowGradients, max_grad_norm: Optional[float],
-                 compute_grad_norm: bool, nonfinite: str, device: torch.device) -> None:
+                 compute_grad_norm: bool, nonfinite: str, device: torch.device, loss_every: int = 1) -> None:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.precision, self.sync, self.grads = precision, sync, grads
         self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
@@ -186,11 +220,25 @@ class Boundary:
         self._stops_carried = 0
         #: whether the first reduced gradient is still to be compared across ranks (see check_replicas)
         self.verify_replicas = sync.replicated_grads
+        self.loss_every = loss_every
         self._warned: set = set()
 
-    def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None) -> Outcome:
+    def exchanges(self, known_items: Optional[float], count_ratio: float) -> bool:
+        """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
+        there it costs nothing). Every input is the same on every rank, so every rank decides alike.
+        A window may skip it when the reduced gradient is the same on every rank (DDP), every rank
+        knows the global N up front (``known_items``) and ``loss_fn`` counted those very items in the
+        last exchanged window (``count_ratio`` 1), no ReduceLROnPlateau needs the loss, the replicas
+        have been compared, and the window is not an ``loss_every``-th one (counted by windows done)."""
+        if not (self.sync.distributed and self.sync.replicated_grads) or known_items is None or count_ratio != 1.0:
+            return True
+        done = self.counters.steps + self.counters.skipped
+        return self.steps_on_loss or self.verify_replicas or done % self.loss_every == 0
+
+    def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None, exchange: bool = True) -> Outcome:
         """Reduce, unscale, measure, decide, clip, step; the window's gradients are cleared after.
-        ``in_flight`` is the all-reduce :meth:`launch` started, if the window started it."""
+        ``in_flight`` is the all-reduce :meth:`launch` started, if the window started it; without
+        ``exchange`` the ranks exchange nothing (see :meth:`exchanges`)."""
         self.grads.close()
         self.precision.unscale_(self.optimizer)
         grads = self.grads.tensors()
@@ -201,7 +249,20 @@ class Boundary:
             except BaseException:
                 self.grads.clear()
                 raise
-        loss_sum, num_items, raw_norm, peers_can_pad, stop = self._host_numbers(totals, grads, in_flight)
+        if exchange:
+            loss_sum, num_items, raw_norm, peers_can_pad, stop, declared = self._host_numbers(totals, grads, in_flight)
+            if declared and not math.isclose(declared, num_items * self.sync.world_size, rel_tol=1e-9):
+                self.grads.clear()
+                raise ValueError(
+                    f"global_num_items={totals.declared_items!r} was given, but the ranks counted {num_items:g} "
+                    f"items in this window (the declared values summed over the {self.sync.world_size} rank(s) "
+                    f"give {declared:g}, not {self.sync.world_size} x {num_items:g}): pass the window's item count "
+                    "summed over all ranks, the same on every rank, or leave global_num_items out. No step was taken"
+                )
+        else:
+            assert totals.known_items is not None, "a window exchanges nothing only when N is known"
+            loss_sum, num_items, peers_can_pad, stop = None, totals.known_items, None, False
+            raw_norm = float(total_norm(grads, self.device).item())  # the window's one host sync
         lr = float(self.optimizer.param_groups[0]["lr"])
         scale = boundary_scale(totals.reference, num_items)
         grad_norm = raw_norm * scale if raw_norm is not None else None
@@ -209,7 +270,8 @@ class Boundary:
                            has_scaler=self.precision.scaler is not None)
         try:
             if decision is Verdict.STEP:
-                self._step(grads, scale * clip_coefficient(grad_norm, self.max_grad_norm), loss_sum / num_items)
+                self._step(grads, scale * clip_coefficient(grad_norm, self.max_grad_norm),
+                           None if loss_sum is None else loss_sum / num_items)
             else:
                 self._skip(decision, loss_sum, grad_norm, totals.ran)
         finally:
@@ -231,11 +293,13 @@ class Boundary:
         items = totals.loss_sum.new_tensor(totals.host_items)
         if totals.device_items is not None:
             items = items + totals.device_items
-        flags = totals.loss_sum.new_tensor([1.0 if totals.can_pad else 0.0, 1.0 if stop else 0.0])
+        flags = totals.loss_sum.new_tensor([1.0 if totals.can_pad else 0.0, 1.0 if stop else 0.0,
+                                            totals.declared_items or 0.0])
         return torch.cat([torch.stack([totals.loss_sum, items]), flags])
 
     def _host_numbers(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> tuple:
-        """``(loss sum, N, raw norm or None, every rank can pad, a stop was asked)`` on the host, from
+        """``(loss sum, N, raw norm or None, every rank can pad, a stop was asked, the declared global
+        N summed over ranks)`` on the host, from
         one small all-reduce (across ranks, or when a count is a tensor; launched early when the
         window could, see :meth:`launch`) and the window's one host synchronisation. Across ranks the
         all-reduce also sums the can-pad and stop flags, so the next window needs no agreement and a
@@ -253,10 +317,10 @@ class Boundary:
         if len(host) == 1:
             requests = self.stop_requests  # one process: a request is its own answer
             stop, self._stops_carried = requests > self._stops_carried, requests
-            return host[0], totals.host_items, raw_norm, True, stop
-        return host[0], host[1], raw_norm, host[2] >= self.sync.world_size, host[3] > 0
+            return host[0], totals.host_items, raw_norm, True, stop, totals.declared_items
+        return host[0], host[1], raw_norm, host[2] >= self.sync.world_size, host[3] > 0, host[4]
 
-    def _step(self, grads: List[torch.Tensor], coef: float, loss: float) -> None:
+    def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float]) -> None:
         if grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
         self.grads.write_back()
@@ -268,20 +332,20 @@ class Boundary:
             else:
                 self.scheduler.step()
 
-    def _skip(self, decision: Verdict, loss_sum: float, grad_norm: Optional[float], ran: bool) -> None:
+    def _skip(self, decision: Verdict, loss_sum: Optional[float], grad_norm: Optional[float], ran: bool) -> None:
         if decision is Verdict.RAISE:
             raise FloatingPointError(
-                f"the window's {'gradient' if math.isfinite(loss_sum) else 'loss'} is not finite "
-                f"(loss sum {loss_sum}, gradient norm {grad_norm}); no step was taken and the "
-                "gradients were cleared. Lower the learning rate, use max_grad_norm, or pass "
-                "nonfinite='skip' to skip such windows"
+                f"the window's {_what(loss_sum)} is not finite "
+                f"(loss sum {'not exchanged' if loss_sum is None else loss_sum}, gradient norm {grad_norm}); "
+                "no step was taken and the gradients were cleared. Lower the learning rate, use "
+                "max_grad_norm, or pass nonfinite='skip' to skip such windows"
             )
         self.counters.skipped += 1
         if decision is Verdict.SKIP_EMPTY and ran:
             self._warn_once("no_items", "a window counted 0 items (e.g. every label is the ignore_index): it has "
                             "no loss to step on, so it was skipped; its StepResult.loss is nan")
         elif decision is Verdict.SKIP_NONFINITE and self.precision.scaler is None:
-            self._warn_once("nonfinite", f"a window's {'gradient' if math.isfinite(loss_sum) else 'loss'} was not "
+            self._warn_once("nonfinite", f"a window's {_what(loss_sum)} was not "
                             "finite, so it was skipped (no step; StepResult.skipped is True, acc.skipped counts "
                             "them). Lower the learning rate, use max_grad_norm, or pass nonfinite='raise' to stop")
         self.precision.skip()
@@ -290,6 +354,13 @@ class Boundary:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=6)
+
+
+def _what(loss_sum: Optional[float]) -> str:
+    if loss_sum is None:  # a window that exchanged nothing: the gradient carries every rank's loss check
+        return ("gradient (or, on some rank, the loss, or loss_fn counted other items than the window's "
+                "known share)")
+    return "gradient" if math.isfinite(loss_sum) else "loss"
 
 
 class InFlight:

@@ -93,14 +93,16 @@ class RankAgreement:
         leading_dim(micro_batch, argument="micro_batch")
         self.replay = micro_batch
 
-    def local_plan(self, num_micro_batches: int, num_items: Optional[Count], *, can_pad: bool) -> Optional[WindowPlan]:
-        """A plan this rank can make alone, or None when the ranks must agree first."""
+    def local_plan(self, num_micro_batches: int, num_items: Optional[Count], *, can_pad: bool,
+                   global_items: Optional[float] = None) -> Optional[WindowPlan]:
+        """A plan this rank can make alone, or None when the ranks must agree first. ``global_items``
+        is the window's global count as the caller declared it (checked at the boundary)."""
         n = num_micro_batches
         if not self.sync.distributed:
             return WindowPlan(n, n, n, None if num_items is None else as_number(num_items))
         if self.sync.needs_equal_counts or not can_pad or not self.peers_can_pad:
             return None
-        return WindowPlan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
+        return WindowPlan(n, max(n, 1), n, global_items)  # DDP: at least one forward, a repeat where none
 
     def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float]) -> Optional[WindowPlan]:
         """The plan from every rank's micro-batch count, known without asking (a WindowSampler), or
@@ -176,15 +178,17 @@ class RankAgreement:
             self.reference_items = ref
         return self.reference_items
 
-    def observe(self, plan: Optional[WindowPlan], num_items: float, peers_can_pad: bool) -> None:
-        """After the boundary: the same global numbers on every rank give the same ratio and R."""
+    def observe(self, plan: Optional[WindowPlan], num_items: float, peers_can_pad: Optional[bool]) -> None:
+        """After the boundary: the same global numbers on every rank give the same ratio and R
+        (``peers_can_pad`` is None when the window exchanged nothing: what was known stays)."""
         upfront = plan.items if plan is not None else None
         if upfront and num_items > 0:
             self.count_ratio = num_items / upfront
         if self.sync.distributed:
             if num_items > 0:
                 self.last_items = num_items
-            self.peers_can_pad = peers_can_pad
+            if peers_can_pad is not None:
+                self.peers_can_pad = peers_can_pad
 
     def state_dict(self) -> Dict[str, Any]:
         return {"reference_items": self.reference_items, "count_ratio": self.count_ratio,

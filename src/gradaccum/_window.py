@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ._boundary import Boundary, InFlight, WindowTotals, backward_weight
+from ._boundary import Boundary, InFlight, WindowTotals, backward_weight, loss_check_factor
 from ._checks import Count, as_number, item_count, positive_int, scalar_loss, split_loss_output, training_batchnorms
 from ._gradients import WindowGradients
 from ._ranks import RankAgreement, WindowPlan
@@ -154,7 +154,7 @@ class Window:
     def __init__(self, ctx: WindowContext, num_micro_batches: Optional[int], *,
                  num_items: Optional[Count] = None, micro_batch_size: Optional[Any] = None,
                  defer_reduction: bool = False, can_pad: bool = False,
-                 plan: Optional[WindowPlan] = None) -> None:
+                 plan: Optional[WindowPlan] = None, global_num_items: Optional[float] = None) -> None:
         if num_micro_batches is not None and not (ctx.sync.distributed and num_micro_batches == 0):
             positive_int("num_micro_batches", num_micro_batches)
         if num_items is not None:
@@ -181,6 +181,10 @@ class Window:
         self._host_items = 0.0  # sum of the counts given as Python numbers
         self._device_items: Optional[torch.Tensor] = None  # sum of the counts given as tensors
         self._in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before the last backward
+        self._declared = global_num_items  # the caller's global N (step(global_num_items=)), checked when exchanged
+        #: the boundary all-reduces the window's totals across ranks (see Boundary.exchanges)
+        self.exchanges = True
+        self._reduced = False  # the backward that reduces across ranks has run
 
     # -- opening and closing ---------------------------------------------------------------------
 
@@ -190,10 +194,13 @@ class Window:
         ctx.grads.open()
         try:
             if self.size is not None and self.plan is None:
-                self.plan = (ctx.ranks.local_plan(self.size, self._num_items, can_pad=self._can_pad)
+                self.plan = (ctx.ranks.local_plan(self.size, self._num_items, can_pad=self._can_pad,
+                                                  global_items=self._declared)
                              or ctx.ranks.agree(self.size, self._num_items, self._can_pad))
             self._reference = ctx.ranks.window_reference(self.plan if self.size is not None else None,
                                                          self._num_items)
+            known = self.plan.items if self.plan is not None and self._num_items is not None else None
+            self.exchanges = self._defer or ctx.boundary.exchanges(known, ctx.ranks.count_ratio)
             if self.plan is not None and self.size is not None:
                 padding = ctx.ranks.padding(self.plan)
                 # the agreement refused, on every rank alike, any window where a rank that must pad cannot
@@ -243,10 +250,10 @@ class Window:
         return _MicroBatch(self, bool(last) and not self._defer)
 
     def _checked(self, loss: Any) -> torch.Tensor:
-        if self._in_flight is not None:
+        if self._reduced:
             raise RuntimeError(
                 "window.backward() after the backward of the micro-batch that reduces across ranks (the "
-                "last): the window's counts were already sent to the other ranks. Run one backward per "
+                "last): the window's gradient was already reduced and its counts fixed. Run one backward per "
                 "micro_batch() block, and mark only the last micro-batch with micro_batch(last=True)"
             )
         if not self.in_micro_batch:
@@ -290,24 +297,39 @@ class Window:
                 self._loss_sum = loss.detach().to(self._sum_dtype) * num_items
             else:
                 self._loss_sum.add_(loss.detach(), alpha=num_items)  # promoted into the float64 sum
-        self._launch_if_last()
-        self._backward(weighted)
+        self._backward(self._before_reduction(weighted))
         self.done += 1
 
-    def _launch_if_last(self) -> None:
-        """Before the reducing backward, every count of the window is known: start the boundary's
-        all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`)."""
-        if self.reducing and self.ctx.sync.distributed and self._in_flight is None:
+    def _before_reduction(self, weighted: torch.Tensor) -> torch.Tensor:
+        """Before the backward that reduces across ranks every count of the window is known: start
+        the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
+        or, in a window that exchanges nothing, fold this rank's loss check into the gradient
+        (:func:`gradaccum._boundary.loss_check_factor`)."""
+        if not (self.reducing and self.ctx.sync.distributed):
+            return weighted
+        self._reduced = True
+        if self.exchanges:
             self._in_flight = self.ctx.boundary.launch(self.totals(ran=True))
+            return weighted
+        share = as_number(self._num_items) if self._num_items is not None else 0.0
+        counted = self._device_items is None and self._host_items == share
+        if not counted:
+            warnings.warn(
+                f"this rank's loss_fn counted {self._host_items if self._device_items is None else 'tensor'} items "
+                f"where the window's known share is {share:g}: the window's global item count "
+                "is not the one every rank assumed, so it is dropped on every rank (as a non-finite window). "
+                "Return a bare mean loss from loss_fn, or tell train()/step() what it counts with num_items=",
+                stacklevel=4)
+        return weighted * loss_check_factor(self._loss_sum, counted)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
         runs the forward and backward collectives that ranks with data run."""
         loss = self._checked(loss)
         self._weight(0, loss)  # takes part in fixing R, as the ranks with data do
-        self._launch_if_last()
+        weighted = self._before_reduction(loss * 0.0)
         with torch.autocast(device_type=self.ctx.device.type, enabled=False):
-            self.ctx.precision.scale(loss * 0.0).backward()
+            self.ctx.precision.scale(weighted).backward()
         self.done += 1
 
     # -- the boundary ----------------------------------------------------------------------------
@@ -322,8 +344,11 @@ class Window:
         loss_sum = self._loss_sum
         if loss_sum is None:
             loss_sum = torch.zeros((), dtype=self._sum_dtype, device=self.ctx.device)
+        known = None if self.exchanges or self.plan is None else self.plan.items
         return WindowTotals(loss_sum, self._host_items, self._device_items, self.reference_items or 1.0,
-                            ran=self.done > 0 if ran is None else ran, can_pad=self._can_pad or self.ctx.ranks.replay is not None)
+                            ran=self.done > 0 if ran is None else ran,
+                            can_pad=self._can_pad or self.ctx.ranks.replay is not None,
+                            known_items=known, declared_items=self._declared)
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
@@ -349,11 +374,12 @@ class Window:
         ctx = self.ctx
         if self._defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = ctx.boundary.finish(self.totals(), self._in_flight)
+        out = ctx.boundary.finish(self.totals(), self._in_flight, exchange=self.exchanges or not ctx.sync.distributed)
         ctx.ranks.observe(self.plan, out.num_items, out.peers_can_pad)
         size, counted = self.micro_batch_size, self.done - self.padding
+        loss = None if out.loss_sum is None else out.loss_sum / out.num_items if out.num_items > 0 else float("nan")
         self._result = StepResult(
-            loss=out.loss_sum / out.num_items if out.num_items > 0 else float("nan"),
+            loss=loss,
             num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
             micro_batches=counted, grad_norm=out.grad_norm, skipped=out.skipped, lr=out.lr, step=out.step,
             micro_batch_size=size if isinstance(size, int) else None, accum_steps=counted,
@@ -388,7 +414,7 @@ def _loss(loss_fn: LossFn, model: nn.Module, micro_batch: Batch, count: Count) -
 
 def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
                micro_batch_size: Any = None, catch_oom: bool = False,
-               plan: Optional[WindowPlan] = None) -> Optional[StepResult]:
+               plan: Optional[WindowPlan] = None, global_num_items: Optional[float] = None) -> Optional[StepResult]:
     """Forward/backward every micro-batch (and the padding the ranks need), then step. With
     ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank has
     agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
@@ -401,7 +427,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
     ranks = ctx.ranks
     with Window(ctx, len(flush) + len(micro_batches), num_items=counts.total, micro_batch_size=micro_batch_size,
                 defer_reduction=defer, can_pad=bool(micro_batches) or ranks.replay is not None,
-                plan=plan) as window:
+                plan=plan, global_num_items=global_num_items) as window:
         window.padding += len(flush)
         oom = False
         try:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ._autosize import AutoMicroBatch
 from ._boundary import Boundary
-from ._checks import Count, callable_loss_fn, positive_number
+from ._checks import Count, callable_loss_fn, positive_int, positive_number
 from ._gradients import AccumulationBuffers, WindowGradients
 from ._ranks import RankAgreement, WindowPlan
 from ._training import TrainSpec, train_windows
@@ -71,6 +71,13 @@ class Accumulator:
             (one pass over the gradient). It is always measured with ``max_grad_norm`` or fp16;
             otherwise ``grad_norm`` is None and the non-finite check uses the window's loss, which
             costs nothing.
+        loss_every: under DDP, the ranks exchange the window's loss (``StepResult.loss``) and stop
+            requests every ``loss_every`` windows. A window in between whose global item count every
+            rank knows up front (``train()`` over a :class:`~gradaccum.WindowSampler`, or
+            ``step(..., global_num_items=)``) costs no collective besides DDP's own reduction: its
+            ``StepResult.loss`` is None, and its non-finite check reads the reduced gradient's norm
+            (one pass), where every rank's loss check arrives too (see :mod:`gradaccum._boundary`).
+            1 (the default): every window exchanges.
 
     Example:
         >>> model = torch.nn.Linear(3, 1)
@@ -93,8 +100,10 @@ class Accumulator:
         reduce_every_micro_batch: bool = False,
         data_parallel: str = "auto",
         compute_grad_norm: bool = False,
+        loss_every: int = 1,
     ) -> None:
         params = _check_arguments(model, optimizer, scheduler, max_grad_norm, nonfinite, accum_dtype)
+        positive_int("loss_every", loss_every)
         device = params[0].device
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -108,7 +117,7 @@ class Accumulator:
         self.auto = AutoMicroBatch(self.sync, device)
         boundary = Boundary(optimizer, scheduler, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=bool(compute_grad_norm),
-                            nonfinite=nonfinite, device=device)
+                            nonfinite=nonfinite, device=device, loss_every=loss_every)
         self.counters = boundary.counters
         self.context = WindowContext(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=self.ranks, boundary=boundary, slot=OpenWindow(model))
@@ -160,7 +169,8 @@ class Accumulator:
     # -- the three ways in ----------------------------------------------------------------------
 
     def step(self, window: Union[Batch, Sequence[Batch]], loss_fn: LossFn, *,
-             micro_batch_size: MicroBatchSize = None, num_items: Optional[CountFn] = None) -> StepResult:
+             micro_batch_size: MicroBatchSize = None, num_items: Optional[CountFn] = None,
+             global_num_items: Optional[float] = None) -> StepResult:
         """Run the window's micro-batches and take exactly one optimizer step (or skip it).
 
         Args:
@@ -174,9 +184,19 @@ class Accumulator:
                 before any forward pass (e.g. ``gradaccum.count_targets(mb["labels"])``). A bare
                 loss is then weighted by it instead of the leading dimension, and each backward
                 weighs exactly ``n_k / N``.
+            global_num_items: the window's item count summed over all ranks, when every rank knows it
+                without asking (e.g. equal per-rank batches of a ``DistributedSampler``: world size
+                times this rank's count). Under DDP the window then needs no agreement, and with
+                ``loss_every`` no collective at all; it is checked against the ranks' counts in every
+                window that exchanges them (an error on every rank when it is wrong).
         """
         self.context.slot.check_idle()
         check_micro_batch_size(micro_batch_size)
+        if global_num_items is not None:
+            positive_number("global_num_items", global_num_items)
+            if micro_batch_size == "auto":
+                raise ValueError("global_num_items= is not taken with micro_batch_size='auto': its windows always "
+                                 "exchange their counts (the out-of-memory back-off asks the ranks anyway)")
         callable_loss_fn(loss_fn)
         _check_count_fn(num_items)
         if micro_batch_size == "auto":
@@ -185,7 +205,8 @@ class Accumulator:
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
                                          allow_empty=self.sync.distributed)
         result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items),
-                            micro_batch_size=micro_batch_size)
+                            micro_batch_size=micro_batch_size,
+                            global_num_items=None if global_num_items is None else float(global_num_items))
         assert result is not None
         return result
 

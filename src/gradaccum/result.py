@@ -14,7 +14,8 @@ class StepResult:
 
     Attributes:
         loss: item-weighted mean loss over the whole window (all ranks): sum n_k L_k / sum n_k;
-            nan when the window counted no item (it is then skipped).
+            nan when the window counted no item (it is then skipped). None in a window whose ranks
+            exchanged nothing (``Accumulator(loss_every=k)``: every k-th window exchanges it).
         num_items: items in the window across all ranks (the normalizer); an int, or a float when
             the counts given were fractional weights.
         micro_batches: forward/backward passes this rank ran for the window that counted.
@@ -37,7 +38,7 @@ class StepResult:
             boundary; every rank sees the same value, so all can stop after this same window.
     """
 
-    loss: float
+    loss: Optional[float]
     num_items: Union[int, float]
     micro_batches: int
     grad_norm: Optional[float]

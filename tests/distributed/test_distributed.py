@@ -33,6 +33,10 @@ SCENARIOS = [
     "ddp_step_with_a_rank_without_data_costs_the_same",
     "ddp_train_over_a_window_sampler_costs_one_collective_per_window",
     "ddp_a_bypassed_wrapper_is_refused_on_every_rank",
+    "ddp_train_with_loss_every_exchanges_nothing_between",
+    "ddp_step_with_global_num_items_exchanges_nothing_between",
+    "ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank",
+    "ddp_a_wrong_global_num_items_is_one_error_on_every_rank",
 ]
 
 

@@ -10,6 +10,7 @@ import datetime
 import os
 import sys
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -650,6 +651,137 @@ def ddp_a_bypassed_wrapper_is_refused_on_every_rank():
     return "refused on both ranks, nothing moved"
 
 
+def _sampler_loader(n: int, global_batch: int, micro: int):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradaccum import WindowSampler
+
+    g = torch.Generator().manual_seed(n)
+    x, y = torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 3, generator=g, dtype=torch.float64)
+    sampler = WindowSampler(n, global_batch_size=global_batch, micro_batch_size=micro, seed=1)
+    return x, y, sampler, DataLoader(TensorDataset(x, y), batch_sampler=sampler)
+
+
+def ddp_train_with_loss_every_exchanges_nothing_between():
+    """acc.train over a WindowSampler with loss_every=3: windows 0, 3 and 6 exchange the loss (and a
+    stop request made in window 1 reaches every rank at window 3); the others cost no collective at
+    all and one host sync (the norm the verdict reads). Exact, and the ranks stay bit-equal."""
+    x, y, sampler, loader = _sampler_loader(77, 12, 3)
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
+    with CountCalls() as c:
+        results = []
+        for result in acc.train(loader, mse):
+            c.mark()
+            results.append(result)
+            if len(results) == 2 and RANK == 0:
+                acc.request_stop()
+    per_window = [b[0] - a[0] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+    syncs = [b[1] - a[1] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+    assert [r.num_items for r in results] == [12] * 6 + [5], results
+    assert per_window == [2, 0, 0, 1, 0, 0, 1], per_window  # window 0 also compares the replicas once
+    assert syncs[1:] == [1] * 6, syncs
+    assert [r.loss is None for r in results] == [False, True, True, False, True, True, False], results
+    assert [r.stop_requested for r in results] == [False] * 3 + [True] + [False] * 3, results
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    for w, result in enumerate(results):
+        idx = sampler.window_items(w, epoch=0)
+        opt.zero_grad(set_to_none=True)
+        loss = mse(ref, (x[idx], y[idx]))
+        loss.backward()
+        opt.step()
+        if result.loss is not None:
+            assert abs(result.loss - loss.item()) <= 1e-12 * abs(loss.item()), (w, result.loss, loss.item())
+    close(model.module, ref)
+    assert params_equal_on_all_ranks(model.module)
+    return f"collectives per window {per_window}, host syncs {syncs}"
+
+
+def ddp_step_with_global_num_items_exchanges_nothing_between():
+    """acc.step(..., global_num_items=) with loss_every=4: no agreement and no boundary all-reduce
+    except on every 4th window; the steps stay exact."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=4)
+    steps = []
+
+    def run(w, on_forward):
+        wins = [[data(r, 90 + 4 * w + k, 4) for k in range(3)] for r in range(WORLD)]
+        steps.append(wins)
+        result = acc.step(wins[RANK], lambda m, b: (on_forward and on_forward(), mse(m, b))[1],
+                          global_num_items=WORLD * 12)
+        assert (result.loss is None) == (w % 4 != 0) and result.num_items == WORLD * 12, (w, result)
+
+    rows = _steady_counts(run, windows=6)  # windows 2..7: the 4th (w=4) exchanges
+    assert [r[0] for r in rows] == [0, 0, 1, 0, 0, 0] and all(r[1] == 1 and r[2] == 0 for r in rows), rows
+    close(model.module, reference(steps, "sgd"))
+    assert params_equal_on_all_ranks(model.module)
+    return f"(collectives, syncs, ...) per window: {rows}"
+
+
+def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
+    """In windows that exchange nothing, rank 1's loss is +inf (a constant: its gradient is finite) in
+    window 2: every rank skips it (the nan reaches them through the reduced gradient), the replicas stay
+    bit-equal and exact; with nonfinite="raise" every rank raises. A loss_fn counting other items than
+    the known share is dropped on every rank the same way."""
+    def lossy(bad_window, counts=False):
+        seen = []
+
+        def loss_fn(m, b):
+            seen.append(1)
+            window = (len(seen) - 1) // 2  # 2 micro-batches per rank per window
+            loss = mse(m, b)
+            if window == bad_window and RANK == 1:
+                return (loss, len(b[0]) + 1) if counts else loss + float("inf")
+            return loss
+        return loss_fn
+
+    for nonfinite, counts in (("skip", False), ("skip", True), ("raise", False)):
+        x, y, sampler, loader = _sampler_loader(60, 12, 3)
+        model = DDP(model_fn())
+        acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100, nonfinite=nonfinite)
+        results, raised = [], None
+        try:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                for result in acc.train(loader, lossy(2, counts)):
+                    results.append(result)
+        except FloatingPointError as e:
+            raised = e
+        if nonfinite == "raise":
+            assert raised is not None and len(results) == 2, (results, raised)
+            assert params_equal_on_all_ranks(model.module)
+            continue
+        assert raised is None and [r.skipped for r in results] == [False, False, True, False, False], results
+        ref = model_fn()
+        opt = make_opt(ref, "sgd")
+        for w in (0, 1, 3, 4):
+            idx = sampler.window_items(w, epoch=0)
+            opt.zero_grad(set_to_none=True)
+            mse(ref, (x[idx], y[idx])).backward()
+            opt.step()
+        close(model.module, ref)
+        assert params_equal_on_all_ranks(model.module)
+    return "skipped on both ranks, raised on both ranks"
+
+
+def ddp_a_wrong_global_num_items_is_one_error_on_every_rank():
+    """Rank 1 declares the wrong global count: the first window (it always exchanges) raises on every
+    rank before any step; the right count goes on."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=10)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        acc.step(window_of(RANK, 70), mse, global_num_items=17 if RANK == 0 else 16)
+    except ValueError as e:
+        assert "global_num_items=" in str(e) and "ranks counted 17" in str(e), e
+    else:
+        raise AssertionError("a wrong global_num_items stepped")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a step was taken"
+    assert acc.step(window_of(RANK, 71), mse, global_num_items=17).step == 1
+    return "refused on both ranks, nothing moved"
+
+
 SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
@@ -661,7 +793,10 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
              ddp_step_costs_one_collective_and_one_sync_per_window, ddp_step_with_a_rank_without_data_costs_the_same,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
-             ddp_a_bypassed_wrapper_is_refused_on_every_rank]
+             ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
+             ddp_step_with_global_num_items_exchanges_nothing_between,
+             ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
+             ddp_a_wrong_global_num_items_is_one_error_on_every_rank]
 
 
 class Skip(Exception):

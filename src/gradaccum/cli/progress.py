@@ -50,7 +50,7 @@ class Progress:
             else:
                 self._bar = tqdm(total=total, initial=initial, desc=label, unit="step", leave=False, file=self.stream)
 
-    def update(self, step: int, loss: float, items: float, seconds: float) -> None:
+    def update(self, step: int, loss: Optional[float], items: float, seconds: float) -> None:
         """One optimizer step: ``items`` trained in ``seconds`` (of this process, so rates stay true
         after a resume)."""
         if not self.enabled:
@@ -60,7 +60,7 @@ class Progress:
         self._steps += 1
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{loss:.4f}")
+            self._bar.set_postfix(loss=_loss_text(loss))
             return
         now = self.clock()
         if step % self.every == 0 or step >= self.total or now - self._last_line >= self.interval:
@@ -68,10 +68,15 @@ class Progress:
             rate = self._items / self._seconds if self._seconds > 0 else float("nan")
             left = (self.total - step) * self._seconds / self._steps
             pct = 100 * step / self.total if self.total else 100.0
-            print(f"{self.prefix} step {step}/{self.total} ({pct:.0f}%), loss {loss:.4f}, "
+            print(f"{self.prefix} step {step}/{self.total} ({pct:.0f}%), loss {_loss_text(loss)}, "
                   f"{rate:,.0f} {self.unit}/s, ETA {_clock_text(left)}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _loss_text(loss: Optional[float]) -> str:
+    """A window's loss, or "-" for one whose ranks did not exchange it (``loss_every``)."""
+    return "-" if loss is None else f"{loss:.4f}"
