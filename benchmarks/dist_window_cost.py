@@ -32,6 +32,7 @@ N, M = 4, 8                      # micro-batches per window, items per micro-bat
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 REPEATS = 3 if QUICK else 21     # rotated repeats; the median is reported
 WINDOWS = 6 if QUICK else 24     # windows per timed sample (one epoch of the loaders)
+LOSS_EVERY = 10                  # the loss_every contenders exchange the loss on every 10th window
 LATENCY_US = 50.0                # stated per-collective latency of a small all-reduce on a cluster, per log2(W) hop
 
 
@@ -143,6 +144,14 @@ def gradaccum_train(acc, loader):
         pass
 
 
+def gradaccum_step_known(model, opt, x, y, acc):
+    """acc.step told the window's global count (every rank's batch has N * M items)."""
+    world = dist.get_world_size()
+    for w in range(len(x) // (N * M)):
+        mbs = [(x[(w * N + k) * M:(w * N + k + 1) * M], y[(w * N + k) * M:(w * N + k + 1) * M]) for k in range(N)]
+        acc.step(mbs, loss_fn, global_num_items=N * M * world)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -171,6 +180,13 @@ def main() -> None:
     hand_loader = DataLoader(union, batch_size=M, sampler=DistributedSampler(union, shuffle=False))
     contenders["hand no_sync loop over a DataLoader"] = lambda: hand_loader_loop(model_l, opt_l, hand_loader)
     contenders["gradaccum acc.train (WindowSampler)"] = lambda: gradaccum_train(acc_t, loader)
+    model_k = DDP(net())
+    acc_k = Accumulator(model_k, torch.optim.SGD(model_k.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
+    contenders[f"gradaccum acc.step, global_num_items, loss_every={LOSS_EVERY}"] = \
+        lambda: gradaccum_step_known(model_k, None, x, y, acc_k)
+    model_e = DDP(net())
+    acc_e = Accumulator(model_e, torch.optim.SGD(model_e.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
+    contenders[f"gradaccum acc.train (WindowSampler), loss_every={LOSS_EVERY}"] = lambda: gradaccum_train(acc_e, loader)
     accelerator = None
     try:
         from accelerate import Accelerator
@@ -208,20 +224,23 @@ def main() -> None:
             counts[name] = (c.collectives / WINDOWS, c.syncs / WINDOWS)
     distance = distances(rank, world, accelerator if "Accelerate accumulate()" in contenders else None)
     if rank == 0:
-        base = statistics.median(times["hand no_sync loop"])
-        base_loader = statistics.median(times["hand no_sync loop over a DataLoader"])
-        base_fsdp = statistics.median(times["FSDP2 hand loop (set_requires_gradient_sync)"])
-
-        def baseline(name: str) -> float:
+        def baseline(name: str) -> str:
             if name.startswith("FSDP2"):
-                return base_fsdp
-            return base_loader if "train" in name or "DataLoader" in name else base
+                return "FSDP2 hand loop (set_requires_gradient_sync)"
+            return "hand no_sync loop over a DataLoader" if "train" in name or "DataLoader" in name else "hand no_sync loop"
+
+        def ratios(name: str) -> list:
+            """Paired: each repeat's time over its baseline's in the same repeat (the two ran
+            minutes apart at most, so a slow spell of the machine hits both)."""
+            return sorted(t / b for t, b in zip(times[name], times[baseline(name)]))
+
         rows = [{"contender": name, "collectives": counts[name][0], "host_syncs": counts[name][1],
-                 "time_ratio": statistics.median(times[name]) / baseline(name),
+                 "time_ratio": statistics.median(ratios(name)),
+                 "ratio_q1": ratios(name)[len(ratios(name)) // 4], "ratio_q3": ratios(name)[(3 * len(ratios(name))) // 4],
                  "window_ms": 1e3 * statistics.median(times[name]),
                  "distance": distance.get(name),
                  "extra_latency_us_at_1024": counts[name][0] * LATENCY_US * math.log2(1024)} for name in names]
-        print(json.dumps({"N": N, "micro_batch": M, "repeats": REPEATS, "windows": WINDOWS,
+        print(json.dumps({"N": N, "micro_batch": M, "repeats": REPEATS, "windows": WINDOWS, "loss_every": LOSS_EVERY,
                           "latency_us_per_hop": LATENCY_US, "torch": torch.__version__, "rows": rows}))
     dist.destroy_process_group()
 
@@ -253,6 +272,24 @@ def distances(rank: int, world: int, accelerator=None) -> dict:
     sampler = WindowSampler(len(ux), global_batch_size=N * M * world, micro_batch_size=M, shuffle=False)
     gradaccum_train(acc, DataLoader(TensorDataset(ux, uy), batch_sampler=sampler))
     out["gradaccum acc.train (WindowSampler)"] = gap(model.module)
+    # loss_every: a first window at lr 0 (it exchanges, and compares the replicas; SGD moves nothing),
+    # so that the measured window is one that exchanges nothing
+    model = DDP(net(torch.float64))
+    o = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = Accumulator(model, o, loss_every=LOSS_EVERY)
+    gradaccum_step_known(model, o, x, y, acc)
+    o.param_groups[0]["lr"] = 0.1
+    gradaccum_step_known(model, o, x, y, acc)
+    out[f"gradaccum acc.step, global_num_items, loss_every={LOSS_EVERY}"] = gap(model.module)
+    model = DDP(net(torch.float64))
+    o = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = Accumulator(model, o, loss_every=LOSS_EVERY)
+    union = DataLoader(TensorDataset(ux, uy), batch_sampler=WindowSampler(len(ux), global_batch_size=N * M * world,
+                                                                         micro_batch_size=M, shuffle=False))
+    gradaccum_train(acc, union)
+    o.param_groups[0]["lr"] = 0.1
+    gradaccum_train(acc, union)  # the next epoch: the same one window, in the same order
+    out[f"gradaccum acc.train (WindowSampler), loss_every={LOSS_EVERY}"] = gap(model.module)
     if accelerator is not None:
         model_a = accelerator.prepare(net(torch.float64))
         opt_a = accelerator.prepare(torch.optim.SGD(model_a.parameters(), lr=0.1))
