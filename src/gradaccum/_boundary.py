@@ -132,20 +132,24 @@ def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[flo
     return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
 
 
-def loss_check_factor(loss_sum: Optional[torch.Tensor], counted_as_known: bool) -> Union[float, torch.Tensor]:
+def loss_check_factor(loss_sum: Optional[torch.Tensor], counted: float, device_counted: Optional[torch.Tensor],
+                      share: float) -> Union[float, torch.Tensor]:
     """What a window that exchanges nothing multiplies its reducing backward by: 1, or ``nan`` when this
-    rank's loss sum is not finite or ``loss_fn`` counted other items than the known share (then the
-    window's global N is not the one every rank assumed). The nan reaches every rank through the
-    gradient's reduction, so every rank's verdict sees it; no host synchronisation (a device ``where``).
+    rank's loss sum is not finite or ``loss_fn`` counted other items (``counted`` on the host plus
+    ``device_counted`` on the device) than its known ``share`` (then the window's global N is not the
+    one every rank assumed). The nan reaches every rank through the gradient's reduction, so every
+    rank's verdict sees it. No host synchronisation: device counts are compared on the device.
 
-    >>> loss_check_factor(torch.tensor(2.0), True).item(), loss_check_factor(None, False)
+    >>> loss_check_factor(torch.tensor(2.0), 3, None, 3.0).item(), loss_check_factor(None, 2, None, 3.0)
     (1.0, nan)
     """
-    if not counted_as_known:
+    if device_counted is None and counted != share:
         return math.nan
-    if loss_sum is None:
-        return 1.0
-    return torch.where(torch.isfinite(loss_sum), 1.0, math.nan)
+    ok = None if loss_sum is None else torch.isfinite(loss_sum)
+    if device_counted is not None:
+        same = (device_counted + counted) == share
+        ok = same if ok is None else ok & same
+    return 1.0 if ok is None else torch.where(ok, 1.0, math.nan)
 
 
 # -- the procedure ------------------------------------------------------------------------------------

@@ -312,15 +312,13 @@ class Window:
             self._in_flight = self.ctx.boundary.launch(self.totals(ran=True))
             return weighted
         share = as_number(self._num_items) if self._num_items is not None else 0.0
-        counted = self._device_items is None and self._host_items == share
-        if not counted:
+        if self._device_items is None and self._host_items != share:
             warnings.warn(
-                f"this rank's loss_fn counted {self._host_items if self._device_items is None else 'tensor'} items "
-                f"where the window's known share is {share:g}: the window's global item count "
-                "is not the one every rank assumed, so it is dropped on every rank (as a non-finite window). "
-                "Return a bare mean loss from loss_fn, or tell train()/step() what it counts with num_items=",
-                stacklevel=4)
-        return weighted * loss_check_factor(self._loss_sum, counted)
+                f"this rank's loss_fn counted {self._host_items:g} items where the window's known share is "
+                f"{share:g}: the window's global item count is not the one every rank assumed, so it is "
+                "dropped on every rank (as a non-finite window). Return a bare mean loss from loss_fn, or "
+                "tell train()/step() what it counts with num_items=", stacklevel=4)
+        return weighted * loss_check_factor(self._loss_sum, self._host_items, self._device_items, share)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but

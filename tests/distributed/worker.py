@@ -724,19 +724,22 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
     window 2: every rank skips it (the nan reaches them through the reduced gradient), the replicas stay
     bit-equal and exact; with nonfinite="raise" every rank raises. A loss_fn counting other items than
     the known share is dropped on every rank the same way."""
-    def lossy(bad_window, counts=False):
+    def lossy(bad_window, counts=None):
         seen = []
 
         def loss_fn(m, b):
             seen.append(1)
             window = (len(seen) - 1) // 2  # 2 micro-batches per rank per window
             loss = mse(m, b)
-            if window == bad_window and RANK == 1:
-                return (loss, len(b[0]) + 1) if counts else loss + float("inf")
-            return loss
+            n = len(b[0]) + (1 if window == bad_window and RANK == 1 else 0)  # one item too many there
+            if counts == "host":
+                return loss, n
+            if counts == "tensor":  # a count left on the device: compared there, no host sync
+                return loss, torch.tensor(n)
+            return loss + float("inf") if window == bad_window and RANK == 1 else loss
         return loss_fn
 
-    for nonfinite, counts in (("skip", False), ("skip", True), ("raise", False)):
+    for nonfinite, counts in (("skip", None), ("skip", "host"), ("skip", "tensor"), ("raise", None)):
         x, y, sampler, loader = _sampler_loader(60, 12, 3)
         model = DDP(model_fn())
         acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100, nonfinite=nonfinite)
