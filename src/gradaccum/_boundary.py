@@ -37,7 +37,8 @@ synchronisation is one ``.tolist()`` of those few numbers.
 
 **Windows that exchange nothing.** Under DDP the reduced gradient is the same on every rank, so a
 verdict read from it alone is the same on every rank too. When every rank also knows the window's
-global N up front (a WindowSampler's shares, or ``step(..., global_num_items=)``) and ``loss_fn``
+global N up front (a WindowSampler's shares, a DistributedSampler loader's equal batches, or
+``step(..., global_num_items=)``) and ``loss_fn``
 counts those items, the all-reduce above only tells the ranks each other's loss (and carries stop
 requests). ``Accumulator(loss_every=k)`` does it on every k-th window only (:meth:`Boundary.exchanges`);
 the windows between cost no collective besides DDP's own reduction. Their verdict reads the

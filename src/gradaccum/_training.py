@@ -8,7 +8,9 @@ once per epoch trains one new epoch each time (and tells the sampler which). ``a
 finished epochs (saved in ``acc.state_dict()``): a run of E epochs resumed from a checkpoint goes on
 with ``epochs=E - acc.epoch``.
 
-Over a WindowSampler no rank asks anything: every rank knows every share. Over a plain loader,
+Over a WindowSampler no rank asks anything: every rank knows every share. Nor over a loader whose
+``DistributedSampler`` gives every rank as many batches of the same sizes (:func:`equal_shares`,
+confirmed once per epoch). Over another loader,
 whose ranks may run out at different windows, the ranks agree at every window (one small
 all-gather; under ``micro_batch_size="auto"`` the back-off asks once more): while any rank has
 micro-batches left, every rank opens the window, a rank whose data ran out
@@ -26,9 +28,14 @@ from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any, Iterable, Iterator, List, Optional
 
+import torch
+from torch.utils.data import BatchSampler
+from torch.utils.data.distributed import DistributedSampler
+
 from ._autosize import AutoMicroBatch
 from ._boundary import Counters
 from ._checks import positive_int
+from ._ranks import WindowPlan
 from ._window import CountFn, LossFn, WindowContext, count_items, run_window
 from .batching import Batch, concat_batches, slice_batch
 from .result import StepResult
@@ -116,18 +123,41 @@ def _set_epoch(loader: Any, epoch: int) -> None:
             return
 
 
+def equal_shares(ctx: WindowContext, loader: Any) -> bool:
+    """Whether every rank's loader yields, batch for batch, as many items as every other's this epoch,
+    so that no window needs an agreement: a ``DistributedSampler`` over all the ranks (it pads or drops
+    to equal per-rank lengths) batched by torch's own ``BatchSampler``. Confirmed once per epoch by one
+    small all-gather of the loader's length and batch size (a rank with another dataset would differ)."""
+    if not ctx.sync.distributed:
+        return False
+    sampler, batch_sampler = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
+    fits = (isinstance(sampler, DistributedSampler) and type(batch_sampler) is BatchSampler
+            and batch_sampler.sampler is sampler and sampler.num_replicas == ctx.sync.world_size)
+    # every rank gathers, whatever its own loader is, so that no rank waits alone in the collective
+    shape = [1.0, float(len(batch_sampler)), float(batch_sampler.batch_size), float(batch_sampler.drop_last)] \
+        if fits and batch_sampler is not None else [0.0] * 4
+    mine = torch.tensor(shape, dtype=torch.float64, device=ctx.device)
+    rows = ctx.sync.all_gather(mine).tolist()
+    return all(row == rows[0] for row in rows) and rows[0][0] == 1.0
+
+
 def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], schedule: AccumSchedule,
                      spec: TrainSpec) -> Iterator[StepResult]:
     start = counters.epoch
     for epoch in range(start, start + spec.epochs):
         _set_epoch(loader, epoch)
         n = schedule(epoch)
+        known = equal_shares(ctx, loader)
         batches = iter(loader)
         window = 0
         while True:
             pending: List[Batch] = list(islice(batches, n))
             counts = count_items(pending, spec.num_items)  # checks every micro-batch, before any forward
-            plan = ctx.ranks.agree(len(pending), counts.total, bool(pending) or ctx.ranks.replay is not None)
+            if known:  # every rank holds as many micro-batches and items as this one: nothing to ask
+                k = len(pending)
+                plan = WindowPlan(k, k, k, ctx.sync.world_size * counts.total if spec.num_items is None else None)
+            else:
+                plan = ctx.ranks.agree(len(pending), counts.total, bool(pending) or ctx.ranks.replay is not None)
             if plan.most == 0:
                 break  # no rank has any micro-batch left
             if spec.drop_last and plan.fewest < n:

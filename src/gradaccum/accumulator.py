@@ -73,8 +73,8 @@ class Accumulator:
             costs nothing.
         loss_every: under DDP, the ranks exchange the window's loss (``StepResult.loss``) and stop
             requests every ``loss_every`` windows. A window in between whose global item count every
-            rank knows up front (``train()`` over a :class:`~gradaccum.WindowSampler`, or
-            ``step(..., global_num_items=)``) costs no collective besides DDP's own reduction: its
+            rank knows up front (``train()`` over a :class:`~gradaccum.WindowSampler` or a
+            ``DistributedSampler`` loader, or ``step(..., global_num_items=)``) costs no collective besides DDP's own reduction: its
             ``StepResult.loss`` is None, and its non-finite check reads the reduced gradient's norm
             (one pass), where every rank's loss check arrives too (see :mod:`gradaccum._boundary`).
             1 (the default): every window exchanges.

@@ -785,6 +785,46 @@ def ddp_a_wrong_global_num_items_is_one_error_on_every_rank():
     return "refused on both ranks, nothing moved"
 
 
+def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
+    """acc.train over a DataLoader with a DistributedSampler: every rank holds as many batches of the
+    same sizes, so the ranks confirm that once per epoch (one all-gather) and never agree per window;
+    with loss_every=2 the windows between exchange nothing. Two epochs, a short last window, exact."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(50, 5, generator=g, dtype=torch.float64), torch.randn(50, 3, generator=g, dtype=torch.float64)
+    dataset = TensorDataset(x, y)
+    loader = DataLoader(dataset, batch_size=3, sampler=DistributedSampler(dataset, shuffle=True, seed=3))
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=2)
+    with CountCalls() as c:
+        results = []
+        for result in acc.train(loader, mse, accum_steps=3, epochs=2):
+            c.mark()
+            results.append(result)
+    per_window = [b[0] - a[0] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+    assert [r.num_items for r in results] == [18, 18, 14] * 2, results
+    # window 0: the epoch's check, the replica check, the exchange; window 3: the next epoch's check
+    assert per_window == [3, 0, 1, 1, 1, 0], per_window
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    for epoch in range(2):
+        orders = []
+        for r in range(WORLD):
+            sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=r, shuffle=True, seed=3)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        for w in range(3):
+            idx = [i for order in orders for i in order[9 * w:9 * w + 9]]
+            opt.zero_grad(set_to_none=True)
+            mse(ref, (x[idx], y[idx])).backward()
+            opt.step()
+    close(model.module, ref)
+    assert params_equal_on_all_ranks(model.module)
+    return f"collectives per window {per_window}"
+
+
 SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
@@ -799,7 +839,8 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
              ddp_step_with_global_num_items_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
-             ddp_a_wrong_global_num_items_is_one_error_on_every_rank]
+             ddp_a_wrong_global_num_items_is_one_error_on_every_rank,
+             ddp_train_over_a_distributed_sampler_asks_once_per_epoch]
 
 
 class Skip(Exception):
