@@ -144,6 +144,12 @@ def gradaccum_train(acc, loader):
         pass
 
 
+def gradaccum_train_loader(acc, loader):
+    """acc.train over the hand loop's own DataLoader (a DistributedSampler), N micro-batches a window."""
+    for _ in acc.train(loader, loss_fn, accum_steps=N):
+        pass
+
+
 def gradaccum_step_known(model, opt, x, y, acc):
     """acc.step told the window's global count (every rank's batch has N * M items)."""
     world = dist.get_world_size()
@@ -187,6 +193,10 @@ def main() -> None:
     model_e = DDP(net())
     acc_e = Accumulator(model_e, torch.optim.SGD(model_e.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
     contenders[f"gradaccum acc.train (WindowSampler), loss_every={LOSS_EVERY}"] = lambda: gradaccum_train(acc_e, loader)
+    model_d = DDP(net())
+    acc_d = Accumulator(model_d, torch.optim.SGD(model_d.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
+    contenders[f"gradaccum acc.train (the same DataLoader), loss_every={LOSS_EVERY}"] = \
+        lambda: gradaccum_train_loader(acc_d, hand_loader)
     accelerator = None
     try:
         from accelerate import Accelerator
@@ -290,6 +300,17 @@ def distances(rank: int, world: int, accelerator=None) -> dict:
     o.param_groups[0]["lr"] = 0.1
     gradaccum_train(acc, union)  # the next epoch: the same one window, in the same order
     out[f"gradaccum acc.train (WindowSampler), loss_every={LOSS_EVERY}"] = gap(model.module)
+    from torch.utils.data.distributed import DistributedSampler
+
+    model = DDP(net(torch.float64))
+    o = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = Accumulator(model, o, loss_every=LOSS_EVERY)
+    dataset = TensorDataset(ux, uy)
+    plain = DataLoader(dataset, batch_size=M, sampler=DistributedSampler(dataset, shuffle=False))
+    gradaccum_train_loader(acc, plain)
+    o.param_groups[0]["lr"] = 0.1
+    gradaccum_train_loader(acc, plain)  # the next epoch: the same one window
+    out[f"gradaccum acc.train (the same DataLoader), loss_every={LOSS_EVERY}"] = gap(model.module)
     if accelerator is not None:
         model_a = accelerator.prepare(net(torch.float64))
         opt_a = accelerator.prepare(torch.optim.SGD(model_a.parameters(), lr=0.1))

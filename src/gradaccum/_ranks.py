@@ -9,7 +9,8 @@ same error, so none waits in a collective.
 
 **Asking only when a rank can differ.** The agreement is skipped when every rank can know the
 counts without asking: a :class:`~gradaccum.WindowSampler` knows every rank's share of every window
-(:meth:`RankAgreement.known_plan`); and under DDP, once every rank has a micro-batch to pad with
+(:meth:`RankAgreement.known_plan`), a ``DistributedSampler`` loader gives every rank as many batches of
+the same sizes (``gradaccum._training.equal_shares``); and under DDP, once every rank has a micro-batch to pad with
 (learned at the previous boundary, whose one all-reduce carries that flag), a rank decides alone: it
 runs its own micro-batches, or one zero-weight repeat when it has none (:meth:`RankAgreement.local_plan`).
 So in the steady state a window costs one small collective (the boundary's) and no host
