@@ -34,7 +34,7 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
 # batch is cut (ranks, micro-batch size, accumulation) changes rounding only, never which items a
 # step sees: a run may move to another world size or micro-batch size with the same --batch-size.
 RESUMABLE_CHANGES = ("out", "checkpoint_every", "epochs", "device", "world_size", "micro_batch_size",
-                     "accum_steps")
+                     "accum_steps", "loss_every")
 
 
 class WindowShape(NamedTuple):
@@ -107,6 +107,7 @@ class TrainConfig:
     seed: int = 0
     out: Optional[str] = None
     checkpoint_every: int = 0
+    loss_every: int = 1
     device: str = "auto"
     dtype: str = "float32"
     shard: bool = False
@@ -152,6 +153,7 @@ class TrainConfig:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise bad("--max-grad-norm", self.max_grad_norm, "a positive number")
         check_int("--checkpoint-every", self.checkpoint_every, 0, extra=" (0: only at the end)")
+        check_int("--loss-every", self.loss_every, extra=" (1: every window's loss)")
         if self.dtype not in DTYPES:
             raise bad("--dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if self.dtype == "float64" and self.precision != "fp32":

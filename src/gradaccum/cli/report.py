@@ -71,7 +71,8 @@ def _loss_label(unit: str) -> str:
 
 def _loss_panel(ax: Any, curves: Dict[str, List[Dict[str, Any]]], unit: str = "items") -> None:
     values: List[float] = []
-    curves = {label: training_rows(rows) for label, rows in curves.items()}
+    # windows whose ranks did not exchange their loss (--loss-every) have none to draw
+    curves = {label: [r for r in training_rows(rows) if r.get("loss") is not None] for label, rows in curves.items()}
     for (label, rows), style in zip(curves.items(), ("-", "--", ":", "-.")):
         steps = [r["step"] for r in rows]
         losses = [r["loss"] for r in rows]
@@ -164,9 +165,10 @@ def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, An
     top.set_title(f"{title}\nlargest parameter difference at the end: {max_param_diff:.1e}", fontsize=10)
 
     accumulated, one_batch = training_rows(accumulated), training_rows(one_batch)
-    by_step = {r["step"]: r["loss"] for r in one_batch}
-    steps = [r["step"] for r in accumulated if r["step"] in by_step]
-    diffs = [abs(r["loss"] - by_step[r["step"]]) for r in accumulated if r["step"] in by_step]
+    by_step = {r["step"]: r["loss"] for r in one_batch if r.get("loss") is not None}
+    both = [r for r in accumulated if r["step"] in by_step and r.get("loss") is not None]
+    steps = [r["step"] for r in both]
+    diffs = [abs(r["loss"] - by_step[r["step"]]) for r in both]
     nonzero = [(s, d) for s, d in zip(steps, diffs) if d > 0]
     zero = [s for s, d in zip(steps, diffs) if d == 0]
     marker = "o" if len(steps) <= MARKERS_UP_TO else None

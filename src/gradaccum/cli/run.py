@@ -209,7 +209,7 @@ def _trainer(cfg: TrainConfig, task: Task, device: torch.device, life: RunLifecy
     wrapped = _wrap(cfg, model, device)
     optimizer = _optimizer(cfg, wrapped if cfg.shard else model)
     acc = Accumulator(wrapped, optimizer, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm,
-                      compute_grad_norm=True)
+                      compute_grad_norm=True, loss_every=cfg.loss_every)
     (batch, m, _) = cfg.window
     sampler = WindowSampler(task.num_train, batch, batch if m == "auto" else int(m), seed=cfg.seed,
                             rank=sync.rank(), world_size=sync.world_size())
@@ -358,7 +358,8 @@ def _summary(trainer: Trainer, plan: ResumePlan, history: List[Dict[str, Any]],
     batch = cfg.window_items
     summary: Dict[str, Any] = dict(metrics)
     summary.update(steps=acc.steps, windows=len(rows), skipped_windows=sum(1 for r in rows if r.get("skipped")),
-                   last_loss=rows[-1]["loss"] if rows else None, wall_time_seconds=trainer.elapsed,
+                   last_loss=next((r["loss"] for r in reversed(rows) if r["loss"] is not None), None),
+                   wall_time_seconds=trainer.elapsed,
                    epochs=cfg.epochs, global_batch_size=min(batch, task.num_train),
                    window_items=min(batch, task.num_train), world_size=sync.world_size(),
                    micro_batch_size=acc.auto_micro_batch_size or cfg.window[1],
