@@ -372,7 +372,7 @@ class Window:
         ctx = self.ctx
         if self._defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = ctx.boundary.finish(self.totals(), self._in_flight, exchange=self.exchanges or not ctx.sync.distributed)
+        out = ctx.boundary.finish(self.totals(), self._in_flight, exchange=self.exchanges)
         ctx.ranks.observe(self.plan, out.num_items, out.peers_can_pad)
         size, counted = self.micro_batch_size, self.done - self.padding
         loss = None if out.loss_sum is None else out.loss_sum / out.num_items if out.num_items > 0 else float("nan")

@@ -20,8 +20,8 @@ class StepResult:
             the counts given were fractional weights.
         micro_batches: forward/backward passes this rank ran for the window that counted.
         grad_norm: total gradient norm before clipping (after normalization and unscaling), when
-            measured: with ``max_grad_norm``, fp16, or ``Accumulator(compute_grad_norm=True)``;
-            None otherwise (measuring is a pass over the whole gradient). inf or nan when the
+            measured: with ``max_grad_norm``, fp16, ``Accumulator(compute_grad_norm=True)``, or in a
+            window whose ranks exchanged nothing (its non-finite check reads the norm); None otherwise (measuring is a pass over the whole gradient). inf or nan when the
             gradient was not finite (the window is then skipped).
         skipped: True when no optimizer step was taken (non-finite loss, non-finite measured
             gradient, fp16 overflow, or a window with 0 items).
