@@ -51,9 +51,12 @@ class Count:
     def __enter__(self):
         self.collectives = self.syncs = 0
         self.saved = [(dist, n, getattr(dist, n)) for n in ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor")]
+        import torch.distributed._functional_collectives as funcol  # DTensor's (an FSDP2 norm)
+
+        self.saved += [(funcol, n, getattr(funcol, n)) for n in ("all_reduce", "all_gather_tensor")]
         self.saved += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("item", "tolist", "cpu")]
         for owner, name, fn in self.saved:
-            setattr(owner, name, self.wrap(fn, owner is dist))
+            setattr(owner, name, self.wrap(fn, owner is not torch.Tensor))
         return self
 
     def wrap(self, fn, collective):

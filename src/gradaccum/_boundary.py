@@ -33,7 +33,9 @@ ranks; the total norm of the normalized gradient (with clipping, fp16 or ``compu
 **verdict** (:func:`verdict`: step, skip or raise, from the loss and that norm); the **clip
 coefficient** (:func:`clip_coefficient`) folded into the scale, so clipping costs no extra pass; the
 optimizer step; the scheduler step (only on steps taken); gradients cleared. The only host
-synchronisation is one ``.tolist()`` of those few numbers.
+synchronisation is one ``.tolist()`` of those few numbers. Under FSDP2, whose reduced gradient is
+sharded, a measured norm rides in that all-reduce: each rank adds its shards' squared norm
+(:meth:`gradaccum.sync.GradSync.local_square_sum`), so clipping costs no collective of its own.
 
 **Windows that exchange nothing.** Under DDP the reduced gradient is the same on every rank, so a
 verdict read from it alone is the same on every rank too. When every rank also knows the window's
@@ -217,6 +219,9 @@ class Boundary:
         self.precision, self.sync, self.grads = precision, sync, grads
         self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
         self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
+        #: under FSDP2 a measured norm rides in the boundary's all-reduce (each rank adds its shards'
+        #: squared norm), so that all-reduce waits for the reduced gradient instead of starting early
+        self.launches_early = not (self.measure and sync.sharded_grads)
         self.counters = Counters()
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         #: counted by ``Accumulator.request_stop`` (maybe from a signal handler); each new request is
@@ -309,16 +314,21 @@ class Boundary:
         window could, see :meth:`launch`) and the window's one host synchronisation. Across ranks the
         all-reduce also sums the can-pad and stop flags, so the next window needs no agreement and a
         stop reaches every rank at the same window."""
+        square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
         if in_flight is not None:
             parts = [in_flight.wait().to(torch.float64)]
         elif self.sync.distributed or totals.device_items is not None:
-            parts = [self.sync.all_reduce_(self._totals_tensor(totals)).to(torch.float64)]
+            tensor = self._totals_tensor(totals)
+            square = self.sync.local_square_sum(grads) if self.measure else None
+            if square is not None:
+                tensor = torch.cat([tensor, square.to(tensor).reshape(1)])
+            parts = [self.sync.all_reduce_(tensor).to(torch.float64)]
         else:  # the count is a host number already: only the loss sum crosses to the host
             parts = [totals.loss_sum.reshape(1)]
-        if self.measure:
+        if self.measure and square is None:
             parts.append(total_norm(grads, self.device).reshape(1).to(device=parts[0].device, dtype=parts[0].dtype))
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the window's one host sync
-        raw_norm = host.pop() if self.measure else None
+        raw_norm = (math.sqrt(host.pop()) if square is not None else host.pop()) if self.measure else None
         if len(host) == 1:
             requests = self.stop_requests  # one process: a request is its own answer
             stop, self._stops_carried = requests > self._stops_carried, requests

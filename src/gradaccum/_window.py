@@ -309,7 +309,8 @@ class Window:
             return weighted
         self._reduced = True
         if self.exchanges:
-            self._in_flight = self.ctx.boundary.launch(self.totals(ran=True))
+            if self.ctx.boundary.launches_early:
+                self._in_flight = self.ctx.boundary.launch(self.totals(ran=True))
             return weighted
         share = as_number(self._num_items) if self._num_items is not None else 0.0
         if self._device_items is None and self._host_items != share:

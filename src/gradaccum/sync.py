@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, ContextManager, Iterator, List, Sequence
+from typing import Any, ContextManager, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -109,6 +109,8 @@ class GradSync:
     collectives_in_forward: bool = False
     #: whether every rank holds the whole reduced gradient (DDP), so replicas can be compared
     replicated_grads: bool = False
+    #: whether each rank holds a shard of the reduced gradient (FSDP2): its norm needs the ranks
+    sharded_grads: bool = False
     group: Any = None
 
     @property
@@ -123,6 +125,11 @@ class GradSync:
         if self.distributed:
             all_reduce_(tensor, op, self.group)
         return tensor
+
+    def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This rank's part of the gradient's squared norm, when summing it across ranks gives the
+        whole (each element held by exactly one rank); else None. Only sharded gradients have one."""
+        return None
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
         """Start an in-place sum all-reduce and return its work handle (``.wait()``), or None locally."""
@@ -212,6 +219,7 @@ class FSDP2Sync(GradSync):
     distributed = True
     can_reduce_later = False
     needs_equal_counts = True
+    sharded_grads = True
 
     def __init__(self, modules: Sequence[nn.Module], *, reduce_every_micro_batch: bool = False) -> None:
         self.modules = list(modules)  # the outermost fully_shard-ed modules
@@ -239,6 +247,22 @@ class FSDP2Sync(GradSync):
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         raise NotImplementedError("FSDP2 reduces gradients only inside its backward pass")
+
+    def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``sum ||local shard||^2`` in float64 when every gradient is a DTensor sharded over a mesh of
+        all the ranks (plain FSDP2); None under HSDP (a replicated mesh dimension would count twice).
+        The same answer on every rank: the placements are the model's."""
+        shards = []
+        for g in grads:
+            mesh, placements = getattr(g, "device_mesh", None), getattr(g, "placements", None)
+            if mesh is None or placements is None or mesh.size() != self.world_size \
+                    or not all(p.is_shard() for p in placements):
+                return None
+            shards.append(g.to_local())  # type: ignore[attr-defined]
+        if not shards:
+            return None
+        norms = torch.stack(torch._foreach_norm(shards)).to(torch.float64)
+        return (norms * norms).sum()
 
 
 def _outermost(modules: List[nn.Module], kind: Any) -> List[nn.Module]:

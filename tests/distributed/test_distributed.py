@@ -38,6 +38,7 @@ SCENARIOS = [
     "ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank",
     "ddp_a_wrong_global_num_items_is_one_error_on_every_rank",
     "ddp_train_over_a_distributed_sampler_asks_once_per_epoch",
+    "clipped_train_over_a_window_sampler_costs_one_collective_per_window",
 ]
 
 

@@ -512,22 +512,27 @@ def unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice():
 
 
 class CountCalls:
-    """Counts, while active, the collectives issued from Python (``torch.distributed`` functions;
-    DDP's own bucket all-reduces run in C++ and are not counted) and the host synchronisations
-    (``Tensor.item``, ``Tensor.tolist``, ``Tensor.cpu``). ``marks`` records the counts at chosen
-    moments (e.g. each window's first forward)."""
+    """Counts, while active, the collectives issued from Python (``torch.distributed`` functions, and
+    the functional collectives DTensor reduces with, e.g. an FSDP2 gradient norm; DDP's bucket
+    all-reduces and FSDP2's own all-gathers and reduce-scatters are not counted) and the host
+    synchronisations (``Tensor.item``, ``Tensor.tolist``, ``Tensor.cpu``). ``marks`` records the
+    counts at chosen moments (e.g. each window's first forward)."""
 
     COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor",
                    "all_gather_object", "broadcast_object_list", "barrier")
+    FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "broadcast")
     SYNCS = ("item", "tolist", "cpu")
 
     def __enter__(self):
+        import torch.distributed._functional_collectives as funcol
+
         self.collectives = self.syncs = 0
         self.marks = []
         self._saved = [(dist, n, getattr(dist, n)) for n in self.COLLECTIVES if hasattr(dist, n)]
+        self._saved += [(funcol, n, getattr(funcol, n)) for n in self.FUNCTIONAL if hasattr(funcol, n)]
         self._saved += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in self.SYNCS]
         for owner, name, fn in self._saved:
-            setattr(owner, name, self._wrap(fn, "collectives" if owner is dist else "syncs"))
+            setattr(owner, name, self._wrap(fn, "syncs" if owner is torch.Tensor else "collectives"))
         return self
 
     def _wrap(self, fn, field):
@@ -825,6 +830,52 @@ def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
     return f"collectives per window {per_window}"
 
 
+def clipped_train_over_a_window_sampler_costs_one_collective_per_window():
+    """Clipping under torchrun, over a WindowSampler, exact against float64 clip_grad_norm_ on the
+    union of each global window. DDP: one all-reduce per window (the first also compares the
+    replicas). FSDP2: the norm of the sharded gradient rides in that same all-reduce (each rank adds
+    its shards' squared norm), so clipping costs no collective of its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    notes = []
+    for kind in ("ddp", "fsdp2"):
+        x, y, sampler, loader = _sampler_loader(40, 12, 3)
+        if kind == "ddp":
+            model = DDP(model_fn())
+        else:
+            mesh = init_device_mesh("cpu", (WORLD,))
+            model = model_fn()
+            fully_shard(model.a, mesh=mesh)
+            fully_shard(model.b, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        acc = Accumulator(model, make_opt(model, "sgd"), max_grad_norm=0.05)
+        with CountCalls() as c:
+            results = []
+            for result in acc.train(loader, mse):
+                c.mark()
+                results.append(result)
+        per_window = [b[0] - a[0] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+        expected = [2, 1, 1, 1] if kind == "ddp" else [1, 1, 1, 1]
+        assert [r.num_items for r in results] == [12, 12, 12, 4] and per_window == expected, (kind, per_window)
+        ref = model_fn()
+        opt = make_opt(ref, "sgd")
+        for w, result in enumerate(results):
+            idx = sampler.window_items(w, epoch=0)
+            opt.zero_grad(set_to_none=True)
+            mse(ref, (x[idx], y[idx])).backward()
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            assert abs(result.grad_norm - norm.item()) <= 1e-10 * norm.item(), (kind, w, result.grad_norm, norm)
+            opt.step()
+        assert all(r.grad_norm > 0.05 for r in results), "the test must clip"
+        close(model if kind == "fsdp2" else model.module, ref)
+        notes.append(f"{kind} {per_window}")
+    return "collectives per window: " + ", ".join(notes)
+
+
 SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
@@ -840,7 +891,8 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_step_with_global_num_items_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
              ddp_a_wrong_global_num_items_is_one_error_on_every_rank,
-             ddp_train_over_a_distributed_sampler_asks_once_per_epoch]
+             ddp_train_over_a_distributed_sampler_asks_once_per_epoch,
+             clipped_train_over_a_window_sampler_costs_one_collective_per_window]
 
 
 class Skip(Exception):
