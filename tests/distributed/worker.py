@@ -562,6 +562,20 @@ def _steady_counts(run_window, windows: int, warmup: int = 2):
     return rows
 
 
+def _train_counted(acc, loader, after=None, **train):
+    """``acc.train(loader, mse, **train)``'s results, and per window the collectives and host syncs
+    counted from the previous window's end to its own; ``after(results)`` runs after each window."""
+    results = []
+    with CountCalls() as c:
+        for result in acc.train(loader, mse, **train):
+            c.mark()
+            results.append(result)
+            if after is not None:
+                after(results)
+    pairs = list(zip([(0, 0)] + c.marks, c.marks))
+    return results, [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
+
+
 def ddp_step_costs_one_collective_and_one_sync_per_window():
     """acc.step with equal counts: besides DDP's buckets, one small all-reduce and one host sync per
     window, none of either before the window's first forward; the steps stay exact. (SGD: torch's
@@ -616,13 +630,7 @@ def ddp_train_over_a_window_sampler_costs_one_collective_per_window():
     loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler)
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"))
-    with CountCalls() as c:
-        results = []
-        for result in acc.train(loader, mse):
-            c.mark()
-            results.append(result)
-    per_window = [b[0] - a[0] for a, b in zip([(0, 0)] + c.marks, c.marks)]
-    syncs = [b[1] - a[1] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+    results, per_window, syncs = _train_counted(acc, loader)
     # the first window also compares the replicas' gradients once (one more all-gather and sync)
     assert [r.num_items for r in results] == [16, 16, 13] and per_window == [2, 1, 1], (per_window, results)
     # the first window's extra .tolist() calls are the sampler cutting the epoch's order on the host
@@ -674,15 +682,8 @@ def ddp_train_with_loss_every_exchanges_nothing_between():
     x, y, sampler, loader = _sampler_loader(77, 12, 3)
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
-    with CountCalls() as c:
-        results = []
-        for result in acc.train(loader, mse):
-            c.mark()
-            results.append(result)
-            if len(results) == 2 and RANK == 0:
-                acc.request_stop()
-    per_window = [b[0] - a[0] for a, b in zip([(0, 0)] + c.marks, c.marks)]
-    syncs = [b[1] - a[1] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+    results, per_window, syncs = _train_counted(
+        acc, loader, after=lambda done: acc.request_stop() if len(done) == 2 and RANK == 0 else None)
     assert [r.num_items for r in results] == [12] * 6 + [5], results
     assert per_window == [2, 0, 0, 1, 0, 0, 1], per_window  # window 0 also compares the replicas once
     assert syncs[1:] == [1] * 6, syncs
@@ -803,12 +804,7 @@ def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
     loader = DataLoader(dataset, batch_size=3, sampler=DistributedSampler(dataset, shuffle=True, seed=3))
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"), loss_every=2)
-    with CountCalls() as c:
-        results = []
-        for result in acc.train(loader, mse, accum_steps=3, epochs=2):
-            c.mark()
-            results.append(result)
-    per_window = [b[0] - a[0] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+    results, per_window, _ = _train_counted(acc, loader, accum_steps=3, epochs=2)
     assert [r.num_items for r in results] == [18, 18, 14] * 2, results
     # window 0: the epoch's check, the replica check, the exchange; window 3: the next epoch's check
     assert per_window == [3, 0, 1, 1, 1, 0], per_window
@@ -853,12 +849,7 @@ def clipped_train_over_a_window_sampler_costs_one_collective_per_window():
             fully_shard(model.b, mesh=mesh)
             fully_shard(model, mesh=mesh)
         acc = Accumulator(model, make_opt(model, "sgd"), max_grad_norm=0.05)
-        with CountCalls() as c:
-            results = []
-            for result in acc.train(loader, mse):
-                c.mark()
-                results.append(result)
-        per_window = [b[0] - a[0] for a, b in zip([(0, 0)] + c.marks, c.marks)]
+        results, per_window, _ = _train_counted(acc, loader)
         expected = [2, 1, 1, 1] if kind == "ddp" else [1, 1, 1, 1]
         assert [r.num_items for r in results] == [12, 12, 12, 4] and per_window == expected, (kind, per_window)
         ref = model_fn()
