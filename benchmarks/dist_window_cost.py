@@ -153,14 +153,6 @@ def gradaccum_train_loader(acc, loader):
         pass
 
 
-def gradaccum_step_known(model, opt, x, y, acc):
-    """acc.step told the window's global count (every rank's batch has N * M items)."""
-    world = dist.get_world_size()
-    for w in range(len(x) // (N * M)):
-        mbs = [(x[(w * N + k) * M:(w * N + k + 1) * M], y[(w * N + k) * M:(w * N + k + 1) * M]) for k in range(N)]
-        acc.step(mbs, loss_fn, global_num_items=N * M * world)
-
-
 def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -189,17 +181,12 @@ def main() -> None:
     hand_loader = DataLoader(union, batch_size=M, sampler=DistributedSampler(union, shuffle=False))
     contenders["hand no_sync loop over a DataLoader"] = lambda: hand_loader_loop(model_l, opt_l, hand_loader)
     contenders["gradaccum acc.train (WindowSampler)"] = lambda: gradaccum_train(acc_t, loader)
-    model_k = DDP(net())
-    acc_k = Accumulator(model_k, torch.optim.SGD(model_k.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
-    contenders[f"gradaccum acc.step, global_num_items, loss_every={LOSS_EVERY}"] = \
-        lambda: gradaccum_step_known(model_k, None, x, y, acc_k)
     model_e = DDP(net())
     acc_e = Accumulator(model_e, torch.optim.SGD(model_e.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
     contenders[f"gradaccum acc.train (WindowSampler), loss_every={LOSS_EVERY}"] = lambda: gradaccum_train(acc_e, loader)
     model_d = DDP(net())
-    acc_d = Accumulator(model_d, torch.optim.SGD(model_d.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
-    contenders[f"gradaccum acc.train (the same DataLoader), loss_every={LOSS_EVERY}"] = \
-        lambda: gradaccum_train_loader(acc_d, hand_loader)
+    acc_d = Accumulator(model_d, torch.optim.SGD(model_d.parameters(), lr=1e-3))
+    contenders["gradaccum acc.train (the same DataLoader)"] = lambda: gradaccum_train_loader(acc_d, hand_loader)
     accelerator = None
     try:
         from accelerate import Accelerator
@@ -285,15 +272,8 @@ def distances(rank: int, world: int, accelerator=None) -> dict:
     sampler = WindowSampler(len(ux), global_batch_size=N * M * world, micro_batch_size=M, shuffle=False)
     gradaccum_train(acc, DataLoader(TensorDataset(ux, uy), batch_sampler=sampler))
     out["gradaccum acc.train (WindowSampler)"] = gap(model.module)
-    # loss_every: a first window at lr 0 (it exchanges, and compares the replicas; SGD moves nothing),
+    # loss_every: a first epoch at lr 0 (it exchanges, and compares the replicas; SGD moves nothing),
     # so that the measured window is one that exchanges nothing
-    model = DDP(net(torch.float64))
-    o = torch.optim.SGD(model.parameters(), lr=0.0)
-    acc = Accumulator(model, o, loss_every=LOSS_EVERY)
-    gradaccum_step_known(model, o, x, y, acc)
-    o.param_groups[0]["lr"] = 0.1
-    gradaccum_step_known(model, o, x, y, acc)
-    out[f"gradaccum acc.step, global_num_items, loss_every={LOSS_EVERY}"] = gap(model.module)
     model = DDP(net(torch.float64))
     o = torch.optim.SGD(model.parameters(), lr=0.0)
     acc = Accumulator(model, o, loss_every=LOSS_EVERY)
@@ -306,14 +286,10 @@ def distances(rank: int, world: int, accelerator=None) -> dict:
     from torch.utils.data.distributed import DistributedSampler
 
     model = DDP(net(torch.float64))
-    o = torch.optim.SGD(model.parameters(), lr=0.0)
-    acc = Accumulator(model, o, loss_every=LOSS_EVERY)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     dataset = TensorDataset(ux, uy)
-    plain = DataLoader(dataset, batch_size=M, sampler=DistributedSampler(dataset, shuffle=False))
-    gradaccum_train_loader(acc, plain)
-    o.param_groups[0]["lr"] = 0.1
-    gradaccum_train_loader(acc, plain)  # the next epoch: the same one window
-    out[f"gradaccum acc.train (the same DataLoader), loss_every={LOSS_EVERY}"] = gap(model.module)
+    gradaccum_train_loader(acc, DataLoader(dataset, batch_size=M, sampler=DistributedSampler(dataset, shuffle=False)))
+    out["gradaccum acc.train (the same DataLoader)"] = gap(model.module)
     if accelerator is not None:
         model_a = accelerator.prepare(net(torch.float64))
         opt_a = accelerator.prepare(torch.optim.SGD(model_a.parameters(), lr=0.1))

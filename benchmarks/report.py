@@ -115,10 +115,11 @@ against gradaccum's `acc.step`, `acc.train` over a `WindowSampler` and Accelerat
 bucket all-reduces are the same for all), host synchronisations (`Tensor.item/tolist/cpu`; torch's
 SGD makes none), the median over repeats of the time against the hand loop in the same repeat
 (quartiles beside it), and the largest parameter difference from one float64 step on the union of
-both ranks' windows. The `loss_every={w.get('loss_every', 10)}` rows exchange the window's loss on every
-{w.get('loss_every', 10)}th window only (`Accumulator(loss_every=...)`; `acc.step` is told the global count with
-`global_num_items=`): the windows between cost no collective, and their distance is measured on
-such a window. `acc.train` is timed against the hand loop
+both ranks' windows. The `loss_every={w.get('loss_every', 10)}` row exchanges the window's loss on every
+{w.get('loss_every', 10)}th window only (`Accumulator(loss_every=...)`, over a `WindowSampler`): the windows between
+cost no collective, and its distance is measured on such a window. "the same DataLoader" is
+`acc.train` over the hand loop's own `DistributedSampler` loader (no agreement per window; its items
+are summed at the boundary). `acc.train` is timed against the hand loop
 over a DataLoader with a DistributedSampler, FSDP2's `acc.step` against the hand loop that toggles
 `set_requires_gradient_sync`, the others against the hand loop over tensors. Goal: at
 most one small collective and one host sync per window, none before the first forward, and within

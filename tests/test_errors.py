@@ -221,27 +221,3 @@ def test_check_equivalence_refuses_vector_and_detached_losses():
     with pytest.raises(ValueError, match="does not require grad"):
         check_equivalence(model, lambda m, b: mse(m, b).detach(), regression_batch(8), 4)
     assert all(p.grad is None for p in model.parameters())
-
-
-@pytest.mark.parametrize("value, match", [
-    (0, "global_num_items must be a positive finite number, got 0"),
-    (float("nan"), "global_num_items must be a positive finite number, got nan"),
-    ("12", "global_num_items must be a positive finite number, got '12'"),
-])
-def test_bad_global_num_items(setup, value, match):
-    _, _, acc = setup
-    with pytest.raises(ValueError, match=match):
-        acc.step(regression_batch(4), mse, micro_batch_size=2, global_num_items=value)
-
-
-def test_global_num_items_with_auto_is_refused(setup):
-    _, _, acc = setup
-    with pytest.raises(ValueError, match="global_num_items= is not taken with micro_batch_size='auto'"):
-        acc.step(regression_batch(4), mse, micro_batch_size="auto", global_num_items=4)
-
-
-def test_a_wrong_global_num_items_is_refused_at_the_boundary(setup):
-    """On one process the declared count is checked at the boundary: no step, gradients cleared."""
-    _, _, acc = setup
-    with pytest.raises(ValueError, match=r"global_num_items=5.0 was given, but the ranks counted 4 items"):
-        acc.step(regression_batch(4), mse, micro_batch_size=2, global_num_items=5)

@@ -39,8 +39,7 @@ sharded, a measured norm rides in that all-reduce: each rank adds its shards' sq
 
 **Windows that exchange nothing.** Under DDP the reduced gradient is the same on every rank, so a
 verdict read from it alone is the same on every rank too. When every rank also knows the window's
-global N up front (a WindowSampler's shares, a DistributedSampler loader's equal batches, or
-``step(..., global_num_items=)``) and ``loss_fn``
+global N up front (a WindowSampler's shares) and ``loss_fn``
 counts those items, the all-reduce above only tells the ranks each other's loss (and carries stop
 requests). ``Accumulator(loss_every=k)`` does it on every k-th window only (:meth:`Boundary.exchanges`);
 the windows between cost no collective besides DDP's own reduction. Their verdict reads the
@@ -55,7 +54,7 @@ import enum
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Union
+from typing import Any, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -63,8 +62,8 @@ from ._gradients import WindowGradients
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
-__all__ = ["backward_weight", "boundary_scale", "clip_coefficient", "Verdict", "verdict", "Counters",
-           "WindowTotals", "Outcome", "Boundary", "InFlight"]
+__all__ = ["backward_weight", "boundary_scale", "clip_coefficient", "Verdict", "verdict", "loss_check_factor",
+           "Counters", "WindowTotals", "Exchanged", "Outcome", "Boundary", "InFlight"]
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
@@ -179,8 +178,8 @@ class WindowTotals:
         can_pad: whether this rank can pad its next window (has run a micro-batch to repeat).
         known_items: the window's global N, when every rank knew it up front and the window
             exchanges nothing (see :meth:`Boundary.exchanges`); else None.
-        declared_items: the global N the caller declared (``step(global_num_items=)``), checked
-            against the ranks' counts when the window exchanges them; else None.
+        counts_from_loss_fn: ``loss_fn`` returned its own count for some micro-batch (a
+            ``(mean, count)`` pair) rather than weighing a bare mean by the count known up front.
     """
 
     loss_sum: torch.Tensor
@@ -190,7 +189,7 @@ class WindowTotals:
     ran: bool
     can_pad: bool = True
     known_items: Optional[float] = None
-    declared_items: Optional[float] = None
+    counts_from_loss_fn: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,6 +208,17 @@ class Outcome:
     stop_requested: bool = False
 
 
+class Exchanged(NamedTuple):
+    """What a boundary's all-reduce told every rank (on one process: the rank itself)."""
+
+    loss_sum: float
+    num_items: float
+    raw_norm: Optional[float]  # the reduced gradient's norm before the boundary scale, when measured
+    peers_can_pad: bool  # every rank has a micro-batch to pad a later window with
+    stop: bool  # some rank asked to stop
+    counts_from_loss_fn: bool  # some rank's loss_fn returned its own counts
+
+
 class Boundary:
     """Runs a window's boundary (the module docstring's order) and counts the steps it takes."""
 
@@ -219,9 +229,9 @@ class Boundary:
         self.precision, self.sync, self.grads = precision, sync, grads
         self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
         self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
-        #: under FSDP2 a measured norm rides in the boundary's all-reduce (each rank adds its shards'
-        #: squared norm), so that all-reduce waits for the reduced gradient instead of starting early
-        self.launches_early = not (self.measure and sync.sharded_grads)
+        #: whether the all-reduce may start before the last backward (:meth:`launch`): not when it
+        #: carries the squared norm of a sharded (FSDP2) gradient, which exists only after that backward
+        self.launch_before_last_backward = not (self.measure and sync.sharded_grads)
         self.counters = Counters()
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         #: counted by ``Accumulator.request_stop`` (maybe from a signal handler); each new request is
@@ -231,16 +241,21 @@ class Boundary:
         #: whether the first reduced gradient is still to be compared across ranks (see check_replicas)
         self.verify_replicas = sync.replicated_grads
         self.loss_every = loss_every
+        #: some rank's loss_fn returned its own counts in the last exchanged window (the same on every rank)
+        self.loss_fn_counts = False
         self._warned: set = set()
 
     def exchanges(self, known_items: Optional[float], count_ratio: float) -> bool:
         """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
         there it costs nothing). Every input is the same on every rank, so every rank decides alike.
         A window may skip it when the reduced gradient is the same on every rank (DDP), every rank
-        knows the global N up front (``known_items``) and ``loss_fn`` counted those very items in the
-        last exchanged window (``count_ratio`` 1), no ReduceLROnPlateau needs the loss, the replicas
-        have been compared, and the window is not an ``loss_every``-th one (counted by windows done)."""
-        if not (self.sync.distributed and self.sync.replicated_grads) or known_items is None or count_ratio != 1.0:
+        knows the global N up front (``known_items``: a WindowSampler's shares), in the last exchanged
+        window every rank's ``loss_fn`` returned bare means weighed by those very counts (no own
+        counts, ``count_ratio`` 1), no ReduceLROnPlateau needs the loss, the replicas have been
+        compared, and the window is not a ``loss_every``-th one (counted by windows stepped or
+        skipped, the same on every rank)."""
+        if not (self.sync.distributed and self.sync.replicated_grads) or known_items is None \
+                or count_ratio != 1.0 or self.loss_fn_counts:
             return True
         done = self.counters.steps + self.counters.skipped
         return self.steps_on_loss or self.verify_replicas or done % self.loss_every == 0
@@ -259,16 +274,12 @@ class Boundary:
             except BaseException:
                 self.grads.clear()
                 raise
+        loss_sum: Optional[float]
+        peers_can_pad: Optional[bool]
         if exchange:
-            loss_sum, num_items, raw_norm, peers_can_pad, stop, declared = self._host_numbers(totals, grads, in_flight)
-            if declared and not math.isclose(declared, num_items * self.sync.world_size, rel_tol=1e-9):
-                self.grads.clear()
-                raise ValueError(
-                    f"global_num_items={totals.declared_items!r} was given, but the ranks counted {num_items:g} "
-                    f"items in this window (the declared values summed over the {self.sync.world_size} rank(s) "
-                    f"give {declared:g}, not {self.sync.world_size} x {num_items:g}): pass the window's item count "
-                    "summed over all ranks, the same on every rank, or leave global_num_items out. No step was taken"
-                )
+            told = self._host_numbers(totals, grads, in_flight)
+            loss_sum, num_items, raw_norm, peers_can_pad, stop = told[:5]
+            self.loss_fn_counts = told.counts_from_loss_fn
         else:
             assert totals.known_items is not None, "a window exchanges nothing only when N is known"
             loss_sum, num_items, peers_can_pad, stop = None, totals.known_items, None, False
@@ -304,16 +315,15 @@ class Boundary:
         if totals.device_items is not None:
             items = items + totals.device_items
         flags = totals.loss_sum.new_tensor([1.0 if totals.can_pad else 0.0, 1.0 if stop else 0.0,
-                                            totals.declared_items or 0.0])
+                                            1.0 if totals.counts_from_loss_fn else 0.0])
         return torch.cat([torch.stack([totals.loss_sum, items]), flags])
 
-    def _host_numbers(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> tuple:
-        """``(loss sum, N, raw norm or None, every rank can pad, a stop was asked, the declared global
-        N summed over ranks)`` on the host, from
-        one small all-reduce (across ranks, or when a count is a tensor; launched early when the
-        window could, see :meth:`launch`) and the window's one host synchronisation. Across ranks the
-        all-reduce also sums the can-pad and stop flags, so the next window needs no agreement and a
-        stop reaches every rank at the same window."""
+    def _host_numbers(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> Exchanged:
+        """The window's global numbers on the host, from one small all-reduce (across ranks, or when
+        a count is a tensor; launched early when the window could, see :meth:`launch`) and the
+        window's one host synchronisation. Across ranks the all-reduce also sums the flags, so the
+        next window needs no agreement and a stop reaches every rank at the same window; under FSDP2
+        it also sums the shards' squared norms."""
         square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
         if in_flight is not None:
             parts = [in_flight.wait().to(torch.float64)]
@@ -328,12 +338,14 @@ class Boundary:
         if self.measure and square is None:
             parts.append(total_norm(grads, self.device).reshape(1).to(device=parts[0].device, dtype=parts[0].dtype))
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the window's one host sync
-        raw_norm = (math.sqrt(host.pop()) if square is not None else host.pop()) if self.measure else None
+        raw_norm = None
+        if self.measure:  # the last number: the norm, or the ranks' summed squared shard norms
+            raw_norm = math.sqrt(host.pop()) if square is not None else host.pop()
         if len(host) == 1:
             requests = self.stop_requests  # one process: a request is its own answer
             stop, self._stops_carried = requests > self._stops_carried, requests
-            return host[0], totals.host_items, raw_norm, True, stop, totals.declared_items
-        return host[0], host[1], raw_norm, host[2] >= self.sync.world_size, host[3] > 0, host[4]
+            return Exchanged(host[0], totals.host_items, raw_norm, True, stop, totals.counts_from_loss_fn)
+        return Exchanged(host[0], host[1], raw_norm, host[2] >= self.sync.world_size, host[3] > 0, host[4] > 0)
 
     def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float]) -> None:
         if grads and coef != 1.0:

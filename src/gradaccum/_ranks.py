@@ -9,8 +9,8 @@ same error, so none waits in a collective.
 
 **Asking only when a rank can differ.** The agreement is skipped when every rank can know the
 counts without asking: a :class:`~gradaccum.WindowSampler` knows every rank's share of every window
-(:meth:`RankAgreement.known_plan`), a ``DistributedSampler`` loader gives every rank as many batches of
-the same sizes (``gradaccum._training.equal_shares``); and under DDP, once every rank has a micro-batch to pad with
+(:meth:`RankAgreement.known_plan`), a ``DistributedSampler`` loader gives every rank as many batches
+(``gradaccum._training.equal_shares``; their items are still summed at the boundary); and under DDP, once every rank has a micro-batch to pad with
 (learned at the previous boundary, whose one all-reduce carries that flag), a rank decides alone: it
 runs its own micro-batches, or one zero-weight repeat when it has none (:meth:`RankAgreement.local_plan`).
 So in the steady state a window costs one small collective (the boundary's) and no host
@@ -53,6 +53,9 @@ class WindowPlan:
         items: the window's global item count when every rank knew its own before the first
             backward (then it is R, and the boundary scale is 1); else None.
         asked: the ranks exchanged counts for this plan (an all-gather), rather than knowing them.
+        share: this rank's item count as every rank knows it (a WindowSampler's share), when
+            ``items`` is known to all without asking; a window may then exchange nothing at its
+            boundary (see :meth:`gradaccum._boundary.Boundary.exchanges`). Else None.
     """
 
     micro_batches: int
@@ -60,6 +63,7 @@ class WindowPlan:
     fewest: int
     items: Optional[float]
     asked: bool = False
+    share: Optional[float] = None
 
 
 def padded_count(count: int, most: int, equal_counts: bool) -> int:
@@ -94,25 +98,25 @@ class RankAgreement:
         leading_dim(micro_batch, argument="micro_batch")
         self.replay = micro_batch
 
-    def local_plan(self, num_micro_batches: int, num_items: Optional[Count], *, can_pad: bool,
-                   global_items: Optional[float] = None) -> Optional[WindowPlan]:
-        """A plan this rank can make alone, or None when the ranks must agree first. ``global_items``
-        is the window's global count as the caller declared it (checked at the boundary)."""
+    def local_plan(self, num_micro_batches: int, num_items: Optional[Count], *, can_pad: bool) -> Optional[WindowPlan]:
+        """A plan this rank can make alone, or None when the ranks must agree first."""
         n = num_micro_batches
         if not self.sync.distributed:
             return WindowPlan(n, n, n, None if num_items is None else as_number(num_items))
         if self.sync.needs_equal_counts or not can_pad or not self.peers_can_pad:
             return None
-        return WindowPlan(n, max(n, 1), n, global_items)  # DDP: at least one forward, a repeat where none
+        return WindowPlan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
 
-    def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float]) -> Optional[WindowPlan]:
+    def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float],
+                   share: Optional[float] = None) -> Optional[WindowPlan]:
         """The plan from every rank's micro-batch count, known without asking (a WindowSampler), or
-        None when some rank must pad and may not be able to (then the ranks ask, and refuse together)."""
+        None when some rank must pad and may not be able to (then the ranks ask, and refuse together).
+        ``items`` and this rank's ``share`` of them, when the items counted are the sampler's."""
         most, fewest = max(counts), min(counts)
         pads = any(padded_count(c, most, self.sync.needs_equal_counts) > c for c in counts)
         if pads and not self.peers_can_pad:
             return None
-        return WindowPlan(mine, most, fewest, items)
+        return WindowPlan(mine, most, fewest, items, share=share if items is not None else None)
 
     def agree(self, num_micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
         """Every rank's micro-batch count and up-front item count, from one small all-gather."""

@@ -9,8 +9,8 @@ finished epochs (saved in ``acc.state_dict()``): a run of E epochs resumed from 
 with ``epochs=E - acc.epoch``.
 
 Over a WindowSampler no rank asks anything: every rank knows every share. Nor over a loader whose
-``DistributedSampler`` gives every rank as many batches of the same sizes (:func:`equal_shares`,
-confirmed once per epoch). Over another loader,
+``DistributedSampler`` gives every rank as many batches (:func:`equal_shares`, confirmed once per
+epoch; the items are summed at the boundary). Over another loader,
 whose ranks may run out at different windows, the ranks agree at every window (one small
 all-gather; under ``micro_batch_size="auto"`` the back-off asks once more): while any rank has
 micro-batches left, every rank opens the window, a rank whose data ran out
@@ -124,18 +124,18 @@ def _set_epoch(loader: Any, epoch: int) -> None:
 
 
 def equal_shares(ctx: WindowContext, loader: Any) -> bool:
-    """Whether every rank's loader yields, batch for batch, as many items as every other's this epoch,
-    so that no window needs an agreement: a ``DistributedSampler`` over all the ranks (it pads or drops
-    to equal per-rank lengths) batched by torch's own ``BatchSampler``. Confirmed once per epoch by one
-    small all-gather of the loader's length and batch size (a rank with another dataset would differ)."""
+    """Whether every rank's loader yields as many batches as every other's this epoch, so that no
+    window needs an agreement on micro-batch counts: a ``DistributedSampler`` over all the ranks (it
+    pads or drops to equal per-rank lengths) batched by torch's own ``BatchSampler``, confirmed once per
+    epoch by one small all-gather of the batch count. The items are not assumed equal (a collate_fn
+    may drop rows, a rank may hold another dataset): the boundary still sums them."""
     if not ctx.sync.distributed:
         return False
     sampler, batch_sampler = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
     fits = (isinstance(sampler, DistributedSampler) and type(batch_sampler) is BatchSampler
             and batch_sampler.sampler is sampler and sampler.num_replicas == ctx.sync.world_size)
     # every rank gathers, whatever its own loader is, so that no rank waits alone in the collective
-    shape = [1.0, float(len(batch_sampler)), float(batch_sampler.batch_size), float(batch_sampler.drop_last)] \
-        if fits and batch_sampler is not None else [0.0] * 4
+    shape = [1.0, float(len(batch_sampler))] if fits and batch_sampler is not None else [0.0, 0.0]
     mine = torch.tensor(shape, dtype=torch.float64, device=ctx.device)
     rows = ctx.sync.all_gather(mine).tolist()
     return all(row == rows[0] for row in rows) and rows[0][0] == 1.0
@@ -153,9 +153,9 @@ def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
         while True:
             pending: List[Batch] = list(islice(batches, n))
             counts = count_items(pending, spec.num_items)  # checks every micro-batch, before any forward
-            if known:  # every rank holds as many micro-batches and items as this one: nothing to ask
-                k = len(pending)
-                plan = WindowPlan(k, k, k, ctx.sync.world_size * counts.total if spec.num_items is None else None)
+            if known:  # every rank holds as many micro-batches as this one: nothing to ask (the items,
+                k = len(pending)  # which a collate_fn may change, are summed at the boundary)
+                plan = WindowPlan(k, k, k, None)
             else:
                 plan = ctx.ranks.agree(len(pending), counts.total, bool(pending) or ctx.ranks.replay is not None)
             if plan.most == 0:
@@ -189,8 +189,9 @@ def _sampler_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
             if spec.auto is None:  # every rank's share is known: no agreement to ask for
                 m = sampler.micro_batch_size
                 shares = sampler.shares(first + offset)
-                plan = ctx.ranks.known_plan(size, [-(-s // m) for s in shares],
-                                            float(sum(shares)) if spec.num_items is None else None)
+                rows = spec.num_items is None  # then the sampler's shares are the items counted
+                plan = ctx.ranks.known_plan(size, [-(-s // m) for s in shares], float(sum(shares)) if rows else None,
+                                            share=float(shares[sampler.rank]) if rows else None)
                 result = _step(ctx, pending, spec, plan=plan)
             else:
                 result = _step(ctx, pending, spec)

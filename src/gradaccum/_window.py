@@ -154,7 +154,7 @@ class Window:
     def __init__(self, ctx: WindowContext, num_micro_batches: Optional[int], *,
                  num_items: Optional[Count] = None, micro_batch_size: Optional[Any] = None,
                  defer_reduction: bool = False, can_pad: bool = False,
-                 plan: Optional[WindowPlan] = None, global_num_items: Optional[float] = None) -> None:
+                 plan: Optional[WindowPlan] = None) -> None:
         if num_micro_batches is not None and not (ctx.sync.distributed and num_micro_batches == 0):
             positive_int("num_micro_batches", num_micro_batches)
         if num_items is not None:
@@ -181,10 +181,11 @@ class Window:
         self._host_items = 0.0  # sum of the counts given as Python numbers
         self._device_items: Optional[torch.Tensor] = None  # sum of the counts given as tensors
         self._in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before the last backward
-        self._declared = global_num_items  # the caller's global N (step(global_num_items=)), checked when exchanged
         #: the boundary all-reduces the window's totals across ranks (see Boundary.exchanges)
         self.exchanges = True
         self._reduced = False  # the backward that reduces across ranks has run
+        #: loss_fn returned its own count for some micro-batch (run_window sets it)
+        self.counts_from_loss_fn = False
 
     # -- opening and closing ---------------------------------------------------------------------
 
@@ -194,12 +195,11 @@ class Window:
         ctx.grads.open()
         try:
             if self.size is not None and self.plan is None:
-                self.plan = (ctx.ranks.local_plan(self.size, self._num_items, can_pad=self._can_pad,
-                                                  global_items=self._declared)
+                self.plan = (ctx.ranks.local_plan(self.size, self._num_items, can_pad=self._can_pad)
                              or ctx.ranks.agree(self.size, self._num_items, self._can_pad))
             self._reference = ctx.ranks.window_reference(self.plan if self.size is not None else None,
                                                          self._num_items)
-            known = self.plan.items if self.plan is not None and self._num_items is not None else None
+            known = self.plan.items if self.plan is not None and self.plan.share is not None else None
             self.exchanges = self._defer or ctx.boundary.exchanges(known, ctx.ranks.count_ratio)
             if self.plan is not None and self.size is not None:
                 padding = ctx.ranks.padding(self.plan)
@@ -309,16 +309,18 @@ class Window:
             return weighted
         self._reduced = True
         if self.exchanges:
-            if self.ctx.boundary.launches_early:
+            if self.ctx.boundary.launch_before_last_backward:
                 self._in_flight = self.ctx.boundary.launch(self.totals(ran=True))
             return weighted
-        share = as_number(self._num_items) if self._num_items is not None else 0.0
+        assert self.plan is not None and self.plan.share is not None, "a window exchanges nothing only on a known share"
+        share = self.plan.share
         if self._device_items is None and self._host_items != share:
             warnings.warn(
-                f"this rank's loss_fn counted {self._host_items:g} items where the window's known share is "
-                f"{share:g}: the window's global item count is not the one every rank assumed, so it is "
-                "dropped on every rank (as a non-finite window). Return a bare mean loss from loss_fn, or "
-                "tell train()/step() what it counts with num_items=", stacklevel=4)
+                f"this rank counted {self._host_items:g} items in a window where its WindowSampler share is "
+                f"{share:g} (a collate_fn that drops rows, or a loss_fn that returns its own count): the "
+                "window's global item count is not the one every rank assumed, so it is dropped on every "
+                "rank (as a non-finite window). Windows that exchange their loss (Accumulator(loss_every=1)) "
+                "sum the real counts instead", stacklevel=4)
         return weighted * loss_check_factor(self._loss_sum, self._host_items, self._device_items, share)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
@@ -347,7 +349,7 @@ class Window:
         return WindowTotals(loss_sum, self._host_items, self._device_items, self.reference_items or 1.0,
                             ran=self.done > 0 if ran is None else ran,
                             can_pad=self._can_pad or self.ctx.ranks.replay is not None,
-                            known_items=known, declared_items=self._declared)
+                            known_items=known, counts_from_loss_fn=self.counts_from_loss_fn)
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
@@ -407,13 +409,16 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Coun
     return Counts(each, float(sum(as_number(c) for c in each)))
 
 
-def _loss(loss_fn: LossFn, model: nn.Module, micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
-    return split_loss_output(loss_fn(model, micro_batch), count)
+def _loss(window: Window, loss_fn: LossFn, micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
+    out = loss_fn(window.ctx.model, micro_batch)
+    if isinstance(out, (tuple, list)):
+        window.counts_from_loss_fn = True
+    return split_loss_output(out, count)
 
 
 def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
                micro_batch_size: Any = None, catch_oom: bool = False,
-               plan: Optional[WindowPlan] = None, global_num_items: Optional[float] = None) -> Optional[StepResult]:
+               plan: Optional[WindowPlan] = None) -> Optional[StepResult]:
     """Forward/backward every micro-batch (and the padding the ranks need), then step. With
     ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank has
     agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
@@ -426,16 +431,16 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
     ranks = ctx.ranks
     with Window(ctx, len(flush) + len(micro_batches), num_items=counts.total, micro_batch_size=micro_batch_size,
                 defer_reduction=defer, can_pad=bool(micro_batches) or ranks.replay is not None,
-                plan=plan, global_num_items=global_num_items) as window:
+                plan=plan) as window:
         window.padding += len(flush)
         oom = False
         try:
             for mb in flush:
                 with window.micro_batch():
-                    window.backward_padding(_loss(loss_fn, ctx.model, mb, 0)[0])
+                    window.backward_padding(_loss(window, loss_fn, mb, 0)[0])
             for mb, count in zip(micro_batches, counts.each):
                 with window.micro_batch():
-                    window.backward(*_loss(loss_fn, ctx.model, mb, count))
+                    window.backward(*_loss(window, loss_fn, mb, count))
         except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
             if not (catch_oom and is_out_of_memory(error)):
                 raise
@@ -445,7 +450,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
         if not oom:
             for _ in range(window.padding - len(flush)):
                 with window.micro_batch():
-                    window.backward_padding(_loss(loss_fn, ctx.model, ranks.replay, 0)[0])
+                    window.backward_padding(_loss(window, loss_fn, ranks.replay, 0)[0])
         if defer:
             flag = torch.tensor([1.0 if oom else 0.0], device=ctx.device)
             oom = bool(ctx.sync.all_reduce_(flag, "max").item())

@@ -72,12 +72,11 @@ class Accumulator:
             otherwise ``grad_norm`` is None and the non-finite check uses the window's loss, which
             costs nothing.
         loss_every: under DDP, the ranks exchange the window's loss (``StepResult.loss``) and stop
-            requests every ``loss_every`` windows. A window in between whose global item count every
-            rank knows up front (``train()`` over a :class:`~gradaccum.WindowSampler` or a
-            ``DistributedSampler`` loader, or ``step(..., global_num_items=)``) costs no collective besides DDP's own reduction: its
-            ``StepResult.loss`` is None, and its non-finite check reads the reduced gradient's norm
-            (one pass), where every rank's loss check arrives too (see :mod:`gradaccum._boundary`).
-            1 (the default): every window exchanges.
+            requests every ``loss_every`` windows. A window in between of ``train()`` over a
+            :class:`~gradaccum.WindowSampler` (every rank knows every share) costs no collective
+            besides DDP's own reduction: its ``StepResult.loss`` is None, and its non-finite check reads
+            the reduced gradient's norm (one pass), where every rank's loss check arrives too (see
+            :mod:`gradaccum._boundary`). 1 (the default): every window exchanges.
 
     Example:
         >>> model = torch.nn.Linear(3, 1)
@@ -169,8 +168,7 @@ class Accumulator:
     # -- the three ways in ----------------------------------------------------------------------
 
     def step(self, window: Union[Batch, Sequence[Batch]], loss_fn: LossFn, *,
-             micro_batch_size: MicroBatchSize = None, num_items: Optional[CountFn] = None,
-             global_num_items: Optional[float] = None) -> StepResult:
+             micro_batch_size: MicroBatchSize = None, num_items: Optional[CountFn] = None) -> StepResult:
         """Run the window's micro-batches and take exactly one optimizer step (or skip it).
 
         Args:
@@ -184,19 +182,9 @@ class Accumulator:
                 before any forward pass (e.g. ``gradaccum.count_targets(mb["labels"])``). A bare
                 loss is then weighted by it instead of the leading dimension, and each backward
                 weighs exactly ``n_k / N``.
-            global_num_items: the window's item count summed over all ranks, when every rank knows it
-                without asking (e.g. equal per-rank batches of a ``DistributedSampler``: world size
-                times this rank's count). Under DDP the window then needs no agreement, and with
-                ``loss_every`` no collective at all; it is checked against the ranks' counts in every
-                window that exchanges them (an error on every rank when it is wrong).
         """
         self.context.slot.check_idle()
         check_micro_batch_size(micro_batch_size)
-        if global_num_items is not None:
-            positive_number("global_num_items", global_num_items)
-            if micro_batch_size == "auto":
-                raise ValueError("global_num_items= is not taken with micro_batch_size='auto': its windows always "
-                                 "exchange their counts (the out-of-memory back-off asks the ranks anyway)")
         callable_loss_fn(loss_fn)
         _check_count_fn(num_items)
         if micro_batch_size == "auto":
@@ -205,8 +193,7 @@ class Accumulator:
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
                                          allow_empty=self.sync.distributed)
         result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items),
-                            micro_batch_size=micro_batch_size,
-                            global_num_items=None if global_num_items is None else float(global_num_items))
+                            micro_batch_size=micro_batch_size)
         assert result is not None
         return result
 

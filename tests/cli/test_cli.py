@@ -312,6 +312,7 @@ def test_check_command_passes_the_default_model(capsys):
     (["--task", "text", "--data-path", "/nonexistent.txt"], "--data-path /nonexistent.txt: no such file"),
     (["--epochs", "0"], "--epochs must be an integer >= 1, got 0"),
     (["--loss-every", "0"], "--loss-every must be an integer >= 1 (1: every window's loss), got 0"),
+    (["--loss-every", "5", "--shard"], "--loss-every 5 does not work with --shard"),
     (["--bogus", "1"], "gradaccum train: error: unrecognized arguments: --bogus 1 (gradaccum train --help lists"),
 ])
 def test_errors_are_one_line_with_the_argument_and_value(tmp_path, capsys, args, message):

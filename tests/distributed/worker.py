@@ -562,12 +562,12 @@ def _steady_counts(run_window, windows: int, warmup: int = 2):
     return rows
 
 
-def _train_counted(acc, loader, after=None, **train):
-    """``acc.train(loader, mse, **train)``'s results, and per window the collectives and host syncs
+def _train_counted(acc, loader, after=None, loss_fn=mse, **train):
+    """``acc.train(loader, loss_fn, **train)``'s results, and per window the collectives and host syncs
     counted from the previous window's end to its own; ``after(results)`` runs after each window."""
     results = []
     with CountCalls() as c:
-        for result in acc.train(loader, mse, **train):
+        for result in acc.train(loader, loss_fn, **train):
             c.mark()
             results.append(result)
             if after is not None:
@@ -664,7 +664,7 @@ def ddp_a_bypassed_wrapper_is_refused_on_every_rank():
     return "refused on both ranks, nothing moved"
 
 
-def _sampler_loader(n: int, global_batch: int, micro: int):
+def _sampler_loader(n: int, global_batch: int, micro: int, collate_fn=None):
     from torch.utils.data import DataLoader, TensorDataset
 
     from gradaccum import WindowSampler
@@ -672,7 +672,7 @@ def _sampler_loader(n: int, global_batch: int, micro: int):
     g = torch.Generator().manual_seed(n)
     x, y = torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 3, generator=g, dtype=torch.float64)
     sampler = WindowSampler(n, global_batch_size=global_batch, micro_batch_size=micro, seed=1)
-    return x, y, sampler, DataLoader(TensorDataset(x, y), batch_sampler=sampler)
+    return x, y, sampler, DataLoader(TensorDataset(x, y), batch_sampler=sampler, collate_fn=collate_fn)
 
 
 def ddp_train_with_loss_every_exchanges_nothing_between():
@@ -704,32 +704,12 @@ def ddp_train_with_loss_every_exchanges_nothing_between():
     return f"collectives per window {per_window}, host syncs {syncs}"
 
 
-def ddp_step_with_global_num_items_exchanges_nothing_between():
-    """acc.step(..., global_num_items=) with loss_every=4: no agreement and no boundary all-reduce
-    except on every 4th window; the steps stay exact."""
-    model = DDP(model_fn())
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=4)
-    steps = []
-
-    def run(w, on_forward):
-        wins = [[data(r, 90 + 4 * w + k, 4) for k in range(3)] for r in range(WORLD)]
-        steps.append(wins)
-        result = acc.step(wins[RANK], lambda m, b: (on_forward and on_forward(), mse(m, b))[1],
-                          global_num_items=WORLD * 12)
-        assert (result.loss is None) == (w % 4 != 0) and result.num_items == WORLD * 12, (w, result)
-
-    rows = _steady_counts(run, windows=6)  # windows 2..7: the 4th (w=4) exchanges
-    assert [r[0] for r in rows] == [0, 0, 1, 0, 0, 0] and all(r[1] == 1 and r[2] == 0 for r in rows), rows
-    close(model.module, reference(steps, "sgd"))
-    assert params_equal_on_all_ranks(model.module)
-    return f"(collectives, syncs, ...) per window: {rows}"
-
-
 def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
     """In windows that exchange nothing, rank 1's loss is +inf (a constant: its gradient is finite) in
     window 2: every rank skips it (the nan reaches them through the reduced gradient), the replicas stay
-    bit-equal and exact; with nonfinite="raise" every rank raises. A loss_fn counting other items than
-    the known share is dropped on every rank the same way."""
+    bit-equal and exact; with nonfinite="raise" every rank raises. A loss_fn that suddenly counts other
+    items than the known share there (a Python or a device count), or a collate_fn that drops a row
+    there, is dropped on every rank the same way."""
     def lossy(bad_window, counts=None):
         seen = []
 
@@ -737,16 +717,29 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
             seen.append(1)
             window = (len(seen) - 1) // 2  # 2 micro-batches per rank per window
             loss = mse(m, b)
-            n = len(b[0]) + (1 if window == bad_window and RANK == 1 else 0)  # one item too many there
-            if counts == "host":
-                return loss, n
+            if window != bad_window or RANK != 1:
+                return loss
+            if counts == "host":  # one item too many, in a window that exchanges nothing
+                return loss, len(b[0]) + 1
             if counts == "tensor":  # a count left on the device: compared there, no host sync
-                return loss, torch.tensor(n)
-            return loss + float("inf") if window == bad_window and RANK == 1 else loss
+                return loss, torch.tensor(len(b[0]) + 1)
+            return loss + float("inf") if counts is None else loss
         return loss_fn
 
-    for nonfinite, counts in (("skip", None), ("skip", "host"), ("skip", "tensor"), ("raise", None)):
-        x, y, sampler, loader = _sampler_loader(60, 12, 3)
+    from torch.utils.data.dataloader import default_collate
+
+    def collate_dropping_once():  # rank 1 drops a row from its first batch of window 2 only
+        calls = []
+
+        def collate(items):
+            calls.append(1)
+            xb, yb = default_collate(items)
+            return (xb[1:], yb[1:]) if RANK == 1 and len(calls) == 5 else (xb, yb)
+        return collate
+
+    for nonfinite, counts in (("skip", None), ("skip", "host"), ("skip", "tensor"), ("skip", "collate"),
+                              ("raise", None)):
+        x, y, sampler, loader = _sampler_loader(60, 12, 3, collate_dropping_once() if counts == "collate" else None)
         model = DDP(model_fn())
         acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100, nonfinite=nonfinite)
         results, raised = [], None
@@ -774,57 +767,101 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
     return "skipped on both ranks, raised on both ranks"
 
 
-def ddp_a_wrong_global_num_items_is_one_error_on_every_rank():
-    """Rank 1 declares the wrong global count: the first window (it always exchanges) raises on every
-    rank before any step; the right count goes on."""
-    model = DDP(model_fn())
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=10)
-    before = [p.detach().clone() for p in model.parameters()]
-    try:
-        acc.step(window_of(RANK, 70), mse, global_num_items=17 if RANK == 0 else 16)
-    except ValueError as e:
-        assert "global_num_items=" in str(e) and "ranks counted 17" in str(e), e
-    else:
-        raise AssertionError("a wrong global_num_items stepped")
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a step was taken"
-    assert acc.step(window_of(RANK, 71), mse, global_num_items=17).step == 1
-    return "refused on both ranks, nothing moved"
+def _gathered_windows(recorded):
+    """Every rank's recorded ``(window, x, y)`` micro-batches, joined per window (one big batch each)."""
+    rows = [None] * WORLD
+    dist.all_gather_object(rows, recorded)
+    windows = {}
+    for per_rank in rows:
+        for w, x, y in per_rank:
+            windows.setdefault(w, []).append((x, y))
+    return [(torch.cat([x for x, _ in windows[w]]), torch.cat([y for _, y in windows[w]])) for w in sorted(windows)]
+
+
+def _one_big_batch_steps(windows):
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    for x, y in windows:
+        opt.zero_grad(set_to_none=True)
+        mse(ref, (x, y)).backward()
+        opt.step()
+    return ref
+
+
+def ddp_counts_other_than_the_shares_keep_every_window_exchanging():
+    """loss_every=3 over a WindowSampler, where the items counted are not the sampler's shares: a
+    loss_fn returning (mean, count) pairs, or a collate_fn dropping rows (on rank 1 only). The first
+    window (it always exchanges) shows it, so every window goes on exchanging its counts: exact against
+    one big batch of the micro-batches really seen, replicas bit-equal."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.dataloader import default_collate
+
+    from gradaccum import WindowSampler
+
+    notes = []
+    for case in ("pairs", "collate"):
+        g = torch.Generator().manual_seed(21)
+        x, y = torch.randn(60, 5, generator=g, dtype=torch.float64), torch.randn(60, 3, generator=g, dtype=torch.float64)
+        drop_first = case == "collate" and RANK == 1
+
+        def collate(items):
+            xb, yb = default_collate(items)
+            return (xb[1:], yb[1:]) if drop_first else (xb, yb)
+        loader = DataLoader(TensorDataset(x, y), batch_sampler=WindowSampler(60, global_batch_size=12,
+                                                                             micro_batch_size=3, seed=2),
+                            collate_fn=collate)
+        recorded, window = [], [0]
+
+        def loss_fn(m, b):
+            recorded.append((window[0], b[0], b[1]))
+            return (mse(m, b), len(b[0])) if case == "pairs" else mse(m, b)
+        model = DDP(model_fn())
+        acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
+        results, per_window, _ = _train_counted(acc, loader, after=lambda done: window.__setitem__(0, len(done)),
+                                                loss_fn=loss_fn)
+        assert per_window == [2, 1, 1, 1, 1] and not any(r.skipped for r in results), (case, per_window, results)
+        assert all(r.loss is not None for r in results)
+        close(model.module, _one_big_batch_steps(_gathered_windows(recorded)))
+        assert params_equal_on_all_ranks(model.module)
+        notes.append(f"{case} {per_window}")
+    return "collectives per window: " + ", ".join(notes)
 
 
 def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
-    """acc.train over a DataLoader with a DistributedSampler: every rank holds as many batches of the
-    same sizes, so the ranks confirm that once per epoch (one all-gather) and never agree per window;
-    with loss_every=2 the windows between exchange nothing. Two epochs, a short last window, exact."""
+    """acc.train over a DataLoader with a DistributedSampler: every rank holds as many batches, so the
+    ranks confirm that once per epoch (one all-gather) and never agree per window. The items are still
+    summed at every boundary (loss_every=2 saves nothing here): rank 1's collate_fn drops a row from
+    its batches, and the steps stay exact on the rows really seen. Two epochs, a short last window."""
     from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.dataloader import default_collate
     from torch.utils.data.distributed import DistributedSampler
 
     g = torch.Generator().manual_seed(11)
     x, y = torch.randn(50, 5, generator=g, dtype=torch.float64), torch.randn(50, 3, generator=g, dtype=torch.float64)
     dataset = TensorDataset(x, y)
-    loader = DataLoader(dataset, batch_size=3, sampler=DistributedSampler(dataset, shuffle=True, seed=3))
+
+    def collate(items):  # rank 1 drops the first row of every batch that has more than one
+        xb, yb = default_collate(items)
+        return (xb[1:], yb[1:]) if RANK == 1 and len(xb) > 1 else (xb, yb)
+    loader = DataLoader(dataset, batch_size=3, sampler=DistributedSampler(dataset, shuffle=True, seed=3),
+                        collate_fn=collate)
+    recorded, window = [], [0]
+
+    def loss_fn(m, b):
+        recorded.append((window[0], b[0], b[1]))
+        return mse(m, b)
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"), loss_every=2)
-    results, per_window, _ = _train_counted(acc, loader, accum_steps=3, epochs=2)
-    assert [r.num_items for r in results] == [18, 18, 14] * 2, results
-    # window 0: the epoch's check, the replica check, the exchange; window 3: the next epoch's check
-    assert per_window == [3, 0, 1, 1, 1, 0], per_window
-    ref = model_fn()
-    opt = make_opt(ref, "sgd")
-    for epoch in range(2):
-        orders = []
-        for r in range(WORLD):
-            sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=r, shuffle=True, seed=3)
-            sampler.set_epoch(epoch)
-            orders.append(list(sampler))
-        for w in range(3):
-            idx = [i for order in orders for i in order[9 * w:9 * w + 9]]
-            opt.zero_grad(set_to_none=True)
-            mse(ref, (x[idx], y[idx])).backward()
-            opt.step()
-    close(model.module, ref)
+    results, per_window, _ = _train_counted(acc, loader, after=lambda done: window.__setitem__(0, len(done)),
+                                            loss_fn=loss_fn, accum_steps=3, epochs=2)
+    # 25 items a rank: batches of 3, 3, ..., 1; rank 1 keeps 2, 2, ..., 1 of them
+    assert [r.num_items for r in results] == [15, 15, 12] * 2 and not any(r.skipped for r in results), results
+    # window 0: the epoch's check, R fixed once (the items are not known up front), the replica check,
+    # the boundary; window 3: the next epoch's check too
+    assert per_window == [4, 1, 1, 2, 1, 1], per_window
+    close(model.module, _one_big_batch_steps(_gathered_windows(recorded)))
     assert params_equal_on_all_ranks(model.module)
     return f"collectives per window {per_window}"
-
 
 def clipped_train_over_a_window_sampler_costs_one_collective_per_window():
     """Clipping under torchrun, over a WindowSampler, exact against float64 clip_grad_norm_ on the
@@ -879,9 +916,8 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_step_costs_one_collective_and_one_sync_per_window, ddp_step_with_a_rank_without_data_costs_the_same,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
              ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
-             ddp_step_with_global_num_items_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
-             ddp_a_wrong_global_num_items_is_one_error_on_every_rank,
+             ddp_counts_other_than_the_shares_keep_every_window_exchanging,
              ddp_train_over_a_distributed_sampler_asks_once_per_epoch,
              clipped_train_over_a_window_sampler_costs_one_collective_per_window]
 

@@ -154,6 +154,10 @@ class TrainConfig:
             raise bad("--max-grad-norm", self.max_grad_norm, "a positive number")
         check_int("--checkpoint-every", self.checkpoint_every, 0, extra=" (0: only at the end)")
         check_int("--loss-every", self.loss_every, extra=" (1: every window's loss)")
+        if self.shard and self.loss_every > 1:
+            raise ValueError(f"--loss-every {self.loss_every} does not work with --shard: FSDP2 holds a shard of the "
+                             "gradient on each rank, so every window exchanges its loss with its norm anyway; "
+                             "drop --loss-every")
         if self.dtype not in DTYPES:
             raise bad("--dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if self.dtype == "float64" and self.precision != "fp32":
