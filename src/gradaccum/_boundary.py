@@ -44,8 +44,8 @@ counts those items, the all-reduce above only tells the ranks each other's loss 
 requests). ``Accumulator(loss_every=k)`` does it on every k-th window only (:meth:`Boundary.exchanges`);
 the windows between cost no collective besides DDP's own reduction. Their verdict reads the
 gradient's norm (measured always there), and a rank's non-finite loss still reaches every rank,
-through the gradient: its reducing backward is multiplied by ``nan`` (:func:`loss_check_factor`), so
-the reduced gradient, and every rank's verdict, are not finite. ``StepResult.loss`` is None there.
+through the gradient: its reducing backward adds ``nan`` times one element of a parameter
+(:func:`loss_check_term`), so the reduced gradient, and every rank's verdict, are not finite. ``StepResult.loss`` is None there.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from ._gradients import WindowGradients
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
-__all__ = ["backward_weight", "boundary_scale", "clip_coefficient", "Verdict", "verdict", "loss_check_factor",
+__all__ = ["backward_weight", "boundary_scale", "clip_coefficient", "Verdict", "verdict", "loss_check_term",
            "Counters", "WindowTotals", "Exchanged", "Outcome", "Boundary", "InFlight"]
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
@@ -134,24 +134,31 @@ def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[flo
     return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
 
 
-def loss_check_factor(loss_sum: Optional[torch.Tensor], counted: float, device_counted: Optional[torch.Tensor],
-                      share: float) -> Union[float, torch.Tensor]:
-    """What a window that exchanges nothing multiplies its reducing backward by: 1, or ``nan`` when this
-    rank's loss sum is not finite or ``loss_fn`` counted other items (``counted`` on the host plus
-    ``device_counted`` on the device) than its known ``share`` (then the window's global N is not the
-    one every rank assumed). The nan reaches every rank through the gradient's reduction, so every
-    rank's verdict sees it. No host synchronisation: device counts are compared on the device.
+def loss_check_term(loss_sum: Optional[torch.Tensor], counted: float, device_counted: Optional[torch.Tensor],
+                    share: float, probe: torch.Tensor) -> Optional[torch.Tensor]:
+    """What a window that exchanges nothing adds to its reducing backward: ``0 * probe``, or
+    ``nan * probe`` when this rank's loss sum is not finite or it counted other items (``counted`` on
+    the host plus ``device_counted`` on the device) than its known ``share`` (then the window's global
+    N is not the one every rank assumed); None when there is nothing to check.
 
-    >>> loss_check_factor(torch.tensor(2.0), 3, None, 3.0).item(), loss_check_factor(None, 2, None, 3.0)
-    (1.0, nan)
+    ``probe`` is one element of a trainable parameter, so the nan lands in that parameter's gradient
+    whatever the loss's own gradient is (a micro-batch whose labels are all ignored has a nan mean
+    and a zero gradient), and DDP's reduction carries it to every rank's verdict. Adding ``0`` leaves
+    the gradient as it was. No host synchronisation: device values are compared on the device.
+
+    >>> probe = torch.ones(3, requires_grad=True)[0]
+    >>> loss_check_term(torch.tensor(2.0), 3, None, 3.0, probe).item(), loss_check_term(None, 2, None, 3.0, probe).item()
+    (0.0, nan)
+    >>> loss_check_term(None, 3, None, 3.0, probe) is None
+    True
     """
     if device_counted is None and counted != share:
-        return math.nan
+        return probe * math.nan
     ok = None if loss_sum is None else torch.isfinite(loss_sum)
     if device_counted is not None:
         same = (device_counted + counted) == share
         ok = same if ok is None else ok & same
-    return 1.0 if ok is None else torch.where(ok, 1.0, math.nan)
+    return None if ok is None else torch.where(ok, 0.0, math.nan).to(probe.dtype) * probe
 
 
 # -- the procedure ------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ class WindowGradients:
     def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
         self.params = list(params)
         self.buffers = buffers
+        self._smallest: Optional[torch.nn.Parameter] = None  # found at the first probe()
 
     def open(self) -> None:
         """A window opens: stale gradients would leak into it."""
@@ -80,6 +81,13 @@ class WindowGradients:
         if self.buffers is not None:
             return self.buffers.tensors()
         return [p.grad for p in self.params if p.grad is not None]
+
+    def probe(self) -> torch.Tensor:
+        """One element of the smallest parameter, to carry a flag through its gradient (see
+        :func:`gradaccum._boundary.loss_check_term`)."""
+        if self._smallest is None:
+            self._smallest = min((p for p in self.params if p.numel() > 0), key=lambda p: p.numel())
+        return self._smallest.reshape(-1)[0]
 
     def materialized(self) -> List[torch.Tensor]:
         """Every parameter's ``.grad``, zeros where none was made (for an explicit reduction)."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ._boundary import Boundary, InFlight, WindowTotals, backward_weight, loss_check_factor
+from ._boundary import Boundary, InFlight, WindowTotals, backward_weight, loss_check_term
 from ._checks import Count, as_number, item_count, positive_int, scalar_loss, split_loss_output, training_batchnorms
 from ._gradients import WindowGradients
 from ._ranks import RankAgreement, WindowPlan
@@ -304,7 +304,7 @@ class Window:
         """Before the backward that reduces across ranks every count of the window is known: start
         the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
         or, in a window that exchanges nothing, fold this rank's loss check into the gradient
-        (:func:`gradaccum._boundary.loss_check_factor`)."""
+        (:func:`gradaccum._boundary.loss_check_term`)."""
         if not (self.reducing and self.ctx.sync.distributed):
             return weighted
         self._reduced = True
@@ -321,7 +321,8 @@ class Window:
                 "window's global item count is not the one every rank assumed, so it is dropped on every "
                 "rank (as a non-finite window). Windows that exchange their loss (Accumulator(loss_every=1)) "
                 "sum the real counts instead", stacklevel=4)
-        return weighted * loss_check_factor(self._loss_sum, self._host_items, self._device_items, share)
+        term = loss_check_term(self._loss_sum, self._host_items, self._device_items, share, self.ctx.grads.probe())
+        return weighted if term is None else weighted + term
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but

@@ -705,8 +705,8 @@ def ddp_train_with_loss_every_exchanges_nothing_between():
 
 
 def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
-    """In windows that exchange nothing, rank 1's loss is +inf (a constant: its gradient is finite) in
-    window 2: every rank skips it (the nan reaches them through the reduced gradient), the replicas stay
+    """In windows that exchange nothing, rank 1's loss is +inf (a constant: its gradient is finite), or
+    nan with a zero gradient (every label ignored), in window 2: every rank skips it (the nan reaches them through the reduced gradient), the replicas stay
     bit-equal and exact; with nonfinite="raise" every rank raises. A loss_fn that suddenly counts other
     items than the known share there (a Python or a device count), or a collate_fn that drops a row
     there, is dropped on every rank the same way."""
@@ -723,6 +723,8 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
                 return loss, len(b[0]) + 1
             if counts == "tensor":  # a count left on the device: compared there, no host sync
                 return loss, torch.tensor(len(b[0]) + 1)
+            if counts == "ignored":  # every label ignored: the mean is nan (0/0), the gradient exactly 0
+                return nn.functional.cross_entropy(m(b[0]), torch.full((len(b[0]),), -100, dtype=torch.long))
             return loss + float("inf") if counts is None else loss
         return loss_fn
 
@@ -738,7 +740,7 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
         return collate
 
     for nonfinite, counts in (("skip", None), ("skip", "host"), ("skip", "tensor"), ("skip", "collate"),
-                              ("raise", None)):
+                              ("skip", "ignored"), ("raise", None), ("raise", "ignored")):
         x, y, sampler, loader = _sampler_loader(60, 12, 3, collate_dropping_once() if counts == "collate" else None)
         model = DDP(model_fn())
         acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100, nonfinite=nonfinite)
