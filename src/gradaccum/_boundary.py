@@ -259,10 +259,11 @@ class Boundary:
         knows the global N up front (``known_items``: a WindowSampler's shares), in the last exchanged
         window every rank's ``loss_fn`` returned bare means weighed by those very counts (no own
         counts, ``count_ratio`` 1), no ReduceLROnPlateau needs the loss, the replicas have been
-        compared, and the window is not a ``loss_every``-th one (counted by windows stepped or
-        skipped, the same on every rank)."""
-        if not (self.sync.distributed and self.sync.replicated_grads) or known_items is None \
-                or count_ratio != 1.0 or self.loss_fn_counts:
+        compared, DDP does not look for unused parameters (the loss check adds a gradient from outside
+        the forward, :func:`loss_check_term`, which such a DDP refuses), and the window is not a
+        ``loss_every``-th one (counted by windows stepped or skipped, the same on every rank)."""
+        if not (self.sync.distributed and self.sync.replicated_grads) or self.sync.finds_unused \
+                or known_items is None or count_ratio != 1.0 or self.loss_fn_counts:
             return True
         done = self.counters.steps + self.counters.skipped
         return self.steps_on_loss or self.verify_replicas or done % self.loss_every == 0

@@ -85,8 +85,8 @@ class WindowGradients:
     def probe(self) -> torch.Tensor:
         """One element of the smallest parameter, to carry a flag through its gradient (see
         :func:`gradaccum._boundary.loss_check_term`)."""
-        if self._smallest is None:
-            self._smallest = min((p for p in self.params if p.numel() > 0), key=lambda p: p.numel())
+        if self._smallest is None or not self._smallest.requires_grad:  # (found again if it was frozen)
+            self._smallest = min((p for p in self.params if p.numel() > 0 and p.requires_grad), key=lambda p: p.numel())
         return self._smallest.reshape(-1)[0]
 
     def materialized(self) -> List[torch.Tensor]:

@@ -111,6 +111,9 @@ class GradSync:
     replicated_grads: bool = False
     #: whether each rank holds a shard of the reduced gradient (FSDP2): its norm needs the ranks
     sharded_grads: bool = False
+    #: DDP's find_unused_parameters: a parameter may miss a forward, and DDP then marks it reduced
+    #: before the backward, so no gradient may reach it from outside the forward
+    finds_unused: bool = False
     group: Any = None
 
     @property
@@ -173,6 +176,7 @@ class DDPSync(GradSync):
         self.modules = list(modules)
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self.needs_equal_counts = reduce_every_micro_batch
+        self.finds_unused = any(bool(getattr(m, "find_unused_parameters", False)) for m in modules)
         self.group = getattr(modules[0], "process_group", None)
         sizes = {dist.get_world_size(getattr(m, "process_group", None)) for m in modules}
         if len(sizes) != 1:

@@ -829,6 +829,34 @@ def ddp_counts_other_than_the_shares_keep_every_window_exchanging():
     return "collectives per window: " + ", ".join(notes)
 
 
+def ddp_find_unused_parameters_keeps_every_window_exchanging():
+    """DDP(find_unused_parameters=True) marks a parameter that missed the forward as reduced before the
+    backward, so the loss check of a window that exchanges nothing (a gradient from outside the
+    forward) would be refused: with loss_every=3 every window still exchanges, and trains exactly."""
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model_fn()
+            self.gate = nn.Parameter(torch.zeros(1, dtype=torch.float64))  # the smallest, and never used
+
+        def forward(self, x):
+            return self.net(x)
+    x, y, sampler, loader = _sampler_loader(60, 12, 3)
+    model = DDP(Gated(), find_unused_parameters=True)
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
+    results, per_window, _ = _train_counted(acc, loader)
+    assert per_window == [2, 1, 1, 1, 1] and not any(r.skipped for r in results), (per_window, results)
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    for w in range(len(results)):
+        idx = sampler.window_items(w, epoch=0)
+        opt.zero_grad(set_to_none=True)
+        mse(ref, (x[idx], y[idx])).backward()
+        opt.step()
+    close(model.module.net, ref)
+    return f"collectives per window {per_window}"
+
+
 def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
     """acc.train over a DataLoader with a DistributedSampler: every rank holds as many batches, so the
     ranks confirm that once per epoch (one all-gather) and never agree per window. The items are still
@@ -920,6 +948,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
              ddp_counts_other_than_the_shares_keep_every_window_exchanging,
+             ddp_find_unused_parameters_keeps_every_window_exchanging,
              ddp_train_over_a_distributed_sampler_asks_once_per_epoch,
              clipped_train_over_a_window_sampler_costs_one_collective_per_window]
 
