@@ -260,9 +260,13 @@ class Boundary:
         window every rank's ``loss_fn`` returned bare means weighed by those very counts (no own
         counts, ``count_ratio`` 1), no ReduceLROnPlateau needs the loss, the replicas have been
         compared, DDP does not look for unused parameters (the loss check adds a gradient from outside
-        the forward, :func:`loss_check_term`, which such a DDP refuses), and the window is not a
+        the forward, :func:`loss_check_term`, which such a DDP refuses) and reduces a trainable
+        parameter to carry that check (``grads.probe``: one the wrapper covers that had a gradient in
+        the window whose replicas were compared, and still trainable), and the window is not a
         ``loss_every``-th one (counted by windows stepped or skipped, the same on every rank)."""
+        probe = self.grads.probe
         if not (self.sync.distributed and self.sync.replicated_grads) or self.sync.finds_unused \
+                or probe is None or not probe.requires_grad \
                 or known_items is None or count_ratio != 1.0 or self.loss_fn_counts:
             return True
         done = self.counters.steps + self.counters.skipped
@@ -282,6 +286,7 @@ class Boundary:
             except BaseException:
                 self.grads.clear()
                 raise
+            self.grads.choose_probe()  # among the gradients the ranks just found equal
         loss_sum: Optional[float]
         peers_can_pad: Optional[bool]
         if exchange:

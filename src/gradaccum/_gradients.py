@@ -61,10 +61,21 @@ class AccumulationBuffers:
 class WindowGradients:
     """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers],
+                 reduced: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
         self.params = list(params)
         self.buffers = buffers
-        self._smallest: Optional[torch.nn.Parameter] = None  # found at the first probe()
+        #: the smallest parameter the data-parallel wrapper reduces, to carry a flag through its
+        #: gradient (see :func:`gradaccum._boundary.loss_check_term`); None until :meth:`choose_probe`
+        self.probe: Optional[torch.nn.Parameter] = None
+        self._covered = None if reduced is None else {id(p) for p in reduced}
+
+    def choose_probe(self) -> None:
+        """After a window whose reduced gradient the ranks compared (the same on every rank): the
+        smallest parameter the wrapper covers that got a gradient in it, or None."""
+        candidates = [p for p in self.params if p.grad is not None and p.requires_grad and p.numel() > 0
+                      and (self._covered is None or id(p) in self._covered)]
+        self.probe = min(candidates, key=lambda p: p.numel()) if candidates else None
 
     def open(self) -> None:
         """A window opens: stale gradients would leak into it."""
@@ -81,13 +92,6 @@ class WindowGradients:
         if self.buffers is not None:
             return self.buffers.tensors()
         return [p.grad for p in self.params if p.grad is not None]
-
-    def probe(self) -> torch.Tensor:
-        """One element of the smallest parameter, to carry a flag through its gradient (see
-        :func:`gradaccum._boundary.loss_check_term`)."""
-        if self._smallest is None or not self._smallest.requires_grad:  # (found again if it was frozen)
-            self._smallest = min((p for p in self.params if p.numel() > 0 and p.requires_grad), key=lambda p: p.numel())
-        return self._smallest.reshape(-1)[0]
 
     def materialized(self) -> List[torch.Tensor]:
         """Every parameter's ``.grad``, zeros where none was made (for an explicit reduction)."""

@@ -111,7 +111,7 @@ class Accumulator:
         self.sync: GradSync = sync_for(model, reduce_every_micro_batch=reduce_every_micro_batch,
                                        data_parallel=data_parallel)
         self.buffers = _buffers(accum_dtype, self.sync, precision, params)
-        grads = WindowGradients(params, self.buffers)
+        grads = WindowGradients(params, self.buffers, reduced=self.sync.reduced_parameters())
         self.ranks = RankAgreement(self.sync, device)
         self.auto = AutoMicroBatch(self.sync, device)
         boundary = Boundary(optimizer, scheduler, precision=self.precision, sync=self.sync, grads=grads,

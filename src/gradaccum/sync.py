@@ -134,6 +134,11 @@ class GradSync:
         whole (each element held by exactly one rank); else None. Only sharded gradients have one."""
         return None
 
+    def reduced_parameters(self) -> Optional[List[nn.Parameter]]:
+        """The parameters whose gradients the wrapper reduces across ranks (DDP's, less those it
+        ignores or that were frozen when it was built), or None where that does not apply."""
+        return None
+
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
         """Start an in-place sum all-reduce and return its work handle (``.wait()``), or None locally."""
         if not self.distributed:
@@ -187,6 +192,13 @@ class DDPSync(GradSync):
     @property
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
+
+    def reduced_parameters(self) -> Optional[List[nn.Parameter]]:
+        reduced = []
+        for ddp in self.modules:
+            ignored: set = getattr(ddp, "parameters_to_ignore", set())
+            reduced += [p for name, p in ddp.module.named_parameters() if name not in ignored and p.requires_grad]
+        return reduced
 
     @contextlib.contextmanager
     def micro_batch(self, *, last: bool) -> Iterator[None]:

@@ -37,6 +37,7 @@ SCENARIOS = [
     "ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank",
     "ddp_counts_other_than_the_shares_keep_every_window_exchanging",
     "ddp_find_unused_parameters_keeps_every_window_exchanging",
+    "ddp_the_loss_check_rides_on_a_parameter_ddp_reduces",
     "ddp_train_over_a_distributed_sampler_asks_once_per_epoch",
     "clipped_train_over_a_window_sampler_costs_one_collective_per_window",
 ]

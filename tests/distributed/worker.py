@@ -857,6 +857,46 @@ def ddp_find_unused_parameters_keeps_every_window_exchanging():
     return f"collectives per window {per_window}"
 
 
+def ddp_the_loss_check_rides_on_a_parameter_ddp_reduces():
+    """The smallest trainable parameter is one DDP does not reduce (frozen when DDP was built, trained
+    after, used only without a gradient): the loss check of a window that exchanges nothing must ride
+    on a parameter DDP reduces, or rank 1's inf loss would stay on rank 1 (it would skip, rank 0 step:
+    the replicas apart). Both ranks skip window 2."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model_fn()
+            self.scale = nn.Parameter(torch.ones(1, dtype=torch.float64), requires_grad=False)  # the smallest
+
+        def forward(self, x):
+            return self.net(x) * self.scale.detach()
+    module = Scaled()
+    model = DDP(module)  # DDP leaves the frozen scale out of its reduction
+    module.scale.requires_grad_(True)
+    x, y, sampler, loader = _sampler_loader(60, 12, 3)
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100)
+    calls = []
+
+    def loss_fn(m, b):
+        calls.append(1)
+        loss = mse(m, b)
+        return loss + float("inf") if RANK == 1 and (len(calls) - 1) // 2 == 2 else loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = list(acc.train(loader, loss_fn))
+    assert [r.skipped for r in results] == [False, False, True, False, False], results
+    assert params_equal_on_all_ranks(model.module)
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    for w in (0, 1, 3, 4):
+        idx = sampler.window_items(w, epoch=0)
+        opt.zero_grad(set_to_none=True)
+        mse(ref, (x[idx], y[idx])).backward()
+        opt.step()
+    close(model.module.net, ref)
+    return "both ranks skipped the window, exact"
+
+
 def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
     """acc.train over a DataLoader with a DistributedSampler: every rank holds as many batches, so the
     ranks confirm that once per epoch (one all-gather) and never agree per window. The items are still
@@ -949,6 +989,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
              ddp_counts_other_than_the_shares_keep_every_window_exchanging,
              ddp_find_unused_parameters_keeps_every_window_exchanging,
+             ddp_the_loss_check_rides_on_a_parameter_ddp_reduces,
              ddp_train_over_a_distributed_sampler_asks_once_per_epoch,
              clipped_train_over_a_window_sampler_costs_one_collective_per_window]
 
