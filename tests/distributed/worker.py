@@ -675,6 +675,18 @@ def _sampler_loader(n: int, global_batch: int, micro: int, collate_fn=None):
     return x, y, sampler, DataLoader(TensorDataset(x, y), batch_sampler=sampler, collate_fn=collate_fn)
 
 
+def _sampler_reference(x, y, sampler, windows):
+    """One float64 SGD step on each listed window of the sampler's epoch 0, as one big batch."""
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    for w in windows:
+        idx = sampler.window_items(w, epoch=0)
+        opt.zero_grad(set_to_none=True)
+        mse(ref, (x[idx], y[idx])).backward()
+        opt.step()
+    return ref
+
+
 def ddp_train_with_loss_every_exchanges_nothing_between():
     """acc.train over a WindowSampler with loss_every=3: windows 0, 3 and 6 exchange the loss (and a
     stop request made in window 1 reaches every rank at window 3); the others cost no collective at
@@ -757,14 +769,7 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
             assert params_equal_on_all_ranks(model.module)
             continue
         assert raised is None and [r.skipped for r in results] == [False, False, True, False, False], results
-        ref = model_fn()
-        opt = make_opt(ref, "sgd")
-        for w in (0, 1, 3, 4):
-            idx = sampler.window_items(w, epoch=0)
-            opt.zero_grad(set_to_none=True)
-            mse(ref, (x[idx], y[idx])).backward()
-            opt.step()
-        close(model.module, ref)
+        close(model.module, _sampler_reference(x, y, sampler, (0, 1, 3, 4)))
         assert params_equal_on_all_ranks(model.module)
     return "skipped on both ranks, raised on both ranks"
 
@@ -846,14 +851,7 @@ def ddp_find_unused_parameters_keeps_every_window_exchanging():
     acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
     results, per_window, _ = _train_counted(acc, loader)
     assert per_window == [2, 1, 1, 1, 1] and not any(r.skipped for r in results), (per_window, results)
-    ref = model_fn()
-    opt = make_opt(ref, "sgd")
-    for w in range(len(results)):
-        idx = sampler.window_items(w, epoch=0)
-        opt.zero_grad(set_to_none=True)
-        mse(ref, (x[idx], y[idx])).backward()
-        opt.step()
-    close(model.module.net, ref)
+    close(model.module.net, _sampler_reference(x, y, sampler, range(len(results))))
     return f"collectives per window {per_window}"
 
 
@@ -886,14 +884,7 @@ def ddp_the_loss_check_rides_on_a_parameter_ddp_reduces():
         results = list(acc.train(loader, loss_fn))
     assert [r.skipped for r in results] == [False, False, True, False, False], results
     assert params_equal_on_all_ranks(model.module)
-    ref = model_fn()
-    opt = make_opt(ref, "sgd")
-    for w in (0, 1, 3, 4):
-        idx = sampler.window_items(w, epoch=0)
-        opt.zero_grad(set_to_none=True)
-        mse(ref, (x[idx], y[idx])).backward()
-        opt.step()
-    close(model.module.net, ref)
+    close(model.module.net, _sampler_reference(x, y, sampler, (0, 1, 3, 4)))
     return "both ranks skipped the window, exact"
 
 
