@@ -258,11 +258,11 @@ class Boundary:
         A window may skip it when the reduced gradient is the same on every rank (DDP), every rank
         knows the global N up front (``known_items``: a WindowSampler's shares), in the last exchanged
         window every rank's ``loss_fn`` returned bare means weighed by those very counts (no own
-        counts, ``count_ratio`` 1), no ReduceLROnPlateau needs the loss, the replicas have been
-        compared, DDP does not look for unused parameters (the loss check adds a gradient from outside
-        the forward, :func:`loss_check_term`, which such a DDP refuses) and reduces a trainable
-        parameter to carry that check (``grads.probe``: one the wrapper covers that had a gradient in
-        the window whose replicas were compared, and still trainable), and the window is not a
+        counts, ``count_ratio`` 1), no ReduceLROnPlateau needs the loss, DDP does not look for unused
+        parameters (the loss check adds a gradient from outside the forward, :func:`loss_check_term`,
+        which such a DDP refuses) and reduces a trainable parameter to carry that check
+        (``grads.probe``: one the wrapper covers that had a gradient in the window whose replicas
+        were compared, so never before that window), and the window is not a
         ``loss_every``-th one (counted by windows stepped or skipped, the same on every rank)."""
         probe = self.grads.probe
         if not (self.sync.distributed and self.sync.replicated_grads) or self.sync.finds_unused \
@@ -270,7 +270,7 @@ class Boundary:
                 or known_items is None or count_ratio != 1.0 or self.loss_fn_counts:
             return True
         done = self.counters.steps + self.counters.skipped
-        return self.steps_on_loss or self.verify_replicas or done % self.loss_every == 0
+        return self.steps_on_loss or done % self.loss_every == 0
 
     def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None, exchange: bool = True) -> Outcome:
         """Reduce, unscale, measure, decide, clip, step; the window's gradients are cleared after.
@@ -291,8 +291,8 @@ class Boundary:
         peers_can_pad: Optional[bool]
         if exchange:
             told = self._host_numbers(totals, grads, in_flight)
-            loss_sum, num_items, raw_norm, peers_can_pad, stop = told[:5]
-            self.loss_fn_counts = told.counts_from_loss_fn
+            loss_sum, num_items, raw_norm = told.loss_sum, told.num_items, told.raw_norm
+            peers_can_pad, stop, self.loss_fn_counts = told.peers_can_pad, told.stop, told.counts_from_loss_fn
         else:
             assert totals.known_items is not None, "a window exchanges nothing only when N is known"
             loss_sum, num_items, peers_can_pad, stop = None, totals.known_items, None, False

@@ -135,8 +135,9 @@ class GradSync:
         return None
 
     def reduced_parameters(self) -> Optional[List[nn.Parameter]]:
-        """The parameters whose gradients the wrapper reduces across ranks (DDP's, less those it
-        ignores or that were frozen when it was built), or None where that does not apply."""
+        """The parameters the wrapper may reduce across ranks (DDP's, less those it was told to
+        ignore), or None where that does not apply. One trained since it was built but frozen then
+        is not reduced either: the caller also needs a gradient the ranks found equal."""
         return None
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
