@@ -7,9 +7,12 @@ picked free, and the launch is retried when another process took it first.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import List, Sequence
 
@@ -44,27 +47,48 @@ def _agent_args(node_rank: int, port: int) -> List[str]:
             f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
 
 
-def two_agents(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT, tries: int = 3):
-    """Two torchrun agents on 127.0.0.1, one process each: the --nnodes=2 launch across machines."""
+def two_agents(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT, tries: int = 3,
+               grace: float = 30.0):
+    """Two torchrun agents on 127.0.0.1, one process each: the --nnodes=2 launch across machines.
+
+    Each agent runs in a session of its own, its output in a file. When one fails (its port was taken
+    between free_port() and the launch), the other would wait for its peer until torchrun's own
+    rendezvous timeout: after ``grace`` seconds it is stopped with its workers, and the launch is
+    retried on a new port."""
     for attempt in range(tries):
         port = free_port()
-        procs = [subprocess.Popen(_agent_args(r, port) + list(script_args), cwd=cwd, env=env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
+        procs = [subprocess.Popen(_agent_args(r, port) + list(script_args), cwd=cwd, env=env(), stdout=logs[r],
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
                  for r in range(2)]
-        outs = []
         try:
-            for p in procs:
-                outs.append(p.communicate(timeout=timeout)[0])
+            _wait_both(procs, timeout, grace)
         finally:
             for q in procs:
                 if q.poll() is None:
-                    q.kill()
+                    os.killpg(q.pid, signal.SIGKILL)  # the agent and the workers it started
                     q.wait()
+        outs = []
+        for log in logs:
+            log.seek(0)
+            outs.append(log.read())
+            log.close()
         codes = [p.returncode for p in procs]
         if codes != [0, 0] and attempt + 1 < tries and any(s in o for o in outs for s in PORT_TAKEN):
             continue  # another process bound the port between free_port() and the launch
         return codes, outs
     raise AssertionError("unreachable")
+
+
+def _wait_both(procs: Sequence[subprocess.Popen], timeout: float, grace: float) -> None:
+    """Until both exit, ``timeout`` passes, or one has failed ``grace`` seconds ago."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            return
+        time.sleep(0.1)
 
 
 def start_torchrun(script_args: Sequence[str], *, nproc: int = 2, log: Path, cwd: Path = ROOT,
