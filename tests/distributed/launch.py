@@ -38,8 +38,18 @@ def torchrun_args(nproc: int = 2, *, extra: Sequence[str] = ()) -> List[str]:
 
 def torchrun(script_args: Sequence[str], *, nproc: int = 2, timeout: int = 300, cwd: Path = ROOT,
              extra: Sequence[str] = ()) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_args(nproc, extra=extra) + list(script_args), cwd=cwd, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+    """torchrun to the end; past ``timeout`` the agent *and its workers* are killed (a plain
+    ``subprocess.run`` timeout kills the agent alone, and workers left waiting in a collective would
+    load the machine under every later test) before ``TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(torchrun_args(nproc, extra=extra) + list(script_args), cwd=cwd, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _agent_args(node_rank: int, port: int) -> List[str]:
