@@ -90,6 +90,29 @@ def hand_loop(model, opt, x, y):
         opt.zero_grad(set_to_none=True)
 
 
+def hand_loop_with_exchange(model, opt, x, y):
+    """The floor of any design that learns the window's global item count: the hand loop plus one
+    all-reduce of five numbers (loss sum, count, three flags), launched after the last forward so that
+    it overlaps the last backward, and read on the host after it (acc.step's one collective and one sync)."""
+    for w in range(len(x) // (N * M)):
+        total, work = None, None
+        for k in range(N):
+            sl = slice((w * N + k) * M, (w * N + k + 1) * M)
+            ctx = model.no_sync() if k < N - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(model, (x[sl], y[sl]))
+                part = loss.detach().to(torch.float64) * M
+                total = part if total is None else total.add_(part)
+                if k == N - 1:
+                    numbers = torch.cat([total.reshape(1), total.new_tensor([N * M, 1.0, 0.0, 0.0])])
+                    work = dist.all_reduce(numbers, async_op=True)
+                (loss / N).backward()
+        work.wait()
+        numbers.tolist()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def hand_loader_loop(model, opt, loader):
     """The hand loop over a DataLoader with a DistributedSampler: acc.train's fair baseline."""
     for k, mb in enumerate(loader):
@@ -132,14 +155,18 @@ def fsdp2_hand_loop(model, opt, x, y):
         opt.zero_grad(set_to_none=True)
 
 
-def fsdp2_contenders(x, y) -> dict:
-    """FSDP2: the set_requires_gradient_sync(False) hand loop and acc.step, each on its own model."""
+def fsdp2_contenders(x, y, loader) -> dict:
+    """FSDP2: the set_requires_gradient_sync(False) hand loop, acc.step, and acc.train over the
+    WindowSampler ``loader`` (every rank knows every share: no agreement), each on its own model."""
     hand = sharded()
     hand_opt = torch.optim.SGD(hand.parameters(), lr=1e-3)
     mine = sharded()
     acc = Accumulator(mine, torch.optim.SGD(mine.parameters(), lr=1e-3))
+    trained = sharded()
+    acc_t = Accumulator(trained, torch.optim.SGD(trained.parameters(), lr=1e-3))
     return {"FSDP2 hand loop (set_requires_gradient_sync)": lambda: fsdp2_hand_loop(hand, hand_opt, x, y),
-            "FSDP2 gradaccum acc.step": lambda: gradaccum_step(mine, None, x, y, acc)}
+            "FSDP2 gradaccum acc.step": lambda: gradaccum_step(mine, None, x, y, acc),
+            "FSDP2 gradaccum acc.train (WindowSampler)": lambda: gradaccum_train(acc_t, loader)}
 
 
 def gradaccum_train(acc, loader):
@@ -169,6 +196,9 @@ def main() -> None:
     model_s = DDP(net())
     acc_s = Accumulator(model_s, torch.optim.SGD(model_s.parameters(), lr=1e-3))
     contenders["gradaccum acc.step"] = lambda: gradaccum_step(model_s, None, x, y, acc_s)
+    model_x = DDP(net())
+    opt_x = torch.optim.SGD(model_x.parameters(), lr=1e-3)
+    contenders["hand no_sync loop + one async all-reduce (the floor)"] = lambda: hand_loop_with_exchange(model_x, opt_x, x, y)
     model_t = DDP(net())
     acc_t = Accumulator(model_t, torch.optim.SGD(model_t.parameters(), lr=1e-3))
     sampler = WindowSampler(len(ux), global_batch_size=N * M * world, micro_batch_size=M, shuffle=False)
@@ -206,7 +236,7 @@ def main() -> None:
         contenders["Accelerate accumulate()"] = accelerate_loop
     except Exception as e:  # noqa: BLE001 - Accelerate is optional here
         print(f"# Accelerate skipped: {type(e).__name__}: {e}", file=sys.stderr)
-    contenders.update(fsdp2_contenders(x, y))
+    contenders.update(fsdp2_contenders(x, y, loader))
 
     for fn in contenders.values():  # warm-up (first windows: buckets, replica check, agreement)
         fn()
@@ -263,6 +293,10 @@ def distances(rank: int, world: int, accelerator=None) -> dict:
     o = torch.optim.SGD(model.parameters(), lr=0.1)
     hand_loop(model, o, x, y)
     out["hand no_sync loop"] = gap(model.module)
+    model = DDP(net(torch.float64))
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    hand_loop_with_exchange(model, o, x, y)
+    out["hand no_sync loop + one async all-reduce (the floor)"] = gap(model.module)
     model = DDP(net(torch.float64))
     o = torch.optim.SGD(model.parameters(), lr=0.1)
     gradaccum_step(model, o, x, y, Accumulator(model, o))

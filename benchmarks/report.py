@@ -119,9 +119,14 @@ both ranks' windows. The `loss_every={w.get('loss_every', 10)}` row exchanges th
 {w.get('loss_every', 10)}th window only (`Accumulator(loss_every=...)`, over a `WindowSampler`): the windows between
 cost no collective, and its distance is measured on such a window. "the same DataLoader" is
 `acc.train` over the hand loop's own `DistributedSampler` loader (no agreement per window; its items
-are summed at the boundary). `acc.train` is timed against the hand loop
-over a DataLoader with a DistributedSampler, FSDP2's `acc.step` against the hand loop that toggles
-`set_requires_gradient_sync`, the others against the hand loop over tensors. Goal: at
+are summed at the boundary). "(the floor)" is the hand loop plus the one thing `acc.step` adds: an
+all-reduce of five numbers launched after the last forward, read on the host after the last backward.
+No design that learns the window's global item count can cost less, so the gap between it and the
+hand loop is what that knowledge costs on this machine, and the gap between `acc.step` and it is
+gradaccum's own. `acc.train` is timed against the hand loop
+over a DataLoader with a DistributedSampler, FSDP2's rows against the hand loop that toggles
+`set_requires_gradient_sync` (over tensors: FSDP2's `acc.train` also pays its DataLoader), the others
+against the hand loop over tensors. Goal: at
 most one small collective and one host sync per window, none before the first forward, and within
 1.03x of the hand loop.
 
