@@ -248,6 +248,9 @@ class Boundary:
         #: whether the first reduced gradient is still to be compared across ranks (see check_replicas)
         self.verify_replicas = sync.replicated_grads
         self.loss_every = loss_every
+        #: windows this Boundary finished, the same on every rank (all run every window); not
+        #: ``counters``, which a checkpoint may restore on one rank alone and a user may set
+        self.windows = 0
         #: some rank's loss_fn returned its own counts in the last exchanged window (the same on every rank)
         self.loss_fn_counts = False
         self._warned: set = set()
@@ -258,24 +261,25 @@ class Boundary:
         A window may skip it when the reduced gradient is the same on every rank (DDP), every rank
         knows the global N up front (``known_items``: a WindowSampler's shares), in the last exchanged
         window every rank's ``loss_fn`` returned bare means weighed by those very counts (no own
-        counts, ``count_ratio`` 1), no ReduceLROnPlateau needs the loss, DDP does not look for unused
-        parameters (the loss check adds a gradient from outside the forward, :func:`loss_check_term`,
-        which such a DDP refuses) and reduces a trainable parameter to carry that check
-        (``grads.probe``: one the wrapper covers that had a gradient in the window whose replicas
-        were compared, so never before that window), and the window is not a
-        ``loss_every``-th one (counted by windows stepped or skipped, the same on every rank)."""
+        counts, ``count_ratio`` 1), no ReduceLROnPlateau needs the loss, DDP's reduction is its plain
+        average (:meth:`gradaccum.sync.GradSync.plain_reduction`: no ``find_unused_parameters``, no
+        comm hook, which could keep or lose the loss check, :func:`loss_check_term`) and reduces a
+        trainable parameter to carry that check (``grads.probe``: one the wrapper covers that had a
+        gradient in the window whose replicas were compared, so never before that window), and the
+        window is not a ``loss_every``-th one, counted by :attr:`windows` (not by the steps, which a
+        checkpoint loaded on one rank alone would set apart)."""
         probe = self.grads.probe
-        if not (self.sync.distributed and self.sync.replicated_grads) or self.sync.finds_unused \
-                or probe is None or not probe.requires_grad \
-                or known_items is None or count_ratio != 1.0 or self.loss_fn_counts:
+        if not (self.sync.distributed and self.sync.replicated_grads) or probe is None or not probe.requires_grad \
+                or known_items is None or count_ratio != 1.0 or self.loss_fn_counts \
+                or not self.sync.plain_reduction():
             return True
-        done = self.counters.steps + self.counters.skipped
-        return self.steps_on_loss or done % self.loss_every == 0
+        return self.steps_on_loss or self.windows % self.loss_every == 0
 
     def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None, exchange: bool = True) -> Outcome:
         """Reduce, unscale, measure, decide, clip, step; the window's gradients are cleared after.
         ``in_flight`` is the all-reduce :meth:`launch` started, if the window started it; without
         ``exchange`` the ranks exchange nothing (see :meth:`exchanges`)."""
+        self.windows += 1
         self.grads.close()
         self.precision.unscale_(self.optimizer)
         grads = self.grads.tensors()

@@ -184,6 +184,7 @@ class Window:
         #: the boundary all-reduces the window's totals across ranks (see Boundary.exchanges)
         self.exchanges = True
         self._reduced = False  # the backward that reduces across ranks has run
+        self._share_note: Optional[str] = None  # this rank counted other items than its known share
         #: loss_fn returned its own count for some micro-batch (run_window sets it)
         self.counts_from_loss_fn = False
 
@@ -314,13 +315,13 @@ class Window:
             return weighted
         assert self.plan is not None and self.plan.share is not None, "a window exchanges nothing only on a known share"
         share = self.plan.share
-        if self._device_items is None and self._host_items != share:
-            warnings.warn(
+        if self._device_items is None and self._host_items != share:  # said after the boundary: a warning
+            self._share_note = (  # filtered into an error here would leave the other ranks in the reduction
                 f"this rank counted {self._host_items:g} items in a window where its WindowSampler share is "
                 f"{share:g} (a collate_fn that drops rows, or a loss_fn that returns its own count): the "
                 "window's global item count is not the one every rank assumed, so it is dropped on every "
                 "rank (as a non-finite window). Windows that exchange their loss (Accumulator(loss_every=1)) "
-                "sum the real counts instead", stacklevel=4)
+                "sum the real counts instead")
         probe = self.ctx.grads.probe
         assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
         term = loss_check_term(self._loss_sum, self._host_items, self._device_items, share, probe.reshape(-1)[0])
@@ -378,7 +379,11 @@ class Window:
         ctx = self.ctx
         if self._defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = ctx.boundary.finish(self.totals(), self._in_flight, exchange=self.exchanges)
+        try:
+            out = ctx.boundary.finish(self.totals(), self._in_flight, exchange=self.exchanges)
+        finally:
+            if self._share_note is not None:  # every rank has left the window's collectives
+                warnings.warn(self._share_note, stacklevel=3)
         ctx.ranks.observe(self.plan, out.num_items, out.peers_can_pad)
         size, counted = self.micro_batch_size, self.done - self.padding
         loss = None if out.loss_sum is None else out.loss_sum / out.num_items if out.num_items > 0 else float("nan")

@@ -111,9 +111,6 @@ class GradSync:
     replicated_grads: bool = False
     #: whether each rank holds a shard of the reduced gradient (FSDP2): its norm needs the ranks
     sharded_grads: bool = False
-    #: DDP's find_unused_parameters: a parameter may miss a forward, and DDP then marks it reduced
-    #: before the backward, so no gradient may reach it from outside the forward
-    finds_unused: bool = False
     group: Any = None
 
     @property
@@ -128,6 +125,13 @@ class GradSync:
         if self.distributed:
             all_reduce_(tensor, op, self.group)
         return tensor
+
+    def plain_reduction(self) -> bool:
+        """Whether the backward's reduction is, as things stand now, the wrapper's own average of every
+        rank's whole gradient, so that a ``nan`` one rank adds to any parameter's gradient reaches every
+        rank's reduced gradient in that window, and that window only (see
+        :func:`gradaccum._boundary.loss_check_term`). Only DDP's can be."""
+        return False
 
     def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """This rank's part of the gradient's squared norm, when summing it across ranks gives the
@@ -182,7 +186,6 @@ class DDPSync(GradSync):
         self.modules = list(modules)
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self.needs_equal_counts = reduce_every_micro_batch
-        self.finds_unused = any(bool(getattr(m, "find_unused_parameters", False)) for m in modules)
         self.group = getattr(modules[0], "process_group", None)
         sizes = {dist.get_world_size(getattr(m, "process_group", None)) for m in modules}
         if len(sizes) != 1:
@@ -193,6 +196,15 @@ class DDPSync(GradSync):
     @property
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
+
+    def plain_reduction(self) -> bool:
+        """Not under ``find_unused_parameters=True`` (DDP marks a parameter that missed the forward as
+        reduced before the backward, and refuses a gradient reaching it from outside the forward), nor
+        under a communication hook, read at every call since one may be registered at any time:
+        PowerSGD's error feedback would keep a ``nan`` for every later window, a compressing or
+        ``nan``-scrubbing hook could lose it. DDP's logging data names the hook, built-in ones too."""
+        return not any(getattr(ddp, "find_unused_parameters", False)
+                       or ddp._get_ddp_logging_data().get("comm_hook") is not None for ddp in self.modules)
 
     def reduced_parameters(self) -> Optional[List[nn.Parameter]]:
         reduced = []

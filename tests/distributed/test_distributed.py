@@ -35,6 +35,7 @@ SCENARIOS = [
     "ddp_a_bypassed_wrapper_is_refused_on_every_rank",
     "ddp_train_with_loss_every_exchanges_nothing_between",
     "ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank",
+    "ddp_loss_every_is_decided_from_what_every_rank_shares",
     "ddp_counts_other_than_the_shares_keep_every_window_exchanging",
     "ddp_find_unused_parameters_keeps_every_window_exchanging",
     "ddp_the_loss_check_rides_on_a_parameter_ddp_reduces",

@@ -774,6 +774,63 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
     return "skipped on both ranks, raised on both ranks"
 
 
+def ddp_loss_every_is_decided_from_what_every_rank_shares():
+    """Three ways the ranks could come to decide differently whether a window exchanges, each of which
+    hung or corrupted a run: (1) rank 0 alone restored other counters (acc.steps = 5, a checkpoint
+    loaded on rank 0 only): the windows are counted by the Accumulator itself, so both ranks still
+    exchange at the same windows, exactly; (2) a DDP comm hook (PowerSGD's error feedback would keep
+    the loss check's nan for good): every window exchanges; (3) rank 1 turns warnings into errors and
+    drops a row in a window that exchanges nothing: its warning comes after the window's reduction,
+    so the window ends on both ranks (skipped on both) before rank 1 raises."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    x, y, sampler, loader = _sampler_loader(77, 12, 3)
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=2)
+    if RANK == 0:
+        acc.steps = 5
+    results = list(acc.train(loader, mse))
+    assert [r.loss is None for r in results] == [w % 2 == 1 for w in range(7)], results
+    close(model.module, _sampler_reference(x, y, sampler, range(7)))
+    assert params_equal_on_all_ranks(model.module)
+
+    x, y, sampler, loader = _sampler_loader(77, 12, 3)  # epoch 0 again
+    model = DDP(model_fn())
+    model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
+    results = list(acc.train(loader, mse))
+    assert all(r.loss is not None for r in results), results
+    close(model.module, _sampler_reference(x, y, sampler, range(7)))
+    assert params_equal_on_all_ranks(model.module)
+
+    from torch.utils.data.dataloader import default_collate
+
+    def collate(items, calls=[]):  # noqa: B006 - counts this loader's batches
+        calls.append(1)
+        xb, yb = default_collate(items)
+        return (xb[1:], yb[1:]) if RANK == 1 and len(calls) == 5 else (xb, yb)  # window 2, rank 1
+
+    x, y, sampler, loader = _sampler_loader(60, 12, 3, collate)
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100)
+    results, raised = [], None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error" if RANK == 1 else "ignore")
+        try:
+            for result in acc.train(loader, mse):
+                results.append(result)
+                if len(results) == 3:
+                    break  # rank 0 stops where rank 1 raises, so that both reach the check below
+        except UserWarning as e:
+            raised = e
+    assert (raised is not None) == (RANK == 1) and len(results) == (3 if RANK == 0 else 2), (results, raised)
+    if RANK == 0:
+        assert results[2].skipped, results
+    close(model.module, _sampler_reference(x, y, sampler, (0, 1)))
+    assert params_equal_on_all_ranks(model.module)
+    return "decided alike: counters set on one rank, a comm hook, a warning filtered into an error"
+
+
 def _gathered_windows(recorded):
     """Every rank's recorded ``(window, x, y)`` micro-batches, joined per window (one big batch each)."""
     rows = [None] * WORLD
@@ -978,6 +1035,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
              ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
+             ddp_loss_every_is_decided_from_what_every_rank_shares,
              ddp_counts_other_than_the_shares_keep_every_window_exchanging,
              ddp_find_unused_parameters_keeps_every_window_exchanging,
              ddp_the_loss_check_rides_on_a_parameter_ddp_reduces,
