@@ -6,6 +6,7 @@ picked free, and the launch is retried when another process took it first.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -46,7 +47,7 @@ def torchrun(script_args: Sequence[str], *, nproc: int = 2, timeout: int = 300, 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         proc.communicate()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -75,9 +76,7 @@ def two_agents(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = RO
             _wait_both(procs, timeout, grace)
         finally:
             for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)  # the agent and the workers it started
-                    q.wait()
+                kill_tree(q)
         outs = []
         for log in logs:
             log.seek(0)
@@ -88,6 +87,24 @@ def two_agents(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = RO
             continue  # another process bound the port between free_port() and the launch
         return codes, outs
     raise AssertionError("unreachable")
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a launch that still runs: its workers first (torchrun starts each in a session of its own,
+    so they would outlive the agent's process group, waiting in a collective), then its group."""
+    if proc.poll() is not None:
+        return
+    try:
+        import psutil
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except ImportError:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # started in a session of its own: its group is its pid
+    proc.wait()
 
 
 def _wait_both(procs: Sequence[subprocess.Popen], timeout: float, grace: float) -> None:

@@ -130,6 +130,29 @@ def test_stopped_on_2_ranks_by_ctrl_c_continues_on_1_rank(runs, tmp_path, starte
     assert max_diff(model_of(runs(1)), model_of(out)) < 1e-9
 
 
+def test_ctrl_c_under_loss_every_stops_at_the_next_exchanging_window_and_resumes_to_the_bit(runs, tmp_path,
+                                                                                          started):
+    """--loss-every 4 on 2 ranks: the stop request rides in the next window whose loss the ranks
+    exchange (the first line says so), so the checkpoint is at step 4k+1; the run resumed under the
+    same launcher ends with the model of the uninterrupted run (without --loss-every), to the bit."""
+    out, log = tmp_path / "quiet", tmp_path / "torchrun.log"
+    proc = start_torchrun(module(train(out, "--loss-every", "4")), log=log)
+    started.append(proc)
+    wait_for_rows(out, proc, 6, log)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    said = log.read_text()
+    assert "SIGINT received: finishing the windows up to the next whose loss the ranks exchange " \
+           "(--loss-every 4)" in said, said[-3000:]
+    held = torch.load(out / "last.pt", weights_only=True)["accumulator"]["steps"]
+    assert held % 4 == 1 and 5 <= held < STEPS, (held, said[-3000:])
+    resumed = torchrun(module(train(out, "--loss-every", "4", "--resume")))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in rows(out)] == list(range(1, STEPS + 1))
+    whole, after = model_of(runs(2)), model_of(out)
+    assert all(torch.equal(whole[k], after[k]) for k in whole)
+
+
 def test_a_signal_to_one_worker_stops_every_rank_after_the_same_window(tmp_path, started):
     """SIGTERM to rank 1's worker alone (a scheduler preempting one process): the ranks all-reduce the
     stop flag after each window, so rank 0 stops with it after the same window instead of waiting for

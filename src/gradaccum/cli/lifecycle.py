@@ -157,9 +157,12 @@ class RunLifecycle:
     def handling_signals(self) -> contextlib.AbstractContextManager:
         return self.signals.handling_signals()
 
-    def on_stop_signal(self, request_stop: Callable[[], Any]) -> None:
-        """What a first SIGINT/SIGTERM calls: ``acc.request_stop``, which the next boundary carries."""
+    def on_stop_signal(self, request_stop: Callable[[], Any], *, loss_every: int = 1) -> None:
+        """What a first SIGINT/SIGTERM calls: ``acc.request_stop``, which the next boundary that
+        exchanges carries (under several ranks with ``--loss-every K``, the next K-th window)."""
         self.signals.on_first = request_stop
+        if loss_every > 1 and sync.world_size() > 1:
+            self.signals.until = f"finishing the windows up to the next whose loss the ranks exchange (--loss-every {loss_every})"
 
     def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool,
                      stop: bool = False) -> None:

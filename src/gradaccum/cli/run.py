@@ -278,7 +278,7 @@ def _train(trainer: Trainer, life: RunLifecycle, plan: ResumePlan, history: List
     loader = MicroBatches(sampler, trainer.task)
     steps = _steps(trainer.acc, loader, trainer.task, int(cfg.epochs) - trainer.acc.epoch,  # type: ignore[arg-type]
                    auto=cfg.window[1] == "auto")
-    life.on_stop_signal(trainer.acc.request_stop)
+    life.on_stop_signal(trainer.acc.request_stop, loss_every=int(cfg.loss_every))
     with life.handling_signals(), MetricsLog(life.out, history, enabled=sync.is_rank_zero()) as metrics:
         hooks = WindowHooks(trainer, life, metrics, progress)
         try:

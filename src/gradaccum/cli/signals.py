@@ -69,6 +69,8 @@ class StopSignals:
         self.stopping: Optional[int] = None        # the signal all ranks agreed to stop on
         self._leaving = False                      # a second signal was received: leaving at once
         self._exit = exit
+        #: what the first signal's line says happens before the checkpoint
+        self.until = "finishing this window"
         #: called at the first signal (the run sets ``acc.request_stop``: the window's boundary then
         #: tells every rank, with no collective of its own)
         self.on_first: Callable[[], Any] = lambda: None
@@ -103,7 +105,7 @@ class StopSignals:
             self._signal, self._signal_at = signum, time.monotonic()
             self.on_first()
             # os.write: a print here could re-enter a print the loop is in
-            self._write_line(f"{name} received: finishing this window, then writing a checkpoint (a second "
+            self._write_line(f"{name} received: {self.until}, then writing a checkpoint (a second "
                              f"{name} stops at once, without one)")
             return
         self._leaving = True
