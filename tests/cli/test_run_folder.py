@@ -115,6 +115,13 @@ def _make(tmp_path: Path, kind: str) -> Path:
         buffer = io.BytesIO()
         torch.save({"model": torch.zeros(1000)}, buffer)
         path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    elif kind == "flipped":  # a whole archive with one byte of a tensor changed: loads, as other weights
+        buffer = io.BytesIO()
+        torch.save({"model": torch.arange(1000.0)}, buffer)
+        data = bytearray(buffer.getvalue())
+        at = bytes(data).index(torch.arange(1000.0).numpy().tobytes()) + 2001
+        data[at] ^= 0x40
+        path.write_bytes(bytes(data))
     elif kind == "pickled":  # a whole archive that weights_only=True refuses (torch's text has ANSI bold)
         torch.save({"model": fractions.Fraction(1, 3)}, path)
     return path
@@ -138,13 +145,15 @@ def _make(tmp_path: Path, kind: str) -> Path:
     (["eval", "--checkpoint", "{garbage}"], "{garbage} is corrupt or unreadable (not a torch.save archive: empty, "
      "truncated or another format); it was left in place"),
     (["eval", "--checkpoint", "{truncated}"], "{truncated} is corrupt or unreadable (not a torch.save archive"),
+    (["eval", "--checkpoint", "{flipped}"], "{flipped} is corrupt or unreadable (the bytes of its record "
+     "archive/data/0 do not match their stored checksum: damaged on disk or in transfer); it was left in place"),
     (["eval", "--checkpoint", "{pickled}"], "{pickled} is corrupt or unreadable (it holds objects that "
      "torch.load(weights_only=True) does not load); it was left in place"),
 ])
 def test_user_errors_are_one_clean_line_and_change_nothing(tmp_path, capsys, monkeypatch, argv, message):
     """Exit 2, one line naming the flag, the value and the fix; no traceback, exception name or ANSI
     escape (torch's own text has them); nothing on disk changes."""
-    files = {k: str(_make(tmp_path, k)) for k in ("a_file", "garbage", "truncated", "pickled")}
+    files = {k: str(_make(tmp_path, k)) for k in ("a_file", "garbage", "truncated", "flipped", "pickled")}
     monkeypatch.chdir(tmp_path)  # the default --out runs/latest would land here
     argv = [a.format(**files) for a in argv]
     if argv[0] == "train":

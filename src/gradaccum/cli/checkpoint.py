@@ -92,6 +92,19 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _damaged_record(path: Path) -> Optional[str]:
+    """Why the archive is damaged, or None: torch.save stores a CRC-32 of every record, which
+    torch.load never reads, so flipped bytes inside a tensor would load as other weights."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record once
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return "a damaged torch.save archive"
+    if bad is not None:
+        return f"the bytes of its record {bad} do not match their stored checksum: damaged on disk or in transfer"
+    return None
+
+
 def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]:
     """Load a gradaccum checkpoint with ``weights_only=True``; a bad file is refused, never touched.
 
@@ -103,6 +116,8 @@ def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]
     if not zipfile.is_zipfile(path):
         reason = "not a torch.save archive: empty, truncated or another format"
     else:
+        reason = _damaged_record(path)
+    if reason is None:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
