@@ -105,8 +105,8 @@ def _train_parser(sub: Any) -> None:
                "  0        done, or already complete\n"
                "  1        trained, but the final checkpoint or summary.json could not be written\n"
                "  2        a usage error (one line on stderr)\n"
-               "  3        trained, but the run diverged: the last loss is not finite, or most windows were\n"
-               "           skipped (non-finite loss or gradient: no step taken)\n"
+               "  3        trained, but the run diverged: the last loss is not finite, or most windows, or\n"
+               "           the last 3, were skipped (non-finite loss or gradient: no step taken)\n"
                "  130/143  stopped by SIGINT (Ctrl-C) / SIGTERM after writing a checkpoint: resume with\n"
                "           --resume (a second signal stops at once, without one)",
         formatter_class=raw, allow_abbrev=False)

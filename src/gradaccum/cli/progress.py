@@ -38,6 +38,7 @@ class Progress:
         self._items = 0.0
         self._seconds = 0.0
         self._steps = 0
+        self._known: Optional[str] = None  # the latest loss the ranks exchanged, with its step
         self._last_line = clock()
         self._bar: Any = None
         if terminal is None:
@@ -58,9 +59,12 @@ class Progress:
         self._items += items
         self._seconds += seconds
         self._steps += 1
+        if loss is not None:
+            self._known = f"{_loss_text(loss)} (step {step})"
+        shown = _loss_text(loss) if loss is not None or self._known is None else self._known
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=_loss_text(loss))
+            self._bar.set_postfix(loss=shown)
             return
         now = self.clock()
         if step % self.every == 0 or step >= self.total or now - self._last_line >= self.interval:
@@ -68,7 +72,7 @@ class Progress:
             rate = self._items / self._seconds if self._seconds > 0 else float("nan")
             left = (self.total - step) * self._seconds / self._steps
             pct = 100 * step / self.total if self.total else 100.0
-            print(f"{self.prefix} step {step}/{self.total} ({pct:.0f}%), loss {_loss_text(loss)}, "
+            print(f"{self.prefix} step {step}/{self.total} ({pct:.0f}%), loss {shown}, "
                   f"{rate:,.0f} {self.unit}/s, ETA {_clock_text(left)}", file=self.stream, flush=True)
 
     def close(self) -> None:
@@ -78,5 +82,5 @@ class Progress:
 
 
 def _loss_text(loss: Optional[float]) -> str:
-    """A window's loss, or "-" for one whose ranks did not exchange it (``loss_every``)."""
+    """A window's loss, or "-" while no window's ranks have exchanged one (``loss_every``)."""
     return "-" if loss is None else f"{loss:.4f}"

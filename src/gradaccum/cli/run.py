@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -347,6 +347,16 @@ def _kept_rows(life: RunLifecycle, plan: ResumePlan, per_epoch: int) -> List[Dic
     return rows
 
 
+def _trailing(rows: List[Dict[str, Any]], holds: Callable[[Dict[str, Any]], bool]) -> int:
+    """How many of the last rows, counted back from the end, ``holds`` for."""
+    count = 0
+    for row in reversed(rows):
+        if not holds(row):
+            break
+        count += 1
+    return count
+
+
 def _summary(trainer: Trainer, plan: ResumePlan, history: List[Dict[str, Any]],
              last_eval: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """``summary.json``: the test metrics, the run's counts as trained, its memory."""
@@ -357,8 +367,11 @@ def _summary(trainer: Trainer, plan: ResumePlan, history: List[Dict[str, Any]],
     per_step = [float(r["num_items"]) for r in rows]
     batch = cfg.window_items
     summary: Dict[str, Any] = dict(metrics)
+    reported = [r for r in rows if r["loss"] is not None]  # under --loss-every K, every K-th window
     summary.update(steps=acc.steps, windows=len(rows), skipped_windows=sum(1 for r in rows if r.get("skipped")),
-                   last_loss=next((r["loss"] for r in reversed(rows) if r["loss"] is not None), None),
+                   skipped_at_end=_trailing(rows, lambda r: bool(r.get("skipped"))),
+                   last_loss=reported[-1]["loss"] if reported else None,
+                   last_loss_step=reported[-1].get("step") if reported else None,
                    wall_time_seconds=trainer.elapsed,
                    epochs=cfg.epochs, global_batch_size=min(batch, task.num_train),
                    window_items=min(batch, task.num_train), world_size=sync.world_size(),

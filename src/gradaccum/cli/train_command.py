@@ -124,16 +124,26 @@ def _number(value: Any) -> str:
     return "not finite" if value is None or not math.isfinite(value) else f"{value:.4f}"
 
 
+#: a run whose last this many windows were all skipped ended stuck (fp16's loss scaler skips one
+#: window per overflow and then steps again)
+STUCK_WINDOWS = 3
+
+
 def _raise_if_diverged(summary: Dict[str, Any], cfg: Any, out: Path) -> None:
-    """Exit 3 when the run ended with a non-finite loss or with most of its windows skipped."""
+    """Exit 3 when the run ended with a non-finite loss, with its last windows all skipped, or with
+    most of its windows skipped."""
     windows, skipped = summary.get("windows"), summary.get("skipped_windows")
     if not windows or skipped is None:
         return  # a summary written before these counts existed
     last = summary.get("last_loss")
     bad_end = last is None or not math.isfinite(last)
-    if not bad_end and 2 * skipped <= windows:
+    at_end = int(summary.get("skipped_at_end") or 0)
+    stuck = at_end >= min(STUCK_WINDOWS, windows)
+    if not bad_end and not stuck and 2 * skipped <= windows:
         return
     why = [f"{skipped} of {windows} windows were skipped (non-finite loss or gradient: no optimizer step)"]
+    if stuck:
+        why.append(f"the last {at_end} were all skipped, so training had stopped")
     if bad_end:
         why.append("the last loss is not finite")
     fix = f"lower --lr (now {cfg.lr:g})" + ("" if cfg.max_grad_norm else " or clip with --max-grad-norm 1.0")
