@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
+import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -122,7 +125,9 @@ def test_stopped_on_2_ranks_by_ctrl_c_continues_on_1_rank(runs, tmp_path, starte
     said = log.read_text()
     assert said.count("SIGINT: stopped after step") == 1  # one line, from rank 0
     assert "second SIGINT: stopped at once" not in said  # torchrun's forwarded copy is not a second Ctrl-C
-    assert "resume with: torchrun --standalone --nproc_per_node=2 -m gradaccum train " in said  # the same launcher
+    # the same launcher, as the shell finds it (the venv's when none is on PATH, as after `make demo`)
+    launcher = "torchrun" if shutil.which("torchrun") else shlex.quote(str(Path(sys.executable).parent / "torchrun"))
+    assert f"resume with: {launcher} --standalone --nproc_per_node=2 -m gradaccum train " in said, said[-2000:]
     resumed = run_cli(train(out, "--resume", micro=4))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"continuing {out} from step {held['accumulator']['steps']}" in resumed.stderr

@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -40,10 +41,20 @@ def resume_command(argv: Sequence[str], out: Optional[str] = None) -> str:
         args.append("--resume")
     world, local = (int(os.environ.get(k, "1") or 1) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     if world > 1:
-        launcher = (f"torchrun --standalone --nproc_per_node={world}" if local == world
-                    else "torchrun <your --nnodes/--node_rank/--rdzv flags>")
+        torchrun = _torchrun()
+        launcher = (f"{torchrun} --standalone --nproc_per_node={world}" if local == world
+                    else f"{torchrun} <your --nnodes/--node_rank/--rdzv flags>")
         return f"{launcher} -m gradaccum {shlex.join(args)}"
     return shlex.join([*prog, *args])
+
+
+def _torchrun() -> str:
+    """``torchrun`` when the shell finds it, else the one beside this Python (a virtual environment
+    not activated, as after ``make demo``)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if shutil.which("torchrun") is None and os.path.exists(beside):
+        return shlex.quote(beside)
+    return "torchrun"
 
 
 def _settings(args: argparse.Namespace) -> Any:
