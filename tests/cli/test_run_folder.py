@@ -94,6 +94,14 @@ def test_resume_refuses_fewer_epochs_and_leaves_a_finished_run_as_it_was(tmp_pat
                             "summary.json left as it was\n")
     assert snapshot(out) == before, "summary.json (or anything else) was rewritten"
 
+    # a Ctrl-C that fell after summary.json and before loss.png: resuming draws it, and only it
+    (out / "loss.png").unlink()
+    assert main(["train", "--out", str(out), "--resume", "--model", "mlp", "--epochs", "2", "--device", "cpu"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == f"gradaccum train: drew {out}/loss.png, which was missing, from metrics.jsonl"
+    assert (out / "loss.png").stat().st_size > 0
+    assert {k: v for k, v in snapshot(out).items() if k != "loss.png"} == {k: v for k, v in before.items() if k != "loss.png"}
+    before = snapshot(out)
+
     # another window (--accum-steps fixes B = M x N x W): refused, with the flags that keep it
     assert main(["train", "--out", str(out), "--resume", "--model", "mlp", "--epochs", "3", "--device", "cpu",
                  "--accum-steps", "2"]) == 2

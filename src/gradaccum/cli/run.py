@@ -325,6 +325,11 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
                  window_unit=task.window_unit, config=cfg)
     if plan.kind == "complete" and plan.has_summary:  # left as it was (rank 0's copy, on every rank)
         kept = sync.broadcast_object(json.loads((out / "summary.json").read_text()) if sync.is_rank_zero() else None)
+        if sync.is_rank_zero() and not (out / "loss.png").exists():  # a Ctrl-C after summary.json, before it
+            from .report import plot_losses
+
+            plot_losses({label: history}, out / "loss.png", title=title, unit=task.unit)
+            life.say(f"drew {out / 'loss.png'}, which was missing, from metrics.jsonl")
         return RunResult(kept, already_complete=True, **parts)  # type: ignore[arg-type]
     summary = _summary(trainer, plan, history, last_eval)
     life.write_summary(summary)
