@@ -227,6 +227,18 @@ def test_checker_names_dropout_and_functional_randomness():
     assert "1" not in dict(check_equivalence(model, mse, regression_batch(8), 2).suspects)
 
 
+def test_an_equivalent_report_with_suspects_says_they_can_still_break_it():
+    """Dropout alone, split into contiguous halves, draws the same masks as the whole batch (one RNG
+    stream, consumed in the same order): the check passes, and its report must not read as both
+    "equivalent" and "suspect" (a new user could not tell which to believe)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Dropout(0.5), nn.Linear(5, 3)).double()
+    report = check_equivalence(model, mse, regression_batch(8), 4)
+    assert report.equivalent and [name for name, _ in report.suspects] == ["1"], report
+    text = str(report)
+    assert "suspect" not in text and "watch 1: dropout" in text and "can make another differ" in text, text
+
+
 def test_accumulator_warns_once_about_batchnorm_in_training_mode():
     model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -50,7 +50,11 @@ class EquivalenceReport:
         lines = [f"{verdict}: max relative gradient difference {self.max_rel_diff:.3e} "
                  f"(rtol {self.rtol:.1e}); loss {self.loss_full:.6g} full vs "
                  f"{self.loss_accumulated:.6g} accumulated"]
-        lines += [f"  suspect {name or '<model>'}: {reason}" for name, reason in self.suspects]
+        if self.equivalent and self.suspects:  # e.g. dropout whose draws fell alike on this split
+            lines.append("  equal on this batch and split, but these modules can make another differ:")
+            lines += [f"  watch {name or '<model>'}: {reason}" for name, reason in self.suspects]
+        else:
+            lines += [f"  suspect {name or '<model>'}: {reason}" for name, reason in self.suspects]
         return "\n".join(lines)
 
 

@@ -108,7 +108,7 @@ def test_counts_are_what_the_step_used_and_plots_are_titled_with_markers_for_one
     loss, _, compare = figures  # loss.png, the baseline's loss.png, compare.png
     ax, lr_ax, norm_ax = loss.axes  # loss (and the test loss), learning rate, gradient norm
     assert ax.get_title().startswith("digits / mlp: windows of 1438 images (all) as one micro-batch\n")
-    assert "float32 parameters, fp32 compute" in ax.get_title()
+    assert "float32 parameters, float32 compute" in ax.get_title()
     assert [line.get_marker() for line in ax.get_lines()] == ["o", "s"]  # training loss, test loss at the end
     assert lr_ax.get_ylabel() == "learning rate" and norm_ax.get_ylabel().startswith("gradient norm")
     loss.canvas.draw()

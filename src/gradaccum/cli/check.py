@@ -115,8 +115,14 @@ def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         items = leading_dim(batch, argument="batch")
     pieces = math.ceil(items / m)
     if pieces < 2:
-        raise CLIError(f"--micro-batch-size {m} on a batch of {items} items gives one micro-batch, which is "
-                       f"only compared with itself; pass --micro-batch-size {max(1, items // 2)} or less")
+        if not own:  # the batch is M x N items: N is what makes it more than one micro-batch
+            fix = "pass --accum-steps 2 or more"
+        elif items < 2:
+            fix = f"make --batch {args.batch} return 2 items or more"
+        else:
+            fix = f"pass --micro-batch-size {items // 2} or less"
+        raise CLIError(f"--micro-batch-size {m} on a batch of {items} item{'s' if items != 1 else ''} gives one "
+                       f"micro-batch, which is only compared with itself; {fix}")
     def compare() -> Any:
         return check_equivalence(model, loss_fn, batch, m, rtol=args.rtol)
 

@@ -106,11 +106,12 @@ def window_words(cfg: TrainConfig, available: int, unit: str) -> str:
 def plot_title(cfg: TrainConfig, task: Task, available: int) -> str:
     """Task, model and window (line 1) and the rest of the recipe (line 2), for every plot of the run."""
     return (f"{cfg.task} / {cfg.model}: windows of {window_words(cfg, available, task.window_unit)}\n"
-            f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.dtype} parameters, {_COMPUTE[cfg.precision]} compute, "
-            f"seed {cfg.seed}")
+            f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.dtype} parameters, {_compute(cfg)} compute, seed {cfg.seed}")
 
 
-_COMPUTE = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
+def _compute(cfg: TrainConfig) -> str:
+    """``--precision fp32`` is no autocast: the compute is in the parameters' dtype (float64 too)."""
+    return str(cfg.dtype) if cfg.precision == "fp32" else f"{cfg.precision} autocast"
 
 
 def _wrap(cfg: TrainConfig, model: nn.Module, device: torch.device) -> nn.Module:
