@@ -150,6 +150,8 @@ def _make(tmp_path: Path, kind: str) -> Path:
     (["check", "--micro-batch-size", "auto"], "argument --micro-batch-size: must be an integer >= 1, got 'auto' "
      "('auto' is for train"),
     (["check", "--data-path", "{a_file}"], "--data-path {a_file} is not used by --task digits"),
+    (["check", "--model", "nets"], "--model must be one of lenet5, mlp, transformer or your own MODULE:FUNCTION "
+     "(e.g. mypkg.nets:build, with the colon), got 'nets'"),
     (["check", "--micro-batch-size", "1", "--accum-steps", "1"], "--micro-batch-size 1 on a batch of 1 item gives "
      "one micro-batch, which is only compared with itself; pass --accum-steps 2 or more"),
     (["eval", "--checkpoint", "{garbage}"], "{garbage} is corrupt or unreadable (not a torch.save archive: empty, "

@@ -80,6 +80,11 @@ def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
 
     if args.batch is not None or args.loss is not None:
         raise CLIError("--batch and --loss go with your own --model MODULE:FUNCTION; drop them, or name your model")
+    from .config import MODELS
+
+    if args.model is not None and args.model not in MODELS:
+        raise CLIError(f"--model must be one of {', '.join(MODELS)} or your own MODULE:FUNCTION (e.g. "
+                       f"mypkg.nets:build, with the colon), got {args.model!r}")
     m = args.micro_batch_size or DEFAULT_MICRO_BATCH_SIZE
     n = DEFAULT_ACCUM_STEPS if args.accum_steps is None else args.accum_steps
     cfg = TrainConfig(task=args.task or "digits", data_path=args.data_path, model=args.model, micro_batch_size=m,
