@@ -6,6 +6,7 @@ only reads and writes one file.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import zipfile
@@ -16,10 +17,12 @@ import torch
 
 from .errors import CLIError
 
-__all__ = ["CLIError", "save_atomic", "load_checkpoint", "temp_name", "is_temp_for", "describe_os_error",
+__all__ = ["CLIError", "save_atomic", "load_checkpoint", "digest", "CHECKSUM_KEY", "temp_name", "is_temp_for", "describe_os_error",
            "fsync_dir", "REQUIRED_KEYS"]
 
 REQUIRED_KEYS = ("model", "optimizer", "accumulator", "config", "epoch", "window")
+#: the key under which a checkpoint holds the :func:`digest` of its other contents
+CHECKSUM_KEY = "checksum"
 
 
 def temp_name(path: Path) -> Path:
@@ -58,12 +61,43 @@ class _RecordingWriter:
         self.f.flush()
 
 
+def digest(obj: Any) -> str:
+    """SHA-256 of a checkpoint's contents as ``torch.load`` returns them: every key, value and tensor
+    (dtype, shape, bytes), in order. Saved beside them (:data:`CHECKSUM_KEY`) and compared after
+    loading, it covers what the archive's own CRCs cannot: a damaged zip directory can make torch's
+    reader take a record's bytes from elsewhere while every record still matches its CRC."""
+    h = hashlib.sha256()
+    _feed(h, obj)
+    return h.hexdigest()
+
+
+def _feed(h: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        h.update(f"T{t.dtype}{tuple(obj.shape)}".encode())
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy())
+    elif isinstance(obj, dict):
+        h.update(f"{{{len(obj)}".encode())
+        for key, value in obj.items():
+            h.update(repr(key).encode())
+            _feed(h, value)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{type(obj).__name__}[{len(obj)}".encode())
+        for value in obj:
+            _feed(h, value)
+    else:
+        h.update(f"{type(obj).__name__}:{obj!r}".encode())
+
+
 def save_atomic(obj: Dict[str, Any], path: Path) -> None:
-    """Write ``obj`` to ``path`` so that a reader (or a kill -9) sees the old file or the new, never half.
+    """Write ``obj`` to ``path`` so that a reader (or a kill -9) sees the old file or the new, never half,
+    with the :func:`digest` of its contents under :data:`CHECKSUM_KEY`.
 
     On failure the temporary file is removed, ``path`` is untouched, and the error is an OSError with
     the system's reason (``File too large``, ``No space left on device``) where there is one.
     """
+    obj = {**obj, CHECKSUM_KEY: digest(obj)}
     tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
@@ -94,15 +128,31 @@ def fsync_dir(folder: Path) -> None:
 
 def _damaged_record(path: Path) -> Optional[str]:
     """Why the archive is damaged, or None: torch.save stores a CRC-32 of every record, which
-    torch.load never reads, so flipped bytes inside a tensor would load as other weights."""
+    torch.load never reads, so flipped bytes inside a tensor would load as other weights. A record
+    whose stored CRC is 0 is not checked: torch writes 0 when told not to compute them
+    (``torch.utils.serialization.config.save.compute_crc32 = False``)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()  # reads every record once
-    except (zipfile.BadZipFile, OSError, EOFError):
+            for info in archive.infolist():
+                if info.CRC == 0:
+                    continue
+                with archive.open(info) as record:  # reading to the end compares the CRC
+                    try:
+                        while record.read(1 << 24):
+                            pass
+                    except zipfile.BadZipFile:
+                        return (f"the bytes of its record {info.filename} do not match their stored checksum: "
+                                "damaged on disk or in transfer")
+    except Exception:  # noqa: BLE001 - a damaged header raises anything from BadZipFile to UnicodeDecodeError
         return "a damaged torch.save archive"
-    if bad is not None:
-        return f"the bytes of its record {bad} do not match their stored checksum: damaged on disk or in transfer"
     return None
+
+
+def _is_zip(path: Path) -> bool:
+    try:
+        return zipfile.is_zipfile(path)
+    except Exception:  # noqa: BLE001 - zipfile raises BadZipFile on some damaged end records
+        return False
 
 
 def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]:
@@ -113,7 +163,7 @@ def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]
     if not path.is_file():
         raise CLIError(f"checkpoint {path} does not exist; train first, or give the path of a last.pt")
     reason = None
-    if not zipfile.is_zipfile(path):
+    if not _is_zip(path):
         reason = "not a torch.save archive: empty, truncated or another format"
     else:
         reason = _damaged_record(path)
@@ -124,6 +174,9 @@ def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]
             reason = "it holds objects that torch.load(weights_only=True) does not load"
         except Exception:  # noqa: BLE001 - any unreadable file gets the same answer
             reason = "a torch.save archive that torch.load cannot read (damaged, or from a newer torch)"
+    if reason is None and isinstance(state, dict) and CHECKSUM_KEY in state:  # older checkpoints have none
+        if state.pop(CHECKSUM_KEY) != digest(state):
+            reason = "what it holds does not match the checksum written with it: damaged on disk or in transfer"
     if reason is not None:
         raise CLIError(f"checkpoint {path} is corrupt or unreadable ({reason}); it was left in place: "
                        "move it away to start over, or restore a good copy")
