@@ -200,6 +200,8 @@ def test_a_checkpoint_saved_without_checksums_loads():
     (["check", "--data-path", "{a_file}"], "--data-path {a_file} is not used by --task digits"),
     (["check", "--model", "nets"], "--model must be one of lenet5, mlp, transformer or your own MODULE:FUNCTION "
      "(e.g. mypkg.nets:build, with the colon), got 'nets'"),
+    (["check", "--micro-batch-size", "100000", "--accum-steps", "2"], "--micro-batch-size 100000 on a batch of "
+     "1438 items gives one micro-batch, which is only compared with itself; pass --micro-batch-size 719 or less"),
     (["check", "--micro-batch-size", "1", "--accum-steps", "1"], "--micro-batch-size 1 on a batch of 1 item gives "
      "one micro-batch, which is only compared with itself; pass --accum-steps 2 or more"),
     (["eval", "--checkpoint", "{garbage}"], "{garbage} is corrupt or unreadable (not a torch.save archive: empty, "

@@ -48,7 +48,10 @@ def torchrun(script_args: Sequence[str], *, nproc: int = 2, timeout: int = 300, 
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
-        proc.communicate()
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+    except BaseException:  # Ctrl-C in pytest, or any other way out: nothing is left running
+        kill_tree(proc)
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -90,20 +93,24 @@ def two_agents(script_args: Sequence[str], *, timeout: int = 300, cwd: Path = RO
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """Kill a launch that still runs: its workers first (torchrun starts each in a session of its own,
-    so they would outlive the agent's process group, waiting in a collective), then its group."""
+    """Kill a launch and everything it started: torchrun starts each worker in a session of its own,
+    so the workers would outlive the agent's process group, waiting in a collective. The workers are
+    listed first, the agent's group killed (no new worker can start after), then the listed ones."""
     if proc.poll() is not None:
-        return
+        return  # ended by itself: its agent took its workers down with it
     try:
         import psutil
-
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.kill()
     except ImportError:
-        pass
+        psutil = None
+    children = []
+    if psutil is not None:
+        with contextlib.suppress(psutil.Error):
+            children = psutil.Process(proc.pid).children(recursive=True)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # started in a session of its own: its group is its pid
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
     proc.wait()
 
 

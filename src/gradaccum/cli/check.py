@@ -120,7 +120,8 @@ def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         items = leading_dim(batch, argument="batch")
     pieces = math.ceil(items / m)
     if pieces < 2:
-        if not own:  # the batch is M x N items: N is what makes it more than one micro-batch
+        steps = DEFAULT_ACCUM_STEPS if args.accum_steps is None else args.accum_steps
+        if not own and steps == 1 and items == m:  # a window of M x 1 items: N makes it more than one
             fix = "pass --accum-steps 2 or more"
         elif items < 2:
             fix = f"make --batch {args.batch} return 2 items or more"

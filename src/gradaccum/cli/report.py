@@ -11,6 +11,7 @@ so that a 1-step run shows a point, and a log axis that spans less than a decade
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -145,8 +146,20 @@ def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: s
     if title:
         axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Beside ``path``, then renamed over it: a Ctrl-C while drawing leaves no half-written PNG that
+    a later resume would take for whole."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, Any]], labels: Sequence[str],
@@ -200,5 +213,5 @@ def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, An
             note += f" (--dtype float64 shows them equal to {float64_agreement})"
         bottom.set_title(note, fontsize=8, loc="left")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)

@@ -327,18 +327,21 @@ def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite
     if plan.kind == "complete" and plan.has_summary:  # left as it was (rank 0's copy, on every rank)
         kept = sync.broadcast_object(json.loads((out / "summary.json").read_text()) if sync.is_rank_zero() else None)
         if sync.is_rank_zero() and not (out / "loss.png").exists():  # a Ctrl-C after summary.json, before it
-            from .report import plot_losses
-
-            plot_losses({label: history}, out / "loss.png", title=title, unit=task.unit)
+            _plot(out, history, label, title, task)
             life.say(f"drew {out / 'loss.png'}, which was missing, from metrics.jsonl")
         return RunResult(kept, already_complete=True, **parts)  # type: ignore[arg-type]
     summary = _summary(trainer, plan, history, last_eval)
     life.write_summary(summary)
     if sync.is_rank_zero():
-        from .report import plot_losses
-
-        plot_losses({label: history}, out / "loss.png", title=title, unit=task.unit)
+        _plot(out, history, label, title, task)
     return RunResult(summary, already_complete=plan.kind == "complete", **parts)  # type: ignore[arg-type]
+
+
+def _plot(out: Path, history: List[Dict[str, Any]], label: str, title: str, task: Task) -> None:
+    """``loss.png`` from the run's rows (written whole or not at all)."""
+    from .report import plot_losses
+
+    plot_losses({label: history}, out / "loss.png", title=title, unit=task.unit)
 
 
 def _kept_rows(life: RunLifecycle, plan: ResumePlan, per_epoch: int) -> List[Dict[str, Any]]:

@@ -1,7 +1,8 @@
 """``gradaccum train``: flags -> settings -> the run folder -> training (and ``--compare``) -> one line.
 
 Exit codes: 0 done (or already complete), 1 a final write failed, 2 a usage error, 3 the run
-diverged (its last loss is not finite, or most windows were skipped), 130/143 stopped by a signal.
+diverged (its last loss is not finite, or most windows, or the last 3, were skipped), 130/143 stopped
+by a signal.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def resume_command(argv: Sequence[str], out: Optional[str] = None) -> str:
 
 
 def _torchrun() -> str:
-    """``torchrun`` when the shell finds it, else the one beside this Python (a virtual environment
-    not activated, as after ``make demo``)."""
-    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    if shutil.which("torchrun") is None and os.path.exists(beside):
-        return shlex.quote(beside)
+    """``torchrun`` when the shell finds this Python's, else the path of this Python's (a virtual
+    environment not activated, as after ``make demo``, or another torchrun first on PATH)."""
+    beside = Path(sys.executable).parent / "torchrun"
+    found = shutil.which("torchrun")
+    if beside.exists() and (found is None or Path(found).resolve() != beside.resolve()):
+        return shlex.quote(str(beside))
     return "torchrun"
 
 
