@@ -8,7 +8,6 @@ another order) and "the same run" to the bit (same world size).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
