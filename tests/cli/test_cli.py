@@ -89,6 +89,9 @@ def test_compare_overlays_curves_and_reports(tmp_path, capsys):
     assert report["max_abs_param_diff"] < 1e-10
     assert report["peak_memory_source"].startswith("measured")
     assert report["accumulated"]["peak_memory_bytes"] < 0.6 * report["one_batch"]["peak_memory_bytes"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (report["accumulated"]["micro_batch_size"], report["accumulated"]["accum_steps"]) == \
+        (summary["micro_batch_size"], summary["accum_steps"]), report  # as trained (it said null for a default)
     assert (out / "compare.png").stat().st_size > 1000
     assert "largest parameter difference" in capsys.readouterr().out
 

@@ -36,7 +36,8 @@ def run_compare(cfg: Any, out: Path, accumulated: Any, *, resume: bool, command:
                zip(accumulated.model.state_dict().values(), baseline.model.state_dict().values()))
     a, b = accumulated.summary, baseline.summary
     report = {"max_abs_param_diff": diff,
-              "accumulated": {"micro_batch_size": cfg.micro_batch_size, "accum_steps": cfg.accum_steps_per_rank,
+              "accumulated": {"micro_batch_size": a.get("micro_batch_size", cfg.micro_batch_size),  # as trained
+                              "accum_steps": a.get("accum_steps", cfg.accum_steps_per_rank),
                               "peak_memory_bytes": a.get("peak_memory_bytes"), "test_loss": a["test_loss"],
                               "test_accuracy": a.get("test_accuracy"), "wall_time_seconds": a["wall_time_seconds"]},
               "one_batch": {"micro_batch_size": window, "accum_steps": 1,
