@@ -71,6 +71,10 @@ def _own_model(args: argparse.Namespace) -> Tuple[Any, Any, Any, str]:
     return model, batch, loss_fn, args.model
 
 
+def _accum_steps(args: argparse.Namespace) -> int:
+    return DEFAULT_ACCUM_STEPS if args.accum_steps is None else int(args.accum_steps)
+
+
 def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
     import torch
 
@@ -86,7 +90,7 @@ def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
         raise CLIError(f"--model must be one of {', '.join(MODELS)} or your own MODULE:FUNCTION (e.g. "
                        f"mypkg.nets:build, with the colon), got {args.model!r}")
     m = args.micro_batch_size or DEFAULT_MICRO_BATCH_SIZE
-    n = DEFAULT_ACCUM_STEPS if args.accum_steps is None else args.accum_steps
+    n = _accum_steps(args)
     cfg = TrainConfig(task=args.task or "digits", data_path=args.data_path, model=args.model, micro_batch_size=m,
                       accum_steps=n, seed=args.seed, device="cpu")
     task = load_task(cfg.task, cfg.data_path)
@@ -120,8 +124,7 @@ def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         items = leading_dim(batch, argument="batch")
     pieces = math.ceil(items / m)
     if pieces < 2:
-        steps = DEFAULT_ACCUM_STEPS if args.accum_steps is None else args.accum_steps
-        if not own and steps == 1 and items == m:  # a window of M x 1 items: N makes it more than one
+        if not own and _accum_steps(args) == 1 and items == m:  # a window of M x 1 items: N makes it more than one
             fix = "pass --accum-steps 2 or more"
         elif items < 2:
             fix = f"make --batch {args.batch} return 2 items or more"

@@ -17,8 +17,8 @@ import torch
 
 from .errors import CLIError
 
-__all__ = ["CLIError", "save_atomic", "load_checkpoint", "digest", "CHECKSUM_KEY", "temp_name", "is_temp_for", "describe_os_error",
-           "fsync_dir", "REQUIRED_KEYS"]
+__all__ = ["CLIError", "save_atomic", "load_checkpoint", "digest", "CHECKSUM_KEY", "temp_name", "is_temp_for",
+           "describe_os_error", "fsync_dir", "REQUIRED_KEYS"]
 
 REQUIRED_KEYS = ("model", "optimizer", "accumulator", "config", "epoch", "window")
 #: the key under which a checkpoint holds the :func:`digest` of its other contents
@@ -127,8 +127,9 @@ def fsync_dir(folder: Path) -> None:
 
 
 def _damaged_record(path: Path) -> Optional[str]:
-    """Why the archive is damaged, or None: torch.save stores a CRC-32 of every record, which
-    torch.load never reads, so flipped bytes inside a tensor would load as other weights. A record
+    """Why the archive is damaged, or None (for files without a :func:`digest`): torch.save stores a
+    CRC-32 of every record, which torch.load never reads, so flipped bytes inside a tensor would load
+    as other weights. A record
     whose stored CRC is 0 is not checked: torch writes 0 when told not to compute them
     (``torch.utils.serialization.config.save.compute_crc32 = False``)."""
     try:
@@ -166,17 +167,18 @@ def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]
     if not _is_zip(path):
         reason = "not a torch.save archive: empty, truncated or another format"
     else:
-        reason = _damaged_record(path)
-    if reason is None:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
             reason = "it holds objects that torch.load(weights_only=True) does not load"
         except Exception:  # noqa: BLE001 - any unreadable file gets the same answer
             reason = "a torch.save archive that torch.load cannot read (damaged, or from a newer torch)"
-    if reason is None and isinstance(state, dict) and CHECKSUM_KEY in state:  # older checkpoints have none
-        if state.pop(CHECKSUM_KEY) != digest(state):
-            reason = "what it holds does not match the checksum written with it: damaged on disk or in transfer"
+    if reason is None:  # what was loaded is what was saved: the checksum, or (older files) the records' CRCs
+        if isinstance(state, dict) and CHECKSUM_KEY in state:
+            if state.pop(CHECKSUM_KEY) != digest(state):
+                reason = "what it holds does not match the checksum written with it: damaged on disk or in transfer"
+        else:
+            reason = _damaged_record(path)
     if reason is not None:
         raise CLIError(f"checkpoint {path} is corrupt or unreadable ({reason}); it was left in place: "
                        "move it away to start over, or restore a good copy")

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from .checkpoint import temp_name
+
 __all__ = ["plot_losses", "plot_compare", "training_rows"]
 
 MARKERS_UP_TO = 40  # steps; more than that and markers only clutter the line
@@ -153,7 +155,7 @@ def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: s
 def _save(fig: Any, path: Path) -> None:
     """Beside ``path``, then renamed over it: a Ctrl-C while drawing leaves no half-written PNG that
     a later resume would take for whole."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
     try:
         fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
         os.replace(tmp, path)
