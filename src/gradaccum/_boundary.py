@@ -1,165 +1,44 @@
-"""The maths of a window, and its boundary: from the accumulated gradient to one optimizer step.
+"""The boundary of a window: from the accumulated gradient to one optimizer step.
 
-This is the one place the maths is written; the docs (docs/index.md) and the other docstrings point here.
-
-A window holds micro-batches k (on every rank r) with n_k items and mean loss L_k. One step on the
-whole window is a step on its item-weighted mean loss::
-
-    L = sum_k n_k L_k / N,        grad L = sum_k n_k grad L_k / N,        N = sum_{r,k} n_k
-
-Each micro-batch backpropagates ``w_k * L_k`` with the **backward weight** ``w_k = n_k * W / R``
-(:func:`backward_weight`); gradients add up in ``.grad``. W is the number of ranks the data-parallel
-reduction averages over (1 locally), so after the reduction the gradient is ``sum n_k grad L_k / R``.
-At the boundary it is multiplied once by the **boundary scale** ``R / N`` (:func:`boundary_scale`)::
-
-    backward weight  = n_k * W / R
-    reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad L_k  =  sum n_k grad L_k / R
-    window grad      = reduced grad * R / N  =  grad L
-
-R is a reference count, the same on every rank. When the window's global item count is known
-before the first backward (the micro-batches' leading dimensions for a bare mean loss, or a
-``num_items=`` counter) and ``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and each backward weighs
-exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model, such as a Llama
-RMSNorm, round as in one big batch). When the counts come from ``loss_fn`` only (a ``(mean, count)``
-pair), R is fixed beforehand (:mod:`gradaccum._ranks`) and the scale corrects it exactly. Dividing each
-micro-batch by K instead is exact only when every n_k is equal, which uneven micro-batches, padded
-sequences and a short last window are not.
-
-The gradient itself is reduced across ranks before the boundary, by DDP or FSDP2 inside the last
-micro-batch's backward (:mod:`gradaccum.sync` skips the reduction in the others). At the boundary,
-in this order: unscale (fp16, once); on the first window under DDP, a check that the replicas'
-gradients agree (:func:`check_replicas`); one all-reduce of ``(sum n_k L_k, N)`` and two flags across
-ranks; the total norm of the normalized gradient (with clipping, fp16 or ``compute_grad_norm``); the
-**verdict** (:func:`verdict`: step, skip or raise, from the loss and that norm); the **clip
-coefficient** (:func:`clip_coefficient`) folded into the scale, so clipping costs no extra pass; the
-optimizer step; the scheduler step (only on steps taken); gradients cleared. The only host
-synchronisation is one ``.tolist()`` of those few numbers. Under FSDP2, whose reduced gradient is
-sharded, a measured norm rides in that all-reduce: each rank adds its shards' squared norm
-(:meth:`gradaccum.sync.GradSync.local_square_sum`), so clipping costs no collective of its own.
+The formulas (the backward weight, R, the boundary scale, the clip coefficient, the verdict) are in
+:mod:`gradaccum._maths`; this module runs them in order. The gradient itself is reduced across ranks
+before the boundary, by DDP or FSDP2 inside the last micro-batch's backward (:mod:`gradaccum.sync`
+skips the reduction in the others). The window's all-reduce of ``(sum n_k L_k, N)`` and its flags
+(:class:`~gradaccum._exchange.Exchange`) is launched before that last backward when it can be, so it
+overlaps it. At the boundary, in this order: unscale (fp16, once); on the first window under DDP, a
+check that the replicas' gradients agree (:func:`check_replicas`); the exchanged numbers read on the
+host (the window's one host synchronisation; under FSDP2 with a measured norm the all-reduce starts
+here and also sums the shards' squared norms); the total norm of the normalized gradient (with
+clipping, fp16 or ``compute_grad_norm``); the **verdict** (step, skip or raise, from the loss and that
+norm); the **clip coefficient** folded into the boundary scale, so clipping costs no extra pass; the
+optimizer step; the scheduler step (only on steps taken); gradients cleared.
 
 **Windows that exchange nothing.** Under DDP the reduced gradient is the same on every rank, so a
 verdict read from it alone is the same on every rank too. When every rank also knows the window's
-global N up front (a WindowSampler's shares) and ``loss_fn``
-counts those items, the all-reduce above only tells the ranks each other's loss (and carries stop
-requests). ``Accumulator(loss_every=k)`` does it on every k-th window only (:meth:`Boundary.exchanges`);
-the windows between cost no collective besides DDP's own reduction. Their verdict reads the
-gradient's norm (measured always there), and a rank's non-finite loss still reaches every rank,
-through the gradient: its reducing backward adds ``nan`` times one element of a parameter
-(:func:`loss_check_term`), so the reduced gradient, and every rank's verdict, are not finite. ``StepResult.loss`` is None there.
+global N up front (a WindowSampler's shares) and ``loss_fn`` counts those items, the all-reduce above
+only tells the ranks each other's loss (and carries stop requests). ``Accumulator(loss_every=k)`` does
+it on every k-th window only (:meth:`Boundary.exchanges`); the windows between cost no collective
+besides DDP's own reduction. Their verdict reads the gradient's norm (measured always there), and a
+rank's non-finite loss still reaches every rank, through the gradient: its reducing backward adds
+``nan`` times one element of a parameter (:func:`gradaccum._maths.loss_check_term`), so the reduced
+gradient, and every rank's verdict, are not finite. ``StepResult.loss`` is None there.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Optional, Union
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 
 from ._gradients import WindowGradients
+from ._maths import Verdict, boundary_scale, clip_coefficient, verdict
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
-__all__ = ["backward_weight", "boundary_scale", "clip_coefficient", "Verdict", "verdict", "loss_check_term",
-           "Counters", "WindowTotals", "Exchanged", "Outcome", "Boundary", "InFlight"]
-
-#: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
-CLIP_EPS = 1e-6
-
-
-# -- the maths, on plain numbers -------------------------------------------------------------------
-
-def backward_weight(num_items: Union[int, float, torch.Tensor], reference: float, grad_divisor: float,
-                    loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
-    """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
-
-    A Python count gives a Python float (no device tensor per micro-batch); a tensor count stays on
-    its device, in the loss's precision (an int64 count divided by a float would round to float32).
-
-    >>> backward_weight(3, reference=12.0, grad_divisor=2.0)
-    0.5
-    """
-    if isinstance(num_items, torch.Tensor):
-        return num_items.to(torch.promote_types(loss_dtype, torch.float32)) * (grad_divisor / reference)
-    return num_items * grad_divisor / reference
-
-
-def boundary_scale(reference: float, num_items: float) -> float:
-    """``R / N``, the factor that turns the reduced gradient into the window's mean gradient (0 for a
-    window that counted no item: it takes no step).
-
-    >>> boundary_scale(12.0, 12.0), boundary_scale(12.0, 8.0), boundary_scale(12.0, 0.0)
-    (1.0, 1.5, 0.0)
-    """
-    return reference / num_items if num_items > 0 else 0.0
-
-
-def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float]) -> float:
-    """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales; 1 without clipping.
-
-    >>> clip_coefficient(4.0, 1.0) < 0.25 < clip_coefficient(4.0, None)
-    True
-    """
-    if max_grad_norm is None:
-        return 1.0
-    assert grad_norm is not None, "the norm is measured whenever clipping"
-    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
-
-
-class Verdict(enum.Enum):
-    """What the boundary does with a window."""
-
-    STEP = "step"
-    SKIP_EMPTY = "skip: no item"          # every label ignored: no loss to step on
-    SKIP_NONFINITE = "skip: not finite"   # or fp16 overflow: the scaler backs off
-    RAISE = "raise"
-
-
-def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[float], *, nonfinite: str,
-            has_scaler: bool) -> Verdict:
-    """Step, skip or raise, from the window's global loss sum (None when the ranks did not exchange
-    it: then the norm, always measured, carries it), item count and (measured) norm.
-
-    A non-finite loss or norm skips (``nonfinite="skip"``) or raises; under fp16 it always skips,
-    since an overflow is how the loss scaler learns to back off.
-
-    >>> verdict(1.0, 4, None, nonfinite="raise", has_scaler=False), verdict(1.0, 0, None, nonfinite="raise", has_scaler=False)
-    (<Verdict.STEP: 'step'>, <Verdict.SKIP_EMPTY: 'skip: no item'>)
-    """
-    finite = (loss_sum is None or math.isfinite(loss_sum)) and (grad_norm is None or math.isfinite(grad_norm))
-    if not finite:
-        return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
-    return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
-
-
-def loss_check_term(loss_sum: Optional[torch.Tensor], counted: float, device_counted: Optional[torch.Tensor],
-                    share: float, probe: torch.Tensor) -> Optional[torch.Tensor]:
-    """What a window that exchanges nothing adds to its reducing backward: ``0 * probe``, or
-    ``nan * probe`` when this rank's loss sum is not finite or it counted other items (``counted`` on
-    the host plus ``device_counted`` on the device) than its known ``share`` (then the window's global
-    N is not the one every rank assumed); None when there is nothing to check.
-
-    ``probe`` is one element of a trainable parameter, so the nan lands in that parameter's gradient
-    whatever the loss's own gradient is (a micro-batch whose labels are all ignored has a nan mean
-    and a zero gradient), and DDP's reduction carries it to every rank's verdict. Adding ``0`` leaves
-    the gradient as it was. No host synchronisation: device values are compared on the device.
-
-    >>> probe = torch.ones(3, requires_grad=True)[0]
-    >>> loss_check_term(torch.tensor(2.0), 3, None, 3.0, probe).item(), loss_check_term(None, 2, None, 3.0, probe).item()
-    (0.0, nan)
-    >>> loss_check_term(None, 3, None, 3.0, probe) is None
-    True
-    """
-    if device_counted is None and counted != share:
-        return probe * math.nan
-    ok = None if loss_sum is None else torch.isfinite(loss_sum)
-    if device_counted is not None:
-        same = (device_counted + counted) == share
-        ok = same if ok is None else ok & same
-    return None if ok is None else torch.where(ok, 0.0, math.nan).to(probe.dtype) * probe
-
+__all__ = ["Counters", "WindowTotals", "Exchanged", "Outcome", "Boundary", "InFlight"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 

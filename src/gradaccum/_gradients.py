@@ -66,7 +66,7 @@ class WindowGradients:
         self.params = list(params)
         self.buffers = buffers
         #: the smallest parameter the data-parallel wrapper reduces, to carry a flag through its
-        #: gradient (see :func:`gradaccum._boundary.loss_check_term`); None until :meth:`choose_probe`
+        #: gradient (see :func:`gradaccum._maths.loss_check_term`); None until :meth:`choose_probe`
         self.probe: Optional[torch.nn.Parameter] = None
         self._covered = None if reduced is None else {id(p) for p in reduced}
 

@@ -18,7 +18,7 @@ synchronisation before its first forward. FSDP2, ``reduce_every_micro_batch`` an
 windows opened without ``pad=True`` still ask, since a rank there can differ in a way the others
 must know before the first forward.
 
-**R** (see :mod:`gradaccum._boundary` for the maths) must be the same on every rank. When every
+**R** (see :mod:`gradaccum._maths` for the maths) must be the same on every rank. When every
 rank knew its items before the first backward, R = N, the window's global count, from the
 sampler's shares or (the first window) from the agreement. Other windows use the previous window's
 global count (every rank learned it at that boundary), whether they asked or not, so a resumed

@@ -4,7 +4,7 @@
 padding); :class:`WindowContext` is everything a window needs from its Accumulator, passed
 explicitly. :func:`run_window` is the one entry point that runs a list of micro-batches through a
 ``loss_fn``: ``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off all call it.
-The weights are :func:`gradaccum._boundary.backward_weight`; the maths is in :mod:`gradaccum._boundary`.
+The weights are :func:`gradaccum._maths.backward_weight`; the maths is in :mod:`gradaccum._maths`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ._boundary import Boundary, InFlight, WindowTotals, backward_weight, loss_check_term
+from ._boundary import Boundary, InFlight, WindowTotals
+from ._maths import backward_weight, loss_check_term
 from ._checks import Count, as_number, item_count, positive_int, scalar_loss, split_loss_output, training_batchnorms
 from ._gradients import WindowGradients
 from ._ranks import RankAgreement, WindowPlan
@@ -305,7 +306,7 @@ class Window:
         """Before the backward that reduces across ranks every count of the window is known: start
         the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
         or, in a window that exchanges nothing, fold this rank's loss check into the gradient
-        (:func:`gradaccum._boundary.loss_check_term`)."""
+        (:func:`gradaccum._maths.loss_check_term`)."""
         if not (self.reducing and self.ctx.sync.distributed):
             return weighted
         self._reduced = True
@@ -341,7 +342,7 @@ class Window:
 
     @property
     def reference_items(self) -> Optional[float]:
-        """R: the count the backward weights were divided by (see :mod:`gradaccum._boundary`)."""
+        """R: the count the backward weights were divided by (see :mod:`gradaccum._maths`)."""
         return self._reference if self._reference is not None else self.ctx.ranks.reference_items
 
     def totals(self, *, ran: Optional[bool] = None) -> WindowTotals:

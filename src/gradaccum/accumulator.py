@@ -12,7 +12,7 @@ the part that owns it::
       -> StepResult
 
 The maths (why each micro-batch backpropagates ``n_k * W / R`` times its mean loss, and why the
-boundary multiplies by ``R / N``) is in :mod:`gradaccum._boundary`.
+boundary multiplies by ``R / N``) is in :mod:`gradaccum._maths`.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class Accumulator:
 
     @property
     def reference_items(self) -> Optional[float]:
-        """R for windows whose item count is not known up front (see :mod:`gradaccum._boundary`)."""
+        """R for windows whose item count is not known up front (see :mod:`gradaccum._maths`)."""
         return self.ranks.reference_items
 
     @property

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-import torch.nn.functional as F
+
+from ._maths import target_count, token_loss_sum
 
 __all__ = ["causal_lm_loss", "count_targets", "token_cross_entropy"]
 
@@ -25,19 +26,11 @@ def token_cross_entropy(
 
     ``logits`` is ``(..., vocab)``, ``targets`` the matching ``(...)``. The count stays a tensor on
     the logits' device (no host synchronisation). A micro-batch with no counted target returns a
-    mean of 0 that carries no weight.
+    mean of 0 that carries no weight. The sum and the count are :func:`gradaccum._maths.token_loss_sum`
+    and :func:`gradaccum._maths.target_count`.
     """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits of shape {tuple(logits.shape)} do not match targets of shape "
-            f"{tuple(targets.shape)}: logits must be targets.shape + (vocab,)"
-        )
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    if flat_logits.dtype in (torch.float16, torch.bfloat16):
-        flat_logits = flat_logits.float()  # softmax in float32; never *down*cast float64
-    flat_targets = targets.reshape(-1)
-    total = F.cross_entropy(flat_logits, flat_targets, ignore_index=ignore_index, reduction="sum")
-    count = (flat_targets != ignore_index).sum()
+    total = token_loss_sum(logits, targets, ignore_index=ignore_index)
+    count = target_count(targets, ignore_index=ignore_index)
     return total / count.clamp(min=1).to(total.dtype), count
 
 
@@ -83,5 +76,4 @@ def count_targets(labels: torch.Tensor, *, shift: bool = True, ignore_index: int
     """
     if labels.dim() < 1 or (shift and labels.dim() != 2):
         raise ValueError(f"count_targets expects labels of shape (batch, seq), got {tuple(labels.shape)}")
-    targets = labels[:, 1:] if shift else labels
-    return int((targets != ignore_index).sum())
+    return int(target_count(labels[:, 1:] if shift else labels, ignore_index=ignore_index))

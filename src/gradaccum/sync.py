@@ -5,7 +5,7 @@ ranks, and does the window's small collectives: the agreement when a window open
 micro-batches and items each rank holds) and the all-reduce of the item count and loss sum at its
 end. The local default does nothing. Data-parallel wrappers *average* the gradient over
 ``world_size`` ranks while reducing, which the backward weights make up for with the factor W
-(``grad_divisor``; the maths is in :mod:`gradaccum._boundary`).
+(``grad_divisor``; the maths is in :mod:`gradaccum._maths`).
 
 The wrapper is found anywhere in the model: ``torch.compile(DDP(model))`` (``OptimizedModule``),
 Accelerate's wrappers and user modules that hold a DDP or FSDP2 module all reduce through it. A model
@@ -130,7 +130,7 @@ class GradSync:
         """Whether the backward's reduction is, as things stand now, the wrapper's own average of every
         rank's whole gradient, so that a ``nan`` one rank adds to any parameter's gradient reaches every
         rank's reduced gradient in that window, and that window only (see
-        :func:`gradaccum._boundary.loss_check_term`). Only DDP's can be."""
+        :func:`gradaccum._maths.loss_check_term`). Only DDP's can be."""
         return False
 
     def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:

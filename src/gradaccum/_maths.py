@@ -1,0 +1,205 @@
+"""The maths of exact accumulation, as pure functions: the one place each formula is written.
+
+The core (:mod:`gradaccum._window`, :mod:`gradaccum._boundary`), the Lightning callback, the Hugging
+Face Trainer and the loss helpers all call these; none derives a weight, a normalization or a count
+again. (:func:`gradaccum.check_equivalence` keeps an independent big-batch oracle on purpose.)
+
+A window holds micro-batches k (on every rank r) with n_k items and mean loss L_k. One step on the
+whole window is a step on its item-weighted mean loss::
+
+    L = sum_k n_k L_k / N,        grad L = sum_k n_k grad L_k / N,        N = sum_{r,k} n_k
+
+Each micro-batch backpropagates ``w_k * L_k`` with the **backward weight** ``w_k = n_k * W / R``
+(:func:`backward_weight`); gradients add up in ``.grad``. W is the number of ranks the data-parallel
+reduction averages over (1 locally), so after the reduction the gradient is ``sum n_k grad L_k / R``.
+At the boundary it is multiplied once by the **boundary scale** ``R / N`` (:func:`boundary_scale`)::
+
+    backward weight  = n_k * W / R
+    reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad L_k  =  sum n_k grad L_k / R
+    window grad      = reduced grad * R / N  =  grad L
+
+R is a reference count, the same on every rank. When the window's global item count is known before
+the first backward (the micro-batches' leading dimensions for a bare mean loss, or a ``num_items=``
+counter) and ``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and
+each backward weighs exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model,
+such as a Llama RMSNorm, round as in one big batch). When the counts come from ``loss_fn`` only (a
+``(mean, count)`` pair), R is fixed beforehand (:func:`first_reference`, :mod:`gradaccum._ranks`)
+and the scale corrects it exactly. Dividing each micro-batch by K instead is exact only when every n_k
+is equal, which uneven micro-batches, padded sequences and a short last window are not.
+
+A window with N = 0 (every label ignored) has no loss to step on: its scale is 0 and the
+:func:`verdict` skips it (no optimizer step, so no weight decay and no step counted), in the core and
+in every integration alike.
+
+For a language model the items are next-token targets: :func:`target_count` counts them from the
+labels before any forward pass and :func:`token_loss_sum` sums their cross-entropy, so that a
+micro-batch's mean is ``token_loss_sum / target_count``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "first_reference", "window_mean",
+           "clip_coefficient", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum"]
+
+#: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
+CLIP_EPS = 1e-6
+
+Number = Union[int, float]
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints, without floats.
+
+    >>> ceil_div(10, 4), ceil_div(8, 4), ceil_div(0, 4)
+    (3, 2, 0)
+    """
+    return -(-a // b)
+
+
+def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, grad_divisor: float,
+                    loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
+    """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
+
+    A Python count gives a Python float (no device tensor per micro-batch); a tensor count stays on
+    its device, in the loss's precision (an int64 count divided by a float would round to float32).
+
+    >>> backward_weight(3, reference=12.0, grad_divisor=2.0)
+    0.5
+    """
+    if isinstance(num_items, torch.Tensor):
+        return num_items.to(torch.promote_types(loss_dtype, torch.float32)) * (grad_divisor / reference)
+    return num_items * grad_divisor / reference
+
+
+def boundary_scale(reference: float, num_items: float) -> float:
+    """``R / N``, the factor that turns the reduced gradient into the window's mean gradient (0 for a
+    window that counted no item: it takes no step).
+
+    >>> boundary_scale(12.0, 12.0), boundary_scale(12.0, 8.0), boundary_scale(12.0, 0.0)
+    (1.0, 1.5, 0.0)
+    """
+    return reference / num_items if num_items > 0 else 0.0
+
+
+def first_reference(count: float) -> float:
+    """R for windows whose item count is not known before the first backward: the first count seen
+    (across ranks, the largest of them), never below 1 so that a first micro-batch of 0 items still
+    gives finite weights. Any positive R is exact (the boundary scale corrects it); one near N keeps
+    the gradients near their final size, which fp16's loss scale expects.
+
+    >>> first_reference(0.0), first_reference(37.0)
+    (1.0, 37.0)
+    """
+    return max(float(count), 1.0)
+
+
+def window_mean(loss_sum: float, num_items: float) -> float:
+    """The window's item-weighted mean loss ``sum n_k L_k / N``; nan for a window of 0 items.
+
+    >>> window_mean(6.0, 4.0), math.isnan(window_mean(0.0, 0.0))
+    (1.5, True)
+    """
+    return loss_sum / num_items if num_items > 0 else math.nan
+
+
+def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float]) -> float:
+    """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales; 1 without clipping.
+
+    >>> clip_coefficient(4.0, 1.0) < 0.25 < clip_coefficient(4.0, None)
+    True
+    """
+    if max_grad_norm is None:
+        return 1.0
+    assert grad_norm is not None, "the norm is measured whenever clipping"
+    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
+
+
+class Verdict(enum.Enum):
+    """What the boundary does with a window."""
+
+    STEP = "step"
+    SKIP_EMPTY = "skip: no item"          # every label ignored: no loss to step on
+    SKIP_NONFINITE = "skip: not finite"   # or fp16 overflow: the scaler backs off
+    RAISE = "raise"
+
+
+def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[float], *, nonfinite: str,
+            has_scaler: bool) -> Verdict:
+    """Step, skip or raise, from the window's global loss sum (None when the ranks did not exchange
+    it: then the norm, always measured, carries it), item count and (measured) norm.
+
+    A non-finite loss or norm skips (``nonfinite="skip"``) or raises; under fp16 it always skips,
+    since an overflow is how the loss scaler learns to back off. A window of 0 items is skipped.
+
+    >>> verdict(1.0, 4, None, nonfinite="raise", has_scaler=False), verdict(1.0, 0, None, nonfinite="raise", has_scaler=False)
+    (<Verdict.STEP: 'step'>, <Verdict.SKIP_EMPTY: 'skip: no item'>)
+    """
+    finite = (loss_sum is None or math.isfinite(loss_sum)) and (grad_norm is None or math.isfinite(grad_norm))
+    if not finite:
+        return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
+    return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
+
+
+def loss_check_term(loss_sum: Optional[torch.Tensor], counted: float, device_counted: Optional[torch.Tensor],
+                    share: float, probe: torch.Tensor) -> Optional[torch.Tensor]:
+    """What a window that exchanges nothing adds to its reducing backward: ``0 * probe``, or
+    ``nan * probe`` when this rank's loss sum is not finite or it counted other items (``counted`` on
+    the host plus ``device_counted`` on the device) than its known ``share`` (then the window's global
+    N is not the one every rank assumed); None when there is nothing to check.
+
+    ``probe`` is one element of a trainable parameter, so the nan lands in that parameter's gradient
+    whatever the loss's own gradient is (a micro-batch whose labels are all ignored has a nan mean
+    and a zero gradient), and DDP's reduction carries it to every rank's verdict. Adding ``0`` leaves
+    the gradient as it was. No host synchronisation: device values are compared on the device.
+
+    >>> probe = torch.ones(3, requires_grad=True)[0]
+    >>> loss_check_term(torch.tensor(2.0), 3, None, 3.0, probe).item(), loss_check_term(None, 2, None, 3.0, probe).item()
+    (0.0, nan)
+    >>> loss_check_term(None, 3, None, 3.0, probe) is None
+    True
+    """
+    if device_counted is None and counted != share:
+        return probe * math.nan
+    ok = None if loss_sum is None else torch.isfinite(loss_sum)
+    if device_counted is not None:
+        same = (device_counted + counted) == share
+        ok = same if ok is None else ok & same
+    return None if ok is None else torch.where(ok, 0.0, math.nan).to(probe.dtype) * probe
+
+
+# -- what a language model's items are: next-token targets --------------------------------------------
+
+def target_count(targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    """How many of ``targets`` are not ``ignore_index``: a count left on their device (no host sync).
+    Callers align the targets first (``labels[:, 1:]`` for a causal LM).
+
+    >>> target_count(torch.tensor([[2, 3, -100], [1, -100, -100]])).item()
+    3
+    """
+    return (targets != ignore_index).sum()
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    """The summed cross-entropy of ``logits`` ``(..., vocab)`` against ``targets`` ``(...)`` over the
+    targets that are not ``ignore_index``. float16 and bfloat16 logits are raised to float32 for the
+    softmax; float64 stays float64 (never downcast).
+
+    >>> round(token_loss_sum(torch.zeros(2, 3, 4), torch.tensor([[0, 1, -100], [2, -100, -100]])).item(), 4)
+    4.1589
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match targets of shape "
+            f"{tuple(targets.shape)}: logits must be targets.shape + (vocab,)"
+        )
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    return F.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=ignore_index, reduction="sum")
