@@ -109,3 +109,22 @@ def test_train_called_once_per_epoch_tells_the_sampler_a_new_epoch_each_time():
     epochs = [[r.epoch for r in acc.train(loader, mse, accum_steps=2)] for _ in range(3)]
     assert calls == [0, 1, 2] and epochs == [[0], [1], [2]]
     assert acc.state_dict()["epoch"] == 3
+
+
+@pytest.mark.parametrize("num_items", [None, lambda mb: len(mb["y"])])
+def test_batches_that_carry_a_scalar_tensor_train_exactly(num_items):
+    """A loader batch holding a 0-d tensor (its index) is carried, not refused (issue 26, item 4)."""
+    x, y = regression_batch(11, seed=3)
+    batches = [{"x": x[i:i + 3], "y": y[i:i + 3], "idx": torch.tensor(i)} for i in range(0, 11, 3)]
+    seen = []
+
+    def loss_fn(model, mb):
+        seen.append(int(mb["idx"]))
+        return mse(model, (mb["x"], mb["y"]))
+
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "adamw")
+    results = list(Accumulator(model, opt).train(batches, loss_fn, accum_steps=3, num_items=num_items))
+    reference_epochs(ref, ref_opt, (x, y), [9, 2], epochs=1)
+    assert [r.num_items for r in results] == [9, 2] and seen == [0, 3, 6, 9]
+    assert_params_close(model, ref)

@@ -1,46 +1,80 @@
-"""Batches and micro-batches: split along dim 0, count items, check leading dimensions.
+"""Batches and micro-batches: split along dim 0, join, slice, count items, check leading dimensions.
 
-A *batch* is a Tensor, a tuple/list of batches, or a dict of batches; anything else (a string,
-a number, ``None``) is carried to every chunk unchanged. Every tensor in a batch must share its
-leading dimension: that dimension is what gets split and what counts as items by default.
-Splitting returns views (``torch.split``), so no data is copied.
+A *batch* is a Tensor, a tuple/list of batches, or a dict of batches. Its *leaves* are everything
+else it holds, and one walker (:func:`leaves` and :func:`_rebuild`) serves every operation here.
+A leaf that is a tensor with at least one dimension is *split*: every such tensor of one batch shares
+its leading dimension, which is what gets split and what counts as items by default. Every other leaf
+(a 0-d tensor such as an index or a flag, a string, a number, ``None``) is *carried* to every chunk
+unchanged. Splitting returns views (``torch.split``), so no data is copied.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, List, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
+
+from ._maths import ceil_div
 
 #: a Tensor, a tuple/list of batches, or a dict of batches (other values ride along unchanged)
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["Batch", "leading_dim", "split_batch", "concat_batches", "slice_batch", "check_micro_batch_size",
-           "as_micro_batches"]
+__all__ = ["Batch", "leaves", "tensors", "first_tensor", "leading_dim", "split_batch", "concat_batches",
+           "slice_batch", "check_micro_batch_size", "as_micro_batches"]
 
 
-def _tensors(batch: Batch) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(path, tensor)`` for every tensor in ``batch``, depth first."""
+def leaves(batch: Batch, path: str = "") -> Iterator[Tuple[str, Any]]:
+    """Yield ``(path, leaf)`` for everything ``batch`` holds, depth first, in the order
+    :func:`_rebuild` puts them back (``path`` is like ``"['x'][0]"``)."""
     if isinstance(batch, torch.Tensor):
-        yield "", batch
+        yield path, batch
     elif isinstance(batch, Mapping):
         for key, value in batch.items():
-            for path, t in _tensors(value):
-                yield f"[{key!r}]{path}", t
+            yield from leaves(value, f"{path}[{key!r}]")
     elif isinstance(batch, (tuple, list)):
         for i, value in enumerate(batch):
-            for path, t in _tensors(value):
-                yield f"[{i}]{path}", t
+            yield from leaves(value, f"{path}[{i}]")
+    else:
+        yield path, batch
+
+
+def _rebuild(template: Batch, values: Iterator[Any]) -> Batch:
+    """``template``'s structure with its leaves replaced, in :func:`leaves` order, by ``values``
+    (namedtuples, tuples, lists and dicts keep their types)."""
+    if isinstance(template, Mapping):
+        return {k: _rebuild(v, values) for k, v in template.items()}
+    if isinstance(template, (tuple, list)) and not isinstance(template, torch.Tensor):
+        parts = [_rebuild(v, values) for v in template]
+        if isinstance(template, tuple):
+            make = getattr(type(template), "_make", None)  # namedtuple
+            return make(parts) if make else tuple(parts)
+        return parts
+    return next(values)
+
+
+def _split(leaf: Any) -> bool:
+    """Whether a leaf is split along dim 0 (a tensor with a leading dimension) or carried."""
+    return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+
+
+def tensors(batch: Batch) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for every tensor in ``batch`` (0-d ones too), depth first."""
+    return ((path, leaf) for path, leaf in leaves(batch) if isinstance(leaf, torch.Tensor))
+
+
+def first_tensor(batch: Batch) -> Optional[torch.Tensor]:
+    """The first tensor in ``batch``, depth first, or None."""
+    return next((t for _, t in tensors(batch)), None)
 
 
 def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
-    """The shared leading dimension of every tensor in ``batch``.
+    """The shared leading dimension of every tensor in ``batch`` that has one (0-d tensors are
+    carried, not counted).
 
     Raises:
-        ValueError: when the batch holds no tensor, a 0-d tensor, or tensors whose leading
+        ValueError: when the batch holds no tensor with a leading dimension, or tensors whose leading
             dimensions disagree (the message names both paths and sizes).
     """
     if isinstance(batch, torch.Tensor) and batch.dim() > 0:
@@ -49,43 +83,29 @@ def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
         n = batch[0].shape[0]  # the common (inputs, targets) case, without the general walk
         if all(t.shape[0] == n for t in batch):
             return n
-    first: Optional[tuple[str, int]] = None
-    for path, t in _tensors(batch):
-        if t.dim() == 0:
-            raise ValueError(
-                f"{argument}{path} is a 0-d tensor; every tensor in a batch needs a leading "
-                "(item) dimension to split and count. Give it shape (n, ...)."
-            )
+    first: Optional[Tuple[str, int]] = None
+    scalars = []
+    for path, leaf in leaves(batch):
+        if not _split(leaf):
+            if isinstance(leaf, torch.Tensor):
+                scalars.append(path)
+            continue
         if first is None:
-            first = (path, t.shape[0])
-        elif t.shape[0] != first[1]:
+            first = (path, leaf.shape[0])
+        elif leaf.shape[0] != first[1]:
             raise ValueError(
                 f"tensors in {argument} disagree on their leading dimension: "
                 f"{argument}{first[0] or ''} has {first[1]} items but {argument}{path} has "
-                f"{t.shape[0]}. Every tensor of one batch must hold the same items along dim 0."
+                f"{leaf.shape[0]}. Every tensor of one batch must hold the same items along dim 0."
             )
     if first is None:
+        held = (f"only 0-d tensors ({', '.join(argument + p for p in scalars[:3])}), which are carried to every "
+                "micro-batch, not split" if scalars else f"no tensor (got {type(batch).__name__})")
         raise ValueError(
-            f"{argument} holds no tensor (got {type(batch).__name__}); a batch is a Tensor, "
-            "a tuple/list of Tensors, or a dict of Tensors."
+            f"{argument} holds {held}; a batch needs at least one tensor with a leading (item) dimension "
+            "to split and count: a Tensor, a tuple/list of Tensors, or a dict of Tensors of shape (n, ...)."
         )
     return first[1]
-
-
-def _split(batch: Batch, size: int, chunks: int) -> List[Batch]:
-    if isinstance(batch, torch.Tensor):
-        return list(torch.split(batch, size, dim=0))
-    if isinstance(batch, Mapping):
-        parts = {k: _split(v, size, chunks) for k, v in batch.items()}
-        return [{k: parts[k][i] for k in batch} for i in range(chunks)]
-    if isinstance(batch, (tuple, list)):
-        columns = [_split(v, size, chunks) for v in batch]
-        rows = [[col[i] for col in columns] for i in range(chunks)]
-        if isinstance(batch, tuple):
-            make = getattr(type(batch), "_make", None)  # namedtuple
-            return [make(r) if make else tuple(r) for r in rows]
-        return rows
-    return [batch] * chunks  # non-tensor values reach every chunk unchanged
 
 
 def check_micro_batch_size(micro_batch_size: MicroBatchSize) -> None:
@@ -113,44 +133,52 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     n = leading_dim(batch)
     if n == 0:
         raise ValueError("batch has 0 items along dim 0; there is nothing to step on")
-    chunks = math.ceil(n / micro_batch_size)
-    return _split(batch, micro_batch_size, chunks)
+    chunks = ceil_div(n, micro_batch_size)
+    parts = [list(torch.split(leaf, micro_batch_size)) if _split(leaf) else [leaf] * chunks
+             for _, leaf in leaves(batch)]
+    return [_rebuild(batch, (part[i] for part in parts)) for i in range(chunks)]
 
 
 def concat_batches(batches: Sequence[Batch]) -> Batch:
-    """The inverse of :func:`split_batch`: micro-batches joined along dim 0 (non-tensor values are
-    taken from the first).
+    """The inverse of :func:`split_batch`: micro-batches joined along dim 0. A carried leaf (a 0-d
+    tensor, a string, a number) must be the same in every micro-batch, since the joined batch holds it
+    once.
 
     >>> concat_batches([torch.zeros(2, 3), torch.zeros(1, 3)]).shape[0]
     3
     """
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(batches)) if len(batches) > 1 else first
-    if isinstance(first, Mapping):
-        return {k: concat_batches([b[k] for b in batches]) for k in first}
-    if isinstance(first, (tuple, list)):
-        columns = [concat_batches([b[i] for b in batches]) for i in range(len(first))]
-        if isinstance(first, tuple):
-            make = getattr(type(first), "_make", None)  # namedtuple
-            return make(columns) if make else tuple(columns)
-        return columns
-    return first
+    columns = list(zip(*(list(leaves(b)) for b in batches)))
+    joined = []
+    for column in columns:
+        path, first = column[0]
+        if _split(first):
+            joined.append(torch.cat([leaf for _, leaf in column]) if len(column) > 1 else first)
+            continue
+        for i, (_, leaf) in enumerate(column[1:], start=1):
+            same = _same_leaf(leaf, first)
+            if not same:
+                raise ValueError(
+                    f"micro-batches 0 and {i} carry different values at {path or 'the top'} ({first!r} and "
+                    f"{leaf!r}), a value without a leading dimension that one joined batch can hold only once "
+                    "(micro_batch_size='auto' joins a window's micro-batches): give it a leading dimension "
+                    "(shape (n, ...)), or pass an int micro_batch_size")
+        joined.append(first)
+    return _rebuild(batches[0], iter(joined))
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return a is b or bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # an array-like that compares element-wise
+        return False
 
 
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
-    """Items ``start:stop`` of every tensor in ``batch`` (views; non-tensor values unchanged)."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, Mapping):
-        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        parts = [slice_batch(v, start, stop) for v in batch]
-        if isinstance(batch, tuple):
-            make = getattr(type(batch), "_make", None)
-            return make(parts) if make else tuple(parts)
-        return parts
-    return batch
+    """Items ``start:stop`` of every tensor in ``batch`` that has a leading dimension (views; carried
+    leaves unchanged)."""
+    return _rebuild(batch, (leaf[start:stop] if _split(leaf) else leaf for _, leaf in leaves(batch)))
 
 
 def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int], *,
