@@ -558,3 +558,53 @@ def test_loss_every_changes_nothing_on_one_process():
         params.append([p.detach().clone() for p in model.parameters()])
     assert results[0] == results[1] and None not in results[0]
     assert all(torch.equal(a, b) for a, b in zip(*params))
+
+
+def _stepped_scheduler():
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+
+def test_a_scheduler_also_stepped_by_hand_is_refused_before_the_next_window():
+    """Issue 26, item 2: a user's own scheduler.step() after passing scheduler= halves the learning
+    rate twice per step; the next window refuses, before its forward, naming the fix."""
+    model, opt, sched = _stepped_scheduler()
+    acc = Accumulator(model, opt, scheduler=sched)
+    batch = regression_batch(8)
+    acc.step(batch, mse, micro_batch_size=4)
+    sched.step()  # the user's own, on top of the Accumulator's
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"was stepped outside it: its last_epoch went from 1 to 2 .*"
+                                           r"Remove your own scheduler.step\(\) call"):
+        acc.step(batch, mse, micro_batch_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and acc.steps == 1
+
+
+def test_two_accumulators_stepping_one_scheduler_are_refused():
+    model, opt, sched = _stepped_scheduler()
+    first, second = Accumulator(model, opt, scheduler=sched), Accumulator(model, opt, scheduler=sched)
+    batch = regression_batch(8)
+    first.step(batch, mse, micro_batch_size=4)
+    second.step(batch, mse, micro_batch_size=4)  # it first sees the scheduler here: nothing to compare yet
+    with pytest.raises(RuntimeError, match="another Accumulator given the same scheduler"):
+        first.step(batch, mse, micro_batch_size=4)
+
+
+def test_a_scheduler_resumed_from_a_checkpoint_is_not_taken_for_a_second_stepper():
+    """The usual resume order (build, load the scheduler's and the Accumulator's state, train on)
+    moves last_epoch between construction and the first window: that is no misuse."""
+    model, opt, sched = _stepped_scheduler()
+    acc = Accumulator(model, opt, scheduler=sched)
+    batch = regression_batch(8)
+    acc.step(batch, mse, micro_batch_size=4)
+    saved, acc_state = sched.state_dict(), acc.state_dict()
+    acc.step(batch, mse, micro_batch_size=4)
+    sched.load_state_dict(saved)  # back to where the checkpoint was
+    acc.load_state_dict(acc_state)
+    assert acc.step(batch, mse, micro_batch_size=4).step == 2
+    model2, opt2, sched2 = _stepped_scheduler()
+    acc2 = Accumulator(model2, opt2, scheduler=sched2)
+    sched2.load_state_dict(saved)  # a fresh process: loaded after the Accumulator was built
+    assert acc2.step(batch, mse, micro_batch_size=4).step == 1 and sched2.last_epoch == 2

@@ -9,7 +9,9 @@ item count across all ranks, so uneven micro-batches, padded sequences and short
 weighted exactly as in one big batch.
 """
 
-from .accumulator import Accumulator, Window, WindowPlan, is_out_of_memory
+from ._ranks import WindowPlan
+from ._window import Window, is_out_of_memory
+from .accumulator import Accumulator
 from .batching import split_batch
 from .checking import EquivalenceReport, check_equivalence
 from .losses import causal_lm_loss, count_targets, token_cross_entropy

@@ -36,7 +36,7 @@ class AutoMicroBatch:
         self.size: Optional[int] = None
 
     def check_supported(self) -> None:
-        if self.sync.distributed and not self.sync.can_reduce_later:
+        if not self.sync.can_reduce_later:
             raise ValueError(
                 f"micro_batch_size='auto' is not supported with {type(self.sync).__name__}: its "
                 "gradients reduce only inside backward, so ranks cannot agree on an out-of-memory "
@@ -50,8 +50,7 @@ class AutoMicroBatch:
         if n == 0 and not self.sync.distributed:
             raise ValueError("batch has 0 items along dim 0; there is nothing to step on")
         size = min(self.size or n, n) if n else 2 ** 62  # an empty share follows the others
-        if self.sync.distributed:  # every rank starts from the same size
-            size = int(self.sync.all_reduce_(torch.tensor([size], device=self.device), "min").item())
+        size = self.sync.min_across(size, self.device)  # every rank starts from the same size
         backed_off = False
         while True:
             result = attempt(split_batch(batch, size) if n else [], size)

@@ -17,7 +17,7 @@ optimizer step; the scheduler step (only on steps taken); gradients cleared.
 verdict read from it alone is the same on every rank too. When every rank also knows the window's
 global N up front (a WindowSampler's shares) and ``loss_fn`` counts those items, the all-reduce above
 only tells the ranks each other's loss (and carries stop requests). ``Accumulator(loss_every=k)`` does
-it on every k-th window only (:meth:`Boundary.exchanges`); the windows between cost no collective
+it on every k-th window only (:meth:`gradaccum._ranks.RankAgreement.should_exchange`); the windows between cost no collective
 besides DDP's own reduction. Their verdict reads the gradient's norm (measured always there), and a
 rank's non-finite loss still reaches every rank, through the gradient: its reducing backward adds
 ``nan`` times one element of a parameter (:func:`gradaccum._maths.loss_check_term`), so the reduced
@@ -33,8 +33,9 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
+from ._exchange import ExchangeRow, Tally, pack_row, read_on_host
 from ._gradients import WindowGradients
-from ._maths import Verdict, boundary_scale, clip_coefficient, verdict
+from ._maths import Verdict, boundary_scale, clip_coefficient, verdict, window_mean
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
@@ -56,33 +57,26 @@ class WindowTotals:
     """What one rank's window hands the boundary.
 
     Attributes:
-        loss_sum: ``sum n_k L_k`` of this rank's micro-batches, on the device.
-        host_items: the sum of the counts given as Python numbers.
-        device_items: the sum of the counts given as tensors, on the device (None if none was).
+        tally: this rank's loss sum and item counts.
         reference: R, the count the backward weights were divided by.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad: whether this rank can pad its next window (has run a micro-batch to repeat).
         known_items: the window's global N, when every rank knew it up front and the window
-            exchanges nothing (see :meth:`Boundary.exchanges`); else None.
-        counts_from_loss_fn: ``loss_fn`` returned its own count for some micro-batch (a
-            ``(mean, count)`` pair) rather than weighing a bare mean by the count known up front.
+            exchanges nothing (:meth:`gradaccum._ranks.RankAgreement.should_exchange`); else None.
     """
 
-    loss_sum: torch.Tensor
-    host_items: float
-    device_items: Optional[torch.Tensor]
+    tally: Tally
     reference: float
     ran: bool
     can_pad: bool = True
     known_items: Optional[float] = None
-    counts_from_loss_fn: bool = False
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What the boundary did: the window's global loss sum (None when not exchanged) and item count,
-    the norm, the verdict, and what the ranks told each other on the way (every rank can pad, None
-    when not exchanged; any rank asked to stop)."""
+    the norm, the verdict, and what the ranks told each other on the way (every rank can pad, some
+    rank's loss_fn returned its own counts: None when not exchanged; any rank asked to stop)."""
 
     loss_sum: Optional[float]
     num_items: float
@@ -92,6 +86,7 @@ class Outcome:
     step: int
     peers_can_pad: Optional[bool] = False
     stop_requested: bool = False
+    loss_fn_counts: Optional[bool] = None
 
 
 class Exchanged(NamedTuple):
@@ -110,14 +105,14 @@ class Boundary:
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, precision: MixedPrecision,
                  sync: GradSync, grads: WindowGradients, max_grad_norm: Optional[float],
-                 compute_grad_norm: bool, nonfinite: str, device: torch.device, loss_every: int = 1) -> None:
+                 compute_grad_norm: bool, nonfinite: str, device: torch.device) -> None:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.precision, self.sync, self.grads = precision, sync, grads
         self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
         self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
-        #: whether the all-reduce may start before the last backward (:meth:`launch`): not when it
-        #: carries the squared norm of a sharded (FSDP2) gradient, which exists only after that backward
-        self.launch_before_last_backward = not (self.measure and sync.sharded_grads)
+        #: whether the all-reduce may start before the last backward (:meth:`launch`): across ranks, and
+        #: not when it carries the squared norm of a sharded (FSDP2) gradient, which exists only after
+        self.launch_before_last_backward = sync.distributed and not (self.measure and sync.sharded_grads)
         self.counters = Counters()
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         #: counted by ``Accumulator.request_stop`` (maybe from a signal handler); each new request is
@@ -126,39 +121,34 @@ class Boundary:
         self._stops_carried = 0
         #: whether the first reduced gradient is still to be compared across ranks (see check_replicas)
         self.verify_replicas = sync.replicated_grads
-        self.loss_every = loss_every
-        #: windows this Boundary finished, the same on every rank (all run every window); not
-        #: ``counters``, which a checkpoint may restore on one rank alone and a user may set
-        self.windows = 0
-        #: some rank's loss_fn returned its own counts in the last exchanged window (the same on every rank)
-        self.loss_fn_counts = False
+        #: the scheduler's ``last_epoch`` after its last step here (None: read when the next window opens)
+        self.scheduler_at: Optional[int] = None
         self._warned: set = set()
 
-    def exchanges(self, known_items: Optional[float], count_ratio: float) -> bool:
-        """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
-        there it costs nothing). Every input is the same on every rank, so every rank decides alike.
-        A window may skip it when the reduced gradient is the same on every rank (DDP), every rank
-        knows the global N up front (``known_items``: a WindowSampler's shares), in the last exchanged
-        window every rank's ``loss_fn`` returned bare means weighed by those very counts (no own
-        counts, ``count_ratio`` 1), no ReduceLROnPlateau needs the loss, DDP's reduction is its plain
-        average (:meth:`gradaccum.sync.GradSync.plain_reduction`: no ``find_unused_parameters``, no
-        comm hook, which could keep or lose the loss check, :func:`loss_check_term`) and reduces a
-        trainable parameter to carry that check (``grads.probe``: one the wrapper covers that had a
-        gradient in the window whose replicas were compared, so never before that window), and the
-        window is not a ``loss_every``-th one, counted by :attr:`windows` (not by the steps, which a
-        checkpoint loaded on one rank alone would set apart)."""
-        probe = self.grads.probe
-        if not (self.sync.distributed and self.sync.replicated_grads) or probe is None or not probe.requires_grad \
-                or known_items is None or count_ratio != 1.0 or self.loss_fn_counts \
-                or not self.sync.plain_reduction():
-            return True
-        return self.steps_on_loss or self.windows % self.loss_every == 0
+    def check_scheduler(self) -> None:
+        """Before a window opens: the scheduler must stand where this boundary's last step left it.
+        Stepped elsewhere too (a ``scheduler.step()`` of the user's own, or another Accumulator given the
+        same scheduler), it would move the learning rate twice per step, in silence."""
+        at = getattr(self.scheduler, "last_epoch", None)
+        if not isinstance(at, int) or isinstance(at, bool):
+            return  # a scheduler without a step counter: nothing to compare
+        if self.scheduler_at is None:
+            self.scheduler_at = at
+        elif at != self.scheduler_at:
+            moved = at - self.scheduler_at
+            raise RuntimeError(
+                f"the scheduler given to the Accumulator ({type(self.scheduler).__name__}) was stepped outside it: "
+                f"its last_epoch went from {self.scheduler_at} to {at} since the Accumulator's last optimizer "
+                f"step ({moved:+d} step{'s' if abs(moved) != 1 else ''} it did not take). The Accumulator steps it "
+                "once per optimizer step taken, so a scheduler.step() of your own (or another Accumulator "
+                "given the same scheduler) moves the learning rate twice as fast. Remove your own "
+                "scheduler.step() call, or do not pass scheduler= to the Accumulator")
 
     def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None, exchange: bool = True) -> Outcome:
-        """Reduce, unscale, measure, decide, clip, step; the window's gradients are cleared after.
-        ``in_flight`` is the all-reduce :meth:`launch` started, if the window started it; without
-        ``exchange`` the ranks exchange nothing (see :meth:`exchanges`)."""
-        self.windows += 1
+        """Unscale, (compare the replicas once), read the exchanged numbers, measure, decide, clip,
+        step; the window's gradients are cleared after. ``in_flight`` is the all-reduce :meth:`launch`
+        started, if the window started it; without ``exchange`` the ranks exchange nothing
+        (:meth:`gradaccum._ranks.RankAgreement.should_exchange`)."""
         self.grads.close()
         self.precision.unscale_(self.optimizer)
         grads = self.grads.tensors()
@@ -170,78 +160,73 @@ class Boundary:
                 self.grads.clear()
                 raise
             self.grads.choose_probe()  # among the gradients the ranks just found equal
-        loss_sum: Optional[float]
-        peers_can_pad: Optional[bool]
         if exchange:
-            told = self._host_numbers(totals, grads, in_flight)
-            loss_sum, num_items, raw_norm = told.loss_sum, told.num_items, told.raw_norm
-            peers_can_pad, stop, self.loss_fn_counts = told.peers_can_pad, told.stop, told.counts_from_loss_fn
+            told = self._exchanged(totals, grads, in_flight)
         else:
             assert totals.known_items is not None, "a window exchanges nothing only when N is known"
-            loss_sum, num_items, peers_can_pad, stop = None, totals.known_items, None, False
-            raw_norm = float(total_norm(grads, self.device).item())  # the window's one host sync
+            raw = float(total_norm(grads, self.device).item())  # the window's one host sync
+            told = Exchanged(math.nan, totals.known_items, raw, True, False, False)
+        loss_sum = told.loss_sum if exchange else None
         lr = float(self.optimizer.param_groups[0]["lr"])
-        scale = boundary_scale(totals.reference, num_items)
-        grad_norm = raw_norm * scale if raw_norm is not None else None
-        decision = verdict(loss_sum, num_items, grad_norm, nonfinite=self.nonfinite,
+        scale = boundary_scale(totals.reference, told.num_items)
+        grad_norm = told.raw_norm * scale if told.raw_norm is not None else None
+        decision = verdict(loss_sum, told.num_items, grad_norm, nonfinite=self.nonfinite,
                            has_scaler=self.precision.scaler is not None)
         try:
             if decision is Verdict.STEP:
                 self._step(grads, scale * clip_coefficient(grad_norm, self.max_grad_norm),
-                           None if loss_sum is None else loss_sum / num_items)
+                           None if loss_sum is None else window_mean(loss_sum, told.num_items))
             else:
                 self._skip(decision, loss_sum, grad_norm, totals.ran)
         finally:
             self.grads.clear()
-        return Outcome(loss_sum, num_items, grad_norm, decision is not Verdict.STEP, lr, self.counters.steps,
-                       peers_can_pad, stop)
+        return Outcome(loss_sum, told.num_items, grad_norm, decision is not Verdict.STEP, lr, self.counters.steps,
+                       told.peers_can_pad if exchange else None, told.stop,
+                       told.counts_from_loss_fn if exchange else None)
 
     def launch(self, totals: WindowTotals) -> "InFlight":
-        """Start the window's one all-reduce of ``(sum n_k L_k, N, can-pad, stop)`` across ranks
+        """Start the window's one all-reduce (an :class:`~gradaccum._exchange.ExchangeRow`) across ranks
         without waiting: called after the last micro-batch's forward and before its backward, so it
         overlaps that backward and DDP's bucket all-reduce instead of adding a round trip after them.
         Every rank launches it at the same point of the same window, so collectives stay in order."""
-        tensor = self._totals_tensor(totals)
-        return InFlight(tensor, self.sync.all_reduce_async(tensor))
+        row = self._row(totals)
+        return InFlight(row, self.sync.all_reduce_async(row))
 
-    def _totals_tensor(self, totals: WindowTotals) -> torch.Tensor:
-        requests = self.stop_requests  # read once: a request made after this waits for the next window
+    def _stop_now(self) -> bool:
+        """Whether a stop was requested since the last boundary (read once: a later request waits)."""
+        requests = self.stop_requests
         stop, self._stops_carried = requests > self._stops_carried, requests
-        items = totals.loss_sum.new_tensor(totals.host_items)
-        if totals.device_items is not None:
-            items = items + totals.device_items
-        flags = totals.loss_sum.new_tensor([1.0 if totals.can_pad else 0.0, 1.0 if stop else 0.0,
-                                            1.0 if totals.counts_from_loss_fn else 0.0])
-        return torch.cat([torch.stack([totals.loss_sum, items]), flags])
+        return stop
 
-    def _host_numbers(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> Exchanged:
+    def _row(self, totals: WindowTotals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return pack_row(totals.tally, totals.tally.loss_sum_on(self.device), can_pad=totals.can_pad,
+                        stop=self._stop_now(), square_norm=square_norm)
+
+    def _exchanged(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> Exchanged:
         """The window's global numbers on the host, from one small all-reduce (across ranks, or when
         a count is a tensor; launched early when the window could, see :meth:`launch`) and the
         window's one host synchronisation. Across ranks the all-reduce also sums the flags, so the
         next window needs no agreement and a stop reaches every rank at the same window; under FSDP2
         it also sums the shards' squared norms."""
+        tally = totals.tally
         square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
         if in_flight is not None:
-            parts = [in_flight.wait().to(torch.float64)]
-        elif self.sync.distributed or totals.device_items is not None:
-            tensor = self._totals_tensor(totals)
+            row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)
+        elif self.sync.distributed or tally.device_items is not None:
             square = self.sync.local_square_sum(grads) if self.measure else None
-            if square is not None:
-                tensor = torch.cat([tensor, square.to(tensor).reshape(1)])
-            parts = [self.sync.all_reduce_(tensor).to(torch.float64)]
-        else:  # the count is a host number already: only the loss sum crosses to the host
-            parts = [totals.loss_sum.reshape(1)]
-        if self.measure and square is None:
-            parts.append(total_norm(grads, self.device).reshape(1).to(device=parts[0].device, dtype=parts[0].dtype))
-        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the window's one host sync
-        raw_norm = None
-        if self.measure:  # the last number: the norm, or the ranks' summed squared shard norms
-            raw_norm = math.sqrt(host.pop()) if square is not None else host.pop()
-        if len(host) == 1:
-            requests = self.stop_requests  # one process: a request is its own answer
-            stop, self._stops_carried = requests > self._stops_carried, requests
-            return Exchanged(host[0], totals.host_items, raw_norm, True, stop, totals.counts_from_loss_fn)
-        return Exchanged(host[0], host[1], raw_norm, host[2] >= self.sync.world_size, host[3] > 0, host[4] > 0)
+            row = self.sync.all_reduce_(self._row(totals, square)).to(torch.float64)
+        else:  # one process, counts on the host already: only the loss sum crosses to the host
+            row = None
+        norm = total_norm(grads, self.device) if self.measure and square is None else None
+        host = read_on_host(row=row, loss_sum=tally.loss_sum_on(self.device) if row is None else None,
+                            norm=norm)  # the window's one host sync
+        if row is None:
+            raw = host["norm"][0] if norm is not None else None
+            return Exchanged(host["loss_sum"][0], tally.host_items, raw, True, self._stop_now(), tally.own_counts)
+        told = ExchangeRow(*host["row"])
+        raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
+        return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad >= self.sync.world_size, told.stop > 0,
+                         told.own_counts > 0)
 
     def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float]) -> None:
         if grads and coef != 1.0:
@@ -254,6 +239,7 @@ class Boundary:
                 self.scheduler.step(loss)  # ReduceLROnPlateau: the window's loss is the metric
             else:
                 self.scheduler.step()
+            self.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
 
     def _skip(self, decision: Verdict, loss_sum: Optional[float], grad_norm: Optional[float], ran: bool) -> None:
         if decision is Verdict.RAISE:

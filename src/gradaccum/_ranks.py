@@ -31,16 +31,23 @@ the count the backward really divides, which is what fp16's loss scale needs.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 import torch
 
 from ._checks import Count, as_number
+from ._exchange import Tally
+from ._gradients import WindowGradients
+from ._maths import first_reference
 from .batching import Batch, leading_dim
 from .sync import GradSync
 
-__all__ = ["WindowPlan", "RankAgreement", "padded_count"]
+if TYPE_CHECKING:
+    from ._boundary import Outcome
+
+__all__ = ["WindowPlan", "WindowRequest", "WindowSetup", "RankAgreement", "padded_count"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class WindowPlan:
         asked: the ranks exchanged counts for this plan (an all-gather), rather than knowing them.
         share: this rank's item count as every rank knows it (a WindowSampler's share), when
             ``items`` is known to all without asking; a window may then exchange nothing at its
-            boundary (see :meth:`gradaccum._boundary.Boundary.exchanges`). Else None.
+            boundary (see :meth:`gradaccum._ranks.RankAgreement.should_exchange`). Else None.
     """
 
     micro_batches: int
@@ -64,6 +71,58 @@ class WindowPlan:
     items: Optional[float]
     asked: bool = False
     share: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class WindowRequest:
+    """What a window asks for when it opens.
+
+    Attributes:
+        micro_batches: this rank's micro-batches (None for a hand-written window opened without a size).
+        items: this rank's items, when known before the first backward.
+        can_pad: this rank can run zero-weight micro-batches if the agreement asks it to.
+        defer: the window's gradient reduction waits for its boundary (the out-of-memory back-off:
+            no collective before the ranks agree on an error), so it always exchanges.
+        plan: the plan, when the caller knows it already (``train()``: a WindowSampler's shares, or an
+            agreement it asked for before deciding to open the window).
+        zero_weight: zero-weight micro-batches the caller runs first, counted in ``micro_batches``
+            (the out-of-memory back-off's first forward under DDP).
+    """
+
+    micro_batches: Optional[int]
+    items: Optional[Count] = None
+    can_pad: bool = False
+    defer: bool = False
+    plan: Optional[WindowPlan] = None
+    zero_weight: int = 0
+
+
+@dataclass(frozen=True)
+class WindowSetup:
+    """Everything a window needs from the ranks, decided once when it opens (:meth:`RankAgreement.setup`).
+
+    Attributes:
+        plan: the micro-batch counts (None for a window opened without a size).
+        reference: R when it is known up front, else None (fixed at the first backward,
+            :meth:`RankAgreement.reference_for`).
+        exchanges: the boundary all-reduces the window's totals across ranks.
+        padding: zero-weight micro-batches this rank runs on top of its own.
+    """
+
+    plan: Optional[WindowPlan]
+    reference: Optional[float]
+    exchanges: bool
+    padding: int = 0
+
+    @property
+    def share(self) -> Optional[float]:
+        """This rank's items as every rank knows them, in a window that exchanges nothing."""
+        return None if self.exchanges or self.plan is None else self.plan.share
+
+    @property
+    def known_items(self) -> Optional[float]:
+        """The window's global N as every rank knew it up front, in a window that exchanges nothing."""
+        return None if self.exchanges or self.plan is None else self.plan.items
 
 
 def padded_count(count: int, most: int, equal_counts: bool) -> int:
@@ -79,10 +138,24 @@ def padded_count(count: int, most: int, equal_counts: bool) -> int:
 
 
 class RankAgreement:
-    """The window's agreement across ranks, the reference count R and the padding micro-batch."""
+    """When ranks talk about a window: the agreement when it opens, whether its boundary exchanges,
+    the reference count R and the padding micro-batch.
 
-    def __init__(self, sync: GradSync, device: torch.device) -> None:
-        self.sync, self.device = sync, device
+    Args:
+        grads: the window's gradient (its probe carries a loss check through DDP's reduction).
+        loss_every: a window that could exchange nothing still exchanges every ``loss_every``-th time.
+        steps_on_loss: a ReduceLROnPlateau needs every window's loss, so every window exchanges.
+    """
+
+    def __init__(self, sync: GradSync, device: torch.device, grads: WindowGradients, *, loss_every: int = 1,
+                 steps_on_loss: bool = False) -> None:
+        self.sync, self.device, self.grads = sync, device, grads
+        self.loss_every, self.steps_on_loss = loss_every, steps_on_loss
+        #: windows that reached their boundary, the same on every rank (all run every window); not the
+        #: Accumulator's steps, which a checkpoint may restore on one rank alone and a user may set
+        self.windows = 0
+        #: some rank's loss_fn returned its own counts in the last exchanged window (the same on every rank)
+        self.loss_fn_counts = False
         #: R for windows whose item count is not known up front
         self.reference_items: Optional[float] = None
         #: items loss_fn counted per item counted up front, in the last window (1.0 when they agree)
@@ -97,6 +170,45 @@ class RankAgreement:
     def set_replay(self, micro_batch: Batch) -> None:
         leading_dim(micro_batch, argument="micro_batch")
         self.replay = micro_batch
+
+    def remember(self, micro_batch: Batch) -> None:
+        """The last micro-batch this rank ran, kept (across ranks only) to pad a later window with."""
+        if self.sync.distributed:
+            self.replay = micro_batch
+
+    def setup(self, request: WindowRequest) -> WindowSetup:
+        """The one call a window makes when it opens: its plan (known, made alone, or asked of the
+        ranks), R, whether its boundary exchanges, and its padding."""
+        plan = request.plan
+        if plan is None and request.micro_batches is not None:
+            plan = (self.local_plan(request.micro_batches, request.items, can_pad=request.can_pad)
+                    or self.agree(request.micro_batches, request.items, request.can_pad))
+        reference = self.window_reference(plan, request.items)
+        known = plan.items if plan is not None and plan.share is not None else None
+        exchanges = request.defer or self.should_exchange(known)
+        padding = 0 if plan is None or request.micro_batches is None else self.padding(plan)
+        # the agreement refused, on every rank alike, any window where a rank that must pad cannot
+        assert padding == 0 or request.can_pad, "the agreement lets no rank pad that cannot"
+        return WindowSetup(plan, reference, exchanges, padding)
+
+    def should_exchange(self, known_items: Optional[float]) -> bool:
+        """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
+        there it costs nothing). Every input is the same on every rank, so every rank decides alike.
+        A window may skip it when the reduced gradient carries every rank's loss check
+        (:meth:`gradaccum.sync.GradSync.plain_reduction`: DDP's own average, no
+        ``find_unused_parameters``, no comm hook, which could keep or lose the check,
+        :func:`gradaccum._maths.loss_check_term`) on a trainable parameter the wrapper reduces
+        (``grads.probe``: one that had a gradient in the window whose replicas were compared, so never
+        before that window), every rank knows the global N up front (``known_items``: a
+        WindowSampler's shares), in the last exchanged window every rank's ``loss_fn`` returned bare
+        means weighed by those very counts (no own counts, :attr:`count_ratio` 1), no
+        ReduceLROnPlateau needs the loss, and the window is not a ``loss_every``-th one, counted by
+        :attr:`windows`."""
+        probe = self.grads.probe
+        if probe is None or not probe.requires_grad or known_items is None or self.count_ratio != 1.0 \
+                or self.loss_fn_counts or not self.sync.plain_reduction():
+            return True
+        return self.steps_on_loss or self.windows % self.loss_every == 0
 
     def local_plan(self, num_micro_batches: int, num_items: Optional[Count], *, can_pad: bool) -> Optional[WindowPlan]:
         """A plan this rank can make alone, or None when the ranks must agree first."""
@@ -177,23 +289,39 @@ class RankAgreement:
         """R for windows whose count is not known up front, fixed at its first use (one host sync
         and, across ranks, one max all-reduce, once)."""
         if self.reference_items is None:
-            ref = max(as_number(items), 1.0)
+            ref = first_reference(as_number(items))
             if self.sync.distributed:
                 ref = float(self.sync.all_reduce_(torch.tensor([ref], device=self.device), "max").item())
             self.reference_items = ref
         return self.reference_items
 
-    def observe(self, plan: Optional[WindowPlan], num_items: float, peers_can_pad: Optional[bool]) -> None:
-        """After the boundary: the same global numbers on every rank give the same ratio and R
-        (``peers_can_pad`` is None when the window exchanged nothing: what was known stays)."""
-        upfront = plan.items if plan is not None else None
+    def observe(self, setup: WindowSetup, tally: Tally, outcome: Optional["Outcome"]) -> None:
+        """After the boundary, on every rank (``outcome`` is None when the boundary raised: the window
+        still counts): the same global numbers on every rank give the same ratio and R. What the ranks
+        told each other (can pad, own counts) is kept from windows that exchanged it."""
+        self.windows += 1
+        share = setup.share
+        if share is not None and tally.device_items is None and tally.host_items != share:
+            warnings.warn(  # said now that every rank has left the window's collectives: as an error
+                # before the reducing backward it would have left the other ranks in the reduction
+                f"this rank counted {tally.host_items:g} items in a window where its WindowSampler share is "
+                f"{share:g} (a collate_fn that drops rows, or a loss_fn that returns its own count): the "
+                "window's global item count is not the one every rank assumed, so it is dropped on every "
+                "rank (as a non-finite window). Windows that exchange their loss (Accumulator(loss_every=1)) "
+                "sum the real counts instead", stacklevel=5)
+        if outcome is None:
+            return
+        num_items = outcome.num_items
+        upfront = setup.plan.items if setup.plan is not None else None
         if upfront and num_items > 0:
             self.count_ratio = num_items / upfront
+        if outcome.loss_fn_counts is not None:
+            self.loss_fn_counts = outcome.loss_fn_counts
         if self.sync.distributed:
             if num_items > 0:
                 self.last_items = num_items
-            if peers_can_pad is not None:
-                self.peers_can_pad = peers_can_pad
+            if outcome.peers_can_pad is not None:
+                self.peers_can_pad = outcome.peers_can_pad
 
     def state_dict(self) -> Dict[str, Any]:
         return {"reference_items": self.reference_items, "count_ratio": self.count_ratio,

@@ -35,6 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ._autosize import AutoMicroBatch
 from ._boundary import Counters
 from ._checks import positive_int
+from ._maths import ceil_div
 from ._ranks import WindowPlan
 from ._window import CountFn, LossFn, WindowContext, count_items, run_window
 from .batching import Batch, concat_batches, slice_batch
@@ -190,7 +191,7 @@ def _sampler_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
                 m = sampler.micro_batch_size
                 shares = sampler.shares(first + offset)
                 rows = spec.num_items is None  # then the sampler's shares are the items counted
-                plan = ctx.ranks.known_plan(size, [-(-s // m) for s in shares], float(sum(shares)) if rows else None,
+                plan = ctx.ranks.known_plan(size, [ceil_div(s, m) for s in shares], float(sum(shares)) if rows else None,
                                             share=float(shares[sampler.rank]) if rows else None)
                 result = _step(ctx, pending, spec, plan=plan)
             else:

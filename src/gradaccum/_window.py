@@ -17,11 +17,12 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ._boundary import Boundary, InFlight, WindowTotals
-from ._maths import backward_weight, loss_check_term
+from ._boundary import Boundary, InFlight, Outcome, WindowTotals
 from ._checks import Count, as_number, item_count, positive_int, scalar_loss, split_loss_output, training_batchnorms
+from ._exchange import Tally
 from ._gradients import WindowGradients
-from ._ranks import RankAgreement, WindowPlan
+from ._maths import backward_weight, loss_check_term, window_mean
+from ._ranks import RankAgreement, WindowPlan, WindowRequest, WindowSetup
 from .batching import Batch, leading_dim, split_batch
 from .precision import MixedPrecision
 from .result import StepResult
@@ -101,6 +102,7 @@ class _MicroBatch:
     __slots__ = ("window", "reduces", "stack")
 
     def __init__(self, window: "Window", reduces: bool) -> None:
+        #: this micro-batch's backward reduces the window's gradient across ranks
         self.window, self.reduces = window, reduces
         self.stack: Optional[contextlib.ExitStack] = None
 
@@ -110,12 +112,10 @@ class _MicroBatch:
             stack = self.stack = contextlib.ExitStack()
             stack.enter_context(ctx.sync.micro_batch(last=self.reduces))
             stack.enter_context(ctx.precision.autocast())
-        self.window.in_micro_batch = True
-        self.window.reducing = self.reduces
+        self.window.current = self
 
     def __exit__(self, *exc: Any) -> None:
-        self.window.in_micro_batch = False
-        self.window.reducing = False
+        self.window.current = None
         if self.stack is not None:
             self.stack.close()  # restores every switch, also when an exception leaves the block
 
@@ -123,9 +123,10 @@ class _MicroBatch:
 class Window:
     """One open window: its micro-batches, each a forward and backward, then one ``step()``.
 
-    This is the lower-level path for people who keep their own loop; ``Accumulator.step`` is built
-    on it. Every micro-batch runs inside ``micro_batch()`` (which skips the gradient reduction
-    before the last one and autocasts) and hands ``backward`` its *mean* loss and item count::
+    The lower-level path for people who keep their own loop (``Accumulator.step`` and ``train`` are
+    built on it; docs/guides/own-loop.md shows padding under DDP). Every micro-batch runs inside
+    ``micro_batch()`` (which skips the gradient reduction before the last one and autocasts) and hands
+    ``backward`` its *mean* loss and item count::
 
         with acc.window(len(micro_batches)) as window:
             for mb in micro_batches:
@@ -134,60 +135,50 @@ class Window:
                     window.backward(loss, num_items=len(mb[0]))
             result = window.step()
 
-    Under data parallelism every rank runs a forward in each window (DDP and FSDP2 run collectives
-    there). A rank whose data ran out opens ``acc.window(0, pad=True)``, runs ``window.padding``
-    zero-weight micro-batches (any micro-batch it has, through ``window.backward_padding``) and steps
-    with the others: it contributes no items, and the step stays exact::
-
-        with acc.window(len(mine), pad=True) as window:
-            for mb in mine: ...                           # as above
-            for _ in range(window.padding):               # DDP: one on a rank with none; FSDP2: up to the most
-                with window.micro_batch():
-                    window.backward_padding(criterion(model(spare[0]), spare[1]))
-            result = window.step()
-
-    ``num_items=`` (this rank's items in the window, known before the first backward) makes each
-    backward weigh exactly ``n_k / N`` and saves the scaling pass at the boundary.
-
-    Leaving the block by an exception, or without ``step()``, drops the window's gradients.
+    In the order it runs: opening asks the ranks once for the window's
+    :class:`~gradaccum._ranks.WindowSetup` (plan, R, whether it exchanges, padding); each ``backward``
+    weighs its mean loss by ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`) and adds it to the
+    :class:`~gradaccum._exchange.Tally`; before the backward that reduces across ranks the boundary's
+    all-reduce is launched (or, in a window that exchanges nothing, the loss check is folded into the
+    gradient); ``step`` hands the tally to the :class:`~gradaccum._boundary.Boundary`, which steps or
+    skips. A rank whose data ran out opens ``acc.window(0, pad=True)`` and runs ``window.padding``
+    zero-weight micro-batches (``backward_padding``). Leaving the block by an exception, or without
+    ``step()``, drops the window's gradients.
     """
 
-    def __init__(self, ctx: WindowContext, num_micro_batches: Optional[int], *,
-                 num_items: Optional[Count] = None, micro_batch_size: Optional[Any] = None,
-                 defer_reduction: bool = False, can_pad: bool = False,
-                 plan: Optional[WindowPlan] = None) -> None:
-        if num_micro_batches is not None and not (ctx.sync.distributed and num_micro_batches == 0):
-            positive_int("num_micro_batches", num_micro_batches)
-        if num_items is not None:
-            item_count("num_items", num_items)
-        self.ctx = ctx
-        self.size = num_micro_batches
+    def __init__(self, ctx: WindowContext, request: WindowRequest, *, micro_batch_size: Optional[Any] = None) -> None:
+        if request.micro_batches is not None and not (ctx.sync.distributed and request.micro_batches == 0):
+            positive_int("num_micro_batches", request.micro_batches)
+        if request.items is not None:
+            item_count("num_items", request.items)
+        self.ctx, self.request = ctx, request
+        #: what the ranks decided when the window opened (None before)
+        self.setup: Optional[WindowSetup] = None
         self.micro_batch_size = micro_batch_size
-        self.done = 0
-        #: zero-weight micro-batches this rank runs so that every rank runs enough (DDP, FSDP2)
-        self.padding = 0
-        self.plan: Optional[WindowPlan] = plan  # agreed already (train() needs it before opening)
-        self.in_micro_batch = False
-        #: the micro-batch running now is the one whose backward reduces across ranks
-        self.reducing = False
-        self._num_items = num_items
-        self._can_pad = can_pad
-        self._open = False
-        self._result: Optional[StepResult] = None
-        self._abandoned = False
-        self._defer = defer_reduction
-        self._reference: Optional[float] = None  # R for this window when known up front
-        self._sum_dtype = torch.float32 if ctx.device.type == "mps" else torch.float64
-        self._loss_sum: Optional[torch.Tensor] = None  # sum n_k L_k, on the device (made by the first)
-        self._host_items = 0.0  # sum of the counts given as Python numbers
-        self._device_items: Optional[torch.Tensor] = None  # sum of the counts given as tensors
-        self._in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before the last backward
-        #: the boundary all-reduces the window's totals across ranks (see Boundary.exchanges)
-        self.exchanges = True
-        self._reduced = False  # the backward that reduces across ranks has run
-        self._share_note: Optional[str] = None  # this rank counted other items than its known share
-        #: loss_fn returned its own count for some micro-batch (run_window sets it)
-        self.counts_from_loss_fn = False
+        self.done = 0  # micro-batches run, padding included
+        self.tally = Tally(torch.float32 if ctx.device.type == "mps" else torch.float64)
+        self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now
+        self.reduced = False  # the backward that reduces across ranks has run
+        self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
+        self.result: Optional[StepResult] = None
+        self.abandoned = False
+
+    @property
+    def num_micro_batches(self) -> Optional[int]:
+        """Micro-batches this rank runs in the window, padding included (None when opened without a size)."""
+        n = self.request.micro_batches
+        return None if n is None or self.setup is None else n + self.setup.padding
+
+    @property
+    def padding(self) -> int:
+        """Zero-weight micro-batches this rank runs so that every rank runs enough (DDP, FSDP2)."""
+        return self.request.zero_weight + (self.setup.padding if self.setup is not None else 0)
+
+    @property
+    def reference_items(self) -> Optional[float]:
+        """R: the count the backward weights were divided by (see :mod:`gradaccum._maths`)."""
+        known = self.setup.reference if self.setup is not None else None
+        return known if known is not None else self.ctx.ranks.reference_items
 
     # -- opening and closing ---------------------------------------------------------------------
 
@@ -196,23 +187,11 @@ class Window:
         ctx.slot.enter(self)
         ctx.grads.open()
         try:
-            if self.size is not None and self.plan is None:
-                self.plan = (ctx.ranks.local_plan(self.size, self._num_items, can_pad=self._can_pad)
-                             or ctx.ranks.agree(self.size, self._num_items, self._can_pad))
-            self._reference = ctx.ranks.window_reference(self.plan if self.size is not None else None,
-                                                         self._num_items)
-            known = self.plan.items if self.plan is not None and self.plan.share is not None else None
-            self.exchanges = self._defer or ctx.boundary.exchanges(known, ctx.ranks.count_ratio)
-            if self.plan is not None and self.size is not None:
-                padding = ctx.ranks.padding(self.plan)
-                # the agreement refused, on every rank alike, any window where a rank that must pad cannot
-                assert padding == 0 or self._can_pad, "the agreement lets no rank pad that cannot"
-                self.padding += padding
-                self.size += padding
+            ctx.boundary.check_scheduler()
+            self.setup = ctx.ranks.setup(self.request)
         except BaseException:
             self._close()
             raise
-        self._open = True
         return self
 
     def _close(self) -> None:
@@ -220,15 +199,19 @@ class Window:
         self.ctx.grads.close()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._open = False
         self._close()
-        if self._result is None:
+        if self.result is None:
             self.ctx.grads.clear()
-            if exc_type is None and not self._abandoned:
+            if exc_type is None and not self.abandoned:
                 raise RuntimeError(
                     "the window was closed without step(); call window.step() inside the "
                     "`with acc.window(...)` block to take its optimizer step"
                 )
+
+    def _open_setup(self, what: str = "micro_batch") -> WindowSetup:
+        if self.setup is None or self.ctx.slot.window is not self:
+            raise RuntimeError(f"use window.{what}() inside `with acc.window(...) as window:`")
+        return self.setup
 
     # -- micro-batches ---------------------------------------------------------------------------
 
@@ -238,47 +221,35 @@ class Window:
         ``last`` defaults to "this is micro-batch number ``num_micro_batches``"; pass it when the
         window was opened without a size. Only the last micro-batch reduces gradients across ranks.
         """
-        if not self._open:
-            raise RuntimeError("use window.micro_batch() inside `with acc.window(...) as window:`")
-        if self.size is not None and self.done >= self.size:
+        self._open_setup()
+        size = self.num_micro_batches
+        if size is not None and self.done >= size:
             raise RuntimeError(
-                f"the window was opened for {self.size} micro-batches and all have run; "
+                f"the window was opened for {size} micro-batches and all have run; "
                 "call window.step(), or open it with the right num_micro_batches"
             )
         if last is None:
-            if self.size is None:
+            if size is None:
                 raise ValueError("pass micro_batch(last=...) when the window was opened without a size")
-            last = self.done == self.size - 1
-        return _MicroBatch(self, bool(last) and not self._defer)
+            last = self.done == size - 1
+        return _MicroBatch(self, bool(last) and not self.request.defer and self.ctx.sync.distributed)
 
     def _checked(self, loss: Any) -> torch.Tensor:
-        if self._reduced:
+        if self.reduced:
             raise RuntimeError(
                 "window.backward() after the backward of the micro-batch that reduces across ranks (the "
                 "last): the window's gradient was already reduced and its counts fixed. Run one backward per "
                 "micro_batch() block, and mark only the last micro-batch with micro_batch(last=True)"
             )
-        if not self.in_micro_batch:
+        if self.current is None:
             raise RuntimeError(
                 "window.backward() must run inside `with window.micro_batch():`, which also wraps "
                 "the forward pass (DDP decides in forward whether the backward reduces)"
             )
         return scalar_loss(loss, where="window.micro_batch()")
 
-    def _weight(self, num_items: Count, loss: torch.Tensor) -> Union[float, torch.Tensor]:
-        ref = self._reference if self._reference is not None else self.ctx.ranks.reference_for(num_items)
-        return backward_weight(num_items, ref, self.ctx.sync.grad_divisor, loss.dtype)
-
-    def _backward(self, weighted: torch.Tensor) -> None:
-        scaled = self.ctx.precision.scale(weighted)
-        if self.ctx.precision.dtype is None:
-            scaled.backward()
-        else:  # the forward ran under autocast; its backward must not
-            with torch.autocast(device_type=self.ctx.device.type, enabled=False):
-                scaled.backward()
-
     def backward(self, loss: torch.Tensor, num_items: Count) -> None:
-        """Backpropagate ``loss`` with the weight ``n_k * W / R``; remember its item sum for the step.
+        """Backpropagate ``loss`` with the weight ``n_k * W / R``; add its item sum to the tally.
 
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
@@ -288,114 +259,99 @@ class Window:
         loss = self._checked(loss)
         item_count("num_items", num_items)
         weighted = loss * self._weight(num_items, loss)
-        if isinstance(num_items, torch.Tensor):
-            count = num_items.to(self._sum_dtype)
-            part = loss.detach() * count
-            self._device_items = count if self._device_items is None else self._device_items + count
-            self._loss_sum = part.to(self._sum_dtype) if self._loss_sum is None else self._loss_sum.add_(part)
-        else:
-            self._host_items += num_items
-            if self._loss_sum is None:  # the first: one op, in the sum's (float64) precision
-                self._loss_sum = loss.detach().to(self._sum_dtype) * num_items
-            else:
-                self._loss_sum.add_(loss.detach(), alpha=num_items)  # promoted into the float64 sum
+        self.tally.add(loss, num_items)
         self._backward(self._before_reduction(weighted))
-        self.done += 1
-
-    def _before_reduction(self, weighted: torch.Tensor) -> torch.Tensor:
-        """Before the backward that reduces across ranks every count of the window is known: start
-        the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
-        or, in a window that exchanges nothing, fold this rank's loss check into the gradient
-        (:func:`gradaccum._maths.loss_check_term`)."""
-        if not (self.reducing and self.ctx.sync.distributed):
-            return weighted
-        self._reduced = True
-        if self.exchanges:
-            if self.ctx.boundary.launch_before_last_backward:
-                self._in_flight = self.ctx.boundary.launch(self.totals(ran=True))
-            return weighted
-        assert self.plan is not None and self.plan.share is not None, "a window exchanges nothing only on a known share"
-        share = self.plan.share
-        if self._device_items is None and self._host_items != share:  # said after the boundary: a warning
-            self._share_note = (  # filtered into an error here would leave the other ranks in the reduction
-                f"this rank counted {self._host_items:g} items in a window where its WindowSampler share is "
-                f"{share:g} (a collate_fn that drops rows, or a loss_fn that returns its own count): the "
-                "window's global item count is not the one every rank assumed, so it is dropped on every "
-                "rank (as a non-finite window). Windows that exchange their loss (Accumulator(loss_every=1)) "
-                "sum the real counts instead")
-        probe = self.ctx.grads.probe
-        assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
-        term = loss_check_term(self._loss_sum, self._host_items, self._device_items, share, probe.reshape(-1)[0])
-        return weighted if term is None else weighted + term
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
         runs the forward and backward collectives that ranks with data run."""
         loss = self._checked(loss)
         self._weight(0, loss)  # takes part in fixing R, as the ranks with data do
-        weighted = self._before_reduction(loss * 0.0)
-        with torch.autocast(device_type=self.ctx.device.type, enabled=False):
-            self.ctx.precision.scale(weighted).backward()
+        self._backward(self._before_reduction(loss * 0.0), autocast_off=True)
+
+    def _weight(self, num_items: Count, loss: torch.Tensor) -> Union[float, torch.Tensor]:
+        known = self._open_setup("backward").reference
+        ref = known if known is not None else self.ctx.ranks.reference_for(num_items)
+        return backward_weight(num_items, ref, self.ctx.sync.grad_divisor, loss.dtype)
+
+    def _before_reduction(self, weighted: torch.Tensor) -> torch.Tensor:
+        """Before the backward that reduces across ranks every count of the window is known: start
+        the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
+        or, in a window that exchanges nothing, fold this rank's loss check into the gradient
+        (:func:`gradaccum._maths.loss_check_term`)."""
+        assert self.current is not None and self.setup is not None
+        if not self.current.reduces:
+            return weighted
+        self.reduced = True
+        share = self.setup.share
+        if share is None:  # the window exchanges
+            if self.ctx.boundary.launch_before_last_backward:
+                self.in_flight = self.ctx.boundary.launch(self.totals(ran=True))
+            return weighted
+        probe = self.ctx.grads.probe
+        assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
+        tally = self.tally
+        term = loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, share, probe.reshape(-1)[0])
+        return weighted if term is None else weighted + term
+
+    def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
+        self.ctx.precision.backward(weighted, autocast_off=autocast_off)
         self.done += 1
 
     # -- the boundary ----------------------------------------------------------------------------
 
-    @property
-    def reference_items(self) -> Optional[float]:
-        """R: the count the backward weights were divided by (see :mod:`gradaccum._maths`)."""
-        return self._reference if self._reference is not None else self.ctx.ranks.reference_items
-
     def totals(self, *, ran: Optional[bool] = None) -> WindowTotals:
-        """This rank's loss sum and item counts, as the boundary reads them."""
-        loss_sum = self._loss_sum
-        if loss_sum is None:
-            loss_sum = torch.zeros((), dtype=self._sum_dtype, device=self.ctx.device)
-        known = None if self.exchanges or self.plan is None else self.plan.items
-        return WindowTotals(loss_sum, self._host_items, self._device_items, self.reference_items or 1.0,
-                            ran=self.done > 0 if ran is None else ran,
-                            can_pad=self._can_pad or self.ctx.ranks.replay is not None,
-                            known_items=known, counts_from_loss_fn=self.counts_from_loss_fn)
+        """This rank's tally and what the boundary needs with it."""
+        setup = self._open_setup("step")
+        return WindowTotals(self.tally, self.reference_items or 1.0, ran=self.done > 0 if ran is None else ran,
+                            can_pad=self.request.can_pad or self.ctx.ranks.replay is not None,
+                            known_items=setup.known_items)
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
-        self._abandoned = True
+        self.abandoned = True
         self.ctx.grads.clear()
 
     def step(self) -> StepResult:
-        """Reduce counts, normalize, unscale, clip, take (or skip) the one optimizer step."""
-        if self._result is not None:
+        """Take (or skip) the window's one optimizer step: the boundary unscales, reads the window's
+        global loss sum and item count (exchanged across ranks), measures the norm, decides, clips and
+        steps (:mod:`gradaccum._boundary`)."""
+        if self.result is not None:
             raise RuntimeError("step() was already called for this window; open a new one")
-        empty_here = self.plan is not None and self.ctx.sync.distributed
-        if self.done == 0 and not empty_here:
+        setup, ctx = self._open_setup("step"), self.ctx
+        if self.done == 0 and not (setup.plan is not None and ctx.sync.distributed):
             raise RuntimeError(
                 "step() on a window where window.backward() never ran: call "
                 "window.backward(loss, num_items=...) inside `with window.micro_batch():` for each "
                 "micro-batch (a plain loss.backward() is not counted, so the step could not be normalized)"
             )
-        if self.size is not None and self.done != self.size:
+        size = self.num_micro_batches
+        if size is not None and self.done != size:
             raise RuntimeError(
-                f"the window was opened for {self.size} micro-batches but {self.done} ran; under "
+                f"the window was opened for {size} micro-batches but {self.done} ran; under "
                 "data parallelism the last one is the one that reduces gradients, so the counts must match"
             )
-        ctx = self.ctx
-        if self._defer:
+        if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
+        out = None
         try:
-            out = ctx.boundary.finish(self.totals(), self._in_flight, exchange=self.exchanges)
-        finally:
-            if self._share_note is not None:  # every rank has left the window's collectives
-                warnings.warn(self._share_note, stacklevel=3)
-        ctx.ranks.observe(self.plan, out.num_items, out.peers_can_pad)
-        size, counted = self.micro_batch_size, self.done - self.padding
-        loss = None if out.loss_sum is None else out.loss_sum / out.num_items if out.num_items > 0 else float("nan")
-        self._result = StepResult(
-            loss=loss,
-            num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
-            micro_batches=counted, grad_norm=out.grad_norm, skipped=out.skipped, lr=out.lr, step=out.step,
-            micro_batch_size=size if isinstance(size, int) else None, accum_steps=counted,
-            stop_requested=out.stop_requested,
-        )
-        return self._result
+            out = ctx.boundary.finish(self.totals(), self.in_flight, exchange=setup.exchanges)
+        finally:  # every rank has left the window's collectives
+            ctx.ranks.observe(setup, self.tally, out)
+        assert out is not None
+        self.result = _step_result(out, self.done - self.padding, self.micro_batch_size)
+        return self.result
+
+
+def _step_result(out: Outcome, micro_batches: int, micro_batch_size: Any) -> StepResult:
+    """What the window reports: the boundary's outcome, with the micro-batches that counted."""
+    return StepResult(
+        loss=None if out.loss_sum is None else window_mean(out.loss_sum, out.num_items),
+        num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
+        micro_batches=micro_batches, grad_norm=out.grad_norm, skipped=out.skipped, lr=out.lr, step=out.step,
+        micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None,
+        accum_steps=micro_batches, stop_requested=out.stop_requested,
+    )
 
 
 # -- running a window's micro-batches ---------------------------------------------------------------
@@ -421,7 +377,7 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Coun
 def _loss(window: Window, loss_fn: LossFn, micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
     out = loss_fn(window.ctx.model, micro_batch)
     if isinstance(out, (tuple, list)):
-        window.counts_from_loss_fn = True
+        window.tally.own_counts = True
     return split_loss_output(out, count)
 
 
@@ -438,10 +394,9 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
     flush = ([split_batch(micro_batches[0], 1)[0]]
              if defer and ctx.sync.collectives_in_forward and micro_batches else [])
     ranks = ctx.ranks
-    with Window(ctx, len(flush) + len(micro_batches), num_items=counts.total, micro_batch_size=micro_batch_size,
-                defer_reduction=defer, can_pad=bool(micro_batches) or ranks.replay is not None,
-                plan=plan) as window:
-        window.padding += len(flush)
+    request = WindowRequest(len(flush) + len(micro_batches), counts.total, can_pad=bool(micro_batches) or
+                            ranks.replay is not None, defer=defer, plan=plan, zero_weight=len(flush))
+    with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         oom = False
         try:
             for mb in flush:
@@ -454,15 +409,14 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
             if not (catch_oom and is_out_of_memory(error)):
                 raise
             oom = True
-        if ctx.sync.distributed and micro_batches:
-            ranks.replay = micro_batches[-1]  # to pad a later window where this rank has none
+        if micro_batches:
+            ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
         if not oom:
             for _ in range(window.padding - len(flush)):
                 with window.micro_batch():
                     window.backward_padding(_loss(window, loss_fn, ranks.replay, 0)[0])
         if defer:
-            flag = torch.tensor([1.0 if oom else 0.0], device=ctx.device)
-            oom = bool(ctx.sync.all_reduce_(flag, "max").item())
+            oom = ctx.sync.any_rank(oom, ctx.device)
         if oom:
             window.abandon()
             return None

@@ -1,18 +1,26 @@
 """``Accumulator``: a window of micro-batches -> weighted backward -> one reduction -> one optimizer step.
 
 The facade: it checks its arguments before anything moves, builds the parts, and hands each call to
-the part that owns it::
+the part that owns it. One window, in the order it runs::
 
     acc.step / acc.train / acc.window
-      -> _ranks.RankAgreement   the window's plan: asked of the ranks or known; R; padding
-      -> _window.run_window     the micro-batches' forward and weighted backward   (_window.Window);
-                                the gradient is reduced across ranks by DDP/FSDP2 inside the last
-                                micro-batch's backward (sync.py switches it off before)
-      -> _boundary.Boundary     unscale, one all-reduce of the counts, norm, verdict, clip, step
+      -> _window.run_window        the one entry point (step, train, the out-of-memory back-off)
+         -> RankAgreement.setup    once, as the window opens: its plan (known, made alone, or asked
+                                   of the ranks: one all-gather), R, whether its boundary exchanges,
+                                   its padding                                        (_ranks.py)
+         -> per micro-batch        forward and backward of  n_k * W / R * L_k  (_maths.backward_weight),
+                                   the reduction skipped before the last (sync.py); the Tally adds
+                                   n_k * L_k and n_k                                  (_exchange.py)
+         -> before the last backward: the boundary's all-reduce of the ExchangeRow starts, and
+                                   DDP/FSDP2 reduce the gradient inside that backward
+         -> Boundary.finish        unscale, replicas compared (first window), the exchanged numbers
+                                   on the host (the one host sync), norm, verdict, clip,
+                                   optimizer step, scheduler step                     (_boundary.py)
+         -> RankAgreement.observe  what the next window needs to know (R, can-pad, own counts)
       -> StepResult
 
-The maths (why each micro-batch backpropagates ``n_k * W / R`` times its mean loss, and why the
-boundary multiplies by ``R / N``) is in :mod:`gradaccum._maths`.
+The formulas (why each micro-batch backpropagates ``n_k * W / R`` times its mean loss, and why the
+boundary multiplies by ``R / N``) are in :mod:`gradaccum._maths`.
 """
 
 from __future__ import annotations
@@ -27,16 +35,16 @@ from ._autosize import AutoMicroBatch
 from ._boundary import Boundary
 from ._checks import Count, callable_loss_fn, positive_int, positive_number
 from ._gradients import AccumulationBuffers, WindowGradients
-from ._ranks import RankAgreement, WindowPlan
+from ._ranks import RankAgreement, WindowRequest
 from ._training import TrainSpec, train_windows
-from ._window import CountFn, LossFn, OpenWindow, Window, WindowContext, count_items, is_out_of_memory, run_window
+from ._window import CountFn, LossFn, OpenWindow, Window, WindowContext, count_items, run_window
 from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size
 from .precision import MixedPrecision
 from .result import StepResult
-from .schedule import AccumSchedule, AccumSteps
+from .schedule import AccumSteps
 from .sync import GradSync, sync_for
 
-__all__ = ["Accumulator", "Window", "WindowPlan", "AccumSchedule", "is_out_of_memory", "LossFn", "CountFn"]
+__all__ = ["Accumulator"]
 
 _NONFINITE = ("skip", "raise")
 
@@ -106,17 +114,17 @@ class Accumulator:
         device = params[0].device
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.params, self.device = params, device
         self.precision = MixedPrecision(precision, device)
         self.sync: GradSync = sync_for(model, reduce_every_micro_batch=reduce_every_micro_batch,
                                        data_parallel=data_parallel)
         self.buffers = _buffers(accum_dtype, self.sync, precision, params)
         grads = WindowGradients(params, self.buffers, reduced=self.sync.reduced_parameters())
-        self.ranks = RankAgreement(self.sync, device)
-        self.auto = AutoMicroBatch(self.sync, device)
         boundary = Boundary(optimizer, scheduler, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=bool(compute_grad_norm),
-                            nonfinite=nonfinite, device=device, loss_every=loss_every)
+                            nonfinite=nonfinite, device=device)
+        self.ranks = RankAgreement(self.sync, device, grads, loss_every=loss_every,
+                                   steps_on_loss=boundary.steps_on_loss)
+        self.auto = AutoMicroBatch(self.sync, device)
         self.counters = boundary.counters
         self.context = WindowContext(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=self.ranks, boundary=boundary, slot=OpenWindow(model))
@@ -205,13 +213,15 @@ class Accumulator:
             num_micro_batches: this rank's micro-batches in the window (0 on a rank whose data
                 ran out). Ranks agree on the counts when it opens.
             num_items: this rank's items in the window, if known before the first backward.
+            micro_batch_size: recorded in the window's ``StepResult.micro_batch_size`` (an int), for logs;
+                the loop itself decides how it splits its data.
             pad: this loop runs ``window.padding`` zero-weight micro-batches when the ranks' counts
                 call for it (DDP: a rank with none runs one; FSDP2: every rank as many as the most).
                 Without it such a window is refused on every rank alike.
         """
         self.context.slot.check_idle()
-        return Window(self.context, num_micro_batches, num_items=num_items, micro_batch_size=micro_batch_size,
-                      can_pad=pad)
+        return Window(self.context, WindowRequest(num_micro_batches, num_items, can_pad=pad),
+                      micro_batch_size=micro_batch_size)
 
     def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,
               epochs: int = 1, drop_last: bool = False, num_items: Optional[CountFn] = None,
@@ -283,6 +293,7 @@ class Accumulator:
         self.counters.epoch = int(state.get("epoch", 0))
         self.auto.size = state.get("auto_micro_batch_size")
         self.ranks.load_state_dict(state)
+        self.context.boundary.scheduler_at = None  # a resumed scheduler is read again when the next window opens
 
 
 # -- construction checks: every one before anything is built ------------------------------------------

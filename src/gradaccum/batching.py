@@ -11,7 +11,7 @@ unchanged. Splitting returns views (``torch.split``), so no data is copied.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 

@@ -162,8 +162,9 @@ def replay(events: List[Tuple[int, int, int]]) -> Tuple[int, int, int]:
 
 
 def state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, int]:
-    """The estimate's static parts: parameters, their gradients (one buffer per parameter that
-    requires grad) and the optimizer's state tensors, in bytes. No activation is counted."""
+    """The bytes held between windows, counted from the tensors themselves (not measured): the
+    parameters, their gradients (one buffer per parameter that requires grad) and the optimizer's
+    state tensors. No activation is counted: the measured peak (:class:`PeakMeter`) is what has them."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = 0

@@ -44,6 +44,16 @@ class MixedPrecision:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
+    def backward(self, loss: torch.Tensor, *, autocast_off: bool = False) -> None:
+        """``scale(loss).backward()``, outside autocast when the forward ran under it (or when asked:
+        a zero-weight padding micro-batch)."""
+        scaled = self.scale(loss)
+        if self.dtype is None and not autocast_off:
+            scaled.backward()
+        else:  # the forward ran under autocast; its backward must not
+            with torch.autocast(device_type=self.device_type, enabled=False):
+                scaled.backward()
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the accumulated gradients by the loss scale, once per window."""
         if self.scaler is not None:

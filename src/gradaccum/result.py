@@ -29,8 +29,10 @@ class StepResult:
         step: optimizer steps taken so far, this one included.
         micro_batch_size: the split used when the window was one batch (with "auto", the size it
             settled on); None for a list of micro-batches.
-        accum_steps: the accumulation factor in force (for schedules); equals micro_batches
-            except on a short last window.
+        accum_steps: the micro-batches the window was planned with: from ``step()`` and a hand-written
+            window, the micro-batches that counted (as ``micro_batches``); from ``train()``, the epoch's
+            ``accum_steps`` (a short last window runs fewer ``micro_batches``), or over a
+            WindowSampler this rank's micro-batches in that window.
         epoch: the epoch in ``train()``; None from ``step()``.
         window: the window's index within its epoch in ``train()`` (what a checkpoint saves to
             resume after it: ``window + 1``); None from ``step()``.

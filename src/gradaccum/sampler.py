@@ -28,6 +28,7 @@ from torch.utils.data import Sampler
 
 from . import sync
 from ._checks import positive_int
+from ._maths import ceil_div
 
 __all__ = ["WindowSampler"]
 
@@ -145,7 +146,7 @@ class WindowSampler(Sampler[List[int]]):
     def window_sizes(self) -> List[int]:
         """How many micro-batches this rank has in each remaining window of the epoch."""
         m = self.micro_batch_size
-        return [-(-len(self._bounds(w)) // m) for w in range(self.start_window, self.num_windows)]
+        return [ceil_div(len(self._bounds(w)), m) for w in range(self.start_window, self.num_windows)]
 
     def __iter__(self) -> Iterator[List[int]]:
         windows = list(self.windows())  # fixed now: the position may advance while workers prefetch

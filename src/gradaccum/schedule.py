@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Callable, Union
 
 from ._checks import non_negative_int, positive_int
+from ._maths import ceil_div
 
 __all__ = ["AccumSchedule", "AccumSteps", "num_steps"]
 
@@ -65,4 +66,4 @@ def num_steps(num_micro_batches: int, accum_steps: AccumSteps, *, epochs: int = 
     schedule = AccumSchedule(accum_steps)
     if drop_last:
         return sum(num_micro_batches // schedule(e) for e in range(epochs))
-    return sum(-(-num_micro_batches // schedule(e)) for e in range(epochs))
+    return sum(ceil_div(num_micro_batches, schedule(e)) for e in range(epochs))

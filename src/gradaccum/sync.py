@@ -144,6 +144,19 @@ class GradSync:
         is not reduced either: the caller also needs a gradient the ranks found equal."""
         return None
 
+    def any_rank(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank when ``flag`` is True on any (one max all-reduce of a tensor on ``device``
+        and one host sync across ranks; the flag itself on one process)."""
+        if not self.distributed:
+            return flag
+        return bool(self.all_reduce_(torch.tensor([1.0 if flag else 0.0], device=device), "max").item())
+
+    def min_across(self, value: int, device: torch.device) -> int:
+        """The smallest ``value`` of any rank, on every rank (``value`` itself on one process)."""
+        if not self.distributed:
+            return value
+        return int(self.all_reduce_(torch.tensor([value], device=device), "min").item())
+
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
         """Start an in-place sum all-reduce and return its work handle (``.wait()``), or None locally."""
         if not self.distributed:
