@@ -10,7 +10,9 @@ weighted exactly as in one big batch.
 """
 
 from ._ranks import WindowPlan
-from ._window import Window, is_out_of_memory
+from ._cached import WindowLoss
+from ._run import is_out_of_memory
+from ._window import Window
 from .accumulator import Accumulator
 from .batching import split_batch
 from .checking import EquivalenceReport, check_equivalence
@@ -30,6 +32,7 @@ __all__ = [
     "StepResult",
     "Window",
     "WindowPlan",
+    "WindowLoss",
     "WindowSampler",
     "causal_lm_loss",
     "check_equivalence",

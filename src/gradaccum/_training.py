@@ -37,7 +37,8 @@ from ._boundary import Counters
 from ._checks import positive_int
 from ._maths import ceil_div
 from ._ranks import WindowPlan
-from ._window import CountFn, LossFn, WindowContext, count_items, run_window
+from ._run import CountFn, LossFn, count_items, run_window
+from ._window import WindowContext
 from .batching import Batch, concat_batches, slice_batch
 from .result import StepResult
 from .sampler import WindowSampler

@@ -12,37 +12,22 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
 
 from ._boundary import Boundary, InFlight, Outcome, WindowTotals
-from ._checks import Count, as_number, item_count, positive_int, scalar_loss, split_loss_output, training_batchnorms
+from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
 from ._exchange import Tally
 from ._gradients import WindowGradients
 from ._maths import backward_weight, loss_check_term, window_mean
-from ._ranks import RankAgreement, WindowPlan, WindowRequest, WindowSetup
-from .batching import Batch, leading_dim, split_batch
+from ._ranks import RankAgreement, WindowRequest, WindowSetup
 from .precision import MixedPrecision
 from .result import StepResult
 from .sync import GradSync
 
-__all__ = ["Window", "WindowContext", "OpenWindow", "run_window", "Counts", "count_items", "is_out_of_memory",
-           "LossFn", "CountFn"]
-
-#: ``loss_fn(model, micro_batch)`` -> the mean loss over the micro-batch's items, or ``(mean, count)``
-LossFn = Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Count]]]
-#: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward
-CountFn = Callable[[Batch], Count]
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for CUDA's ``torch.OutOfMemoryError`` and the CPU allocator's "can't allocate memory"."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
-
+__all__ = ["Window", "WindowContext", "OpenWindow"]
 
 class OpenWindow:
     """At most one window is open per Accumulator; opening one clears stale gradients and warns
@@ -235,6 +220,10 @@ class Window:
         return _MicroBatch(self, bool(last) and not self.request.defer and self.ctx.sync.distributed)
 
     def _checked(self, loss: Any) -> torch.Tensor:
+        self._in_micro_batch()
+        return scalar_loss(loss, where="window.micro_batch()")
+
+    def _in_micro_batch(self) -> None:
         if self.reduced:
             raise RuntimeError(
                 "window.backward() after the backward of the micro-batch that reduces across ranks (the "
@@ -246,7 +235,6 @@ class Window:
                 "window.backward() must run inside `with window.micro_batch():`, which also wraps "
                 "the forward pass (DDP decides in forward whether the backward reduces)"
             )
-        return scalar_loss(loss, where="window.micro_batch()")
 
     def backward(self, loss: torch.Tensor, num_items: Count) -> None:
         """Backpropagate ``loss`` with the weight ``n_k * W / R``; add its item sum to the tally.
@@ -258,41 +246,58 @@ class Window:
         """
         loss = self._checked(loss)
         item_count("num_items", num_items)
-        weighted = loss * self._weight(num_items, loss)
+        weighted = loss * backward_weight(num_items, self.reference(num_items), self.ctx.sync.grad_divisor, loss.dtype)
         self.tally.add(loss, num_items)
-        self._backward(self._before_reduction(weighted))
+        term = self._before_reduction()
+        self._backward(weighted if term is None else weighted + term)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
         runs the forward and backward collectives that ranks with data run."""
         loss = self._checked(loss)
-        self._weight(0, loss)  # takes part in fixing R, as the ranks with data do
-        self._backward(self._before_reduction(loss * 0.0), autocast_off=True)
+        self.reference(0)  # takes part in fixing R, as the ranks with data do
+        term = self._before_reduction()
+        self._backward(loss * 0.0 if term is None else loss * 0.0 + term, autocast_off=True)
 
-    def _weight(self, num_items: Count, loss: torch.Tensor) -> Union[float, torch.Tensor]:
+    def backward_part(self, outputs: List[torch.Tensor], grads: List[torch.Tensor], loss: torch.Tensor,
+                      num_items: Count) -> None:
+        """Backpropagate one micro-batch's part of a loss over the whole window (a
+        :class:`~gradaccum.WindowLoss`, :mod:`gradaccum._cached`): ``outputs`` with ``grads``, already
+        weighed (its share of the window loss's gradient, times the backward weight of the window's N
+        items, ``N * W / R``, and the loss scale); the tally adds the window's ``loss`` for its
+        ``num_items`` items."""
+        self._in_micro_batch()
+        self.tally.add(loss, num_items)
+        term = self._before_reduction()
+        extra = [] if term is None else [term]
+        with torch.autocast(device_type=self.ctx.device.type, enabled=False):
+            torch.autograd.backward(list(outputs) + extra, list(grads) + [None] * len(extra))  # type: ignore[list-item]
+        self.done += 1
+
+    def reference(self, count: Count) -> float:
+        """R for this window: known when it opened, else fixed (once, the same on every rank) at the
+        first backward by its count (:meth:`gradaccum._ranks.RankAgreement.reference_for`)."""
         known = self._open_setup("backward").reference
-        ref = known if known is not None else self.ctx.ranks.reference_for(num_items)
-        return backward_weight(num_items, ref, self.ctx.sync.grad_divisor, loss.dtype)
+        return known if known is not None else self.ctx.ranks.reference_for(count)
 
-    def _before_reduction(self, weighted: torch.Tensor) -> torch.Tensor:
+    def _before_reduction(self) -> Optional[torch.Tensor]:
         """Before the backward that reduces across ranks every count of the window is known: start
         the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
-        or, in a window that exchanges nothing, fold this rank's loss check into the gradient
-        (:func:`gradaccum._maths.loss_check_term`)."""
+        or, in a window that exchanges nothing, return this rank's loss check, which the backward adds
+        to its loss (:func:`gradaccum._maths.loss_check_term`)."""
         assert self.current is not None and self.setup is not None
         if not self.current.reduces:
-            return weighted
+            return None
         self.reduced = True
         share = self.setup.share
         if share is None:  # the window exchanges
             if self.ctx.boundary.launch_before_last_backward:
                 self.in_flight = self.ctx.boundary.launch(self.totals(ran=True))
-            return weighted
+            return None
         probe = self.ctx.grads.probe
         assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
         tally = self.tally
-        term = loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, share, probe.reshape(-1)[0])
-        return weighted if term is None else weighted + term
+        return loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, share, probe.reshape(-1)[0])
 
     def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
         self.ctx.precision.backward(weighted, autocast_off=autocast_off)
@@ -352,72 +357,3 @@ def _step_result(out: Outcome, micro_batches: int, micro_batch_size: Any) -> Ste
         micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None,
         accum_steps=micro_batches, stop_requested=out.stop_requested,
     )
-
-
-# -- running a window's micro-batches ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Counts:
-    """Each micro-batch's item count before any forward pass, and their sum (a tensor count is read
-    once, here: one host synchronisation per tensor)."""
-
-    each: List[Count]
-    total: float
-
-
-def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Counts:
-    """What a bare mean loss is weighted by: the leading dimension, or the ``num_items`` counter.
-    Every micro-batch's leading dimensions are checked here, before anything runs."""
-    each: List[Count] = [leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
-    if count_fn is not None:
-        each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
-    return Counts(each, float(sum(as_number(c) for c in each)))
-
-
-def _loss(window: Window, loss_fn: LossFn, micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
-    out = loss_fn(window.ctx.model, micro_batch)
-    if isinstance(out, (tuple, list)):
-        window.tally.own_counts = True
-    return split_loss_output(out, count)
-
-
-def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
-               micro_batch_size: Any = None, catch_oom: bool = False,
-               plan: Optional[WindowPlan] = None) -> Optional[StepResult]:
-    """Forward/backward every micro-batch (and the padding the ranks need), then step. With
-    ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank has
-    agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
-    defer = catch_oom and ctx.sync.distributed  # no collective before the ranks agree
-    # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):
-    # under "auto", every rank first runs that forward on one item with zero weight, so that an
-    # out-of-memory error before a rank's forward cannot leave its peers waiting there
-    flush = ([split_batch(micro_batches[0], 1)[0]]
-             if defer and ctx.sync.collectives_in_forward and micro_batches else [])
-    ranks = ctx.ranks
-    request = WindowRequest(len(flush) + len(micro_batches), counts.total, can_pad=bool(micro_batches) or
-                            ranks.replay is not None, defer=defer, plan=plan, zero_weight=len(flush))
-    with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
-        oom = False
-        try:
-            for mb in flush:
-                with window.micro_batch():
-                    window.backward_padding(_loss(window, loss_fn, mb, 0)[0])
-            for mb, count in zip(micro_batches, counts.each):
-                with window.micro_batch():
-                    window.backward(*_loss(window, loss_fn, mb, count))
-        except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
-            if not (catch_oom and is_out_of_memory(error)):
-                raise
-            oom = True
-        if micro_batches:
-            ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
-        if not oom:
-            for _ in range(window.padding - len(flush)):
-                with window.micro_batch():
-                    window.backward_padding(_loss(window, loss_fn, ranks.replay, 0)[0])
-        if defer:
-            oom = ctx.sync.any_rank(oom, ctx.device)
-        if oom:
-            window.abandon()
-            return None
-        return window.step()

@@ -37,7 +37,9 @@ from ._checks import Count, callable_loss_fn, positive_int, positive_number
 from ._gradients import AccumulationBuffers, WindowGradients
 from ._ranks import RankAgreement, WindowRequest
 from ._training import TrainSpec, train_windows
-from ._window import CountFn, LossFn, OpenWindow, Window, WindowContext, count_items, run_window
+from ._cached import WindowLoss, check_window_loss
+from ._run import CountFn, LossFn, count_items, run_window
+from ._window import OpenWindow, Window, WindowContext
 from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size
 from .precision import MixedPrecision
 from .result import StepResult
@@ -193,8 +195,7 @@ class Accumulator:
         """
         self.context.slot.check_idle()
         check_micro_batch_size(micro_batch_size)
-        callable_loss_fn(loss_fn)
-        _check_count_fn(num_items)
+        _check_loss(loss_fn, num_items, micro_batch_size)
         if micro_batch_size == "auto":
             return self.auto.step(window, lambda mbs, size: run_window(
                 self.context, mbs, loss_fn, count_items(mbs, num_items), micro_batch_size=size, catch_oom=True))
@@ -241,8 +242,7 @@ class Accumulator:
         does, halving on out-of-memory.
         """
         self.context.slot.check_idle()
-        callable_loss_fn(loss_fn)
-        _check_count_fn(num_items)
+        _check_loss(loss_fn, num_items, micro_batch_size)
         if micro_batch_size not in (None, "auto"):
             raise ValueError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
                              "loader's batches are the micro-batches; use 'auto' to re-split each window on "
@@ -340,6 +340,14 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
             f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
             "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
         )
+
+
+def _check_loss(loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
+    if isinstance(loss_fn, WindowLoss):
+        check_window_loss(num_items, micro_batch_size)
+        return
+    callable_loss_fn(loss_fn)
+    _check_count_fn(num_items)
 
 
 def _check_count_fn(num_items: Any) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, ContextManager, Iterator, List, Optional, Sequence
+from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -133,6 +133,14 @@ class GradSync:
         :func:`gradaccum._maths.loss_check_term`). Only DDP's can be."""
         return False
 
+    def folds_outside_gradients(self) -> bool:
+        """Whether a gradient computed outside the model's forward, the same on every rank (a
+        :class:`~gradaccum.WindowLoss`'s own parameters), rides in the backward that reduces, rather
+        than being put in ``.grad`` before any backward. It rides there except under
+        ``DistributedDataParallel(find_unused_parameters=True)``, whose reducer marks a parameter the
+        forward did not use as ready before that backward (and refuses it there), and reads its ``.grad``."""
+        return True
+
     def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """This rank's part of the gradient's squared norm, when summing it across ranks gives the
         whole (each element held by exactly one rank); else None. Only sharded gradients have one."""
@@ -170,6 +178,27 @@ class GradSync:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.group)
         return torch.stack(parts)
+
+    def gather_items(self, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], int]:
+        """Every rank's ``tensors`` (which share their leading dimension: this rank's items) joined along
+        dim 0 in rank order, and where this rank's items start in them. Each rank may hold any number of
+        items, none included: one all-gather of the counts, then one per tensor, padded to the most
+        items. On one process, the tensors themselves. Nothing is differentiable: this is data."""
+        if not self.distributed:
+            return list(tensors), 0
+        n = tensors[0].shape[0]
+        counts = [int(c) for c in self.all_gather(torch.tensor([n], device=tensors[0].device)).reshape(-1).tolist()]
+        most = max(counts)
+        joined = []
+        for t in tensors:
+            sent = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool all-gather
+            padded = sent.new_zeros((most, *t.shape[1:]))
+            padded[:n] = sent
+            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(parts, padded, group=self.group)
+            whole = torch.cat([part[:c] for part, c in zip(parts, counts)])
+            joined.append(whole.to(torch.bool) if t.dtype == torch.bool else whole)
+        return joined, sum(counts[:dist.get_rank(self.group)])
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         """Average already-accumulated local gradients across ranks now (used when every backward
@@ -218,6 +247,9 @@ class DDPSync(GradSync):
         ``nan``-scrubbing hook could lose it. DDP's logging data names the hook, built-in ones too."""
         return not any(getattr(ddp, "find_unused_parameters", False)
                        or ddp._get_ddp_logging_data().get("comm_hook") is not None for ddp in self.modules)
+
+    def folds_outside_gradients(self) -> bool:
+        return not any(getattr(ddp, "find_unused_parameters", False) for ddp in self.modules)
 
     def reduced_parameters(self) -> Optional[List[nn.Parameter]]:
         reduced = []

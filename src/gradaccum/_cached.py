@@ -1,0 +1,286 @@
+"""Losses that couple the window's items (contrastive, in-batch negatives, CLIP), made exact.
+
+A :class:`WindowLoss` maps each micro-batch to its representations (``encode``) and the whole window's
+representations, every rank's included, to one loss (``loss``). Accumulating per micro-batch losses
+would optimize another objective (each item would see only its micro-batch's negatives); this
+computes the big batch's gradient exactly, by caching the representations (GradCache):
+
+    z_k = encode(model, x_k)  for every micro-batch k on every rank,  z = (z_1, ..., z_K)
+    grad L(z) = sum_k J_k^T g_k,   g_k = dL/dz_k,   J_k = dz_k/dtheta
+
+1. Pass 1, without a graph: ``z_k`` for each micro-batch, the random state saved before each.
+2. The ranks gather ``z`` (rank 0's items first); every rank computes the same ``L(z)`` from detached
+   leaves and its gradient with respect to them, and to the loss's own parameters (a learned
+   temperature, a head applied inside the loss).
+3. Pass 2: each micro-batch's forward again, its random state replayed so that it draws what pass 1
+   drew, and backpropagated with its slice of ``g`` (``J_k^T g_k``, a vector-Jacobian product).
+
+In the core's terms (:mod:`gradaccum._maths`) the window's loss is one mean over its N items: it is
+backpropagated with the backward weight of N items, ``N / R`` for the loss itself (whose own
+parameters' gradient is the same on every rank) and ``N * W / R`` for each slice (the data-parallel
+average divides by W), so that after the boundary scale ``R / N`` the step's gradient is ``grad L``:
+the big batch's, never off by the world size. ``StepResult.loss`` is L; ``num_items`` is N.
+
+Costs: one more forward per micro-batch (pass 1), one all-gather of the counts and one per
+representation tensor across ranks. Peak memory: one micro-batch's activations, plus the window's
+representations and the loss's own activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ._checks import as_number, training_batchnorms
+from ._maths import backward_weight
+from ._ranks import WindowPlan, WindowRequest
+from ._window import Window, WindowContext
+from .batching import Batch, _rebuild, leaves, leading_dim
+from .result import StepResult
+
+__all__ = ["WindowLoss", "run_cached_window", "check_window_loss"]
+
+#: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
+Encode = Callable[[nn.Module, Batch], Any]
+#: ``loss(representations)`` -> the window's scalar loss, over every rank's representations
+Loss = Callable[[Any], torch.Tensor]
+
+
+class WindowLoss:
+    """A loss over the whole window, for losses whose items depend on each other (in-batch negatives,
+    contrastive and CLIP losses): ``acc.step`` and ``acc.train`` take one instead of a ``loss_fn`` and
+    step on the big batch's gradient exactly.
+
+    Args:
+        encode: ``encode(model, micro_batch)`` -> the micro-batch's representations: a tensor, or a
+            tuple/list/dict of tensors, each with the micro-batch's items along dim 0 (float tensors
+            must depend on the model; integer ones, such as labels, ride along).
+        loss: ``loss(representations)`` -> a scalar: the loss of the whole window, given the same
+            structure with every micro-batch's representations on every rank joined along dim 0,
+            in window order (rank 0's micro-batches first, then rank 1's, ...).
+
+    The step equals one optimizer step on ``loss(encode(model, whole_window))`` whatever the
+    micro-batch size, over any number of ranks; the random draws of each micro-batch's forward
+    (dropout) are replayed, so its second forward equals its first. See :mod:`gradaccum._cached` for
+    the maths and what it costs (one more forward per micro-batch).
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> from gradaccum import Accumulator
+        >>> model = nn.Linear(4, 3)
+        >>> def in_batch_negatives(reps):
+        ...     q, d = reps["q"], reps["d"]
+        ...     return nn.functional.cross_entropy(q @ d.T, torch.arange(len(q)))
+        >>> clip = WindowLoss(lambda m, b: {"q": m(b[0]), "d": m(b[1])}, in_batch_negatives)
+        >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> acc.step((torch.randn(10, 4), torch.randn(10, 4)), clip, micro_batch_size=4).num_items
+        10
+    """
+
+    def __init__(self, encode: Encode, loss: Loss) -> None:
+        if not callable(encode):
+            raise TypeError(f"WindowLoss(encode=...) must be callable as encode(model, micro_batch) -> "
+                            f"representations, got {encode!r}")
+        if not callable(loss):
+            raise TypeError(f"WindowLoss(loss=...) must be callable as loss(representations) -> scalar, got {loss!r}")
+        self.encode, self.loss = encode, loss
+        #: the replay is compared with pass 1 in the first window this WindowLoss runs
+        self.checked = False
+
+    def __repr__(self) -> str:
+        return f"WindowLoss(encode={self.encode!r}, loss={self.loss!r})"
+
+
+class _RandomState:
+    """The random state a forward starts from (CPU, and the model's accelerator), to replay it."""
+
+    __slots__ = ("cpu", "device", "device_state")
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device, self.device_state = device, None
+        if device.type == "cuda" and torch.cuda.is_initialized():
+            self.device_state = torch.cuda.get_rng_state(device)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device_state is not None:
+            torch.cuda.set_rng_state(self.device_state, self.device)
+
+
+def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
+    """The representations' tensors, depth first, after checking each holds the micro-batch's items."""
+    flat = []
+    for path, leaf in leaves(out):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            raise ValueError(
+                f"WindowLoss: encode(model, micro_batch) returned {type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else 'a 0-d tensor'}"
+                f" at representations{path}; every representation must be a tensor with the micro-batch's "
+                "items along dim 0 (a tensor, or a tuple/list/dict of them)")
+        if leaf.shape[0] != count:
+            raise ValueError(
+                f"WindowLoss: representations{path} of micro-batch {k} have leading size {leaf.shape[0]}, but "
+                f"the micro-batch holds {count} items: each representation needs one row per item, along "
+                "dim 0 (several negatives per query go in one row: shape (items, negatives, dim))")
+        flat.append(leaf)
+    if not flat:
+        raise ValueError("WindowLoss: encode(model, micro_batch) returned no tensor; return the micro-batch's "
+                         "representations (a tensor, or a tuple/list/dict of tensors)")
+    return flat
+
+
+@contextlib.contextmanager
+def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
+    """Pass 1 leaves BatchNorm's running statistics as it found them: they move once per micro-batch
+    (in pass 2), as under plain accumulation, not twice."""
+    names = set(training_batchnorms(model))
+    kept = {f"{m}.{b}": t.clone() for m, mod in model.named_modules() if m in names
+            for b, t in mod.named_buffers(recurse=False)}
+    try:
+        yield
+    finally:
+        if kept:
+            buffers = dict(model.named_buffers())
+            with torch.no_grad():
+                for name, value in kept.items():
+                    buffers[name].copy_(value)
+
+
+def _window_loss(window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor], ctx: WindowContext
+                 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """The window's loss, from detached leaves (float ones require grad), and those leaves."""
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in joined]
+    with ctx.precision.autocast():
+        out = window_loss.loss(_rebuild(spec, iter(inputs)))
+    if isinstance(out, (tuple, list)):
+        raise ValueError("WindowLoss: loss(representations) returned a tuple; it returns the window's loss, one "
+                         "scalar, which is already over every item (a (mean, count) pair is for loss_fn)")
+    if not isinstance(out, torch.Tensor) or out.dim() != 0:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"WindowLoss: loss(representations) must return a scalar tensor, got {shape}; "
+                         "reduce it over the window's items (.mean())")
+    if not out.requires_grad:
+        raise ValueError("WindowLoss: loss(representations) does not depend on the representations (it does not "
+                         "require grad); compute it from the tensors it is given, without .detach() or .item()")
+    return out, inputs
+
+
+def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
+    """What a :class:`WindowLoss` does not take, refused before anything runs."""
+    if num_items is not None:
+        raise ValueError("num_items= was given with a WindowLoss: the window's loss is already over all of its "
+                         "items (the representations' rows), so there are no per-micro-batch counts to weigh; "
+                         "drop num_items")
+    if micro_batch_size == "auto":
+        raise ValueError("micro_batch_size='auto' is not supported with a WindowLoss: pass an int micro_batch_size "
+                         "(the cached representations of a window that ran out of memory would be recomputed "
+                         "anyway)")
+
+
+def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,
+                      micro_batch_size: Any = None, plan: Optional[WindowPlan] = None) -> StepResult:
+    """One window of a :class:`WindowLoss`, in the module docstring's order: pass 1, the loss on every
+    rank's representations, pass 2, the step. Every rank runs as many forwards in each pass as the
+    window's padding asks (DDP's first forward and FSDP2's every forward are collectives)."""
+    ranks = ctx.ranks
+    sizes = [int(as_number(c)) for c in counts.each]
+    request = WindowRequest(len(micro_batches), counts.total, can_pad=bool(micro_batches) or ranks.replay is not None,
+                            plan=plan)
+    with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
+        if micro_batches:
+            ranks.remember(micro_batches[-1])
+        first = _first_pass(ctx, window_loss, micro_batches, sizes, window.padding)
+        joined, offset = ctx.sync.gather_items(first.local())
+        total = joined[0].shape[0]
+        loss, inputs = _window_loss(window_loss, first.spec, joined, ctx)
+        # the loss's gradient: N / R for the loss itself, N * W / R for each micro-batch's slice
+        outside = [p for p in ctx.grads.params if p.requires_grad]
+        weighted = ctx.precision.scale(loss * backward_weight(total, window.reference(total), 1.0))
+        with torch.autocast(device_type=ctx.device.type, enabled=False):
+            found = torch.autograd.grad(weighted, inputs + outside, allow_unused=True)
+        slices = [None if g is None else g[offset:offset + sum(sizes)] * ctx.sync.grad_divisor
+                  for g in found[:len(inputs)]]
+        own = [(p, g) for p, g in zip(outside, found[len(inputs):]) if g is not None]  # the loss's parameters
+        fold = bool(own) and ctx.sync.folds_outside_gradients()
+        if own and not fold:  # in .grad before any backward (DDP(find_unused_parameters=True) reads it there)
+            torch.autograd.backward([p for p, _ in own], [g for _, g in own])
+        replayed_alike, at = True, 0
+        for k, (mb, n) in enumerate(zip(micro_batches, sizes)):
+            first.states[k].restore()
+            with window.micro_batch():
+                outs = _flat(window_loss.encode(ctx.model, mb), n, k)
+                replayed_alike &= window_loss.checked or _same(outs, first.cached[k])
+                pairs = [(o, g[at:at + n]) for o, g in zip(outs, slices) if g is not None]
+                if not all(o.requires_grad for o, _ in pairs):
+                    raise ValueError("WindowLoss: a representation encode returned does not require grad: it ran "
+                                     "under torch.no_grad() or was detached. Return the model's outputs as they are")
+                if fold and k == len(micro_batches) - 1 and window.padding == 0:
+                    pairs += own  # in the backward that reduces (DDP's reducer expects each parameter there)
+                window.backward_part([o for o, _ in pairs], [g for _, g in pairs], loss.detach(), n)
+            at += n
+        for p in range(window.padding):
+            with window.micro_batch():
+                outs = [o for o in _flat(window_loss.encode(ctx.model, ranks.replay), leading_dim(ranks.replay), 0)
+                        if o.requires_grad]
+                carried = own if fold and p == window.padding - 1 else []
+                window.backward_part(outs + [q for q, _ in carried], [torch.zeros_like(o) for o in outs] +
+                                     [g for _, g in carried], loss.detach(), 0)
+        first.end.restore()  # as after pass 1 alone: the window drew its random numbers once
+        if not window_loss.checked:  # once, and on every rank alike: none raises alone
+            window_loss.checked = True
+            if ctx.sync.any_rank(not replayed_alike, ctx.device):
+                raise RuntimeError(
+                    "WindowLoss: a micro-batch's second forward gave other representations than its first, although "
+                    "its random state was replayed, so the step would not be the big batch's: encode is not a "
+                    "function of the micro-batch and the model alone (a random generator of its own, a module "
+                    "that keeps state between calls, or non-deterministic kernels: "
+                    "torch.use_deterministic_algorithms(True)). No step was taken")
+        return window.step()
+
+
+class _FirstPass:
+    """What pass 1 leaves: each micro-batch's representations, the random state before each and after
+    all, their structure, and zero-row tensors of their shapes (for a rank that has none)."""
+
+    def __init__(self) -> None:
+        self.cached: List[List[torch.Tensor]] = []
+        self.states: List[_RandomState] = []
+        self.spec: Any = None
+        self.empty: List[torch.Tensor] = []
+        self.end: Optional[_RandomState] = None
+
+    def local(self) -> List[torch.Tensor]:
+        """This rank's representations joined along dim 0, one tensor per position in the structure."""
+        if self.cached:
+            return [torch.cat(column) for column in zip(*self.cached)]
+        if not self.empty:
+            raise ValueError("WindowLoss: this rank has no micro-batch in the window and none to pad with: "
+                             "give it one with acc.set_padding(micro_batch)")
+        return self.empty
+
+
+def _first_pass(ctx: WindowContext, window_loss: WindowLoss, micro_batches: List[Batch], sizes: List[int],
+                padding: int) -> _FirstPass:
+    """Pass 1: each micro-batch's representations without a graph, and the random state before each."""
+    first = _FirstPass()
+    with torch.no_grad(), _batchnorm_stats_kept(ctx.model), ctx.precision.autocast():
+        for k, (mb, n) in enumerate(zip(micro_batches, sizes)):
+            first.states.append(_RandomState(ctx.device))
+            out = window_loss.encode(ctx.model, mb)
+            first.cached.append(_flat(out, n, k))
+            first.spec = out if first.spec is None else first.spec
+        for _ in range(padding):  # the forwards' collectives, as the ranks with data run them
+            out = window_loss.encode(ctx.model, ctx.ranks.replay)
+            if first.spec is None:
+                first.spec, first.empty = out, [t[:0] for t in _flat(out, leading_dim(ctx.ranks.replay), 0)]
+    first.end = _RandomState(ctx.device)
+    return first
+
+
+def _same(again: List[torch.Tensor], first: List[torch.Tensor]) -> bool:
+    """Pass 2's representations are pass 1's (to float rounding: 1e-5 relative)."""
+    return all(torch.allclose(a.detach(), b, rtol=1e-5, atol=0.0, equal_nan=True) for a, b in zip(again, first))

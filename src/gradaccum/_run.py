@@ -1,0 +1,107 @@
+"""The one entry point that runs a list of micro-batches through a ``loss_fn`` and steps once.
+
+``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off all call :func:`run_window`:
+it counts the micro-batches' items before any forward, opens a :class:`~gradaccum._window.Window`,
+runs each micro-batch's forward and weighted backward (and the zero-weight padding the ranks need),
+and steps. A :class:`~gradaccum.WindowLoss`, whose loss couples the window's items, runs through
+:func:`gradaccum._cached.run_cached_window` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from ._cached import WindowLoss, run_cached_window
+from ._checks import Count, as_number, item_count, split_loss_output
+from ._ranks import WindowPlan, WindowRequest
+from ._window import Window, WindowContext
+from .batching import Batch, leading_dim, split_batch
+from .result import StepResult
+
+__all__ = ["LossFn", "CountFn", "is_out_of_memory", "Counts", "count_items", "run_window"]
+
+#: ``loss_fn(model, micro_batch)`` -> the mean loss over the micro-batch's items, or ``(mean, count)``
+LossFn = Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Count]]]
+#: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward
+CountFn = Callable[[Batch], Count]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for CUDA's ``torch.OutOfMemoryError`` and the CPU allocator's "can't allocate memory"."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Each micro-batch's item count before any forward pass, and their sum (a tensor count is read
+    once, here: one host synchronisation per tensor)."""
+
+    each: List[Count]
+    total: float
+
+
+def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Counts:
+    """What a bare mean loss is weighted by: the leading dimension, or the ``num_items`` counter.
+    Every micro-batch's leading dimensions are checked here, before anything runs."""
+    each: List[Count] = [leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
+    if count_fn is not None:
+        each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
+    return Counts(each, float(sum(as_number(c) for c in each)))
+
+
+def _loss(window: Window, loss_fn: LossFn, micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
+    out = loss_fn(window.ctx.model, micro_batch)
+    if isinstance(out, (tuple, list)):
+        window.tally.own_counts = True
+    return split_loss_output(out, count)
+
+
+def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
+               micro_batch_size: Any = None, catch_oom: bool = False,
+               plan: Optional[WindowPlan] = None) -> Optional[StepResult]:
+    """Forward/backward every micro-batch (and the padding the ranks need), then step. With
+    ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank has
+    agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
+    if isinstance(loss_fn, WindowLoss):
+        return run_cached_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, plan=plan)
+    defer = catch_oom and ctx.sync.distributed  # no collective before the ranks agree
+    # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):
+    # under "auto", every rank first runs that forward on one item with zero weight, so that an
+    # out-of-memory error before a rank's forward cannot leave its peers waiting there
+    flush = ([split_batch(micro_batches[0], 1)[0]]
+             if defer and ctx.sync.collectives_in_forward and micro_batches else [])
+    ranks = ctx.ranks
+    request = WindowRequest(len(flush) + len(micro_batches), counts.total, can_pad=bool(micro_batches) or
+                            ranks.replay is not None, defer=defer, plan=plan, zero_weight=len(flush))
+    with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
+        oom = False
+        try:
+            for mb in flush:
+                with window.micro_batch():
+                    window.backward_padding(_loss(window, loss_fn, mb, 0)[0])
+            for mb, count in zip(micro_batches, counts.each):
+                with window.micro_batch():
+                    window.backward(*_loss(window, loss_fn, mb, count))
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
+            if not (catch_oom and is_out_of_memory(error)):
+                raise
+            oom = True
+        if micro_batches:
+            ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
+        if not oom:
+            for _ in range(window.padding - len(flush)):
+                with window.micro_batch():
+                    window.backward_padding(_loss(window, loss_fn, ranks.replay, 0)[0])
+        if defer:
+            oom = ctx.sync.any_rank(oom, ctx.device)
+        if oom:
+            window.abandon()
+            return None
+        return window.step()
