@@ -1,0 +1,28 @@
+"""WindowLoss under torchrun with 2 gloo processes (the scenarios are in cached_worker.py, one launch)."""
+from __future__ import annotations
+
+import pytest
+
+from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+
+pytestmark = pytest.mark.distributed
+
+WORKER = str(ROOT / "tests" / "distributed" / "cached_worker.py")
+SCENARIOS = [
+    "cached_ddp_exact_with_uneven_ranks_and_a_rank_without_data",
+    "cached_ddp_find_unused_parameters",
+    "cached_ddp_loss_parameters_beside_the_wrapped_module",
+    "cached_ddp_dropout_replayed_with_rank_seeds",
+    "cached_fsdp2_exact",
+    "cached_train_over_a_window_sampler",
+]
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    return scenario_verdicts(WORKER)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(verdicts, name):
+    assert_scenario(verdicts, name)
