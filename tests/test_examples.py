@@ -36,3 +36,12 @@ def test_hf_causal_lm_gradaccum_is_one_big_batch_and_the_naive_loop_is_not():
     assert found, out
     ours, naive = map(float, found.groups())
     assert ours < 1e-10 and naive > 1e-2, out
+
+
+def test_contrastive_window_loss_is_one_big_batch_and_plain_accumulation_is_not():
+    out = run("contrastive.py")
+    assert len(re.findall(r"^step \d+: loss \d+\.\d+ over 64 pairs in 4 micro-batches$", out, re.M)) == 8, out
+    found = re.search(r"WindowLoss (\S+), plain accumulation (\S+)$", out, re.M)
+    assert found, out
+    ours, plain = map(float, found.groups())
+    assert ours < 1e-12 and plain > 1e-2, out
