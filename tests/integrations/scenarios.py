@@ -142,7 +142,10 @@ def quiet() -> None:
 
 # -- Lightning ------------------------------------------------------------------------------------
 
-def lightning_module(model: nn.Module, *, return_count: bool = False):
+def lightning_module(model: nn.Module, *, return_count: bool = False, shard: bool = False):
+    """A LightningModule training ``model`` on padded micro-batches; ``shard``: FSDP2 in
+    ``configure_model`` (each transformer block, then the root, over the data-parallel mesh), as
+    Lightning's ``ModelParallelStrategy`` requires."""
     import pytorch_lightning as pl
 
     class LitLM(pl.LightningModule):
@@ -161,29 +164,46 @@ def lightning_module(model: nn.Module, *, return_count: bool = False):
             opt, sched = make_optimizer(self.parameters())
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    return LitLM()
+    class ShardedLitLM(LitLM):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in [m for m in self.model.modules() if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer")]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    return ShardedLitLM() if shard else LitLM()
 
 
 def lightning_fit(model: nn.Module, micro_batches: Sequence[Batch], *, exact: bool, accum: int = ACCUM,
                   clip: Optional[float] = None, world: int = 1, epochs: int = 1, return_count: bool = False,
                   callbacks: Sequence[Any] = (), ckpt_path: Optional[str] = None, root: Optional[str] = None,
-                  checkpointing: bool = False):
-    """Train a copy of ``model`` with Lightning; returns (lightning module, trainer, callback)."""
+                  checkpointing: bool = False, fsdp2: bool = False):
+    """Train a copy of ``model`` with Lightning; returns (lightning module, trainer, callback).
+    ``world`` > 1: ``strategy="ddp"``, or with ``fsdp2`` Lightning's ``ModelParallelStrategy`` with
+    every rank data-parallel (the parameters are then sharded DTensors)."""
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader
 
     from gradaccum.integrations.lightning import ExactAccumulation
 
     quiet()
-    lit = lightning_module(copy.deepcopy(model), return_count=return_count)
+    lit = lightning_module(copy.deepcopy(model), return_count=return_count, shard=fsdp2)
     exact_cb = None
     cbs = list(callbacks)
     if exact:
         exact_cb = ExactAccumulation() if return_count else ExactAccumulation(
             num_items=lambda b: count_targets(b["labels"]))
         cbs.append(exact_cb)
+    if fsdp2:
+        from pytorch_lightning.strategies import ModelParallelStrategy
+
+        strategy: Any = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strategy = "ddp" if world > 1 else "auto"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=epochs,
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
         accumulate_grad_batches=accum, gradient_clip_val=clip, callbacks=cbs, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpointing,
         use_distributed_sampler=False, default_root_dir=root or tempfile.mkdtemp(prefix="gradaccum-pl-"),
