@@ -42,7 +42,7 @@ class Regression(pl.LightningModule):
         self.model_callbacks = list(model_callbacks)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y = batch[:2]
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
@@ -155,3 +155,18 @@ def test_a_bad_count_stops_the_fit_and_leaves_the_module_as_it_was():
         _fit(lit, [ExactAccumulation(num_items=lambda batch: -1)])
     assert "training_step" not in vars(lit) and "lr_scheduler_step" not in vars(lit)
     _fit(lit, [ExactAccumulation()])
+
+
+def test_a_batch_without_a_leading_dimension_to_count_says_how_to_count_it():
+    """The default count is the batch's leading dimension; tensors that disagree on it have none, and
+    the error says so and how to count instead (num_items=, or a count from training_step)."""
+    lit = Regression()
+    x, y, per_sequence = torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.float64), torch.ones(2)
+    batches = [(x, y, per_sequence)] * 2
+    with pytest.raises(ValueError, match=r"counts a batch's items by its leading dimension, but the tensors in "
+                                         r"batch disagree.*batch\[0\] has 3 items but batch\[2\] has 2.*"
+                                         r"pass num_items=lambda batch: <its item count>, or return \(mean_loss, count\)"):
+        S.quiet()
+        pl.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=2, logger=False,
+                   callbacks=[ExactAccumulation()], enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False).fit(lit, DataLoader(batches, batch_size=None))
