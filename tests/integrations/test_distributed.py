@@ -18,6 +18,7 @@ SCENARIOS = [
     "lightning_ddp_gpt2_clipped",
     "lightning_ddp_llama_float64_norm_clipped",
     "lightning_fsdp2_gpt2_clipped",
+    "lightning_ddp_zero_item_windows",
     "hf_ddp_gpt2_stock_loss_type",
     "hf_ddp_llama_plain_forward_clipped",
 ]

@@ -171,69 +171,19 @@ def test_gradaccum_imports_without_the_frameworks():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-class MaskedRegression(pl.LightningModule):
-    """Rows whose mask is 1 are the items: the mean squared error over them (0 when a micro-batch has
-    none). AdamW with weight decay and a per-step schedule, so a step on a zero gradient still moves
-    the weights and the schedule."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def training_step(self, batch, batch_idx):
-        return _masked_mse(self.net, batch)
-
-    def configure_optimizers(self):
-        opt, sched = _adamw(self.parameters())
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def _masked_mse(net: nn.Module, batch) -> torch.Tensor:
-    x, y, mask = batch
-    per_row = ((net(x) - y) ** 2).mean(-1)
-    return (per_row * mask).sum() / mask.sum().clamp(min=1)
-
-
-def _adamw(params):
-    opt = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
 
 
 def test_a_window_of_zero_items_is_skipped():
-    """Windows of 2 micro-batches; the middle window's masks are all 0 (0 items, as when every label
-    is ignored). Like the core, the callback skips it: no optimizer step (AdamW's weight decay does not
-    move the weights, its step count stays), no scheduler step, global_step not advanced; one warning.
-    The parameters equal a float64 reference that steps on the other two windows only (rtol 1e-10)."""
-    from torch.utils.data import DataLoader
-
-    S.quiet()
-    g = torch.Generator().manual_seed(5)
-    sizes, empty = [3, 2, 2, 1, 4, 3], {2, 3}
-    batches = []
-    for k, n in enumerate(sizes):
-        mask = torch.zeros(n, dtype=torch.long) if k in empty else (torch.rand(n, generator=g) < 0.7).long()
-        mask[0] = 0 if k in empty else 1
-        batches.append((torch.randn(n, 4, generator=g, dtype=torch.float64),
-                        torch.randn(n, 2, generator=g, dtype=torch.float64), mask))
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
-    ref = S.copy.deepcopy(net)
-    opt, sched = _adamw(ref.parameters())
-    for w in (0, 2):  # the window of micro-batches 2 and 3 takes no step
-        joined = [torch.cat(parts) for parts in zip(*batches[2 * w:2 * w + 2])]
-        opt.zero_grad()
-        _masked_mse(ref, joined).backward()
-        opt.step()
-        sched.step()
-    lit = MaskedRegression(S.copy.deepcopy(net))
-    cb = ExactAccumulation(num_items=lambda batch: batch[2].sum())
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=2, logger=False,
-                         callbacks=[cb], enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False)
+    """Rank 1's micro-batches of scenarios.masked_batches on one process, windows of 2: the middle
+    window's masks are all 0 (0 items, as when every label is ignored). Like the core, the callback
+    skips it: no optimizer step (AdamW's weight decay does not move the weights, its step count stays),
+    no scheduler step, global_step not advanced; one warning. The parameters equal a float64
+    reference that steps on the other two windows only (rtol 1e-10)."""
+    micro = S.masked_batches(1)
     with pytest.warns(UserWarning, match="counted 0 items") as caught:
-        trainer.fit(lit, DataLoader(batches, batch_size=None))
+        net, trainer, cb = S.masked_fit(micro, exact=True)
     assert len([w for w in caught if "counted 0 items" in str(w.message)]) == 1
-    assert S.params_close(lit.net, ref) is None, S.params_close(lit.net, ref)
-    assert trainer.global_step == 2
+    assert S.params_close(net, S.masked_reference([micro])) is None, S.params_close(net, S.masked_reference([micro]))
+    assert trainer.global_step == 2 and cb.skipped_windows == 1
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2
     assert all(state["step"] == 2 for state in trainer.optimizers[0].state.values())
