@@ -61,9 +61,9 @@ class ExactAccumulation(Callback):
     it and a warning says so once.
 
     Unchanged: the logged and returned loss (only its gradient is scaled), ``gradient_clip_val``
-    (applied to the normalized gradient), schedulers, ``global_step``, checkpoints,
-    ``GradientAccumulationScheduler`` (``A`` is read every micro-batch). Cost: one scalar all-reduce
-    per optimizer step, and one per ``fit``.
+    (applied to the normalized gradient), schedulers and ``global_step`` (but for skipped windows),
+    checkpoints, ``GradientAccumulationScheduler`` (``A`` is read every micro-batch). Cost: one scalar
+    all-reduce per optimizer step, and one per ``fit``.
 
     Args:
         num_items: How many items a batch holds. ``None`` (default): the batch's leading dimension.
@@ -84,10 +84,10 @@ class ExactAccumulation(Callback):
         >>> trainer = pl.Trainer(accumulate_grad_batches=4, gradient_clip_val=1.0, callbacks=[cb])  # doctest: +SKIP
 
     Limits: automatic optimization with one optimizer; strategies that average gradients over ranks
-    (single device, DDP and FSDP2 through ``ModelParallelStrategy`` are tested; DeepSpeed is
-    refused); optimizers that call their closure once per step (not LBFGS); a fit resumed in the
-    middle of a window (Lightning saves at window ends) counts only the micro-batches seen after the
-    resume.
+    (single device, DDP and FSDP2 through ``ModelParallelStrategy`` with every rank data-parallel are
+    tested; DeepSpeed is refused); one ``ExactAccumulation`` per Trainer (a second is refused);
+    optimizers that call their closure once per step (not LBFGS); a fit resumed in the middle of a
+    window (Lightning saves at window ends) counts only the micro-batches seen after the resume.
     """
 
     def __init__(self, num_items: Optional[NumItems] = None) -> None:
