@@ -142,7 +142,10 @@ def quiet() -> None:
 
 # -- Lightning ------------------------------------------------------------------------------------
 
-def lightning_module(model: nn.Module, *, return_count: bool = False):
+def lightning_module(model: nn.Module, *, return_count: bool = False, shard: bool = False):
+    """A LightningModule training ``model`` on padded micro-batches; ``shard``: FSDP2 in
+    ``configure_model`` (each transformer block, then the root, over the data-parallel mesh), as
+    Lightning's ``ModelParallelStrategy`` requires."""
     import pytorch_lightning as pl
 
     class LitLM(pl.LightningModule):
@@ -161,29 +164,46 @@ def lightning_module(model: nn.Module, *, return_count: bool = False):
             opt, sched = make_optimizer(self.parameters())
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    return LitLM()
+    class ShardedLitLM(LitLM):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in [m for m in self.model.modules() if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer")]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    return ShardedLitLM() if shard else LitLM()
 
 
 def lightning_fit(model: nn.Module, micro_batches: Sequence[Batch], *, exact: bool, accum: int = ACCUM,
                   clip: Optional[float] = None, world: int = 1, epochs: int = 1, return_count: bool = False,
                   callbacks: Sequence[Any] = (), ckpt_path: Optional[str] = None, root: Optional[str] = None,
-                  checkpointing: bool = False):
-    """Train a copy of ``model`` with Lightning; returns (lightning module, trainer, callback)."""
+                  checkpointing: bool = False, fsdp2: bool = False):
+    """Train a copy of ``model`` with Lightning; returns (lightning module, trainer, callback).
+    ``world`` > 1: ``strategy="ddp"``, or with ``fsdp2`` Lightning's ``ModelParallelStrategy`` with
+    every rank data-parallel (the parameters are then sharded DTensors)."""
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader
 
     from gradaccum.integrations.lightning import ExactAccumulation
 
     quiet()
-    lit = lightning_module(copy.deepcopy(model), return_count=return_count)
+    lit = lightning_module(copy.deepcopy(model), return_count=return_count, shard=fsdp2)
     exact_cb = None
     cbs = list(callbacks)
     if exact:
         exact_cb = ExactAccumulation() if return_count else ExactAccumulation(
             num_items=lambda b: count_targets(b["labels"]))
         cbs.append(exact_cb)
+    if fsdp2:
+        from pytorch_lightning.strategies import ModelParallelStrategy
+
+        strategy: Any = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strategy = "ddp" if world > 1 else "auto"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=epochs,
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
         accumulate_grad_batches=accum, gradient_clip_val=clip, callbacks=cbs, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpointing,
         use_distributed_sampler=False, default_root_dir=root or tempfile.mkdtemp(prefix="gradaccum-pl-"),
@@ -191,6 +211,96 @@ def lightning_fit(model: nn.Module, micro_batches: Sequence[Batch], *, exact: bo
     loader = DataLoader(list(micro_batches), batch_size=None, shuffle=False)
     trainer.fit(lit, loader, ckpt_path=ckpt_path)
     return lit, trainer, exact_cb
+
+
+# -- Lightning: windows of 0 items ------------------------------------------------------------------
+
+# rows per micro-batch on each rank; accumulate 2: windows 0, 1, 2. Window 1 counts 0 items on every
+# rank (skipped); window 2 counts 0 items on rank 0 only (it steps on rank 1's items).
+MASKED_SIZES = {0: [3, 2, 2, 1, 4, 3], 1: [2, 4, 1, 3, 2, 2]}
+MASKED_ACCUM = 2
+EMPTY = {0: {2, 3, 4, 5}, 1: {2, 3}}  # micro-batches whose every mask is 0
+
+
+def masked_batches(rank: int) -> List[tuple]:
+    """``(x, y, mask)`` micro-batches in float64: the rows whose mask is 1 are the items."""
+    g = torch.Generator().manual_seed(5 + rank)
+    out = []
+    for k, n in enumerate(MASKED_SIZES[rank]):
+        mask = (torch.rand(n, generator=g) < 0.7).long()
+        mask[0] = 1
+        if k in EMPTY[rank]:
+            mask.zero_()
+        out.append((torch.randn(n, 4, generator=g, dtype=torch.float64),
+                    torch.randn(n, 2, generator=g, dtype=torch.float64), mask))
+    return out
+
+
+def masked_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def masked_mse(net: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The mean squared error over the rows whose mask is 1 (0 when there is none)."""
+    x, y, mask = batch
+    per_row = ((net(x) - y) ** 2).mean(-1)
+    return (per_row * mask).sum() / mask.sum().clamp(min=1)
+
+
+def adamw(params) -> tuple:
+    """AdamW with weight decay and a per-step schedule: a step on a zero gradient still moves the
+    weights and the schedule."""
+    opt = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def masked_reference(per_rank: Sequence[Sequence[tuple]]) -> nn.Module:
+    """One float64 AdamW step per window on the union of every rank's rows, as the core takes it: a
+    window whose masks are all 0 has no loss and takes no step (no weight decay, no scheduler step)."""
+    net = masked_net()
+    opt, sched = adamw(net.parameters())
+    for w in range(-(-len(per_rank[0]) // MASKED_ACCUM)):
+        parts = [mb for mbs in per_rank for mb in mbs[w * MASKED_ACCUM:(w + 1) * MASKED_ACCUM]]
+        joined = [torch.cat(column) for column in zip(*parts)]
+        if joined[2].sum() == 0:
+            continue
+        opt.zero_grad()
+        masked_mse(net, joined).backward()
+        opt.step()
+        sched.step()
+    return net
+
+
+def masked_fit(micro_batches: Sequence[tuple], *, exact: bool, world: int = 1):
+    """Fit a masked regression with Lightning (``ExactAccumulation`` counting the mask, or
+    Lightning's own accumulation); returns (net, trainer, callback)."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from gradaccum.integrations.lightning import ExactAccumulation
+
+    class MaskedRegression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = masked_net()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return masked_mse(self.net, batch)
+
+        def configure_optimizers(self) -> Any:
+            opt, sched = adamw(self.parameters())
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    quiet()
+    lit = MaskedRegression()
+    cb = ExactAccumulation(num_items=lambda batch: batch[2].sum()) if exact else None
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=1,
+                         accumulate_grad_batches=MASKED_ACCUM, callbacks=[cb] if cb else [], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         use_distributed_sampler=False, default_root_dir=tempfile.mkdtemp(prefix="gradaccum-pl-"))
+    trainer.fit(lit, DataLoader(list(micro_batches), batch_size=None))
+    return lit.net, trainer, cb
 
 
 # -- Hugging Face Trainer -----------------------------------------------------------------------------

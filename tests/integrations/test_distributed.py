@@ -1,7 +1,8 @@
-"""Lightning (strategy="ddp") and the HF Trainer under torchrun, 2 gloo processes on the CPU: the
-integration equals one float64 step per window on the union of both ranks' micro-batches (rtol 1e-10),
-the replicas are bit-identical, and the framework's own accumulation is off by more than 1e-6. The
-scenarios live in worker.py and run in one launch (Lightning and transformers import once)."""
+"""Lightning (strategy="ddp", and FSDP2 through ModelParallelStrategy) and the HF Trainer under
+torchrun, 2 gloo processes on the CPU: the integration equals one float64 step per window on the union
+of both ranks' micro-batches (rtol 1e-10; FSDP2's shards are gathered first), the replicas are
+bit-identical, and the framework's own accumulation is off by more than 1e-6. The scenarios live in
+worker.py and run in one launch (Lightning and transformers import once)."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +17,8 @@ WORKER = str(ROOT / "tests" / "integrations" / "worker.py")
 SCENARIOS = [
     "lightning_ddp_gpt2_clipped",
     "lightning_ddp_llama_float64_norm_clipped",
+    "lightning_fsdp2_gpt2_clipped",
+    "lightning_ddp_zero_item_windows",
     "hf_ddp_gpt2_stock_loss_type",
     "hf_ddp_llama_plain_forward_clipped",
 ]

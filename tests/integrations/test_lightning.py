@@ -75,9 +75,12 @@ def test_llama_float32_norm_is_exact_to_its_float32_rounding():
 
 
 def test_count_returned_from_training_step_is_the_same_run():
-    """``training_step`` returning ``(mean, count)`` instead of ``num_items=``: bit-identical parameters."""
+    """``training_step`` returning ``(mean, count)`` instead of ``num_items=``: bit-identical parameters.
+    Both counts are device tensors here (a tensor count's weight is rounded on its device, an int's on
+    the host: the two differ by an ulp, and both equal the reference in test_exact_where_native_is_not)."""
     model = gpt2()
-    a, _, _ = S.lightning_fit(model, MICRO, exact=True)
+    tensor_count = ExactAccumulation(num_items=lambda batch: (batch["labels"][:, 1:] != -100).sum())
+    a, _, _ = S.lightning_fit(model, MICRO, exact=False, callbacks=[tensor_count])
     b, _, _ = S.lightning_fit(model, MICRO, exact=True, return_count=True)
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
     assert "training_step" not in vars(b)  # the wrapper is gone after fit
@@ -166,3 +169,21 @@ def test_gradaccum_imports_without_the_frameworks():
     code = ("import sys, gradaccum, gradaccum.integrations; "
             "assert 'pytorch_lightning' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+
+
+def test_a_window_of_zero_items_is_skipped():
+    """Rank 1's micro-batches of scenarios.masked_batches on one process, windows of 2: the middle
+    window's masks are all 0 (0 items, as when every label is ignored). Like the core, the callback
+    skips it: no optimizer step (AdamW's weight decay does not move the weights, its step count stays),
+    no scheduler step, global_step not advanced; one warning. The parameters equal a float64
+    reference that steps on the other two windows only (rtol 1e-10)."""
+    micro = S.masked_batches(1)
+    with pytest.warns(UserWarning, match="counted 0 items") as caught:
+        net, trainer, cb = S.masked_fit(micro, exact=True)
+    assert len([w for w in caught if "counted 0 items" in str(w.message)]) == 1
+    assert S.params_close(net, S.masked_reference([micro])) is None, S.params_close(net, S.masked_reference([micro]))
+    assert trainer.global_step == 2 and cb.skipped_windows == 1
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2
+    assert all(state["step"] == 2 for state in trainer.optimizers[0].state.values())

@@ -65,6 +65,49 @@ def lightning(make: Callable, name: str) -> str:
     return verdict(name, lit.model, nat.model, ref, f", last window N={cb.last_window_items:.0f}")
 
 
+def lightning_fsdp2(make: Callable, name: str) -> str:
+    """Lightning's ModelParallelStrategy with FSDP2 (``fully_shard`` per block and on the root, every
+    rank data-parallel): each rank holds a shard, so the parameters are gathered into plain copies
+    of the model before they are compared with the reference."""
+    model = make()
+    ref = S.reference(model, WINDOWS, clip=CLIP)
+    lit, trainer, cb = S.lightning_fit(model, PER_RANK[RANK], exact=True, clip=CLIP, world=WORLD, fsdp2=True)
+    nat, _, _ = S.lightning_fit(model, PER_RANK[RANK], exact=False, clip=CLIP, world=WORLD, fsdp2=True)
+    if trainer.global_step != len(WINDOWS):
+        return f"FAIL {name}: global_step {trainer.global_step} != {len(WINDOWS)} windows"
+    sharded = [type(p).__name__ for p in lit.model.parameters()]
+    if set(sharded) != {"DTensor"}:
+        return f"FAIL {name}: the parameters are not all sharded by fully_shard ({sorted(set(sharded))})"
+    return verdict(name, unsharded(lit.model, model), unsharded(nat.model, model), ref,
+                   f", last window N={cb.last_window_items:.0f}")
+
+
+def lightning_zero_item_windows(name: str) -> str:
+    """scenarios.masked_batches under DDP: window 1 counts 0 items on both ranks (skipped: no AdamW
+    step, no scheduler step, global_step not advanced), window 2 on rank 0 only (it steps on rank 1's
+    items). Lightning's own accumulation steps on every window."""
+    per_rank = [S.masked_batches(r) for r in range(WORLD)]
+    ref = S.masked_reference(per_rank)
+    exact, trainer, cb = S.masked_fit(per_rank[RANK], exact=True, world=WORLD)
+    native, _, _ = S.masked_fit(per_rank[RANK], exact=False, world=WORLD)
+    lr_steps = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+    if (trainer.global_step, cb.skipped_windows, lr_steps) != (2, 1, 2):
+        return (f"FAIL {name}: global_step {trainer.global_step}, skipped {cb.skipped_windows}, scheduler steps "
+                f"{lr_steps}; expected 2, 1, 2")
+    return verdict(name, exact, native, ref, f", last window N={cb.last_window_items:.0f}")
+
+
+def unsharded(sharded, template):
+    """A plain copy of ``template`` holding ``sharded``'s full parameters (gathered from every rank)."""
+    import copy
+
+    plain = copy.deepcopy(template)
+    with torch.no_grad():
+        for p, q in zip(plain.parameters(), sharded.parameters()):
+            p.copy_(q.full_tensor())
+    return plain
+
+
 def hf(make: Callable, name: str, clip=CLIP) -> str:
     model = make()
     ref = S.reference(model, WINDOWS, clip=clip)
@@ -79,6 +122,8 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
     "lightning_ddp_gpt2_clipped": lambda: lightning(gpt2, "lightning_ddp_gpt2_clipped"),
     "lightning_ddp_llama_float64_norm_clipped": lambda: lightning(lambda: S.float64_rmsnorm(llama()),
                                                                   "lightning_ddp_llama_float64_norm_clipped"),
+    "lightning_fsdp2_gpt2_clipped": lambda: lightning_fsdp2(gpt2, "lightning_fsdp2_gpt2_clipped"),
+    "lightning_ddp_zero_item_windows": lambda: lightning_zero_item_windows("lightning_ddp_zero_item_windows"),
     # not clipped: an engaged clip rescales the stock Trainer's uniform GPT-2 error away
     "hf_ddp_gpt2_stock_loss_type": lambda: hf(lambda: S.stock(gpt2()), "hf_ddp_gpt2_stock_loss_type", clip=None),
     "hf_ddp_llama_plain_forward_clipped": lambda: hf(lambda: S.PlainForward(llama()),

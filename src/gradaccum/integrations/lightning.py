@@ -3,14 +3,15 @@
     trainer = Trainer(accumulate_grad_batches=4, callbacks=[ExactAccumulation(num_items=count)])
 
 Lightning's automatic optimization backpropagates ``L_k / A`` for every micro-batch (``A`` =
-``accumulate_grad_batches``, also on the short last window of an epoch) and DDP averages over the
-``W`` ranks, so every micro-batch weighs the same whatever it holds. :class:`ExactAccumulation`
-weighs each one by its item count instead; nothing else of the loop changes.
+``accumulate_grad_batches``, also on the short last window of an epoch) and DDP or FSDP2 averages
+over the ``W`` ranks, so every micro-batch weighs the same whatever it holds. :class:`ExactAccumulation`
+weighs each one by its item count instead, with the formulas of :mod:`gradaccum._maths`; nothing
+else of the loop changes.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -23,50 +24,18 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "(or pip install 'pytorch-lightning>=2.4')"
     ) from exc
 
+from .._checks import Count, as_number, item_count
+from .._maths import Verdict, backward_weight, boundary_scale, first_reference, verdict
+from ..batching import leading_dim
+
 __all__ = ["ExactAccumulation"]
 
-Count = Union[int, float, torch.Tensor]
 NumItems = Callable[[Any], Count]
 
 
-def leading_dimension(batch: Any) -> int:
-    """The batch's size: the leading dimension of its first tensor (a tensor, the first element of a
-    tuple or list, or the first value of a mapping, searched depth first)."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            raise ValueError("ExactAccumulation: the batch is a 0-d tensor, it has no leading dimension to count; "
-                             "pass num_items=lambda batch: <its item count>")
-        return int(batch.shape[0])
-    values: Sequence[Any] = ()
-    if isinstance(batch, Mapping):
-        values = list(batch.values())
-    elif isinstance(batch, (tuple, list)):
-        values = batch
-    for value in values:
-        try:
-            return leading_dimension(value)
-        except ValueError:
-            continue
-    raise ValueError(f"ExactAccumulation: found no tensor in a batch of type {type(batch).__name__} to count "
-                     "items by its leading dimension; pass num_items=lambda batch: <its item count>")
-
-
-def _as_count(value: Any, where: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"ExactAccumulation: {where} returned a tensor of shape {tuple(value.shape)}; "
-                             "it must be one number, the micro-batch's item count")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"ExactAccumulation: {where} returned {value!r} ({type(value).__name__}); "
-                        "it must be a number, the micro-batch's item count")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"ExactAccumulation: {where} returned {value!r}; an item count is finite and >= 0")
-    return float(value)
-
-
 class ExactAccumulation(Callback):
-    """Make Lightning's gradient accumulation exactly one big batch, on one process or under DDP.
+    """Make Lightning's gradient accumulation exactly one big batch, on one process, under DDP or
+    under FSDP2 (``ModelParallelStrategy``).
 
     ``training_step`` keeps returning its mean loss ``L_k`` over the micro-batch's ``n_k`` items.
     The optimizer then steps on
@@ -76,30 +45,37 @@ class ExactAccumulation(Callback):
     the gradient of the mean over every item of the window on every rank: a micro-batch of padded
     sequences counts by its target tokens, the short last window of an epoch by what it holds.
 
-    How: Lightning backpropagates ``L_k / A`` (``A`` = ``accumulate_grad_batches``) and DDP averages
-    over ``W`` ranks. A hook on the loss multiplies micro-batch k's backward by ``c_k = A * W * n_k / R``,
-    so the window's synced gradient is ``sum n_k grad(L_k) / R``; in ``on_before_optimizer_step``,
-    which Lightning calls after the last backward of the window and *before* gradient clipping, the
-    window's count is all-reduced once and the gradients are multiplied by ``R / N``. ``R`` is a fixed
-    reference count agreed once per ``fit`` (``A`` times the ranks' first micro-batch counts, all-reduced)
-    so that the gradients keep Lightning's own scale until the step (what fp16 loss scaling expects).
+    How: Lightning backpropagates ``L_k / A`` and the strategy averages over ``W`` ranks. A hook on
+    the loss multiplies micro-batch k's backward by ``c_k = A * w_k``, with ``w_k = n_k * W / R`` the
+    core's backward weight, so the window's reduced gradient is ``sum n_k grad(L_k) / R``. In
+    ``on_before_optimizer_step``, which Lightning calls after the window's last backward and *before*
+    gradient clipping, the window's count is all-reduced once and the gradients are multiplied by the
+    boundary scale ``R / N``. ``R`` is agreed once per ``fit``: ``A`` times the ranks' summed first
+    micro-batch count (at least 1), so ``c_k`` is near 1 and the gradients keep Lightning's own scale
+    until the step (what fp16 loss scaling expects).
+
+    A window of ``N = 0`` items (every label ignored, on every rank) is skipped as the core skips it:
+    its gradients are set to None before the optimizer runs (a torch optimizer leaves a parameter
+    without a gradient untouched: no weight decay, no moment, no step count), ``global_step`` does
+    not advance, a scheduler with ``interval="step"`` does not step, :attr:`skipped_windows` counts
+    it and a warning says so once.
 
     Unchanged: the logged and returned loss (only its gradient is scaled), ``gradient_clip_val``
-    (applied to the normalized gradient), schedulers, ``global_step``, checkpoints,
-    ``GradientAccumulationScheduler`` (``A`` is read every micro-batch). Cost: one scalar all-reduce
-    per optimizer step, and one per ``fit``.
+    (applied to the normalized gradient), schedulers and ``global_step`` (but for skipped windows),
+    checkpoints, ``GradientAccumulationScheduler`` (``A`` is read every micro-batch). Cost: one scalar
+    all-reduce per optimizer step, and one per ``fit``.
 
     Args:
-        num_items: How many items a batch holds. ``None`` (default): the leading dimension of the
-            batch's first tensor. A callable ``batch -> int | Tensor``, e.g.
-            ``lambda batch: count_targets(batch["labels"])`` for a causal LM (next-token targets that
-            are not -100). Or leave it ``None`` and return ``(mean_loss, count)`` from
+        num_items: How many items a batch holds. ``None`` (default): the batch's leading dimension.
+            A callable ``batch -> int | Tensor``, e.g. ``lambda batch: count_targets(batch["labels"])``
+            for a causal LM (next-token targets that are not -100); a tensor count stays on its device
+            until the window's end. Or leave it ``None`` and return ``(mean_loss, count)`` from
             ``training_step``; the callback hands Lightning the mean.
 
     Raises:
-        TypeError: ``num_items`` is neither ``None`` nor callable, or a count is not a number.
-        ValueError: a count is negative or not finite, or ``training_step`` returns a count while
-            ``num_items`` is set too.
+        TypeError: ``num_items`` is neither ``None`` nor callable.
+        ValueError: a count is not a finite number >= 0, ``training_step`` returns a count while
+            ``num_items`` is set too, or the Trainer holds two ``ExactAccumulation`` callbacks.
         RuntimeError: manual optimization, or a strategy that accumulates by itself (DeepSpeed).
 
     Example:
@@ -108,9 +84,10 @@ class ExactAccumulation(Callback):
         >>> trainer = pl.Trainer(accumulate_grad_batches=4, gradient_clip_val=1.0, callbacks=[cb])  # doctest: +SKIP
 
     Limits: automatic optimization with one optimizer; strategies that average gradients over ranks
-    (single device, DDP; FSDP follows the same maths but is untested); optimizers that call their
-    closure once per step (not LBFGS); a fit resumed in the middle of a window (Lightning saves at
-    window ends) counts only the micro-batches seen after the resume.
+    (single device, DDP and FSDP2 through ``ModelParallelStrategy`` with every rank data-parallel are
+    tested; DeepSpeed is refused); one ``ExactAccumulation`` per Trainer (a second is refused);
+    optimizers that call their closure once per step (not LBFGS); a fit resumed in the middle of a
+    window (Lightning saves at window ends) counts only the micro-batches seen after the resume.
     """
 
     def __init__(self, num_items: Optional[NumItems] = None) -> None:
@@ -120,41 +97,66 @@ class ExactAccumulation(Callback):
                             "num_items=lambda batch: count_targets(batch['labels'])")
         self.num_items = num_items
         self._reference: Optional[float] = None   # R, agreed across ranks once per fit
-        self.pending: Optional[float] = None      #:  n_k of the micro-batch about to be backpropagated
-        self._window = 0.0                        # sum of n_k backpropagated since the last zero_grad
+        self.pending: Optional[Count] = None      #:  n_k of the micro-batch about to be backpropagated
+        self._window: Count = 0                   # sum of n_k backpropagated on this rank since zero_grad
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
-        self._original_training_step: Optional[Callable[..., Any]] = None
-        self.last_window_items: Optional[float] = None  # N of the last step, all ranks: for logs and tests
+        self._skipping = False                    # the window that just closed counted 0 items
+        self._replaced: Dict[str, Tuple[Callable[..., Any], bool]] = {}  # module hooks wrapped for this fit
+        self.last_window_items: Optional[float] = None  #: N of the last window, all ranks: for logs and tests
+        self.skipped_windows = 0                  #: windows of 0 items skipped in this fit
+        self._warned = False                      # the skipped-window warning was given in this fit
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_items={self.num_items!r})"
 
     # -- set-up ------------------------------------------------------------------------------------
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        _refuse_a_second_callback(trainer)
         if not pl_module.automatic_optimization:
             raise RuntimeError("ExactAccumulation works with automatic optimization; this LightningModule sets "
                                "automatic_optimization = False. Weight its losses by hand, or use "
                                "gradaccum.Accumulator in training_step")
         if trainer.strategy.handles_gradient_accumulation:
             raise RuntimeError(f"ExactAccumulation: strategy {type(trainer.strategy).__name__} accumulates gradients "
-                               "itself (DeepSpeed), so the per-micro-batch weights cannot be applied; use strategy='ddp'")
-        self._reference = None
-        self._window = 0.0
-        self._wrap_training_step(pl_module)
+                               "itself (DeepSpeed), so the per-micro-batch weights cannot be applied; use strategy='ddp' "
+                               "or ModelParallelStrategy (FSDP2)")
+        self._reference, self._window, self.skipped_windows, self._warned = None, 0, 0, False
+        self._replace(pl_module, "training_step", self._count_returning_training_step)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # after Lightning has validated the schedulers (an overridden hook would pass any scheduler)
+        self._replace(pl_module, "lr_scheduler_step", lambda hook: self._scheduler_step_unless_skipped(hook, trainer))
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage == "fit" and self._original_training_step is not None:
-            if "training_step" in vars(pl_module):
-                del pl_module.training_step  # the class's method shows through again
-            self._original_training_step = None
+        if stage == "fit":
+            self._restore(pl_module)
 
-    def _wrap_training_step(self, pl_module: "pl.LightningModule") -> None:
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._restore(pl_module)  # Lightning skips teardown after an exception
+
+    def _replace(self, pl_module: "pl.LightningModule", name: str,
+                 wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Set ``wrap(hook)`` as an instance attribute of the module for this fit; :meth:`_restore`
+        puts back what was there."""
+        if name not in self._replaced:
+            original = getattr(pl_module, name)
+            self._replaced[name] = (original, name in vars(pl_module))
+            setattr(pl_module, name, wrap(original))
+
+    def _restore(self, pl_module: "pl.LightningModule") -> None:
+        for name, (original, was_attribute) in self._replaced.items():
+            if was_attribute:
+                setattr(pl_module, name, original)
+            elif name in vars(pl_module):
+                delattr(pl_module, name)  # the class's method shows through again
+        self._replaced.clear()
+
+    def _count_returning_training_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Accept ``(mean, count)`` from ``training_step``: Lightning itself refuses tuples, so no valid
-        return value changes meaning. The wrapper is an instance attribute, removed at teardown."""
-        if self._original_training_step is not None:
-            return
-        original = pl_module.training_step
-        callback = self
+        return value changes meaning."""
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
@@ -162,70 +164,114 @@ class ExactAccumulation(Callback):
                 if len(out) != 2:
                     raise ValueError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
                                      "return the mean loss, or (mean_loss, item_count)")
-                if callback.num_items is not None:
+                if self.num_items is not None:
                     raise ValueError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
                                      "too; keep one source of the count (drop num_items=... or return the mean)")
-                callback.pending = _as_count(out[1], "training_step's (mean, count)")
+                self.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
                 return out[0]
             return out
 
-        self._original_training_step = original
-        pl_module.training_step = training_step  # type: ignore[method-assign]
+        return training_step
+
+    def _scheduler_step_unless_skipped(self, original: Callable[..., Any], trainer: "pl.Trainer") -> Callable[..., Any]:
+        """A scheduler with ``interval="step"`` steps once per optimizer step taken, never after a
+        skipped window (as the core's); epoch schedulers step at an epoch's end as before."""
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            if self._skipping and any(config.scheduler is scheduler and config.interval == "step"
+                                      for config in trainer.lr_scheduler_configs):
+                return None
+            return original(scheduler, metric)
+
+        return lr_scheduler_step
 
     # -- per micro-batch ---------------------------------------------------------------------------
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
+        self._skipping = False
         if self.num_items is not None:
-            self.pending = _as_count(self.num_items(batch), "num_items(batch)")
+            self.pending = item_count("num_items(batch)", self.num_items(batch))
         else:
             self.pending = None  # the leading dimension, unless training_step returns a count
         self._batch = batch
 
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                             optimizer: torch.optim.Optimizer) -> None:
-        self._window = 0.0  # a new window: the gradients are zeroed before its first backward
+        self._window = 0  # a new window: the gradients are zeroed before its first backward
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            loss: torch.Tensor) -> None:
-        n = self.pending
-        if n is None:
-            n = float(leading_dimension(self._batch))
-        self.pending = None
-        self._batch = None
+        n = self.pending if self.pending is not None else _leading_dim(self._batch)
+        self.pending, self._batch = None, None
         if self._reference is None:
-            self._reference = self._agree_reference(trainer, n)
-        self._window += n
-        scale = trainer.accumulate_grad_batches * trainer.world_size * n / self._reference
+            summed = self._all_reduce(trainer, n)  # the ranks' first micro-batches: once per fit
+            self._reference = first_reference(trainer.accumulate_grad_batches * summed)
+        self._window = self._window + n
         if loss.requires_grad:
-            loss.register_hook(lambda grad: grad * scale)
-
-    def _agree_reference(self, trainer: "pl.Trainer", n: float) -> float:
-        """R = A * sum over ranks of the first micro-batch's count: the same on every rank, near N."""
-        total = self._all_reduce(trainer, n)
-        return trainer.accumulate_grad_batches * (total if total > 0 else trainer.world_size)
+            c = trainer.accumulate_grad_batches * backward_weight(n, self._reference, trainer.world_size, loss.dtype)
+            loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
 
     @staticmethod
-    def _all_reduce(trainer: "pl.Trainer", value: float) -> float:
+    def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
+        """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact)."""
         if trainer.world_size == 1:
-            return value
-        exact = float(value).is_integer()
-        t = torch.tensor(int(value) if exact else value, dtype=torch.int64 if exact else torch.float64,
-                         device=trainer.strategy.root_device)
-        return float(trainer.strategy.reduce(t, reduce_op="sum").item())
+            return as_number(count)
+        device = trainer.strategy.root_device
+        t = (count.detach().to(device, torch.float64, copy=True).reshape(()) if isinstance(count, torch.Tensor)
+             else torch.tensor(float(count), dtype=torch.float64, device=device))
+        return as_number(trainer.strategy.reduce(t, reduce_op="sum"))
 
     # -- per window --------------------------------------------------------------------------------
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        if self._reference is None:
-            return  # no backward ran in this window (every training_step returned None)
-        total = self._all_reduce(trainer, self._window)
-        self._window = 0.0
+        total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and "
+                           "the ranks)", self._all_reduce(trainer, self._window))
+        self._window = 0
         self.last_window_items = total
-        factor = self._reference / total if total > 0 else 0.0
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
+        # Lightning and its fp16 scaler handle non-finite gradients themselves: decide on N only
+        if verdict(None, total, None, nonfinite="skip", has_scaler=False) is Verdict.SKIP_EMPTY:
+            self._skip(trainer, optimizer)
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        scale = boundary_scale(self._reference, total) if self._reference is not None else 1.0
+        if grads and scale != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, scale)
+
+    def _skip(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
+        """No step for a window of 0 items: no gradient reaches the optimizer, the step is not counted
+        (Lightning counts it after this hook returns), and the scheduler hook skips it."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
+        self._skipping = True
+        self.skipped_windows += 1
+        if not self._warned and trainer.is_global_zero:
+            self._warned = True
+            warnings.warn("ExactAccumulation: a window counted 0 items (e.g. every label is the ignore_index): it "
+                          "has no loss to step on, so it was skipped (no optimizer or scheduler step, global_step "
+                          "not advanced; ExactAccumulation.skipped_windows counts them)", UserWarning, stacklevel=2)
+
+
+def _leading_dim(batch: Any) -> int:
+    try:
+        return leading_dim(batch)
+    except ValueError as exc:
+        raise ValueError(f"ExactAccumulation counts a batch's items by its leading dimension, but the {exc} Or pass "
+                         "num_items=lambda batch: <its item count>, or return (mean_loss, count) from "
+                         "training_step") from None
+
+
+def _refuse_a_second_callback(trainer: "pl.Trainer") -> None:
+    """Two callbacks would each weigh every micro-batch and rescale every step: refused before the
+    first step (Lightning merges ``configure_callbacks()`` into ``trainer.callbacks`` before setup)."""
+    mine = [f"trainer.callbacks[{i}] = {cb!r}" for i, cb in enumerate(trainer.callbacks)
+            if isinstance(cb, ExactAccumulation)]
+    if len(mine) > 1:
+        raise ValueError(f"this Trainer holds {len(mine)} ExactAccumulation callbacks ({'; '.join(mine)}): each "
+                         "would weigh every micro-batch and rescale every step again, away from one big batch. Keep "
+                         "exactly one: remove the others from Trainer(callbacks=[...]), your config's "
+                         "trainer.callbacks, or LightningModule.configure_callbacks()")
