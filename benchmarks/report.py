@@ -259,6 +259,39 @@ parameter: {add_floor_ms:.3f} ms per window, against windows of {over[0]['gradac
 """
 
 
+def contrastive_section(r: Results) -> str:
+    sizes = r.get("contrastive")
+    if not sizes:
+        return ""
+    rows = [{**row, "width": c["hidden"]} for c in sizes for row in c["rows"]]
+    cells = table(rows, ["width", "contender", "ms", "time_ratio", "peak_mib", "memory_ratio", "distance"],
+                  {"ms": ".1f", "time_ratio": ".2f", "peak_mib": ".1f", "memory_ratio": ".2f", "distance": ".1e"},
+                  {"width": "hidden", "contender": "per window", "ms": "ms", "time_ratio": "time / big batch",
+                   "peak_mib": "peak MiB", "memory_ratio": "peak / big batch",
+                   "distance": "distance from the float64 big batch"})
+    c = sizes[0]
+    return f"""## WindowLoss: contrastive losses
+
+One window of {c['pairs']} (anchor, positive) text pairs, micro-batches of {c['micro_batch']} pairs, on a small BERT
+sentence-transformers model (2 layers, 64 or 256 wide, sequences of 6 to 32 tokens, dropout on, float32,
+one thread) with the multiple-negatives ranking loss (in-batch negatives): the big batch,
+`gradaccum.WindowLoss` through `Accumulator.step`, sentence-transformers' own
+`CachedMultipleNegativesRankingLoss(mini_batch_size={c['micro_batch']})`, and plain accumulation (another objective),
+side by side, {c['repeats']} rotated repeats, each one SGD step. Peak memory by PeakMeter around one window; the
+distance is the largest parameter difference from the float64 big batch's step (dropout off), relative
+to the largest change that step made.
+
+{cells}
+
+The goal was at most 1.4x the big batch's time and 1.2x its memory. WindowLoss runs one more forward per
+micro-batch (pass 1, without a graph), so its time is at least `(2F + B) / (F + B)` of the big batch's:
+about 1.33x where the backward costs twice the forward, more where it costs less, as on these small CPU
+models (the wider one comes closer). It is on a par with sentence-transformers' own cached loss for
+this objective, and it holds one micro-batch's activations instead of the window's. CachedMNRL runs
+anchors and positives in separate forwards, so it holds half as many sequences at a time.
+"""
+
+
 def cuda_section(r: Results) -> str:
     c = r.get("cuda")
     if not c:
@@ -318,6 +351,7 @@ Sections took: {durations}.
 {memory_section(r)}
 {transformer_section(r)}
 {scaling_sections(r)}
+{contrastive_section(r)}
 {cuda_section(r)}
 ![numerics, memory, transformer speed and distance](benchmarks.png)
 

@@ -7,7 +7,8 @@
 Sections: overhead against the hand loop and Accelerate, and a profile of it (overhead.py);
 distributed under torchrun (distributed.py, dist_bench.py); memory measured by PeakMeter and what
 measuring costs (memory_bench.py); transformers, speed and distance from one big batch
-(transformer.py); accumulation against one big batch, numerics, the floor (scaling.py); the same on
+(transformer.py); accumulation against one big batch, numerics, the floor (scaling.py); a loss that
+couples the window's items, WindowLoss against the big batch and sentence-transformers (contrastive.py); the same on
 CUDA in its own process when a GPU is there (cuda_bench.py). report.py writes the page.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     torch.set_num_threads(1)  # every figure with one thread: comparable, and less noise on a shared machine
     where = ROOT / "runs" / "bench-quick" if QUICK else DOCS
     where.mkdir(parents=True, exist_ok=True)
+    from contrastive import contrastive
     from distributed import distributed, window_cost
     from memory_bench import memory, meter_cost
     from overhead import overhead, profile
@@ -58,7 +60,7 @@ def main() -> None:
     sections: Dict[str, Callable[[], Any]] = {
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
-        "throughput": throughput,
+        "throughput": throughput, "contrastive": contrastive,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda}
     for name, fn in sections.items():
         t0 = time.time()

@@ -1,0 +1,157 @@
+"""Section 7: a loss that couples the window's items (in-batch negatives), per window.
+
+One window of N (anchor, positive) text pairs on a tiny BERT sentence-transformers model (built from a
+config, no download), the multiple-negatives ranking loss, side by side in one run:
+
+* the big batch (the baseline: all N pairs in one forward and backward, where it fits);
+* ``gradaccum.WindowLoss`` with micro-batches of m pairs, through ``Accumulator.step``;
+* sentence-transformers' ``CachedMultipleNegativesRankingLoss(mini_batch_size=m)``, its own cached
+  loss for this very objective (m sequences per forward);
+* plain accumulation over micro-batches of m pairs (the other objective, for its distance).
+
+Each takes one SGD step (lr 1, so the parameters move by the gradient). Time per window is the median
+over rotated repeats (one thread, CPU time of this thread); peak memory is measured by PeakMeter
+around one window; the distance is the largest parameter difference from the float64 big batch's
+step, with dropout off so that the big batch is one deterministic target, relative to the largest
+change that step made.
+"""
+from __future__ import annotations
+
+import copy
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from common import QUICK, median, paired_ratio, side_by_side
+
+from gradaccum import Accumulator, WindowLoss
+from gradaccum.memory import PeakMeter
+
+PAIRS = 32 if QUICK else 64
+MICRO = 8 if QUICK else 16
+REPEATS = 3 if QUICK else 9
+
+
+def _model(folder: Path, hidden: int = 64) -> Any:
+    """A tiny BERT (``hidden`` wide, 2 layers) behind mean pooling, saved to ``folder`` and loaded by
+    sentence-transformers as a local model (no download)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.models import Pooling, Transformer
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(995)]
+    (folder / "vocab.txt").write_text("\n".join(words) + "\n")
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=2 * hidden, max_position_embeddings=128)).save_pretrained(folder)
+    return SentenceTransformer(modules=[Transformer(str(folder)), Pooling(hidden, "mean")], device="cpu")
+
+
+def _features(n: int, seed: int) -> Dict[str, Any]:
+    """``n`` token sequences of 6 to 32 tokens, padded: the features sentence-transformers' forward takes."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 33, (n,), generator=g)
+    ids = torch.zeros(n, int(lengths.max()), dtype=torch.long)
+    for i, length in enumerate(lengths.tolist()):
+        ids[i, :length] = torch.randint(5, 1000, (length,), generator=g)
+        ids[i, 0], ids[i, length - 1] = 2, 3
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "token_type_ids": torch.zeros_like(ids)}
+
+
+def _contenders(base: Any, batch: Dict[str, Dict[str, Any]]) -> Dict[str, Callable[[], Any]]:
+    """Each contender's one window on a model of its own (the same initial weights), by name."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sentence_transformers.losses import CachedMultipleNegativesRankingLoss, MultipleNegativesRankingLoss
+    columns = [batch["anchor"], batch["positive"]]
+    out: Dict[str, Callable[[], Any]] = {}
+    models: Dict[str, Any] = {}
+
+    def fresh(name: str) -> Any:
+        models[name] = copy.deepcopy(base)
+        return models[name], torch.optim.SGD(models[name].parameters(), lr=1.0)
+
+    big, big_opt = fresh("big batch")
+    big_loss = MultipleNegativesRankingLoss(big)
+
+    def big_batch() -> None:
+        big_opt.zero_grad()
+        big_loss([dict(c) for c in columns], None).backward()  # a copy: the model writes its outputs into it
+        big_opt.step()
+
+    ours, ours_opt = fresh("WindowLoss")
+    ours_loss = MultipleNegativesRankingLoss(ours)
+    embed = lambda m, mb: tuple(m(dict(mb[k]))["sentence_embedding"] for k in ("anchor", "positive"))  # noqa: E731
+    window_loss = WindowLoss(embed, lambda reps: ours_loss.compute_loss_from_embeddings(list(reps), None))
+    acc = Accumulator(ours, ours_opt)
+
+    st, st_opt = fresh("CachedMNRL")
+    st_loss = CachedMultipleNegativesRankingLoss(st, mini_batch_size=MICRO)
+
+    def cached_mnrl() -> None:
+        st_opt.zero_grad()
+        st_loss([dict(c) for c in columns], None).backward()
+        st_opt.step()
+
+    plain, plain_opt = fresh("plain accumulation")
+    plain_loss = MultipleNegativesRankingLoss(plain)
+    plain_acc = Accumulator(plain, plain_opt)
+    out = {"big batch": big_batch,
+           "WindowLoss": lambda: acc.step(batch, window_loss, micro_batch_size=MICRO),
+           "CachedMNRL": cached_mnrl,
+           "plain accumulation": lambda: plain_acc.step(
+               batch, lambda m, mb: plain_loss.compute_loss_from_embeddings(list(embed(m, mb)), None),
+               micro_batch_size=MICRO)}
+    out["_models"] = models  # type: ignore[assignment]
+    return out
+
+
+def _distances(base: Any, batch: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
+    """Each contender's one step in float64 with dropout off, against the big batch's."""
+    model = copy.deepcopy(base).double().eval()
+    runs = _contenders(model, batch)
+    models = runs.pop("_models")
+    before = [p.detach().clone() for p in model.parameters()]
+    for fn in runs.values():
+        fn()
+    moved = {name: [p.detach() - b for p, b in zip(m.parameters(), before)] for name, m in models.items()}
+    scale = max(d.abs().max().item() for d in moved["big batch"])
+    return {name: max((a - b).abs().max().item() for a, b in zip(moved[name], moved["big batch"])) / scale
+            for name in runs}
+
+
+def contrastive() -> List[Dict[str, Any]]:
+    """The table at two widths: the backward's share of the time grows with the width (matrix work)."""
+    return [_at(hidden) for hidden in (64, 256)]
+
+
+def _at(hidden: int) -> Dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        base = _model(Path(folder), hidden)
+    batch = {"anchor": {**_features(PAIRS, 1), "modality": "text"},
+             "positive": {**_features(PAIRS, 2), "modality": "text"}}
+    distance = _distances(base, batch)
+    runs = _contenders(base.train(), batch)  # float32, dropout on: what training runs
+    runs.pop("_models")
+    runs.pop("plain accumulation")  # the other objective: its time says nothing
+    samples = side_by_side(runs, REPEATS)
+    peaks: Dict[str, int] = {}
+    for name, fn in runs.items():
+        with PeakMeter("cpu") as meter:
+            fn()
+        peaks[name] = meter.result.peak_bytes
+    rows: List[Dict[str, Any]] = []
+    for name in ["big batch", "WindowLoss", "CachedMNRL", "plain accumulation"]:
+        row: Dict[str, Any] = {"contender": name, "distance": distance[name]}
+        if name in samples:
+            ratio = paired_ratio(samples, name, "big batch")
+            row.update(ms=median(samples[name]) * 1e3, time_ratio=ratio["ratio"], q1=ratio["q1"], q3=ratio["q3"],
+                       peak_mib=peaks[name] / 2**20, memory_ratio=peaks[name] / peaks["big batch"])
+        rows.append(row)
+    return {"pairs": PAIRS, "micro_batch": MICRO, "repeats": REPEATS, "hidden": hidden, "rows": rows}
