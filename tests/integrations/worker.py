@@ -65,10 +65,10 @@ def lightning(make: Callable, name: str) -> str:
     return verdict(name, lit.model, nat.model, ref, f", last window N={cb.last_window_items:.0f}")
 
 
-def hf(make: Callable, name: str, clip=CLIP) -> str:
+def hf(make: Callable, name: str, clip=CLIP, head=None) -> str:
     model = make()
     ref = S.reference(model, WINDOWS, clip=clip)
-    exact, trainer = S.hf_fit(model, PER_RANK, exact=True, clip=clip)
+    exact, trainer = S.hf_fit(model, PER_RANK, exact=True, clip=clip, head=head)
     native, _ = S.hf_fit(model, PER_RANK, exact=False, clip=clip)
     if trainer.state.global_step != len(WINDOWS):
         return f"FAIL {name}: global_step {trainer.state.global_step} != {len(WINDOWS)} windows"
@@ -82,7 +82,7 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
     # not clipped: an engaged clip rescales the stock Trainer's uniform GPT-2 error away
     "hf_ddp_gpt2_stock_loss_type": lambda: hf(lambda: S.stock(gpt2()), "hf_ddp_gpt2_stock_loss_type", clip=None),
     "hf_ddp_llama_plain_forward_clipped": lambda: hf(lambda: S.PlainForward(llama()),
-                                                     "hf_ddp_llama_plain_forward_clipped"),
+                                                     "hf_ddp_llama_plain_forward_clipped", head="causal_lm"),
 }
 
 
