@@ -44,8 +44,9 @@ _PROBLEM_LOSS = {"single_label_classification": "cross_entropy", "regression": "
 #: "tokens": a summed next-token loss divided by ``num_items_in_batch``; "pairs"/"rows": a mean over
 #: the batch's preference pairs (chosen rows then rejected rows) or its rows along dim 0)
 SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
-           "trl.trainer.dpo_trainer.DPOTrainer": "pairs", "trl.trainer.reward_trainer.RewardTrainer": "pairs"}
-_DECLARABLE = ("rows",)  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
+           "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
+_DECLARABLE = ("rows",)
+_NOT_PER_PAIR = ("sft", "aot", "aot_unpaired")  # DPO loss types over the whole micro-batch, not per pair  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
 
 
 def _qualname(cls: type) -> str:
@@ -188,8 +189,8 @@ class ExactTrainer(Trainer):
     - ``class X(ExactTrainer, SFTTrainer)`` (TRL): SFT computes its loss, metrics and logs itself,
       with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
       ``average_tokens_across_devices`` so that both settings are exact.
-    - ``class X(ExactTrainer, DPOTrainer)`` or ``RewardTrainer``: their mean over the micro-batch's
-      pairs is weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
+    - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
+      weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
     - Any other Trainer subclass whose ``compute_loss`` returns a mean over the batch's rows: declare
       ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
       order, or an undeclared ``compute_loss``, is refused when the class is defined.
@@ -234,9 +235,21 @@ class ExactTrainer(Trainer):
         if self.args.n_gpu > 1:
             raise ValueError(f"ExactTrainer: n_gpu={self.args.n_gpu} (DataParallel in one process) splits each "
                              "batch without telling the loss; launch one process per GPU (torchrun) instead")
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ValueError("ExactTrainer: DeepSpeed ZeRO-3 is not supported (untested: it gathers parameters "
-                             "inside forward); use ZeRO-1/2 or FSDP2 (fsdp_version=2)")
+        if self.is_deepspeed_enabled:
+            stage = self.accelerator.state.deepspeed_plugin.zero_stage
+            raise ValueError(f"ExactTrainer: DeepSpeed (ZeRO-{stage}) is not supported: it is untested here, and its "
+                             "engine steps inside backward, so a window without items could not be skipped; train "
+                             "with DDP (one process per device under torchrun)")
+        if self.is_fsdp_enabled:
+            version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+            raise ValueError(f"ExactTrainer: FSDP (fsdp_version={version}) is not supported: it is untested with "
+                             "ExactTrainer here; train with DDP (one process per device under torchrun), or use "
+                             "gradaccum's Accumulator with FSDP2 (docs/guides/torchrun.md)")
+        batch_level = sorted(set(getattr(self, "loss_types", ())) & set(_NOT_PER_PAIR))
+        if self.source == "pairs" and batch_level:
+            raise ValueError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
+                             "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
+                             "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError("ExactTrainer: the MoE router's auxiliary loss is a mean per micro-batch, not per item; "
                              "set model_init_kwargs/config output_router_logits=False")
@@ -337,10 +350,6 @@ class ExactTrainer(Trainer):
         decision = _maths.verdict(None, items, None, nonfinite="raise", has_scaler=False)
         self._window = _Window(items=items, skip=decision is _maths.Verdict.SKIP_EMPTY,
                                micro_batches=len(batch_samples))
-        if self._window.skip and self.is_deepspeed_enabled and batch_samples:
-            raise ValueError(f"ExactTrainer: the window after step {self.state.global_step} holds no item on any rank "
-                             "(every label is -100); DeepSpeed steps inside backward, so it cannot be skipped. Drop "
-                             "examples without targets from the dataset")
         self.last_window_items = items
         return batch_samples, total
 
