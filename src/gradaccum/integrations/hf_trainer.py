@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import _maths
-from ..batching import leading_dim
+from .hf_items import HEADS, BatchItems, head_of
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -31,13 +31,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 __all__ = ["ExactTrainer", "HEADS", "SOURCES", "head_of", "loss_source"]
-
-#: the model heads whose loss ExactTrainer computes itself, and the loss of each
-#: (a sequence-classification head's depends on its problem type, resolved as the model resolves it)
-HEADS = {"causal_lm": "cross_entropy", "masked_lm": "cross_entropy", "token_classification": "cross_entropy",
-         "sequence_classification": None}
-_PROBLEM_LOSS = {"single_label_classification": "cross_entropy", "regression": "squared_error",
-                 "multi_label_classification": "binary_cross_entropy"}
 
 #: where a Trainer's loss comes from, by the class whose ``compute_loss`` it runs: its items, and how
 #: that ``compute_loss`` reduces over them ("head": ExactTrainer computes the model's loss itself;
@@ -87,32 +80,6 @@ def loss_source(cls: type) -> str:
             f"micro-batches by their items. Supported: {known}; for a compute_loss that returns the mean over the "
             f"batch's rows (dim 0), declare it: class {cls.__name__}(...): exact_items = 'rows'")
     return source
-
-
-def head_of(model: nn.Module) -> str:
-    """The :data:`HEADS` entry of a Hugging Face model, from its class (PEFT and compile unwrapped).
-
-    Raises:
-        ValueError: the class is none of the Auto mappings' causal-LM, masked-LM, token- or
-            sequence-classification classes (pass ``head=`` to ExactTrainer).
-    """
-    from transformers.models.auto import modeling_auto as auto
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base = getattr(base, "_orig_mod", base)
-    name = type(base).__name__
-
-    def names(mapping: Dict[str, Any]) -> set:
-        return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
-
-    for head, mapping in (("causal_lm", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
-                          ("sequence_classification", auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
-                          ("token_classification", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
-                          ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)):
-        if name in names(mapping):
-            return head
-    raise ValueError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
-                     "(ExactTrainer computes that head's loss from the model's logits)")
 
 
 @dataclasses.dataclass
@@ -257,8 +224,9 @@ class ExactTrainer(Trainer):
             # transformers before 5.x: training_step divides by the accumulation steps unless the model
             # "accepts loss kwargs"
             self.model_accepts_loss_kwargs = True
-        self.head = head or (head_of(self.model) if self.source == "head" else None)
-        self.ignore_index = ignore_index
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),
+                                ignore_index, config, self.args.device)
         self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
         self._skips = _Skips()
@@ -266,68 +234,14 @@ class ExactTrainer(Trainer):
         self._eval_tally: List[torch.Tensor] = []  # per evaluation batch: [loss sums of its rows, their items]
 
     @property
+    def head(self) -> Any:
+        """The head whose loss ExactTrainer computes (None where the trainer computes it)."""
+        return self.items.head
+
+    @property
     def windows_skipped(self) -> int:
         """Windows skipped since the run began (resumed runs included) because they held no item."""
         return self._skips.windows
-
-    # -- what a batch's items are ----------------------------------------------------------------
-
-    def _loss_of(self, batch: Dict[str, Any]) -> str:
-        """The :data:`gradaccum._maths.LOSSES` entry of this batch under the model's head."""
-        loss = HEADS[self.head]
-        if loss is not None:
-            return loss
-        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        problem = getattr(config, "problem_type", None)
-        if problem is None:  # as the model resolves it on its first batch with labels
-            labels = self._labels(batch)
-            if getattr(config, "num_labels", None) == 1:
-                problem = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                problem = "single_label_classification"
-            else:
-                problem = "multi_label_classification"
-        if problem not in _PROBLEM_LOSS:
-            raise ValueError(f"ExactTrainer: problem_type={problem!r} is not supported; supported are "
-                             f"{', '.join(_PROBLEM_LOSS)}")
-        return _PROBLEM_LOSS[problem]
-
-    @staticmethod
-    def _labels(batch: Dict[str, Any]) -> torch.Tensor:
-        labels = batch.get("labels")
-        if labels is None:
-            raise ValueError("ExactTrainer: a training batch has no 'labels'; it needs them to count the items "
-                             "and compute the loss (use a collator such as DataCollatorForLanguageModeling(mlm=False))")
-        return labels
-
-    def _targets(self, batch: Dict[str, Any]) -> torch.Tensor:
-        """The labels the loss is over: a causal LM's ``shift_labels`` if the collator gave them, else
-        its ``labels[:, 1:]``; every other head's ``labels``."""
-        if self.head in (None, "causal_lm") and "shift_labels" in batch:
-            return batch["shift_labels"]
-        labels = self._labels(batch)
-        return labels[..., 1:] if self.head in (None, "causal_lm") else labels
-
-    def _rows(self, batch: Dict[str, Any]) -> int:
-        """The items of a batch whose trainer returns a mean over pairs or rows: its preference pairs
-        (``input_ids`` holds the chosen rows, then the rejected ones) or its rows along dim 0."""
-        return leading_dim(batch["input_ids"]) // 2 if self.source == "pairs" else leading_dim(batch)
-
-    def _rows_items(self, batch: Dict[str, Any]) -> torch.Tensor:
-        """Items per row (a pair's two rows count as one): what evaluation gathers."""
-        if self.source in ("pairs", "rows"):
-            return torch.ones(self._rows(batch), dtype=torch.long, device=self.args.device)
-        targets = self._targets(batch)
-        loss = "cross_entropy" if self.source == "tokens" else self._loss_of(batch)
-        return torch.stack([_maths.loss_items(t, loss=loss, ignore_index=self.ignore_index) for t in targets])
-
-    def _items(self, batch: Dict[str, Any]) -> torch.Tensor:
-        """The batch's items, on the device (no host synchronisation)."""
-        if self.source in ("pairs", "rows"):
-            return torch.tensor(self._rows(batch), device=self.args.device)
-        targets = self._targets(batch)
-        loss = "cross_entropy" if self.source == "tokens" else self._loss_of(batch)
-        return _maths.loss_items(targets, loss=loss, ignore_index=self.ignore_index)
 
     # -- the window's count ----------------------------------------------------------------------
 
@@ -344,7 +258,7 @@ class ExactTrainer(Trainer):
             except StopIteration:
                 break
         device = device if device is not None else self.args.device
-        local = sum((self._items(b).to(device) for b in batch_samples), torch.zeros((), dtype=torch.long, device=device))
+        local = sum((self.items.count(b).to(device) for b in batch_samples), torch.zeros((), dtype=torch.long, device=device))
         total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
         items = int(total)
         decision = _maths.verdict(None, items, None, nonfinite="raise", has_scaler=False)
@@ -368,8 +282,8 @@ class ExactTrainer(Trainer):
         world = self.accelerator.num_processes
         weight = 0.0 if window.skip else _maths.summed_loss_weight(window.items, world)
         if self.source == "head":
-            outputs = model(**self._model_inputs(inputs))
-            loss = self._head_loss_sum(outputs, inputs) * weight
+            outputs = model(**self.items.model_inputs(inputs))
+            loss = self.items.head_loss_sum(outputs, inputs) * weight
         elif self.source == "tokens":
             # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
             loss, outputs = self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))
@@ -378,7 +292,7 @@ class ExactTrainer(Trainer):
         else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
             loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
             mean_weight = 0.0 if window.skip else _maths.backward_weight(
-                self._rows(inputs), reference=window.items, grad_divisor=world)
+                self.items.rows(inputs), reference=window.items, grad_divisor=world)
             loss = loss * mean_weight
         return (loss, outputs) if return_outputs else loss
 
@@ -388,48 +302,15 @@ class ExactTrainer(Trainer):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
         return out if return_outputs else (out, None)
 
-    def _model_inputs(self, inputs: Dict[str, Any]) -> Dict[str, Any]:
-        return {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-
-    @staticmethod
-    def _logits(outputs: Any) -> torch.Tensor:
-        if isinstance(outputs, torch.Tensor):
-            logits: Optional[torch.Tensor] = outputs  # a bare tensor from forward is taken as the logits
-        elif isinstance(outputs, dict):
-            logits = outputs.get("logits")
-        elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-            logits = outputs[0]  # return_dict=False without labels: logits come first
-        else:
-            logits = getattr(outputs, "logits", None)
-        if logits is None:
-            raise ValueError("ExactTrainer: the model returned no 'logits'; ExactTrainer computes the loss from them "
-                             f"(got {type(outputs).__name__}). Return logits from forward when no labels are given")
-        return logits
-
-    def _aligned(self, logits: torch.Tensor, batch: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Logits and the targets they predict (a causal LM's logits drop their last position unless the
-        collator gave ``shift_labels``, which align with every position)."""
-        targets = self._targets(batch)
-        if self.head == "causal_lm" and "shift_labels" not in batch:
-            logits = logits[..., :-1, :]
-        return logits, targets
-
-    def _head_loss_sum(self, outputs: Any, batch: Dict[str, Any]) -> torch.Tensor:
-        logits, targets = self._aligned(self._logits(outputs), batch)
-        return _maths.loss_sum(logits, targets, loss=self._loss_of(batch), ignore_index=self.ignore_index)
-
     # -- evaluation: the item-weighted mean over the whole set -----------------------------------
 
     def _evaluation_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
         """The batch's mean loss; its rows' loss sums and items are gathered (the Trainer's
         ``gather_for_metrics`` drops the rows a distributed sampler repeated) for ``eval_loss``."""
-        rows_items = self._rows_items(inputs)
+        rows_items = self.items.rows_items(inputs)
         if self.source == "head":
-            outputs = model(**self._model_inputs(inputs))
-            logits, targets = self._aligned(self._logits(outputs), inputs)
-            loss = self._loss_of(inputs)
-            rows_sums = torch.stack([_maths.loss_sum(lg, t, loss=loss, ignore_index=self.ignore_index)
-                                     for lg, t in zip(logits, targets)])
+            outputs = model(**self.items.model_inputs(inputs))
+            rows_sums = self.items.rows_loss_sums(outputs, inputs)
             mean = rows_sums.sum() / rows_items.sum().clamp(min=1).to(rows_sums.dtype)
         else:  # the trainer's own batch mean, shared out over its rows by their items
             mean, outputs = self._trainer_loss(model, inputs, return_outputs, None)
