@@ -328,6 +328,40 @@ Precisions (transformers of section 4; peak over one window above the level befo
 """
 
 
+def stacks_section(r: Results) -> str:
+    rows = r.get("stacks") or []
+    if not rows:
+        return "## 9. Each stack's own accumulation against ours\n\nSkipped: transformers or TRL is not installed.\n"
+    ratio = next((x["stock_step_ratio_k4"] for x in rows if "stock_step_ratio_k4" in x), None)
+    lines = ["| stack | case | its own accumulation | ours |", "|---|---|---|---|"]
+    for x in rows:
+        ours = "ExactTrainer" if x["stack"] == "HF Trainer" else "Exact" + x["stack"].split()[-1]
+        lines.append(f"| {x['stack']} | {x['case']} | {x['stock']:.1e} | {x['exact']:.1e} ({ours}) |")
+    return f"""## 9. Each stack's own accumulation against ours
+
+`benchmarks/stacks.py`: Δ = the largest parameter difference from one float64 big batch per window
+(the same step on the window's union as one batch), on the data and references of
+`tests/integrations/` (float64 tiny GPT-2, Llama and BERT built from configs; padded micro-batches of
+uneven sizes; windows of 3, 3 and 1 micro-batches, SFT of 4, 4 and 2 sequences, DPO of 4 pairs and a
+last of 3). TRL's rows with "TRL's kernel" use TRL's fused LM head as shipped: it accumulates in
+float32 and, under TRL's default `bf16=True`, projects in bf16 even for a float64 model, so its big
+batch is the reference there and ~1e-9 is that kernel's rounding; "float64 kernel" rows swap in a
+float64 one on both sides and show the weighting alone. 2-process rows are the torchrun scenarios of
+`tests/integrations/worker.py` (2 gloo processes).
+
+{chr(10).join(lines)}
+
+The stock Trainer's step on sequence classification with 4 equal micro-batches per window is
+{_f(ratio, '.2f')}x the big batch's: the head's `forward` takes `**kwargs`, so the Trainer neither divides
+by the accumulation steps nor passes a count the head uses (it returns a mean). Padding-free and packed
+SFT batches carry -100 at every sequence start, which makes the stock count right on one process;
+two processes with `average_tokens_across_devices=False` weigh each rank's mean equally, whatever its
+tokens. DPO's stock step divides each micro-batch's mean by the micro-batches: the short last window
+weighs its pairs 1/4, 1/4 and 1/2 instead of 1/3 each (on 2 processes with equal micro-batches it is
+right too).
+"""
+
+
 def render(r: Results) -> str:
     quick = " with `BENCH_QUICK=1` (fewer repeats and sizes: a smoke run, not figures to quote)" if r["quick"] else ""
     durations = ", ".join(f"{k} {v:.0f} s" for k, v in r["durations_s"].items())
@@ -353,6 +387,7 @@ Sections took: {durations}.
 {scaling_sections(r)}
 {contrastive_section(r)}
 {cuda_section(r)}
+{stacks_section(r)}
 ![numerics, memory, transformer speed and distance](benchmarks.png)
 
 Raw numbers: `docs/benchmarks.json`.

@@ -8,8 +8,9 @@ Sections: overhead against the hand loop and Accelerate, and a profile of it (ov
 distributed under torchrun (distributed.py, dist_bench.py); memory measured by PeakMeter and what
 measuring costs (memory_bench.py); transformers, speed and distance from one big batch
 (transformer.py); accumulation against one big batch, numerics, the floor (scaling.py); a loss that
-couples the window's items, WindowLoss against the big batch and sentence-transformers (contrastive.py); the same on
-CUDA in its own process when a GPU is there (cuda_bench.py). report.py writes the page.
+couples the window's items, WindowLoss against the big batch and sentence-transformers (contrastive.py); the
+same on CUDA in its own process when a GPU is there (cuda_bench.py); each stack's own accumulation against
+ours (stacks.py). report.py writes the page.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def main() -> None:
     from memory_bench import memory, meter_cost
     from overhead import overhead, profile
     from scaling import bandwidth, numerics, throughput
+    from stacks import stacks
     from transformer import transformer
 
     results: Dict[str, Any] = {"quick": QUICK, "machine": machine(), "durations_s": {},
@@ -61,7 +63,7 @@ def main() -> None:
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
         "throughput": throughput, "contrastive": contrastive,
-        "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda}
+        "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks}
     for name, fn in sections.items():
         t0 = time.time()
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)

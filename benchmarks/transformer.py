@@ -195,9 +195,10 @@ def _trainer(model: nn.Module, data: TextWindows, n: int, windows: int,
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     clock = _Clock()
+    head = {"head": "causal_lm"} if exact else {}  # ExactTrainer cannot name TinyLM's head from its class
     trainer = cls(model=model, args=args, train_dataset=dataset, optimizers=(opt, sched),
                       data_collator=lambda items: data.gather([it["idx"] for it in items]),
-                      callbacks=[clock.callback])
+                      callbacks=[clock.callback], **head)
     trainer.remove_callback(PrinterCallback)  # it prints each train()'s summary
 
     def run(k: int) -> List[float]:

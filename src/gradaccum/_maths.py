@@ -203,3 +203,60 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index:
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()
     return F.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=ignore_index, reduction="sum")
+
+
+# -- a Hugging Face model's loss as a sum over its items (integrations/hf_trainer.py) -----------------
+
+#: the losses a Hugging Face head computes from its logits, by what their items are
+LOSSES = ("cross_entropy", "squared_error", "binary_cross_entropy")
+
+
+def summed_loss_weight(reference: float, grad_divisor: float) -> float:
+    """``W / R``: what a micro-batch's *summed* loss ``S_k = n_k L_k`` is multiplied by before its
+    backward; the :func:`backward_weight` of one item, so ``S_k W / R = L_k n_k W / R``.
+
+    >>> summed_loss_weight(reference=12.0, grad_divisor=2.0) == backward_weight(1, 12.0, 2.0)
+    True
+    """
+    return float(backward_weight(1, reference, grad_divisor))
+
+
+def loss_items(targets: torch.Tensor, *, loss: str, ignore_index: int = -100) -> torch.Tensor:
+    """How many items ``loss`` averages over for these (aligned) ``targets``, on their device: the
+    targets that are not ``ignore_index`` for a cross-entropy (tokens, sequence labels), every element
+    for a squared error (regression) or a binary cross-entropy (multi-label), as their ``mean`` does.
+
+    >>> loss_items(torch.tensor([3, -100, 1]), loss="cross_entropy").item(), loss_items(torch.zeros(2, 5), loss="binary_cross_entropy").item()
+    (2, 10)
+    """
+    if loss == "cross_entropy":
+        return target_count(targets, ignore_index=ignore_index)
+    if loss in LOSSES:
+        return torch.tensor(targets.numel(), device=targets.device)
+    raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, loss: str, ignore_index: int = -100) -> torch.Tensor:
+    """The sum over :func:`loss_items` of ``loss``, so that ``loss_sum / loss_items`` is the mean a
+    Hugging Face head returns. Cross-entropy is :func:`token_loss_sum` (logits ``targets.shape +
+    (classes,)``); a squared error or a binary cross-entropy takes logits of the targets' shape (or one
+    that squeezes to it, as a regression head's ``(n, 1)`` does), the targets cast to the logits' dtype.
+    float16 and bfloat16 logits are raised to float32; float64 stays float64.
+
+    >>> loss_sum(torch.tensor([[1.0], [3.0]]), torch.tensor([0.0, 1.0]), loss="squared_error").item()
+    5.0
+    """
+    if loss == "cross_entropy":
+        return token_loss_sum(logits, targets, ignore_index=ignore_index)
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
+    if logits.numel() != targets.numel():
+        raise ValueError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
+                         f"{tuple(targets.shape)}: a {loss} needs one logit per target")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logits = logits.reshape(targets.shape)
+    targets = targets.to(logits.device, logits.dtype)
+    if loss == "squared_error":
+        return F.mse_loss(logits, targets, reduction="sum")
+    return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")

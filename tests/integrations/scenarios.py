@@ -94,10 +94,10 @@ def lm_logits(model: nn.Module, mb: Batch) -> torch.Tensor:
 
 
 def reference(model: nn.Module, windows: Sequence[Sequence[torch.Tensor]], clip: Optional[float] = None,
-              epochs: int = 1) -> nn.Module:
+              epochs: int = 1, optimizer=make_optimizer) -> nn.Module:
     """One float64 step per window: mean over every target of the window, backward, clip, step."""
     model = copy.deepcopy(model)
-    opt, sched = make_optimizer(model.parameters())
+    opt, sched = optimizer(model.parameters())
     model.window_losses = []  # the mean loss of every step, to compare with what the frameworks log
     for _ in range(epochs):
         for window in windows:
@@ -327,10 +327,12 @@ def interleaved(per_rank: Sequence[Sequence[Batch]]) -> List[Batch]:
 def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool, accum: int = ACCUM,
            clip: Optional[float] = None, epochs: int = 1, out: Optional[str] = None,
            save: bool = False, resume: Optional[str] = None, max_steps: int = -1,
-           trainer_cls: Optional[type] = None):
+           trainer_cls: Optional[type] = None, head: Optional[str] = None, optimizer=make_optimizer, **arguments):
     """Train a copy of ``model`` with the HF Trainer, one pre-padded micro-batch per dataset item
     (``per_device_train_batch_size=1`` and a collator that unwraps), so micro-batches keep their
-    uneven sizes and paddings; sequential order (``train_sampling_strategy="sequential"``)."""
+    uneven sizes and paddings; sequential order (``train_sampling_strategy="sequential"``). ``head`` goes
+    to ExactTrainer (a model it cannot name, such as PlainForward, needs it); ``arguments`` to
+    TrainingArguments."""
     from transformers import Trainer, TrainingArguments
 
     from gradaccum.integrations.hf_trainer import ExactTrainer
@@ -338,16 +340,17 @@ def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool
     quiet()
     cls = trainer_cls or (ExactTrainer if exact else Trainer)
     model = copy.deepcopy(model)
-    opt, sched = make_optimizer(model.parameters())
+    opt, sched = optimizer(model.parameters())
     args = TrainingArguments(
         output_dir=out or tempfile.mkdtemp(prefix="gradaccum-hf-"), per_device_train_batch_size=1,
         gradient_accumulation_steps=accum, num_train_epochs=epochs, max_steps=max_steps,
         max_grad_norm=clip if clip is not None else 0.0, report_to="none", logging_strategy="steps",
         logging_steps=1, save_strategy="steps" if save else "no", save_steps=1, eval_strategy="no",
         disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, train_sampling_strategy="sequential",
-        remove_unused_columns=False, seed=0, data_seed=0, ddp_find_unused_parameters=False)
+        remove_unused_columns=False, seed=0, data_seed=0, ddp_find_unused_parameters=False, **arguments)
+    extra = {"head": head} if head is not None and issubclass(cls, ExactTrainer) else {}
     trainer = cls(model=model, args=args, train_dataset=ListDataset(interleaved(per_rank)),
-                  optimizers=(opt, sched), data_collator=lambda items: items[0])
+                  optimizers=(opt, sched), data_collator=lambda items: items[0], **extra)
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints every log line

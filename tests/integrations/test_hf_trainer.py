@@ -5,23 +5,28 @@ dataset item (batch size 1, a collator that unwraps), ``gradient_accumulation_st
 3, 3 and 1 micro-batches (short last window); SGD with momentum and a LambdaLR schedule passed in.
 Two models the stock Trainer gets wrong: GPT-2 as ``GPT2LMHeadModel(config)`` builds it (``loss_type``
 None: it counts the unshifted labels) and Llama behind a ``forward`` with no ``**kwargs`` (it
-divides by the steps).
+divides by the steps). The other heads (heads.py: tiny BERT classifiers) against the model's own loss
+over each window as one batch; a window without items; the evaluation loss over the whole set.
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from integrations import heads as H  # noqa: E402
 from integrations import scenarios as S  # noqa: E402
-from gradaccum import count_targets  # noqa: E402
+from gradaccum import causal_lm_loss, count_targets  # noqa: E402
 from gradaccum.integrations.hf_trainer import ExactTrainer  # noqa: E402
-from hf_helpers import gpt2, llama, pad  # noqa: E402
+from hf_helpers import gpt2, llama, pad, unpad  # noqa: E402
 
 MICRO = S.rank_micro_batches(0, S.SIZES[0])
 WINDOWS = S.windows_of([MICRO], S.ACCUM)
 MODELS = {"gpt2-stock-loss-type": lambda: S.stock(gpt2()), "llama-plain-forward": lambda: S.PlainForward(llama())}
+HEAD = {"llama-plain-forward": "causal_lm"}  # a model class ExactTrainer cannot name
 
 
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
@@ -32,7 +37,7 @@ def test_exact_where_the_stock_trainer_is_not(name, clip):
     every step is the window's mean token loss (to the float32 the Trainer logs in); global_step counts windows."""
     model = MODELS[name]()
     ref = S.reference(model, WINDOWS, clip=clip)
-    exact, trainer = S.hf_fit(model, [MICRO], exact=True, clip=clip)
+    exact, trainer = S.hf_fit(model, [MICRO], exact=True, clip=clip, head=HEAD.get(name))
     stock, _ = S.hf_fit(model, [MICRO], exact=False, clip=clip)
     assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
     if clip is not None and name.startswith("gpt2"):
@@ -59,6 +64,67 @@ def test_checkpoint_resume_is_the_uninterrupted_run(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
 
 
+@pytest.mark.parametrize("kind", list(H.KINDS))
+def test_every_head_is_exact(kind):
+    """Sequence classification (single-label with ignored labels, regression with num_labels=1,
+    multi-label) and token classification: ExactTrainer equals one step per window on the model's own
+    loss over the window (rtol 1e-10); the stock Trainer, whose heads take **kwargs so that it neither
+    divides by the accumulation steps nor passes a count the head uses, takes about K times the step."""
+    model, micro = H.bert(kind), H.micro_batches(kind, S.SIZES[0])
+    ref = H.reference(model, micro)
+    exact, trainer = S.hf_fit(model, [micro], exact=True)
+    stock, _ = S.hf_fit(model, [micro], exact=False)
+    assert trainer.head == ("token_classification" if kind == "token" else "sequence_classification")
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    assert S.max_diff(stock, ref) > 1e-3
+
+
+def test_a_window_without_items_is_skipped(tmp_path):
+    """A window whose every label is -100 (float64 GPT-2, AdamW with weight decay): no optimizer step (the
+    weights equal a reference that never saw the window, so weight decay did not move them), no scheduler
+    step, global_step not advanced, no checkpoint for it, windows_skipped counts it. Resuming from the
+    checkpoint after it skips its data too (bit-identical to the straight run). The stock Trainer steps on it."""
+    micro = S.rank_micro_batches(0, [2, 3, 1, 2, 3, 1, 2, 2, 1, 3])  # windows of 3, 3, 3 and 1
+    for mb in micro[3:6]:
+        mb["labels"] = torch.full_like(mb["labels"], -100)
+    windows = [w for i, w in enumerate(S.windows_of([micro], S.ACCUM)) if i != 1]
+    model = S.stock(gpt2())
+    ref = S.reference(model, windows, optimizer=adamw)
+    exact, trainer = S.hf_fit(model, [micro], exact=True, optimizer=adamw, out=str(tmp_path / "a"), save=True)
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    assert trainer.state.global_step == 3 and trainer.windows_skipped == 1
+    assert trainer.lr_scheduler.last_epoch == 3
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == [f"checkpoint-{i}" for i in (1, 2, 3)]
+    saved = json.loads((tmp_path / "a" / "checkpoint-1" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["_Skips"]["attributes"]["windows"] == 0  # not saved again by the skip
+    resumed, again = S.hf_fit(model, [micro], exact=True, optimizer=adamw, out=str(tmp_path / "b"),
+                              resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert again.state.global_step == 3 and again.windows_skipped == 1
+    assert all(torch.equal(p, q) for p, q in zip(exact.parameters(), resumed.parameters()))
+    stock, _ = S.hf_fit(model, [micro], exact=False, optimizer=adamw)
+    assert not S.max_diff(stock, ref) < 1e-6  # nan, or a step on the empty window
+
+
+def adamw(params):
+    opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def test_evaluation_loss_is_the_item_weighted_mean_over_the_set():
+    """eval_loss is the mean over every target of the evaluation set (rtol 1e-12), not the Trainer's mean
+    of batch means weighted by the batch size."""
+    model = S.stock(gpt2())
+    exact = S.hf_fit(model, [MICRO], exact=True, max_steps=1, per_device_eval_batch_size=1)[1]
+    stock = S.hf_fit(model, [MICRO], exact=False, max_steps=1, per_device_eval_batch_size=1)[1]
+    every = pad([s for mb in MICRO for s in unpad(mb)])
+    exact.model.eval()
+    with torch.no_grad():
+        ref = causal_lm_loss(S.lm_logits(exact.model, every), every["labels"])[0].item()
+    got = exact.evaluate(S.ListDataset(MICRO))["eval_loss"]
+    assert got == pytest.approx(ref, rel=1e-12)
+    assert stock.evaluate(S.ListDataset(MICRO))["eval_loss"] != pytest.approx(ref, rel=1e-4)
+
+
 def test_evaluation_loss_is_the_batch_mean():
     model = S.stock(gpt2()).eval()
     trainer = S.hf_fit(model, [MICRO], exact=True, max_steps=1)[1]
@@ -79,3 +145,24 @@ def test_errors_name_the_argument_and_the_fix():
     trainer = ExactTrainer(model=gpt2(), args=args)
     with pytest.raises(ValueError, match="no 'labels'"):
         trainer.get_batch_samples(iter([{"input_ids": torch.zeros(1, 3, dtype=torch.long)}]), 1)
+    with pytest.raises(ValueError, match=r"cannot tell the head of PlainForward; pass head= one of causal_lm"):
+        ExactTrainer(model=S.PlainForward(gpt2()), args=args)
+    with pytest.raises(ValueError, match=r"head='seq2seq'\): supported heads are causal_lm"):
+        ExactTrainer(model=gpt2(), args=args, head="seq2seq")
+
+
+def test_a_trainer_subclass_before_exact_trainer_is_refused_with_the_fix():
+    """Another Trainer before ExactTrainer in the MRO would run its compute_loss with ExactTrainer's
+    window count; a compute_loss whose reduction is unknown cannot be weighted. Both refused where
+    the class is written; a declared one (exact_items = "rows") is accepted."""
+    from transformers import Trainer
+
+    class Mine(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    with pytest.raises(TypeError, match=r"Write class Wrong\(ExactTrainer, Mine\)"):
+        type("Wrong", (Mine, ExactTrainer), {})
+    with pytest.raises(TypeError, match=r"cannot tell how Mine.compute_loss reduces.*exact_items = 'rows'"):
+        type("Unknown", (ExactTrainer, Mine), {})
+    assert type("Declared", (ExactTrainer, Mine), {"exact_items": "rows"})

@@ -1,140 +1,256 @@
-"""Hugging Face ``Trainer``: exact gradient accumulation for any causal LM.
+"""Hugging Face ``Trainer``: exact gradient accumulation for every head, and for the trainers built on it.
 
-    trainer = ExactTrainer(model=model, args=args, train_dataset=dataset)   # instead of Trainer(...)
+    trainer = ExactTrainer(model=model, args=args, train_dataset=dataset)     # instead of Trainer(...)
+    class ExactSFT(ExactTrainer, SFTTrainer): pass                            # any Trainer subclass: ExactTrainer first
 
-The stock Trainer counts ``num_items_in_batch`` only for models it recognises (a GPT-2 built from a
-config has ``loss_type`` None, so it counts the unshifted labels) and falls back to ``loss / N`` for
-models whose ``forward`` takes no ``num_items_in_batch``. :class:`ExactTrainer` counts the targets
-itself and computes the loss itself, so neither matters.
+Every optimizer step is on the gradient of the item-weighted mean loss over the whole window, every
+micro-batch of it on every rank (one big batch). What an *item* is depends on where the loss comes
+from (:func:`loss_source`): the model's head (next-token targets, token labels, sequence labels,
+regression or multi-label elements), TRL's ``SFTTrainer`` (next-token targets) or a preference
+trainer (pairs). The formulas are :mod:`gradaccum._maths`'; this module only says what the items
+of a batch are and hooks the Trainer's window.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import _maths
+from .hf_items import HEADS, BatchItems, head_of
+
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_callback import ExportableState
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "gradaccum.integrations.hf_trainer needs transformers: pip install 'gradaccum[hf]' "
         "(or pip install 'transformers>=4.46')"
     ) from exc
 
-__all__ = ["ExactTrainer", "causal_lm_loss_sum", "count_causal_targets"]
+__all__ = ["ExactTrainer", "HEADS", "SOURCES", "head_of", "loss_source"]
+
+#: where a Trainer's loss comes from, by the class whose ``compute_loss`` it runs: its items, and how
+#: that ``compute_loss`` reduces over them ("head": ExactTrainer computes the model's loss itself;
+#: "tokens": a summed next-token loss divided by ``num_items_in_batch``; "pairs"/"rows": a mean over
+#: the batch's preference pairs (chosen rows then rejected rows) or its rows along dim 0)
+SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
+           "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
+_DECLARABLE = ("rows",)
+_NOT_PER_PAIR = ("sft", "aot", "aot_unpaired")  # DPO loss types over the whole micro-batch, not per pair  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
 
 
-def _targets(batch: Dict[str, Any], shift: bool, ignore_index: int) -> torch.Tensor:
-    """The labels the loss is over: ``shift_labels`` if the collator gave them, else ``labels[:, 1:]``."""
-    if "shift_labels" in batch:
-        return batch["shift_labels"]
-    labels = batch.get("labels")
-    if labels is None:
-        raise ValueError("ExactTrainer: a training batch has no 'labels'; it needs them to count the targets "
-                         "and compute the loss (use a collator such as DataCollatorForLanguageModeling(mlm=False))")
-    return labels[..., 1:] if shift else labels
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def count_causal_targets(batch: Dict[str, Any], *, shift: bool = True, ignore_index: int = -100) -> torch.Tensor:
-    """Targets of one batch: ``labels[..., 1:] != ignore_index`` (after the causal shift), counted on
-    the labels' device; a collator's ``shift_labels`` are counted as given."""
-    return (_targets(batch, shift, ignore_index) != ignore_index).sum()
+def loss_source(cls: type) -> str:
+    """How ``cls`` (a subclass of :class:`ExactTrainer`) gets its loss: the :data:`SOURCES` entry of
+    the first class after ExactTrainer in its MRO that defines ``compute_loss``, or what ``cls``
+    declares in ``exact_items`` for a ``compute_loss`` of its own.
+
+    Raises:
+        TypeError: a Trainer subclass comes before ExactTrainer in the MRO (its ``compute_loss`` or
+            window would run instead of ExactTrainer's: a loss 1/W or 1/K off, silently), or the
+            ``compute_loss`` that runs is one whose reduction is not known and not declared.
+    """
+    mro = cls.__mro__
+    here = mro.index(ExactTrainer)
+    wrong = [c for c in mro[:here] if issubclass(c, Trainer) and not issubclass(c, ExactTrainer)]
+    if wrong:
+        bases = ", ".join(b.__name__ for b in cls.__bases__)
+        raise TypeError(
+            f"class {cls.__name__}({bases}): ExactTrainer must come first among the base classes, before "
+            f"{wrong[0].__name__} (whose compute_loss would otherwise run with ExactTrainer's window count: a step "
+            f"1/W or W times off). Write class {cls.__name__}(ExactTrainer, {wrong[0].__name__})")
+    owner = next(c for c in mro[here + 1:] if "compute_loss" in vars(c))
+    declared = getattr(cls, "exact_items", None)
+    if declared is not None:
+        if declared not in _DECLARABLE:
+            raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported is {_DECLARABLE} (compute_loss "
+                            "returns the mean over the batch's rows along dim 0)")
+        return declared
+    source = SOURCES.get(_qualname(owner))
+    if source is None:
+        known = ", ".join(name.rsplit(".", 1)[1] for name in SOURCES)
+        raise TypeError(
+            f"ExactTrainer cannot tell how {owner.__name__}.compute_loss reduces its loss, so it cannot weigh "
+            f"micro-batches by their items. Supported: {known}; for a compute_loss that returns the mean over the "
+            f"batch's rows (dim 0), declare it: class {cls.__name__}(...): exact_items = 'rows'")
+    return source
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, batch: Dict[str, Any], *, shift: bool = True,
-                       ignore_index: int = -100) -> torch.Tensor:
-    """Sum over the batch's targets of the next-token cross-entropy, in the logits' dtype (float16 and
-    bfloat16 logits are raised to float32; float64 stays float64)."""
-    if "shift_labels" in batch:
-        logits, targets = logits, batch["shift_labels"]  # already aligned with every position
-    elif shift:
-        logits, targets = logits[..., :-1, :], batch["labels"][..., 1:]
-    else:
-        targets = batch["labels"]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device),
-                           ignore_index=ignore_index, reduction="sum")
+@dataclasses.dataclass
+class _Window:
+    """The window being trained: its global item count N, whether it is skipped (N = 0), how many
+    micro-batches it holds and how many have run."""
+
+    items: int
+    skip: bool
+    micro_batches: int
+    ran: int = 0
+
+
+class _Skips(TrainerCallback, ExportableState):
+    """Counts the windows skipped for holding no item (saved in checkpoints, read back on resume) and,
+    at the end of a skipped window, gives the Trainer back its optimizer and scheduler and keeps its
+    flow from logging, evaluating or saving a step that was not taken."""
+
+    def __init__(self) -> None:
+        self.windows = 0
+        self.held: Optional[Tuple[Any, Any]] = None  # (optimizer, scheduler) while a skipped window ends
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"windows": self.windows}}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.held is not None:
+            control.should_log = control.should_evaluate = control.should_save = False
+        return control
+
+
+class _NoStep:
+    """Stands in for the optimizer and the scheduler at the end of a skipped window: ``step()`` does
+    nothing, everything else is the real object's."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class ExactTrainer(Trainer):
-    """A ``transformers.Trainer`` whose gradient accumulation is exactly one big batch, for any model.
+    """A ``transformers.Trainer`` whose gradient accumulation is exactly one big batch.
 
-    Every optimizer step is on the gradient of the mean token loss over the whole window, every
-    micro-batch of it on every rank:
+    Every optimizer step is on the gradient of the item-weighted mean loss over the window, every
+    micro-batch k on every rank::
 
-        grad = sum_{ranks, k in window} grad(S_k) / N,   N = sum_{ranks, k in window} n_k,
+        grad = sum_{ranks, k} grad(S_k) / N,    S_k = n_k L_k,    N = sum_{ranks, k} n_k
 
-    where ``S_k`` is micro-batch k's summed next-token cross-entropy over its ``n_k`` targets
-    (``labels[:, 1:] != -100``, counted after the causal shift whatever the model's ``loss_type``).
+    with ``L_k`` micro-batch k's mean loss over its ``n_k`` items. ``get_batch_samples`` (called once
+    per window with its micro-batches, fewer on an epoch's short last window) counts ``N`` before any
+    forward and all-reduces it; each micro-batch backpropagates ``S_k * W / N``
+    (:func:`gradaccum._maths.summed_loss_weight`; ``W`` processes, since DDP averages gradients), and
+    ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing again. The logged ``loss`` is
+    the window's mean over all ranks; ``eval_loss`` is the item-weighted mean over the whole
+    evaluation set. A window with ``N = 0`` (every label ignored on every rank) is skipped as the
+    core skips it: no optimizer step (so no weight decay), no scheduler step, ``global_step`` not
+    advanced, no log, evaluation or checkpoint for it; ``windows_skipped`` counts them and a resume
+    accounts for them.
 
-    How: ``get_batch_samples`` (called once per window with the window's micro-batches) counts
-    ``N`` and all-reduces it across ranks; ``compute_loss`` runs the model *without* ``labels`` and
-    returns ``W * S_k / N`` (``W`` ranks, because DDP averages gradients over them) computed from
-    the logits in their own dtype. ``loss_is_scaled_for_ga = True`` tells the Trainer not to divide
-    by the accumulation steps. So the model's own loss, ``num_items_in_batch`` in its ``forward``,
-    ``loss_type`` and ``average_tokens_across_devices`` play no part. The logged ``loss`` is the
-    window's mean token loss over all ranks. Clipping (``max_grad_norm``), the scheduler, logging
-    and checkpoints are the Trainer's, on the exact gradient. Evaluation's ``compute_loss`` returns
-    the batch's mean token loss.
+    Where the loss comes from (:func:`loss_source`):
+
+    - ``ExactTrainer`` itself (the next ``compute_loss`` in the MRO is the Trainer's): the model runs
+      without ``labels`` and ExactTrainer computes its head's loss from the logits, as the model
+      defines it: next-token cross-entropy (``causal_lm``: items ``labels[:, 1:] != -100``, or a
+      collator's ``shift_labels``), token cross-entropy (``token_classification``, ``masked_lm``),
+      and for ``sequence_classification`` by problem type: cross-entropy over the labels that are not
+      -100, squared error (``regression``, ``num_labels=1``) or binary cross-entropy
+      (``multi_label_classification``) over every label element.
+    - ``class X(ExactTrainer, SFTTrainer)`` (TRL): SFT computes its loss, metrics and logs itself,
+      with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
+      ``average_tokens_across_devices`` so that both settings are exact.
+    - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
+      weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
+    - Any other Trainer subclass whose ``compute_loss`` returns a mean over the batch's rows: declare
+      ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
+      order, or an undeclared ``compute_loss``, is refused when the class is defined.
 
     Args:
-        *args: As for ``transformers.Trainer``.
-        shift_labels: ``True`` (default) for causal LMs: position t predicts ``labels[:, t + 1]``.
-            ``False`` for models whose logits align with ``labels`` (token classification).
+        *args: As for ``transformers.Trainer`` (or the subclass).
+        head: One of :data:`HEADS`, where ExactTrainer computes the loss itself. Default: read from
+            the model's class (:func:`head_of`).
         ignore_index: Label value that is not a target. Default -100.
-        **kwargs: As for ``transformers.Trainer``; ``compute_loss_func`` is refused (this class is
-            the loss).
+        **kwargs: As for the Trainer; ``compute_loss_func`` is refused.
 
     Raises:
-        ValueError: ``compute_loss_func`` is passed, ``label_smoothing_factor`` is not 0, the
-            Trainer runs DataParallel over several GPUs in one process (``n_gpu > 1``), a batch has
-            no ``labels``, or the model returns no ``logits``.
+        ValueError: ``compute_loss_func`` is passed; ``label_smoothing_factor`` where ExactTrainer
+            computes the loss; DataParallel over several GPUs in one process (``n_gpu > 1``);
+            DeepSpeed ZeRO-3; a batch has no ``labels``; the model returns no ``logits``; a
+            window holds no item under DeepSpeed (its engine steps inside backward).
 
     Example:
-        >>> from transformers import TrainingArguments
-        >>> args = TrainingArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=4,
-        ...                          max_grad_norm=1.0)   # doctest: +SKIP
+        >>> args = TrainingArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=4)  # doctest: +SKIP
         >>> ExactTrainer(model=model, args=args, train_dataset=ds, data_collator=collator).train()  # doctest: +SKIP
-
-    Limits: data parallelism only (DDP, or FSDP, whose gradients are averaged the same way: untested
-    here); no tensor/context/sequence parallelism, DeepSpeed, SageMaker MP or label smoothing.
-    Tested with transformers 5.23; versions without ``Trainer.loss_is_scaled_for_ga`` are handled
-    by declaring the model as taking loss kwargs, which is what made them skip the division.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
+    exact_items: Optional[str] = None  # a subclass's declaration for a compute_loss of its own (see loss_source)
 
-    def __init__(self, *args: Any, shift_labels: bool = True, ignore_index: int = -100, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        loss_source(cls)  # refuse a wrong composition where it is written
+
+    def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, **kwargs: Any) -> None:
         if kwargs.get("compute_loss_func") is not None:
-            raise ValueError("ExactTrainer(compute_loss_func=...): ExactTrainer computes the loss itself (the "
-                             "next-token cross-entropy from the logits); drop compute_loss_func, or use Trainer")
+            raise ValueError("ExactTrainer(compute_loss_func=...): ExactTrainer cannot weigh a loss whose reduction "
+                             "it does not know; drop compute_loss_func (ExactTrainer computes the model's loss), or "
+                             "use Trainer")
+        if head is not None and head not in HEADS:
+            raise ValueError(f"ExactTrainer(head={head!r}): supported heads are {', '.join(HEADS)}")
+        self.source = loss_source(type(self))
         super().__init__(*args, **kwargs)
-        if getattr(self.args, "label_smoothing_factor", 0.0):
+        if self.source == "head" and getattr(self.args, "label_smoothing_factor", 0.0):
             raise ValueError(f"ExactTrainer: label_smoothing_factor={self.args.label_smoothing_factor} is not "
-                             "supported; set it to 0")
+                             "supported where ExactTrainer computes the model's loss; set it to 0")
         if self.args.n_gpu > 1:
             raise ValueError(f"ExactTrainer: n_gpu={self.args.n_gpu} (DataParallel in one process) splits each "
                              "batch without telling the loss; launch one process per GPU (torchrun) instead")
+        if self.is_deepspeed_enabled:
+            stage = self.accelerator.state.deepspeed_plugin.zero_stage
+            raise ValueError(f"ExactTrainer: DeepSpeed (ZeRO-{stage}) is not supported: it is untested here, and its "
+                             "engine steps inside backward, so a window without items could not be skipped; train "
+                             "with DDP (one process per device under torchrun)")
+        if self.is_fsdp_enabled:
+            version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+            raise ValueError(f"ExactTrainer: FSDP (fsdp_version={version}) is not supported: it is untested with "
+                             "ExactTrainer here; train with DDP (one process per device under torchrun), or use "
+                             "gradaccum's Accumulator with FSDP2 (docs/guides/torchrun.md)")
+        batch_level = sorted(set(getattr(self, "loss_types", ())) & set(_NOT_PER_PAIR))
+        if self.source == "pairs" and batch_level:
+            raise ValueError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
+                             "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
+                             "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError("ExactTrainer: the MoE router's auxiliary loss is a mean per micro-batch, not per item; "
+                             "set model_init_kwargs/config output_router_logits=False")
         if "loss_is_scaled_for_ga" not in vars(Trainer):
             # transformers before 5.x: training_step divides by the accumulation steps unless the model
-            # "accepts loss kwargs"; nothing else reads it here because compute_loss and
-            # get_batch_samples are overridden.
+            # "accepts loss kwargs"
             self.model_accepts_loss_kwargs = True
-        self.shift_labels = shift_labels
-        self.ignore_index = ignore_index
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),
+                                ignore_index, config, self.args.device)
         self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
+        self._window: Optional[_Window] = None
+        self._skips = _Skips()
+        self.add_callback(self._skips)
+        self._eval_tally: List[torch.Tensor] = []  # per evaluation batch: [loss sums of its rows, their items]
+
+    @property
+    def head(self) -> Any:
+        """The head whose loss ExactTrainer computes (None where the trainer computes it)."""
+        return self.items.head
+
+    @property
+    def windows_skipped(self) -> int:
+        """Windows skipped since the run began (resumed runs included) because they held no item."""
+        return self._skips.windows
 
     # -- the window's count ----------------------------------------------------------------------
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: Optional[torch.device] = None) -> Tuple[List[Any], Optional[torch.Tensor]]:
-        """The window's micro-batches and ``N``, their targets summed over every rank.
+        """The window's micro-batches and ``N``, their items summed over every rank, and the window's
+        verdict (step, or skip when ``N = 0``). One host synchronisation per window: the verdict needs N.
 
-        Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step, with that
-        step's micro-batches: fewer on the short last window of an epoch)."""
+        Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step)."""
         batch_samples: List[Any] = []
         for _ in range(num_batches):
             try:
@@ -142,41 +258,120 @@ class ExactTrainer(Trainer):
             except StopIteration:
                 break
         device = device if device is not None else self.args.device
-        local = sum((count_causal_targets(b, shift=self.shift_labels, ignore_index=self.ignore_index).to(device)
-                     for b in batch_samples), torch.zeros((), dtype=torch.long, device=device))
+        local = sum((self.items.count(b).to(device) for b in batch_samples), torch.zeros((), dtype=torch.long, device=device))
         total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
-        self.last_window_items = int(total)
+        items = int(total)
+        decision = _maths.verdict(None, items, None, nonfinite="raise", has_scaler=False)
+        self._window = _Window(items=items, skip=decision is _maths.Verdict.SKIP_EMPTY,
+                               micro_batches=len(batch_samples))
+        self.last_window_items = items
         return batch_samples, total
 
     # -- the loss --------------------------------------------------------------------------------
 
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
-        """Training: ``W * S_k / N`` with ``N`` from :meth:`get_batch_samples`. Evaluation: the
-        batch's mean token loss ``S / n``. Both from the logits, in their dtype."""
-        model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        outputs = model(**model_inputs)
-        if isinstance(outputs, torch.Tensor):
-            logits: Optional[torch.Tensor] = outputs  # a bare tensor from forward is taken as the logits
-        elif isinstance(outputs, dict):
-            logits = outputs.get("logits")
-        elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-            logits = outputs[0]  # return_dict=False without labels: logits come first
-        else:
-            logits = getattr(outputs, "logits", None)
-        if logits is None:
-            raise ValueError("ExactTrainer: the model returned no 'logits'; ExactTrainer computes the loss from them "
-                             f"(got {type(outputs).__name__}). Return logits from forward when no labels are given")
-        total = causal_lm_loss_sum(logits, inputs, shift=self.shift_labels, ignore_index=self.ignore_index)
-        if model.training:
-            if num_items_in_batch is None:
-                raise RuntimeError("ExactTrainer.compute_loss in training got num_items_in_batch=None; it is "
-                                   "ExactTrainer.get_batch_samples' window count (do not override that away)")
-            n = torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype).clamp(min=1)
-            loss = total * self.accelerator.num_processes / n
-        else:
-            n = count_causal_targets(inputs, shift=self.shift_labels, ignore_index=self.ignore_index)
-            loss = total / n.to(total.device, total.dtype).clamp(min=1)
-        if return_outputs:
-            return loss, outputs
+        """Training: micro-batch k's share ``S_k * W / N`` of the window's mean (0 in a skipped
+        window). Evaluation: the batch's mean, its rows' sums and items kept for ``eval_loss``."""
+        if not model.training:
+            return self._evaluation_loss(model, inputs, return_outputs)
+        window = self._window
+        if window is None:
+            raise RuntimeError("ExactTrainer.compute_loss in training before get_batch_samples counted the window "
+                               "(do not override get_batch_samples away)")
+        world = self.accelerator.num_processes
+        weight = 0.0 if window.skip else _maths.summed_loss_weight(window.items, world)
+        if self.source == "head":
+            outputs = model(**self.items.model_inputs(inputs))
+            loss = self.items.head_loss_sum(outputs, inputs) * weight
+        elif self.source == "tokens":
+            # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
+            loss, outputs = self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))
+            own = world if self.args.average_tokens_across_devices else 1
+            loss = loss * (weight * max(window.items, 1) / own)
+        else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
+            loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
+            mean_weight = 0.0 if window.skip else _maths.backward_weight(
+                self.items.rows(inputs), reference=window.items, grad_divisor=world)
+            loss = loss * mean_weight
+        return (loss, outputs) if return_outputs else loss
+
+    def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
+                      num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
+        """The next class's ``compute_loss`` (SFT's, DPO's, ...), with its metrics and logs."""
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
+        return out if return_outputs else (out, None)
+
+    # -- evaluation: the item-weighted mean over the whole set -----------------------------------
+
+    def _evaluation_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
+        """The batch's mean loss; its rows' loss sums and items are gathered (the Trainer's
+        ``gather_for_metrics`` drops the rows a distributed sampler repeated) for ``eval_loss``."""
+        rows_items = self.items.rows_items(inputs)
+        if self.source == "head":
+            outputs = model(**self.items.model_inputs(inputs))
+            rows_sums = self.items.rows_loss_sums(outputs, inputs)
+            mean = rows_sums.sum() / rows_items.sum().clamp(min=1).to(rows_sums.dtype)
+        else:  # the trainer's own batch mean, shared out over its rows by their items
+            mean, outputs = self._trainer_loss(model, inputs, return_outputs, None)
+            rows_sums = mean.detach() * rows_items.to(mean.dtype)
+        gathered = self.accelerator.gather_for_metrics(torch.stack([rows_sums.detach().double(),
+                                                                    rows_items.to(rows_sums.device).double()], dim=1))
+        self._eval_tally.append(gathered.sum(dim=0))
+        return (mean, outputs) if return_outputs else mean
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop, with ``{prefix}_loss`` the item-weighted mean over the whole set
+        (the Trainer's is a mean of batch means weighted by the batch size)."""
+        self._eval_tally = []
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        if self._eval_tally:
+            loss_sum, items = torch.stack(self._eval_tally).sum(dim=0).tolist()
+            output.metrics[f"{prefix}_loss"] = _maths.window_mean(loss_sum, items)
+        self._eval_tally = []
+        return output
+
+    # -- the skipped window ----------------------------------------------------------------------
+
+    def training_step(self, model: nn.Module, inputs: Dict[str, Any],
+                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
+        """The Trainer's step; after the last micro-batch of a skipped window, the optimizer and the
+        scheduler the Trainer is about to step are stood in for, and ``global_step`` is taken back by
+        the one the Trainer adds, so that the window leaves no trace but its consumed data."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        window = self._window
+        if window is not None:
+            window.ran += 1
+            if window.skip and window.ran == window.micro_batches:
+                self._skips.windows += 1
+                self._skips.held = (self.optimizer, self.lr_scheduler)
+                self.optimizer, self.lr_scheduler = _NoStep(self.optimizer), _NoStep(self.lr_scheduler)
+                self.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
         return loss
+
+    def _release(self) -> None:
+        if self._skips.held is not None:
+            self.optimizer, self.lr_scheduler = self._skips.held
+            self._skips.held = None
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        self._release()  # the skipped window's step is over: the Trainer's own objects come back
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._release()
+
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
+        """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
+        epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)
+        saved = self.state.stateful_callbacks.get(type(self._skips).__name__)
+        self._skips.windows = int(saved["attributes"]["windows"]) if isinstance(saved, dict) else 0
+        if self._skips.windows and not self.args.ignore_data_skip:
+            windows = self.state.global_step + self._skips.windows
+            epochs = windows // num_update_steps_per_epoch
+            batches = (windows % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
+        return epochs, batches
