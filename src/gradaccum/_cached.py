@@ -117,10 +117,11 @@ def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
     flat = []
     for path, leaf in leaves(out):
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            what = "a 0-d tensor" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise ValueError(
-                f"WindowLoss: encode(model, micro_batch) returned {type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else 'a 0-d tensor'}"
-                f" at representations{path}; every representation must be a tensor with the micro-batch's "
-                "items along dim 0 (a tensor, or a tuple/list/dict of them)")
+                f"WindowLoss: encode(model, micro_batch) returned {what} at representations{path}; every "
+                "representation must be a tensor with the micro-batch's items along dim 0 (a tensor, or a "
+                "tuple/list/dict of them)")
         if leaf.shape[0] != count:
             raise ValueError(
                 f"WindowLoss: representations{path} of micro-batch {k} have leading size {leaf.shape[0]}, but "
@@ -195,51 +196,75 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
             ranks.remember(micro_batches[-1])
         first = _first_pass(ctx, window_loss, micro_batches, sizes, window.padding)
         joined, offset = ctx.sync.gather_items(first.local())
-        total = joined[0].shape[0]
-        loss, inputs = _window_loss(window_loss, first.spec, joined, ctx)
-        # the loss's gradient: N / R for the loss itself, N * W / R for each micro-batch's slice
-        outside = [p for p in ctx.grads.params if p.requires_grad]
-        weighted = ctx.precision.scale(loss * backward_weight(total, window.reference(total), 1.0))
-        with torch.autocast(device_type=ctx.device.type, enabled=False):
-            found = torch.autograd.grad(weighted, inputs + outside, allow_unused=True)
-        slices = [None if g is None else g[offset:offset + sum(sizes)] * ctx.sync.grad_divisor
-                  for g in found[:len(inputs)]]
-        own = [(p, g) for p, g in zip(outside, found[len(inputs):]) if g is not None]  # the loss's parameters
+        loss, slices, own = _loss_gradient(ctx, window, window_loss, first.spec, joined, offset, sum(sizes))
         fold = bool(own) and ctx.sync.folds_outside_gradients()
         if own and not fold:  # in .grad before any backward (DDP(find_unused_parameters=True) reads it there)
             torch.autograd.backward([p for p, _ in own], [g for _, g in own])
-        replayed_alike, at = True, 0
-        for k, (mb, n) in enumerate(zip(micro_batches, sizes)):
-            first.states[k].restore()
-            with window.micro_batch():
-                outs = _flat(window_loss.encode(ctx.model, mb), n, k)
-                replayed_alike &= window_loss.checked or _same(outs, first.cached[k])
-                pairs = [(o, g[at:at + n]) for o, g in zip(outs, slices) if g is not None]
-                if not all(o.requires_grad for o, _ in pairs):
-                    raise ValueError("WindowLoss: a representation encode returned does not require grad: it ran "
-                                     "under torch.no_grad() or was detached. Return the model's outputs as they are")
-                if fold and k == len(micro_batches) - 1 and window.padding == 0:
-                    pairs += own  # in the backward that reduces (DDP's reducer expects each parameter there)
-                window.backward_part([o for o, _ in pairs], [g for _, g in pairs], loss.detach(), n)
-            at += n
-        for p in range(window.padding):
-            with window.micro_batch():
-                outs = [o for o in _flat(window_loss.encode(ctx.model, ranks.replay), leading_dim(ranks.replay), 0)
-                        if o.requires_grad]
-                carried = own if fold and p == window.padding - 1 else []
-                window.backward_part(outs + [q for q, _ in carried], [torch.zeros_like(o) for o in outs] +
-                                     [g for _, g in carried], loss.detach(), 0)
-        first.end.restore()  # as after pass 1 alone: the window drew its random numbers once
-        if not window_loss.checked:  # once, and on every rank alike: none raises alone
-            window_loss.checked = True
-            if ctx.sync.any_rank(not replayed_alike, ctx.device):
-                raise RuntimeError(
-                    "WindowLoss: a micro-batch's second forward gave other representations than its first, although "
-                    "its random state was replayed, so the step would not be the big batch's: encode is not a "
-                    "function of the micro-batch and the model alone (a random generator of its own, a module "
-                    "that keeps state between calls, or non-deterministic kernels: "
-                    "torch.use_deterministic_algorithms(True)). No step was taken")
+        _second_pass(ctx, window, window_loss, micro_batches, sizes, first, loss, slices, own if fold else [])
         return window.step()
+
+
+def _loss_gradient(ctx: WindowContext, window: Window, window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor],
+                   offset: int, mine: int) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], List[Tuple[Any, Any]]]:
+    """The window's loss (the same on every rank), this rank's slice of its gradient with respect to each
+    representation (times ``N * W / R``), and the loss's own parameters with their gradient (``N / R``),
+    taken by ``autograd.grad``, which writes nothing into ``.grad``."""
+    total = joined[0].shape[0]
+    loss, inputs = _window_loss(window_loss, spec, joined, ctx)
+    outside = [p for p in ctx.grads.params if p.requires_grad]
+    weighted = ctx.precision.scale(loss * backward_weight(total, window.reference(total), 1.0))
+    with torch.autocast(device_type=ctx.device.type, enabled=False):
+        found = torch.autograd.grad(weighted, inputs + outside, allow_unused=True)
+    slices = [None if g is None else g[offset:offset + mine] * ctx.sync.grad_divisor for g in found[:len(inputs)]]
+    own = [(p, g) for p, g in zip(outside, found[len(inputs):]) if g is not None]
+    return loss.detach(), slices, own
+
+
+def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, micro_batches: List[Batch],
+                 sizes: List[int], first: "_FirstPass", loss: torch.Tensor, slices: List[Optional[torch.Tensor]],
+                 carried: List[Tuple[Any, Any]]) -> None:
+    """Each micro-batch's forward again from its saved random state, backpropagated with its slice; then
+    the padding the ranks need. ``carried`` (the loss's parameters and their gradient) rides in the last
+    backward, the one that reduces. The first window compares the replay with pass 1, on every rank."""
+    ranks, at, alike = ctx.ranks, 0, True
+    last = len(micro_batches) + window.padding - 1
+    for k in range(last + 1):
+        own = k < len(micro_batches)
+        if own:
+            first.states[k].restore()
+        batch, n = (micro_batches[k], sizes[k]) if own else (ranks.replay, leading_dim(ranks.replay))
+        with window.micro_batch():
+            outs = _flat(window_loss.encode(ctx.model, batch), n, k)
+            if k == 0 and not window_loss.checked:
+                _agree_outputs_require_grad(ctx, outs)
+            if own:
+                alike &= window_loss.checked or _same(outs, first.cached[k])
+                pairs = [(o, g[at:at + n]) for o, g in zip(outs, slices) if g is not None]
+            else:  # zero weight: it adds nothing, but runs the collectives of a backward
+                pairs = [(o, torch.zeros_like(o)) for o in outs if o.requires_grad]
+            pairs += carried if k == last else []
+            window.backward_part([o for o, _ in pairs], [g for _, g in pairs], loss, n if own else 0)
+        at += n if own else 0
+    first.end.restore()  # as after pass 1 alone: the window drew its random numbers once
+    if not window_loss.checked:  # once, and on every rank alike: none raises alone
+        window_loss.checked = True
+        if ctx.sync.any_rank(not alike, ctx.device):
+            raise RuntimeError(
+                "WindowLoss: a micro-batch's second forward gave other representations than its first, although "
+                "its random state was replayed, so the step would not be the big batch's: encode is not a "
+                "function of the micro-batch and the model alone (a random generator of its own, a module "
+                "that keeps state between calls, or non-deterministic kernels: "
+                "torch.use_deterministic_algorithms(True)). No step was taken")
+
+
+def _agree_outputs_require_grad(ctx: WindowContext, outs: List[torch.Tensor]) -> None:
+    """In the first window, before any backward: every float representation requires grad, on every rank
+    (one rank raising alone would leave the others waiting in the reduction)."""
+    detached = [i for i, o in enumerate(outs) if o.is_floating_point() and not o.requires_grad]
+    if ctx.sync.any_rank(bool(detached), ctx.device):
+        raise ValueError("WindowLoss: a representation encode returned does not require grad (on this rank or "
+                         "another): it ran under torch.no_grad() or was detached. Return the model's outputs as "
+                         "they are")
 
 
 class _FirstPass:

@@ -188,7 +188,29 @@ def cached_train_over_a_window_sampler():
     return f"{worst:.1e}"
 
 
-SCENARIOS = [cached_ddp_exact_with_uneven_ranks_and_a_rank_without_data, cached_ddp_find_unused_parameters,
+def cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data():
+    """encode detaching its output, in a first window where rank 1 holds nothing: both ranks raise the
+    same error (rank 1 runs a padding forward whose output would pass), none waits in a collective."""
+    model = DualEncoder()
+    ddp = DDP(model)
+    acc = Accumulator(ddp, torch.optim.SGD(model.parameters(), lr=0.5))
+    spare = split(pair_batch(1, seed=9), [1])[0]
+    acc.set_padding(spare)
+    mine = split(pair_batch(5, seed=RANK), [3, 2]) if RANK == 0 else []
+    detaching = WindowLoss(lambda m, b: tuple(t.detach() for t in m(*b)) if len(b[0]) > 1 else m(*b),
+                           lambda r: __import__("contrastive").in_batch_negatives(*r, model.log_scale))
+    try:
+        acc.step(mine, detaching)
+    except ValueError as e:
+        assert "does not require grad (on this rank or another)" in str(e), e
+    else:
+        raise AssertionError("not refused")
+    result = acc.step(split(pair_batch(4, seed=RANK), [4]), window_loss(lambda: model.log_scale))
+    assert result.step == 1 and params_equal_on_all_ranks(model)
+    return "refused on both ranks, the next window steps"
+
+
+SCENARIOS = [cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data, cached_ddp_exact_with_uneven_ranks_and_a_rank_without_data, cached_ddp_find_unused_parameters,
              cached_ddp_loss_parameters_beside_the_wrapped_module, cached_ddp_dropout_replayed_with_rank_seeds,
              cached_fsdp2_exact, cached_train_over_a_window_sampler]
 

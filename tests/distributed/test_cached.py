@@ -15,6 +15,7 @@ SCENARIOS = [
     "cached_ddp_dropout_replayed_with_rank_seeds",
     "cached_fsdp2_exact",
     "cached_train_over_a_window_sampler",
+    "cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data",
 ]
 
 
