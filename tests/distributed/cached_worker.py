@@ -14,9 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: the contrastive helpers
 
 from contrastive import DualEncoder, big_batch_step, largest_difference, pair_batch, split, twin, window_loss  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from distributed.worker import main  # noqa: E402
+from distributed.worker import main, params_equal_on_all_ranks  # noqa: E402
 from gradaccum import Accumulator, WindowLoss, WindowSampler  # noqa: E402
 
 RANK, WORLD = 0, 1
@@ -45,14 +43,6 @@ def _run(acc, model_of_loss, wl, ref, ref_opt, data, *, max_grad_norm=None):
         worst = max(worst, largest_difference(model_of_loss, ref))
     assert worst < TOL, worst
     return worst
-
-
-def params_equal_on_all_ranks(model: nn.Module) -> bool:
-    flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
-                      for p in model.parameters()])
-    every = [torch.empty_like(flat) for _ in range(WORLD)]
-    dist.all_gather(every, flat)
-    return all(torch.equal(every[0], other) for other in every[1:])
 
 
 def cached_ddp_exact_with_uneven_ranks_and_a_rank_without_data():

@@ -316,7 +316,7 @@ def windows_of(loaders, per_window: int):
 def params_equal_on_all_ranks(model: nn.Module) -> bool:
     flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
                       for p in model.parameters()])
-    every = [torch.empty_like(flat) for _ in range(WORLD)]
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(every, flat)
     return all(torch.equal(every[0], other) for other in every[1:])
 
