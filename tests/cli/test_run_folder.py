@@ -158,7 +158,8 @@ def test_any_damaged_byte_of_a_checkpoint_is_refused_in_one_line_or_loads_the_sa
     saved or refuses with its one-line CLIError, never another exception (a damaged zip header raises
     anything from BadZipFile to UnicodeDecodeError and NotImplementedError). Written by gradaccum (with
     a checksum of its contents) and by a plain torch.save (an older checkpoint: the records' CRCs)."""
-    from gradaccum.cli.checkpoint import CLIError, load_checkpoint, save_atomic
+    from gradaccum.cli.checkpoint import load_checkpoint, save_atomic
+    from gradaccum.cli.errors import CLIError
 
     saved = {"model": torch.arange(40.0), "step": torch.tensor(3), "config": {"lr": 0.1, "seed": 0}}
     path = tmp_path / "last.pt"

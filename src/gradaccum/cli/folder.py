@@ -367,6 +367,15 @@ class RunFolder:
         when it cannot be written, the previous checkpoint then whole."""
         self._write(state, self.checkpoint)
 
+    def abandon_checkpoint_write(self) -> bool:
+        """For a process leaving at once (a second signal): remove its temporary checkpoint file, a
+        write in progress, and say whether a whole checkpoint is there. A sharded write's temporary
+        folder is never read; the next run in the folder removes it."""
+        if not self.sharded:
+            with contextlib.suppress(OSError):
+                temp_name(self.checkpoint).unlink()
+        return self._exists()
+
     def kept_history(self, at: Position) -> List[Dict[str, Any]]:
         """The metrics rows of the windows before the checkpoint's position (a killed run may have
         written more): training rows by (epoch, window), not step (a skipped window repeats its step

@@ -116,6 +116,7 @@ class RunLifecycle:
         self.final: Optional[Position] = None      # where training ended, once it has
         extra = {} if exit is None else {"exit": exit}
         self.signals = StopSignals(prefix=self.prefix, checkpoint=self.checkpoint, command=command, device=device,
+                                   abandon_write=folder.abandon_checkpoint_write,
                                    saved=lambda: None if self.saved is None else str(self.saved), **extra)
 
     # -- before anything is written -------------------------------------------------------------

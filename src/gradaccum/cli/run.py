@@ -38,7 +38,7 @@ from ..tasks.data import Task
 from ..tasks.models import build_model
 from .config import DEVICES, TrainConfig
 from .errors import CLIError
-from .folder import Position, ResumePlan, RunFolder, count
+from .folder import Position, ResumePlan, RunFolder
 from .launch import launch
 from .lifecycle import RunLifecycle
 from .measure import RunMemory

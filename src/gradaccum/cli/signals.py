@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from .. import sync
-from .checkpoint import temp_name
 from .launch import launch
 
 __all__ = ["EXIT_CODES", "REPEAT_SECONDS", "StopSignals", "Stopped"]
@@ -53,17 +52,22 @@ class StopSignals:
 
     Args:
         prefix: starts each line printed (``gradaccum train:``).
-        checkpoint: the checkpoint a second signal leaves (its temporary file is removed).
+        checkpoint: the checkpoint a second signal leaves, for the line it prints.
+        abandon_write: called by a second signal: removes a checkpoint write in progress (the run
+            folder's :meth:`~gradaccum.cli.folder.RunFolder.abandon_checkpoint_write`) and says
+            whether a whole checkpoint is there.
         command: the command that resumes the run.
         saved: what the checkpoint holds now, in words (None: nothing yet), asked when leaving.
         exit: how a second signal ends the process (``os._exit``; tests replace it).
         device: where the stop flag's all-reduce runs (NCCL needs CUDA tensors).
     """
 
-    def __init__(self, *, prefix: str, checkpoint: Path, command: str, saved: Callable[[], Optional[str]],
-                 exit: Callable[[int], Any] = os._exit, device: Any = "cpu") -> None:
+    def __init__(self, *, prefix: str, checkpoint: Path, abandon_write: Callable[[], bool], command: str,
+                 saved: Callable[[], Optional[str]], exit: Callable[[int], Any] = os._exit,
+                 device: Any = "cpu") -> None:
         self.prefix = prefix
         self.checkpoint = checkpoint
+        self.abandon_write = abandon_write
         self.command = command
         self.saved = saved
         self.device = device
@@ -120,9 +124,7 @@ class StopSignals:
                              "new checkpoint)")
             return
         self._leaving = True
-        with contextlib.suppress(OSError):  # a checkpoint being written: its temporary file goes
-            temp_name(self.checkpoint).unlink()
-        if self.checkpoint.exists():
+        if self.abandon_write():  # a checkpoint being written: its temporary file goes
             saved = self.saved()
             held = f" and holds {saved}" if saved is not None else ""
             where = f"{self.checkpoint} is whole{held}; resume with: {self.command}"
