@@ -280,65 +280,97 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         raise SplitError(f"micro_batch_size={micro_batch_size} on a batch of {items} item{'s' if items != 1 else ''} "
                          f"gives one micro-batch, which is only compared with itself; {fix}",
                          micro_batch_size=micro_batch_size, items=items, suggestion=items // 2 or None)
-    snapshot = _Snapshot(model)
-    suspects: Dict[str, List[str]] = {}
-
-    def suspect(name: str, reason: str) -> None:
-        if reason not in suspects.setdefault(name, []):
-            suspects[name].append(reason)
-
+    suspects = _Suspects()
     modules = dict(model.named_modules())
     for name in training_batchnorms(model):
-        suspect(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
-                      "statistics (and updates its running statistics once per micro-batch)")
+        suspects.add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
+                           "statistics (and updates its running statistics once per micro-batch)")
     dropouts = [name for name, module in modules.items()
                 if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
     for name in dropouts:
-        suspect(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks per "
-                      "forward, so they depend on how the batch is split (turn it off, with eval() or p=0, to "
-                      "check the rest)")
+        suspects.add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
+                           "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
+                           "to check the rest)")
+    full, acc = _both_passes(model, loss_fn, batch, micro_batches, micro_batch_size)
+    max_rel = 0.0
+    for name, gf in full.grads.items():
+        ga = acc.grads.get(name, torch.zeros_like(gf))
+        max_rel = max(max_rel, (ga - gf).norm().item() / max(gf.norm().item(), 1e-30))
+    matched = max_rel <= rtol
+    random = full.recorder.random | acc.recorder.random
+    for name in sorted(random - set(dropouts)):
+        suspects.add(name, "draws random numbers in forward, so another split sees other draws")
+    drawn = sorted(set(dropouts) | random)
+    for name in drawn if matched else []:
+        suspects.add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
+                           "item after item, so micro-batches in order draw the full batch's; several layers, or "
+                           "CUDA's generator, draw others")
+    for name in _mixing(full.recorder, acc.recorder, len(micro_batches), rtol) - random:  # draws explain those
+        suspects.add(name, "its output for an item depends on the other items of the micro-batch")
+    hint = None if matched else _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches])
+    return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects.listed(),
+                             loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
+
+
+class _Suspects:
+    """Each module's reasons, in the order found, each once; listed by name, the model itself last."""
+
+    def __init__(self) -> None:
+        self.reasons: Dict[str, List[str]] = {}
+
+    def add(self, name: str, reason: str) -> None:
+        if reason not in self.reasons.setdefault(name, []):
+            self.reasons[name].append(reason)
+
+    def listed(self) -> List[Tuple[str, str]]:
+        ordered = sorted(self.reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))
+        return [(name, "; ".join(reasons)) for name, reasons in ordered]
+
+
+@dataclass
+class _Pass:
+    """One pass of the oracle: its float64 gradient, its item-weighted loss, what each module saw."""
+
+    grads: Dict[str, torch.Tensor]
+    loss: float
+    recorder: _Recorder
+
+
+def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: List[Batch],
+                 micro_batch_size: int) -> Tuple[_Pass, _Pass]:
+    """The full batch, then its micro-batches, from the same state; the model left as found. A
+    failure of the full batch is the user's (re-raised); one of a micro-batch alone may be the
+    split's (BatchNorm on one item: :class:`SplitError`)."""
+    snapshot = _Snapshot(model)
     try:
         full_rec = _Recorder(model)
         try:
-            g_full, loss_full = _window_grads(model, loss_fn, [batch])
+            full = _Pass(*_window_grads(model, loss_fn, [batch]), full_rec)
         except _MicroBatchFailed as failed:
-            raise failed.error from None  # the full batch itself: the user's loss_fn or model
+            raise failed.error from None
         finally:
             full_rec.remove()
         snapshot.restore_values()
         acc_rec = _Recorder(model)
         try:
-            g_acc, loss_acc = _window_grads(model, loss_fn, micro_batches)
-        except _MicroBatchFailed as failed:  # the full batch ran: the split is to blame, if it is BatchNorm's one item
-            error = _one_item_error(model, failed, micro_batch_size, items, len(micro_batches))
-            if error is None:
-                raise failed.error from None
-            raise error from None
+            acc = _Pass(*_window_grads(model, loss_fn, micro_batches), acc_rec)
+        except _MicroBatchFailed as failed:
+            error = _one_item_error(model, failed, micro_batch_size, leading_dim(batch), len(micro_batches))
+            raise (failed.error if error is None else error) from None
         finally:
             acc_rec.remove()
     finally:
         snapshot.restore()
+    return full, acc
 
-    random = full_rec.random | acc_rec.random
-    max_rel = 0.0
-    for name, gf in g_full.items():
-        ga = g_acc.get(name, torch.zeros_like(gf))
-        denom = max(gf.norm().item(), 1e-30)
-        max_rel = max(max_rel, (ga - gf).norm().item() / denom)
-    matched = max_rel <= rtol
-    for name in sorted(random):
-        if name not in dropouts:
-            suspect(name, "draws random numbers in forward, so another split sees other draws")
-    drawn = sorted(set(dropouts) | random)
-    if drawn and matched:
-        for name in drawn:
-            suspect(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
-                          "item after item, so micro-batches in order draw the full batch's; several layers, or "
-                          "CUDA's generator, draw others")
-    k = len(micro_batches)
+
+def _mixing(full: _Recorder, acc: _Recorder, k: int, rtol: float) -> set:
+    """The deepest modules whose output for the concatenated micro-batches differs from the full
+    batch's while their input does not: their output for an item depends on the other items (a
+    parent that differs only because its child does is not named)."""
     mixing: List[str] = []
-    for name, calls in full_rec.io.items():
-        acc_calls = acc_rec.io.get(name, [])
+    for name, calls in full.io.items():
+        acc_calls = acc.io.get(name, [])
         if len(calls) != 1 or len(acc_calls) != k:
             continue
         inp_f, out_f = calls[0]
@@ -349,23 +381,5 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
             continue
         if _same(inp_f, inp_a, rtol) and not _same(out_f, out_a, rtol):
             mixing.append(name)
-    for name in mixing:  # the deepest modules only: a parent differs because its child does
-        if name in random:
-            continue  # different draws explain it
-        if not any(other != name and (name == "" or other.startswith(name + ".")) for other in mixing):
-            suspect(name, "its output for an item depends on the other items of the micro-batch")
-    ordered = sorted(suspects.items(), key=lambda kv: (kv[0] == "", kv[0]))
-    hints = []
-    if not matched:
-        hint = _summed_loss_hint(loss_full, loss_acc, [leading_dim(mb) for mb in micro_batches])
-        if hint is not None:
-            hints.append(hint)
-    return EquivalenceReport(
-        equivalent=matched and not drawn,
-        max_rel_diff=max_rel,
-        suspects=[(name, "; ".join(reasons)) for name, reasons in ordered],
-        loss_full=loss_full,
-        loss_accumulated=loss_acc,
-        rtol=rtol,
-        hints=hints,
-    )
+    return {name for name in mixing
+            if not any(other != name and (name == "" or other.startswith(name + ".")) for other in mixing)}

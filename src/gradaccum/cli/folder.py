@@ -296,24 +296,7 @@ class RunFolder:
                               note=f"--resume: nothing to resume in {self.out} (no {self.checkpoint.name}); "
                                    "starting from step 0"), None
         state = self._read()
-        try:
-            saved = TrainConfig(**state["config"])
-        except (TypeError, ValueError):
-            raise CLIError(f"--resume: {self.checkpoint} holds settings this version cannot read; resume with "
-                           "the gradaccum that wrote it, or pass another --out") from None
-        if cfg.batch_size is None and cfg.accum_steps is None and cfg.window_items != saved.window_items:
-            cfg = replace(cfg, batch_size=saved.window_items)  # the flags given say nothing about B: keep it
-        mine, theirs = cfg.training_settings(), saved.training_settings()
-        changed = [k for k in theirs if mine.get(k) != theirs[k]]
-        if changed:
-            was = ", ".join(_change(k, theirs[k], mine.get(k)) for k in changed)
-            drop = (" and drop --accum-steps (it fixes B = M x N x ranks)" if cfg.accum_steps is not None
-                    else "")
-            hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
-                    f"{theirs['batch_size']}{drop}" if "batch_size" in changed else "")
-            raise CLIError(f"--resume: {self.checkpoint} was written with other settings: {was}{hint}; resume "
-                           "with the same settings (only --epochs may grow; the ranks and the micro-batch size "
-                           "may change), or pass another --out")
+        cfg = _same_settings(self.checkpoint, cfg, state)
         at = Position(int(state["epoch"]), int(state["window"]), int(state["accumulator"]["steps"]))
         epochs = int(cfg.epochs)  # type: ignore[arg-type]
         if (epochs, 0) < (at.epoch, at.window):
@@ -429,6 +412,29 @@ class RunFolder:
         base = self.out / BASELINE
         resume = resume and bool(sync.broadcast_object((base / CHECKPOINT).exists() if self.rank0 else None))
         return RunFolder(base, resume=resume, overwrite=not resume, sharded=False, say=self.say)
+
+
+def _same_settings(checkpoint: Path, cfg: TrainConfig, state: Dict[str, Any]) -> TrainConfig:
+    """The settings to resume with: the flags', with the checkpoint's global batch when they say
+    nothing about it; a one-line CLIError when they would train another model."""
+    try:
+        saved = TrainConfig(**state["config"])
+    except (TypeError, ValueError):
+        raise CLIError(f"--resume: {checkpoint} holds settings this version cannot read; resume with the gradaccum "
+                       "that wrote it, or pass another --out") from None
+    if cfg.batch_size is None and cfg.accum_steps is None and cfg.window_items != saved.window_items:
+        cfg = replace(cfg, batch_size=saved.window_items)  # the flags given say nothing about B: keep it
+    mine, theirs = cfg.training_settings(), saved.training_settings()
+    changed = [k for k in theirs if mine.get(k) != theirs[k]]
+    if changed:
+        was = ", ".join(_change(k, theirs[k], mine.get(k)) for k in changed)
+        drop = " and drop --accum-steps (it fixes B = M x N x ranks)" if cfg.accum_steps is not None else ""
+        hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
+                f"{theirs['batch_size']}{drop}" if "batch_size" in changed else "")
+        raise CLIError(f"--resume: {checkpoint} was written with other settings: {was}{hint}; resume with the same "
+                       "settings (only --epochs may grow; the ranks and the micro-batch size may change), or pass "
+                       "another --out")
+    return cfg
 
 
 def _change(key: str, was: Any, now: Any) -> str:

@@ -140,7 +140,8 @@ def _say(line: str) -> None:
 def _finish(args: argparse.Namespace, result: Any, folder: Any, task: Any, command: str) -> None:
     """After the run: its line, ``--compare``, then the exit: a failed write (1), a signal that came
     at the run's end (130/143), a diverged run (3)."""
-    out = folder.out
+    out, life = folder.out, result.lifecycle
+    assert life is not None, "run_training returns the run's life cycle"
     if sync.is_rank_zero():  # a finished run resumed says it too: what is on disk is whole
         print(_outcome_line(result.config, result, out))
     compared = folder.has("compare.json")
@@ -151,14 +152,15 @@ def _finish(args: argparse.Namespace, result: Any, folder: Any, task: Any, comma
     elif compared and args.resume and not result.already_complete:
         _say("note: compare.json, compare.png and baseline/ are from before this --resume and compare the run as "
              "it was then; resume with --compare to bring them up to date")
-    result.lifecycle.raise_if_unsaved()
+    life.raise_if_unsaved()
     if result.stopped_by is not None:
         name = signal.Signals(result.stopped_by).name
-        held = result.lifecycle.saved
-        rest = f"; --compare did not run: {command} runs it" if args.compare and not compared else ""
+        held = life.saved
+        then = (f"--compare's baseline did not run: {command} runs it" if args.compare and not compared
+                else "nothing to resume")
         raise Stopped(f"{name}: received at the run's end, which it finished first: {out} is complete "
-                      f"({folder.checkpoint.name} holds {held}; summary.json and loss.png are written); nothing "
-                      f"to resume{rest}", EXIT_CODES.get(signal.Signals(result.stopped_by), 143))
+                      f"({folder.checkpoint.name} holds {held}; summary.json and loss.png are written); {then}",
+                      EXIT_CODES.get(signal.Signals(result.stopped_by), 143))
     _raise_if_diverged(result.summary, result.config, out)
 
 
