@@ -86,7 +86,7 @@ def delta(a, b):
 if __name__ == "__main__":
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=50, n_positions=64, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # ids in the 50-token vocabulary
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # GPT-2's are 50256
     model = GPT2LMHeadModel(config).double()
     ref = one_big_batch_per_window(model)
     exact = fit(model, [ExactAccumulation(num_items=lambda batch: count_targets(batch["labels"]))])

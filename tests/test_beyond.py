@@ -1,11 +1,12 @@
-"""Automatic micro-batch size, float32 accumulation buffers, the equivalence checker, BatchNorm warning."""
+"""Automatic micro-batch size, float32 accumulation buffers, the BatchNorm warning (the equivalence
+checker is tests/test_checking.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from gradaccum import Accumulator, check_equivalence
+from gradaccum import Accumulator
 from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
 
 OOM_ERRORS = {
@@ -162,81 +163,6 @@ def test_fp32_buffers_are_refused_where_they_cannot_work():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="accum_dtype with precision='fp16'"):
         Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", accum_dtype=torch.float32)
-
-
-# -- the equivalence checker ---------------------------------------------------------------
-
-def _state(model):
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
-            [m.training for m in model.modules()], torch.get_rng_state())
-
-
-def _assert_untouched(model, saved):
-    state, grads, modes, rng = saved
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    for n, p in model.named_parameters():
-        assert (p.grad is None and grads[n] is None) or torch.equal(p.grad, grads[n])
-    assert [m.training for m in model.modules()] == modes
-    assert torch.equal(torch.get_rng_state(), rng)
-
-
-def test_checker_passes_a_plain_model_and_leaves_it_as_found():
-    model = regression_model()
-    model[0].weight.grad = torch.ones_like(model[0].weight)
-    saved = _state(model)
-    report = check_equivalence(model, mse, regression_batch(10), 3, rtol=1e-10)
-    assert report.equivalent and report.max_rel_diff < 1e-12 and report.suspects == []
-    assert report.loss_full == pytest.approx(report.loss_accumulated, rel=1e-12)
-    _assert_untouched(model, saved)
-
-
-def test_checker_names_batchnorm_and_restores_its_running_statistics():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
-    model[1].running_mean.fill_(0.5)
-    saved = _state(model)
-    report = check_equivalence(model, mse, regression_batch(12), 4)
-    assert not report.equivalent and report.max_rel_diff > 1e-3
-    names = [name for name, _ in report.suspects]
-    assert names == ["1"], report.suspects
-    assert "BatchNorm" in report.suspects[0][1] and "depends on the other items" in report.suspects[0][1]
-    _assert_untouched(model, saved)
-    assert "NOT equivalent" in str(report)
-
-
-def test_checker_names_dropout_and_functional_randomness():
-    class Noisy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(5, 3)
-
-        def forward(self, x):
-            return self.lin(x) + 0.1 * torch.randn_like(self.lin(x))
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 5), nn.Dropout(0.3), Noisy()).double()
-    saved = _state(model)
-    report = check_equivalence(model, mse, regression_batch(8), 2)
-    names = dict(report.suspects)
-    assert "1" in names and "dropout" in names["1"]
-    assert "2" in names and "random" in names["2"]
-    assert not report.equivalent
-    _assert_untouched(model, saved)
-    model.eval()  # in eval mode dropout is off, but the noise module still draws
-    assert "1" not in dict(check_equivalence(model, mse, regression_batch(8), 2).suspects)
-
-
-def test_an_equivalent_report_with_suspects_says_they_can_still_break_it():
-    """Dropout alone, split into contiguous halves, draws the same masks as the whole batch (one RNG
-    stream, consumed in the same order): the check passes, and its report must not read as both
-    "equivalent" and "suspect" (a new user could not tell which to believe)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 5), nn.Dropout(0.5), nn.Linear(5, 3)).double()
-    report = check_equivalence(model, mse, regression_batch(8), 4)
-    assert report.equivalent and [name for name, _ in report.suspects] == ["1"], report
-    text = str(report)
-    assert "suspect" not in text and "watch 1: dropout" in text and "can make another differ" in text, text
 
 
 def test_accumulator_warns_once_about_batchnorm_in_training_mode():

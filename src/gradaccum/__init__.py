@@ -9,20 +9,47 @@ item count across all ranks, so uneven micro-batches, padded sequences and short
 weighted exactly as in one big batch.
 """
 
-from ._ranks import WindowPlan
-from ._cached import WindowLoss
-from ._run import is_out_of_memory
-from ._window import Window
-from .accumulator import Accumulator
-from .batching import split_batch
-from .checking import EquivalenceReport, check_equivalence
-from .losses import causal_lm_loss, count_targets, token_cross_entropy
-from .memory import PeakMeter
-from .result import StepResult
-from .sampler import WindowSampler
-from .schedule import AccumSchedule, num_steps
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and the API reference read; at run time each is imported on first use
+    from ._cached import WindowLoss
+    from ._ranks import WindowPlan
+    from ._run import is_out_of_memory
+    from ._window import Window
+    from .accumulator import Accumulator
+    from .batching import split_batch
+    from .checking import EquivalenceReport, check_equivalence
+    from .losses import causal_lm_loss, count_targets, token_cross_entropy
+    from .memory import PeakMeter
+    from .result import StepResult
+    from .sampler import WindowSampler
+    from .schedule import AccumSchedule, num_steps
 
 __version__ = "0.1.0"
+
+#: each public name and the module that defines it. Importing ``gradaccum`` imports no torch: the
+#: command line (``gradaccum.cli``) is running, and catching a Ctrl-C, before torch's import begins.
+_HOMES = {
+    "Accumulator": "accumulator", "Window": "_window", "WindowPlan": "_ranks", "WindowLoss": "_cached",
+    "is_out_of_memory": "_run", "split_batch": "batching", "EquivalenceReport": "checking",
+    "check_equivalence": "checking", "causal_lm_loss": "losses", "count_targets": "losses",
+    "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
+    "AccumSchedule": "schedule", "num_steps": "schedule",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_HOMES))
 
 __all__ = [
     "Accumulator",

@@ -4,10 +4,26 @@ It computes the full-batch gradient ``grad L(batch)`` and the accumulated one
 ``sum_k n_k grad L_k / sum_k n_k`` from the same starting state, compares them parameter by
 parameter, and names the modules that break the equivalence:
 
-* BatchNorm in training mode (statistics per micro-batch), dropout in training mode;
-* any leaf module that draws random numbers in forward;
+* BatchNorm in training mode (statistics per micro-batch);
+* dropout in training mode, and any module that draws random numbers in forward: the draws depend
+  on how the batch is split, so such a model is reported NOT equivalent even when the gradients of
+  this one split happen to match. They do match for a single dropout layer on the CPU: its
+  generator fills the masks item after item, so micro-batches run in order draw exactly the full
+  batch's masks. With several dropout layers the full batch draws layer by layer and the
+  micro-batches micro-batch by micro-batch, so the masks differ; CUDA's generator (Philox) gives
+  each launch an offset, so its masks depend on the split even for one layer;
 * any module whose output differs between the full batch and the concatenated micro-batches
   while its input does not (its output for one item depends on the other items).
+
+This module keeps its own big-batch oracle on purpose: it backpropagates ``n_k * L_k`` for each
+micro-batch and divides once by ``sum n_k`` in float64, written here independently of the weights
+of :mod:`gradaccum._maths`, so that the check does not share a mistake with the code it checks.
+
+A split into one micro-batch (compared with itself) is refused, and so is a split the model cannot
+run (BatchNorm in training mode on a micro-batch of one item): :class:`SplitError` names the
+micro-batch size and one that works. When the full batch's loss is the accumulated one times what a
+*summed* loss gives (the number of micro-batches, for equal ones), the report says that ``loss_fn``
+must return the mean.
 
 The model is left exactly as found: parameters, buffers (running statistics), gradients,
 train/eval modes and the RNG state.
@@ -15,6 +31,7 @@ train/eval modes and the RNG state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,9 +39,21 @@ import torch
 from torch import nn
 
 from ._checks import positive_int, positive_number, scalar_loss, split_loss_output, training_batchnorms
-from .batching import Batch, leading_dim, split_batch
+from .batching import Batch, first_tensor, leading_dim, split_batch
 
-__all__ = ["EquivalenceReport", "check_equivalence"]
+__all__ = ["EquivalenceReport", "SplitError", "check_equivalence"]
+
+
+class SplitError(ValueError):
+    """The batch cannot be checked on this split: it gives one micro-batch (only compared with
+    itself), or a micro-batch the model cannot run on its own. ``micro_batch_size`` and ``items``
+    are the split asked for, ``suggestion`` a micro-batch size that works (None: none does)."""
+
+    def __init__(self, message: str, *, micro_batch_size: int, items: int, suggestion: Optional[int]) -> None:
+        super().__init__(message)
+        self.micro_batch_size = micro_batch_size
+        self.items = items
+        self.suggestion = suggestion
 
 
 @dataclass(frozen=True)
@@ -32,10 +61,13 @@ class EquivalenceReport:
     """Outcome of :func:`check_equivalence`.
 
     Attributes:
-        equivalent: ``max_rel_diff <= rtol``.
+        equivalent: ``max_rel_diff <= rtol`` and no module draws random numbers in forward (their
+            draws depend on the split, whatever this one split gave).
         max_rel_diff: max over parameters of ``||g_acc - g_full|| / ||g_full||``.
-        suspects: ``(module name, reason)`` for each module that breaks equivalence.
+        suspects: ``(module name, reason)`` for each module that breaks equivalence (``""`` is the
+            model itself).
         loss_full, loss_accumulated: the full-batch loss and the item-weighted window loss.
+        hints: what the numbers suggest beyond the modules (a ``loss_fn`` that returns a sum).
     """
 
     equivalent: bool
@@ -44,18 +76,21 @@ class EquivalenceReport:
     loss_full: float = 0.0
     loss_accumulated: float = 0.0
     rtol: float = 0.0
+    hints: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         verdict = "equivalent" if self.equivalent else "NOT equivalent"
         lines = [f"{verdict}: max relative gradient difference {self.max_rel_diff:.3e} "
                  f"(rtol {self.rtol:.1e}); loss {self.loss_full:.6g} full vs "
                  f"{self.loss_accumulated:.6g} accumulated"]
-        if self.equivalent and self.suspects:  # e.g. dropout whose draws fell alike on this split
-            lines.append("  equal on this batch and split, but these modules can make another differ:")
-            lines += [f"  watch {name or '<model>'}: {reason}" for name, reason in self.suspects]
-        else:
-            lines += [f"  suspect {name or '<model>'}: {reason}" for name, reason in self.suspects]
+        lines += [f"  suspect {_module(name)}: {reason}" for name, reason in self.suspects]
+        lines += [f"  hint: {hint}" for hint in self.hints]
         return "\n".join(lines)
+
+
+def _module(name: str) -> str:
+    """A module by its name in the model, quoted: ``module '1'`` reads as a name, ``1`` as a number."""
+    return f"module {name!r}" if name else "the model itself"
 
 
 class _Snapshot:
@@ -91,17 +126,6 @@ def _state_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
            [("b:" + n, b) for n, b in model.named_buffers()]
 
 
-def _first_tensor(x: Any) -> Optional[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)):
-        for v in x:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
-
-
 class _Recorder:
     """Forward hooks: each module's first input and output tensor, and which modules draw random
     numbers *themselves* (a child's draws are credited to the child, not to its parent)."""
@@ -131,7 +155,7 @@ class _Recorder:
                 self.random.add(name)
             if self._stack:
                 self._stack[-1][1] = now  # the child's draws are not the parent's
-            inp, out = _first_tensor(args), _first_tensor(output)
+            inp, out = first_tensor(args), first_tensor(output)
             self.io.setdefault(name, []).append(
                 (None if inp is None else inp.detach().clone(), None if out is None else out.detach().clone()))
         return hook
@@ -148,18 +172,72 @@ def _checked_loss(out: Any, micro_batch: Batch) -> Tuple[torch.Tensor, Any]:
                        where="loss_fn (check_equivalence compares gradients)"), n
 
 
+class _MicroBatchFailed(Exception):
+    """``loss_fn`` (or the model's forward inside it) raised on micro-batch ``index`` of ``items``."""
+
+    def __init__(self, index: int, items: int, error: BaseException) -> None:
+        super().__init__(index, items, error)
+        self.index, self.items, self.error = index, items, error
+
+
 def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
+    """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64."""
     for p in model.parameters():
         p.grad = None
     loss_sum, items = 0.0, 0.0
-    for mb in micro_batches:
-        loss, n = _checked_loss(loss_fn(model, mb), mb)
+    for index, mb in enumerate(micro_batches):
+        try:
+            out = loss_fn(model, mb)
+        except Exception as e:  # noqa: BLE001 - which micro-batch failed decides whose fault it is
+            raise _MicroBatchFailed(index, leading_dim(mb), e) from e
+        loss, n = _checked_loss(out, mb)
         (loss * n).backward()
         loss_sum += float(loss.detach()) * float(n)
         items += float(n)
     grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters()
              if p.grad is not None}
     return grads, loss_sum / items
+
+
+def _runnable_size(items: int, micro_batch_size: int) -> Optional[int]:
+    """The largest micro-batch size below ``micro_batch_size`` that splits ``items`` into 2 or more
+    micro-batches of 2 items or more, or None."""
+    for m in range(min(micro_batch_size, items // 2), 1, -1):
+        if items % m != 1:
+            return m
+    return None
+
+
+def _one_item_error(model: nn.Module, failed: _MicroBatchFailed, micro_batch_size: int, items: int,
+                    count: int) -> Optional[SplitError]:
+    """A micro-batch of one item that BatchNorm in training mode cannot normalize, in words that
+    name BatchNorm and the size (torch says "Expected more than 1 value per channel"), or None."""
+    batchnorms = training_batchnorms(model)
+    if failed.items != 1 or not batchnorms:
+        return None
+    size = _runnable_size(items, micro_batch_size)
+    fix = f"pass micro_batch_size={size}, which leaves 2 or more in each" if size else "give a larger batch"
+    return SplitError(
+        f"micro_batch_size={micro_batch_size} on a batch of {items} items leaves micro-batch {failed.index + 1} "
+        f"of {count} with 1 item, which BatchNorm in training mode ({', '.join(_module(n) for n in batchnorms)}) "
+        f"cannot normalize (torch: {failed.error}); {fix}. BatchNorm in training mode makes accumulation NOT "
+        "equivalent to one big batch anyway (its statistics are per micro-batch): eval() it, or use "
+        "GroupNorm/LayerNorm", micro_batch_size=micro_batch_size, items=items, suggestion=size)
+
+
+def _summed_loss_hint(loss_full: float, loss_acc: float, sizes: List[int]) -> Optional[str]:
+    """A ``loss_fn`` that returns the sum over its items: the full batch's loss is then about
+    ``N^2 / sum n_k^2`` times the accumulated one (the number of micro-batches, for equal ones)."""
+    if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or loss_acc == 0:
+        return None
+    total = sum(sizes)
+    expected = total * total / sum(n * n for n in sizes)
+    ratio = loss_full / loss_acc
+    if abs(ratio / expected - 1) > 0.05:
+        return None
+    return (f"the full batch's loss is {ratio:.3g} times the accumulated one, as a sum over the items gives on "
+            f"{len(sizes)} micro-batches: loss_fn must return the mean over the micro-batch's items (e.g. "
+            "reduction='mean'), or (sum / count, count)")
 
 
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], rtol: float) -> bool:
@@ -178,8 +256,13 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         model: the model, in the mode you train it in (training mode, usually).
         loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss or ``(mean_loss, num_items)``.
         batch: one batch, split along dim 0 into chunks of ``micro_batch_size``.
+        micro_batch_size: items per micro-batch; the split must give at least 2 micro-batches.
         rtol: the largest relative gradient difference still called equivalent; float32 models
             round differently for different splits at about 1e-6.
+
+    Raises:
+        SplitError: the split gives one micro-batch, or a micro-batch the model cannot run (a
+            ValueError naming the micro-batch size and one that works).
 
     Example:
         >>> m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
@@ -191,47 +274,104 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     positive_int("micro_batch_size", micro_batch_size)
     positive_number("rtol", rtol)
     micro_batches = split_batch(batch, micro_batch_size)
-    snapshot = _Snapshot(model)
-    suspects: Dict[str, List[str]] = {}
-
-    def suspect(name: str, reason: str) -> None:
-        if reason not in suspects.setdefault(name, []):
-            suspects[name].append(reason)
-
+    items = leading_dim(batch)
+    if len(micro_batches) < 2:
+        fix = (f"pass micro_batch_size={items // 2} or less" if items >= 2 else "give a batch of 2 items or more")
+        raise SplitError(f"micro_batch_size={micro_batch_size} on a batch of {items} item{'s' if items != 1 else ''} "
+                         f"gives one micro-batch, which is only compared with itself; {fix}",
+                         micro_batch_size=micro_batch_size, items=items, suggestion=items // 2 or None)
+    suspects = _Suspects()
+    modules = dict(model.named_modules())
     for name in training_batchnorms(model):
-        suspect(name, "BatchNorm in training mode normalizes with per-micro-batch statistics "
-                      "(and updates its running statistics once per micro-batch)")
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-            suspect(name, f"dropout (p={module.p}) in training mode draws different masks per split")
+        suspects.add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
+                           "statistics (and updates its running statistics once per micro-batch)")
+    dropouts = [name for name, module in modules.items()
+                if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
+    for name in dropouts:
+        suspects.add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
+                           "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
+                           "to check the rest)")
+    full, acc = _both_passes(model, loss_fn, batch, micro_batches, micro_batch_size)
+    max_rel = 0.0
+    for name, gf in full.grads.items():
+        ga = acc.grads.get(name, torch.zeros_like(gf))
+        max_rel = max(max_rel, (ga - gf).norm().item() / max(gf.norm().item(), 1e-30))
+    matched = max_rel <= rtol
+    random = full.recorder.random | acc.recorder.random
+    for name in sorted(random - set(dropouts)):
+        suspects.add(name, "draws random numbers in forward, so another split sees other draws")
+    drawn = sorted(set(dropouts) | random)
+    for name in drawn if matched else []:
+        suspects.add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
+                           "item after item, so micro-batches in order draw the full batch's; several layers, or "
+                           "CUDA's generator, draw others")
+    for name in _mixing(full.recorder, acc.recorder, len(micro_batches), rtol) - random:  # draws explain those
+        suspects.add(name, "its output for an item depends on the other items of the micro-batch")
+    hint = None if matched else _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches])
+    return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects.listed(),
+                             loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
+
+
+class _Suspects:
+    """Each module's reasons, in the order found, each once; listed by name, the model itself last."""
+
+    def __init__(self) -> None:
+        self.reasons: Dict[str, List[str]] = {}
+
+    def add(self, name: str, reason: str) -> None:
+        if reason not in self.reasons.setdefault(name, []):
+            self.reasons[name].append(reason)
+
+    def listed(self) -> List[Tuple[str, str]]:
+        ordered = sorted(self.reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))
+        return [(name, "; ".join(reasons)) for name, reasons in ordered]
+
+
+@dataclass
+class _Pass:
+    """One pass of the oracle: its float64 gradient, its item-weighted loss, what each module saw."""
+
+    grads: Dict[str, torch.Tensor]
+    loss: float
+    recorder: _Recorder
+
+
+def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: List[Batch],
+                 micro_batch_size: int) -> Tuple[_Pass, _Pass]:
+    """The full batch, then its micro-batches, from the same state; the model left as found. A
+    failure of the full batch is the user's (re-raised); one of a micro-batch alone may be the
+    split's (BatchNorm on one item: :class:`SplitError`)."""
+    snapshot = _Snapshot(model)
     try:
         full_rec = _Recorder(model)
         try:
-            g_full, loss_full = _window_grads(model, loss_fn, [batch])
+            full = _Pass(*_window_grads(model, loss_fn, [batch]), full_rec)
+        except _MicroBatchFailed as failed:
+            raise failed.error from None
         finally:
             full_rec.remove()
         snapshot.restore_values()
         acc_rec = _Recorder(model)
         try:
-            g_acc, loss_acc = _window_grads(model, loss_fn, micro_batches)
+            acc = _Pass(*_window_grads(model, loss_fn, micro_batches), acc_rec)
+        except _MicroBatchFailed as failed:
+            error = _one_item_error(model, failed, micro_batch_size, leading_dim(batch), len(micro_batches))
+            raise (failed.error if error is None else error) from None
         finally:
             acc_rec.remove()
     finally:
         snapshot.restore()
+    return full, acc
 
-    random = full_rec.random | acc_rec.random
-    max_rel = 0.0
-    for name, gf in g_full.items():
-        ga = g_acc.get(name, torch.zeros_like(gf))
-        denom = max(gf.norm().item(), 1e-30)
-        max_rel = max(max_rel, (ga - gf).norm().item() / denom)
-    for name in sorted(random):
-        suspect(name, "draws random numbers in forward, so a different split sees different draws")
-    k = len(micro_batches)
+
+def _mixing(full: _Recorder, acc: _Recorder, k: int, rtol: float) -> set:
+    """The deepest modules whose output for the concatenated micro-batches differs from the full
+    batch's while their input does not: their output for an item depends on the other items (a
+    parent that differs only because its child does is not named)."""
     mixing: List[str] = []
-    for name, calls in full_rec.io.items():
-        acc_calls = acc_rec.io.get(name, [])
-        if len(calls) != 1 or len(acc_calls) != k or k == 1:
+    for name, calls in full.io.items():
+        acc_calls = acc.io.get(name, [])
+        if len(calls) != 1 or len(acc_calls) != k:
             continue
         inp_f, out_f = calls[0]
         try:
@@ -241,17 +381,5 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
             continue
         if _same(inp_f, inp_a, rtol) and not _same(out_f, out_a, rtol):
             mixing.append(name)
-    for name in mixing:  # the deepest modules only: a parent differs because its child does
-        if name in random:
-            continue  # different draws explain it
-        if not any(other != name and (name == "" or other.startswith(name + ".")) for other in mixing):
-            suspect(name, "its output for an item depends on the other items of the micro-batch")
-    ordered = sorted(suspects.items(), key=lambda kv: (kv[0] == "", kv[0]))
-    return EquivalenceReport(
-        equivalent=max_rel <= rtol,
-        max_rel_diff=max_rel,
-        suspects=[(name, "; ".join(reasons)) for name, reasons in ordered],
-        loss_full=loss_full,
-        loss_accumulated=loss_acc,
-        rtol=rtol,
-    )
+    return {name for name in mixing
+            if not any(other != name and (name == "" or other.startswith(name + ".")) for other in mixing)}

@@ -234,7 +234,7 @@ def test_corrupt_checkpoint_is_refused_and_left_in_place(tmp_path):
     proc = cli("train", "--out", str(out), "--resume", *FAST)
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert "is corrupt or unreadable" in proc.stderr and "left in place" in proc.stderr
+    assert "is corrupt or unreadable" in proc.stderr and "left in place: restore a good copy, or start over with --overwrite" in proc.stderr
     assert (out / "last.pt").read_bytes() == before
 
 

@@ -17,8 +17,7 @@ from .test_cli import FAST, ROOT, load
 
 
 def _subparsers():
-    (action,) = [a for a in _parser()._actions if a.dest == "command"]
-    return action.choices
+    return _parser().commands
 
 
 def test_every_flag_has_help_with_its_default_and_choices_instead_of_metavars():
@@ -154,3 +153,17 @@ def test_text_runs_count_tokens_and_eval_from_another_folder_names_the_step(tmp_
     printed = json.loads(capsys.readouterr().out)
     steps = json.loads((out / "summary.json").read_text())["steps"]
     assert (printed["step"], printed["epoch"], printed["window"], printed["complete"]) == (steps, 1, 0, True)
+
+
+def test_the_docs_say_what_holds_where():
+    """#26 item 13: the CLI guide's scaling example promises "the same model" on 1 and 2 ranks, which
+    holds in float64 (float32 rounds apart, and the difference compounds); the README's `make`
+    installs the CPU build of torch only where pip's index serves it, and says how to get it."""
+    guide = (ROOT / "docs" / "guides" / "cli.md").read_text()
+    example = guide.split("## Scaling", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    same = [line for line in example.splitlines() if "--batch-size 64" in line and "--shard" not in line]
+    assert len(same) == 3 and all("--dtype float64" in line for line in same), same
+    for page in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        text = " ".join(page.read_text().split())
+        assert "install the CPU build of" not in text, page
+        assert "--index-url https://download.pytorch.org/whl/cpu" in text, page

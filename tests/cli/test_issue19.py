@@ -32,10 +32,18 @@ def one_error_line(proc, *pieces: str) -> str:
 # -- 1. a diverging run ------------------------------------------------------------------------
 
 def test_a_diverging_run_says_so_exits_3_and_writes_strict_json(tmp_path):
+    """...and says it once, at the first skipped window, in the command line's words: not the
+    library's UserWarning with its source line and an option the command line has no flag for (#26
+    item 9)."""
     out = tmp_path / "h"
     proc = cli("train", "--lr", "1e6", *MLP, "--out", str(out))
     assert proc.returncode == 3, proc.stderr
     assert "10 of 12 windows skipped" in proc.stdout
+    assert "Warning" not in proc.stderr and "nonfinite=" not in proc.stderr and ".py:" not in proc.stderr, proc.stderr
+    (skip,) = [line for line in proc.stderr.splitlines() if "was skipped" in line]
+    assert skip == ("gradaccum train: warning: window 3 (epoch 0, window 2) was skipped: its loss or gradient is not "
+                    "finite, so no optimizer step was taken; training goes on, and the run exits 3 at its end if it "
+                    "does not recover; lower --lr (now 1e+06) or clip with --max-grad-norm 1.0")
     last = proc.stderr.splitlines()[-1]
     assert last.startswith("gradaccum train: error: the run diverged: 10 of 12 windows were skipped") and "--lr" in last
     lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -164,9 +172,17 @@ def sample():
     g = torch.Generator().manual_seed(1)
     return {"x": torch.randn(16, 4, generator=g), "y": torch.randn(16, 1, generator=g)}
 
+def dropout():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1)).double()
+
 def loss_fn(model, batch):
     p = next(model.parameters())
     return nn.functional.mse_loss(model(batch["x"].to(p.dtype)), batch["y"].to(p.dtype))
+
+def summed(model, batch):
+    p = next(model.parameters())
+    return nn.functional.mse_loss(model(batch["x"].to(p.dtype)), batch["y"].to(p.dtype), reduction="sum")
 """
 
 
@@ -187,6 +203,21 @@ def test_check_runs_on_the_users_own_model(tmp_path):
                "--micro-batch-size", "4")
     assert bn.returncode == 1, bn.stderr
     assert "NOT equivalent" in bn.stdout and "BatchNorm" in bn.stdout
+    # 16 items in micro-batches of 5 leave one of 1 item: BatchNorm and the size are named, not the loss (#26 item 8)
+    one = check("--model", "mypkg.nets:batchnorm", "--batch", "mypkg.nets:sample", "--loss", "mypkg.nets:loss_fn",
+                "--micro-batch-size", "5")
+    assert one.returncode == 2
+    one_error_line(one, "gradaccum check: error: --micro-batch-size 5 on a batch of 16 items leaves micro-batch 4 of 4 "
+                        "with 1 item, which BatchNorm in training mode (module '1') cannot normalize",
+                   "pass --micro-batch-size 4, which leaves 2 or more in each")
+    assert "--loss" not in one.stderr
+    # dropout: NOT equivalent, as the docs say, with why this split's gradients matched (#26 item 7)
+    drop = check("--model", "mypkg.nets:dropout", "--batch", "mypkg.nets:sample", "--loss", "mypkg.nets:loss_fn")
+    assert drop.returncode == 1, drop.stderr
+    assert drop.stdout.startswith("mypkg.nets:dropout, 16 items in 2 micro-batches of at most 8: NOT equivalent")
+    assert "matched on this split by chance" in drop.stdout
+    summed = check("--model", "mypkg.nets:plain", "--batch", "mypkg.nets:sample", "--loss", "mypkg.nets:summed")
+    assert summed.returncode == 1 and "hint: the full batch's loss is 2 times" in summed.stdout, summed.stdout
     ok = check("--model", "mypkg.nets:plain", "--batch", "mypkg.nets:sample", "--loss", "mypkg.nets:loss_fn")
     assert ok.returncode == 0, ok.stderr
     assert "16 items in 2 micro-batches of at most 8: equivalent" in ok.stdout
@@ -240,6 +271,8 @@ def test_a_window_larger_than_the_dataset_warns_once_and_records_the_real_batch(
     assert len(warnings) == 1 and "a window of 20000 images is more than the 1438" in warnings[0]
     s = strict((out / "summary.json").read_text())
     assert s["global_batch_size"] == 1438 and s["requested_global_batch_size"] == 20000
+    # the split as trained, as the rows say it (it recorded the flags' 4 micro-batches of the 20000; #26 item 12)
+    assert s["micro_batch_size"] == 5000 and s["accum_steps"] == 1 == train_rows(out)[0]["accum_steps"]
 
 
 # -- 8. the default run folder ---------------------------------------------------------------

@@ -37,6 +37,15 @@ def steps_in(out: Path) -> list:
     return [r["step"] for r in train_rows(out)]
 
 
+def lifecycle(out: Path, *, resume: bool = False, **kwargs):
+    """A run's life over its folder, as ``gradaccum train`` makes them (the folder not locked)."""
+    from gradaccum.cli.folder import RunFolder
+    from gradaccum.cli.lifecycle import RunLifecycle
+
+    folder = RunFolder(out, resume=resume, overwrite=False, sharded=False, say=print)
+    return RunLifecycle(folder, **{"command": "gradaccum train --resume", **kwargs})
+
+
 def assert_one_clean_line(err: str, command: str = "train") -> None:
     assert err.startswith(f"gradaccum {command}: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and "\x1b" not in err, err
@@ -111,6 +120,14 @@ def test_resume_refuses_fewer_epochs_and_leaves_a_finished_run_as_it_was(tmp_pat
             "--batch-size 128 and drop --accum-steps") in err, err
     assert snapshot(out) == before
 
+    # a setting that was not given reads as a flag, not as None (#26 item 14: "--max-grad-norm None (now 1.0)")
+    assert main(["train", "--out", str(out), "--resume", "--model", "mlp", "--epochs", "3", "--device", "cpu",
+                 "--max-grad-norm", "1.0"]) == 2
+    err = capsys.readouterr().err
+    assert_one_clean_line(err)
+    assert "was written with other settings: no --max-grad-norm (now --max-grad-norm 1.0); resume with" in err, err
+    assert snapshot(out) == before
+
 
 def _make(tmp_path: Path, kind: str) -> Path:
     """A file for the error cases below."""
@@ -141,7 +158,8 @@ def test_any_damaged_byte_of_a_checkpoint_is_refused_in_one_line_or_loads_the_sa
     saved or refuses with its one-line CLIError, never another exception (a damaged zip header raises
     anything from BadZipFile to UnicodeDecodeError and NotImplementedError). Written by gradaccum (with
     a checksum of its contents) and by a plain torch.save (an older checkpoint: the records' CRCs)."""
-    from gradaccum.cli.checkpoint import CLIError, load_checkpoint, save_atomic
+    from gradaccum.cli.checkpoint import load_checkpoint, save_atomic
+    from gradaccum.cli.errors import CLIError
 
     saved = {"model": torch.arange(40.0), "step": torch.tensor(3), "config": {"lr": 0.1, "seed": 0}}
     path = tmp_path / "last.pt"
@@ -212,7 +230,7 @@ def test_a_checkpoint_saved_without_checksums_loads():
     (["check", "--micro-batch-size", "1", "--accum-steps", "1"], "--micro-batch-size 1 on a batch of 1 item gives "
      "one micro-batch, which is only compared with itself; pass --accum-steps 2 or more"),
     (["eval", "--checkpoint", "{garbage}"], "{garbage} is corrupt or unreadable (not a torch.save archive: empty, "
-     "truncated or another format); it was left in place"),
+     "truncated or another format); it was left in place: restore a good copy, or evaluate another checkpoint\n"),
     (["eval", "--checkpoint", "{truncated}"], "{truncated} is corrupt or unreadable (not a torch.save archive"),
     (["eval", "--checkpoint", "{flipped}"], "{flipped} is corrupt or unreadable (the bytes of its record "
      "archive/data/0 do not match their stored checksum: damaged on disk or in transfer); it was left in place"),
@@ -346,7 +364,7 @@ def test_a_second_signal_during_a_checkpoint_write_leaves_the_previous_checkpoin
     """Real signals to this process: the first asks to stop; the second arrives half-way through the
     checkpoint that the stop writes. It leaves at once with 130, after removing the temporary file;
     last.pt is the previous one, whole. (The process exit is replaced, to keep pytest alive.)"""
-    from gradaccum.cli.lifecycle import Position, RunLifecycle
+    from gradaccum.cli.folder import Position
 
     class Left(BaseException):
         pass
@@ -355,7 +373,7 @@ def test_a_second_signal_during_a_checkpoint_write_leaves_the_previous_checkpoin
         assert temp_files(tmp_path) == [], "the handler itself removes the half-written file"
         raise Left(code)
 
-    life = RunLifecycle(tmp_path, resume=False, overwrite=False, command="gradaccum train --resume", exit=leave)
+    life = lifecycle(tmp_path, exit=leave)
     life.save(Position(0, 1, 1), lambda: {"step": torch.tensor(1)})  # the previous checkpoint
 
     class SecondCtrlC:
@@ -371,8 +389,8 @@ def test_a_second_signal_during_a_checkpoint_write_leaves_the_previous_checkpoin
             os.kill(os.getpid(), signal.SIGINT)  # the first: finish the window, then a checkpoint
             assert asked == [True]
             with pytest.raises(Left) as left:  # the window's StepResult.stop_requested carried it
-                life.after_window(Position(0, 2, 2), lambda: {"step": torch.tensor(2), "half": SecondCtrlC()},
-                                  last=False, stop=True)
+                assert life.stop_here(True)
+                life.stop(Position(0, 2, 2), lambda: {"step": torch.tensor(2), "half": SecondCtrlC()})
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # on its way out: a third is ignored
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -387,10 +405,8 @@ def test_a_second_signal_during_a_checkpoint_write_leaves_the_previous_checkpoin
 
 
 def test_signal_handlers_are_restored_after_a_run_that_was_not_stopped(tmp_path):
-    from gradaccum.cli.lifecycle import RunLifecycle
-
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with RunLifecycle(tmp_path, resume=False, overwrite=False, command="").handling_signals():
+    with lifecycle(tmp_path).handling_signals():
         assert signal.getsignal(signal.SIGINT) not in before
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
@@ -398,15 +414,15 @@ def test_signal_handlers_are_restored_after_a_run_that_was_not_stopped(tmp_path)
 def test_resume_keeps_the_metrics_lines_of_the_checkpoint_and_drops_a_torn_one(tmp_path):
     """kill -9 can leave steps after the checkpoint, and a last line cut in half: neither comes back.
     Rows are kept by their (epoch, window) position: a skipped window repeats the step before it."""
-    from gradaccum.cli.lifecycle import Position, RunLifecycle
+    from gradaccum.cli.folder import Position
 
     at = [(0, 0, 1), (0, 1, 1), (0, 2, 2), (1, 0, 3), (1, 1, 4)]  # (epoch, window, step): window 1 skipped
     rows = [json.dumps({"step": s, "epoch": e, "window": w, "loss": 1.0 / s}) for e, w, s in at]
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 5, "lo')
-    life = RunLifecycle(tmp_path, resume=True, overwrite=False, command="")
-    assert [r["window"] for r in life.kept_history(Position(0, 2, 1))] == [0, 1]  # the skip kept, not step 2
-    assert [r["step"] for r in life.kept_history(Position(1, 0, 2))] == [1, 1, 2]
-    assert [r["step"] for r in life.kept_history(Position(9, 0, 9))] == [1, 1, 2, 3, 4]
+    folder = lifecycle(tmp_path, resume=True).folder
+    assert [r["window"] for r in folder.kept_history(Position(0, 2, 1))] == [0, 1]  # the skip kept, not step 2
+    assert [r["step"] for r in folder.kept_history(Position(1, 0, 2))] == [1, 1, 2]
+    assert [r["step"] for r in folder.kept_history(Position(9, 0, 9))] == [1, 1, 2, 3, 4]
 
 
 def test_a_stop_is_decided_by_the_window_flag_and_names_the_signal_of_any_rank(tmp_path, monkeypatch):
@@ -414,9 +430,8 @@ def test_a_stop_is_decided_by_the_window_flag_and_names_the_signal_of_any_rank(t
     on every rank); a rank that received none stops too, and one all-reduce on that window alone
     tells it which signal stopped the run. No window without a stop pays a collective."""
     from gradaccum.cli import signals
-    from gradaccum.cli.lifecycle import RunLifecycle
 
-    life = RunLifecycle(tmp_path / "run", resume=False, overwrite=False, command="gradaccum train --resume")
+    life = lifecycle(tmp_path / "run")
     monkeypatch.setattr(signals.sync, "is_distributed", lambda: True)
     calls = []
 

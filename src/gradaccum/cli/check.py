@@ -4,23 +4,28 @@ On a built-in task's model (``--task``, ``--model``) or on the user's own: ``--m
 --batch pkg.data:sample --loss pkg.train:loss_fn`` (import paths; ``build()`` returns the model,
 ``sample()`` one batch, ``loss_fn(model, batch)`` the mean loss or ``(mean, count)``). Either way
 the library's :func:`~gradaccum.check_equivalence` compares the batch's gradient with the one
-accumulated over its micro-batches. Exit 0: equivalent; 1: not; 2: a usage error.
+accumulated over its micro-batches; a split it refuses (:class:`~gradaccum.checking.SplitError`)
+is said here with the flags that fix it. Exit 0: equivalent; 1: not (a model that draws random
+numbers, such as dropout, included); 2: a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import math
+import re
 import sys
 from typing import Any, Callable, Sequence, Tuple
 
+from .._maths import ceil_div
 from .errors import CLIError
 
-__all__ = ["check_command", "import_object"]
+__all__ = ["check_command", "import_object", "CHECK_MICRO_BATCH_SIZE", "CHECK_ACCUM_STEPS"]
 
-DEFAULT_MICRO_BATCH_SIZE = 8
-DEFAULT_ACCUM_STEPS = 4
+#: check's split of a built-in task's batch when the flags give none: 4 micro-batches of 8 (train's
+#: defaults, 32 x 4, are cli/config.py's)
+CHECK_MICRO_BATCH_SIZE = 8
+CHECK_ACCUM_STEPS = 4
 
 
 def import_object(flag: str, path: str) -> Any:
@@ -45,6 +50,7 @@ def import_object(flag: str, path: str) -> Any:
 
 
 def _call(flag: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, the user's function: anything it raises becomes one line naming ``flag``."""
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - the user's code: one line naming where it failed
@@ -72,7 +78,7 @@ def _own_model(args: argparse.Namespace) -> Tuple[Any, Any, Any, str]:
 
 
 def _accum_steps(args: argparse.Namespace) -> int:
-    return DEFAULT_ACCUM_STEPS if args.accum_steps is None else int(args.accum_steps)
+    return CHECK_ACCUM_STEPS if args.accum_steps is None else int(args.accum_steps)
 
 
 def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
@@ -82,21 +88,23 @@ def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
     from .config import TrainConfig
     from .run import build
 
-    if args.batch is not None or args.loss is not None:
-        raise CLIError("--batch and --loss go with your own --model MODULE:FUNCTION; drop them, or name your model")
-    from .config import MODELS
+    from ..tasks.models import MODELS
 
     if args.model is not None and args.model not in MODELS:
+        given = f" (your --batch and --loss name functions as MODULE:FUNCTION: so must --model, e.g. {args.model}:build)" \
+            if args.batch is not None or args.loss is not None else ""
         raise CLIError(f"--model must be one of {', '.join(MODELS)} or your own MODULE:FUNCTION (e.g. "
-                       f"mypkg.nets:build, with the colon), got {args.model!r}")
-    m = args.micro_batch_size or DEFAULT_MICRO_BATCH_SIZE
+                       f"mypkg.nets:build, with the colon), got {args.model!r}{given}")
+    if args.batch is not None or args.loss is not None:
+        raise CLIError("--batch and --loss go with your own --model MODULE:FUNCTION; drop them, or name your model")
+    m = args.micro_batch_size or CHECK_MICRO_BATCH_SIZE
     n = _accum_steps(args)
     cfg = TrainConfig(task=args.task or "digits", data_path=args.data_path, model=args.model, micro_batch_size=m,
                       accum_steps=n, seed=args.seed, device="cpu")
     task = load_task(cfg.task, cfg.data_path)
     model = build(cfg, task, torch.device("cpu"))
     items = min(cfg.window_items, task.num_train)
-    if items < cfg.window_items and math.ceil(items / m) >= 2:
+    if items < cfg.window_items and ceil_div(items, m) >= 2:
         print(f"gradaccum check: --micro-batch-size {m} x --accum-steps {n} = {cfg.window_items} items is more than "
               f"the {task.num_train} of the training set; checking all {task.num_train}", file=sys.stderr)
     batch = task.gather(list(range(items)))
@@ -106,6 +114,7 @@ def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
 def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .. import check_equivalence
     from ..batching import leading_dim
+    from ..checking import SplitError
 
     if not args.rtol > 0:
         raise ValueError(f"--rtol must be a positive number, got {args.rtol!r}")
@@ -118,26 +127,42 @@ def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except (TypeError, ValueError) as e:
             raise CLIError(f"--batch {args.batch} returned no batch of items along dim 0 ({e}); return a tensor, "
                            "or a dict or tuple of tensors of the same length") from None
-        m = args.micro_batch_size or max(1, math.ceil(items / 2))
+        m = args.micro_batch_size or max(1, ceil_div(items, 2))
     else:
         model, batch, loss_fn, name, m = _builtin(args)
         items = leading_dim(batch, argument="batch")
-    pieces = math.ceil(items / m)
-    if pieces < 2:
-        if not own and _accum_steps(args) == 1 and items == m:  # a window of M x 1 items: N makes it more than one
-            fix = "pass --accum-steps 2 or more"
-        elif items < 2:
-            fix = f"make --batch {args.batch} return 2 items or more"
-        else:
-            fix = f"pass --micro-batch-size {items // 2} or less"
-        raise CLIError(f"--micro-batch-size {m} on a batch of {items} item{'s' if items != 1 else ''} gives one "
-                       f"micro-batch, which is only compared with itself; {fix}")
-    def compare() -> Any:
-        return check_equivalence(model, loss_fn, batch, m, rtol=args.rtol)
-
-    report = _call("--loss", args.loss, compare) if own else compare()
-    print(f"{name}, {items} items in {pieces} micro-batches of at most {m}: {report}")
+    try:
+        report = check_equivalence(model, loss_fn, batch, m, rtol=args.rtol)
+    except SplitError as e:
+        raise CLIError(_split_refused(e, args, own)) from None
+    except Exception as e:  # noqa: BLE001 - the user's code: one line naming where it failed
+        if not own:
+            raise
+        raise CLIError(f"--loss {args.loss} raised {type(e).__name__}: {e}; fix it, or try it in Python first") from None
+    pieces = ceil_div(items, m)
+    print(f"{name}, {_count(items, 'item')} in {_count(pieces, 'micro-batch', 'micro-batches')} of at most {m}: "
+          f"{report}")
     return 0 if report.equivalent else 1
+
+
+def _split_refused(error: Any, args: argparse.Namespace, own: bool) -> str:
+    """The library's refusal of a split, in flags: a split of one micro-batch, with the flag that
+    fixes it; a micro-batch the model cannot run, with ``--micro-batch-size``."""
+    m, items = error.micro_batch_size, error.items
+    if ceil_div(items, m) >= 2:  # the model cannot run one of the micro-batches
+        return re.sub(r"micro_batch_size=(\d+)", r"--micro-batch-size \1", str(error))
+    if not own and _accum_steps(args) == 1 and items == m:  # a window of M x 1 items: N makes it more than one
+        fix = "pass --accum-steps 2 or more"
+    elif items < 2:
+        fix = f"make --batch {args.batch} return 2 items or more"
+    else:
+        fix = f"pass --micro-batch-size {items // 2} or less"
+    return (f"--micro-batch-size {m} on a batch of {_count(items, 'item')} gives one micro-batch, which is only "
+            f"compared with itself; {fix}")
+
+
+def _count(n: int, noun: str, plural: str = "") -> str:
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def torch_seed(seed: int) -> None:

@@ -17,10 +17,13 @@ import torch
 
 from .errors import CLIError
 
-__all__ = ["CLIError", "save_atomic", "load_checkpoint", "digest", "CHECKSUM_KEY", "temp_name", "is_temp_for",
-           "describe_os_error", "fsync_dir", "REQUIRED_KEYS"]
+__all__ = ["save_atomic", "load_checkpoint", "corrupt", "digest", "CHECKSUM_KEY", "temp_name", "is_temp_for",
+           "describe_os_error", "fsync_dir", "REQUIRED_KEYS", "EVAL_FIX", "TRAIN_FIX"]
 
 REQUIRED_KEYS = ("model", "optimizer", "accumulator", "config", "epoch", "window")
+#: what a user can do about a damaged checkpoint, per command
+TRAIN_FIX = "restore a good copy, or start over with --overwrite (which removes it)"
+EVAL_FIX = "restore a good copy, or evaluate another checkpoint"
 #: the key under which a checkpoint holds the :func:`digest` of its other contents
 CHECKSUM_KEY = "checksum"
 
@@ -156,11 +159,16 @@ def _is_zip(path: Path) -> bool:
         return False
 
 
-def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]:
+def corrupt(path: Path, reason: str, fix: str = TRAIN_FIX) -> CLIError:
+    """The one line for a damaged checkpoint: what is wrong, that it was left in place, the fix."""
+    return CLIError(f"checkpoint {path} is corrupt or unreadable ({reason}); it was left in place: {fix}")
+
+
+def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS, *, fix: str = TRAIN_FIX) -> Dict[str, Any]:
     """Load a gradaccum checkpoint with ``weights_only=True``; a bad file is refused, never touched.
 
     The reason is in our words: torch's own text is long, may carry ANSI escapes, and cut to one
-    line it stops mid-word."""
+    line it stops mid-word. ``fix``: what the refusal tells the user to do."""
     if not path.is_file():
         raise CLIError(f"checkpoint {path} does not exist; train first, or give the path of a last.pt")
     reason = None
@@ -180,8 +188,7 @@ def load_checkpoint(path: Path, required: Any = REQUIRED_KEYS) -> Dict[str, Any]
         else:
             reason = _damaged_record(path)
     if reason is not None:
-        raise CLIError(f"checkpoint {path} is corrupt or unreadable ({reason}); it was left in place: "
-                       "move it away to start over, or restore a good copy")
+        raise corrupt(path, reason, fix)
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise CLIError(f"checkpoint {path} is not a gradaccum checkpoint (missing {', '.join(missing)}); "

@@ -8,17 +8,18 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, NamedTuple, Optional, Union
 
 from .._checks import check_int
+from .._maths import ceil_div
 from ..precision import PRECISIONS
 from ..tasks.data import TASKS
 from ..tasks.models import MODELS
 
 __all__ = ["TrainConfig", "WindowShape", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
-           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "window_shape", "check_int"]
+           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "window_shape"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float64")
-DEFAULT_MICRO_BATCH_SIZE = 32
+DEFAULT_MICRO_BATCH_SIZE = 32  # train's M and N when the flags give neither (check has its own: cli/check.py)
 DEFAULT_ACCUM_STEPS = 4
 DEFAULT_AUTO_BATCH = 128  # the window with --micro-batch-size auto and no --batch-size
 #: seeds torch's generators take with room for one more per epoch (seed + epoch is each epoch's order)
@@ -77,7 +78,7 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, No
         n = DEFAULT_ACCUM_STEPS if accum_steps is None else accum_steps
         return WindowShape(m * n * world_size, m, n)
     if accum_steps is None:
-        return WindowShape(batch_size, m, math.ceil(batch_size / (m * world_size)))
+        return WindowShape(batch_size, m, ceil_div(batch_size, m * world_size))
     if batch_size != m * accum_steps * world_size:
         raise ValueError(
             f"--batch-size {batch_size}, --micro-batch-size {m} and --accum-steps {accum_steps} contradict each "

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Sequence, Tuple
 
+from .checkpoint import EVAL_FIX, load_checkpoint
 from .errors import CLIError
-from .checkpoint import load_checkpoint
 from .jsonfile import strict_json
 
 __all__ = ["eval_command", "find_checkpoint"]
@@ -41,6 +41,9 @@ def _settings(state: Dict[str, Any], path: Path, data_path: Any) -> Any:
         raise CLIError(f"--checkpoint {path} holds settings this version cannot read; evaluate it with the "
                        "gradaccum that wrote it") from None
     if data_path is None:
+        if cfg.data_path is not None and not Path(cfg.data_path).exists():
+            raise CLIError(f"{path} was trained on {cfg.data_path}, which no longer exists; pass --data-path with "
+                           f"where that {'folder' if cfg.task == 'mnist' else 'file'} is now")
         return cfg
     if cfg.task == "digits":
         raise CLIError(f"--data-path {data_path} is not used: {path} is a model of the digits task, whose data "
@@ -55,11 +58,11 @@ def eval_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     device = resolve_device(args.device)
     path, sharded = find_checkpoint(args.checkpoint)
     if sharded:  # a --shard run's last.dcp: its gradaccum.pt says what model to build
-        from .sharding import META, META_KEYS, sharded_folder
+        from .sharding import read_sharded_meta
 
-        state = load_checkpoint((sharded_folder(path) or path) / META, required=META_KEYS)
+        state = read_sharded_meta(path, fix=EVAL_FIX)
     else:
-        state = load_checkpoint(path)
+        state = load_checkpoint(path, fix=EVAL_FIX)
     cfg = _settings(state, path, args.data_path)
     task = load_task(cfg.task, cfg.data_path)
     model = build(cfg, task, device)

@@ -1,36 +1,43 @@
-"""The run folder (``--out``) before and after training: may this run write here, fresh or resumed?
+"""The run folder (``--out``): the one object that reads and writes it, :class:`RunFolder`.
 
 ``check_out`` refuses, in one line, an empty ``--out``, a path that is a file or lies under one, and
-a folder on a read-only filesystem or without write permission. :meth:`RunFolder.decide` then
-decides from the folder and the flags, still without writing (see :mod:`gradaccum.cli.lifecycle`).
+a folder on a read-only filesystem or without write permission. :class:`RunFolder` then takes the
+folder's lock (one run at a time: :class:`FolderLock`), decides from the folder and the flags, still
+without writing (:meth:`RunFolder.decide`), prepares it, and writes and reads every file of the run:
+the checkpoint, the metrics files, ``summary.json``, ``compare.json``, the plots. When each is
+written is :mod:`gradaccum.cli.lifecycle`'s and :mod:`gradaccum.cli.run`'s decision.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import sync
-from .errors import CLIError
-from .checkpoint import describe_os_error, is_temp_for, load_checkpoint, temp_name
+from .checkpoint import describe_os_error, is_temp_for, load_checkpoint, save_atomic, temp_name
 from .config import TrainConfig
+from .errors import CLIError
 from .jsonfile import strict_json
+from .tracking import EVENTS_PREFIX, MetricsLog
 
-__all__ = ["ARTIFACTS", "BASELINE", "CHECKPOINT", "SHARDED_CHECKPOINT", "EVENTS_PREFIX", "Position", "ResumePlan",
-           "RunFolder", "check_out"]
+__all__ = ["ARTIFACTS", "BASELINE", "CHECKPOINT", "SHARDED_CHECKPOINT", "LOCK", "FolderLock", "Position",
+           "ResumePlan", "RunFolder", "check_out", "count"]
 
 CHECKPOINT = "last.pt"
 SHARDED_CHECKPOINT = "last.dcp"  # a folder: --shard's torch.distributed.checkpoint
 #: the files one run writes into its folder; --overwrite removes these and nothing else
 ARTIFACTS = (CHECKPOINT, SHARDED_CHECKPOINT, "metrics.jsonl", "metrics.csv", "summary.json", "loss.png",
              "compare.json", "compare.png", f".{SHARDED_CHECKPOINT}.old")
-#: TensorBoard's event files (one per writer: a resumed run rewrites its history into a new one)
-EVENTS_PREFIX = "events.out.tfevents."
+#: the folder's lock file (:class:`FolderLock`), not an artifact: while a run holds it, no other starts
+LOCK = ".gradaccum.lock"
 #: --compare's one-batch run: a run folder of its own inside this one
 BASELINE = "baseline"
 
@@ -119,9 +126,70 @@ def _remove_artifacts(folder: Path, names: List[str]) -> None:
             path.unlink()
 
 
+class FolderLock:
+    """One run at a time in a folder: an exclusive ``flock`` on ``.gradaccum.lock`` inside it,
+    which holds the PID and host of the process that holds it.
+
+    The kernel drops a ``flock`` when its holder exits, however it exits (``kill -9`` included), so
+    a killed run never leaves the folder locked: the file it leaves names a process that no longer
+    holds it, and the next run takes it over. Released, the file goes. Not an artifact of the run
+    (never listed, never removed by ``--overwrite``). On a network filesystem ``flock`` may lock on
+    one machine only: two machines writing one ``--out`` are not stopped there.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / LOCK
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> Optional[str]:
+        """Hold the lock and return None, or return who holds it (``PID 123 on host``)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    os.close(fd)
+                    raise
+                holder = os.pread(fd, 256, 0).decode(errors="replace").split()
+                os.close(fd)
+                if not holder:  # between the holder's flock and its write
+                    return "a process that has not written its PID yet"
+                host = holder[1] if len(holder) > 1 else "?"
+                return f"PID {holder[0]}" + (" on this machine" if host == socket.gethostname() else f" on {host}")
+            try:  # a holder that released it removed the file we opened: lock the one at the path
+                opened, there = os.fstat(fd), os.stat(self.path)
+                same = (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            self._fd = fd
+            return None
+
+    def release(self) -> None:
+        """Remove the file, then drop the lock (a run waiting to open it then opens a new one)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+
+
 class RunFolder:
-    """What one run may do in its folder: decide fresh / resume / complete, prepare the folder, and
-    read and write its files (rank 0 decides; see :class:`~gradaccum.cli.lifecycle.RunLifecycle`).
+    """The one object that reads and writes a run's folder (``--out``): its lock, the decision
+    fresh / resume / complete, preparing it, the checkpoint, the metrics files, ``summary.json``,
+    ``compare.json``, the plots and ``--compare``'s ``baseline/``. Nothing else opens a path in it.
+
+    Rank 0 alone inspects, reads and writes it and tells the other ranks what it found; a sharded
+    checkpoint is the exception, written and read by every rank. Use it as a context manager:
+    entering makes the folder if needed and takes its :class:`FolderLock` (a folder another run
+    holds is refused in one line that names the process); leaving releases the lock and removes
+    the folder again if this run made it and left it empty (a run refused before writing).
 
     Args:
         out: the run folder (already through :func:`check_out`).
@@ -130,7 +198,8 @@ class RunFolder:
         say: prints one line (rank 0).
     """
 
-    def __init__(self, out: Path, *, resume: bool, overwrite: bool, sharded: bool, say: Any) -> None:
+    def __init__(self, out: Path, *, resume: bool, overwrite: bool, sharded: bool,
+                 say: Callable[[str], None]) -> None:
         if resume and overwrite:
             raise CLIError("--resume and --overwrite contradict each other: --resume continues the run in "
                            "--out, --overwrite deletes it; pass one of them")
@@ -141,6 +210,49 @@ class RunFolder:
         self.checkpoint = out / (SHARDED_CHECKPOINT if sharded else CHECKPOINT)
         self.say = say
         self.rank0 = sync.is_rank_zero()
+        self._lock = FolderLock(out)
+        self._made: List[Path] = []  # folders made here, deepest first
+        self._write: Callable[[Dict[str, Any], Path], None] = save_atomic
+
+    # -- the lock ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> "RunFolder":
+        error = None
+        if self.rank0:
+            try:
+                self._make_folder()
+                holder = self._lock.acquire()
+            except OSError as e:
+                error = (f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder you can "
+                         "write to with --out")
+            else:
+                if holder is not None:
+                    error = (f"--out {self.out} is in use by another gradaccum run ({holder}, which holds "
+                             f"{self._lock.path}); wait for it to end or stop it, or pass another --out")
+        error = sync.broadcast_object(error)
+        if error is not None:
+            self._unmake()
+            raise CLIError(error)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+        self._unmake()
+
+    def _make_folder(self) -> None:
+        folder = Path(os.path.abspath(self.out))
+        while not folder.exists():
+            self._made.append(folder)
+            folder = folder.parent
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def _unmake(self) -> None:
+        for folder in self._made:  # deepest first; a folder with anything in it stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        self._made = []
+
+    # -- the decision -----------------------------------------------------------------------------
 
     def _exists(self) -> bool:
         if self.sharded:
@@ -150,15 +262,17 @@ class RunFolder:
         return self.checkpoint.exists()
 
     def _read(self) -> Dict[str, Any]:
-        """The checkpoint (a sharded one: its gradaccum.pt; the shards load into the model later)."""
+        """The checkpoint (a sharded one: its gradaccum.pt, after its shards' checksums are
+        compared; the shards load into the model later)."""
         if self.sharded:
-            from .sharding import META, META_KEYS, sharded_folder
+            from .sharding import read_sharded_meta
 
-            folder = sharded_folder(self.checkpoint) or self.checkpoint
-            return load_checkpoint(folder / META, required=META_KEYS)
+            return read_sharded_meta(self.checkpoint)
         return load_checkpoint(self.checkpoint)
 
-    def decide(self, cfg: TrainConfig) -> Tuple[ResumePlan, Optional[Dict[str, Any]]]:
+    def decide(self, cfg: TrainConfig, *, restart_count: int = 0) -> Tuple[ResumePlan, Optional[Dict[str, Any]]]:
+        """Fresh, resume or complete, from the folder and the flags; writes nothing (rank 0).
+        ``restart_count``: how often torchrun restarted the workers (see :mod:`.launch`)."""
         start = Position(0, 0, 0)
         artifacts = _artifacts_in(self.out)
         if self.overwrite:
@@ -166,10 +280,9 @@ class RunFolder:
         if not self.resume:
             runs = [a for a in artifacts if not any(is_temp_for(a, x) for x in ARTIFACTS)]
             if runs:
-                restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-                if restart:
-                    raise CLIError(f"torchrun restarted the workers (restart {restart}), but this command has no "
-                                   f"--resume, so it cannot continue the run in --out {self.out}; add --resume to "
+                if restart_count:
+                    raise CLIError(f"torchrun restarted the workers (restart {restart_count}), but this command has "
+                                   f"no --resume, so it cannot continue the run in --out {self.out}; add --resume to "
                                    "the torchrun command (with no checkpoint yet it starts fresh)")
                 raise CLIError(f"--out {self.out} holds another run ({', '.join(runs)}); pass --resume to "
                                "continue it, --overwrite to replace it, or another --out")
@@ -180,27 +293,10 @@ class RunFolder:
                            f"run's checkpoint; resume it {'without' if self.sharded else 'with'} --shard")
         if not self._exists():
             return ResumePlan("fresh", start, artifacts,
-                        note=f"--resume: nothing to resume in {self.out} (no {self.checkpoint.name}); "
-                             "starting from step 0"), None
+                              note=f"--resume: nothing to resume in {self.out} (no {self.checkpoint.name}); "
+                                   "starting from step 0"), None
         state = self._read()
-        try:
-            saved = TrainConfig(**state["config"])
-        except (TypeError, ValueError):
-            raise CLIError(f"--resume: {self.checkpoint} holds settings this version cannot read; resume with "
-                           "the gradaccum that wrote it, or pass another --out") from None
-        if cfg.batch_size is None and cfg.accum_steps is None and cfg.window_items != saved.window_items:
-            cfg = replace(cfg, batch_size=saved.window_items)  # the flags given say nothing about B: keep it
-        mine, theirs = cfg.training_settings(), saved.training_settings()
-        changed = [k for k in theirs if mine.get(k) != theirs[k]]
-        if changed:
-            was = ", ".join(f"--{k.replace('_', '-')} {theirs[k]} (now {mine.get(k)})" for k in changed)
-            drop = (" and drop --accum-steps (it fixes B = M x N x ranks)" if cfg.accum_steps is not None
-                    else "")
-            hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
-                    f"{theirs['batch_size']}{drop}" if "batch_size" in changed else "")
-            raise CLIError(f"--resume: {self.checkpoint} was written with other settings: {was}{hint}; resume "
-                           "with the same settings (only --epochs may grow; the ranks and the micro-batch size "
-                           "may change), or pass another --out")
+        cfg = _same_settings(self.checkpoint, cfg, state)
         at = Position(int(state["epoch"]), int(state["window"]), int(state["accumulator"]["steps"]))
         epochs = int(cfg.epochs)  # type: ignore[arg-type]
         if (epochs, 0) < (at.epoch, at.window):
@@ -209,25 +305,32 @@ class RunFolder:
             raise CLIError(f"--resume --epochs {epochs}: {self.checkpoint} already holds {done}; pass "
                            f"--epochs {at.epoch + (1 if at.window else 0)} or more, or another --out")
         stray = [a for a in artifacts if any(is_temp_for(a, x) for x in ARTIFACTS)]  # never read: removed
-        has_summary = (self.out / "summary.json").exists()
+        has_summary = (self.out / "summary.json").exists()  # rank 0 decides: no collective here
         if (epochs, 0) == (at.epoch, at.window):
             note = (f"{self.out} is complete: {count(epochs, 'epoch')}, {count(at.step, 'step')}; nothing to train"
                     + ("; summary.json left as it was" if has_summary else "; writing its missing summary.json"))
             return ResumePlan("complete", at, stray, note=note, has_summary=has_summary, config=cfg), state
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        why = f"torchrun restart {restart}: " if restart else "--resume: "
+        why = f"torchrun restart {restart_count}: " if restart_count else "--resume: "
         return ResumePlan("resume", at, stray, has_summary=has_summary, config=cfg,
-                    note=f"{why}continuing {self.out} from {at} of {self.checkpoint.name}"), state
+                          note=f"{why}continuing {self.out} from {at} of {self.checkpoint.name}"), state
 
     def prepare(self, plan: ResumePlan) -> None:
-        """Create the folder, prove it takes a write, then remove what the plan says (rank 0; every
-        rank waits). Nothing is removed if the folder cannot be written; a folder made here goes again."""
+        """Prove the folder takes a write, then remove what the plan says (rank 0; every rank
+        waits). Nothing is removed if the folder cannot be written."""
         error = None
         if self.rank0:
+            probe = self.out / f".write-probe-{os.getpid()}"
             try:
-                self._make_writable_folder()
-            except CLIError as e:
-                error = str(e)
+                with open(probe, "wb") as f:
+                    f.write(b"gradaccum")
+                    f.flush()
+                    os.fsync(f.fileno())
+                probe.unlink()
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    probe.unlink()
+                error = (f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder you can "
+                         "write to with --out")
             else:
                 _remove_artifacts(self.out, plan.remove)
                 if plan.note:
@@ -236,28 +339,25 @@ class RunFolder:
         if error is not None:
             raise CLIError(error)
 
-    def _make_writable_folder(self) -> None:
-        made: List[Path] = []
-        folder = Path(os.path.abspath(self.out))
-        while not folder.exists():
-            made.append(folder)
-            folder = folder.parent
-        probe = self.out / f".write-probe-{os.getpid()}"
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            with open(probe, "wb") as f:
-                f.write(b"gradaccum")
-                f.flush()
-                os.fsync(f.fileno())
-            probe.unlink()
-        except OSError as e:
+    # -- the checkpoint ---------------------------------------------------------------------------
+
+    def use_writer(self, write: Callable[[Dict[str, Any], Path], None]) -> None:
+        """Write checkpoints with ``write(obj, path)`` (a sharded checkpoint's, once the model exists)."""
+        self._write = write
+
+    def write_checkpoint(self, state: Dict[str, Any]) -> None:
+        """The checkpoint, atomically (rank 0 for a file, every rank for a sharded one); an OSError
+        when it cannot be written, the previous checkpoint then whole."""
+        self._write(state, self.checkpoint)
+
+    def abandon_checkpoint_write(self) -> bool:
+        """For a process leaving at once (a second signal): remove its temporary checkpoint file, a
+        write in progress, and say whether a whole checkpoint is there. A sharded write's temporary
+        folder is never read; the next run in the folder removes it."""
+        if not self.sharded:
             with contextlib.suppress(OSError):
-                probe.unlink()
-            for folder in made:  # deepest first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise CLIError(f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder "
-                           "you can write to with --out") from None
+                temp_name(self.checkpoint).unlink()
+        return self._exists()
 
     def kept_history(self, at: Position) -> List[Dict[str, Any]]:
         """The metrics rows of the windows before the checkpoint's position (a killed run may have
@@ -289,6 +389,68 @@ class RunFolder:
             return describe_os_error(e)
         return None
 
+    def read_json(self, name: str) -> Dict[str, Any]:
+        """``name`` as rank 0 reads it, on every rank (another node's copy may be missing or stale)."""
+        return sync.broadcast_object(json.loads((self.out / name).read_text()) if self.rank0 else None)
+
+    def has(self, name: str) -> bool:
+        """Does the folder hold ``name`` (``compare.json``, ``loss.png``)? Rank 0's answer, on every rank."""
+        return bool(sync.broadcast_object((self.out / name).exists() if self.rank0 else None))
+
+    def metrics_log(self, history: List[Dict[str, Any]]) -> MetricsLog:
+        """The metrics files, rewritten from ``history`` (the rows kept) and appended to (rank 0)."""
+        return MetricsLog(self.out, history, enabled=self.rank0)
+
+    def draw(self, name: str, plot: Callable[[Path], None]) -> None:
+        """``plot(path)`` draws ``name`` in the folder (rank 0; written whole or not at all)."""
+        if self.rank0:
+            plot(self.out / name)
+
+    def baseline(self, *, resume: bool) -> "RunFolder":
+        """``--compare``'s one-batch run: a run folder of its own, ``baseline/``, resumed with this one
+        when it has a checkpoint, else started over."""
+        base = self.out / BASELINE
+        resume = resume and bool(sync.broadcast_object((base / CHECKPOINT).exists() if self.rank0 else None))
+        return RunFolder(base, resume=resume, overwrite=not resume, sharded=False, say=self.say)
+
+
+def _same_settings(checkpoint: Path, cfg: TrainConfig, state: Dict[str, Any]) -> TrainConfig:
+    """The settings to resume with: the flags', with the checkpoint's global batch when they say
+    nothing about it; a one-line CLIError when they would train another model."""
+    try:
+        saved = TrainConfig(**state["config"])
+    except (TypeError, ValueError):
+        raise CLIError(f"--resume: {checkpoint} holds settings this version cannot read; resume with the gradaccum "
+                       "that wrote it, or pass another --out") from None
+    if cfg.batch_size is None and cfg.accum_steps is None and cfg.window_items != saved.window_items:
+        cfg = replace(cfg, batch_size=saved.window_items)  # the flags given say nothing about B: keep it
+    mine, theirs = cfg.training_settings(), saved.training_settings()
+    changed = [k for k in theirs if mine.get(k) != theirs[k]]
+    if changed:
+        was = ", ".join(_change(k, theirs[k], mine.get(k)) for k in changed)
+        drop = " and drop --accum-steps (it fixes B = M x N x ranks)" if cfg.accum_steps is not None else ""
+        hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
+                f"{theirs['batch_size']}{drop}" if "batch_size" in changed else "")
+        raise CLIError(f"--resume: {checkpoint} was written with other settings: {was}{hint}; resume with the same "
+                       "settings (only --epochs may grow; the ranks and the micro-batch size may change), or pass "
+                       "another --out")
+    return cfg
+
+
+def _change(key: str, was: Any, now: Any) -> str:
+    """A setting that changed, as flags: ``--lr 0.1 (now 0.2)``, ``no --max-grad-norm (now
+    --max-grad-norm 1.0)``, ``--shard (now without it)``."""
+    flag = f"--{key.replace('_', '-')}"
+
+    def given(value: Any) -> bool:
+        return value is not None and value is not False
+
+    then = (f"{flag} {was}" if was is not True else flag) if given(was) else f"no {flag}"
+    if not given(now):
+        return f"{then} (now without it)"
+    if now is True:
+        return f"{then} (now with it)"
+    return f"{then} (now {now})" if given(was) else f"{then} (now {flag} {now})"
 
 
 def count(n: int, noun: str) -> str:

@@ -1,15 +1,21 @@
-"""The life of one run's folder (``--out``): what may be written there, checkpoints, signals, resuming.
+"""The life of one run's folder (``--out``): what is written when, checkpoints, signals, resuming.
 
-The training loop (:mod:`gradaccum.cli.run`) asks this module; it never touches the folder itself.
-The folder's decisions are :mod:`gradaccum.cli.folder`'s, the signal handlers :mod:`gradaccum.cli.signals`'.
+Every file goes through :class:`~gradaccum.cli.folder.RunFolder`, the one object that reads and
+writes the folder; this module decides *when*, and what a signal does (the handlers are
+:mod:`gradaccum.cli.signals`'). The training loop (:func:`gradaccum.cli.run.train_windows`) asks it.
 
 Before anything is written
     ``check_out`` refuses, in one line, an empty ``--out``, a path that is a file or lies under one,
-    and a folder on a read-only filesystem or without write permission. ``RunLifecycle.plan`` (:meth:`RunFolder.decide <gradaccum.cli.folder.RunFolder.decide>`) then
-    decides from the folder and the flags, still without writing:
+    and a folder on a read-only filesystem or without write permission. The data is loaded and
+    checked next (a label out of range is refused here, not at the window that meets it). Then the
+    folder's lock: a folder another run holds is refused, with the process that holds it (a lock a
+    killed run held is free again: the kernel drops it). ``RunLifecycle.plan``
+    (:meth:`RunFolder.decide <gradaccum.cli.folder.RunFolder.decide>`) decides from the folder and
+    the flags, still without writing:
 
     * new or empty folder (or one holding only files of no run): a fresh run;
-    * another run's files (:data:`ARTIFACTS`) without ``--resume`` or ``--overwrite``: refused, untouched;
+    * another run's files (:data:`~gradaccum.cli.folder.ARTIFACTS`) without ``--resume`` or
+      ``--overwrite``: refused, untouched;
     * ``--overwrite``: a fresh run, after removing that run's artifacts (other files stay);
     * ``--resume`` and no checkpoint: one line, and a fresh run (the old artifacts removed);
     * ``--resume`` and a checkpoint: same settings (only ``--epochs`` may grow, never below what is
@@ -19,20 +25,25 @@ Before anything is written
 Checkpoints
     ``last.pt`` is replaced atomically (:func:`~gradaccum.cli.checkpoint.save_atomic`); with ``--shard``
     it is the folder ``last.dcp`` that every rank writes (:mod:`gradaccum.cli.sharding`): every K steps
-    with ``--checkpoint-every K``, at the end, and when stopped by a signal. A write that fails (disk
-    full, file too large) keeps the previous checkpoint, says so in one line, and the run goes on:
-    ``metrics.jsonl`` is written line by line and ``summary.json`` at the end regardless; a failed
-    *final* write makes the command exit 1 after both are written.
+    with ``--checkpoint-every K``, after the last window, and when stopped by a signal. A write that
+    fails (disk full, file too large) keeps the previous checkpoint, says so in one line, and the run
+    goes on: ``metrics.jsonl`` is written line by line and ``summary.json`` at the end regardless; a
+    failed *final* write makes the command exit 1 after both are written.
 
 Ctrl-C (SIGINT) and SIGTERM
-    The first signal is acknowledged at once and lets the current window finish; then an atomic
-    checkpoint is written, one line says where it is and the exact command that resumes it, and the
-    command exits 130 (SIGINT) or 143 (SIGTERM). A second signal leaves at once (``os._exit``, same
-    exit codes), without a new checkpoint: a write in progress is abandoned and its temporary file
-    removed, so ``last.pt`` is the previous whole one. The handler never raises (an exception raised
-    inside torch's C++ comes out as its RuntimeError), and after a stop both signals stay ignored.
-    After ``kill -9`` the last checkpoint is whole too; a temporary file left by a write in progress
-    is never read, and the next run in the folder removes it.
+    From the folder's preparation to the run's last file the first signal is acknowledged at once
+    and lets the current window finish; then an atomic checkpoint is written, one line says where it
+    is and the exact command that resumes it, and the command exits 130 (SIGINT) or 143 (SIGTERM).
+    A signal that lands in the last window or while the run writes its final files (checkpoint,
+    ``summary.json``, ``loss.png``) lets them finish: the run is complete, and one line says so
+    (nothing to resume), exit 130 or 143. A second signal leaves at once (``os._exit``, same exit
+    codes), without a new checkpoint: a write in progress is abandoned and its temporary file
+    removed, so ``last.pt`` is the previous whole one, and the line says what it holds. The handler
+    never raises (an exception raised inside torch's C++ comes out as its RuntimeError), and after a
+    stop both signals stay ignored. Before the folder is prepared, or after the run's files are
+    written, a signal stops the command at once with one line saying what is on disk. After
+    ``kill -9`` the last checkpoint is whole too; a temporary file left by a write in progress is
+    never read, and the next run in the folder removes it.
 
 Distributed
     Rank 0 alone inspects, reads and writes the folder and broadcasts what it found (the decision,
@@ -55,23 +66,20 @@ Elastic restarts (``torchrun --max-restarts=K``)
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 from dataclasses import replace
-from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import sync
-from .errors import CLIError
-from .checkpoint import describe_os_error, save_atomic
 from .config import TrainConfig
-from .folder import (ARTIFACTS, BASELINE, CHECKPOINT, SHARDED_CHECKPOINT, Position, ResumePlan, RunFolder,
-                     check_out)
+from .errors import CLIError
+from .checkpoint import describe_os_error
+from .folder import Position, ResumePlan, RunFolder
+from .launch import launch
 from .signals import EXIT_CODES, StopSignals, Stopped
 
-__all__ = ["ARTIFACTS", "BASELINE", "CHECKPOINT", "SHARDED_CHECKPOINT", "Position", "ResumePlan", "Stopped",
-           "WriteFailed", "RunLifecycle", "check_out"]
+__all__ = ["WriteFailed", "RunLifecycle"]
 
 
 class WriteFailed(CLIError):
@@ -81,44 +89,35 @@ class WriteFailed(CLIError):
 
 
 class RunLifecycle:
-    """One run's folder from the first check to the last write. See the module docstring.
+    """One run from the decision to the last write: when the folder is written, and what a signal
+    does. See the module docstring. Every file goes through ``folder``.
 
     Args:
-        out: the run folder (already through :func:`check_out`).
-        resume, overwrite: the flags.
+        folder: the run's folder, entered (locked).
         command: the exact command line that resumes this run (printed when stopped).
         checkpoint_every: K of ``--checkpoint-every`` (0: only at the end and when stopped).
         name: the subcommand, for the lines this prints (``gradaccum train: ...``).
         exit: how a second signal ends the process (``os._exit``: at once, no unwinding through torch).
-        sharded: the checkpoint is ``last.dcp``, a folder every rank writes (``--shard``).
-        write: how a checkpoint is written, ``write(obj, path)``: rank 0 alone for a file, every rank
-            for a sharded one (default: :func:`~gradaccum.cli.checkpoint.save_atomic`).
         device: where the stop flag's all-reduce runs (NCCL needs CUDA tensors).
     """
 
-    def __init__(self, out: Path, *, resume: bool, overwrite: bool, command: str, checkpoint_every: int = 0,
-                 name: str = "train", exit: Callable[[int], Any] = os._exit, sharded: bool = False,
-                 write: Optional[Callable[[Dict[str, Any], Path], None]] = None, device: Any = "cpu") -> None:
+    def __init__(self, folder: RunFolder, *, command: str, checkpoint_every: int = 0, name: str = "train",
+                 exit: Optional[Callable[[int], Any]] = None, device: Any = "cpu") -> None:
         self.prefix = f"gradaccum {name}:"
-        self.folder = RunFolder(out, resume=resume, overwrite=overwrite, sharded=sharded, say=self.say)
-        self.out = out
+        self.folder = folder
         self.command = command
         self.checkpoint_every = checkpoint_every
-        self.sharded = sharded
-        self.checkpoint = self.folder.checkpoint
-        self._write = write or save_atomic
+        self.checkpoint = folder.checkpoint
         self.rank0 = sync.is_rank_zero()
         self.total_steps = 0
         self.saved: Optional[Position] = None      # what the checkpoint holds
         self.write_error: Optional[str] = None     # why the latest checkpoint write failed, if it did
         self.summary_error: Optional[str] = None   # why summary.json could not be written, if it could not
         self.final: Optional[Position] = None      # where training ended, once it has
-        self.signals = StopSignals(prefix=self.prefix, checkpoint=self.checkpoint, command=command, exit=exit,
-                                   saved=lambda: None if self.saved is None else str(self.saved), device=device)
-
-    def use_writer(self, write: Callable[[Dict[str, Any], Path], None]) -> None:
-        """Write checkpoints with ``write(obj, path)`` (a sharded checkpoint's, once the model exists)."""
-        self._write = write
+        extra = {} if exit is None else {"exit": exit}
+        self.signals = StopSignals(prefix=self.prefix, checkpoint=self.checkpoint, command=command, device=device,
+                                   abandon_write=folder.abandon_checkpoint_write,
+                                   saved=lambda: None if self.saved is None else str(self.saved), **extra)
 
     # -- before anything is written -------------------------------------------------------------
 
@@ -130,7 +129,7 @@ class RunLifecycle:
         state = None
         if self.rank0:
             try:
-                plan, state = self.folder.decide(cfg)
+                plan, state = self.folder.decide(cfg, restart_count=launch().restart_count)
                 outcome = ("plan", plan if plan.config is not None else replace(plan, config=cfg))
             except CLIError as e:
                 outcome = ("error", str(e))
@@ -145,36 +144,31 @@ class RunLifecycle:
             self.saved = plan.position
         return plan, state
 
-    def prepare(self, plan: ResumePlan) -> None:
-        """Create the folder and remove what the plan says (see :meth:`RunFolder.prepare`)."""
-        self.folder.prepare(plan)
-
-    def kept_history(self, at: Position) -> List[Dict[str, Any]]:
-        return self.folder.kept_history(at)
-
     # -- while training -------------------------------------------------------------------------
 
     def handling_signals(self) -> contextlib.AbstractContextManager:
+        """SIGINT and SIGTERM handled from the folder's preparation to the run's last file."""
         return self.signals.handling_signals()
 
     def on_stop_signal(self, request_stop: Callable[[], Any], *, loss_every: int = 1) -> None:
         """What a first SIGINT/SIGTERM calls: ``acc.request_stop``, which the next boundary that
-        exchanges carries (under several ranks with ``--loss-every K``, the next K-th window)."""
-        self.signals.on_first = request_stop
+        exchanges carries (under several ranks with ``--loss-every K``, the next K-th window). A
+        signal that came before (while the run was set up) is passed on now."""
         if loss_every > 1 and sync.world_size() > 1:
-            self.signals.until = f"finishing the windows up to the next whose loss the ranks exchange (--loss-every {loss_every})"
+            self.signals.until = (f"finishing the windows up to the next whose loss the ranks exchange "
+                                  f"(--loss-every {loss_every}), then writing a checkpoint")
+        self.signals.set_on_first(request_stop)
 
-    def after_window(self, position: Position, state: Callable[[], Dict[str, Any]], *, last: bool,
-                     stop: bool = False) -> None:
-        """Called after each window with its ``StepResult.stop_requested``: stop if a signal asked to
-        (raises :class:`Stopped`), else write the periodic checkpoint when it is due (the last
-        window's is written by :meth:`finish`)."""
-        if self.signals.stop_requested(stop):
-            self._stop(position, state)
-        if self.checkpoint_every and position.step % self.checkpoint_every == 0 and not last:
-            self.save(position, state)
+    def stop_here(self, asked: bool) -> bool:
+        """After a window: its ``StepResult.stop_requested`` (a signal on some rank, carried to all)."""
+        return self.signals.stop_requested(asked)
 
-    def _stop(self, position: Position, state: Callable[[], Dict[str, Any]]) -> None:
+    def checkpoint_due(self, position: Position) -> bool:
+        """A periodic checkpoint is due after this window (``--checkpoint-every K``)."""
+        return bool(self.checkpoint_every) and position.step % self.checkpoint_every == 0
+
+    def stop(self, position: Position, state: Callable[[], Dict[str, Any]]) -> None:
+        """Write the checkpoint at ``position`` and raise :class:`Stopped` with the line to print."""
         signum = signal.Signals(self.signals.stopping)  # type: ignore[arg-type]
         done = f"{signum.name}: stopped after step {position.step} of {self.total_steps}"
         if self.save(position, state, quiet=True):
@@ -188,13 +182,13 @@ class RunLifecycle:
         raise Stopped(message, EXIT_CODES[signum])
 
     def save(self, position: Position, state: Callable[[], Dict[str, Any]], *, quiet: bool = False) -> bool:
-        """Write the checkpoint at ``position`` atomically (rank 0); every rank waits for it and learns
-        how it went. A failed write keeps the previous checkpoint and prints one line (once per run of
-        failures)."""
+        """Write the checkpoint at ``position`` atomically (rank 0; every rank for a sharded one);
+        every rank waits for it and learns how it went. A failed write keeps the previous
+        checkpoint and prints one line (once per run of failures)."""
         error = None
-        if self.rank0 or self.sharded:  # a sharded checkpoint is written by every rank
+        if self.rank0 or self.folder.sharded:
             try:
-                self._write({**state(), "epoch": position.epoch, "window": position.window}, self.checkpoint)
+                self.folder.write_checkpoint({**state(), "epoch": position.epoch, "window": position.window})
             except OSError as e:
                 error = describe_os_error(e)
         error = sync.broadcast_object(error)  # the barrier: no rank runs ahead of the write
@@ -210,7 +204,11 @@ class RunLifecycle:
     # -- the end ----------------------------------------------------------------------------------
 
     def finish(self, position: Position, state: Callable[[], Dict[str, Any]]) -> None:
-        """The final checkpoint. A failure is reported by :meth:`raise_if_unsaved`, after the summary."""
+        """The final checkpoint, after the last window. A failure is reported by
+        :meth:`raise_if_unsaved`, after the summary. From here a first signal lets the run's files
+        finish (:meth:`signal_at_end` then tells)."""
+        self.signals.until = (f"the run is at its end: finishing its checkpoint, summary.json and loss.png "
+                              f"in {self.folder.out}, then stopping")
         self.final = position
         self.save(position, state, quiet=True)
 
@@ -223,6 +221,11 @@ class RunLifecycle:
         return {"path": str(self.checkpoint), "step": held.step if held else None,
                 "epoch": held.epoch if held else None, "window": held.window if held else None,
                 "error": self.write_error}
+
+    def signal_at_end(self) -> Optional[int]:
+        """The signal that came while the run finished its last window or its files, agreed by every
+        rank (one all-reduce, once per run), or None: the run is complete, and it stops there."""
+        return self.signals.received_by_any()
 
     def raise_if_unsaved(self) -> None:
         """Exit 1 (one line) when the final checkpoint or the summary could not be written."""
@@ -238,9 +241,10 @@ class RunLifecycle:
             wrote = "metrics.jsonl was" if summary_error else "metrics.jsonl and summary.json were"
             then = ("run the same command with --resume to finish" if self.saved is not None else
                     "run the same command with --overwrite to train again (no checkpoint holds this run)")
-            raise WriteFailed(f"{'; '.join(problems)}; {wrote} written; free some space in {self.out}, then {then}")
+            raise WriteFailed(f"{'; '.join(problems)}; {wrote} written; free some space in {self.folder.out}, "
+                              f"then {then}")
 
     def say(self, line: str) -> None:
         """One line on stderr, from rank 0."""
-        if sync.is_rank_zero():
+        if self.rank0:
             print(f"{self.prefix} {line}", file=sys.stderr, flush=True)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, NoReturn, Sequence, Union
+import difflib
+from typing import Any, Dict, List, NoReturn, Sequence, Union
 
-__all__ = ["build_parser", "FLOAT64_AGREEMENT"]
+__all__ = ["build_parser", "unknown_flags_message", "FLOAT64_AGREEMENT"]
 
 #: how closely --compare's two runs agree in float64 (measured: docs/measurements.md)
 FLOAT64_AGREEMENT = "~1e-14"
@@ -13,8 +14,32 @@ RAW = argparse.RawDescriptionHelpFormatter
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not usage + message
+    """One line for an error (not usage + message); keeps its flags (``flags``) and, for the top
+    parser, its subcommands' parsers by name (``commands``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.flags: List[str] = []  # before argparse's own __init__, which adds --help
+        self.commands: Dict[str, "_Parser"] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any:
+        action = super().add_argument(*args, **kwargs)
+        self.flags += [o for o in action.option_strings if o.startswith("--")]
+        return action
+
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def unknown_flags_message(sub: "_Parser", command: str, unknown: Sequence[str]) -> str:
+    """``unrecognized arguments: --epoch 2; did you mean --epochs?``, with where the flags are listed."""
+    meant = []
+    for given in unknown:
+        flag = given.split("=", 1)[0]
+        if flag.startswith("--"):
+            meant += [m for m in difflib.get_close_matches(flag, sub.flags, n=1, cutoff=0.75) if m not in meant]
+    hint = f"; did you mean {' or '.join(meant)}?" if meant else ""
+    return f"unrecognized arguments: {' '.join(unknown)}{hint} (gradaccum {command} --help lists its flags)"
 
 
 def _micro_batch_size(text: str) -> Union[int, str]:
@@ -36,8 +61,9 @@ def _seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, "
                                          f"got {text!r}") from None
     if not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        example = -value if value < 0 and -value <= SEED_RANGE[1] else value % 2**32
         raise argparse.ArgumentTypeError(f"must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got "
-                                         f"{text}; pass a smaller seed, e.g. --seed {value % 2**32}")
+                                         f"{text}; pass one in that range, e.g. --seed {example}")
     return value
 
 
@@ -76,12 +102,13 @@ def _defaults_table() -> str:
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    p = _Parser(prog="gradaccum", description="Gradient accumulation that is exactly one big batch.")
+    p = _Parser(prog="gradaccum", description="Gradient accumulation that is exactly one big batch.",
+                epilog="gradaccum <command> --help lists a command's flags")
     p.add_argument("--version", action="version", version=f"gradaccum {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{train,eval,check}")
-    _train_parser(sub)
-    _eval_parser(sub)
-    _check_parser(sub)
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{train,eval,check}")
+    for build in (_train_parser, _eval_parser, _check_parser):
+        build(sub)
+    p.commands = dict(sub.choices)
     return p
 
 
@@ -103,12 +130,14 @@ def _train_parser(sub: Any) -> None:
         epilog=f"per-task defaults (a flag you give wins):\n{_defaults_table()}\n\n"
                "exit codes:\n"
                "  0        done, or already complete\n"
-               "  1        trained, but the final checkpoint or summary.json could not be written\n"
-               "  2        a usage error (one line on stderr)\n"
+               "  1        trained, but the final checkpoint or summary.json could not be written; or an\n"
+               "           unexpected error (its one line names it)\n"
+               "  2        a usage error, or another run holds --out (one line on stderr)\n"
                "  3        trained, but the run diverged: the last loss is not finite, or most windows, or\n"
                "           the last 3, were skipped (non-finite loss or gradient: no step taken)\n"
                "  130/143  stopped by SIGINT (Ctrl-C) / SIGTERM after writing a checkpoint: resume with\n"
-               "           --resume (a second signal stops at once, without one)",
+               "           --resume (a second signal stops at once, without one); a signal at the run's\n"
+               "           end lets it finish its files first, and the line says it is complete",
         formatter_class=raw, allow_abbrev=False)
     t.add_argument("--task", default="digits", metavar=_choices(TASKS),
                    help="digits: scikit-learn's 8x8 digits, offline; mnist: the IDX files in --data-path; "
@@ -196,12 +225,16 @@ def _eval_parser(sub: Any) -> None:
 def _check_parser(sub: Any) -> None:
     from ..tasks.data import TASKS
     from ..tasks.models import MODELS
+    from .check import CHECK_ACCUM_STEPS, CHECK_MICRO_BATCH_SIZE
 
     raw = RAW
     c = sub.add_parser("check", help="is accumulation equivalent to one big batch on this model?",
                        description="Compare one big batch's gradient with the gradient accumulated over\n"
                                    "micro-batches, from the same start, and name the modules that break the\n"
-                                   "equivalence (BatchNorm, dropout, ...).",
+                                   "equivalence: BatchNorm in training mode (statistics per micro-batch), and\n"
+                                   "dropout or any module drawing random numbers (its draws depend on the split;\n"
+                                   "NOT equivalent even where this split's gradients match, as one dropout layer's\n"
+                                   "do on the CPU).",
                        epilog="your own model: gradaccum check --model pkg.nets:build --batch pkg.data:sample "
                               "--loss pkg.train:loss_fn\n(importable from the current folder or PYTHONPATH)\n\n"
                               "exit codes: 0 equivalent, 1 not equivalent, 2 a usage error (one line)",
@@ -218,11 +251,11 @@ def _check_parser(sub: Any) -> None:
                    help="with your --model: loss_fn(model, batch) -> the mean loss, or (mean loss, item count) "
                         "(default: none)")
     c.add_argument("--micro-batch-size", type=_check_micro_batch_size, metavar="M",
-                   help="items per micro-batch of the split to check, which must give at least 2 (default: 8; "
-                        "your own --model: half its batch)")
+                   help="items per micro-batch of the split to check, which must give at least 2 (default: "
+                        f"{CHECK_MICRO_BATCH_SIZE}; your own --model: half its batch)")
     c.add_argument("--accum-steps", type=int, metavar="N",
-                   help="micro-batches: the batch is M x N items of the task's training set (default: 4; "
-                        "not used with your own --model, whose --batch is the batch)")
+                   help=f"micro-batches: the batch is M x N items of the task's training set (default: "
+                        f"{CHECK_ACCUM_STEPS}; not used with your own --model, whose --batch is the batch)")
     c.add_argument("--rtol", type=float, default=1e-5, metavar="R",
                    help="the largest relative gradient difference still called equivalent; float32 splits "
                         "differ by ~1e-6 (default: 1e-05)")

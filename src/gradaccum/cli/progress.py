@@ -10,10 +10,11 @@ The clock is a parameter, so tests drive the time trigger without waiting.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from typing import Any, Callable, Optional, TextIO
+
+from .._maths import ceil_div
 
 __all__ = ["Progress"]
 
@@ -32,7 +33,7 @@ class Progress:
                  clock: Callable[[], float] = time.monotonic, terminal: Optional[bool] = None) -> None:
         self.total, self.unit, self.prefix = total, unit, prefix
         self.stream = stream if stream is not None else sys.stderr
-        self.every = every if every is not None else max(1, math.ceil(total / 10))
+        self.every = every if every is not None else max(1, ceil_div(total, 10))
         self.interval, self.clock = interval, clock
         self.enabled = enabled
         self._items = 0.0

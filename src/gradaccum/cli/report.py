@@ -166,9 +166,10 @@ def _save(fig: Any, path: Path) -> None:
 
 def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, Any]], labels: Sequence[str],
                  path: Path, *, title: str, max_param_diff: float, dtype: str,
-                 float64_agreement: Optional[str] = None) -> None:
+                 float64_agreement: Optional[str] = None, unit: str = "items") -> None:
     """The two runs' losses, and below them their per-step difference on a log scale (the curves
-    overlay exactly in float64, so only the difference shows the result)."""
+    overlay exactly in float64, so only the difference shows the result). ``unit``: what the loss
+    is weighted by, as in ``loss.png`` (``tokens`` for the text task)."""
     plt = _pyplot()
     if plt is None:  # pragma: no cover
         return _missing(path)
@@ -176,7 +177,7 @@ def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, An
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
                                      gridspec_kw={"height_ratios": (3, 2)})
-    _loss_panel(top, {labels[0]: accumulated, labels[1]: one_batch})
+    _loss_panel(top, {labels[0]: accumulated, labels[1]: one_batch}, unit)
     top.set_title(f"{title}\nlargest parameter difference at the end: {max_param_diff:.1e}", fontsize=10)
 
     accumulated, one_batch = training_rows(accumulated), training_rows(one_batch)

@@ -8,40 +8,45 @@ and B therefore train the same model on 1, 2 or 8 ranks, and a run continues on 
 (or micro-batch size) from its checkpoint. Under torchrun the model is wrapped in DDP, or sharded
 with FSDP2 (``--shard``, see :mod:`gradaccum.cli.sharding`).
 
-Training itself is the library's loop, ``Accumulator.train``, over the WindowSampler's micro-batches:
-resuming at (epoch, window) is the sampler's position, loaded from the checkpoint. This module adds
-what a run does after each window (:class:`WindowHooks`): a metrics row, progress, the test metrics
-at each epoch's end, and the run folder's checkpoints and stop requests, which belong to
-:mod:`gradaccum.cli.lifecycle`.
+:func:`run_training` reads in the order a run goes: build the model, optimizer, Accumulator and
+sampler (:func:`build_parts`), decide fresh / resume / complete, then :func:`train_windows`, the one
+loop. Each turn of it trains one window (the library's ``Accumulator.train`` over the
+WindowSampler's micro-batches; resuming at (epoch, window) is the sampler's position, loaded from
+the checkpoint), records it (a metrics row, progress), evaluates at an epoch's end, stops when a
+signal asked and writes the periodic checkpoint when it is due. After the loop: the final
+checkpoint, ``summary.json`` and ``loss.png``. When the folder is written and what a signal does is
+:mod:`gradaccum.cli.lifecycle`'s; every file goes through :class:`~gradaccum.cli.folder.RunFolder`.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import itertools
 import time
+import warnings
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import sync
+from .._maths import ceil_div
 from ..accumulator import Accumulator
 from ..result import StepResult
 from ..sampler import WindowSampler
-from ..tasks.data import Task, load_task
+from ..tasks.data import Task
 from ..tasks.models import build_model
-from .errors import CLIError
 from .config import DEVICES, TrainConfig
-from .lifecycle import Position, ResumePlan, RunLifecycle
+from .errors import CLIError
+from .folder import Position, ResumePlan, RunFolder
+from .launch import launch
+from .lifecycle import RunLifecycle
 from .measure import RunMemory
 from .progress import Progress
-from .tracking import MetricsLog
-from .sharding import setup_distributed, shard_model
+from .sharding import shard_model
 
-__all__ = ["RunResult", "run_training", "resolve_device", "setup_distributed"]
+__all__ = ["RunParts", "RunResult", "build", "build_parts", "plot_title", "resolve_device", "run_training",
+           "train_windows", "window_words"]
 
 
 @dataclass
@@ -59,6 +64,7 @@ class RunResult:
     title: str = ""             # task, model and window, for plots
     window_unit: str = "items"  # what the global batch counts: images, sequences
     config: Optional[TrainConfig] = None  # the settings trained (--resume may take B from the checkpoint)
+    stopped_by: Optional[int] = None      # a signal that came at the run's end (it finished first)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,8 +74,9 @@ def resolve_device(name: str) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA device is available; use --device cpu")
-    if name == "cuda" and "LOCAL_RANK" in os.environ:
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    local_rank = launch().local_rank
+    if name == "cuda" and local_rank is not None:
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 
@@ -103,10 +110,38 @@ def window_words(cfg: TrainConfig, available: int, unit: str) -> str:
     return f"{whole} as one micro-batch" if int(m) * w >= available else f"{whole} in micro-batches of {m}"
 
 
-def plot_title(cfg: TrainConfig, task: Task, available: int) -> str:
-    """Task, model and window (line 1) and the rest of the recipe (line 2), for every plot of the run."""
-    return (f"{cfg.task} / {cfg.model}: windows of {window_words(cfg, available, task.window_unit)}\n"
+def plot_title(cfg: TrainConfig, task: Task, history: List[Dict[str, Any]]) -> str:
+    """Task, model and window (line 1) and the rest of the recipe (line 2), for every plot of the run.
+    A run resumed with another micro-batch size or number of ranks says where each held."""
+    shapes = _shapes(history)
+    if len(shapes) > 1:
+        items = min(cfg.window_items, task.num_train)
+        window = f"{items} {task.window_unit}: " + ", then ".join(
+            f"micro-batches of {m}{f' on {w} ranks' if w > 1 else ''} ({_steps_text(first, last)})"
+            for (m, w), first, last in shapes)
+    else:
+        window = window_words(cfg, task.num_train, task.window_unit)
+    return (f"{cfg.task} / {cfg.model}: windows of {window}\n"
             f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.dtype} parameters, {_compute(cfg)} compute, seed {cfg.seed}")
+
+
+def _shapes(history: List[Dict[str, Any]]) -> List[Tuple[Tuple[Any, int], int, int]]:
+    """The run's split as trained, one entry per stretch of windows that kept it:
+    ``((micro_batch_size, world_size), first step, last step)``."""
+    stretches: List[Tuple[Tuple[Any, int], int, int]] = []
+    for row in history:
+        if row.get("kind", "train") != "train" or "micro_batch_size" not in row:
+            continue
+        shape, step = (row["micro_batch_size"], int(row.get("world_size", 1))), int(row["step"])
+        if stretches and stretches[-1][0] == shape:
+            stretches[-1] = (shape, stretches[-1][1], step)
+        else:
+            stretches.append((shape, step, step))
+    return stretches
+
+
+def _steps_text(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def _compute(cfg: TrainConfig) -> str:
@@ -150,32 +185,10 @@ class MicroBatches:
         self._previous, self._current = self._current, []
 
 
-def _steps(acc: Accumulator, loader: MicroBatches, task: Task, epochs: int, auto: bool) -> Iterable[StepResult]:
-    """``acc.train`` over the loader; with ``--micro-batch-size auto`` each window's share is one
-    batch stepped with the out-of-memory back-off."""
-    return acc.train(loader, task.loss_fn, epochs=epochs, num_items=task.count,
-                     micro_batch_size="auto" if auto else None)
-
-
-def _timed(steps: Iterable[StepResult], memory: RunMemory,
-           loader: MicroBatches) -> Iterator[Tuple[StepResult, float]]:
-    """Each window's result and the seconds it took (gathering its items included); the memory of
-    the window ``memory`` asks for is measured around its computation alone."""
-    it = iter(steps)
-    for index in range(2**62):
-        t0 = time.perf_counter()
-        with memory.window(index):
-            result = next(it, None)
-        seconds = time.perf_counter() - t0
-        loader.window_done()
-        if result is None:
-            return
-        yield result, seconds
-
-
 @dataclass
-class Trainer:
-    """What one run trains with, built and loaded before the first window."""
+class RunParts:
+    """The objects one run trains with, built and loaded from its checkpoint before its first window
+    (:func:`build_parts`), and the training time they have had so far."""
 
     cfg: TrainConfig
     task: Task
@@ -185,8 +198,12 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     acc: Accumulator
     sampler: WindowSampler
-    elapsed: float = 0.0
-    memory: Optional[RunMemory] = None
+    elapsed: float = 0.0    # seconds of training, over this run and the runs it resumed
+
+    @property
+    def total_windows(self) -> int:
+        """Windows of the whole run: per epoch, times the epochs."""
+        return self.sampler.num_windows * int(self.cfg.epochs)  # type: ignore[arg-type]
 
     def evaluate(self) -> Dict[str, float]:
         """The task's test metrics, in eval mode (every rank: FSDP2 gathers parameters)."""
@@ -200,11 +217,11 @@ class Trainer:
     def checkpoint_state(self) -> Dict[str, Any]:
         held = {} if self.cfg.shard else {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {**held, "accumulator": self.acc.state_dict(), "config": self.cfg.to_dict(), "elapsed": self.elapsed,
-                "total_steps": self.sampler.num_windows * int(self.cfg.epochs)}  # type: ignore[arg-type]
+                "total_steps": self.total_windows}
 
 
-def _trainer(cfg: TrainConfig, task: Task, device: torch.device, life: RunLifecycle, plan: ResumePlan,
-             state: Optional[Dict[str, Any]]) -> Trainer:
+def build_parts(cfg: TrainConfig, task: Task, device: torch.device, folder: RunFolder, plan: ResumePlan,
+                state: Optional[Dict[str, Any]]) -> RunParts:
     """Build the model, optimizer, Accumulator and sampler; load the checkpoint into them."""
     model = build(cfg, task, device)
     wrapped = _wrap(cfg, model, device)
@@ -216,139 +233,165 @@ def _trainer(cfg: TrainConfig, task: Task, device: torch.device, life: RunLifecy
                             rank=sync.rank(), world_size=sync.world_size())
     if sync.is_distributed():  # a fresh process resumed where its share is empty still runs a forward
         acc.set_padding(task.gather([0]))
-    trainer = Trainer(cfg, task, device, model, wrapped, optimizer, acc, sampler)
+    parts = RunParts(cfg, task, device, model, wrapped, optimizer, acc, sampler)
     if state is not None:
         if cfg.shard:
             from .sharding import load_sharded
 
-            load_sharded(wrapped, optimizer, life.checkpoint)
+            load_sharded(wrapped, optimizer, folder.checkpoint)
         else:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         acc.load_state_dict(state["accumulator"])
-        trainer.elapsed = float(state.get("elapsed", 0.0))
+        parts.elapsed = float(state.get("elapsed", 0.0))
     at = plan.position  # the checkpoint's (epoch, window): the one place a run resumes from
     sampler.load_state_dict({"epoch": at.epoch, "window": at.window})
     acc.epoch = at.epoch  # a checkpoint written before train() kept the epoch count holds 0
-    return trainer
-
-
-class WindowHooks:
-    """What the run does after each window, in order: a metrics row, progress, the test metrics at
-    an epoch's end (a row of their own), then the life cycle's periodic checkpoint or stop."""
-
-    def __init__(self, trainer: Trainer, life: RunLifecycle, metrics: MetricsLog, progress: Progress) -> None:
-        self.t, self.life, self.metrics, self.progress = trainer, life, metrics, progress
-        self.per_epoch = trainer.sampler.num_windows
-        self.last_eval: Optional[Dict[str, Any]] = None
-
-    def __call__(self, result: StepResult, seconds: float) -> None:
-        t, epoch, window = self.t, int(result.epoch or 0), int(result.window or 0)
-        t.elapsed += seconds
-        index = epoch * self.per_epoch + window
-        items = min(t.sampler.global_batch_size, t.task.num_train - window * t.sampler.global_batch_size)
-        self.metrics.write({
-            "kind": "train", "window_index": index, "step": result.step, "epoch": epoch, "window": window,
-            "skipped": result.skipped, "loss": result.loss, "lr": result.lr, "num_items": result.num_items,
-            "window_items": items, "grad_norm": result.grad_norm, "micro_batches": result.micro_batches,
-            "accum_steps": result.accum_steps, "micro_batch_size": result.micro_batch_size or t.cfg.window[1],
-            "world_size": sync.world_size(), "samples_per_second": items / seconds if seconds > 0 else None})
-        self.progress.update(index + 1, result.loss, result.num_items, seconds)
-        ended = window + 1 == self.per_epoch
-        if ended:
-            self.last_eval = {"kind": "eval", "epoch": epoch, "window_index": index, "step": result.step,
-                              **t.evaluate()}
-            self.metrics.write(self.last_eval)
-        at = Position(epoch + 1, 0, result.step) if ended else Position(epoch, window + 1, result.step)
-        self.life.after_window(at, t.checkpoint_state, last=at.epoch == t.cfg.epochs, stop=result.stop_requested)
-        if at.epoch == t.cfg.epochs:
-            self.life.finish(at, t.checkpoint_state)
-
-
-def _train(trainer: Trainer, life: RunLifecycle, plan: ResumePlan, history: List[Dict[str, Any]],
-           prefix: str, label: str) -> Optional[Dict[str, Any]]:
-    """The windows from the plan's position to the last epoch's end; returns the last epoch's test
-    metrics row (None if this process ran no epoch's end)."""
-    cfg, sampler, at = trainer.cfg, trainer.sampler, plan.position
-    total = sampler.num_windows * int(cfg.epochs)  # type: ignore[arg-type]
-    done = at.epoch * sampler.num_windows + at.window
-    progress = Progress(total, done, label=label, unit=trainer.task.unit, prefix=prefix, enabled=sync.is_rank_zero())
-    # the third window this process runs (optimizer state exists, DDP has rebuilt its buckets), or the last
-    trainer.memory = memory = RunMemory(trainer.device, trainer.wrapped, trainer.optimizer,
-                                        measure_at=min(2, total - done - 1), sharded=cfg.shard)
-    loader = MicroBatches(sampler, trainer.task)
-    steps = _steps(trainer.acc, loader, trainer.task, int(cfg.epochs) - trainer.acc.epoch,  # type: ignore[arg-type]
-                   auto=cfg.window[1] == "auto")
-    life.on_stop_signal(trainer.acc.request_stop, loss_every=int(cfg.loss_every))
-    with life.handling_signals(), MetricsLog(life.out, history, enabled=sync.is_rank_zero()) as metrics:
-        hooks = WindowHooks(trainer, life, metrics, progress)
-        try:
-            for result, seconds in _timed(steps, memory, loader):
-                hooks(result, seconds)
-        finally:
-            progress.close()
-    return hooks.last_eval
-
-
-def run_training(cfg: TrainConfig, out: Path, *, resume: bool = False, overwrite: bool = False,
-                 command: str = "gradaccum train --resume", label: Optional[str] = None,
-                 task: Optional[Task] = None) -> RunResult:
-    """Train ``cfg`` into ``out`` (fresh, resumed or already complete: the life cycle decides)."""
-    device = resolve_device(cfg.device)
-    setup_distributed(device, shard=cfg.shard)
-    if cfg.world_size != sync.world_size():  # the launch decides; B = M x N x W is checked again
-        cfg = replace(cfg, world_size=sync.world_size())
-    task = task or load_task(cfg.task, cfg.data_path)
-    life = RunLifecycle(out, resume=resume, overwrite=overwrite, command=command,
-                        checkpoint_every=cfg.checkpoint_every, sharded=cfg.shard, write=None, device=device)
-    plan, state = life.plan(cfg)  # refuses (one line) before anything is written
-    cfg = plan.config or cfg
-    trainer = _trainer(cfg, task, device, life, plan, state)
     if cfg.shard:
         from .sharding import save_sharded
 
-        life.use_writer(lambda meta, path: save_sharded(trainer.wrapped, trainer.optimizer, meta, path))
-    life.total_steps = trainer.sampler.num_windows * int(cfg.epochs)  # type: ignore[arg-type]
-    life.prepare(plan)
-    if cfg.window_items > task.num_train and plan.kind != "complete":
-        life.say(f"warning: a window of {cfg.window_items} {task.window_unit} is more than the {task.num_train} of "
-                 f"the training set: each step takes all {task.num_train} (summary.json records global_batch_size "
-                 f"{task.num_train}); pass --batch-size {task.num_train} or less to say so")
-    history = _kept_rows(life, plan, trainer.sampler.num_windows)
+        folder.use_writer(lambda meta, path: save_sharded(wrapped, optimizer, meta, path))
+    return parts
+
+
+#: the library's warning for a skipped window; the command line says it in its own words instead
+_SKIP_WARNING = r"a window's .* not finite|a window counted 0 items"
+
+
+def train_windows(parts: RunParts, life: RunLifecycle, start: Position, history: List[Dict[str, Any]],
+                  progress: Progress) -> Tuple[Position, Optional[Dict[str, Any]], RunMemory]:
+    """The run's loop, from ``start`` to the last epoch's end. Each turn: train one window, record it
+    (a metrics row, progress), evaluate at an epoch's end (a row of its own), stop if a signal asked
+    (a checkpoint, then :class:`~gradaccum.cli.signals.Stopped`), write the periodic checkpoint when
+    it is due. Returns where training ended, the last test metrics row (None if this process ran
+    no epoch's end) and the memory measured."""
+    cfg, acc, task, sampler = parts.cfg, parts.acc, parts.task, parts.sampler
+    per_epoch = sampler.num_windows
+    # the third window this process runs (optimizer state exists, DDP has rebuilt its buckets), or the last
+    done = start.epoch * per_epoch + start.window
+    memory = RunMemory(parts.device, parts.wrapped, parts.optimizer, measure_at=min(2, parts.total_windows - done - 1),
+                       sharded=cfg.shard)
+    loader = MicroBatches(sampler, task)
+    windows = iter(acc.train(loader, task.loss_fn, epochs=int(cfg.epochs) - acc.epoch,  # type: ignore[arg-type]
+                             num_items=task.count, micro_batch_size="auto" if cfg.window[1] == "auto" else None))
+    life.on_stop_signal(acc.request_stop, loss_every=int(cfg.loss_every))
+    at, last_eval, skipped_before = start, None, False
+    with life.folder.metrics_log(history) as metrics, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SKIP_WARNING)
+        for index in itertools.count():
+            began = time.perf_counter()  # train a window (gathering its items included)
+            with memory.window(index):
+                result = next(windows, None)
+            seconds = time.perf_counter() - began
+            loader.window_done()
+            if result is None:
+                break
+            parts.elapsed += seconds
+            epoch, window = int(result.epoch or 0), int(result.window or 0)
+            row = _train_row(parts, result, seconds)  # record it
+            metrics.write(row)
+            progress.update(row["window_index"] + 1, result.loss, result.num_items, seconds)
+            if result.skipped and not skipped_before and cfg.precision != "fp16":
+                skipped_before = True
+                life.say(_skipped_line(cfg, row))
+            ended = window + 1 == per_epoch
+            if ended:  # evaluate at the epoch's end
+                last_eval = {"kind": "eval", "epoch": epoch, "window_index": row["window_index"],
+                             "step": result.step, **parts.evaluate()}
+                metrics.write(last_eval)
+            at = Position(epoch + 1, 0, result.step) if ended else Position(epoch, window + 1, result.step)
+            last = at.epoch == cfg.epochs  # the final checkpoint comes after the loop
+            if life.stop_here(result.stop_requested) and not last:  # stop when asked
+                life.stop(at, parts.checkpoint_state)
+            if life.checkpoint_due(at) and not last:  # checkpoint when due
+                life.save(at, parts.checkpoint_state)
+    return at, last_eval, memory
+
+
+def _train_row(parts: RunParts, result: StepResult, seconds: float) -> Dict[str, Any]:
+    """``metrics.jsonl``'s row of one window."""
+    epoch, window = int(result.epoch or 0), int(result.window or 0)
+    batch = parts.sampler.global_batch_size
+    items = min(batch, parts.task.num_train - window * batch)
+    return {"kind": "train", "window_index": epoch * parts.sampler.num_windows + window, "step": result.step,
+            "epoch": epoch, "window": window, "skipped": result.skipped, "loss": result.loss, "lr": result.lr,
+            "num_items": result.num_items, "window_items": items, "grad_norm": result.grad_norm,
+            "micro_batches": result.micro_batches, "accum_steps": result.accum_steps,
+            "micro_batch_size": result.micro_batch_size or parts.cfg.window[1], "world_size": sync.world_size(),
+            "samples_per_second": items / seconds if seconds > 0 else None}
+
+
+def _skipped_line(cfg: TrainConfig, row: Dict[str, Any]) -> str:
+    """The first skipped window, in the command line's words (the library's warning names its own
+    options, which have no flag here)."""
+    fix = f"lower --lr (now {cfg.lr:g})" + ("" if cfg.max_grad_norm else " or clip with --max-grad-norm 1.0")
+    return (f"warning: window {row['window_index'] + 1} (epoch {row['epoch']}, window {row['window']}) was skipped: "
+            "its loss or gradient is not finite, so no optimizer step was taken; training goes on, and the run "
+            f"exits 3 at its end if it does not recover; {fix}")
+
+
+def run_training(cfg: TrainConfig, folder: RunFolder, task: Task, *, command: str = "gradaccum train --resume",
+                 label: Optional[str] = None) -> RunResult:
+    """Train ``cfg`` into ``folder`` (entered: locked): fresh, resumed or already complete, as the
+    folder and the flags decide. The process group is set up and the task loaded by the caller."""
+    device = resolve_device(cfg.device)
+    if cfg.world_size != sync.world_size():  # the launch decides; B = M x N x W is checked again
+        cfg = replace(cfg, world_size=sync.world_size())
+    life = RunLifecycle(folder, command=command, checkpoint_every=cfg.checkpoint_every, device=device)
+    plan, state = life.plan(cfg)  # refuses (one line) before anything is written
+    cfg = plan.config or cfg
+    parts = build_parts(cfg, task, device, folder, plan, state)
+    life.total_steps = parts.total_windows
     prefix = f"gradaccum train ({label}):" if label else "gradaccum train:"  # --compare's baseline says so
     label = label or f"accumulate {window_words(cfg, task.num_train, task.window_unit)}"
-    title = plot_title(cfg, task, task.num_train)
-    last_eval = None
-    if plan.kind != "complete":
-        last_eval = _train(trainer, life, plan, history, prefix, label)
-    trainer.model.eval()
-    parts = dict(history=history, model=trainer.model, unit=task.unit, lifecycle=life, label=label, title=title,
-                 window_unit=task.window_unit, config=cfg)
-    if plan.kind == "complete" and plan.has_summary:  # left as it was (rank 0's copy, on every rank)
-        kept = sync.broadcast_object(json.loads((out / "summary.json").read_text()) if sync.is_rank_zero() else None)
-        if sync.is_rank_zero() and not (out / "loss.png").exists():  # a Ctrl-C after summary.json, before it
-            _plot(out, history, label, title, task)
-            life.say(f"drew {out / 'loss.png'}, which was missing, from metrics.jsonl")
-        return RunResult(kept, already_complete=True, **parts)  # type: ignore[arg-type]
-    summary = _summary(trainer, plan, history, last_eval)
-    life.write_summary(summary)
-    if sync.is_rank_zero():
-        _plot(out, history, label, title, task)
-    return RunResult(summary, already_complete=plan.kind == "complete", **parts)  # type: ignore[arg-type]
+    result = RunResult({}, model=parts.model, unit=task.unit, lifecycle=life, label=label,
+                       window_unit=task.window_unit, config=cfg)
+    with life.handling_signals():
+        folder.prepare(plan)
+        if cfg.window_items > task.num_train and plan.kind != "complete":
+            life.say(f"warning: a window of {cfg.window_items} {task.window_unit} is more than the {task.num_train} "
+                     f"of the training set: each step takes all {task.num_train} (summary.json records "
+                     f"global_batch_size {task.num_train}); pass --batch-size {task.num_train} or less to say so")
+        result.history = history = _kept_rows(folder, plan, parts.sampler.num_windows)
+        last_eval, memory = None, None
+        if plan.kind != "complete":
+            done = plan.position.epoch * parts.sampler.num_windows + plan.position.window
+            progress = Progress(parts.total_windows, done, label=label, unit=task.unit, prefix=prefix,
+                                enabled=sync.is_rank_zero())
+            try:
+                end, last_eval, memory = train_windows(parts, life, plan.position, history, progress)
+            finally:
+                progress.close()
+            life.finish(end, parts.checkpoint_state)  # the final checkpoint, after the loop
+        parts.model.eval()
+        result.title = plot_title(cfg, task, history)
+        if plan.kind == "complete" and plan.has_summary:  # left as it was (rank 0's copy, on every rank)
+            result.summary, result.already_complete = folder.read_json("summary.json"), True
+            if not folder.has("loss.png"):  # a Ctrl-C after summary.json, before it
+                _plot(folder, result, task)
+                life.say(f"drew {folder.out / 'loss.png'}, which was missing, from metrics.jsonl")
+        else:
+            result.summary = _summary(parts, plan, history, last_eval, memory)
+            result.already_complete = plan.kind == "complete"
+            life.write_summary(result.summary)
+            _plot(folder, result, task)
+        result.stopped_by = life.signal_at_end()
+    return result
 
 
-def _plot(out: Path, history: List[Dict[str, Any]], label: str, title: str, task: Task) -> None:
+def _plot(folder: RunFolder, result: RunResult, task: Task) -> None:
     """``loss.png`` from the run's rows (written whole or not at all)."""
     from .report import plot_losses
 
-    plot_losses({label: history}, out / "loss.png", title=title, unit=task.unit)
+    folder.draw("loss.png", lambda path: plot_losses({result.label: result.history}, path, title=result.title,
+                                                      unit=task.unit))
 
 
-def _kept_rows(life: RunLifecycle, plan: ResumePlan, per_epoch: int) -> List[Dict[str, Any]]:
+def _kept_rows(folder: RunFolder, plan: ResumePlan, per_epoch: int) -> List[Dict[str, Any]]:
     """The metrics rows before the plan's position; rows of an older version get their window index."""
     if plan.kind == "fresh":
         return []
-    rows = life.kept_history(plan.position)
+    rows = folder.kept_history(plan.position)
     for row in rows:
         row.setdefault("kind", "train")
         if row["kind"] == "train":
@@ -358,41 +401,41 @@ def _kept_rows(life: RunLifecycle, plan: ResumePlan, per_epoch: int) -> List[Dic
 
 def _trailing(rows: List[Dict[str, Any]], holds: Callable[[Dict[str, Any]], bool]) -> int:
     """How many of the last rows, counted back from the end, ``holds`` for."""
-    count = 0
+    n = 0
     for row in reversed(rows):
         if not holds(row):
             break
-        count += 1
-    return count
+        n += 1
+    return n
 
 
-def _summary(trainer: Trainer, plan: ResumePlan, history: List[Dict[str, Any]],
-             last_eval: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def _summary(parts: RunParts, plan: ResumePlan, history: List[Dict[str, Any]], last_eval: Optional[Dict[str, Any]],
+             memory: Optional[RunMemory]) -> Dict[str, Any]:
     """``summary.json``: the test metrics, the run's counts as trained, its memory."""
-    cfg, task, acc = trainer.cfg, trainer.task, trainer.acc
+    cfg, task, acc = parts.cfg, parts.task, parts.acc
     metrics = ({k: v for k, v in last_eval.items() if k.startswith("test_")} if last_eval is not None
-               else trainer.evaluate())
+               else parts.evaluate())
     rows = [r for r in history if r.get("kind", "train") == "train"]
     per_step = [float(r["num_items"]) for r in rows]
-    batch = cfg.window_items
+    items = min(cfg.window_items, task.num_train)  # as trained: at most the training set
+    micro_batch_size = acc.auto_micro_batch_size or cfg.window[1]
     summary: Dict[str, Any] = dict(metrics)
     reported = [r for r in rows if r["loss"] is not None]  # under --loss-every K, every K-th window
     summary.update(steps=acc.steps, windows=len(rows), skipped_windows=sum(1 for r in rows if r.get("skipped")),
                    skipped_at_end=_trailing(rows, lambda r: bool(r.get("skipped"))),
                    last_loss=reported[-1]["loss"] if reported else None,
                    last_loss_step=reported[-1].get("step") if reported else None,
-                   wall_time_seconds=trainer.elapsed,
-                   epochs=cfg.epochs, global_batch_size=min(batch, task.num_train),
-                   window_items=min(batch, task.num_train), world_size=sync.world_size(),
-                   micro_batch_size=acc.auto_micro_batch_size or cfg.window[1],
-                   accum_steps=cfg.accum_steps_per_rank, sharded=cfg.shard, device=str(trainer.device),
-                   config=cfg.to_dict(), threads=torch.get_num_threads())
-    if batch > task.num_train:
-        summary["requested_global_batch_size"] = batch
+                   wall_time_seconds=parts.elapsed,
+                   epochs=cfg.epochs, global_batch_size=items, window_items=items, world_size=sync.world_size(),
+                   micro_batch_size=micro_batch_size,
+                   accum_steps=ceil_div(ceil_div(items, sync.world_size()), int(micro_batch_size)),  # a full window's
+                   sharded=cfg.shard, device=str(parts.device), config=cfg.to_dict(), threads=torch.get_num_threads())
+    if cfg.window_items > task.num_train:
+        summary["requested_global_batch_size"] = cfg.window_items
     summary[f"{task.unit}_per_step"] = sum(per_step) / len(per_step) if per_step else None
     if plan.kind == "complete":
         summary.update(peak_memory_bytes=None, peak_memory_source="not measured: this summary was written by a "
                        "later --resume of the finished run")
-    elif trainer.memory is not None:
-        summary.update(trainer.memory.summary())
+    elif memory is not None:
+        summary.update(memory.summary())
     return summary

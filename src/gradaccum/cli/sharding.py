@@ -5,9 +5,13 @@ adds on top: joining torchrun's process group, sharding the model with FSDP2 (``
 checkpoints of a sharded model through ``torch.distributed.checkpoint`` (DCP).
 
 A sharded checkpoint is a folder (``last.dcp``): every rank writes its shards, rank 0 adds
-``gradaccum.pt`` (the position, the Accumulator's state, the settings). It is atomic in effect: it is
-written to a temporary folder, which rank 0 then puts in place with two renames (the old folder
-aside, the new one in)::
+``gradaccum.pt`` (the position, the Accumulator's state, the settings, and the SHA-256 of every
+other file in the folder, under ``"shards"``). DCP's files carry no checksum of their own, so a flipped
+byte in a tensor would load as other weights: before anything is loaded, rank 0 compares every
+file with its checksum (:func:`read_sharded_meta`), and a damaged checkpoint is refused on every rank
+in one line and left in place, like a damaged ``last.pt``. It is atomic in effect: it is written to
+a temporary folder, which rank 0 then puts in place with two renames (the old folder aside, the
+new one in)::
 
     .last.dcp.tmp-dcp  --(all ranks: dcp.save; rank 0: gradaccum.pt)-->  complete
     last.dcp -> .last.dcp.old ;  .last.dcp.tmp-dcp -> last.dcp ;  remove .last.dcp.old
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import os
 import shutil
 import warnings
@@ -32,16 +37,19 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import sync
+from .checkpoint import EVAL_FIX, TRAIN_FIX, corrupt, fsync_dir, load_checkpoint, save_atomic
 from .errors import CLIError
-from .checkpoint import fsync_dir, load_checkpoint, save_atomic
+from .launch import launch
 
-__all__ = ["setup_distributed", "teardown_distributed", "shard_model", "save_sharded", "load_sharded", "load_sharded_model",
-           "sharded_folder", "META", "META_KEYS"]
+__all__ = ["setup_distributed", "teardown_distributed", "shard_model", "save_sharded", "load_sharded",
+           "load_sharded_model", "read_sharded_meta", "sharded_folder", "META", "META_KEYS", "SHARD_CHECKSUMS"]
 
 META = "gradaccum.pt"
 _made_group = False  # this process joined (or made) the group: the command leaves it at its end
 #: what gradaccum.pt holds (the model and optimizer are DCP's shards beside it)
 META_KEYS = ("accumulator", "config", "epoch", "window")
+#: the key of gradaccum.pt under which the SHA-256 of each of the folder's other files is kept
+SHARD_CHECKSUMS = "shards"
 
 
 def setup_distributed(device: torch.device, *, shard: bool = False) -> None:
@@ -53,10 +61,11 @@ def setup_distributed(device: torch.device, *, shard: bool = False) -> None:
     global _made_group
     if sync.is_distributed():
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    started = launch()
+    if started.several:
         _made_group = True
         store, rank, world_size = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = started.restart_count
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 store=dist.PrefixStore(f"gradaccum/attempt_{attempt}", store),
                                 rank=rank, world_size=world_size)
@@ -128,8 +137,8 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, meta: Dict[
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
-        if sync.is_rank_zero():
-            save_atomic(meta, tmp / META)
+        if sync.is_rank_zero():  # every rank's shards are written once dcp.save returns on the coordinator
+            save_atomic({**meta, SHARD_CHECKSUMS: _file_checksums(tmp)}, tmp / META)
     except Exception as e:  # noqa: BLE001 - DCP wraps the OSError of a full disk in its own exception
         error = e
     error = sync.broadcast_object(None if error is None else _os_error(error))
@@ -165,8 +174,43 @@ def _os_error(error: BaseException) -> OSError:
     return OSError(f"the sharded checkpoint could not be written ({type(error).__name__})")
 
 
+def _file_checksums(folder: Path) -> Dict[str, str]:
+    """SHA-256 of every file in a checkpoint folder but ``gradaccum.pt`` (which holds them)."""
+    return {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != META}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_sharded_meta(path: Path, *, fix: str = TRAIN_FIX) -> Dict[str, Any]:
+    """A sharded checkpoint's ``gradaccum.pt``, after every shard file was compared with the
+    checksum written with it; a damaged or missing one is refused in one line, the folder left in
+    place. A checkpoint written before the checksums existed has none to compare."""
+    folder = sharded_folder(path)
+    if folder is None:
+        raise CLIError(f"checkpoint {path} does not exist or is incomplete (no {META}); train first, or give "
+                       "the last.dcp folder a --shard run wrote")
+    meta = load_checkpoint(folder / META, required=META_KEYS, fix=fix)
+    expected = meta.get(SHARD_CHECKSUMS)
+    if isinstance(expected, dict):
+        for name, digest in expected.items():
+            file = folder / name
+            if not file.is_file():
+                raise corrupt(path, f"its file {name} is missing", fix)
+            if _sha256(file) != digest:
+                raise corrupt(path, f"its file {name} does not match the checksum written with it: damaged on disk "
+                                    "or in transfer", fix)
+    return meta
+
+
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Every rank: load the model's and the optimizer's shards, whatever the world size that wrote them."""
+    """Every rank: load the model's and the optimizer's shards, whatever the world size that wrote them
+    (their checksums were compared by rank 0 when the run decided to resume: :func:`read_sharded_meta`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -175,27 +219,24 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path)
         raise CLIError(f"checkpoint {path} does not exist or is incomplete; train first, or give a last.dcp folder")
     model_state, optim_state = get_state_dict(model, optimizer)
     state: Dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(folder))
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except Exception:  # noqa: BLE001 - DCP fails on every rank alike; its own text is a long traceback
+        raise corrupt(path, "DCP cannot read its shards (damaged, or from another model)") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def load_sharded_model(model: nn.Module, path: Path) -> Dict[str, Any]:
-    """One process, no group: a sharded checkpoint's model into a plain model (``gradaccum eval``);
-    returns its ``gradaccum.pt``."""
+def load_sharded_model(model: nn.Module, path: Path) -> None:
+    """One process, no group: a sharded checkpoint's model into a plain model (``gradaccum eval``),
+    whose ``gradaccum.pt`` and checksums :func:`read_sharded_meta` has read."""
     import torch.distributed.checkpoint as dcp
 
-    folder = sharded_folder(path)
-    if folder is None:
-        raise CLIError(f"checkpoint {path} does not exist or is incomplete (no {META}); train first, or give "
-                       "the last.dcp folder a --shard run wrote")
-    meta = load_checkpoint(folder / META, required=META_KEYS)
+    folder = sharded_folder(path) or path
     state = {"model": model.state_dict()}
     try:
         with warnings.catch_warnings():  # DCP warns of the single-process load we ask for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             dcp.load(state, checkpoint_id=str(folder), no_dist=not sync.is_distributed())
     except Exception:  # noqa: BLE001 - DCP's own text is long; the reason in our words
-        raise CLIError(f"checkpoint {path} holds shards this model cannot load (another model, or damaged); "
-                       "it was left in place") from None
+        raise corrupt(path, "DCP cannot read its shards into this model (damaged, or another model)", EVAL_FIX) from None
     model.load_state_dict(state["model"])
-    return meta

@@ -6,12 +6,15 @@ exit 130 or 143), without a new checkpoint: a write in progress is abandoned and
 removed. The handler never raises (an exception raised inside torch's C++ comes out as its
 RuntimeError), and after a stop both signals stay ignored.
 
-The first signal also calls ``acc.request_stop()``: the window's boundary carries it to every rank
-in the all-reduce it makes anyway, so all ranks see ``StepResult.stop_requested`` at the same window
-(even when only some got the signal) and no window pays a collective for it; on that window alone
-one all-reduce tells every rank which signal it was (exit 130 or 143; 143 when the stop was asked by
-code rather than a signal). torchrun forwards the Ctrl-C it receives to its workers;
-where a worker also gets the terminal's, the same signal again within a second is that copy.
+The first signal also calls ``acc.request_stop()`` (at once, or when the loop starts if it came
+while the run was set up): the window's boundary carries it to every rank in the all-reduce it
+makes anyway, so all ranks see ``StepResult.stop_requested`` at the same window (even when only
+some got the signal) and no window pays a collective for it; on that window alone one all-reduce
+tells every rank which signal it was (exit 130 or 143; 143 when the stop was asked by code rather
+than a signal). A signal that came after the last window's boundary is found by
+:meth:`StopSignals.received_by_any`, once, at the run's end. torchrun forwards the Ctrl-C it
+receives to its workers; where a worker also gets the terminal's, the same signal again within a
+second is that copy.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from .. import sync
-from .checkpoint import temp_name
+from .launch import launch
 
 __all__ = ["EXIT_CODES", "REPEAT_SECONDS", "StopSignals", "Stopped"]
 
@@ -49,17 +52,22 @@ class StopSignals:
 
     Args:
         prefix: starts each line printed (``gradaccum train:``).
-        checkpoint: the checkpoint a second signal leaves (its temporary file is removed).
+        checkpoint: the checkpoint a second signal leaves, for the line it prints.
+        abandon_write: called by a second signal: removes a checkpoint write in progress (the run
+            folder's :meth:`~gradaccum.cli.folder.RunFolder.abandon_checkpoint_write`) and says
+            whether a whole checkpoint is there.
         command: the command that resumes the run.
         saved: what the checkpoint holds now, in words (None: nothing yet), asked when leaving.
         exit: how a second signal ends the process (``os._exit``; tests replace it).
         device: where the stop flag's all-reduce runs (NCCL needs CUDA tensors).
     """
 
-    def __init__(self, *, prefix: str, checkpoint: Path, command: str, saved: Callable[[], Optional[str]],
-                 exit: Callable[[int], Any] = os._exit, device: Any = "cpu") -> None:
+    def __init__(self, *, prefix: str, checkpoint: Path, abandon_write: Callable[[], bool], command: str,
+                 saved: Callable[[], Optional[str]], exit: Callable[[int], Any] = os._exit,
+                 device: Any = "cpu") -> None:
         self.prefix = prefix
         self.checkpoint = checkpoint
+        self.abandon_write = abandon_write
         self.command = command
         self.saved = saved
         self.device = device
@@ -69,11 +77,18 @@ class StopSignals:
         self.stopping: Optional[int] = None        # the signal all ranks agreed to stop on
         self._leaving = False                      # a second signal was received: leaving at once
         self._exit = exit
-        #: what the first signal's line says happens before the checkpoint
-        self.until = "finishing this window"
+        self._elastic = launch().elastic           # under torchrun's agent, which forwards a Ctrl-C
+        #: what the first signal's line says happens next
+        self.until = "finishing this window, then writing a checkpoint"
         #: called at the first signal (the run sets ``acc.request_stop``: the window's boundary then
         #: tells every rank, with no collective of its own)
-        self.on_first: Callable[[], Any] = lambda: None
+        self._on_first: Callable[[], Any] = lambda: None
+
+    def set_on_first(self, call: Callable[[], Any]) -> None:
+        """Call ``call`` at the first signal; at once if it already came (while the run was set up)."""
+        self._on_first = call
+        if self._signal is not None:
+            call()
 
     @contextlib.contextmanager
     def handling_signals(self) -> Iterator[None]:
@@ -98,20 +113,18 @@ class StopSignals:
         if self._leaving:
             return
         name = signal.Signals(signum).name
-        if (self._signal == signum and "TORCHELASTIC_RUN_ID" in os.environ
+        if (self._signal == signum and self._elastic
                 and time.monotonic() - self._signal_at < REPEAT_SECONDS):
             return  # torchrun forwarding the Ctrl-C the terminal already sent to this worker: the same one
         if self._signal is None:
             self._signal, self._signal_at = signum, time.monotonic()
-            self.on_first()
+            self._on_first()
             # os.write: a print here could re-enter a print the loop is in
-            self._write_line(f"{name} received: {self.until}, then writing a checkpoint (a second "
-                             f"{name} stops at once, without one)")
+            self._write_line(f"{name} received: {self.until} (a second {name} stops at once, without a "
+                             "new checkpoint)")
             return
         self._leaving = True
-        with contextlib.suppress(OSError):  # a checkpoint being written: its temporary file goes
-            temp_name(self.checkpoint).unlink()
-        if self.checkpoint.exists():
+        if self.abandon_write():  # a checkpoint being written: its temporary file goes
             saved = self.saved()
             held = f" and holds {saved}" if saved is not None else ""
             where = f"{self.checkpoint} is whole{held}; resume with: {self.command}"
@@ -122,7 +135,8 @@ class StopSignals:
 
     def _write_line(self, line: str) -> None:
         if self.rank0:
-            os.write(2, f"{self.prefix} {line}\n".encode())
+            with contextlib.suppress(OSError):  # stderr a closed pipe: the run goes on regardless
+                os.write(2, f"{self.prefix} {line}\n".encode())
 
     def stop_requested(self, asked: bool) -> bool:
         """Stop after this window? ``asked`` is the window's ``StepResult.stop_requested``: a signal
@@ -141,3 +155,16 @@ class StopSignals:
             agreed = local
         self.stopping = agreed or int(signal.SIGTERM)  # the signal every rank stops with (a peer's, maybe)
         return True
+
+    def received_by_any(self) -> Optional[int]:
+        """At the run's end, on every rank: the signal any rank received (one all-reduce under
+        several ranks, once per run), or None. It came after the last window's boundary, or on it."""
+        local = self.stopping or self._signal or 0
+        if sync.is_distributed():
+            import torch
+
+            flag = torch.tensor([local], device=self.device)
+            local = int(sync.all_reduce_(flag, "max").item())
+        if local:
+            self.stopping = local
+        return local or None

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
 from .checkpoint import temp_name
-from .folder import EVENTS_PREFIX
 from .jsonfile import finite_or_none, strict_json
 
-__all__ = ["CSV_COLUMNS", "MetricsLog"]
+__all__ = ["CSV_COLUMNS", "EVENTS_PREFIX", "MetricsLog"]
+
+#: TensorBoard's event files (one per writer: a resumed run rewrites its history into a new one)
+EVENTS_PREFIX = "events.out.tfevents."
 
 CSV_COLUMNS = ("kind", "window_index", "epoch", "window", "step", "skipped", "loss", "lr", "grad_norm", "num_items",
                "window_items", "samples_per_second", "micro_batches", "accum_steps", "micro_batch_size",
@@ -44,7 +46,8 @@ def _events_writer(out: Path) -> Any:
 
 class MetricsLog:
     """The run's metrics files, opened with the rows kept from before (rank 0 writes; others no-op).
-    Use as a context manager; :meth:`write` adds one row to all three."""
+    Opened by :meth:`RunFolder.metrics_log <gradaccum.cli.folder.RunFolder.metrics_log>`, the owner
+    of the folder. Use as a context manager; :meth:`write` adds one row to all three."""
 
     def __init__(self, out: Path, history: List[Dict[str, Any]], *, enabled: bool) -> None:
         self.out = out

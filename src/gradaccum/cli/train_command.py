@@ -1,8 +1,8 @@
-"""``gradaccum train``: flags -> settings -> the run folder -> training (and ``--compare``) -> one line.
+"""``gradaccum train``: flags -> settings -> the data -> the run folder -> training (and ``--compare``) -> one line.
 
-Exit codes: 0 done (or already complete), 1 a final write failed, 2 a usage error, 3 the run
-diverged (its last loss is not finite, or most windows, or the last 3, were skipped), 130/143 stopped
-by a signal.
+Exit codes: 0 done (or already complete), 1 a final write failed (or an unexpected error, named in
+its one line), 2 a usage error, 3 the run diverged (its last loss is not finite, or most windows, or
+the last 3, were skipped), 130/143 stopped by a signal.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import sync
 from .errors import CLIError
+from .launch import launch
+from .signals import EXIT_CODES, Stopped
 
 __all__ = ["Diverged", "resume_command", "steps_phrase", "train_command"]
 
@@ -40,10 +43,10 @@ def resume_command(argv: Sequence[str], out: Optional[str] = None) -> str:
         args += ["--out", out]  # the folder this run chose for itself
     if "--resume" not in args:
         args.append("--resume")
-    world, local = (int(os.environ.get(k, "1") or 1) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
-    if world > 1:
+    started = launch()
+    if started.several:
         torchrun = _torchrun()
-        launcher = (f"{torchrun} --standalone --nproc_per_node={world}" if local == world
+        launcher = (f"{torchrun} --standalone --nproc_per_node={started.world_size}" if started.single_node
                     else f"{torchrun} <your --nnodes/--node_rank/--rdzv flags>")
         return f"{launcher} -m gradaccum {shlex.join(args)}"
     return shlex.join([*prog, *args])
@@ -74,14 +77,16 @@ def _settings(args: argparse.Namespace) -> Any:
                        batch_size=args.batch_size, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr,
                        precision=args.precision, max_grad_norm=args.max_grad_norm, seed=args.seed, out=args.out,
                        checkpoint_every=args.checkpoint_every, loss_every=args.loss_every, device=args.device,
-                       dtype=args.dtype,
-                       shard=args.shard, world_size=_launch_world_size())
+                       dtype=args.dtype, shard=args.shard, world_size=launch().world_size)
 
 
 def train_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Settings, the data (checked before any folder is claimed), the run folder (locked), the run,
+    ``--compare``; a signal outside the run's own handling stops it with one line."""
     from dataclasses import replace
 
-    from .lifecycle import check_out
+    from ..tasks.data import load_task
+    from .folder import RunFolder, check_out
     from .outdir import claim_run_folder, release_if_empty
     from .run import resolve_device, run_training
     from .sharding import setup_distributed
@@ -92,32 +97,71 @@ def train_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.compare and cfg.shard:
         raise CLIError("--compare does not work with --shard: the comparison reads whole parameters; compare "
                        "without --shard (the sharded run is the same maths)")
+    try:
+        setup_distributed(resolve_device(cfg.device), shard=cfg.shard)
+        task = load_task(cfg.task, cfg.data_path)  # a bad file or label is refused before any folder is made
+    except KeyboardInterrupt:
+        raise _interrupted("before training started: nothing was written; run the same command again") from None
     claimed = None
     if args.out is None:  # a new runs/version_K, the same on every rank
-        setup_distributed(resolve_device(cfg.device), shard=cfg.shard)
         claimed = claim_run_folder()
         cfg = replace(cfg, out=str(claimed))
     out = check_out(str(cfg.out))
     command = resume_command(argv, None if claimed is None else str(claimed))
+    trained = False
     try:
-        result = run_training(cfg, out, resume=args.resume, overwrite=args.overwrite, command=command)
+        with RunFolder(out, resume=args.resume, overwrite=args.overwrite, sharded=cfg.shard, say=_say) as folder:
+            result = run_training(cfg, folder, task, command=command)
+            trained = True
+            _finish(args, result, folder, task, command)
+    except KeyboardInterrupt:  # outside the run's own signal handling: before it, or after its files
+        release_if_empty(claimed)
+        if not trained:
+            raise _interrupted("before training started: nothing was trained; run the same command again") from None
+        rest = f"; the comparison is not complete: {command} finishes it" if args.compare else ""
+        raise _interrupted(f"after the run finished: {out} is complete{rest}") from None
     except BaseException:
         release_if_empty(claimed)
         raise
-    if sync.is_rank_zero() and not result.already_complete:
-        print(_outcome_line(cfg, result, out))
-    compared = sync.broadcast_object((out / "compare.json").exists() if sync.is_rank_zero() else None)
-    if args.compare and not (result.already_complete and compared):
+    return 0
+
+
+def _interrupted(when: str) -> Stopped:
+    """A Ctrl-C outside the run's own handling: one line, exit 130; a second one is ignored now."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return Stopped(f"SIGINT: stopped {when}", EXIT_CODES[signal.SIGINT])
+
+
+def _say(line: str) -> None:
+    if sync.is_rank_zero():
+        print(f"gradaccum train: {line}", file=sys.stderr, flush=True)
+
+
+def _finish(args: argparse.Namespace, result: Any, folder: Any, task: Any, command: str) -> None:
+    """After the run: its line, ``--compare``, then the exit: a failed write (1), a signal that came
+    at the run's end (130/143), a diverged run (3)."""
+    out, life = folder.out, result.lifecycle
+    assert life is not None, "run_training returns the run's life cycle"
+    if sync.is_rank_zero():  # a finished run resumed says it too: what is on disk is whole
+        print(_outcome_line(result.config, result, out))
+    compared = folder.has("compare.json")
+    if result.stopped_by is None and args.compare and not (result.already_complete and compared):
         from .compare import run_compare
 
-        run_compare(result.config, out, result, resume=args.resume, command=command)
-    elif compared and args.resume and not result.already_complete and result.lifecycle is not None:
-        result.lifecycle.say("note: compare.json, compare.png and baseline/ are from before this --resume and "
-                             "compare the run as it was then; resume with --compare to bring them up to date")
-    assert result.lifecycle is not None
-    result.lifecycle.raise_if_unsaved()
+        run_compare(result.config, folder, result, task, resume=args.resume, command=command)
+    elif compared and args.resume and not result.already_complete:
+        _say("note: compare.json, compare.png and baseline/ are from before this --resume and compare the run as "
+             "it was then; resume with --compare to bring them up to date")
+    life.raise_if_unsaved()
+    if result.stopped_by is not None:
+        name = signal.Signals(result.stopped_by).name
+        held = life.saved
+        then = (f"--compare's baseline did not run: {command} runs it" if args.compare and not compared
+                else "nothing to resume")
+        raise Stopped(f"{name}: received at the run's end, which it finished first: {out} is complete "
+                      f"({folder.checkpoint.name} holds {held}; summary.json and loss.png are written); {then}",
+                      EXIT_CODES.get(signal.Signals(result.stopped_by), 143))
     _raise_if_diverged(result.summary, result.config, out)
-    return 0
 
 
 def _outcome_line(cfg: Any, result: Any, out: Path) -> str:
@@ -130,7 +174,7 @@ def _outcome_line(cfg: Any, result: Any, out: Path) -> str:
               else "")
     ranks = f" on {s['world_size']} ranks" if s.get("world_size", 1) > 1 else ""
     return (f"{cfg.task}/{cfg.model}: {steps_phrase(result.history, result.unit, result.window_unit)}{ranks}, "
-            f"{metric}, {s['wall_time_seconds']:.1f}s{memory} -> {out}")
+            f"{metric}, {s.get('wall_time_seconds', 0.0):.1f}s{memory} -> {out}")
 
 
 def _number(value: Any) -> str:
@@ -164,22 +208,19 @@ def _raise_if_diverged(summary: Dict[str, Any], cfg: Any, out: Path) -> None:
                    f"trained; {fix}, and train again with --overwrite")
 
 
-def _launch_world_size() -> int:
-    """The ranks of this launch: torchrun's WORLD_SIZE, else 1."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
 def _sizes_phrase(sizes: List[int], unit: str) -> str:
     k, top = len(sizes), max(sizes)
     full = sum(1 for n in sizes if n == top)
     if full == k:
-        return f"{top} {unit}"
+        return _units(top, unit)
     if 2 * full >= k:
-        return f"{top} {unit} ({k - full} shorter)"
+        return f"{_units(top, unit)} ({k - full} shorter)"
     return f"{min(sizes)} to {top} {unit}"
+
+
+def _units(n: int, unit: str) -> str:
+    """``1 image``, ``128 images``: ``unit`` is plural (images, tokens, sequences, items)."""
+    return f"{n} {unit[:-1] if n == 1 and unit.endswith('s') else unit}"
 
 
 def steps_phrase(history: List[Any], unit: str, window_unit: Optional[str] = None) -> str:

@@ -31,19 +31,34 @@ class TaskError(ValueError):
 
 @dataclass
 class Task:
+    """A training task, loaded and checked whole before any run folder is made (a label out of range
+    is refused here, not at the window that meets it)."""
+
     name: str
     num_train: int
     gather: Callable[[Sequence[int]], Any]          # training indices -> batch
     loss_fn: Callable[[nn.Module, Any], Any]        # (model, batch) -> mean loss or (mean, count)
     evaluate: Callable[[nn.Module, torch.device], Dict[str, float]]
     model_kwargs: Dict[str, Any]
-    default_model: str
     unit: str = "items"                             # what num_items counts, in words: images, tokens
     window_unit: str = "items"                      # what a window of --batch-size counts: images, sequences
     count: Optional[Callable[[Any], int]] = None    # a micro-batch's items before any forward (if not its length)
 
 
 # -- images ---------------------------------------------------------------------------------
+
+#: the image tasks' classes: labels 0 to 9
+NUM_CLASSES = 10
+
+
+def _check_labels(name: str, split: str, labels: torch.Tensor, source: str) -> None:
+    """Every label a class the model has (0 to 9), or a one-line TaskError naming the first that is not."""
+    bad = ((labels < 0) | (labels >= NUM_CLASSES)).nonzero()
+    if len(bad):
+        at = int(bad[0])
+        raise TaskError(f"{source}: {name} {split} label {at} is {int(labels[at])}, not a class 0 to {NUM_CLASSES - 1} "
+                        f"({len(bad)} of {len(labels)} labels are out of range); fix or replace the file")
+
 
 def _image_task(name: str, x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor,
                 y_test: torch.Tensor) -> Task:
@@ -71,7 +86,7 @@ def _image_task(name: str, x_train: torch.Tensor, y_train: torch.Tensor, x_test:
         return {"test_loss": loss_sum / len(x_test), "test_accuracy": correct / len(x_test)}
 
     return Task(name, len(x_train), gather, loss_fn, evaluate,
-                {"in_shape": tuple(x_train.shape[1:]), "num_classes": 10}, "lenet5", unit="images",
+                {"in_shape": tuple(x_train.shape[1:]), "num_classes": NUM_CLASSES}, unit="images",
                 window_unit="images")
 
 
@@ -142,9 +157,11 @@ def _mnist(data_path: Optional[str]) -> Task:
     xs, ys = {}, {}
     for split in ("train", "test"):
         xs[split] = _read_idx(_find_idx(root, f"{split}_images"), 2051, 3).float().div(255).unsqueeze(1)
-        ys[split] = _read_idx(_find_idx(root, f"{split}_labels"), 2049, 1).long()
+        labels = _find_idx(root, f"{split}_labels")
+        ys[split] = _read_idx(labels, 2049, 1).long()
         if len(xs[split]) != len(ys[split]):
             raise TaskError(f"MNIST {split} images ({len(xs[split])}) and labels ({len(ys[split])}) disagree")
+        _check_labels("MNIST", split, ys[split], f"MNIST file {labels}")
     return _image_task("mnist", xs["train"], ys["train"], xs["test"], ys["test"])
 
 
@@ -176,7 +193,8 @@ def _text(data_path: Optional[str], max_len: int = 64) -> Task:
             if len(piece) >= 2:
                 seqs.append(torch.tensor(list(piece), dtype=torch.long))
     if len(seqs) < 10:
-        raise TaskError(f"--data-path {data_path}: too little text ({len(seqs)} usable lines; need 10)")
+        lines = f"{len(seqs)} usable line{'' if len(seqs) == 1 else 's'}"
+        raise TaskError(f"--data-path {data_path}: too little text ({lines} of 2 bytes or more; need 10)")
     n_test = max(1, len(seqs) // 10)
     train, test = seqs[:-n_test], seqs[-n_test:]
 
@@ -204,7 +222,7 @@ def _text(data_path: Optional[str], max_len: int = 64) -> Task:
         return {"test_loss": loss, "test_bits_per_byte": loss / 0.6931471805599453}
 
     return Task("text", len(train), lambda idx: collate([train[i] for i in idx]), loss_fn, evaluate,
-                {"vocab": 256, "max_len": max_len}, "transformer", unit="tokens",
+                {"vocab": 256, "max_len": max_len}, unit="tokens",
                 window_unit="sequences", count=lambda batch: count_targets(batch["labels"]))
 
 

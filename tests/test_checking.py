@@ -1,0 +1,164 @@
+"""check_equivalence: the verdict, the suspects it names, the splits it refuses, the hints it gives,
+and the model left exactly as found."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import check_equivalence
+from gradaccum.checking import SplitError
+from helpers import mse, regression_batch, regression_model
+
+
+def _state(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+            [m.training for m in model.modules()], torch.get_rng_state())
+
+
+def _assert_untouched(model, saved):
+    state, grads, modes, rng = saved
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    for n, p in model.named_parameters():
+        assert (p.grad is None and grads[n] is None) or torch.equal(p.grad, grads[n])
+    assert [m.training for m in model.modules()] == modes
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_checker_passes_a_plain_model_and_leaves_it_as_found():
+    model = regression_model()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    saved = _state(model)
+    report = check_equivalence(model, mse, regression_batch(10), 3, rtol=1e-10)
+    assert report.equivalent and report.max_rel_diff < 1e-12 and report.suspects == [] and report.hints == []
+    assert report.loss_full == pytest.approx(report.loss_accumulated, rel=1e-12)
+    _assert_untouched(model, saved)
+
+
+def test_checker_names_batchnorm_and_restores_its_running_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
+    model[1].running_mean.fill_(0.5)
+    saved = _state(model)
+    report = check_equivalence(model, mse, regression_batch(12), 4)
+    assert not report.equivalent and report.max_rel_diff > 1e-3
+    names = [name for name, _ in report.suspects]
+    assert names == ["1"], report.suspects
+    assert "BatchNorm" in report.suspects[0][1] and "depends on the other items" in report.suspects[0][1]
+    _assert_untouched(model, saved)
+    assert "NOT equivalent" in str(report) and "suspect module '1': BatchNorm1d" in str(report)  # a name, not a list number
+    assert report.hints == []  # a mean loss: no word about sums
+
+
+def test_checker_names_dropout_and_functional_randomness():
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.lin(x) + 0.1 * torch.randn_like(self.lin(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Dropout(0.3), Noisy()).double()
+    saved = _state(model)
+    report = check_equivalence(model, mse, regression_batch(8), 2)
+    names = dict(report.suspects)
+    assert "1" in names and "Dropout" in names["1"]
+    assert "2" in names and "random" in names["2"]
+    assert not report.equivalent
+    _assert_untouched(model, saved)
+    model.eval()  # in eval mode dropout is off, but the noise module still draws
+    assert "1" not in dict(check_equivalence(model, mse, regression_batch(8), 2).suspects)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_dropout_is_not_equivalent_even_where_this_split_happens_to_match(layers):
+    """One dropout layer on the CPU, its micro-batches run in order, draws exactly the full batch's
+    masks (the generator fills them item after item): the gradients match to rounding. Two layers
+    draw layer by layer in the full batch and micro-batch by micro-batch when accumulated, so they
+    differ. Either way the masks depend on the split, as the docs and ``check --help`` say: NOT
+    equivalent, with the reason (it said "equivalent" for one layer)."""
+    torch.manual_seed(0)
+    body = [module for _ in range(layers) for module in (nn.Linear(5, 5), nn.Dropout(0.5))]
+    model = nn.Sequential(*body, nn.Linear(5, 3)).double()
+    report = check_equivalence(model, mse, regression_batch(8), 4)
+    assert not report.equivalent, report
+    text = str(report)
+    assert text.startswith("NOT equivalent") and "suspect module '1': Dropout (p=0.5)" in text, text
+    if layers == 1:
+        assert report.max_rel_diff < 1e-12, report  # this split matched ...
+        assert "matched on this split by chance" in text and "several layers" in text, text  # ... and why
+    else:
+        assert report.max_rel_diff > 1e-3, report
+
+
+def test_a_split_into_one_micro_batch_is_refused_like_the_command_line_refuses_it():
+    model = regression_model()
+    with pytest.raises(SplitError, match=r"micro_batch_size=10 on a batch of 10 items gives one micro-batch, which is "
+                                         r"only compared with itself; pass micro_batch_size=5 or less") as refused:
+        check_equivalence(model, mse, regression_batch(10), 10)
+    assert (refused.value.micro_batch_size, refused.value.items, refused.value.suggestion) == (10, 10, 5)
+    assert isinstance(refused.value, ValueError)
+
+
+def test_batchnorm_on_a_one_item_micro_batch_is_named_with_the_size_and_the_model_left_as_found():
+    """16 items in micro-batches of 5 leave one of 1 item, which BatchNorm in training mode cannot
+    normalize: the refusal names BatchNorm, the micro-batch and a size that works (it was torch's
+    "Expected more than 1 value per channel", which the command line blamed on the user's loss)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
+    saved = _state(model)
+    with pytest.raises(SplitError) as refused:
+        check_equivalence(model, mse, regression_batch(16), 5)
+    text = str(refused.value)
+    assert text.startswith("micro_batch_size=5 on a batch of 16 items leaves micro-batch 4 of 4 with 1 item, which "
+                           "BatchNorm in training mode (module '1') cannot normalize"), text
+    assert "pass micro_batch_size=4, which leaves 2 or more in each" in text and "NOT equivalent" in text, text
+    assert refused.value.suggestion == 4
+    _assert_untouched(model, saved)
+    assert check_equivalence(model, mse, regression_batch(16), refused.value.suggestion).suspects[0][0] == "1"
+
+
+@pytest.mark.parametrize("micro_batch_size, ratio", [(8, "2"), (4, "4")])
+def test_a_summed_loss_is_told_to_return_the_mean(micro_batch_size, ratio):
+    """reduction="sum" makes the full batch's loss the accumulated one times the number of (equal)
+    micro-batches: the report says loss_fn must return the mean."""
+    model = regression_model()
+    summed = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1], reduction="sum")  # noqa: E731
+    report = check_equivalence(model, summed, regression_batch(16), micro_batch_size)
+    assert not report.equivalent
+    assert report.loss_full / report.loss_accumulated == pytest.approx(16 / micro_batch_size, rel=0.05)
+    (hint,) = report.hints
+    assert hint.startswith(f"the full batch's loss is {ratio} times the accumulated one") and "must return the mean" in hint
+    assert f"  hint: {hint}" in str(report)
+
+
+def test_a_module_taking_a_dict_is_compared_by_the_tensor_inside_it():
+    """Modules are compared by their first input and output tensor, found by the one walker over
+    batches (batching.first_tensor), dicts included. A per-item block that takes a dict after a
+    module that mixes items is not named: its input already differs (its own input was unseen, and
+    the block was named beside the real culprit)."""
+    class Mix(nn.Module):
+        def forward(self, x):
+            return x - x.mean(0)  # each item's output depends on the others
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+
+        def forward(self, inputs):
+            return self.lin(inputs["x"])
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.block = Mix(), Block()
+
+        def forward(self, x):
+            return self.block({"x": self.mix(x)})
+
+    report = check_equivalence(Model().double(), mse, regression_batch(8), 4)
+    assert not report.equivalent and [name for name, _ in report.suspects] == ["mix"], report
