@@ -21,6 +21,8 @@ SCENARIOS = [
     "lightning_ddp_zero_item_windows",
     "hf_ddp_gpt2_stock_loss_type",
     "hf_ddp_llama_plain_forward_clipped",
+    "hf_fsdp2_llama_plain_forward_clipped",
+    "hf_fsdp2_zero_item_windows",
     "trl_sft_ddp_average_tokens_gpt2",
     "trl_sft_ddp_local_tokens_llama",
     "trl_dpo_ddp",

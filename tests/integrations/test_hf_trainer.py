@@ -166,3 +166,36 @@ def test_a_trainer_subclass_before_exact_trainer_is_refused_with_the_fix():
     with pytest.raises(TypeError, match=r"cannot tell how Mine.compute_loss reduces.*exact_items = 'rows'"):
         type("Unknown", (ExactTrainer, Mine), {})
     assert type("Declared", (ExactTrainer, Mine), {"exact_items": "rows"})
+
+
+
+def stand_in(stack: str) -> type:
+    """ExactTrainer with the Trainer's flag for ``stack`` raised as the Trainer raises it from
+    TrainingArguments(fsdp=..., deepspeed=...): neither can be built here (deepspeed is not a test
+    dependency, see docs/guides/hf-trainer.md; Accelerate's FSDP1 plugin needs an accelerator)."""
+    import types
+
+    class StandIn(ExactTrainer):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            if stack == "deepspeed":
+                self.is_deepspeed_enabled = True
+            else:
+                self.is_fsdp_enabled = True
+                self.accelerator.state.fsdp_plugin = types.SimpleNamespace(fsdp_version=1)
+
+    return StandIn
+
+
+@pytest.mark.parametrize("stack", ["fsdp1", "deepspeed"])
+def test_fsdp1_and_deepspeed_are_refused_with_the_fix(stack):
+    """FSDP1 (fsdp_version=1) and DeepSpeed are refused in one line that names the fix, before any
+    training; FSDP2 is tested in test_distributed.py."""
+    from transformers import TrainingArguments
+
+    message = {"fsdp1": r"FSDP with fsdp_version=1 is not supported .*use fsdp_version=2: "
+                        r"fsdp_config=\{'fsdp_version': 2\}",
+               "deepspeed": r"DeepSpeed \(any ZeRO stage\) is not supported.*shard with FSDP2 instead"}[stack]
+    args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    with S.fsdp_state_restored(), pytest.raises(ValueError, match=message):
+        stand_in(stack)(model=gpt2(), args=args)

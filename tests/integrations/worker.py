@@ -120,6 +120,52 @@ def hf(make: Callable, name: str, clip=CLIP, head=None) -> str:
     return verdict(name, exact, native, ref, f", last window N={trainer.last_window_items}")
 
 
+def hf_fsdp2(make: Callable, name: str, head=None) -> str:
+    """The Trainer with ``fsdp_config={"fsdp_version": 2}`` through Accelerate (scenarios.fsdp_on_cpu):
+    every block then the root ``fully_shard``-ed, the clip engaged on the sharded gradients. The
+    shards are gathered into plain copies before the comparison."""
+    model = make()
+    ref = S.reference(model, WINDOWS, clip=CLIP)
+    exact, trainer = S.hf_fit(model, PER_RANK, exact=True, clip=CLIP, head=head, fsdp_version=2)
+    native, _ = S.hf_fit(model, PER_RANK, exact=False, clip=CLIP, fsdp_version=2)
+    if trainer.state.global_step != len(WINDOWS):
+        return f"FAIL {name}: global_step {trainer.state.global_step} != {len(WINDOWS)} windows"
+    sharded = {type(p).__name__ for p in exact.parameters()}
+    if sharded != {"DTensor"}:
+        return f"FAIL {name}: the parameters are not all sharded by fully_shard ({sorted(sharded)})"
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    if not all(n > 2 * CLIP for n in norms):
+        return f"FAIL {name}: the clip did not engage on every step (pre-clip norms {norms})"
+    return verdict(name, unsharded(exact, model), unsharded(native, model), ref,
+                   f", last window N={trainer.last_window_items}")
+
+
+# micro-batches whose every label is -100, per rank (accumulation 3, windows of 3, 3 and 2): window 1
+# holds no target on either rank (skipped), window 2 none on rank 0 (it steps on rank 1's targets)
+MASKED = {0: {3, 4, 5, 6, 7}, 1: {3, 4, 5}}
+
+
+def hf_fsdp2_zero_item_windows(name: str) -> str:
+    """The skipped window under FSDP2 (GPT-2 as a config builds it, AdamW with weight decay): every rank
+    reads the same all-reduced N = 0, so all run the window's forwards and backwards (FSDP2's
+    collectives stay matched) and none steps: no AdamW step (weight decay would move the weights), no
+    scheduler step, global_step not advanced. The stock Trainer steps on it (or divides by 0)."""
+    per_rank = [S.rank_micro_batches(r, S.SIZES[r] + [2]) for r in range(WORLD)]
+    for r, empty in MASKED.items():
+        for k in empty:
+            per_rank[r][k]["labels"] = torch.full_like(per_rank[r][k]["labels"], -100)
+    windows = S.stepped_windows(per_rank, S.ACCUM)
+    model = S.stock(gpt2())
+    ref = S.reference(model, windows, optimizer=S.adamw)
+    exact, trainer = S.hf_fit(model, per_rank, exact=True, optimizer=S.adamw, fsdp_version=2)
+    native, _ = S.hf_fit(model, per_rank, exact=False, optimizer=S.adamw, fsdp_version=2)
+    counts = (trainer.state.global_step, trainer.windows_skipped, trainer.lr_scheduler.last_epoch)
+    if counts != (2, 1, 2) or len(windows) != 2:
+        return f"FAIL {name}: global_step, windows skipped, scheduler steps {counts}; expected (2, 1, 2)"
+    return verdict(name, unsharded(exact, model), unsharded(native, model), ref,
+                   f", last window N={trainer.last_window_items}")
+
+
 def trl_sft(make: Callable, name: str, average_tokens: bool) -> str:
     """20 sequences, micro-batches of 2 dealt to the ranks in turn, gradient_accumulation_steps=2: windows
     of 8, 8 and 4 sequences over both ranks."""
@@ -166,6 +212,9 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
     "hf_ddp_gpt2_stock_loss_type": lambda: hf(lambda: S.stock(gpt2()), "hf_ddp_gpt2_stock_loss_type", clip=None),
     "hf_ddp_llama_plain_forward_clipped": lambda: hf(lambda: S.PlainForward(llama()),
                                                      "hf_ddp_llama_plain_forward_clipped", head="causal_lm"),
+    "hf_fsdp2_llama_plain_forward_clipped": lambda: hf_fsdp2(lambda: S.PlainForward(llama()),
+                                                             "hf_fsdp2_llama_plain_forward_clipped", head="causal_lm"),
+    "hf_fsdp2_zero_item_windows": lambda: hf_fsdp2_zero_item_windows("hf_fsdp2_zero_item_windows"),
     # TRL (TRL's fused LM head with a float64 stand-in on both sides, as in test_trl.py)
     "trl_sft_ddp_average_tokens_gpt2": lambda: trl_sft(lambda: S.stock(gpt2()), "trl_sft_ddp_average_tokens_gpt2", True),
     "trl_sft_ddp_local_tokens_llama": lambda: trl_sft(llama, "trl_sft_ddp_local_tokens_llama", False),
