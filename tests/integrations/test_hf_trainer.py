@@ -168,7 +168,6 @@ def test_a_trainer_subclass_before_exact_trainer_is_refused_with_the_fix():
     assert type("Declared", (ExactTrainer, Mine), {"exact_items": "rows"})
 
 
-
 def stand_in(stack: str) -> type:
     """ExactTrainer with the Trainer's flag for ``stack`` raised as the Trainer raises it from
     TrainingArguments(fsdp=..., deepspeed=...): neither can be built here (deepspeed is not a test
