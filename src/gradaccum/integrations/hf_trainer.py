@@ -174,8 +174,9 @@ class ExactTrainer(Trainer):
     Raises:
         ValueError: ``compute_loss_func`` is passed; ``label_smoothing_factor`` where ExactTrainer
             computes the loss; DataParallel over several GPUs in one process (``n_gpu > 1``);
-            DeepSpeed (any ZeRO stage); FSDP1 (``fsdp_version=1``); a batch has no ``labels``;
-            the model returns no ``logits``.
+            DeepSpeed (any ZeRO stage); FSDP1 (``fsdp_version=1``); FSDP2 where the loss is a
+            trainer's own (TRL's, or ``exact_items``); a batch has no ``labels``; the model
+            returns no ``logits``.
 
     Example:
         >>> args = TrainingArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=4)  # doctest: +SKIP
@@ -213,6 +214,10 @@ class ExactTrainer(Trainer):
         if version not in (None, 2):
             raise ValueError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
                              "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
+        if version == 2 and self.source != "head":
+            raise ValueError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not under "
+                             f"{type(self).__name__}'s own compute_loss (items: {self.source}); train it with DDP "
+                             "(one process per device under torchrun)")
         batch_level = sorted(set(getattr(self, "loss_types", ())) & set(_NOT_PER_PAIR))
         if self.source == "pairs" and batch_level:
             raise ValueError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
