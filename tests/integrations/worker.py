@@ -24,13 +24,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import scenarios as S  # noqa: E402
-from hf_helpers import gpt2, llama  # noqa: E402
+from gradaccum import causal_lm_loss  # noqa: E402
+from hf_helpers import gpt2, llama, pad, unpad  # noqa: E402
 
 torch.set_num_threads(1)
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 PER_RANK = [S.rank_micro_batches(r, S.SIZES[r]) for r in range(WORLD)]
 WINDOWS = S.windows_of(PER_RANK, S.ACCUM)
+# an evaluation set: as many rows per batch on every rank (the Trainer gathers its evaluation batches,
+# which needs equal shapes), padded lengths that differ
+EVAL = [S.rank_micro_batches(r, [2, 1, 3], seed=1) for r in range(WORLD)]
 CLIP = 0.05
 
 
@@ -124,10 +128,13 @@ def hf(make: Callable, name: str, clip=CLIP, head=None) -> str:
 def hf_fsdp2(make: Callable, name: str, head=None) -> str:
     """The Trainer with ``fsdp_config={"fsdp_version": 2}`` through Accelerate (scenarios.fsdp_on_cpu):
     every block then the root ``fully_shard``-ed, the clip engaged on the sharded gradients. The
-    shards are gathered into plain copies before the comparison."""
+    shards are gathered into plain copies before the comparison. Then ``eval_loss`` evaluated by the
+    sharded model over EVAL: the mean over every target of the set (rtol 1e-12), which the Trainer's
+    mean of batch means is not."""
     model = make()
     ref = S.reference(model, WINDOWS, clip=CLIP)
-    exact, trainer = S.hf_fit(model, PER_RANK, exact=True, clip=CLIP, head=head, fsdp_version=2)
+    exact, trainer = S.hf_fit(model, PER_RANK, exact=True, clip=CLIP, head=head, fsdp_version=2,
+                              per_device_eval_batch_size=1)
     native, _ = S.hf_fit(model, PER_RANK, exact=False, clip=CLIP, fsdp_version=2)
     if trainer.state.global_step != len(WINDOWS):
         return f"FAIL {name}: global_step {trainer.state.global_step} != {len(WINDOWS)} windows"
@@ -137,8 +144,19 @@ def hf_fsdp2(make: Callable, name: str, head=None) -> str:
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     if not all(n > 2 * CLIP for n in norms):
         return f"FAIL {name}: the clip did not engage on every step (pre-clip norms {norms})"
-    return verdict(name, unsharded(exact, model), unsharded(native, model), ref,
-                   f", last window N={trainer.last_window_items}")
+    plain, plain_native = unsharded(exact, model), unsharded(native, model)
+    evaluated = trainer.evaluate(S.ListDataset(S.interleaved(EVAL)))["eval_loss"]
+    every = pad([s for mbs in EVAL for mb in mbs for s in unpad(mb)])
+    with torch.no_grad():
+        mean = causal_lm_loss(S.lm_logits(plain, every), every["labels"])[0].item()
+        batch_means = [(causal_lm_loss(S.lm_logits(plain, mb), mb["labels"])[0].item(), len(mb["input_ids"]))
+                       for mbs in EVAL for mb in mbs]
+    trainers_mean = sum(m * n for m, n in batch_means) / sum(n for _, n in batch_means)
+    if abs(evaluated - mean) > 1e-12 * abs(mean) or abs(trainers_mean - mean) < 1e-6:
+        return (f"FAIL {name}: eval_loss {evaluated!r}, the mean over every target {mean!r} (the Trainer's mean of "
+                f"batch means {trainers_mean!r})")
+    return verdict(name, plain, plain_native, ref,
+                   f", eval_loss {evaluated:.6f}, last window N={trainer.last_window_items}")
 
 
 # micro-batches whose every label is -100, per rank (accumulation 3, windows of 3, 3 and 2): window 1
