@@ -10,10 +10,11 @@ item per rank in turn), so the reference knows what each window held on every ra
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ LR = 0.1
 # micro-batch sizes (sequences) per rank; 7 micro-batches with accumulation 3: windows 3, 3, 1
 SIZES = {0: [2, 3, 1, 2, 3, 1, 2], 1: [3, 1, 2, 2, 1, 3, 2]}
 ACCUM = 3
+BLOCKS = ("GPT2Block", "LlamaDecoderLayer")  # the transformer blocks FSDP2 shards one by one
 
 
 def float64_rmsnorm(model: nn.Module) -> nn.Module:
@@ -79,6 +81,15 @@ def windows_of(per_rank: Sequence[Sequence[Batch]], accum: int) -> List[List[tor
     steps = -(-len(per_rank[0]) // accum)
     return [[s for mbs in per_rank for mb in mbs[w * accum:(w + 1) * accum] for s in unpad(mb)]
             for w in range(steps)]
+
+
+def stepped_windows(per_rank: Sequence[Sequence[Batch]], accum: int) -> List[List[torch.Tensor]]:
+    """The windows one big batch per step takes when some micro-batches have every label -100: their
+    sequences hold no target, so they are left out, and a window left with none takes no step."""
+    steps = -(-len(per_rank[0]) // accum)
+    windows = [[s for mbs in per_rank for mb in mbs[w * accum:(w + 1) * accum]
+                if (mb["labels"] != -100).any() for s in unpad(mb)] for w in range(steps)]
+    return [w for w in windows if w]
 
 
 def make_optimizer(params) -> tuple:
@@ -169,7 +180,7 @@ def lightning_module(model: nn.Module, *, return_count: bool = False, shard: boo
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
-            for block in [m for m in self.model.modules() if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer")]:
+            for block in [m for m in self.model.modules() if type(m).__name__ in BLOCKS]:
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
@@ -324,15 +335,65 @@ def interleaved(per_rank: Sequence[Sequence[Batch]]) -> List[Batch]:
     return [mbs[k] for k in range(len(per_rank[0])) for mbs in per_rank]
 
 
+def fsdp_on_cpu(cls: type, optimizer=make_optimizer) -> type:
+    """``cls`` (a Trainer class) under Accelerate's FSDP on the CPU, its optimizer and scheduler from
+    ``optimizer`` (under FSDP the Trainer refuses ``optimizers=``: it builds them in ``create_optimizer``,
+    before Accelerate shards the model, and Accelerate then points the optimizer at the shards).
+
+    Accelerate turns FSDP on for accelerators only: on the CPU it keeps ``MULTI_CPU`` and the Trainer
+    runs DDP even with ``fsdp`` set. The class sets Accelerate's distributed type to FSDP with the
+    Trainer's own plugin as the Trainer builds its Accelerator; everything after that is the stacks'
+    FSDP code on gloo (``fully_shard`` per block and on the root, ``set_requires_gradient_sync`` inside
+    a window, the DTensor gradient-norm clip). Leave with :func:`fsdp_state_restored`."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    class OnCPU(cls):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            state = self.accelerator.state
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            self.is_fsdp_enabled = True
+
+        def create_optimizer(self, model: Any = None) -> Any:
+            if self.optimizer is None:
+                self.optimizer, self._made_scheduler = optimizer(self.model.parameters())
+            return self.optimizer
+
+        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+            if self.lr_scheduler is None:
+                self.lr_scheduler = self._made_scheduler
+            return self.lr_scheduler
+
+    OnCPU.__name__ = OnCPU.__qualname__ = f"{cls.__name__}OnCPUFSDP"
+    return OnCPU
+
+
+@contextlib.contextmanager
+def fsdp_state_restored() -> Iterator[None]:
+    """Accelerate's process-wide state back to what this process runs (``fsdp_on_cpu`` changed it), on
+    the way out: the next Trainer in the process builds its Accelerator on that shared state."""
+    try:
+        yield
+    finally:
+        from accelerate.state import AcceleratorState, PartialState
+
+        if AcceleratorState._shared_state:
+            AcceleratorState._shared_state["distributed_type"] = PartialState().distributed_type
+            AcceleratorState._shared_state.pop("fsdp_plugin", None)
+
+
 def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool, accum: int = ACCUM,
            clip: Optional[float] = None, epochs: int = 1, out: Optional[str] = None,
            save: bool = False, resume: Optional[str] = None, max_steps: int = -1,
-           trainer_cls: Optional[type] = None, head: Optional[str] = None, optimizer=make_optimizer, **arguments):
+           trainer_cls: Optional[type] = None, head: Optional[str] = None, optimizer=make_optimizer,
+           fsdp_version: Optional[int] = None, **arguments):
     """Train a copy of ``model`` with the HF Trainer, one pre-padded micro-batch per dataset item
     (``per_device_train_batch_size=1`` and a collator that unwraps), so micro-batches keep their
     uneven sizes and paddings; sequential order (``train_sampling_strategy="sequential"``). ``head`` goes
     to ExactTrainer (a model it cannot name, such as PlainForward, needs it); ``arguments`` to
-    TrainingArguments."""
+    TrainingArguments. ``fsdp_version``: under Accelerate's FSDP of that version (:func:`fsdp_on_cpu`),
+    each of :data:`BLOCKS` sharded, then the root; the model returned then holds the shards (DTensors)."""
     from transformers import Trainer, TrainingArguments
 
     from gradaccum.integrations.hf_trainer import ExactTrainer
@@ -340,7 +401,13 @@ def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool
     quiet()
     cls = trainer_cls or (ExactTrainer if exact else Trainer)
     model = copy.deepcopy(model)
-    opt, sched = optimizer(model.parameters())
+    if fsdp_version is None:
+        optimizers = optimizer(model.parameters())
+    else:
+        cls, optimizers = fsdp_on_cpu(cls, optimizer), (None, None)
+        blocks = sorted({type(m).__name__ for m in model.modules()} & set(BLOCKS))
+        arguments.update(fsdp="full_shard", fsdp_config={"fsdp_version": fsdp_version,
+                                                         "transformer_layer_cls_to_wrap": blocks})
     args = TrainingArguments(
         output_dir=out or tempfile.mkdtemp(prefix="gradaccum-hf-"), per_device_train_batch_size=1,
         gradient_accumulation_steps=accum, num_train_epochs=epochs, max_steps=max_steps,
@@ -349,10 +416,11 @@ def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool
         disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, train_sampling_strategy="sequential",
         remove_unused_columns=False, seed=0, data_seed=0, ddp_find_unused_parameters=False, **arguments)
     extra = {"head": head} if head is not None and issubclass(cls, ExactTrainer) else {}
-    trainer = cls(model=model, args=args, train_dataset=ListDataset(interleaved(per_rank)),
-                  optimizers=(opt, sched), data_collator=lambda items: items[0], **extra)
-    from transformers import PrinterCallback
+    with fsdp_state_restored() if fsdp_version is not None else contextlib.nullcontext():
+        trainer = cls(model=model, args=args, train_dataset=ListDataset(interleaved(per_rank)),
+                      optimizers=optimizers, data_collator=lambda items: items[0], **extra)
+        from transformers import PrinterCallback
 
-    trainer.remove_callback(PrinterCallback)  # it prints every log line
-    trainer.train(resume_from_checkpoint=resume)
+        trainer.remove_callback(PrinterCallback)  # it prints every log line
+        trainer.train(resume_from_checkpoint=resume)
     return model, trainer

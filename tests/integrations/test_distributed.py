@@ -1,8 +1,9 @@
-"""Lightning (strategy="ddp", and FSDP2 through ModelParallelStrategy), the HF Trainer and TRL's SFT and
-DPO trainers under torchrun, 2 gloo processes on the CPU: the integration equals one float64 step per
-window on the union of both ranks' micro-batches (rtol 1e-10; FSDP2's shards are gathered first), the
-replicas are bit-identical, and the framework's own accumulation is off by more than 1e-6. The scenarios
-live in worker.py and run in one launch (Lightning and transformers import once)."""
+"""Lightning (strategy="ddp", and FSDP2 through ModelParallelStrategy), the HF Trainer (DDP, and FSDP2
+through Accelerate) and TRL's SFT and DPO trainers under torchrun, 2 gloo processes on the CPU: the
+integration equals one float64 step per window on the union of both ranks' micro-batches (rtol 1e-10;
+FSDP2's shards are gathered first), the replicas are bit-identical, and the framework's own
+accumulation is off by more than 1e-6. The scenarios live in worker.py and run in one launch
+(Lightning and transformers import once)."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +22,8 @@ SCENARIOS = [
     "lightning_ddp_zero_item_windows",
     "hf_ddp_gpt2_stock_loss_type",
     "hf_ddp_llama_plain_forward_clipped",
+    "hf_fsdp2_llama_plain_forward_clipped",
+    "hf_fsdp2_zero_item_windows",
     "trl_sft_ddp_average_tokens_gpt2",
     "trl_sft_ddp_local_tokens_llama",
     "trl_dpo_ddp",

@@ -166,3 +166,55 @@ def test_a_trainer_subclass_before_exact_trainer_is_refused_with_the_fix():
     with pytest.raises(TypeError, match=r"cannot tell how Mine.compute_loss reduces.*exact_items = 'rows'"):
         type("Unknown", (ExactTrainer, Mine), {})
     assert type("Declared", (ExactTrainer, Mine), {"exact_items": "rows"})
+
+
+def stand_in(stack: str, base: type = ExactTrainer) -> type:
+    """``base`` with the Trainer's flag for ``stack`` ("fsdp1", "fsdp2", "deepspeed") raised as the Trainer
+    raises it from TrainingArguments(fsdp=..., deepspeed=...), without the rest: deepspeed is not a test
+    dependency (see docs/guides/hf-trainer.md) and Accelerate's FSDP1 plugin needs an accelerator."""
+    import types
+
+    class StandIn(base):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            if stack == "deepspeed":
+                self.is_deepspeed_enabled = True
+            else:
+                self.is_fsdp_enabled = True
+                self.accelerator.state.fsdp_plugin = types.SimpleNamespace(fsdp_version=int(stack[-1]))
+
+    StandIn.__name__ = StandIn.__qualname__ = base.__name__  # as the user's class is named in the message
+    return StandIn
+
+
+def declared_rows() -> type:
+    """A Trainer subclass whose own compute_loss returns a mean over the rows, declared to ExactTrainer."""
+    from transformers import Trainer
+
+    class Mine(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    return type("ExactMine", (ExactTrainer, Mine), {"exact_items": "rows"})
+
+
+REFUSALS = {
+    "fsdp1": (ExactTrainer, r"FSDP with fsdp_version=1 is not supported .*use fsdp_version=2: "
+                            r"fsdp_config=\{'fsdp_version': 2\}"),
+    "deepspeed": (ExactTrainer, r"DeepSpeed \(any ZeRO stage\) is not supported.*shard with FSDP2 instead"),
+    "fsdp2": (declared_rows(), r"FSDP2 is tested where ExactTrainer computes the model's loss, not under "
+                               r"ExactMine's own compute_loss \(items: rows\); train it with DDP"),
+}
+
+
+@pytest.mark.parametrize("stack", list(REFUSALS))
+def test_sharded_stacks_not_tested_are_refused_with_the_fix(stack):
+    """FSDP1 (fsdp_version=1), DeepSpeed, and FSDP2 under a trainer's own compute_loss (TRL's, or one
+    declared with exact_items) are refused in one line that names the fix, before any training; FSDP2
+    where ExactTrainer computes the loss is tested in test_distributed.py."""
+    from transformers import TrainingArguments
+
+    base, message = REFUSALS[stack]
+    args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    with S.fsdp_state_restored(), pytest.raises(ValueError, match=message):
+        stand_in(stack, base)(model=gpt2(), args=args)

@@ -1,4 +1,5 @@
-"""Lightning and the HF Trainer under torchrun, 2 gloo processes on the CPU (see test_distributed.py).
+"""Lightning and the HF Trainer (DDP and FSDP2) under torchrun, 2 gloo processes on the CPU (see
+test_distributed.py).
 
 Each scenario trains on every rank's own micro-batches (scenarios.SIZES: uneven sizes, padded
 sequences, a short last window), builds the float64 reference from the union of both ranks' windows
@@ -23,13 +24,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import scenarios as S  # noqa: E402
-from hf_helpers import gpt2, llama  # noqa: E402
+from gradaccum import causal_lm_loss  # noqa: E402
+from hf_helpers import gpt2, llama, pad, unpad  # noqa: E402
 
 torch.set_num_threads(1)
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 PER_RANK = [S.rank_micro_batches(r, S.SIZES[r]) for r in range(WORLD)]
 WINDOWS = S.windows_of(PER_RANK, S.ACCUM)
+# an evaluation set: as many rows per batch on every rank (the Trainer gathers its evaluation batches,
+# which needs equal shapes), padded lengths that differ
+EVAL = [S.rank_micro_batches(r, [2, 1, 3], seed=1) for r in range(WORLD)]
 CLIP = 0.05
 
 
@@ -120,6 +125,67 @@ def hf(make: Callable, name: str, clip=CLIP, head=None) -> str:
     return verdict(name, exact, native, ref, f", last window N={trainer.last_window_items}")
 
 
+def hf_fsdp2(make: Callable, name: str, head=None) -> str:
+    """The Trainer with ``fsdp_config={"fsdp_version": 2}`` through Accelerate (scenarios.fsdp_on_cpu):
+    every block then the root ``fully_shard``-ed, the clip engaged on the sharded gradients. The
+    shards are gathered into plain copies before the comparison. Then ``eval_loss`` evaluated by the
+    sharded model over EVAL: the mean over every target of the set (rtol 1e-12), which the Trainer's
+    mean of batch means is not."""
+    model = make()
+    ref = S.reference(model, WINDOWS, clip=CLIP)
+    exact, trainer = S.hf_fit(model, PER_RANK, exact=True, clip=CLIP, head=head, fsdp_version=2,
+                              per_device_eval_batch_size=1)
+    native, _ = S.hf_fit(model, PER_RANK, exact=False, clip=CLIP, fsdp_version=2)
+    if trainer.state.global_step != len(WINDOWS):
+        return f"FAIL {name}: global_step {trainer.state.global_step} != {len(WINDOWS)} windows"
+    sharded = {type(p).__name__ for p in exact.parameters()}
+    if sharded != {"DTensor"}:
+        return f"FAIL {name}: the parameters are not all sharded by fully_shard ({sorted(sharded)})"
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    if not all(n > 2 * CLIP for n in norms):
+        return f"FAIL {name}: the clip did not engage on every step (pre-clip norms {norms})"
+    plain, plain_native = unsharded(exact, model), unsharded(native, model)
+    evaluated = trainer.evaluate(S.ListDataset(S.interleaved(EVAL)))["eval_loss"]
+    every = pad([s for mbs in EVAL for mb in mbs for s in unpad(mb)])
+    with torch.no_grad():
+        mean = causal_lm_loss(S.lm_logits(plain, every), every["labels"])[0].item()
+        batch_means = [(causal_lm_loss(S.lm_logits(plain, mb), mb["labels"])[0].item(), len(mb["input_ids"]))
+                       for mbs in EVAL for mb in mbs]
+    trainers_mean = sum(m * n for m, n in batch_means) / sum(n for _, n in batch_means)
+    if abs(evaluated - mean) > 1e-12 * abs(mean) or abs(trainers_mean - mean) < 1e-6:
+        return (f"FAIL {name}: eval_loss {evaluated!r}, the mean over every target {mean!r} (the Trainer's mean of "
+                f"batch means {trainers_mean!r})")
+    return verdict(name, plain, plain_native, ref,
+                   f", eval_loss {evaluated:.6f}, last window N={trainer.last_window_items}")
+
+
+# micro-batches whose every label is -100, per rank (accumulation 3, windows of 3, 3 and 2): window 1
+# holds no target on either rank (skipped), window 2 none on rank 0 (it steps on rank 1's targets)
+MASKED = {0: {3, 4, 5, 6, 7}, 1: {3, 4, 5}}
+
+
+def hf_fsdp2_zero_item_windows(name: str) -> str:
+    """The skipped window under FSDP2 (GPT-2 as a config builds it, AdamW with weight decay): every rank
+    reads the same all-reduced N = 0, so all run the window's forwards and backwards (FSDP2's
+    collectives stay matched) and none steps: no AdamW step (weight decay would move the weights), no
+    scheduler step, global_step not advanced. The stock Trainer steps on it (or divides by 0)."""
+    per_rank = [S.rank_micro_batches(r, S.SIZES[r] + [2]) for r in range(WORLD)]
+    for r, empty in MASKED.items():
+        for k in empty:
+            per_rank[r][k]["labels"] = torch.full_like(per_rank[r][k]["labels"], -100)
+    windows = S.stepped_windows(per_rank, S.ACCUM)
+    assert len(windows) == 2, "the data leaves windows 0 and 2 to step"
+    model = S.stock(gpt2())
+    ref = S.reference(model, windows, optimizer=S.adamw)
+    exact, trainer = S.hf_fit(model, per_rank, exact=True, optimizer=S.adamw, fsdp_version=2)
+    native, _ = S.hf_fit(model, per_rank, exact=False, optimizer=S.adamw, fsdp_version=2)
+    counts = (trainer.state.global_step, trainer.windows_skipped, trainer.lr_scheduler.last_epoch)
+    if counts != (2, 1, 2):
+        return f"FAIL {name}: global_step, windows skipped, scheduler steps {counts}; expected (2, 1, 2)"
+    return verdict(name, unsharded(exact, model), unsharded(native, model), ref,
+                   f", last window N={trainer.last_window_items}")
+
+
 def trl_sft(make: Callable, name: str, average_tokens: bool) -> str:
     """20 sequences, micro-batches of 2 dealt to the ranks in turn, gradient_accumulation_steps=2: windows
     of 8, 8 and 4 sequences over both ranks."""
@@ -166,6 +232,9 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
     "hf_ddp_gpt2_stock_loss_type": lambda: hf(lambda: S.stock(gpt2()), "hf_ddp_gpt2_stock_loss_type", clip=None),
     "hf_ddp_llama_plain_forward_clipped": lambda: hf(lambda: S.PlainForward(llama()),
                                                      "hf_ddp_llama_plain_forward_clipped", head="causal_lm"),
+    "hf_fsdp2_llama_plain_forward_clipped": lambda: hf_fsdp2(lambda: S.PlainForward(llama()),
+                                                             "hf_fsdp2_llama_plain_forward_clipped", head="causal_lm"),
+    "hf_fsdp2_zero_item_windows": lambda: hf_fsdp2_zero_item_windows("hf_fsdp2_zero_item_windows"),
     # TRL (TRL's fused LM head with a float64 stand-in on both sides, as in test_trl.py)
     "trl_sft_ddp_average_tokens_gpt2": lambda: trl_sft(lambda: S.stock(gpt2()), "trl_sft_ddp_average_tokens_gpt2", True),
     "trl_sft_ddp_local_tokens_llama": lambda: trl_sft(llama, "trl_sft_ddp_local_tokens_llama", False),

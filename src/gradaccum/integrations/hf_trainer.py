@@ -136,8 +136,10 @@ class ExactTrainer(Trainer):
     with ``L_k`` micro-batch k's mean loss over its ``n_k`` items. ``get_batch_samples`` (called once
     per window with its micro-batches, fewer on an epoch's short last window) counts ``N`` before any
     forward and all-reduces it; each micro-batch backpropagates ``S_k * W / N``
-    (:func:`gradaccum._maths.summed_loss_weight`; ``W`` processes, since DDP averages gradients), and
-    ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing again. The logged ``loss`` is
+    (:func:`gradaccum._maths.summed_loss_weight`; ``W`` processes, since DDP and FSDP2 average
+    gradients), and ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing again. Under
+    FSDP2 (``fsdp_config={"fsdp_version": 2}``) every rank runs every micro-batch of a window, a
+    skipped one included, so the shards' collectives stay matched. The logged ``loss`` is
     the window's mean over all ranks; ``eval_loss`` is the item-weighted mean over the whole
     evaluation set. A window with ``N = 0`` (every label ignored on every rank) is skipped as the
     core skips it: no optimizer step (so no weight decay), no scheduler step, ``global_step`` not
@@ -172,8 +174,9 @@ class ExactTrainer(Trainer):
     Raises:
         ValueError: ``compute_loss_func`` is passed; ``label_smoothing_factor`` where ExactTrainer
             computes the loss; DataParallel over several GPUs in one process (``n_gpu > 1``);
-            DeepSpeed ZeRO-3; a batch has no ``labels``; the model returns no ``logits``; a
-            window holds no item under DeepSpeed (its engine steps inside backward).
+            DeepSpeed (any ZeRO stage); FSDP1 (``fsdp_version=1``); FSDP2 where the loss is a
+            trainer's own (TRL's, or ``exact_items``); a batch has no ``labels``; the model
+            returns no ``logits``.
 
     Example:
         >>> args = TrainingArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=4)  # doctest: +SKIP
@@ -203,15 +206,18 @@ class ExactTrainer(Trainer):
             raise ValueError(f"ExactTrainer: n_gpu={self.args.n_gpu} (DataParallel in one process) splits each "
                              "batch without telling the loss; launch one process per GPU (torchrun) instead")
         if self.is_deepspeed_enabled:
-            stage = self.accelerator.state.deepspeed_plugin.zero_stage
-            raise ValueError(f"ExactTrainer: DeepSpeed (ZeRO-{stage}) is not supported: it is untested here, and its "
-                             "engine steps inside backward, so a window without items could not be skipped; train "
-                             "with DDP (one process per device under torchrun)")
-        if self.is_fsdp_enabled:
-            version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1)
-            raise ValueError(f"ExactTrainer: FSDP (fsdp_version={version}) is not supported: it is untested with "
-                             "ExactTrainer here; train with DDP (one process per device under torchrun), or use "
-                             "gradaccum's Accumulator with FSDP2 (docs/guides/torchrun.md)")
+            raise ValueError("ExactTrainer: DeepSpeed (any ZeRO stage) is not supported: untested here (see "
+                             "docs/guides/hf-trainer.md), and its engine steps inside backward, so a window without "
+                             "items could not be skipped; shard with FSDP2 instead (fsdp='full_shard', "
+                             "fsdp_config={'fsdp_version': 2}) or train with DDP")
+        version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) if self.is_fsdp_enabled else None
+        if version not in (None, 2):
+            raise ValueError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
+                             "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
+        if version == 2 and self.source != "head":
+            raise ValueError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not under "
+                             f"{type(self).__name__}'s own compute_loss (items: {self.source}); train it with DDP "
+                             "(one process per device under torchrun)")
         batch_level = sorted(set(getattr(self, "loss_types", ())) & set(_NOT_PER_PAIR))
         if self.source == "pairs" and batch_level:
             raise ValueError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
