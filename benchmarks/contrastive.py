@@ -88,7 +88,7 @@ def _contenders(base: Any, batch: Dict[str, Dict[str, Any]]) -> Dict[str, Callab
     ours, ours_opt = fresh("WindowLoss")
     ours_loss = MultipleNegativesRankingLoss(ours)
     embed = lambda m, mb: tuple(m(dict(mb[k]))["sentence_embedding"] for k in ("anchor", "positive"))  # noqa: E731
-    window_loss = WindowLoss(embed, lambda reps: ours_loss.compute_loss_from_embeddings(list(reps), None))
+    window_loss = WindowLoss(embed, lambda m, reps: ours_loss.compute_loss_from_embeddings(list(reps), None))
     acc = Accumulator(ours, ours_opt)
 
     st, st_opt = fresh("CachedMNRL")

@@ -59,7 +59,7 @@ big, plain = copy.deepcopy(model), copy.deepcopy(model)
 opts = [torch.optim.AdamW(m.parameters(), lr=2e-2) for m in (model, big, plain)]
 
 acc = Accumulator(model, opts[0])
-contrastive = WindowLoss(encode=lambda m, mb: m(*mb), loss=lambda emb: clip_loss(model, emb))
+contrastive = WindowLoss(encode=lambda m, mb: m(*mb), loss=clip_loss)
 plain_acc = Accumulator(plain, opts[2])
 per_micro_batch = lambda m, mb: clip_loss(m, m(*mb))  # noqa: E731 - plain accumulation: 15 negatives each
 

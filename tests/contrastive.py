@@ -60,7 +60,7 @@ def in_batch_negatives(q: torch.Tensor, d: torch.Tensor, log_scale) -> torch.Ten
 
 def window_loss(scale_of) -> WindowLoss:
     """A WindowLoss over (queries, docs) batches; ``scale_of()`` is the log-temperature parameter."""
-    return WindowLoss(lambda model, batch: model(*batch), lambda reps: in_batch_negatives(*reps, scale_of()))
+    return WindowLoss(lambda model, batch: model(*batch), lambda model, reps: in_batch_negatives(*reps, scale_of()))
 
 
 def big_batch_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence, *, max_grad_norm=None) -> float:

@@ -50,7 +50,7 @@ def test_uneven_micro_batches_as_a_list_and_the_loss_s_own_parameters():
 
     acc = Accumulator(model, opt)
     batch = pair_batch(11, seed=4)
-    acc.step(split(batch, [5, 1, 3, 2]), WindowLoss(lambda m, b: m(*b), lambda r: loss(r, model)))
+    acc.step(split(batch, [5, 1, 3, 2]), WindowLoss(lambda m, b: m(*b), lambda m, r: loss(r, m)))
     ref_opt.zero_grad()
     loss(ref(*batch), ref).backward()
     ref_opt.step()
@@ -64,7 +64,7 @@ def test_representations_as_tuple_dict_and_rows_of_several_negatives(shape):
     negatives = 3 if shape == "negatives" else 0
     batch = pair_batch(10, seed=5, negatives=negatives)
     if shape == "dict":
-        wl = WindowLoss(lambda m, b: dict(zip("qd", m(*b))), lambda r: in_batch_negatives(r["q"], r["d"], model.log_scale))
+        wl = WindowLoss(lambda m, b: dict(zip("qd", m(*b))), lambda m, r: in_batch_negatives(r["q"], r["d"], m.log_scale))
     else:
         wl = window_loss(lambda: model.log_scale)
     Accumulator(model, opt).step(batch, wl, micro_batch_size=3)
@@ -171,13 +171,13 @@ def test_a_transformers_encoder_built_from_a_config_with_padded_inputs():
         m = mb["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         return (hidden * m).sum(1) / m.sum(1)  # mean over real tokens
 
-    def loss(z):  # SimCSE-style: each sentence against the window's others, by a fixed pairing
+    def loss(model, z):  # SimCSE-style: each sentence against the window's others, by a fixed pairing
         z = nn.functional.normalize(z, dim=-1)
         return nn.functional.cross_entropy(z @ z.roll(1, 0).T * 5.0, torch.arange(len(z)))
 
     Accumulator(encoder, opt).step(batch, WindowLoss(encode, loss), micro_batch_size=4)
     ref_opt.zero_grad()
-    loss(encode(ref, batch)).backward()
+    loss(ref, encode(ref, batch)).backward()
     ref_opt.step()
     assert largest_difference(encoder, ref) < 1e-10
 
@@ -198,17 +198,17 @@ def _unchanged(model, before):
 
 @pytest.mark.parametrize("encode, loss, match", [
     (lambda m, b: tuple(t.detach() for t in m(*b)), None, "does not require grad"),
-    (lambda m, b: m(*b)[0][:-1], lambda r: r.sum(), "leading size 2, but the micro-batch holds 3 items"),
-    (lambda m, b: m(*b), lambda r: in_batch_negatives(*r, None).reshape(1).expand(2), "must return a scalar"),
-    (lambda m, b: m(*b), lambda r: (in_batch_negatives(*r, None), 4), "returned a tuple"),
-    (lambda m, b: m(*b), lambda r: torch.tensor(1.0, dtype=torch.float64), "does not depend on the representations"),
-    (lambda m, b: (m(*b)[0], "name"), lambda r: r[0].sum(), "returned str"),
+    (lambda m, b: m(*b)[0][:-1], lambda m, r: r.sum(), "leading size 2, but the micro-batch holds 3 items"),
+    (lambda m, b: m(*b), lambda m, r: in_batch_negatives(*r, None).reshape(1).expand(2), "must return a scalar"),
+    (lambda m, b: m(*b), lambda m, r: (in_batch_negatives(*r, None), 4), "returned a tuple"),
+    (lambda m, b: m(*b), lambda m, r: torch.tensor(1.0, dtype=torch.float64), "does not depend on the representations"),
+    (lambda m, b: (m(*b)[0], "name"), lambda m, r: r[0].sum(), "returned str"),
 ])
 def test_misuse_is_one_clear_error_before_anything_changes(encode, loss, match):
     model = DualEncoder()
     before = [p.detach().clone() for p in model.parameters()]
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    loss = loss or (lambda r: in_batch_negatives(*r, None))
+    loss = loss or (lambda m, r: in_batch_negatives(*r, None))
     with pytest.raises(ValueError, match=match):
         acc.step(pair_batch(9), WindowLoss(encode, loss), micro_batch_size=3)
     assert _unchanged(model, before) and acc.steps == 0

@@ -162,3 +162,31 @@ def test_a_module_taking_a_dict_is_compared_by_the_tensor_inside_it():
 
     report = check_equivalence(Model().double(), mse, regression_batch(8), 4)
     assert not report.equivalent and [name for name, _ in report.suspects] == ["mix"], report
+
+
+def test_a_loss_that_couples_the_items_is_recognised_and_window_loss_shown_exact():
+    """Issue 27, item 7: in-batch negatives through a plain loss_fn are NOT equivalent although no
+    module is to blame; the hint names WindowLoss, and given one the checker finds it exact."""
+    from contrastive import DualEncoder, in_batch_negatives, pair_batch, window_loss
+
+    model = DualEncoder(dropout=0.0)
+    batch = pair_batch(12, seed=3)
+    saved = _state(model)
+    plain = check_equivalence(model, lambda m, b: in_batch_negatives(*m(*b), m.log_scale), batch, 4, rtol=1e-10)
+    assert not plain.equivalent and plain.suspects == [] and plain.max_rel_diff > 1e-2
+    assert "couples the batch's items" in str(plain) and "WindowLoss(encode, loss)" in str(plain)
+    _assert_untouched(model, saved)
+    cached = check_equivalence(model, window_loss(lambda: model.log_scale), batch, 4, rtol=1e-10)
+    assert cached.equivalent and cached.max_rel_diff < 1e-12 and cached.hints == [], cached
+    assert abs(cached.loss_full - cached.loss_accumulated) < 1e-12
+    _assert_untouched(model, saved)
+
+
+def test_the_coupled_loss_hint_is_for_the_loss_alone():
+    """A statistic over the batch in the loss couples its items too (hinted); where a module explains
+    the difference (BatchNorm), the report names the module, not the loss."""
+    spread = check_equivalence(regression_model(), lambda m, b: m(b[0]).std(), regression_batch(12), 4)
+    assert not spread.equivalent and spread.suspects == [] and "couples the batch's items" in str(spread)
+    batchnorm = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4)).double()
+    report = check_equivalence(batchnorm, lambda m, b: m(b[0]).pow(2).mean(), regression_batch(12), 4)
+    assert report.suspects and "couples" not in str(report)

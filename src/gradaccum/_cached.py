@@ -45,8 +45,8 @@ __all__ = ["WindowLoss", "run_cached_window", "check_window_loss"]
 
 #: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
 Encode = Callable[[nn.Module, Batch], Any]
-#: ``loss(representations)`` -> the window's scalar loss, over every rank's representations
-Loss = Callable[[Any], torch.Tensor]
+#: ``loss(model, representations)`` -> the window's scalar loss, over every rank's representations
+Loss = Callable[[nn.Module, Any], torch.Tensor]
 
 
 class WindowLoss:
@@ -58,11 +58,13 @@ class WindowLoss:
         encode: ``encode(model, micro_batch)`` -> the micro-batch's representations: a tensor, or a
             tuple/list/dict of tensors, each with the micro-batch's items along dim 0 (float tensors
             must depend on the model; integer ones, such as labels, ride along).
-        loss: ``loss(representations)`` -> a scalar: the loss of the whole window, given the same
-            structure with every micro-batch's representations on every rank joined along dim 0,
-            in window order (rank 0's micro-batches first, then rank 1's, ...).
+        loss: ``loss(model, representations)`` -> a scalar: the loss of the whole window, given the
+            model (as ``encode`` is: the one the Accumulator holds, so its own parameters, such as a
+            learned temperature, are reached through it) and the same structure with every
+            micro-batch's representations on every rank joined along dim 0, in window order (rank 0's
+            micro-batches first, then rank 1's, ...).
 
-    The step equals one optimizer step on ``loss(encode(model, whole_window))`` whatever the
+    The step equals one optimizer step on ``loss(model, encode(model, whole_window))`` whatever the
     micro-batch size, over any number of ranks; the random draws of each micro-batch's forward
     (dropout) are replayed, so its second forward equals its first. See :mod:`gradaccum._cached` for
     the maths and what it costs (one more forward per micro-batch).
@@ -72,7 +74,7 @@ class WindowLoss:
         <torch._C.Generator object at ...>
         >>> from gradaccum import Accumulator
         >>> model = nn.Linear(4, 3)
-        >>> def in_batch_negatives(reps):
+        >>> def in_batch_negatives(model, reps):
         ...     q, d = reps["q"], reps["d"]
         ...     return nn.functional.cross_entropy(q @ d.T, torch.arange(len(q)))
         >>> clip = WindowLoss(lambda m, b: {"q": m(b[0]), "d": m(b[1])}, in_batch_negatives)
@@ -86,7 +88,8 @@ class WindowLoss:
             raise TypeError(f"WindowLoss(encode=...) must be callable as encode(model, micro_batch) -> "
                             f"representations, got {encode!r}")
         if not callable(loss):
-            raise TypeError(f"WindowLoss(loss=...) must be callable as loss(representations) -> scalar, got {loss!r}")
+            raise TypeError(f"WindowLoss(loss=...) must be callable as loss(model, representations) -> scalar, "
+                            f"got {loss!r}")
         self.encode, self.loss = encode, loss
         #: the replay is compared with pass 1 in the first window this WindowLoss runs
         self.checked = False
@@ -156,16 +159,16 @@ def _window_loss(window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor],
     """The window's loss, from detached leaves (float ones require grad), and those leaves."""
     inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in joined]
     with ctx.precision.autocast():
-        out = window_loss.loss(_rebuild(spec, iter(inputs)))
+        out = window_loss.loss(ctx.model, _rebuild(spec, iter(inputs)))
     if isinstance(out, (tuple, list)):
-        raise ValueError("WindowLoss: loss(representations) returned a tuple; it returns the window's loss, one "
+        raise ValueError("WindowLoss: loss(model, representations) returned a tuple; it returns the window's loss, one "
                          "scalar, which is already over every item (a (mean, count) pair is for loss_fn)")
     if not isinstance(out, torch.Tensor) or out.dim() != 0:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"WindowLoss: loss(representations) must return a scalar tensor, got {shape}; "
+        raise ValueError(f"WindowLoss: loss(model, representations) must return a scalar tensor, got {shape}; "
                          "reduce it over the window's items (.mean())")
     if not out.requires_grad:
-        raise ValueError("WindowLoss: loss(representations) does not depend on the representations (it does not "
+        raise ValueError("WindowLoss: loss(model, representations) does not depend on the representations (it does not "
                          "require grad); compute it from the tensors it is given, without .detach() or .item()")
     return out, inputs
 

@@ -25,6 +25,12 @@ micro-batch size and one that works. When the full batch's loss is the accumulat
 *summed* loss gives (the number of micro-batches, for equal ones), the report says that ``loss_fn``
 must return the mean.
 
+A loss that couples the batch's items (in-batch negatives: an item's loss depends on the others) is
+recognised when every module gives each item the same output on the whole batch and on its
+micro-batches while the losses differ: the report's hint points to :class:`~gradaccum.WindowLoss`.
+Given a ``WindowLoss``, the whole batch's loss (the oracle) is compared with the Accumulator's own
+cached accumulation of it.
+
 The model is left exactly as found: parameters, buffers (running statistics), gradients,
 train/eval modes and the RNG state.
 """
@@ -32,13 +38,16 @@ train/eval modes and the RNG state.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ._cached import WindowLoss
 from ._checks import positive_int, positive_number, scalar_loss, split_loss_output, training_batchnorms
+from .accumulator import Accumulator
 from .batching import Batch, first_tensor, leading_dim, split_batch
 
 __all__ = ["EquivalenceReport", "SplitError", "check_equivalence"]
@@ -184,6 +193,8 @@ def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) ->
     """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64."""
     for p in model.parameters():
         p.grad = None
+    if isinstance(loss_fn, WindowLoss):
+        return _window_loss_grads(model, loss_fn, micro_batches)
     loss_sum, items = 0.0, 0.0
     for index, mb in enumerate(micro_batches):
         try:
@@ -197,6 +208,30 @@ def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) ->
     grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters()
              if p.grad is not None}
     return grads, loss_sum / items
+
+
+def _window_loss_grads(model: nn.Module, window_loss: WindowLoss, micro_batches: List[Batch]
+                       ) -> Tuple[Dict[str, torch.Tensor], float]:
+    """A :class:`~gradaccum.WindowLoss`: on the whole batch, its loss backpropagated as it is (the
+    oracle); on a split, the Accumulator's own cached path, stepped with a zero learning rate and read
+    just before the optimizer step (the model is restored after either way)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if len(micro_batches) == 1:
+        try:
+            loss = window_loss.loss(model, window_loss.encode(model, micro_batches[0]))
+        except Exception as e:  # noqa: BLE001 - the full batch failed: the user's encode or loss
+            raise _MicroBatchFailed(0, leading_dim(micro_batches[0]), e) from e
+        scalar_loss(loss, subject="WindowLoss's loss must return a scalar loss", where="loss(model, representations)")
+        loss.backward()
+        return {name: p.grad.detach().double() for name, p in named if p.grad is not None}, float(loss.detach())
+    optimizer = torch.optim.SGD([p for _, p in named], lr=0.0)
+    read: Dict[str, torch.Tensor] = {}
+    optimizer.register_step_pre_hook(lambda *_: read.update(
+        {name: p.grad.detach().double().clone() for name, p in named if p.grad is not None}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Accumulator's BatchNorm warning: the report names BatchNorm
+        result = Accumulator(model, optimizer).step(micro_batches, window_loss)
+    return read, math.nan if result.loss is None else result.loss
 
 
 def _runnable_size(items: int, micro_batch_size: int) -> Optional[int]:
@@ -240,6 +275,21 @@ def _summed_loss_hint(loss_full: float, loss_acc: float, sizes: List[int]) -> Op
             "reduction='mean'), or (sum / count, count)")
 
 
+def _coupled_loss_hint(loss_full: float, loss_acc: float, rtol: float) -> str:
+    """What is left when every module gives each item the same output on the whole batch and on its
+    micro-batches, and the losses still differ: the loss itself couples the items."""
+    if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or \
+            abs(loss_full - loss_acc) <= rtol * max(abs(loss_full), abs(loss_acc), 1e-30):
+        return ""
+    return (f"the loss couples the batch's items: {loss_full:.6g} on the whole batch, {loss_acc:.6g} as the "
+            "item-weighted mean of its values on the micro-batches, while every module gives each item the same "
+            "output on both, so an item's loss depends on the other items of its batch (in-batch negatives, a "
+            "contrastive or ranking loss) and accumulating micro-batch losses optimizes another objective. "
+            "gradaccum.WindowLoss(encode, loss) is exact for such a loss: check it with "
+            "check_equivalence(model, WindowLoss(encode, loss), batch, micro_batch_size) (gradaccum check "
+            "--encode MODULE:FUNCTION --window-loss MODULE:FUNCTION)")
+
+
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], rtol: float) -> bool:
     if a is None or b is None or a.shape != b.shape:
         return True  # nothing comparable: not evidence against the module
@@ -254,7 +304,9 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
 
     Args:
         model: the model, in the mode you train it in (training mode, usually).
-        loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss or ``(mean_loss, num_items)``.
+        loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss or ``(mean_loss, num_items)``; or a
+            :class:`~gradaccum.WindowLoss`, for a loss that couples the batch's items: its loss on the
+            whole batch is compared with the Accumulator's cached accumulation of it.
         batch: one batch, split along dim 0 into chunks of ``micro_batch_size``.
         micro_batch_size: items per micro-batch; the split must give at least 2 micro-batches.
         rtol: the largest relative gradient difference still called equivalent; float32 models
@@ -308,6 +360,8 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     for name in _mixing(full.recorder, acc.recorder, len(micro_batches), rtol) - random:  # draws explain those
         suspects.add(name, "its output for an item depends on the other items of the micro-batch")
     hint = None if matched else _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches])
+    if not matched and hint is None and not suspects.reasons and not isinstance(loss_fn, WindowLoss):
+        hint = _coupled_loss_hint(full.loss, acc.loss, rtol) or None
     return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects.listed(),
                              loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
 

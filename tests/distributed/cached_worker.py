@@ -90,7 +90,7 @@ def cached_ddp_loss_parameters_beside_the_wrapped_module():
     ref_params = list(ref_enc.parameters()) + [ref_scale] + list(ref_head.parameters())
     ref_opt = torch.optim.AdamW(ref_params, lr=0.05, weight_decay=0.1)
     acc = Accumulator(holder, opt)
-    wl = WindowLoss(lambda m, b: m.encoder(*b), lambda r: loss(r, holder.head, holder.log_scale))
+    wl = WindowLoss(lambda m, b: m.encoder(*b), lambda m, r: loss(r, m.head, m.log_scale))
     worst = 0.0
     for per_rank in windows(2):
         acc.step(per_rank[RANK], wl)
@@ -142,7 +142,7 @@ def cached_fsdp2_exact():
     opt = torch.optim.SGD(holder.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(list(ref.parameters()) + [ref_scale], lr=0.5)
     acc = Accumulator(holder, opt)
-    wl = WindowLoss(lambda m, b: m.encoder(*b), lambda r: in_batch_negatives(*r, holder.log_scale))
+    wl = WindowLoss(lambda m, b: m.encoder(*b), lambda m, r: in_batch_negatives(*r, m.log_scale))
     worst = 0.0
     for per_rank in windows(3):
         acc.step(per_rank[RANK], wl)
@@ -188,7 +188,7 @@ def cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data():
     acc.set_padding(spare)
     mine = split(pair_batch(5, seed=RANK), [3, 2]) if RANK == 0 else []
     detaching = WindowLoss(lambda m, b: tuple(t.detach() for t in m(*b)) if len(b[0]) > 1 else m(*b),
-                           lambda r: __import__("contrastive").in_batch_negatives(*r, model.log_scale))
+                           lambda m, r: __import__("contrastive").in_batch_negatives(*r, m.module.log_scale))
     try:
         acc.step(mine, detaching)
     except ValueError as e:

@@ -2,7 +2,9 @@
 
 On a built-in task's model (``--task``, ``--model``) or on the user's own: ``--model pkg.nets:build
 --batch pkg.data:sample --loss pkg.train:loss_fn`` (import paths; ``build()`` returns the model,
-``sample()`` one batch, ``loss_fn(model, batch)`` the mean loss or ``(mean, count)``). Either way
+``sample()`` one batch, ``loss_fn(model, batch)`` the mean loss or ``(mean, count)``; for a loss that
+couples the batch's items, ``--encode`` and ``--window-loss`` instead of ``--loss`` check a
+:class:`~gradaccum.WindowLoss`). Either way
 the library's :func:`~gradaccum.check_equivalence` compares the batch's gradient with the one
 accumulated over its micro-batches; a split it refuses (:class:`~gradaccum.checking.SplitError`)
 is said here with the flags that fix it. Exit 0: equivalent; 1: not (a model that draws random
@@ -58,10 +60,19 @@ def _call(flag: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _own_model(args: argparse.Namespace) -> Tuple[Any, Any, Any, str]:
-    missing = [f for f, v in (("--batch", args.batch), ("--loss", args.loss)) if v is None]
+    windowed = args.encode is not None or args.window_loss is not None
+    needed = (("--batch", args.batch),) + ((("--encode", args.encode), ("--window-loss", args.window_loss))
+                                           if windowed else (("--loss", args.loss),))
+    missing = [f for f, v in needed if v is None]
+    if windowed and args.loss is not None:
+        raise CLIError(f"--loss {args.loss} and --encode/--window-loss both give the loss: --loss for a loss per "
+                       "item, --encode with --window-loss for one that couples the batch's items; keep one")
     if missing:
+        wanted = ("--encode MODULE:FUNCTION (encode(model, batch) -> representations) and --window-loss "
+                  "MODULE:FUNCTION (loss(model, representations))" if windowed else
+                  "--loss MODULE:FUNCTION (loss_fn(model, batch))")
         raise CLIError(f"--model {args.model} is your own model, so give {' and '.join(missing)} too: "
-                       "--batch MODULE:FUNCTION (one batch) and --loss MODULE:FUNCTION (loss_fn(model, batch))")
+                       f"--batch MODULE:FUNCTION (one batch) and {wanted}")
     for flag in ("--task", "--data-path", "--accum-steps"):
         given = getattr(args, flag[2:].replace("-", "_"))
         if given is not None:
@@ -73,8 +84,12 @@ def _own_model(args: argparse.Namespace) -> Tuple[Any, Any, Any, str]:
     if not isinstance(model, nn.Module):
         raise CLIError(f"--model {args.model} returned a {type(model).__name__}, not a torch.nn.Module; return the model")
     batch = _call("--batch", args.batch, import_object("--batch", args.batch))
-    loss_fn = import_object("--loss", args.loss)
-    return model, batch, loss_fn, args.model
+    if windowed:
+        from .._cached import WindowLoss
+
+        loss_fn: Any = WindowLoss(import_object("--encode", args.encode), import_object("--window-loss", args.window_loss))
+        return model, batch, loss_fn, f"{args.model} with WindowLoss"
+    return model, batch, import_object("--loss", args.loss), args.model
 
 
 def _accum_steps(args: argparse.Namespace) -> int:
@@ -95,8 +110,9 @@ def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
             if args.batch is not None or args.loss is not None else ""
         raise CLIError(f"--model must be one of {', '.join(MODELS)} or your own MODULE:FUNCTION (e.g. "
                        f"mypkg.nets:build, with the colon), got {args.model!r}{given}")
-    if args.batch is not None or args.loss is not None:
-        raise CLIError("--batch and --loss go with your own --model MODULE:FUNCTION; drop them, or name your model")
+    if args.batch is not None or args.loss is not None or args.encode is not None or args.window_loss is not None:
+        raise CLIError("--batch, --loss, --encode and --window-loss go with your own --model MODULE:FUNCTION; drop "
+                       "them, or name your model")
     m = args.micro_batch_size or CHECK_MICRO_BATCH_SIZE
     n = _accum_steps(args)
     cfg = TrainConfig(task=args.task or "digits", data_path=args.data_path, model=args.model, micro_batch_size=m,
@@ -138,7 +154,8 @@ def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except Exception as e:  # noqa: BLE001 - the user's code: one line naming where it failed
         if not own:
             raise
-        raise CLIError(f"--loss {args.loss} raised {type(e).__name__}: {e}; fix it, or try it in Python first") from None
+        flags = f"--loss {args.loss}" if args.loss else f"--encode {args.encode} or --window-loss {args.window_loss}"
+        raise CLIError(f"{flags} raised {type(e).__name__}: {e}; fix it, or try it in Python first") from None
     pieces = ceil_div(items, m)
     print(f"{name}, {_count(items, 'item')} in {_count(pieces, 'micro-batch', 'micro-batches')} of at most {m}: "
           f"{report}")

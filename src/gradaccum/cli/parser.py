@@ -236,7 +236,9 @@ def _check_parser(sub: Any) -> None:
                                    "NOT equivalent even where this split's gradients match, as one dropout layer's\n"
                                    "do on the CPU).",
                        epilog="your own model: gradaccum check --model pkg.nets:build --batch pkg.data:sample "
-                              "--loss pkg.train:loss_fn\n(importable from the current folder or PYTHONPATH)\n\n"
+                              "--loss pkg.train:loss_fn\n(importable from the current folder or PYTHONPATH)\n"
+                              "a loss that couples the batch's items (in-batch negatives): --encode pkg.train:encode "
+                              "--window-loss pkg.train:loss\ninstead of --loss checks gradaccum.WindowLoss on it\n\n"
                               "exit codes: 0 equivalent, 1 not equivalent, 2 a usage error (one line)",
                        formatter_class=raw, allow_abbrev=False)
     c.add_argument("--task", metavar=_choices(TASKS), help="(default: digits)")
@@ -250,6 +252,12 @@ def _check_parser(sub: Any) -> None:
     c.add_argument("--loss", metavar="MODULE:FUNCTION",
                    help="with your --model: loss_fn(model, batch) -> the mean loss, or (mean loss, item count) "
                         "(default: none)")
+    c.add_argument("--encode", metavar="MODULE:FUNCTION",
+                   help="with your --model, for a loss that couples the batch's items: encode(model, batch) -> its "
+                        "representations (a tensor, or a dict/tuple of tensors), with --window-loss (default: none)")
+    c.add_argument("--window-loss", metavar="MODULE:FUNCTION",
+                   help="with --encode: loss(model, representations) -> the whole batch's loss; checks "
+                        "gradaccum.WindowLoss(encode, loss), which is exact for such losses (default: none)")
     c.add_argument("--micro-batch-size", type=_check_micro_batch_size, metavar="M",
                    help="items per micro-batch of the split to check, which must give at least 2 (default: "
                         f"{CHECK_MICRO_BATCH_SIZE}; your own --model: half its batch)")
