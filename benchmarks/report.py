@@ -270,7 +270,7 @@ def contrastive_section(r: Results) -> str:
                    "peak_mib": "peak MiB", "memory_ratio": "peak / big batch",
                    "distance": "distance from the float64 big batch"})
     c = sizes[0]
-    return f"""## WindowLoss: contrastive losses
+    return f"""## 10. WindowLoss: a loss that couples the window's items (in-batch negatives)
 
 One window of {c['pairs']} (anchor, positive) text pairs, micro-batches of {c['micro_batch']} pairs, on a small BERT
 sentence-transformers model (2 layers, 64 or 256 wide, sequences of 6 to 32 tokens, dropout on, float32,
@@ -385,9 +385,9 @@ Sections took: {durations}.
 {memory_section(r)}
 {transformer_section(r)}
 {scaling_sections(r)}
-{contrastive_section(r)}
 {cuda_section(r)}
 {stacks_section(r)}
+{contrastive_section(r)}
 ![numerics, memory, transformer speed and distance](benchmarks.png)
 
 Raw numbers: `docs/benchmarks.json`.

@@ -109,11 +109,14 @@ TWO_PROCESS = {
 
 def _two_processes() -> List[Dict[str, Any]]:
     """The torchrun scenarios' figures (2 gloo processes): ``delta integration X, native Y``."""
+    import importlib.util
     import re
 
-    from distributed.launch import torchrun
-
-    proc = torchrun([str(ROOT / "tests" / "integrations" / "worker.py"), *TWO_PROCESS], timeout=900)
+    # tests/distributed/launch.py by its path: benchmarks/distributed.py holds the name "distributed"
+    spec = importlib.util.spec_from_file_location("_launch", ROOT / "tests" / "distributed" / "launch.py")
+    launch = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(launch)  # type: ignore[union-attr]
+    proc = launch.torchrun([str(ROOT / "tests" / "integrations" / "worker.py"), *TWO_PROCESS], timeout=900)
     rows = []
     for line in proc.stdout.splitlines():
         found = re.match(r"(PASS|FAIL) (\w+): .*delta integration ([0-9.e+-]+), native ([0-9.e+-]+)", line)
