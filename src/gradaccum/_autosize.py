@@ -6,7 +6,7 @@ attempt leaves nothing behind, so the step equals one made with the final size f
 short window (fewer items than the size that works) does not shrink the remembered size.
 
 Under data parallelism every rank starts from the same size (a min all-reduce), and the ranks agree
-on an error after the window, before any gradient is reduced (:func:`gradaccum._window.run_window`
+on an error after the window, before any gradient is reduced (:func:`gradaccum._run.run_window`
 with ``catch_oom``), so one rank's error backs every rank off and none waits.
 """
 

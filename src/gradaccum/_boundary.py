@@ -4,7 +4,7 @@ The formulas (the backward weight, R, the boundary scale, the clip coefficient, 
 :mod:`gradaccum._maths`; this module runs them in order. The gradient itself is reduced across ranks
 before the boundary, by DDP or FSDP2 inside the last micro-batch's backward (:mod:`gradaccum.sync`
 skips the reduction in the others). The window's all-reduce of ``(sum n_k L_k, N)`` and its flags
-(:class:`~gradaccum._exchange.Exchange`) is launched before that last backward when it can be, so it
+(:class:`~gradaccum._exchange.ExchangeRow`) is launched before that last backward when it can be, so it
 overlaps it. At the boundary, in this order: unscale (fp16, once); on the first window under DDP, a
 check that the replicas' gradients agree (:func:`check_replicas`); the exchanged numbers read on the
 host (the window's one host synchronisation; under FSDP2 with a measured norm the all-reduce starts
@@ -29,17 +29,17 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, Optional
 
 import torch
 
-from ._exchange import ExchangeRow, Tally, pack_row, read_on_host
+from ._exchange import Exchanged, ExchangeRow, Tally, pack_row, read_on_host
 from ._gradients import WindowGradients
 from ._maths import Verdict, boundary_scale, clip_coefficient, verdict, window_mean
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
-__all__ = ["Counters", "WindowTotals", "Exchanged", "Outcome", "Boundary", "InFlight"]
+__all__ = ["Counters", "WindowTotals", "Outcome", "Boundary", "InFlight"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 
@@ -89,17 +89,6 @@ class Outcome:
     loss_fn_counts: Optional[bool] = None
 
 
-class Exchanged(NamedTuple):
-    """What a boundary's all-reduce told every rank (on one process: the rank itself)."""
-
-    loss_sum: float
-    num_items: float
-    raw_norm: Optional[float]  # the reduced gradient's norm before the boundary scale, when measured
-    peers_can_pad: bool  # every rank has a micro-batch to pad a later window with
-    stop: bool  # some rank asked to stop
-    counts_from_loss_fn: bool  # some rank's loss_fn returned its own counts
-
-
 class Boundary:
     """Runs a window's boundary (the module docstring's order) and counts the steps it takes."""
 
@@ -124,6 +113,14 @@ class Boundary:
         #: the scheduler's ``last_epoch`` after its last step here (None: read when the next window opens)
         self.scheduler_at: Optional[int] = None
         self._warned: set = set()
+
+    def request_stop(self) -> None:
+        """Count a stop request (safe from a signal handler): the next boundary's all-reduce carries it."""
+        self.stop_requests += 1
+
+    def forget_scheduler_position(self) -> None:
+        """The scheduler's state was loaded: :meth:`check_scheduler` reads where it stands anew."""
+        self.scheduler_at = None
 
     def check_scheduler(self) -> None:
         """Before a window opens: the scheduler must stand where this boundary's last step left it.

@@ -5,7 +5,8 @@
 apart from device tensors (a count left on the device is never read per micro-batch).
 
 :class:`ExchangeRow` is the layout of the boundary's one small all-reduce: each rank packs its row
-(:func:`pack_row`), the all-reduce sums the rows, and every rank reads the sums back by name. Adding a
+(:func:`pack_row`), the all-reduce sums the rows, and every rank reads the sums back by name; the
+boundary turns them into :class:`Exchanged`, what the window learned from the other ranks. Adding a
 number to the exchange is adding a field here. :func:`read_on_host` brings every tensor the boundary
 needs to the host in one copy: the window's one host synchronisation.
 """
@@ -19,7 +20,7 @@ import torch
 
 from ._checks import Count
 
-__all__ = ["Tally", "ExchangeRow", "pack_row", "read_on_host"]
+__all__ = ["Tally", "ExchangeRow", "Exchanged", "pack_row", "read_on_host"]
 
 
 class Tally:
@@ -71,6 +72,17 @@ class ExchangeRow(NamedTuple):
     stop: float                #: ranks that asked to stop since the last boundary
     own_counts: float          #: ranks whose loss_fn returned its own counts
     square_norm: float = math.nan  #: FSDP2: the shards' squared gradient norms, when measured
+
+
+class Exchanged(NamedTuple):
+    """What a boundary's all-reduce told every rank (on one process: the rank itself)."""
+
+    loss_sum: float
+    num_items: float
+    raw_norm: Optional[float]  # the reduced gradient's norm before the boundary scale, when measured
+    peers_can_pad: bool  # every rank has a micro-batch to pad a later window with
+    stop: bool  # some rank asked to stop
+    counts_from_loss_fn: bool  # some rank's loss_fn returned its own counts
 
 
 def pack_row(tally: Tally, loss_sum: torch.Tensor, *, can_pad: bool, stop: bool,

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "first_reference", "window_mean",
-           "clip_coefficient", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum"]
+           "clip_coefficient", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum",
+           "LOSSES", "summed_loss_weight", "loss_items", "summed_loss"]
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
@@ -236,14 +237,14 @@ def loss_items(targets: torch.Tensor, *, loss: str, ignore_index: int = -100) ->
     raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
 
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, loss: str, ignore_index: int = -100) -> torch.Tensor:
-    """The sum over :func:`loss_items` of ``loss``, so that ``loss_sum / loss_items`` is the mean a
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, loss: str, ignore_index: int = -100) -> torch.Tensor:
+    """The sum over :func:`loss_items` of ``loss``, so that ``summed_loss / loss_items`` is the mean a
     Hugging Face head returns. Cross-entropy is :func:`token_loss_sum` (logits ``targets.shape +
     (classes,)``); a squared error or a binary cross-entropy takes logits of the targets' shape (or one
     that squeezes to it, as a regression head's ``(n, 1)`` does), the targets cast to the logits' dtype.
     float16 and bfloat16 logits are raised to float32; float64 stays float64.
 
-    >>> loss_sum(torch.tensor([[1.0], [3.0]]), torch.tensor([0.0, 1.0]), loss="squared_error").item()
+    >>> summed_loss(torch.tensor([[1.0], [3.0]]), torch.tensor([0.0, 1.0]), loss="squared_error").item()
     5.0
     """
     if loss == "cross_entropy":

@@ -157,7 +157,7 @@ class RankAgreement:
         #: some rank's loss_fn returned its own counts in the last exchanged window (the same on every rank)
         self.loss_fn_counts = False
         #: R for windows whose item count is not known up front
-        self.reference_items: Optional[float] = None
+        self.fallback_reference: Optional[float] = None
         #: items loss_fn counted per item counted up front, in the last window (1.0 when they agree)
         self.count_ratio = 1.0
         #: the last micro-batch this rank ran, repeated with zero weight where it has none
@@ -288,12 +288,12 @@ class RankAgreement:
     def reference_for(self, items: Count) -> float:
         """R for windows whose count is not known up front, fixed at its first use (one host sync
         and, across ranks, one max all-reduce, once)."""
-        if self.reference_items is None:
+        if self.fallback_reference is None:
             ref = first_reference(as_number(items))
             if self.sync.distributed:
                 ref = float(self.sync.all_reduce_(torch.tensor([ref], device=self.device), "max").item())
-            self.reference_items = ref
-        return self.reference_items
+            self.fallback_reference = ref
+        return self.fallback_reference
 
     def observe(self, setup: WindowSetup, tally: Tally, outcome: Optional["Outcome"]) -> None:
         """After the boundary, on every rank (``outcome`` is None when the boundary raised: the window
@@ -324,10 +324,10 @@ class RankAgreement:
                 self.peers_can_pad = outcome.peers_can_pad
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"reference_items": self.reference_items, "count_ratio": self.count_ratio,
+        return {"reference_items": self.fallback_reference, "count_ratio": self.count_ratio,
                 "last_items": self.last_items}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.reference_items = state.get("reference_items")
+        self.fallback_reference = state.get("reference_items")
         self.count_ratio = float(state.get("count_ratio", 1.0))
         self.last_items = state.get("last_items")

@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from ._autosize import AutoMicroBatch
 from ._cached import WindowLoss, run_cached_window
 from ._checks import Count, as_number, item_count, split_loss_output
 from ._ranks import WindowPlan, WindowRequest
@@ -22,7 +23,7 @@ from ._window import Window, WindowContext
 from .batching import Batch, leading_dim, split_batch
 from .result import StepResult
 
-__all__ = ["LossFn", "CountFn", "is_out_of_memory", "Counts", "count_items", "run_window"]
+__all__ = ["LossFn", "CountFn", "is_out_of_memory", "Counts", "count_items", "run_window", "run_auto"]
 
 #: ``loss_fn(model, micro_batch)`` -> the mean loss over the micro-batch's items, or ``(mean, count)``
 LossFn = Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Count]]]
@@ -96,7 +97,8 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
         if micro_batches:
             ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
         if not oom:
-            for _ in range(window.padding - len(flush)):
+            assert window.setup is not None
+            for _ in range(window.setup.padding):  # what the ranks' counts ask of this rank
                 with window.micro_batch():
                     window.backward_padding(_loss(window, loss_fn, ranks.replay, 0)[0])
         if defer:
@@ -105,3 +107,12 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
             window.abandon()
             return None
         return window.step()
+
+
+def run_auto(ctx: WindowContext, auto: AutoMicroBatch, batch: Batch, loss_fn: LossFn,
+             count_fn: Optional[CountFn]) -> StepResult:
+    """One window of ``micro_batch_size="auto"``: ``batch`` split at the size that last worked and
+    re-split at half on an out-of-memory error (:mod:`gradaccum._autosize`), each attempt a
+    :func:`run_window` that drops itself on every rank alike."""
+    return auto.step(batch, lambda mbs, size: run_window(ctx, mbs, loss_fn, count_items(mbs, count_fn),
+                                                         micro_batch_size=size, catch_oom=True))

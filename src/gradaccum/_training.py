@@ -18,7 +18,7 @@ repeating its last micro-batch with zero weight and so contributing no items. Ev
 same steps and each step is exact on the items that exist; when no rank has any left, the epoch ends
 on all of them together.
 
-Every window runs through :func:`gradaccum._window.run_window`, the entry point ``Accumulator.step``
+Every window runs through :func:`gradaccum._run.run_window`, the entry point ``Accumulator.step``
 uses; with ``micro_batch_size="auto"`` through the same out-of-memory back-off as ``step``.
 """
 
@@ -37,7 +37,7 @@ from ._boundary import Counters
 from ._checks import positive_int
 from ._maths import ceil_div
 from ._ranks import WindowPlan
-from ._run import CountFn, LossFn, count_items, run_window
+from ._run import CountFn, Counts, LossFn, count_items, run_auto, run_window
 from ._window import WindowContext
 from .batching import Batch, concat_batches, slice_batch
 from .result import StepResult
@@ -100,8 +100,10 @@ def train_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch
     return _grouped_windows(ctx, counters, loader, AccumSchedule(spec.accum_steps), spec)
 
 
-def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, **run: Any) -> StepResult:
-    """One window: through the out-of-memory back-off under "auto", else as it comes."""
+def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, *, counts: Optional[Counts] = None,
+          plan: Optional[WindowPlan] = None) -> StepResult:
+    """One window: through the out-of-memory back-off under "auto", else as it comes (``counts``, when
+    the caller counted already, and the ``plan`` the ranks agreed on or know)."""
     if spec.auto is not None:
         if pending:
             batch = concat_batches(pending)
@@ -110,9 +112,8 @@ def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, **run: Any)
         else:
             raise ValueError("this rank's share of the window is empty and it has run no micro-batch yet: "
                              "give it one to pad with, acc.set_padding(micro_batch)")
-        return spec.auto.step(batch, lambda mbs, size: run_window(ctx, mbs, spec.loss_fn, count_items(mbs, spec.num_items),
-                                                                  micro_batch_size=size, catch_oom=True))
-    result = run_window(ctx, pending, spec.loss_fn, count_items(pending, spec.num_items), **run)
+        return run_auto(ctx, spec.auto, batch, spec.loss_fn, spec.num_items)
+    result = run_window(ctx, pending, spec.loss_fn, counts or count_items(pending, spec.num_items), plan=plan)
     assert result is not None  # None only with catch_oom
     return result
 
@@ -164,12 +165,7 @@ def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
                 break  # no rank has any micro-batch left
             if spec.drop_last and plan.fewest < n:
                 break  # the short last window (on some rank) is dropped on every rank
-            if spec.auto is not None:
-                result = _step(ctx, pending, spec)
-            else:
-                attempt = run_window(ctx, pending, spec.loss_fn, counts, plan=plan)
-                assert attempt is not None  # None only with catch_oom
-                result = attempt
+            result = _step(ctx, pending, spec, counts=counts, plan=plan)
             yield replace(result, accum_steps=n, epoch=epoch, window=window)
             window += 1
         counters.epoch = epoch + 1

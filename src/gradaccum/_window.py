@@ -1,10 +1,10 @@
 """One window: its micro-batches' forward and weighted backward, then one boundary.
 
-:class:`Window` owns the per-window state (micro-batches done, the loss sum, the item counts, the
-padding); :class:`WindowContext` is everything a window needs from its Accumulator, passed
-explicitly. :func:`run_window` is the one entry point that runs a list of micro-batches through a
-``loss_fn``: ``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off all call it.
-The weights are :func:`gradaccum._maths.backward_weight`; the maths is in :mod:`gradaccum._maths`.
+:class:`Window` owns the per-window state (its setup from the ranks, micro-batches done, the running
+tally of loss and items); :class:`WindowContext` is everything a window needs from its Accumulator,
+passed explicitly. :func:`gradaccum._run.run_window` drives a Window through a ``loss_fn`` for
+``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off; a hand-written loop drives
+it itself (``acc.window``). The weights are :func:`gradaccum._maths.backward_weight`.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class Window:
     def reference_items(self) -> Optional[float]:
         """R: the count the backward weights were divided by (see :mod:`gradaccum._maths`)."""
         known = self.setup.reference if self.setup is not None else None
-        return known if known is not None else self.ctx.ranks.reference_items
+        return known if known is not None else self.ctx.ranks.fallback_reference
 
     # -- opening and closing ---------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ The facade: it checks its arguments before anything moves, builds the parts, and
 the part that owns it. One window, in the order it runs::
 
     acc.step / acc.train / acc.window
-      -> _window.run_window        the one entry point (step, train, the out-of-memory back-off)
+      -> _run.run_window           the one entry point (step, train, the out-of-memory back-off)
          -> RankAgreement.setup    once, as the window opens: its plan (known, made alone, or asked
                                    of the ranks: one all-gather), R, whether its boundary exchanges,
                                    its padding                                        (_ranks.py)
@@ -38,7 +38,7 @@ from ._gradients import AccumulationBuffers, WindowGradients
 from ._ranks import RankAgreement, WindowRequest
 from ._training import TrainSpec, train_windows
 from ._cached import WindowLoss, check_window_loss
-from ._run import CountFn, LossFn, count_items, run_window
+from ._run import CountFn, LossFn, count_items, run_auto, run_window
 from ._window import OpenWindow, Window, WindowContext
 from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size
 from .precision import MixedPrecision
@@ -168,7 +168,7 @@ class Accumulator:
     @property
     def reference_items(self) -> Optional[float]:
         """R for windows whose item count is not known up front (see :mod:`gradaccum._maths`)."""
-        return self.ranks.reference_items
+        return self.ranks.fallback_reference
 
     @property
     def count_ratio(self) -> float:
@@ -197,8 +197,7 @@ class Accumulator:
         check_micro_batch_size(micro_batch_size)
         _check_loss(loss_fn, num_items, micro_batch_size)
         if micro_batch_size == "auto":
-            return self.auto.step(window, lambda mbs, size: run_window(
-                self.context, mbs, loss_fn, count_items(mbs, num_items), micro_batch_size=size, catch_oom=True))
+            return run_auto(self.context, self.auto, window, loss_fn, num_items)
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
                                          allow_empty=self.sync.distributed)
         result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items),
@@ -257,7 +256,7 @@ class Accumulator:
         """Ask every rank to stop: the next window's ``StepResult.stop_requested`` is True on every
         rank (the flag rides in the boundary's all-reduce, so asking costs no collective of its own).
         Safe to call from a signal handler."""
-        self.context.boundary.stop_requests += 1
+        self.context.boundary.request_stop()
 
     def set_padding(self, micro_batch: Batch) -> None:
         """A micro-batch this rank may run with zero weight in a window where it has none.
@@ -293,7 +292,7 @@ class Accumulator:
         self.counters.epoch = int(state.get("epoch", 0))
         self.auto.size = state.get("auto_micro_batch_size")
         self.ranks.load_state_dict(state)
-        self.context.boundary.scheduler_at = None  # a resumed scheduler is read again when the next window opens
+        self.context.boundary.forget_scheduler_position()  # a resumed scheduler is read when the next window opens
 
 
 # -- construction checks: every one before anything is built ------------------------------------------

@@ -244,9 +244,9 @@ class DDPSync(GradSync):
         reduced before the backward, and refuses a gradient reaching it from outside the forward), nor
         under a communication hook, read at every call since one may be registered at any time:
         PowerSGD's error feedback would keep a ``nan`` for every later window, a compressing or
-        ``nan``-scrubbing hook could lose it. DDP's logging data names the hook, built-in ones too."""
-        return not any(getattr(ddp, "find_unused_parameters", False)
-                       or ddp._get_ddp_logging_data().get("comm_hook") is not None for ddp in self.modules)
+        ``nan``-scrubbing hook could lose it. DDP's logging data names the hook, built-in ones too; a
+        torch whose DDP no longer offers it (a private method) answers False: every window exchanges."""
+        return not any(getattr(ddp, "find_unused_parameters", False) or _has_comm_hook(ddp) for ddp in self.modules)
 
     def folds_outside_gradients(self) -> bool:
         return not any(getattr(ddp, "find_unused_parameters", False) for ddp in self.modules)
@@ -278,6 +278,14 @@ class DDPSync(GradSync):
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def _has_comm_hook(ddp: DistributedDataParallel) -> bool:
+    """Whether DDP's logging data names a communication hook (True as well when it cannot be read)."""
+    try:
+        return ddp._get_ddp_logging_data().get("comm_hook") is not None
+    except Exception:  # noqa: BLE001 - a private method of DDP: unknown means "assume a hook"
+        return True
 
 
 class FSDP2Sync(GradSync):

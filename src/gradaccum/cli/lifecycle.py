@@ -2,7 +2,7 @@
 
 Every file goes through :class:`~gradaccum.cli.folder.RunFolder`, the one object that reads and
 writes the folder; this module decides *when*, and what a signal does (the handlers are
-:mod:`gradaccum.cli.signals`'). The training loop (:func:`gradaccum.cli.run.train_windows`) asks it.
+:mod:`gradaccum.cli.signals`'). The training loop (:func:`gradaccum.cli.run.run_loop`) asks it.
 
 Before anything is written
     ``check_out`` refuses, in one line, an empty ``--out``, a path that is a file or lies under one,

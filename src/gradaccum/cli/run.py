@@ -9,7 +9,7 @@ and B therefore train the same model on 1, 2 or 8 ranks, and a run continues on 
 with FSDP2 (``--shard``, see :mod:`gradaccum.cli.sharding`).
 
 :func:`run_training` reads in the order a run goes: build the model, optimizer, Accumulator and
-sampler (:func:`build_parts`), decide fresh / resume / complete, then :func:`train_windows`, the one
+sampler (:func:`build_parts`), decide fresh / resume / complete, then :func:`run_loop`, the one
 loop. Each turn of it trains one window (the library's ``Accumulator.train`` over the
 WindowSampler's micro-batches; resuming at (epoch, window) is the sampler's position, loaded from
 the checkpoint), records it (a metrics row, progress), evaluates at an epoch's end, stops when a
@@ -46,7 +46,7 @@ from .progress import Progress
 from .sharding import shard_model
 
 __all__ = ["RunParts", "RunResult", "build", "build_parts", "plot_title", "resolve_device", "run_training",
-           "train_windows", "window_words"]
+           "run_loop", "window_words"]
 
 
 @dataclass
@@ -258,7 +258,7 @@ def build_parts(cfg: TrainConfig, task: Task, device: torch.device, folder: RunF
 _SKIP_WARNING = r"a window's .* not finite|a window counted 0 items"
 
 
-def train_windows(parts: RunParts, life: RunLifecycle, start: Position, history: List[Dict[str, Any]],
+def run_loop(parts: RunParts, life: RunLifecycle, start: Position, history: List[Dict[str, Any]],
                   progress: Progress) -> Tuple[Position, Optional[Dict[str, Any]], RunMemory]:
     """The run's loop, from ``start`` to the last epoch's end. Each turn: train one window, record it
     (a metrics row, progress), evaluate at an epoch's end (a row of its own), stop if a signal asked
@@ -359,7 +359,7 @@ def run_training(cfg: TrainConfig, folder: RunFolder, task: Task, *, command: st
             progress = Progress(parts.total_windows, done, label=label, unit=task.unit, prefix=prefix,
                                 enabled=sync.is_rank_zero())
             try:
-                end, last_eval, memory = train_windows(parts, life, plan.position, history, progress)
+                end, last_eval, memory = run_loop(parts, life, plan.position, history, progress)
             finally:
                 progress.close()
             life.finish(end, parts.checkpoint_state)  # the final checkpoint, after the loop

@@ -146,11 +146,11 @@ class BatchItems:
 
     def head_loss_sum(self, outputs: Any, batch: Dict[str, Any]) -> torch.Tensor:
         logits, targets = self.aligned(self.logits(outputs), batch)
-        return _maths.loss_sum(logits, targets, loss=self.loss_of(batch), ignore_index=self.ignore_index)
+        return _maths.summed_loss(logits, targets, loss=self.loss_of(batch), ignore_index=self.ignore_index)
 
     def rows_loss_sums(self, outputs: Any, batch: Dict[str, Any]) -> torch.Tensor:
         """The head's loss summed over each row's items, one value per row (for ``eval_loss``)."""
         logits, targets = self.aligned(self.logits(outputs), batch)
         loss = self.loss_of(batch)
-        return torch.stack([_maths.loss_sum(lg, t, loss=loss, ignore_index=self.ignore_index)
+        return torch.stack([_maths.summed_loss(lg, t, loss=loss, ignore_index=self.ignore_index)
                             for lg, t in zip(logits, targets)])

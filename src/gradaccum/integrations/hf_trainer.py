@@ -199,33 +199,7 @@ class ExactTrainer(Trainer):
             raise ValueError(f"ExactTrainer(head={head!r}): supported heads are {', '.join(HEADS)}")
         self.source = loss_source(type(self))
         super().__init__(*args, **kwargs)
-        if self.source == "head" and getattr(self.args, "label_smoothing_factor", 0.0):
-            raise ValueError(f"ExactTrainer: label_smoothing_factor={self.args.label_smoothing_factor} is not "
-                             "supported where ExactTrainer computes the model's loss; set it to 0")
-        if self.args.n_gpu > 1:
-            raise ValueError(f"ExactTrainer: n_gpu={self.args.n_gpu} (DataParallel in one process) splits each "
-                             "batch without telling the loss; launch one process per GPU (torchrun) instead")
-        if self.is_deepspeed_enabled:
-            raise ValueError("ExactTrainer: DeepSpeed (any ZeRO stage) is not supported: untested here (see "
-                             "docs/guides/hf-trainer.md), and its engine steps inside backward, so a window without "
-                             "items could not be skipped; shard with FSDP2 instead (fsdp='full_shard', "
-                             "fsdp_config={'fsdp_version': 2}) or train with DDP")
-        version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) if self.is_fsdp_enabled else None
-        if version not in (None, 2):
-            raise ValueError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
-                             "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
-        if version == 2 and self.source != "head":
-            raise ValueError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not under "
-                             f"{type(self).__name__}'s own compute_loss (items: {self.source}); train it with DDP "
-                             "(one process per device under torchrun)")
-        batch_level = sorted(set(getattr(self, "loss_types", ())) & set(_NOT_PER_PAIR))
-        if self.source == "pairs" and batch_level:
-            raise ValueError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
-                             "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
-                             "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
-        if getattr(self, "aux_loss_enabled", False):
-            raise ValueError("ExactTrainer: the MoE router's auxiliary loss is a mean per micro-batch, not per item; "
-                             "set model_init_kwargs/config output_router_logits=False")
+        _refuse_what_is_not_exact(self)
         if "loss_is_scaled_for_ga" not in vars(Trainer):
             # transformers before 5.x: training_step divides by the accumulation steps unless the model
             # "accepts loss kwargs"
@@ -381,3 +355,35 @@ class ExactTrainer(Trainer):
             epochs = windows // num_update_steps_per_epoch
             batches = (windows % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
         return epochs, batches
+
+
+def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
+    """After the Trainer is built (its arguments and Accelerator read): what would not be one big batch,
+    or is not tested here, refused in one line that says the fix."""
+    if trainer.source == "head" and getattr(trainer.args, "label_smoothing_factor", 0.0):
+        raise ValueError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
+                         "supported where ExactTrainer computes the model's loss; set it to 0")
+    if trainer.args.n_gpu > 1:
+        raise ValueError(f"ExactTrainer: n_gpu={trainer.args.n_gpu} (DataParallel in one process) splits each "
+                         "batch without telling the loss; launch one process per GPU (torchrun) instead")
+    if trainer.is_deepspeed_enabled:
+        raise ValueError("ExactTrainer: DeepSpeed (any ZeRO stage) is not supported: untested here (see "
+                         "docs/guides/hf-trainer.md), and its engine steps inside backward, so a window without "
+                         "items could not be skipped; shard with FSDP2 instead (fsdp='full_shard', "
+                         "fsdp_config={'fsdp_version': 2}) or train with DDP")
+    version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
+    if version not in (None, 2):
+        raise ValueError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
+                         "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
+    if version == 2 and trainer.source != "head":
+        raise ValueError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not under "
+                         f"{type(trainer).__name__}'s own compute_loss (items: {trainer.source}); train it with DDP "
+                         "(one process per device under torchrun)")
+    batch_level = sorted(set(getattr(trainer, "loss_types", ())) & set(_NOT_PER_PAIR))
+    if trainer.source == "pairs" and batch_level:
+        raise ValueError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
+                         "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
+                         "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise ValueError("ExactTrainer: the MoE router's auxiliary loss is a mean per micro-batch, not per item; "
+                         "set model_init_kwargs/config output_router_logits=False")
