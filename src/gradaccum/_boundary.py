@@ -101,7 +101,7 @@ class Boundary:
         self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
         #: whether the all-reduce may start before the last backward (:meth:`launch`): across ranks, and
         #: not when it carries the squared norm of a sharded (FSDP2) gradient, which exists only after
-        self.launch_before_last_backward = sync.distributed and not (self.measure and sync.sharded_grads)
+        self.launch_before_last_backward = sync.reduces_across_ranks and not (self.measure and sync.sharded_grads)
         self.counters = Counters()
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         #: counted by ``Accumulator.request_stop`` (maybe from a signal handler); each new request is
@@ -209,7 +209,7 @@ class Boundary:
         square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
         if in_flight is not None:
             row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)
-        elif self.sync.distributed or tally.device_items is not None:
+        elif self.sync.reduces_across_ranks or tally.device_items is not None:
             square = self.sync.local_square_sum(grads) if self.measure else None
             row = self.sync.all_reduce_(self._row(totals, square)).to(torch.float64)
         else:  # one process, counts on the host already: only the loss sum crosses to the host

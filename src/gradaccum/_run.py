@@ -72,7 +72,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
     agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
     if isinstance(loss_fn, WindowLoss):
         return run_cached_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, plan=plan)
-    defer = catch_oom and ctx.sync.distributed  # no collective before the ranks agree
+    defer = catch_oom and ctx.sync.reduces_across_ranks  # no collective before the ranks agree
     # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):
     # under "auto", every rank first runs that forward on one item with zero weight, so that an
     # out-of-memory error before a rank's forward cannot leave its peers waiting there

@@ -93,7 +93,7 @@ class _MicroBatch:
 
     def __enter__(self) -> None:
         ctx = self.window.ctx
-        if ctx.sync.distributed or ctx.precision.dtype is not None:
+        if ctx.sync.reduces_across_ranks or ctx.precision.dtype is not None:
             stack = self.stack = contextlib.ExitStack()
             stack.enter_context(ctx.sync.micro_batch(last=self.reduces))
             stack.enter_context(ctx.precision.autocast())
@@ -132,7 +132,7 @@ class Window:
     """
 
     def __init__(self, ctx: WindowContext, request: WindowRequest, *, micro_batch_size: Optional[Any] = None) -> None:
-        if request.micro_batches is not None and not (ctx.sync.distributed and request.micro_batches == 0):
+        if request.micro_batches is not None and not (ctx.sync.allows_empty_share and request.micro_batches == 0):
             positive_int("num_micro_batches", request.micro_batches)
         if request.items is not None:
             item_count("num_items", request.items)
@@ -217,7 +217,7 @@ class Window:
             if size is None:
                 raise ValueError("pass micro_batch(last=...) when the window was opened without a size")
             last = self.done == size - 1
-        return _MicroBatch(self, bool(last) and not self.request.defer and self.ctx.sync.distributed)
+        return _MicroBatch(self, bool(last) and not self.request.defer and self.ctx.sync.reduces_across_ranks)
 
     def _checked(self, loss: Any) -> torch.Tensor:
         self._in_micro_batch()
@@ -324,7 +324,7 @@ class Window:
         if self.result is not None:
             raise RuntimeError("step() was already called for this window; open a new one")
         setup, ctx = self._open_setup("step"), self.ctx
-        if self.done == 0 and not (setup.plan is not None and ctx.sync.distributed):
+        if self.done == 0 and not (setup.plan is not None and ctx.sync.allows_empty_share):
             raise RuntimeError(
                 "step() on a window where window.backward() never ran: call "
                 "window.backward(loss, num_items=...) inside `with window.micro_batch():` for each "

@@ -199,7 +199,7 @@ class Accumulator:
         if micro_batch_size == "auto":
             return run_auto(self.context, self.auto, window, loss_fn, num_items)
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
-                                         allow_empty=self.sync.distributed)
+                                         allow_empty=self.sync.allows_empty_share)
         result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items),
                             micro_batch_size=micro_batch_size)
         assert result is not None
@@ -383,7 +383,7 @@ def _buffers(accum_dtype: Optional[torch.dtype], sync: GradSync, precision: str,
              params: Sequence[torch.nn.Parameter]) -> Optional[AccumulationBuffers]:
     if accum_dtype is None:
         return None
-    if sync.distributed:
+    if sync.reduces_across_ranks:
         raise ValueError(
             "accum_dtype is for single-process training; with DDP or FSDP2 keep float32 "
             "master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "

@@ -97,8 +97,15 @@ class GradSync:
 
     #: the backward reduction divides the gradient sum by this many ranks
     grad_divisor: float = 1.0
-    #: ``True`` when the window's counts must be summed across ranks
+    #: ``True`` when there are other ranks: the window's counts are summed across them (the rank agreement,
+    #: :mod:`gradaccum._ranks`, asks this; other modules ask the two questions below)
     distributed: bool = False
+    #: the last micro-batch's backward reduces the window's gradient across ranks (DDP, FSDP2): its
+    #: ``micro_batch()`` switches the wrapper's sync, the boundary's all-reduce can start before that
+    #: backward, and an out-of-memory agreement must come before it
+    reduces_across_ranks: bool = False
+    #: a rank may hold no micro-batch in a window its peers have data for (it runs zero-weight padding)
+    allows_empty_share: bool = False
     #: whether reduce_gradients_ works (after backward passes that all skipped their reduction)
     can_reduce_later: bool = True
     #: whether every rank must run the same number of micro-batches per window (a collective in
@@ -212,7 +219,7 @@ class DDPSync(GradSync):
     Every DDP module of the model (usually one) is switched.
     """
 
-    distributed = True
+    distributed = reduces_across_ranks = allows_empty_share = True
     collectives_in_forward = True
     replicated_grads = True
 
@@ -298,7 +305,7 @@ class FSDP2Sync(GradSync):
     of micro-batches; ``Accumulator.step``/``train`` pad a rank that has fewer with zero-weight ones.
     """
 
-    distributed = True
+    distributed = reduces_across_ranks = allows_empty_share = True
     can_reduce_later = False
     needs_equal_counts = True
     sharded_grads = True
