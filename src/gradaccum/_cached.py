@@ -214,11 +214,12 @@ def _loss_gradient(ctx: WindowContext, window: Window, window_loss: WindowLoss, 
     taken by ``autograd.grad``, which writes nothing into ``.grad``."""
     total = joined[0].shape[0]
     loss, inputs = _window_loss(window_loss, spec, joined, ctx)
-    outside = [p for p in ctx.grads.params if p.requires_grad]
+    outside: List[torch.Tensor] = [p for p in ctx.grads.params if p.requires_grad]
     weighted = ctx.precision.scale(loss * backward_weight(total, window.reference(total), 1.0))
     with torch.autocast(device_type=ctx.device.type, enabled=False):
         found = torch.autograd.grad(weighted, inputs + outside, allow_unused=True)
-    slices = [None if g is None else g[offset:offset + mine] * ctx.sync.grad_divisor for g in found[:len(inputs)]]
+    slices: List[Optional[torch.Tensor]] = [None if g is None else g[offset:offset + mine] * ctx.sync.grad_divisor
+                                            for g in found[:len(inputs)]]
     own = [(p, g) for p, g in zip(outside, found[len(inputs):]) if g is not None]
     return loss.detach(), slices, own
 
@@ -248,6 +249,7 @@ def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, mi
             pairs += carried if k == last else []
             window.backward_part([o for o, _ in pairs], [g for _, g in pairs], loss, n if own else 0)
         at += n if own else 0
+    assert first.end is not None, "pass 1 saved where the random state stands after it"
     first.end.restore()  # as after pass 1 alone: the window drew its random numbers once
     if not window_loss.checked:  # once, and on every rank alike: none raises alone
         window_loss.checked = True

@@ -25,8 +25,9 @@ from .result import StepResult
 
 __all__ = ["LossFn", "CountFn", "is_out_of_memory", "Counts", "count_items", "run_window", "run_auto"]
 
-#: ``loss_fn(model, micro_batch)`` -> the mean loss over the micro-batch's items, or ``(mean, count)``
-LossFn = Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Count]]]
+#: ``loss_fn(model, micro_batch)`` -> the mean loss over the micro-batch's items, or ``(mean, count)``;
+#: or a :class:`~gradaccum.WindowLoss`, for a loss over the whole window
+LossFn = Union[Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Count]]], WindowLoss]
 #: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward
 CountFn = Callable[[Batch], Count]
 
@@ -57,7 +58,7 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Coun
     return Counts(each, float(sum(as_number(c) for c in each)))
 
 
-def _loss(window: Window, loss_fn: LossFn, micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
+def _loss(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
     out = loss_fn(window.ctx.model, micro_batch)
     if isinstance(out, (tuple, list)):
         window.tally.own_counts = True

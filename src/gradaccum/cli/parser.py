@@ -99,7 +99,7 @@ def _defaults_table() -> str:
     return "\n".join("  " + "  ".join(f"{c:<11}" for c in row).rstrip() for row in rows)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> "_Parser":
     from .. import __version__
 
     p = _Parser(prog="gradaccum", description="Gradient accumulation that is exactly one big batch.",

@@ -32,7 +32,7 @@ def head_of(model: nn.Module) -> str:
     """
     from transformers.models.auto import modeling_auto as auto
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
     base = getattr(base, "_orig_mod", base)
     name = type(base).__name__
 

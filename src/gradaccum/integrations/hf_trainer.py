@@ -205,7 +205,7 @@ class ExactTrainer(Trainer):
             # "accepts loss kwargs"
             self.model_accepts_loss_kwargs = True
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),
+        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),  # type: ignore[arg-type]
                                 ignore_index, config, self.args.device)
         self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
@@ -280,7 +280,7 @@ class ExactTrainer(Trainer):
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
         """The next class's ``compute_loss`` (SFT's, DPO's, ...), with its metrics and logs."""
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
-        return out if return_outputs else (out, None)
+        return out if return_outputs else (out, None)  # type: ignore[return-value]
 
     # -- evaluation: the item-weighted mean over the whole set -----------------------------------
 
@@ -308,7 +308,7 @@ class ExactTrainer(Trainer):
         prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
         if self._eval_tally:
             loss_sum, items = torch.stack(self._eval_tally).sum(dim=0).tolist()
-            output.metrics[f"{prefix}_loss"] = _maths.window_mean(loss_sum, items)
+            output.metrics[f"{prefix}_loss"] = _maths.window_mean(loss_sum, items)  # type: ignore[index]
         self._eval_tally = []
         return output
 
@@ -326,7 +326,7 @@ class ExactTrainer(Trainer):
             if window.skip and window.ran == window.micro_batches:
                 self._skips.windows += 1
                 self._skips.held = (self.optimizer, self.lr_scheduler)
-                self.optimizer, self.lr_scheduler = _NoStep(self.optimizer), _NoStep(self.lr_scheduler)
+                self.optimizer, self.lr_scheduler = _NoStep(self.optimizer), _NoStep(self.lr_scheduler)  # type: ignore[assignment]
                 self.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
         return loss
 
@@ -348,7 +348,7 @@ class ExactTrainer(Trainer):
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
         epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)
-        saved = self.state.stateful_callbacks.get(type(self._skips).__name__)
+        saved = self.state.stateful_callbacks.get(type(self._skips).__name__)  # type: ignore[union-attr]
         self._skips.windows = int(saved["attributes"]["windows"]) if isinstance(saved, dict) else 0
         if self._skips.windows and not self.args.ignore_data_skip:
             windows = self.state.global_step + self._skips.windows
@@ -360,7 +360,7 @@ class ExactTrainer(Trainer):
 def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     """After the Trainer is built (its arguments and Accelerator read): what would not be one big batch,
     or is not tested here, refused in one line that says the fix."""
-    if trainer.source == "head" and getattr(trainer.args, "label_smoothing_factor", 0.0):
+    if trainer.source == "head" and getattr(trainer.args, "label_smoothing_factor", None):
         raise ValueError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
                          "supported where ExactTrainer computes the model's loss; set it to 0")
     if trainer.args.n_gpu > 1:

@@ -226,8 +226,8 @@ class ExactAccumulation(Callback):
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and "
-                           "the ranks)", self._all_reduce(trainer, self._window))
+        total = as_number(item_count("ExactAccumulation: the window's item count (its counts summed over the window "
+                                     "and the ranks)", self._all_reduce(trainer, self._window)))
         self._window = 0
         self.last_window_items = total
         # Lightning and its fp16 scaler handle non-finite gradients themselves: decide on N only
@@ -268,7 +268,7 @@ def _leading_dim(batch: Any) -> int:
 def _refuse_a_second_callback(trainer: "pl.Trainer") -> None:
     """Two callbacks would each weigh every micro-batch and rescale every step: refused before the
     first step (Lightning merges ``configure_callbacks()`` into ``trainer.callbacks`` before setup)."""
-    mine = [f"trainer.callbacks[{i}] = {cb!r}" for i, cb in enumerate(trainer.callbacks)
+    mine = [f"trainer.callbacks[{i}] = {cb!r}" for i, cb in enumerate(trainer.callbacks)  # type: ignore[attr-defined]
             if isinstance(cb, ExactAccumulation)]
     if len(mine) > 1:
         raise ValueError(f"this Trainer holds {len(mine)} ExactAccumulation callbacks ({'; '.join(mine)}): each "

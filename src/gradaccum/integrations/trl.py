@@ -20,14 +20,14 @@ from .hf_trainer import ExactTrainer
 __all__ = ["ExactSFTTrainer", "ExactDPOTrainer"]
 
 
-class ExactSFTTrainer(ExactTrainer, SFTTrainer):
+class ExactSFTTrainer(ExactTrainer, SFTTrainer):  # type: ignore[misc]
     """``SFTTrainer`` whose window is one big batch of its next-token targets (``labels[:, 1:] !=
     -100``, or the collator's ``shift_labels``: padded, padding-free and packed batches alike), over
     every rank, whatever ``average_tokens_across_devices`` says: SFT divides its summed token loss by
     the window's count, and ExactTrainer sets the factor for the ranks."""
 
 
-class ExactDPOTrainer(ExactTrainer, DPOTrainer):
+class ExactDPOTrainer(ExactTrainer, DPOTrainer):  # type: ignore[misc]
     """``DPOTrainer`` whose window weighs every preference pair the same, across micro-batches, ranks
     and a short last window: each micro-batch's mean over its pairs is weighted by its share of the
     window's pairs. Loss types that are not a mean of per-pair terms (``"sft"``, ``"aot"``,
