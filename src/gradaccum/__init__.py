@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read; at run time 
     from .accumulator import Accumulator
     from .batching import split_batch
     from .checking import EquivalenceReport, check_equivalence
+    from .errors import ConfigurationError, GradaccumError, NotExactError, RankAgreementError, SplitError
     from .losses import causal_lm_loss, count_targets, token_cross_entropy
     from .memory import PeakMeter
     from .result import StepResult
@@ -35,7 +36,8 @@ _HOMES = {
     "is_out_of_memory": "_run", "split_batch": "batching", "EquivalenceReport": "checking",
     "check_equivalence": "checking", "causal_lm_loss": "losses", "count_targets": "losses",
     "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
-    "AccumSchedule": "schedule", "num_steps": "schedule",
+    "AccumSchedule": "schedule", "num_steps": "schedule", "GradaccumError": "errors",
+    "ConfigurationError": "errors", "NotExactError": "errors", "SplitError": "errors", "RankAgreementError": "errors",
 }
 
 
@@ -54,8 +56,13 @@ def __dir__() -> list:
 __all__ = [
     "Accumulator",
     "AccumSchedule",
+    "ConfigurationError",
     "EquivalenceReport",
+    "GradaccumError",
+    "NotExactError",
     "PeakMeter",
+    "RankAgreementError",
+    "SplitError",
     "StepResult",
     "Window",
     "WindowPlan",

@@ -20,6 +20,7 @@ import torch
 from .batching import Batch, leading_dim, split_batch
 from .result import StepResult
 from .sync import GradSync
+from .errors import ConfigurationError, SplitError
 
 __all__ = ["AutoMicroBatch"]
 
@@ -37,7 +38,7 @@ class AutoMicroBatch:
 
     def check_supported(self) -> None:
         if not self.sync.can_reduce_later:
-            raise ValueError(
+            raise ConfigurationError(
                 f"micro_batch_size='auto' is not supported with {type(self.sync).__name__}: its "
                 "gradients reduce only inside backward, so ranks cannot agree on an out-of-memory "
                 "error first. Pass an int micro_batch_size (found once, e.g. with DDP)"
@@ -48,7 +49,7 @@ class AutoMicroBatch:
         self.check_supported()
         n = leading_dim(batch)
         if n == 0 and not self.sync.allows_empty_share:
-            raise ValueError("batch has 0 items along dim 0; there is nothing to step on")
+            raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
         size = min(self.size or n, n) if n else 2 ** 62  # an empty share follows the others
         size = self.sync.min_across(size, self.device)  # every rank starts from the same size
         backed_off = False

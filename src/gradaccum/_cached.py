@@ -40,6 +40,7 @@ from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
 from .batching import Batch, _rebuild, leaves, leading_dim
 from .result import StepResult
+from .errors import ConfigurationError
 
 __all__ = ["WindowLoss", "run_cached_window", "check_window_loss"]
 
@@ -121,18 +122,18 @@ def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
     for path, leaf in leaves(out):
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             what = "a 0-d tensor" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            raise ValueError(
+            raise ConfigurationError(
                 f"WindowLoss: encode(model, micro_batch) returned {what} at representations{path}; every "
                 "representation must be a tensor with the micro-batch's items along dim 0 (a tensor, or a "
                 "tuple/list/dict of them)")
         if leaf.shape[0] != count:
-            raise ValueError(
+            raise ConfigurationError(
                 f"WindowLoss: representations{path} of micro-batch {k} have leading size {leaf.shape[0]}, but "
                 f"the micro-batch holds {count} items: each representation needs one row per item, along "
                 "dim 0 (several negatives per query go in one row: shape (items, negatives, dim))")
         flat.append(leaf)
     if not flat:
-        raise ValueError("WindowLoss: encode(model, micro_batch) returned no tensor; return the micro-batch's "
+        raise ConfigurationError("WindowLoss: encode(model, micro_batch) returned no tensor; return the micro-batch's "
                          "representations (a tensor, or a tuple/list/dict of tensors)")
     return flat
 
@@ -161,14 +162,14 @@ def _window_loss(window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor],
     with ctx.precision.autocast():
         out = window_loss.loss(ctx.model, _rebuild(spec, iter(inputs)))
     if isinstance(out, (tuple, list)):
-        raise ValueError("WindowLoss: loss(model, representations) returned a tuple; it returns the window's loss, one "
+        raise ConfigurationError("WindowLoss: loss(model, representations) returned a tuple; it returns the window's loss, one "
                          "scalar, which is already over every item (a (mean, count) pair is for loss_fn)")
     if not isinstance(out, torch.Tensor) or out.dim() != 0:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"WindowLoss: loss(model, representations) must return a scalar tensor, got {shape}; "
+        raise ConfigurationError(f"WindowLoss: loss(model, representations) must return a scalar tensor, got {shape}; "
                          "reduce it over the window's items (.mean())")
     if not out.requires_grad:
-        raise ValueError("WindowLoss: loss(model, representations) does not depend on the representations (it does not "
+        raise ConfigurationError("WindowLoss: loss(model, representations) does not depend on the representations (it does not "
                          "require grad); compute it from the tensors it is given, without .detach() or .item()")
     return out, inputs
 
@@ -176,11 +177,11 @@ def _window_loss(window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor],
 def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
     """What a :class:`WindowLoss` does not take, refused before anything runs."""
     if num_items is not None:
-        raise ValueError("num_items= was given with a WindowLoss: the window's loss is already over all of its "
+        raise ConfigurationError("num_items= was given with a WindowLoss: the window's loss is already over all of its "
                          "items (the representations' rows), so there are no per-micro-batch counts to weigh; "
                          "drop num_items")
     if micro_batch_size == "auto":
-        raise ValueError("micro_batch_size='auto' is not supported with a WindowLoss: pass an int micro_batch_size "
+        raise ConfigurationError("micro_batch_size='auto' is not supported with a WindowLoss: pass an int micro_batch_size "
                          "(the cached representations of a window that ran out of memory would be recomputed "
                          "anyway)")
 
@@ -267,7 +268,7 @@ def _agree_outputs_require_grad(ctx: WindowContext, outs: List[torch.Tensor]) ->
     (one rank raising alone would leave the others waiting in the reduction)."""
     detached = [i for i, o in enumerate(outs) if o.is_floating_point() and not o.requires_grad]
     if ctx.sync.any_rank(bool(detached), ctx.device):
-        raise ValueError("WindowLoss: a representation encode returned does not require grad (on this rank or "
+        raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this rank or "
                          "another): it ran under torch.no_grad() or was detached. Return the model's outputs as "
                          "they are")
 
@@ -288,7 +289,7 @@ class _FirstPass:
         if self.cached:
             return [torch.cat(column) for column in zip(*self.cached)]
         if not self.empty:
-            raise ValueError("WindowLoss: this rank has no micro-batch in the window and none to pad with: "
+            raise ConfigurationError("WindowLoss: this rank has no micro-batch in the window and none to pad with: "
                              "give it one with acc.set_padding(micro_batch)")
         return self.empty
 

@@ -12,6 +12,8 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from .errors import ConfigurationError
+
 __all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count", "callable_loss_fn",
            "scalar_loss", "split_loss_output", "as_number", "training_batchnorms"]
 
@@ -27,30 +29,30 @@ def check_int(flag: str, value: Any, minimum: int = 1, *, maximum: Optional[int]
     """The command line's integer flags: ``--accum-steps must be an integer >= 1, got 0``."""
     bad = not _is_int_from(value, minimum)
     if not bad and maximum is not None and value > maximum:
-        raise ValueError(f"{flag} must be an integer from {minimum} to {maximum}, got {value!r}{extra}")
+        raise ConfigurationError(f"{flag} must be an integer from {minimum} to {maximum}, got {value!r}{extra}")
     if bad:
         want = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{flag} must be an integer {want}{extra}, got {value!r}")
+        raise ConfigurationError(f"{flag} must be an integer {want}{extra}, got {value!r}")
 
 
 def positive_int(name: str, value: Any, *, hint: str = "") -> int:
     """``value`` if it is an int >= 1 (the library's arguments: ``epochs must be a positive int``)."""
     if not _is_int_from(value, 1):
-        raise ValueError(f"{name} must be a positive int, got {value!r}{hint}")
+        raise ConfigurationError(f"{name} must be a positive int, got {value!r}{hint}")
     return value
 
 
 def non_negative_int(name: str, value: Any, *, hint: str = "") -> int:
     """``value`` if it is an int >= 0; ``hint`` follows the name (``" (e.g. len(loader))"``)."""
     if not _is_int_from(value, 0):
-        raise ValueError(f"{name} must be an int >= 0{hint}, got {value!r}")
+        raise ConfigurationError(f"{name} must be an int >= 0{hint}, got {value!r}")
     return value
 
 
 def positive_number(name: str, value: Any, *, what: str = "a positive finite number", hint: str = "") -> float:
     """``value`` as a float if it is a finite number > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be {what}, got {value!r}{hint}")
+        raise ConfigurationError(f"{name} must be {what}, got {value!r}{hint}")
     return float(value)
 
 
@@ -59,10 +61,10 @@ def item_count(name: str, value: Any) -> Count:
     checking its value would synchronise with the device)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
+            raise ConfigurationError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0 (how many items the loss is a mean over), "
+        raise ConfigurationError(f"{name} must be a finite number >= 0 (how many items the loss is a mean over), "
                          f"got {value!r}")
     return value
 
@@ -97,12 +99,12 @@ def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", whe
     inside, for the fix (``"window.micro_batch()"``)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
+        raise ConfigurationError(
             f"{subject} (the mean over the micro-batch's items), got {shape}; "
             "reduce it with .mean() or return (mean_loss, num_items)"
         )
     if not loss.requires_grad:
-        raise ValueError(
+        raise ConfigurationError(
             "loss does not require grad: it was computed under torch.no_grad(), detached, or from "
             f"a model with no trainable parameter. Compute it from the model's output inside {where}, "
             "without .detach() or .item()"

@@ -16,6 +16,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from .errors import ConfigurationError
+
 __all__ = ["AccumulationBuffers", "WindowGradients"]
 
 
@@ -24,7 +26,7 @@ class AccumulationBuffers:
 
     def __init__(self, params: Iterable[torch.nn.Parameter], dtype: torch.dtype) -> None:
         if not dtype.is_floating_point:
-            raise ValueError(f"accum_dtype must be a floating dtype such as torch.float32, got {dtype}")
+            raise ConfigurationError(f"accum_dtype must be a floating dtype such as torch.float32, got {dtype}")
         self.dtype = dtype
         self.params = [p for p in params if p.dtype != dtype]
         self._buffers: Dict[torch.nn.Parameter, torch.Tensor] = {}

@@ -45,6 +45,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .errors import ConfigurationError
+
 __all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "first_reference", "window_mean",
            "clip_coefficient", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum",
            "LOSSES", "summed_loss_weight", "loss_items", "summed_loss"]
@@ -196,7 +198,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index:
     4.1589
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(
+        raise ConfigurationError(
             f"logits of shape {tuple(logits.shape)} do not match targets of shape "
             f"{tuple(targets.shape)}: logits must be targets.shape + (vocab,)"
         )
@@ -234,7 +236,7 @@ def loss_items(targets: torch.Tensor, *, loss: str, ignore_index: int = -100) ->
         return target_count(targets, ignore_index=ignore_index)
     if loss in LOSSES:
         return torch.tensor(targets.numel(), device=targets.device)
-    raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
+    raise ConfigurationError(f"loss={loss!r} is not one of {LOSSES}")
 
 
 def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, loss: str, ignore_index: int = -100) -> torch.Tensor:
@@ -250,9 +252,9 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, loss: str, ignor
     if loss == "cross_entropy":
         return token_loss_sum(logits, targets, ignore_index=ignore_index)
     if loss not in LOSSES:
-        raise ValueError(f"loss={loss!r} is not one of {LOSSES}")
+        raise ConfigurationError(f"loss={loss!r} is not one of {LOSSES}")
     if logits.numel() != targets.numel():
-        raise ValueError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
+        raise ConfigurationError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
                          f"{tuple(targets.shape)}: a {loss} needs one logit per target")
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()

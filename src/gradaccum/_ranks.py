@@ -43,6 +43,7 @@ from ._gradients import WindowGradients
 from ._maths import first_reference
 from .batching import Batch, leading_dim
 from .sync import GradSync
+from .errors import RankAgreementError
 
 if TYPE_CHECKING:
     from ._boundary import Outcome
@@ -247,7 +248,7 @@ class RankAgreement:
         stuck = [r for r, row in enumerate(rows)
                  if padded_count(int(row[0]), plan.most, self.sync.needs_equal_counts) > row[0] and not row[3]]
         if stuck:  # every rank sees the same rows: every rank raises, none waits in a collective
-            raise ValueError(
+            raise RankAgreementError(
                 f"{type(self.sync).__name__} needs every rank to run "
                 f"{'as many micro-batches as the busiest' if self.sync.needs_equal_counts else 'a forward'} in "
                 f"each window (collectives run in forward), but rank(s) {stuck} run fewer "

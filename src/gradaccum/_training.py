@@ -43,6 +43,7 @@ from .batching import Batch, concat_batches, slice_batch
 from .result import StepResult
 from .sampler import WindowSampler
 from .schedule import AccumSchedule, AccumSteps
+from .errors import ConfigurationError
 
 __all__ = ["TrainSpec", "train_windows"]
 
@@ -70,7 +71,7 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
     while inner is not None and depth < 4:
         inner, depth = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler", None), depth + 1
         if isinstance(inner, WindowSampler):
-            raise ValueError(
+            raise ConfigurationError(
                 f"the loader's WindowSampler is wrapped in a {type(batch_sampler).__name__}, which shards "
                 "it again (accelerator.prepare does this), so each rank would see only part of its share: "
                 "the WindowSampler already gives every rank its share, so do not pass this DataLoader to "
@@ -86,16 +87,16 @@ def train_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch
     sampler = window_sampler(loader)
     if sampler is not None:
         if spec.accum_steps is not None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"accum_steps={spec.accum_steps!r} was given, but the loader's WindowSampler already cuts the "
                 "epoch into windows of global_batch_size items: drop accum_steps"
             )
         if spec.drop_last:
-            raise ValueError("drop_last=True was given, but the loader's WindowSampler decides about the "
+            raise ConfigurationError("drop_last=True was given, but the loader's WindowSampler decides about the "
                              "short last window: construct it with WindowSampler(..., drop_last=True)")
         return _sampler_windows(ctx, counters, loader, sampler, spec)
     if spec.accum_steps is None:
-        raise ValueError("accum_steps is required (micro-batches per window, e.g. accum_steps=4) unless the "
+        raise ConfigurationError("accum_steps is required (micro-batches per window, e.g. accum_steps=4) unless the "
                          "loader's batch_sampler is a gradaccum.WindowSampler, which cuts the windows")
     return _grouped_windows(ctx, counters, loader, AccumSchedule(spec.accum_steps), spec)
 
@@ -110,7 +111,7 @@ def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, *, counts: 
         elif ctx.ranks.replay is not None:  # an empty share: zero items, shaped like a micro-batch it ran
             batch = slice_batch(ctx.ranks.replay, 0, 0)
         else:
-            raise ValueError("this rank's share of the window is empty and it has run no micro-batch yet: "
+            raise ConfigurationError("this rank's share of the window is empty and it has run no micro-batch yet: "
                              "give it one to pad with, acc.set_padding(micro_batch)")
         return run_auto(ctx, spec.auto, batch, spec.loss_fn, spec.num_items)
     result = run_window(ctx, pending, spec.loss_fn, counts or count_items(pending, spec.num_items), plan=plan)

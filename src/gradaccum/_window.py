@@ -26,6 +26,7 @@ from ._ranks import RankAgreement, WindowRequest, WindowSetup
 from .precision import MixedPrecision
 from .result import StepResult
 from .sync import GradSync
+from .errors import ConfigurationError
 
 __all__ = ["Window", "WindowContext", "OpenWindow"]
 
@@ -215,7 +216,7 @@ class Window:
             )
         if last is None:
             if size is None:
-                raise ValueError("pass micro_batch(last=...) when the window was opened without a size")
+                raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")
             last = self.done == size - 1
         return _MicroBatch(self, bool(last) and not self.request.defer and self.ctx.sync.reduces_across_ranks)
 

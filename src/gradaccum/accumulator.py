@@ -45,6 +45,7 @@ from .precision import MixedPrecision
 from .result import StepResult
 from .schedule import AccumSteps
 from .sync import GradSync, sync_for
+from .errors import ConfigurationError
 
 __all__ = ["Accumulator"]
 
@@ -243,7 +244,7 @@ class Accumulator:
         self.context.slot.check_idle()
         _check_loss(loss_fn, num_items, micro_batch_size)
         if micro_batch_size not in (None, "auto"):
-            raise ValueError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
+            raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
                              "loader's batches are the micro-batches; use 'auto' to re-split each window on "
                              "out-of-memory errors")
         if micro_batch_size == "auto":
@@ -308,12 +309,12 @@ def _check_arguments(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: 
     if max_grad_norm is not None:
         positive_number("max_grad_norm", max_grad_norm, what="a positive finite number or None")
     if nonfinite not in _NONFINITE:
-        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+        raise ConfigurationError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(f"accum_dtype must be a torch.dtype such as torch.float32, got {accum_dtype!r}")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("model has no parameter that requires grad; there is nothing to accumulate")
+        raise ConfigurationError("model has no parameter that requires grad; there is nothing to accumulate")
     _check_optimizer_covers(optimizer, params, model)
     _check_no_foreign_scaler(optimizer)
     return params
@@ -334,7 +335,7 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         seen.append(ours)
         ours = getattr(ours, "optimizer", None)
     if not any(own is o for o in seen):
-        raise ValueError(
+        raise ConfigurationError(
             f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the Accumulator's "
             f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
             "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
@@ -359,7 +360,7 @@ def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: Sequence[t
     """An optimizer over none of the model's trainable parameters would 'step' and move nothing."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if not any(id(p) in held for p in params):
-        raise ValueError(
+        raise ConfigurationError(
             f"the optimizer holds none of the {type(model).__name__}'s {len(params)} trainable "
             "parameters, so its steps would never move the model: build it over this model's "
             "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
@@ -371,7 +372,7 @@ def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
     ``scaler.step()`` in its own ``step()``: it would unscale gradients gradaccum never scaled."""
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
-        raise ValueError(
+        raise ConfigurationError(
             f"the optimizer ({type(optimizer).__name__}) carries its own enabled GradScaler, so its step() "
             "would unscale gradients gradaccum never scaled (Accelerate's prepared optimizer under "
             "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
@@ -384,13 +385,13 @@ def _buffers(accum_dtype: Optional[torch.dtype], sync: GradSync, precision: str,
     if accum_dtype is None:
         return None
     if sync.reduces_across_ranks:
-        raise ValueError(
+        raise ConfigurationError(
             "accum_dtype is for single-process training; with DDP or FSDP2 keep float32 "
             "master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
             "reduce_dtype=torch.float32)) and leave accum_dtype=None"
         )
     if precision == "fp16":
-        raise ValueError(
+        raise ConfigurationError(
             "accum_dtype with precision='fp16' is not supported: GradScaler unscales "
             "float32 gradients only. Use precision='bf16' or keep float32 parameters"
         )

@@ -16,6 +16,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 
 from ._maths import ceil_div
+from .errors import ConfigurationError, SplitError
 
 #: a Tensor, a tuple/list of batches, or a dict of batches (other values ride along unchanged)
 Batch = Any
@@ -93,7 +94,7 @@ def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
         if first is None:
             first = (path, leaf.shape[0])
         elif leaf.shape[0] != first[1]:
-            raise ValueError(
+            raise SplitError(
                 f"tensors in {argument} disagree on their leading dimension: "
                 f"{argument}{first[0] or ''} has {first[1]} items but {argument}{path} has "
                 f"{leaf.shape[0]}. Every tensor of one batch must hold the same items along dim 0."
@@ -101,7 +102,7 @@ def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
     if first is None:
         held = (f"only 0-d tensors ({', '.join(argument + p for p in scalars[:3])}), which are carried to every "
                 "micro-batch, not split" if scalars else f"no tensor (got {type(batch).__name__})")
-        raise ValueError(
+        raise SplitError(
             f"{argument} holds {held}; a batch needs at least one tensor with a leading (item) dimension "
             "to split and count: a Tensor, a tuple/list of Tensors, or a dict of Tensors of shape (n, ...)."
         )
@@ -113,11 +114,11 @@ def check_micro_batch_size(micro_batch_size: MicroBatchSize) -> None:
     if micro_batch_size is None or micro_batch_size == "auto":
         return
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise ValueError(
+        raise ConfigurationError(
             f"micro_batch_size must be a positive int, 'auto' or None, got {micro_batch_size!r}"
         )
     if micro_batch_size <= 0:
-        raise ValueError(
+        raise ConfigurationError(
             f"micro_batch_size must be >= 1, got {micro_batch_size}; pass the number of items "
             "per forward/backward pass, or 'auto' to find it on out-of-memory errors"
         )
@@ -132,7 +133,7 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     check_micro_batch_size(micro_batch_size)
     n = leading_dim(batch)
     if n == 0:
-        raise ValueError("batch has 0 items along dim 0; there is nothing to step on")
+        raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
     chunks = ceil_div(n, micro_batch_size)
     parts = [list(torch.split(leaf, micro_batch_size)) if _split(leaf) else [leaf] * chunks
              for _, leaf in leaves(batch)]
@@ -157,7 +158,7 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
         for i, (_, leaf) in enumerate(column[1:], start=1):
             same = _same_leaf(leaf, first)
             if not same:
-                raise ValueError(
+                raise SplitError(
                     f"micro-batches 0 and {i} carry different values at {path or 'the top'} ({first!r} and "
                     f"{leaf!r}), a value without a leading dimension that one joined batch can hold only once "
                     "(micro_batch_size='auto' joins a window's micro-batches): give it a leading dimension "
@@ -195,7 +196,7 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
             return []  # a rank whose share is empty: it takes part with zero items
         return split_batch(window, micro_batch_size)
     if isinstance(window, (torch.Tensor, Mapping)) or not isinstance(window, Sequence) or isinstance(window, str):
-        raise ValueError(
+        raise SplitError(
             f"window must be a list of micro-batches when micro_batch_size is None, got a "
             f"{type(window).__name__}; pass a list of micro-batches, or one batch together "
             "with micro_batch_size=M to split it"
@@ -203,7 +204,7 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
     if any(isinstance(mb, torch.Tensor) for mb in window):
         shapes = ", ".join(str(tuple(mb.shape)) if isinstance(mb, torch.Tensor) else type(mb).__name__
                            for mb in list(window)[:4])
-        raise ValueError(
+        raise SplitError(
             f"window is a {type(window).__name__} holding tensors ({shapes}{', ...' if len(window) > 4 else ''}), "
             "which is ambiguous: one batch such as (inputs, targets), or a window of micro-batches? "
             "For one batch pass micro_batch_size=M (step(batch, loss_fn, micro_batch_size=8)); for a "
@@ -212,5 +213,5 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
         )
     micro_batches = list(window)
     if not micro_batches and not allow_empty:
-        raise ValueError("window is empty (0 micro-batches); pass at least one micro-batch")
+        raise SplitError("window is empty (0 micro-batches); pass at least one micro-batch")
     return micro_batches  # leading dimensions are checked when the Accumulator counts the items

@@ -49,20 +49,9 @@ from ._cached import WindowLoss
 from ._checks import positive_int, positive_number, scalar_loss, split_loss_output, training_batchnorms
 from .accumulator import Accumulator
 from .batching import Batch, first_tensor, leading_dim, split_batch
+from .errors import SplitError
 
 __all__ = ["EquivalenceReport", "SplitError", "check_equivalence"]
-
-
-class SplitError(ValueError):
-    """The batch cannot be checked on this split: it gives one micro-batch (only compared with
-    itself), or a micro-batch the model cannot run on its own. ``micro_batch_size`` and ``items``
-    are the split asked for, ``suggestion`` a micro-batch size that works (None: none does)."""
-
-    def __init__(self, message: str, *, micro_batch_size: int, items: int, suggestion: Optional[int]) -> None:
-        super().__init__(message)
-        self.micro_batch_size = micro_batch_size
-        self.items = items
-        self.suggestion = suggestion
 
 
 @dataclass(frozen=True)

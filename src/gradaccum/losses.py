@@ -15,6 +15,7 @@ from typing import Tuple
 import torch
 
 from ._maths import target_count, token_loss_sum
+from .errors import ConfigurationError
 
 __all__ = ["causal_lm_loss", "count_targets", "token_cross_entropy"]
 
@@ -54,7 +55,7 @@ def causal_lm_loss(
         3
     """
     if logits.dim() != 3 or labels.dim() != 2:
-        raise ValueError(
+        raise ConfigurationError(
             f"causal_lm_loss expects logits (batch, seq, vocab) and labels (batch, seq), got "
             f"{tuple(logits.shape)} and {tuple(labels.shape)}"
         )
@@ -75,5 +76,5 @@ def count_targets(labels: torch.Tensor, *, shift: bool = True, ignore_index: int
     3
     """
     if labels.dim() < 1 or (shift and labels.dim() != 2):
-        raise ValueError(f"count_targets expects labels of shape (batch, seq), got {tuple(labels.shape)}")
+        raise ConfigurationError(f"count_targets expects labels of shape (batch, seq), got {tuple(labels.shape)}")
     return int(target_count(labels[:, 1:] if shift else labels, ignore_index=ignore_index))

@@ -47,6 +47,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from .errors import ConfigurationError
+
 __all__ = ["PeakMeter", "PeakMemory", "state_bytes"]
 
 DeviceLike = Union[str, torch.device]
@@ -89,13 +91,13 @@ class PeakMeter:
     def __init__(self, device: DeviceLike = "cpu") -> None:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
-            raise ValueError(
+            raise ConfigurationError(
                 f"PeakMeter measures 'cpu' or 'cuda' devices, got device={str(device)!r}; on other "
                 "devices read the backend's own counters (e.g. torch.mps.current_allocated_memory)"
             )
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise ValueError(f"PeakMeter(device={str(device)!r}): CUDA is not available here; use 'cpu'")
+                raise ConfigurationError(f"PeakMeter(device={str(device)!r}): CUDA is not available here; use 'cpu'")
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev

@@ -14,6 +14,8 @@ from typing import Any, ContextManager, Dict, Optional
 
 import torch
 
+from .errors import ConfigurationError
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 __all__ = ["MixedPrecision", "PRECISIONS"]
@@ -24,7 +26,7 @@ class MixedPrecision:
 
     def __init__(self, precision: str, device: torch.device) -> None:
         if precision not in PRECISIONS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
             )
         self.precision = precision
@@ -77,7 +79,7 @@ class MixedPrecision:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("precision") != self.precision:
-            raise ValueError(
+            raise ConfigurationError(
                 f"checkpoint was written with precision={state.get('precision')!r} but this "
                 f"Accumulator uses precision={self.precision!r}; construct it with the same precision"
             )

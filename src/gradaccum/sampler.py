@@ -29,6 +29,7 @@ from torch.utils.data import Sampler
 from . import sync
 from ._checks import positive_int
 from ._maths import ceil_div
+from .errors import ConfigurationError
 
 __all__ = ["WindowSampler"]
 
@@ -62,10 +63,10 @@ class WindowSampler(Sampler[List[int]]):
         positive_int("global_batch_size", global_batch_size)
         positive_int("micro_batch_size", micro_batch_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+            raise ConfigurationError(f"seed must be an int, got {seed!r}")
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if (rank is None or world_size is None) and launched > 1 and not sync.is_distributed():
-            raise ValueError(
+            raise ConfigurationError(
                 f"WindowSampler(rank={rank!r}, world_size={world_size!r}) under a launcher of WORLD_SIZE="
                 f"{launched} before the process group exists would read this rank as the only one: create "
                 "it after torch.distributed.init_process_group, or pass rank= and world_size="
@@ -74,9 +75,9 @@ class WindowSampler(Sampler[List[int]]):
         positive_int("world_size", world)
         here = sync.rank() if rank is None else rank
         if isinstance(here, bool) or not isinstance(here, int) or not 0 <= here < world:
-            raise ValueError(f"rank must be an int in [0, {world}), got {here!r}")
+            raise ConfigurationError(f"rank must be an int in [0, {world}), got {here!r}")
         if drop_last and dataset_size < global_batch_size:
-            raise ValueError(f"drop_last=True with dataset_size={dataset_size} < global_batch_size="
+            raise ConfigurationError(f"drop_last=True with dataset_size={dataset_size} < global_batch_size="
                              f"{global_batch_size} leaves no window: lower global_batch_size or keep the short window")
         self.dataset_size = dataset_size
         self.global_batch_size = global_batch_size
@@ -161,7 +162,7 @@ class WindowSampler(Sampler[List[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Move to ``epoch``; a new epoch starts at its first window, the current one stays put."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+            raise ConfigurationError(f"epoch must be an int >= 0, got {epoch!r}")
         if epoch != self.epoch:
             self.epoch, self.start_window = epoch, 0
 
@@ -185,16 +186,16 @@ class WindowSampler(Sampler[List[int]]):
         """
         missing = [k for k in ("epoch", "window") if k not in state]
         if missing:
-            raise ValueError(f"WindowSampler.load_state_dict: the state lacks {', '.join(missing)}; "
+            raise ConfigurationError(f"WindowSampler.load_state_dict: the state lacks {', '.join(missing)}; "
                              "pass what WindowSampler.state_dict() returned")
         differs = [f"{k}={state[k]!r} (here {getattr(self, k)!r})"
                    for k in ("seed", "global_batch_size", "dataset_size", "shuffle", "drop_last")
                    if k in state and state[k] != getattr(self, k)]
         if differs:
-            raise ValueError("the saved sampler state is for another data order: " + ", ".join(differs)
+            raise ConfigurationError("the saved sampler state is for another data order: " + ", ".join(differs)
                              + "; construct the WindowSampler with the saved values to continue that run")
         epoch, window = int(state["epoch"]), int(state["window"])
         if epoch < 0 or not 0 <= window <= self.num_windows:
-            raise ValueError(f"the saved position (epoch {epoch}, window {window}) is outside this "
+            raise ConfigurationError(f"the saved position (epoch {epoch}, window {window}) is outside this "
                              f"sampler's {self.num_windows} windows per epoch")
         self.epoch, self.start_window = epoch, window

@@ -15,6 +15,7 @@ from typing import Callable, Union
 
 from ._checks import non_negative_int, positive_int
 from ._maths import ceil_div
+from .errors import ConfigurationError
 
 __all__ = ["AccumSchedule", "AccumSteps", "num_steps"]
 
@@ -32,10 +33,10 @@ class AccumSchedule:
         self._fn: Callable[[int], int]
         if isinstance(accum_steps, Mapping):
             if not accum_steps:
-                raise ValueError("accum_steps mapping is empty; give at least {0: N}")
+                raise ConfigurationError("accum_steps mapping is empty; give at least {0: N}")
             for epoch, n in accum_steps.items():
                 if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-                    raise ValueError(f"accum_steps keys must be epochs (ints >= 0), got {epoch!r}")
+                    raise ConfigurationError(f"accum_steps keys must be epochs (ints >= 0), got {epoch!r}")
                 positive_int(f"accum_steps[{epoch}]", n)
             points = sorted(accum_steps.items())
             self._fn = lambda e: next((n for start, n in reversed(points) if e >= start), 1)

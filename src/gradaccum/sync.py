@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .errors import ConfigurationError
+
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
            "DATA_PARALLEL"]
@@ -226,7 +228,7 @@ class DDPSync(GradSync):
     def __init__(self, modules: Sequence[DistributedDataParallel], *, reduce_every_micro_batch: bool = False) -> None:
         for ddp in modules:
             if getattr(ddp, "static_graph", False) and not reduce_every_micro_batch:
-                raise ValueError(
+                raise ConfigurationError(
                     "DistributedDataParallel(static_graph=True) cannot skip the gradient reduction "
                     "between micro-batches: its graph is recorded from the first iteration, and "
                     "no_sync() iterations break it. Construct DDP with static_graph=False (the default), "
@@ -238,7 +240,7 @@ class DDPSync(GradSync):
         self.group = getattr(modules[0], "process_group", None)
         sizes = {dist.get_world_size(getattr(m, "process_group", None)) for m in modules}
         if len(sizes) != 1:
-            raise ValueError(f"the model's DistributedDataParallel modules span process groups of "
+            raise ConfigurationError(f"the model's DistributedDataParallel modules span process groups of "
                              f"different sizes {sorted(sizes)}; use one process group for data parallelism")
         self.grad_divisor = float(self.world_size)
 
@@ -367,11 +369,11 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
             data-parallel wrapper reduces while ``torch.distributed`` runs several ranks.
     """
     if data_parallel not in DATA_PARALLEL:
-        raise ValueError(f"data_parallel must be 'auto' or 'none', got {data_parallel!r}")
+        raise ConfigurationError(f"data_parallel must be 'auto' or 'none', got {data_parallel!r}")
     modules = list(model.modules())
     fsdp1 = _fsdp1_type()
     if fsdp1 is not None and any(isinstance(m, fsdp1) for m in modules):
-        raise ValueError(
+        raise ConfigurationError(
             "FullyShardedDataParallel (FSDP1) is not supported: its no_sync() and gradient "
             "pre/post-division differ from DDP's. Shard the model with FSDP2's fully_shard(model) "
             "instead (torch.distributed.fsdp.fully_shard), which gradaccum supports"
@@ -381,13 +383,13 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
     fsdps = [m for m in modules if fsdp_type is not None and isinstance(m, fsdp_type)]
     if data_parallel == "none":
         if ddps or fsdps:
-            raise ValueError(
+            raise ConfigurationError(
                 f"data_parallel='none' but the model holds a {'DistributedDataParallel' if ddps else 'fully_shard'} "
                 "module, which reduces gradients across ranks: leave data_parallel='auto'"
             )
         return GradSync()
     if ddps and fsdps:
-        raise ValueError("the model holds both DistributedDataParallel and fully_shard modules; "
+        raise ConfigurationError("the model holds both DistributedDataParallel and fully_shard modules; "
                          "use one data-parallel wrapper")
     if ddps:
         return DDPSync(_outermost(ddps, DistributedDataParallel),  # type: ignore[arg-type]
@@ -395,7 +397,7 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
     if fsdps:
         return FSDP2Sync(_outermost(fsdps, fsdp_type), reduce_every_micro_batch=reduce_every_micro_batch)
     if is_distributed() and dist.get_world_size() > 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"torch.distributed runs {dist.get_world_size()} ranks but no DistributedDataParallel or "
             f"fully_shard module reduces this {type(model).__name__}'s gradients: every rank would step "
             "on its own gradients and the replicas would drift apart. Wrap the model "

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence, Tuple
 
 from .._maths import ceil_div
 from .errors import CLIError
+from ..errors import ConfigurationError
 
 __all__ = ["check_command", "import_object", "CHECK_MICRO_BATCH_SIZE", "CHECK_ACCUM_STEPS"]
 
@@ -133,7 +134,7 @@ def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from ..checking import SplitError
 
     if not args.rtol > 0:
-        raise ValueError(f"--rtol must be a positive number, got {args.rtol!r}")
+        raise ConfigurationError(f"--rtol must be a positive number, got {args.rtol!r}")
     torch_seed(args.seed)
     own = args.model is not None and ":" in args.model
     if own:

@@ -12,6 +12,7 @@ from .._maths import ceil_div
 from ..precision import PRECISIONS
 from ..tasks.data import TASKS
 from ..tasks.models import MODELS
+from ..errors import ConfigurationError
 
 __all__ = ["TrainConfig", "WindowShape", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
            "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "window_shape"]
@@ -60,14 +61,14 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, No
     ranks = f" x {world_size} ranks" if world_size > 1 else ""
     if micro_batch_size == "auto":
         if accum_steps is not None:
-            raise ValueError(f"--accum-steps {accum_steps} does not apply with --micro-batch-size auto, which "
+            raise ConfigurationError(f"--accum-steps {accum_steps} does not apply with --micro-batch-size auto, which "
                              "picks the split of each window itself; drop --accum-steps and give the window "
                              "with --batch-size")
         return WindowShape(batch_size if batch_size is not None else DEFAULT_AUTO_BATCH, "auto", None)
     if batch_size is not None and accum_steps is not None and micro_batch_size is None:
         m, rest = divmod(batch_size, accum_steps * world_size)
         if rest or m < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"--batch-size {batch_size} does not split into --accum-steps {accum_steps} equal micro-batches"
                 f"{' on each of ' + str(world_size) + ' ranks' if world_size > 1 else ''}; give --micro-batch-size "
                 f"M instead of --accum-steps (the last micro-batch may be smaller), or a --batch-size divisible "
@@ -80,7 +81,7 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, No
     if accum_steps is None:
         return WindowShape(batch_size, m, ceil_div(batch_size, m * world_size))
     if batch_size != m * accum_steps * world_size:
-        raise ValueError(
+        raise ConfigurationError(
             f"--batch-size {batch_size}, --micro-batch-size {m} and --accum-steps {accum_steps} contradict each "
             f"other: a window is micro-batch size x accum steps{ranks} = {m} x {accum_steps}"
             f"{f' x {world_size}' if ranks else ''} = {m * accum_steps * world_size} items, not {batch_size}; "
@@ -122,10 +123,10 @@ class TrainConfig:
             raise bad("--task", self.task, f"one of {', '.join(TASKS)}")
         if self.data_path is not None:
             if self.task == "digits":
-                raise ValueError(f"--data-path {self.data_path} is not used by --task digits (its data ships "
+                raise ConfigurationError(f"--data-path {self.data_path} is not used by --task digits (its data ships "
                                  "with scikit-learn); drop --data-path, or pass --task mnist or --task text")
             if not self.data_path.strip():
-                raise ValueError(f"--data-path must name a {'folder' if self.task == 'mnist' else 'file'}, "
+                raise ConfigurationError(f"--data-path must name a {'folder' if self.task == 'mnist' else 'file'}, "
                                  "got an empty string")
             # stored absolute, so that eval and --resume work from any folder
             object.__setattr__(self, "data_path", os.path.abspath(os.path.expanduser(self.data_path)))
@@ -140,7 +141,7 @@ class TrainConfig:
         check_int("WORLD_SIZE", self.world_size, extra=" (torchrun sets it)")
         window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)
         if self.shard and self.micro_batch_size == "auto":
-            raise ValueError("--micro-batch-size auto does not work with --shard: FSDP2 reduces gradients only "
+            raise ConfigurationError("--micro-batch-size auto does not work with --shard: FSDP2 reduces gradients only "
                              "inside backward, so the ranks cannot agree on an out-of-memory error first; pass "
                              "an integer --micro-batch-size")
         if self.epochs is not None:
@@ -156,13 +157,13 @@ class TrainConfig:
         check_int("--checkpoint-every", self.checkpoint_every, 0, extra=" (0: only at the end)")
         check_int("--loss-every", self.loss_every, extra=" (1: every window's loss)")
         if self.shard and self.loss_every > 1:
-            raise ValueError(f"--loss-every {self.loss_every} does not work with --shard: FSDP2 holds a shard of the "
+            raise ConfigurationError(f"--loss-every {self.loss_every} does not work with --shard: FSDP2 holds a shard of the "
                              "gradient on each rank, so every window exchanges its loss with its norm anyway; "
                              "drop --loss-every")
         if self.dtype not in DTYPES:
             raise bad("--dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if self.dtype == "float64" and self.precision != "fp32":
-            raise ValueError(f"--dtype float64 needs --precision fp32, got --precision {self.precision}")
+            raise ConfigurationError(f"--dtype float64 needs --precision fp32, got --precision {self.precision}")
         if self.device not in DEVICES:
             raise bad("--device", self.device, f"one of {', '.join(DEVICES)}")
         defaults = DEFAULTS[self.task]

@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import _maths
 from ..batching import leading_dim
+from ..errors import ConfigurationError
 
 __all__ = ["HEADS", "head_of", "BatchItems"]
 
@@ -45,7 +46,7 @@ def head_of(model: nn.Module) -> str:
                           ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)):
         if name in names(mapping):
             return head
-    raise ValueError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
+    raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
                      "(ExactTrainer computes that head's loss from the model's logits)")
 
 
@@ -77,7 +78,7 @@ class BatchItems:
             else:
                 problem = "multi_label_classification"
         if problem not in _PROBLEM_LOSS:
-            raise ValueError(f"ExactTrainer: problem_type={problem!r} is not supported; supported are "
+            raise ConfigurationError(f"ExactTrainer: problem_type={problem!r} is not supported; supported are "
                              f"{', '.join(_PROBLEM_LOSS)}")
         return _PROBLEM_LOSS[problem]
 
@@ -85,7 +86,7 @@ class BatchItems:
     def labels(batch: Dict[str, Any]) -> torch.Tensor:
         labels = batch.get("labels")
         if labels is None:
-            raise ValueError("ExactTrainer: a training batch has no 'labels'; it needs them to count the items "
+            raise ConfigurationError("ExactTrainer: a training batch has no 'labels'; it needs them to count the items "
                              "and compute the loss (use a collator such as DataCollatorForLanguageModeling(mlm=False))")
         return labels
 
@@ -132,7 +133,7 @@ class BatchItems:
         else:
             logits = getattr(outputs, "logits", None)
         if logits is None:
-            raise ValueError("ExactTrainer: the model returned no 'logits'; ExactTrainer computes the loss from them "
+            raise ConfigurationError("ExactTrainer: the model returned no 'logits'; ExactTrainer computes the loss from them "
                              f"(got {type(outputs).__name__}). Return logits from forward when no labels are given")
         return logits
 

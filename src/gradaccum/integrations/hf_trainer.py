@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import _maths
+from ..errors import ConfigurationError
 from .hf_items import HEADS, BatchItems, head_of
 
 try:
@@ -192,11 +193,11 @@ class ExactTrainer(Trainer):
 
     def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, **kwargs: Any) -> None:
         if kwargs.get("compute_loss_func") is not None:
-            raise ValueError("ExactTrainer(compute_loss_func=...): ExactTrainer cannot weigh a loss whose reduction "
+            raise ConfigurationError("ExactTrainer(compute_loss_func=...): ExactTrainer cannot weigh a loss whose reduction "
                              "it does not know; drop compute_loss_func (ExactTrainer computes the model's loss), or "
                              "use Trainer")
         if head is not None and head not in HEADS:
-            raise ValueError(f"ExactTrainer(head={head!r}): supported heads are {', '.join(HEADS)}")
+            raise ConfigurationError(f"ExactTrainer(head={head!r}): supported heads are {', '.join(HEADS)}")
         self.source = loss_source(type(self))
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
@@ -361,29 +362,29 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     """After the Trainer is built (its arguments and Accelerator read): what would not be one big batch,
     or is not tested here, refused in one line that says the fix."""
     if trainer.source == "head" and getattr(trainer.args, "label_smoothing_factor", None):
-        raise ValueError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
+        raise ConfigurationError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
                          "supported where ExactTrainer computes the model's loss; set it to 0")
     if trainer.args.n_gpu > 1:
-        raise ValueError(f"ExactTrainer: n_gpu={trainer.args.n_gpu} (DataParallel in one process) splits each "
+        raise ConfigurationError(f"ExactTrainer: n_gpu={trainer.args.n_gpu} (DataParallel in one process) splits each "
                          "batch without telling the loss; launch one process per GPU (torchrun) instead")
     if trainer.is_deepspeed_enabled:
-        raise ValueError("ExactTrainer: DeepSpeed (any ZeRO stage) is not supported: untested here (see "
+        raise ConfigurationError("ExactTrainer: DeepSpeed (any ZeRO stage) is not supported: untested here (see "
                          "docs/guides/hf-trainer.md), and its engine steps inside backward, so a window without "
                          "items could not be skipped; shard with FSDP2 instead (fsdp='full_shard', "
                          "fsdp_config={'fsdp_version': 2}) or train with DDP")
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
     if version not in (None, 2):
-        raise ValueError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
+        raise ConfigurationError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
                          "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
     if version == 2 and trainer.source != "head":
-        raise ValueError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not under "
+        raise ConfigurationError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not under "
                          f"{type(trainer).__name__}'s own compute_loss (items: {trainer.source}); train it with DDP "
                          "(one process per device under torchrun)")
     batch_level = sorted(set(getattr(trainer, "loss_types", ())) & set(_NOT_PER_PAIR))
     if trainer.source == "pairs" and batch_level:
-        raise ValueError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
+        raise ConfigurationError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
                          "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
                          "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
     if getattr(trainer, "aux_loss_enabled", False):
-        raise ValueError("ExactTrainer: the MoE router's auxiliary loss is a mean per micro-batch, not per item; "
+        raise ConfigurationError("ExactTrainer: the MoE router's auxiliary loss is a mean per micro-batch, not per item; "
                          "set model_init_kwargs/config output_router_logits=False")

@@ -27,6 +27,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from .._checks import Count, as_number, item_count
 from .._maths import Verdict, backward_weight, boundary_scale, first_reference, verdict
 from ..batching import leading_dim
+from ..errors import ConfigurationError
 
 __all__ = ["ExactAccumulation"]
 
@@ -162,10 +163,10 @@ class ExactAccumulation(Callback):
             out = original(*args, **kwargs)
             if isinstance(out, tuple):
                 if len(out) != 2:
-                    raise ValueError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
+                    raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
                                      "return the mean loss, or (mean_loss, item_count)")
                 if self.num_items is not None:
-                    raise ValueError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
+                    raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
                                      "too; keep one source of the count (drop num_items=... or return the mean)")
                 self.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
                 return out[0]
@@ -260,7 +261,7 @@ def _leading_dim(batch: Any) -> int:
     try:
         return leading_dim(batch)
     except ValueError as exc:
-        raise ValueError(f"ExactAccumulation counts a batch's items by its leading dimension, but the {exc} Or pass "
+        raise ConfigurationError(f"ExactAccumulation counts a batch's items by its leading dimension, but the {exc} Or pass "
                          "num_items=lambda batch: <its item count>, or return (mean_loss, count) from "
                          "training_step") from None
 
@@ -271,7 +272,7 @@ def _refuse_a_second_callback(trainer: "pl.Trainer") -> None:
     mine = [f"trainer.callbacks[{i}] = {cb!r}" for i, cb in enumerate(trainer.callbacks)  # type: ignore[attr-defined]
             if isinstance(cb, ExactAccumulation)]
     if len(mine) > 1:
-        raise ValueError(f"this Trainer holds {len(mine)} ExactAccumulation callbacks ({'; '.join(mine)}): each "
+        raise ConfigurationError(f"this Trainer holds {len(mine)} ExactAccumulation callbacks ({'; '.join(mine)}): each "
                          "would weigh every micro-batch and rescale every step again, away from one big batch. Keep "
                          "exactly one: remove the others from Trainer(callbacks=[...]), your config's "
                          "trainer.callbacks, or LightningModule.configure_callbacks()")

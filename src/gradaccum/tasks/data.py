@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigurationError
 from ..losses import causal_lm_loss, count_targets
 
 __all__ = ["Task", "TaskError", "load_task", "TASKS"]
@@ -25,7 +26,7 @@ __all__ = ["Task", "TaskError", "load_task", "TASKS"]
 TASKS = ("digits", "mnist", "text")
 
 
-class TaskError(ValueError):
+class TaskError(ConfigurationError):
     """A data problem the user can fix (missing or corrupt file); the CLI prints it as one line."""
 
 

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigurationError
+
 __all__ = ["MODELS", "build_model", "LeNet5", "MLP", "TinyTransformer"]
 
 MODELS = ("lenet5", "mlp", "transformer")
@@ -70,9 +72,9 @@ class TinyTransformer(nn.Module):
 
 def build_model(name: str, task: str, **kwargs: Any) -> nn.Module:
     if name not in MODELS:
-        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
+        raise ConfigurationError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
     if (name == "transformer") != (task == "text"):
-        raise ValueError(f"--model {name} does not fit --task {task}: use transformer for text, "
+        raise ConfigurationError(f"--model {name} does not fit --task {task}: use transformer for text, "
                          "lenet5 or mlp for digits and mnist")
     if name == "lenet5":
         return LeNet5(kwargs["num_classes"], kwargs["in_shape"])
