@@ -444,10 +444,10 @@ def test_token_counted_windows_keep_the_backward_near_a_mean_loss():
     windows = [[padded_micro_batch([9, 12, 5], 1, pad_to=12), padded_micro_batch([11], 2, pad_to=12)],
                [padded_micro_batch([12, 10], 3, pad_to=12), padded_micro_batch([8, 12], 4, pad_to=12)]]
     first = acc.step(windows[0], lm_loss)
-    assert acc.count_ratio == first.num_items / 4  # tokens per sequence in window 1
+    assert acc.state.count_ratio == first.num_items / 4  # tokens per sequence in window 1
     weights = []
     with acc.window(2, num_items=4) as w:  # 4 sequences up front, as step() would count them
-        weights.append(w.reference_items)
+        weights.append(w.reference)
         for mb in windows[1]:
             with w.micro_batch():
                 w.backward(*lm_loss(model, mb))
@@ -460,7 +460,7 @@ def test_token_counted_windows_keep_the_backward_near_a_mean_loss():
     assert_params_close(model, ref)
     restored = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     restored.load_state_dict(acc.state_dict())
-    assert restored.count_ratio == acc.count_ratio
+    assert restored.state.count_ratio == acc.state.count_ratio
 
 
 def test_reduce_lr_on_plateau_is_stepped_with_the_window_loss():

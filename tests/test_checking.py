@@ -190,3 +190,22 @@ def test_the_coupled_loss_hint_is_for_the_loss_alone():
     batchnorm = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4)).double()
     report = check_equivalence(batchnorm, lambda m, b: m(b[0]).pow(2).mean(), regression_batch(12), 4)
     assert report.suspects and "couples" not in str(report)
+
+
+def test_a_window_loss_on_a_batch_that_is_one_tensor_is_checked():
+    """Issue 34, item 1: a batch that is one tensor (an encoder of its own rows, SimCLR-like) split
+    into bare-tensor micro-batches went to acc.step as an ambiguous list and failed, blaming the
+    user's functions; the checker hands the Accumulator the batch and the split size instead."""
+    from gradaccum import WindowLoss
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x = torch.randn(12, 4, dtype=torch.float64)
+
+    def spread(m, z):  # couples the rows: their spread around the batch's mean, and that mean
+        return (z - z.mean(0)).pow(2).mean() + z.mean(0).pow(2).sum()
+
+    report = check_equivalence(model, WindowLoss(lambda m, b: m(b), spread), x, 5, rtol=1e-10)
+    assert report.equivalent and report.max_rel_diff < 1e-12, report
+    plain = check_equivalence(model, lambda m, b: spread(m, m(b)), x, 5, rtol=1e-10)
+    assert not plain.equivalent and plain.max_rel_diff > 1e-3

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum import Accumulator
+from gradaccum import Accumulator, SplitError
 from helpers import mse, regression_batch, regression_model
 
 
@@ -75,8 +75,10 @@ def test_bad_schedule_values(setup):
 
 def test_bad_epochs(setup):
     _, _, acc = setup
-    with pytest.raises(ValueError, match="epochs must be a positive int, got 0"):
-        acc.train([], mse, accum_steps=2, epochs=0)
+    with pytest.raises(ValueError, match=r"epochs must be an int >= 0 \(0 for a finished run: nothing to train\), got -1"):
+        acc.train([], mse, accum_steps=2, epochs=-1)
+    with pytest.raises(ValueError, match="epochs must be an int >= 0"):
+        acc.train([], mse, accum_steps=2, epochs=1.5)
 
 
 def test_unknown_precision():
@@ -221,3 +223,19 @@ def test_check_equivalence_refuses_vector_and_detached_losses():
     with pytest.raises(ValueError, match="does not require grad"):
         check_equivalence(model, lambda m, b: mse(m, b).detach(), regression_batch(8), 4)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_list_of_micro_batches_with_micro_batch_size_is_refused():
+    """Issue 34, item 2: the whole list reached loss_fn as one micro-batch, and the model raised a
+    TypeError of its own; now it is refused as the ambiguous tuple is, before anything runs."""
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    (x, y) = regression_batch(8)
+    with pytest.raises(SplitError, match=r"window is a list of 2 micro-batches and micro_batch_size=4 was given"):
+        acc.step([(x[:4], y[:4]), (x[4:], y[4:])], mse, micro_batch_size=4)
+    with pytest.raises(SplitError, match="a list of 2 micro-batches"):
+        acc.step([{"x": x[:4]}, {"x": x[4:]}], lambda m, b: m(b["x"]).pow(2).mean(), micro_batch_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and acc.steps == 0
+    acc.step([x, y], mse, micro_batch_size=4)  # one batch given as a list of tensors is still one batch
+    assert acc.steps == 1

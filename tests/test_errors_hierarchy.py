@@ -21,8 +21,8 @@ def test_every_kind_is_a_gradaccum_error_and_a_value_error():
 
 def test_a_bad_argument_is_a_configuration_error():
     model, acc = _acc()
-    with pytest.raises(ConfigurationError, match="epochs must be a positive int, got 0"):
-        acc.train([], lambda m, b: m(b).sum(), accum_steps=2, epochs=0)
+    with pytest.raises(ConfigurationError, match="epochs must be an int >= 0"):
+        acc.train([], lambda m, b: m(b).sum(), accum_steps=2, epochs=-1)
     with pytest.raises(ConfigurationError, match="max_grad_norm"):
         Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=-1.0)
 

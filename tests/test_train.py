@@ -128,3 +128,19 @@ def test_batches_that_carry_a_scalar_tensor_train_exactly(num_items):
     reference_epochs(ref, ref_opt, (x, y), [9, 2], epochs=1)
     assert [r.num_items for r in results] == [9, 2] and seen == [0, 3, 6, 9]
     assert_params_close(model, ref)
+
+
+def test_the_resume_recipe_on_a_finished_run_trains_nothing():
+    """Issue 34, item 4: docs/guides/train.md's `epochs=E - acc.epoch` is 0 once the run is finished;
+    that raised "epochs must be a positive int, got 0". Now it trains nothing, as the CLI does."""
+    loader, _ = loader_of(12, 3)
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(list(acc.train(loader, mse, accum_steps=2, epochs=2))) == 4 and acc.epoch == 2
+    state = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "acc": acc.state_dict()}
+    fresh = regression_model(seed=5)
+    fresh.load_state_dict(state["model"])
+    resumed = Accumulator(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    resumed.load_state_dict(state["acc"])
+    assert list(resumed.train(loader, mse, accum_steps=2, epochs=2 - resumed.epoch)) == []
+    assert resumed.steps == 4 and all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))

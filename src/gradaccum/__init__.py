@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and the API reference read; at run time each is imported on first use
     from ._cached import WindowLoss
     from ._ranks import WindowPlan
+    from ._state import AccumulatorState
     from ._run import is_out_of_memory
     from ._window import Window
     from .accumulator import Accumulator
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 #: each public name and the module that defines it. Importing ``gradaccum`` imports no torch: the
 #: command line (``gradaccum.cli``) is running, and catching a Ctrl-C, before torch's import begins.
 _HOMES = {
-    "Accumulator": "accumulator", "Window": "_window", "WindowPlan": "_ranks", "WindowLoss": "_cached",
+    "Accumulator": "accumulator", "AccumulatorState": "_state", "Window": "_window", "WindowPlan": "_ranks", "WindowLoss": "_cached",
     "is_out_of_memory": "_run", "split_batch": "batching", "EquivalenceReport": "checking",
     "check_equivalence": "checking", "causal_lm_loss": "losses", "count_targets": "losses",
     "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
@@ -55,6 +56,7 @@ def __dir__() -> list:
 
 __all__ = [
     "Accumulator",
+    "AccumulatorState",
     "AccumSchedule",
     "ConfigurationError",
     "EquivalenceReport",

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ._state import AccumulatorState
 from .batching import Batch, leading_dim, split_batch
 from .result import StepResult
 from .sync import GradSync
@@ -29,12 +30,10 @@ Attempt = Callable[[List[Batch], int], Optional[StepResult]]
 
 
 class AutoMicroBatch:
-    """The out-of-memory back-off, and the size that last worked (saved in ``state_dict``)."""
+    """The out-of-memory back-off; the size that last worked is ``state.auto_micro_batch_size``."""
 
-    def __init__(self, sync: GradSync, device: torch.device) -> None:
-        self.sync, self.device = sync, device
-        #: the micro-batch size that last worked
-        self.size: Optional[int] = None
+    def __init__(self, sync: GradSync, device: torch.device, state: AccumulatorState) -> None:
+        self.sync, self.device, self.state = sync, device, state
 
     def check_supported(self) -> None:
         if not self.sync.can_reduce_later:
@@ -50,14 +49,14 @@ class AutoMicroBatch:
         n = leading_dim(batch)
         if n == 0 and not self.sync.allows_empty_share:
             raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
-        size = min(self.size or n, n) if n else 2 ** 62  # an empty share follows the others
+        size = min(self.state.auto_micro_batch_size or n, n) if n else 2 ** 62  # an empty share follows the others
         size = self.sync.min_across(size, self.device)  # every rank starts from the same size
         backed_off = False
         while True:
             result = attempt(split_batch(batch, size) if n else [], size)
             if result is not None:
-                if n and (backed_off or self.size is None):
-                    self.size = size
+                if n and (backed_off or self.state.auto_micro_batch_size is None):
+                    self.state.auto_micro_batch_size = size
                 return result
             backed_off = True
             _free_memory(self.device)

@@ -17,7 +17,7 @@ optimizer step; the scheduler step (only on steps taken); gradients cleared.
 verdict read from it alone is the same on every rank too. When every rank also knows the window's
 global N up front (a WindowSampler's shares) and ``loss_fn`` counts those items, the all-reduce above
 only tells the ranks each other's loss (and carries stop requests). ``Accumulator(loss_every=k)`` does
-it on every k-th window only (:meth:`gradaccum._ranks.RankAgreement.should_exchange`); the windows between cost no collective
+it on every k-th window only (:func:`gradaccum._ranks.window_setup`); the windows between cost no collective
 besides DDP's own reduction. Their verdict reads the gradient's norm (measured always there), and a
 rank's non-finite loss still reaches every rank, through the gradient: its reducing backward adds
 ``nan`` times one element of a parameter (:func:`gradaccum._maths.loss_check_term`), so the reduced
@@ -34,23 +34,15 @@ from typing import Any, List, Optional
 import torch
 
 from ._exchange import Exchanged, ExchangeRow, Tally, pack_row, read_on_host
-from ._gradients import WindowGradients
+from ._gradients import WindowGradients, tensor_norms
 from ._maths import Verdict, boundary_scale, clip_coefficient, verdict, window_mean
+from ._state import AccumulatorState
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
-__all__ = ["Counters", "WindowTotals", "Outcome", "Boundary", "InFlight"]
+__all__ = ["WindowTotals", "Outcome", "Boundary", "InFlight", "total_norm"]
 
 # -- the procedure ------------------------------------------------------------------------------------
-
-@dataclass
-class Counters:
-    """Where training stands: optimizer steps taken, windows skipped, epochs finished by ``train()``."""
-
-    steps: int = 0
-    skipped: int = 0
-    epoch: int = 0
-
 
 @dataclass(frozen=True)
 class WindowTotals:
@@ -62,7 +54,7 @@ class WindowTotals:
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad: whether this rank can pad its next window (has run a micro-batch to repeat).
         known_items: the window's global N, when every rank knew it up front and the window
-            exchanges nothing (:meth:`gradaccum._ranks.RankAgreement.should_exchange`); else None.
+            exchanges nothing (:func:`gradaccum._ranks.window_setup`); else None.
     """
 
     tally: Tally
@@ -86,56 +78,40 @@ class Outcome:
     step: int
     peers_can_pad: Optional[bool] = False
     stop_requested: bool = False
-    loss_fn_counts: Optional[bool] = None
+    counts_from_loss_fn: Optional[bool] = None
 
 
 class Boundary:
-    """Runs a window's boundary (the module docstring's order) and counts the steps it takes."""
+    """Runs a window's boundary (the module docstring's order). What it changes in the
+    :class:`~gradaccum._state.AccumulatorState`: the steps and skipped windows it counts, the scheduler's
+    position, the stop requests carried, and, at the first boundary, the replicas' check and the probe."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, precision: MixedPrecision,
-                 sync: GradSync, grads: WindowGradients, max_grad_norm: Optional[float],
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, state: AccumulatorState,
+                 precision: MixedPrecision, sync: GradSync, grads: WindowGradients, max_grad_norm: Optional[float],
                  compute_grad_norm: bool, nonfinite: str, device: torch.device) -> None:
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.precision, self.sync, self.grads = precision, sync, grads
         self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
         self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
         #: whether the all-reduce may start before the last backward (:meth:`launch`): across ranks, and
         #: not when it carries the squared norm of a sharded (FSDP2) gradient, which exists only after
         self.launch_before_last_backward = sync.reduces_across_ranks and not (self.measure and sync.sharded_grads)
-        self.counters = Counters()
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        #: counted by ``Accumulator.request_stop`` (maybe from a signal handler); each new request is
-        #: carried to every rank by the next boundary's all-reduce
-        self.stop_requests = 0
-        self._stops_carried = 0
-        #: whether the first reduced gradient is still to be compared across ranks (see check_replicas)
-        self.verify_replicas = sync.replicated_grads
-        #: the scheduler's ``last_epoch`` after its last step here (None: read when the next window opens)
-        self.scheduler_at: Optional[int] = None
-        self._warned: set = set()
-
-    def request_stop(self) -> None:
-        """Count a stop request (safe from a signal handler): the next boundary's all-reduce carries it."""
-        self.stop_requests += 1
-
-    def forget_scheduler_position(self) -> None:
-        """The scheduler's state was loaded: :meth:`check_scheduler` reads where it stands anew."""
-        self.scheduler_at = None
 
     def check_scheduler(self) -> None:
         """Before a window opens: the scheduler must stand where this boundary's last step left it.
         Stepped elsewhere too (a ``scheduler.step()`` of the user's own, or another Accumulator given the
         same scheduler), it would move the learning rate twice per step, in silence."""
-        at = getattr(self.scheduler, "last_epoch", None)
+        at, state = getattr(self.scheduler, "last_epoch", None), self.state
         if not isinstance(at, int) or isinstance(at, bool):
             return  # a scheduler without a step counter: nothing to compare
-        if self.scheduler_at is None:
-            self.scheduler_at = at
-        elif at != self.scheduler_at:
-            moved = at - self.scheduler_at
+        if state.scheduler_at is None:
+            state.scheduler_at = at
+        elif at != state.scheduler_at:
+            moved = at - state.scheduler_at
             raise RuntimeError(
                 f"the scheduler given to the Accumulator ({type(self.scheduler).__name__}) was stepped outside it: "
-                f"its last_epoch went from {self.scheduler_at} to {at} since the Accumulator's last optimizer "
+                f"its last_epoch went from {state.scheduler_at} to {at} since the Accumulator's last optimizer "
                 f"step ({moved:+d} step{'s' if abs(moved) != 1 else ''} it did not take). The Accumulator steps it "
                 "once per optimizer step taken, so a scheduler.step() of your own (or another Accumulator "
                 "given the same scheduler) moves the learning rate twice as fast. Remove your own "
@@ -145,18 +121,18 @@ class Boundary:
         """Unscale, (compare the replicas once), read the exchanged numbers, measure, decide, clip,
         step; the window's gradients are cleared after. ``in_flight`` is the all-reduce :meth:`launch`
         started, if the window started it; without ``exchange`` the ranks exchange nothing
-        (:meth:`gradaccum._ranks.RankAgreement.should_exchange`)."""
+        (:func:`gradaccum._ranks.window_setup`)."""
         self.grads.close()
         self.precision.unscale_(self.optimizer)
         grads = self.grads.tensors()
-        if self.verify_replicas:
-            self.verify_replicas = False
+        if self.sync.replicated_grads and not self.state.replicas_checked:
+            self.state.replicas_checked = True
             try:
                 check_replicas(grads, self.sync, self.device)
             except BaseException:
                 self.grads.clear()
                 raise
-            self.grads.choose_probe()  # among the gradients the ranks just found equal
+            self.state.probe = self.grads.smallest_reduced()  # among the gradients the ranks just found equal
         if exchange:
             told = self._exchanged(totals, grads, in_flight)
         else:
@@ -177,7 +153,7 @@ class Boundary:
                 self._skip(decision, loss_sum, grad_norm, totals.ran)
         finally:
             self.grads.clear()
-        return Outcome(loss_sum, told.num_items, grad_norm, decision is not Verdict.STEP, lr, self.counters.steps,
+        return Outcome(loss_sum, told.num_items, grad_norm, decision is not Verdict.STEP, lr, self.state.steps,
                        told.peers_can_pad if exchange else None, told.stop,
                        told.counts_from_loss_fn if exchange else None)
 
@@ -191,8 +167,8 @@ class Boundary:
 
     def _stop_now(self) -> bool:
         """Whether a stop was requested since the last boundary (read once: a later request waits)."""
-        requests = self.stop_requests
-        stop, self._stops_carried = requests > self._stops_carried, requests
+        requests = self.state.stop_requests
+        stop, self.state.stops_carried = requests > self.state.stops_carried, requests
         return stop
 
     def _row(self, totals: WindowTotals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -219,24 +195,24 @@ class Boundary:
                             norm=norm)  # the window's one host sync
         if row is None:
             raw = host["norm"][0] if norm is not None else None
-            return Exchanged(host["loss_sum"][0], tally.host_items, raw, True, self._stop_now(), tally.own_counts)
+            return Exchanged(host["loss_sum"][0], tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn)
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
-        return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad >= self.sync.world_size, told.stop > 0,
-                         told.own_counts > 0)
+        return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad >= self.sync.group_size, told.stop > 0,
+                         told.counts_from_loss_fn > 0)
 
     def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float]) -> None:
         if grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
         self.grads.write_back()
         self.precision.step(self.optimizer)
-        self.counters.steps += 1  # counted before the scheduler, which may raise after the step
+        self.state.steps += 1  # counted before the scheduler, which may raise after the step
         if self.scheduler is not None:
             if self.steps_on_loss:
                 self.scheduler.step(loss)  # ReduceLROnPlateau: the window's loss is the metric
             else:
                 self.scheduler.step()
-            self.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
+            self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
 
     def _skip(self, decision: Verdict, loss_sum: Optional[float], grad_norm: Optional[float], ran: bool) -> None:
         if decision is Verdict.RAISE:
@@ -246,7 +222,7 @@ class Boundary:
                 "no step was taken and the gradients were cleared. Lower the learning rate, use "
                 "max_grad_norm, or pass nonfinite='skip' to skip such windows"
             )
-        self.counters.skipped += 1
+        self.state.skipped += 1
         if decision is Verdict.SKIP_EMPTY and ran:
             self._warn_once("no_items", "a window counted 0 items (e.g. every label is the ignore_index): it has "
                             "no loss to step on, so it was skipped; its StepResult.loss is nan")
@@ -257,8 +233,7 @@ class Boundary:
         self.precision.skip()
 
     def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
+        if self.state.warn_once(key):
             warnings.warn(message, stacklevel=6)
 
 
@@ -292,7 +267,7 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
     pass over the gradient, one all-gather of two numbers and one host synchronisation, once.
     """
     if grads:
-        norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
+        norms = tensor_norms(grads)
         weights = torch.arange(1, len(grads) + 1, dtype=torch.float64, device=norms.device)
         mine = torch.stack([norms.sum(), (norms * weights).sum()])
     else:
@@ -315,8 +290,8 @@ def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
     without get_total_norm's per-call grouping); DTensors and mixed devices take the general path."""
     if not grads:
         return torch.zeros((), device=device)
-    if hasattr(torch, "_foreach_norm") and all(type(g) is torch.Tensor and g.device == device for g in grads):
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    if all(type(g) is torch.Tensor and g.device == device for g in grads):
+        return torch.linalg.vector_norm(tensor_norms(grads))
     norm = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
         else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     return full_tensor(norm)

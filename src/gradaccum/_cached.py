@@ -92,8 +92,6 @@ class WindowLoss:
             raise TypeError(f"WindowLoss(loss=...) must be callable as loss(model, representations) -> scalar, "
                             f"got {loss!r}")
         self.encode, self.loss = encode, loss
-        #: the replay is compared with pass 1 in the first window this WindowLoss runs
-        self.checked = False
 
     def __repr__(self) -> str:
         return f"WindowLoss(encode={self.encode!r}, loss={self.loss!r})"
@@ -193,8 +191,7 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
     window's padding asks (DDP's first forward and FSDP2's every forward are collectives)."""
     ranks = ctx.ranks
     sizes = [int(as_number(c)) for c in counts.each]
-    request = WindowRequest(len(micro_batches), counts.total, can_pad=bool(micro_batches) or ranks.replay is not None,
-                            plan=plan)
+    request = WindowRequest(len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         if micro_batches:
             ranks.remember(micro_batches[-1])
@@ -216,7 +213,7 @@ def _loss_gradient(ctx: WindowContext, window: Window, window_loss: WindowLoss, 
     total = joined[0].shape[0]
     loss, inputs = _window_loss(window_loss, spec, joined, ctx)
     outside: List[torch.Tensor] = [p for p in ctx.grads.params if p.requires_grad]
-    weighted = ctx.precision.scale(loss * backward_weight(total, window.reference(total), 1.0))
+    weighted = ctx.precision.scale(loss * backward_weight(total, window.fix_reference(total), 1.0))
     with torch.autocast(device_type=ctx.device.type, enabled=False):
         found = torch.autograd.grad(weighted, inputs + outside, allow_unused=True)
     slices: List[Optional[torch.Tensor]] = [None if g is None else g[offset:offset + mine] * ctx.sync.grad_divisor
@@ -231,19 +228,20 @@ def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, mi
     """Each micro-batch's forward again from its saved random state, backpropagated with its slice; then
     the padding the ranks need. ``carried`` (the loss's parameters and their gradient) rides in the last
     backward, the one that reduces. The first window compares the replay with pass 1, on every rank."""
-    ranks, at, alike = ctx.ranks, 0, True
+    at, alike, replay = 0, True, ctx.state.replay
+    checked = window_loss in ctx.state.checked_replays
     last = len(micro_batches) + window.padding - 1
     for k in range(last + 1):
         own = k < len(micro_batches)
         if own:
             first.states[k].restore()
-        batch, n = (micro_batches[k], sizes[k]) if own else (ranks.replay, leading_dim(ranks.replay))
+        batch, n = (micro_batches[k], sizes[k]) if own else (replay, leading_dim(replay))
         with window.micro_batch():
             outs = _flat(window_loss.encode(ctx.model, batch), n, k)
-            if k == 0 and not window_loss.checked:
+            if k == 0 and not checked:
                 _agree_outputs_require_grad(ctx, outs)
             if own:
-                alike &= window_loss.checked or _same(outs, first.cached[k])
+                alike &= checked or _same(outs, first.cached[k])
                 pairs = [(o, g[at:at + n]) for o, g in zip(outs, slices) if g is not None]
             else:  # zero weight: it adds nothing, but runs the collectives of a backward
                 pairs = [(o, torch.zeros_like(o)) for o in outs if o.requires_grad]
@@ -252,8 +250,8 @@ def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, mi
         at += n if own else 0
     assert first.end is not None, "pass 1 saved where the random state stands after it"
     first.end.restore()  # as after pass 1 alone: the window drew its random numbers once
-    if not window_loss.checked:  # once, and on every rank alike: none raises alone
-        window_loss.checked = True
+    if not checked:  # once, and on every rank alike: none raises alone
+        ctx.state.checked_replays.add(window_loss)
         if ctx.sync.any_rank(not alike, ctx.device):
             raise RuntimeError(
                 "WindowLoss: a micro-batch's second forward gave other representations than its first, although "
@@ -305,9 +303,9 @@ def _first_pass(ctx: WindowContext, window_loss: WindowLoss, micro_batches: List
             first.cached.append(_flat(out, n, k))
             first.spec = out if first.spec is None else first.spec
         for _ in range(padding):  # the forwards' collectives, as the ranks with data run them
-            out = window_loss.encode(ctx.model, ctx.ranks.replay)
+            out = window_loss.encode(ctx.model, ctx.state.replay)
             if first.spec is None:
-                first.spec, first.empty = out, [t[:0] for t in _flat(out, leading_dim(ctx.ranks.replay), 0)]
+                first.spec, first.empty = out, [t[:0] for t in _flat(out, leading_dim(ctx.state.replay), 0)]
     first.end = _RandomState(ctx.device)
     return first
 

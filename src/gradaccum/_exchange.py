@@ -20,7 +20,13 @@ import torch
 
 from ._checks import Count
 
-__all__ = ["Tally", "ExchangeRow", "Exchanged", "pack_row", "read_on_host"]
+__all__ = ["Tally", "ExchangeRow", "Exchanged", "pack_row", "read_on_host", "count_dtype"]
+
+
+def count_dtype(device: torch.device) -> torch.dtype:
+    """The dtype counts and loss sums are added in: float64, so that they do not round with the
+    model's dtype, except on MPS, which has none."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 class Tally:
@@ -30,21 +36,23 @@ class Tally:
         loss_sum: ``sum n_k L_k`` on the device (None before the first micro-batch).
         host_items: the sum of the counts given as Python numbers.
         device_items: the sum of the counts given as tensors, on the device (None if none was).
-        own_counts: ``loss_fn`` returned its own count for some micro-batch (a ``(mean, count)``
+        counts_from_loss_fn: ``loss_fn`` returned its own count for some micro-batch (a ``(mean, count)``
             pair) rather than weighing a bare mean by the count known up front.
     """
 
-    __slots__ = ("loss_sum", "host_items", "device_items", "own_counts", "dtype")
+    __slots__ = ("loss_sum", "host_items", "device_items", "counts_from_loss_fn", "dtype")
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, device: torch.device) -> None:
+        self.dtype = count_dtype(device)
         self.loss_sum: Optional[torch.Tensor] = None
         self.host_items = 0.0
         self.device_items: Optional[torch.Tensor] = None
-        self.own_counts = False
+        self.counts_from_loss_fn = False
 
-    def add(self, loss: torch.Tensor, count: Count) -> None:
-        """Add one micro-batch: its mean loss times its count (no host synchronisation)."""
+    def add(self, loss: torch.Tensor, count: Count, *, from_loss_fn: bool = False) -> None:
+        """Add one micro-batch: its mean loss times its count (no host synchronisation).
+        ``from_loss_fn``: ``loss_fn`` returned the count itself."""
+        self.counts_from_loss_fn |= from_loss_fn
         if isinstance(count, torch.Tensor):
             count = count.to(self.dtype)
             part = loss.detach() * count
@@ -70,7 +78,7 @@ class ExchangeRow(NamedTuple):
     num_items: float           #: N
     can_pad: float             #: ranks that can pad a later window (all of them: the world size)
     stop: float                #: ranks that asked to stop since the last boundary
-    own_counts: float          #: ranks whose loss_fn returned its own counts
+    counts_from_loss_fn: float  #: ranks whose loss_fn returned its own counts
     square_norm: float = math.nan  #: FSDP2: the shards' squared gradient norms, when measured
 
 
@@ -91,7 +99,7 @@ def pack_row(tally: Tally, loss_sum: torch.Tensor, *, can_pad: bool, stop: bool,
     items = loss_sum.new_tensor(tally.host_items)
     if tally.device_items is not None:
         items = items + tally.device_items
-    flags = loss_sum.new_tensor([1.0 if can_pad else 0.0, 1.0 if stop else 0.0, 1.0 if tally.own_counts else 0.0])
+    flags = loss_sum.new_tensor([1.0 if can_pad else 0.0, 1.0 if stop else 0.0, 1.0 if tally.counts_from_loss_fn else 0.0])
     row = torch.cat([torch.stack([loss_sum, items]), flags])
     if square_norm is not None:
         row = torch.cat([row, square_norm.to(row).reshape(1)])

@@ -18,7 +18,14 @@ import torch
 
 from .errors import ConfigurationError
 
-__all__ = ["AccumulationBuffers", "WindowGradients"]
+__all__ = ["AccumulationBuffers", "WindowGradients", "tensor_norms"]
+
+
+def tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's 2-norm, stacked, in float64: one fused pass over plain tensors on one device."""
+    if hasattr(torch, "_foreach_norm") and len({t.device for t in tensors}) == 1:
+        return torch.stack(torch._foreach_norm(list(tensors))).to(torch.float64)
+    return torch.stack([torch.linalg.vector_norm(t).to(tensors[0].device) for t in tensors]).to(torch.float64)
 
 
 class AccumulationBuffers:
@@ -67,17 +74,15 @@ class WindowGradients:
                  reduced: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
         self.params = list(params)
         self.buffers = buffers
-        #: the smallest parameter the data-parallel wrapper reduces, to carry a flag through its
-        #: gradient (see :func:`gradaccum._maths.loss_check_term`); None until :meth:`choose_probe`
-        self.probe: Optional[torch.nn.Parameter] = None
         self._covered = None if reduced is None else {id(p) for p in reduced}
 
-    def choose_probe(self) -> None:
-        """After a window whose reduced gradient the ranks compared (the same on every rank): the
-        smallest parameter the wrapper covers that got a gradient in it, or None."""
+    def smallest_reduced(self) -> Optional[torch.nn.Parameter]:
+        """The smallest parameter the data-parallel wrapper reduces that got a gradient in this window,
+        or None: after a window whose reduced gradient the ranks compared, the probe that carries a
+        loss check through the gradient (:func:`gradaccum._maths.loss_check_term`)."""
         candidates = [p for p in self.params if p.grad is not None and p.requires_grad and p.numel() > 0
                       and (self._covered is None or id(p) in self._covered)]
-        self.probe = min(candidates, key=lambda p: p.numel()) if candidates else None
+        return min(candidates, key=lambda p: p.numel()) if candidates else None
 
     def open(self) -> None:
         """A window opens: stale gradients would leak into it."""

@@ -1,16 +1,22 @@
 """When ranks talk about a window, and the reference count R: the one owner of both.
 
+What a window will do is decided in two steps when it opens: its :class:`WindowPlan` (known, made
+alone by :func:`local_plan`, or asked of the ranks: :meth:`RankAgreement.agree`, one all-gather), then
+:func:`window_setup`, a pure function of the plan, the request, the :class:`~gradaccum._state.AccumulatorState`
+and the :class:`Rules` (R, whether the boundary exchanges, the padding), testable without any rank.
+After the boundary :meth:`RankAgreement.learn` keeps what the window taught in the state.
+
 **Agreement.** Under data parallelism every rank must run a forward in each window (DDP and FSDP2
 run collectives in forward), and under FSDP2 (or ``reduce_every_micro_batch``) every rank must run
 as many micro-batches as the busiest. When a window opens, the ranks exchange how many micro-batches
 and items each holds (one small all-gather): a rank with fewer pads with zero-weight repeats of a
-micro-batch it ran before (:attr:`RankAgreement.replay`), or, where it cannot, every rank raises the
+micro-batch it ran before (``AccumulatorState.replay``), or, where it cannot, every rank raises the
 same error, so none waits in a collective.
 
 **Asking only when a rank can differ.** The agreement is skipped when every rank can know the
 counts without asking: a :class:`~gradaccum.WindowSampler` knows every rank's share of every window
 (:meth:`RankAgreement.known_plan`), a ``DistributedSampler`` loader gives every rank as many batches
-(``gradaccum._training.equal_shares``; their items are still summed at the boundary); and under DDP, once every rank has a micro-batch to pad with
+(:meth:`RankAgreement.equal_shares`; their items are still summed at the boundary); and under DDP, once every rank has a micro-batch to pad with
 (learned at the previous boundary, whose one all-reduce carries that flag), a rank decides alone: it
 runs its own micro-batches, or one zero-weight repeat when it has none (:meth:`RankAgreement.local_plan`).
 So in the steady state a window costs one small collective (the boundary's) and no host
@@ -24,8 +30,8 @@ sampler's shares or (the first window) from the agreement. Other windows use the
 global count (every rank learned it at that boundary), whether they asked or not, so a resumed
 process rounds as the uninterrupted one did: equal windows get R = N and no scaling pass, others an
 exact correction. Otherwise R is fixed once, at its first use, by a max
-all-reduce of the first count, and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
-of sequences), the last window's ratio of the two (:attr:`RankAgreement.count_ratio`) keeps R near
+all-reduce of the first count (:meth:`RankAgreement.fix_reference`), and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
+of sequences), the last window's ratio of the two (``AccumulatorState.count_ratio``) keeps R near
 the count the backward really divides, which is what fp16's loss scale needs.
 """
 
@@ -33,22 +39,25 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
+from torch.utils.data import BatchSampler
+from torch.utils.data.distributed import DistributedSampler
 
 from ._checks import Count, as_number
-from ._exchange import Tally
-from ._gradients import WindowGradients
+from ._exchange import Tally, count_dtype
 from ._maths import first_reference
+from ._state import AccumulatorState
 from .batching import Batch, leading_dim
-from .sync import GradSync
 from .errors import RankAgreementError
+from .sync import GradSync
 
 if TYPE_CHECKING:
     from ._boundary import Outcome
 
-__all__ = ["WindowPlan", "WindowRequest", "WindowSetup", "RankAgreement", "padded_count"]
+__all__ = ["WindowPlan", "WindowRequest", "WindowSetup", "Rules", "RankAgreement", "padded_count", "local_plan",
+           "window_setup"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class WindowPlan:
         asked: the ranks exchanged counts for this plan (an all-gather), rather than knowing them.
         share: this rank's item count as every rank knows it (a WindowSampler's share), when
             ``items`` is known to all without asking; a window may then exchange nothing at its
-            boundary (see :meth:`gradaccum._ranks.RankAgreement.should_exchange`). Else None.
+            boundary (see :func:`window_setup`). Else None.
     """
 
     micro_batches: int
@@ -79,15 +88,18 @@ class WindowRequest:
     """What a window asks for when it opens.
 
     Attributes:
-        micro_batches: this rank's micro-batches (None for a hand-written window opened without a size).
+        micro_batches: this rank's micro-batches, flush included (None for a hand-written window
+            opened without a size).
         items: this rank's items, when known before the first backward.
-        can_pad: this rank can run zero-weight micro-batches if the agreement asks it to.
+        can_pad: this rank can run zero-weight micro-batches if the agreement asks it to
+            (:meth:`RankAgreement.can_pad`).
         defer: the window's gradient reduction waits for its boundary (the out-of-memory back-off:
             no collective before the ranks agree on an error), so it always exchanges.
         plan: the plan, when the caller knows it already (``train()``: a WindowSampler's shares, or an
             agreement it asked for before deciding to open the window).
-        zero_weight: zero-weight micro-batches the caller runs first, counted in ``micro_batches``
-            (the out-of-memory back-off's first forward under DDP).
+        flush: zero-weight micro-batches the caller runs first, counted in ``micro_batches`` (the
+            out-of-memory back-off's first forward under DDP). Not padding: padding is what the
+            agreement asks of this rank (:attr:`WindowSetup.padding`).
     """
 
     micro_batches: Optional[int]
@@ -95,19 +107,19 @@ class WindowRequest:
     can_pad: bool = False
     defer: bool = False
     plan: Optional[WindowPlan] = None
-    zero_weight: int = 0
+    flush: int = 0
 
 
 @dataclass(frozen=True)
 class WindowSetup:
-    """Everything a window needs from the ranks, decided once when it opens (:meth:`RankAgreement.setup`).
+    """Everything a window needs from the ranks, decided once when it opens (:func:`window_setup`).
 
     Attributes:
         plan: the micro-batch counts (None for a window opened without a size).
         reference: R when it is known up front, else None (fixed at the first backward,
-            :meth:`RankAgreement.reference_for`).
+            :meth:`RankAgreement.fix_reference`).
         exchanges: the boundary all-reduces the window's totals across ranks.
-        padding: zero-weight micro-batches this rank runs on top of its own.
+        padding: zero-weight micro-batches the agreement asks this rank to run on top of its own.
     """
 
     plan: Optional[WindowPlan]
@@ -126,6 +138,27 @@ class WindowSetup:
         return None if self.exchanges or self.plan is None else self.plan.items
 
 
+@dataclass(frozen=True)
+class Rules:
+    """What the Accumulator's configuration says about every window, for :func:`window_setup`.
+
+    Attributes:
+        shares_windows: several ranks train each window together (:attr:`gradaccum.sync.GradSync.shares_windows`).
+        needs_equal_counts: every rank runs as many micro-batches as the busiest (FSDP2,
+            ``reduce_every_micro_batch``), else at least one (DDP's forward collectives).
+        plain_reduction: asked when it matters, since a comm hook may be registered at any time
+            (:meth:`gradaccum.sync.GradSync.plain_reduction`).
+        loss_every: a window that could exchange nothing still exchanges every ``loss_every``-th time.
+        steps_on_loss: a ReduceLROnPlateau needs every window's loss, so every window exchanges.
+    """
+
+    shares_windows: bool
+    needs_equal_counts: bool
+    plain_reduction: Callable[[], bool]
+    loss_every: int = 1
+    steps_on_loss: bool = False
+
+
 def padded_count(count: int, most: int, equal_counts: bool) -> int:
     """How many micro-batches a rank runs when the busiest runs ``most``: as many under syncs with a
     collective in every micro-batch, else at least one (DDP's forward collectives).
@@ -138,87 +171,118 @@ def padded_count(count: int, most: int, equal_counts: bool) -> int:
     return max(count, 1) if most > 0 else 0
 
 
+def local_plan(state: AccumulatorState, rules: Rules, request: WindowRequest) -> Optional[WindowPlan]:
+    """A plan this rank can make alone, or None when the ranks must agree first.
+
+    >>> alone = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: False)
+    >>> local_plan(AccumulatorState(), alone, WindowRequest(3, items=12))
+    WindowPlan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False, share=None)
+    """
+    n = request.micro_batches
+    assert n is not None, "a window opened without a size has no plan"
+    if not rules.shares_windows:
+        return WindowPlan(n, n, n, None if request.items is None else as_number(request.items))
+    if rules.needs_equal_counts or not request.can_pad or not state.peers_can_pad:
+        return None
+    return WindowPlan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
+
+
+def window_setup(state: AccumulatorState, rules: Rules, request: WindowRequest,
+                 plan: Optional[WindowPlan]) -> WindowSetup:
+    """What a window will do, from its plan: R, whether its boundary exchanges, its padding. Every
+    input is the same on every rank, so every rank decides alike; nothing here talks to the ranks.
+
+    >>> alone = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: False)
+    >>> window_setup(AccumulatorState(), alone, WindowRequest(2, items=10), WindowPlan(2, 2, 2, 10.0))
+    WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False, share=None), reference=10.0, exchanges=True, padding=0)
+    """
+    reference = _reference(state, rules, plan, request.items)
+    known = plan.items if plan is not None and plan.share is not None else None
+    exchanges = request.defer or _exchanges(state, rules, known)
+    padding = 0
+    if plan is not None and request.micro_batches is not None and plan.most != plan.fewest:
+        padding = max(0, padded_count(plan.micro_batches, plan.most, rules.needs_equal_counts) - plan.micro_batches)
+    # the agreement refused, on every rank alike, any window where a rank that must pad cannot
+    assert padding == 0 or request.can_pad, "the agreement lets no rank pad that cannot"
+    return WindowSetup(plan, reference, exchanges, padding)
+
+
+def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan],
+               num_items: Optional[Count]) -> Optional[float]:
+    """R for a window, the same on every rank, chosen in this order:
+
+    1. across ranks, a window whose plan was asked for once a previous window's global count is
+       known: that count (as an unasked window would take; so whether a window asked, which a
+       fresh process always does first, never changes the rounding, and a resume is bit-identical);
+    2. the window's global count known up front (the sampler's shares, the first agreement, or
+       one process's own count): N, times the last window's ratio of the items ``loss_fn``
+       counted to those counted up front (1 when they are the same items: then R = N exactly);
+    3. across ranks, a window planned alone: the previous window's global count;
+    4. None: R is fixed at the first backward (:meth:`RankAgreement.fix_reference`).
+    """
+    across = rules.shares_windows
+    if plan is None:  # a window opened without a size: only one process knows its count
+        return as_number(num_items) if num_items is not None and not across else None
+    if across and state.last_window_items and (plan.asked or plan.items is None):  # cases 1 and 3
+        return state.last_window_items
+    if plan.items is not None and plan.items > 0:  # case 2
+        return plan.items * state.count_ratio
+    return None
+
+
+def _exchanges(state: AccumulatorState, rules: Rules, known_items: Optional[float]) -> bool:
+    """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
+    there it costs nothing). A window may skip it when the reduced gradient carries every rank's loss
+    check (:meth:`gradaccum.sync.GradSync.plain_reduction`: DDP's own average, no
+    ``find_unused_parameters``, no comm hook, which could keep or lose the check,
+    :func:`gradaccum._maths.loss_check_term`) on a trainable parameter the wrapper reduces
+    (``state.probe``: one that had a gradient in the window whose replicas were compared, so never
+    before that window), every rank knows the global N up front (``known_items``: a WindowSampler's
+    shares), in the last exchanged window every rank's ``loss_fn`` returned bare means weighed by
+    those very counts (``state.counts_from_loss_fn`` False, ``state.count_ratio`` 1), no
+    ReduceLROnPlateau needs the loss, and the window is not a ``loss_every``-th one, counted by
+    ``state.windows``."""
+    probe = state.probe
+    if probe is None or not probe.requires_grad or known_items is None or state.count_ratio != 1.0 \
+            or state.counts_from_loss_fn or not rules.plain_reduction():
+        return True
+    return rules.steps_on_loss or state.windows % rules.loss_every == 0
+
+
 class RankAgreement:
-    """When ranks talk about a window: the agreement when it opens, whether its boundary exchanges,
-    the reference count R and the padding micro-batch.
+    """When ranks talk about a window: the agreement when it opens, R's first fixing, and what the
+    ranks told each other at its boundary, kept in the :class:`~gradaccum._state.AccumulatorState`.
 
     Args:
-        grads: the window's gradient (its probe carries a loss check through DDP's reduction).
-        loss_every: a window that could exchange nothing still exchanges every ``loss_every``-th time.
-        steps_on_loss: a ReduceLROnPlateau needs every window's loss, so every window exchanges.
+        state: the Accumulator's state (read and changed here: R, the counts' source, the replay).
+        rules: what the configuration says about every window.
     """
 
-    def __init__(self, sync: GradSync, device: torch.device, grads: WindowGradients, *, loss_every: int = 1,
-                 steps_on_loss: bool = False) -> None:
-        self.sync, self.device, self.grads = sync, device, grads
-        self.loss_every, self.steps_on_loss = loss_every, steps_on_loss
-        #: windows that reached their boundary, the same on every rank (all run every window); not the
-        #: Accumulator's steps, which a checkpoint may restore on one rank alone and a user may set
-        self.windows = 0
-        #: some rank's loss_fn returned its own counts in the last exchanged window (the same on every rank)
-        self.loss_fn_counts = False
-        #: R for windows whose item count is not known up front
-        self.fallback_reference: Optional[float] = None
-        #: items loss_fn counted per item counted up front, in the last window (1.0 when they agree)
-        self.count_ratio = 1.0
-        #: the last micro-batch this rank ran, repeated with zero weight where it has none
-        self.replay: Optional[Batch] = None
-        #: the previous window's global item count (the same on every rank): R for unasked windows
-        self.last_items: Optional[float] = None
-        #: every rank could pad at the last boundary: a DDP rank may then plan its window alone
-        self.peers_can_pad = False
+    def __init__(self, sync: GradSync, device: torch.device, state: AccumulatorState, rules: Rules) -> None:
+        self.sync, self.device, self.state, self.rules = sync, device, state, rules
 
     def set_replay(self, micro_batch: Batch) -> None:
         leading_dim(micro_batch, argument="micro_batch")
-        self.replay = micro_batch
+        self.state.replay = micro_batch
 
     def remember(self, micro_batch: Batch) -> None:
         """The last micro-batch this rank ran, kept (across ranks only) to pad a later window with."""
-        if self.sync.distributed:
-            self.replay = micro_batch
+        if self.sync.shares_windows:
+            self.state.replay = micro_batch
 
-    def setup(self, request: WindowRequest) -> WindowSetup:
+    def can_pad(self, has_data: bool) -> bool:
+        """Whether this rank can run a zero-weight micro-batch in a window: it has data of its own in
+        it (its last micro-batch is repeated), or a micro-batch it ran before or was given."""
+        return has_data or self.state.replay is not None
+
+    def open(self, request: WindowRequest) -> WindowSetup:
         """The one call a window makes when it opens: its plan (known, made alone, or asked of the
-        ranks), R, whether its boundary exchanges, and its padding."""
+        ranks), then :func:`window_setup`."""
         plan = request.plan
         if plan is None and request.micro_batches is not None:
-            plan = (self.local_plan(request.micro_batches, request.items, can_pad=request.can_pad)
+            plan = (local_plan(self.state, self.rules, request)
                     or self.agree(request.micro_batches, request.items, request.can_pad))
-        reference = self.window_reference(plan, request.items)
-        known = plan.items if plan is not None and plan.share is not None else None
-        exchanges = request.defer or self.should_exchange(known)
-        padding = 0 if plan is None or request.micro_batches is None else self.padding(plan)
-        # the agreement refused, on every rank alike, any window where a rank that must pad cannot
-        assert padding == 0 or request.can_pad, "the agreement lets no rank pad that cannot"
-        return WindowSetup(plan, reference, exchanges, padding)
-
-    def should_exchange(self, known_items: Optional[float]) -> bool:
-        """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
-        there it costs nothing). Every input is the same on every rank, so every rank decides alike.
-        A window may skip it when the reduced gradient carries every rank's loss check
-        (:meth:`gradaccum.sync.GradSync.plain_reduction`: DDP's own average, no
-        ``find_unused_parameters``, no comm hook, which could keep or lose the check,
-        :func:`gradaccum._maths.loss_check_term`) on a trainable parameter the wrapper reduces
-        (``grads.probe``: one that had a gradient in the window whose replicas were compared, so never
-        before that window), every rank knows the global N up front (``known_items``: a
-        WindowSampler's shares), in the last exchanged window every rank's ``loss_fn`` returned bare
-        means weighed by those very counts (no own counts, :attr:`count_ratio` 1), no
-        ReduceLROnPlateau needs the loss, and the window is not a ``loss_every``-th one, counted by
-        :attr:`windows`."""
-        probe = self.grads.probe
-        if probe is None or not probe.requires_grad or known_items is None or self.count_ratio != 1.0 \
-                or self.loss_fn_counts or not self.sync.plain_reduction():
-            return True
-        return self.steps_on_loss or self.windows % self.loss_every == 0
-
-    def local_plan(self, num_micro_batches: int, num_items: Optional[Count], *, can_pad: bool) -> Optional[WindowPlan]:
-        """A plan this rank can make alone, or None when the ranks must agree first."""
-        n = num_micro_batches
-        if not self.sync.distributed:
-            return WindowPlan(n, n, n, None if num_items is None else as_number(num_items))
-        if self.sync.needs_equal_counts or not can_pad or not self.peers_can_pad:
-            return None
-        return WindowPlan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
+        return window_setup(self.state, self.rules, request, plan)
 
     def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float],
                    share: Optional[float] = None) -> Optional[WindowPlan]:
@@ -226,31 +290,31 @@ class RankAgreement:
         None when some rank must pad and may not be able to (then the ranks ask, and refuse together).
         ``items`` and this rank's ``share`` of them, when the items counted are the sampler's."""
         most, fewest = max(counts), min(counts)
-        pads = any(padded_count(c, most, self.sync.needs_equal_counts) > c for c in counts)
-        if pads and not self.peers_can_pad:
+        pads = any(padded_count(c, most, self.rules.needs_equal_counts) > c for c in counts)
+        if pads and not self.state.peers_can_pad:
             return None
         return WindowPlan(mine, most, fewest, items, share=share if items is not None else None)
 
     def agree(self, num_micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
         """Every rank's micro-batch count and up-front item count, from one small all-gather."""
-        if not self.sync.distributed:
-            items = None if num_items is None else as_number(num_items)
-            return WindowPlan(num_micro_batches, num_micro_batches, num_micro_batches, items)
+        if not self.sync.shares_windows:
+            plan = local_plan(self.state, self.rules, WindowRequest(num_micro_batches, num_items))
+            assert plan is not None
+            return plan
         known = num_items is not None
         mine = torch.tensor([float(num_micro_batches), 0.0 if num_items is None else as_number(num_items),
                              1.0 if known else 0.0, 1.0 if can_pad else 0.0],
-                            dtype=torch.float64 if self.device.type != "mps" else torch.float32,
-                            device=self.device)
+                            dtype=count_dtype(self.device), device=self.device)
         rows = self.sync.all_gather(mine).tolist()  # the agreement's one host synchronisation
         counts = [int(r[0]) for r in rows]
         plan = WindowPlan(num_micro_batches, max(counts), min(counts),
                           sum(r[1] for r in rows) if all(r[2] for r in rows) else None, asked=True)
         stuck = [r for r, row in enumerate(rows)
-                 if padded_count(int(row[0]), plan.most, self.sync.needs_equal_counts) > row[0] and not row[3]]
+                 if padded_count(int(row[0]), plan.most, self.rules.needs_equal_counts) > row[0] and not row[3]]
         if stuck:  # every rank sees the same rows: every rank raises, none waits in a collective
             raise RankAgreementError(
                 f"{type(self.sync).__name__} needs every rank to run "
-                f"{'as many micro-batches as the busiest' if self.sync.needs_equal_counts else 'a forward'} in "
+                f"{'as many micro-batches as the busiest' if self.rules.needs_equal_counts else 'a forward'} in "
                 f"each window (collectives run in forward), but rank(s) {stuck} run fewer "
                 f"({', '.join(str(int(rows[r][0])) for r in stuck)} of up to {plan.most}) and cannot pad: in "
                 "a hand-written loop open the window with acc.window(n, pad=True) and run window.padding "
@@ -259,48 +323,38 @@ class RankAgreement:
             )
         return plan
 
-    def padding(self, plan: WindowPlan) -> int:
-        """Zero-weight micro-batches this rank runs on top of its own, by the agreement."""
-        if plan.most == plan.fewest:
-            return 0
-        return max(0, padded_count(plan.micro_batches, plan.most, self.sync.needs_equal_counts) - plan.micro_batches)
+    def equal_shares(self, loader: Any) -> bool:
+        """Whether every rank's loader yields as many batches as every other's this epoch, so that no
+        window needs an agreement on micro-batch counts: a ``DistributedSampler`` over all the ranks (it
+        pads or drops to equal per-rank lengths) batched by torch's own ``BatchSampler``, confirmed once
+        per epoch by one small all-gather of the batch count. The items are not assumed equal (a
+        collate_fn may drop rows, a rank may hold another dataset): the boundary still sums them."""
+        if not self.sync.shares_windows:
+            return False
+        sampler, batch_sampler = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
+        fits = (isinstance(sampler, DistributedSampler) and type(batch_sampler) is BatchSampler
+                and batch_sampler.sampler is sampler and sampler.num_replicas == self.sync.group_size)
+        # every rank gathers, whatever its own loader is, so that no rank waits alone in the collective
+        shape = [1.0, float(len(batch_sampler))] if fits and batch_sampler is not None else [0.0, 0.0]
+        rows = self.sync.all_gather(torch.tensor(shape, dtype=count_dtype(self.device), device=self.device)).tolist()
+        return all(row == rows[0] for row in rows) and rows[0][0] == 1.0
 
-    def window_reference(self, plan: Optional[WindowPlan], num_items: Optional[Count]) -> Optional[float]:
-        """R for a window, the same on every rank, chosen in this order:
-
-        1. across ranks, a window whose plan was asked for once a previous window's global count is
-           known: that count (as an unasked window would take; so whether a window asked, which a
-           fresh process always does first, never changes the rounding, and a resume is bit-identical);
-        2. the window's global count known up front (the sampler's shares, the first agreement, or
-           one process's own count): N, times the last window's ratio of the items ``loss_fn``
-           counted to those counted up front (1 when they are the same items: then R = N exactly);
-        3. across ranks, a window planned alone: the previous window's global count;
-        4. None: R is fixed at the first backward (:meth:`reference_for`).
-        """
-        across = self.sync.distributed
-        if plan is None:  # a window opened without a size: only one process knows its count
-            return as_number(num_items) if num_items is not None and not across else None
-        if across and self.last_items and (plan.asked or plan.items is None):  # cases 1 and 3
-            return self.last_items
-        if plan.items is not None and plan.items > 0:  # case 2
-            return plan.items * self.count_ratio
-        return None
-
-    def reference_for(self, items: Count) -> float:
-        """R for windows whose count is not known up front, fixed at its first use (one host sync
-        and, across ranks, one max all-reduce, once)."""
-        if self.fallback_reference is None:
+    def fix_reference(self, items: Count) -> float:
+        """R for windows whose count is not known up front: fixed at its first use, by the first count
+        (one host sync and, across ranks, one max all-reduce, once), then kept in the state."""
+        if self.state.reference is None:
             ref = first_reference(as_number(items))
-            if self.sync.distributed:
+            if self.sync.shares_windows:
                 ref = float(self.sync.all_reduce_(torch.tensor([ref], device=self.device), "max").item())
-            self.fallback_reference = ref
-        return self.fallback_reference
+            self.state.reference = ref
+        return self.state.reference
 
-    def observe(self, setup: WindowSetup, tally: Tally, outcome: Optional["Outcome"]) -> None:
+    def learn(self, setup: WindowSetup, tally: Tally, outcome: Optional["Outcome"]) -> None:
         """After the boundary, on every rank (``outcome`` is None when the boundary raised: the window
         still counts): the same global numbers on every rank give the same ratio and R. What the ranks
         told each other (can pad, own counts) is kept from windows that exchanged it."""
-        self.windows += 1
+        state = self.state
+        state.windows += 1
         share = setup.share
         if share is not None and tally.device_items is None and tally.host_items != share:
             warnings.warn(  # said now that every rank has left the window's collectives: as an error
@@ -315,20 +369,11 @@ class RankAgreement:
         num_items = outcome.num_items
         upfront = setup.plan.items if setup.plan is not None else None
         if upfront and num_items > 0:
-            self.count_ratio = num_items / upfront
-        if outcome.loss_fn_counts is not None:
-            self.loss_fn_counts = outcome.loss_fn_counts
-        if self.sync.distributed:
+            state.count_ratio = num_items / upfront
+        if outcome.counts_from_loss_fn is not None:
+            state.counts_from_loss_fn = outcome.counts_from_loss_fn
+        if self.sync.shares_windows:
             if num_items > 0:
-                self.last_items = num_items
+                state.last_window_items = num_items
             if outcome.peers_can_pad is not None:
-                self.peers_can_pad = outcome.peers_can_pad
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"reference_items": self.fallback_reference, "count_ratio": self.count_ratio,
-                "last_items": self.last_items}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.fallback_reference = state.get("reference_items")
-        self.count_ratio = float(state.get("count_ratio", 1.0))
-        self.last_items = state.get("last_items")
+                state.peers_can_pad = outcome.peers_can_pad

@@ -58,11 +58,18 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Coun
     return Counts(each, float(sum(as_number(c) for c in each)))
 
 
-def _loss(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, count: Count) -> Tuple[torch.Tensor, Count]:
-    out = loss_fn(window.ctx.model, micro_batch)
-    if isinstance(out, (tuple, list)):
-        window.tally.own_counts = True
-    return split_loss_output(out, count)
+def _backward(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, count: Count) -> None:
+    """One micro-batch's forward through ``loss_fn`` and its weighted backward, inside its block."""
+    with window.micro_batch():
+        out = loss_fn(window.ctx.model, micro_batch)
+        loss, counted = split_loss_output(out, count)
+        window.backward(loss, counted, from_loss_fn=isinstance(out, (tuple, list)))
+
+
+def _backward_padding(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch) -> None:
+    """A zero-weight micro-batch (the flush, or the padding the ranks ask for), inside its block."""
+    with window.micro_batch():
+        window.backward_padding(split_loss_output(loss_fn(window.ctx.model, micro_batch), 0)[0])
 
 
 def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
@@ -80,17 +87,15 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
     flush = ([split_batch(micro_batches[0], 1)[0]]
              if defer and ctx.sync.collectives_in_forward and micro_batches else [])
     ranks = ctx.ranks
-    request = WindowRequest(len(flush) + len(micro_batches), counts.total, can_pad=bool(micro_batches) or
-                            ranks.replay is not None, defer=defer, plan=plan, zero_weight=len(flush))
+    request = WindowRequest(len(flush) + len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)),
+                            defer=defer, plan=plan, flush=len(flush))
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         oom = False
         try:
             for mb in flush:
-                with window.micro_batch():
-                    window.backward_padding(_loss(window, loss_fn, mb, 0)[0])
+                _backward_padding(window, loss_fn, mb)
             for mb, count in zip(micro_batches, counts.each):
-                with window.micro_batch():
-                    window.backward(*_loss(window, loss_fn, mb, count))
+                _backward(window, loss_fn, mb, count)
         except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
             if not (catch_oom and is_out_of_memory(error)):
                 raise
@@ -98,10 +103,8 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
         if micro_batches:
             ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
         if not oom:
-            assert window.setup is not None
-            for _ in range(window.setup.padding):  # what the ranks' counts ask of this rank
-                with window.micro_batch():
-                    window.backward_padding(_loss(window, loss_fn, ranks.replay, 0)[0])
+            for _ in range(window.padding):  # what the ranks' counts ask of this rank
+                _backward_padding(window, loss_fn, ctx.state.replay)
         if defer:
             oom = ctx.sync.any_rank(oom, ctx.device)
         if oom:

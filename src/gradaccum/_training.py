@@ -6,10 +6,10 @@ ends and which micro-batches are this rank's) or from ``accum_steps`` consecutiv
 moves on to the next; a resumed one is finished first), else the epoch counter, so calling ``train``
 once per epoch trains one new epoch each time (and tells the sampler which). ``acc.epoch`` counts the
 finished epochs (saved in ``acc.state_dict()``): a run of E epochs resumed from a checkpoint goes on
-with ``epochs=E - acc.epoch``.
+with ``epochs=E - acc.epoch``, which is 0 for a finished run: then nothing is trained.
 
 Over a WindowSampler no rank asks anything: every rank knows every share. Nor over a loader whose
-``DistributedSampler`` gives every rank as many batches (:func:`equal_shares`, confirmed once per
+``DistributedSampler`` gives every rank as many batches (:meth:`gradaccum._ranks.RankAgreement.equal_shares`, confirmed once per
 epoch; the items are summed at the boundary). Over another loader,
 whose ranks may run out at different windows, the ranks agree at every window (one small
 all-gather; under ``micro_batch_size="auto"`` the back-off asks once more): while any rank has
@@ -28,13 +28,9 @@ from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any, Iterable, Iterator, List, Optional
 
-import torch
-from torch.utils.data import BatchSampler
-from torch.utils.data.distributed import DistributedSampler
 
 from ._autosize import AutoMicroBatch
-from ._boundary import Counters
-from ._checks import positive_int
+from ._checks import non_negative_int
 from ._maths import ceil_div
 from ._ranks import WindowPlan
 from ._run import CountFn, Counts, LossFn, count_items, run_auto, run_window
@@ -80,10 +76,10 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
     return None
 
 
-def train_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], spec: TrainSpec) -> Iterator[StepResult]:
+def train_windows(ctx: WindowContext, loader: Iterable[Batch], spec: TrainSpec) -> Iterator[StepResult]:
     """Validate everything up front (nothing runs before the first ``next()`` otherwise), then loop.
-    ``counters`` are the Accumulator's (their ``epoch`` advances here)."""
-    positive_int("epochs", spec.epochs)
+    ``ctx.state.epoch`` advances here, at each epoch's last window."""
+    non_negative_int("epochs", spec.epochs, hint=" (0 for a finished run: nothing to train)")
     sampler = window_sampler(loader)
     if sampler is not None:
         if spec.accum_steps is not None:
@@ -94,11 +90,11 @@ def train_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch
         if spec.drop_last:
             raise ConfigurationError("drop_last=True was given, but the loader's WindowSampler decides about the "
                              "short last window: construct it with WindowSampler(..., drop_last=True)")
-        return _sampler_windows(ctx, counters, loader, sampler, spec)
+        return _sampler_windows(ctx, loader, sampler, spec)
     if spec.accum_steps is None:
         raise ConfigurationError("accum_steps is required (micro-batches per window, e.g. accum_steps=4) unless the "
                          "loader's batch_sampler is a gradaccum.WindowSampler, which cuts the windows")
-    return _grouped_windows(ctx, counters, loader, AccumSchedule(spec.accum_steps), spec)
+    return _grouped_windows(ctx, loader, AccumSchedule(spec.accum_steps), spec)
 
 
 def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, *, counts: Optional[Counts] = None,
@@ -108,8 +104,8 @@ def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, *, counts: 
     if spec.auto is not None:
         if pending:
             batch = concat_batches(pending)
-        elif ctx.ranks.replay is not None:  # an empty share: zero items, shaped like a micro-batch it ran
-            batch = slice_batch(ctx.ranks.replay, 0, 0)
+        elif ctx.state.replay is not None:  # an empty share: zero items, shaped like a micro-batch it ran
+            batch = slice_batch(ctx.state.replay, 0, 0)
         else:
             raise ConfigurationError("this rank's share of the window is empty and it has run no micro-batch yet: "
                              "give it one to pad with, acc.set_padding(micro_batch)")
@@ -127,31 +123,13 @@ def _set_epoch(loader: Any, epoch: int) -> None:
             return
 
 
-def equal_shares(ctx: WindowContext, loader: Any) -> bool:
-    """Whether every rank's loader yields as many batches as every other's this epoch, so that no
-    window needs an agreement on micro-batch counts: a ``DistributedSampler`` over all the ranks (it
-    pads or drops to equal per-rank lengths) batched by torch's own ``BatchSampler``, confirmed once per
-    epoch by one small all-gather of the batch count. The items are not assumed equal (a collate_fn
-    may drop rows, a rank may hold another dataset): the boundary still sums them."""
-    if not ctx.sync.distributed:
-        return False
-    sampler, batch_sampler = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
-    fits = (isinstance(sampler, DistributedSampler) and type(batch_sampler) is BatchSampler
-            and batch_sampler.sampler is sampler and sampler.num_replicas == ctx.sync.world_size)
-    # every rank gathers, whatever its own loader is, so that no rank waits alone in the collective
-    shape = [1.0, float(len(batch_sampler))] if fits and batch_sampler is not None else [0.0, 0.0]
-    mine = torch.tensor(shape, dtype=torch.float64, device=ctx.device)
-    rows = ctx.sync.all_gather(mine).tolist()
-    return all(row == rows[0] for row in rows) and rows[0][0] == 1.0
-
-
-def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], schedule: AccumSchedule,
+def _grouped_windows(ctx: WindowContext, loader: Iterable[Batch], schedule: AccumSchedule,
                      spec: TrainSpec) -> Iterator[StepResult]:
-    start = counters.epoch
+    start = ctx.state.epoch
     for epoch in range(start, start + spec.epochs):
         _set_epoch(loader, epoch)
         n = schedule(epoch)
-        known = equal_shares(ctx, loader)
+        known = ctx.ranks.equal_shares(loader)
         batches = iter(loader)
         window = 0
         while True:
@@ -161,7 +139,7 @@ def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
                 k = len(pending)  # which a collate_fn may change, are summed at the boundary)
                 plan = WindowPlan(k, k, k, None)
             else:
-                plan = ctx.ranks.agree(len(pending), counts.total, bool(pending) or ctx.ranks.replay is not None)
+                plan = ctx.ranks.agree(len(pending), counts.total, ctx.ranks.can_pad(bool(pending)))
             if plan.most == 0:
                 break  # no rank has any micro-batch left
             if spec.drop_last and plan.fewest < n:
@@ -169,10 +147,10 @@ def _grouped_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
             result = _step(ctx, pending, spec, counts=counts, plan=plan)
             yield replace(result, accum_steps=n, epoch=epoch, window=window)
             window += 1
-        counters.epoch = epoch + 1
+        ctx.state.epoch = epoch + 1
 
 
-def _sampler_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Batch], sampler: WindowSampler,
+def _sampler_windows(ctx: WindowContext, loader: Iterable[Batch], sampler: WindowSampler,
                      spec: TrainSpec) -> Iterator[StepResult]:
     start = sampler.epoch + (1 if sampler.start_window >= sampler.num_windows else 0)
     for epoch in range(start, start + spec.epochs):
@@ -196,6 +174,6 @@ def _sampler_windows(ctx: WindowContext, counters: Counters, loader: Iterable[Ba
                 result = _step(ctx, pending, spec)
             sampler.advance()  # the position a checkpoint saves: this window is done
             if offset == len(sizes) - 1:
-                counters.epoch = epoch + 1  # finished, also in a checkpoint taken at this step
+                ctx.state.epoch = epoch + 1  # finished, also in a checkpoint taken at this step
             yield replace(result, accum_steps=size, epoch=epoch, window=first + offset)
-        counters.epoch = epoch + 1
+        ctx.state.epoch = epoch + 1

@@ -1,8 +1,9 @@
 """One window: its micro-batches' forward and weighted backward, then one boundary.
 
-:class:`Window` owns the per-window state (its setup from the ranks, micro-batches done, the running
-tally of loss and items); :class:`WindowContext` is everything a window needs from its Accumulator,
-passed explicitly. :func:`gradaccum._run.run_window` drives a Window through a ``loss_fn`` for
+:class:`Window` owns what lives for one window only (its setup from the ranks, micro-batches done, the
+running tally of loss and items); :class:`WindowContext` is everything a window needs from its
+Accumulator, passed explicitly, the :class:`~gradaccum._state.AccumulatorState` (what windows teach
+each other) included. :func:`gradaccum._run.run_window` drives a Window through a ``loss_fn`` for
 ``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off; a hand-written loop drives
 it itself (``acc.window``). The weights are :func:`gradaccum._maths.backward_weight`.
 """
@@ -23,10 +24,11 @@ from ._exchange import Tally
 from ._gradients import WindowGradients
 from ._maths import backward_weight, loss_check_term, window_mean
 from ._ranks import RankAgreement, WindowRequest, WindowSetup
+from ._state import AccumulatorState
 from .precision import MixedPrecision
 from .result import StepResult
-from .sync import GradSync
 from .errors import ConfigurationError
+from .sync import GradSync
 
 __all__ = ["Window", "WindowContext", "OpenWindow"]
 
@@ -34,10 +36,9 @@ class OpenWindow:
     """At most one window is open per Accumulator; opening one clears stale gradients and warns
     once about BatchNorm in training mode."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, state: AccumulatorState) -> None:
+        self.model, self.state = model, state
         self.window: Optional["Window"] = None
-        self._warned = False
 
     def check_idle(self) -> None:
         if self.window is not None:
@@ -49,8 +50,7 @@ class OpenWindow:
 
     def enter(self, window: "Window") -> None:
         self.check_idle()  # before anything changes: a nested window would clear the open one
-        if not self._warned and self.model.training:
-            self._warned = True
+        if self.model.training and self.state.warn_once("batchnorm"):
             names = training_batchnorms(self.model)
             if names:
                 warnings.warn(
@@ -69,7 +69,8 @@ class OpenWindow:
 
 @dataclass(frozen=True)
 class WindowContext:
-    """What a window needs from its Accumulator, in one explicit place."""
+    """What a window needs from its Accumulator, in one explicit place: the parts it runs through,
+    and the :class:`~gradaccum._state.AccumulatorState` it reads and leaves changed."""
 
     model: nn.Module
     device: torch.device
@@ -79,6 +80,7 @@ class WindowContext:
     ranks: RankAgreement
     boundary: Boundary
     slot: OpenWindow
+    state: AccumulatorState
 
 
 class _MicroBatch:
@@ -121,33 +123,42 @@ class Window:
                     window.backward(loss, num_items=len(mb[0]))
             result = window.step()
 
-    In the order it runs: opening asks the ranks once for the window's
-    :class:`~gradaccum._ranks.WindowSetup` (plan, R, whether it exchanges, padding); each ``backward``
-    weighs its mean loss by ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`) and adds it to the
-    :class:`~gradaccum._exchange.Tally`; before the backward that reduces across ranks the boundary's
-    all-reduce is launched (or, in a window that exchanges nothing, the loss check is folded into the
-    gradient); ``step`` hands the tally to the :class:`~gradaccum._boundary.Boundary`, which steps or
-    skips. A rank whose data ran out opens ``acc.window(0, pad=True)`` and runs ``window.padding``
-    zero-weight micro-batches (``backward_padding``). Leaving the block by an exception, or without
-    ``step()``, drops the window's gradients.
+    In the order it runs: opening asks the ranks for the window's :class:`~gradaccum._ranks.WindowSetup`
+    (plan, R, exchange, padding); each ``backward`` weighs its mean loss by ``n_k * W / R``
+    (:func:`gradaccum._maths.backward_weight`) into the :class:`~gradaccum._exchange.Tally`; before the
+    backward that reduces across ranks the boundary's all-reduce starts (or the loss check is folded into
+    the gradient: :func:`_loss_check`); ``step`` hands the tally to the :class:`~gradaccum._boundary.Boundary`
+    and the ranks learn from it. A rank whose data ran out opens ``acc.window(0, pad=True)`` and runs
+    ``window.padding`` zero-weight micro-batches (``backward_padding``). Leaving the block by an
+    exception, or without ``step()``, drops the window's gradients.
     """
 
     def __init__(self, ctx: WindowContext, request: WindowRequest, *, micro_batch_size: Optional[Any] = None) -> None:
-        if request.micro_batches is not None and not (ctx.sync.allows_empty_share and request.micro_batches == 0):
-            positive_int("num_micro_batches", request.micro_batches)
-        if request.items is not None:
-            item_count("num_items", request.items)
-        self.ctx, self.request = ctx, request
+        _check_request(ctx, request)
+        self.ctx, self.request, self.micro_batch_size = ctx, request, micro_batch_size
         #: what the ranks decided when the window opened (None before)
         self.setup: Optional[WindowSetup] = None
-        self.micro_batch_size = micro_batch_size
-        self.done = 0  # micro-batches run, padding included
-        self.tally = Tally(torch.float32 if ctx.device.type == "mps" else torch.float64)
+        self.done = 0  # micro-batches run, flush and padding included
+        self.tally = Tally(ctx.device)
         self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now
         self.reduced = False  # the backward that reduces across ranks has run
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
         self.abandoned = False
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Window":
+        ctx = self.ctx
+        ctx.slot.enter(self)
+        ctx.grads.open()
+        try:
+            ctx.boundary.check_scheduler()
+            self.setup = ctx.ranks.open(self.request)
+        except BaseException:
+            self._close()
+            raise
+        return self
 
     @property
     def num_micro_batches(self) -> Optional[int]:
@@ -157,32 +168,120 @@ class Window:
 
     @property
     def padding(self) -> int:
-        """Zero-weight micro-batches this rank runs so that every rank runs enough (DDP, FSDP2)."""
-        return self.request.zero_weight + (self.setup.padding if self.setup is not None else 0)
+        """Zero-weight micro-batches the ranks' counts ask this rank to run (DDP: one on a rank with
+        none; FSDP2: as many as the busiest runs), on top of its own."""
+        return self.setup.padding if self.setup is not None else 0
 
     @property
-    def reference_items(self) -> Optional[float]:
-        """R: the count the backward weights were divided by (see :mod:`gradaccum._maths`)."""
+    def reference(self) -> Optional[float]:
+        """R, the count the backward weights are divided by (see :mod:`gradaccum._maths`): known when
+        the window opened, or fixed at its first backward; None before that."""
         known = self.setup.reference if self.setup is not None else None
-        return known if known is not None else self.ctx.ranks.fallback_reference
+        return known if known is not None else self.ctx.state.reference
 
-    # -- opening and closing ---------------------------------------------------------------------
+    # -- micro-batches ---------------------------------------------------------------------------
 
-    def __enter__(self) -> "Window":
-        ctx = self.ctx
-        ctx.slot.enter(self)
-        ctx.grads.open()
+    def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
+        """Context for one micro-batch's forward and backward.
+
+        ``last`` defaults to "this is micro-batch number ``num_micro_batches``"; pass it when the
+        window was opened without a size. Only the last micro-batch reduces gradients across ranks.
+        """
+        self._open_setup()
+        last = _is_last(self.done, self.num_micro_batches, last)
+        return _MicroBatch(self, last and not self.request.defer and self.ctx.sync.reduces_across_ranks)
+
+    def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
+        """Backpropagate ``loss`` with the weight ``n_k * W / R``; add its item sum to the tally.
+
+        Args:
+            loss: the **mean** loss over the micro-batch's items, a scalar tensor.
+            num_items: how many items that mean is over (an int, a float weight, or a tensor left on
+                the device). A micro-batch of 0 items weighs nothing (its mean, nan, is not read).
+            from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
+                than it being the count known up front.
+        """
+        loss = _in_micro_batch(self, loss)
+        item_count("num_items", num_items)
+        if not isinstance(num_items, torch.Tensor) and num_items == 0:
+            loss = loss.nan_to_num(0.0)  # nothing of a mean over no item reaches the gradient
+        weighted = loss * backward_weight(num_items, self.fix_reference(num_items), self.ctx.sync.grad_divisor,
+                                          loss.dtype)
+        self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
+        self._backward(weighted)
+
+    def backward_padding(self, loss: torch.Tensor) -> None:
+        """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
+        runs the forward and backward collectives that ranks with data run."""
+        loss = _in_micro_batch(self, loss)
+        self.fix_reference(0)  # takes part in fixing R, as the ranks with data do
+        self._backward(loss.nan_to_num(0.0) * 0.0, autocast_off=True)
+
+    def backward_part(self, outputs: List[torch.Tensor], grads: List[torch.Tensor], loss: torch.Tensor,
+                      num_items: Count) -> None:
+        """Backpropagate one micro-batch's part of a loss over the whole window (a
+        :class:`~gradaccum.WindowLoss`, :mod:`gradaccum._cached`): ``outputs`` with ``grads``, already
+        weighed (its share of the window loss's gradient, times the backward weight of the window's N
+        items, ``N * W / R``, and the loss scale); the tally adds the window's ``loss`` for its
+        ``num_items`` items."""
+        _in_micro_batch(self, None)
+        self.tally.add(loss, num_items)
+        term = self._before_reduction()
+        extra = [] if term is None else [term]
+        with torch.autocast(device_type=self.ctx.device.type, enabled=False):
+            torch.autograd.backward(list(outputs) + extra, list(grads) + [None] * len(extra))  # type: ignore[list-item]
+        self.done += 1
+
+    def fix_reference(self, count: Count) -> float:
+        """R for this window: known when it opened, else fixed now (once, the same on every rank) by
+        this first backward's count (:meth:`gradaccum._ranks.RankAgreement.fix_reference`)."""
+        known = self._open_setup("backward").reference
+        return known if known is not None else self.ctx.ranks.fix_reference(count)
+
+    def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
+        term = self._before_reduction()
+        self.ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off)
+        self.done += 1
+
+    def _before_reduction(self) -> Optional[torch.Tensor]:
+        """Before the backward that reduces across ranks every count of the window is known: start
+        the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
+        or, in a window that exchanges nothing, return this rank's loss check for the backward to add."""
+        assert self.current is not None and self.setup is not None
+        if not self.current.reduces:
+            return None
+        self.reduced = True
+        if self.setup.share is not None:  # the window exchanges nothing
+            return _loss_check(self.ctx, self.tally, self.setup.share)
+        if self.ctx.boundary.launch_before_last_backward:
+            self.in_flight = self.ctx.boundary.launch(_totals(self, self.setup, ran=True))
+        return None
+
+    # -- the boundary ----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """Take (or skip) the window's one optimizer step: the boundary unscales, reads the window's
+        global loss sum and item count (exchanged across ranks), measures the norm, decides, clips and
+        steps (:mod:`gradaccum._boundary`); then the ranks learn from it."""
+        setup, ctx = self._open_setup("step"), self.ctx
+        _check_can_step(self, setup)
+        if self.request.defer:
+            ctx.sync.reduce_gradients_(ctx.grads.materialized())
+        out = None
         try:
-            ctx.boundary.check_scheduler()
-            self.setup = ctx.ranks.setup(self.request)
-        except BaseException:
-            self._close()
-            raise
-        return self
+            out = ctx.boundary.finish(_totals(self, setup, ran=self.done > 0), self.in_flight, exchange=setup.exchanges)
+        finally:  # every rank has left the window's collectives
+            ctx.ranks.learn(setup, self.tally, out)
+        assert out is not None
+        self.result = _step_result(out, self.done - self.request.flush - self.padding, self.micro_batch_size)
+        return self.result
 
-    def _close(self) -> None:
-        self.ctx.slot.leave(self)
-        self.ctx.grads.close()
+    def abandon(self) -> None:
+        """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
+        self.abandoned = True
+        self.ctx.grads.clear()
+
+    # -- closing ---------------------------------------------------------------------------------
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._close()
@@ -194,159 +293,82 @@ class Window:
                     "`with acc.window(...)` block to take its optimizer step"
                 )
 
+    def _close(self) -> None:
+        self.ctx.slot.leave(self)
+        self.ctx.grads.close()
+
     def _open_setup(self, what: str = "micro_batch") -> WindowSetup:
         if self.setup is None or self.ctx.slot.window is not self:
             raise RuntimeError(f"use window.{what}() inside `with acc.window(...) as window:`")
         return self.setup
 
-    # -- micro-batches ---------------------------------------------------------------------------
 
-    def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
-        """Context for one micro-batch's forward and backward.
+def _check_request(ctx: WindowContext, request: WindowRequest) -> None:
+    if request.micro_batches is not None and not (ctx.sync.allows_empty_share and request.micro_batches == 0):
+        positive_int("num_micro_batches", request.micro_batches)
+    if request.items is not None:
+        item_count("num_items", request.items)
 
-        ``last`` defaults to "this is micro-batch number ``num_micro_batches``"; pass it when the
-        window was opened without a size. Only the last micro-batch reduces gradients across ranks.
-        """
-        self._open_setup()
-        size = self.num_micro_batches
-        if size is not None and self.done >= size:
-            raise RuntimeError(
-                f"the window was opened for {size} micro-batches and all have run; "
-                "call window.step(), or open it with the right num_micro_batches"
-            )
-        if last is None:
-            if size is None:
-                raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")
-            last = self.done == size - 1
-        return _MicroBatch(self, bool(last) and not self.request.defer and self.ctx.sync.reduces_across_ranks)
 
-    def _checked(self, loss: Any) -> torch.Tensor:
-        self._in_micro_batch()
-        return scalar_loss(loss, where="window.micro_batch()")
+def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
+    """Whether the next micro-batch is the window's last (the one that reduces across ranks)."""
+    if size is not None and done >= size:
+        raise RuntimeError(f"the window was opened for {size} micro-batches and all have run; "
+                           "call window.step(), or open it with the right num_micro_batches")
+    if last is None:
+        if size is None:
+            raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")
+        return done == size - 1
+    return bool(last)
 
-    def _in_micro_batch(self) -> None:
-        if self.reduced:
-            raise RuntimeError(
-                "window.backward() after the backward of the micro-batch that reduces across ranks (the "
-                "last): the window's gradient was already reduced and its counts fixed. Run one backward per "
-                "micro_batch() block, and mark only the last micro-batch with micro_batch(last=True)"
-            )
-        if self.current is None:
-            raise RuntimeError(
-                "window.backward() must run inside `with window.micro_batch():`, which also wraps "
-                "the forward pass (DDP decides in forward whether the backward reduces)"
-            )
 
-    def backward(self, loss: torch.Tensor, num_items: Count) -> None:
-        """Backpropagate ``loss`` with the weight ``n_k * W / R``; add its item sum to the tally.
+def _in_micro_batch(window: Window, loss: Any) -> Any:
+    """``loss`` checked as a scalar that requires grad (when given), after checking that the window is
+    inside a ``micro_batch()`` block and before its reducing backward."""
+    if window.reduced:
+        raise RuntimeError(
+            "window.backward() after the backward of the micro-batch that reduces across ranks (the "
+            "last): the window's gradient was already reduced and its counts fixed. Run one backward per "
+            "micro_batch() block, and mark only the last micro-batch with micro_batch(last=True)"
+        )
+    if window.current is None:
+        raise RuntimeError(
+            "window.backward() must run inside `with window.micro_batch():`, which also wraps "
+            "the forward pass (DDP decides in forward whether the backward reduces)"
+        )
+    return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
 
-        Args:
-            loss: the **mean** loss over the micro-batch's items, a scalar tensor.
-            num_items: how many items that mean is over (an int, a float weight, or a tensor left on
-                the device).
-        """
-        loss = self._checked(loss)
-        item_count("num_items", num_items)
-        weighted = loss * backward_weight(num_items, self.reference(num_items), self.ctx.sync.grad_divisor, loss.dtype)
-        self.tally.add(loss, num_items)
-        term = self._before_reduction()
-        self._backward(weighted if term is None else weighted + term)
 
-    def backward_padding(self, loss: torch.Tensor) -> None:
-        """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
-        runs the forward and backward collectives that ranks with data run."""
-        loss = self._checked(loss)
-        self.reference(0)  # takes part in fixing R, as the ranks with data do
-        term = self._before_reduction()
-        self._backward(loss * 0.0 if term is None else loss * 0.0 + term, autocast_off=True)
+def _loss_check(ctx: WindowContext, tally: Tally, share: float) -> torch.Tensor:
+    """In a window that exchanges nothing, this rank's loss check, which its reducing backward adds to
+    its loss (:func:`gradaccum._maths.loss_check_term`), carried by the probe's gradient."""
+    probe = ctx.state.probe
+    assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
+    return loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, share, probe.reshape(-1)[0])
 
-    def backward_part(self, outputs: List[torch.Tensor], grads: List[torch.Tensor], loss: torch.Tensor,
-                      num_items: Count) -> None:
-        """Backpropagate one micro-batch's part of a loss over the whole window (a
-        :class:`~gradaccum.WindowLoss`, :mod:`gradaccum._cached`): ``outputs`` with ``grads``, already
-        weighed (its share of the window loss's gradient, times the backward weight of the window's N
-        items, ``N * W / R``, and the loss scale); the tally adds the window's ``loss`` for its
-        ``num_items`` items."""
-        self._in_micro_batch()
-        self.tally.add(loss, num_items)
-        term = self._before_reduction()
-        extra = [] if term is None else [term]
-        with torch.autocast(device_type=self.ctx.device.type, enabled=False):
-            torch.autograd.backward(list(outputs) + extra, list(grads) + [None] * len(extra))  # type: ignore[list-item]
-        self.done += 1
 
-    def reference(self, count: Count) -> float:
-        """R for this window: known when it opened, else fixed (once, the same on every rank) at the
-        first backward by its count (:meth:`gradaccum._ranks.RankAgreement.reference_for`)."""
-        known = self._open_setup("backward").reference
-        return known if known is not None else self.ctx.ranks.reference_for(count)
+def _totals(window: Window, setup: WindowSetup, *, ran: bool) -> WindowTotals:
+    """This rank's tally and what the boundary needs with it."""
+    return WindowTotals(window.tally, window.reference or 1.0, ran=ran,
+                        can_pad=window.ctx.ranks.can_pad(window.request.can_pad), known_items=setup.known_items)
 
-    def _before_reduction(self) -> Optional[torch.Tensor]:
-        """Before the backward that reduces across ranks every count of the window is known: start
-        the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
-        or, in a window that exchanges nothing, return this rank's loss check, which the backward adds
-        to its loss (:func:`gradaccum._maths.loss_check_term`)."""
-        assert self.current is not None and self.setup is not None
-        if not self.current.reduces:
-            return None
-        self.reduced = True
-        share = self.setup.share
-        if share is None:  # the window exchanges
-            if self.ctx.boundary.launch_before_last_backward:
-                self.in_flight = self.ctx.boundary.launch(self.totals(ran=True))
-            return None
-        probe = self.ctx.grads.probe
-        assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
-        tally = self.tally
-        return loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, share, probe.reshape(-1)[0])
 
-    def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
-        self.ctx.precision.backward(weighted, autocast_off=autocast_off)
-        self.done += 1
-
-    # -- the boundary ----------------------------------------------------------------------------
-
-    def totals(self, *, ran: Optional[bool] = None) -> WindowTotals:
-        """This rank's tally and what the boundary needs with it."""
-        setup = self._open_setup("step")
-        return WindowTotals(self.tally, self.reference_items or 1.0, ran=self.done > 0 if ran is None else ran,
-                            can_pad=self.request.can_pad or self.ctx.ranks.replay is not None,
-                            known_items=setup.known_items)
-
-    def abandon(self) -> None:
-        """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
-        self.abandoned = True
-        self.ctx.grads.clear()
-
-    def step(self) -> StepResult:
-        """Take (or skip) the window's one optimizer step: the boundary unscales, reads the window's
-        global loss sum and item count (exchanged across ranks), measures the norm, decides, clips and
-        steps (:mod:`gradaccum._boundary`)."""
-        if self.result is not None:
-            raise RuntimeError("step() was already called for this window; open a new one")
-        setup, ctx = self._open_setup("step"), self.ctx
-        if self.done == 0 and not (setup.plan is not None and ctx.sync.allows_empty_share):
-            raise RuntimeError(
-                "step() on a window where window.backward() never ran: call "
-                "window.backward(loss, num_items=...) inside `with window.micro_batch():` for each "
-                "micro-batch (a plain loss.backward() is not counted, so the step could not be normalized)"
-            )
-        size = self.num_micro_batches
-        if size is not None and self.done != size:
-            raise RuntimeError(
-                f"the window was opened for {size} micro-batches but {self.done} ran; under "
-                "data parallelism the last one is the one that reduces gradients, so the counts must match"
-            )
-        if self.request.defer:
-            ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = None
-        try:
-            out = ctx.boundary.finish(self.totals(), self.in_flight, exchange=setup.exchanges)
-        finally:  # every rank has left the window's collectives
-            ctx.ranks.observe(setup, self.tally, out)
-        assert out is not None
-        self.result = _step_result(out, self.done - self.padding, self.micro_batch_size)
-        return self.result
+def _check_can_step(window: Window, setup: WindowSetup) -> None:
+    """A window steps once, after its micro-batches have all run."""
+    if window.result is not None:
+        raise RuntimeError("step() was already called for this window; open a new one")
+    if window.done == 0 and not (setup.plan is not None and window.ctx.sync.allows_empty_share):
+        raise RuntimeError(
+            "step() on a window where window.backward() never ran: call "
+            "window.backward(loss, num_items=...) inside `with window.micro_batch():` for each "
+            "micro-batch (a plain loss.backward() is not counted, so the step could not be normalized)"
+        )
+    size = window.num_micro_batches
+    if size is not None and window.done != size:
+        raise RuntimeError(
+            f"the window was opened for {size} micro-batches but {window.done} ran; under "
+            "data parallelism the last one is the one that reduces gradients, so the counts must match"
+        )
 
 
 def _step_result(out: Outcome, micro_batches: int, micro_batch_size: Any) -> StepResult:

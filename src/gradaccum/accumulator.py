@@ -1,13 +1,16 @@
 """``Accumulator``: a window of micro-batches -> weighted backward -> one reduction -> one optimizer step.
 
 The facade: it checks its arguments before anything moves, builds the parts, and hands each call to
-the part that owns it. One window, in the order it runs::
+the part that owns it. What one window teaches the next lives in one object, ``acc.state``
+(:class:`~gradaccum._state.AccumulatorState`); ``state_dict()`` is derived from it. One window, in
+the order it runs::
 
-    acc.step / acc.train / acc.window
-      -> _run.run_window           the one entry point (step, train, the out-of-memory back-off)
-         -> RankAgreement.setup    once, as the window opens: its plan (known, made alone, or asked
-                                   of the ranks: one all-gather), R, whether its boundary exchanges,
-                                   its padding                                        (_ranks.py)
+    acc.step / acc.train           -> _run.run_window: the micro-batches through loss_fn (step, train,
+                                      the out-of-memory back-off); a WindowLoss -> _cached.run_cached_window
+    acc.window                     -> a Window the user's own loop drives; both go through:
+         -> RankAgreement.open     once, as the window opens: its plan (known, made alone, or asked
+                                   of the ranks: one all-gather), then window_setup: R, whether its
+                                   boundary exchanges, its padding                    (_ranks.py)
          -> per micro-batch        forward and backward of  n_k * W / R * L_k  (_maths.backward_weight),
                                    the reduction skipped before the last (sync.py); the Tally adds
                                    n_k * L_k and n_k                                  (_exchange.py)
@@ -16,7 +19,8 @@ the part that owns it. One window, in the order it runs::
          -> Boundary.finish        unscale, replicas compared (first window), the exchanged numbers
                                    on the host (the one host sync), norm, verdict, clip,
                                    optimizer step, scheduler step                     (_boundary.py)
-         -> RankAgreement.observe  what the next window needs to know (R, can-pad, own counts)
+         -> RankAgreement.learn    what the next window needs to know, kept in acc.state
+                                   (R, the count ratio, can-pad, counts from loss_fn)
       -> StepResult
 
 The formulas (why each micro-batch backpropagates ``n_k * W / R`` times its mean loss, and why the
@@ -35,7 +39,8 @@ from ._autosize import AutoMicroBatch
 from ._boundary import Boundary
 from ._checks import Count, callable_loss_fn, positive_int, positive_number
 from ._gradients import AccumulationBuffers, WindowGradients
-from ._ranks import RankAgreement, WindowRequest
+from ._ranks import RankAgreement, Rules, WindowRequest
+from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
 from ._cached import WindowLoss, check_window_loss
 from ._run import CountFn, LossFn, count_items, run_auto, run_window
@@ -121,60 +126,52 @@ class Accumulator:
         self.sync: GradSync = sync_for(model, reduce_every_micro_batch=reduce_every_micro_batch,
                                        data_parallel=data_parallel)
         self.buffers = _buffers(accum_dtype, self.sync, precision, params)
+        #: what one window teaches the next (see :class:`~gradaccum._state.AccumulatorState`)
+        self.state = state = AccumulatorState()
         grads = WindowGradients(params, self.buffers, reduced=self.sync.reduced_parameters())
-        boundary = Boundary(optimizer, scheduler, precision=self.precision, sync=self.sync, grads=grads,
+        boundary = Boundary(optimizer, scheduler, state=state, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=bool(compute_grad_norm),
                             nonfinite=nonfinite, device=device)
-        self.ranks = RankAgreement(self.sync, device, grads, loss_every=loss_every,
-                                   steps_on_loss=boundary.steps_on_loss)
-        self.auto = AutoMicroBatch(self.sync, device)
-        self.counters = boundary.counters
+        rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts, self.sync.plain_reduction,
+                      loss_every=loss_every, steps_on_loss=boundary.steps_on_loss)
+        self.auto = AutoMicroBatch(self.sync, device, state)
         self.context = WindowContext(model=model, device=device, sync=self.sync, precision=self.precision,
-                                     grads=grads, ranks=self.ranks, boundary=boundary, slot=OpenWindow(model))
+                                     grads=grads, ranks=RankAgreement(self.sync, device, state, rules),
+                                     boundary=boundary, slot=OpenWindow(model, state), state=state)
 
-    # -- where training stands (saved in state_dict) ---------------------------------------------
+    # -- where training stands: read from acc.state (saved in state_dict) ----------------------
 
     @property
     def steps(self) -> int:
-        """Optimizer steps taken."""
-        return self.counters.steps
+        """Optimizer steps taken (``acc.state.steps``)."""
+        return self.state.steps
 
     @steps.setter
     def steps(self, value: int) -> None:
-        self.counters.steps = int(value)
+        self.state.steps = int(value)
 
     @property
     def skipped(self) -> int:
         """Windows that took no step (non-finite loss or gradient, fp16 overflow, no item)."""
-        return self.counters.skipped
+        return self.state.skipped
 
     @property
     def epoch(self) -> int:
         """Epochs ``train()`` finished (the next one it runs, without a WindowSampler)."""
-        return self.counters.epoch
+        return self.state.epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self.counters.epoch = int(value)
+        self.state.epoch = int(value)
 
     @property
     def auto_micro_batch_size(self) -> Optional[int]:
         """The micro-batch size that last worked under ``micro_batch_size="auto"``."""
-        return self.auto.size
+        return self.state.auto_micro_batch_size
 
     @auto_micro_batch_size.setter
     def auto_micro_batch_size(self, value: Optional[int]) -> None:
-        self.auto.size = value
-
-    @property
-    def reference_items(self) -> Optional[float]:
-        """R for windows whose item count is not known up front (see :mod:`gradaccum._maths`)."""
-        return self.ranks.fallback_reference
-
-    @property
-    def count_ratio(self) -> float:
-        """Items ``loss_fn`` counted per item counted up front, in the last window."""
-        return self.ranks.count_ratio
+        self.state.auto_micro_batch_size = value
 
     # -- the three ways in ----------------------------------------------------------------------
 
@@ -251,13 +248,13 @@ class Accumulator:
             self.auto.check_supported()
         spec = TrainSpec(loss_fn, accum_steps, epochs, drop_last, num_items,
                          self.auto if micro_batch_size == "auto" else None)
-        return train_windows(self.context, self.counters, loader, spec)
+        return train_windows(self.context, loader, spec)
 
     def request_stop(self) -> None:
         """Ask every rank to stop: the next window's ``StepResult.stop_requested`` is True on every
         rank (the flag rides in the boundary's all-reduce, so asking costs no collective of its own).
         Safe to call from a signal handler."""
-        self.context.boundary.request_stop()
+        self.state.stop_requests += 1
 
     def set_padding(self, micro_batch: Batch) -> None:
         """A micro-batch this rank may run with zero weight in a window where it has none.
@@ -268,15 +265,14 @@ class Accumulator:
         process resumed at a window where its share is empty) needs this one. Its loss must depend
         on the model as a real micro-batch's does; it adds nothing to the gradient or the counts.
         """
-        self.ranks.set_replay(micro_batch)
+        self.context.ranks.set_replay(micro_batch)
 
     # -- state -----------------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """What resuming needs beyond the model and optimizer: counters, scaler, auto size, R."""
-        return {"steps": self.counters.steps, "skipped": self.counters.skipped, "epoch": self.counters.epoch,
-                "auto_micro_batch_size": self.auto.size, **self.ranks.state_dict(),
-                "precision": self.precision.state_dict()}
+        """What resuming needs beyond the model and optimizer: the saved fields of ``acc.state``
+        (counters, R, the count ratio, the auto size; :data:`gradaccum._state.SAVED_KEYS`) and the scaler."""
+        return {**self.state.saved(), "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (also one written by an earlier gradaccum)."""
@@ -288,12 +284,7 @@ class Accumulator:
             raise KeyError(f"Accumulator.load_state_dict: the state lacks {', '.join(map(repr, missing))}; "
                            "pass what Accumulator.state_dict() returned")
         self.precision.load_state_dict(state["precision"])
-        self.counters.steps = int(state["steps"])
-        self.counters.skipped = int(state.get("skipped", 0))
-        self.counters.epoch = int(state.get("epoch", 0))
-        self.auto.size = state.get("auto_micro_batch_size")
-        self.ranks.load_state_dict(state)
-        self.context.boundary.forget_scheduler_position()  # a resumed scheduler is read when the next window opens
+        self.state.load_saved(state)  # checked whole before any field is set
 
 
 # -- construction checks: every one before anything is built ------------------------------------------

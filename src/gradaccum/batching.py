@@ -192,6 +192,13 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
     ``targets``.
     """
     if micro_batch_size is not None:
+        if isinstance(window, list) and window and all(isinstance(mb, (tuple, list, Mapping)) for mb in window):
+            raise SplitError(
+                f"window is a list of {len(window)} micro-batches and micro_batch_size={micro_batch_size!r} was "
+                "given, which is ambiguous: a list of micro-batches is already split, and micro_batch_size splits "
+                "one batch. Drop micro_batch_size to run the list as it is, or pass one batch (a tensor, a tuple "
+                "(inputs, targets) or a dict) to split; a nested batch goes in a tuple, not a list"
+            )
         if allow_empty and leading_dim(window) == 0:
             return []  # a rank whose share is empty: it takes part with zero items
         return split_batch(window, micro_batch_size)

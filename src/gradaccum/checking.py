@@ -48,7 +48,7 @@ from torch import nn
 from ._cached import WindowLoss
 from ._checks import positive_int, positive_number, scalar_loss, split_loss_output, training_batchnorms
 from .accumulator import Accumulator
-from .batching import Batch, first_tensor, leading_dim, split_batch
+from .batching import Batch, concat_batches, first_tensor, leading_dim, split_batch
 from .errors import SplitError
 
 __all__ = ["EquivalenceReport", "SplitError", "check_equivalence"]
@@ -219,7 +219,9 @@ def _window_loss_grads(model: nn.Module, window_loss: WindowLoss, micro_batches:
         {name: p.grad.detach().double().clone() for name, p in named if p.grad is not None}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the Accumulator's BatchNorm warning: the report names BatchNorm
-        result = Accumulator(model, optimizer).step(micro_batches, window_loss)
+        # the batch again with the size that split it: a list of bare-tensor micro-batches is ambiguous
+        result = Accumulator(model, optimizer).step(concat_batches(micro_batches), window_loss,
+                                                    micro_batch_size=leading_dim(micro_batches[0]))
     return read, math.nan if result.loss is None else result.loss
 
 

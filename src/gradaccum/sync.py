@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ._gradients import tensor_norms
 from .errors import ConfigurationError
 
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
@@ -99,9 +100,10 @@ class GradSync:
 
     #: the backward reduction divides the gradient sum by this many ranks
     grad_divisor: float = 1.0
-    #: ``True`` when there are other ranks: the window's counts are summed across them (the rank agreement,
-    #: :mod:`gradaccum._ranks`, asks this; other modules ask the two questions below)
-    distributed: bool = False
+    #: several ranks train each window together: their counts are summed and they agree on the window
+    #: (the rank agreement, :mod:`gradaccum._ranks`, asks this; other modules ask the two questions
+    #: below). False on one process, and on several under ``data_parallel="none"`` (each rank alone)
+    shares_windows: bool = False
     #: the last micro-batch's backward reduces the window's gradient across ranks (DDP, FSDP2): its
     #: ``micro_batch()`` switches the wrapper's sync, the boundary's all-reduce can start before that
     #: backward, and an out-of-memory agreement must come before it
@@ -123,7 +125,9 @@ class GradSync:
     group: Any = None
 
     @property
-    def world_size(self) -> int:
+    def group_size(self) -> int:
+        """Ranks in the data-parallel group that reduces the gradient (1 on one process); the global
+        world is :func:`world_size`."""
         return 1
 
     def micro_batch(self, *, last: bool) -> ContextManager[Any]:
@@ -131,7 +135,7 @@ class GradSync:
         return contextlib.nullcontext()
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if self.distributed:
+        if self.shares_windows:
             all_reduce_(tensor, op, self.group)
         return tensor
 
@@ -164,27 +168,27 @@ class GradSync:
     def any_rank(self, flag: bool, device: torch.device) -> bool:
         """True on every rank when ``flag`` is True on any (one max all-reduce of a tensor on ``device``
         and one host sync across ranks; the flag itself on one process)."""
-        if not self.distributed:
+        if not self.shares_windows:
             return flag
         return bool(self.all_reduce_(torch.tensor([1.0 if flag else 0.0], device=device), "max").item())
 
     def min_across(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` of any rank, on every rank (``value`` itself on one process)."""
-        if not self.distributed:
+        if not self.shares_windows:
             return value
         return int(self.all_reduce_(torch.tensor([value], device=device), "min").item())
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
         """Start an in-place sum all-reduce and return its work handle (``.wait()``), or None locally."""
-        if not self.distributed:
+        if not self.shares_windows:
             return None
         return dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, in rank order."""
-        if not self.distributed:
+        if not self.shares_windows:
             return tensor.unsqueeze(0)
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        parts = [torch.empty_like(tensor) for _ in range(self.group_size)]
         dist.all_gather(parts, tensor, group=self.group)
         return torch.stack(parts)
 
@@ -193,7 +197,7 @@ class GradSync:
         dim 0 in rank order, and where this rank's items start in them. Each rank may hold any number of
         items, none included: one all-gather of the counts, then one per tensor, padded to the most
         items. On one process, the tensors themselves. Nothing is differentiable: this is data."""
-        if not self.distributed:
+        if not self.shares_windows:
             return list(tensors), 0
         n = tensors[0].shape[0]
         counts = [int(c) for c in self.all_gather(torch.tensor([n], device=tensors[0].device)).reshape(-1).tolist()]
@@ -203,7 +207,7 @@ class GradSync:
             sent = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool all-gather
             padded = sent.new_zeros((most, *t.shape[1:]))
             padded[:n] = sent
-            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            parts = [torch.empty_like(padded) for _ in range(self.group_size)]
             dist.all_gather(parts, padded, group=self.group)
             whole = torch.cat([part[:c] for part, c in zip(parts, counts)])
             joined.append(whole.to(torch.bool) if t.dtype == torch.bool else whole)
@@ -221,7 +225,7 @@ class DDPSync(GradSync):
     Every DDP module of the model (usually one) is switched.
     """
 
-    distributed = reduces_across_ranks = allows_empty_share = True
+    shares_windows = reduces_across_ranks = allows_empty_share = True
     collectives_in_forward = True
     replicated_grads = True
 
@@ -242,10 +246,10 @@ class DDPSync(GradSync):
         if len(sizes) != 1:
             raise ConfigurationError(f"the model's DistributedDataParallel modules span process groups of "
                              f"different sizes {sorted(sizes)}; use one process group for data parallelism")
-        self.grad_divisor = float(self.world_size)
+        self.grad_divisor = float(self.group_size)
 
     @property
-    def world_size(self) -> int:
+    def group_size(self) -> int:
         return dist.get_world_size(self.group)
 
     def plain_reduction(self) -> bool:
@@ -282,7 +286,7 @@ class DDPSync(GradSync):
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
-        flat.div_(self.world_size)
+        flat.div_(self.group_size)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -307,7 +311,7 @@ class FSDP2Sync(GradSync):
     of micro-batches; ``Accumulator.step``/``train`` pad a rank that has fewer with zero-weight ones.
     """
 
-    distributed = reduces_across_ranks = allows_empty_share = True
+    shares_windows = reduces_across_ranks = allows_empty_share = True
     can_reduce_later = False
     needs_equal_counts = True
     sharded_grads = True
@@ -315,10 +319,10 @@ class FSDP2Sync(GradSync):
     def __init__(self, modules: Sequence[nn.Module], *, reduce_every_micro_batch: bool = False) -> None:
         self.modules = list(modules)  # the outermost fully_shard-ed modules
         self.reduce_every_micro_batch = reduce_every_micro_batch
-        self.grad_divisor = float(self.world_size)
+        self.grad_divisor = float(self.group_size)
 
     @property
-    def world_size(self) -> int:
+    def group_size(self) -> int:
         return dist.get_world_size()
 
     def _set_sync(self, enabled: bool) -> None:
@@ -346,13 +350,13 @@ class FSDP2Sync(GradSync):
         shards = []
         for g in grads:
             mesh, placements = getattr(g, "device_mesh", None), getattr(g, "placements", None)
-            if mesh is None or placements is None or mesh.size() != self.world_size \
+            if mesh is None or placements is None or mesh.size() != self.group_size \
                     or not all(p.is_shard() for p in placements):
                 return None
             shards.append(g.to_local())  # type: ignore[attr-defined]
         if not shards:
             return None
-        norms = torch.stack(torch._foreach_norm(shards)).to(torch.float64)
+        norms = tensor_norms(shards)
         return (norms * norms).sum()
 
 

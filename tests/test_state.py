@@ -1,0 +1,190 @@
+"""AccumulatorState: what one window teaches the next lives in one object; state_dict is derived from
+it, every saved field round-trips, nothing is written onto the user's objects, and what a window will
+do (plan, R, exchange, padding) is a function of the state and the request, testable without ranks."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from gradaccum import Accumulator, ConfigurationError, WindowLoss
+from gradaccum._ranks import Rules, WindowPlan, WindowRequest, local_plan, padded_count, window_setup
+from gradaccum._state import SAVED_KEYS, AccumulatorState
+from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
+
+ALONE = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: True)
+DDP = Rules(shares_windows=True, needs_equal_counts=False, plain_reduction=lambda: True, loss_every=3)
+FSDP = Rules(shares_windows=True, needs_equal_counts=True, plain_reduction=lambda: False)
+
+
+def _distinct_values():
+    """A value for every saved field, none its default, each of the field's type."""
+    return {"steps": 7, "skipped": 2, "epoch": 3, "reference": 41.0, "count_ratio": 2.5,
+            "last_window_items": 96.0, "auto_micro_batch_size": 16}
+
+
+def test_every_saved_field_round_trips_through_state_dict():
+    saved = [f.name for f in dataclasses.fields(AccumulatorState) if f.metadata.get("saved")]
+    values = _distinct_values()
+    assert sorted(saved) == sorted(values), "a saved field has no test value: add it here"
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for name, value in values.items():
+        setattr(acc.state, name, value)
+    state = acc.state_dict()
+    assert set(state) == set(SAVED_KEYS) | {"precision"}
+    other = regression_model()
+    restored = Accumulator(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    restored.load_state_dict(state)
+    assert {name: getattr(restored.state, name) for name in values} == values
+    assert restored.steps == 7 and restored.epoch == 3 and restored.auto_micro_batch_size == 16
+
+
+def test_a_checkpoint_of_an_earlier_version_still_loads():
+    """The keys earlier gradaccum wrote (reference_items, last_items), and a state without the newer ones."""
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.load_state_dict({"steps": 5, "skipped": 1, "epoch": 2, "auto_micro_batch_size": None,
+                         "reference_items": 12.0, "count_ratio": 1.5, "last_items": 30.0,
+                         "precision": acc.precision.state_dict()})
+    assert (acc.state.reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
+    acc.load_state_dict({"steps": 9, "precision": acc.precision.state_dict()})
+    assert acc.steps == 9 and acc.state.reference is None and acc.state.count_ratio == 1.0
+
+
+def test_a_bad_saved_value_is_refused_before_any_field_changes():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.state.steps = 3
+    with pytest.raises(ConfigurationError, match="count_ratio='many' is not a number"):
+        acc.load_state_dict({"steps": 8, "count_ratio": "many", "precision": acc.precision.state_dict()})
+    assert acc.steps == 3
+
+
+def _own_window(acc, model, micro_batches):
+    """A hand-written window opened without an item count: R is fixed by its first backward."""
+    with acc.window(len(micro_batches)) as w:
+        for mb in micro_batches:
+            with w.micro_batch():
+                w.backward(mse(model, mb), num_items=len(mb[0]))
+        return w.step()
+
+
+def test_a_resumed_run_is_bit_identical_with_a_learned_reference():
+    """R fixed by the first window (no count up front) is saved: the resumed run divides by the same
+    R and rounds as the uninterrupted one, bit for bit."""
+    windows = [[regression_batch(n, seed=s) for n, s in [(3, 1), (5, 2)]],
+               [regression_batch(n, seed=s) for n, s in [(4, 3), (2, 4)]],
+               [regression_batch(n, seed=s) for n, s in [(6, 5), (1, 6)]]]
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    for w in windows[:2]:
+        _own_window(acc, model, w)
+    ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "opt": copy.deepcopy(acc.optimizer.state_dict()), "acc": acc.state_dict()}
+    assert ckpt["acc"]["reference_items"] == 3.0  # the first micro-batch's count, kept
+    _own_window(acc, model, windows[2])
+    again = regression_model(seed=9)
+    again.load_state_dict(ckpt["model"])
+    opt = torch.optim.AdamW(again.parameters(), lr=0.1)
+    opt.load_state_dict(ckpt["opt"])
+    resumed = Accumulator(again, opt)
+    resumed.load_state_dict(ckpt["acc"])
+    _own_window(resumed, again, windows[2])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+def test_nothing_is_written_onto_the_users_window_loss():
+    """The replay check of a WindowLoss is remembered in acc.state (weakly), not on the user's object."""
+    model = torch.nn.Linear(4, 3).double()
+    loss = WindowLoss(lambda m, b: m(b), lambda m, z: (z - z.mean(0)).pow(2).mean())
+    before = dict(vars(loss))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.step(torch.randn(8, 4, dtype=torch.float64), loss, micro_batch_size=3)
+    assert vars(loss) == before and loss in acc.state.checked_replays
+    other = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert loss not in other.state.checked_replays  # each Accumulator checks its own first window
+
+
+def test_a_window_learns_r_and_the_count_source_into_the_state():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.step([regression_batch(3), regression_batch(5, seed=2)], lambda m, b: (mse(m, b), 2 * len(b[0])))
+    assert acc.state.count_ratio == 2.0 and acc.state.windows == 1 and acc.state.steps == 1
+    with acc.window(1) as w:  # no count up front: R fixed by the first backward, kept in the state
+        with w.micro_batch():
+            w.backward(mse(model, regression_batch(6)), num_items=6)
+        assert w.reference == 6.0 == acc.state.reference
+        w.step()
+
+
+# -- what a window will do, without any rank ---------------------------------------------------------
+
+def test_one_process_plans_alone_with_r_its_count():
+    state = AccumulatorState()
+    plan = local_plan(state, ALONE, WindowRequest(3, items=12))
+    setup = window_setup(state, ALONE, WindowRequest(3, items=12), plan)
+    assert plan == WindowPlan(3, 3, 3, 12.0) and setup.reference == 12.0 and setup.exchanges and setup.padding == 0
+    state.count_ratio = 1.5  # loss_fn counted 1.5 tokens per row last time: R follows
+    assert window_setup(state, ALONE, WindowRequest(3, items=12), plan).reference == 18.0
+    # opened without a size: R is the count given, else fixed at the first backward (None here)
+    assert window_setup(state, ALONE, WindowRequest(None, items=5), None).reference == 5.0
+    assert window_setup(state, ALONE, WindowRequest(None), None).reference is None
+
+
+def test_ddp_plans_alone_only_once_every_rank_can_pad():
+    state = AccumulatorState()
+    assert local_plan(state, DDP, WindowRequest(2, can_pad=True)) is None  # the first window asks
+    state.peers_can_pad = True
+    assert local_plan(state, DDP, WindowRequest(0, can_pad=True)) == WindowPlan(0, 1, 0, None)
+    assert local_plan(state, DDP, WindowRequest(2, can_pad=False)) is None
+    assert local_plan(state, FSDP, WindowRequest(2, can_pad=True)) is None  # FSDP2 always asks
+    state.last_window_items = 40.0  # planned alone: R is the previous window's global count
+    setup = window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None))
+    assert setup.reference == 40.0 and setup.padding == 1 and setup.exchanges
+
+
+def test_padding_is_what_the_agreement_asks_of_this_rank():
+    state = AccumulatorState()
+    assert window_setup(state, FSDP, WindowRequest(1, can_pad=True), WindowPlan(1, 4, 1, None, asked=True)).padding == 3
+    assert window_setup(state, DDP, WindowRequest(1, can_pad=True), WindowPlan(1, 4, 1, None, asked=True)).padding == 0
+    assert padded_count(0, 4, equal_counts=False) == 1
+    with pytest.raises(AssertionError, match="lets no rank pad that cannot"):
+        window_setup(state, FSDP, WindowRequest(1, can_pad=False), WindowPlan(1, 4, 1, None, asked=True))
+
+
+def test_a_window_exchanges_nothing_only_when_every_condition_holds():
+    """A WindowSampler's known shares, a probe chosen, DDP's plain reduction, bare means weighed by
+    those counts, and not a loss_every-th window: each missing condition makes it exchange."""
+    probe = torch.nn.Parameter(torch.zeros(1))
+    known = WindowPlan(2, 2, 2, 20.0, share=10.0)
+    state = AccumulatorState(probe=probe, windows=1)
+    assert not window_setup(state, DDP, WindowRequest(2, can_pad=True), known).exchanges
+    for change in ({"probe": None}, {"count_ratio": 2.0}, {"counts_from_loss_fn": True}, {"windows": 3}):
+        assert window_setup(dataclasses.replace(state, **change), DDP, WindowRequest(2, can_pad=True), known).exchanges, change
+    assert window_setup(state, dataclasses.replace(DDP, plain_reduction=lambda: False), WindowRequest(2), known).exchanges
+    assert window_setup(state, DDP, WindowRequest(2, defer=True), known).exchanges
+    assert window_setup(state, DDP, WindowRequest(2), WindowPlan(2, 2, 2, 20.0)).exchanges  # no share known
+
+
+# -- a micro-batch with no item (issue 34, item 5) ---------------------------------------------------
+
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_an_empty_micro_batch_adds_nothing_and_the_window_is_exact(where):
+    """A micro-batch of 0 items: its mean is nan, but it weighs 0 in an item-weighted window. The step
+    equals the big batch on the other items (it was skipped with a warning to lower the learning rate)."""
+    torch.manual_seed(0)
+    model = regression_model().double()
+    ref, opt, ref_opt = clone_pair(model, "adamw")
+    x, y = regression_batch(9)
+    x, y = x.double(), y.double()
+    window = [(x[:4], y[:4]), (x[4:], y[4:])]
+    window.insert(where, (x[:0], y[:0]))
+    acc = Accumulator(model, opt, max_grad_norm=0.5)
+    result = acc.step(window, mse)
+    assert not result.skipped and result.num_items == 9 and acc.skipped == 0
+    big_loss = reference_step(ref, ref_opt, lambda: mse(ref, (x, y)), max_grad_norm=0.5)
+    assert_params_close(model, ref)
+    assert result.loss == pytest.approx(big_loss, rel=1e-12)
