@@ -21,7 +21,7 @@ FSDP = Rules(shares_windows=True, needs_equal_counts=True, plain_reduction=lambd
 
 def _distinct_values():
     """A value for every saved field, none its default, each of the field's type."""
-    return {"steps": 7, "skipped": 2, "epoch": 3, "reference": 41.0, "count_ratio": 2.5,
+    return {"steps": 7, "skipped": 2, "epoch": 3, "first_reference": 41.0, "count_ratio": 2.5,
             "last_window_items": 96.0, "auto_micro_batch_size": 16}
 
 
@@ -49,18 +49,25 @@ def test_a_checkpoint_of_an_earlier_version_still_loads():
     acc.load_state_dict({"steps": 5, "skipped": 1, "epoch": 2, "auto_micro_batch_size": None,
                          "reference_items": 12.0, "count_ratio": 1.5, "last_items": 30.0,
                          "precision": acc.precision.state_dict()})
-    assert (acc.state.reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
+    assert (acc.state.first_reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
     acc.load_state_dict({"steps": 9, "precision": acc.precision.state_dict()})
-    assert acc.steps == 9 and acc.state.reference is None and acc.state.count_ratio == 1.0
+    assert acc.steps == 9 and acc.state.first_reference is None and acc.state.count_ratio == 1.0
 
 
 def test_a_bad_saved_value_is_refused_before_any_field_changes():
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     acc.state.steps = 3
-    with pytest.raises(ConfigurationError, match="count_ratio='many' is not a number"):
-        acc.load_state_dict({"steps": 8, "count_ratio": "many", "precision": acc.precision.state_dict()})
-    assert acc.steps == 3
+    fp16 = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
+    before = copy.deepcopy(fp16.precision.state_dict())
+    changed = copy.deepcopy(before)
+    changed["scaler"]["scale"] = 8.0
+    for target, precision in ((acc, acc.precision.state_dict()), (fp16, changed)):
+        target.state.steps = 3
+        with pytest.raises(ConfigurationError, match="count_ratio='many' is not a number"):
+            target.load_state_dict({"steps": 8, "count_ratio": "many", "precision": precision})
+        assert target.steps == 3
+    assert fp16.precision.state_dict() == before  # the scaler is not loaded either
 
 
 def _own_window(acc, model, micro_batches):
@@ -116,7 +123,7 @@ def test_a_window_learns_r_and_the_count_source_into_the_state():
     with acc.window(1) as w:  # no count up front: R fixed by the first backward, kept in the state
         with w.micro_batch():
             w.backward(mse(model, regression_batch(6)), num_items=6)
-        assert w.reference == 6.0 == acc.state.reference
+        assert w.reference == 6.0 == acc.state.first_reference
         w.step()
 
 
@@ -188,3 +195,23 @@ def test_an_empty_micro_batch_adds_nothing_and_the_window_is_exact(where):
     big_loss = reference_step(ref, ref_opt, lambda: mse(ref, (x, y)), max_grad_norm=0.5)
     assert_params_close(model, ref)
     assert result.loss == pytest.approx(big_loss, rel=1e-12)
+
+
+def test_a_micro_batch_whose_targets_are_all_ignored_adds_nothing_with_a_device_count():
+    """The same when loss_fn counts its targets on the device: (cross_entropy with ignore_index, (y != -100).sum());
+    a micro-batch whose every label is ignored has a nan mean and a 0 count, selected away without a host sync."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 4).double()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    x = torch.randn(10, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (10,))
+    y[:4] = -100  # micro-batch 0 (4 rows) has no target at all
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1], ignore_index=-100), (b[1] != -100).sum()
+
+    acc = Accumulator(model, opt)
+    result = acc.step([(x[:4], y[:4]), (x[4:], y[4:])], loss_fn)
+    assert not result.skipped and result.num_items == 6
+    reference_step(ref, ref_opt, lambda: torch.nn.functional.cross_entropy(ref(x), y, ignore_index=-100))
+    assert_params_close(model, ref)

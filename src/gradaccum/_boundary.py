@@ -34,8 +34,8 @@ from typing import Any, List, Optional
 import torch
 
 from ._exchange import Exchanged, ExchangeRow, Tally, pack_row, read_on_host
-from ._gradients import WindowGradients, tensor_norms
-from ._maths import Verdict, boundary_scale, clip_coefficient, verdict, window_mean
+from ._gradients import WindowGradients
+from ._maths import Verdict, boundary_scale, clip_coefficient, tensor_norms, verdict, window_mean
 from ._state import AccumulatorState
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
@@ -52,7 +52,7 @@ class WindowTotals:
         tally: this rank's loss sum and item counts.
         reference: R, the count the backward weights were divided by.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
-        can_pad: whether this rank can pad its next window (has run a micro-batch to repeat).
+        can_pad_next: whether this rank can pad its next window (has a micro-batch to repeat).
         known_items: the window's global N, when every rank knew it up front and the window
             exchanges nothing (:func:`gradaccum._ranks.window_setup`); else None.
     """
@@ -60,7 +60,7 @@ class WindowTotals:
     tally: Tally
     reference: float
     ran: bool
-    can_pad: bool = True
+    can_pad_next: bool = True
     known_items: Optional[float] = None
 
 
@@ -172,7 +172,7 @@ class Boundary:
         return stop
 
     def _row(self, totals: WindowTotals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return pack_row(totals.tally, totals.tally.loss_sum_on(self.device), can_pad=totals.can_pad,
+        return pack_row(totals.tally, totals.tally.loss_sum_on(self.device), can_pad_next=totals.can_pad_next,
                         stop=self._stop_now(), square_norm=square_norm)
 
     def _exchanged(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> Exchanged:
@@ -198,7 +198,7 @@ class Boundary:
             return Exchanged(host["loss_sum"][0], tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn)
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
-        return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad >= self.sync.group_size, told.stop > 0,
+        return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counts_from_loss_fn > 0)
 
     def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float]) -> None:
@@ -267,7 +267,7 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
     pass over the gradient, one all-gather of two numbers and one host synchronisation, once.
     """
     if grads:
-        norms = tensor_norms(grads)
+        norms = tensor_norms(grads, torch.float64)
         weights = torch.arange(1, len(grads) + 1, dtype=torch.float64, device=norms.device)
         mine = torch.stack([norms.sum(), (norms * weights).sum()])
     else:

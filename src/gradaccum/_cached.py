@@ -228,14 +228,14 @@ def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, mi
     """Each micro-batch's forward again from its saved random state, backpropagated with its slice; then
     the padding the ranks need. ``carried`` (the loss's parameters and their gradient) rides in the last
     backward, the one that reduces. The first window compares the replay with pass 1, on every rank."""
-    at, alike, replay = 0, True, ctx.state.replay
+    at, alike, padding_batch = 0, True, ctx.state.padding_batch
     checked = window_loss in ctx.state.checked_replays
     last = len(micro_batches) + window.padding - 1
     for k in range(last + 1):
         own = k < len(micro_batches)
         if own:
             first.states[k].restore()
-        batch, n = (micro_batches[k], sizes[k]) if own else (replay, leading_dim(replay))
+        batch, n = (micro_batches[k], sizes[k]) if own else (padding_batch, leading_dim(padding_batch))
         with window.micro_batch():
             outs = _flat(window_loss.encode(ctx.model, batch), n, k)
             if k == 0 and not checked:
@@ -303,9 +303,9 @@ def _first_pass(ctx: WindowContext, window_loss: WindowLoss, micro_batches: List
             first.cached.append(_flat(out, n, k))
             first.spec = out if first.spec is None else first.spec
         for _ in range(padding):  # the forwards' collectives, as the ranks with data run them
-            out = window_loss.encode(ctx.model, ctx.state.replay)
+            out = window_loss.encode(ctx.model, ctx.state.padding_batch)
             if first.spec is None:
-                first.spec, first.empty = out, [t[:0] for t in _flat(out, leading_dim(ctx.state.replay), 0)]
+                first.spec, first.empty = out, [t[:0] for t in _flat(out, leading_dim(ctx.state.padding_batch), 0)]
     first.end = _RandomState(ctx.device)
     return first
 

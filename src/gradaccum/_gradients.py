@@ -18,14 +18,7 @@ import torch
 
 from .errors import ConfigurationError
 
-__all__ = ["AccumulationBuffers", "WindowGradients", "tensor_norms"]
-
-
-def tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's 2-norm, stacked, in float64: one fused pass over plain tensors on one device."""
-    if hasattr(torch, "_foreach_norm") and len({t.device for t in tensors}) == 1:
-        return torch.stack(torch._foreach_norm(list(tensors))).to(torch.float64)
-    return torch.stack([torch.linalg.vector_norm(t).to(tensors[0].device) for t in tensors]).to(torch.float64)
+__all__ = ["AccumulationBuffers", "WindowGradients"]
 
 
 class AccumulationBuffers:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from .errors import ConfigurationError
 
 __all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "first_reference", "window_mean",
-           "clip_coefficient", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum",
+           "clip_coefficient", "tensor_norms", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum",
            "LOSSES", "summed_loss_weight", "loss_items", "summed_loss"]
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
@@ -110,6 +110,20 @@ def window_mean(loss_sum: float, num_items: float) -> float:
     (1.5, True)
     """
     return loss_sum / num_items if num_items > 0 else math.nan
+
+
+def tensor_norms(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Each tensor's 2-norm, stacked (in ``dtype``, else the tensors' own): one fused pass over plain
+    tensors on one device. The total norm is the 2-norm of these; a fingerprint their weighted sum.
+
+    >>> tensor_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()
+    [5.0, 1.0]
+    """
+    if hasattr(torch, "_foreach_norm") and len({t.device for t in tensors}) == 1:
+        norms = torch.stack(torch._foreach_norm(list(tensors)))
+    else:
+        norms = torch.stack([torch.linalg.vector_norm(t).to(tensors[0].device) for t in tensors])
+    return norms if dtype is None else norms.to(dtype)
 
 
 def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float]) -> float:

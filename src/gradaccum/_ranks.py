@@ -10,7 +10,7 @@ After the boundary :meth:`RankAgreement.learn` keeps what the window taught in t
 run collectives in forward), and under FSDP2 (or ``reduce_every_micro_batch``) every rank must run
 as many micro-batches as the busiest. When a window opens, the ranks exchange how many micro-batches
 and items each holds (one small all-gather): a rank with fewer pads with zero-weight repeats of a
-micro-batch it ran before (``AccumulatorState.replay``), or, where it cannot, every rank raises the
+micro-batch it ran before (``AccumulatorState.padding_batch``), or, where it cannot, every rank raises the
 same error, so none waits in a collective.
 
 **Asking only when a rank can differ.** The agreement is skipped when every rank can know the
@@ -18,7 +18,7 @@ counts without asking: a :class:`~gradaccum.WindowSampler` knows every rank's sh
 (:meth:`RankAgreement.known_plan`), a ``DistributedSampler`` loader gives every rank as many batches
 (:meth:`RankAgreement.equal_shares`; their items are still summed at the boundary); and under DDP, once every rank has a micro-batch to pad with
 (learned at the previous boundary, whose one all-reduce carries that flag), a rank decides alone: it
-runs its own micro-batches, or one zero-weight repeat when it has none (:meth:`RankAgreement.local_plan`).
+runs its own micro-batches, or one zero-weight repeat when it has none (:func:`local_plan`).
 So in the steady state a window costs one small collective (the boundary's) and no host
 synchronisation before its first forward. FSDP2, ``reduce_every_micro_batch`` and hand-written
 windows opened without ``pad=True`` still ask, since a rank there can differ in a way the others
@@ -254,26 +254,27 @@ class RankAgreement:
     ranks told each other at its boundary, kept in the :class:`~gradaccum._state.AccumulatorState`.
 
     Args:
-        state: the Accumulator's state (read and changed here: R, the counts' source, the replay).
+        state: the Accumulator's state (read and changed here: R, the counts' source, the padding batch).
         rules: what the configuration says about every window.
     """
 
     def __init__(self, sync: GradSync, device: torch.device, state: AccumulatorState, rules: Rules) -> None:
         self.sync, self.device, self.state, self.rules = sync, device, state, rules
 
-    def set_replay(self, micro_batch: Batch) -> None:
+    def set_padding(self, micro_batch: Batch) -> None:
         leading_dim(micro_batch, argument="micro_batch")
-        self.state.replay = micro_batch
+        self.state.padding_batch = micro_batch
 
     def remember(self, micro_batch: Batch) -> None:
         """The last micro-batch this rank ran, kept (across ranks only) to pad a later window with."""
-        if self.sync.shares_windows:
-            self.state.replay = micro_batch
+        if self.rules.shares_windows:
+            self.state.padding_batch = micro_batch
 
-    def can_pad(self, has_data: bool) -> bool:
-        """Whether this rank can run a zero-weight micro-batch in a window: it has data of its own in
-        it (its last micro-batch is repeated), or a micro-batch it ran before or was given."""
-        return has_data or self.state.replay is not None
+    def can_pad(self, will_pad: bool) -> bool:
+        """Whether this rank can run a zero-weight micro-batch in a window: the caller will pad itself
+        (it has data of its own in the window to repeat, or a hand-written loop opened with ``pad=True``),
+        or it holds a micro-batch it ran before or was given (``state.padding_batch``)."""
+        return will_pad or self.state.padding_batch is not None
 
     def open(self, request: WindowRequest) -> WindowSetup:
         """The one call a window makes when it opens: its plan (known, made alone, or asked of the
@@ -297,7 +298,7 @@ class RankAgreement:
 
     def agree(self, num_micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
         """Every rank's micro-batch count and up-front item count, from one small all-gather."""
-        if not self.sync.shares_windows:
+        if not self.rules.shares_windows:
             plan = local_plan(self.state, self.rules, WindowRequest(num_micro_batches, num_items))
             assert plan is not None
             return plan
@@ -329,7 +330,7 @@ class RankAgreement:
         pads or drops to equal per-rank lengths) batched by torch's own ``BatchSampler``, confirmed once
         per epoch by one small all-gather of the batch count. The items are not assumed equal (a
         collate_fn may drop rows, a rank may hold another dataset): the boundary still sums them."""
-        if not self.sync.shares_windows:
+        if not self.rules.shares_windows:
             return False
         sampler, batch_sampler = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
         fits = (isinstance(sampler, DistributedSampler) and type(batch_sampler) is BatchSampler
@@ -342,17 +343,17 @@ class RankAgreement:
     def fix_reference(self, items: Count) -> float:
         """R for windows whose count is not known up front: fixed at its first use, by the first count
         (one host sync and, across ranks, one max all-reduce, once), then kept in the state."""
-        if self.state.reference is None:
+        if self.state.first_reference is None:
             ref = first_reference(as_number(items))
-            if self.sync.shares_windows:
+            if self.rules.shares_windows:
                 ref = float(self.sync.all_reduce_(torch.tensor([ref], device=self.device), "max").item())
-            self.state.reference = ref
-        return self.state.reference
+            self.state.first_reference = ref
+        return self.state.first_reference
 
     def learn(self, setup: WindowSetup, tally: Tally, outcome: Optional["Outcome"]) -> None:
         """After the boundary, on every rank (``outcome`` is None when the boundary raised: the window
         still counts): the same global numbers on every rank give the same ratio and R. What the ranks
-        told each other (can pad, own counts) is kept from windows that exchanged it."""
+        told each other (can pad, counts from loss_fn) is kept from windows that exchanged it."""
         state = self.state
         state.windows += 1
         share = setup.share
@@ -372,7 +373,7 @@ class RankAgreement:
             state.count_ratio = num_items / upfront
         if outcome.counts_from_loss_fn is not None:
             state.counts_from_loss_fn = outcome.counts_from_loss_fn
-        if self.sync.shares_windows:
+        if self.rules.shares_windows:
             if num_items > 0:
                 state.last_window_items = num_items
             if outcome.peers_can_pad is not None:

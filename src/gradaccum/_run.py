@@ -104,7 +104,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
             ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
         if not oom:
             for _ in range(window.padding):  # what the ranks' counts ask of this rank
-                _backward_padding(window, loss_fn, ctx.state.replay)
+                _backward_padding(window, loss_fn, ctx.state.padding_batch)
         if defer:
             oom = ctx.sync.any_rank(oom, ctx.device)
         if oom:

@@ -1,22 +1,23 @@
 """What one window teaches the next, in one object: :class:`AccumulatorState`.
 
-A window starts from the state, reads what it needs (R, what the ranks agreed, the scheduler's
-position, the auto micro-batch size, ...) and leaves it changed at two points: when it opens
-(:mod:`gradaccum._ranks` may fix R at the first backward) and at its boundary (:mod:`gradaccum._boundary`
-counts the step, :meth:`gradaccum._ranks.RankAgreement.learn` keeps what the ranks told each other).
-Nothing that outlives a window lives anywhere else: not on the parts the Accumulator builds, not on
+Every fact that outlives a window lives here (the GradScaler's own state aside, which the scaler
+keeps and ``state_dict`` saves under ``"precision"``): not on the parts the Accumulator builds, not on
 the user's objects (a :class:`~gradaccum.WindowLoss` whose replay was checked is remembered here).
+Each field says which part changes it and when; most change at a window's boundary, a few when it
+opens (the scheduler's position, a warning), at its first backward (R) or at any time
+(``request_stop``).
 
-``Accumulator.state_dict()`` is derived from the fields marked *saved*, so a new field cannot be left
-out of a checkpoint by accident; the others are learned again by the first window after a restart.
-Each field says which part changes it and when.
+``Accumulator.state_dict()`` is derived from the fields marked *saved*, each with the converter its
+checkpoint value passes through, so a new field cannot be left out of a checkpoint, nor read back
+unchecked. The others start afresh in a new process (a restarted run learns them again in its first
+window); ``load_state_dict`` leaves them as they are.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
@@ -25,87 +26,120 @@ from .errors import ConfigurationError
 __all__ = ["AccumulatorState", "SAVED_KEYS"]
 
 
-def _saved(default: Any, key: Optional[str] = None) -> Any:
-    """A field kept in ``state_dict`` (under ``key``, the name earlier gradaccum versions wrote)."""
-    return field(default=default, metadata={"saved": True, "key": key})
+def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: None if value is None else convert(value)
 
 
-@dataclass
+def _saved(default: Any, convert: Callable[[Any], Any], key: Optional[str] = None) -> Any:
+    """A field kept in ``state_dict`` under ``key`` (the name earlier gradaccum versions wrote), read
+    back through ``convert``."""
+    return field(default=default, metadata={"saved": True, "key": key, "convert": convert})
+
+
+class _Seen:
+    """Objects seen, held weakly and by identity (a user's object need be neither hashable nor kept alive)."""
+
+    def __init__(self) -> None:
+        self._refs: Dict[int, "weakref.ref[Any]"] = {}
+
+    def add(self, obj: Any) -> None:
+        key = id(obj)
+        self._refs[key] = weakref.ref(obj, lambda _, key=key: self._refs.pop(key, None))
+
+    def __contains__(self, obj: Any) -> bool:
+        ref = self._refs.get(id(obj))
+        return ref is not None and ref() is obj
+
+
+@dataclass(eq=False)
 class AccumulatorState:
-    """Everything a window learns for the next, owned by the ``Accumulator`` and passed to each window.
+    """Everything a window learns for the next, owned by the ``Accumulator`` (``acc.state``) and handed
+    to each window (``WindowContext.state``).
 
     Saved in ``state_dict`` (a resumed run continues bit-identically):
 
     Attributes:
-        steps: optimizer steps taken. The boundary adds one per step (``Boundary.finish``).
-        skipped: windows that took no step (non-finite, fp16 overflow, 0 items). The boundary.
-        epoch: epochs ``train()`` finished. ``train()``, at an epoch's last window.
-        reference: R for windows whose item count is not known before their first backward, fixed once
-            at the first such backward (``RankAgreement.fix_reference``) and then kept.
+        steps: optimizer steps taken. ``Boundary`` adds one per step taken, before the scheduler's step.
+        skipped: windows that took no step (non-finite, fp16 overflow, 0 items). ``Boundary``.
+        epoch: epochs ``train()`` finished: set when an epoch's loop ends (over a WindowSampler, already
+            at its last window, so that a checkpoint taken there says the epoch is done).
+        first_reference: R for windows whose item count is not known before their first backward: the
+            first such backward's count (:func:`gradaccum._maths.first_reference`), fixed once by
+            ``RankAgreement.fix_reference`` and kept. Windows that know their count use it instead.
         count_ratio: items ``loss_fn`` counted per item counted up front, in the last window with an
-            up-front count (1.0 when they are the same items). ``RankAgreement.learn``, at each boundary.
+            up-front count (1.0 when they are the same items). ``RankAgreement.learn``, at the boundary.
         last_window_items: the previous window's global item count N (the same on every rank; across
             ranks only): R for windows planned without asking. ``RankAgreement.learn``.
         auto_micro_batch_size: the micro-batch size that last worked under ``micro_batch_size="auto"``.
-            The out-of-memory back-off (``AutoMicroBatch.step``), after a window that backed off or the first.
+            ``AutoMicroBatch.step``, after the first window and after any that backed off.
 
-    Learned again after a restart (not saved):
+    Start afresh in a new process:
 
     Attributes:
-        windows: boundaries reached, the same on every rank (the ``loss_every`` count).
-            ``RankAgreement.learn``.
+        windows: boundaries reached, the same on every rank (the ``loss_every`` count). ``learn``.
         counts_from_loss_fn: some rank's ``loss_fn`` returned its own counts (a ``(mean, count)`` pair)
-            in the last window that exchanged. ``RankAgreement.learn``.
+            in the last window that exchanged. ``learn``.
         peers_can_pad: every rank had a micro-batch to pad with at the last exchange, so a DDP rank may
-            plan a window alone. ``RankAgreement.learn``.
-        replay: the last micro-batch this rank ran (across ranks), repeated with zero weight in a window
-            where it has none; or the one ``acc.set_padding`` gave. ``RankAgreement.remember``.
-        scheduler_at: the scheduler's ``last_epoch`` after the Accumulator last stepped it (None: read
-            when the next window opens). The boundary; cleared by ``load_state_dict``.
+            plan a window alone. ``learn``.
+        padding_batch: the micro-batch this rank repeats with zero weight in a window where it has none:
+            the last it ran (across ranks; ``RankAgreement.remember``, as a window runs), or the one
+            ``acc.set_padding`` gave.
+        scheduler_at: the scheduler's ``last_epoch`` after the Accumulator last stepped it; None until a
+            window opens and reads it (``Boundary.check_scheduler``), and after ``load_state_dict``.
         replicas_checked: the ranks compared their first reduced gradient (DDP). The first boundary.
         probe: the smallest reduced parameter that had a gradient in that compared window; a window
             that exchanges nothing carries every rank's loss check in its gradient. The first boundary.
-        stop_requests: ``request_stop()`` calls (maybe from a signal handler). ``Accumulator.request_stop``.
-        stops_carried: requests already carried to the ranks by a boundary's all-reduce. The boundary.
+        stop_requests: ``acc.request_stop()`` calls, at any time (a signal handler too).
+        stops_carried: requests already carried to the ranks by a boundary's all-reduce. ``Boundary``.
         checked_replays: the :class:`~gradaccum.WindowLoss` objects whose second forward was compared with
-            the first (weakly held: the user's object is neither changed nor kept alive). Their first window.
-        warned: the one-time warnings already given (BatchNorm in training, an empty or non-finite window).
+            the first, held weakly by identity. The end of their first window (``_cached``).
+        warned: the one-time warnings already given (BatchNorm in training when a window opens; an empty
+            or non-finite window at the boundary).
     """
 
-    steps: int = _saved(0)
-    skipped: int = _saved(0)
-    epoch: int = _saved(0)
-    reference: Optional[float] = _saved(None, key="reference_items")
-    count_ratio: float = _saved(1.0)
-    last_window_items: Optional[float] = _saved(None, key="last_items")
-    auto_micro_batch_size: Optional[int] = _saved(None)
+    steps: int = _saved(0, int)
+    skipped: int = _saved(0, int)
+    epoch: int = _saved(0, int)
+    first_reference: Optional[float] = _saved(None, _optional(float), key="reference_items")
+    count_ratio: float = _saved(1.0, float)
+    last_window_items: Optional[float] = _saved(None, _optional(float), key="last_items")
+    auto_micro_batch_size: Optional[int] = _saved(None, _optional(int))
 
     windows: int = 0
     counts_from_loss_fn: bool = False
     peers_can_pad: bool = False
-    replay: Any = None
+    padding_batch: Any = field(default=None, repr=False)
     scheduler_at: Optional[int] = None
     replicas_checked: bool = False
-    probe: Optional[torch.nn.Parameter] = None
+    probe: Optional[torch.nn.Parameter] = field(default=None, repr=False)
     stop_requests: int = 0
     stops_carried: int = 0
-    checked_replays: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    checked_replays: _Seen = field(default_factory=_Seen, repr=False)
     warned: Set[str] = field(default_factory=set)
 
     def saved(self) -> Dict[str, Any]:
         """The saved fields, by their ``state_dict`` key."""
         return {_key(f): getattr(self, f.name) for f in fields(self) if f.metadata.get("saved")}
 
-    def load_saved(self, state: Dict[str, Any]) -> None:
-        """The saved fields from a ``state_dict`` (one written by an earlier gradaccum too: a key it did
-        not write keeps its default), each checked before any is set."""
+    def read_saved(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The saved fields' values from a ``state_dict`` (one written by an earlier gradaccum too: a key
+        it did not write gives the default), each checked; nothing is set."""
         values = {}
         for f in fields(self):
             if f.metadata.get("saved"):
-                values[f.name] = _checked(f.name, state.get(_key(f), f.default))
+                raw = state.get(_key(f), f.default)
+                try:
+                    values[f.name] = f.metadata["convert"](raw)
+                except (TypeError, ValueError):
+                    raise ConfigurationError(f"Accumulator.load_state_dict: {_key(f)}={raw!r} is not a number; pass "
+                                             "what Accumulator.state_dict() returned") from None
+        return values
+
+    def load_saved(self, values: Dict[str, Any]) -> None:
+        """Set what :meth:`read_saved` returned; the scheduler is read anew when the next window opens."""
         for name, value in values.items():
             setattr(self, name, value)
-        self.scheduler_at = None  # a resumed scheduler is read when the next window opens
+        self.scheduler_at = None
 
     def warn_once(self, key: str) -> bool:
         """True the first time ``key`` is asked for (then the caller warns), False after."""
@@ -114,34 +148,9 @@ class AccumulatorState:
         return first
 
 
-#: the keys ``state_dict`` writes for the state, in field order
-SAVED_KEYS: List[str] = []
-
-
 def _key(f: Any) -> str:
     return f.metadata.get("key") or f.name
 
 
-SAVED_KEYS.extend(_key(f) for f in fields(AccumulatorState) if f.metadata.get("saved"))
-
-_INTS = ("steps", "skipped", "epoch")
-_OPTIONAL_NUMBERS = ("reference", "last_window_items")
-
-
-def _checked(name: str, value: Any) -> Any:
-    """A saved value as the field holds it, or a ConfigurationError naming the field."""
-    try:
-        if name in _INTS:
-            return int(value)
-        if name == "count_ratio":
-            return float(value)
-        if name in _OPTIONAL_NUMBERS:
-            return None if value is None else float(value)
-        if name == "auto_micro_batch_size":
-            return None if value is None else int(value)
-    except (TypeError, ValueError):
-        pass
-    else:
-        return value
-    raise ConfigurationError(f"Accumulator.load_state_dict: {name}={value!r} is not a number; pass what "
-                             "Accumulator.state_dict() returned")
+#: the keys ``state_dict`` writes for the state, in field order
+SAVED_KEYS: List[str] = [_key(f) for f in fields(AccumulatorState) if f.metadata.get("saved")]

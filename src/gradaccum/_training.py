@@ -104,8 +104,8 @@ def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, *, counts: 
     if spec.auto is not None:
         if pending:
             batch = concat_batches(pending)
-        elif ctx.state.replay is not None:  # an empty share: zero items, shaped like a micro-batch it ran
-            batch = slice_batch(ctx.state.replay, 0, 0)
+        elif ctx.state.padding_batch is not None:  # an empty share: zero items, shaped like a micro-batch it ran
+            batch = slice_batch(ctx.state.padding_batch, 0, 0)
         else:
             raise ConfigurationError("this rank's share of the window is empty and it has run no micro-batch yet: "
                              "give it one to pad with, acc.set_padding(micro_batch)")

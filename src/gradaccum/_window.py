@@ -177,7 +177,7 @@ class Window:
         """R, the count the backward weights are divided by (see :mod:`gradaccum._maths`): known when
         the window opened, or fixed at its first backward; None before that."""
         known = self.setup.reference if self.setup is not None else None
-        return known if known is not None else self.ctx.state.reference
+        return known if known is not None else self.ctx.state.first_reference
 
     # -- micro-batches ---------------------------------------------------------------------------
 
@@ -203,7 +203,9 @@ class Window:
         """
         loss = _in_micro_batch(self, loss)
         item_count("num_items", num_items)
-        if not isinstance(num_items, torch.Tensor) and num_items == 0:
+        if isinstance(num_items, torch.Tensor):  # no host sync: a count of 0 selects the cleaned mean
+            loss = torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)
+        elif num_items == 0:
             loss = loss.nan_to_num(0.0)  # nothing of a mean over no item reaches the gradient
         weighted = loss * backward_weight(num_items, self.fix_reference(num_items), self.ctx.sync.grad_divisor,
                                           loss.dtype)
@@ -350,7 +352,7 @@ def _loss_check(ctx: WindowContext, tally: Tally, share: float) -> torch.Tensor:
 def _totals(window: Window, setup: WindowSetup, *, ran: bool) -> WindowTotals:
     """This rank's tally and what the boundary needs with it."""
     return WindowTotals(window.tally, window.reference or 1.0, ran=ran,
-                        can_pad=window.ctx.ranks.can_pad(window.request.can_pad), known_items=setup.known_items)
+                        can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), known_items=setup.known_items)
 
 
 def _check_can_step(window: Window, setup: WindowSetup) -> None:

@@ -29,6 +29,7 @@ boundary multiplies by ``R / N``) are in :mod:`gradaccum._maths`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Dict, List, Optional, Union
 
@@ -173,6 +174,20 @@ class Accumulator:
     def auto_micro_batch_size(self, value: Optional[int]) -> None:
         self.state.auto_micro_batch_size = value
 
+    @property
+    def reference_items(self) -> Optional[float]:
+        """Deprecated: ``acc.state.first_reference``."""
+        warnings.warn("Accumulator.reference_items is deprecated: read acc.state.first_reference", DeprecationWarning,
+                      stacklevel=2)
+        return self.state.first_reference
+
+    @property
+    def count_ratio(self) -> float:
+        """Deprecated: ``acc.state.count_ratio``."""
+        warnings.warn("Accumulator.count_ratio is deprecated: read acc.state.count_ratio", DeprecationWarning,
+                      stacklevel=2)
+        return self.state.count_ratio
+
     # -- the three ways in ----------------------------------------------------------------------
 
     def step(self, window: Union[Batch, Sequence[Batch]], loss_fn: LossFn, *,
@@ -265,7 +280,7 @@ class Accumulator:
         process resumed at a window where its share is empty) needs this one. Its loss must depend
         on the model as a real micro-batch's does; it adds nothing to the gradient or the counts.
         """
-        self.context.ranks.set_replay(micro_batch)
+        self.context.ranks.set_padding(micro_batch)
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -283,8 +298,9 @@ class Accumulator:
         if missing:
             raise KeyError(f"Accumulator.load_state_dict: the state lacks {', '.join(map(repr, missing))}; "
                            "pass what Accumulator.state_dict() returned")
+        values = self.state.read_saved(state)  # every field checked before anything is set
         self.precision.load_state_dict(state["precision"])
-        self.state.load_saved(state)  # checked whole before any field is set
+        self.state.load_saved(values)
 
 
 # -- construction checks: every one before anything is built ------------------------------------------

@@ -4,7 +4,7 @@ A :class:`GradSync` decides, per micro-batch, whether the backward pass reduces 
 ranks, and does the window's small collectives: the agreement when a window opens (how many
 micro-batches and items each rank holds) and the all-reduce of the item count and loss sum at its
 end. The local default does nothing. Data-parallel wrappers *average* the gradient over
-``world_size`` ranks while reducing, which the backward weights make up for with the factor W
+``group_size`` ranks while reducing, which the backward weights make up for with the factor W
 (``grad_divisor``; the maths is in :mod:`gradaccum._maths`).
 
 The wrapper is found anywhere in the model: ``torch.compile(DDP(model))`` (``OptimizedModule``),
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ._gradients import tensor_norms
+from ._maths import tensor_norms
 from .errors import ConfigurationError
 
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
@@ -102,7 +102,9 @@ class GradSync:
     grad_divisor: float = 1.0
     #: several ranks train each window together: their counts are summed and they agree on the window
     #: (the rank agreement, :mod:`gradaccum._ranks`, asks this; other modules ask the two questions
-    #: below). False on one process, and on several under ``data_parallel="none"`` (each rank alone)
+    #: below). False on one process, and on several under ``data_parallel="none"`` (each rank alone).
+    #: A question about the window's *counts*; :attr:`reduces_across_ranks` is one about its *gradient*.
+    #: Both wrappers here do both; a sync that summed counts but reduced gradients itself would not
     shares_windows: bool = False
     #: the last micro-batch's backward reduces the window's gradient across ranks (DDP, FSDP2): its
     #: ``micro_batch()`` switches the wrapper's sync, the boundary's all-reduce can start before that
@@ -356,7 +358,7 @@ class FSDP2Sync(GradSync):
             shards.append(g.to_local())  # type: ignore[attr-defined]
         if not shards:
             return None
-        norms = tensor_norms(shards)
+        norms = tensor_norms(shards, torch.float64)
         return (norms * norms).sum()
 
 
