@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from .. import _maths
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, NotExactError
+from ..moe import refuse_aux_term
 from .hf_items import HEADS, BatchItems, head_of
 
 try:
@@ -385,6 +386,22 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
         raise ConfigurationError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
                          "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
                          "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise ConfigurationError("ExactTrainer: the MoE router's auxiliary loss is a mean per micro-batch, not per item; "
-                         "set model_init_kwargs/config output_router_logits=False")
+    _refuse_moe_aux_term(trainer)
+
+
+def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
+    """An MoE model whose loss adds the router's load-balancing term: refused where it is not computed
+    over the window (:mod:`gradaccum.moe`). TRL rewrites the config from its own argument, so the fix is
+    that argument."""
+    config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
+    if trainer.source in ("head", "rows"):  # the model's own loss (or a compute_loss that may call it)
+        refuse_aux_term(config, type(trainer).__name__,
+                        "Set model.config.router_aux_loss_coef = 0.0 to train without it")
+    elif getattr(trainer, "aux_loss_enabled", False):  # TRL adds coef * the model's per-batch aux_loss
+        args = type(trainer.args).__name__
+        raise NotExactError(
+            f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns "
+            "on the MoE router's load-balancing loss, which TRL computes per micro-batch (its expert fractions are "
+            f"statistics of the whole batch), so the step would not be the big batch's. Pass {args}(..., "
+            "router_aux_loss_coef=0.0) to train without it (TRL then sets the model's output_router_logits=False "
+            "itself; setting output_router_logits=False alone is overridden by TRL)")
