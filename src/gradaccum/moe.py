@@ -14,17 +14,40 @@ differentiated, the gradient splits over micro-batches once the window's counts 
 
     grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
 
-This module says when a model's loss has that term (:func:`aux_term`) and refuses the routes that
-would train it per micro-batch.
+The exact method, :class:`MoELoss` (``mode="exact"``), in the order a window runs:
+
+1. Pass 1, without a graph: each micro-batch's forward, only to count: ``C_k`` (E numbers, pooled over
+   the layers), its rows ``T_k`` and its loss items ``n_k``; the random state saved before each.
+2. One all-reduce of ``(C, T, N)`` summed over the window's micro-batches on every rank, before the
+   first backward.
+3. Pass 2: each micro-batch's forward again from its saved random state (router jitter, dropout: it
+   routes as pass 1 did, which is checked), backpropagating its token loss plus
+   ``coef * balance_loss_part(S_k, C, T, T)``, weighted as the core weighs a mean over ``n_k`` of N items.
+
+The cheaper modes run no pass 1 and no collective of their own, each measured against the big batch
+in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the
+window's items, so the objective does not change with the accumulation steps or the world size) and
+``"prefix"`` (expert fractions from this rank's micro-batches so far, Megatron's running average).
+
+:func:`aux_term` says when a Hugging Face model's loss has that term; :func:`refuse_aux_term` refuses
+the routes that would train it per micro-batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
-from .errors import NotExactError
+import torch
+from torch import nn
 
-__all__ = ["RouterBalance", "aux_term", "refuse_aux_term"]
+from ._maths import balance_loss_part, router_statistics
+from .errors import ConfigurationError, NotExactError
+from .sync import FSDP2Sync
+
+__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "MoEOutput", "MoELoss", "MODES", "run_moe_window"]
+
+#: how the load-balancing term is computed under accumulation (see the module docstring)
+MODES = ("exact", "micro_batch", "prefix")
 
 
 @dataclass(frozen=True)
@@ -73,3 +96,238 @@ def refuse_aux_term(config: Any, where: str, fix: str) -> None:
         f"loss adds a load-balancing term (E={term.num_experts} experts, top-{term.top_k}) whose expert fractions "
         f"are statistics of the whole batch; {where} would compute it per micro-batch, so the step would not be "
         f"the big batch's. {fix}")
+
+
+class MoEOutput(NamedTuple):
+    """What an :class:`MoELoss`'s ``forward(model, micro_batch)`` returns for one micro-batch.
+
+    Attributes:
+        loss: the **mean** token (or other) loss over the micro-batch's ``num_items`` items, without
+            the load-balancing term.
+        num_items: how many items ``loss`` is a mean over (an int, or a count tensor).
+        router_logits: one ``(tokens, experts)`` tensor per MoE layer, the router's logits before its
+            softmax, as the model computed them in this forward (differentiable).
+        token_mask: ``(tokens,)`` 0/1, the tokens the balance is over (the flattened
+            ``attention_mask``); None: every token.
+    """
+
+    loss: torch.Tensor
+    num_items: Any
+    router_logits: Sequence[torch.Tensor]
+    token_mask: Optional[torch.Tensor] = None
+
+
+class MoELoss:
+    """A loss for ``acc.step`` / ``acc.train`` (in place of a ``loss_fn``): a token loss plus ``coef``
+    times a mixture-of-experts load-balancing loss over the **whole window**, every micro-batch on
+    every rank, as one big batch computes it (transformers' ``load_balancing_loss_func``: layers
+    pooled, top-k, padding masked)::
+
+        L = sum_k n_k L_k / N + coef * E * sum_i f_i P_i,   f_i = C_i / T,  P_i = S_i / T  (window-wide)
+
+    Args:
+        forward: ``forward(model, micro_batch) -> MoEOutput``: the micro-batch's mean loss, its item
+            count, its router logits per layer and its token mask. It runs twice per micro-batch in
+            ``mode="exact"`` (the first time under ``torch.no_grad()``, only to count).
+        num_experts: E; top_k: the experts chosen per token; coef: the load-balancing weight
+            (transformers' ``router_aux_loss_coef``).
+        mode: ``"exact"`` (default: one more forward per micro-batch without a graph, one all-reduce
+            of E + 2 numbers per window), or ``"micro_batch"`` / ``"prefix"`` (cheaper, not the big
+            batch: see :mod:`gradaccum.moe`).
+
+    For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> from gradaccum import Accumulator
+        >>> router, head = nn.Linear(4, 3), nn.Linear(4, 1)
+        >>> model = nn.ModuleDict({"router": router, "head": head})
+        >>> def forward(model, batch):
+        ...     x, y = batch
+        ...     return MoEOutput(nn.functional.mse_loss(model["head"](x).squeeze(-1), y), len(x), [model["router"](x)])
+        >>> moe = MoELoss(forward, num_experts=3, top_k=1, coef=0.1)
+        >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> acc.step((torch.randn(10, 4), torch.randn(10)), moe, micro_batch_size=4).num_items
+        10
+    """
+
+    def __init__(self, forward: Callable[[nn.Module, Any], MoEOutput], *, num_experts: int, top_k: int, coef: float,
+                 mode: str = "exact") -> None:
+        if not callable(forward):
+            raise TypeError(f"MoELoss(forward={forward!r}) must be callable as forward(model, micro_batch) -> MoEOutput")
+        if mode not in MODES:
+            raise ConfigurationError(f"MoELoss(mode={mode!r}): supported are {MODES} ('exact' is the big batch)")
+        if not (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts):
+            raise ConfigurationError(f"MoELoss(num_experts={num_experts!r}, top_k={top_k!r}): need ints with "
+                                     "0 < top_k <= num_experts")
+        self.forward, self.num_experts, self.top_k, self.coef, self.mode = forward, num_experts, top_k, float(coef), mode
+
+    def __repr__(self) -> str:
+        return (f"MoELoss(forward={self.forward!r}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"coef={self.coef}, mode={self.mode!r})")
+
+    def __call__(self, model: nn.Module, micro_batch: Any) -> Any:
+        """An MoELoss is a loss over the window: a caller that runs it one micro-batch at a time, not
+        through ``acc.step`` / ``acc.train``, would train another objective; refused."""
+        raise NotExactError("MoELoss was called as a loss_fn on one micro-batch; its load-balancing term is over the "
+                            "whole window, so pass it to acc.step(...) or acc.train(...), which run the window")
+
+    @classmethod
+    def for_hf_model(cls, model: nn.Module, *, mode: str = "exact", ignore_index: int = -100) -> "MoELoss":
+        """The model's own loss for a Hugging Face MoE causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE,
+        OLMoE): next-token cross-entropy over ``labels[:, 1:] != ignore_index`` plus
+        ``router_aux_loss_coef`` times its load-balancing loss over the window, E, top-k and the
+        coefficient read from its config. Micro-batches are dicts with ``input_ids``, ``labels`` and
+        (for padding) ``attention_mask``.
+
+        Raises:
+            NotExactError: the config has no load-balancing term (``output_router_logits`` off or
+                ``router_aux_loss_coef`` 0): train it with a plain ``loss_fn``.
+        """
+        from .losses import causal_lm_loss
+
+        inner = getattr(model, "module", model)
+        term = aux_term(getattr(inner, "config", None))
+        if term is None:
+            raise ConfigurationError(f"MoELoss.for_hf_model({type(inner).__name__}): its config has no load-balancing "
+                                     "term (output_router_logits off or router_aux_loss_coef 0); use a plain loss_fn "
+                                     "such as gradaccum.causal_lm_loss")
+
+        def forward(model: nn.Module, batch: Any) -> MoEOutput:
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            out = model(**inputs, output_router_logits=True)
+            mean, count = causal_lm_loss(out.logits, batch["labels"], ignore_index=ignore_index)
+            mask = batch.get("attention_mask")
+            return MoEOutput(mean, count, out.router_logits, None if mask is None else mask.reshape(-1))
+
+        return cls(forward, num_experts=term.num_experts, top_k=term.top_k, coef=term.coef, mode=mode)
+
+    # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
+
+    def per_micro_batch(self) -> Callable[[nn.Module, Any], Any]:
+        """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or
+        ``"prefix"``: the token loss plus ``coef`` times the micro-batch's balance term, weighted by its
+        share ``n_k / N`` of the window's items like its token loss; ``"prefix"`` takes the expert
+        fractions from this rank's micro-batches of the window so far (this one included)."""
+        seen: List[torch.Tensor] = []  # counts and rows of this rank's micro-batches so far
+
+        def loss_fn(model: nn.Module, batch: Any) -> Any:
+            out = self.forward(model, batch)
+            counts, probs, rows = router_statistics(out.router_logits, self.top_k, out.token_mask)
+            fractions_of, over = (counts, rows)
+            if self.mode == "prefix":
+                seen[:] = [counts, rows] if not seen else [seen[0] + counts, seen[1] + rows]
+                fractions_of, over = seen[0], seen[1]
+            return out.loss + self.coef * balance_loss_part(probs, fractions_of, over, rows), out.num_items
+
+        return loss_fn
+
+
+class _RandomState:
+    """The random state a forward starts from (CPU, and the model's accelerator), to replay it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device, self.cuda = device, None
+        if device.type == "cuda" and torch.cuda.is_initialized():
+            self.cuda = torch.cuda.get_rng_state(device)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+def _checked(out: Any) -> MoEOutput:
+    if not isinstance(out, MoEOutput):
+        raise ConfigurationError(f"MoELoss: forward(model, micro_batch) returned {type(out).__name__}; return "
+                                 "gradaccum.moe.MoEOutput(loss, num_items, router_logits, token_mask)")
+    return out
+
+
+def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any, *, micro_batch_size: Any = None,
+                   catch_oom: bool = False, plan: Any = None) -> Any:
+    """One window of an :class:`MoELoss` (the dispatch of :func:`gradaccum._run.run_window`): the cheap
+    modes as a ``(mean, count)`` ``loss_fn``; ``"exact"`` in the module docstring's order."""
+    from ._ranks import WindowRequest
+    from ._run import run_window
+    from ._window import Window
+
+    if moe.mode != "exact":
+        return run_window(ctx, micro_batches, moe.per_micro_batch(), counts, micro_batch_size=micro_batch_size,
+                          catch_oom=catch_oom, plan=plan)
+    if catch_oom:
+        raise ConfigurationError("micro_batch_size='auto' is not supported with MoELoss(mode='exact'): pass an int "
+                                 "micro_batch_size")
+    if isinstance(ctx.sync, FSDP2Sync):  # pass 1 would run the shards' all-gathers on uneven ranks
+        raise NotExactError("MoELoss(mode='exact') under FSDP2 is not supported yet; train it with DDP, or choose "
+                            "MoELoss(mode='micro_batch') knowingly (not the big batch)")
+    ranks = ctx.ranks
+    # pass 1 and the counts' all-reduce come before the window opens, so that it opens knowing its N
+    # (R = N: each backward weighs n_k / N exactly, as the big batch does, float32 islands included).
+    # Pass 1 runs the unwrapped module: DDP's forward would run collectives a rank without data lacks
+    states, first, totals = _count_pass(ctx, moe, micro_batches)
+    mine = totals[-2].item()  # this rank's N, which the window opens with
+    ctx.sync.all_reduce_(totals)  # (C, T, N, zero-item micro-batches with routed tokens): once per window
+    window_counts, (rows, items, bad) = totals[:-3], totals[-3:].tolist()
+    if bad and items > 0:
+        raise NotExactError(
+            "MoELoss: a micro-batch holds tokens the router balances but no loss item (every label ignored), "
+            "so its share of the load-balancing gradient has no item weight to ride on; leave such micro-batches "
+            "out of the window (on this rank or another), or use MoELoss(mode='micro_batch')")
+    request = WindowRequest(len(micro_batches), mine, can_pad=bool(micro_batches) or ranks.replay is not None,
+                            plan=plan)
+    with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
+        if micro_batches:
+            ranks.remember(micro_batches[-1])
+        last = len(micro_batches) + window.padding - 1
+        differs = torch.zeros((), dtype=torch.bool, device=ctx.device)
+        for k in range(last + 1):
+            own = k < len(micro_batches)
+            if own:
+                states[k].restore()
+            with window.micro_batch():
+                out = _checked(moe.forward(ctx.model, micro_batches[k] if own else ranks.replay))
+                loss = out.loss
+                if own:
+                    c, s, _ = router_statistics(out.router_logits, moe.top_k, out.token_mask)
+                    differs = differs | (c.detach() != first[k]).any()
+                    n = float(out.num_items)
+                    if n > 0:
+                        loss = loss + moe.coef * items / n * balance_loss_part(s, window_counts, rows, rows)
+                if k == last and ctx.sync.any_rank(bool(differs), ctx.device):
+                    raise RuntimeError(
+                        "MoELoss: a micro-batch routed its tokens to other experts in its second forward than in "
+                        "its first, although its random state was replayed, so the window's expert counts are not "
+                        "the ones it trains on and the step would not be the big batch's: forward is not a function "
+                        "of the micro-batch and the model alone (a generator of its own, state kept between calls, "
+                        "non-deterministic kernels: torch.use_deterministic_algorithms(True)). No step was taken")
+                if own:
+                    window.backward(loss, out.num_items)
+                else:
+                    window.backward_padding(loss)
+        states[-1].restore()  # as after pass 1 alone: the window drew its random numbers once
+        return window.step()
+
+
+def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any]) -> Any:
+    """Pass 1, without a graph: each micro-batch's expert counts, the random state before each (and
+    after all, last), and this rank's ``(C, T, N, bad)`` to all-reduce."""
+    states, first = [], []
+    totals = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=ctx.device)
+    module = getattr(ctx.model, "module", ctx.model)
+    with torch.no_grad(), ctx.precision.autocast():
+        for mb in micro_batches:
+            states.append(_RandomState(ctx.device))
+            out = _checked(moe.forward(module, mb))
+            c, _, rows = router_statistics(out.router_logits, moe.top_k, out.token_mask)
+            if c.shape[0] != moe.num_experts:
+                raise ConfigurationError(f"MoELoss(num_experts={moe.num_experts}): the router logits have "
+                                         f"{c.shape[0]} experts")
+            first.append(c)
+            n = torch.as_tensor(out.num_items, device=ctx.device).to(torch.float64)
+            bad = ((n == 0) & (rows > 0)).to(torch.float64)
+            totals += torch.cat([c.to(torch.float64), torch.stack([rows.to(torch.float64), n, bad])])
+    states.append(_RandomState(ctx.device))
+    return states, first, totals

@@ -2,10 +2,12 @@
 OLMoE, hidden 16, 2 layers, 4 experts, top-2, ``router_aux_loss_coef=0.2`` with ``output_router_logits``
 on, every dropout 0, float64, the eager experts (transformers' grouped-mm kernel takes no float64).
 
-transformers' ``load_balancing_loss_func`` sums its counts and router probabilities in float32 even in
-a float64 model. :func:`float64_balance_loss` swaps in the same function with those float32 islands in
-float64 (its source, ``float32`` -> ``float64`` and ``.float()`` -> ``.double()``), so that a float64
-comparison on the model's own loss sees the method, not the islands' rounding; used on both sides.
+transformers computes parts of the model's own loss in float32 even in a float64 model: the
+load-balancing sums (``load_balancing_loss_func``) and the token loss (``ForCausalLMLoss`` upcasts the
+logits with ``.float()``). :func:`float64_balance_loss` swaps in the same functions with those float32
+islands in float64 (their source, ``float32`` -> ``float64`` and ``.float()`` -> ``.double()``), so that
+a float64 comparison on the model's own loss sees the method, not the islands' rounding (about 1e-8
+on these models); the tests run it on both sides.
 """
 from __future__ import annotations
 
@@ -64,12 +66,17 @@ def _float64_source(fn: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def float64_balance_loss() -> Iterator[None]:
     """Every family's ``load_balancing_loss_func`` in float64 (restored on the way out)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
     modules = [importlib.import_module(f"transformers.models.{f}.modeling_{f}") for f in FAMILIES]
     kept = [m.load_balancing_loss_func for m in modules]
+    causal = LOSS_MAPPING["ForCausalLM"]
     try:
         for m, fn in zip(modules, kept):
             m.load_balancing_loss_func = _float64_source(fn)
+        LOSS_MAPPING["ForCausalLM"] = _float64_source(causal)
         yield
     finally:
         for m, fn in zip(modules, kept):
             m.load_balancing_loss_func = fn
+        LOSS_MAPPING["ForCausalLM"] = causal

@@ -1,0 +1,145 @@
+"""MoELoss: a mixture-of-experts model's own loss (token loss + coef * load balancing) over the whole
+window, in float64 against one big-batch step on the model's own loss (``model(**batch, labels=...)
+.loss``), for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE built from configs (integrations/moe_models.py).
+
+transformers' load-balancing sums are float32 even in a float64 model: both sides run
+``moe_models.float64_balance_loss`` (the same function in float64), so rtol 1e-10 sees the method.
+Windows: micro-batches of 2, 3 and 1 padded sequences (each padded to its own longest, the big batch
+to the window's), then a short last window of 2; SGD with momentum, with and without clipping.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from integrations import moe_models as M  # noqa: E402
+from integrations import scenarios as S  # noqa: E402
+from gradaccum import Accumulator, MoELoss, NotExactError  # noqa: E402
+from gradaccum._maths import balance_loss_part, router_statistics  # noqa: E402
+from hf_helpers import pad, unpad  # noqa: E402
+
+WINDOWS = [S.rank_micro_batches(0, [2, 3, 1], seed=3), S.rank_micro_batches(1, [2], seed=3)]
+
+
+@pytest.fixture(autouse=True)
+def float64_islands():
+    with M.float64_balance_loss():
+        yield
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def big_batch(model, windows, clip=None):
+    """One step per window on the model's own loss over the window as one padded batch."""
+    model = copy.deepcopy(model)
+    opt = optimizer(model.parameters())
+    for window in windows:
+        batch = pad([s for mb in window for s in unpad(mb)])
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+def accumulated(model, windows, loss, clip=None):
+    model = copy.deepcopy(model)
+    acc = Accumulator(model, optimizer(model.parameters()), max_grad_norm=clip)
+    results = [acc.step(list(window), loss(model)) for window in windows]
+    return model, results
+
+
+@pytest.mark.parametrize("family", M.FAMILIES)
+def test_statistics_are_the_models_own_balance_loss(family):
+    """router_statistics + balance_loss_part give the model's own aux_loss on a padded batch, and the
+    micro-batches' parts with the window's counts sum to the window's (rtol 1e-12)."""
+    model = M.moe_model(family)
+    window = WINDOWS[0]
+    batch = pad([s for mb in window for s in unpad(mb)])
+    out = model(**batch)
+    C, P, T = router_statistics(out.router_logits, 2, batch["attention_mask"].reshape(-1))
+    whole = balance_loss_part(P, C, T, T)
+    torch.testing.assert_close(whole, out.aux_loss, rtol=1e-12, atol=0)
+    parts = []
+    for mb in window:
+        o = model(**mb)
+        _, p, _ = router_statistics(o.router_logits, 2, mb["attention_mask"].reshape(-1))
+        parts.append(balance_loss_part(p, C, T, T))
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("family", M.FAMILIES)
+def test_exact_is_the_big_batch_on_the_models_own_loss(family, clip):
+    """MoELoss.for_hf_model equals one big-batch step per window on the model's own loss (rtol 1e-10),
+    the reported loss is that loss; per-micro-batch balancing (the model's own loss per micro-batch,
+    and mode='micro_batch') is measurably off: the test has teeth."""
+    model = M.moe_model(family)
+    ref = big_batch(model, WINDOWS, clip)
+    exact, results = accumulated(model, WINDOWS, MoELoss.for_hf_model, clip)
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    first = pad([s for mb in WINDOWS[0] for s in unpad(mb)])
+    assert results[0].loss == pytest.approx(model(**first).loss.item(), rel=1e-12)
+    assert [r.num_items for r in results] == [sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in w)
+                                              for w in WINDOWS]
+    naive, _ = accumulated(model, WINDOWS, lambda m: own_loss_per_micro_batch, clip)
+    cheap, _ = accumulated(model, WINDOWS, lambda m: MoELoss.for_hf_model(m, mode="micro_batch"), clip)
+    assert S.max_diff(naive, ref) > 1e-6 and S.max_diff(cheap, ref) > 1e-6
+
+
+def own_loss_per_micro_batch(model, mb):
+    """The model's own loss on the micro-batch (aux term per micro-batch), weighted by its targets."""
+    return model(**mb).loss, (mb["labels"][:, 1:] != -100).sum()
+
+
+def test_a_routing_that_differs_between_passes_is_caught():
+    """A forward that draws its own randomness (not replayed) and routes by it: the second pass
+    routes otherwise and the window raises before its step; the parameters are unchanged."""
+    model = M.moe_model("mixtral")
+    hf = MoELoss.for_hf_model(model)
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(m, batch):
+        out = hf.forward(m, batch)
+        noise = torch.randn(out.router_logits[0].shape, generator=gen, dtype=torch.float64) * 10
+        return out._replace(router_logits=[out.router_logits[0] + noise, *out.router_logits[1:]])
+
+    acc = Accumulator(model, optimizer(model.parameters()))
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="routed its tokens to other experts"):
+        acc.step(list(WINDOWS[0]), MoELoss(forward, num_experts=4, top_k=2, coef=M.COEF))
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+def test_router_jitter_is_replayed():
+    """Mixtral's router jitter (random in training) draws the same in both passes: exact against a big
+    batch that draws per micro-batch as the passes do would be circular, so this checks that the
+    window steps (no routing mismatch) and that the step leaves the random state where one pass of
+    forwards leaves it."""
+    model = M.moe_model("mixtral", router_jitter_noise=0.3)
+    acc = Accumulator(model, optimizer(model.parameters()))
+    torch.manual_seed(7)
+    acc.step(list(WINDOWS[0]), MoELoss.for_hf_model(model))
+    after = torch.rand(1)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for mb in WINDOWS[0]:
+            model(**mb)
+    assert torch.equal(after, torch.rand(1))
+
+
+def test_refusals():
+    """A model without the term, a bad mode, and MoELoss called as a per-micro-batch loss_fn."""
+    with pytest.raises(ValueError, match="no load-balancing term"):
+        MoELoss.for_hf_model(M.moe_model("olmoe", router_aux_loss_coef=0.0))
+    with pytest.raises(ValueError, match=r"mode='big'"):
+        MoELoss(lambda m, b: None, num_experts=4, top_k=2, coef=0.1, mode="big")
+    with pytest.raises(NotExactError, match="acc.step"):
+        MoELoss(lambda m, b: None, num_experts=4, top_k=2, coef=0.1)(None, None)
