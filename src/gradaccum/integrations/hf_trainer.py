@@ -20,7 +20,8 @@ from torch import nn
 
 from .. import _maths
 from ..errors import ConfigurationError, NotExactError
-from ..moe import refuse_aux_term
+from ..moe import aux_term, refuse_aux_term
+from .hf_moe import WindowBalance
 from .hf_items import HEADS, BatchItems, head_of
 
 try:
@@ -209,6 +210,9 @@ class ExactTrainer(Trainer):
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),  # type: ignore[arg-type]
                                 ignore_index, config, self.args.device)
+        # an MoE model's load-balancing term, computed over the window (integrations/hf_moe.py)
+        self.router_balance = aux_term(config) if self.source == "head" else None
+        self._balance: Optional[WindowBalance] = None
         self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
         self._skips = _Skips()
@@ -246,6 +250,11 @@ class ExactTrainer(Trainer):
         decision = _maths.verdict(None, items, None, nonfinite="raise", has_scaler=False)
         self._window = _Window(items=items, skip=decision is _maths.Verdict.SKIP_EMPTY,
                                micro_batches=len(batch_samples))
+        if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
+            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model),
+                                          [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples], device,
+                                          lambda t: self.accelerator.reduce(t, "sum")
+                                          if self.accelerator.num_processes > 1 else t)
         self.last_window_items = items
         return batch_samples, total
 
@@ -263,7 +272,16 @@ class ExactTrainer(Trainer):
                                "(do not override get_batch_samples away)")
         world = self.accelerator.num_processes
         weight = 0.0 if window.skip else _maths.summed_loss_weight(window.items, world)
-        if self.source == "head":
+        if self.source == "head" and self._balance is not None:  # + coef * its part of the window's LBL, times W
+            self._balance.replay(window.ran)
+            outputs = model(**self.items.model_inputs(inputs), output_router_logits=True)
+            part = self._balance.part(window.ran, outputs, inputs) * (0.0 if window.skip else world)
+            loss = self.items.head_loss_sum(outputs, inputs) * weight + part
+            if window.ran == window.micro_batches - 1:
+                self._balance.check(lambda flag: self.accelerator.reduce(
+                    torch.tensor(float(flag), device=self.args.device), "sum").item() > 0
+                    if world > 1 else flag)
+        elif self.source == "head":
             outputs = model(**self.items.model_inputs(inputs))
             loss = self.items.head_loss_sum(outputs, inputs) * weight
         elif self.source == "tokens":
@@ -325,6 +343,8 @@ class ExactTrainer(Trainer):
         window = self._window
         if window is not None:
             window.ran += 1
+            if self._balance is not None and window.ran == window.micro_batches:
+                self._balance.finish()
             if window.skip and window.ran == window.micro_batches:
                 self._skips.windows += 1
                 self._skips.held = (self.optimizer, self.lr_scheduler)
@@ -394,9 +414,14 @@ def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
     over the window (:mod:`gradaccum.moe`). TRL rewrites the config from its own argument, so the fix is
     that argument."""
     config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
-    if trainer.source in ("head", "rows"):  # the model's own loss (or a compute_loss that may call it)
+    if trainer.source == "rows":  # a compute_loss of its own, which may call the model's loss
         refuse_aux_term(config, type(trainer).__name__,
-                        "Set model.config.router_aux_loss_coef = 0.0 to train without it")
+                        "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
+                        "ExactTrainer's own loss, which computes the term over the window")
+    elif trainer.source == "head" and trainer.is_fsdp_enabled:
+        refuse_aux_term(config, "ExactTrainer under FSDP2", "Train it with DDP (one process per device), where "
+                        "ExactTrainer computes the term over the window, or set model.config.router_aux_loss_coef "
+                        "= 0.0 to train without it")
     elif getattr(trainer, "aux_loss_enabled", False):  # TRL adds coef * the model's per-batch aux_loss
         args = type(trainer.args).__name__
         raise NotExactError(

@@ -1,0 +1,84 @@
+"""The router's load-balancing term over the window, for :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`.
+
+The Trainer hands ExactTrainer the window's micro-batches in ``get_batch_samples`` before their first
+forward; :class:`WindowBalance` counts their expert choices there (a forward without a graph, the
+random state saved before each), sums the counts over the ranks in one all-reduce, and then gives each
+micro-batch's training forward its part of the window's load-balancing loss, with its random state
+replayed so that it routes as it did when counted. The maths is :mod:`gradaccum.moe`'s and
+:func:`gradaccum._maths.balance_loss_part`'s.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .._maths import balance_loss_part, router_statistics
+from ..moe import RouterBalance, _RandomState
+
+__all__ = ["WindowBalance"]
+
+
+def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """The tokens the model's own ``load_balancing_loss_func`` balances: its 2-D ``attention_mask``."""
+    mask = inputs.get("attention_mask")
+    return mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
+class WindowBalance:
+    """One window's expert counts ``C`` and rows ``T`` (every rank's), and what replays its forwards.
+
+    Args:
+        term: the model's :class:`~gradaccum.moe.RouterBalance` (E, top-k, coef).
+        model: the unwrapped model (no DDP: counting runs no collective).
+        batches: the window's micro-batches, already on the device, as the model takes them.
+        device: where counts are made.
+        reduce: sums a tensor over the ranks in place (identity on one process).
+    """
+
+    def __init__(self, term: RouterBalance, model: nn.Module, batches: List[Dict[str, Any]], device: torch.device,
+                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.term = term
+        self.states: List[_RandomState] = []
+        self.first: List[torch.Tensor] = []
+        totals = torch.zeros(term.num_experts + 1, dtype=torch.float64, device=device)
+        was_training = model.training
+        model.train()  # routes as the training forward will (jitter and dropout on)
+        with torch.no_grad():
+            for inputs in batches:
+                self.states.append(_RandomState(device))
+                out = model(**inputs, output_router_logits=True)
+                counts, _, rows = router_statistics(out.router_logits, term.top_k, _mask(inputs))
+                self.first.append(counts)
+                totals += torch.cat([counts.to(torch.float64), rows.to(torch.float64).reshape(1)])
+        model.train(was_training)
+        self.end = _RandomState(device)
+        reduce(totals)  # every rank's counts: once per window, before any backward
+        self.counts, self.rows = totals[:-1], totals[-1]
+        self.differs = torch.zeros((), dtype=torch.bool, device=device)
+
+    def replay(self, k: int) -> None:
+        """Micro-batch k's random state, as it was when it was counted."""
+        self.states[k].restore()
+
+    def part(self, k: int, outputs: Any, inputs: Dict[str, Any]) -> torch.Tensor:
+        """``coef * balance_loss_part(S_k, C, T, T)``: micro-batch k's share of the window's weighted
+        load-balancing loss (the shares of every micro-batch on every rank sum to it)."""
+        counts, probs, _ = router_statistics(outputs.router_logits, self.term.top_k, _mask(inputs))
+        self.differs = self.differs | (counts.detach() != self.first[k]).any()
+        rows = self.rows.to(probs.dtype)
+        return self.term.coef * balance_loss_part(probs, self.counts.to(probs.dtype), rows, rows)
+
+    def check(self, any_rank: Callable[[bool], bool]) -> None:
+        """Before the window's last backward, on every rank: the training forwards routed as counted."""
+        if any_rank(bool(self.differs)):
+            raise RuntimeError(
+                "ExactTrainer: a micro-batch routed its tokens to other experts in its training forward than when "
+                "its window was counted, although its random state was replayed, so the load-balancing step would "
+                "not be the big batch's: the model's forward is not a function of the batch and its random state "
+                "(non-deterministic kernels: torch.use_deterministic_algorithms(True))")
+
+    def finish(self) -> None:
+        """After the window: the random state as the counting pass left it (drawn once per window)."""
+        self.end.restore()

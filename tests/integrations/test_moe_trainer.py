@@ -1,0 +1,42 @@
+"""ExactTrainer with a mixture-of-experts model whose loss adds the router's load-balancing term
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE from configs, coef 0.2), on one process, against one float64 step
+per window on the model's own loss over the window as one batch (moe_scenarios.reference), with no
+extra argument. Micro-batches of 2, 3, 1, 2, 3, 1, 2 padded sequences, accumulation 3 (a short last
+window); transformers' float32 islands swapped for float64 on both sides (moe_models)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from integrations import moe_models as M  # noqa: E402
+from integrations import moe_scenarios as MS  # noqa: E402
+from integrations import scenarios as S  # noqa: E402
+
+MICRO = S.rank_micro_batches(0, S.SIZES[0])
+WINDOWS = S.windows_of([MICRO], S.ACCUM)
+
+
+@pytest.fixture(autouse=True)
+def float64_islands():
+    with M.float64_balance_loss():
+        yield
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("family", M.FAMILIES)
+def test_exact_trainer_is_the_big_batch_with_the_aux_term(family, clip):
+    """Params equal the reference at rtol 1e-10; the stock Trainer (the aux term per micro-batch) is off
+    by more than 1e-6; the logged loss is the window's own loss (token + coef * balance)."""
+    model = M.moe_model(family)
+    ref = MS.reference(model, WINDOWS, clip)
+    exact, trainer = S.hf_fit(model, [MICRO], exact=True, clip=clip)
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    stock, _ = S.hf_fit(model, [MICRO], exact=False, clip=clip)
+    assert S.max_diff(stock, ref) > 1e-6
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    from hf_helpers import pad
+    with torch.no_grad():
+        first = model(**pad(WINDOWS[0])).loss.item()
+    assert logged[0] == pytest.approx(first, rel=1e-6)  # the Trainer sums its log in float32
