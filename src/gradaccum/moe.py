@@ -250,7 +250,7 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
                    catch_oom: bool = False, plan: Any = None) -> Any:
     """One window of an :class:`MoELoss` (the dispatch of :func:`gradaccum._run.run_window`): the cheap
     modes as a ``(mean, count)`` ``loss_fn``; ``"exact"`` in the module docstring's order."""
-    from ._ranks import WindowRequest
+    from ._ranks import WindowPlan, WindowRequest
     from ._run import run_window
     from ._window import Window
 
@@ -264,19 +264,20 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
         raise NotExactError("MoELoss(mode='exact') under FSDP2 is not supported yet; train it with DDP, or choose "
                             "MoELoss(mode='micro_batch') knowingly (not the big batch)")
     ranks = ctx.ranks
-    # pass 1 and the counts' all-reduce come before the window opens, so that it opens knowing its N
-    # (R = N: each backward weighs n_k / N exactly, as the big batch does, float32 islands included).
-    # Pass 1 runs the unwrapped module: DDP's forward would run collectives a rank without data lacks
-    states, first, totals = _count_pass(ctx, moe, micro_batches)
-    mine = totals[-2].item()  # this rank's N, which the window opens with
-    ctx.sync.all_reduce_(totals)  # (C, T, N, zero-item micro-batches with routed tokens): once per window
+    # pass 1 runs before the window opens, on the unwrapped module (DDP's forward runs collectives)
+    states, first, mine = _count_pass(ctx, moe, micro_batches)
+    # every rank's (C, T, N, bad, micro-batches): one all-gather per window, before any backward
+    every = ctx.sync.all_gather(torch.cat([mine, mine.new_tensor([len(micro_batches)])]))
+    totals, sizes = every[:, :-1].sum(dim=0), every[:, -1].tolist()
     window_counts, (rows, items, bad) = totals[:-3], totals[-3:].tolist()
     if bad and items > 0:
         raise NotExactError(
             "MoELoss: a micro-batch holds tokens the router balances but no loss item (every label ignored), "
             "so its share of the load-balancing gradient has no item weight to ride on; leave such micro-batches "
             "out of the window (on this rank or another), or use MoELoss(mode='micro_batch')")
-    request = WindowRequest(len(micro_batches), mine, can_pad=bool(micro_batches) or ranks.replay is not None,
+    # the window opens knowing its global N (R = N: each backward weighs n_k / N as the big batch does)
+    plan = WindowPlan(len(micro_batches), int(max(sizes)), int(min(sizes)), items)
+    request = WindowRequest(len(micro_batches), mine[-2].item(), can_pad=bool(micro_batches) or ranks.replay is not None,
                             plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         if micro_batches:
@@ -313,7 +314,7 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
 
 def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any]) -> Any:
     """Pass 1, without a graph: each micro-batch's expert counts, the random state before each (and
-    after all, last), and this rank's ``(C, T, N, bad)`` to all-reduce."""
+    after all, last), and this rank's ``(C, T, N, bad)``."""
     states, first = [], []
     totals = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=ctx.device)
     module = getattr(ctx.model, "module", ctx.model)

@@ -14,9 +14,10 @@ from hf_helpers import pad
 from integrations import scenarios as S
 
 
-def reference(model: nn.Module, windows: Sequence[Sequence[torch.Tensor]], clip: Optional[float] = None) -> nn.Module:
+def reference(model: nn.Module, windows: Sequence[Sequence[torch.Tensor]], clip: Optional[float] = None,
+              optimizer=S.make_optimizer) -> nn.Module:
     model = copy.deepcopy(model)
-    opt, sched = S.make_optimizer(model.parameters())
+    opt, sched = optimizer(model.parameters())
     for window in windows:
         opt.zero_grad(set_to_none=True)
         model(**pad(window)).loss.backward()
@@ -25,3 +26,9 @@ def reference(model: nn.Module, windows: Sequence[Sequence[torch.Tensor]], clip:
         opt.step()
         sched.step()
     return model
+
+
+def sgd(params) -> tuple:
+    """SGD with momentum and a constant schedule (the Accumulator scenarios step no scheduler)."""
+    opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)

@@ -54,7 +54,7 @@ class WindowBalance:
                 totals += torch.cat([counts.to(torch.float64), rows.to(torch.float64).reshape(1)])
         model.train(was_training)
         self.end = _RandomState(device)
-        reduce(totals)  # every rank's counts: once per window, before any backward
+        totals = reduce(totals)  # every rank's counts: once per window, before any backward
         self.counts, self.rows = totals[:-1], totals[-1]
         self.differs = torch.zeros((), dtype=torch.bool, device=device)
 

@@ -1,0 +1,94 @@
+"""MoE load balancing over the window under torchrun, 2 gloo processes on the CPU (see
+test_moe_distributed.py): ExactTrainer (DDP) and Accumulator + MoELoss (DDP, uneven micro-batch counts
+per rank, so one rank pads) against one float64 step per window on the model's own loss over both
+ranks' micro-batches as one batch (float32 islands swapped for float64 on both sides). Prints on rank 0
+``PASS <name>: <numbers>`` or ``FAIL <name>: <why>``."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Dict, List
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import moe_models as M  # noqa: E402
+import moe_scenarios as MS  # noqa: E402
+import scenarios as S  # noqa: E402
+from gradaccum import Accumulator, MoELoss  # noqa: E402
+from hf_helpers import unpad  # noqa: E402
+from worker import verdict  # noqa: E402
+
+torch.set_num_threads(1)
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+PER_RANK = [S.rank_micro_batches(r, S.SIZES[r]) for r in range(WORLD)]
+WINDOWS = S.windows_of(PER_RANK, S.ACCUM)
+CLIP = 0.05
+# the Accumulator's windows: rank 0 runs 3 then 1 micro-batches, rank 1 runs 2 then 2 (it pads in window 0)
+OWN = {0: [[2, 3, 1], [2]], 1: [[1, 2], [3, 1]]}
+OWN_WINDOWS = [[S.rank_micro_batches(r, sizes[w], seed=7 + w) for r, sizes in OWN.items()] for w in range(2)]
+
+
+def hf(family: str, name: str) -> str:
+    model = M.moe_model(family)
+    ref = MS.reference(model, WINDOWS, clip=CLIP)
+    exact, trainer = S.hf_fit(model, PER_RANK, exact=True, clip=CLIP)
+    native, _ = S.hf_fit(model, PER_RANK, exact=False, clip=CLIP)
+    if trainer.state.global_step != len(WINDOWS):
+        return f"FAIL {name}: global_step {trainer.state.global_step} != {len(WINDOWS)} windows"
+    return verdict(name, exact, native, ref)
+
+
+def accumulator(family: str, name: str) -> str:
+    """Accumulator(DDP(model)) with MoELoss.for_hf_model, against the reference; the native side is
+    the model's own loss per micro-batch (its aux term per micro-batch)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = M.moe_model(family)
+    ref = MS.reference(model, [[s for per_rank in w for mb in per_rank for s in unpad(mb)] for w in OWN_WINDOWS],
+                       clip=CLIP, optimizer=MS.sgd)
+
+    def train(loss) -> torch.nn.Module:
+        net = copy.deepcopy(model)
+        ddp = DDP(net)
+        acc = Accumulator(ddp, MS.sgd(net.parameters())[0], max_grad_norm=CLIP)
+        for w in OWN_WINDOWS:
+            acc.step(list(w[RANK]), loss(ddp))
+        return net
+
+    exact = train(MoELoss.for_hf_model)
+    native = train(lambda m: (lambda mm, mb: (mm(**mb).loss, (mb["labels"][:, 1:] != -100).sum())))
+    return verdict(name, exact, native, ref)
+
+
+SCENARIOS: Dict[str, Callable[[], str]] = {
+    **{f"hf_ddp_{f}_clipped": (lambda f=f: hf(f, f"hf_ddp_{f}_clipped")) for f in M.FAMILIES},
+    **{f"accumulator_ddp_{f}_clipped": (lambda f=f: accumulator(f, f"accumulator_ddp_{f}_clipped"))
+       for f in ("mixtral", "qwen2_moe")},
+}
+
+
+def main(names: List[str]) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    with M.float64_balance_loss():
+        for name in names or list(SCENARIOS):
+            try:
+                line = SCENARIOS[name]()
+            except Exception:  # noqa: BLE001 - report and go on to the next scenario
+                line = f"FAIL {name}: {traceback.format_exc()[-1500:]}"
+            if RANK == 0:
+                print(line, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

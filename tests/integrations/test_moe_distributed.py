@@ -1,0 +1,27 @@
+"""MoE load balancing over the window across 2 gloo processes under torchrun (moe_worker.py):
+ExactTrainer under DDP for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and Accumulator + MoELoss under
+DDP with uneven micro-batch counts per rank, each equal to one float64 step per window on the model's
+own loss over both ranks' micro-batches (rtol 1e-10), bit-identical replicas, and the per-micro-batch
+aux term (the stock Trainer, the model's own loss per micro-batch) off by more than 1e-6."""
+from __future__ import annotations
+
+import pytest
+
+from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("transformers")
+
+WORKER = str(ROOT / "tests" / "integrations" / "moe_worker.py")
+SCENARIOS = [f"hf_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")] + \
+    [f"accumulator_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe")]
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    return scenario_verdicts(WORKER)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(verdicts, name):
+    assert_scenario(verdicts, name)
