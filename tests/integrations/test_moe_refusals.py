@@ -1,5 +1,7 @@
 """Never silent: a mixture-of-experts model whose loss adds the router's load-balancing term is
-refused by the stacks that would compute it per micro-batch (or drop it), with the fix that works."""
+refused by the stacks that would compute it per micro-batch (or drop it), with the fix that works:
+ExactDPOTrainer, a Trainer subclass with a compute_loss of its own, Lightning's ExactAccumulation.
+(ExactTrainer and ExactSFTTrainer compute it over the window: test_moe_trainer.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -11,24 +13,21 @@ from integrations import scenarios as S  # noqa: E402
 from gradaccum import NotExactError  # noqa: E402
 
 
-def test_trl_refuses_the_aux_term_and_its_fix_gets_past_the_refusal():
-    """ExactSFTTrainer and ExactDPOTrainer refuse TRL's per-micro-batch aux loss; the message names
-    router_aux_loss_coef=0.0 in the trainer's config class, and that fix builds the trainer (TRL then
-    turns SFT's model's output_router_logits off itself). output_router_logits=False alone is overridden by TRL."""
+def test_dpo_refuses_the_aux_term_and_its_fix_gets_past_the_refusal():
+    """ExactDPOTrainer refuses TRL's per-micro-batch aux loss (ExactSFTTrainer computes it over the
+    window: test_moe_trainer.py); the message names router_aux_loss_coef=0.0 in DPOConfig, and that
+    fix builds the trainer. output_router_logits=False alone is overridden by TRL."""
     pytest.importorskip("trl")
     from integrations import trl_data as T
-    from gradaccum.integrations.trl import ExactDPOTrainer, ExactSFTTrainer
+    from gradaccum.integrations.trl import ExactDPOTrainer
 
-    for cls, examples, config in ((ExactSFTTrainer, T.sft_examples(4), "SFTConfig"),
-                                  (ExactDPOTrainer, T.dpo_examples(4), "DPOConfig")):
-        with pytest.raises(NotExactError, match=rf"router_aux_loss_coef=0.2 .*{config}\(\.\.\., "
-                                                r"router_aux_loss_coef=0\.0\)"):
-            T.fit(cls, M.moe_model("mixtral"), examples, train=False)
-        with pytest.raises(NotExactError, match="router_aux_loss_coef=0.0"):
-            T.fit(cls, M.moe_model("mixtral", output_router_logits=False), examples, train=False)
-        _, trainer = T.fit(cls, M.moe_model("mixtral"), examples, train=False, router_aux_loss_coef=0.0)
-        assert not trainer.aux_loss_enabled  # DPO adds no aux term then; SFT also turns the model's off
-        assert config == "DPOConfig" or not trainer.model.config.output_router_logits
+    examples = T.dpo_examples(4)
+    with pytest.raises(NotExactError, match=r"router_aux_loss_coef=0.2 .*DPOConfig\(\.\.\., router_aux_loss_coef=0\.0\)"):
+        T.fit(ExactDPOTrainer, M.moe_model("mixtral"), examples, train=False)
+    with pytest.raises(NotExactError, match="router_aux_loss_coef=0.0"):
+        T.fit(ExactDPOTrainer, M.moe_model("mixtral", output_router_logits=False), examples, train=False)
+    _, trainer = T.fit(ExactDPOTrainer, M.moe_model("mixtral"), examples, train=False, router_aux_loss_coef=0.0)
+    assert not trainer.aux_loss_enabled
 
 
 def test_lightning_refuses_the_aux_term_with_the_fix():

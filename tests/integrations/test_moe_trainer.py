@@ -40,3 +40,26 @@ def test_exact_trainer_is_the_big_batch_with_the_aux_term(family, clip):
     with torch.no_grad():
         first = model(**pad(WINDOWS[0])).loss.item()
     assert logged[0] == pytest.approx(first, rel=1e-6)  # the Trainer sums its log in float32
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_exact_sft_trainer_is_the_big_batch_with_trls_aux_default(family):
+    """ExactSFTTrainer with TRL's default router_aux_loss_coef (the config's, 0.2) equals one big-batch
+    SFT step per window through SFT's own compute_loss (token loss + coef * aux over the window) at
+    rtol 1e-10; stock SFT (aux per micro-batch, divided by the steps) is off by more than 1e-6. TRL's
+    fused LM head runs a float64 stand-in on both sides (trl_data)."""
+    pytest.importorskip("trl")
+    from trl import SFTTrainer
+
+    from integrations import trl_data as T
+    from gradaccum.integrations.trl import ExactSFTTrainer
+
+    examples = T.sft_examples(10)
+    with T.float64_log_probs():
+        model = M.moe_model(family)
+        ref = T.reference(SFTTrainer, model, examples, 4)
+        exact, trainer = T.fit(ExactSFTTrainer, model, examples)
+        stock, _ = T.fit(SFTTrainer, model, examples)
+    assert trainer.router_balance is not None and trainer.router_balance.coef == M.COEF
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    assert S.max_diff(stock, ref) > 1e-6

@@ -9,7 +9,8 @@ replayed so that it routes as it did when counted. The maths is :mod:`gradaccum.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -17,7 +18,27 @@ from torch import nn
 from .._maths import balance_loss_part, router_statistics
 from ..moe import RouterBalance, _RandomState
 
-__all__ = ["WindowBalance"]
+__all__ = ["WindowBalance", "router_logits_of"]
+
+
+@contextlib.contextmanager
+def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
+    """The router logits of every forward of ``model`` inside the block, in layer order, for forwards
+    that do not return them (TRL's fused LM head): hooks on the router class the model's own output
+    capture names (``_can_record_outputs["router_logits"]``, transformers 5)."""
+    spec = next((m._can_record_outputs["router_logits"] for m in model.modules()
+                 if "router_logits" in (getattr(m, "_can_record_outputs", None) or {})), None)
+    if spec is None:
+        raise RuntimeError(f"{type(model).__name__} does not name its router (no _can_record_outputs['router_logits']); "
+                           "ExactTrainer cannot read its router logits under this trainer's own forward")
+    seen: List[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
+             for m in model.modules() if isinstance(m, spec.target_class)]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:
@@ -62,10 +83,10 @@ class WindowBalance:
         """Micro-batch k's random state, as it was when it was counted."""
         self.states[k].restore()
 
-    def part(self, k: int, outputs: Any, inputs: Dict[str, Any]) -> torch.Tensor:
+    def part(self, k: int, router_logits: List[torch.Tensor], inputs: Dict[str, Any]) -> torch.Tensor:
         """``coef * balance_loss_part(S_k, C, T, T)``: micro-batch k's share of the window's weighted
         load-balancing loss (the shares of every micro-batch on every rank sum to it)."""
-        counts, probs, _ = router_statistics(outputs.router_logits, self.term.top_k, _mask(inputs))
+        counts, probs, _ = router_statistics(router_logits, self.term.top_k, _mask(inputs))
         self.differs = self.differs | (counts.detach() != self.first[k]).any()
         rows = self.rows.to(probs.dtype)
         return self.term.coef * balance_loss_part(probs, self.counts.to(probs.dtype), rows, rows)

@@ -21,7 +21,7 @@ from torch import nn
 from .. import _maths
 from ..errors import ConfigurationError, NotExactError
 from ..moe import aux_term, refuse_aux_term
-from .hf_moe import WindowBalance
+from .hf_moe import WindowBalance, router_logits_of
 from .hf_items import HEADS, BatchItems, head_of
 
 try:
@@ -211,7 +211,7 @@ class ExactTrainer(Trainer):
         self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),  # type: ignore[arg-type]
                                 ignore_index, config, self.args.device)
         # an MoE model's load-balancing term, computed over the window (integrations/hf_moe.py)
-        self.router_balance = aux_term(config) if self.source == "head" else None
+        self.router_balance = aux_term(config) if self.source in ("head", "tokens") else None
         self._balance: Optional[WindowBalance] = None
         self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
@@ -275,26 +275,43 @@ class ExactTrainer(Trainer):
         if self.source == "head" and self._balance is not None:  # + coef * its part of the window's LBL, times W
             self._balance.replay(window.ran)
             outputs = model(**self.items.model_inputs(inputs), output_router_logits=True)
-            part = self._balance.part(window.ran, outputs, inputs) * (0.0 if window.skip else world)
+            part = self._balance.part(window.ran, outputs.router_logits, inputs) * (0.0 if window.skip else world)
             loss = self.items.head_loss_sum(outputs, inputs) * weight + part
-            if window.ran == window.micro_batches - 1:
-                self._balance.check(lambda flag: self.accelerator.reduce(
-                    torch.tensor(float(flag), device=self.args.device), "sum").item() > 0
-                    if world > 1 else flag)
+            self._check_routing(window)
         elif self.source == "head":
             outputs = model(**self.items.model_inputs(inputs))
             loss = self.items.head_loss_sum(outputs, inputs) * weight
         elif self.source == "tokens":
             # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
-            loss, outputs = self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))
+            balance, part = self._balance, None
+            if balance is not None:  # SFT's own aux term (per micro-batch) off; the window's part instead
+                balance.replay(window.ran)
+                self.aux_loss_enabled = False  # type: ignore[attr-defined]
+                try:
+                    with router_logits_of(model) as router_logits:
+                        loss, outputs = self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))
+                finally:
+                    self.aux_loss_enabled = True  # type: ignore[attr-defined]
+                part = balance.part(window.ran, router_logits, inputs) * (0.0 if window.skip else world)
+                self._check_routing(window)
+            else:
+                loss, outputs = self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))
             own = world if self.args.average_tokens_across_devices else 1
             loss = loss * (weight * max(window.items, 1) / own)
+            loss = loss if part is None else loss + part
         else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
             loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
             mean_weight = 0.0 if window.skip else _maths.backward_weight(
                 self.items.rows(inputs), reference=window.items, grad_divisor=world)
             loss = loss * mean_weight
         return (loss, outputs) if return_outputs else loss
+
+    def _check_routing(self, window: _Window) -> None:
+        """Before the window's last backward, every rank alike: its forwards routed as counted."""
+        if self._balance is not None and window.ran == window.micro_batches - 1:
+            world = self.accelerator.num_processes
+            self._balance.check(lambda flag: self.accelerator.reduce(
+                torch.tensor(float(flag), device=self.args.device), "sum").item() > 0 if world > 1 else flag)
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
@@ -418,11 +435,11 @@ def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
         refuse_aux_term(config, type(trainer).__name__,
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
-    elif trainer.source == "head" and trainer.is_fsdp_enabled:
+    elif trainer.source in ("head", "tokens") and trainer.is_fsdp_enabled:
         refuse_aux_term(config, "ExactTrainer under FSDP2", "Train it with DDP (one process per device), where "
                         "ExactTrainer computes the term over the window, or set model.config.router_aux_loss_coef "
                         "= 0.0 to train without it")
-    elif getattr(trainer, "aux_loss_enabled", False):  # TRL adds coef * the model's per-batch aux_loss
+    elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
         args = type(trainer.args).__name__
         raise NotExactError(
             f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns "
