@@ -69,7 +69,26 @@ def accumulator(family: str, name: str) -> str:
     return verdict(name, exact, native, ref)
 
 
+def trl_sft(family: str, name: str, average_tokens: bool) -> str:
+    """ExactSFTTrainer with TRL's aux default: 20 sequences, micro-batches of 2 dealt to the ranks in
+    turn, gradient_accumulation_steps=2: windows of 8, 8 and 4 sequences over both ranks, against SFT's
+    own compute_loss over each window as one batch (float64 fused-head stand-in on both sides)."""
+    from trl import SFTTrainer
+
+    from gradaccum.integrations.trl import ExactSFTTrainer
+
+    import trl_data as T
+
+    model, examples, config = M.moe_model(family), T.sft_examples(20), {"average_tokens_across_devices": average_tokens}
+    with T.float64_log_probs():
+        ref = T.reference(SFTTrainer, model, examples, window=8, **config)
+        exact, _ = T.fit(ExactSFTTrainer, model, examples, **config)
+        native, _ = T.fit(SFTTrainer, model, examples, **config)
+    return verdict(name, exact, native, ref)
+
+
 SCENARIOS: Dict[str, Callable[[], str]] = {
+    "trl_sft_ddp_olmoe_average_tokens": lambda: trl_sft("olmoe", "trl_sft_ddp_olmoe_average_tokens", True),
     **{f"hf_ddp_{f}_clipped": (lambda f=f: hf(f, f"hf_ddp_{f}_clipped")) for f in M.FAMILIES},
     **{f"accumulator_ddp_{f}_clipped": (lambda f=f: accumulator(f, f"accumulator_ddp_{f}_clipped"))
        for f in ("mixtral", "qwen2_moe")},
