@@ -143,3 +143,16 @@ def test_refusals():
         MoELoss(lambda m, b: None, num_experts=4, top_k=2, coef=0.1, mode="big")
     with pytest.raises(NotExactError, match="acc.step"):
         MoELoss(lambda m, b: None, num_experts=4, top_k=2, coef=0.1)(None, None)
+
+
+def test_the_checker_names_the_load_balancing_term():
+    """check_equivalence on an MoE model trained on its own loss (aux term per micro-batch): not
+    equivalent, and the hint names router_aux_loss_coef and MoELoss; without the term, no such hint."""
+    from gradaccum import check_equivalence
+
+    batch = pad([s for mb in WINDOWS[0] for s in unpad(mb)])
+    report = check_equivalence(M.moe_model("qwen2_moe"), own_loss_per_micro_batch, batch, 3)
+    assert not report.equivalent
+    assert any("router_aux_loss_coef=0.2" in h and "MoELoss" in h for h in report.hints), report.hints
+    plain = check_equivalence(M.moe_model("qwen2_moe", output_router_logits=False), own_loss_per_micro_batch, batch, 3)
+    assert not any("router_aux_loss_coef" in h for h in plain.hints)

@@ -44,7 +44,7 @@ from ._maths import balance_loss_part, router_statistics
 from .errors import ConfigurationError, NotExactError
 from .sync import FSDP2Sync
 
-__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "MoEOutput", "MoELoss", "MODES", "run_moe_window"]
+__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "MoEOutput", "MoELoss", "MODES", "run_moe_window"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
 MODES = ("exact", "micro_batch", "prefix")
@@ -96,6 +96,18 @@ def refuse_aux_term(config: Any, where: str, fix: str) -> None:
         f"loss adds a load-balancing term (E={term.num_experts} experts, top-{term.top_k}) whose expert fractions "
         f"are statistics of the whole batch; {where} would compute it per micro-batch, so the step would not be "
         f"the big batch's. {fix}")
+
+
+def balance_hint(model: nn.Module) -> Optional[str]:
+    """The checker's hint for a model whose loss adds a load-balancing term (None without one)."""
+    term = next((t for t in (aux_term(getattr(m, "config", None)) for m in model.modules()) if t is not None), None)
+    if term is None:
+        return None
+    return (f"the model's loss adds an MoE router load-balancing term (router_aux_loss_coef={term.coef}, "
+            f"{term.num_experts} experts, top-{term.top_k}) whose expert fractions are statistics of the whole "
+            "batch, so per micro-batch it is another objective: train with gradaccum.MoELoss.for_hf_model(model) "
+            "(Accumulator) or ExactTrainer / ExactSFTTrainer, which compute it over the window, or set "
+            "router_aux_loss_coef=0.0")
 
 
 class MoEOutput(NamedTuple):
