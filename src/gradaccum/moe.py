@@ -40,7 +40,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from ._maths import balance_loss_part, router_statistics
+from ._maths import balance_loss_part, router_statistics, target_count
 from .errors import ConfigurationError, NotExactError
 from .sync import FSDP2Sync
 
@@ -143,9 +143,12 @@ class MoELoss:
             ``mode="exact"`` (the first time under ``torch.no_grad()``, only to count).
         num_experts: E; top_k: the experts chosen per token; coef: the load-balancing weight
             (transformers' ``router_aux_loss_coef``).
-        mode: ``"exact"`` (default: one more forward per micro-batch without a graph, one all-reduce
-            of E + 2 numbers per window), or ``"micro_batch"`` / ``"prefix"`` (cheaper, not the big
-            batch: see :mod:`gradaccum.moe`).
+        mode: ``"exact"`` (default: one more forward per micro-batch without a graph, one all-gather
+            of E + 4 numbers per rank per window), or ``"micro_batch"`` / ``"prefix"`` (cheaper, not the
+            big batch: see :mod:`gradaccum.moe`).
+        route: optional ``route(model, micro_batch) -> MoEOutput`` for the counting pass: the same
+            routing and item count as ``forward`` gives, from a cheaper forward (the trunk without the
+            head, ``loss=None``). Default: ``forward``.
 
     For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`.
 
@@ -165,7 +168,7 @@ class MoELoss:
     """
 
     def __init__(self, forward: Callable[[nn.Module, Any], MoEOutput], *, num_experts: int, top_k: int, coef: float,
-                 mode: str = "exact") -> None:
+                 mode: str = "exact", route: Optional[Callable[[nn.Module, Any], MoEOutput]] = None) -> None:
         if not callable(forward):
             raise TypeError(f"MoELoss(forward={forward!r}) must be callable as forward(model, micro_batch) -> MoEOutput")
         if mode not in MODES:
@@ -174,6 +177,7 @@ class MoELoss:
             raise ConfigurationError(f"MoELoss(num_experts={num_experts!r}, top_k={top_k!r}): need ints with "
                                      "0 < top_k <= num_experts")
         self.forward, self.num_experts, self.top_k, self.coef, self.mode = forward, num_experts, top_k, float(coef), mode
+        self.route = route if route is not None else forward
 
     def __repr__(self) -> str:
         return (f"MoELoss(forward={self.forward!r}, num_experts={self.num_experts}, top_k={self.top_k}, "
@@ -191,7 +195,8 @@ class MoELoss:
         OLMoE): next-token cross-entropy over ``labels[:, 1:] != ignore_index`` plus
         ``router_aux_loss_coef`` times its load-balancing loss over the window, E, top-k and the
         coefficient read from its config. Micro-batches are dicts with ``input_ids``, ``labels`` and
-        (for padding) ``attention_mask``.
+        (for padding) ``attention_mask``. The counting pass runs the model's trunk (``base_model``)
+        without its LM head.
 
         Raises:
             NotExactError: the config has no load-balancing term (``output_router_logits`` off or
@@ -213,7 +218,14 @@ class MoELoss:
             mask = batch.get("attention_mask")
             return MoEOutput(mean, count, out.router_logits, None if mask is None else mask.reshape(-1))
 
-        return cls(forward, num_experts=term.num_experts, top_k=term.top_k, coef=term.coef, mode=mode)
+        def route(model: nn.Module, batch: Any) -> MoEOutput:
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            out = getattr(model, "base_model", model)(**inputs, output_router_logits=True)
+            count = target_count(batch["labels"][..., 1:], ignore_index=ignore_index)
+            mask = batch.get("attention_mask")
+            return MoEOutput(None, count, out.router_logits, None if mask is None else mask.reshape(-1))
+
+        return cls(forward, num_experts=term.num_experts, top_k=term.top_k, coef=term.coef, mode=mode, route=route)
 
     # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
 
@@ -330,10 +342,10 @@ def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any]) -> Any:
     states, first = [], []
     totals = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=ctx.device)
     module = getattr(ctx.model, "module", ctx.model)
-    with torch.no_grad(), ctx.precision.autocast():
+    with torch.inference_mode(), ctx.precision.autocast():
         for mb in micro_batches:
             states.append(_RandomState(ctx.device))
-            out = _checked(moe.forward(module, mb))
+            out = _checked(moe.route(module, mb))
             c, _, rows = router_statistics(out.router_logits, moe.top_k, out.token_mask)
             if c.shape[0] != moe.num_experts:
                 raise ConfigurationError(f"MoELoss(num_experts={moe.num_experts}): the router logits have "
