@@ -156,3 +156,37 @@ def test_the_checker_names_the_load_balancing_term():
     assert any("router_aux_loss_coef=0.2" in h and "MoELoss" in h for h in report.hints), report.hints
     plain = check_equivalence(M.moe_model("qwen2_moe", output_router_logits=False), own_loss_per_micro_batch, batch, 3)
     assert not any("router_aux_loss_coef" in h for h in plain.hints)
+
+
+def test_accumulator_train_is_the_big_batch_per_window():
+    """acc.train over a loader of micro-batches (accum_steps=3: windows of 3, 3 and a short 1) with
+    MoELoss.for_hf_model: one big-batch step per window on the model's own loss (rtol 1e-10)."""
+    model = M.moe_model("olmoe")
+    micro = S.rank_micro_batches(0, S.SIZES[0])
+    windows = [[s for mb in micro[i:i + 3] for s in unpad(mb)] for i in range(0, len(micro), 3)]
+    ref = big_batch(model, [[pad(w)] for w in windows], clip=0.5)
+    net = copy.deepcopy(model)
+    acc = Accumulator(net, optimizer(net.parameters()), max_grad_norm=0.5)
+    results = list(acc.train(micro, MoELoss.for_hf_model(net), accum_steps=3))
+    assert [r.micro_batches for r in results] == [3, 3, 1]
+    assert S.params_close(net, ref) is None, S.params_close(net, ref)
+
+
+def test_the_cheaper_modes_are_what_they_say():
+    """mode='micro_batch' is the model's own loss per micro-batch weighted by its items (1e-12); on a
+    window of one micro-batch every mode is the big batch (the cheap ones to the float32 islands'
+    rounding); on several, prefix and micro_batch are not, and differ from each other."""
+    model = M.moe_model("qwen3_moe")
+    per_mb, _ = accumulated(model, WINDOWS, lambda m: MoELoss.for_hf_model(m, mode="micro_batch"))
+    own, _ = accumulated(model, WINDOWS, lambda m: own_loss_per_micro_batch)
+    assert S.max_diff(per_mb, own) < 1e-12
+    single = [[pad([s for mb in w for s in unpad(mb)])] for w in WINDOWS]
+    ref = big_batch(model, WINDOWS)
+    for mode in ("micro_batch", "prefix", "exact"):
+        one, _ = accumulated(model, single, lambda m: MoELoss.for_hf_model(m, mode=mode))
+        if mode == "exact":
+            assert S.params_close(one, ref) is None, S.params_close(one, ref)
+        else:  # a (mean, count) loss_fn: R is fixed at the first backward, and Qwen3-MoE's float32
+            assert S.max_diff(one, ref) < 1e-7  # router and RMSNorm round grad * W / R (about 1e-8)
+    prefix, _ = accumulated(model, WINDOWS, lambda m: MoELoss.for_hf_model(m, mode="prefix"))
+    assert S.max_diff(prefix, ref) > 1e-6 and S.max_diff(prefix, per_mb) > 1e-9

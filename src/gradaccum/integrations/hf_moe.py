@@ -2,7 +2,7 @@
 
 The Trainer hands ExactTrainer the window's micro-batches in ``get_batch_samples`` before their first
 forward; :class:`WindowBalance` counts their expert choices there (a forward without a graph, the
-random state saved before each), sums the counts over the ranks in one all-reduce, and then gives each
+random state saved before each; the model's trunk without its LM head), sums the counts over the ranks in one all-reduce, and then gives each
 micro-batch's training forward its part of the window's load-balancing loss, with its random state
 replayed so that it routes as it did when counted. The maths is :mod:`gradaccum.moe`'s and
 :func:`gradaccum._maths.balance_loss_part`'s.
@@ -66,10 +66,11 @@ class WindowBalance:
         totals = torch.zeros(term.num_experts + 1, dtype=torch.float64, device=device)
         was_training = model.training
         model.train()  # routes as the training forward will (jitter and dropout on)
-        with torch.no_grad():
+        trunk = getattr(model, "base_model", model)  # the router logits without the LM head
+        with torch.inference_mode():
             for inputs in batches:
                 self.states.append(_RandomState(device))
-                out = model(**inputs, output_router_logits=True)
+                out = trunk(**inputs, output_router_logits=True)
                 counts, _, rows = router_statistics(out.router_logits, term.top_k, _mask(inputs))
                 self.first.append(counts)
                 totals += torch.cat([counts.to(torch.float64), rows.to(torch.float64).reshape(1)])
