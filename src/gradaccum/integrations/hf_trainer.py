@@ -158,6 +158,10 @@ class ExactTrainer(Trainer):
       and for ``sequence_classification`` by problem type: cross-entropy over the labels that are not
       -100, squared error (``regression``, ``num_labels=1``) or binary cross-entropy
       (``multi_label_classification``) over every label element.
+    - A mixture-of-experts causal LM whose config turns its router's load-balancing loss on
+      (``output_router_logits``, ``router_aux_loss_coef``): ``coef`` times that loss over the whole
+      window, every rank's micro-batches, is added as the model's own loss adds it over one batch
+      (:mod:`gradaccum.integrations.hf_moe`; also under SFT). ``eval_loss`` stays the token loss.
     - ``class X(ExactTrainer, SFTTrainer)`` (TRL): SFT computes its loss, metrics and logs itself,
       with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
       ``average_tokens_across_devices`` so that both settings are exact.
@@ -211,7 +215,8 @@ class ExactTrainer(Trainer):
         self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),  # type: ignore[arg-type]
                                 ignore_index, config, self.args.device)
         # an MoE model's load-balancing term, computed over the window (integrations/hf_moe.py)
-        self.router_balance = aux_term(config) if self.source in ("head", "tokens") else None
+        # (a causal LM's own loss adds it; SFT's too)
+        self.router_balance = aux_term(config) if self.source == "tokens" or self.items.head == "causal_lm" else None
         self._balance: Optional[WindowBalance] = None
         self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
