@@ -1,5 +1,5 @@
 """MoE load balancing over the window under torchrun, 2 gloo processes on the CPU (see
-test_moe_distributed.py): ExactTrainer (DDP) and Accumulator + MoELoss (DDP, uneven micro-batch counts
+test_moe_distributed.py): ExactTrainer (DDP, FSDP2), ExactSFTTrainer (DDP) and Accumulator + MoELoss (DDP, uneven micro-batch counts
 per rank, so one rank pads) against one float64 step per window on the model's own loss over both
 ranks' micro-batches as one batch (float32 islands swapped for float64 on both sides). Prints on rank 0
 ``PASS <name>: <numbers>`` or ``FAIL <name>: <why>``."""
@@ -24,7 +24,7 @@ import moe_scenarios as MS  # noqa: E402
 import scenarios as S  # noqa: E402
 from gradaccum import Accumulator, MoELoss  # noqa: E402
 from hf_helpers import unpad  # noqa: E402
-from worker import verdict  # noqa: E402
+from worker import unsharded, verdict  # noqa: E402
 
 torch.set_num_threads(1)
 RANK = int(os.environ["RANK"])
@@ -45,6 +45,21 @@ def hf(family: str, name: str) -> str:
     if trainer.state.global_step != len(WINDOWS):
         return f"FAIL {name}: global_step {trainer.state.global_step} != {len(WINDOWS)} windows"
     return verdict(name, exact, native, ref)
+
+
+def hf_fsdp2(family: str, name: str) -> str:
+    """ExactTrainer under Accelerate's FSDP2 on the CPU (scenarios.fsdp_on_cpu): each decoder layer then
+    the root fully_shard-ed; the counting pass runs the sharded trunk on every rank alike (the Trainer
+    gives every rank every micro-batch of a window). Shards gathered before the comparison."""
+    model = M.moe_model(family)
+    layer = next(type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+    S.BLOCKS = tuple(S.BLOCKS) + (layer,)
+    ref = MS.reference(model, WINDOWS, clip=CLIP)
+    exact, trainer = S.hf_fit(model, PER_RANK, exact=True, clip=CLIP, fsdp_version=2)
+    native, _ = S.hf_fit(model, PER_RANK, exact=False, clip=CLIP, fsdp_version=2)
+    if {type(p).__name__ for p in exact.parameters()} != {"DTensor"}:
+        return f"FAIL {name}: the parameters are not all sharded by fully_shard"
+    return verdict(name, unsharded(exact, model), unsharded(native, model), ref)
 
 
 def accumulator(family: str, name: str) -> str:
@@ -88,6 +103,7 @@ def trl_sft(family: str, name: str, average_tokens: bool) -> str:
 
 
 SCENARIOS: Dict[str, Callable[[], str]] = {
+    **{f"hf_fsdp2_{f}_clipped": (lambda f=f: hf_fsdp2(f, f"hf_fsdp2_{f}_clipped")) for f in ("mixtral", "olmoe")},
     "trl_sft_ddp_olmoe_average_tokens": lambda: trl_sft("olmoe", "trl_sft_ddp_olmoe_average_tokens", True),
     **{f"hf_ddp_{f}_clipped": (lambda f=f: hf(f, f"hf_ddp_{f}_clipped")) for f in M.FAMILIES},
     **{f"accumulator_ddp_{f}_clipped": (lambda f=f: accumulator(f, f"accumulator_ddp_{f}_clipped"))

@@ -1,5 +1,6 @@
 """MoE load balancing over the window across 2 gloo processes under torchrun (moe_worker.py):
-ExactTrainer under DDP for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, Accumulator + MoELoss under
+ExactTrainer under DDP for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE and under FSDP2 (Accelerate's, on
+the CPU) for Mixtral and OLMoE, Accumulator + MoELoss under
 DDP with uneven micro-batch counts per rank, and ExactSFTTrainer (OLMoE, TRL's aux default), each equal to one float64 step per window on the model's
 own loss over both ranks' micro-batches (rtol 1e-10), bit-identical replicas, and the per-micro-batch
 aux term (the stock Trainer, the model's own loss per micro-batch) off by more than 1e-6."""
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 
 WORKER = str(ROOT / "tests" / "integrations" / "moe_worker.py")
-SCENARIOS = [f"hf_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")] + \
+SCENARIOS = ["hf_fsdp2_mixtral_clipped", "hf_fsdp2_olmoe_clipped"] + [f"hf_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")] + \
     [f"accumulator_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe")] + ["trl_sft_ddp_olmoe_average_tokens"]
 
 
@@ -25,3 +26,10 @@ def verdicts():
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario(verdicts, name):
     assert_scenario(verdicts, name)
+
+
+
+def test_every_scenario_is_listed(verdicts):
+    """Every scenario the worker ran is asserted here (one added there but not here would not be)."""
+    lines, _ = verdicts
+    assert sorted(lines) == sorted(SCENARIOS)

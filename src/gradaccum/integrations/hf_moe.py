@@ -66,8 +66,11 @@ class WindowBalance:
         totals = torch.zeros(term.num_experts + 1, dtype=torch.float64, device=device)
         was_training = model.training
         model.train()  # routes as the training forward will (jitter and dropout on)
-        trunk = getattr(model, "base_model", model)  # the router logits without the LM head
-        with torch.inference_mode():
+        # the router logits without the LM head; under FSDP2 the root (its lazy init wants the root
+        # first) and no_grad (inference tensors would end up in its unsharded parameters)
+        sharded = type(model).__name__.startswith("FSDP")
+        trunk = model if sharded else getattr(model, "base_model", model)
+        with torch.no_grad() if sharded else torch.inference_mode():
             for inputs in batches:
                 self.states.append(_RandomState(device))
                 out = trunk(**inputs, output_router_logits=True)

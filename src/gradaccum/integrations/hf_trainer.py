@@ -440,10 +440,6 @@ def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
         refuse_aux_term(config, type(trainer).__name__,
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
-    elif trainer.source in ("head", "tokens") and trainer.is_fsdp_enabled:
-        refuse_aux_term(config, "ExactTrainer under FSDP2", "Train it with DDP (one process per device), where "
-                        "ExactTrainer computes the term over the window, or set model.config.router_aux_loss_coef "
-                        "= 0.0 to train without it")
     elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
         args = type(trainer.args).__name__
         raise NotExactError(
