@@ -139,8 +139,8 @@ class MoELoss:
 
     Args:
         forward: ``forward(model, micro_batch) -> MoEOutput``: the micro-batch's mean loss, its item
-            count, its router logits per layer and its token mask. It runs twice per micro-batch in
-            ``mode="exact"`` (the first time under ``torch.no_grad()``, only to count).
+            count, its router logits per layer and its token mask. In ``mode="exact"`` each
+            micro-batch also runs ``route`` once before, under ``torch.inference_mode()``, only to count.
         num_experts: E; top_k: the experts chosen per token; coef: the load-balancing weight
             (transformers' ``router_aux_loss_coef``).
         mode: ``"exact"`` (default: one more forward per micro-batch without a graph, one all-gather
@@ -151,6 +151,9 @@ class MoELoss:
             head, ``loss=None``). Default: ``forward``.
 
     For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`.
+    An MoELoss runs through ``acc.step`` and ``acc.train`` (not ``acc.window``, nor as a plain
+    ``loss_fn``: refused); its item counts come from ``forward`` (``num_items=`` is not read). Exact
+    mode does not support ``micro_batch_size="auto"`` or FSDP2 yet (refused); DDP is tested.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
