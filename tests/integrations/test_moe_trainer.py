@@ -63,3 +63,21 @@ def test_exact_sft_trainer_is_the_big_batch_with_trls_aux_default(family):
     assert trainer.router_balance is not None and trainer.router_balance.coef == M.COEF
     assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
     assert S.max_diff(stock, ref) > 1e-6
+
+
+def test_router_jitter_and_dropout_are_replayed_and_other_randomness_is_caught():
+    """Mixtral with router jitter and attention dropout: each training forward replays the random state
+    its counting forward drew from, so every window routes as it was counted and trains (a replay that
+    is dropped raises). A router whose noise comes from a generator of its own routes otherwise in the
+    training forward: caught before the window's last backward."""
+    model = M.moe_model("mixtral", router_jitter_noise=0.3, attention_dropout=0.2)
+    _, trainer = S.hf_fit(model, [MICRO], exact=True)
+    assert trainer.state.global_step == len(WINDOWS)
+
+    gen = torch.Generator().manual_seed(0)
+    noisy = M.moe_model("mixtral")
+    for router in [m for m in noisy.modules() if type(m).__name__ == "MixtralTopKRouter"]:
+        plain = router.forward
+        router.forward = lambda h, plain=plain: plain(h + 3 * torch.randn(h.shape, generator=gen, dtype=h.dtype))
+    with pytest.raises(RuntimeError, match="routed its tokens to other experts"):
+        S.hf_fit(noisy, [MICRO], exact=True)
