@@ -190,3 +190,18 @@ def test_the_cheaper_modes_are_what_they_say():
             assert S.max_diff(one, ref) < 1e-7  # router and RMSNorm round grad * W / R (about 1e-8)
     prefix, _ = accumulated(model, WINDOWS, lambda m: MoELoss.for_hf_model(m, mode="prefix"))
     assert S.max_diff(prefix, ref) > 1e-6 and S.max_diff(prefix, per_mb) > 1e-9
+
+
+def test_router_logits_outside_the_graph_are_refused():
+    """A forward whose router logits are detached (as a reentrant checkpoint would leave them) would
+    add no load-balancing gradient: refused, naming use_reentrant."""
+    hf = MoELoss.for_hf_model(M.moe_model("olmoe"))
+
+    def detached(m, batch):
+        out = hf.forward(m, batch)
+        return out._replace(router_logits=[t.detach() for t in out.router_logits])
+
+    model = M.moe_model("olmoe")
+    acc = Accumulator(model, optimizer(model.parameters()))
+    with pytest.raises(NotExactError, match="use_reentrant"):
+        acc.step(list(WINDOWS[0]), MoELoss(detached, num_experts=4, top_k=2, coef=M.COEF))

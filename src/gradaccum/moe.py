@@ -34,8 +34,9 @@ the routes that would train it per micro-batch.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ from ._maths import balance_loss_part, router_statistics, target_count
 from .errors import ConfigurationError, NotExactError
 from .sync import FSDP2Sync
 
-__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "MoEOutput", "MoELoss", "MODES", "run_moe_window"]
+__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss", "MODES", "run_moe_window"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
 MODES = ("exact", "micro_batch", "prefix")
@@ -108,6 +109,27 @@ def balance_hint(model: nn.Module) -> Optional[str]:
             "batch, so per micro-batch it is another objective: train with gradaccum.MoELoss.for_hf_model(model) "
             "(Accumulator) or ExactTrainer / ExactSFTTrainer, which compute it over the window, or set "
             "router_aux_loss_coef=0.0")
+
+
+@contextlib.contextmanager
+def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
+    """The router logits of every forward of ``model`` inside the block, in layer order, for forwards
+    that do not return them (TRL's fused LM head) or that are asked not to (so that the model computes
+    no per-batch aux loss of its own): hooks on the router class the model's own output capture names
+    (``_can_record_outputs["router_logits"]``, transformers 5)."""
+    spec = next((m._can_record_outputs["router_logits"] for m in model.modules()
+                 if "router_logits" in (getattr(m, "_can_record_outputs", None) or {})), None)
+    if spec is None:
+        raise RuntimeError(f"{type(model).__name__} does not name its router (no _can_record_outputs['router_logits']); "
+                           "pass router_logits_of a model whose router is named so, or write MoELoss(forward=...) yourself")
+    seen: List[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
+             for m in model.modules() if isinstance(m, spec.target_class)]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 class MoEOutput(NamedTuple):
@@ -216,10 +238,13 @@ class MoELoss:
 
         def forward(model: nn.Module, batch: Any) -> MoEOutput:
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-            out = model(**inputs, output_router_logits=True)
+            # the router logits by hooks: with output_router_logits=False the model computes no
+            # per-batch aux loss of its own (unused here)
+            with router_logits_of(model) as router_logits:
+                out = model(**inputs, output_router_logits=False)
             mean, count = causal_lm_loss(out.logits, batch["labels"], ignore_index=ignore_index)
             mask = batch.get("attention_mask")
-            return MoEOutput(mean, count, out.router_logits, None if mask is None else mask.reshape(-1))
+            return MoEOutput(mean, count, list(router_logits), None if mask is None else mask.reshape(-1))
 
         def route(model: nn.Module, batch: Any) -> MoEOutput:
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
@@ -273,6 +298,16 @@ def _checked(out: Any) -> MoEOutput:
     return out
 
 
+def require_router_grad(router_logits: Sequence[torch.Tensor], where: str) -> None:
+    """In a forward that builds a graph, every layer's router logits must be in it: a detached copy,
+    or a reentrant activation checkpoint (which runs the forward without a graph first), would drop
+    the load-balancing gradient silently."""
+    if torch.is_grad_enabled() and not all(t.requires_grad for t in router_logits):
+        raise NotExactError(f"{where}: the router logits of a training forward do not require grad, so the "
+                            "load-balancing term would add no gradient: do not detach them, and use non-reentrant "
+                            "activation checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False})")
+
+
 def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any, *, micro_batch_size: Any = None,
                    catch_oom: bool = False, plan: Any = None) -> Any:
     """One window of an :class:`MoELoss` (the dispatch of :func:`gradaccum._run.run_window`): the cheap
@@ -319,6 +354,7 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
                 out = _checked(moe.forward(ctx.model, micro_batches[k] if own else ranks.replay))
                 loss = out.loss
                 if own:
+                    require_router_grad(out.router_logits, "MoELoss")
                     c, s, _ = router_statistics(out.router_logits, moe.top_k, out.token_mask)
                     differs = differs | (c.detach() != first[k]).any()
                     n = float(out.num_items)

@@ -81,3 +81,19 @@ def test_router_jitter_and_dropout_are_replayed_and_other_randomness_is_caught()
         router.forward = lambda h, plain=plain: plain(h + 3 * torch.randn(h.shape, generator=gen, dtype=h.dtype))
     with pytest.raises(RuntimeError, match="routed its tokens to other experts"):
         S.hf_fit(noisy, [MICRO], exact=True)
+
+
+def test_reentrant_checkpointing_is_refused_and_non_reentrant_is_exact():
+    """Reentrant activation checkpointing runs the forward without a graph, so the router logits the
+    balance term needs carry no gradient: refused, naming use_reentrant (it would drop the term's
+    gradient silently). Non-reentrant checkpointing is the big batch (rtol 1e-10)."""
+    from gradaccum import NotExactError
+
+    model = M.moe_model("mixtral")
+    with pytest.raises(NotExactError, match="use_reentrant"):
+        S.hf_fit(model, [MICRO], exact=True, gradient_checkpointing=True,
+                 gradient_checkpointing_kwargs={"use_reentrant": True})
+    exact, _ = S.hf_fit(model, [MICRO], exact=True, gradient_checkpointing=True,
+                        gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = MS.reference(model, WINDOWS)
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)

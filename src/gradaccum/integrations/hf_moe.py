@@ -9,42 +9,23 @@ replayed so that it routes as it did when counted. The maths is :mod:`gradaccum.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from .._maths import balance_loss_part, router_statistics
-from ..moe import RouterBalance, _RandomState
+from ..moe import RouterBalance, _RandomState, require_router_grad
 
-__all__ = ["WindowBalance", "router_logits_of"]
-
-
-@contextlib.contextmanager
-def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
-    """The router logits of every forward of ``model`` inside the block, in layer order, for forwards
-    that do not return them (TRL's fused LM head): hooks on the router class the model's own output
-    capture names (``_can_record_outputs["router_logits"]``, transformers 5)."""
-    spec = next((m._can_record_outputs["router_logits"] for m in model.modules()
-                 if "router_logits" in (getattr(m, "_can_record_outputs", None) or {})), None)
-    if spec is None:
-        raise RuntimeError(f"{type(model).__name__} does not name its router (no _can_record_outputs['router_logits']); "
-                           "ExactTrainer cannot read its router logits under this trainer's own forward")
-    seen: List[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
-             for m in model.modules() if isinstance(m, spec.target_class)]
-    try:
-        yield seen
-    finally:
-        for h in hooks:
-            h.remove()
+__all__ = ["WindowBalance"]
 
 
 def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:
     """The tokens the model's own ``load_balancing_loss_func`` balances: its 2-D ``attention_mask``."""
     mask = inputs.get("attention_mask")
     return mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
 
 
 class WindowBalance:
@@ -90,6 +71,7 @@ class WindowBalance:
     def part(self, k: int, router_logits: List[torch.Tensor], inputs: Dict[str, Any]) -> torch.Tensor:
         """``coef * balance_loss_part(S_k, C, T, T)``: micro-batch k's share of the window's weighted
         load-balancing loss (the shares of every micro-batch on every rank sum to it)."""
+        require_router_grad(router_logits, "ExactTrainer")
         counts, probs, _ = router_statistics(router_logits, self.term.top_k, _mask(inputs))
         self.differs = self.differs | (counts.detach() != self.first[k]).any()
         rows = self.rows.to(probs.dtype)

@@ -20,8 +20,8 @@ from torch import nn
 
 from .. import _maths
 from ..errors import ConfigurationError, NotExactError
-from ..moe import aux_term, refuse_aux_term
-from .hf_moe import WindowBalance, router_logits_of
+from ..moe import aux_term, refuse_aux_term, router_logits_of
+from .hf_moe import WindowBalance
 from .hf_items import HEADS, BatchItems, head_of
 
 try:
@@ -279,8 +279,9 @@ class ExactTrainer(Trainer):
         weight = 0.0 if window.skip else _maths.summed_loss_weight(window.items, world)
         if self.source == "head" and self._balance is not None:  # + coef * its part of the window's LBL, times W
             self._balance.replay(window.ran)
-            outputs = model(**self.items.model_inputs(inputs), output_router_logits=True)
-            part = self._balance.part(window.ran, outputs.router_logits, inputs) * (0.0 if window.skip else world)
+            with router_logits_of(model) as router_logits:  # no per-batch aux loss of the model's own
+                outputs = model(**self.items.model_inputs(inputs), output_router_logits=False)
+            part = self._balance.part(window.ran, router_logits, inputs) * (0.0 if window.skip else world)
             loss = self.items.head_loss_sum(outputs, inputs) * weight + part
             self._check_routing(window)
         elif self.source == "head":
