@@ -9,13 +9,13 @@ replayed so that it routes as it did when counted. The maths is :mod:`gradaccum.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .._maths import balance_loss_part, router_statistics
-from ..moe import RouterBalance, _RandomState, require_router_grad
+from ..moe import RouterBalance, _RandomState, require_router_grad, router_logits_of
 
 __all__ = ["WindowBalance"]
 
@@ -67,6 +67,23 @@ class WindowBalance:
     def replay(self, k: int) -> None:
         """Micro-batch k's random state, as it was when it was counted."""
         self.states[k].restore()
+
+    def run(self, k: int, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
+            trainer: Any = None) -> Tuple[Any, torch.Tensor]:
+        """Micro-batch k's training forward (``forward()``, from its replayed random state, its router
+        logits read by hooks) and :meth:`part`. With a TRL ``trainer``, its own per-micro-batch aux
+        term is off for the forward (the window's part replaces it)."""
+        self.replay(k)
+        kept = getattr(trainer, "aux_loss_enabled", None)
+        if kept is not None:
+            trainer.aux_loss_enabled = False
+        try:
+            with router_logits_of(model) as router_logits:
+                out = forward()
+        finally:
+            if kept is not None:
+                trainer.aux_loss_enabled = kept
+        return out, self.part(k, router_logits, inputs)
 
     def part(self, k: int, router_logits: List[torch.Tensor], inputs: Dict[str, Any]) -> torch.Tensor:
         """``coef * balance_loss_part(S_k, C, T, T)``: micro-batch k's share of the window's weighted

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import _maths
 from ..errors import ConfigurationError, NotExactError
-from ..moe import aux_term, refuse_aux_term, router_logits_of
+from ..moe import aux_term, refuse_aux_term
 from .hf_moe import WindowBalance
 from .hf_items import HEADS, BatchItems, head_of
 
@@ -277,39 +277,26 @@ class ExactTrainer(Trainer):
                                "(do not override get_batch_samples away)")
         world = self.accelerator.num_processes
         weight = 0.0 if window.skip else _maths.summed_loss_weight(window.items, world)
-        if self.source == "head" and self._balance is not None:  # + coef * its part of the window's LBL, times W
-            self._balance.replay(window.ran)
-            with router_logits_of(model) as router_logits:  # no per-batch aux loss of the model's own
-                outputs = model(**self.items.model_inputs(inputs), output_router_logits=False)
-            part = self._balance.part(window.ran, router_logits, inputs) * (0.0 if window.skip else world)
-            loss = self.items.head_loss_sum(outputs, inputs) * weight + part
-            self._check_routing(window)
-        elif self.source == "head":
-            outputs = model(**self.items.model_inputs(inputs))
+        balance, part = self._balance, None  # an MoE model's part of the window's load balancing (hf_moe)
+        if self.source == "head":
+            moe = {} if balance is None else {"output_router_logits": False}  # hooks read them (hf_moe)
+            forward = lambda: model(**self.items.model_inputs(inputs), **moe)  # noqa: E731
+            outputs, part = (forward(), None) if balance is None else balance.run(window.ran, model, inputs, forward)
             loss = self.items.head_loss_sum(outputs, inputs) * weight
         elif self.source == "tokens":
             # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
-            balance, part = self._balance, None
-            if balance is not None:  # SFT's own aux term (per micro-batch) off; the window's part instead
-                balance.replay(window.ran)
-                self.aux_loss_enabled = False  # type: ignore[attr-defined]
-                try:
-                    with router_logits_of(model) as router_logits:
-                        loss, outputs = self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))
-                finally:
-                    self.aux_loss_enabled = True  # type: ignore[attr-defined]
-                part = balance.part(window.ran, router_logits, inputs) * (0.0 if window.skip else world)
-                self._check_routing(window)
-            else:
-                loss, outputs = self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))
+            trl = lambda: self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))  # noqa: E731
+            (loss, outputs), part = (trl(), None) if balance is None else balance.run(window.ran, model, inputs, trl, self)
             own = world if self.args.average_tokens_across_devices else 1
             loss = loss * (weight * max(window.items, 1) / own)
-            loss = loss if part is None else loss + part
         else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
             loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
             mean_weight = 0.0 if window.skip else _maths.backward_weight(
                 self.items.rows(inputs), reference=window.items, grad_divisor=world)
             loss = loss * mean_weight
+        if part is not None:  # coef * this micro-batch's part of the window's LBL, times W (DDP averages)
+            loss = loss + part * (0.0 if window.skip else world)
+            self._check_routing(window)
         return (loss, outputs) if return_outputs else loss
 
     def _check_routing(self, window: _Window) -> None:
