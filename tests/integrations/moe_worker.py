@@ -102,7 +102,32 @@ def trl_sft(family: str, name: str, average_tokens: bool) -> str:
     return verdict(name, exact, native, ref)
 
 
+def accumulator_train_uneven(family: str, name: str) -> str:
+    """Accumulator(DDP(model)).train with MoELoss over uneven loaders, accum_steps=2: rank 0 holds 7
+    micro-batches (windows of 2, 2, 2 and 1), rank 1 holds 3 (2, then 1, then none: it pads the last
+    two windows with zero-weight forwards of its last micro-batch). Against the union of each window."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    loaders = {0: S.rank_micro_batches(0, [2, 1, 3, 1, 2, 2, 1], seed=11), 1: S.rank_micro_batches(1, [3, 1, 2], seed=11)}
+    windows = [[s for r in range(WORLD) for mb in loaders[r][w * 2:(w + 1) * 2] for s in unpad(mb)] for w in range(4)]
+    model = M.moe_model(family)
+    ref = MS.reference(model, windows, clip=CLIP, optimizer=MS.sgd)
+
+    def train(loss) -> torch.nn.Module:
+        net = copy.deepcopy(model)
+        ddp = DDP(net)
+        acc = Accumulator(ddp, MS.sgd(net.parameters())[0], max_grad_norm=CLIP)
+        steps = [r.step for r in acc.train(loaders[RANK], loss(ddp), accum_steps=2)]
+        assert steps == [1, 2, 3, 4], steps
+        return net
+
+    exact = train(MoELoss.for_hf_model)
+    native = train(lambda m: (lambda mm, mb: (mm(**mb).loss, (mb["labels"][:, 1:] != -100).sum())))
+    return verdict(name, exact, native, ref)
+
+
 SCENARIOS: Dict[str, Callable[[], str]] = {
+    "accumulator_train_uneven_ranks_olmoe": lambda: accumulator_train_uneven("olmoe", "accumulator_train_uneven_ranks_olmoe"),
     **{f"hf_fsdp2_{f}_clipped": (lambda f=f: hf_fsdp2(f, f"hf_fsdp2_{f}_clipped")) for f in ("mixtral", "olmoe")},
     "trl_sft_ddp_olmoe_average_tokens": lambda: trl_sft("olmoe", "trl_sft_ddp_olmoe_average_tokens", True),
     **{f"hf_ddp_{f}_clipped": (lambda f=f: hf(f, f"hf_ddp_{f}_clipped")) for f in M.FAMILIES},

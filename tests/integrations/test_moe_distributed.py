@@ -1,9 +1,14 @@
-"""MoE load balancing over the window across 2 gloo processes under torchrun (moe_worker.py):
-ExactTrainer under DDP for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE and under FSDP2 (Accelerate's, on
-the CPU) for Mixtral and OLMoE, Accumulator + MoELoss under
-DDP with uneven micro-batch counts per rank, and ExactSFTTrainer (OLMoE, TRL's aux default), each equal to one float64 step per window on the model's
-own loss over both ranks' micro-batches (rtol 1e-10), bit-identical replicas, and the per-micro-batch
-aux term (the stock Trainer, the model's own loss per micro-batch) off by more than 1e-6."""
+"""MoE load balancing over the window across 2 gloo processes under torchrun (moe_worker.py), each
+equal to one float64 step per window on the model's own loss over both ranks' micro-batches (rtol
+1e-10, bit-identical replicas) where the per-micro-batch aux term (the stock Trainer, the model's own
+loss per micro-batch) is off by more than 1e-6:
+
+- ExactTrainer under DDP for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and under FSDP2 (Accelerate's,
+  on the CPU) for Mixtral and OLMoE;
+- Accumulator + MoELoss under DDP with uneven micro-batch counts per rank, and ``acc.train`` over
+  uneven loaders (a rank with no data pads);
+- ExactSFTTrainer (OLMoE, TRL's aux default).
+"""
 from __future__ import annotations
 
 import pytest
@@ -14,8 +19,10 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 
 WORKER = str(ROOT / "tests" / "integrations" / "moe_worker.py")
-SCENARIOS = ["hf_fsdp2_mixtral_clipped", "hf_fsdp2_olmoe_clipped"] + [f"hf_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")] + \
-    [f"accumulator_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe")] + ["trl_sft_ddp_olmoe_average_tokens"]
+SCENARIOS = ([f"hf_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")]
+             + ["hf_fsdp2_mixtral_clipped", "hf_fsdp2_olmoe_clipped"]
+             + [f"accumulator_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe")]
+             + ["accumulator_train_uneven_ranks_olmoe", "trl_sft_ddp_olmoe_average_tokens"])
 
 
 @pytest.fixture(scope="module")
