@@ -5,7 +5,7 @@ Two measurements, written into the guide's table by ``make bench`` (:func:`write
 * **Distance from one big batch**, per family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE built from
   configs: hidden 16, 2 layers, 4 experts, top-2, ``router_aux_loss_coef=0.2``, float64): one window of
   4 padded micro-batches of uneven sizes, one SGD step at lr 1 (so the parameters move by the
-  gradient), the largest parameter difference from the big batch's step on the model's own loss
+  gradient) through the stock Hugging Face Trainer, ExactTrainer and ``Accumulator`` in each mode, the largest parameter difference from the big batch's step on the model's own loss
   (``model(**batch).loss``). transformers' float32 islands (the load-balancing sums, the token loss's
   ``.float()``) are swapped for the same formulas in float64 on both sides, except in the column
   "exact, float32 islands", which keeps transformers' own.
@@ -120,6 +120,32 @@ def _step(model: Any, window: List[Dict[str, torch.Tensor]], loss: Any) -> Any:
     return model
 
 
+def _trainer_step(model: Any, window: List[Dict[str, torch.Tensor]], exact: bool) -> Any:
+    """One window through the Hugging Face Trainer (stock) or ExactTrainer: one pre-padded micro-batch per
+    dataset item, SGD at lr 1, no clipping."""
+    import tempfile
+
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from gradaccum.integrations.hf_trainer import ExactTrainer
+
+    transformers.logging.set_verbosity_error()
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="gradaccum-moe-"), per_device_train_batch_size=1,
+                             gradient_accumulation_steps=len(window), max_steps=1, max_grad_norm=0.0, report_to="none",
+                             use_cpu=True, disable_tqdm=True, train_sampling_strategy="sequential",
+                             remove_unused_columns=False, save_strategy="no", logging_strategy="no",
+                             dataloader_num_workers=0)
+    trainer = (ExactTrainer if exact else Trainer)(
+        model=model, args=args, train_dataset=list(window), data_collator=lambda items: items[0],
+        optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)))
+    trainer.remove_callback(transformers.PrinterCallback)
+    trainer.train()
+    return model
+
+
 def _big_batch(model: Any, window: List[List[torch.Tensor]]) -> Any:
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -143,6 +169,8 @@ def distances() -> List[Dict[str, Any]]:
             ref = _big_batch(model, seqs)
             row: Dict[str, Any] = {"family": family}
             row.update({mode: _delta(_step(model, window, make), ref) for mode, make in MODES.items()})
+            row.update({"stock Trainer": _delta(_trainer_step(model, window, False), ref),
+                        "ExactTrainer": _delta(_trainer_step(model, window, True), ref)})
         row["MoELoss exact, float32 islands"] = _delta(_step(model, window, MODES["MoELoss exact"]),
                                                        _big_batch(model, seqs))
         rows.append(row)
@@ -233,7 +261,7 @@ def moe() -> Dict[str, Any]:
 
 
 def render(r: Dict[str, Any]) -> str:
-    cols = ["family"] + list(MODES) + ["MoELoss exact, float32 islands"]
+    cols = ["family", "stock Trainer"] + list(MODES) + ["ExactTrainer", "MoELoss exact, float32 islands"]
     fmt = {c: ".1e" for c in cols[1:]}
     out = ["Largest parameter difference from one big batch's step (SGD, lr 1) on the model's own loss, one "
            "window of 4 padded micro-batches (2, 3, 1, 2 sequences), coef 0.2, float64:", "",
