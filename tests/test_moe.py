@@ -205,3 +205,16 @@ def test_router_logits_outside_the_graph_are_refused():
     acc = Accumulator(model, optimizer(model.parameters()))
     with pytest.raises(NotExactError, match="use_reentrant"):
         acc.step(list(WINDOWS[0]), MoELoss(detached, num_experts=4, top_k=2, coef=M.COEF))
+
+
+def test_a_micro_batch_of_routed_tokens_without_items_is_refused():
+    """A micro-batch whose every label is ignored still routes tokens: its share of the balance gradient
+    has no item weight in exact mode, so the window is refused before any backward (parameters unchanged)."""
+    model = M.moe_model("mixtral")
+    window = [dict(mb) for mb in WINDOWS[0]]
+    window[1]["labels"] = torch.full_like(window[1]["labels"], -100)
+    acc = Accumulator(model, optimizer(model.parameters()))
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(NotExactError, match="no loss item"):
+        acc.step(window, MoELoss.for_hf_model(model))
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
