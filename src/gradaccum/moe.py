@@ -175,7 +175,7 @@ class MoELoss:
     For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`.
     An MoELoss runs through ``acc.step`` and ``acc.train`` (not ``acc.window``, nor as a plain
     ``loss_fn``: refused); its item counts come from ``forward`` (``num_items=`` is not read). Exact
-    mode does not support ``micro_batch_size="auto"`` or FSDP2 yet (refused); DDP is tested.
+    mode does not support ``micro_batch_size="auto"`` yet (refused); DDP and FSDP2 are tested.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -322,12 +322,21 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
     if catch_oom:
         raise ConfigurationError("micro_batch_size='auto' is not supported with MoELoss(mode='exact'): pass an int "
                                  "micro_batch_size")
-    if isinstance(ctx.sync, FSDP2Sync):  # pass 1 would run the shards' all-gathers on uneven ranks
-        raise NotExactError("MoELoss(mode='exact') under FSDP2 is not supported yet; train it with DDP, or choose "
-                            "MoELoss(mode='micro_batch') knowingly (not the big batch)")
     ranks = ctx.ranks
-    # pass 1 runs before the window opens, on the unwrapped module (DDP's forward runs collectives)
-    states, first, mine = _count_pass(ctx, moe, micro_batches)
+    if micro_batches:
+        ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
+    # pass 1 runs before the window opens: on the unwrapped module under DDP (whose forward runs
+    # collectives a rank without data lacks); under FSDP2 every forward all-gathers the shards, so
+    # every rank runs as many as the busiest, padding with its last micro-batch (zero weight)
+    sharded = isinstance(ctx.sync, FSDP2Sync)
+    padding = 0
+    if sharded:
+        padding = int(ctx.sync.all_gather(torch.tensor([len(micro_batches)], device=ctx.device)).max()) - len(micro_batches)
+        if ctx.sync.any_rank(padding > 0 and ranks.replay is None, ctx.device):
+            raise ConfigurationError("MoELoss: a rank has fewer micro-batches than another and none to pad its counting "
+                                     "forwards with (FSDP2 runs every forward on every rank): give it one with "
+                                     "acc.set_padding(micro_batch)")
+    states, first, mine = _count_pass(ctx, moe, micro_batches, padding, sharded)
     # every rank's (C, T, N, bad, micro-batches): one all-gather per window, before any backward
     every = ctx.sync.all_gather(torch.cat([mine, mine.new_tensor([len(micro_batches)])]))
     totals, sizes = every[:, :-1].sum(dim=0), every[:, -1].tolist()
@@ -342,8 +351,6 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
     request = WindowRequest(len(micro_batches), mine[-2].item(), can_pad=bool(micro_batches) or ranks.replay is not None,
                             plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
-        if micro_batches:
-            ranks.remember(micro_batches[-1])
         last = len(micro_batches) + window.padding - 1
         differs = torch.zeros((), dtype=torch.bool, device=ctx.device)
         for k in range(last + 1):
@@ -375,16 +382,20 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
         return window.step()
 
 
-def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any]) -> Any:
+def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any], padding: int, sharded: bool) -> Any:
     """Pass 1, without a graph: each micro-batch's expert counts, the random state before each (and
-    after all, last), and this rank's ``(C, T, N, bad)``."""
+    after all, last), and this rank's ``(C, T, N, bad)``; then ``padding`` forwards that count nothing.
+    Under FSDP2 the root runs ``forward`` (a part of it alone would miss the root's all-gather) under
+    ``no_grad`` (inference tensors must not reach its unsharded parameters)."""
     states, first = [], []
     totals = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=ctx.device)
-    module = getattr(ctx.model, "module", ctx.model)
-    with torch.inference_mode(), ctx.precision.autocast():
+    module, run = (ctx.model, moe.forward) if sharded else (getattr(ctx.model, "module", ctx.model), moe.route)
+    with torch.no_grad() if sharded else torch.inference_mode(), ctx.precision.autocast():
+        for _ in range(padding):  # first: whatever they draw, the micro-batches' replays start after it
+            run(module, ctx.ranks.replay)
         for mb in micro_batches:
             states.append(_RandomState(ctx.device))
-            out = _checked(moe.route(module, mb))
+            out = _checked(run(module, mb))
             c, _, rows = router_statistics(out.router_logits, moe.top_k, out.token_mask)
             if c.shape[0] != moe.num_experts:
                 raise ConfigurationError(f"MoELoss(num_experts={moe.num_experts}): the router logits have "

@@ -5,8 +5,8 @@ loss per micro-batch) is off by more than 1e-6:
 
 - ExactTrainer under DDP for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and under FSDP2 (Accelerate's,
   on the CPU) for Mixtral;
-- Accumulator + MoELoss under DDP with uneven micro-batch counts per rank, and ``acc.train`` over
-  uneven loaders (a rank with no data pads);
+- Accumulator + MoELoss under DDP and under FSDP2 (each decoder layer and the root sharded) with
+  uneven micro-batch counts per rank, and ``acc.train`` over uneven loaders (a rank with no data pads);
 - ExactSFTTrainer (OLMoE, TRL's aux default).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 WORKER = str(ROOT / "tests" / "integrations" / "moe_worker.py")
 SCENARIOS = ([f"hf_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")]
              + ["hf_fsdp2_mixtral_clipped"]
-             + ["accumulator_ddp_qwen2_moe_clipped"]
+             + ["accumulator_ddp_qwen2_moe_clipped", "accumulator_fsdp2_mixtral_clipped"]
              + ["accumulator_train_uneven_ranks_olmoe", "trl_sft_ddp_olmoe_average_tokens"])
 
 
