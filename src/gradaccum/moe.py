@@ -16,13 +16,17 @@ differentiated, the gradient splits over micro-batches once the window's counts 
 
 The exact method, :class:`MoELoss` (``mode="exact"``), in the order a window runs:
 
-1. Pass 1, without a graph: each micro-batch's forward, only to count: ``C_k`` (E numbers, pooled over
-   the layers), its rows ``T_k`` and its loss items ``n_k``; the random state saved before each.
-2. One all-reduce of ``(C, T, N)`` summed over the window's micro-batches on every rank, before the
-   first backward.
+1. Pass 1, without a graph (``route``: the trunk alone where it can): each micro-batch's forward, only
+   to count: ``C_k`` (E numbers, pooled over the layers), its rows ``T_k`` and its loss items ``n_k``;
+   the random state saved before each. Under FSDP2 (every forward all-gathers the shards) every rank
+   runs as many as the busiest.
+2. One all-gather of every rank's ``(C, T, N, micro-batches)`` before the window opens: it opens
+   knowing its global N (so R = N: each backward weighs ``n_k / N`` exactly, as the big batch does,
+   float32 islands included) and its plan.
 3. Pass 2: each micro-batch's forward again from its saved random state (router jitter, dropout: it
-   routes as pass 1 did, which is checked), backpropagating its token loss plus
-   ``coef * balance_loss_part(S_k, C, T, T)``, weighted as the core weighs a mean over ``n_k`` of N items.
+   routes as pass 1 did, which is checked on every rank before the last backward), backpropagating its
+   token loss plus ``coef * N / n_k * balance_loss_part(S_k, C, T, T)`` as a mean over its ``n_k`` items
+   (the core's weight ``n_k / N`` leaves ``coef * balance_loss_part``).
 
 The cheaper modes run no pass 1 and no collective of their own, each measured against the big batch
 in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the
