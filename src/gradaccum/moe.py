@@ -233,7 +233,7 @@ class MoELoss:
         """
         from .losses import causal_lm_loss
 
-        inner = getattr(model, "module", model)
+        inner = _unwrapped(model)
         term = aux_term(getattr(inner, "config", None))
         if term is None:
             raise ConfigurationError(f"MoELoss.for_hf_model({type(inner).__name__}): its config has no load-balancing "
@@ -278,6 +278,13 @@ class MoELoss:
             return out.loss + self.coef * balance_loss_part(probs, fractions_of, over, rows), out.num_items
 
         return loss_fn
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside DistributedDataParallel (whose forward runs collectives); any other as it is."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 class _RandomState:
@@ -393,7 +400,7 @@ def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any], padding: int, 
     ``no_grad`` (inference tensors must not reach its unsharded parameters)."""
     states, first = [], []
     totals = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=ctx.device)
-    module, run = (ctx.model, moe.forward) if sharded else (getattr(ctx.model, "module", ctx.model), moe.route)
+    module, run = (ctx.model, moe.forward) if sharded else (_unwrapped(ctx.model), moe.route)
     with torch.no_grad() if sharded else torch.inference_mode(), ctx.precision.autocast():
         for _ in range(padding):  # first: whatever they draw, the micro-batches' replays start after it
             run(module, ctx.ranks.replay)
