@@ -8,7 +8,8 @@ Sections: overhead against the hand loop and Accelerate, and a profile of it (ov
 distributed under torchrun (distributed.py, dist_bench.py); memory measured by PeakMeter and what
 measuring costs (memory_bench.py); transformers, speed and distance from one big batch
 (transformer.py); accumulation against one big batch, numerics, the floor (scaling.py); a loss that
-couples the window's items, WindowLoss against the big batch and sentence-transformers (contrastive.py); the
+couples the window's items, WindowLoss against the big batch and sentence-transformers (contrastive.py); an
+MoE router's load-balancing term per mode against the big batch, written into docs/guides/moe.md (moe.py); the
 same on CUDA in its own process when a GPU is there (cuda_bench.py); each stack's own accumulation against
 ours (stacks.py). report.py writes the page.
 """
@@ -51,6 +52,7 @@ def main() -> None:
     from contrastive import contrastive
     from distributed import distributed, window_cost
     from memory_bench import memory, meter_cost
+    from moe import moe, write_guide
     from overhead import overhead, profile
     from scaling import bandwidth, numerics, throughput
     from stacks import stacks
@@ -62,7 +64,7 @@ def main() -> None:
     sections: Dict[str, Callable[[], Any]] = {
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
-        "throughput": throughput, "contrastive": contrastive,
+        "throughput": throughput, "contrastive": contrastive, "moe": moe,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks}
     for name, fn in sections.items():
         t0 = time.time()
@@ -76,6 +78,8 @@ def main() -> None:
     doc = render(results)
     (where / "benchmarks.md").write_text(doc)
     (where / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
+    # the MoE section's table lives in its guide (a quick run writes it beside the other figures)
+    write_guide(results["moe"], where / "moe.md" if QUICK else ROOT / "docs" / "guides" / "moe.md")
     print(doc)
     print(f"[bench] {results['total_s']:.0f} s; wrote {where.relative_to(ROOT)}/benchmarks.md, .json, .png",
           file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and the API reference read; at run time each is imported on first use
     from ._cached import WindowLoss
+    from .moe import MoELoss, MoEOutput
     from ._ranks import WindowPlan
     from ._state import AccumulatorState
     from ._run import is_out_of_memory
@@ -39,6 +40,7 @@ _HOMES = {
     "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
     "AccumSchedule": "schedule", "num_steps": "schedule", "GradaccumError": "errors",
     "ConfigurationError": "errors", "NotExactError": "errors", "SplitError": "errors", "RankAgreementError": "errors",
+    "MoELoss": "moe", "MoEOutput": "moe",
 }
 
 
@@ -61,6 +63,8 @@ __all__ = [
     "ConfigurationError",
     "EquivalenceReport",
     "GradaccumError",
+    "MoELoss",
+    "MoEOutput",
     "NotExactError",
     "PeakMeter",
     "RankAgreementError",

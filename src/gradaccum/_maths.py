@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,7 @@ from .errors import ConfigurationError
 
 __all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "first_reference", "window_mean",
            "clip_coefficient", "tensor_norms", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum",
-           "LOSSES", "summed_loss_weight", "loss_items", "summed_loss"]
+           "LOSSES", "summed_loss_weight", "loss_items", "summed_loss", "router_statistics", "balance_loss_part"]
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
@@ -277,3 +277,57 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, loss: str, ignor
     if loss == "squared_error":
         return F.mse_loss(logits, targets, reduction="sum")
     return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
+
+
+# -- a mixture-of-experts router's load-balancing loss over the window (gradaccum.moe) ----------------
+
+def router_statistics(router_logits: "Sequence[torch.Tensor]", top_k: int, mask: Optional[torch.Tensor] = None
+                      ) -> "Tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+    """A batch's router statistics, pooled over its layers as transformers' ``load_balancing_loss_func``
+    pools them: ``(C, S, T)`` with ``C_i`` the top-k choices of expert i (no gradient), ``S_i`` the summed
+    router probability of expert i (differentiable) and ``T`` the rows (tokens times layers). ``mask``
+    (one 0/1 value per token, the flattened ``attention_mask``) leaves padding out. Each layer's
+    ``router_logits`` is ``(tokens, experts)``; the softmax is in their dtype (float16 and bfloat16
+    raised to float32; float64 stays float64, where transformers' own sums are float32).
+
+    >>> logits = [torch.tensor([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 9.0]])]
+    >>> C, S, T = router_statistics(logits, top_k=1, mask=torch.tensor([1, 1, 0]))
+    >>> C.tolist(), T.item(), round(S.sum().item(), 6)
+    ([1.0, 1.0, 0.0], 2.0, 2.0)
+    """
+    counts = probs = rows = None
+    for layer in router_logits:
+        logits = layer.float() if layer.dtype in (torch.float16, torch.bfloat16) else layer
+        p = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(p.detach(), top_k, dim=-1).indices
+        weight = (torch.ones(p.shape[0], dtype=p.dtype, device=p.device) if mask is None
+                  else mask.reshape(-1).to(p.device, p.dtype))
+        c = torch.zeros(p.shape[-1], dtype=p.dtype, device=p.device).scatter_add_(
+            0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        s = (p * weight[:, None]).sum(dim=0)
+        counts, probs, rows = ((c, s, weight.sum()) if counts is None else
+                               (counts + c, probs + s, rows + weight.sum()))  # type: ignore[operator]
+    if counts is None:
+        raise ConfigurationError("router_statistics: router_logits is empty; pass one (tokens, experts) tensor per "
+                                 "MoE layer")
+    return counts, probs, rows  # type: ignore[return-value]
+
+
+def balance_loss_part(prob_sums: torch.Tensor, counts: torch.Tensor, count_rows: Union[float, torch.Tensor],
+                      rows: Union[float, torch.Tensor]) -> torch.Tensor:
+    """``E * sum_i (C_i / T_C) * S_i / T``: one micro-batch's part of the load-balancing loss, its
+    summed probabilities ``S`` against expert fractions ``C / T_C`` that are held fixed.
+
+    With the **window's** counts ``C``, ``T_C = T`` the window's rows and ``T`` them too, the parts
+    of the window's micro-batches (every rank's) sum to the window's loss ``E * sum_i f_i P_i``, and,
+    ``C`` not being differentiated, so do their gradients: the exact split. With a micro-batch's own
+    counts and rows ``(C_k, T_k)`` and ``T = T_k`` it is that micro-batch's loss alone.
+
+    >>> C, S = torch.tensor([3.0, 1.0]), torch.tensor([2.5, 1.5])           # a window of T = 4 rows
+    >>> whole = balance_loss_part(S, C, 4.0, 4.0)                           # 2 * (0.75 * 0.625 + 0.25 * 0.375)
+    >>> parts = balance_loss_part(torch.tensor([1.5, 0.5]), C, 4.0, 4.0) + balance_loss_part(torch.tensor([1.0, 1.0]), C, 4.0, 4.0)
+    >>> whole.item(), torch.isclose(parts, whole).item()
+    (1.125, True)
+    """
+    experts = prob_sums.shape[-1]
+    return experts * (counts.to(prob_sums.dtype) / count_rows * prob_sums).sum() / rows

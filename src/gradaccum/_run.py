@@ -17,6 +17,7 @@ from torch import nn
 
 from ._autosize import AutoMicroBatch
 from ._cached import WindowLoss, run_cached_window
+from .moe import MoELoss, run_moe_window
 from ._checks import Count, as_number, item_count, split_loss_output
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
@@ -80,6 +81,8 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
     agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
     if isinstance(loss_fn, WindowLoss):
         return run_cached_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, plan=plan)
+    if isinstance(loss_fn, MoELoss):
+        return run_moe_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, catch_oom=catch_oom, plan=plan)
     defer = catch_oom and ctx.sync.reduces_across_ranks  # no collective before the ranks agree
     # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):
     # under "auto", every rank first runs that forward on one item with zero weight, so that an

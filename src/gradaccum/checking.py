@@ -50,6 +50,7 @@ from ._checks import positive_int, positive_number, scalar_loss, split_loss_outp
 from .accumulator import Accumulator
 from .batching import Batch, concat_batches, first_tensor, leading_dim, split_batch
 from .errors import SplitError
+from .moe import balance_hint
 
 __all__ = ["EquivalenceReport", "SplitError", "check_equivalence"]
 
@@ -351,6 +352,8 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     for name in _mixing(full.recorder, acc.recorder, len(micro_batches), rtol) - random:  # draws explain those
         suspects.add(name, "its output for an item depends on the other items of the micro-batch")
     hint = None if matched else _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches])
+    if not matched and hint is None:  # an MoE router's load-balancing term over the batch (gradaccum.moe)
+        hint = balance_hint(model)
     if not matched and hint is None and not suspects.reasons and not isinstance(loss_fn, WindowLoss):
         hint = _coupled_loss_hint(full.loss, acc.loss, rtol) or None
     return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects.listed(),

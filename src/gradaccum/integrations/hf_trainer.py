@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from .. import _maths
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, NotExactError
+from ..moe import aux_term, refuse_aux_term
+from .hf_moe import WindowBalance
 from .hf_items import HEADS, BatchItems, head_of
 
 try:
@@ -156,6 +158,10 @@ class ExactTrainer(Trainer):
       and for ``sequence_classification`` by problem type: cross-entropy over the labels that are not
       -100, squared error (``regression``, ``num_labels=1``) or binary cross-entropy
       (``multi_label_classification``) over every label element.
+    - A mixture-of-experts causal LM whose config turns its router's load-balancing loss on
+      (``output_router_logits``, ``router_aux_loss_coef``): ``coef`` times that loss over the whole
+      window, every rank's micro-batches, is added as the model's own loss adds it over one batch
+      (:mod:`gradaccum.integrations.hf_moe`; also under SFT). ``eval_loss`` stays the token loss.
     - ``class X(ExactTrainer, SFTTrainer)`` (TRL): SFT computes its loss, metrics and logs itself,
       with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
       ``average_tokens_across_devices`` so that both settings are exact.
@@ -208,6 +214,10 @@ class ExactTrainer(Trainer):
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),  # type: ignore[arg-type]
                                 ignore_index, config, self.args.device)
+        # an MoE model's load-balancing term, computed over the window (integrations/hf_moe.py)
+        # (a causal LM's own loss adds it; SFT's too)
+        self.router_balance = aux_term(config) if self.source == "tokens" or self.items.head == "causal_lm" else None
+        self._balance: Optional[WindowBalance] = None
         self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
         self._skips = _Skips()
@@ -245,6 +255,11 @@ class ExactTrainer(Trainer):
         decision = _maths.verdict(None, items, None, nonfinite="raise", has_scaler=False)
         self._window = _Window(items=items, skip=decision is _maths.Verdict.SKIP_EMPTY,
                                micro_batches=len(batch_samples))
+        if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
+            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model),
+                                          [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples], device,
+                                          lambda t: self.accelerator.reduce(t, "sum")
+                                          if self.accelerator.num_processes > 1 else t)
         self.last_window_items = items
         return batch_samples, total
 
@@ -262,12 +277,16 @@ class ExactTrainer(Trainer):
                                "(do not override get_batch_samples away)")
         world = self.accelerator.num_processes
         weight = 0.0 if window.skip else _maths.summed_loss_weight(window.items, world)
+        balance, part = self._balance, None  # an MoE model's part of the window's load balancing (hf_moe)
         if self.source == "head":
-            outputs = model(**self.items.model_inputs(inputs))
+            moe = {} if balance is None else {"output_router_logits": False}  # hooks read them (hf_moe)
+            forward = lambda: model(**self.items.model_inputs(inputs), **moe)  # noqa: E731
+            outputs, part = (forward(), None) if balance is None else balance.run(window.ran, model, inputs, forward)
             loss = self.items.head_loss_sum(outputs, inputs) * weight
         elif self.source == "tokens":
             # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
-            loss, outputs = self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))
+            trl = lambda: self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))  # noqa: E731
+            (loss, outputs), part = (trl(), None) if balance is None else balance.run(window.ran, model, inputs, trl, self)
             own = world if self.args.average_tokens_across_devices else 1
             loss = loss * (weight * max(window.items, 1) / own)
         else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
@@ -275,7 +294,17 @@ class ExactTrainer(Trainer):
             mean_weight = 0.0 if window.skip else _maths.backward_weight(
                 self.items.rows(inputs), reference=window.items, grad_divisor=world)
             loss = loss * mean_weight
+        if part is not None:  # coef * this micro-batch's part of the window's LBL, times W (DDP averages)
+            loss = loss + part * (0.0 if window.skip else world)
+            self._check_routing(window)
         return (loss, outputs) if return_outputs else loss
+
+    def _check_routing(self, window: _Window) -> None:
+        """Before the window's last backward, every rank alike: its forwards routed as counted."""
+        if self._balance is not None and window.ran == window.micro_batches - 1:
+            world = self.accelerator.num_processes
+            self._balance.check(lambda flag: self.accelerator.reduce(
+                torch.tensor(float(flag), device=self.args.device), "sum").item() > 0 if world > 1 else flag)
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
@@ -324,6 +353,8 @@ class ExactTrainer(Trainer):
         window = self._window
         if window is not None:
             window.ran += 1
+            if self._balance is not None and window.ran == window.micro_batches:
+                self._balance.finish()
             if window.skip and window.ran == window.micro_batches:
                 self._skips.windows += 1
                 self._skips.held = (self.optimizer, self.lr_scheduler)
@@ -385,6 +416,23 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
         raise ConfigurationError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
                          "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
                          "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise ConfigurationError("ExactTrainer: the MoE router's auxiliary loss is a mean per micro-batch, not per item; "
-                         "set model_init_kwargs/config output_router_logits=False")
+    _refuse_moe_aux_term(trainer)
+
+
+def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
+    """An MoE model whose loss adds the router's load-balancing term: refused where it is not computed
+    over the window (:mod:`gradaccum.moe`). TRL rewrites the config from its own argument, so the fix is
+    that argument."""
+    config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
+    if trainer.source == "rows":  # a compute_loss of its own, which may call the model's loss
+        refuse_aux_term(config, type(trainer).__name__,
+                        "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
+                        "ExactTrainer's own loss, which computes the term over the window")
+    elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
+        args = type(trainer.args).__name__
+        raise NotExactError(
+            f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns "
+            "on the MoE router's load-balancing loss, which TRL computes per micro-batch (its expert fractions are "
+            f"statistics of the whole batch), so the step would not be the big batch's. Pass {args}(..., "
+            "router_aux_loss_coef=0.0) to train without it (TRL then sets the model's output_router_logits=False "
+            "itself; setting output_router_logits=False alone is overridden by TRL)")

@@ -28,6 +28,7 @@ from .._checks import Count, as_number, item_count
 from .._maths import Verdict, backward_weight, boundary_scale, first_reference, verdict
 from ..batching import leading_dim
 from ..errors import ConfigurationError
+from ..moe import refuse_aux_term
 
 __all__ = ["ExactAccumulation"]
 
@@ -124,6 +125,11 @@ class ExactAccumulation(Callback):
             raise RuntimeError(f"ExactAccumulation: strategy {type(trainer.strategy).__name__} accumulates gradients "
                                "itself (DeepSpeed), so the per-micro-batch weights cannot be applied; use strategy='ddp' "
                                "or ModelParallelStrategy (FSDP2)")
+        for module in pl_module.modules():  # an MoE model's router load-balancing term, per micro-batch
+            refuse_aux_term(getattr(module, "config", None), "ExactAccumulation",
+                            "Set model.config.output_router_logits = False (the model's loss then leaves the term "
+                            "out) or router_aux_loss_coef = 0.0; or train with gradaccum.Accumulator and "
+                            "gradaccum.MoELoss, which computes it over the window")
         self._reference, self._window, self.skipped_windows, self._warned = None, 0, 0, False
         self._replace(pl_module, "training_step", self._count_returning_training_step)
 

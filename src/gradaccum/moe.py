@@ -1,0 +1,419 @@
+"""Mixture-of-experts load balancing under accumulation: the router's auxiliary loss over the window.
+
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE train on the token loss plus ``coef`` times a load-balancing
+loss over the batch's routed tokens (transformers' ``load_balancing_loss_func``: every layer's router
+pooled, top-k, padding masked by the ``attention_mask``)::
+
+    LBL = E * sum_i f_i P_i,    f_i = C_i / T,    P_i = S_i / T
+
+with ``C_i`` the tokens routed to expert i (top-k choices, every layer, not differentiated), ``S_i``
+the summed router probability of expert i and ``T`` the routed rows (tokens times layers). Both are
+statistics of the whole batch, so per micro-batch the loss is another objective. Because ``C`` is not
+differentiated, the gradient splits over micro-batches once the window's counts are known
+(:func:`gradaccum._maths.balance_loss_part`)::
+
+    grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
+
+The exact method, :class:`MoELoss` (``mode="exact"``), in the order a window runs:
+
+1. Pass 1, without a graph (``route``: the trunk alone where it can): each micro-batch's forward, only
+   to count: ``C_k`` (E numbers, pooled over the layers), its rows ``T_k`` and its loss items ``n_k``;
+   the random state saved before each. Under FSDP2 (every forward all-gathers the shards) every rank
+   runs as many as the busiest.
+2. One all-gather of every rank's ``(C, T, N, micro-batches)`` before the window opens: it opens
+   knowing its global N (so R = N: each backward weighs ``n_k / N`` exactly, as the big batch does,
+   float32 islands included) and its plan.
+3. Pass 2: each micro-batch's forward again from its saved random state (router jitter, dropout: it
+   routes as pass 1 did, which is checked on every rank before the last backward), backpropagating its
+   token loss plus ``coef * N / n_k * balance_loss_part(S_k, C, T, T)`` as a mean over its ``n_k`` items
+   (the core's weight ``n_k / N`` leaves ``coef * balance_loss_part``).
+
+The cheaper modes run no pass 1 and no collective of their own, each measured against the big batch
+in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the
+window's items, so the objective does not change with the accumulation steps or the world size) and
+``"prefix"`` (expert fractions from this rank's micro-batches so far, Megatron's running average).
+
+:func:`aux_term` says when a Hugging Face model's loss has that term; :func:`refuse_aux_term` refuses
+the routes that would train it per micro-batch.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ._maths import balance_loss_part, router_statistics, target_count
+from .errors import ConfigurationError, NotExactError
+from .sync import FSDP2Sync
+
+__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss", "MODES", "run_moe_window"]
+
+#: how the load-balancing term is computed under accumulation (see the module docstring)
+MODES = ("exact", "micro_batch", "prefix")
+
+
+@dataclass(frozen=True)
+class RouterBalance:
+    """A model's load-balancing term: ``coef * LBL`` over ``num_experts`` experts, ``top_k`` per token."""
+
+    num_experts: int
+    top_k: int
+    coef: float
+
+
+def _text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def aux_term(config: Any) -> Optional[RouterBalance]:
+    """The load-balancing term a Hugging Face config adds to the model's loss, or None: the model
+    returns its router logits (``output_router_logits``) and weighs them by a nonzero
+    ``router_aux_loss_coef``. A multimodal config is read through its text config.
+
+    >>> class Config: output_router_logits, router_aux_loss_coef, num_local_experts, num_experts_per_tok = True, 0.02, 8, 2
+    >>> aux_term(Config())
+    RouterBalance(num_experts=8, top_k=2, coef=0.02)
+    >>> Config.router_aux_loss_coef = 0.0; aux_term(Config()) is None
+    True
+    """
+    if config is None:
+        return None
+    text = _text_config(config)
+    coef = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
+    if not getattr(text, "output_router_logits", False) or not coef:
+        return None
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    return RouterBalance(int(experts or 0), int(getattr(text, "num_experts_per_tok", 0) or 0), float(coef))
+
+
+def refuse_aux_term(config: Any, where: str, fix: str) -> None:
+    """Raise :class:`~gradaccum.NotExactError` when ``config`` adds a load-balancing term that ``where``
+    would compute per micro-batch (or drop), naming the config's values and ``fix``."""
+    term = aux_term(config)
+    if term is None:
+        return
+    raise NotExactError(
+        f"{where}: the model's config has output_router_logits=True and router_aux_loss_coef={term.coef}, so its "
+        f"loss adds a load-balancing term (E={term.num_experts} experts, top-{term.top_k}) whose expert fractions "
+        f"are statistics of the whole batch; {where} would compute it per micro-batch, so the step would not be "
+        f"the big batch's. {fix}")
+
+
+def balance_hint(model: nn.Module) -> Optional[str]:
+    """The checker's hint for a model whose loss adds a load-balancing term (None without one)."""
+    term = next((t for t in (aux_term(getattr(m, "config", None)) for m in model.modules()) if t is not None), None)
+    if term is None:
+        return None
+    return (f"the model's loss adds an MoE router load-balancing term (router_aux_loss_coef={term.coef}, "
+            f"{term.num_experts} experts, top-{term.top_k}) whose expert fractions are statistics of the whole "
+            "batch, so per micro-batch it is another objective: train with gradaccum.MoELoss.for_hf_model(model) "
+            "(Accumulator) or ExactTrainer / ExactSFTTrainer, which compute it over the window, or set "
+            "router_aux_loss_coef=0.0")
+
+
+@contextlib.contextmanager
+def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
+    """The router logits of every forward of ``model`` inside the block, in layer order, for forwards
+    that do not return them (TRL's fused LM head) or that are asked not to (so that the model computes
+    no per-batch aux loss of its own): hooks on the router class the model's own output capture names
+    (``_can_record_outputs["router_logits"]``, transformers 5)."""
+    spec = next((m._can_record_outputs["router_logits"] for m in model.modules()
+                 if "router_logits" in (getattr(m, "_can_record_outputs", None) or {})), None)
+    if spec is None:
+        raise RuntimeError(f"{type(model).__name__} does not name its router (no _can_record_outputs['router_logits']); "
+                           "pass router_logits_of a model whose router is named so, or write MoELoss(forward=...) yourself")
+    seen: List[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
+             for m in model.modules() if isinstance(m, spec.target_class)]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+class MoEOutput(NamedTuple):
+    """What an :class:`MoELoss`'s ``forward(model, micro_batch)`` returns for one micro-batch.
+
+    Attributes:
+        loss: the **mean** token (or other) loss over the micro-batch's ``num_items`` items, without
+            the load-balancing term.
+        num_items: how many items ``loss`` is a mean over (an int, or a count tensor).
+        router_logits: one ``(tokens, experts)`` tensor per MoE layer, the router's logits before its
+            softmax, as the model computed them in this forward (differentiable).
+        token_mask: ``(tokens,)`` 0/1, the tokens the balance is over (the flattened
+            ``attention_mask``); None: every token.
+    """
+
+    loss: torch.Tensor
+    num_items: Any
+    router_logits: Sequence[torch.Tensor]
+    token_mask: Optional[torch.Tensor] = None
+
+
+class MoELoss:
+    """A loss for ``acc.step`` / ``acc.train`` (in place of a ``loss_fn``): a token loss plus ``coef``
+    times a mixture-of-experts load-balancing loss over the **whole window**, every micro-batch on
+    every rank, as one big batch computes it (transformers' ``load_balancing_loss_func``: layers
+    pooled, top-k, padding masked)::
+
+        L = sum_k n_k L_k / N + coef * E * sum_i f_i P_i,   f_i = C_i / T,  P_i = S_i / T  (window-wide)
+
+    Args:
+        forward: ``forward(model, micro_batch) -> MoEOutput``: the micro-batch's mean loss, its item
+            count, its router logits per layer and its token mask. In ``mode="exact"`` each
+            micro-batch also runs ``route`` once before, under ``torch.inference_mode()``, only to count.
+        num_experts: E; top_k: the experts chosen per token; coef: the load-balancing weight
+            (transformers' ``router_aux_loss_coef``).
+        mode: ``"exact"`` (default: one more forward per micro-batch without a graph, one all-gather
+            of E + 4 numbers per rank per window), or ``"micro_batch"`` / ``"prefix"`` (cheaper, not the
+            big batch: see :mod:`gradaccum.moe`).
+        route: optional ``route(model, micro_batch) -> MoEOutput`` for the counting pass: the same
+            routing and item count as ``forward`` gives, from a cheaper forward (the trunk without the
+            head, ``loss=None``). Default: ``forward``.
+
+    For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`.
+    An MoELoss runs through ``acc.step`` and ``acc.train`` (not ``acc.window``, nor as a plain
+    ``loss_fn``: refused); its item counts come from ``forward`` (``num_items=`` is not read). Exact
+    mode does not support ``micro_batch_size="auto"`` yet (refused); DDP and FSDP2 are tested.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> from gradaccum import Accumulator
+        >>> router, head = nn.Linear(4, 3), nn.Linear(4, 1)
+        >>> model = nn.ModuleDict({"router": router, "head": head})
+        >>> def forward(model, batch):
+        ...     x, y = batch
+        ...     return MoEOutput(nn.functional.mse_loss(model["head"](x).squeeze(-1), y), len(x), [model["router"](x)])
+        >>> moe = MoELoss(forward, num_experts=3, top_k=1, coef=0.1)
+        >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> acc.step((torch.randn(10, 4), torch.randn(10)), moe, micro_batch_size=4).num_items
+        10
+    """
+
+    def __init__(self, forward: Callable[[nn.Module, Any], MoEOutput], *, num_experts: int, top_k: int, coef: float,
+                 mode: str = "exact", route: Optional[Callable[[nn.Module, Any], MoEOutput]] = None) -> None:
+        if not callable(forward):
+            raise TypeError(f"MoELoss(forward={forward!r}) must be callable as forward(model, micro_batch) -> MoEOutput")
+        if mode not in MODES:
+            raise ConfigurationError(f"MoELoss(mode={mode!r}): supported are {MODES} ('exact' is the big batch)")
+        if not (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts):
+            raise ConfigurationError(f"MoELoss(num_experts={num_experts!r}, top_k={top_k!r}): need ints with "
+                                     "0 < top_k <= num_experts")
+        self.forward, self.num_experts, self.top_k, self.coef, self.mode = forward, num_experts, top_k, float(coef), mode
+        self.route = route if route is not None else forward
+
+    def __repr__(self) -> str:
+        return (f"MoELoss(forward={self.forward!r}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"coef={self.coef}, mode={self.mode!r})")
+
+    def __call__(self, model: nn.Module, micro_batch: Any) -> Any:
+        """An MoELoss is a loss over the window: a caller that runs it one micro-batch at a time, not
+        through ``acc.step`` / ``acc.train``, would train another objective; refused."""
+        raise NotExactError("MoELoss was called as a loss_fn on one micro-batch; its load-balancing term is over the "
+                            "whole window, so pass it to acc.step(...) or acc.train(...), which run the window")
+
+    @classmethod
+    def for_hf_model(cls, model: nn.Module, *, mode: str = "exact", ignore_index: int = -100) -> "MoELoss":
+        """The model's own loss for a Hugging Face MoE causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE,
+        OLMoE): next-token cross-entropy over ``labels[:, 1:] != ignore_index`` plus
+        ``router_aux_loss_coef`` times its load-balancing loss over the window, E, top-k and the
+        coefficient read from its config. Micro-batches are dicts with ``input_ids``, ``labels`` and
+        (for padding) ``attention_mask``. The counting pass runs the model's trunk (``base_model``)
+        without its LM head.
+
+        Raises:
+            NotExactError: the config has no load-balancing term (``output_router_logits`` off or
+                ``router_aux_loss_coef`` 0): train it with a plain ``loss_fn``.
+        """
+        from .losses import causal_lm_loss
+
+        inner = _unwrapped(model)
+        term = aux_term(getattr(inner, "config", None))
+        if term is None:
+            raise ConfigurationError(f"MoELoss.for_hf_model({type(inner).__name__}): its config has no load-balancing "
+                                     "term (output_router_logits off or router_aux_loss_coef 0); use a plain loss_fn "
+                                     "such as gradaccum.causal_lm_loss")
+
+        def forward(model: nn.Module, batch: Any) -> MoEOutput:
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            # the router logits by hooks: with output_router_logits=False the model computes no
+            # per-batch aux loss of its own (unused here)
+            with router_logits_of(model) as router_logits:
+                out = model(**inputs, output_router_logits=False)
+            mean, count = causal_lm_loss(out.logits, batch["labels"], ignore_index=ignore_index)
+            mask = batch.get("attention_mask")
+            return MoEOutput(mean, count, list(router_logits), None if mask is None else mask.reshape(-1))
+
+        def route(model: nn.Module, batch: Any) -> MoEOutput:
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            out = getattr(model, "base_model", model)(**inputs, output_router_logits=True)
+            count = target_count(batch["labels"][..., 1:], ignore_index=ignore_index)
+            mask = batch.get("attention_mask")
+            return MoEOutput(None, count, out.router_logits, None if mask is None else mask.reshape(-1))
+
+        return cls(forward, num_experts=term.num_experts, top_k=term.top_k, coef=term.coef, mode=mode, route=route)
+
+    # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
+
+    def per_micro_batch(self) -> Callable[[nn.Module, Any], Any]:
+        """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or
+        ``"prefix"``: the token loss plus ``coef`` times the micro-batch's balance term, weighted by its
+        share ``n_k / N`` of the window's items like its token loss; ``"prefix"`` takes the expert
+        fractions from this rank's micro-batches of the window so far (this one included)."""
+        seen: List[torch.Tensor] = []  # counts and rows of this rank's micro-batches so far
+
+        def loss_fn(model: nn.Module, batch: Any) -> Any:
+            out = self.forward(model, batch)
+            counts, probs, rows = router_statistics(out.router_logits, self.top_k, out.token_mask)
+            fractions_of, over = (counts, rows)
+            if self.mode == "prefix":
+                seen[:] = [counts, rows] if not seen else [seen[0] + counts, seen[1] + rows]
+                fractions_of, over = seen[0], seen[1]
+            return out.loss + self.coef * balance_loss_part(probs, fractions_of, over, rows), out.num_items
+
+        return loss_fn
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside DistributedDataParallel (whose forward runs collectives); any other as it is."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+class _RandomState:
+    """The random state a forward starts from (CPU, and the model's accelerator), to replay it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device, self.cuda = device, None
+        if device.type == "cuda" and torch.cuda.is_initialized():
+            self.cuda = torch.cuda.get_rng_state(device)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+def _checked(out: Any) -> MoEOutput:
+    if not isinstance(out, MoEOutput):
+        raise ConfigurationError(f"MoELoss: forward(model, micro_batch) returned {type(out).__name__}; return "
+                                 "gradaccum.moe.MoEOutput(loss, num_items, router_logits, token_mask)")
+    return out
+
+
+def require_router_grad(router_logits: Sequence[torch.Tensor], where: str) -> None:
+    """In a forward that builds a graph, every layer's router logits must be in it: a detached copy,
+    or a reentrant activation checkpoint (which runs the forward without a graph first), would drop
+    the load-balancing gradient silently."""
+    if torch.is_grad_enabled() and not all(t.requires_grad for t in router_logits):
+        raise NotExactError(f"{where}: the router logits of a training forward do not require grad, so the "
+                            "load-balancing term would add no gradient: do not detach them, and use non-reentrant "
+                            "activation checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False})")
+
+
+def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any, *, micro_batch_size: Any = None,
+                   catch_oom: bool = False, plan: Any = None) -> Any:
+    """One window of an :class:`MoELoss` (the dispatch of :func:`gradaccum._run.run_window`): the cheap
+    modes as a ``(mean, count)`` ``loss_fn``; ``"exact"`` in the module docstring's order."""
+    from ._ranks import WindowPlan, WindowRequest
+    from ._run import run_window
+    from ._window import Window
+
+    if moe.mode != "exact":
+        return run_window(ctx, micro_batches, moe.per_micro_batch(), counts, micro_batch_size=micro_batch_size,
+                          catch_oom=catch_oom, plan=plan)
+    if catch_oom:
+        raise ConfigurationError("micro_batch_size='auto' is not supported with MoELoss(mode='exact'): pass an int "
+                                 "micro_batch_size")
+    ranks = ctx.ranks
+    if micro_batches:
+        ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
+    # pass 1 runs before the window opens: on the unwrapped module under DDP (whose forward runs
+    # collectives a rank without data lacks); under FSDP2 every forward all-gathers the shards, so
+    # every rank runs as many as the busiest, padding with its last micro-batch (zero weight)
+    sharded = isinstance(ctx.sync, FSDP2Sync)
+    padding = 0
+    if sharded:
+        padding = int(ctx.sync.all_gather(torch.tensor([len(micro_batches)], device=ctx.device)).max()) - len(micro_batches)
+        if ctx.sync.any_rank(padding > 0 and ctx.state.padding_batch is None, ctx.device):
+            raise ConfigurationError("MoELoss: a rank has fewer micro-batches than another and none to pad its counting "
+                                     "forwards with (FSDP2 runs every forward on every rank): give it one with "
+                                     "acc.set_padding(micro_batch)")
+    states, first, mine = _count_pass(ctx, moe, micro_batches, padding, sharded)
+    # every rank's (C, T, N, bad, micro-batches): one all-gather per window, before any backward
+    every = ctx.sync.all_gather(torch.cat([mine, mine.new_tensor([len(micro_batches)])]))
+    totals, sizes = every[:, :-1].sum(dim=0), every[:, -1].tolist()
+    window_counts, (rows, items, bad) = totals[:-3], totals[-3:].tolist()
+    if bad and items > 0:
+        raise NotExactError(
+            "MoELoss: a micro-batch holds tokens the router balances but no loss item (every label ignored), "
+            "so its share of the load-balancing gradient has no item weight to ride on; leave such micro-batches "
+            "out of the window (on this rank or another), or use MoELoss(mode='micro_batch')")
+    # the window opens knowing its global N (R = N: each backward weighs n_k / N as the big batch does)
+    plan = WindowPlan(len(micro_batches), int(max(sizes)), int(min(sizes)), items)
+    request = WindowRequest(len(micro_batches), mine[-2].item(), can_pad=ranks.can_pad(bool(micro_batches)),
+                            plan=plan)
+    with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
+        last = len(micro_batches) + window.padding - 1
+        differs = torch.zeros((), dtype=torch.bool, device=ctx.device)
+        for k in range(last + 1):
+            own = k < len(micro_batches)
+            if own:
+                states[k].restore()
+            with window.micro_batch():
+                out = _checked(moe.forward(ctx.model, micro_batches[k] if own else ctx.state.padding_batch))
+                loss = out.loss
+                if own:
+                    require_router_grad(out.router_logits, "MoELoss")
+                    c, s, _ = router_statistics(out.router_logits, moe.top_k, out.token_mask)
+                    differs = differs | (c.detach() != first[k]).any()
+                    n = float(out.num_items)
+                    if n > 0:
+                        loss = loss + moe.coef * items / n * balance_loss_part(s, window_counts, rows, rows)
+                if k == last and ctx.sync.any_rank(bool(differs), ctx.device):
+                    raise RuntimeError(
+                        "MoELoss: a micro-batch routed its tokens to other experts in its second forward than in "
+                        "its first, although its random state was replayed, so the window's expert counts are not "
+                        "the ones it trains on and the step would not be the big batch's: forward is not a function "
+                        "of the micro-batch and the model alone (a generator of its own, state kept between calls, "
+                        "non-deterministic kernels: torch.use_deterministic_algorithms(True)). No step was taken")
+                if own:
+                    window.backward(loss, out.num_items)
+                else:
+                    window.backward_padding(loss)
+        states[-1].restore()  # as after pass 1 alone: the window drew its random numbers once
+        return window.step()
+
+
+def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any], padding: int, sharded: bool) -> Any:
+    """Pass 1, without a graph: each micro-batch's expert counts, the random state before each (and
+    after all, last), and this rank's ``(C, T, N, bad)``; then ``padding`` forwards that count nothing.
+    Under FSDP2 the root runs ``forward`` (a part of it alone would miss the root's all-gather) under
+    ``no_grad`` (inference tensors must not reach its unsharded parameters)."""
+    states, first = [], []
+    totals = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=ctx.device)
+    module, run = (ctx.model, moe.forward) if sharded else (_unwrapped(ctx.model), moe.route)
+    with torch.no_grad() if sharded else torch.inference_mode(), ctx.precision.autocast():
+        for _ in range(padding):  # first: whatever they draw, the micro-batches' replays start after it
+            run(module, ctx.state.padding_batch)
+        for mb in micro_batches:
+            states.append(_RandomState(ctx.device))
+            out = _checked(run(module, mb))
+            c, _, rows = router_statistics(out.router_logits, moe.top_k, out.token_mask)
+            if c.shape[0] != moe.num_experts:
+                raise ConfigurationError(f"MoELoss(num_experts={moe.num_experts}): the router logits have "
+                                         f"{c.shape[0]} experts")
+            first.append(c)
+            n = torch.as_tensor(out.num_items, device=ctx.device).to(torch.float64)
+            bad = ((n == 0) & (rows > 0)).to(torch.float64)
+            totals += torch.cat([c.to(torch.float64), torch.stack([rows.to(torch.float64), n, bad])])
+    states.append(_RandomState(ctx.device))
+    return states, first, totals

@@ -1,0 +1,58 @@
+"""Never silent: a mixture-of-experts model whose loss adds the router's load-balancing term is
+refused by the stacks that would compute it per micro-batch (or drop it), with the fix that works:
+ExactDPOTrainer, a Trainer subclass with a compute_loss of its own, Lightning's ExactAccumulation.
+(ExactTrainer and ExactSFTTrainer compute it over the window: test_moe_trainer.py.)"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from integrations import moe_models as M  # noqa: E402
+from integrations import scenarios as S  # noqa: E402
+from gradaccum import NotExactError  # noqa: E402
+
+
+def test_dpo_refuses_the_aux_term_and_its_fix_gets_past_the_refusal():
+    """ExactDPOTrainer refuses TRL's per-micro-batch aux loss (ExactSFTTrainer computes it over the
+    window: test_moe_trainer.py); the message names router_aux_loss_coef=0.0 in DPOConfig, and that
+    fix builds the trainer. output_router_logits=False alone is overridden by TRL."""
+    pytest.importorskip("trl")
+    from integrations import trl_data as T
+    from gradaccum.integrations.trl import ExactDPOTrainer
+
+    examples = T.dpo_examples(4)
+    with pytest.raises(NotExactError, match=r"router_aux_loss_coef=0.2 .*DPOConfig\(\.\.\., router_aux_loss_coef=0\.0\)"):
+        T.fit(ExactDPOTrainer, M.moe_model("mixtral"), examples, train=False)
+    with pytest.raises(NotExactError, match="router_aux_loss_coef=0.0"):
+        T.fit(ExactDPOTrainer, M.moe_model("mixtral", output_router_logits=False), examples, train=False)
+    _, trainer = T.fit(ExactDPOTrainer, M.moe_model("mixtral"), examples, train=False, router_aux_loss_coef=0.0)
+    assert not trainer.aux_loss_enabled
+
+
+def test_lightning_refuses_the_aux_term_with_the_fix():
+    """ExactAccumulation refuses an MoE model with the aux term on, before the first step; with
+    output_router_logits=False it trains."""
+    pytest.importorskip("pytorch_lightning")
+    micro = S.rank_micro_batches(0, [2, 1])
+    with pytest.raises(NotExactError, match=r"output_router_logits = False .*router_aux_loss_coef = 0\.0"):
+        S.lightning_fit(M.moe_model("olmoe"), micro, exact=True, accum=2)
+    lit, trainer, _ = S.lightning_fit(M.moe_model("olmoe", output_router_logits=False), micro, exact=True, accum=2)
+    assert trainer.global_step == 1
+
+
+def test_a_declared_rows_trainer_refuses_the_models_aux_term():
+    """A Trainer subclass whose own compute_loss (declared exact_items='rows') may call the model's
+    loss, which holds the aux term per micro-batch: refused, naming router_aux_loss_coef."""
+    from transformers import Trainer
+
+    from gradaccum.integrations.hf_trainer import ExactTrainer
+
+    class Rows(ExactTrainer, Trainer):
+        exact_items = "rows"
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(**inputs).loss
+
+    with pytest.raises(NotExactError, match=r"Rows: .*router_aux_loss_coef=0.2.*router_aux_loss_coef = 0\.0"):
+        S.hf_fit(M.moe_model("qwen3_moe"), [S.rank_micro_batches(0, [1])], exact=True, trainer_cls=Rows, accum=1)
