@@ -42,7 +42,7 @@ from .batching import Batch, _rebuild, leaves, leading_dim
 from .result import StepResult
 from .errors import ConfigurationError
 
-__all__ = ["WindowLoss", "run_cached_window", "check_window_loss"]
+__all__ = ["WindowLoss", "Constant", "run_cached_window", "check_window_loss"]
 
 #: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
 Encode = Callable[[nn.Module, Batch], Any]
@@ -99,6 +99,33 @@ class WindowLoss:
         return f"WindowLoss(encode={self.encode!r}, loss={self.loss!r})"
 
 
+class Constant:
+    """A tensor in ``encode``'s output that is data, not a representation: joined across the window and
+    the ranks like the representations, handed to ``loss`` as the tensor itself, never differentiated.
+    For float labels and scores (CoSENT's similarity scores) or a frozen teacher's embeddings; integer
+    and boolean tensors (class labels, masks) ride along without it.
+
+    Example:
+        >>> encode = lambda m, b: {"pair": m(b["x"]), "score": Constant(b["score"])}  # doctest: +SKIP
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Constant(tensor) takes a tensor, got {type(tensor).__name__}")
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"Constant({tuple(self.tensor.shape)}, {self.tensor.dtype})"
+
+
+def _differentiable(out: Any) -> List[bool]:
+    """For each tensor of the representations, in :func:`_flat`'s order: whether ``loss`` is
+    differentiated with respect to it (a float tensor that is not a :class:`Constant`)."""
+    return [isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for _, leaf in leaves(out)]
+
+
 class _RandomState:
     """The random state a forward starts from (CPU, and the model's accelerator), to replay it."""
 
@@ -120,6 +147,8 @@ def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
     """The representations' tensors, depth first, after checking each holds the micro-batch's items."""
     flat = []
     for path, leaf in leaves(out):
+        if isinstance(leaf, Constant):
+            leaf = leaf.tensor.detach()
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             what = "a 0-d tensor" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise ConfigurationError(
@@ -157,8 +186,8 @@ def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
 
 def _window_loss(window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor], ctx: WindowContext
                  ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """The window's loss, from detached leaves (float ones require grad), and those leaves."""
-    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in joined]
+    """The window's loss, from detached leaves (the differentiable ones require grad), and those leaves."""
+    inputs = [t.detach().requires_grad_(d) for t, d in zip(joined, _differentiable(spec))]
     with ctx.precision.autocast():
         out = window_loss.loss(ctx.model, _rebuild(spec, iter(inputs)))
     if isinstance(out, (tuple, list)):
@@ -215,14 +244,30 @@ def _loss_gradient(ctx: WindowContext, window: Window, window_loss: WindowLoss, 
     taken by ``autograd.grad``, which writes nothing into ``.grad``."""
     total = joined[0].shape[0]
     loss, inputs = _window_loss(window_loss, spec, joined, ctx)
+    wrt = [t for t in inputs if t.requires_grad]  # the representations; labels and Constants ride along
     outside: List[torch.Tensor] = [p for p in ctx.grads.params if p.requires_grad]
     weighted = ctx.precision.scale(loss * backward_weight(total, window.reference(total), 1.0))
     with torch.autocast(device_type=ctx.device.type, enabled=False):
-        found = torch.autograd.grad(weighted, inputs + outside, allow_unused=True)
+        found = iter(torch.autograd.grad(weighted, wrt + outside, allow_unused=True))
+    of_inputs = [next(found) if t.requires_grad else None for t in inputs]
+    refuse_a_loss_without_representations(of_inputs)
     slices: List[Optional[torch.Tensor]] = [None if g is None else g[offset:offset + mine] * ctx.sync.grad_divisor
-                                            for g in found[:len(inputs)]]
-    own = [(p, g) for p, g in zip(outside, found[len(inputs):]) if g is not None]
+                                            for g in of_inputs]
+    own = [(p, g) for p, g in zip(outside, found) if g is not None]
     return loss.detach(), slices, own
+
+
+def refuse_a_loss_without_representations(grads: List[Optional[torch.Tensor]]) -> None:
+    """The loss's gradient with respect to every representation is absent: the step would train only
+    the loss's own parameters (a temperature), silently. Refused before any backward (every rank
+    computes the same loss, so every rank refuses alike)."""
+    if all(g is None for g in grads):
+        raise ConfigurationError(
+            "WindowLoss: loss(model, representations) does not depend on the representations encode returned "
+            "(its gradient with respect to every one of them is None), so the step would train only the loss's "
+            "own parameters (a temperature). Compute the loss from the representations it is given; reaching "
+            "model outputs another way (model.logit_scale alone, a closure over earlier outputs) is not it. "
+            "No step was taken")
 
 
 def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, micro_batches: List[Batch],
@@ -239,14 +284,15 @@ def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, mi
             first.states[k].restore()
         batch, n = (micro_batches[k], sizes[k]) if own else (ranks.replay, leading_dim(ranks.replay))
         with window.micro_batch():
-            outs = _flat(window_loss.encode(ctx.model, batch), n, k)
+            out = window_loss.encode(ctx.model, batch)
+            outs = _flat(out, n, k)
             if k == 0 and not window_loss.checked:
-                _agree_outputs_require_grad(ctx, outs)
+                _agree_outputs_require_grad(ctx, outs, _differentiable(out))
             if own:
                 alike &= window_loss.checked or _same(outs, first.cached[k])
                 pairs = [(o, g[at:at + n]) for o, g in zip(outs, slices) if g is not None]
             else:  # zero weight: it adds nothing, but runs the collectives of a backward
-                pairs = [(o, torch.zeros_like(o)) for o in outs if o.requires_grad]
+                pairs = [(o, torch.zeros_like(o)) for o, d in zip(outs, _differentiable(out)) if d and o.requires_grad]
             pairs += carried if k == last else []
             window.backward_part([o for o, _ in pairs], [g for _, g in pairs], loss, n if own else 0)
         at += n if own else 0
@@ -263,10 +309,10 @@ def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, mi
                 "torch.use_deterministic_algorithms(True)). No step was taken")
 
 
-def _agree_outputs_require_grad(ctx: WindowContext, outs: List[torch.Tensor]) -> None:
+def _agree_outputs_require_grad(ctx: WindowContext, outs: List[torch.Tensor], differentiable: List[bool]) -> None:
     """In the first window, before any backward: every float representation requires grad, on every rank
     (one rank raising alone would leave the others waiting in the reduction)."""
-    detached = [i for i, o in enumerate(outs) if o.is_floating_point() and not o.requires_grad]
+    detached = [i for i, (o, d) in enumerate(zip(outs, differentiable)) if d and not o.requires_grad]
     if ctx.sync.any_rank(bool(detached), ctx.device):
         raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this rank or "
                          "another): it ran under torch.no_grad() or was detached. Return the model's outputs as "

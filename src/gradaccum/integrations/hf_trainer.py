@@ -68,6 +68,12 @@ def loss_source(cls: type) -> str:
             f"1/W or W times off). Write class {cls.__name__}(ExactTrainer, {wrong[0].__name__})")
     owner = next(c for c in mro[here + 1:] if "compute_loss" in vars(c))
     declared = getattr(cls, "exact_items", None)
+    if _qualname(owner).startswith("sentence_transformers."):  # its losses couple the batch's rows
+        raise TypeError(
+            f"class {cls.__name__}: {owner.__name__}'s losses couple the batch's rows (in-batch negatives, CoSENT, "
+            "triplet mining), so no weighting of micro-batches makes them one big batch, and exact_items = 'rows' "
+            "would train plain accumulation. Use gradaccum.integrations.sentence_transformers."
+            "ExactSentenceTransformerTrainer instead of SentenceTransformerTrainer")
     if declared is not None:
         if declared not in _DECLARABLE:
             raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported is {_DECLARABLE} (compute_loss "
@@ -78,8 +84,11 @@ def loss_source(cls: type) -> str:
         known = ", ".join(name.rsplit(".", 1)[1] for name in SOURCES)
         raise TypeError(
             f"ExactTrainer cannot tell how {owner.__name__}.compute_loss reduces its loss, so it cannot weigh "
-            f"micro-batches by their items. Supported: {known}; for a compute_loss that returns the mean over the "
-            f"batch's rows (dim 0), declare it: class {cls.__name__}(...): exact_items = 'rows'")
+            f"micro-batches by their items. Supported: {known}. Where compute_loss returns the mean of one term per "
+            f"row (dim 0), each row's term independent of the other rows, declare it: class {cls.__name__}(...): "
+            "exact_items = 'rows'. A loss that couples the rows (in-batch negatives, CLIP, CoSENT, triplet mining) "
+            "is not a mean of independent terms: no weighting makes it exact; pass it as a gradaccum.WindowLoss, "
+            "ExactTrainer(compute_loss_func=WindowLoss(...)) (see docs/guides/contrastive.md)")
     return source
 
 
@@ -161,7 +170,7 @@ class ExactTrainer(Trainer):
       ``average_tokens_across_devices`` so that both settings are exact.
     - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
       weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
-    - Any other Trainer subclass whose ``compute_loss`` returns a mean over the batch's rows: declare
+    - Any other Trainer subclass whose ``compute_loss`` returns a mean of independent per-row terms: declare
       ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
       order, or an undeclared ``compute_loss``, is refused when the class is defined.
 
