@@ -1,0 +1,167 @@
+"""A :class:`~gradaccum.WindowLoss` inside a Hugging Face ``Trainer``'s window: the Trainer keeps its
+loop (its micro-batches, ``no_sync``, backward, clipping, optimizer and scheduler); this runs the cached
+algorithm of :mod:`gradaccum._cached` across the Trainer's calls.
+
+The Trainer hands over a window's micro-batches once (``get_batch_samples``), then calls
+``compute_loss`` once per micro-batch, under ``no_sync`` but for the last. At micro-batch 0,
+:meth:`TrainerWindow.start` runs pass 1 over all of them (no graph, the random state saved before
+each), gathers every rank's representations (rank 0's first), computes the window's loss ``L`` and its
+gradient ``g`` with respect to the representations and to the parameters the loss reaches itself (a
+temperature). At micro-batch k, :meth:`TrainerWindow.part` runs its forward again (its random state
+replayed) and returns the surrogate the Trainer backpropagates::
+
+    s_k = W * sum_i <z_k,i, g_k,i>   (+ sum_p <p, g_p> in the last micro-batch)
+
+DDP averages over the ``W`` ranks, so the reduced gradient is ``sum_{ranks, k} J_k^T g_k + g_p = grad L``:
+the big batch's. The surrogate's *value* is ``L * n_k * W / N`` (``n_k`` rows of the ``N`` in the
+window, every rank): the Trainer sums it over the window and averages over ranks, so it logs ``L``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .._cached import (WindowLoss, _batchnorm_stats_kept, _differentiable, _flat, _RandomState, _same,
+                       refuse_a_loss_without_representations)
+from ..batching import _rebuild
+from ..errors import ConfigurationError
+
+__all__ = ["TrainerWindow", "refuse_what_a_window_loss_cannot_run"]
+
+
+class TrainerWindow:
+    """One window of a :class:`~gradaccum.WindowLoss` under a Trainer, this rank's micro-batches.
+
+    Args:
+        window_loss: ``encode(model, micro_batch)`` -> representations; ``loss(model, representations)``.
+        micro_batches: this rank's micro-batches of the window, as ``compute_loss`` will get them.
+        gather: ``gather(tensors)`` -> (every rank's tensors joined along dim 0, rank 0's first;
+            where this rank's rows start): the sync seam's ``gather_items``.
+        world: ``W``, the ranks whose gradients DDP averages.
+        params: the parameters ``loss`` may reach itself (its own, the model's temperature).
+        check: compare pass 2's representations with pass 1's (the first window of a run).
+    """
+
+    def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Any], *,
+                 gather: Callable[[List[torch.Tensor]], Tuple[List[torch.Tensor], int]], world: int,
+                 params: Sequence[nn.Parameter], check: bool) -> None:
+        self.window_loss, self.micro_batches = window_loss, list(micro_batches)
+        self.gather, self.world, self.params, self.check = gather, world, list(params), check
+        self.started = False
+        self.ran = 0
+        self.sizes: List[int] = []
+        self.cached: List[List[torch.Tensor]] = []
+        self.states: List[_RandomState] = []
+        self.end: Optional[_RandomState] = None
+        self.loss: Optional[torch.Tensor] = None
+        self.slices: List[Optional[torch.Tensor]] = []
+        self.own: List[Tuple[nn.Parameter, torch.Tensor]] = []
+        self.total = 0
+        self.alike = True
+
+    # -- pass 1 and the loss ---------------------------------------------------------------------
+
+    def start(self, module: nn.Module, loss_model: Any, device: torch.device) -> torch.Tensor:
+        """Pass 1 on ``module`` (the unwrapped model: no collective), the gather, the window's loss on
+        ``loss_model`` and its gradient. Returns ``L``."""
+        spec = None
+        with torch.no_grad(), _batchnorm_stats_kept(module):
+            for k, mb in enumerate(self.micro_batches):
+                self.states.append(_RandomState(device))
+                out = self.window_loss.encode(module, mb)
+                flat = _flat(out, _rows(out), k)
+                self.sizes.append(flat[0].shape[0])
+                self.cached.append(flat)
+                spec = out if spec is None else spec
+        self.end = _RandomState(device)
+        if spec is None:
+            raise ConfigurationError("TrainerWindow: a window without micro-batches on this rank")
+        local = [torch.cat(column) for column in zip(*self.cached)]
+        joined, offset = self.gather(local)
+        self.total = joined[0].shape[0]
+        inputs = [t.detach().requires_grad_(d) for t, d in zip(joined, _differentiable(spec))]
+        loss = self.window_loss.loss(loss_model, _rebuild(spec, iter(inputs)))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise ConfigurationError(f"WindowLoss: loss(model, representations) must return a scalar tensor that "
+                                     f"depends on the representations, got {loss!r}")
+        wrt = [t for t in inputs if t.requires_grad]
+        params = [p for p in self.params if p.requires_grad]
+        with torch.autocast(device_type=device.type, enabled=False):
+            found = iter(torch.autograd.grad(loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss,
+                                             wrt + params, allow_unused=True))
+        of_inputs = [next(found) if t.requires_grad else None for t in inputs]
+        refuse_a_loss_without_representations(of_inputs)
+        mine = sum(self.sizes)
+        self.slices = [None if g is None else g[offset:offset + mine] * self.world for g in of_inputs]
+        self.own = [(p, g) for p, g in zip(params, found) if g is not None]
+        self.loss = loss.detach()
+        self.started = True
+        return self.loss
+
+    # -- pass 2 ----------------------------------------------------------------------------------
+
+    def part(self, k: int, model: nn.Module, micro_batch: Any) -> torch.Tensor:
+        """Micro-batch k's forward again, its random state replayed: the surrogate to backpropagate."""
+        assert self.started and self.loss is not None
+        self.states[k].restore()
+        out = self.window_loss.encode(model, micro_batch)
+        outs = _flat(out, self.sizes[k], k)
+        if self.check:
+            detached = [o for o, d in zip(outs, _differentiable(out)) if d and not o.requires_grad]
+            if detached:
+                raise ConfigurationError("WindowLoss: a representation encode returned does not require grad: it ran "
+                                         "under torch.no_grad() or was detached. Return the model's outputs as they are")
+            self.alike &= _same(outs, self.cached[k])
+        at = sum(self.sizes[:k])
+        terms = [(o * g[at:at + self.sizes[k]].to(o.dtype)).sum() for o, g in zip(outs, self.slices) if g is not None]
+        if k == len(self.micro_batches) - 1:
+            terms += [(p * g.to(p.dtype)).sum() for p, g in self.own]  # rides in the backward that reduces
+            assert self.end is not None
+            self.end.restore()  # as after pass 1: the window drew its random numbers once
+        surrogate = torch.stack([t.float() for t in terms]).sum() if terms else self.loss * 0
+        value = self.loss * (self.sizes[k] * self.world / max(self.total, 1))
+        self.ran = k + 1
+        return surrogate - surrogate.detach() + value.to(surrogate.dtype)
+
+    def replay_was_alike(self) -> bool:
+        return self.alike
+
+
+def _rows(out: Any) -> int:
+    """The micro-batch's items: the leading size of the first tensor of the representations."""
+    from ..batching import leaves
+    from .._cached import Constant
+
+    for _, leaf in leaves(out):
+        leaf = leaf.tensor if isinstance(leaf, Constant) else leaf
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ConfigurationError("WindowLoss: encode(model, micro_batch) returned no tensor with a leading dimension; "
+                             "return the micro-batch's representations (a tensor, or a tuple/list/dict of tensors)")
+
+
+def refuse_what_a_window_loss_cannot_run(trainer: Any) -> None:
+    """A Trainer set-up under which the cached window is not tested: refused with the fix."""
+    if trainer.args.n_gpu > 1:
+        raise ConfigurationError(f"n_gpu={trainer.args.n_gpu} (DataParallel in one process) splits each batch without "
+                                 "telling the loss; launch one process per GPU (torchrun) instead")
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        raise ConfigurationError("a WindowLoss in the Trainer is tested with DDP (one process per device under "
+                                 "torchrun), not with DeepSpeed or FSDP: train it with DDP")
+    if trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+        raise ConfigurationError("gradient_accumulation_kwargs={'sync_each_batch': True} reduces every micro-batch's "
+                                 "surrogate: drop sync_each_batch")
+
+
+@contextlib.contextmanager
+def swapped(owner: nn.Module, name: str, value: Any) -> Iterator[None]:
+    """``owner.name = value`` for the block, the old value back after (also on an exception)."""
+    old = owner._modules.get(name) if name in owner._modules else getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)

@@ -1,0 +1,280 @@
+"""sentence-transformers: ``gradient_accumulation_steps`` that is one big batch, for any of its losses.
+
+    trainer = ExactSentenceTransformerTrainer(model=model, args=args, train_dataset=ds, loss=loss)
+    # instead of SentenceTransformerTrainer(...): nothing else changes
+
+sentence-transformers' losses couple the batch's rows: in-batch negatives (MNRL: every other positive is
+a negative), CoSENT and AnglE (every pair ranked against every other), batch triplet mining (the
+hardest positive and negative within the batch). With ``gradient_accumulation_steps = K`` the stock
+trainer averages K losses over micro-batches, another objective: each anchor sees 1/K of the negatives.
+:class:`ExactSentenceTransformerTrainer` makes each optimizer step the step of the loss on one big batch
+of ``per_device_train_batch_size * K * world_size`` rows, every rank's included, by caching the
+embeddings (:mod:`gradaccum._cached`, run across the Trainer's calls by
+:mod:`gradaccum.integrations.hf_window_loss`):
+
+1. pass 1: every micro-batch's embeddings, column by column, without a graph (and a frozen guide's,
+   for GIST);
+2. every rank's embeddings, labels and scores joined (rank 0's first); the loss itself runs on them:
+   its ``model`` is served the cached embeddings for the duration of the call, so the loss, its
+   wrappers (``MatryoshkaLoss``) and its options are used as they are;
+3. pass 2: each micro-batch's forward again (dropout replayed), backpropagated with its slice of the
+   loss's gradient, inside the Trainer's own backward, ``no_sync`` and clipping.
+
+The logged ``loss`` is the big batch's. Evaluation, saving, resuming, callbacks and the router stay
+the trainer's. Cost: one more forward per micro-batch, and the window's embeddings on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .._cached import Constant, WindowLoss
+from ..errors import ConfigurationError
+from .hf_window_loss import TrainerWindow, refuse_what_a_window_loss_cannot_run, swapped
+
+try:
+    from sentence_transformers import SentenceTransformerTrainer
+    from sentence_transformers.base.model import BaseModel
+    from sentence_transformers.base.losses.merged_forward import column_merging_disabled
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("gradaccum.integrations.sentence_transformers needs sentence-transformers: "
+                      "pip install 'sentence-transformers>=3.1'") from exc
+
+__all__ = ["ExactSentenceTransformerTrainer", "SUPPORTED", "REFUSED"]
+
+#: the losses tested here, through the trainer, in float64 against one big batch
+SUPPORTED = ("MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
+             "MegaBatchMarginLoss", "CoSENTLoss", "AnglELoss", "BatchAllTripletLoss", "BatchHardTripletLoss",
+             "BatchSemiHardTripletLoss", "BatchHardSoftMarginTripletLoss", "OnlineContrastiveLoss",
+             "ContrastiveLoss", "CosineSimilarityLoss", "TripletLoss", "MatryoshkaLoss")
+#: refused by name, with the fix
+REFUSED = {
+    "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss": "MultipleNegativesSymmetricRankingLoss",
+    "CachedGISTEmbedLoss": "GISTEmbedLoss",
+    "AdaptiveLayerLoss": None, "Matryoshka2dLoss": None, "DenoisingAutoEncoderLoss": None,
+    "ContrastiveTensionLoss": None, "ContrastiveTensionLossInBatchNegatives": None,
+}
+
+
+class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
+    """A ``SentenceTransformerTrainer`` whose ``gradient_accumulation_steps`` is one big batch.
+
+    Every optimizer step is on the gradient of ``loss(features, labels)`` computed on the whole window:
+    every micro-batch of ``gradient_accumulation_steps`` on every rank, joined along the batch (rank 0's
+    rows first), whatever the loss couples. With ``gradient_accumulation_steps=1`` on one process it is
+    the stock trainer's step (still cached).
+
+    What each loss gets: its own ``forward`` (or, for ``MegaBatchMarginLoss``, its non-mini-batched
+    forward) called once per window with the window's features and labels, its ``model`` (and a GIST
+    guide) serving the cached embeddings; ``gather_across_devices`` is off for that call, since the
+    embeddings are already every rank's. Labels and scores of every rank reach it.
+
+    Refused by name (:data:`REFUSED`), before training: the ``Cached*`` losses (they cache one
+    micro-batch themselves: use the plain twin, which this trainer caches over the whole window),
+    ``AdaptiveLayerLoss`` and ``Matryoshka2dLoss`` (they read every layer's token embeddings), losses
+    that decode tokens; a GIST guide that re-tokenizes; DeepSpeed, FSDP and DataParallel. A window
+    whose micro-batches come from several datasets (``train_dataset`` a dict) is refused when it
+    reaches the loss: one coupled loss has one dataset.
+
+    Example:
+        >>> args = SentenceTransformerTrainingArguments("out", per_device_train_batch_size=32,
+        ...                                             gradient_accumulation_steps=8)  # doctest: +SKIP
+        >>> ExactSentenceTransformerTrainer(model=model, args=args, train_dataset=ds,
+        ...                                 loss=MultipleNegativesRankingLoss(model)).train()  # doctest: +SKIP
+    """
+
+    loss_is_scaled_for_ga = True  # the surrogates sum to the window's gradient (read by training_step)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        refuse_what_a_window_loss_cannot_run(self)
+        for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss]):
+            refuse_a_loss(loss)
+        self._window: Optional[TrainerWindow] = None
+        self._checked = False  # the first window compares pass 2's embeddings with pass 1's
+
+    # -- the window ------------------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: Optional[torch.device] = None) -> Tuple[List[Any], Any]:
+        """The Trainer's micro-batches of one window, kept for pass 1."""
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._window = None
+        self._pending = batch_samples
+        return batch_samples, num_items
+
+    def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """Training: micro-batch k's surrogate (see :mod:`gradaccum.integrations.hf_window_loss`);
+        evaluation: the stock per-batch loss."""
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        window = self._window
+        if window is None or window.ran == len(window.micro_batches):
+            window = self._window = self._start(model)
+        loss = window.part(window.ran, model, inputs)
+        if window.ran == len(window.micro_batches) and not self._checked:
+            self._checked = True
+            if self._any_rank(not window.replay_was_alike()):
+                raise RuntimeError("ExactSentenceTransformerTrainer: a micro-batch's second forward gave other "
+                                   "embeddings than its first although its random state was replayed (a model "
+                                   "that is not a function of its inputs, or non-deterministic kernels)")
+        return (loss, {}) if return_outputs else loss
+
+    def _start(self, model: nn.Module) -> TrainerWindow:
+        from ..sync import sync_for
+
+        batches = [self._prepare_inputs(b) for b in getattr(self, "_pending", [])]
+        names = {b.get("dataset_name") for b in batches}
+        if len(names) > 1:
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: one window holds micro-batches of the datasets "
+                                     f"{sorted(map(str, names))}; a coupled loss is one big batch of one dataset. "
+                                     "Train one dataset per run, or gradient_accumulation_steps=1")
+        name = names.pop() if names else None
+        loss_fn = self.loss[name] if isinstance(self.loss, dict) and name else self.loss
+        module = self.accelerator.unwrap_model(model)
+        guides = _guides(loss_fn, module)
+        served = _ServedLoss(self, loss_fn, module, guides)
+        sync = sync_for(self.model_wrapped)
+        window_loss = WindowLoss(served.encode, served.loss)
+        models = {id(p) for m in [module, *guides.values()] for p in m.parameters()}
+        params = [p for p in loss_fn.parameters() if id(p) not in models]
+        window = TrainerWindow(window_loss, batches, gather=sync.gather_items, world=self.accelerator.num_processes,
+                               params=params, check=not self._checked)
+        window.start(module, None, self.args.device)
+        return window
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.accelerator.num_processes == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.args.device)
+        return bool(self.accelerator.gather(t).sum() > 0)
+
+
+def refuse_a_loss(loss: nn.Module) -> None:
+    """A loss this trainer cannot make one big batch, refused by name with the fix."""
+    for module in loss.modules():
+        name = type(module).__name__
+        if name in REFUSED:
+            twin = REFUSED[name]
+            fix = (f"use {twin}: ExactSentenceTransformerTrainer caches the embeddings of the whole window "
+                   "(gradient_accumulation_steps micro-batches, every rank) itself") if twin else (
+                "it reads more than the sentence embeddings (token or layer outputs); train it with "
+                "SentenceTransformerTrainer and gradient_accumulation_steps=1")
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: loss {name} is not supported: {fix}")
+        if getattr(module, "must_retokenize", False):
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: {name}'s guide re-tokenizes the text (its "
+                                     "tokenizer differs from the model's), which cached embeddings cannot serve; "
+                                     "use a guide with the model's tokenizer")
+        if getattr(module, "uses_gradient_cache", False) and not hasattr(module, "forward_non_mini_batched"):
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: loss {name} caches mini-batches itself; use "
+                                     "its non-cached twin, which this trainer caches over the whole window")
+
+
+def _is_model(child: Any) -> bool:
+    return isinstance(child, (BaseModel, nn.parallel.DistributedDataParallel))
+
+
+def _loss_modules(module: nn.Module) -> List[nn.Module]:
+    """The loss and the losses it wraps, not the models they hold."""
+    out = [module]
+    for child in module._modules.values():
+        if child is not None and not _is_model(child):
+            out += _loss_modules(child)
+    return out
+
+
+def _held_models(loss: nn.Module, module: nn.Module) -> List[Tuple[nn.Module, str, str]]:
+    """Where the loss holds a model: ``(owner, attribute, key)``, key "model" for the trained one (also
+    when the Trainer put its DDP wrapper there) and the attribute's name for another (GIST's guide)."""
+    out = []
+    for owner in _loss_modules(loss):
+        for name, child in owner._modules.items():
+            if _is_model(child):
+                trained = child is module or getattr(child, "module", None) is module
+                out.append((owner, name, "model" if trained else name))
+    return out
+
+
+def _guides(loss: nn.Module, module: nn.Module) -> Dict[str, nn.Module]:
+    """Models the loss runs besides the trained one (GIST's frozen guide), by key."""
+    return {key: getattr(owner, name) for owner, name, key in _held_models(loss, module) if key != "model"}
+
+
+class _Served(nn.Module):
+    """Stands in for a model inside the loss: ``model(features)`` returns the cached embeddings of the
+    rows ``features`` names (a column index and row indices, sliced as any feature is)."""
+
+    def __init__(self, columns: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.table = torch.cat(list(columns))
+        self.rows = columns[0].shape[0]
+
+    def forward(self, features: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+        try:
+            index = features["gradaccum_column"] * self.rows + features["gradaccum_row"]
+        except KeyError:
+            raise ConfigurationError("ExactSentenceTransformerTrainer: the loss runs the model on features of its "
+                                     "own making (not the batch's), which cached embeddings cannot serve") from None
+        return {"sentence_embedding": self.table[index]}
+
+    def get_embedding_dimension(self) -> int:
+        return int(self.table.shape[-1])
+
+
+class _ServedLoss:
+    """The WindowLoss made of a sentence-transformers loss: ``encode`` runs the model (and the guides)
+    over a micro-batch's columns; ``loss`` calls the loss on the window's joined embeddings, its models
+    served them."""
+
+    def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module,
+                 guides: Dict[str, nn.Module]) -> None:
+        self.trainer, self.loss_fn, self.module, self.guides = trainer, loss_fn, module, guides
+
+    def encode(self, model: nn.Module, inputs: Dict[str, Any]) -> Dict[str, Any]:
+        inputs = {k: v for k, v in inputs.items() if k != "dataset_name"}
+        features, labels = self.trainer.collect_features(inputs)
+        out: Dict[str, Any] = {"model": [model(dict(f))["sentence_embedding"] for f in features]}
+        if self.guides:
+            with torch.no_grad():
+                out["guides"] = {name: [Constant(g(dict(f))["sentence_embedding"]) for f in features]
+                                 for name, g in self.guides.items()}
+        if isinstance(labels, torch.Tensor):
+            out["labels"] = Constant(labels) if labels.is_floating_point() else labels
+        return out
+
+    def loss(self, _: Any, reps: Dict[str, Any]) -> torch.Tensor:
+        columns = reps["model"]
+        n = columns[0].shape[0]
+        features = [{"gradaccum_column": torch.full((n,), c, dtype=torch.long, device=columns[0].device),
+                     "gradaccum_row": torch.arange(n, device=columns[0].device)} for c in range(len(columns))]
+        served = {"model": _Served(columns)}
+        served.update({name: _Served(cols) for name, cols in reps.get("guides", {}).items()})
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(column_merging_disabled())
+            for owner, name, key in _held_models(self.loss_fn, self.module):
+                stack.enter_context(swapped(owner, name, served[key]))
+            for owner in _loss_modules(self.loss_fn):
+                if getattr(owner, "gather_across_devices", False):  # the embeddings are every rank's already
+                    stack.enter_context(_attribute(owner, "gather_across_devices", False))
+            fn = self.loss_fn
+            forward = getattr(fn, "forward_non_mini_batched", None) if getattr(fn, "uses_gradient_cache", False) else None
+            out = (forward or fn)(features, reps.get("labels"))
+        if isinstance(out, dict):
+            out = torch.stack(list(out.values())).sum()
+        return out
+
+
+@contextlib.contextmanager
+def _attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)

@@ -1,0 +1,74 @@
+"""ExactSentenceTransformerTrainer: with gradient_accumulation_steps, each loss of issue #33 item 1 takes
+the step of one big batch (float64, a tiny BERT from a config), where the stock trainer's accumulation
+is another objective; the losses it cannot serve are refused by name."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("datasets")
+
+from sentence_transformers import SentenceTransformerTrainer  # noqa: E402
+from sentence_transformers.sentence_transformer import losses as L  # noqa: E402
+
+from gradaccum.integrations.sentence_transformers import ExactSentenceTransformerTrainer  # noqa: E402
+from integrations.st_helpers import dataset, distance, fresh, losses, moved, tiny_model, train_once  # noqa: E402
+
+TOL = 1e-10  # float64: the order of additions only
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("st")
+    return tiny_model(folder / "model"), tiny_model(folder / "guide", seed=1)
+
+
+NAMES = list(losses(None, None))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_loss_is_one_big_batch_where_the_stock_trainer_is_not(models, tmp_path, name):
+    """6 rows x 4 micro-batches against one batch of 24, one SGD step each."""
+    base, guide = models
+    kind, make = losses(base, guide)[name]
+    data = dataset(kind, 24)
+    big = fresh(base)
+    ref = train_once(SentenceTransformerTrainer, big, make(big), data, tmp_path, batch=24, accumulation=1)
+    exact = fresh(base)
+    ours = train_once(ExactSentenceTransformerTrainer, exact, make(exact), data, tmp_path, batch=6, accumulation=4)
+    stock = fresh(base)
+    train_once(SentenceTransformerTrainer, stock, make(stock), data, tmp_path, batch=6, accumulation=4)
+    step = moved(base, big)
+    assert distance(moved(base, exact), step) < TOL
+    assert distance(moved(base, stock), step) > 1e-3  # the stock trainer's accumulation: another objective
+    logged = [h["loss"] for h in ours.state.log_history if "loss" in h]
+    assert math.isclose(logged[0], [h["loss"] for h in ref.state.log_history if "loss" in h][0], rel_tol=1e-3)
+
+
+def test_several_windows_and_a_short_last_window(models, tmp_path):
+    """3 steps over 40 pairs in windows of 16 (the last one holds 8): each window is its own big batch."""
+    base, _ = models
+    data = dataset("pairs", 40)
+    exact = fresh(base)
+    train_once(ExactSentenceTransformerTrainer, exact, L.MultipleNegativesRankingLoss(exact), data, tmp_path,
+               batch=4, accumulation=4, steps=3)
+    big = fresh(base)
+    train_once(SentenceTransformerTrainer, big, L.MultipleNegativesRankingLoss(big), data, tmp_path,
+               batch=16, accumulation=1, steps=3)
+    assert distance(moved(base, exact), moved(base, big)) < TOL
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda m: L.CachedMultipleNegativesRankingLoss(m), "CachedMultipleNegativesRankingLoss is not supported: use "
+                                                        "MultipleNegativesRankingLoss"),
+    (lambda m: L.AdaptiveLayerLoss(m, L.MultipleNegativesRankingLoss(m)), "AdaptiveLayerLoss is not supported: it "
+                                                                           "reads more than the sentence embeddings"),
+])
+def test_a_loss_it_cannot_serve_is_refused_by_name_before_training(models, tmp_path, make, match):
+    base, _ = models
+    model = fresh(base)
+    with pytest.raises(ValueError, match=match):
+        train_once(ExactSentenceTransformerTrainer, model, make(model), dataset("pairs", 8), tmp_path,
+                   batch=4, accumulation=2)
