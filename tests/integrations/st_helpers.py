@@ -14,14 +14,23 @@ WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range
 HIDDEN = 16
 
 
-def tiny_model(folder: Path, seed: int = 0) -> Any:
-    """BERT (hidden 16, 1 layer, 50 words, no dropout) behind mean pooling, float64."""
-    from transformers import BertConfig, BertModel, BertTokenizer
-
+def tiny_model(folder: Path, seed: int = 0, write: bool = True) -> Any:
+    """BERT (hidden 16, 1 layer, 50 words, no dropout) behind mean pooling, float64; ``write=False``
+    loads what an earlier call wrote to ``folder``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    if write:
+        _write(folder, seed)
+    torch.manual_seed(seed)  # the pooler transformers adds on loading is drawn alike on every rank
+    model = SentenceTransformer(modules=[Transformer(str(folder)), Pooling(HIDDEN, "mean")], device="cpu")
+    return model.double()
+
+
+def _write(folder: Path, seed: int) -> None:
+    from transformers import BertConfig, BertModel, BertTokenizer
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(WORDS) + "\n")
     BertTokenizer(vocab=str(folder / "vocab.txt")).save_pretrained(folder)  # transformers 5: vocab=, not vocab_file=
@@ -29,8 +38,6 @@ def tiny_model(folder: Path, seed: int = 0) -> Any:
     BertModel(BertConfig(vocab_size=len(WORDS), hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
                          attention_probs_dropout_prob=0.0), add_pooling_layer=False).save_pretrained(folder)
-    model = SentenceTransformer(modules=[Transformer(str(folder)), Pooling(HIDDEN, "mean")], device="cpu")
-    return model.double()
 
 
 def sentences(n: int, seed: int) -> List[str]:
