@@ -201,6 +201,9 @@ class ExactTrainer(Trainer):
         loss_source(cls)  # refuse a wrong composition where it is written
 
     def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, **kwargs: Any) -> None:
+        from . import hf_window_loss  # a loss that couples the batch's rows: a WindowLoss, or CLIP's/SigLIP's
+
+        self.window_loss = hf_window_loss.window_loss_of(kwargs, args)
         if kwargs.get("compute_loss_func") is not None:
             raise ConfigurationError("ExactTrainer(compute_loss_func=...): ExactTrainer cannot weigh a loss whose reduction "
                              "it does not know; drop compute_loss_func (ExactTrainer computes the model's loss), or "
@@ -215,13 +218,15 @@ class ExactTrainer(Trainer):
             # "accepts loss kwargs"
             self.model_accepts_loss_kwargs = True
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),  # type: ignore[arg-type]
+        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" and  # type: ignore[arg-type]
+                                                      self.window_loss is None else None),
                                 ignore_index, config, self.args.device)
         self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
         self._skips = _Skips()
         self.add_callback(self._skips)
         self._eval_tally: List[torch.Tensor] = []  # per evaluation batch: [loss sums of its rows, their items]
+        self._windows = hf_window_loss.TrainerWindows(self) if self.window_loss is not None else None
 
     @property
     def head(self) -> Any:
@@ -241,6 +246,9 @@ class ExactTrainer(Trainer):
         verdict (step, or skip when ``N = 0``). One host synchronisation per window: the verdict needs N.
 
         Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step)."""
+        if self._windows is not None:
+            from .hf_window_loss import window_batch_samples
+            return window_batch_samples(self, epoch_iterator, num_batches)
         batch_samples: List[Any] = []
         for _ in range(num_batches):
             try:
@@ -263,6 +271,9 @@ class ExactTrainer(Trainer):
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
         """Training: micro-batch k's share ``S_k * W / N`` of the window's mean (0 in a skipped
         window). Evaluation: the batch's mean, its rows' sums and items kept for ``eval_loss``."""
+        if self._windows is not None:
+            from .hf_window_loss import window_compute_loss
+            return window_compute_loss(self, model, inputs, return_outputs)
         if not model.training:
             return self._evaluation_loss(model, inputs, return_outputs)
         window = self._window

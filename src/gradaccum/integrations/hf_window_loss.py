@@ -29,7 +29,8 @@ from .._cached import (WindowLoss, _batchnorm_stats_kept, _differentiable, _flat
 from ..batching import _rebuild
 from ..errors import ConfigurationError
 
-__all__ = ["TrainerWindow", "refuse_what_a_window_loss_cannot_run"]
+__all__ = ["TrainerWindow", "TrainerWindows", "contrastive_window_loss", "refuse_what_a_window_loss_cannot_run",
+           "window_loss_of", "window_batch_samples", "window_compute_loss"]
 
 
 class TrainerWindow:
@@ -130,6 +131,121 @@ class TrainerWindow:
         return self.alike
 
 
+#: ``make(micro_batches) -> (window_loss, params, loss_model)`` for one window
+MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]
+
+
+class TrainerWindows:
+    """A Trainer's windows, one after the other: the micro-batches ``get_batch_samples`` hands over,
+    the window being run, and whether the replay was compared yet (in the first window)."""
+
+    def __init__(self, trainer: Any) -> None:
+        refuse_what_a_window_loss_cannot_run(trainer)
+        self.trainer = trainer
+        self.pending: List[Any] = []
+        self.window: Optional[TrainerWindow] = None
+        self.checked = False
+
+    def begin(self, batch_samples: List[Any]) -> None:
+        self.pending, self.window = list(batch_samples), None
+
+    def surrogate(self, model: nn.Module, inputs: Any, make: MakeWindow) -> torch.Tensor:
+        """Micro-batch k's surrogate; pass 1 and the loss at the window's first micro-batch."""
+        from ..sync import sync_for
+
+        trainer = self.trainer
+        window = self.window
+        if window is None or window.ran == len(window.micro_batches):
+            batches = [trainer._prepare_inputs(b) for b in self.pending]
+            window_loss, params, loss_model = make(batches)
+            sync = sync_for(trainer.model_wrapped)
+            window = self.window = TrainerWindow(window_loss, batches, gather=sync.gather_items,
+                                                 world=trainer.accelerator.num_processes, params=params,
+                                                 check=not self.checked)
+            window.start(trainer.accelerator.unwrap_model(model), loss_model, trainer.args.device)
+        loss = window.part(window.ran, model, inputs)
+        if window.ran == len(window.micro_batches) and not self.checked:
+            self.checked = True
+            flag = torch.tensor([float(not window.replay_was_alike())], device=trainer.args.device)
+            if trainer.accelerator.num_processes > 1:
+                flag = trainer.accelerator.gather(flag)
+            if bool(flag.sum() > 0):
+                raise RuntimeError("WindowLoss in the Trainer: a micro-batch's second forward gave other "
+                                   "representations than its first although its random state was replayed (a "
+                                   "model that is not a function of its inputs, or non-deterministic kernels)")
+        return loss
+
+
+def contrastive_window_loss(model: nn.Module) -> Optional[WindowLoss]:
+    """The loss of a contrastive Hugging Face model (``CLIPModel``, ``SiglipModel``) as a WindowLoss:
+    ``encode`` runs the model without its loss (``return_loss=False``) for the normalized text and
+    image embeddings; ``loss`` is the model's own over the whole window, its ``logit_scale`` (and
+    SigLIP's ``logit_bias``) reached through the model. None for another model."""
+    name = type(model).__name__
+    if name not in ("CLIPModel", "SiglipModel"):
+        return None
+
+    def encode(m: nn.Module, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        out = m(**{k: v for k, v in batch.items() if k not in ("return_loss", "labels")}, return_loss=False)
+        return out.text_embeds, out.image_embeds
+
+    def loss(m: nn.Module, reps: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        text, image = reps
+        logits = text @ image.T * m.logit_scale.exp()
+        if name == "CLIPModel":
+            target = torch.arange(len(text), device=text.device)
+            return (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.T, target)) / 2
+        logits = logits + m.logit_bias
+        signs = 2 * torch.eye(len(text), device=text.device, dtype=logits.dtype) - 1
+        return -nn.functional.logsigmoid(signs * logits).sum(dim=-1).mean()
+
+    return WindowLoss(encode, loss)
+
+
+# -- ExactTrainer's hooks (gradaccum.integrations.hf_trainer calls these when it holds a WindowLoss) ------
+
+
+def window_loss_of(kwargs: dict, args: tuple) -> Optional[WindowLoss]:
+    """The WindowLoss an ExactTrainer trains with: ``compute_loss_func=WindowLoss(...)`` (taken out of
+    the Trainer's arguments), or, without ``compute_loss_func``, a contrastive model's own loss
+    (:func:`contrastive_window_loss`); None for every other model."""
+    given = kwargs.get("compute_loss_func")
+    if isinstance(given, WindowLoss):
+        return kwargs.pop("compute_loss_func")
+    if given is not None:
+        return None  # ExactTrainer refuses it
+    model = kwargs.get("model", args[0] if args else None)
+    return contrastive_window_loss(model) if isinstance(model, nn.Module) else None
+
+
+def window_batch_samples(trainer: Any, epoch_iterator: Iterator, num_batches: int) -> Tuple[List[Any], None]:
+    """``get_batch_samples`` with a WindowLoss: the window's micro-batches, kept for pass 1; the
+    window's loss is one mean over its rows, so there is no count to hand over."""
+    batch_samples: List[Any] = []
+    for _ in range(num_batches):
+        try:
+            batch_samples.append(next(epoch_iterator))
+        except StopIteration:
+            break
+    trainer._window = None  # ExactTrainer's own window (counted items, skips) is not used
+    trainer._windows.begin(batch_samples)
+    return batch_samples, None
+
+
+def window_compute_loss(trainer: Any, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:
+    """``compute_loss`` with a WindowLoss: in training micro-batch k's surrogate, in evaluation the
+    loss of the evaluation batch alone."""
+    module = trainer.accelerator.unwrap_model(model)
+    window_loss = trainer.window_loss
+    if model.training:
+        loss = trainer._windows.surrogate(model, inputs, lambda batches: (window_loss, list(module.parameters()),
+                                                                           module))
+    else:
+        out = window_loss.encode(model, inputs)
+        loss = window_loss.loss(module, _rebuild(out, iter(_flat(out, _rows(out), 0))))
+    return (loss, {"loss": loss}) if return_outputs else loss
+
+
 def _rows(out: Any) -> int:
     """The micro-batch's items: the leading size of the first tensor of the representations."""
     from ..batching import leaves
@@ -151,6 +267,15 @@ def refuse_what_a_window_loss_cannot_run(trainer: Any) -> None:
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         raise ConfigurationError("a WindowLoss in the Trainer is tested with DDP (one process per device under "
                                  "torchrun), not with DeepSpeed or FSDP: train it with DDP")
+    if getattr(trainer, "window_loss", None) is not None:  # ExactTrainer: the loss may read the model's parameters
+        if trainer.args.ddp_find_unused_parameters:
+            raise ConfigurationError(
+                "ExactTrainer with a WindowLoss: ddp_find_unused_parameters=True makes DDP reduce a parameter the "
+                "forward did not use before the backward, and refuse the gradient the window's loss gives it (a "
+                "temperature read in the loss) there; leave ddp_find_unused_parameters unset or False")
+        handler = getattr(trainer.accelerator, "ddp_handler", None)  # the loss's parameters ride in the reducing backward
+        if handler is not None:
+            handler.find_unused_parameters = False
     if trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
         raise ConfigurationError("gradient_accumulation_kwargs={'sync_each_batch': True} reduces every micro-batch's "
                                  "surrogate: drop sync_each_batch")

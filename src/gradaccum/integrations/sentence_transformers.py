@@ -33,7 +33,7 @@ from torch import nn
 
 from .._cached import Constant, WindowLoss
 from ..errors import ConfigurationError
-from .hf_window_loss import TrainerWindow, refuse_what_a_window_loss_cannot_run, swapped
+from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run, swapped
 
 try:
     from sentence_transformers import SentenceTransformerTrainer
@@ -94,8 +94,7 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
         refuse_what_a_window_loss_cannot_run(self)
         for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss]):
             refuse_a_loss(loss)
-        self._window: Optional[TrainerWindow] = None
-        self._checked = False  # the first window compares pass 2's embeddings with pass 1's
+        self._windows = TrainerWindows(self)
 
     # -- the window ------------------------------------------------------------------------------
 
@@ -103,8 +102,7 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
                           device: Optional[torch.device] = None) -> Tuple[List[Any], Any]:
         """The Trainer's micro-batches of one window, kept for pass 1."""
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._window = None
-        self._pending = batch_samples
+        self._windows.begin(batch_samples)
         return batch_samples, num_items
 
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
@@ -114,22 +112,11 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        window = self._window
-        if window is None or window.ran == len(window.micro_batches):
-            window = self._window = self._start(model)
-        loss = window.part(window.ran, model, inputs)
-        if window.ran == len(window.micro_batches) and not self._checked:
-            self._checked = True
-            if self._any_rank(not window.replay_was_alike()):
-                raise RuntimeError("ExactSentenceTransformerTrainer: a micro-batch's second forward gave other "
-                                   "embeddings than its first although its random state was replayed (a model "
-                                   "that is not a function of its inputs, or non-deterministic kernels)")
+        loss = self._windows.surrogate(model, inputs, lambda batches: self._window_loss(model, batches))
         return (loss, {}) if return_outputs else loss
 
-    def _start(self, model: nn.Module) -> TrainerWindow:
-        from ..sync import sync_for
-
-        batches = [self._prepare_inputs(b) for b in getattr(self, "_pending", [])]
+    def _window_loss(self, model: nn.Module, batches: List[Any]) -> Tuple[WindowLoss, List[nn.Parameter], Any]:
+        """The window's loss (its dataset's), served as a WindowLoss, and the loss's own parameters."""
         names = {b.get("dataset_name") for b in batches}
         if len(names) > 1:
             raise ConfigurationError(f"ExactSentenceTransformerTrainer: one window holds micro-batches of the datasets "
@@ -140,20 +127,8 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
         module = self.accelerator.unwrap_model(model)
         guides = _guides(loss_fn, module)
         served = _ServedLoss(self, loss_fn, module, guides)
-        sync = sync_for(self.model_wrapped)
-        window_loss = WindowLoss(served.encode, served.loss)
         models = {id(p) for m in [module, *guides.values()] for p in m.parameters()}
-        params = [p for p in loss_fn.parameters() if id(p) not in models]
-        window = TrainerWindow(window_loss, batches, gather=sync.gather_items, world=self.accelerator.num_processes,
-                               params=params, check=not self._checked)
-        window.start(module, None, self.args.device)
-        return window
-
-    def _any_rank(self, flag: bool) -> bool:
-        if self.accelerator.num_processes == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=self.args.device)
-        return bool(self.accelerator.gather(t).sum() > 0)
+        return WindowLoss(served.encode, served.loss), [p for p in loss_fn.parameters() if id(p) not in models], None
 
 
 def refuse_a_loss(loss: nn.Module) -> None:
