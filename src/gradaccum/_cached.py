@@ -64,6 +64,11 @@ class WindowLoss:
             learned temperature, are reached through it) and the same structure with every
             micro-batch's representations on every rank joined along dim 0, in window order (rank 0's
             micro-batches first, then rank 1's, ...).
+        keep_graphs: how many micro-batches' graphs pass 1 keeps, the last ones it runs: their
+            forward is not run again in pass 2 (one forward saved each), at the memory of their
+            activations held through the loss. Default 1; 0 for the least memory. Under DDP at most
+            all but one (the last backward, which reduces, is a replayed forward), under FSDP2 and with
+            BatchNorm in training mode none.
 
     The step equals one optimizer step on ``loss(model, encode(model, whole_window))`` whatever the
     micro-batch size, over any number of ranks; the random draws of each micro-batch's forward
@@ -84,19 +89,23 @@ class WindowLoss:
         10
     """
 
-    def __init__(self, encode: Encode, loss: Loss) -> None:
+    def __init__(self, encode: Encode, loss: Loss, *, keep_graphs: int = 1) -> None:
+        if not isinstance(keep_graphs, int) or isinstance(keep_graphs, bool) or keep_graphs < 0:
+            raise ConfigurationError(f"WindowLoss(keep_graphs={keep_graphs!r}): how many micro-batches' graphs pass 1 "
+                                     "keeps (their forward is not run again) is an int >= 0; 0 keeps none (the least "
+                                     "memory), 1 (the default) the last one's")
         if not callable(encode):
             raise TypeError(f"WindowLoss(encode=...) must be callable as encode(model, micro_batch) -> "
                             f"representations, got {encode!r}")
         if not callable(loss):
             raise TypeError(f"WindowLoss(loss=...) must be callable as loss(model, representations) -> scalar, "
                             f"got {loss!r}")
-        self.encode, self.loss = encode, loss
+        self.encode, self.loss, self.keep_graphs = encode, loss, keep_graphs
         #: the replay is compared with pass 1 in the first window this WindowLoss runs
         self.checked = False
 
     def __repr__(self) -> str:
-        return f"WindowLoss(encode={self.encode!r}, loss={self.loss!r})"
+        return f"WindowLoss(encode={self.encode!r}, loss={self.loss!r}, keep_graphs={self.keep_graphs})"
 
 
 class Constant:
@@ -227,7 +236,8 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         if micro_batches:
             ranks.remember(micro_batches[-1])
-        first = _first_pass(ctx, window_loss, micro_batches, sizes, window.padding)
+        keep = _graphs_to_keep(ctx, window_loss, len(micro_batches))
+        first = _first_pass(ctx, window_loss, micro_batches, sizes, window.padding, keep)
         joined, offset = ctx.sync.gather_items(first.local())
         loss, slices, own = _loss_gradient(ctx, window, window_loss, first.spec, joined, offset, sum(sizes))
         fold = bool(own) and ctx.sync.folds_outside_gradients()
@@ -235,6 +245,19 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
             torch.autograd.backward([p for p, _ in own], [g for _, g in own])
         _second_pass(ctx, window, window_loss, micro_batches, sizes, first, loss, slices, own if fold else [])
         return window.step()
+
+
+def _graphs_to_keep(ctx: WindowContext, window_loss: WindowLoss, own: int) -> int:
+    """How many of this window's last micro-batches keep their pass-1 graph: ``keep_graphs``, but none
+    under FSDP2 (its forwards and backwards gather and free shards in order) or with BatchNorm in
+    training mode (pass 1 leaves its statistics as it found them), and under DDP all but one (the
+    reducing backward replays its forward) and the same on every rank (the forwards' collectives)."""
+    if window_loss.keep_graphs == 0 or type(ctx.sync).__name__ == "FSDP2Sync" or training_batchnorms(ctx.model):
+        return 0  # alike on every rank
+    keep = min(window_loss.keep_graphs, own)
+    if ctx.sync.reduces_across_ranks:  # every rank asks, one without micro-batches too
+        keep = ctx.sync.min_across(min(keep, own - 1), ctx.device)
+    return max(keep, 0)
 
 
 def _loss_gradient(ctx: WindowContext, window: Window, window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor],
@@ -273,29 +296,37 @@ def refuse_a_loss_without_representations(grads: List[Optional[torch.Tensor]]) -
 def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, micro_batches: List[Batch],
                  sizes: List[int], first: "_FirstPass", loss: torch.Tensor, slices: List[Optional[torch.Tensor]],
                  carried: List[Tuple[Any, Any]]) -> None:
-    """Each micro-batch's forward again from its saved random state, backpropagated with its slice; then
-    the padding the ranks need. ``carried`` (the loss's parameters and their gradient) rides in the last
-    backward, the one that reduces. The first window compares the replay with pass 1, on every rank."""
-    ranks, at, alike = ctx.ranks, 0, True
-    last = len(micro_batches) + window.padding - 1
-    for k in range(last + 1):
-        own = k < len(micro_batches)
-        if own:
-            first.states[k].restore()
-        batch, n = (micro_batches[k], sizes[k]) if own else (ranks.replay, leading_dim(ranks.replay))
+    """The micro-batches whose graph pass 1 kept are backpropagated first; then each other one's forward
+    runs again from its saved random state and is backpropagated with its slice; then the padding the
+    ranks need. ``carried`` (the loss's parameters and their gradient) rides in the last backward, the
+    one that reduces. The first window compares the replay with pass 1, on every rank."""
+    ranks, alike = ctx.ranks, True
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    kept = sorted(first.graphs)
+    order: List[Optional[int]] = kept + [k for k in range(len(micro_batches)) if k not in first.graphs]
+    order += [None] * window.padding
+    for i, k in enumerate(order):
+        own = k is not None
+        n = sizes[k] if k is not None else leading_dim(ranks.replay)
         with window.micro_batch():
-            out = window_loss.encode(ctx.model, batch)
-            outs = _flat(out, n, k)
-            if k == 0 and not window_loss.checked:
-                _agree_outputs_require_grad(ctx, outs, _differentiable(out))
-            if own:
-                alike &= window_loss.checked or _same(outs, first.cached[k])
+            if k is not None and k in first.graphs:
+                outs, differentiable = first.graphs.pop(k), first.differentiable
+            else:
+                if k is not None:
+                    first.states[k].restore()
+                out = window_loss.encode(ctx.model, micro_batches[k] if k is not None else ranks.replay)
+                outs, differentiable = _flat(out, n, k if k is not None else 0), _differentiable(out)
+                if k is not None:
+                    alike &= window_loss.checked or _same(outs, first.cached[k])
+            if i == 0 and not window_loss.checked:
+                _agree_outputs_require_grad(ctx, outs, differentiable)
+            if k is not None:
+                at = starts[k]
                 pairs = [(o, g[at:at + n]) for o, g in zip(outs, slices) if g is not None]
             else:  # zero weight: it adds nothing, but runs the collectives of a backward
-                pairs = [(o, torch.zeros_like(o)) for o, d in zip(outs, _differentiable(out)) if d and o.requires_grad]
-            pairs += carried if k == last else []
+                pairs = [(o, torch.zeros_like(o)) for o, d in zip(outs, differentiable) if d and o.requires_grad]
+            pairs += carried if i == len(order) - 1 else []
             window.backward_part([o for o, _ in pairs], [g for _, g in pairs], loss, n if own else 0)
-        at += n if own else 0
     assert first.end is not None, "pass 1 saved where the random state stands after it"
     first.end.restore()  # as after pass 1 alone: the window drew its random numbers once
     if not window_loss.checked:  # once, and on every rank alike: none raises alone
@@ -329,6 +360,10 @@ class _FirstPass:
         self.spec: Any = None
         self.empty: List[torch.Tensor] = []
         self.end: Optional[_RandomState] = None
+        #: micro-batch index -> its representations with their graph (pass 1 kept it), and which of them
+        #: are differentiable
+        self.graphs: dict = {}
+        self.differentiable: List[bool] = []
 
     def local(self) -> List[torch.Tensor]:
         """This rank's representations joined along dim 0, one tensor per position in the structure."""
@@ -341,14 +376,24 @@ class _FirstPass:
 
 
 def _first_pass(ctx: WindowContext, window_loss: WindowLoss, micro_batches: List[Batch], sizes: List[int],
-                padding: int) -> _FirstPass:
-    """Pass 1: each micro-batch's representations without a graph, and the random state before each."""
+                padding: int, keep: int = 0) -> _FirstPass:
+    """Pass 1: each micro-batch's representations, and the random state before each; without a graph
+    but for the last ``keep`` micro-batches, whose graph is kept for pass 2 (their forward under the
+    data-parallel wrapper's "do not reduce", as any micro-batch's but the last)."""
     first = _FirstPass()
+    keep_from = len(micro_batches) - keep
     with torch.no_grad(), _batchnorm_stats_kept(ctx.model), ctx.precision.autocast():
         for k, (mb, n) in enumerate(zip(micro_batches, sizes)):
             first.states.append(_RandomState(ctx.device))
-            out = window_loss.encode(ctx.model, mb)
-            first.cached.append(_flat(out, n, k))
+            if k >= keep_from:
+                with torch.enable_grad(), ctx.sync.micro_batch(last=False):
+                    out = window_loss.encode(ctx.model, mb)
+                outs = _flat(out, n, k)
+                first.graphs[k], first.differentiable = outs, _differentiable(out)
+                first.cached.append([o.detach() for o in outs])
+            else:
+                out = window_loss.encode(ctx.model, mb)
+                first.cached.append(_flat(out, n, k))
             first.spec = out if first.spec is None else first.spec
         for _ in range(padding):  # the forwards' collectives, as the ranks with data run them
             out = window_loss.encode(ctx.model, ctx.ranks.replay)
