@@ -162,3 +162,52 @@ def _at(hidden: int) -> Dict[str, Any]:
                        peak_mib=peaks[name] / 2**20, memory_ratio=peaks[name] / peaks["big batch"])
         rows.append(row)
     return {"pairs": PAIRS, "micro_batch": MICRO, "repeats": REPEATS, "hidden": hidden, "rows": rows}
+
+
+# -- sentence-transformers' trainer, per loss: the table of docs/guides/sentence-transformers.md ---------
+
+ST_TABLE = ("<!-- st-losses: written by make bench (benchmarks/contrastive.py), do not edit -->",
+            "<!-- /st-losses -->")
+
+
+def st_losses() -> List[Dict[str, Any]]:
+    """Per loss of issue #33 item 1: one SGD step of the stock ``SentenceTransformerTrainer`` with 6 rows
+    x 4 accumulation steps and of ``ExactSentenceTransformerTrainer`` with the same, each against the
+    stock trainer's one batch of 24 rows (float64, a BERT from a config with mean pooling); the distance
+    is relative to the largest change the big batch's step made."""
+    import sys
+
+    from common import ROOT
+
+    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+    from st_helpers import dataset, distance, fresh, losses, moved, tiny_model, train_once
+
+    from sentence_transformers import SentenceTransformerTrainer
+
+    from gradaccum.integrations.sentence_transformers import ExactSentenceTransformerTrainer
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        tmp = Path(folder)
+        base, guide = tiny_model(tmp / "model"), tiny_model(tmp / "guide", seed=1)
+        for name, (kind, make) in losses(base, guide).items():
+            data = dataset(kind, 24)
+            runs = {}
+            for label, cls, batch, accumulation in (("big", SentenceTransformerTrainer, 24, 1),
+                                                    ("stock", SentenceTransformerTrainer, 6, 4),
+                                                    ("exact", ExactSentenceTransformerTrainer, 6, 4)):
+                model = fresh(base)
+                train_once(cls, model, make(model), data, tmp / "out", batch=batch, accumulation=accumulation)
+                runs[label] = moved(base, model)
+            rows.append({"loss": name, "columns": kind, "stock": distance(runs["stock"], runs["big"]),
+                         "exact": distance(runs["exact"], runs["big"])})
+    return rows
+
+
+def write_st_table(rows: List[Dict[str, Any]], page: Path) -> None:
+    """The per-loss table between the page's markers."""
+    lines = ["| loss | dataset | stock trainer, 6 x 4 | ExactSentenceTransformerTrainer, 6 x 4 |", "|---|---|---|---|"]
+    lines += [f"| {r['loss']} | {r['columns']} | {r['stock']:.1e} | {r['exact']:.1e} |" for r in rows]
+    text = page.read_text()
+    start, end = text.index(ST_TABLE[0]) + len(ST_TABLE[0]), text.index(ST_TABLE[1])
+    page.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])

@@ -48,7 +48,7 @@ def main() -> None:
     torch.set_num_threads(1)  # every figure with one thread: comparable, and less noise on a shared machine
     where = ROOT / "runs" / "bench-quick" if QUICK else DOCS
     where.mkdir(parents=True, exist_ok=True)
-    from contrastive import contrastive
+    from contrastive import contrastive, st_losses, write_st_table
     from distributed import distributed, window_cost
     from memory_bench import memory, meter_cost
     from overhead import overhead, profile
@@ -62,7 +62,7 @@ def main() -> None:
     sections: Dict[str, Callable[[], Any]] = {
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
-        "throughput": throughput, "contrastive": contrastive,
+        "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks}
     for name, fn in sections.items():
         t0 = time.time()
@@ -76,6 +76,8 @@ def main() -> None:
     doc = render(results)
     (where / "benchmarks.md").write_text(doc)
     (where / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
+    if not QUICK:  # the sentence-transformers guide's per-loss table
+        write_st_table(results["st_losses"], DOCS / "guides" / "sentence-transformers.md")
     print(doc)
     print(f"[bench] {results['total_s']:.0f} s; wrote {where.relative_to(ROOT)}/benchmarks.md, .json, .png",
           file=sys.stderr)

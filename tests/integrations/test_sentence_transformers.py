@@ -72,3 +72,14 @@ def test_a_loss_it_cannot_serve_is_refused_by_name_before_training(models, tmp_p
     with pytest.raises(ValueError, match=match):
         train_once(ExactSentenceTransformerTrainer, model, make(model), dataset("pairs", 8), tmp_path,
                    batch=4, accumulation=2)
+
+
+def test_a_window_mixing_datasets_is_refused_when_it_reaches_the_loss(models, tmp_path):
+    """Two datasets (the proportional sampler interleaves them): a coupled loss is one dataset's big batch."""
+    base, _ = models
+    model = fresh(base)
+    data = {"a": dataset("pairs", 8), "b": dataset("pairs", 8, seed=1)}
+    loss = {"a": L.MultipleNegativesRankingLoss(model), "b": L.MultipleNegativesRankingLoss(model)}
+    with pytest.raises(ValueError, match=r"one window holds micro-batches of the datasets \['a', 'b'\]"):
+        train_once(ExactSentenceTransformerTrainer, model, loss, data, tmp_path, batch=4, accumulation=4,
+                   multi_dataset_batch_sampler="round_robin")

@@ -48,8 +48,7 @@ __all__ = ["ExactSentenceTransformerTrainer", "SUPPORTED", "REFUSED"]
 #: the losses tested here, through the trainer, in float64 against one big batch
 SUPPORTED = ("MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
              "MegaBatchMarginLoss", "CoSENTLoss", "AnglELoss", "BatchAllTripletLoss", "BatchHardTripletLoss",
-             "BatchSemiHardTripletLoss", "BatchHardSoftMarginTripletLoss", "OnlineContrastiveLoss",
-             "ContrastiveLoss", "CosineSimilarityLoss", "TripletLoss", "MatryoshkaLoss")
+             "BatchSemiHardTripletLoss", "OnlineContrastiveLoss", "MatryoshkaLoss")
 #: refused by name, with the fix
 REFUSED = {
     "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
