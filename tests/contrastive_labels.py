@@ -1,6 +1,6 @@
 """A loss that reads labels and scores besides the representations (CoSENT-like ranking of pair scores,
 a supervised-contrastive mask from class labels), with its big-batch reference: shared by
-tests/test_cached_ride_along.py and the torchrun scenarios (tests/distributed/cached_labels_worker.py)."""
+tests/test_cached_ride_along.py and the torchrun scenarios (tests/distributed/cached_worker.py)."""
 from __future__ import annotations
 
 from typing import Sequence, Tuple

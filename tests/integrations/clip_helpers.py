@@ -1,6 +1,6 @@
 """Tiny float64 CLIP and SigLIP models from configs, an image-text dataset, and a dual encoder of one's
 own with a WindowLoss: shared by tests/integrations/test_hf_window_loss.py and the torchrun scenarios
-(tests/distributed/hf_window_loss_worker.py)."""
+(tests/distributed/coupled_trainers_worker.py)."""
 from __future__ import annotations
 
 import copy

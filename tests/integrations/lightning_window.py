@@ -1,6 +1,6 @@
 """The Lightning recipe for a loss that couples the window's items (docs/guides/lightning.md): manual
 optimization, an Accumulator over Lightning's own DDP wrapper, a WindowLoss, global_step and logging
-as Lightning counts them. Shared by the one-process test and the torchrun scenario."""
+as Lightning counts them. Shared by the one-process test and the torchrun scenario (tests/distributed/coupled_trainers_worker.py)."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,6 @@
 """A tiny float64 sentence-transformers model built from a config (no download), datasets for each loss
 family, and one-step runs through a trainer: shared by tests/integrations/test_sentence_transformers.py
-and the torchrun scenarios (tests/distributed/st_worker.py)."""
+and the torchrun scenarios (tests/distributed/coupled_trainers_worker.py)."""
 from __future__ import annotations
 
 import copy
@@ -103,6 +103,24 @@ def train_once(trainer_cls: Any, model: Any, loss: Any, data: Any, out: Path, *,
         trainer = trainer_cls(model=model, args=args, train_dataset=data, loss=loss)
         trainer.train()
     return trainer
+
+
+def big_batch(base: Any, make: Callable[[Any], Any], data: Any, lr: float) -> Any:
+    """One SGD step of the loss on every row of ``data`` in one batch, outside any trainer: the
+    reference (the model after the step, and the loss)."""
+    model = fresh(base)
+    loss_fn = make(model)
+    columns = [c for c in data.column_names if c not in ("label", "score")]
+    features = [model.tokenize(data[c]) for c in columns]
+    labels = next((torch.tensor(data[c], dtype=torch.float64 if c == "score" else torch.long)
+                   for c in ("label", "score") if c in data.column_names), None)
+    loss = loss_fn(features, labels)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    return model, loss.item()
 
 
 def moved(before: Any, after: Any) -> List[torch.Tensor]:
