@@ -16,7 +16,8 @@ pytest.importorskip("pytorch_lightning")
 WORKER = str(ROOT / "tests" / "distributed" / "coupled_trainers_worker.py")
 SCENARIOS = ["st_ddp_" + name for name in ["MNRL", "MNSRL", "GIST", "MegaBatchMargin", "CoSENT", "AnglE",
                                            "BatchAllTriplet", "BatchHardTriplet", "BatchSemiHardTriplet",
-                                           "OnlineContrastive", "Matryoshka_MNRL", "Matryoshka_CoSENT"]]
+                                           "OnlineContrastive", "Matryoshka_MNRL", "Matryoshka_CoSENT",
+                                           "AdaptiveLayer_MNRL", "Matryoshka2d_CoSENT"]]
 SCENARIOS += ["hf_ddp_clip_own_loss", "hf_ddp_siglip_own_loss", "hf_ddp_window_loss_of_one_s_own",
               "lightning_ddp_window_loss_recipe"]
 

@@ -85,6 +85,8 @@ def losses(model: Any, guide: Any) -> Dict[str, Callable[[Any], Any]]:
         "OnlineContrastive": ("binary", lambda m: L.OnlineContrastiveLoss(m)),
         "Matryoshka(MNRL)": ("pairs", lambda m: L.MatryoshkaLoss(m, L.MultipleNegativesRankingLoss(m), [16, 8, 4])),
         "Matryoshka(CoSENT)": ("scored", lambda m: L.MatryoshkaLoss(m, L.CoSENTLoss(m), [16, 8])),
+        "AdaptiveLayer(MNRL)": ("pairs", lambda m: L.AdaptiveLayerLoss(m, L.MultipleNegativesRankingLoss(m))),
+        "Matryoshka2d(CoSENT)": ("scored", lambda m: L.Matryoshka2dLoss(m, L.CoSENTLoss(m), [16, 8])),
     }
 
 

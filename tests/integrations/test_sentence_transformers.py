@@ -62,8 +62,8 @@ def test_several_windows_and_a_short_last_window(models, tmp_path):
 @pytest.mark.parametrize("make, match", [
     (lambda m: L.CachedMultipleNegativesRankingLoss(m), "CachedMultipleNegativesRankingLoss is not supported: use "
                                                         "MultipleNegativesRankingLoss"),
-    (lambda m: L.AdaptiveLayerLoss(m, L.MultipleNegativesRankingLoss(m)), "AdaptiveLayerLoss is not supported: it "
-                                                                           "reads more than the sentence embeddings"),
+    (lambda m: L.MatryoshkaLoss(m, L.AdaptiveLayerLoss(m, L.MultipleNegativesRankingLoss(m)), [16]),
+     "AdaptiveLayerLoss inside another loss is not supported; make it the outermost loss"),
 ])
 def test_a_loss_it_cannot_serve_is_refused_by_name_before_training(models, tmp_path, make, match):
     base, _ = models

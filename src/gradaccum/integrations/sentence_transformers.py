@@ -39,6 +39,7 @@ try:
     from sentence_transformers import SentenceTransformerTrainer
     from sentence_transformers.base.model import BaseModel
     from sentence_transformers.base.losses.merged_forward import column_merging_disabled
+    from sentence_transformers.sentence_transformer.losses import AdaptiveLayerLoss
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.sentence_transformers needs sentence-transformers: "
                       "pip install 'sentence-transformers>=3.1'") from exc
@@ -48,13 +49,14 @@ __all__ = ["ExactSentenceTransformerTrainer", "SUPPORTED", "REFUSED"]
 #: the losses tested here, through the trainer, in float64 against one big batch
 SUPPORTED = ("MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
              "MegaBatchMarginLoss", "CoSENTLoss", "AnglELoss", "BatchAllTripletLoss", "BatchHardTripletLoss",
-             "BatchSemiHardTripletLoss", "OnlineContrastiveLoss", "MatryoshkaLoss")
+             "BatchSemiHardTripletLoss", "OnlineContrastiveLoss", "MatryoshkaLoss", "AdaptiveLayerLoss",
+             "Matryoshka2dLoss")
 #: refused by name, with the fix
 REFUSED = {
     "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss": "MultipleNegativesSymmetricRankingLoss",
     "CachedGISTEmbedLoss": "GISTEmbedLoss",
-    "AdaptiveLayerLoss": None, "Matryoshka2dLoss": None, "DenoisingAutoEncoderLoss": None,
+    "DenoisingAutoEncoderLoss": None,
     "ContrastiveTensionLoss": None, "ContrastiveTensionLossInBatchNegatives": None,
 }
 
@@ -74,8 +76,10 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
 
     Refused by name (:data:`REFUSED`), before training: the ``Cached*`` losses (they cache one
     micro-batch themselves: use the plain twin, which this trainer caches over the whole window),
-    ``AdaptiveLayerLoss`` and ``Matryoshka2dLoss`` (they read every layer's token embeddings), losses
-    that decode tokens; a GIST guide that re-tokenizes; DeepSpeed, FSDP and DataParallel. A window
+    losses that decode tokens, an ``AdaptiveLayerLoss`` inside another loss; a GIST guide that
+    re-tokenizes; DeepSpeed, FSDP and DataParallel. ``AdaptiveLayerLoss`` (and ``Matryoshka2dLoss``) as
+    the outermost loss is served every layer's sentence embedding (pass 1 and 2 run the model with its
+    hidden states) and its layers, weights and KL term are computed over the window. A window
     whose micro-batches come from several datasets (``train_dataset`` a dict) is refused when it
     reaches the loss: one coupled loss has one dataset.
 
@@ -134,6 +138,9 @@ def refuse_a_loss(loss: nn.Module) -> None:
     """A loss this trainer cannot make one big batch, refused by name with the fix."""
     for module in loss.modules():
         name = type(module).__name__
+        if isinstance(module, AdaptiveLayerLoss) and module is not loss:
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: {name} inside another loss is not supported; "
+                                     "make it the outermost loss")
         if name in REFUSED:
             twin = REFUSED[name]
             fix = (f"use {twin}: ExactSentenceTransformerTrainer caches the embeddings of the whole window "
@@ -182,12 +189,16 @@ def _guides(loss: nn.Module, module: nn.Module) -> Dict[str, nn.Module]:
 
 class _Served(nn.Module):
     """Stands in for a model inside the loss: ``model(features)`` returns the cached embeddings of the
-    rows ``features`` names (a column index and row indices, sliced as any feature is)."""
+    rows ``features`` names (a column index and row indices, sliced as any feature is). For
+    ``AdaptiveLayerLoss`` the cache holds every layer's embeddings, ``(rows, layers, dim)``, and
+    ``layer`` picks one; every embedding served is recorded (its KL term reads them)."""
 
     def __init__(self, columns: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.table = torch.cat(list(columns))
         self.rows = columns[0].shape[0]
+        self.layer: Optional[int] = None
+        self.served: List[torch.Tensor] = []
 
     def forward(self, features: Dict[str, Any]) -> Dict[str, torch.Tensor]:
         try:
@@ -195,7 +206,10 @@ class _Served(nn.Module):
         except KeyError:
             raise ConfigurationError("ExactSentenceTransformerTrainer: the loss runs the model on features of its "
                                      "own making (not the batch's), which cached embeddings cannot serve") from None
-        return {"sentence_embedding": self.table[index]}
+        rows = self.table[index]
+        embedding = rows if self.layer is None else rows[:, self.layer]
+        self.served.append(embedding)
+        return {"sentence_embedding": embedding}
 
     def get_embedding_dimension(self) -> int:
         return int(self.table.shape[-1])
@@ -209,11 +223,33 @@ class _ServedLoss:
     def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module,
                  guides: Dict[str, nn.Module]) -> None:
         self.trainer, self.loss_fn, self.module, self.guides = trainer, loss_fn, module, guides
+        self.adaptive = loss_fn if isinstance(loss_fn, AdaptiveLayerLoss) else None
+
+    def _every_layer(self, model: nn.Module, features: Dict[str, Any]) -> torch.Tensor:
+        """Every layer's sentence embedding, ``(rows, layers, dim)``, the last layer's last: the model's
+        forward with the hidden states (as AdaptiveLayerLoss's TransformerDecorator runs it), then the
+        modules after the transformer on each earlier layer's token embeddings."""
+        transformer = self.module[0]
+        config = transformer.auto_model.config
+        kept = config.output_hidden_states
+        config.output_hidden_states = True
+        try:
+            out = model(features)
+        finally:
+            config.output_hidden_states = kept
+        layers = []
+        for hidden in out["all_layer_embeddings"][:-1]:
+            x = {**out, "token_embeddings": hidden}
+            for later in list(self.module)[1:]:
+                x = later(x)
+            layers.append(x["sentence_embedding"])
+        return torch.stack(layers + [out["sentence_embedding"]], dim=1)
 
     def encode(self, model: nn.Module, inputs: Dict[str, Any]) -> Dict[str, Any]:
         inputs = {k: v for k, v in inputs.items() if k != "dataset_name"}
         features, labels = self.trainer.collect_features(inputs)
-        out: Dict[str, Any] = {"model": [model(dict(f))["sentence_embedding"] for f in features]}
+        embed = self._every_layer if self.adaptive is not None else (lambda m, f: m(f)["sentence_embedding"])
+        out: Dict[str, Any] = {"model": [embed(model, dict(f)) for f in features]}
         if self.guides:
             with torch.no_grad():
                 out["guides"] = {name: [Constant(g(dict(f))["sentence_embedding"]) for f in features]
@@ -237,11 +273,41 @@ class _ServedLoss:
                 if getattr(owner, "gather_across_devices", False):  # the embeddings are every rank's already
                     stack.enter_context(_attribute(owner, "gather_across_devices", False))
             fn = self.loss_fn
-            forward = getattr(fn, "forward_non_mini_batched", None) if getattr(fn, "uses_gradient_cache", False) else None
-            out = (forward or fn)(features, reps.get("labels"))
+            if self.adaptive is not None:
+                out = self._adaptive_layers(served["model"], features, reps.get("labels"))
+            else:
+                forward = getattr(fn, "forward_non_mini_batched", None) if getattr(fn, "uses_gradient_cache",
+                                                                                  False) else None
+                out = (forward or fn)(features, reps.get("labels"))
         if isinstance(out, dict):
             out = torch.stack(list(out.values())).sum()
         return out
+
+
+    def _adaptive_layers(self, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
+        """AdaptiveLayerLoss's forward on the served layers: the inner loss on the last layer, on the
+        earlier layers it samples (weighted), and the KL divergence of each to the last layer's."""
+        import random
+
+        ad = self.adaptive
+        assert ad is not None
+        inner, layers = ad.loss, served.table.shape[1]
+        served.layer, served.served = layers - 1, []
+        loss = inner(features, labels) * ad.last_layer_weight
+        final = None
+        if ad.kl_temperature > 0:
+            final = nn.functional.softmax(torch.cat(served.served) / ad.kl_temperature, dim=-1).detach()
+        indices = list(range(layers - 1))
+        if 0 < ad.n_layers_per_step < layers - 1:
+            indices = random.sample(indices, ad.n_layers_per_step)
+        for index in indices:
+            served.layer, served.served = index, []
+            loss = loss + inner(features, labels) * ad.get_layer_weight(index) / len(indices) * ad.prior_layers_weight
+            if final is not None:
+                kl = nn.functional.kl_div(nn.functional.log_softmax(torch.cat(served.served) / ad.kl_temperature,
+                                                                    dim=-1), final, reduction="batchmean")
+                loss = loss + kl * ad.kl_temperature * ad.kl_div_weight
+        return loss
 
 
 @contextlib.contextmanager
