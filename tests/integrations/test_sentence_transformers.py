@@ -82,3 +82,31 @@ def test_a_window_mixing_datasets_is_refused_when_it_reaches_the_loss(models, tm
     with pytest.raises(ValueError, match=r"one window holds micro-batches of the datasets \['a', 'b'\]"):
         train_once(ExactSentenceTransformerTrainer, model, loss, data, tmp_path, batch=4, accumulation=4,
                    multi_dataset_batch_sampler="round_robin")
+
+
+def test_evaluation_saving_and_resuming_stay_the_trainer_s(models, tmp_path):
+    """Checkpoints every step; a run resumed from step 1 ends where the uninterrupted one does; the
+    evaluation loss is the stock trainer's per-batch loss."""
+    from sentence_transformers import SentenceTransformerTrainingArguments
+
+    base, _ = models
+    data, held_out = dataset("pairs", 32), dataset("pairs", 8, seed=7)
+
+    def run(model, steps, resume=None):
+        args = SentenceTransformerTrainingArguments(
+            str(tmp_path / "run"), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=steps,
+            learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, report_to="none",
+            save_strategy="steps", save_steps=1, use_cpu=True, seed=0, batch_sampler="batch_sampler")
+        trainer = ExactSentenceTransformerTrainer(model=model, args=args, train_dataset=data, eval_dataset=held_out,
+                                                  loss=L.MultipleNegativesRankingLoss(model))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = fresh(base)
+    trainer = run(whole, 2)
+    stock_eval = SentenceTransformerTrainer(model=whole, args=trainer.args, eval_dataset=held_out,
+                                            loss=L.MultipleNegativesRankingLoss(whole)).evaluate()["eval_loss"]
+    assert math.isclose(trainer.evaluate()["eval_loss"], stock_eval, rel_tol=1e-12)
+    resumed = fresh(base)
+    run(resumed, 2, resume=str(tmp_path / "run" / "checkpoint-1"))
+    assert distance(moved(base, resumed), moved(base, whole)) < TOL
