@@ -35,6 +35,8 @@ class Contrastive(pl.LightningModule):
 
     def on_train_start(self):
         self.acc = Accumulator(strategy_model(self), self.optimizers().optimizer, max_grad_norm=self.max_grad_norm)
+        if getattr(self, "_acc_state", None) is not None:  # resumed: the checkpoint's Accumulator state
+            self.acc.load_state_dict(self._acc_state)
 
     def training_step(self, batch, batch_idx):
         result = self.acc.step(batch, self.window_loss, micro_batch_size=self.micro_batch_size)
@@ -44,15 +46,21 @@ class Contrastive(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint):
         checkpoint["gradaccum"] = self.acc.state_dict()
 
+    def on_load_checkpoint(self, checkpoint):
+        self._acc_state = checkpoint.get("gradaccum")
+
 
 def fit(module: Contrastive, windows, **trainer_kwargs) -> pl.Trainer:
     """``windows``: this rank's batches, one per window (a DataLoader with batch_size=None)."""
     import warnings
 
     loader = torch.utils.data.DataLoader(windows, batch_size=None)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    ckpt_path = trainer_kwargs.pop("ckpt_path", None)
+    trainer_kwargs.setdefault("max_epochs", 1)
+    trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         **trainer_kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, loader)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer

@@ -41,3 +41,22 @@ def test_exact_accumulation_refuses_a_window_loss_returned_from_training_step():
 
     with pytest.raises(ValueError, match="training_step returned a WindowLoss.*manual optimization"):
         fit(Returning(), [pair_batch(4, seed=0)], accumulate_grad_batches=2, callbacks=[ExactAccumulation()])
+
+
+def test_a_fit_resumed_from_a_checkpoint_ends_where_the_uninterrupted_one_does(tmp_path):
+    """One window per epoch, a checkpoint after each; the fit resumed after epoch 2 runs epoch 3 only
+    and ends bit for bit where 3 epochs in one fit end (the optimizer's momentum and the Accumulator's
+    state come back from the checkpoint)."""
+    import torch
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    window = [pair_batch(10, seed=4)]
+    whole = Contrastive()
+    fit(whole, window, max_epochs=3)
+    first = Contrastive()
+    fit(first, window, max_epochs=2, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)])
+    resumed = Contrastive()
+    trainer = fit(resumed, window, max_epochs=3, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert trainer.global_step == 3 and resumed.acc.steps == 3
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), whole.parameters()))
