@@ -179,7 +179,10 @@ class ExactTrainer(Trainer):
         head: One of :data:`HEADS`, where ExactTrainer computes the loss itself. Default: read from
             the model's class (:func:`head_of`).
         ignore_index: Label value that is not a target. Default -100.
-        **kwargs: As for the Trainer; ``compute_loss_func`` is refused.
+        **kwargs: As for the Trainer; ``compute_loss_func`` is refused unless it is a
+            :class:`~gradaccum.WindowLoss` (a loss that couples the batch's rows, see
+            :mod:`gradaccum.integrations.hf_window_loss`; ``CLIPModel`` and ``SiglipModel`` get theirs
+            without it).
 
     Raises:
         ValueError: ``compute_loss_func`` is passed; ``label_smoothing_factor`` where ExactTrainer
@@ -203,7 +206,7 @@ class ExactTrainer(Trainer):
     def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, **kwargs: Any) -> None:
         from . import hf_window_loss  # a loss that couples the batch's rows: a WindowLoss, or CLIP's/SigLIP's
 
-        self.window_loss = hf_window_loss.window_loss_of(kwargs, args)
+        self.window_loss = hf_window_loss.window_loss_of(kwargs, args, loss_source(type(self)))
         if kwargs.get("compute_loss_func") is not None:
             raise ConfigurationError("ExactTrainer(compute_loss_func=...): ExactTrainer cannot weigh a loss whose reduction "
                              "it does not know; drop compute_loss_func (ExactTrainer computes the model's loss), or "

@@ -205,15 +205,20 @@ def contrastive_window_loss(model: nn.Module) -> Optional[WindowLoss]:
 # -- ExactTrainer's hooks (gradaccum.integrations.hf_trainer calls these when it holds a WindowLoss) ------
 
 
-def window_loss_of(kwargs: dict, args: tuple) -> Optional[WindowLoss]:
+def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLoss]:
     """The WindowLoss an ExactTrainer trains with: ``compute_loss_func=WindowLoss(...)`` (taken out of
     the Trainer's arguments), or, without ``compute_loss_func``, a contrastive model's own loss
-    (:func:`contrastive_window_loss`); None for every other model."""
+    (:func:`contrastive_window_loss`); None for every other model, and where a trainer's own
+    ``compute_loss`` runs (``source`` is not "head")."""
     given = kwargs.get("compute_loss_func")
     if isinstance(given, WindowLoss):
+        if source != "head":
+            raise ConfigurationError(f"ExactTrainer(compute_loss_func=WindowLoss(...)) with a trainer whose own "
+                                     f"compute_loss runs (items: {source}): the two losses conflict; use "
+                                     "ExactTrainer itself with the WindowLoss")
         return kwargs.pop("compute_loss_func")
-    if given is not None:
-        return None  # ExactTrainer refuses it
+    if given is not None or source != "head":
+        return None  # ExactTrainer refuses a compute_loss_func of another kind
     model = kwargs.get("model", args[0] if args else None)
     return contrastive_window_loss(model) if isinstance(model, nn.Module) else None
 
