@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -48,3 +50,20 @@ def test_find_unused_parameters_is_refused_with_a_window_loss(tmp_path):
     with pytest.raises(ValueError, match="ddp_find_unused_parameters=True makes DDP reduce a parameter"):
         train(ExactTrainer, DualEncoder(), pairs(8), tmp_path, batch=4, accumulation=2, lr=LR,
               compute_loss_func=own_window_loss(), ddp_find_unused_parameters=True)
+
+
+def test_the_first_micro_batch_s_graph_is_kept_one_forward_saved_per_window(tmp_path):
+    """5 micro-batches: 5 forwards in pass 1 (micro-batch 0's with its graph, in the Trainer's call for
+    it), 4 in pass 2; the step is still the big batch's (the test above)."""
+    from gradaccum import WindowLoss
+    from integrations.clip_helpers import own_loss
+
+    calls = []
+
+    def encode(m, b):
+        calls.append(torch.is_grad_enabled())
+        return m(b["input_ids"], b["pixel_values"])
+
+    train(ExactTrainer, DualEncoder(), pairs(24, seed=3), tmp_path, batch=5, accumulation=5, lr=LR,
+          compute_loss_func=WindowLoss(encode, own_loss))
+    assert calls == [True, False, False, False, False, True, True, True, True]

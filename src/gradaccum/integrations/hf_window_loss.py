@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .._cached import (WindowLoss, _batchnorm_stats_kept, _differentiable, _flat, _RandomState, _same,
-                       refuse_a_loss_without_representations)
+                       refuse_a_loss_without_representations, training_batchnorms)
 from ..batching import _rebuild
 from ..errors import ConfigurationError
 
@@ -62,18 +62,31 @@ class TrainerWindow:
         self.own: List[Tuple[nn.Parameter, torch.Tensor]] = []
         self.total = 0
         self.alike = True
+        self.kept: Optional[List[torch.Tensor]] = None  # micro-batch 0's representations with their graph
+        self.differentiable: List[bool] = []
 
     # -- pass 1 and the loss ---------------------------------------------------------------------
 
-    def start(self, module: nn.Module, loss_model: Any, device: torch.device) -> torch.Tensor:
+    def start(self, module: nn.Module, loss_model: Any, device: torch.device, model: Optional[nn.Module] = None
+              ) -> torch.Tensor:
         """Pass 1 on ``module`` (the unwrapped model: no collective), the gather, the window's loss on
-        ``loss_model`` and its gradient. Returns ``L``."""
+        ``loss_model`` and its gradient. Returns ``L``. With ``model`` (the Trainer's, inside the
+        Trainer's call for micro-batch 0, under its ``no_sync``), micro-batch 0's forward keeps its graph
+        where the window has several micro-batches and no BatchNorm trains: its pass 2 is that graph's
+        backward, without a second forward."""
         spec = None
+        keep = model is not None and len(self.micro_batches) > 1 and not training_batchnorms(module)
         with torch.no_grad(), _batchnorm_stats_kept(module):
             for k, mb in enumerate(self.micro_batches):
                 self.states.append(_RandomState(device))
-                out = self.window_loss.encode(module, mb)
-                flat = _flat(out, _rows(out), k)
+                if k == 0 and keep:
+                    with torch.enable_grad():
+                        out = self.window_loss.encode(model, mb)
+                    self.kept = _flat(out, _rows(out), k)
+                    flat = [o.detach() for o in self.kept]
+                else:
+                    out = self.window_loss.encode(module, mb)
+                    flat = _flat(out, _rows(out), k)
                 self.sizes.append(flat[0].shape[0])
                 self.cached.append(flat)
                 spec = out if spec is None else spec
@@ -83,7 +96,8 @@ class TrainerWindow:
         local = [torch.cat(column) for column in zip(*self.cached)]
         joined, offset = self.gather(local)
         self.total = joined[0].shape[0]
-        inputs = [t.detach().requires_grad_(d) for t, d in zip(joined, _differentiable(spec))]
+        self.differentiable = _differentiable(spec)
+        inputs = [t.detach().requires_grad_(d) for t, d in zip(joined, self.differentiable)]
         loss = self.window_loss.loss(loss_model, _rebuild(spec, iter(inputs)))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
             raise ConfigurationError(f"WindowLoss: loss(model, representations) must return a scalar tensor that "
@@ -107,22 +121,26 @@ class TrainerWindow:
     def part(self, k: int, model: nn.Module, micro_batch: Any) -> torch.Tensor:
         """Micro-batch k's forward again, its random state replayed: the surrogate to backpropagate."""
         assert self.started and self.loss is not None
-        self.states[k].restore()
-        out = self.window_loss.encode(model, micro_batch)
-        outs = _flat(out, self.sizes[k], k)
+        replayed = not (k == 0 and self.kept is not None)
+        if replayed:
+            self.states[k].restore()
+            outs = _flat(self.window_loss.encode(model, micro_batch), self.sizes[k], k)
+        else:  # pass 1 kept its graph
+            outs, self.kept = self.kept, None
         if self.check:
-            detached = [o for o, d in zip(outs, _differentiable(out)) if d and not o.requires_grad]
+            detached = [o for o, d in zip(outs, self.differentiable) if d and not o.requires_grad]
             if detached:
                 raise ConfigurationError("WindowLoss: a representation encode returned does not require grad: it ran "
                                          "under torch.no_grad() or was detached. Return the model's outputs as they are")
-            self.alike &= _same(outs, self.cached[k])
+            self.alike &= not replayed or _same(outs, self.cached[k])
         at = sum(self.sizes[:k])
         terms = [(o * g[at:at + self.sizes[k]].to(o.dtype)).sum() for o, g in zip(outs, self.slices) if g is not None]
         if k == len(self.micro_batches) - 1:
             terms += [(p * g.to(p.dtype)).sum() for p, g in self.own]  # rides in the backward that reduces
             assert self.end is not None
             self.end.restore()  # as after pass 1: the window drew its random numbers once
-        surrogate = torch.stack([t.float() for t in terms]).sum() if terms else self.loss * 0
+        dtype = torch.promote_types(self.loss.dtype, torch.float32)  # half-precision terms summed in float32
+        surrogate = torch.stack([t.to(dtype) for t in terms]).sum() if terms else self.loss.to(dtype) * 0
         value = self.loss * (self.sizes[k] * self.world / max(self.total, 1))
         self.ran = k + 1
         return surrogate - surrogate.detach() + value.to(surrogate.dtype)
@@ -162,7 +180,7 @@ class TrainerWindows:
             window = self.window = TrainerWindow(window_loss, batches, gather=sync.gather_items,
                                                  world=trainer.accelerator.num_processes, params=params,
                                                  check=not self.checked)
-            window.start(trainer.accelerator.unwrap_model(model), loss_model, trainer.args.device)
+            window.start(trainer.accelerator.unwrap_model(model), loss_model, trainer.args.device, model)
         loss = window.part(window.ran, model, inputs)
         if window.ran == len(window.micro_batches) and not self.checked:
             self.checked = True
