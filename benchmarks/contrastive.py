@@ -4,7 +4,9 @@ One window of N (anchor, positive) text pairs on a tiny BERT sentence-transforme
 config, no download), the multiple-negatives ranking loss, side by side in one run:
 
 * the big batch (the baseline: all N pairs in one forward and backward, where it fits);
-* ``gradaccum.WindowLoss`` with micro-batches of m pairs, through ``Accumulator.step``;
+* ``gradaccum.WindowLoss`` with micro-batches of m pairs, through ``Accumulator.step``, keeping 0, 1,
+  half and all but one of the micro-batches' pass-1 graphs (``keep_graphs``: their forward is not run
+  again);
 * sentence-transformers' ``CachedMultipleNegativesRankingLoss(mini_batch_size=m)``, its own cached
   loss for this very objective (m sequences per forward);
 * plain accumulation over micro-batches of m pairs (the other objective, for its distance).
@@ -33,12 +35,14 @@ from gradaccum.memory import PeakMeter
 PAIRS = 32 if QUICK else 64
 MICRO = 8 if QUICK else 16
 REPEATS = 3 if QUICK else 9
+WINDOW = PAIRS // MICRO  # micro-batches per window
+KEEPS = [0, 1, WINDOW // 2, WINDOW - 1]  # pass-1 graphs kept: none (caching alone), the default, half, all but one
 
 
 def _model(folder: Path, hidden: int = 64) -> Any:
     """A tiny BERT (``hidden`` wide, 2 layers) behind mean pooling, saved to ``folder`` and loaded by
     sentence-transformers as a local model (no download)."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel, BertTokenizer
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -46,7 +50,7 @@ def _model(folder: Path, hidden: int = 64) -> Any:
         from sentence_transformers.models import Pooling, Transformer
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(995)]
     (folder / "vocab.txt").write_text("\n".join(words) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    BertTokenizer(vocab=str(folder / "vocab.txt")).save_pretrained(folder)  # transformers 5 reads vocab=
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
                          intermediate_size=2 * hidden, max_position_embeddings=128)).save_pretrained(folder)
@@ -85,11 +89,15 @@ def _contenders(base: Any, batch: Dict[str, Dict[str, Any]]) -> Dict[str, Callab
         big_loss([dict(c) for c in columns], None).backward()  # a copy: the model writes its outputs into it
         big_opt.step()
 
-    ours, ours_opt = fresh("WindowLoss")
-    ours_loss = MultipleNegativesRankingLoss(ours)
     embed = lambda m, mb: tuple(m(dict(mb[k]))["sentence_embedding"] for k in ("anchor", "positive"))  # noqa: E731
-    window_loss = WindowLoss(embed, lambda m, reps: ours_loss.compute_loss_from_embeddings(list(reps), None))
-    acc = Accumulator(ours, ours_opt)
+    windowed: Dict[str, Callable[[], Any]] = {}
+    for keep in KEEPS:
+        ours, ours_opt = fresh(f"WindowLoss keep {keep}")
+        ours_loss = MultipleNegativesRankingLoss(ours)
+        window_loss = WindowLoss(embed, lambda m, reps, fn=ours_loss: fn.compute_loss_from_embeddings(list(reps), None),
+                                 keep_graphs=keep)
+        acc = Accumulator(ours, ours_opt)
+        windowed[f"WindowLoss keep {keep}"] = lambda acc=acc, wl=window_loss: acc.step(batch, wl, micro_batch_size=MICRO)
 
     st, st_opt = fresh("CachedMNRL")
     st_loss = CachedMultipleNegativesRankingLoss(st, mini_batch_size=MICRO)
@@ -102,8 +110,7 @@ def _contenders(base: Any, batch: Dict[str, Dict[str, Any]]) -> Dict[str, Callab
     plain, plain_opt = fresh("plain accumulation")
     plain_loss = MultipleNegativesRankingLoss(plain)
     plain_acc = Accumulator(plain, plain_opt)
-    out = {"big batch": big_batch,
-           "WindowLoss": lambda: acc.step(batch, window_loss, micro_batch_size=MICRO),
+    out = {"big batch": big_batch, **windowed,
            "CachedMNRL": cached_mnrl,
            "plain accumulation": lambda: plain_acc.step(
                batch, lambda m, mb: plain_loss.compute_loss_from_embeddings(list(embed(m, mb)), None),
@@ -147,7 +154,7 @@ def _at(hidden: int) -> Dict[str, Any]:
             fn()
         peaks[name] = meter.result.peak_bytes
     rows: List[Dict[str, Any]] = []
-    for name in ["big batch", "WindowLoss", "CachedMNRL", "plain accumulation"]:
+    for name in ["big batch", *[f"WindowLoss keep {k}" for k in KEEPS], "CachedMNRL", "plain accumulation"]:
         row: Dict[str, Any] = {"contender": name, "distance": distance[name]}
         if name in samples:
             ratio = paired_ratio(samples, name, "big batch")
@@ -155,3 +162,52 @@ def _at(hidden: int) -> Dict[str, Any]:
                        peak_mib=peaks[name] / 2**20, memory_ratio=peaks[name] / peaks["big batch"])
         rows.append(row)
     return {"pairs": PAIRS, "micro_batch": MICRO, "repeats": REPEATS, "hidden": hidden, "rows": rows}
+
+
+# -- sentence-transformers' trainer, per loss: the table of docs/guides/sentence-transformers.md ---------
+
+ST_TABLE = ("<!-- st-losses: written by make bench (benchmarks/contrastive.py), do not edit -->",
+            "<!-- /st-losses -->")
+
+
+def st_losses() -> List[Dict[str, Any]]:
+    """Per loss of issue #33 item 1: one SGD step of the stock ``SentenceTransformerTrainer`` with 6 rows
+    x 4 accumulation steps and of ``ExactSentenceTransformerTrainer`` with the same, each against the
+    stock trainer's one batch of 24 rows (float64, a BERT from a config with mean pooling); the distance
+    is relative to the largest change the big batch's step made."""
+    import sys
+
+    from common import ROOT
+
+    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+    from st_helpers import dataset, distance, fresh, losses, moved, tiny_model, train_once
+
+    from sentence_transformers import SentenceTransformerTrainer
+
+    from gradaccum.integrations.sentence_transformers import ExactSentenceTransformerTrainer
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        tmp = Path(folder)
+        base, guide = tiny_model(tmp / "model"), tiny_model(tmp / "guide", seed=1)
+        for name, (kind, make) in losses(base, guide).items():
+            data = dataset(kind, 24)
+            runs = {}
+            for label, cls, batch, accumulation in (("big", SentenceTransformerTrainer, 24, 1),
+                                                    ("stock", SentenceTransformerTrainer, 6, 4),
+                                                    ("exact", ExactSentenceTransformerTrainer, 6, 4)):
+                model = fresh(base)
+                train_once(cls, model, make(model), data, tmp / "out", batch=batch, accumulation=accumulation)
+                runs[label] = moved(base, model)
+            rows.append({"loss": name, "columns": kind, "stock": distance(runs["stock"], runs["big"]),
+                         "exact": distance(runs["exact"], runs["big"])})
+    return rows
+
+
+def write_st_table(rows: List[Dict[str, Any]], page: Path) -> None:
+    """The per-loss table between the page's markers."""
+    lines = ["| loss | dataset | stock trainer, 6 x 4 | ExactSentenceTransformerTrainer, 6 x 4 |", "|---|---|---|---|"]
+    lines += [f"| {r['loss']} | {r['columns']} | {r['stock']:.1e} | {r['exact']:.1e} |" for r in rows]
+    text = page.read_text()
+    start, end = text.index(ST_TABLE[0]) + len(ST_TABLE[0]), text.index(ST_TABLE[1])
+    page.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])

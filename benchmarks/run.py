@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(1)  # every figure with one thread: comparable, and less noise on a shared machine
     where = ROOT / "runs" / "bench-quick" if QUICK else DOCS
     where.mkdir(parents=True, exist_ok=True)
-    from contrastive import contrastive
+    from contrastive import contrastive, st_losses, write_st_table
     from distributed import distributed, window_cost
     from memory_bench import memory, meter_cost
     from moe import moe, write_guide
@@ -64,7 +64,7 @@ def main() -> None:
     sections: Dict[str, Callable[[], Any]] = {
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
-        "throughput": throughput, "contrastive": contrastive, "moe": moe,
+        "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses, "moe": moe,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks}
     for name, fn in sections.items():
         t0 = time.time()
@@ -80,6 +80,8 @@ def main() -> None:
     (where / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
     # the MoE section's table lives in its guide (a quick run writes it beside the other figures)
     write_guide(results["moe"], where / "moe.md" if QUICK else ROOT / "docs" / "guides" / "moe.md")
+    if not QUICK:  # the sentence-transformers guide's per-loss table
+        write_st_table(results["st_losses"], DOCS / "guides" / "sentence-transformers.md")
     print(doc)
     print(f"[bench] {results['total_s']:.0f} s; wrote {where.relative_to(ROOT)}/benchmarks.md, .json, .png",
           file=sys.stderr)

@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and the API reference read; at run time each is imported on first use
-    from ._cached import WindowLoss
+    from ._cached import Constant, WindowLoss
     from .moe import MoELoss, MoEOutput
     from ._ranks import WindowPlan
     from ._state import AccumulatorState
@@ -34,7 +34,8 @@ __version__ = "0.1.0"
 #: each public name and the module that defines it. Importing ``gradaccum`` imports no torch: the
 #: command line (``gradaccum.cli``) is running, and catching a Ctrl-C, before torch's import begins.
 _HOMES = {
-    "Accumulator": "accumulator", "AccumulatorState": "_state", "Window": "_window", "WindowPlan": "_ranks", "WindowLoss": "_cached",
+    "Accumulator": "accumulator", "AccumulatorState": "_state", "Window": "_window", "Constant": "_cached",
+    "WindowPlan": "_ranks", "WindowLoss": "_cached",
     "is_out_of_memory": "_run", "split_batch": "batching", "EquivalenceReport": "checking",
     "check_equivalence": "checking", "causal_lm_loss": "losses", "count_targets": "losses",
     "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
@@ -61,6 +62,7 @@ __all__ = [
     "AccumulatorState",
     "AccumSchedule",
     "ConfigurationError",
+    "Constant",
     "EquivalenceReport",
     "GradaccumError",
     "MoELoss",

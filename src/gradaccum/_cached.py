@@ -42,7 +42,7 @@ from .batching import Batch, _rebuild, leaves, leading_dim
 from .result import StepResult
 from .errors import ConfigurationError
 
-__all__ = ["WindowLoss", "run_cached_window", "check_window_loss"]
+__all__ = ["WindowLoss", "Constant", "run_cached_window", "check_window_loss"]
 
 #: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
 Encode = Callable[[nn.Module, Batch], Any]
@@ -64,6 +64,11 @@ class WindowLoss:
             learned temperature, are reached through it) and the same structure with every
             micro-batch's representations on every rank joined along dim 0, in window order (rank 0's
             micro-batches first, then rank 1's, ...).
+        keep_graphs: how many micro-batches' graphs pass 1 keeps, the last ones it runs: their
+            forward is not run again in pass 2 (one forward saved each), at the memory of their
+            activations held through the loss. Default 1; 0 for the least memory. Under DDP at most
+            all but one (the last backward, which reduces, is a replayed forward), under FSDP2 and with
+            BatchNorm in training mode none.
 
     The step equals one optimizer step on ``loss(model, encode(model, whole_window))`` whatever the
     micro-batch size, over any number of ranks; the random draws of each micro-batch's forward
@@ -84,17 +89,48 @@ class WindowLoss:
         10
     """
 
-    def __init__(self, encode: Encode, loss: Loss) -> None:
+    def __init__(self, encode: Encode, loss: Loss, *, keep_graphs: int = 1) -> None:
+        if not isinstance(keep_graphs, int) or isinstance(keep_graphs, bool) or keep_graphs < 0:
+            raise ConfigurationError(f"WindowLoss(keep_graphs={keep_graphs!r}): how many micro-batches' graphs pass 1 "
+                                     "keeps (their forward is not run again) is an int >= 0; 0 keeps none (the least "
+                                     "memory), 1 (the default) the last one's")
         if not callable(encode):
             raise TypeError(f"WindowLoss(encode=...) must be callable as encode(model, micro_batch) -> "
                             f"representations, got {encode!r}")
         if not callable(loss):
             raise TypeError(f"WindowLoss(loss=...) must be callable as loss(model, representations) -> scalar, "
                             f"got {loss!r}")
-        self.encode, self.loss = encode, loss
+        self.encode, self.loss, self.keep_graphs = encode, loss, keep_graphs
 
     def __repr__(self) -> str:
-        return f"WindowLoss(encode={self.encode!r}, loss={self.loss!r})"
+        return f"WindowLoss(encode={self.encode!r}, loss={self.loss!r}, keep_graphs={self.keep_graphs})"
+
+
+class Constant:
+    """A tensor in ``encode``'s output that is data, not a representation: joined across the window and
+    the ranks like the representations, handed to ``loss`` as the tensor itself, never differentiated.
+    For float labels and scores (CoSENT's similarity scores) or a frozen teacher's embeddings; integer
+    and boolean tensors (class labels, masks) ride along without it.
+
+    Example:
+        >>> encode = lambda m, b: {"pair": m(b["x"]), "score": Constant(b["score"])}  # doctest: +SKIP
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Constant(tensor) takes a tensor, got {type(tensor).__name__}")
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"Constant({tuple(self.tensor.shape)}, {self.tensor.dtype})"
+
+
+def _differentiable(out: Any) -> List[bool]:
+    """For each tensor of the representations, in :func:`_flat`'s order: whether ``loss`` is
+    differentiated with respect to it (a float tensor that is not a :class:`Constant`)."""
+    return [isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for _, leaf in leaves(out)]
 
 
 class _RandomState:
@@ -118,6 +154,8 @@ def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
     """The representations' tensors, depth first, after checking each holds the micro-batch's items."""
     flat = []
     for path, leaf in leaves(out):
+        if isinstance(leaf, Constant):
+            leaf = leaf.tensor.detach()
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             what = "a 0-d tensor" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise ConfigurationError(
@@ -155,8 +193,8 @@ def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
 
 def _window_loss(window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor], ctx: WindowContext
                  ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """The window's loss, from detached leaves (float ones require grad), and those leaves."""
-    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in joined]
+    """The window's loss, from detached leaves (the differentiable ones require grad), and those leaves."""
+    inputs = [t.detach().requires_grad_(d) for t, d in zip(joined, _differentiable(spec))]
     with ctx.precision.autocast():
         out = window_loss.loss(ctx.model, _rebuild(spec, iter(inputs)))
     if isinstance(out, (tuple, list)):
@@ -195,7 +233,8 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         if micro_batches:
             ranks.remember(micro_batches[-1])
-        first = _first_pass(ctx, window_loss, micro_batches, sizes, window.padding)
+        keep = _graphs_to_keep(ctx, window_loss, len(micro_batches))
+        first = _first_pass(ctx, window_loss, micro_batches, sizes, window.padding, keep)
         joined, offset = ctx.sync.gather_items(first.local())
         loss, slices, own = _loss_gradient(ctx, window, window_loss, first.spec, joined, offset, sum(sizes))
         fold = bool(own) and ctx.sync.folds_outside_gradients()
@@ -205,6 +244,19 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
         return window.step()
 
 
+def _graphs_to_keep(ctx: WindowContext, window_loss: WindowLoss, own: int) -> int:
+    """How many of this window's last micro-batches keep their pass-1 graph: ``keep_graphs``, but none
+    under FSDP2 (its forwards and backwards gather and free shards in order) or with BatchNorm in
+    training mode (pass 1 leaves its statistics as it found them), and under DDP all but one (the
+    reducing backward replays its forward) and the same on every rank (the forwards' collectives)."""
+    if window_loss.keep_graphs == 0 or type(ctx.sync).__name__ == "FSDP2Sync" or training_batchnorms(ctx.model):
+        return 0  # alike on every rank
+    keep = min(window_loss.keep_graphs, own)
+    if ctx.sync.reduces_across_ranks:  # every rank asks, one without micro-batches too
+        keep = ctx.sync.min_across(min(keep, own - 1), ctx.device)
+    return max(keep, 0)
+
+
 def _loss_gradient(ctx: WindowContext, window: Window, window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor],
                    offset: int, mine: int) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], List[Tuple[Any, Any]]]:
     """The window's loss (the same on every rank), this rank's slice of its gradient with respect to each
@@ -212,42 +264,67 @@ def _loss_gradient(ctx: WindowContext, window: Window, window_loss: WindowLoss, 
     taken by ``autograd.grad``, which writes nothing into ``.grad``."""
     total = joined[0].shape[0]
     loss, inputs = _window_loss(window_loss, spec, joined, ctx)
+    wrt = [t for t in inputs if t.requires_grad]  # the representations; labels and Constants ride along
     outside: List[torch.Tensor] = [p for p in ctx.grads.params if p.requires_grad]
     weighted = ctx.precision.scale(loss * backward_weight(total, window.fix_reference(total), 1.0))
     with torch.autocast(device_type=ctx.device.type, enabled=False):
-        found = torch.autograd.grad(weighted, inputs + outside, allow_unused=True)
+        found = iter(torch.autograd.grad(weighted, wrt + outside, allow_unused=True))
+    of_inputs = [next(found) if t.requires_grad else None for t in inputs]
+    refuse_a_loss_without_representations(of_inputs)
     slices: List[Optional[torch.Tensor]] = [None if g is None else g[offset:offset + mine] * ctx.sync.grad_divisor
-                                            for g in found[:len(inputs)]]
-    own = [(p, g) for p, g in zip(outside, found[len(inputs):]) if g is not None]
+                                            for g in of_inputs]
+    own = [(p, g) for p, g in zip(outside, found) if g is not None]
     return loss.detach(), slices, own
+
+
+def refuse_a_loss_without_representations(grads: List[Optional[torch.Tensor]]) -> None:
+    """The loss's gradient with respect to every representation is absent: the step would train only
+    the loss's own parameters (a temperature), silently. Refused before any backward (every rank
+    computes the same loss, so every rank refuses alike)."""
+    if all(g is None for g in grads):
+        raise ConfigurationError(
+            "WindowLoss: loss(model, representations) does not depend on the representations encode returned "
+            "(its gradient with respect to every one of them is None), so the step would train only the loss's "
+            "own parameters (a temperature). Compute the loss from the representations it is given; reaching "
+            "model outputs another way (model.logit_scale alone, a closure over earlier outputs) is not it. "
+            "No step was taken")
 
 
 def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, micro_batches: List[Batch],
                  sizes: List[int], first: "_FirstPass", loss: torch.Tensor, slices: List[Optional[torch.Tensor]],
                  carried: List[Tuple[Any, Any]]) -> None:
-    """Each micro-batch's forward again from its saved random state, backpropagated with its slice; then
-    the padding the ranks need. ``carried`` (the loss's parameters and their gradient) rides in the last
-    backward, the one that reduces. The first window compares the replay with pass 1, on every rank."""
-    at, alike, padding_batch = 0, True, ctx.state.padding_batch
+    """The micro-batches whose graph pass 1 kept are backpropagated first; then each other one's forward
+    runs again from its saved random state and is backpropagated with its slice; then the padding the
+    ranks need. ``carried`` (the loss's parameters and their gradient) rides in the last backward, the
+    one that reduces. The first window compares the replay with pass 1, on every rank."""
+    alike, padding_batch = True, ctx.state.padding_batch
     checked = window_loss in ctx.state.checked_replays
-    last = len(micro_batches) + window.padding - 1
-    for k in range(last + 1):
-        own = k < len(micro_batches)
-        if own:
-            first.states[k].restore()
-        batch, n = (micro_batches[k], sizes[k]) if own else (padding_batch, leading_dim(padding_batch))
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    kept = sorted(first.graphs)
+    order: List[Optional[int]] = kept + [k for k in range(len(micro_batches)) if k not in first.graphs]
+    order += [None] * window.padding
+    for i, k in enumerate(order):
+        own = k is not None
+        n = sizes[k] if k is not None else leading_dim(padding_batch)
         with window.micro_batch():
-            outs = _flat(window_loss.encode(ctx.model, batch), n, k)
-            if k == 0 and not checked:
-                _agree_outputs_require_grad(ctx, outs)
-            if own:
-                alike &= checked or _same(outs, first.cached[k])
+            if k is not None and k in first.graphs:
+                outs, differentiable = first.graphs.pop(k), first.differentiable
+            else:
+                if k is not None:
+                    first.states[k].restore()
+                out = window_loss.encode(ctx.model, micro_batches[k] if k is not None else padding_batch)
+                outs, differentiable = _flat(out, n, k if k is not None else 0), _differentiable(out)
+                if k is not None:
+                    alike &= checked or _same(outs, first.cached[k])
+            if i == 0 and not checked:
+                _agree_outputs_require_grad(ctx, outs, differentiable)
+            if k is not None:
+                at = starts[k]
                 pairs = [(o, g[at:at + n]) for o, g in zip(outs, slices) if g is not None]
             else:  # zero weight: it adds nothing, but runs the collectives of a backward
-                pairs = [(o, torch.zeros_like(o)) for o in outs if o.requires_grad]
-            pairs += carried if k == last else []
+                pairs = [(o, torch.zeros_like(o)) for o, d in zip(outs, differentiable) if d and o.requires_grad]
+            pairs += carried if i == len(order) - 1 else []
             window.backward_part([o for o, _ in pairs], [g for _, g in pairs], loss, n if own else 0)
-        at += n if own else 0
     assert first.end is not None, "pass 1 saved where the random state stands after it"
     first.end.restore()  # as after pass 1 alone: the window drew its random numbers once
     if not checked:  # once, and on every rank alike: none raises alone
@@ -261,10 +338,10 @@ def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, mi
                 "torch.use_deterministic_algorithms(True)). No step was taken")
 
 
-def _agree_outputs_require_grad(ctx: WindowContext, outs: List[torch.Tensor]) -> None:
+def _agree_outputs_require_grad(ctx: WindowContext, outs: List[torch.Tensor], differentiable: List[bool]) -> None:
     """In the first window, before any backward: every float representation requires grad, on every rank
     (one rank raising alone would leave the others waiting in the reduction)."""
-    detached = [i for i, o in enumerate(outs) if o.is_floating_point() and not o.requires_grad]
+    detached = [i for i, (o, d) in enumerate(zip(outs, differentiable)) if d and not o.requires_grad]
     if ctx.sync.any_rank(bool(detached), ctx.device):
         raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this rank or "
                          "another): it ran under torch.no_grad() or was detached. Return the model's outputs as "
@@ -281,6 +358,10 @@ class _FirstPass:
         self.spec: Any = None
         self.empty: List[torch.Tensor] = []
         self.end: Optional[_RandomState] = None
+        #: micro-batch index -> its representations with their graph (pass 1 kept it), and which of them
+        #: are differentiable
+        self.graphs: dict = {}
+        self.differentiable: List[bool] = []
 
     def local(self) -> List[torch.Tensor]:
         """This rank's representations joined along dim 0, one tensor per position in the structure."""
@@ -293,14 +374,24 @@ class _FirstPass:
 
 
 def _first_pass(ctx: WindowContext, window_loss: WindowLoss, micro_batches: List[Batch], sizes: List[int],
-                padding: int) -> _FirstPass:
-    """Pass 1: each micro-batch's representations without a graph, and the random state before each."""
+                padding: int, keep: int = 0) -> _FirstPass:
+    """Pass 1: each micro-batch's representations, and the random state before each; without a graph
+    but for the last ``keep`` micro-batches, whose graph is kept for pass 2 (their forward under the
+    data-parallel wrapper's "do not reduce", as any micro-batch's but the last)."""
     first = _FirstPass()
+    keep_from = len(micro_batches) - keep
     with torch.no_grad(), _batchnorm_stats_kept(ctx.model), ctx.precision.autocast():
         for k, (mb, n) in enumerate(zip(micro_batches, sizes)):
             first.states.append(_RandomState(ctx.device))
-            out = window_loss.encode(ctx.model, mb)
-            first.cached.append(_flat(out, n, k))
+            if k >= keep_from:
+                with torch.enable_grad(), ctx.sync.micro_batch(last=False):
+                    out = window_loss.encode(ctx.model, mb)
+                outs = _flat(out, n, k)
+                first.graphs[k], first.differentiable = outs, _differentiable(out)
+                first.cached.append([o.detach() for o in outs])
+            else:
+                out = window_loss.encode(ctx.model, mb)
+                first.cached.append(_flat(out, n, k))
             first.spec = out if first.spec is None else first.spec
         for _ in range(padding):  # the forwards' collectives, as the ranks with data run them
             out = window_loss.encode(ctx.model, ctx.state.padding_batch)

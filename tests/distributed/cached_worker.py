@@ -1,7 +1,8 @@
 """WindowLoss under torchrun, 2 gloo processes: the loss sees every rank's representations, and the
 step equals one float64 big batch on the union of the ranks' windows (rank 0's items first), with
 uneven ranks, a rank with no data, the loss's own parameters inside or beside the wrapped module,
-DDP and FSDP2, step() and train() over a WindowSampler (see test_cached.py)."""
+DDP and FSDP2, step() and train() over a WindowSampler, labels and scores riding along (joined over
+the ranks), and a loss without representations refused on every rank (see test_cached.py)."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: the co
 
 from contrastive import DualEncoder, big_batch_step, largest_difference, pair_batch, split, twin, window_loss  # noqa: E402
 from distributed.worker import main, params_equal_on_all_ranks  # noqa: E402
+from contrastive_labels import labelled_batch, labelled_big_batch_step, labelled_window_loss  # noqa: E402
 from gradaccum import Accumulator, WindowLoss, WindowSampler  # noqa: E402
 
 RANK, WORLD = 0, 1
@@ -200,7 +202,57 @@ def cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data():
     return "refused on both ranks, the next window steps"
 
 
-SCENARIOS = [cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data, cached_ddp_exact_with_uneven_ranks_and_a_rank_without_data, cached_ddp_find_unused_parameters,
+SHARES = [{0: [4, 3], 1: [5]}, {0: [2], 1: [3, 3]}]  # each rank's micro-batch sizes, per window
+
+
+def _split_rows(batch, sizes):
+    out, at = [], 0
+    for n in sizes:
+        out.append(tuple(t[at:at + n] for t in batch))
+        at += n
+    return out
+
+
+def cached_labels_ride_along_joined_across_ranks():
+    model = DualEncoder(scale=False)  # no temperature: every parameter is used in the forward (DDP)
+    ref, opt, ref_opt = twin(model, "sgd")
+    acc = Accumulator(DDP(model), opt)
+    wl = labelled_window_loss()
+    worst = 0.0
+    for w, shares in enumerate(SHARES):
+        per_rank = {r: _split_rows(labelled_batch(sum(s), seed=10 * w + r), s) for r, s in shares.items()}
+        result = acc.step(per_rank[RANK], wl)
+        labelled_big_batch_step(ref, ref_opt, [mb for r in range(WORLD) for mb in per_rank[r]])
+        assert result.num_items == sum(sum(s) for s in shares.values())
+        worst = max(worst, largest_difference(model, ref))
+    assert worst < TOL, worst
+    # teeth: each rank's own labels only is another objective
+    local, _, local_opt = twin(DualEncoder(scale=False), "sgd")
+    labelled_big_batch_step(local, local_opt, _split_rows(labelled_batch(7, seed=0), [4, 3]))
+    union, _, union_opt = twin(DualEncoder(scale=False), "sgd")
+    labelled_big_batch_step(union, union_opt, _split_rows(labelled_batch(7, seed=0), [4, 3]) + [labelled_batch(5, seed=1)])
+    assert largest_difference(local, union) > 1e-3
+    assert params_equal_on_all_ranks(model)
+    return f"2 windows, uneven ranks: {worst:.1e} from one big batch"
+
+
+def cached_loss_without_representations_refused_on_every_rank():
+    model = DualEncoder()
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulator(DDP(model), torch.optim.SGD(model.parameters(), lr=0.1))
+    wl = WindowLoss(lambda m, b: m(b[0], b[1]), lambda m, r: m.module.log_scale.sum())
+    try:
+        acc.step(_split_rows(labelled_batch(4, seed=RANK), [2, 2]), wl)
+    except ValueError as e:
+        assert "does not depend on the representations encode returned" in str(e), e
+    else:
+        raise AssertionError("not refused")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return "refused on both ranks before any backward"
+
+
+SCENARIOS = [cached_labels_ride_along_joined_across_ranks, cached_loss_without_representations_refused_on_every_rank,
+             cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data, cached_ddp_exact_with_uneven_ranks_and_a_rank_without_data, cached_ddp_find_unused_parameters,
              cached_ddp_loss_parameters_beside_the_wrapped_module, cached_ddp_dropout_replayed_with_rank_seeds,
              cached_fsdp2_exact, cached_train_over_a_window_sampler]
 

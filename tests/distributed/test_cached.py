@@ -16,6 +16,8 @@ SCENARIOS = [
     "cached_fsdp2_exact",
     "cached_train_over_a_window_sampler",
     "cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data",
+    "cached_labels_ride_along_joined_across_ranks",
+    "cached_loss_without_representations_refused_on_every_rank",
 ]
 
 

@@ -70,6 +70,12 @@ def loss_source(cls: type) -> str:
             f"1/W or W times off). Write class {cls.__name__}(ExactTrainer, {wrong[0].__name__})")
     owner = next(c for c in mro[here + 1:] if "compute_loss" in vars(c))
     declared = getattr(cls, "exact_items", None)
+    if _qualname(owner).startswith("sentence_transformers."):  # its losses couple the batch's rows
+        raise TypeError(
+            f"class {cls.__name__}: {owner.__name__}'s losses couple the batch's rows (in-batch negatives, CoSENT, "
+            "triplet mining), so no weighting of micro-batches makes them one big batch, and exact_items = 'rows' "
+            "would train plain accumulation. Use gradaccum.integrations.sentence_transformers."
+            "ExactSentenceTransformerTrainer instead of SentenceTransformerTrainer")
     if declared is not None:
         if declared not in _DECLARABLE:
             raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported is {_DECLARABLE} (compute_loss "
@@ -80,8 +86,11 @@ def loss_source(cls: type) -> str:
         known = ", ".join(name.rsplit(".", 1)[1] for name in SOURCES)
         raise TypeError(
             f"ExactTrainer cannot tell how {owner.__name__}.compute_loss reduces its loss, so it cannot weigh "
-            f"micro-batches by their items. Supported: {known}; for a compute_loss that returns the mean over the "
-            f"batch's rows (dim 0), declare it: class {cls.__name__}(...): exact_items = 'rows'")
+            f"micro-batches by their items. Supported: {known}. Where compute_loss returns the mean of one term per "
+            f"row (dim 0), each row's term independent of the other rows, declare it: class {cls.__name__}(...): "
+            "exact_items = 'rows'. A loss that couples the rows (in-batch negatives, CLIP, CoSENT, triplet mining) "
+            "is not a mean of independent terms: no weighting makes it exact; pass it as a gradaccum.WindowLoss, "
+            "ExactTrainer(compute_loss_func=WindowLoss(...)) (see docs/guides/contrastive.md)")
     return source
 
 
@@ -167,7 +176,7 @@ class ExactTrainer(Trainer):
       ``average_tokens_across_devices`` so that both settings are exact.
     - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
       weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
-    - Any other Trainer subclass whose ``compute_loss`` returns a mean over the batch's rows: declare
+    - Any other Trainer subclass whose ``compute_loss`` returns a mean of independent per-row terms: declare
       ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
       order, or an undeclared ``compute_loss``, is refused when the class is defined.
 
@@ -176,7 +185,10 @@ class ExactTrainer(Trainer):
         head: One of :data:`HEADS`, where ExactTrainer computes the loss itself. Default: read from
             the model's class (:func:`head_of`).
         ignore_index: Label value that is not a target. Default -100.
-        **kwargs: As for the Trainer; ``compute_loss_func`` is refused.
+        **kwargs: As for the Trainer; ``compute_loss_func`` is refused unless it is a
+            :class:`~gradaccum.WindowLoss` (a loss that couples the batch's rows, see
+            :mod:`gradaccum.integrations.hf_window_loss`; ``CLIPModel`` and ``SiglipModel`` get theirs
+            without it).
 
     Raises:
         ValueError: ``compute_loss_func`` is passed; ``label_smoothing_factor`` where ExactTrainer
@@ -198,6 +210,9 @@ class ExactTrainer(Trainer):
         loss_source(cls)  # refuse a wrong composition where it is written
 
     def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, **kwargs: Any) -> None:
+        from . import hf_window_loss  # a loss that couples the batch's rows: a WindowLoss, or CLIP's/SigLIP's
+
+        self.window_loss = hf_window_loss.window_loss_of(kwargs, args, loss_source(type(self)))
         if kwargs.get("compute_loss_func") is not None:
             raise ConfigurationError("ExactTrainer(compute_loss_func=...): ExactTrainer cannot weigh a loss whose reduction "
                              "it does not know; drop compute_loss_func (ExactTrainer computes the model's loss), or "
@@ -212,7 +227,8 @@ class ExactTrainer(Trainer):
             # "accepts loss kwargs"
             self.model_accepts_loss_kwargs = True
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" else None),  # type: ignore[arg-type]
+        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" and  # type: ignore[arg-type]
+                                                      self.window_loss is None else None),
                                 ignore_index, config, self.args.device)
         # an MoE model's load-balancing term, computed over the window (integrations/hf_moe.py)
         # (a causal LM's own loss adds it; SFT's too)
@@ -223,6 +239,7 @@ class ExactTrainer(Trainer):
         self._skips = _Skips()
         self.add_callback(self._skips)
         self._eval_tally: List[torch.Tensor] = []  # per evaluation batch: [loss sums of its rows, their items]
+        self._windows = hf_window_loss.TrainerWindows(self) if self.window_loss is not None else None
 
     @property
     def head(self) -> Any:
@@ -242,6 +259,9 @@ class ExactTrainer(Trainer):
         verdict (step, or skip when ``N = 0``). One host synchronisation per window: the verdict needs N.
 
         Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step)."""
+        if self._windows is not None:
+            from .hf_window_loss import window_batch_samples
+            return window_batch_samples(self, epoch_iterator, num_batches)
         batch_samples: List[Any] = []
         for _ in range(num_batches):
             try:
@@ -269,6 +289,9 @@ class ExactTrainer(Trainer):
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
         """Training: micro-batch k's share ``S_k * W / N`` of the window's mean (0 in a skipped
         window). Evaluation: the batch's mean, its rows' sums and items kept for ``eval_loss``."""
+        if self._windows is not None:
+            from .hf_window_loss import window_compute_loss
+            return window_compute_loss(self, model, inputs, return_outputs)
         if not model.training:
             return self._evaluation_loss(model, inputs, return_outputs)
         window = self._window

@@ -30,7 +30,7 @@ from ..batching import leading_dim
 from ..errors import ConfigurationError
 from ..moe import refuse_aux_term
 
-__all__ = ["ExactAccumulation"]
+__all__ = ["ExactAccumulation", "strategy_model", "count_step"]
 
 NumItems = Callable[[Any], Count]
 
@@ -167,6 +167,7 @@ class ExactAccumulation(Callback):
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
+            _refuse_a_window_loss(out)
             if isinstance(out, tuple):
                 if len(out) != 2:
                     raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
@@ -261,6 +262,38 @@ class ExactAccumulation(Callback):
             warnings.warn("ExactAccumulation: a window counted 0 items (e.g. every label is the ignore_index): it "
                           "has no loss to step on, so it was skipped (no optimizer or scheduler step, global_step "
                           "not advanced; ExactAccumulation.skipped_windows counts them)", UserWarning, stacklevel=2)
+
+
+def _refuse_a_window_loss(out: Any) -> None:
+    from .._cached import WindowLoss
+
+    if isinstance(out, WindowLoss):
+        raise ConfigurationError(
+            "ExactAccumulation: training_step returned a WindowLoss; a loss that couples the window's items "
+            "(in-batch negatives, CLIP) is not a mean per micro-batch, so no weighting makes Lightning's "
+            "accumulation exact. Use manual optimization with gradaccum.Accumulator in training_step "
+            "(docs/guides/lightning.md, 'A loss that couples the batch'): acc.step(batch, window_loss)")
+
+
+def strategy_model(pl_module: "pl.LightningModule") -> torch.nn.Module:
+    """The model to give an :class:`~gradaccum.Accumulator` inside ``training_step`` under manual
+    optimization: Lightning's DDP wrapper of ``pl_module`` (whose ``forward`` it calls, and whose
+    reduction the Accumulator runs once per window), or ``pl_module`` itself on one device. Call it
+    once training has started (``on_train_start``), when the strategy has wrapped the module."""
+    model = pl_module.trainer.strategy.model
+    return model if model is not None else pl_module
+
+
+def count_step(pl_module: "pl.LightningModule", result: Any) -> None:
+    """Count the optimizer step an Accumulator took inside ``training_step`` (manual optimization) as
+    Lightning counts one: ``global_step`` advances, as ``self.optimizers().step()`` would advance it.
+    A skipped window (``result.skipped``) is not counted."""
+    if result.skipped:
+        return
+    optimizer = pl_module.optimizers()
+    optimizer = optimizer[0] if isinstance(optimizer, list) else optimizer
+    optimizer._on_before_step()
+    optimizer._on_after_step()
 
 
 def _leading_dim(batch: Any) -> int:

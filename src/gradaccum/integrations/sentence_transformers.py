@@ -1,0 +1,320 @@
+"""sentence-transformers: ``gradient_accumulation_steps`` that is one big batch, for any of its losses.
+
+    trainer = ExactSentenceTransformerTrainer(model=model, args=args, train_dataset=ds, loss=loss)
+    # instead of SentenceTransformerTrainer(...): nothing else changes
+
+sentence-transformers' losses couple the batch's rows: in-batch negatives (MNRL: every other positive is
+a negative), CoSENT and AnglE (every pair ranked against every other), batch triplet mining (the
+hardest positive and negative within the batch). With ``gradient_accumulation_steps = K`` the stock
+trainer averages K losses over micro-batches, another objective: each anchor sees 1/K of the negatives.
+:class:`ExactSentenceTransformerTrainer` makes each optimizer step the step of the loss on one big batch
+of ``per_device_train_batch_size * K * world_size`` rows, every rank's included, by caching the
+embeddings (:mod:`gradaccum._cached`, run across the Trainer's calls by
+:mod:`gradaccum.integrations.hf_window_loss`):
+
+1. pass 1: every micro-batch's embeddings, column by column, without a graph (and a frozen guide's,
+   for GIST);
+2. every rank's embeddings, labels and scores joined (rank 0's first); the loss itself runs on them:
+   its ``model`` is served the cached embeddings for the duration of the call, so the loss, its
+   wrappers (``MatryoshkaLoss``) and its options are used as they are;
+3. pass 2: each micro-batch's forward again (dropout replayed), backpropagated with its slice of the
+   loss's gradient, inside the Trainer's own backward, ``no_sync`` and clipping.
+
+The logged ``loss`` is the big batch's. Evaluation, saving, resuming, callbacks and the router stay
+the trainer's. Cost: one more forward per micro-batch, and the window's embeddings on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .._cached import Constant, WindowLoss
+from ..errors import ConfigurationError
+from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run, swapped
+
+try:
+    from sentence_transformers import SentenceTransformerTrainer
+    from sentence_transformers.base.model import BaseModel
+    from sentence_transformers.base.losses.merged_forward import column_merging_disabled
+    from sentence_transformers.sentence_transformer.losses import AdaptiveLayerLoss
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("gradaccum.integrations.sentence_transformers needs sentence-transformers: "
+                      "pip install 'sentence-transformers>=3.1'") from exc
+
+__all__ = ["ExactSentenceTransformerTrainer", "SUPPORTED", "REFUSED"]
+
+#: the losses tested here, through the trainer, in float64 against one big batch
+SUPPORTED = ("MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss",
+             "MegaBatchMarginLoss", "CoSENTLoss", "AnglELoss", "BatchAllTripletLoss", "BatchHardTripletLoss",
+             "BatchSemiHardTripletLoss", "OnlineContrastiveLoss", "MatryoshkaLoss", "AdaptiveLayerLoss",
+             "Matryoshka2dLoss")
+#: refused by name, with the fix
+REFUSED = {
+    "CachedMultipleNegativesRankingLoss": "MultipleNegativesRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss": "MultipleNegativesSymmetricRankingLoss",
+    "CachedGISTEmbedLoss": "GISTEmbedLoss",
+    "DenoisingAutoEncoderLoss": None,
+    "ContrastiveTensionLoss": None, "ContrastiveTensionLossInBatchNegatives": None,
+}
+
+
+class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
+    """A ``SentenceTransformerTrainer`` whose ``gradient_accumulation_steps`` is one big batch.
+
+    Every optimizer step is on the gradient of ``loss(features, labels)`` computed on the whole window:
+    every micro-batch of ``gradient_accumulation_steps`` on every rank, joined along the batch (rank 0's
+    rows first), whatever the loss couples. With ``gradient_accumulation_steps=1`` on one process it is
+    the stock trainer's step (still cached).
+
+    What each loss gets: its own ``forward`` (or, for ``MegaBatchMarginLoss``, its non-mini-batched
+    forward) called once per window with the window's features and labels, its ``model`` (and a GIST
+    guide) serving the cached embeddings; ``gather_across_devices`` is off for that call, since the
+    embeddings are already every rank's. Labels and scores of every rank reach it.
+
+    Refused by name (:data:`REFUSED`), before training: the ``Cached*`` losses (they cache one
+    micro-batch themselves: use the plain twin, which this trainer caches over the whole window),
+    losses that decode tokens, an ``AdaptiveLayerLoss`` inside another loss; a GIST guide that
+    re-tokenizes; DeepSpeed, FSDP and DataParallel. ``AdaptiveLayerLoss`` (and ``Matryoshka2dLoss``) as
+    the outermost loss is served every layer's sentence embedding (pass 1 and 2 run the model with its
+    hidden states) and its layers, weights and KL term are computed over the window. A window
+    whose micro-batches come from several datasets (``train_dataset`` a dict) is refused when it
+    reaches the loss: one coupled loss has one dataset.
+
+    Example:
+        >>> args = SentenceTransformerTrainingArguments("out", per_device_train_batch_size=32,
+        ...                                             gradient_accumulation_steps=8)  # doctest: +SKIP
+        >>> ExactSentenceTransformerTrainer(model=model, args=args, train_dataset=ds,
+        ...                                 loss=MultipleNegativesRankingLoss(model)).train()  # doctest: +SKIP
+    """
+
+    loss_is_scaled_for_ga = True  # the surrogates sum to the window's gradient (read by training_step)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        refuse_what_a_window_loss_cannot_run(self)
+        for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss]):
+            refuse_a_loss(loss)
+        self._windows = TrainerWindows(self)
+
+    # -- the window ------------------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: Optional[torch.device] = None) -> Tuple[List[Any], Any]:
+        """The Trainer's micro-batches of one window, kept for pass 1."""
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._windows.begin(batch_samples)
+        return batch_samples, num_items
+
+    def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """Training: micro-batch k's surrogate (see :mod:`gradaccum.integrations.hf_window_loss`);
+        evaluation: the stock per-batch loss."""
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        loss = self._windows.surrogate(model, inputs, lambda batches: self._window_loss(model, batches))
+        return (loss, {}) if return_outputs else loss
+
+    def _window_loss(self, model: nn.Module, batches: List[Any]) -> Tuple[WindowLoss, List[nn.Parameter], Any]:
+        """The window's loss (its dataset's), served as a WindowLoss, and the loss's own parameters."""
+        names = {b.get("dataset_name") for b in batches}
+        if len(names) > 1:
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: one window holds micro-batches of the datasets "
+                                     f"{sorted(map(str, names))}; a coupled loss is one big batch of one dataset. "
+                                     "Train one dataset per run, or gradient_accumulation_steps=1")
+        name = names.pop() if names else None
+        loss_fn = self.loss[name] if isinstance(self.loss, dict) and name else self.loss
+        module = self.accelerator.unwrap_model(model)
+        guides = _guides(loss_fn, module)
+        served = _ServedLoss(self, loss_fn, module, guides)
+        models = {id(p) for m in [module, *guides.values()] for p in m.parameters()}
+        return WindowLoss(served.encode, served.loss), [p for p in loss_fn.parameters() if id(p) not in models], None
+
+
+def refuse_a_loss(loss: nn.Module) -> None:
+    """A loss this trainer cannot make one big batch, refused by name with the fix."""
+    for module in loss.modules():
+        name = type(module).__name__
+        if isinstance(module, AdaptiveLayerLoss) and module is not loss:
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: {name} inside another loss is not supported; "
+                                     "make it the outermost loss")
+        if name in REFUSED:
+            twin = REFUSED[name]
+            fix = (f"use {twin}: ExactSentenceTransformerTrainer caches the embeddings of the whole window "
+                   "(gradient_accumulation_steps micro-batches, every rank) itself") if twin else (
+                "it reads more than the sentence embeddings (token or layer outputs); train it with "
+                "SentenceTransformerTrainer and gradient_accumulation_steps=1")
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: loss {name} is not supported: {fix}")
+        if getattr(module, "must_retokenize", False):
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: {name}'s guide re-tokenizes the text (its "
+                                     "tokenizer differs from the model's), which cached embeddings cannot serve; "
+                                     "use a guide with the model's tokenizer")
+        if getattr(module, "uses_gradient_cache", False) and not hasattr(module, "forward_non_mini_batched"):
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: loss {name} caches mini-batches itself; use "
+                                     "its non-cached twin, which this trainer caches over the whole window")
+
+
+def _is_model(child: Any) -> bool:
+    return isinstance(child, (BaseModel, nn.parallel.DistributedDataParallel))
+
+
+def _loss_modules(module: nn.Module) -> List[nn.Module]:
+    """The loss and the losses it wraps, not the models they hold."""
+    out = [module]
+    for child in module._modules.values():
+        if child is not None and not _is_model(child):
+            out += _loss_modules(child)
+    return out
+
+
+def _held_models(loss: nn.Module, module: nn.Module) -> List[Tuple[nn.Module, str, str]]:
+    """Where the loss holds a model: ``(owner, attribute, key)``, key "model" for the trained one (also
+    when the Trainer put its DDP wrapper there) and the attribute's name for another (GIST's guide)."""
+    out = []
+    for owner in _loss_modules(loss):
+        for name, child in owner._modules.items():
+            if _is_model(child):
+                trained = child is module or getattr(child, "module", None) is module
+                out.append((owner, name, "model" if trained else name))
+    return out
+
+
+def _guides(loss: nn.Module, module: nn.Module) -> Dict[str, nn.Module]:
+    """Models the loss runs besides the trained one (GIST's frozen guide), by key."""
+    return {key: getattr(owner, name) for owner, name, key in _held_models(loss, module) if key != "model"}
+
+
+class _Served(nn.Module):
+    """Stands in for a model inside the loss: ``model(features)`` returns the cached embeddings of the
+    rows ``features`` names (a column index and row indices, sliced as any feature is). For
+    ``AdaptiveLayerLoss`` the cache holds every layer's embeddings, ``(rows, layers, dim)``, and
+    ``layer`` picks one; every embedding served is recorded (its KL term reads them)."""
+
+    def __init__(self, columns: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.table = torch.cat(list(columns))
+        self.rows = columns[0].shape[0]
+        self.layer: Optional[int] = None
+        self.served: List[torch.Tensor] = []
+
+    def forward(self, features: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+        try:
+            index = features["gradaccum_column"] * self.rows + features["gradaccum_row"]
+        except KeyError:
+            raise ConfigurationError("ExactSentenceTransformerTrainer: the loss runs the model on features of its "
+                                     "own making (not the batch's), which cached embeddings cannot serve") from None
+        rows = self.table[index]
+        embedding = rows if self.layer is None else rows[:, self.layer]
+        self.served.append(embedding)
+        return {"sentence_embedding": embedding}
+
+    def get_embedding_dimension(self) -> int:
+        return int(self.table.shape[-1])
+
+
+class _ServedLoss:
+    """The WindowLoss made of a sentence-transformers loss: ``encode`` runs the model (and the guides)
+    over a micro-batch's columns; ``loss`` calls the loss on the window's joined embeddings, its models
+    served them."""
+
+    def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module,
+                 guides: Dict[str, nn.Module]) -> None:
+        self.trainer, self.loss_fn, self.module, self.guides = trainer, loss_fn, module, guides
+        self.adaptive = loss_fn if isinstance(loss_fn, AdaptiveLayerLoss) else None
+
+    def _every_layer(self, model: nn.Module, features: Dict[str, Any]) -> torch.Tensor:
+        """Every layer's sentence embedding, ``(rows, layers, dim)``, the last layer's last: the model's
+        forward with the hidden states (as AdaptiveLayerLoss's TransformerDecorator runs it), then the
+        modules after the transformer on each earlier layer's token embeddings."""
+        transformer = self.module[0]
+        config = transformer.auto_model.config
+        kept = config.output_hidden_states
+        config.output_hidden_states = True
+        try:
+            out = model(features)
+        finally:
+            config.output_hidden_states = kept
+        layers = []
+        for hidden in out["all_layer_embeddings"][:-1]:
+            x = {**out, "token_embeddings": hidden}
+            for later in list(self.module)[1:]:
+                x = later(x)
+            layers.append(x["sentence_embedding"])
+        return torch.stack(layers + [out["sentence_embedding"]], dim=1)
+
+    def encode(self, model: nn.Module, inputs: Dict[str, Any]) -> Dict[str, Any]:
+        inputs = {k: v for k, v in inputs.items() if k != "dataset_name"}
+        features, labels = self.trainer.collect_features(inputs)
+        embed = self._every_layer if self.adaptive is not None else (lambda m, f: m(f)["sentence_embedding"])
+        out: Dict[str, Any] = {"model": [embed(model, dict(f)) for f in features]}
+        if self.guides:
+            with torch.no_grad():
+                out["guides"] = {name: [Constant(g(dict(f))["sentence_embedding"]) for f in features]
+                                 for name, g in self.guides.items()}
+        if isinstance(labels, torch.Tensor):
+            out["labels"] = Constant(labels) if labels.is_floating_point() else labels
+        return out
+
+    def loss(self, _: Any, reps: Dict[str, Any]) -> torch.Tensor:
+        columns = reps["model"]
+        n = columns[0].shape[0]
+        features = [{"gradaccum_column": torch.full((n,), c, dtype=torch.long, device=columns[0].device),
+                     "gradaccum_row": torch.arange(n, device=columns[0].device)} for c in range(len(columns))]
+        served = {"model": _Served(columns)}
+        served.update({name: _Served(cols) for name, cols in reps.get("guides", {}).items()})
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(column_merging_disabled())
+            for owner, name, key in _held_models(self.loss_fn, self.module):
+                stack.enter_context(swapped(owner, name, served[key]))
+            for owner in _loss_modules(self.loss_fn):
+                if getattr(owner, "gather_across_devices", False):  # the embeddings are every rank's already
+                    stack.enter_context(_attribute(owner, "gather_across_devices", False))
+            fn = self.loss_fn
+            if self.adaptive is not None:
+                out = self._adaptive_layers(served["model"], features, reps.get("labels"))
+            else:
+                forward = getattr(fn, "forward_non_mini_batched", None) if getattr(fn, "uses_gradient_cache",
+                                                                                  False) else None
+                out = (forward or fn)(features, reps.get("labels"))
+        if isinstance(out, dict):
+            out = torch.stack(list(out.values())).sum()
+        return out
+
+
+    def _adaptive_layers(self, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
+        """AdaptiveLayerLoss's forward on the served layers: the inner loss on the last layer, on the
+        earlier layers it samples (weighted), and the KL divergence of each to the last layer's."""
+        import random
+
+        ad = self.adaptive
+        assert ad is not None
+        inner, layers = ad.loss, served.table.shape[1]
+        served.layer, served.served = layers - 1, []
+        loss = inner(features, labels) * ad.last_layer_weight
+        final = None
+        if ad.kl_temperature > 0:
+            final = nn.functional.softmax(torch.cat(served.served) / ad.kl_temperature, dim=-1).detach()
+        indices = list(range(layers - 1))
+        if 0 < ad.n_layers_per_step < layers - 1:
+            indices = random.sample(indices, ad.n_layers_per_step)
+        for index in indices:
+            served.layer, served.served = index, []
+            loss = loss + inner(features, labels) * ad.get_layer_weight(index) / len(indices) * ad.prior_layers_weight
+            if final is not None:
+                kl = nn.functional.kl_div(nn.functional.log_softmax(torch.cat(served.served) / ad.kl_temperature,
+                                                                    dim=-1), final, reduction="batchmean")
+                loss = loss + kl * ad.kl_temperature * ad.kl_div_weight
+        return loss
+
+
+@contextlib.contextmanager
+def _attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)

@@ -1,0 +1,69 @@
+"""ExactTrainer with a loss that couples the batch's rows: CLIPModel and SiglipModel (their own loss,
+``return_loss``) and a model of one's own through ``compute_loss_func=WindowLoss(...)``: with
+gradient_accumulation_steps the step is one float64 big batch's, where the stock Trainer's is not."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import pytest
+
+pytest.importorskip("transformers")
+from transformers import Trainer  # noqa: E402
+
+from gradaccum.integrations.hf_trainer import ExactTrainer  # noqa: E402
+from integrations.clip_helpers import (DualEncoder, big_batch_step, clip, distance, own_big_batch_step,  # noqa: E402
+                                       own_window_loss, pairs, train)
+
+TOL = 1e-10
+LR = 0.5
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_a_contrastive_model_s_own_loss_is_one_big_batch(tmp_path, kind):
+    base = clip(kind)
+    rows = pairs(24)
+    ref = big_batch_step(base, rows, LR)
+    exact = copy.deepcopy(base)
+    train(ExactTrainer, exact, rows, tmp_path, batch=6, accumulation=4, lr=LR)
+    stock = copy.deepcopy(base)
+    train(Trainer, stock, rows, tmp_path, batch=6, accumulation=4, lr=LR)
+    assert distance(base, exact, ref) < TOL
+    assert distance(base, stock, ref) > 1e-3  # the stock Trainer's accumulation: another objective
+
+
+def test_a_model_of_one_s_own_through_a_window_loss(tmp_path):
+    base = DualEncoder()
+    rows = pairs(24, seed=3)
+    ref = own_big_batch_step(base, rows, LR)
+    exact = copy.deepcopy(base)
+    trainer = train(ExactTrainer, exact, rows, tmp_path, batch=5, accumulation=5, lr=LR,
+                    compute_loss_func=own_window_loss())
+    assert distance(base, exact, ref) < TOL
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 1
+
+
+def test_find_unused_parameters_is_refused_with_a_window_loss(tmp_path):
+    """DDP(find_unused_parameters=True) would reduce the temperature before the loss's gradient reaches it."""
+    with pytest.raises(ValueError, match="ddp_find_unused_parameters=True makes DDP reduce a parameter"):
+        train(ExactTrainer, DualEncoder(), pairs(8), tmp_path, batch=4, accumulation=2, lr=LR,
+              compute_loss_func=own_window_loss(), ddp_find_unused_parameters=True)
+
+
+def test_the_first_micro_batch_s_graph_is_kept_one_forward_saved_per_window(tmp_path):
+    """5 micro-batches: 5 forwards in pass 1 (micro-batch 0's with its graph, in the Trainer's call for
+    it), 4 in pass 2; the step is still the big batch's (the test above)."""
+    from gradaccum import WindowLoss
+    from integrations.clip_helpers import own_loss
+
+    calls = []
+
+    def encode(m, b):
+        calls.append(torch.is_grad_enabled())
+        return m(b["input_ids"], b["pixel_values"])
+
+    train(ExactTrainer, DualEncoder(), pairs(24, seed=3), tmp_path, batch=5, accumulation=5, lr=LR,
+          compute_loss_func=WindowLoss(encode, own_loss))
+    assert calls == [True, False, False, False, False, True, True, True, True]
