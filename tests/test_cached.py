@@ -106,7 +106,7 @@ def test_dropout_is_replayed_and_without_replay_the_step_is_wrong(monkeypatch):
     assert largest_difference(model, ref) < TOL
     assert torch.equal(after, torch.get_rng_state())  # the window drew its numbers once
 
-    monkeypatch.setattr(_cached._RandomState, "restore", lambda self: None)
+    monkeypatch.setattr(_cached.RandomState, "restore", lambda self: None)
     broken = DualEncoder(dropout=0.3)
     before = [p.detach().clone() for p in broken.parameters()]
     acc = Accumulator(broken, torch.optim.SGD(broken.parameters(), lr=0.5))

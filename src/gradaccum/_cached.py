@@ -36,6 +36,7 @@ from torch import nn
 
 from ._checks import as_number, training_batchnorms
 from ._maths import backward_weight
+from ._random import RandomState
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
 from .batching import Batch, _rebuild, leaves, leading_dim
@@ -131,23 +132,6 @@ def _differentiable(out: Any) -> List[bool]:
     """For each tensor of the representations, in :func:`_flat`'s order: whether ``loss`` is
     differentiated with respect to it (a float tensor that is not a :class:`Constant`)."""
     return [isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for _, leaf in leaves(out)]
-
-
-class _RandomState:
-    """The random state a forward starts from (CPU, and the model's accelerator), to replay it."""
-
-    __slots__ = ("cpu", "device", "device_state")
-
-    def __init__(self, device: torch.device) -> None:
-        self.cpu = torch.get_rng_state()
-        self.device, self.device_state = device, None
-        if device.type == "cuda" and torch.cuda.is_initialized():
-            self.device_state = torch.cuda.get_rng_state(device)
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.device_state is not None:
-            torch.cuda.set_rng_state(self.device_state, self.device)
 
 
 def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
@@ -354,10 +338,10 @@ class _FirstPass:
 
     def __init__(self) -> None:
         self.cached: List[List[torch.Tensor]] = []
-        self.states: List[_RandomState] = []
+        self.states: List[RandomState] = []
         self.spec: Any = None
         self.empty: List[torch.Tensor] = []
-        self.end: Optional[_RandomState] = None
+        self.end: Optional[RandomState] = None
         #: micro-batch index -> its representations with their graph (pass 1 kept it), and which of them
         #: are differentiable
         self.graphs: dict = {}
@@ -382,7 +366,7 @@ def _first_pass(ctx: WindowContext, window_loss: WindowLoss, micro_batches: List
     keep_from = len(micro_batches) - keep
     with torch.no_grad(), _batchnorm_stats_kept(ctx.model), ctx.precision.autocast():
         for k, (mb, n) in enumerate(zip(micro_batches, sizes)):
-            first.states.append(_RandomState(ctx.device))
+            first.states.append(RandomState(ctx.device))
             if k >= keep_from:
                 with torch.enable_grad(), ctx.sync.micro_batch(last=False):
                     out = window_loss.encode(ctx.model, mb)
@@ -397,7 +381,7 @@ def _first_pass(ctx: WindowContext, window_loss: WindowLoss, micro_batches: List
             out = window_loss.encode(ctx.model, ctx.state.padding_batch)
             if first.spec is None:
                 first.spec, first.empty = out, [t[:0] for t in _flat(out, leading_dim(ctx.state.padding_batch), 0)]
-    first.end = _RandomState(ctx.device)
+    first.end = RandomState(ctx.device)
     return first
 
 

@@ -46,6 +46,9 @@ import torch
 from torch import nn
 
 from ._maths import balance_loss_part, router_statistics, target_count
+from ._random import RandomState
+from ._ranks import WindowPlan, WindowRequest
+from ._window import Window
 from .errors import ConfigurationError, NotExactError
 from .sync import FSDP2Sync
 
@@ -287,21 +290,6 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-class _RandomState:
-    """The random state a forward starts from (CPU, and the model's accelerator), to replay it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cpu = torch.get_rng_state()
-        self.device, self.cuda = device, None
-        if device.type == "cuda" and torch.cuda.is_initialized():
-            self.cuda = torch.cuda.get_rng_state(device)
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
-
-
 def _checked(out: Any) -> MoEOutput:
     if not isinstance(out, MoEOutput):
         raise ConfigurationError(f"MoELoss: forward(model, micro_batch) returned {type(out).__name__}; return "
@@ -321,15 +309,9 @@ def require_router_grad(router_logits: Sequence[torch.Tensor], where: str) -> No
 
 def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any, *, micro_batch_size: Any = None,
                    catch_oom: bool = False, plan: Any = None) -> Any:
-    """One window of an :class:`MoELoss` (the dispatch of :func:`gradaccum._run.run_window`): the cheap
-    modes as a ``(mean, count)`` ``loss_fn``; ``"exact"`` in the module docstring's order."""
-    from ._ranks import WindowPlan, WindowRequest
-    from ._run import run_window
-    from ._window import Window
-
-    if moe.mode != "exact":
-        return run_window(ctx, micro_batches, moe.per_micro_batch(), counts, micro_batch_size=micro_batch_size,
-                          catch_oom=catch_oom, plan=plan)
+    """One window of an :class:`MoELoss` in mode ``"exact"`` (the dispatch of
+    :func:`gradaccum._run.run_window`, which runs the cheaper modes as a ``(mean, count)`` ``loss_fn``),
+    in the module docstring's order."""
     if catch_oom:
         raise ConfigurationError("micro_batch_size='auto' is not supported with MoELoss(mode='exact'): pass an int "
                                  "micro_batch_size")
@@ -405,7 +387,7 @@ def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any], padding: int, 
         for _ in range(padding):  # first: whatever they draw, the micro-batches' replays start after it
             run(module, ctx.state.padding_batch)
         for mb in micro_batches:
-            states.append(_RandomState(ctx.device))
+            states.append(RandomState(ctx.device))
             out = _checked(run(module, mb))
             c, _, rows = router_statistics(out.router_logits, moe.top_k, out.token_mask)
             if c.shape[0] != moe.num_experts:
@@ -415,5 +397,5 @@ def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any], padding: int, 
             n = torch.as_tensor(out.num_items, device=ctx.device).to(torch.float64)
             bad = ((n == 0) & (rows > 0)).to(torch.float64)
             totals += torch.cat([c.to(torch.float64), torch.stack([rows.to(torch.float64), n, bad])])
-    states.append(_RandomState(ctx.device))
+    states.append(RandomState(ctx.device))
     return states, first, totals

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .._maths import balance_loss_part, router_statistics
-from ..moe import RouterBalance, _RandomState, require_router_grad, router_logits_of
+from .._random import RandomState
+from ..moe import RouterBalance, require_router_grad, router_logits_of
 
 __all__ = ["WindowBalance"]
 
@@ -42,7 +43,7 @@ class WindowBalance:
     def __init__(self, term: RouterBalance, model: nn.Module, batches: List[Dict[str, Any]], device: torch.device,
                  reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.term = term
-        self.states: List[_RandomState] = []
+        self.states: List[RandomState] = []
         self.first: List[torch.Tensor] = []
         totals = torch.zeros(term.num_experts + 1, dtype=torch.float64, device=device)
         was_training = model.training
@@ -53,13 +54,13 @@ class WindowBalance:
         trunk = model if sharded else getattr(model, "base_model", model)
         with torch.no_grad() if sharded else torch.inference_mode():
             for inputs in batches:
-                self.states.append(_RandomState(device))
+                self.states.append(RandomState(device))
                 out = trunk(**inputs, output_router_logits=True)
                 counts, _, rows = router_statistics(out.router_logits, term.top_k, _mask(inputs))
                 self.first.append(counts)
                 totals += torch.cat([counts.to(torch.float64), rows.to(torch.float64).reshape(1)])
         model.train(was_training)
-        self.end = _RandomState(device)
+        self.end = RandomState(device)
         totals = reduce(totals)  # every rank's counts: once per window, before any backward
         self.counts, self.rows = totals[:-1], totals[-1]
         self.differs = torch.zeros((), dtype=torch.bool, device=device)

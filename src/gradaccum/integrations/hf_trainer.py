@@ -13,7 +13,7 @@ of a batch are and hooks the Trainer's window.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -53,6 +53,30 @@ def loss_source(cls: type) -> str:
     """How ``cls`` (a subclass of :class:`ExactTrainer`) gets its loss: the :data:`SOURCES` entry of
     the first class after ExactTrainer in its MRO that defines ``compute_loss``, or what ``cls``
     declares in ``exact_items`` for a ``compute_loss`` of its own.
+
+    Where the loss comes from, by source:
+
+    - ``ExactTrainer`` itself (the next ``compute_loss`` in the MRO is the Trainer's): the model runs
+      without ``labels`` and ExactTrainer computes its head's loss from the logits, as the model
+      defines it: next-token cross-entropy (``causal_lm``: items ``labels[:, 1:] != -100``, or a
+      collator's ``shift_labels``), token cross-entropy (``token_classification``, ``masked_lm``),
+      and for ``sequence_classification`` by problem type: cross-entropy over the labels that are not
+      -100, squared error (``regression``, ``num_labels=1``) or binary cross-entropy
+      (``multi_label_classification``) over every label element.
+    - A mixture-of-experts causal LM whose config turns its router's load-balancing loss on
+      (``output_router_logits``, ``router_aux_loss_coef``): ``coef`` times that loss over the whole
+      window, every rank's micro-batches, is added as the model's own loss adds it over one batch
+      (:mod:`gradaccum.integrations.hf_moe`; also under SFT). ``eval_loss`` stays the token loss.
+    - ``class X(ExactTrainer, SFTTrainer)`` (TRL): SFT computes its loss, metrics and logs itself,
+      with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
+      ``average_tokens_across_devices`` so that both settings are exact.
+    - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
+      weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
+    - Any other Trainer subclass whose ``compute_loss`` returns a mean of independent per-row terms: declare
+      ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
+      order, or an undeclared ``compute_loss``, is refused when the class is defined.
+    - ``compute_loss_func=WindowLoss(...)``, or a ``CLIPModel``/``SiglipModel`` with its own loss: a loss
+      that couples the batch's rows, run over the whole window (:mod:`gradaccum.integrations.hf_window_loss`).
 
     Raises:
         TypeError: a Trainer subclass comes before ExactTrainer in the MRO (its ``compute_loss`` or
@@ -158,27 +182,9 @@ class ExactTrainer(Trainer):
     advanced, no log, evaluation or checkpoint for it; ``windows_skipped`` counts them and a resume
     accounts for them.
 
-    Where the loss comes from (:func:`loss_source`):
-
-    - ``ExactTrainer`` itself (the next ``compute_loss`` in the MRO is the Trainer's): the model runs
-      without ``labels`` and ExactTrainer computes its head's loss from the logits, as the model
-      defines it: next-token cross-entropy (``causal_lm``: items ``labels[:, 1:] != -100``, or a
-      collator's ``shift_labels``), token cross-entropy (``token_classification``, ``masked_lm``),
-      and for ``sequence_classification`` by problem type: cross-entropy over the labels that are not
-      -100, squared error (``regression``, ``num_labels=1``) or binary cross-entropy
-      (``multi_label_classification``) over every label element.
-    - A mixture-of-experts causal LM whose config turns its router's load-balancing loss on
-      (``output_router_logits``, ``router_aux_loss_coef``): ``coef`` times that loss over the whole
-      window, every rank's micro-batches, is added as the model's own loss adds it over one batch
-      (:mod:`gradaccum.integrations.hf_moe`; also under SFT). ``eval_loss`` stays the token loss.
-    - ``class X(ExactTrainer, SFTTrainer)`` (TRL): SFT computes its loss, metrics and logs itself,
-      with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
-      ``average_tokens_across_devices`` so that both settings are exact.
-    - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
-      weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
-    - Any other Trainer subclass whose ``compute_loss`` returns a mean of independent per-row terms: declare
-      ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
-      order, or an undeclared ``compute_loss``, is refused when the class is defined.
+    Where the loss comes from, and what its items are, is :func:`loss_source`'s to say: the model's
+    head, TRL's SFT or DPO, a declared ``exact_items``, an MoE model's load balancing over the window,
+    or a loss that couples the batch's rows (:mod:`gradaccum.integrations.hf_window_loss`).
 
     Args:
         *args: As for ``transformers.Trainer`` (or the subclass).
@@ -259,15 +265,11 @@ class ExactTrainer(Trainer):
         verdict (step, or skip when ``N = 0``). One host synchronisation per window: the verdict needs N.
 
         Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step)."""
-        if self._windows is not None:
-            from .hf_window_loss import window_batch_samples
-            return window_batch_samples(self, epoch_iterator, num_batches)
-        batch_samples: List[Any] = []
-        for _ in range(num_batches):
-            try:
-                batch_samples.append(next(epoch_iterator))
-            except StopIteration:
-                break
+        batch_samples = _take(epoch_iterator, num_batches)
+        if self._windows is not None:  # a WindowLoss: one mean over the window's rows, no count to hand over
+            self._window = None
+            self._windows.begin(batch_samples)
+            return batch_samples, None
         device = device if device is not None else self.args.device
         local = sum((self.items.count(b).to(device) for b in batch_samples), torch.zeros((), dtype=torch.long, device=device))
         total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
@@ -276,10 +278,9 @@ class ExactTrainer(Trainer):
         self._window = _Window(items=items, skip=decision is _maths.Verdict.SKIP_EMPTY,
                                micro_batches=len(batch_samples))
         if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
-            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model),
-                                          [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples], device,
-                                          lambda t: self.accelerator.reduce(t, "sum")
-                                          if self.accelerator.num_processes > 1 else t)
+            inputs = [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples]
+            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), inputs,
+                                          device, _summed(self.accelerator))
         self.last_window_items = items
         return batch_samples, total
 
@@ -291,7 +292,7 @@ class ExactTrainer(Trainer):
         window). Evaluation: the batch's mean, its rows' sums and items kept for ``eval_loss``."""
         if self._windows is not None:
             from .hf_window_loss import window_compute_loss
-            return window_compute_loss(self, model, inputs, return_outputs)
+            return window_compute_loss(self._windows, self.window_loss, self.accelerator, model, inputs, return_outputs)
         if not model.training:
             return self._evaluation_loss(model, inputs, return_outputs)
         window = self._window
@@ -317,17 +318,12 @@ class ExactTrainer(Trainer):
             mean_weight = 0.0 if window.skip else _maths.backward_weight(
                 self.items.rows(inputs), reference=window.items, grad_divisor=world)
             loss = loss * mean_weight
-        if part is not None:  # coef * this micro-batch's part of the window's LBL, times W (DDP averages)
+        if part is not None and balance is not None:  # coef * this micro-batch's part of the window's LBL, times W
             loss = loss + part * (0.0 if window.skip else world)
-            self._check_routing(window)
+            if window.ran == window.micro_batches - 1:  # before the last backward, every rank alike: routed as counted
+                summed = _summed(self.accelerator)
+                balance.check(lambda flag: bool(summed(torch.tensor(float(flag), device=self.args.device)).item() > 0))
         return (loss, outputs) if return_outputs else loss
-
-    def _check_routing(self, window: _Window) -> None:
-        """Before the window's last backward, every rank alike: its forwards routed as counted."""
-        if self._balance is not None and window.ran == window.micro_batches - 1:
-            world = self.accelerator.num_processes
-            self._balance.check(lambda flag: self.accelerator.reduce(
-                torch.tensor(float(flag), device=self.args.device), "sum").item() > 0 if world > 1 else flag)
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
@@ -410,6 +406,22 @@ class ExactTrainer(Trainer):
             epochs = windows // num_update_steps_per_epoch
             batches = (windows % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
         return epochs, batches
+
+
+def _take(epoch_iterator: Iterator, num_batches: int) -> List[Any]:
+    """The window's micro-batches: ``num_batches``, or fewer at the end of the epoch."""
+    batch_samples: List[Any] = []
+    for _ in range(num_batches):
+        try:
+            batch_samples.append(next(epoch_iterator))
+        except StopIteration:
+            break
+    return batch_samples
+
+
+def _summed(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A tensor summed over the ranks (the tensor itself on one process)."""
+    return (lambda t: accelerator.reduce(t, "sum")) if accelerator.num_processes > 1 else (lambda t: t)
 
 
 def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:

@@ -24,13 +24,14 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .._cached import (WindowLoss, _batchnorm_stats_kept, _differentiable, _flat, _RandomState, _same,
+from .._cached import (WindowLoss, _batchnorm_stats_kept, _differentiable, _flat, _same,
                        refuse_a_loss_without_representations, training_batchnorms)
+from .._random import RandomState
 from ..batching import _rebuild
 from ..errors import ConfigurationError
 
 __all__ = ["TrainerWindow", "TrainerWindows", "contrastive_window_loss", "refuse_what_a_window_loss_cannot_run",
-           "window_loss_of", "window_batch_samples", "window_compute_loss"]
+           "window_loss_of", "window_compute_loss"]
 
 
 class TrainerWindow:
@@ -55,8 +56,8 @@ class TrainerWindow:
         self.ran = 0
         self.sizes: List[int] = []
         self.cached: List[List[torch.Tensor]] = []
-        self.states: List[_RandomState] = []
-        self.end: Optional[_RandomState] = None
+        self.states: List[RandomState] = []
+        self.end: Optional[RandomState] = None
         self.loss: Optional[torch.Tensor] = None
         self.slices: List[Optional[torch.Tensor]] = []
         self.own: List[Tuple[nn.Parameter, torch.Tensor]] = []
@@ -78,7 +79,7 @@ class TrainerWindow:
         keep = model is not None and len(self.micro_batches) > 1 and not training_batchnorms(module)
         with torch.no_grad(), _batchnorm_stats_kept(module):
             for k, mb in enumerate(self.micro_batches):
-                self.states.append(_RandomState(device))
+                self.states.append(RandomState(device))
                 if k == 0 and keep:
                     with torch.enable_grad():
                         out = self.window_loss.encode(model, mb)
@@ -90,7 +91,7 @@ class TrainerWindow:
                 self.sizes.append(flat[0].shape[0])
                 self.cached.append(flat)
                 spec = out if spec is None else spec
-        self.end = _RandomState(device)
+        self.end = RandomState(device)
         if spec is None:
             raise ConfigurationError("TrainerWindow: a window without micro-batches on this rank")
         local = [torch.cat(column) for column in zip(*self.cached)]
@@ -241,27 +242,13 @@ def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLos
     return contrastive_window_loss(model) if isinstance(model, nn.Module) else None
 
 
-def window_batch_samples(trainer: Any, epoch_iterator: Iterator, num_batches: int) -> Tuple[List[Any], None]:
-    """``get_batch_samples`` with a WindowLoss: the window's micro-batches, kept for pass 1; the
-    window's loss is one mean over its rows, so there is no count to hand over."""
-    batch_samples: List[Any] = []
-    for _ in range(num_batches):
-        try:
-            batch_samples.append(next(epoch_iterator))
-        except StopIteration:
-            break
-    trainer._window = None  # ExactTrainer's own window (counted items, skips) is not used
-    trainer._windows.begin(batch_samples)
-    return batch_samples, None
-
-
-def window_compute_loss(trainer: Any, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:
+def window_compute_loss(windows: "TrainerWindows", window_loss: WindowLoss, accelerator: Any, model: nn.Module,
+                        inputs: Any, return_outputs: bool) -> Any:
     """``compute_loss`` with a WindowLoss: in training micro-batch k's surrogate, in evaluation the
     loss of the evaluation batch alone."""
-    module = trainer.accelerator.unwrap_model(model)
-    window_loss = trainer.window_loss
+    module = accelerator.unwrap_model(model)
     if model.training:
-        loss = trainer._windows.surrogate(model, inputs, lambda batches: (window_loss, list(module.parameters()),
+        loss = windows.surrogate(model, inputs, lambda batches: (window_loss, list(module.parameters()),
                                                                            module))
     else:
         out = window_loss.encode(model, inputs)
