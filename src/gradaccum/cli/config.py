@@ -13,9 +13,10 @@ from ..precision import PRECISIONS
 from ..tasks.data import TASKS
 from ..tasks.models import MODELS
 from ..errors import ConfigurationError
+from .errors import CLIError
 
 __all__ = ["TrainConfig", "WindowShape", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
-           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "window_shape"]
+           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "saved_config", "window_shape"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("cpu", "cuda", "auto")
@@ -195,3 +196,13 @@ class TrainConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+def saved_config(state: Dict[str, Any], *, where: str, fix: str) -> TrainConfig:
+    """The settings a checkpoint was trained with (its ``"config"``), validated as the flags are;
+    a one-line CLIError, ``{where} holds settings this version cannot read; {fix}``, when they
+    are missing or this version refuses them."""
+    try:
+        return TrainConfig(**state["config"])
+    except (KeyError, TypeError, ValueError):
+        raise CLIError(f"{where} holds settings this version cannot read; {fix}") from None

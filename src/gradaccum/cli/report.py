@@ -11,11 +11,10 @@ so that a 1-step run shows a point, and a log axis that spans less than a decade
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .checkpoint import temp_name
+from .atomic import write_atomic
 
 __all__ = ["plot_losses", "plot_compare", "training_rows"]
 
@@ -155,13 +154,7 @@ def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: s
 def _save(fig: Any, path: Path) -> None:
     """Beside ``path``, then renamed over it: a Ctrl-C while drawing leaves no half-written PNG that
     a later resume would take for whole."""
-    tmp = temp_name(path)
-    try:
-        fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=path.suffix.lstrip(".") or "png"))
 
 
 def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, Any]], labels: Sequence[str],

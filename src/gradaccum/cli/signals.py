@@ -145,26 +145,24 @@ class StopSignals:
         all-reduce tells every rank which signal it was (the exit code: 130 or 143)."""
         if not asked:
             return False
-        local = self._signal or 0  # 0 on a rank that received none
-        if sync.is_distributed():
-            import torch
-
-            flag = torch.tensor([local], device=self.device)
-            agreed = int(sync.all_reduce_(flag, "max").item())
-        else:
-            agreed = local
+        agreed = self._any_ranks_signal(self._signal or 0)  # 0 on a rank that received none
         self.stopping = agreed or int(signal.SIGTERM)  # the signal every rank stops with (a peer's, maybe)
         return True
 
     def received_by_any(self) -> Optional[int]:
         """At the run's end, on every rank: the signal any rank received (one all-reduce under
         several ranks, once per run), or None. It came after the last window's boundary, or on it."""
-        local = self.stopping or self._signal or 0
-        if sync.is_distributed():
-            import torch
+        agreed = self._any_ranks_signal(self.stopping or self._signal or 0)
+        if agreed:
+            self.stopping = agreed
+        return agreed or None
 
-            flag = torch.tensor([local], device=self.device)
-            local = int(sync.all_reduce_(flag, "max").item())
-        if local:
-            self.stopping = local
-        return local or None
+    def _any_ranks_signal(self, local: int) -> int:
+        """The signal number any rank holds (the largest; 0: none): the one all-reduce of this
+        module, a max over the ranks' ``local`` (itself on one process)."""
+        if not sync.is_distributed():
+            return local
+        import torch
+
+        flag = torch.tensor([local], device=self.device)
+        return int(sync.all_reduce_(flag, "max").item())
