@@ -14,7 +14,8 @@ RAW = argparse.RawDescriptionHelpFormatter
 
 
 class _Parser(argparse.ArgumentParser):
-    """One line for an error (not usage + message); keeps its flags (``flags``) and, for the top
+    """One line for an error (not usage + message), said by rank 0 alone under torchrun (every
+    worker parses the same flags and exits 2); keeps its flags (``flags``) and, for the top
     parser, its subcommands' parsers by name (``commands``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -29,6 +30,13 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """Every message argparse prints (an error, usage, --help, --version): from rank 0 only."""
+        from .launch import launch
+
+        if launch().rank == 0:
+            super()._print_message(message, file)
 
 
 def unknown_flags_message(sub: "_Parser", command: str, unknown: Sequence[str]) -> str:
