@@ -271,8 +271,10 @@ def test_a_window_larger_than_the_dataset_warns_once_and_records_the_real_batch(
     assert len(warnings) == 1 and "a window of 20000 images is more than the 1438" in warnings[0]
     s = strict((out / "summary.json").read_text())
     assert s["global_batch_size"] == 1438 and s["requested_global_batch_size"] == 20000
-    # the split as trained, as the rows say it (it recorded the flags' 4 micro-batches of the 20000; #26 item 12)
-    assert s["micro_batch_size"] == 5000 and s["accum_steps"] == 1 == train_rows(out)[0]["accum_steps"]
+    # the split as trained, as the rows say it (it recorded the flags' 4 micro-batches of the 20000; #26 item 12),
+    # and the micro-batch that ran: all 1438, not the flag's 5000 (#34 item 9)
+    assert s["micro_batch_size"] == 1438 == train_rows(out)[0]["micro_batch_size"]
+    assert s["accum_steps"] == 1 == train_rows(out)[0]["accum_steps"]
 
 
 # -- 8. the default run folder ---------------------------------------------------------------

@@ -50,3 +50,110 @@ def test_argparse_says_nothing_on_a_rank_other_than_0(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     assert _code(["train", "--accum-steps", "x"]) == 2
     assert "argument --accum-steps: invalid int value: 'x'" in capsys.readouterr().err
+
+
+# -- #34 item 9: what ran, drawn and recorded ---------------------------------------------------
+
+def test_a_window_larger_than_the_dataset_records_the_micro_batch_that_ran(tmp_path, capsys):
+    """--micro-batch-size 5000 on the 1438 training images runs one micro-batch of 1438: summary.json
+    and every metrics row said 5000, the flag, not what ran."""
+    out = tmp_path / "big"
+    assert main(["train", "--micro-batch-size", "5000", "--model", "mlp", *FAST, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["global_batch_size"], summary["micro_batch_size"], summary["accum_steps"]) == (1438, 1438, 1)
+    assert summary["config"]["micro_batch_size"] == 5000  # what was asked stays in the settings
+    assert [(r["micro_batch_size"], r["num_items"]) for r in train_rows(out)] == [(1438, 1438)]
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures drawn, kept open to look at (each is saved first), closed at the end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kept: list = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", kept.append)
+    yield kept
+    for fig in kept:
+        close(fig)
+
+
+def _diverged_rows(epochs: int = 2, per_epoch: int = 12, stepped: int = 2) -> list:
+    """A run like --lr 1e6's: two steps, then every window skipped; test loss not finite."""
+    rows = []
+    for i in range(epochs * per_epoch):
+        skipped = i >= stepped
+        rows.append({"kind": "train", "window_index": i, "epoch": i // per_epoch, "window": i % per_epoch,
+                     "step": min(i + 1, stepped), "skipped": skipped, "loss": None if skipped else 2.0 + 10.0 ** i,
+                     "lr": 1e6, "grad_norm": None if skipped else 1.0 + i})
+        if i % per_epoch == per_epoch - 1:
+            rows.append({"kind": "eval", "epoch": i // per_epoch, "window_index": i, "step": stepped,
+                         "test_loss": None, "test_accuracy": 0.1})
+    return rows
+
+
+def test_a_diverged_runs_loss_png_draws_its_epoch_ends_and_no_loss_for_a_skipped_window(tmp_path, figures):
+    """loss.png's label promised dotted epoch ends, drawn only where the test loss was finite (never
+    in a diverged run), and put each skipped window at y=1 on the loss axis, a loss it never had.
+    Now the epoch ends come from the windows, and skipped windows are shaded, at no loss value."""
+    from matplotlib.patches import Rectangle
+
+    from gradaccum.cli.report import plot_losses
+
+    rows = _diverged_rows()
+    plot_losses({"train": rows}, tmp_path / "loss.png", title="t")
+    (fig,) = figures
+    loss_ax = fig.axes[0]
+    skipped = {r["window_index"] + 1 for r in rows if r.get("skipped")}
+    for line in loss_ax.get_lines():  # every point on the loss axis is a loss a window had
+        xs = [x for x in line.get_xdata() if line.get_linestyle() != ":" and x in skipped]
+        assert not xs, f"{line.get_label()} draws skipped windows {xs} at a loss"
+    shaded = [p for p in loss_ax.patches if isinstance(p, Rectangle)]
+    covered = {x for x in skipped if any(p.get_x() <= x <= p.get_x() + p.get_width() for p in shaded)}
+    assert covered == skipped
+    labels = loss_ax.get_legend_handles_labels()[1]
+    assert "skipped: 22 of 24 windows (non-finite, no step)" in labels, labels
+    for ax in fig.axes:  # the epoch end between windows 12 and 13, in every panel
+        assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == ":"] == [12.5]
+    assert fig.axes[-1].get_xlabel().endswith("dotted: epoch ends")
+
+    figures.clear()
+    plot_losses({"train": _diverged_rows(epochs=1)}, tmp_path / "one.png")
+    (one,) = figures  # one epoch: no epoch end to draw, and the label promises none
+    assert "epoch ends" not in one.axes[-1].get_xlabel()
+    assert not [line for ax in one.axes for line in ax.get_lines() if line.get_linestyle() == ":"]
+
+
+BATCHNORM = """
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+def sample():
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(16, 4, generator=g), "y": torch.randn(16, 1, generator=g)}
+
+def loss_fn(model, batch):
+    return nn.functional.mse_loss(model(batch["x"]), batch["y"])
+"""
+
+
+def test_checks_batchnorm_verdict_names_the_fix(tmp_path, monkeypatch, capsys):
+    """The verdict named the BatchNorm module, not what to do; the library's warning does (eval(),
+    GroupNorm, LayerNorm)."""
+    (tmp_path / "bn_issue34.py").write_text(textwrap.dedent(BATCHNORM))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "--model", "bn_issue34:build", "--batch", "bn_issue34:sample", "--loss",
+                 "bn_issue34:loss_fn", "--micro-batch-size", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT equivalent" in out and "suspect module '1': BatchNorm1d in training mode" in out, out
+    assert out.rstrip().splitlines()[-1] == (
+        "  fix: put the BatchNorm layers in eval mode (model.eval(), or .eval() on each of them: they then normalize "
+        "with their running statistics, the same for every split), or replace them with GroupNorm or LayerNorm, "
+        "which normalize each item on its own"), out
