@@ -157,3 +157,57 @@ def test_checks_batchnorm_verdict_names_the_fix(tmp_path, monkeypatch, capsys):
         "  fix: put the BatchNorm layers in eval mode (model.eval(), or .eval() on each of them: they then normalize "
         "with their running statistics, the same for every split), or replace them with GroupNorm or LayerNorm, "
         "which normalize each item on its own"), out
+
+
+# -- #34 item 10: the seed's range, eval's exit codes, an inherited "ignore Ctrl-C" ---------------
+
+def test_the_seeds_range_is_said_in_a_clean_bound(capsys):
+    """It read "0 to 9223372036853727232"; torch takes seeds up to 2**64-1, so seed + epoch has room
+    below it for every seed up to 2**63-1."""
+    from gradaccum.cli.parser import build_parser
+
+    assert build_parser().parse_args(["train", "--seed", str(2**63 - 1)]).seed == 2**63 - 1
+    assert _code(["train", "--seed", str(2**63)]) == 2
+    err = capsys.readouterr().err
+    assert "argument --seed: must be an integer from 0 to 2**63-1, got 9223372036854775808" in err, err
+    help_text = " ".join(build_parser().commands["train"].format_help().split())
+    assert "the data order, 0 to 2**63-1 (default: 0)" in help_text
+    assert "9223372036853727232" not in err + help_text
+    g = torch.Generator().manual_seed(2**63 - 1 + 1000)  # the last seed's 1000th epoch: torch takes it
+    assert torch.randperm(3, generator=g).sort().values.tolist() == [0, 1, 2]
+
+
+def test_eval_help_lists_every_exit_code():
+    from gradaccum.cli.parser import build_parser
+
+    text = " ".join(build_parser().commands["eval"].format_help().split())
+    assert "exit codes: 0 done, 1 an unexpected error (its one line names it), 2 a usage error (one line)" in text
+
+
+def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
+    """A script's background job (`gradaccum train &`) starts with SIGINT ignored (SIG_IGN, set by the
+    shell). It ignored Ctrl-C while it started, then installed its own handler and stopped at the
+    next one. Now an inherited SIG_IGN is kept: a real SIGINT mid-run changes nothing, the run ends
+    whole (exit 0); SIGTERM still stops such a run."""
+    out, log = tmp_path / "bg", tmp_path / "bg.log"
+
+    def start(name: str) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.log", "w") as err:
+            return subprocess.Popen([sys.executable, "-m", "gradaccum", "train", "--model", "mlp", "--epochs", "1",
+                                     "--micro-batch-size", "8", "--device", "cpu", "--out", str(tmp_path / name)],
+                                    env=cli_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+    proc = start("bg")
+    metrics = out / "metrics.jsonl"
+    wait_for(proc, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "its first rows", log)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 0, log.read_text()
+    assert "SIGINT" not in log.read_text()
+    assert load(out / "last.pt")["accumulator"]["steps"] == 45 and len(train_rows(out)) == 45  # windows of 32
+
+    term, term_log = start("term"), tmp_path / "term.log"
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    wait_for(term, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "its first rows", term_log)
+    term.send_signal(signal.SIGTERM)
+    assert term.wait(timeout=300) == 143, term_log.read_text()
