@@ -22,8 +22,12 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m gradaccum train --compare --dtype float64 --overwrite --out $(OUT)
 
+# the whole suite on TEST_JOBS processes (pytest-xdist; 0: this process alone), a test module's
+# tests on one of them (--dist loadscope), so that a module's shared fixture (one torchrun launch, one
+# trained run) is made once
+TEST_JOBS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope
 
 # the API reference is generated from the docstrings: --strict turns a renamed function into a failed build
 docs: install

@@ -7,7 +7,9 @@
 """
 import os
 import random
+import signal
 import sys
+import threading
 
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_var] = "1"  # forced, not defaulted: the in-process side must equal the subprocesses
@@ -31,6 +33,21 @@ def _same_start():
     yield
     torch.set_default_dtype(dtype)
     assert torch.get_num_threads() == 1, "a test changed the thread count"
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_at_a_terminal():
+    """SIGINT as a command typed at a terminal gets it: Python's KeyboardInterrupt handler here, and
+    (a handler is reset to the default on exec) the default in every subprocess a test starts. A
+    suite started in the background (``make test &``, a script) inherits SIGINT ignored, which
+    gradaccum rightly keeps ignoring; the tests that send SIGINT are about a run started at a terminal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 # Property-based tests (tests/test_properties.py): "ci" is the default, fixed-seed and small, so a run

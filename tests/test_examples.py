@@ -45,3 +45,9 @@ def test_contrastive_window_loss_is_one_big_batch_and_plain_accumulation_is_not(
     assert found, out
     ours, plain = map(float, found.groups())
     assert ours < 1e-12 and plain > 1e-2, out
+    # it learns: on pairs it never trained on, the loss falls below chance and the classes are told apart
+    held = re.findall(r"^held-out pairs (?:before training|after 8 steps): loss (\S+) \(chance (\S+)\), top caption "
+                      r"of the image's class (\d+)% \(chance 12.5%\)$", out, re.M)
+    assert len(held) == 2, out
+    (before, chance, _), (after, _, matched) = held
+    assert float(after) < float(chance) < float(before) and int(matched) >= 90, out

@@ -36,3 +36,28 @@ def text_file(tmp_path_factory):
     lines = [("the quick brown fox jumps over the lazy dog " * (1 + i % 3))[: 8 + (i * 7) % 90] for i in range(120)]
     path.write_text("\n".join(lines))
     return path
+
+
+@pytest.fixture
+def here(capsys, monkeypatch):
+    """The command line run in this process, returned as a finished process would be (exit code,
+    stdout, stderr): for tests about what it says, records and writes. Tests about the process itself
+    (signals, a closed pipe, the interpreter's own output, a file-size limit) run ``cli``, a subprocess.
+    ``cwd``: the folder it runs in (default: the repository, as ``cli``)."""
+    import subprocess
+
+    from gradaccum.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+
+    def run(*args: str, cwd: Path = root) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            m.chdir(cwd)
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's own refusals
+                code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+    return run

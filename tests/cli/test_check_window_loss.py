@@ -2,12 +2,9 @@
 is to blame and names WindowLoss; --encode with --window-loss shows WindowLoss exact on the model."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
 
-from .test_cli import cli_env
 from .test_issue19 import one_error_line
 
 RETRIEVAL = """
@@ -40,14 +37,16 @@ def per_micro_batch(model, batch):
 """
 
 
-def test_check_names_the_coupled_loss_and_shows_window_loss_exact(tmp_path):
+def test_check_names_the_coupled_loss_and_shows_window_loss_exact(tmp_path, here, monkeypatch, request):
+    """In this process (``here``): what check says, not how the process ends, is the point."""
     (tmp_path / "retrieval.py").write_text(textwrap.dedent(RETRIEVAL))
-    env = dict(cli_env(), PYTHONPATH=f"{cli_env()['PYTHONPATH']}{os.pathsep}{tmp_path}")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # check puts "" in front, as `python -m` has it
+    monkeypatch.syspath_prepend(str(tmp_path))  # as PYTHONPATH would
+    request.addfinalizer(lambda: sys.modules.pop("retrieval", None))
 
     def check(*args):
-        return subprocess.run([sys.executable, "-m", "gradaccum", "check", "--model", "retrieval:build", "--batch",
-                               "retrieval:sample", "--micro-batch-size", "4", "--rtol", "1e-10", *args],
-                              capture_output=True, text=True, env=env, timeout=300)
+        return here("check", "--model", "retrieval:build", "--batch", "retrieval:sample", "--micro-batch-size", "4",
+                    "--rtol", "1e-10", *args)
 
     plain = check("--loss", "retrieval:per_micro_batch")
     assert plain.returncode == 1, plain.stderr

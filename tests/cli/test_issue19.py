@@ -1,16 +1,16 @@
-"""A run a user can believe (issue #19): each test runs the command line as a subprocess, as a user
-would, and failed before its fix."""
+"""A run a user can believe (issue #19): each test failed before its fix. The command line runs as a
+subprocess where the process is the point (its exit code with the interpreter's own output: warnings,
+tracebacks), in this process (``here``) where what it says, records and writes is."""
 from __future__ import annotations
 
 import csv
 import json
 import math
-import os
 import textwrap
 
 import pytest
 
-from .test_cli import cli, cli_env, train_rows
+from .test_cli import cli, train_rows
 
 MLP = ["--model", "mlp", "--epochs", "1", "--device", "cpu"]
 
@@ -84,9 +84,9 @@ def test_a_run_whose_last_windows_were_all_skipped_exits_3(summary, diverged):
         _raise_if_diverged(summary, cfg, "out")
 
 
-def test_every_json_file_of_a_compare_run_parses_strictly(tmp_path):
+def test_every_json_file_of_a_compare_run_parses_strictly(tmp_path, here):
     out = tmp_path / "c"
-    proc = cli("train", "--compare", "--lr", "1e6", *MLP, "--out", str(out))
+    proc = here("train", "--compare", "--lr", "1e6", *MLP, "--out", str(out))
     assert proc.returncode == 3, proc.stderr
     files = list(out.rglob("*.json")) + list(out.rglob("*.jsonl"))
     assert {p.name for p in files} >= {"summary.json", "compare.json", "metrics.jsonl"}
@@ -108,10 +108,10 @@ def test_every_json_file_of_a_compare_run_parses_strictly(tmp_path):
     ({"--batch-size": 96, "--micro-batch-size": 32, "--accum-steps": 4}, "contradict each other"),
     ({"--batch-size": 100, "--accum-steps": 3}, "does not split into --accum-steps 3 equal micro-batches"),
 ])
-def test_the_documented_window_table(tmp_path, flags, window):
+def test_the_documented_window_table(tmp_path, here, flags, window):
     out = tmp_path / "w"
     args = [str(x) for kv in flags.items() for x in kv]
-    proc = cli("train", *args, *MLP, "--out", str(out))
+    proc = here("train", *args, *MLP, "--out", str(out))
     if isinstance(window, str):
         assert proc.returncode == 2
         one_error_line(proc, window)
@@ -121,10 +121,10 @@ def test_the_documented_window_table(tmp_path, flags, window):
     assert (s["global_batch_size"], s["micro_batch_size"], s["accum_steps"]) == window
 
 
-def test_resume_with_another_micro_batch_size_keeps_the_global_batch(tmp_path):
+def test_resume_with_another_micro_batch_size_keeps_the_global_batch(tmp_path, here):
     out = tmp_path / "r"
-    assert cli("train", *MLP, "--out", str(out)).returncode == 0
-    proc = cli("train", "--model", "mlp", "--epochs", "2", "--device", "cpu", "--micro-batch-size", "16",
+    assert here("train", *MLP, "--out", str(out)).returncode == 0
+    proc = here("train", "--model", "mlp", "--epochs", "2", "--device", "cpu", "--micro-batch-size", "16",
                "--resume", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     s = strict((out / "summary.json").read_text())
@@ -133,26 +133,26 @@ def test_resume_with_another_micro_batch_size_keeps_the_global_batch(tmp_path):
 
 # -- 3. eval of a run folder ------------------------------------------------------------------
 
-def test_eval_takes_a_run_folder(tmp_path):
+def test_eval_takes_a_run_folder(tmp_path, here):
     out = tmp_path / "u2"
-    assert cli("train", *MLP, "--out", str(out)).returncode == 0
-    proc = cli("eval", "--checkpoint", str(out), "--device", "cpu")
+    assert here("train", *MLP, "--out", str(out)).returncode == 0
+    proc = here("eval", "--checkpoint", str(out), "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     assert strict(proc.stdout)["checkpoint"] == str(out / "last.pt")
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = cli("eval", "--checkpoint", str(empty))
+    proc = here("eval", "--checkpoint", str(empty))
     assert proc.returncode == 2
     one_error_line(proc, f"--checkpoint {empty} is a folder without last.pt or last.dcp")
 
 
 # -- 4. check: a split of one micro-batch, and the user's own model ---------------------------
 
-def test_check_refuses_a_split_of_one_micro_batch_and_says_the_real_count():
-    proc = cli("check", "--micro-batch-size", "2000", "--accum-steps", "2")
+def test_check_refuses_a_split_of_one_micro_batch_and_says_the_real_count(here):
+    proc = here("check", "--micro-batch-size", "2000", "--accum-steps", "2")
     assert proc.returncode == 2
     one_error_line(proc, "--micro-batch-size 2000 on a batch of 1438 items gives one micro-batch")
-    proc = cli("check", "--micro-batch-size", "4", "--accum-steps", "4")
+    proc = here("check", "--micro-batch-size", "4", "--accum-steps", "4")
     assert proc.returncode == 0 and "16 items in 4 micro-batches of at most 4: equivalent" in proc.stdout
 
 
@@ -186,18 +186,19 @@ def summed(model, batch):
 """
 
 
-def test_check_runs_on_the_users_own_model(tmp_path):
+def test_check_runs_on_the_users_own_model(tmp_path, here, monkeypatch, request):
+    import sys
+
     pkg = tmp_path / "mypkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "nets.py").write_text(textwrap.dedent(USER_MODULE))
-    env = dict(cli_env(), PYTHONPATH=f"{cli_env()['PYTHONPATH']}{os.pathsep}{tmp_path}")
-    import subprocess
-    import sys
+    monkeypatch.setattr(sys, "path", list(sys.path))  # check puts "" in front, as `python -m` has it
+    monkeypatch.syspath_prepend(str(tmp_path))  # as PYTHONPATH would
+    request.addfinalizer(lambda: [sys.modules.pop(name, None) for name in ("mypkg", "mypkg.nets")])  # forgotten after
 
     def check(*args):
-        return subprocess.run([sys.executable, "-m", "gradaccum", "check", *args], capture_output=True, text=True,
-                              env=env, timeout=300)
+        return here("check", *args)
 
     bn = check("--model", "mypkg.nets:batchnorm", "--batch", "mypkg.nets:sample", "--loss", "mypkg.nets:loss_fn",
                "--micro-batch-size", "4")
@@ -231,10 +232,10 @@ def test_check_runs_on_the_users_own_model(tmp_path):
 
 # -- 5. a --compare run resumed without --compare --------------------------------------------
 
-def test_resuming_a_compare_run_without_compare_says_its_comparison_is_stale(tmp_path):
+def test_resuming_a_compare_run_without_compare_says_its_comparison_is_stale(tmp_path, here):
     out = tmp_path / "cmp"
-    assert cli("train", "--compare", *MLP, "--out", str(out)).returncode == 0
-    proc = cli("train", "--model", "mlp", "--epochs", "2", "--device", "cpu", "--resume", "--out", str(out))
+    assert here("train", "--compare", *MLP, "--out", str(out)).returncode == 0
+    proc = here("train", "--model", "mlp", "--epochs", "2", "--device", "cpu", "--resume", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert ("gradaccum train: note: compare.json, compare.png and baseline/ are from before this --resume"
             in proc.stderr)
@@ -246,16 +247,16 @@ def test_resuming_a_compare_run_without_compare_says_its_comparison_is_stale(tmp
     (["train", "--seed", "99999999999999999999"], "argument --seed: must be an integer from 0 to "),
     (["train", "--task", "mnist", "--data-path", "README.md"], "/README.md is a file; --task mnist reads a folder"),
 ])
-def test_messages_name_the_flag_and_the_fix(tmp_path, args, message):
-    proc = cli(*args, "--out", str(tmp_path / "x"))
+def test_messages_name_the_flag_and_the_fix(tmp_path, here, args, message):
+    proc = here(*args, "--out", str(tmp_path / "x"))
     assert proc.returncode == 2
     one_error_line(proc, message)
 
 
-def test_eval_data_path_on_a_digits_model_says_to_drop_it(tmp_path):
+def test_eval_data_path_on_a_digits_model_says_to_drop_it(tmp_path, here):
     out = tmp_path / "d"
-    assert cli("train", *MLP, "--out", str(out)).returncode == 0
-    proc = cli("eval", "--checkpoint", str(out), "--data-path", "README.md")
+    assert here("train", *MLP, "--out", str(out)).returncode == 0
+    proc = here("eval", "--checkpoint", str(out), "--data-path", "README.md")
     assert proc.returncode == 2
     err = one_error_line(proc, "--data-path README.md is not used", "drop --data-path")
     assert "--task" not in err  # eval takes no --task
@@ -263,43 +264,45 @@ def test_eval_data_path_on_a_digits_model_says_to_drop_it(tmp_path):
 
 # -- 7. a window larger than the dataset -----------------------------------------------------
 
-def test_a_window_larger_than_the_dataset_warns_once_and_records_the_real_batch(tmp_path):
+def test_a_window_larger_than_the_dataset_warns_once_and_records_the_real_batch(tmp_path, here):
     out = tmp_path / "big"
-    proc = cli("train", "--micro-batch-size", "5000", *MLP, "--out", str(out))
+    proc = here("train", "--micro-batch-size", "5000", *MLP, "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "a window of 20000 images is more than the 1438" in warnings[0]
     s = strict((out / "summary.json").read_text())
     assert s["global_batch_size"] == 1438 and s["requested_global_batch_size"] == 20000
-    # the split as trained, as the rows say it (it recorded the flags' 4 micro-batches of the 20000; #26 item 12)
-    assert s["micro_batch_size"] == 5000 and s["accum_steps"] == 1 == train_rows(out)[0]["accum_steps"]
+    # the split as trained, as the rows say it (it recorded the flags' 4 micro-batches of the 20000; #26 item 12),
+    # and the micro-batch that ran: all 1438, not the flag's 5000 (#34 item 9)
+    assert s["micro_batch_size"] == 1438 == train_rows(out)[0]["micro_batch_size"]
+    assert s["accum_steps"] == 1 == train_rows(out)[0]["accum_steps"]
 
 
 # -- 8. the default run folder ---------------------------------------------------------------
 
-def test_plain_runs_each_get_a_new_numbered_folder(tmp_path):
+def test_plain_runs_each_get_a_new_numbered_folder(tmp_path, here):
     paths = []
     for k in range(2):
-        proc = cli("train", *MLP, cwd=tmp_path)
+        proc = here("train", *MLP, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.rstrip().endswith(f"-> runs/version_{k}")
         paths.append(tmp_path / "runs" / f"version_{k}")
     assert all((p / "last.pt").is_file() for p in paths)
-    explicit = cli("train", *MLP, "--out", "runs/version_0", cwd=tmp_path)
+    explicit = here("train", *MLP, "--out", "runs/version_0", cwd=tmp_path)
     assert explicit.returncode == 2  # an explicit --out keeps its refusal
     one_error_line(explicit, "--out runs/version_0 holds another run")
-    proc = cli("train", *MLP, "--resume", cwd=tmp_path)
+    proc = here("train", *MLP, "--resume", cwd=tmp_path)
     assert proc.returncode == 2
     one_error_line(proc, "--resume needs --out")
 
 
 # -- 10 and 11. TensorBoard, CSV, evaluation during training ---------------------------------
 
-def test_tensorboard_events_csv_and_test_metrics_at_every_epoch_end(tmp_path):
+def test_tensorboard_events_csv_and_test_metrics_at_every_epoch_end(tmp_path, here):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
-    proc = cli("train", "--model", "mlp", "--epochs", "2", "--device", "cpu", "--out", str(out))
+    proc = here("train", "--model", "mlp", "--epochs", "2", "--device", "cpu", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     rows = [strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["kind"] == "eval"]

@@ -18,7 +18,7 @@ import pytest
 from gradaccum.cli import main
 
 from .conftest import write_idx
-from .test_cli import FAST, ROOT, cli, cli_env, load, train_rows, wait_for
+from .test_cli import FAST, ROOT, cli_env, load, train_rows, wait_for
 
 MLP = ["--model", "mlp", *FAST]
 
@@ -37,7 +37,7 @@ def one_line(err: str) -> str:
 
 # -- 3. two runs into one --out ---------------------------------------------------------------
 
-def test_a_folder_in_use_is_refused_naming_its_process_and_a_killed_run_leaves_it_free(tmp_path):
+def test_a_folder_in_use_is_refused_naming_its_process_and_a_killed_run_leaves_it_free(tmp_path, here):
     """A run trains in --out; a second run into it (--overwrite, another --lr) is refused in one line
     that names the first's PID, and the first run's files are untouched (before: both exit 0, the
     second deleting the first's files and the metrics of both mixed in one metrics.jsonl). kill -9 of
@@ -49,7 +49,7 @@ def test_a_folder_in_use_is_refused_naming_its_process_and_a_killed_run_leaves_i
     try:
         metrics = out / "metrics.jsonl"
         wait_for(first, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "its first rows", log)
-        second = cli("train", *MLP, "--lr", "0.5", "--overwrite", "--out", str(out))
+        second = here("train", *MLP, "--lr", "0.5", "--overwrite", "--out", str(out))  # this process: another one
         assert second.returncode == 2, second.stderr
         err = one_line(second.stderr)
         assert err.startswith(f"gradaccum train: error: --out {out} is in use by another gradaccum run (PID "
@@ -72,7 +72,7 @@ def test_a_folder_in_use_is_refused_naming_its_process_and_a_killed_run_leaves_i
 
 # -- 5. Ctrl-C at the run's end -----------------------------------------------------------------
 
-def test_ctrl_c_at_the_runs_end_finishes_its_files_and_says_it_is_complete(tmp_path):
+def test_ctrl_c_at_the_runs_end_finishes_its_files_and_says_it_is_complete(tmp_path, here):
     """SIGINT once the last window's row is written lands in the run's end (the epoch's test metrics,
     the final checkpoint, summary.json, loss.png): they are finished, the usual line is printed, and
     one more says the run is complete, with nothing to resume; exit 130. (Before: a bare
@@ -93,7 +93,7 @@ def test_ctrl_c_at_the_runs_end_finishes_its_files_and_says_it_is_complete(tmp_p
     assert stdout.startswith("digits/mlp: 12 steps of 128 images (1 shorter), test accuracy ")
     assert load(out / "last.pt")["accumulator"]["steps"] == 12
     assert json.loads((out / "summary.json").read_text())["steps"] == 12 and (out / "loss.png").stat().st_size > 0
-    again = cli("train", *MLP, "--resume", "--out", str(out))
+    again = here("train", *MLP, "--resume", "--out", str(out))
     assert again.returncode == 0 and again.stdout == stdout, again.stderr
     assert again.stderr == f"gradaccum train: {out} is complete: 1 epoch, 12 steps; nothing to train; summary.json left as it was\n"
 

@@ -158,9 +158,22 @@ def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         flags = f"--loss {args.loss}" if args.loss else f"--encode {args.encode} or --window-loss {args.window_loss}"
         raise CLIError(f"{flags} raised {type(e).__name__}: {e}; fix it, or try it in Python first") from None
     pieces = ceil_div(items, m)
+    fix = _batchnorm_fix(report)
     print(f"{name}, {_count(items, 'item')} in {_count(pieces, 'micro-batch', 'micro-batches')} of at most {m}: "
-          f"{report}")
+          f"{report}" + (f"\n  fix: {fix}" if fix else ""))
     return 0 if report.equivalent else 1
+
+
+#: what makes a model with BatchNorm accumulate exactly (the library's warning says the same)
+BATCHNORM_FIX = ("put the BatchNorm layers in eval mode (model.eval(), or .eval() on each of them: they then "
+                 "normalize with their running statistics, the same for every split), or replace them with "
+                 "GroupNorm or LayerNorm, which normalize each item on its own")
+
+
+def _batchnorm_fix(report: Any) -> str:
+    """The fix for the BatchNorm layers the report names (it names them, not what to do), or ""."""
+    named = [reason for _, reason in report.suspects if "BatchNorm" in reason.split(" in training mode", 1)[0]]
+    return BATCHNORM_FIX if named else ""
 
 
 def _split_refused(error: Any, args: argparse.Namespace, own: bool) -> str:

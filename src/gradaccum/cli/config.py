@@ -13,9 +13,10 @@ from ..precision import PRECISIONS
 from ..tasks.data import TASKS
 from ..tasks.models import MODELS
 from ..errors import ConfigurationError
+from .errors import CLIError
 
 __all__ = ["TrainConfig", "WindowShape", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
-           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "window_shape"]
+           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "SEED_RANGE_TEXT", "saved_config", "window_shape"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("cpu", "cuda", "auto")
@@ -23,8 +24,11 @@ DTYPES = ("float32", "float64")
 DEFAULT_MICRO_BATCH_SIZE = 32  # train's M and N when the flags give neither (check has its own: cli/check.py)
 DEFAULT_ACCUM_STEPS = 4
 DEFAULT_AUTO_BATCH = 128  # the window with --micro-batch-size auto and no --batch-size
-#: seeds torch's generators take with room for one more per epoch (seed + epoch is each epoch's order)
-SEED_RANGE = (0, 2**63 - 2**20)
+#: seeds torch's generators take, with room for one more per epoch (seed + epoch, each epoch's order: torch
+#: takes seeds up to 2**64-1)
+SEED_RANGE = (0, 2**63 - 1)
+#: the range in words, for --help and the refusals
+SEED_RANGE_TEXT = "0 to 2**63-1"
 # per task: model, epochs, optimizer, learning rate
 DEFAULTS: Dict[str, Dict[str, Any]] = {
     "digits": {"model": "lenet5", "epochs": 15, "optimizer": "sgd", "lr": 0.02},
@@ -195,3 +199,13 @@ class TrainConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+def saved_config(state: Dict[str, Any], *, where: str, fix: str) -> TrainConfig:
+    """The settings a checkpoint was trained with (its ``"config"``), validated as the flags are;
+    a one-line CLIError, ``{where} holds settings this version cannot read; {fix}``, when they
+    are missing or this version refuses them."""
+    try:
+        return TrainConfig(**state["config"])
+    except (KeyError, TypeError, ValueError):
+        raise CLIError(f"{where} holds settings this version cannot read; {fix}") from None

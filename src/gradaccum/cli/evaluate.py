@@ -33,13 +33,9 @@ def find_checkpoint(text: str) -> Tuple[Path, bool]:
 
 
 def _settings(state: Dict[str, Any], path: Path, data_path: Any) -> Any:
-    from .config import TrainConfig
+    from .config import saved_config
 
-    try:
-        cfg = TrainConfig(**state["config"])
-    except (TypeError, ValueError):
-        raise CLIError(f"--checkpoint {path} holds settings this version cannot read; evaluate it with the "
-                       "gradaccum that wrote it") from None
+    cfg = saved_config(state, where=f"--checkpoint {path}", fix="evaluate it with the gradaccum that wrote it")
     if data_path is None:
         if cfg.data_path is not None and not Path(cfg.data_path).exists():
             raise CLIError(f"{path} was trained on {cfg.data_path}, which no longer exists; pass --data-path with "

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import sync
-from .checkpoint import describe_os_error, is_temp_for, load_checkpoint, save_atomic, temp_name
-from .config import TrainConfig
+from .atomic import describe_os_error, is_temp_for, temp_name, write_text_atomic
+from .checkpoint import load_checkpoint, save_atomic
+from .config import TrainConfig, saved_config
 from .errors import CLIError
 from .jsonfile import strict_json
+from .rank0 import rank0_decides
 from .tracking import EVENTS_PREFIX, MetricsLog
 
 __all__ = ["ARTIFACTS", "BASELINE", "CHECKPOINT", "SHARDED_CHECKPOINT", "LOCK", "FolderLock", "Position",
@@ -217,23 +219,24 @@ class RunFolder:
     # -- the lock ---------------------------------------------------------------------------------
 
     def __enter__(self) -> "RunFolder":
-        error = None
-        if self.rank0:
-            try:
-                self._make_folder()
-                holder = self._lock.acquire()
-            except OSError as e:
-                error = (f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder you can "
-                         "write to with --out")
-            else:
-                if holder is not None:
-                    error = (f"--out {self.out} is in use by another gradaccum run ({holder}, which holds "
-                             f"{self._lock.path}); wait for it to end or stop it, or pass another --out")
-        error = sync.broadcast_object(error)
-        if error is not None:
+        try:
+            rank0_decides(self._take)
+        except CLIError:
             self._unmake()
-            raise CLIError(error)
+            raise
         return self
+
+    def _take(self) -> None:
+        """Make the folder and take its lock (rank 0), or a one-line CLIError."""
+        try:
+            self._make_folder()
+            holder = self._lock.acquire()
+        except OSError as e:
+            raise CLIError(f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder you can "
+                           "write to with --out") from None
+        if holder is not None:
+            raise CLIError(f"--out {self.out} is in use by another gradaccum run ({holder}, which holds "
+                           f"{self._lock.path}); wait for it to end or stop it, or pass another --out")
 
     def __exit__(self, *exc: Any) -> None:
         self._lock.release()
@@ -317,27 +320,24 @@ class RunFolder:
     def prepare(self, plan: ResumePlan) -> None:
         """Prove the folder takes a write, then remove what the plan says (rank 0; every rank
         waits). Nothing is removed if the folder cannot be written."""
-        error = None
-        if self.rank0:
-            probe = self.out / f".write-probe-{os.getpid()}"
-            try:
-                with open(probe, "wb") as f:
-                    f.write(b"gradaccum")
-                    f.flush()
-                    os.fsync(f.fileno())
+        rank0_decides(lambda: self._prepare(plan))
+
+    def _prepare(self, plan: ResumePlan) -> None:
+        probe = self.out / f".write-probe-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"gradaccum")
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+        except OSError as e:
+            with contextlib.suppress(OSError):
                 probe.unlink()
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    probe.unlink()
-                error = (f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder you can "
-                         "write to with --out")
-            else:
-                _remove_artifacts(self.out, plan.remove)
-                if plan.note:
-                    self.say(plan.note)
-        error = sync.broadcast_object(error)
-        if error is not None:
-            raise CLIError(error)
+            raise CLIError(f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder you can "
+                           "write to with --out") from None
+        _remove_artifacts(self.out, plan.remove)
+        if plan.note:
+            self.say(plan.note)
 
     # -- the checkpoint ---------------------------------------------------------------------------
 
@@ -378,24 +378,19 @@ class RunFolder:
         """``name`` in the folder, atomically, as strict JSON (rank 0); returns why it failed, or None."""
         if not self.rank0:
             return None
-        path = self.out / name
-        tmp = temp_name(path)
         try:
-            tmp.write_text(strict_json(obj, indent=2) + "\n")
-            os.replace(tmp, path)
+            write_text_atomic(self.out / name, strict_json(obj, indent=2) + "\n")
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             return describe_os_error(e)
         return None
 
     def read_json(self, name: str) -> Dict[str, Any]:
         """``name`` as rank 0 reads it, on every rank (another node's copy may be missing or stale)."""
-        return sync.broadcast_object(json.loads((self.out / name).read_text()) if self.rank0 else None)
+        return rank0_decides(lambda: json.loads((self.out / name).read_text()))
 
     def has(self, name: str) -> bool:
         """Does the folder hold ``name`` (``compare.json``, ``loss.png``)? Rank 0's answer, on every rank."""
-        return bool(sync.broadcast_object((self.out / name).exists() if self.rank0 else None))
+        return rank0_decides((self.out / name).exists)
 
     def metrics_log(self, history: List[Dict[str, Any]]) -> MetricsLog:
         """The metrics files, rewritten from ``history`` (the rows kept) and appended to (rank 0)."""
@@ -410,18 +405,15 @@ class RunFolder:
         """``--compare``'s one-batch run: a run folder of its own, ``baseline/``, resumed with this one
         when it has a checkpoint, else started over."""
         base = self.out / BASELINE
-        resume = resume and bool(sync.broadcast_object((base / CHECKPOINT).exists() if self.rank0 else None))
+        resume = resume and rank0_decides((base / CHECKPOINT).exists)
         return RunFolder(base, resume=resume, overwrite=not resume, sharded=False, say=self.say)
 
 
 def _same_settings(checkpoint: Path, cfg: TrainConfig, state: Dict[str, Any]) -> TrainConfig:
     """The settings to resume with: the flags', with the checkpoint's global batch when they say
     nothing about it; a one-line CLIError when they would train another model."""
-    try:
-        saved = TrainConfig(**state["config"])
-    except (TypeError, ValueError):
-        raise CLIError(f"--resume: {checkpoint} holds settings this version cannot read; resume with the gradaccum "
-                       "that wrote it, or pass another --out") from None
+    saved = saved_config(state, where=f"--resume: {checkpoint}",
+                         fix="resume with the gradaccum that wrote it, or pass another --out")
     if cfg.batch_size is None and cfg.accum_steps is None and cfg.window_items != saved.window_items:
         cfg = replace(cfg, batch_size=saved.window_items)  # the flags given say nothing about B: keep it
     mine, theirs = cfg.training_settings(), saved.training_settings()

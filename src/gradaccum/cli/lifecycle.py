@@ -74,9 +74,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from .. import sync
 from .config import TrainConfig
 from .errors import CLIError
-from .checkpoint import describe_os_error
+from .atomic import describe_os_error
 from .folder import Position, ResumePlan, RunFolder
 from .launch import launch
+from .rank0 import rank0_decides
 from .signals import EXIT_CODES, StopSignals, Stopped
 
 __all__ = ["WriteFailed", "RunLifecycle"]
@@ -125,22 +126,14 @@ class RunLifecycle:
         """Decide fresh / resume / complete from the folder and the flags (rank 0, told to every rank);
         returns the plan (its ``config`` the settings to train with) and the checkpoint to load (None
         when fresh). Raises a one-line CLIError; writes nothing."""
-        outcome: Any = None
-        state = None
-        if self.rank0:
-            try:
-                plan, state = self.folder.decide(cfg, restart_count=launch().restart_count)
-                outcome = ("plan", plan if plan.config is not None else replace(plan, config=cfg))
-            except CLIError as e:
-                outcome = ("error", str(e))
-        outcome = sync.broadcast_object(outcome)
-        if outcome[0] == "error":
-            raise CLIError(outcome[1])
-        plan = outcome[1]
+        def decide() -> Tuple[ResumePlan, Optional[Dict[str, Any]]]:
+            plan, state = self.folder.decide(cfg, restart_count=launch().restart_count)
+            return (plan if plan.config is not None else replace(plan, config=cfg)), state
+
+        # rank 0's checkpoint on every rank, with the plan: another node's --out may hold no file, or a
+        # stale one (DDP broadcasts parameters only at construction, so a stale load would drift silently)
+        plan, state = rank0_decides(decide)
         if plan.kind != "fresh":
-            # rank 0's checkpoint on every rank: another node's --out may hold no file, or a stale one
-            # (DDP broadcasts parameters only at construction, so a stale load would drift silently)
-            state = sync.broadcast_object(state)
             self.saved = plan.position
         return plan, state
 

@@ -14,7 +14,8 @@ from typing import Optional
 
 from .. import sync
 from .errors import CLIError
-from .checkpoint import describe_os_error
+from .atomic import describe_os_error
+from .rank0 import rank0_decides
 
 __all__ = ["RUNS", "claim_run_folder", "release_if_empty"]
 
@@ -29,25 +30,21 @@ def _next_version(root: Path) -> int:
 
 def claim_run_folder(root: Path = RUNS) -> Path:
     """Create and return ``root/version_K`` (rank 0; every rank gets the same path)."""
-    outcome = None
-    if sync.is_rank_zero():
+    def claim() -> Path:
         try:
             root.mkdir(parents=True, exist_ok=True)
             k = _next_version(root)
             while True:
                 try:
                     (root / f"version_{k}").mkdir()
-                    break
+                    return root / f"version_{k}"
                 except FileExistsError:  # another run claimed it first
                     k += 1
-            outcome = ("ok", str(root / f"version_{k}"))
         except OSError as e:
-            outcome = ("error", f"the default run folder cannot be made under {root.resolve()} "
-                                f"({describe_os_error(e)}); pass --out with a folder you can write to")
-    kind, value = sync.broadcast_object(outcome)
-    if kind == "error":
-        raise CLIError(value)
-    return Path(value)
+            raise CLIError(f"the default run folder cannot be made under {root.resolve()} "
+                           f"({describe_os_error(e)}); pass --out with a folder you can write to") from None
+
+    return rank0_decides(claim)
 
 
 def release_if_empty(folder: Optional[Path]) -> None:

@@ -14,7 +14,8 @@ RAW = argparse.RawDescriptionHelpFormatter
 
 
 class _Parser(argparse.ArgumentParser):
-    """One line for an error (not usage + message); keeps its flags (``flags``) and, for the top
+    """One line for an error (not usage + message), said by rank 0 alone under torchrun (every
+    worker parses the same flags and exits 2); keeps its flags (``flags``) and, for the top
     parser, its subcommands' parsers by name (``commands``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -29,6 +30,13 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """Every message argparse prints (an error, usage, --help, --version): from rank 0 only."""
+        from .launch import launch
+
+        if launch().rank == 0:
+            super()._print_message(message, file)
 
 
 def unknown_flags_message(sub: "_Parser", command: str, unknown: Sequence[str]) -> str:
@@ -53,17 +61,16 @@ def _micro_batch_size(text: str) -> Union[int, str]:
 
 def _seed(text: str) -> int:
     """``--seed``: an integer torch's generators take, named with the range when it is not."""
-    from .config import SEED_RANGE
+    from .config import SEED_RANGE, SEED_RANGE_TEXT
 
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, "
-                                         f"got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an integer from {SEED_RANGE_TEXT}, got {text!r}") from None
     if not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
         example = -value if value < 0 and -value <= SEED_RANGE[1] else value % 2**32
-        raise argparse.ArgumentTypeError(f"must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got "
-                                         f"{text}; pass one in that range, e.g. --seed {example}")
+        raise argparse.ArgumentTypeError(f"must be an integer from {SEED_RANGE_TEXT}, got {text}; pass one in that "
+                                         f"range, e.g. --seed {example}")
     return value
 
 
@@ -117,7 +124,7 @@ def _train_parser(sub: Any) -> None:
     from ..tasks.data import TASKS
     from ..tasks.models import MODELS
     from .config import (DEFAULT_ACCUM_STEPS, DEFAULT_AUTO_BATCH, DEFAULT_MICRO_BATCH_SIZE, DEVICES, DTYPES,
-                         OPTIMIZERS, SEED_RANGE)
+                         OPTIMIZERS, SEED_RANGE_TEXT)
 
     raw = RAW
     t = sub.add_parser(
@@ -169,8 +176,7 @@ def _train_parser(sub: Any) -> None:
     t.add_argument("--max-grad-norm", type=float, metavar="X",
                    help="clip each step's gradient to this total norm (default: no clipping)")
     t.add_argument("--seed", type=_seed, default=0, metavar="S",
-                   help=f"seeds the model's initialisation and the data order, {SEED_RANGE[0]} to {SEED_RANGE[1]} "
-                        "(default: 0)")
+                   help=f"seeds the model's initialisation and the data order, {SEED_RANGE_TEXT} (default: 0)")
     t.add_argument("--out", metavar="DIR",
                    help="the run folder: metrics.jsonl and .csv, TensorBoard events, summary.json, last.pt, "
                         "loss.png; a folder holding another run is refused unless --resume or --overwrite "
@@ -210,7 +216,8 @@ def _eval_parser(sub: Any) -> None:
     e = sub.add_parser("eval", help="print the test metrics of a saved model (and the step it holds)",
                        description="Print the test metrics of a checkpoint as one JSON line, with the step,\n"
                                    "epoch and window it holds.",
-                       epilog="exit codes: 0 done, 2 a usage error (one line)", formatter_class=raw,
+                       epilog="exit codes: 0 done, 1 an unexpected error (its one line names it), 2 a usage error "
+                              "(one line)", formatter_class=raw,
                        allow_abbrev=False)
     e.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="a run folder, its last.pt, or the last.dcp folder of a --shard run, written by gradaccum "

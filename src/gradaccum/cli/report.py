@@ -2,22 +2,21 @@
 
 ``loss.png`` has three panels over the windows of the run: the training loss with the test loss at
 each epoch's end and the epoch boundaries, the learning rate, and the gradient norm; skipped windows
-(no optimizer step) are marked and counted. Every plot has a title naming the task, the model and
-the window. Few steps are drawn with markers,
-so that a 1-step run shows a point, and a log axis that spans less than a decade gets plain ticks
+(no optimizer step) are shaded across the panels and counted, never drawn at a loss they did not
+have. Every plot has a title naming the task, the model and the window. Few steps are drawn with
+markers, so that a 1-step run shows a point, and a log axis that spans less than a decade gets plain ticks
 (2.2, 2.25, 2.3) instead of none or a crowd of ``2x10^0``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .checkpoint import temp_name
+from .atomic import write_atomic
 
-__all__ = ["plot_losses", "plot_compare", "training_rows"]
+__all__ = ["epoch_ends", "plot_losses", "plot_compare", "training_rows"]
 
 MARKERS_UP_TO = 40  # steps; more than that and markers only clutter the line
 
@@ -112,10 +111,12 @@ def _run_panels(axes: Sequence[Any], rows: List[Dict[str, Any]], label: str, uni
     if evals:
         loss_ax.plot([int(r["window_index"]) + 1 for r in evals], [r["test_loss"] for r in evals], "s--",
                      color="C1", markersize=5, label="test loss (epoch end)")
-    skipped = [x[id(r)] for r in train if r.get("skipped")]
-    if skipped:
-        loss_ax.plot(skipped, [0.02] * len(skipped), "x", color="C3", transform=loss_ax.get_xaxis_transform(),
-                     label=f"skipped: {len(skipped)} of {len(train)} windows (non-finite, no step)")
+    skipped = sorted(x[id(r)] for r in train if r.get("skipped"))
+    for i, (first, last) in enumerate(_stretches(skipped)):  # shaded: a skipped window has no loss to put anywhere
+        for ax in axes:
+            ax.axvspan(first - 0.5, last + 0.5, color="C3", alpha=0.15, linewidth=0,
+                       label=f"skipped: {len(skipped)} of {len(train)} windows (non-finite, no step)"
+                       if ax is loss_ax and i == 0 else None)
     positive = [r["loss"] for r in ok if r["loss"] > 0] + [r["test_loss"] for r in evals if r["test_loss"] > 0]
     if positive:
         if max(positive) == min(positive):
@@ -128,12 +129,34 @@ def _run_panels(axes: Sequence[Any], rows: List[Dict[str, Any]], label: str, uni
         pts = [(x[id(r)], r[key]) for r in train if _finite(r.get(key))]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color="C2", marker=marker, markersize=3)
         ax.set_ylabel(name, fontsize=9)
-    ends = sorted({int(r["window_index"]) + 1 for r in evals})
     for ax in axes:
-        for end in ends[:-1] if ends and ends[-1] == max(x.values(), default=0) else ends:
+        for end in epoch_ends(rows):
             ax.axvline(end + 0.5, color="0.6", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
     _integer_steps(norm_ax, sorted(x.values()) or [1])
+
+
+def _stretches(xs: Sequence[int]) -> List[Tuple[int, int]]:
+    """Sorted whole numbers as runs of consecutive ones: ``[3, 4, 5, 9]`` -> ``[(3, 5), (9, 9)]``."""
+    runs: List[Tuple[int, int]] = []
+    for v in xs:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
+def epoch_ends(rows: List[Dict[str, Any]]) -> List[int]:
+    """The windows (counted from 1) that ended an epoch before the run's last window: from the training
+    rows' epochs, so a run whose test loss is not finite (a diverged one) has them too."""
+    last: Dict[int, int] = {}
+    for r in rows:
+        if r.get("kind", "train") == "train":
+            x = int(r.get("window_index", r["step"] - 1)) + 1
+            last[int(r.get("epoch", 0))] = max(x, last.get(int(r.get("epoch", 0)), 0))
+    final = max(last.values(), default=0)
+    return sorted(end for end in last.values() if end != final)
 
 
 def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: str = "", unit: str = "items") -> None:
@@ -144,7 +167,8 @@ def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: s
     label, rows = next(iter(curves.items()))
     fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": (3, 1, 1)})
     _run_panels(axes, rows, label, unit)
-    axes[-1].set_xlabel("window (one optimizer step each, unless skipped); dotted: epoch ends")
+    axes[-1].set_xlabel("window (one optimizer step each, unless skipped)"
+                        + ("; dotted: epoch ends" if epoch_ends(rows) else ""))
     if title:
         axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
@@ -155,13 +179,7 @@ def plot_losses(curves: Dict[str, List[Dict[str, Any]]], path: Path, *, title: s
 def _save(fig: Any, path: Path) -> None:
     """Beside ``path``, then renamed over it: a Ctrl-C while drawing leaves no half-written PNG that
     a later resume would take for whole."""
-    tmp = temp_name(path)
-    try:
-        fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=path.suffix.lstrip(".") or "png"))
 
 
 def plot_compare(accumulated: List[Dict[str, Any]], one_batch: List[Dict[str, Any]], labels: Sequence[str],

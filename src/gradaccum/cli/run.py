@@ -201,6 +201,16 @@ class RunParts:
     elapsed: float = 0.0    # seconds of training, over this run and the runs it resumed
 
     @property
+    def micro_batch_size(self) -> Any:
+        """M as it runs: the flag's, but at most a full window's share of one rank (``--micro-batch-size
+        5000`` on 1438 items runs micro-batches of 1438); ``"auto"`` before auto-sizing has picked one."""
+        m = self.acc.auto_micro_batch_size or self.cfg.window[1]
+        if m == "auto":
+            return m
+        share = ceil_div(min(self.cfg.window_items, self.task.num_train), sync.world_size())
+        return min(int(m), share)
+
+    @property
     def total_windows(self) -> int:
         """Windows of the whole run: per epoch, times the epochs."""
         return self.sampler.num_windows * int(self.cfg.epochs)  # type: ignore[arg-type]
@@ -317,7 +327,7 @@ def _train_row(parts: RunParts, result: StepResult, seconds: float) -> Dict[str,
             "epoch": epoch, "window": window, "skipped": result.skipped, "loss": result.loss, "lr": result.lr,
             "num_items": result.num_items, "window_items": items, "grad_norm": result.grad_norm,
             "micro_batches": result.micro_batches, "accum_steps": result.accum_steps,
-            "micro_batch_size": result.micro_batch_size or parts.cfg.window[1], "world_size": sync.world_size(),
+            "micro_batch_size": result.micro_batch_size or parts.micro_batch_size, "world_size": sync.world_size(),
             "samples_per_second": items / seconds if seconds > 0 else None}
 
 
@@ -418,7 +428,7 @@ def _summary(parts: RunParts, plan: ResumePlan, history: List[Dict[str, Any]], l
     rows = [r for r in history if r.get("kind", "train") == "train"]
     per_step = [float(r["num_items"]) for r in rows]
     items = min(cfg.window_items, task.num_train)  # as trained: at most the training set
-    micro_batch_size = acc.auto_micro_batch_size or cfg.window[1]
+    micro_batch_size = parts.micro_batch_size  # as it ran: at most a full window's share of one rank
     summary: Dict[str, Any] = dict(metrics)
     reported = [r for r in rows if r["loss"] is not None]  # under --loss-every K, every K-th window
     summary.update(steps=acc.steps, windows=len(rows), skipped_windows=sum(1 for r in rows if r.get("skipped")),

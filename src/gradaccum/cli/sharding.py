@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import os
 import shutil
 import warnings
@@ -37,7 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import sync
-from .checkpoint import EVAL_FIX, TRAIN_FIX, corrupt, fsync_dir, load_checkpoint, save_atomic
+from .atomic import fsync_dir
+from .checkpoint import EVAL_FIX, TRAIN_FIX, corrupt, load_checkpoint, save_atomic
+from .checksum import SHARD_CHECKSUMS, file_digests, files_damaged
 from .errors import CLIError
 from .launch import launch
 
@@ -48,8 +49,6 @@ META = "gradaccum.pt"
 _made_group = False  # this process joined (or made) the group: the command leaves it at its end
 #: what gradaccum.pt holds (the model and optimizer are DCP's shards beside it)
 META_KEYS = ("accumulator", "config", "epoch", "window")
-#: the key of gradaccum.pt under which the SHA-256 of each of the folder's other files is kept
-SHARD_CHECKSUMS = "shards"
 
 
 def setup_distributed(device: torch.device, *, shard: bool = False) -> None:
@@ -138,7 +137,7 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, meta: Dict[
     try:
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
         if sync.is_rank_zero():  # every rank's shards are written once dcp.save returns on the coordinator
-            save_atomic({**meta, SHARD_CHECKSUMS: _file_checksums(tmp)}, tmp / META)
+            save_atomic({**meta, SHARD_CHECKSUMS: file_digests(tmp, but=META)}, tmp / META)
     except Exception as e:  # noqa: BLE001 - DCP wraps the OSError of a full disk in its own exception
         error = e
     error = sync.broadcast_object(None if error is None else _os_error(error))
@@ -174,19 +173,6 @@ def _os_error(error: BaseException) -> OSError:
     return OSError(f"the sharded checkpoint could not be written ({type(error).__name__})")
 
 
-def _file_checksums(folder: Path) -> Dict[str, str]:
-    """SHA-256 of every file in a checkpoint folder but ``gradaccum.pt`` (which holds them)."""
-    return {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != META}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_sharded_meta(path: Path, *, fix: str = TRAIN_FIX) -> Dict[str, Any]:
     """A sharded checkpoint's ``gradaccum.pt``, after every shard file was compared with the
     checksum written with it; a damaged or missing one is refused in one line, the folder left in
@@ -197,14 +183,9 @@ def read_sharded_meta(path: Path, *, fix: str = TRAIN_FIX) -> Dict[str, Any]:
                        "the last.dcp folder a --shard run wrote")
     meta = load_checkpoint(folder / META, required=META_KEYS, fix=fix)
     expected = meta.get(SHARD_CHECKSUMS)
-    if isinstance(expected, dict):
-        for name, digest in expected.items():
-            file = folder / name
-            if not file.is_file():
-                raise corrupt(path, f"its file {name} is missing", fix)
-            if _sha256(file) != digest:
-                raise corrupt(path, f"its file {name} does not match the checksum written with it: damaged on disk "
-                                    "or in transfer", fix)
+    reason = files_damaged(folder, expected) if isinstance(expected, dict) else None
+    if reason is not None:
+        raise corrupt(path, reason, fix)
     return meta
 
 

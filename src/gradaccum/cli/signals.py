@@ -4,7 +4,10 @@ The first signal is acknowledged at once and lets the current window finish; the
 checkpoint and stops (:mod:`gradaccum.cli.lifecycle`). A second signal leaves at once (``os._exit``,
 exit 130 or 143), without a new checkpoint: a write in progress is abandoned and its temporary file
 removed. The handler never raises (an exception raised inside torch's C++ comes out as its
-RuntimeError), and after a stop both signals stay ignored.
+RuntimeError), and after a stop both signals stay ignored. A signal the process was started
+ignoring stays ignored throughout, as well-behaved Unix programs do: a shell starts a script's
+background job (``gradaccum train &``) with SIGINT ignored, so a Ctrl-C meant for the script does
+not stop the run, before training or during it (SIGTERM still does).
 
 The first signal also calls ``acc.request_stop()`` (at once, or when the loop starts if it came
 while the run was set up): the window's boundary carries it to every rank in the all-reduce it
@@ -93,14 +96,17 @@ class StopSignals:
     @contextlib.contextmanager
     def handling_signals(self) -> Iterator[None]:
         """SIGINT and SIGTERM, while training: the first asks to stop after the window, the second
-        leaves at once. On the way out the previous handlers come back, unless a signal stopped the
-        run: then both stay ignored, so that one more Ctrl-C cannot turn the exit into a traceback."""
+        leaves at once. A signal the process was started ignoring (``SIG_IGN``: a shell starts a
+        script's background job, ``gradaccum train &``, with SIGINT ignored) stays ignored, as it
+        was from the start. On the way out the previous handlers come back, unless a signal stopped
+        the run: then both stay ignored, so that one more Ctrl-C cannot turn the exit into a traceback."""
         if threading.current_thread() is not threading.main_thread():  # handlers live in the main thread
             yield
             return
         previous = {s: signal.getsignal(s) for s in EXIT_CODES}
         for s in EXIT_CODES:
-            signal.signal(s, self._on_signal)
+            if previous[s] is not signal.SIG_IGN:
+                signal.signal(s, self._on_signal)
         try:
             yield
         finally:
@@ -145,26 +151,24 @@ class StopSignals:
         all-reduce tells every rank which signal it was (the exit code: 130 or 143)."""
         if not asked:
             return False
-        local = self._signal or 0  # 0 on a rank that received none
-        if sync.is_distributed():
-            import torch
-
-            flag = torch.tensor([local], device=self.device)
-            agreed = int(sync.all_reduce_(flag, "max").item())
-        else:
-            agreed = local
+        agreed = self._any_ranks_signal(self._signal or 0)  # 0 on a rank that received none
         self.stopping = agreed or int(signal.SIGTERM)  # the signal every rank stops with (a peer's, maybe)
         return True
 
     def received_by_any(self) -> Optional[int]:
         """At the run's end, on every rank: the signal any rank received (one all-reduce under
         several ranks, once per run), or None. It came after the last window's boundary, or on it."""
-        local = self.stopping or self._signal or 0
-        if sync.is_distributed():
-            import torch
+        agreed = self._any_ranks_signal(self.stopping or self._signal or 0)
+        if agreed:
+            self.stopping = agreed
+        return agreed or None
 
-            flag = torch.tensor([local], device=self.device)
-            local = int(sync.all_reduce_(flag, "max").item())
-        if local:
-            self.stopping = local
-        return local or None
+    def _any_ranks_signal(self, local: int) -> int:
+        """The signal number any rank holds (the largest; 0: none): the one all-reduce of this
+        module, a max over the ranks' ``local`` (itself on one process)."""
+        if not sync.is_distributed():
+            return local
+        import torch
+
+        flag = torch.tensor([local], device=self.device)
+        return int(sync.all_reduce_(flag, "max").item())

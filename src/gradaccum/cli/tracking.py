@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
-from .checkpoint import temp_name
+from .atomic import write_text_atomic
 from .jsonfile import finite_or_none, strict_json
 
 __all__ = ["CSV_COLUMNS", "EVENTS_PREFIX", "MetricsLog"]
@@ -61,11 +61,8 @@ class MetricsLog:
     def __enter__(self) -> "MetricsLog":
         if not self.enabled:
             return self
-        path = self.out / "metrics.jsonl"
-        tmp = temp_name(path)  # replaced whole: a kill while rewriting cannot lose the kept lines
-        with open(tmp, "w") as f:
-            f.writelines(strict_json(row) + "\n" for row in self.history)
-        tmp.replace(path)
+        path = self.out / "metrics.jsonl"  # replaced whole: a kill while rewriting cannot lose the kept lines
+        write_text_atomic(path, "".join(strict_json(row) + "\n" for row in self.history))
         self._jsonl = open(path, "a")
         self._csv_file = open(self.out / "metrics.csv", "w", newline="")
         self._csv = csv.DictWriter(self._csv_file, CSV_COLUMNS, extrasaction="ignore")
