@@ -7,6 +7,7 @@ prints ``PASS <name>`` on rank 0, or ``FAIL <name>: <why>`` and the run goes on.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 import traceback
@@ -1074,6 +1075,7 @@ def run_scenarios(scenarios, set_rank) -> int:
             status = ("PASS", "SKIP", "FAIL")[int(verdict.item())]
             print(f"{status} {scenario.__name__}: {note}", flush=True)
         dist.barrier()
+    gc.collect()  # DDP, FSDP2 and module hooks sit in reference cycles: free them before the group
     dist.destroy_process_group()
     return 0
 

@@ -10,6 +10,7 @@ multiple of 2, so its sampler neither pads nor duplicates).
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -252,6 +253,7 @@ def main(names: List[str]) -> None:
         if RANK == 0:
             print(line, flush=True)
     dist.barrier()
+    gc.collect()  # DDP, FSDP2 and module hooks sit in reference cycles: free them before the group
     dist.destroy_process_group()
 
 
