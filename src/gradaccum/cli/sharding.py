@@ -74,17 +74,22 @@ def setup_distributed(device: torch.device, *, shard: bool = False) -> None:
                                 rank=0, world_size=1)
 
 
-def teardown_distributed() -> None:
+def teardown_distributed() -> bool:
     """Leave the group this command made: a gloo group still alive at interpreter exit can abort the
     process ('terminate called without an active exception') after its work is done. The sharded
     model's DTensors and device mesh sit in reference cycles that still hold the group: collected
     first, so the group goes now, not in the interpreter's teardown (how often it aborted with and
-    without: docs/measurements.md)."""
+    without: docs/measurements.md). True when it left a group of several ranks (then the process has
+    nothing left to do but exit: :func:`gradaccum.cli.main` ends it without the interpreter's
+    teardown, where gloo can still abort)."""
     global _made_group
+    several = False
     if _made_group and sync.is_distributed():
+        several = dist.get_world_size() > 1
         gc.collect()
         dist.destroy_process_group()
     _made_group = False
+    return several
 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
