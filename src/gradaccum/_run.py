@@ -4,7 +4,8 @@
 it counts the micro-batches' items before any forward, opens a :class:`~gradaccum._window.Window`,
 runs each micro-batch's forward and weighted backward (and the zero-weight padding the ranks need),
 and steps. A :class:`~gradaccum.WindowLoss`, whose loss couples the window's items, runs through
-:func:`gradaccum._cached.run_cached_window` instead.
+:func:`gradaccum._cached.run_cached_window` instead, and an exact :class:`~gradaccum.MoELoss` (its
+router's load balancing over the whole window) through :func:`gradaccum.moe.run_moe_window`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from torch import nn
 
 from ._autosize import AutoMicroBatch
 from ._cached import WindowLoss, run_cached_window
-from .moe import MoELoss, run_moe_window
 from ._checks import Count, as_number, item_count, split_loss_output
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
+from .moe import MoELoss, run_moe_window
 from .batching import Batch, leading_dim, split_batch
 from .result import StepResult
 

@@ -6,7 +6,8 @@ the part that owns it. What one window teaches the next lives in one object, ``a
 the order it runs::
 
     acc.step / acc.train           -> _run.run_window: the micro-batches through loss_fn (step, train,
-                                      the out-of-memory back-off); a WindowLoss -> _cached.run_cached_window
+                                      the out-of-memory back-off); a WindowLoss -> _cached.run_cached_window,
+                                      an exact MoELoss -> moe.run_moe_window
     acc.window                     -> a Window the user's own loop drives; both go through:
          -> RankAgreement.open     once, as the window opens: its plan (known, made alone, or asked
                                    of the ranks: one all-gather), then window_setup: R, whether its

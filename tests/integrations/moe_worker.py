@@ -6,26 +6,22 @@ ranks' micro-batches as one batch (float32 islands swapped for float64 on both s
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import moe_models as M  # noqa: E402
 import moe_scenarios as MS  # noqa: E402
 import scenarios as S  # noqa: E402
 from gradaccum import Accumulator, MoELoss  # noqa: E402
 from hf_helpers import unpad  # noqa: E402
-from worker import unsharded, verdict  # noqa: E402
+from worker import run, unsharded, verdict  # noqa: E402
 
 torch.set_num_threads(1)
 RANK = int(os.environ["RANK"])
@@ -165,20 +161,6 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
 }
 
 
-def main(names: List[str]) -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    with M.float64_balance_loss():
-        for name in names or list(SCENARIOS):
-            try:
-                line = SCENARIOS[name]()
-            except Exception:  # noqa: BLE001 - report and go on to the next scenario
-                line = f"FAIL {name}: {traceback.format_exc()[-1500:]}"
-            if RANK == 0:
-                print(line, flush=True)
-    dist.barrier()
-    gc.collect()  # DDP, FSDP2 and module hooks sit in reference cycles: free them before the group
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with M.float64_balance_loss():
+        run(SCENARIOS, sys.argv[1:])

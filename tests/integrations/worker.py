@@ -243,19 +243,21 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
 }
 
 
-def main(names: List[str]) -> None:
+def run(scenarios: Dict[str, Callable[[], str]], names: List[str]) -> None:
+    """Join the group, run the named scenarios (all by default), rank 0 printing each one's line, and
+    leave the group after its reference cycles are freed (DDP, FSDP2 and module hooks sit in them)."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    for name in names or list(SCENARIOS):
+    for name in names or list(scenarios):
         try:
-            line = SCENARIOS[name]()
+            line = scenarios[name]()
         except Exception:  # noqa: BLE001 - report and go on to the next scenario
             line = f"FAIL {name}: {traceback.format_exc()[-1500:]}"
         if RANK == 0:
             print(line, flush=True)
     dist.barrier()
-    gc.collect()  # DDP, FSDP2 and module hooks sit in reference cycles: free them before the group
+    gc.collect()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run(SCENARIOS, sys.argv[1:])
