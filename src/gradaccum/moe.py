@@ -87,10 +87,39 @@ def aux_term(config: Any) -> Optional[RouterBalance]:
         return None
     text = _text_config(config)
     coef = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
-    if not getattr(text, "output_router_logits", False) or not coef:
+    if not getattr(text, "output_router_logits", False):
+        return None
+    _refuse_an_unknown_term(text, coef)
+    if not coef:
         return None
     experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
     return RouterBalance(int(experts or 0), int(getattr(text, "num_experts_per_tok", 0) or 0), float(coef))
+
+
+#: the model types whose load-balancing loss is transformers' ``load_balancing_loss_func`` as
+#: :func:`gradaccum._maths.balance_loss_part` computes it (tested against each family's own loss)
+BALANCED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+#: where other models keep the weight of a router loss of their own (JetMoe, DBRX, ...)
+_OTHER_WEIGHTS = ("aux_loss_coef", "moe_aux_loss_coef", "router_z_loss_coef")
+
+
+def _refuse_an_unknown_term(text: Any, coef: float) -> None:
+    """A config whose loss adds a router term gradaccum cannot compute over the window (another
+    family's formula, or a weight under another name): refused, never trained without it in silence."""
+    family = getattr(text, "model_type", None)
+    others = {name: getattr(text, name) for name in _OTHER_WEIGHTS if getattr(text, name, 0)}
+    ffn = getattr(text, "ffn_config", None)
+    if getattr(ffn, "moe_loss_weight", 0) or (isinstance(ffn, dict) and ffn.get("moe_loss_weight")):
+        others["ffn_config.moe_loss_weight"] = getattr(ffn, "moe_loss_weight", None) or ffn.get("moe_loss_weight")
+    unknown = bool(others) or (bool(coef) and family is not None and family not in BALANCED_FAMILIES)
+    if unknown:
+        weights = ", ".join(f"{k}={v}" for k, v in ({"router_aux_loss_coef": coef} if coef else {}).items())
+        weights = ", ".join(filter(None, [weights] + [f"{k}={v}" for k, v in others.items()]))
+        raise NotExactError(
+            f"the model's config ({family}) has output_router_logits=True and {weights}: its loss adds a router "
+            f"term gradaccum does not compute over the window (supported: {', '.join(BALANCED_FAMILIES)}), so it "
+            "would be dropped or computed per micro-batch. Set output_router_logits=False (or that weight to 0) to "
+            "train without it")
 
 
 def refuse_aux_term(config: Any, where: str, fix: str) -> None:
@@ -108,7 +137,10 @@ def refuse_aux_term(config: Any, where: str, fix: str) -> None:
 
 def balance_hint(model: nn.Module) -> Optional[str]:
     """The checker's hint for a model whose loss adds a load-balancing term (None without one)."""
-    term = next((t for t in (aux_term(getattr(m, "config", None)) for m in model.modules()) if t is not None), None)
+    try:
+        term = next((t for t in (aux_term(getattr(m, "config", None)) for m in model.modules()) if t is not None), None)
+    except NotExactError as unknown:
+        return f"{unknown}; per micro-batch that term is another objective"
     if term is None:
         return None
     return (f"the model's loss adds an MoE router load-balancing term (router_aux_loss_coef={term.coef}, "

@@ -56,3 +56,30 @@ def test_a_declared_rows_trainer_refuses_the_models_aux_term():
 
     with pytest.raises(NotExactError, match=r"Rows: .*router_aux_loss_coef=0.2.*router_aux_loss_coef = 0\.0"):
         S.hf_fit(M.moe_model("qwen3_moe"), [S.rank_micro_batches(0, [1])], exact=True, trainer_cls=Rows, accum=1)
+
+
+def test_a_router_loss_exact_trainer_cannot_compute_is_refused_not_dropped():
+    """A family whose router loss is weighed under another name (JetMoe's aux_loss_coef, DBRX's
+    ffn_config.moe_loss_weight) or computed by another formula: ExactTrainer trained it on the token loss
+    alone, in silence (the logged loss was the model's minus coef * aux). Now it is refused with the fix,
+    and the fix trains."""
+    import torch
+    from transformers import DbrxConfig, JetMoeConfig, JetMoeForCausalLM
+
+    from gradaccum.checking import check_equivalence
+    from gradaccum.moe import aux_term
+
+    def jetmoe(**extra):
+        torch.manual_seed(0)
+        return JetMoeForCausalLM(JetMoeConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **extra)).double()
+
+    with pytest.raises(NotExactError, match=r"\(jetmoe\) has output_router_logits=True and aux_loss_coef=0.5"):
+        S.hf_fit(jetmoe(output_router_logits=True, aux_loss_coef=0.5), [S.rank_micro_batches(0, [1])], exact=True,
+                 accum=1)
+    with pytest.raises(NotExactError, match=r"ffn_config.moe_loss_weight"):
+        aux_term(DbrxConfig(output_router_logits=True))
+    S.hf_fit(jetmoe(output_router_logits=False, aux_loss_coef=0.5), [S.rank_micro_batches(0, [1])], exact=True,
+             accum=1)
+    assert aux_term(M.moe_model("mixtral").config) is not None  # the tested families still compute it

@@ -463,6 +463,12 @@ def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
         refuse_aux_term(config, type(trainer).__name__,
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
+    elif trainer.source == "tokens" and getattr(trainer, "aux_loss_enabled", False) and aux_term(config) is None:
+        raise NotExactError(  # TRL asked for the term but the model's config does not carry it as ExactTrainer reads it
+            f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns on "
+            "the MoE router's load-balancing loss, which TRL would compute per micro-batch, and this model's config "
+            f"does not carry it as ExactTrainer reads it (supported: mixtral, qwen2_moe, qwen3_moe, olmoe). Pass "
+            f"{type(trainer.args).__name__}(..., router_aux_loss_coef=0.0) to train without it")
     elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
         args = type(trainer.args).__name__
         raise NotExactError(
