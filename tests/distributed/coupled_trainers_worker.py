@@ -140,9 +140,34 @@ def lightning_ddp_window_loss_recipe():
     return f"2 windows, uneven shares, clipped: {worst:.1e} from one big batch"
 
 
+def st_ddp_datasets_split_across_ranks_are_refused_on_every_rank():
+    """Two datasets, round robin: Accelerate gives batch i to rank i % 2, so rank 0's windows hold only
+    dataset a and rank 1's only b. Each rank alone sees one dataset; together the gathered window would
+    mix them (each rank computing another dataset's loss on it). Refused on both ranks alike, before
+    the gather (a rank refusing alone would leave the other waiting in it)."""
+    import sentence_transformers.losses as L
+
+    from gradaccum import ConfigurationError
+    from gradaccum.integrations.sentence_transformers import ExactSentenceTransformerTrainer
+
+    base, _, folder = _models()
+    model = fresh(base)
+    data = {"a": dataset("pairs", 12), "b": dataset("pairs", 12, seed=1)}
+    loss = {"a": L.MultipleNegativesRankingLoss(model), "b": L.MultipleNegativesRankingLoss(model)}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            train_once(ExactSentenceTransformerTrainer, model, loss, data, folder / "datasets", batch=3,
+                       accumulation=2, lr=LR, multi_dataset_batch_sampler="round_robin")
+    except ConfigurationError as refused:
+        assert "dataset per rank: [0, 1]" in str(refused), refused
+        return "refused on this rank"
+    raise AssertionError("a window mixing datasets across the ranks was trained")
+
+
 SCENARIOS = ([_scenario(name) for name in losses(None, None)]
              + [hf_ddp_clip_own_loss, hf_ddp_siglip_own_loss, hf_ddp_window_loss_of_one_s_own,
-                lightning_ddp_window_loss_recipe])
+                lightning_ddp_window_loss_recipe, st_ddp_datasets_split_across_ranks_are_refused_on_every_rank])
 
 if __name__ == "__main__":
     sys.exit(main(SCENARIOS, globals()))

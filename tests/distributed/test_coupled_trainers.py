@@ -19,7 +19,7 @@ SCENARIOS = ["st_ddp_" + name for name in ["MNRL", "MNSRL", "GIST", "MegaBatchMa
                                            "OnlineContrastive", "Matryoshka_MNRL", "Matryoshka_CoSENT",
                                            "AdaptiveLayer_MNRL", "Matryoshka2d_CoSENT"]]
 SCENARIOS += ["hf_ddp_clip_own_loss", "hf_ddp_siglip_own_loss", "hf_ddp_window_loss_of_one_s_own",
-              "lightning_ddp_window_loss_recipe"]
+              "lightning_ddp_window_loss_recipe", "st_ddp_datasets_split_across_ranks_are_refused_on_every_rank"]
 
 
 @pytest.fixture(scope="module")

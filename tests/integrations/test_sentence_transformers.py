@@ -79,7 +79,7 @@ def test_a_window_mixing_datasets_is_refused_when_it_reaches_the_loss(models, tm
     model = fresh(base)
     data = {"a": dataset("pairs", 8), "b": dataset("pairs", 8, seed=1)}
     loss = {"a": L.MultipleNegativesRankingLoss(model), "b": L.MultipleNegativesRankingLoss(model)}
-    with pytest.raises(ValueError, match=r"one window holds micro-batches of the datasets \['a', 'b'\]"):
+    with pytest.raises(ValueError, match=r"one window holds micro-batches of several datasets \(this rank: \['a', 'b'\]"):
         train_once(ExactSentenceTransformerTrainer, model, loss, data, tmp_path, batch=4, accumulation=4,
                    multi_dataset_batch_sampler="round_robin")
 

@@ -76,7 +76,10 @@ class TrainerWindow:
         where the window has several micro-batches and no BatchNorm trains: its pass 2 is that graph's
         backward, without a second forward."""
         spec = None
-        keep = model is not None and len(self.micro_batches) > 1 and not training_batchnorms(module)
+        keep = (model is not None and len(self.micro_batches) > 1 and self.window_loss.keep_graphs > 0
+                and not training_batchnorms(module))
+        if self.world > 1:  # every rank alike: the kept forward runs through DDP, whose first forward is a collective
+            keep = bool(self.gather([torch.tensor([[float(keep)]], device=device)])[0][0].min())
         with torch.no_grad(), _batchnorm_stats_kept(module):
             for k, mb in enumerate(self.micro_batches):
                 self.states.append(RandomState(device))

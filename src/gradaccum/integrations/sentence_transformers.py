@@ -121,10 +121,16 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
     def _window_loss(self, model: nn.Module, batches: List[Any]) -> Tuple[WindowLoss, List[nn.Parameter], Any]:
         """The window's loss (its dataset's), served as a WindowLoss, and the loss's own parameters."""
         names = {b.get("dataset_name") for b in batches}
-        if len(names) > 1:
-            raise ConfigurationError(f"ExactSentenceTransformerTrainer: one window holds micro-batches of the datasets "
-                                     f"{sorted(map(str, names))}; a coupled loss is one big batch of one dataset. "
-                                     "Train one dataset per run, or gradient_accumulation_steps=1")
+        keys = [str(k) for k in self.loss] if isinstance(self.loss, dict) else []
+        code = -1 if len(names) > 1 else keys.index(str(next(iter(names)))) if keys and names else 0
+        codes = [code]  # every rank's window must be one and the same dataset: agreed before any collective
+        if self.accelerator.num_processes > 1:
+            codes = self.accelerator.gather(torch.tensor([code], device=self.args.device)).tolist()
+        if min(codes) < 0 or len(set(codes)) > 1:
+            raise ConfigurationError(f"ExactSentenceTransformerTrainer: one window holds micro-batches of several "
+                                     f"datasets (this rank: {sorted(map(str, names))}, dataset per rank: {codes}, -1 "
+                                     "mixed); a coupled loss is one big batch of one dataset. Train one dataset per "
+                                     "run, or gradient_accumulation_steps=1 on one process")
         name = names.pop() if names else None
         loss_fn = self.loss[name] if isinstance(self.loss, dict) and name else self.loss
         module = self.accelerator.unwrap_model(model)
