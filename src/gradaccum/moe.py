@@ -389,9 +389,12 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
                     require_router_grad(out.router_logits, "MoELoss")
                     c, s, _ = router_statistics(out.router_logits, moe.top_k, out.token_mask)
                     differs = differs | (c.detach() != first[k]).any()
-                    n = float(out.num_items)
-                    if n > 0:
-                        loss = loss + moe.coef * items / n * balance_loss_part(s, window_counts, rows, rows)
+                    n = out.num_items
+                    part = balance_loss_part(s, window_counts, rows, rows)
+                    if isinstance(n, torch.Tensor):  # left on the device: no host sync per micro-batch
+                        loss = loss + torch.where(n > 0, moe.coef * items / n.clamp(min=1).to(part.dtype), 0.0) * part
+                    elif n > 0:
+                        loss = loss + moe.coef * items / n * part
                 if k == last and ctx.sync.any_rank(bool(differs), ctx.device):
                     raise RuntimeError(
                         "MoELoss: a micro-batch routed its tokens to other experts in its second forward than in "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import zlib
 from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -28,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ._maths import tensor_norms
-from .errors import ConfigurationError
+from .errors import ConfigurationError, RankAgreementError
 
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
@@ -198,11 +199,20 @@ class GradSync:
         """Every rank's ``tensors`` (which share their leading dimension: this rank's items) joined along
         dim 0 in rank order, and where this rank's items start in them. Each rank may hold any number of
         items, none included: one all-gather of the counts, then one per tensor, padded to the most
-        items. On one process, the tensors themselves. Nothing is differentiable: this is data."""
+        items. On one process, the tensors themselves. Nothing is differentiable: this is data. The
+        first all-gather also carries each rank's layout (how many tensors, their shapes past dim 0 and
+        dtypes): ranks whose layouts differ would send mismatched all-gathers, so every rank refuses alike."""
         if not self.shares_windows:
             return list(tensors), 0
         n = tensors[0].shape[0]
-        counts = [int(c) for c in self.all_gather(torch.tensor([n], device=tensors[0].device)).reshape(-1).tolist()]
+        layout = zlib.crc32(repr([(tuple(t.shape[1:]), str(t.dtype)) for t in tensors]).encode())
+        rows = self.all_gather(torch.tensor([n, layout], dtype=torch.float64, device=tensors[0].device)).tolist()
+        if any(row[1] != rows[0][1] for row in rows):
+            raise RankAgreementError(
+                "the ranks' representations differ in layout (the number of tensors, their shapes past the item "
+                "dimension, or their dtypes), so they cannot be joined into one window: return the same structure "
+                "of tensors on every rank, padded to one length where a rank's sequences are shorter")
+        counts = [int(row[0]) for row in rows]
         most = max(counts)
         joined = []
         for t in tensors:

@@ -251,7 +251,28 @@ def cached_loss_without_representations_refused_on_every_rank():
     return "refused on both ranks before any backward"
 
 
+def cached_layouts_that_differ_across_ranks_are_refused_on_every_rank():
+    """Rank 1's encode returns its representations in another width (say, sequences padded to its own
+    length): the ranks would send all-gathers of other sizes. Refused on both ranks, nothing changed."""
+    from gradaccum import RankAgreementError
+
+    model = DualEncoder()
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulator(DDP(model), torch.optim.SGD(model.parameters(), lr=0.1))
+    wl = WindowLoss(lambda m, b: tuple(torch.cat([z] * (1 + RANK), dim=1) for z in m(*b)),
+                    lambda m, r: (r[0] * r[1]).sum(1).mean())
+    try:
+        acc.step(split(pair_batch(4, seed=RANK), [2, 2]), wl)
+    except RankAgreementError as e:
+        assert "differ in layout" in str(e), e
+    else:
+        raise AssertionError("not refused")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return "refused on both ranks before the gather"
+
+
 SCENARIOS = [cached_labels_ride_along_joined_across_ranks, cached_loss_without_representations_refused_on_every_rank,
+             cached_layouts_that_differ_across_ranks_are_refused_on_every_rank,
              cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data, cached_ddp_exact_with_uneven_ranks_and_a_rank_without_data, cached_ddp_find_unused_parameters,
              cached_ddp_loss_parameters_beside_the_wrapped_module, cached_ddp_dropout_replayed_with_rank_seeds,
              cached_fsdp2_exact, cached_train_over_a_window_sampler]

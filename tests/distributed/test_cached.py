@@ -18,6 +18,7 @@ SCENARIOS = [
     "cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data",
     "cached_labels_ride_along_joined_across_ranks",
     "cached_loss_without_representations_refused_on_every_rank",
+    "cached_layouts_that_differ_across_ranks_are_refused_on_every_rank",
 ]
 
 
