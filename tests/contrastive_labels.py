@@ -58,3 +58,12 @@ def labelled_big_batch_step(model: nn.Module, opt: torch.optim.Optimizer, batche
     qr, dr = model(q, d)
     coupled_by_labels(qr, dr, score, label, label[:, None] == label[None, :]).backward()
     opt.step()
+
+
+def split_rows(batch, sizes):
+    """A batch of tensors cut into micro-batches of ``sizes`` rows, in order."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(tuple(t[at:at + n] for t in batch))
+        at += n
+    return out

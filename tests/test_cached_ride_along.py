@@ -7,19 +7,12 @@ import pytest
 import torch
 
 from contrastive import DualEncoder, largest_difference, twin
-from contrastive_labels import labelled_batch, labelled_big_batch_step, labelled_window_loss
+from contrastive_labels import labelled_batch, labelled_big_batch_step, labelled_window_loss, split_rows
 from gradaccum import Accumulator, WindowLoss
 from gradaccum import Constant
 
 TOL = 1e-12
 
-
-def _split(batch, sizes):
-    out, at = [], 0
-    for n in sizes:
-        out.append(tuple(t[at:at + n] for t in batch))
-        at += n
-    return out
 
 
 def test_labels_and_scores_ride_along_and_the_step_is_the_big_batch_s():
@@ -29,7 +22,7 @@ def test_labels_and_scores_ride_along_and_the_step_is_the_big_batch_s():
     wl = labelled_window_loss()
     for step in range(2):
         batch = labelled_batch(11, seed=step)
-        result = acc.step(_split(batch, [4, 4, 3]), wl)
+        result = acc.step(split_rows(batch, [4, 4, 3]), wl)
         labelled_big_batch_step(ref, ref_opt, [batch])
         assert result.num_items == 11
         assert largest_difference(model, ref) < TOL
@@ -37,7 +30,7 @@ def test_labels_and_scores_ride_along_and_the_step_is_the_big_batch_s():
     # give another step
     local, _, local_opt = twin(DualEncoder(), "sgd")
     batch = labelled_batch(11, seed=0)
-    labelled_big_batch_step(local, local_opt, _split(batch, [4, 4, 3])[:1])
+    labelled_big_batch_step(local, local_opt, split_rows(batch, [4, 4, 3])[:1])
     fresh, _, fresh_opt = twin(DualEncoder(), "sgd")
     labelled_big_batch_step(fresh, fresh_opt, [batch])
     assert largest_difference(local, fresh) > 1e-3

@@ -61,3 +61,19 @@ def here(capsys, monkeypatch):
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(list(args), code, out, err)
     return run
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures a run draws, kept open to look at (each is saved first), closed at the end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kept: list = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", kept.append)
+    yield kept
+    for fig in kept:
+        close(fig)

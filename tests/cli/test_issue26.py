@@ -183,22 +183,6 @@ def test_labels_out_of_range_are_refused_before_any_folder_is_made(tmp_path, mni
 
 # -- 12. outputs that agree ---------------------------------------------------------------------
 
-@pytest.fixture
-def figures(monkeypatch):
-    """The figures the run draws, kept open to look at (each is saved first), closed at the end."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kept: list = []
-    close = plt.close
-    monkeypatch.setattr(plt, "close", kept.append)
-    yield kept
-    for fig in kept:
-        close(fig)
-
-
 def test_loss_png_after_a_resume_on_another_split_says_where_each_held(tmp_path, figures):
     """loss.png named only the last split; a run resumed with another micro-batch size says both."""
     out = tmp_path / "r"

@@ -64,22 +64,6 @@ def test_a_window_larger_than_the_dataset_records_the_micro_batch_that_ran(tmp_p
     assert [(r["micro_batch_size"], r["num_items"]) for r in train_rows(out)] == [(1438, 1438)]
 
 
-@pytest.fixture
-def figures(monkeypatch):
-    """The figures drawn, kept open to look at (each is saved first), closed at the end."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kept: list = []
-    close = plt.close
-    monkeypatch.setattr(plt, "close", kept.append)
-    yield kept
-    for fig in kept:
-        close(fig)
-
-
 def _diverged_rows(epochs: int = 2, per_epoch: int = 12, stepped: int = 2) -> list:
     """A run like --lr 1e6's: two steps, then every window skipped; test loss not finite."""
     rows = []

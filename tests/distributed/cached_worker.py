@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: the co
 
 from contrastive import DualEncoder, big_batch_step, largest_difference, pair_batch, split, twin, window_loss  # noqa: E402
 from distributed.worker import main, params_equal_on_all_ranks  # noqa: E402
-from contrastive_labels import labelled_batch, labelled_big_batch_step, labelled_window_loss  # noqa: E402
+from contrastive_labels import labelled_batch, labelled_big_batch_step, labelled_window_loss, split_rows  # noqa: E402
 from gradaccum import Accumulator, WindowLoss, WindowSampler  # noqa: E402
 
 RANK, WORLD = 0, 1
@@ -205,13 +205,6 @@ def cached_ddp_misuse_is_refused_on_every_rank_even_one_without_data():
 SHARES = [{0: [4, 3], 1: [5]}, {0: [2], 1: [3, 3]}]  # each rank's micro-batch sizes, per window
 
 
-def _split_rows(batch, sizes):
-    out, at = [], 0
-    for n in sizes:
-        out.append(tuple(t[at:at + n] for t in batch))
-        at += n
-    return out
-
 
 def cached_labels_ride_along_joined_across_ranks():
     model = DualEncoder(scale=False)  # no temperature: every parameter is used in the forward (DDP)
@@ -220,7 +213,7 @@ def cached_labels_ride_along_joined_across_ranks():
     wl = labelled_window_loss()
     worst = 0.0
     for w, shares in enumerate(SHARES):
-        per_rank = {r: _split_rows(labelled_batch(sum(s), seed=10 * w + r), s) for r, s in shares.items()}
+        per_rank = {r: split_rows(labelled_batch(sum(s), seed=10 * w + r), s) for r, s in shares.items()}
         result = acc.step(per_rank[RANK], wl)
         labelled_big_batch_step(ref, ref_opt, [mb for r in range(WORLD) for mb in per_rank[r]])
         assert result.num_items == sum(sum(s) for s in shares.values())
@@ -228,9 +221,9 @@ def cached_labels_ride_along_joined_across_ranks():
     assert worst < TOL, worst
     # teeth: each rank's own labels only is another objective
     local, _, local_opt = twin(DualEncoder(scale=False), "sgd")
-    labelled_big_batch_step(local, local_opt, _split_rows(labelled_batch(7, seed=0), [4, 3]))
+    labelled_big_batch_step(local, local_opt, split_rows(labelled_batch(7, seed=0), [4, 3]))
     union, _, union_opt = twin(DualEncoder(scale=False), "sgd")
-    labelled_big_batch_step(union, union_opt, _split_rows(labelled_batch(7, seed=0), [4, 3]) + [labelled_batch(5, seed=1)])
+    labelled_big_batch_step(union, union_opt, split_rows(labelled_batch(7, seed=0), [4, 3]) + [labelled_batch(5, seed=1)])
     assert largest_difference(local, union) > 1e-3
     assert params_equal_on_all_ranks(model)
     return f"2 windows, uneven ranks: {worst:.1e} from one big batch"
@@ -242,7 +235,7 @@ def cached_loss_without_representations_refused_on_every_rank():
     acc = Accumulator(DDP(model), torch.optim.SGD(model.parameters(), lr=0.1))
     wl = WindowLoss(lambda m, b: m(b[0], b[1]), lambda m, r: m.module.log_scale.sum())
     try:
-        acc.step(_split_rows(labelled_batch(4, seed=RANK), [2, 2]), wl)
+        acc.step(split_rows(labelled_batch(4, seed=RANK), [2, 2]), wl)
     except ValueError as e:
         assert "does not depend on the representations encode returned" in str(e), e
     else:
