@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read; at run time 
     from .accumulator import Accumulator
     from .batching import split_batch
     from .checking import EquivalenceReport, check_equivalence
-    from .errors import ConfigurationError, GradaccumError, NotExactError, RankAgreementError, SplitError
+    from .errors import ConfigurationError, GradaccumError, NotExactError, RankAgreementError, ReplayError, SplitError
     from .losses import causal_lm_loss, count_targets, token_cross_entropy
     from .memory import PeakMeter
     from .result import StepResult
@@ -41,6 +41,7 @@ _HOMES = {
     "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
     "AccumSchedule": "schedule", "num_steps": "schedule", "GradaccumError": "errors",
     "ConfigurationError": "errors", "NotExactError": "errors", "SplitError": "errors", "RankAgreementError": "errors",
+    "ReplayError": "errors",
     "MoELoss": "moe", "MoEOutput": "moe",
 }
 
@@ -70,6 +71,7 @@ __all__ = [
     "NotExactError",
     "PeakMeter",
     "RankAgreementError",
+    "ReplayError",
     "SplitError",
     "StepResult",
     "Window",

@@ -41,7 +41,7 @@ from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
 from .batching import Batch, _rebuild, leaves, leading_dim
 from .result import StepResult
-from .errors import ConfigurationError
+from .errors import ConfigurationError, replay_differs
 
 __all__ = ["WindowLoss", "Constant", "run_cached_window", "check_window_loss"]
 
@@ -314,12 +314,7 @@ def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, mi
     if not checked:  # once, and on every rank alike: none raises alone
         ctx.state.checked_replays.add(window_loss)
         if ctx.sync.any_rank(not alike, ctx.device):
-            raise RuntimeError(
-                "WindowLoss: a micro-batch's second forward gave other representations than its first, although "
-                "its random state was replayed, so the step would not be the big batch's: encode is not a "
-                "function of the micro-batch and the model alone (a random generator of its own, a module "
-                "that keeps state between calls, or non-deterministic kernels: "
-                "torch.use_deterministic_algorithms(True)). No step was taken")
+            raise replay_differs("WindowLoss", "gave other representations (encode's outputs)")
 
 
 def _agree_outputs_require_grad(ctx: WindowContext, outs: List[torch.Tensor], differentiable: List[bool]) -> None:

@@ -7,6 +7,7 @@ keeps working; catch :class:`GradaccumError` to tell gradaccum's refusals from a
     GradaccumError (ValueError)
      ├── ConfigurationError    an argument, or a combination of them, that gradaccum refuses
      │    └── NotExactError    a route that cannot be one big batch (yet): refused, never run inexactly
+     │         └── ReplayError a forward replayed with its random state gave other results: no step taken
      ├── SplitError            a batch or window that cannot be split, joined or counted as asked
      └── RankAgreementError    the ranks cannot agree on a window; raised on every rank alike, so none
                                waits in a collective
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["GradaccumError", "ConfigurationError", "NotExactError", "SplitError", "RankAgreementError"]
+__all__ = ["GradaccumError", "ConfigurationError", "NotExactError", "ReplayError", "SplitError", "RankAgreementError",
+           "replay_differs"]
 
 
 class GradaccumError(ValueError):
@@ -33,6 +35,27 @@ class NotExactError(ConfigurationError):
     instead of trained as plain accumulation: a loss that couples the batch's items without a
     :class:`~gradaccum.WindowLoss`, an MoE router's load-balancing loss where it is not computed over
     the window, a loss type that is not a mean of per-item terms."""
+
+
+class ReplayError(NotExactError):
+    """A two-pass method (a :class:`~gradaccum.WindowLoss`'s cached passes, an MoE router's counting pass)
+    ran a micro-batch's forward a second time with its random state replayed and got other results, so
+    the step would not be the big batch's. Raised on every rank alike, before the window's step: no
+    step is taken and the window's gradients are dropped."""
+
+
+def replay_differs(who: str, what: str) -> ReplayError:
+    """The one refusal of a forward that is not a function of its micro-batch, the model and the random
+    state: ``who`` ran it (``"WindowLoss"``, ``"MoELoss"``, ``"ExactTrainer"``), ``what`` differed.
+
+    >>> print(replay_differs("MoELoss", "routed its tokens to other experts"))  # doctest: +ELLIPSIS
+    MoELoss: a micro-batch's second forward routed its tokens to other experts than its first, ...
+    """
+    return ReplayError(
+        f"{who}: a micro-batch's second forward {what} than its first, although its random state was "
+        "replayed, so the step would not be the big batch's: the forward is not a function of the micro-batch "
+        "and the model alone (a random generator of its own, a module that keeps state between calls, or "
+        "non-deterministic kernels: call torch.use_deterministic_algorithms(True)). No step was taken")
 
 
 class SplitError(GradaccumError):

@@ -49,7 +49,7 @@ from ._maths import balance_loss_part, router_statistics, target_count
 from ._random import RandomState
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window
-from .errors import ConfigurationError, NotExactError
+from .errors import ConfigurationError, NotExactError, replay_differs
 from .sync import FSDP2Sync
 
 __all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss", "MODES", "run_moe_window"]
@@ -396,12 +396,7 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
                     elif n > 0:
                         loss = loss + moe.coef * items / n * part
                 if k == last and ctx.sync.any_rank(bool(differs), ctx.device):
-                    raise RuntimeError(
-                        "MoELoss: a micro-batch routed its tokens to other experts in its second forward than in "
-                        "its first, although its random state was replayed, so the window's expert counts are not "
-                        "the ones it trains on and the step would not be the big batch's: forward is not a function "
-                        "of the micro-batch and the model alone (a generator of its own, state kept between calls, "
-                        "non-deterministic kernels: torch.use_deterministic_algorithms(True)). No step was taken")
+                    raise replay_differs("MoELoss", "routed its tokens to other experts")
                 if own:
                     window.backward(loss, out.num_items)
                 else:

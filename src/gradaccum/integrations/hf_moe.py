@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..errors import replay_differs
 from .._maths import balance_loss_part, router_statistics
 from .._random import RandomState
 from ..moe import RouterBalance, require_router_grad, router_logits_of
@@ -98,11 +99,7 @@ class WindowBalance:
     def check(self, any_rank: Callable[[bool], bool]) -> None:
         """Before the window's last backward, on every rank: the training forwards routed as counted."""
         if any_rank(bool(self.differs)):
-            raise RuntimeError(
-                "ExactTrainer: a micro-batch routed its tokens to other experts in its training forward than when "
-                "its window was counted, although its random state was replayed, so the load-balancing step would "
-                "not be the big batch's: the model's forward is not a function of the batch and its random state "
-                "(non-deterministic kernels: torch.use_deterministic_algorithms(True))")
+            raise replay_differs("ExactTrainer", "routed its tokens to other experts")
 
     def finish(self) -> None:
         """After the window: the random state as the counting pass left it (drawn once per window)."""

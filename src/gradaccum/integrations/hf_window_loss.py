@@ -28,7 +28,7 @@ from .._cached import (WindowLoss, _batchnorm_stats_kept, _differentiable, _flat
                        refuse_a_loss_without_representations, training_batchnorms)
 from .._random import RandomState
 from ..batching import _rebuild
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, replay_differs
 
 __all__ = ["TrainerWindow", "TrainerWindows", "contrastive_window_loss", "refuse_what_a_window_loss_cannot_run",
            "window_loss_of", "window_compute_loss"]
@@ -192,9 +192,7 @@ class TrainerWindows:
             if trainer.accelerator.num_processes > 1:
                 flag = trainer.accelerator.gather(flag)
             if bool(flag.sum() > 0):
-                raise RuntimeError("WindowLoss in the Trainer: a micro-batch's second forward gave other "
-                                   "representations than its first although its random state was replayed (a "
-                                   "model that is not a function of its inputs, or non-deterministic kernels)")
+                raise replay_differs("WindowLoss", "gave other representations (encode's outputs)")
         return loss
 
 
