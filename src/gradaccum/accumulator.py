@@ -45,6 +45,7 @@ from ._ranks import RankAgreement, Rules, WindowRequest
 from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
 from ._cached import WindowLoss, check_window_loss
+from .moe import MoELoss, check_moe_loss
 from ._run import CountFn, LossFn, count_items, run_auto, run_window
 from ._window import OpenWindow, Window, WindowContext
 from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size
@@ -353,6 +354,9 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
 def _check_loss(loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
     if isinstance(loss_fn, WindowLoss):
         check_window_loss(num_items, micro_batch_size)
+        return
+    if isinstance(loss_fn, MoELoss):
+        check_moe_loss(loss_fn, num_items, micro_batch_size)
         return
     callable_loss_fn(loss_fn)
     _check_count_fn(num_items)

@@ -29,7 +29,9 @@ A loss that couples the batch's items (in-batch negatives: an item's loss depend
 recognised when every module gives each item the same output on the whole batch and on its
 micro-batches while the losses differ: the report's hint points to :class:`~gradaccum.WindowLoss`.
 Given a ``WindowLoss``, the whole batch's loss (the oracle) is compared with the Accumulator's own
-cached accumulation of it.
+cached accumulation of it. Given an :class:`~gradaccum.MoELoss`, the oracle is its token loss plus
+``coef`` times the load-balancing loss of the whole batch (written here, :func:`_balance_loss`),
+compared with the Accumulator's window in the loss's mode.
 
 The model is left exactly as found: parameters, buffers (running statistics), gradients,
 train/eval modes and the RNG state.
@@ -50,7 +52,7 @@ from ._checks import positive_int, positive_number, scalar_loss, split_loss_outp
 from .accumulator import Accumulator
 from .batching import Batch, concat_batches, first_tensor, leading_dim, split_batch
 from .errors import SplitError
-from .moe import balance_hint
+from .moe import MoELoss, balance_hint
 
 __all__ = ["EquivalenceReport", "SplitError", "check_equivalence"]
 
@@ -78,10 +80,15 @@ class EquivalenceReport:
     hints: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        verdict = "equivalent" if self.equivalent else "NOT equivalent"
-        lines = [f"{verdict}: max relative gradient difference {self.max_rel_diff:.3e} "
-                 f"(rtol {self.rtol:.1e}); loss {self.loss_full:.6g} full vs "
-                 f"{self.loss_accumulated:.6g} accumulated"]
+        difference = f"max relative gradient difference {self.max_rel_diff:.3e} (rtol {self.rtol:.1e})"
+        if self.equivalent:
+            verdict = f"equivalent: {difference}"
+        elif self.max_rel_diff <= self.rtol:  # not equivalent although this split matched: random draws
+            verdict = (f"NOT equivalent (the model draws random numbers in forward, which differ with the split; "
+                       f"this split matched): {difference}")
+        else:
+            verdict = f"NOT equivalent: {difference}"
+        lines = [f"{verdict}; loss {self.loss_full:.6g} full vs {self.loss_accumulated:.6g} accumulated"]
         lines += [f"  suspect {_module(name)}: {reason}" for name, reason in self.suspects]
         lines += [f"  hint: {hint}" for hint in self.hints]
         return "\n".join(lines)
@@ -185,6 +192,8 @@ def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) ->
         p.grad = None
     if isinstance(loss_fn, WindowLoss):
         return _window_loss_grads(model, loss_fn, micro_batches)
+    if isinstance(loss_fn, MoELoss):
+        return _moe_loss_grads(model, loss_fn, micro_batches)
     loss_sum, items = 0.0, 0.0
     for index, mb in enumerate(micro_batches):
         try:
@@ -214,6 +223,48 @@ def _window_loss_grads(model: nn.Module, window_loss: WindowLoss, micro_batches:
         scalar_loss(loss, subject="WindowLoss's loss must return a scalar loss", where="loss(model, representations)")
         loss.backward()
         return {name: p.grad.detach().double() for name, p in named if p.grad is not None}, float(loss.detach())
+    return _accumulated_grads(model, window_loss, micro_batches)
+
+
+def _moe_loss_grads(model: nn.Module, moe: MoELoss, micro_batches: List[Batch]
+                    ) -> Tuple[Dict[str, torch.Tensor], float]:
+    """An :class:`~gradaccum.MoELoss`: on the whole batch, its token loss plus ``coef`` times the
+    load-balancing loss of the whole batch (:func:`_balance_loss`, the oracle); on a split, the
+    Accumulator's own path in the loss's mode."""
+    if len(micro_batches) > 1:
+        return _accumulated_grads(model, moe, micro_batches)
+    try:
+        out = moe.checked(moe.forward(model, micro_batches[0]))
+        loss = out.loss + moe.coef * _balance_loss(out.router_logits, moe.top_k, out.token_mask)
+    except Exception as e:  # noqa: BLE001 - the full batch failed: the user's forward
+        raise _MicroBatchFailed(0, leading_dim(micro_batches[0]), e) from e
+    scalar_loss(loss, subject="MoELoss's forward must return a scalar mean loss", where="forward(model, batch).loss")
+    loss.backward()
+    return ({name: p.grad.detach().double() for name, p in model.named_parameters() if p.grad is not None},
+            float(loss.detach()))
+
+
+def _balance_loss(router_logits: Any, top_k: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The checker's own load-balancing loss of one batch, in float64, written from transformers'
+    ``load_balancing_loss_func`` and not from :mod:`gradaccum._maths`: ``E * sum_i f_i P_i`` with
+    ``f_i`` the share of the top-k choices that went to expert i and ``P_i`` its mean router
+    probability, over every layer's unmasked tokens."""
+    probs = [torch.softmax(layer.to(torch.float64), dim=-1) for layer in router_logits]
+    experts = probs[0].shape[-1]
+    weight = torch.cat([torch.ones(p.shape[0], dtype=torch.float64, device=p.device) if token_mask is None
+                        else token_mask.reshape(-1).to(p.device, torch.float64) for p in probs])
+    prob = torch.cat(probs)
+    chosen = nn.functional.one_hot(torch.topk(prob.detach(), top_k, dim=-1).indices, experts).sum(dim=1)
+    fraction = (chosen * weight[:, None]).sum(dim=0) / weight.sum()
+    mean_prob = (prob * weight[:, None]).sum(dim=0) / weight.sum()
+    return experts * (fraction * mean_prob).sum()
+
+
+def _accumulated_grads(model: nn.Module, loss: Any, micro_batches: List[Batch]
+                       ) -> Tuple[Dict[str, torch.Tensor], float]:
+    """The Accumulator's own window over ``micro_batches`` (a loss over the window: a WindowLoss, an
+    MoELoss), stepped with a zero learning rate and read just before the optimizer step."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.SGD([p for _, p in named], lr=0.0)
     read: Dict[str, torch.Tensor] = {}
     optimizer.register_step_pre_hook(lambda *_: read.update(
@@ -221,7 +272,7 @@ def _window_loss_grads(model: nn.Module, window_loss: WindowLoss, micro_batches:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the Accumulator's BatchNorm warning: the report names BatchNorm
         # the batch again with the size that split it: a list of bare-tensor micro-batches is ambiguous
-        result = Accumulator(model, optimizer).step(concat_batches(micro_batches), window_loss,
+        result = Accumulator(model, optimizer).step(concat_batches(micro_batches), loss,
                                                     micro_batch_size=leading_dim(micro_batches[0]))
     return read, math.nan if result.loss is None else result.loss
 
@@ -298,7 +349,9 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         model: the model, in the mode you train it in (training mode, usually).
         loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss or ``(mean_loss, num_items)``; or a
             :class:`~gradaccum.WindowLoss`, for a loss that couples the batch's items: its loss on the
-            whole batch is compared with the Accumulator's cached accumulation of it.
+            whole batch is compared with the Accumulator's cached accumulation of it; or an
+            :class:`~gradaccum.MoELoss` (``MoELoss.for_hf_model(model)``): its token loss plus the whole
+            batch's load-balancing term against the Accumulator's window.
         batch: one batch, split along dim 0 into chunks of ``micro_batch_size``.
         micro_batch_size: items per micro-batch; the split must give at least 2 micro-batches.
         rtol: the largest relative gradient difference still called equivalent; float32 models
@@ -352,7 +405,10 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     for name in _mixing(full.recorder, acc.recorder, len(micro_batches), rtol) - random:  # draws explain those
         suspects.add(name, "its output for an item depends on the other items of the micro-batch")
     hint = None if matched else _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches])
-    if not matched and hint is None:  # an MoE router's load-balancing term over the batch (gradaccum.moe)
+    if not matched and hint is None and isinstance(loss_fn, MoELoss) and loss_fn.mode != "exact":
+        hint = (f"MoELoss(mode={loss_fn.mode!r}) computes the load-balancing term from part of the window, which is "
+                "another objective than the big batch's: mode='exact' computes it over the whole window")
+    elif not matched and hint is None and not isinstance(loss_fn, MoELoss):  # the term over the batch (moe)
         hint = balance_hint(model)
     if not matched and hint is None and not suspects.reasons and not isinstance(loss_fn, WindowLoss):
         hint = _coupled_loss_hint(full.loss, acc.loss, rtol) or None

@@ -39,8 +39,10 @@ the routes that would train it per micro-batch.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -50,9 +52,10 @@ from ._random import RandomState
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window
 from .errors import ConfigurationError, NotExactError, replay_differs
-from .sync import FSDP2Sync
+from .sync import FSDP2Sync, GradSync
 
-__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss", "MODES", "run_moe_window"]
+__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss", "MODES",
+           "WindowRouting", "counts_on_every_rank", "run_moe_window", "check_moe_loss"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
 MODES = ("exact", "micro_batch", "prefix")
@@ -159,7 +162,7 @@ def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
     spec = next((m._can_record_outputs["router_logits"] for m in model.modules()
                  if "router_logits" in (getattr(m, "_can_record_outputs", None) or {})), None)
     if spec is None:
-        raise RuntimeError(f"{type(model).__name__} does not name its router (no _can_record_outputs['router_logits']); "
+        raise ConfigurationError(f"{type(model).__name__} does not name its router (no _can_record_outputs['router_logits']); "
                            "pass router_logits_of a model whose router is named so, or write MoELoss(forward=...) yourself")
     seen: List[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
@@ -240,8 +243,16 @@ class MoELoss:
         if not (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts):
             raise ConfigurationError(f"MoELoss(num_experts={num_experts!r}, top_k={top_k!r}): need ints with "
                                      "0 < top_k <= num_experts")
+        if isinstance(coef, bool) or not isinstance(coef, numbers.Real) or not math.isfinite(coef) or coef < 0:
+            raise ConfigurationError(f"MoELoss(coef={coef!r}): coef is the load-balancing weight (transformers' "
+                                     "router_aux_loss_coef), a finite number >= 0, e.g. coef=0.02")
         self.forward, self.num_experts, self.top_k, self.coef, self.mode = forward, num_experts, top_k, float(coef), mode
         self.route = route if route is not None else forward
+
+    @property
+    def term(self) -> RouterBalance:
+        """E, top-k and coef, as :class:`WindowRouting` takes them."""
+        return RouterBalance(self.num_experts, self.top_k, self.coef)
 
     def __repr__(self) -> str:
         return (f"MoELoss(forward={self.forward!r}, num_experts={self.num_experts}, top_k={self.top_k}, "
@@ -263,36 +274,65 @@ class MoELoss:
         without its LM head.
 
         Raises:
-            NotExactError: the config has no load-balancing term (``output_router_logits`` off or
-                ``router_aux_loss_coef`` 0): train it with a plain ``loss_fn``.
+            ConfigurationError: the model has no Hugging Face config, or its config has no load-balancing
+                term (``output_router_logits`` off or ``router_aux_loss_coef`` 0): train it with a plain
+                ``loss_fn``; later, a micro-batch that is not a dict with ``labels``.
+            NotExactError: the config adds a router loss of another family (JetMoe, DBRX, ...).
         """
         from .losses import causal_lm_loss
 
         inner = _unwrapped(model)
-        term = aux_term(getattr(inner, "config", None))
+        name = type(inner).__name__
+        config = getattr(inner, "config", None)
+        if config is None:
+            raise ConfigurationError(
+                f"MoELoss.for_hf_model({name}): the model has no Hugging Face config (model.config), so there is no "
+                f"router to read E, top-k and coef from; for_hf_model takes a {', '.join(BALANCED_FAMILIES)} causal "
+                "LM; for a model of your own write MoELoss(forward, num_experts=..., top_k=..., coef=...)")
+        term = aux_term(config)
         if term is None:
-            raise ConfigurationError(f"MoELoss.for_hf_model({type(inner).__name__}): its config has no load-balancing "
-                                     "term (output_router_logits off or router_aux_loss_coef 0); use a plain loss_fn "
-                                     "such as gradaccum.causal_lm_loss")
+            raise ConfigurationError(
+                f"MoELoss.for_hf_model({name}): its config has no load-balancing term (output_router_logits="
+                f"{getattr(_text_config(config), 'output_router_logits', None)}, router_aux_loss_coef="
+                f"{getattr(_text_config(config), 'router_aux_loss_coef', None)}); use a plain loss_fn such as "
+                "gradaccum.causal_lm_loss, or set output_router_logits=True and router_aux_loss_coef > 0")
+
+        def split(batch: Any) -> Tuple[Dict[str, Any], torch.Tensor]:
+            if not isinstance(batch, Mapping):
+                raise ConfigurationError(
+                    f"MoELoss.for_hf_model: a micro-batch is a {type(batch).__name__}; it takes dicts of the model's "
+                    "inputs with labels, e.g. {'input_ids': ..., 'attention_mask': ..., 'labels': ...} (a "
+                    "tokenizer's output with labels added)")
+            if "labels" not in batch:
+                raise ConfigurationError(
+                    f"MoELoss.for_hf_model: a micro-batch has no 'labels' (its keys: {sorted(batch)}); add the "
+                    "targets as batch['labels'] (input_ids, with -100 where no loss is taken; the model shifts them)")
+            return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, batch["labels"]
 
         def forward(model: nn.Module, batch: Any) -> MoEOutput:
-            inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            inputs, labels = split(batch)
             # the router logits by hooks: with output_router_logits=False the model computes no
             # per-batch aux loss of its own (unused here)
             with router_logits_of(model) as router_logits:
                 out = model(**inputs, output_router_logits=False)
-            mean, count = causal_lm_loss(out.logits, batch["labels"], ignore_index=ignore_index)
+            mean, count = causal_lm_loss(out.logits, labels, ignore_index=ignore_index)
             mask = batch.get("attention_mask")
             return MoEOutput(mean, count, list(router_logits), None if mask is None else mask.reshape(-1))
 
         def route(model: nn.Module, batch: Any) -> MoEOutput:
-            inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            inputs, labels = split(batch)
             out = getattr(model, "base_model", model)(**inputs, output_router_logits=True)
-            count = target_count(batch["labels"][..., 1:], ignore_index=ignore_index)
+            count = target_count(labels[..., 1:], ignore_index=ignore_index)
             mask = batch.get("attention_mask")
             return MoEOutput(None, count, out.router_logits, None if mask is None else mask.reshape(-1))
 
         return cls(forward, num_experts=term.num_experts, top_k=term.top_k, coef=term.coef, mode=mode, route=route)
+
+    def checked(self, out: Any) -> MoEOutput:
+        """``forward``'s output after the checks every mode makes (an :class:`MoEOutput`, router logits
+        of ``num_experts`` experts), or a :class:`~gradaccum.ConfigurationError` that says the fix."""
+        _check_routing(_checked(out), self.term, "MoELoss")
+        return out  # type: ignore[no-any-return]
 
     # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
 
@@ -304,8 +344,8 @@ class MoELoss:
         seen: List[torch.Tensor] = []  # counts and rows of this rank's micro-batches so far
 
         def loss_fn(model: nn.Module, batch: Any) -> Any:
-            out = self.forward(model, batch)
-            counts, probs, rows = router_statistics(out.router_logits, self.top_k, out.token_mask)
+            out = _checked(self.forward(model, batch))
+            counts, probs, rows = _statistics(out, self.term, "MoELoss")
             fractions_of, over = (counts, rows)
             if self.mode == "prefix":
                 seen[:] = [counts, rows] if not seen else [seen[0] + counts, seen[1] + rows]
@@ -329,6 +369,39 @@ def _checked(out: Any) -> MoEOutput:
     return out
 
 
+def _statistics(out: MoEOutput, term: RouterBalance, who: str) -> Any:
+    """``router_statistics`` of a forward's output, after :func:`_check_routing`."""
+    _check_routing(out, term, who)
+    return router_statistics(list(out.router_logits), term.top_k, out.token_mask)
+
+
+def _check_routing(out: MoEOutput, term: RouterBalance, who: str) -> None:
+    """The checks every mode makes alike: router logits there are, and each layer's have
+    ``term.num_experts`` experts."""
+    logits = list(out.router_logits) if out.router_logits is not None else []
+    if not logits:
+        raise ConfigurationError(
+            f"{who}: the forward returned no router logits (router_logits={out.router_logits!r}), so there is no "
+            "load balancing to compute: return one (tokens, experts) tensor per MoE layer in MoEOutput.router_logits "
+            "(a Hugging Face model returns them with output_router_logits=True, or read them with "
+            "gradaccum.moe.router_logits_of(model))")
+    experts = {int(t.shape[-1]) for t in logits}
+    if experts != {term.num_experts}:
+        raise ConfigurationError(f"{who}(num_experts={term.num_experts}): the router logits have "
+                                 f"{', '.join(map(str, sorted(experts)))} experts (their last dimension); pass "
+                                 f"num_experts={min(experts)} (the router's), or return that router's logits")
+
+
+def check_moe_loss(moe: MoELoss, num_items: Any, micro_batch_size: Any) -> None:
+    """What ``acc.step`` / ``acc.train`` do not take with an :class:`MoELoss`, refused before anything runs."""
+    if num_items is not None:
+        raise ConfigurationError(f"num_items={num_items!r} was given with an MoELoss: its item counts come from its "
+                                 "forward (MoEOutput.num_items), so num_items would not be read; drop num_items")
+    if micro_batch_size == "auto" and moe.mode == "exact":
+        raise ConfigurationError("micro_batch_size='auto' is not supported with MoELoss(mode='exact'): pass an int "
+                                 "micro_batch_size")
+
+
 def require_router_grad(router_logits: Sequence[torch.Tensor], where: str) -> None:
     """In a forward that builds a graph, every layer's router logits must be in it: a detached copy,
     or a reentrant activation checkpoint (which runs the forward without a graph first), would drop
@@ -339,93 +412,165 @@ def require_router_grad(router_logits: Sequence[torch.Tensor], where: str) -> No
                             "activation checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False})")
 
 
+def counts_on_every_rank(sync: GradSync) -> bool:
+    """Whether every forward is a collective (FSDP2 all-gathers the shards in each), so that the
+    counting pass runs the whole model on every rank, as many times as the busiest rank; else it runs
+    the unwrapped module (the trunk where it can), which runs no collective."""
+    return isinstance(sync, FSDP2Sync)
+
+
+class WindowRouting:
+    """One window's load balancing, step by step: the one implementation that every driver calls
+    (the Accumulator's :func:`run_moe_window`, ExactTrainer's
+    :class:`~gradaccum.integrations.hf_moe.WindowBalance`), in the order a window runs:
+
+    1. :meth:`open`: pass 1 without a graph, each micro-batch's expert counts ``C_k`` and rows ``T_k``
+       (and its loss items ``n_k`` where the driver counts them there), its random state saved before
+       it; then one all-gather of every rank's ``(C, T, N, itemless, micro-batches)``, before any
+       backward: the window's ``C`` and ``T``.
+    2. :meth:`replay` then :meth:`part` per micro-batch: its forward from its saved random state, and its
+       part ``balance_loss_part(S_k, C, T, T)`` of the window's load-balancing loss (the parts of every
+       micro-batch on every rank sum to ``LBL``; the driver weighs it by ``coef`` and its own weight).
+    3. :meth:`check` before the window's last backward, on every rank: the training forwards routed as
+       they were counted (:func:`gradaccum.errors.replay_differs` where one did not).
+    4. :meth:`finish` after the window: the random state as pass 1 left it (the window drew once).
+
+    Attributes (after :meth:`open`): ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``,
+    every rank's; ``local_items`` this rank's), ``itemless`` (a micro-batch somewhere routes tokens but holds no loss item),
+    ``sizes`` (each rank's micro-batches).
+    """
+
+    def __init__(self, term: RouterBalance, sync: GradSync, device: torch.device, who: str) -> None:
+        self.term, self.sync, self.device, self.who = term, sync, device, who
+        self.states: List[RandomState] = []
+        self.first: List[torch.Tensor] = []
+        self.differs = torch.zeros((), dtype=torch.bool, device=device)
+        self.counts = torch.zeros(term.num_experts, dtype=torch.float64, device=device)
+        self.rows = self.items = self.local_items = 0.0
+        self.itemless = False
+        self.sizes: List[int] = []
+
+    @classmethod
+    def open(cls, term: RouterBalance, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
+             forward: Callable[[Any], MoEOutput], sync: GradSync, device: torch.device, who: str,
+             padding: Sequence[Any] = (), autocast: Optional[Callable[[], Any]] = None) -> "WindowRouting":
+        """Count the window and agree the counts across the ranks.
+
+        Args:
+            term: E, top-k and coef.
+            micro_batches: this rank's micro-batches.
+            route: ``route(micro_batch) -> MoEOutput`` without collectives (the unwrapped trunk);
+                forward: the whole model's, run instead where every forward is a collective
+                (:func:`counts_on_every_rank`). ``num_items`` None: the driver counts items itself.
+            sync: the distributed seam (its ``all_gather`` and ``any_rank``).
+            who: who runs the window, for the refusals (``"MoELoss"``, ``"ExactTrainer"``).
+            padding: batches to run first, counting nothing (FSDP2: a rank with fewer micro-batches
+                runs as many forwards as the busiest).
+            autocast: the context the training forwards run under (the same routing needs the same dtype).
+        """
+        routing = cls(term, sync, device, who)
+        sharded = counts_on_every_rank(sync)
+        run = forward if sharded else route
+        totals = torch.zeros(term.num_experts + 3, dtype=torch.float64, device=device)
+        # under FSDP2 no_grad (inference tensors must not reach its unsharded parameters)
+        with torch.no_grad() if sharded else torch.inference_mode(), (autocast or contextlib.nullcontext)():
+            for batch in padding:  # first: whatever they draw, the micro-batches' replays start after it
+                run(batch)
+            for batch in micro_batches:
+                routing.states.append(RandomState(device))
+                out = _checked(run(batch))
+                c, _, rows = _statistics(out, term, who)
+                routing.first.append(c)
+                n = torch.as_tensor(0 if out.num_items is None else out.num_items, device=device).to(torch.float64)
+                bad = ((n == 0) & (rows > 0)).to(torch.float64) if out.num_items is not None else n * 0
+                totals += torch.cat([c.to(torch.float64), torch.stack([rows.to(torch.float64), n, bad])])
+        routing.states.append(RandomState(device))
+        # every rank's (C, T, N, itemless, micro-batches): one all-gather per window, before any backward
+        every = sync.all_gather(torch.cat([totals, totals.new_tensor([len(micro_batches)])]))
+        summed = every[:, :-1].sum(dim=0)
+        routing.counts = summed[:-3]
+        routing.rows, routing.items, itemless, routing.local_items = torch.cat([summed[-3:], totals[-2:-1]]).tolist()
+        routing.itemless = bool(itemless)
+        routing.sizes = [int(m) for m in every[:, -1].tolist()]
+        return routing
+
+    def replay(self, k: int) -> None:
+        """Micro-batch k's random state, as it was when it was counted."""
+        self.states[k].restore()
+
+    def part(self, k: int, router_logits: Sequence[torch.Tensor], token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """``balance_loss_part(S_k, C, T, T)``: micro-batch k's part of the window's load-balancing loss
+        (without ``coef``), from its training forward's (differentiable) router logits; its counts are
+        kept for :meth:`check`."""
+        require_router_grad(router_logits, self.who)
+        c, s, _ = _statistics(MoEOutput(None, None, router_logits, token_mask), self.term, self.who)
+        self.differs = self.differs | (c.detach() != self.first[k]).any()
+        return balance_loss_part(s, self.counts, self.rows, self.rows)
+
+    def check(self) -> None:
+        """Before the window's last backward, on every rank alike: every training forward routed as it
+        was counted, else :class:`~gradaccum.ReplayError`."""
+        if self.sync.any_rank(bool(self.differs), self.device):
+            raise replay_differs(self.who, "routed its tokens to other experts")
+
+    def finish(self) -> None:
+        """After the window: the random state as the counting pass left it (drawn once per window)."""
+        self.states[-1].restore()
+
+
 def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any, *, micro_batch_size: Any = None,
                    catch_oom: bool = False, plan: Any = None) -> Any:
     """One window of an :class:`MoELoss` in mode ``"exact"`` (the dispatch of
-    :func:`gradaccum._run.run_window`, which runs the cheaper modes as a ``(mean, count)`` ``loss_fn``),
-    in the module docstring's order."""
-    if catch_oom:
-        raise ConfigurationError("micro_batch_size='auto' is not supported with MoELoss(mode='exact'): pass an int "
-                                 "micro_batch_size")
+    :func:`gradaccum._run.run_window`, which runs the cheaper modes as a ``(mean, count)`` ``loss_fn``):
+    the Accumulator's driver of :class:`WindowRouting`, in the module docstring's order."""
+    assert not catch_oom, "micro_batch_size='auto' with MoELoss(mode='exact') is refused by check_moe_loss"
     ranks = ctx.ranks
     if micro_batches:
         ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
     # pass 1 runs before the window opens: on the unwrapped module under DDP (whose forward runs
     # collectives a rank without data lacks); under FSDP2 every forward all-gathers the shards, so
     # every rank runs as many as the busiest, padding with its last micro-batch (zero weight)
-    sharded = isinstance(ctx.sync, FSDP2Sync)
     padding = 0
-    if sharded:
+    if counts_on_every_rank(ctx.sync):
         padding = int(ctx.sync.all_gather(torch.tensor([len(micro_batches)], device=ctx.device)).max()) - len(micro_batches)
         if ctx.sync.any_rank(padding > 0 and ctx.state.padding_batch is None, ctx.device):
             raise ConfigurationError("MoELoss: a rank has fewer micro-batches than another and none to pad its counting "
                                      "forwards with (FSDP2 runs every forward on every rank): give it one with "
                                      "acc.set_padding(micro_batch)")
-    states, first, mine = _count_pass(ctx, moe, micro_batches, padding, sharded)
-    # every rank's (C, T, N, bad, micro-batches): one all-gather per window, before any backward
-    every = ctx.sync.all_gather(torch.cat([mine, mine.new_tensor([len(micro_batches)])]))
-    totals, sizes = every[:, :-1].sum(dim=0), every[:, -1].tolist()
-    window_counts, (rows, items, bad) = totals[:-3], totals[-3:].tolist()
-    if bad and items > 0:
+    routing = WindowRouting.open(
+        moe.term, micro_batches, route=lambda mb: moe.route(_unwrapped(ctx.model), mb),
+        forward=lambda mb: moe.forward(ctx.model, mb), sync=ctx.sync, device=ctx.device, who="MoELoss",
+        padding=[ctx.state.padding_batch] * padding, autocast=ctx.precision.autocast)
+    items = routing.items
+    if routing.itemless and items > 0:
         raise NotExactError(
             "MoELoss: a micro-batch holds tokens the router balances but no loss item (every label ignored), "
             "so its share of the load-balancing gradient has no item weight to ride on; leave such micro-batches "
             "out of the window (on this rank or another), or use MoELoss(mode='micro_batch')")
     # the window opens knowing its global N (R = N: each backward weighs n_k / N as the big batch does)
-    plan = WindowPlan(len(micro_batches), int(max(sizes)), int(min(sizes)), items)
-    request = WindowRequest(len(micro_batches), mine[-2].item(), can_pad=ranks.can_pad(bool(micro_batches)),
-                            plan=plan)
+    plan = WindowPlan(len(micro_batches), max(routing.sizes), min(routing.sizes), items)
+    request = WindowRequest(len(micro_batches), routing.local_items, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         last = len(micro_batches) + window.padding - 1
-        differs = torch.zeros((), dtype=torch.bool, device=ctx.device)
         for k in range(last + 1):
             own = k < len(micro_batches)
             if own:
-                states[k].restore()
+                routing.replay(k)
             with window.micro_batch():
                 out = _checked(moe.forward(ctx.model, micro_batches[k] if own else ctx.state.padding_batch))
                 loss = out.loss
                 if own:
-                    require_router_grad(out.router_logits, "MoELoss")
-                    c, s, _ = router_statistics(out.router_logits, moe.top_k, out.token_mask)
-                    differs = differs | (c.detach() != first[k]).any()
-                    n = out.num_items
-                    part = balance_loss_part(s, window_counts, rows, rows)
+                    part = routing.part(k, out.router_logits, out.token_mask)
+                    n = out.num_items  # the core's weight n_k / N leaves coef * part
                     if isinstance(n, torch.Tensor):  # left on the device: no host sync per micro-batch
                         loss = loss + torch.where(n > 0, moe.coef * items / n.clamp(min=1).to(part.dtype), 0.0) * part
                     elif n > 0:
                         loss = loss + moe.coef * items / n * part
-                if k == last and ctx.sync.any_rank(bool(differs), ctx.device):
-                    raise replay_differs("MoELoss", "routed its tokens to other experts")
+                if k == last:
+                    routing.check()
                 if own:
                     window.backward(loss, out.num_items)
                 else:
                     window.backward_padding(loss)
-        states[-1].restore()  # as after pass 1 alone: the window drew its random numbers once
+        routing.finish()
         return window.step()
-
-
-def _count_pass(ctx: Any, moe: MoELoss, micro_batches: List[Any], padding: int, sharded: bool) -> Any:
-    """Pass 1, without a graph: each micro-batch's expert counts, the random state before each (and
-    after all, last), and this rank's ``(C, T, N, bad)``; then ``padding`` forwards that count nothing.
-    Under FSDP2 the root runs ``forward`` (a part of it alone would miss the root's all-gather) under
-    ``no_grad`` (inference tensors must not reach its unsharded parameters)."""
-    states, first = [], []
-    totals = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=ctx.device)
-    module, run = (ctx.model, moe.forward) if sharded else (_unwrapped(ctx.model), moe.route)
-    with torch.no_grad() if sharded else torch.inference_mode(), ctx.precision.autocast():
-        for _ in range(padding):  # first: whatever they draw, the micro-batches' replays start after it
-            run(module, ctx.state.padding_batch)
-        for mb in micro_batches:
-            states.append(RandomState(ctx.device))
-            out = _checked(run(module, mb))
-            c, _, rows = router_statistics(out.router_logits, moe.top_k, out.token_mask)
-            if c.shape[0] != moe.num_experts:
-                raise ConfigurationError(f"MoELoss(num_experts={moe.num_experts}): the router logits have "
-                                         f"{c.shape[0]} experts")
-            first.append(c)
-            n = torch.as_tensor(out.num_items, device=ctx.device).to(torch.float64)
-            bad = ((n == 0) & (rows > 0)).to(torch.float64)
-            totals += torch.cat([c.to(torch.float64), torch.stack([rows.to(torch.float64), n, bad])])
-    states.append(RandomState(ctx.device))
-    return states, first, totals

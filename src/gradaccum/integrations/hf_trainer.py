@@ -13,7 +13,7 @@ of a batch are and hooks the Trainer's window.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -280,7 +280,7 @@ class ExactTrainer(Trainer):
         if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
             inputs = [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples]
             self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), inputs,
-                                          device, _summed(self.accelerator))
+                                          device, self.model_wrapped)
         self.last_window_items = items
         return batch_samples, total
 
@@ -321,8 +321,7 @@ class ExactTrainer(Trainer):
         if part is not None and balance is not None:  # coef * this micro-batch's part of the window's LBL, times W
             loss = loss + part * (0.0 if window.skip else world)
             if window.ran == window.micro_batches - 1:  # before the last backward, every rank alike: routed as counted
-                summed = _summed(self.accelerator)
-                balance.check(lambda flag: bool(summed(torch.tensor(float(flag), device=self.args.device)).item() > 0))
+                balance.check()
         return (loss, outputs) if return_outputs else loss
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
@@ -417,11 +416,6 @@ def _take(epoch_iterator: Iterator, num_batches: int) -> List[Any]:
         except StopIteration:
             break
     return batch_samples
-
-
-def _summed(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A tensor summed over the ranks (the tensor itself on one process)."""
-    return (lambda t: accelerator.reduce(t, "sum")) if accelerator.num_processes > 1 else (lambda t: t)
 
 
 def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
