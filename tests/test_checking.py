@@ -90,8 +90,12 @@ def test_dropout_is_not_equivalent_even_where_this_split_happens_to_match(layers
     if layers == 1:
         assert report.max_rel_diff < 1e-12, report  # this split matched ...
         assert "matched on this split by chance" in text and "several layers" in text, text  # ... and why
+        # the first line says what is true before the explanation (#40 item 4): not "NOT equivalent: 1e-16"
+        assert text.startswith("NOT equivalent (the model draws random numbers in forward, which differ with the "
+                               "split; this split matched): max relative gradient difference"), text
     else:
         assert report.max_rel_diff > 1e-3, report
+        assert text.startswith("NOT equivalent: max relative gradient difference"), text  # the gradients differ
 
 
 def test_a_split_into_one_micro_batch_is_refused_like_the_command_line_refuses_it():

@@ -18,7 +18,8 @@ pytest.importorskip("transformers")
 
 from integrations import moe_models as M  # noqa: E402
 from integrations import scenarios as S  # noqa: E402
-from gradaccum import Accumulator, MoELoss, NotExactError, ReplayError  # noqa: E402
+from gradaccum import Accumulator, ConfigurationError, MoELoss, NotExactError, ReplayError  # noqa: E402
+from gradaccum.moe import MoEOutput  # noqa: E402
 from gradaccum._maths import balance_loss_part, router_statistics  # noqa: E402
 from hf_helpers import pad, unpad  # noqa: E402
 
@@ -218,3 +219,94 @@ def test_a_micro_batch_of_routed_tokens_without_items_is_refused():
     with pytest.raises(NotExactError, match="no loss item"):
         acc.step(window, MoELoss.for_hf_model(model))
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+def test_the_checker_checks_what_it_recommends():
+    """check_equivalence(model, MoELoss.for_hf_model(model), ...) (#40 item 4): the oracle is the token loss
+    plus coef times the whole batch's load-balancing loss, which is the model's own loss on the batch; exact
+    mode is equivalent to rounding, mode='micro_batch' is not, with a hint that names mode='exact'."""
+    from gradaccum import check_equivalence
+
+    batch = pad([s for mb in WINDOWS[0] for s in unpad(mb)])
+    for family in ("mixtral", "qwen2_moe"):
+        model = M.moe_model(family)
+        with torch.no_grad():
+            own = model(**batch).loss.item()
+        exact = check_equivalence(model, MoELoss.for_hf_model(model), batch, 2)
+        assert exact.equivalent and exact.max_rel_diff < 1e-12, exact
+        assert exact.loss_full == pytest.approx(own, rel=1e-12) and exact.hints == []
+        cheap = check_equivalence(model, MoELoss.for_hf_model(model, mode="micro_batch"), batch, 2)
+        assert not cheap.equivalent and cheap.max_rel_diff > 1e-3, cheap
+        assert cheap.hints == ["MoELoss(mode='micro_batch') computes the load-balancing term from part of the window, "
+                               "which is another objective than the big batch's: mode='exact' computes it over the "
+                               "whole window"]
+
+
+@pytest.mark.parametrize("mode", ["exact", "micro_batch", "prefix"])
+def test_every_mode_checks_its_arguments_alike(mode):
+    """#40 item 3: num_experts=8 against a 4-expert router, and a forward that returns no router logits, are
+    refused in every mode (the cheaper ones took them silently), naming the argument, the value and the fix
+    (not an internal function); parameters unchanged."""
+    model = M.moe_model("mixtral")
+    hf = MoELoss.for_hf_model(model)
+    acc = Accumulator(model, optimizer(model.parameters()))
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ConfigurationError) as wrong:
+        acc.step(list(WINDOWS[0]), MoELoss(hf.forward, num_experts=8, top_k=2, coef=M.COEF, mode=mode))
+    assert str(wrong.value) == ("MoELoss(num_experts=8): the router logits have 4 experts (their last dimension); pass "
+                                "num_experts=4 (the router's), or return that router's logits")
+    with pytest.raises(ConfigurationError) as empty:
+        acc.step(list(WINDOWS[0]), MoELoss(lambda m, b: hf.forward(m, b)._replace(router_logits=[]), num_experts=4,
+                                           top_k=2, coef=M.COEF, mode=mode))
+    text = str(empty.value)
+    assert text.startswith("MoELoss: the forward returned no router logits (router_logits=[])") and \
+        "output_router_logits=True" in text and "router_statistics" not in text, text
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["exact", "micro_batch", "prefix"])
+def test_num_items_is_refused_as_a_window_loss_refuses_it(mode):
+    """#40 item 3: acc.step / acc.train with an MoELoss and num_items= (whose counts come from its forward)
+    refused before anything runs, as a WindowLoss refuses it."""
+    model = M.moe_model("olmoe")
+    acc = Accumulator(model, optimizer(model.parameters()))
+    moe = MoELoss.for_hf_model(model, mode=mode)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ConfigurationError, match=r"^num_items=<function .*> was given with an MoELoss: its item "
+                                                 r"counts come from its forward \(MoEOutput.num_items\), so num_items "
+                                                 r"would not be read; drop num_items$"):
+        acc.step(list(WINDOWS[0]), moe, num_items=lambda mb: 1)
+    with pytest.raises(ConfigurationError, match="drop num_items"):
+        list(acc.train(list(WINDOWS[0]), moe, accum_steps=2, num_items=lambda mb: 1))
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+def test_moe_errors_name_the_argument_the_value_and_the_fix():
+    """#40 item 5: each refusal a gradaccum.errors kind that names the argument, the value and the fix."""
+    with pytest.raises(ConfigurationError) as linear:
+        MoELoss.for_hf_model(torch.nn.Linear(2, 2))
+    assert type(linear.value) is ConfigurationError and str(linear.value).startswith(
+        "MoELoss.for_hf_model(Linear): the model has no Hugging Face config (model.config)")
+    assert "its config" not in str(linear.value) and "MoELoss(forward, num_experts=" in str(linear.value)
+    with pytest.raises(ConfigurationError) as off:  # the docstring's kind: ConfigurationError, not NotExactError
+        MoELoss.for_hf_model(M.moe_model("olmoe", router_aux_loss_coef=0.0))
+    assert type(off.value) is ConfigurationError and "ConfigurationError: the model has no Hugging Face config, or " \
+        "its config has no load-balancing term" in " ".join(MoELoss.for_hf_model.__doc__.split())
+    assert "router_aux_loss_coef=0.0" in str(off.value), off.value
+    for coef in (None, "0.1", -1.0, float("nan")):
+        with pytest.raises(ConfigurationError, match=rf"^MoELoss\(coef={coef!r}\): coef is the load-balancing "
+                                                     r"weight \(transformers' router_aux_loss_coef\), a finite number "
+                                                     r">= 0, e.g. coef=0.02$"):
+            MoELoss(lambda m, b: None, num_experts=4, top_k=2, coef=coef)
+    model = M.moe_model("mixtral")
+    acc = Accumulator(model, optimizer(model.parameters()))
+    unlabelled = [{k: v for k, v in mb.items() if k != "labels"} for mb in WINDOWS[0]]
+    with pytest.raises(ConfigurationError, match=r"^MoELoss.for_hf_model: a micro-batch has no 'labels' \(its keys: "
+                                                 r"\['attention_mask', 'input_ids'\]\); add the targets as "
+                                                 r"batch\['labels'\]"):
+        acc.step(unlabelled, MoELoss.for_hf_model(model))
+    tuples = [(mb["input_ids"], mb["labels"]) for mb in WINDOWS[0]]
+    for mode in ("exact", "micro_batch"):
+        with pytest.raises(ConfigurationError, match=r"^MoELoss.for_hf_model: a micro-batch is a tuple; it takes dicts "
+                                                     r"of the model's inputs with labels"):
+            acc.step(tuples, MoELoss.for_hf_model(model, mode=mode))
