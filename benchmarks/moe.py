@@ -235,24 +235,58 @@ def expert_shares() -> Dict[str, Any]:
     return out
 
 
+def window_shares(per_topic: List[List[float]]) -> List[float]:
+    """Each expert's share of the whole window's routed tokens: the topics' shares averaged (every
+    topic's evaluation batch routes as many tokens, 16 sequences of 16)."""
+    return [sum(col) / len(per_topic) for col in zip(*per_topic)]
+
+
+def share_summary(shares: Dict[str, Any]) -> Dict[str, Any]:
+    """What the figure shows, in numbers: per mode, how many experts each topic uses (share >= 5 %),
+    how many topic-expert shares are below 1 %, and the range of the experts' shares of the window."""
+    out = {}
+    for mode, per_topic in shares.items():
+        used = [sum(share >= 0.05 for share in topic) for topic in per_topic]
+        window = window_shares(per_topic)
+        out[mode] = {"experts": len(per_topic[0]), "pairs": len(per_topic) * len(per_topic[0]),
+                     "used_min": min(used), "used_max": max(used),
+                     "near_zero": sum(share < 0.01 for topic in per_topic for share in topic),
+                     "window_min": min(window), "window_max": max(window)}
+    return out
+
+
 def plot_shares(shares: Dict[str, Any], path: Path) -> None:
+    """Left and middle: each topic's share of each expert, balanced per micro-batch and over the window;
+    right: each expert's share of the whole window in both modes. The dashed line is 1/E (every expert
+    equally loaded)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
-    titles = {"micro_batch": "balanced per micro-batch", "exact": "balanced over the window (exact)"}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True, gridspec_kw={"width_ratios": [2, 2, 1.4]})
+    titles = {"micro_batch": "each topic, balanced per micro-batch", "exact": "each topic, balanced over the window"}
+    experts = len(next(iter(shares.values()))[0])
+    even = 1 / experts
+    colours = plt.get_cmap("tab10").colors
     for ax, (mode, per_topic) in zip(axes, shares.items()):
-        experts = range(len(per_topic[0]))
         width = 0.8 / len(per_topic)
         for t, share in enumerate(per_topic):
-            ax.bar([e + (t - 1.5) * width for e in experts], share, width, label=f"topic {t}")
-        ax.axhline(1 / len(per_topic[0]), color="k", lw=0.8, ls="--")
-        ax.set_title(titles[mode])
+            ax.bar([e + (t - (len(per_topic) - 1) / 2) * width for e in range(experts)], share, width,
+                   label=f"topic {t}", color=colours[t])
+        ax.set_title(titles[mode], fontsize=10)
+    window_ax = axes[2]
+    for i, (mode, per_topic) in enumerate(shares.items()):
+        window_ax.bar([e + (i - 0.5) * 0.4 for e in range(experts)], window_shares(per_topic), 0.4,
+                      color=("0.65", "0.2")[i], label={"micro_batch": "per micro-batch", "exact": "over the window"}[mode])
+    window_ax.set_title("each expert's share of the whole window", fontsize=10)
+    for ax in axes:
+        ax.axhline(even, color="k", lw=0.9, ls="--", label=f"1/E = {even:.3f} (even load)")
         ax.set_xlabel("expert")
-    axes[0].set_ylabel("share of the topic's routed tokens")
-    axes[1].legend(fontsize=8)
+        ax.set_xticks(range(experts))
+    axes[0].set_ylabel("share of the routed tokens")
+    axes[1].legend(fontsize=8, loc="upper right")
+    window_ax.legend(fontsize=8, loc="upper right", title="balanced", title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -264,18 +298,56 @@ def moe() -> Dict[str, Any]:
     return {"distances": distances(), "times": [times(512), times(8192)], "expert_shares": expert_shares()}
 
 
+ACCUMULATOR = ["family"] + list(MODES)
+TRAINERS = ["family", "stock Trainer", "ExactTrainer", "MoELoss exact, float32 islands"]
+
+
 def render(r: Dict[str, Any]) -> str:
-    cols = ["family", "stock Trainer"] + list(MODES) + ["ExactTrainer", "MoELoss exact, float32 islands"]
-    fmt = {c: ".1e" for c in cols[1:]}
+    """The guide's measured section: the distances in two tables (the Accumulator's modes; the Trainers
+    and transformers' own float32 islands), the times, and what the expert-share figure shows."""
+    fmt = {c: ".1e" for c in ACCUMULATOR[1:] + TRAINERS[1:]}
     out = ["Largest parameter difference from one big batch's step (SGD, lr 1) on the model's own loss, one "
-           "window of 4 padded micro-batches (2, 3, 1, 2 sequences), coef 0.2, float64:", "",
-           table(r["distances"], cols, fmt), ""]
-    for t in r["times"] if isinstance(r["times"], list) else [r["times"]]:
+           "window of 4 padded micro-batches (2, 3, 1, 2 sequences), coef 0.2, float64. The `Accumulator`:", "",
+           table(r["distances"], ACCUMULATOR, fmt), "",
+           "The Hugging Face Trainer, and `MoELoss` exact with transformers' own float32 load-balancing sums "
+           "and token loss (the other columns swap them for float64 on both sides):", "",
+           table(r["distances"], TRAINERS, fmt), ""]
+    times = r["times"] if isinstance(r["times"], list) else [r["times"]]
+    for t in times:
         rows = [{"mode": k, "ms per window": 1e3 * s, "x plain": t["ratio_to_plain"][k]["ratio"],
                  "IQR": f"{t['ratio_to_plain'][k]['q1']:.2f}-{t['ratio_to_plain'][k]['q3']:.2f}"}
                 for k, s in t["seconds"].items()]
         out += [f"Time per window ({t['setup']}; median of {REPEATS} rotated repeats, one thread):", "",
                 table(rows, ["mode", "ms per window", "x plain", "IQR"], {"ms per window": ".1f", "x plain": ".2f"}), ""]
+    exact = [(t["setup"].split("vocabulary ")[1].split(";")[0], t["ratio_to_plain"]["MoELoss exact"]["ratio"])
+             for t in times]
+    cheap = [t["ratio_to_plain"][m]["ratio"] for t in times for m in ("MoELoss micro_batch", "MoELoss prefix")]
+    costs = [f"{x:.2f}x" + (" plain accumulation" if i == 0 else "") + f" with a vocabulary of {v}"
+             for i, (v, x) in enumerate(exact)]
+    out += ["The exact mode costs one forward of the trunk per micro-batch without a graph (no LM head, no loss, "
+            f"no autograd record): {' and '.join(costs)} in this run. How much that is depends on the trunk's "
+            "share of a window: the smaller the vocabulary, the more of the work is the trunk (as in large MoEs, "
+            "whose experts dwarf the LM head). The cheaper modes cost "
+            f"{min(cheap):.2f}x to {max(cheap):.2f}x plain accumulation.", ""]
+    if "expert_shares" in r:
+        n = share_summary(r["expert_shares"])
+        mb, ex = n["micro_batch"], n["exact"]
+        out += ["Each expert's share of each topic's routed tokens after training a tiny Mixtral (8 experts, top-2, "
+                f"coef 0.2) on {WINDOWS} windows of 4 micro-batches, one topic per micro-batch, from the same start "
+                "(`expert_shares` in `benchmarks/moe.py`):", "",
+                "![Each expert's share of each topic's routed tokens, balanced per micro-batch (left) and over the "
+                "window (middle), and each expert's share of the whole window (right); the dashed line is 1/E]"
+                "(moe_expert_share.png)", "",
+                f"*Balanced per micro-batch (left), each topic uses {mb['used_min']} to {mb['used_max']} of the "
+                f"{mb['experts']} experts (a share of 5 % or more), yet {mb['near_zero']} of the {mb['pairs']} "
+                "topic-expert shares are below 1 %: the balance term is a penalty weighed against the token loss, not "
+                "a constraint, so it pushes each topic toward every expert without getting it there. Balanced over "
+                f"the window (middle), each topic concentrates on {ex['used_min']} to {ex['used_max']} experts and "
+                f"{ex['near_zero']} shares are below 1 %: the experts specialize by topic. What the balance is for, "
+                "the load of the whole window (right), is what the exact mode balances: each expert takes "
+                f"{100 * ex['window_min']:.1f} % to {100 * ex['window_max']:.1f} % of the window's tokens with the "
+                f"balance over the window, {100 * mb['window_min']:.1f} % to {100 * mb['window_max']:.1f} % with "
+                f"the balance per micro-batch, against 1/E = {100 / ex['experts']:.1f} % (dashed).*", ""]
     return "\n".join(out)
 
 
