@@ -14,7 +14,9 @@ differentiated, the gradient splits over micro-batches once the window's counts 
 
     grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
 
-The exact method, :class:`MoELoss` (``mode="exact"``), in the order a window runs:
+The exact method, :class:`MoELoss` (``mode="exact"``), in the order a window runs. Its one home is
+:class:`WindowRouting` (open, replay and part per micro-batch, check, finish), which the Accumulator
+(:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.WindowBalance`) drive:
 
 1. Pass 1, without a graph (``route``: the trunk alone where it can): each micro-batch's forward, only
    to count: ``C_k`` (E numbers, pooled over the layers), its rows ``T_k`` and its loss items ``n_k``;
@@ -54,8 +56,8 @@ from ._window import Window
 from .errors import ConfigurationError, NotExactError, replay_differs
 from .sync import FSDP2Sync, GradSync
 
-__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss", "MODES",
-           "WindowRouting", "counts_on_every_rank", "run_moe_window", "check_moe_loss"]
+__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss",
+           "MODES", "WindowRouting", "counts_on_every_rank", "run_moe_window", "check_moe_loss"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
 MODES = ("exact", "micro_batch", "prefix")
@@ -162,8 +164,9 @@ def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
     spec = next((m._can_record_outputs["router_logits"] for m in model.modules()
                  if "router_logits" in (getattr(m, "_can_record_outputs", None) or {})), None)
     if spec is None:
-        raise ConfigurationError(f"{type(model).__name__} does not name its router (no _can_record_outputs['router_logits']); "
-                           "pass router_logits_of a model whose router is named so, or write MoELoss(forward=...) yourself")
+        raise ConfigurationError(f"{type(model).__name__} does not name its router (no "
+                                 "_can_record_outputs['router_logits']); pass router_logits_of a model whose router is "
+                                 "named so, or write MoELoss(forward=...) yourself")
     seen: List[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
              for m in model.modules() if isinstance(m, spec.target_class)]
@@ -436,8 +439,8 @@ class WindowRouting:
     4. :meth:`finish` after the window: the random state as pass 1 left it (the window drew once).
 
     Attributes (after :meth:`open`): ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``,
-    every rank's; ``local_items`` this rank's), ``itemless`` (a micro-batch somewhere routes tokens but holds no loss item),
-    ``sizes`` (each rank's micro-batches).
+    every rank's; ``local_items`` this rank's), ``itemless`` (a micro-batch somewhere routes tokens but
+    holds no loss item), ``sizes`` (each rank's micro-batches).
     """
 
     def __init__(self, term: RouterBalance, sync: GradSync, device: torch.device, who: str) -> None:
@@ -482,14 +485,15 @@ class WindowRouting:
                 c, _, rows = _statistics(out, term, who)
                 routing.first.append(c)
                 n = torch.as_tensor(0 if out.num_items is None else out.num_items, device=device).to(torch.float64)
-                bad = ((n == 0) & (rows > 0)).to(torch.float64) if out.num_items is not None else n * 0
+                bad = ((n == 0) & (rows > 0)).to(torch.float64) if out.num_items is not None else torch.zeros_like(n)
                 totals += torch.cat([c.to(torch.float64), torch.stack([rows.to(torch.float64), n, bad])])
         routing.states.append(RandomState(device))
         # every rank's (C, T, N, itemless, micro-batches): one all-gather per window, before any backward
         every = sync.all_gather(torch.cat([totals, totals.new_tensor([len(micro_batches)])]))
         summed = every[:, :-1].sum(dim=0)
         routing.counts = summed[:-3]
-        routing.rows, routing.items, itemless, routing.local_items = torch.cat([summed[-3:], totals[-2:-1]]).tolist()
+        read = torch.cat([summed[-3:], totals[-2:-1]]).tolist()  # one host synchronisation
+        routing.rows, routing.items, itemless, routing.local_items = read
         routing.itemless = bool(itemless)
         routing.sizes = [int(m) for m in every[:, -1].tolist()]
         return routing
@@ -549,7 +553,8 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
             "out of the window (on this rank or another), or use MoELoss(mode='micro_batch')")
     # the window opens knowing its global N (R = N: each backward weighs n_k / N as the big batch does)
     plan = WindowPlan(len(micro_batches), max(routing.sizes), min(routing.sizes), items)
-    request = WindowRequest(len(micro_batches), routing.local_items, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
+    request = WindowRequest(len(micro_batches), routing.local_items, can_pad=ranks.can_pad(bool(micro_batches)),
+                            plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         last = len(micro_batches) + window.padding - 1
         for k in range(last + 1):
