@@ -98,3 +98,51 @@ def test_reentrant_checkpointing_is_refused_and_non_reentrant_is_exact():
                         gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = MS.reference(model, WINDOWS)
     assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+
+
+def test_both_drivers_run_the_one_counting_pass(monkeypatch):
+    """#37 items 1 and 5: the Accumulator's MoELoss and ExactTrainer run one implementation of the
+    counting pass, gradaccum.moe.WindowRouting. Both are the big batch (rtol 1e-10); with its part taken
+    from each micro-batch's own counts instead of the window's, both land off it (> 1e-6); with its replay
+    skipped, both refuse a jittered router's window (ReplayError) instead of training it."""
+    import copy
+
+    from gradaccum import Accumulator, MoELoss
+    from gradaccum._maths import balance_loss_part, router_statistics
+    from gradaccum.moe import WindowRouting
+
+    def accumulator(model):
+        net = copy.deepcopy(model)
+        acc = Accumulator(net, MS.sgd(net.parameters())[0])
+        list(acc.train(MICRO, MoELoss.for_hf_model(net), accum_steps=S.ACCUM))
+        return net
+
+    def trainer(model):
+        return S.hf_fit(model, [MICRO], exact=True)[0]
+
+    model = M.moe_model("olmoe")
+    refs = {accumulator: MS.reference(model, WINDOWS, optimizer=MS.sgd), trainer: MS.reference(model, WINDOWS)}
+    for driver, ref in refs.items():
+        assert S.params_close(driver(model), ref) is None, driver.__name__
+
+    def own_counts(self, k, router_logits, token_mask):  # the break: C and T of the micro-batch alone
+        c, s, rows = router_statistics(router_logits, self.term.top_k, token_mask)
+        return balance_loss_part(s, c, rows, rows)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(WindowRouting, "part", own_counts)
+        for driver, ref in refs.items():
+            assert S.max_diff(driver(model), ref) > 1e-6, driver.__name__
+
+    from transformers.models.olmoe import modeling_olmoe
+
+    plain = modeling_olmoe.OlmoeTopKRouter.forward
+    with monkeypatch.context() as noisy:  # a router that draws from the global generator (replayed)
+        noisy.setattr(modeling_olmoe.OlmoeTopKRouter, "forward",
+                      lambda self, h: plain(self, h + 3 * torch.randn(h.shape, dtype=h.dtype)))
+        for driver in refs:
+            driver(model)  # replayed: trains
+        noisy.setattr(WindowRouting, "replay", lambda self, k: None)
+        for driver in refs:
+            with pytest.raises(ReplayError, match="routed its tokens to other experts"):
+                driver(model)
