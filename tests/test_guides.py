@@ -11,6 +11,9 @@ here says so, and why, in an HTML comment on the line right before its fence (in
 * ``<!-- run after: GUIDE.md -->``: the block uses names the first block of another guide defines
   (the Lightning recipe uses the contrastive guide's ``TwoTowers`` and ``clip_loss``); that block runs
   first, in the same namespace.
+* ``<!-- run with: SETUP -->``: a fragment whose names (``model``, ``args``, ``ds``...) are the
+  reader's; ``tests/guide_setups.py``'s ``SETUP(tmp_path)`` gives the smallest of each, then the block
+  runs as written.
 
 Any other comment before a fence, or ``not run`` without a reason, fails :func:`test_every_block_is_run_or_says_why`.
 What a block computes is checked where it matters (the Lightning recipe below is one float64 big batch
@@ -69,11 +72,13 @@ def kind(block: Block) -> str:
         return "torchrun"
     if re.fullmatch(r"run after: [\w.-]+\.md", block.marker):
         return "after"
+    if re.fullmatch(r"run with: \w+", block.marker):
+        return "with"
     if re.fullmatch(r"not run: \S.{9,}", block.marker, re.S):
         return "not run"
     raise AssertionError(f"{block.where}: the comment before the block, <!-- {block.marker} -->, is not one of "
-                         "'not run: <why, 10 characters or more>', 'run under torchrun', 'run after: GUIDE.md' "
-                         "(tests/test_guides.py)")
+                         "'not run: <why, 10 characters or more>', 'run under torchrun', 'run after: GUIDE.md', "
+                         "'run with: SETUP' (tests/test_guides.py)")
 
 
 def test_every_block_is_run_or_says_why():
@@ -100,7 +105,11 @@ def run_guide(guide: str, tmp_path, monkeypatch) -> Dict:
             k = kind(block)
             if k == "after":
                 _exec(blocks(block.marker.split(": ", 1)[1])[0], namespace)
-            if k in ("run", "after"):
+            if k == "with":
+                import guide_setups
+
+                namespace.update(getattr(guide_setups, block.marker.split(": ", 1)[1])(tmp_path))
+            if k in ("run", "after", "with"):
                 _exec(block, namespace)
             elif k == "torchrun":
                 script = tmp_path / f"block_{block.line}.py"
@@ -113,8 +122,8 @@ def run_guide(guide: str, tmp_path, monkeypatch) -> Dict:
 
 # the guides with a block that runs here (the Lightning guide's run in the recipe's test below), and the
 # package each needs beyond torch
-RUNNABLE = {"accelerate.md": "accelerate", "hf-models.md": "transformers", "own-loop.md": None,
-            "torchrun.md": None, "train.md": None}
+RUNNABLE = {"accelerate.md": "accelerate", "hf-models.md": "transformers", "hf-trainer.md": "transformers",
+            "own-loop.md": None, "torchrun.md": None, "train.md": None}
 
 
 def test_the_runnable_guides_are_listed():
@@ -126,7 +135,12 @@ def test_the_runnable_guides_are_listed():
 def test_guide_runs(guide, tmp_path, monkeypatch):
     if RUNNABLE[guide]:
         pytest.importorskip(RUNNABLE[guide])
-    run_guide(guide, tmp_path, monkeypatch)
+    ns = run_guide(guide, tmp_path, monkeypatch)
+    if guide == "hf-trainer.md":  # the last block builds the WindowLoss trainer of one's own model: it trains
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ns["trainer"].train()
+        assert ns["trainer"].state.global_step == 2
 
 
 def test_the_lightning_recipe_for_a_coupled_loss_is_one_big_batch_per_window(tmp_path, monkeypatch):
