@@ -131,7 +131,8 @@ def test_the_runnable_guides_are_listed():
     assert runnable == set(RUNNABLE) | {"lightning.md"}
 
 
-@pytest.mark.parametrize("guide", sorted(RUNNABLE))
+@pytest.mark.parametrize("guide", [pytest.param(g, marks=pytest.mark.distributed) if g == "torchrun.md" else g
+                                   for g in sorted(RUNNABLE)])
 def test_guide_runs(guide, tmp_path, monkeypatch):
     if RUNNABLE[guide]:
         pytest.importorskip(RUNNABLE[guide])
