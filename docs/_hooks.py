@@ -10,10 +10,16 @@ The docstrings are Google style but keep two habits that Markdown reads otherwis
 
 The preprocessor is added to the Markdown extensions before mkdocstrings reads them, so it runs on
 every page and on every docstring mkdocstrings renders. Lines inside fenced code are left alone.
+
+And one for the rendered pages: each line of a code block (a ``<span id="__span-...">``, from
+``pymdownx.highlight``'s ``line_spans``) gets its indentation as ``--indent`` (in characters), which
+docs/stylesheets/extra.css uses to wrap a long line under its own indentation, 4 columns further in,
+instead of at column 0.
 """
 
 from __future__ import annotations
 
+import html
 import re
 
 from markdown import Extension
@@ -23,6 +29,8 @@ from mkdocs.plugins import event_priority
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`(~?)([\w.]+)`")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _PROMPT = re.compile(r"^(\s*)>>> ")
+_LINE = re.compile(r'<span id="(__span-\d+-\d+)">(.*?)(?=<span id="__span-\d+-\d+">|</code>)', re.S)
+_TAG = re.compile(r"<[^>]+>")
 
 
 def _role(match: re.Match) -> str:
@@ -71,3 +79,14 @@ class _DocstringsExtension(Extension):
 def on_config(config):
     config.markdown_extensions.append(_DocstringsExtension())
     return config
+
+
+def _indent(match: re.Match) -> str:
+    text = html.unescape(_TAG.sub("", match.group(2))).expandtabs(4)
+    indent = len(text) - len(text.lstrip(" "))
+    return f'<span id="{match.group(1)}" style="--indent:{indent}">{match.group(2)}'
+
+
+def on_page_content(html_text: str, **kwargs) -> str:
+    """Each code line's indentation, for the stylesheet's hanging indent (see the module's docstring)."""
+    return _LINE.sub(_indent, html_text)

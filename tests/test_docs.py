@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,10 @@ def test_docs_build_strict(tmp_path):
     problems = [line for line in proc.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert proc.returncode == 0, "mkdocs build --strict failed:\n" + "\n".join(problems or [proc.stderr[-4000:]])
     assert (tmp_path / "site" / "api" / "index.html").is_file()
+    # each code line carries its indentation for the stylesheet's hanging indent (docs/_hooks.py, extra.css):
+    # the first block of the train guide has "    inputs, targets = batch" inside loss_fn
+    page = (tmp_path / "site" / "guides" / "train" / "index.html").read_text()
+    line = re.search(r'<span id="__span-0-\d+" style="--indent:(\d+)">((?:(?!<span id="__span).)*?)targets</span>',
+                     page, re.S)
+    assert line and line.group(1) == "4", "docs/_hooks.py did not give the code lines their indentation"
+    assert "--indent" in (ROOT / "docs" / "stylesheets" / "extra.css").read_text()

@@ -1,4 +1,11 @@
-"""Launch torchrun (2 gloo processes on the CPU) from tests.
+"""Launch torchrun (2 gloo processes on the CPU) from tests, and end its workers.
+
+Every worker ends through :func:`finish_worker`: its process group destroyed once nothing holds it,
+then ``os._exit``, without the interpreter's teardown, where gloo can abort a finished run ("terminate
+called without an active exception", docs/measurements.md). A launch that fails says why at the end
+of its stderr (:func:`torchrun`): the failed ranks, their exit codes or signals, and the workers' own
+error lines, so that a test's ``proc.stderr[-3000:]`` names a flake instead of showing the agent's
+traceback alone.
 
 One node: ``--standalone`` lets torchrun bind a free port itself, so no port is chosen here and none
 can be taken in between. Two agents (``--nnodes=2``) must share a rendezvous address: the port is
@@ -15,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, NoReturn, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
@@ -53,7 +60,56 @@ def torchrun(script_args: Sequence[str], *, nproc: int = 2, timeout: int = 300, 
     except BaseException:  # Ctrl-C in pytest, or any other way out: nothing is left running
         kill_tree(proc)
         raise
+    if proc.returncode != 0:
+        err += failure_summary(proc.returncode, out + "\n" + err)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# a worker's own words for dying: a C++ abort, a crash, a Python error's last line, the agent's summary
+_WORKER_ERRORS = ("terminate called", "Fatal Python error", "Segmentation fault", "core dumped", "Aborted",
+                  "Error:", "Error(", "error:", "Timeout", "timed out")
+_SUMMARY_FIELDS = ("[0]:", "[1]:", "rank", "exitcode", "error_file", "time", "host", "traceback :", "Root Cause",
+                   "Failures:")
+
+
+def failure_summary(returncode: int, output: str) -> str:
+    """A few lines that say why a launch failed, to append to its stderr: torchrun's table of the
+    failed ranks (rank, exit code or signal), and every line of the workers' output that reads as an
+    error (gloo's 'terminate called', a Python exception's last line, a timeout). Exit code -6 or 134
+    is SIGABRT (gloo's abort at exit), -9 or 137 SIGKILL (memory, or a kill from outside)."""
+    lines = output.splitlines()
+    table, inside = [], False
+    for line in lines:
+        if "Root Cause" in line or line.strip() == "Failures:":
+            inside = True
+        if inside and any(line.strip().startswith(f) for f in _SUMMARY_FIELDS):
+            table.append(line.strip())
+    errors = [line.strip() for line in lines if any(e in line for e in _WORKER_ERRORS)
+              and "torch/distributed/elastic" not in line and "ChildFailedError" not in line]
+    seen: List[str] = []
+    for line in errors:
+        if line not in seen:
+            seen.append(line)
+    return ("\n== torchrun exited " + str(returncode) + ": the failed ranks ==\n" + "\n".join(table[-12:] or ["(no table)"])
+            + "\n== the workers' error lines ==\n" + "\n".join(seen[-12:] or ["(none)"]) + "\n")
+
+
+def finish_worker(code: int = 0) -> NoReturn:
+    """How every torchrun test worker ends, after its last collective: reference cycles collected (DDP's
+    reducer, FSDP2's DTensors and module hooks hold the group), the group destroyed, output flushed,
+    and ``os._exit(code)``. The interpreter's teardown is skipped: that is where a gloo group, or a
+    C++ object still holding one, could abort a worker whose work was done (exit 134), which failed a
+    suite run now and then. Call it from the script's top level, once the scenarios' frames are gone."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _agent_args(node_rank: int, port: int) -> List[str]:
@@ -169,3 +225,5 @@ def assert_scenario(verdicts, name: str) -> None:
     if status == "SKIP":
         pytest.skip(line)
     assert status == "PASS", f"{line}\n{proc.stderr[-4000:]}"
+    # every scenario reported, and then a worker died on its way out: a defect of its own, named here
+    assert proc.returncode == 0, f"the workers exited {proc.returncode} after the scenarios:\n{proc.stderr[-3000:]}"

@@ -7,11 +7,11 @@ prints ``PASS <name>`` on rank 0, or ``FAIL <name>: <why>`` and the run goes on.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import sys
 import traceback
 import warnings
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradaccum import Accumulator
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: distributed.launch
+
+from distributed.launch import finish_worker  # noqa: E402
+from gradaccum import Accumulator  # noqa: E402
 
 RANK, WORLD = 0, 1
 # each rank's window: micro-batch sizes (uneven shares: 11 items against 6)
@@ -1075,16 +1078,15 @@ def run_scenarios(scenarios, set_rank) -> int:
             status = ("PASS", "SKIP", "FAIL")[int(verdict.item())]
             print(f"{status} {scenario.__name__}: {note}", flush=True)
         dist.barrier()
-    gc.collect()  # DDP, FSDP2 and module hooks sit in reference cycles: free them before the group
-    dist.destroy_process_group()
     return 0
 
 
-def main(scenarios, namespace: dict) -> int:
+def main(scenarios, namespace: dict) -> NoReturn:
     """A worker script's entry point: run ``scenarios`` with RANK and WORLD set in ``namespace``
-    (the calling module's globals)."""
+    (the calling module's globals), then end the process through ``finish_worker`` (the group
+    destroyed once the scenarios' frames are gone, no interpreter teardown: tests/distributed/launch.py)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return run_scenarios(scenarios, lambda rank, world: namespace.update(RANK=rank, WORLD=world))
+    finish_worker(run_scenarios(scenarios, lambda rank, world: namespace.update(RANK=rank, WORLD=world)))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ multiple of 2, so its sampler neither pads nor duplicates).
 """
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, NoReturn
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # scenarios, trl_data, hf_helpers
@@ -25,6 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import scenarios as S  # noqa: E402
+from distributed.launch import finish_worker  # noqa: E402
 from gradaccum import causal_lm_loss  # noqa: E402
 from hf_helpers import gpt2, llama, pad, unpad  # noqa: E402
 
@@ -243,9 +243,15 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
 }
 
 
-def run(scenarios: Dict[str, Callable[[], str]], names: List[str]) -> None:
+def run(scenarios: Dict[str, Callable[[], str]], names: List[str]) -> NoReturn:
     """Join the group, run the named scenarios (all by default), rank 0 printing each one's line, and
-    leave the group after its reference cycles are freed (DDP, FSDP2 and module hooks sit in them)."""
+    end the process through ``finish_worker`` (the group destroyed once the scenarios' frames are gone,
+    no interpreter teardown: tests/distributed/launch.py)."""
+    _run_scenarios(scenarios, names)
+    finish_worker(0)
+
+
+def _run_scenarios(scenarios: Dict[str, Callable[[], str]], names: List[str]) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     for name in names or list(scenarios):
         try:
@@ -255,8 +261,6 @@ def run(scenarios: Dict[str, Callable[[], str]], names: List[str]) -> None:
         if RANK == 0:
             print(line, flush=True)
     dist.barrier()
-    gc.collect()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def _own_model(args: argparse.Namespace) -> Tuple[Any, Any, Any, str]:
                   "--loss MODULE:FUNCTION (loss_fn(model, batch))")
         raise CLIError(f"--model {args.model} is your own model, so give {' and '.join(missing)} too: "
                        f"--batch MODULE:FUNCTION (one batch) and {wanted}")
-    for flag in ("--task", "--data-path", "--accum-steps"):
+    for flag in ("--task", "--data-path"):
         given = getattr(args, flag[2:].replace("-", "_"))
         if given is not None:
             raise CLIError(f"{flag} {given} is for the built-in tasks; with your own --model the batch is "
@@ -91,6 +91,33 @@ def _own_model(args: argparse.Namespace) -> Tuple[Any, Any, Any, str]:
         loss_fn: Any = WindowLoss(import_object("--encode", args.encode), import_object("--window-loss", args.window_loss))
         return model, batch, loss_fn, f"{args.model} with WindowLoss"
     return model, batch, import_object("--loss", args.loss), args.model
+
+
+def _own_split(args: argparse.Namespace, items: int) -> int:
+    """The micro-batch size that splits your --batch of ``items``: ``--micro-batch-size``, or the size
+    that makes ``--accum-steps N`` micro-batches of one size (the last one shorter), or half the batch.
+
+    A split of one size into N pieces exists when ceil(items / ceil(items / N)) == N (10 items go into
+    4 micro-batches of at most 3, not into 6 of one size): another N is refused with the ones that work."""
+    n, m = args.accum_steps, args.micro_batch_size
+    if n is None:
+        return m or max(1, ceil_div(items, 2))
+    if n < 1:
+        raise CLIError(f"--accum-steps must be 1 or more (micro-batches to split --batch {args.batch} into), got {n}")
+    if n > items:
+        raise CLIError(f"--accum-steps {n} is more micro-batches than --batch {args.batch}'s {_count(items, 'item')}; "
+                       f"pass --accum-steps {items} or less")
+    size = ceil_div(items, n)
+    if m is not None and ceil_div(items, m) != n:
+        raise CLIError(f"--micro-batch-size {m} and --accum-steps {n} disagree: {_count(items, 'item')} in micro-batches "
+                       f"of at most {m} are {ceil_div(items, m)}; give one of the two (your --batch is the batch)")
+    if ceil_div(items, size) != n:
+        works = sorted({ceil_div(items, k) for k in range(1, items + 1)})
+        near = min(works, key=lambda k: (abs(k - n), k))
+        raise CLIError(f"--accum-steps {n} does not split {_count(items, 'item')} into {n} micro-batches of one size (at "
+                       f"most {size} each makes {ceil_div(items, size)}); pass --accum-steps {near}, or "
+                       f"--micro-batch-size")
+    return m or size
 
 
 def _accum_steps(args: argparse.Namespace) -> int:
@@ -144,7 +171,7 @@ def check_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except (TypeError, ValueError) as e:
             raise CLIError(f"--batch {args.batch} returned no batch of items along dim 0 ({e}); return a tensor, "
                            "or a dict or tuple of tensors of the same length") from None
-        m = args.micro_batch_size or max(1, ceil_div(items, 2))
+        m = _own_split(args, items)
     else:
         model, batch, loss_fn, name, m = _builtin(args)
         items = leading_dim(batch, argument="batch")
@@ -182,7 +209,7 @@ def _split_refused(error: Any, args: argparse.Namespace, own: bool) -> str:
     m, items = error.micro_batch_size, error.items
     if ceil_div(items, m) >= 2:  # the model cannot run one of the micro-batches
         return re.sub(r"micro_batch_size=(\d+)", r"--micro-batch-size \1", str(error))
-    if not own and _accum_steps(args) == 1 and items == m:  # a window of M x 1 items: N makes it more than one
+    if (args.accum_steps if own else _accum_steps(args)) == 1 and items == m:  # one micro-batch: N makes more
         fix = "pass --accum-steps 2 or more"
     elif items < 2:
         fix = f"make --batch {args.batch} return 2 items or more"

@@ -269,8 +269,9 @@ def _check_parser(sub: Any) -> None:
                    help="items per micro-batch of the split to check, which must give at least 2 (default: "
                         f"{CHECK_MICRO_BATCH_SIZE}; your own --model: half its batch)")
     c.add_argument("--accum-steps", type=int, metavar="N",
-                   help=f"micro-batches: the batch is M x N items of the task's training set (default: "
-                        f"{CHECK_ACCUM_STEPS}; not used with your own --model, whose --batch is the batch)")
+                   help=f"micro-batches: on a built-in task the batch is M x N items of its training set "
+                        f"(default: {CHECK_ACCUM_STEPS}); with your own --model, --batch is the batch and N the "
+                        "micro-batches it is split into, instead of --micro-batch-size")
     c.add_argument("--rtol", type=float, default=1e-5, metavar="R",
                    help="the largest relative gradient difference still called equivalent; float32 splits "
                         "differ by ~1e-6 (default: 1e-05)")
