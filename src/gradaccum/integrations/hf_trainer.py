@@ -7,8 +7,10 @@ Every optimizer step is on the gradient of the item-weighted mean loss over the 
 micro-batch of it on every rank (one big batch). What an *item* is depends on where the loss comes
 from (:func:`loss_source`): the model's head (next-token targets, token labels, sequence labels,
 regression or multi-label elements), TRL's ``SFTTrainer`` (next-token targets) or a preference
-trainer (pairs). The formulas are :mod:`gradaccum._maths`'; this module only says what the items
-of a batch are and hooks the Trainer's window.
+trainer (pairs). The weighting, the window's count, its verdict and the skip are the core's one
+:class:`gradaccum._weights.WindowWeights` (N counted first, in ``get_batch_samples``), and what windows
+teach each other is one :class:`~gradaccum.AccumulatorState` saved in the Trainer's checkpoints; this
+module only says what the items of a batch are and hooks the Trainer's window.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import torch
 from torch import nn
 
 from .. import _maths
+from .._state import AccumulatorState
+from .._weights import Closing, WindowWeights
 from ..errors import ConfigurationError, NotExactError
 from ..moe import aux_term, refuse_aux_term
 from .hf_moe import WindowBalance
@@ -71,7 +75,7 @@ def loss_source(cls: type) -> str:
       with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
       ``average_tokens_across_devices`` so that both settings are exact.
     - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
-      weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
+      weighted by ``pairs_k * W / N`` (:meth:`gradaccum._weights.WindowWeights.mean_weight`).
     - Any other Trainer subclass whose ``compute_loss`` returns a mean of independent per-row terms: declare
       ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
       order, or an undeclared ``compute_loss``, is refused when the class is defined.
@@ -120,26 +124,50 @@ def loss_source(cls: type) -> str:
 
 @dataclasses.dataclass
 class _Window:
-    """The window being trained: its global item count N, whether it is skipped (N = 0), how many
-    micro-batches it holds and how many have run."""
+    """The window being trained: its weighting (N counted first), the boundary's decision (known from N
+    before any forward: step, or skip a window of no item), how many micro-batches it holds and how
+    many have run."""
 
-    items: int
-    skip: bool
+    weights: WindowWeights
+    closing: Closing
     micro_batches: int
     ran: int = 0
 
+    @property
+    def items(self) -> int:
+        """N, the window's items on every rank."""
+        return int(self.closing.num_items)
 
-class _Skips(TrainerCallback, ExportableState):
-    """Counts the windows skipped for holding no item (saved in checkpoints, read back on resume) and,
-    at the end of a skipped window, gives the Trainer back its optimizer and scheduler and keeps its
-    flow from logging, evaluating or saving a step that was not taken."""
+    @property
+    def skip(self) -> bool:
+        return not self.closing.steps
+
+
+class _StateCallback(TrainerCallback, ExportableState):
+    """Owns the ExactTrainer's :class:`~gradaccum.AccumulatorState` (steps, skipped windows, the last
+    window's N), saved in the Trainer's checkpoints (``TrainerState.stateful_callbacks``) and read back
+    on resume (:meth:`ExactTrainer._init_training_state`); at the end of a skipped window it gives the
+    Trainer back its optimizer and scheduler and keeps its flow from logging, evaluating or saving a
+    step that was not taken."""
 
     def __init__(self) -> None:
-        self.windows = 0
+        self.accumulator_state = AccumulatorState()
         self.held: Optional[Tuple[Any, Any]] = None  # (optimizer, scheduler) while a skipped window ends
 
     def state(self) -> dict:
-        return {"args": {}, "attributes": {"windows": self.windows}}
+        return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
+
+    def load(self, stateful_callbacks: Dict[str, Any]) -> None:
+        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none; a checkpoint of an
+        earlier gradaccum saved only the skipped windows, as ``_Skips``)."""
+        state = self.accumulator_state
+        saved, old = stateful_callbacks.get(type(self).__name__), stateful_callbacks.get("_Skips")
+        if isinstance(saved, dict):
+            state.load_saved(state.read_saved(saved["attributes"]["saved"]))
+        else:
+            state.load_saved(state.read_saved({}))
+            if isinstance(old, dict):
+                state.skipped = int(old["attributes"]["windows"])
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.held is not None:
@@ -172,7 +200,7 @@ class ExactTrainer(Trainer):
     with ``L_k`` micro-batch k's mean loss over its ``n_k`` items. ``get_batch_samples`` (called once
     per window with its micro-batches, fewer on an epoch's short last window) counts ``N`` before any
     forward and all-reduces it; each micro-batch backpropagates ``S_k * W / N``
-    (:func:`gradaccum._maths.summed_loss_weight`; ``W`` processes, since DDP and FSDP2 average
+    (:meth:`gradaccum._weights.WindowWeights.sum_weight`; ``W`` processes, since DDP and FSDP2 average
     gradients), and ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing again. Under
     FSDP2 (``fsdp_config={"fsdp_version": 2}``) every rank runs every micro-batch of a window, a
     skipped one included, so the shards' collectives stay matched. The logged ``loss`` is
@@ -240,10 +268,9 @@ class ExactTrainer(Trainer):
         # (a causal LM's own loss adds it; SFT's too)
         self.router_balance = aux_term(config) if self.source == "tokens" or self.items.head == "causal_lm" else None
         self._balance: Optional[WindowBalance] = None
-        self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
-        self._skips = _Skips()
-        self.add_callback(self._skips)
+        self._state = _StateCallback()  # what windows teach each other, in the Trainer's checkpoints
+        self.add_callback(self._state)
         self._eval_tally: List[torch.Tensor] = []  # per evaluation batch: [loss sums of its rows, their items]
         self._windows = hf_window_loss.TrainerWindows(self) if self.window_loss is not None else None
 
@@ -253,9 +280,22 @@ class ExactTrainer(Trainer):
         return self.items.head
 
     @property
+    def accumulator_state(self) -> AccumulatorState:
+        """What windows teach each other: steps, skipped windows, the last window's N (saved in the
+        Trainer's checkpoints)."""
+        return self._state.accumulator_state
+
+    @property
     def windows_skipped(self) -> int:
-        """Windows skipped since the run began (resumed runs included) because they held no item."""
-        return self._skips.windows
+        """Windows skipped since the run began (resumed runs included) because they held no item:
+        ``accumulator_state.skipped``."""
+        return self.accumulator_state.skipped
+
+    @property
+    def last_window_items(self) -> Optional[int]:
+        """N of the last window that held items, every rank's: ``accumulator_state.last_window_items``."""
+        n = self.accumulator_state.last_window_items
+        return None if n is None else int(n)
 
     # -- the window's count ----------------------------------------------------------------------
 
@@ -273,15 +313,13 @@ class ExactTrainer(Trainer):
         device = device if device is not None else self.args.device
         local = sum((self.items.count(b).to(device) for b in batch_samples), torch.zeros((), dtype=torch.long, device=device))
         total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
-        items = int(total)
-        decision = _maths.verdict(None, items, None, nonfinite="raise", has_scaler=False)
-        self._window = _Window(items=items, skip=decision is _maths.Verdict.SKIP_EMPTY,
-                               micro_batches=len(batch_samples))
+        items = int(total)  # count first: the weights are W / N, the boundary's scale 1, its verdict known now
+        weights = WindowWeights(self.accumulator_state, self.accelerator.num_processes, num_items=items)
+        self._window = _Window(weights, weights.close(items), micro_batches=len(batch_samples))
         if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
             inputs = [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples]
             self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), inputs,
                                           device, _summed(self.accelerator))
-        self.last_window_items = items
         return batch_samples, total
 
     # -- the loss --------------------------------------------------------------------------------
@@ -300,7 +338,7 @@ class ExactTrainer(Trainer):
             raise RuntimeError("ExactTrainer.compute_loss in training before get_batch_samples counted the window "
                                "(do not override get_batch_samples away)")
         world = self.accelerator.num_processes
-        weight = 0.0 if window.skip else _maths.summed_loss_weight(window.items, world)
+        weight = window.weights.sum_weight()  # W / N (0 in a skipped window)
         balance, part = self._balance, None  # an MoE model's part of the window's load balancing (hf_moe)
         if self.source == "head":
             moe = {} if balance is None else {"output_router_logits": False}  # hooks read them (hf_moe)
@@ -315,9 +353,7 @@ class ExactTrainer(Trainer):
             loss = loss * (weight * max(window.items, 1) / own)
         else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
             loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
-            mean_weight = 0.0 if window.skip else _maths.backward_weight(
-                self.items.rows(inputs), reference=window.items, grad_divisor=world)
-            loss = loss * mean_weight
+            loss = loss * window.weights.mean_weight(self.items.rows(inputs))  # rows * W / N
         if part is not None and balance is not None:  # coef * this micro-batch's part of the window's LBL, times W
             loss = loss + part * (0.0 if window.skip else world)
             if window.ran == window.micro_batches - 1:  # before the last backward, every rank alike: routed as counted
@@ -374,17 +410,18 @@ class ExactTrainer(Trainer):
             window.ran += 1
             if self._balance is not None and window.ran == window.micro_batches:
                 self._balance.finish()
+            if window.ran == window.micro_batches:
+                window.weights.record(window.closing)  # one step more, or one skipped window more
             if window.skip and window.ran == window.micro_batches:
-                self._skips.windows += 1
-                self._skips.held = (self.optimizer, self.lr_scheduler)
+                self._state.held = (self.optimizer, self.lr_scheduler)
                 self.optimizer, self.lr_scheduler = _NoStep(self.optimizer), _NoStep(self.lr_scheduler)  # type: ignore[assignment]
                 self.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
         return loss
 
     def _release(self) -> None:
-        if self._skips.held is not None:
-            self.optimizer, self.lr_scheduler = self._skips.held
-            self._skips.held = None
+        if self._state.held is not None:
+            self.optimizer, self.lr_scheduler = self._state.held
+            self._state.held = None
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         self._release()  # the skipped window's step is over: the Trainer's own objects come back
@@ -399,10 +436,10 @@ class ExactTrainer(Trainer):
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
         epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)
-        saved = self.state.stateful_callbacks.get(type(self._skips).__name__)  # type: ignore[union-attr]
-        self._skips.windows = int(saved["attributes"]["windows"]) if isinstance(saved, dict) else 0
-        if self._skips.windows and not self.args.ignore_data_skip:
-            windows = self.state.global_step + self._skips.windows
+        self._state.load(self.state.stateful_callbacks)  # type: ignore[arg-type]
+        skipped = self.accumulator_state.skipped
+        if skipped and not self.args.ignore_data_skip:
+            windows = self.state.global_step + skipped
             epochs = windows // num_update_steps_per_epoch
             batches = (windows % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
         return epochs, batches
