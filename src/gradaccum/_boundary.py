@@ -38,6 +38,7 @@ from ._gradients import WindowGradients
 from ._maths import Verdict, clip_coefficient, tensor_norms, window_mean
 from ._state import AccumulatorState
 from ._weights import Closing, WindowWeights
+from .errors import ConfigurationError
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
@@ -112,7 +113,7 @@ class Boundary:
             state.scheduler_at = at
         elif at != state.scheduler_at:
             moved = at - state.scheduler_at
-            raise RuntimeError(
+            raise ConfigurationError(
                 f"the scheduler given to the Accumulator ({type(self.scheduler).__name__}) was stepped outside it: "
                 f"its last_epoch went from {state.scheduler_at} to {at} since the Accumulator's last optimizer "
                 f"step ({moved:+d} step{'s' if abs(moved) != 1 else ''} it did not take). The Accumulator steps it "
@@ -277,7 +278,7 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
     rows = sync.all_gather(mine.to(device)).tolist()
     first = rows[0]
     if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(first, row)):
-        raise RuntimeError(
+        raise ConfigurationError(
             "the ranks' gradients differ after the window's reduction (gradient fingerprints per rank: "
             f"{[round(r[0], 8) for r in rows]}), so DistributedDataParallel never reduced them: each rank "
             "would step on its own gradient and the replicas would drift apart. loss_fn must run the model "

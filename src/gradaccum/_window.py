@@ -111,7 +111,9 @@ class _MicroBatch:
 
 
 class Window:
-    """One open window: its micro-batches, each a forward and backward, then one ``step()``.
+    """One open window: its micro-batches, each a forward and backward, then one ``step()``. Not built
+    directly: ``acc.window(num_micro_batches)`` opens one (the constructor's arguments are the
+    Accumulator's parts).
 
     The lower-level path for people who keep their own loop (``Accumulator.step`` and ``train`` are
     built on it; docs/guides/own-loop.md shows padding under DDP). Every micro-batch runs inside

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradaccum import Accumulator
+from gradaccum import Accumulator, ConfigurationError
 
 RANK, WORLD = 0, 1
 # each rank's window: micro-batch sizes (uneven shares: 11 items against 6)
@@ -655,7 +655,7 @@ def ddp_a_bypassed_wrapper_is_refused_on_every_rank():
     before = [p.detach().clone() for p in model.parameters()]
     try:
         acc.step(window_of(RANK, 80), lambda m, b: mse(m.module, b))
-    except RuntimeError as e:
+    except ConfigurationError as e:
         assert "never reduced them" in str(e) and "ddp.module" in str(e), e
     else:
         raise AssertionError("a bypassed DDP stepped silently")

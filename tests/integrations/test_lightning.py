@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pl = pytest.importorskip("pytorch_lightning")
 
 from integrations import scenarios as S  # noqa: E402
-from gradaccum import count_targets  # noqa: E402
+from gradaccum import ConfigurationError, count_targets  # noqa: E402
 from gradaccum.integrations.lightning import ExactAccumulation  # noqa: E402
 from hf_helpers import gpt2, llama, pad  # noqa: E402
 
@@ -161,7 +161,7 @@ def test_errors_name_the_argument_and_the_fix():
 
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, callbacks=[ExactAccumulation()], logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    with pytest.raises(RuntimeError, match="automatic_optimization = False"):
+    with pytest.raises(ConfigurationError, match="automatic_optimization = False"):
         trainer.fit(Manual(), torch.utils.data.DataLoader([(torch.zeros(1, 2), torch.zeros(1, 1))], batch_size=None))
 
 

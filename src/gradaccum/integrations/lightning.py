@@ -30,7 +30,7 @@ from .._maths import Verdict
 from .._state import AccumulatorState
 from .._weights import WindowWeights
 from ..batching import leading_dim
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, NotExactError
 from ..moe import refuse_aux_term
 
 __all__ = ["ExactAccumulation", "strategy_model", "count_step"]
@@ -85,7 +85,8 @@ class ExactAccumulation(Callback):
         TypeError: ``num_items`` is neither ``None`` nor callable.
         ValueError: a count is not a finite number >= 0, ``training_step`` returns a count while
             ``num_items`` is set too, or the Trainer holds two ``ExactAccumulation`` callbacks.
-        RuntimeError: manual optimization, or a strategy that accumulates by itself (DeepSpeed).
+        ConfigurationError: manual optimization. NotExactError: a strategy that accumulates by itself
+            (DeepSpeed). Both are ValueErrors (:mod:`gradaccum.errors`).
 
     Example:
         >>> from gradaccum import count_targets
@@ -153,11 +154,11 @@ class ExactAccumulation(Callback):
             return
         _refuse_a_second_callback(trainer)
         if not pl_module.automatic_optimization:
-            raise RuntimeError("ExactAccumulation works with automatic optimization; this LightningModule sets "
+            raise ConfigurationError("ExactAccumulation works with automatic optimization; this LightningModule sets "
                                "automatic_optimization = False. Weight its losses by hand, or use "
                                "gradaccum.Accumulator in training_step")
         if trainer.strategy.handles_gradient_accumulation:
-            raise RuntimeError(f"ExactAccumulation: strategy {type(trainer.strategy).__name__} accumulates gradients "
+            raise NotExactError(f"ExactAccumulation: strategy {type(trainer.strategy).__name__} accumulates gradients "
                                "itself (DeepSpeed), so the per-micro-batch weights cannot be applied; use strategy='ddp' "
                                "or ModelParallelStrategy (FSDP2)")
         for module in pl_module.modules():  # an MoE model's router load-balancing term, per micro-batch
