@@ -9,6 +9,19 @@ weighs each one by its item count instead: it drives the core's one weighting,
 :class:`gradaccum._weights.WindowWeights`, from Lightning's hooks (with the running R: Lightning shows a
 window's count only after its backwards), and keeps what windows teach each other in an
 :class:`~gradaccum.AccumulatorState` saved in Lightning's checkpoint. Nothing else of the loop changes.
+
+**How** (the core's :class:`~gradaccum._weights.WindowWeights`, driven from Lightning's hooks). Lightning
+backpropagates ``L_k / A`` and the strategy averages over ``W`` ranks. A hook on the loss multiplies
+micro-batch k's backward by ``c_k = A * w_k``, with ``w_k = n_k * W / R`` the window's
+``mean_weight``, so the window's reduced gradient is ``sum n_k grad(L_k) / R``. In
+``on_before_optimizer_step``, which Lightning calls after the window's last backward and *before*
+gradient clipping, the window's count is all-reduced once, ``close`` decides (step, or skip a window
+of no item) and the gradients are multiplied by the boundary scale ``R / N``. ``R`` is the running
+R, fixed once (``fix_reference``) at the first backward: ``A`` times the ranks' summed first
+micro-batch count (at least 1), so ``c_k`` is near 1 and the gradients keep Lightning's own scale
+until the step (what fp16 loss scaling expects). R, the skipped windows, the last window's N and the
+steps live in ``ExactAccumulation.state`` (an :class:`~gradaccum.AccumulatorState`), which the
+callback puts in Lightning's checkpoint: a resumed fit divides by the same R, bit for bit.
 """
 from __future__ import annotations
 
@@ -50,18 +63,7 @@ class ExactAccumulation(Callback):
     the gradient of the mean over every item of the window on every rank: a micro-batch of padded
     sequences counts by its target tokens, the short last window of an epoch by what it holds.
 
-    How (the core's :class:`~gradaccum._weights.WindowWeights`, driven from Lightning's hooks): Lightning
-    backpropagates ``L_k / A`` and the strategy averages over ``W`` ranks. A hook on the loss multiplies
-    micro-batch k's backward by ``c_k = A * w_k``, with ``w_k = n_k * W / R`` the window's
-    ``mean_weight``, so the window's reduced gradient is ``sum n_k grad(L_k) / R``. In
-    ``on_before_optimizer_step``, which Lightning calls after the window's last backward and *before*
-    gradient clipping, the window's count is all-reduced once, ``close`` decides (step, or skip a window
-    of no item) and the gradients are multiplied by the boundary scale ``R / N``. ``R`` is the running
-    R, fixed once (``fix_reference``) at the first backward: ``A`` times the ranks' summed first
-    micro-batch count (at least 1), so ``c_k`` is near 1 and the gradients keep Lightning's own scale
-    until the step (what fp16 loss scaling expects). R, the skipped windows, the last window's N and the
-    steps live in :attr:`state` (an :class:`~gradaccum.AccumulatorState`), which the callback puts in
-    Lightning's checkpoint: a resumed fit divides by the same R, bit for bit.
+    How: the module docstring. What windows teach each other is :attr:`state`, in Lightning's checkpoint.
 
     A window of ``N = 0`` items (every label ignored, on every rank) is skipped as the core skips it:
     its gradients are set to None before the optimizer runs (a torch optimizer leaves a parameter
@@ -69,10 +71,8 @@ class ExactAccumulation(Callback):
     not advance, a scheduler with ``interval="step"`` does not step, :attr:`skipped_windows` (that is,
     ``state.skipped``) counts it and a warning says so once.
 
-    Unchanged: the logged and returned loss (only its gradient is scaled), ``gradient_clip_val``
-    (applied to the normalized gradient), schedulers and ``global_step`` (but for skipped windows),
-    checkpoints, ``GradientAccumulationScheduler`` (``A`` is read every micro-batch). Cost: one scalar
-    all-reduce per optimizer step, and one per ``fit``.
+    Unchanged: the logged loss, ``gradient_clip_val`` (on the normalized gradient), schedulers and
+    ``GradientAccumulationScheduler``. Cost: one scalar all-reduce per optimizer step, and one per ``fit``.
 
     Args:
         num_items: How many items a batch holds. ``None`` (default): the batch's leading dimension.
@@ -114,7 +114,7 @@ class ExactAccumulation(Callback):
         self._weights: Optional[WindowWeights] = None  # the open window's weighting
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
         self._skipping = False                    # the window that just closed counted 0 items
-        self._replaced: Dict[str, Tuple[Callable[..., Any], bool]] = {}  # module hooks wrapped for this fit
+        self._hooks = _ModuleHooks()              # the module's hooks wrapped for this fit
 
     @property
     def skipped_windows(self) -> int:
@@ -126,8 +126,7 @@ class ExactAccumulation(Callback):
         """N of the last window with items, all ranks: ``state.last_window_items``."""
         return self.state.last_window_items
 
-    #: where Lightning's checkpoint holds the :attr:`state`'s saved fields
-    CHECKPOINT_KEY = "gradaccum.ExactAccumulation"
+    CHECKPOINT_KEY = "gradaccum.ExactAccumulation"  #: where Lightning's checkpoint holds the state's saved fields
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: Dict[str, Any]) -> None:
@@ -152,70 +151,21 @@ class ExactAccumulation(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        _refuse_a_second_callback(trainer)
-        if not pl_module.automatic_optimization:
-            raise ConfigurationError("ExactAccumulation works with automatic optimization; this LightningModule sets "
-                               "automatic_optimization = False. Weight its losses by hand, or use "
-                               "gradaccum.Accumulator in training_step")
-        if trainer.strategy.handles_gradient_accumulation:
-            raise NotExactError(f"ExactAccumulation: strategy {type(trainer.strategy).__name__} accumulates gradients "
-                               "itself (DeepSpeed), so the per-micro-batch weights cannot be applied; use strategy='ddp' "
-                               "or ModelParallelStrategy (FSDP2)")
-        for module in pl_module.modules():  # an MoE model's router load-balancing term, per micro-batch
-            refuse_aux_term(getattr(module, "config", None), "ExactAccumulation",
-                            "Set model.config.output_router_logits = False (the model's loss then leaves the term "
-                            "out) or router_aux_loss_coef = 0.0; or train with gradaccum.Accumulator and "
-                            "gradaccum.MoELoss, which computes it over the window")
+        _refuse_what_is_not_exact(trainer, pl_module)
         self.state, self._count, self._weights = AccumulatorState(), 0, None  # a checkpoint's is loaded after setup
-        self._replace(pl_module, "training_step", self._count_returning_training_step)
+        self._hooks.replace(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # after Lightning has validated the schedulers (an overridden hook would pass any scheduler)
-        self._replace(pl_module, "lr_scheduler_step", lambda hook: self._scheduler_step_unless_skipped(hook, trainer))
+        self._hooks.replace(pl_module, "lr_scheduler_step",
+                            lambda hook: self._scheduler_step_unless_skipped(hook, trainer))
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            self._restore(pl_module)
+            self._hooks.restore(pl_module)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._restore(pl_module)  # Lightning skips teardown after an exception
-
-    def _replace(self, pl_module: "pl.LightningModule", name: str,
-                 wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Set ``wrap(hook)`` as an instance attribute of the module for this fit; :meth:`_restore`
-        puts back what was there."""
-        if name not in self._replaced:
-            original = getattr(pl_module, name)
-            self._replaced[name] = (original, name in vars(pl_module))
-            setattr(pl_module, name, wrap(original))
-
-    def _restore(self, pl_module: "pl.LightningModule") -> None:
-        for name, (original, was_attribute) in self._replaced.items():
-            if was_attribute:
-                setattr(pl_module, name, original)
-            elif name in vars(pl_module):
-                delattr(pl_module, name)  # the class's method shows through again
-        self._replaced.clear()
-
-    def _count_returning_training_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """Accept ``(mean, count)`` from ``training_step``: Lightning itself refuses tuples, so no valid
-        return value changes meaning."""
-
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            _refuse_a_window_loss(out)
-            if isinstance(out, tuple):
-                if len(out) != 2:
-                    raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
-                                     "return the mean loss, or (mean_loss, item_count)")
-                if self.num_items is not None:
-                    raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
-                                     "too; keep one source of the count (drop num_items=... or return the mean)")
-                self.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
-                return out[0]
-            return out
-
-        return training_step
+        self._hooks.restore(pl_module)  # Lightning skips teardown after an exception
 
     def _scheduler_step_unless_skipped(self, original: Callable[..., Any], trainer: "pl.Trainer") -> Callable[..., Any]:
         """A scheduler with ``interval="step"`` steps once per optimizer step taken, never after a
@@ -283,8 +233,9 @@ class ExactAccumulation(Callback):
         closing = weights.close(total)
         if closing.verdict is Verdict.SKIP_EMPTY:
             self._skip(trainer, optimizer)
-            weights.record(closing, warn_empty="ExactAccumulation: no optimizer or scheduler step, global_step not "
-                           "advanced; ExactAccumulation.skipped_windows counts them" if trainer.is_global_zero else None)
+            said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
+                    "ExactAccumulation.skipped_windows counts them")
+            weights.record(closing, warn_empty=said if trainer.is_global_zero else None)
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads and closing.scale != 1.0:
@@ -300,6 +251,70 @@ class ExactAccumulation(Callback):
                 p.grad = None
         trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
         self._skipping = True
+
+
+class _ModuleHooks:
+    """The LightningModule's hooks the callback wraps for one fit (as instance attributes), and what
+    was there before, put back by :meth:`restore` (after the fit, or an exception)."""
+
+    def __init__(self) -> None:
+        self._replaced: Dict[str, Tuple[Callable[..., Any], bool]] = {}
+
+    def replace(self, pl_module: "pl.LightningModule", name: str,
+                wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Set ``wrap(hook)`` as an instance attribute of the module for this fit; :meth:`restore`
+        puts back what was there."""
+        if name not in self._replaced:
+            original = getattr(pl_module, name)
+            self._replaced[name] = (original, name in vars(pl_module))
+            setattr(pl_module, name, wrap(original))
+
+    def restore(self, pl_module: "pl.LightningModule") -> None:
+        for name, (original, was_attribute) in self._replaced.items():
+            if was_attribute:
+                setattr(pl_module, name, original)
+            elif name in vars(pl_module):
+                delattr(pl_module, name)  # the class's method shows through again
+        self._replaced.clear()
+
+
+def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Accept ``(mean, count)`` from ``training_step``: Lightning itself refuses tuples, so no valid
+    return value changes meaning."""
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        _refuse_a_window_loss(out)
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
+                                 "return the mean loss, or (mean_loss, item_count)")
+            if callback.num_items is not None:
+                raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
+                                 "too; keep one source of the count (drop num_items=... or return the mean)")
+            callback.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
+            return out[0]
+        return out
+
+    return training_step
+
+
+def _refuse_what_is_not_exact(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    """In ``setup``, before any step: what the callback cannot make one big batch, refused with the fix."""
+    _refuse_a_second_callback(trainer)
+    if not pl_module.automatic_optimization:
+        raise ConfigurationError("ExactAccumulation works with automatic optimization; this LightningModule sets "
+                                 "automatic_optimization = False. Weight its losses by hand, or use "
+                                 "gradaccum.Accumulator in training_step")
+    if trainer.strategy.handles_gradient_accumulation:
+        raise NotExactError(f"ExactAccumulation: strategy {type(trainer.strategy).__name__} accumulates gradients "
+                            "itself (DeepSpeed), so the per-micro-batch weights cannot be applied; use strategy='ddp' "
+                            "or ModelParallelStrategy (FSDP2)")
+    for module in pl_module.modules():  # an MoE model's router load-balancing term, per micro-batch
+        refuse_aux_term(getattr(module, "config", None), "ExactAccumulation",
+                        "Set model.config.output_router_logits = False (the model's loss then leaves the term "
+                        "out) or router_aux_loss_coef = 0.0; or train with gradaccum.Accumulator and "
+                        "gradaccum.MoELoss, which computes it over the window")
 
 
 def _refuse_a_window_loss(out: Any) -> None:
