@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum import Accumulator, StepResult, causal_lm_loss
+from gradaccum import Accumulator, ConfigurationError, StepResult, causal_lm_loss
 from helpers import (RTOL, assert_params_close, clone_pair, concat, mse, reference_step,
                      regression_batch, regression_model)
 
@@ -576,7 +576,7 @@ def test_a_scheduler_also_stepped_by_hand_is_refused_before_the_next_window():
     acc.step(batch, mse, micro_batch_size=4)
     sched.step()  # the user's own, on top of the Accumulator's
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"was stepped outside it: its last_epoch went from 1 to 2 .*"
+    with pytest.raises(ConfigurationError, match=r"was stepped outside it: its last_epoch went from 1 to 2 .*"
                                            r"Remove your own scheduler.step\(\) call"):
         acc.step(batch, mse, micro_batch_size=4)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and acc.steps == 1
@@ -588,7 +588,7 @@ def test_two_accumulators_stepping_one_scheduler_are_refused():
     batch = regression_batch(8)
     first.step(batch, mse, micro_batch_size=4)
     second.step(batch, mse, micro_batch_size=4)  # it first sees the scheduler here: nothing to compare yet
-    with pytest.raises(RuntimeError, match="another Accumulator given the same scheduler"):
+    with pytest.raises(ConfigurationError, match="another Accumulator given the same scheduler"):
         first.step(batch, mse, micro_batch_size=4)
 
 

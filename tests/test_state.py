@@ -103,6 +103,45 @@ def test_a_resumed_run_is_bit_identical_with_a_learned_reference():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
+def _counted_window(acc, model, micro_batches, counts):
+    """A hand-written window whose micro-batches count ``counts`` items (0: every item ignored)."""
+    with acc.window(len(micro_batches)) as w:
+        for mb, n in zip(micro_batches, counts):
+            with w.micro_batch():
+                w.backward(mse(model, mb), num_items=n)
+        return w.step()
+
+
+def test_a_resume_after_a_skipped_window_is_the_uninterrupted_run():
+    """Windows 1-3 (the second of 0 items: skipped, AdamW with weight decay would move on it), a
+    checkpoint, windows 4-5 of which the first starts with a micro-batch of 0 items: the resumed run
+    (model, optimizer, acc.state_dict()) ends bit-identical to the uninterrupted one, its state counting
+    the skip and dividing by the saved R (3, not the resumed run's own first count)."""
+    batches = [regression_batch(n, seed=s) for n, s in [(3, 1), (5, 2), (4, 3), (2, 4), (6, 5), (1, 6),
+                                                        (2, 7), (5, 8), (4, 9), (3, 10)]]
+    counts = [3, 5, 0, 0, 6, 1, 0, 5, 4, 3]
+    windows = [(batches[i:i + 2], counts[i:i + 2]) for i in range(0, 10, 2)]
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1))
+    with pytest.warns(UserWarning, match="counted 0 items"):
+        results = [_counted_window(acc, model, *w) for w in windows[:3]]
+    assert [r.skipped for r in results] == [False, True, False] and acc.state.skipped == 1
+    ckpt = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(acc.optimizer.state_dict()),
+            "acc": acc.state_dict()}
+    for w in windows[3:]:
+        _counted_window(acc, model, *w)
+    again = regression_model(seed=9)
+    again.load_state_dict(ckpt["model"])
+    opt = torch.optim.AdamW(again.parameters(), lr=0.1, weight_decay=0.1)
+    opt.load_state_dict(ckpt["opt"])
+    resumed = Accumulator(again, opt)
+    resumed.load_state_dict(ckpt["acc"])
+    for w in windows[3:]:
+        _counted_window(resumed, again, *w)
+    assert (resumed.state.steps, resumed.state.skipped, resumed.state.first_reference) == (4, 1, 3.0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
 def test_nothing_is_written_onto_the_users_window_loss():
     """The replay check of a WindowLoss is remembered in acc.state (weakly), not on the user's object."""
     model = torch.nn.Linear(4, 3).double()

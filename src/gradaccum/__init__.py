@@ -44,6 +44,10 @@ _HOMES = {
     "ReplayError": "errors",
     "MoELoss": "moe", "MoEOutput": "moe",
 }
+#: importable for code written against earlier versions, but not the API: ``WindowPlan`` is the ranks'
+#: agreement inside a window (``window.setup.plan``), ``AccumSchedule`` how ``train`` and ``num_steps``
+#: read the ``accum_steps`` a user passes (an int, ``{epoch: N}`` or a callable); nobody builds either
+_NOT_IN_ALL = ("WindowPlan", "AccumSchedule")
 
 
 def __getattr__(name: str) -> Any:
@@ -61,7 +65,6 @@ def __dir__() -> list:
 __all__ = [
     "Accumulator",
     "AccumulatorState",
-    "AccumSchedule",
     "ConfigurationError",
     "Constant",
     "EquivalenceReport",
@@ -75,7 +78,6 @@ __all__ = [
     "SplitError",
     "StepResult",
     "Window",
-    "WindowPlan",
     "WindowLoss",
     "WindowSampler",
     "causal_lm_loss",

@@ -35,8 +35,10 @@ import torch
 
 from ._exchange import Exchanged, ExchangeRow, Tally, pack_row, read_on_host
 from ._gradients import WindowGradients
-from ._maths import Verdict, boundary_scale, clip_coefficient, tensor_norms, verdict, window_mean
+from ._maths import Verdict, clip_coefficient, tensor_norms, window_mean
 from ._state import AccumulatorState
+from ._weights import Closing, WindowWeights
+from .errors import ConfigurationError
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
 
@@ -50,7 +52,8 @@ class WindowTotals:
 
     Attributes:
         tally: this rank's loss sum and item counts.
-        reference: R, the count the backward weights were divided by.
+        weights: the window's weighting (R, the count the backward weights were divided by): its
+            :meth:`~gradaccum._weights.WindowWeights.close` decides, its ``record`` counts.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad_next: whether this rank can pad its next window (has a micro-batch to repeat).
         known_items: the window's global N, when every rank knew it up front and the window
@@ -58,7 +61,7 @@ class WindowTotals:
     """
 
     tally: Tally
-    reference: float
+    weights: WindowWeights
     ran: bool
     can_pad_next: bool = True
     known_items: Optional[float] = None
@@ -83,7 +86,8 @@ class Outcome:
 
 class Boundary:
     """Runs a window's boundary (the module docstring's order). What it changes in the
-    :class:`~gradaccum._state.AccumulatorState`: the steps and skipped windows it counts, the scheduler's
+    :class:`~gradaccum._state.AccumulatorState`: the steps and skipped windows it counts (through the window's
+    :meth:`~gradaccum._weights.WindowWeights.record`), the scheduler's
     position, the stop requests carried, and, at the first boundary, the replicas' check and the probe."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, state: AccumulatorState,
@@ -109,7 +113,7 @@ class Boundary:
             state.scheduler_at = at
         elif at != state.scheduler_at:
             moved = at - state.scheduler_at
-            raise RuntimeError(
+            raise ConfigurationError(
                 f"the scheduler given to the Accumulator ({type(self.scheduler).__name__}) was stepped outside it: "
                 f"its last_epoch went from {state.scheduler_at} to {at} since the Accumulator's last optimizer "
                 f"step ({moved:+d} step{'s' if abs(moved) != 1 else ''} it did not take). The Accumulator steps it "
@@ -141,19 +145,19 @@ class Boundary:
             told = Exchanged(math.nan, totals.known_items, raw, True, False, False)
         loss_sum = told.loss_sum if exchange else None
         lr = float(self.optimizer.param_groups[0]["lr"])
-        scale = boundary_scale(totals.reference, told.num_items)
-        grad_norm = told.raw_norm * scale if told.raw_norm is not None else None
-        decision = verdict(loss_sum, told.num_items, grad_norm, nonfinite=self.nonfinite,
-                           has_scaler=self.precision.scaler is not None)
+        closing = totals.weights.close(told.num_items, loss_sum=loss_sum, raw_norm=told.raw_norm,
+                                       nonfinite=self.nonfinite, has_scaler=self.precision.scaler is not None)
+        grad_norm = closing.grad_norm
         try:
-            if decision is Verdict.STEP:
-                self._step(grads, scale * clip_coefficient(grad_norm, self.max_grad_norm),
-                           None if loss_sum is None else window_mean(loss_sum, told.num_items))
+            if closing.steps:
+                self._step(grads, closing.scale * clip_coefficient(grad_norm, self.max_grad_norm),
+                           None if loss_sum is None else window_mean(loss_sum, told.num_items),
+                           totals.weights, closing)
             else:
-                self._skip(decision, loss_sum, grad_norm, totals.ran)
+                self._skip(closing, loss_sum, totals)
         finally:
             self.grads.clear()
-        return Outcome(loss_sum, told.num_items, grad_norm, decision is not Verdict.STEP, lr, self.state.steps,
+        return Outcome(loss_sum, told.num_items, grad_norm, not closing.steps, lr, self.state.steps,
                        told.peers_can_pad if exchange else None, told.stop,
                        told.counts_from_loss_fn if exchange else None)
 
@@ -201,12 +205,13 @@ class Boundary:
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counts_from_loss_fn > 0)
 
-    def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float]) -> None:
+    def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float], weights: WindowWeights,
+              closing: Closing) -> None:
         if grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
         self.grads.write_back()
         self.precision.step(self.optimizer)
-        self.state.steps += 1  # counted before the scheduler, which may raise after the step
+        weights.record(closing)  # the step counted before the scheduler, which may raise after the step
         if self.scheduler is not None:
             if self.steps_on_loss:
                 self.scheduler.step(loss)  # ReduceLROnPlateau: the window's loss is the metric
@@ -214,7 +219,8 @@ class Boundary:
                 self.scheduler.step()
             self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
 
-    def _skip(self, decision: Verdict, loss_sum: Optional[float], grad_norm: Optional[float], ran: bool) -> None:
+    def _skip(self, closing: Closing, loss_sum: Optional[float], totals: WindowTotals) -> None:
+        decision, grad_norm = closing.verdict, closing.grad_norm
         if decision is Verdict.RAISE:
             raise FloatingPointError(
                 f"the window's {_what(loss_sum)} is not finite "
@@ -222,11 +228,8 @@ class Boundary:
                 "no step was taken and the gradients were cleared. Lower the learning rate, use "
                 "max_grad_norm, or pass nonfinite='skip' to skip such windows"
             )
-        self.state.skipped += 1
-        if decision is Verdict.SKIP_EMPTY and ran:
-            self._warn_once("no_items", "a window counted 0 items (e.g. every label is the ignore_index): it has "
-                            "no loss to step on, so it was skipped; its StepResult.loss is nan")
-        elif decision is Verdict.SKIP_NONFINITE and self.precision.scaler is None:
+        totals.weights.record(closing, warn_empty="its StepResult.loss is nan" if totals.ran else None, stacklevel=5)
+        if decision is Verdict.SKIP_NONFINITE and self.precision.scaler is None:
             self._warn_once("nonfinite", f"a window's {_what(loss_sum)} was not "
                             "finite, so it was skipped (no step; StepResult.skipped is True, acc.skipped counts "
                             "them). Lower the learning rate, use max_grad_norm, or pass nonfinite='raise' to stop")
@@ -275,7 +278,7 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
     rows = sync.all_gather(mine.to(device)).tolist()
     first = rows[0]
     if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(first, row)):
-        raise RuntimeError(
+        raise ConfigurationError(
             "the ranks' gradients differ after the window's reduction (gradient fingerprints per rank: "
             f"{[round(r[0], 8) for r in rows]}), so DistributedDataParallel never reduced them: each rank "
             "would step on its own gradient and the replicas would drift apart. loss_fn must run the model "

@@ -1,8 +1,8 @@
 """The maths of exact accumulation, as pure functions: the one place each formula is written.
 
-The core (:mod:`gradaccum._window`, :mod:`gradaccum._boundary`), the Lightning callback, the Hugging
-Face Trainer and the loss helpers all call these; none derives a weight, a normalization or a count
-again. (:func:`gradaccum.check_equivalence` keeps an independent big-batch oracle on purpose.)
+:class:`gradaccum._weights.WindowWeights` composes the weighting ones into the step-wise window every
+driver runs (the Accumulator's window and boundary, the Hugging Face Trainer, the Lightning callback);
+none derives a weight, a normalization or a count again. (:func:`gradaccum.check_equivalence` keeps an independent big-batch oracle on purpose.)
 
 A window holds micro-batches k (on every rank r) with n_k items and mean loss L_k. One step on the
 whole window is a step on its item-weighted mean loss::
@@ -49,7 +49,7 @@ from .errors import ConfigurationError
 
 __all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "first_reference", "window_mean",
            "clip_coefficient", "tensor_norms", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum",
-           "LOSSES", "summed_loss_weight", "loss_items", "summed_loss", "router_statistics", "balance_loss_part"]
+           "LOSSES", "loss_items", "summed_loss", "router_statistics", "balance_loss_part"]
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
@@ -226,16 +226,6 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index:
 
 #: the losses a Hugging Face head computes from its logits, by what their items are
 LOSSES = ("cross_entropy", "squared_error", "binary_cross_entropy")
-
-
-def summed_loss_weight(reference: float, grad_divisor: float) -> float:
-    """``W / R``: what a micro-batch's *summed* loss ``S_k = n_k L_k`` is multiplied by before its
-    backward; the :func:`backward_weight` of one item, so ``S_k W / R = L_k n_k W / R``.
-
-    >>> summed_loss_weight(reference=12.0, grad_divisor=2.0) == backward_weight(1, 12.0, 2.0)
-    True
-    """
-    return float(backward_weight(1, reference, grad_divisor))
 
 
 def loss_items(targets: torch.Tensor, *, loss: str, ignore_index: int = -100) -> torch.Tensor:

@@ -30,7 +30,7 @@ sampler's shares or (the first window) from the agreement. Other windows use the
 global count (every rank learned it at that boundary), whether they asked or not, so a resumed
 process rounds as the uninterrupted one did: equal windows get R = N and no scaling pass, others an
 exact correction. Otherwise R is fixed once, at its first use, by a max
-all-reduce of the first count (:meth:`RankAgreement.fix_reference`), and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
+all-reduce of the first count (:meth:`gradaccum._weights.WindowWeights.fix_reference`), and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
 of sequences), the last window's ratio of the two (``AccumulatorState.count_ratio``) keeps R near
 the count the backward really divides, which is what fp16's loss scale needs.
 """
@@ -47,7 +47,6 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ._checks import Count, as_number
 from ._exchange import Tally, count_dtype
-from ._maths import first_reference
 from ._state import AccumulatorState
 from .batching import Batch, leading_dim
 from .errors import RankAgreementError
@@ -117,7 +116,7 @@ class WindowSetup:
     Attributes:
         plan: the micro-batch counts (None for a window opened without a size).
         reference: R when it is known up front, else None (fixed at the first backward,
-            :meth:`RankAgreement.fix_reference`).
+            :meth:`gradaccum._weights.WindowWeights.fix_reference`).
         exchanges: the boundary all-reduces the window's totals across ranks.
         padding: zero-weight micro-batches the agreement asks this rank to run on top of its own.
     """
@@ -218,7 +217,7 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan]
        one process's own count): N, times the last window's ratio of the items ``loss_fn``
        counted to those counted up front (1 when they are the same items: then R = N exactly);
     3. across ranks, a window planned alone: the previous window's global count;
-    4. None: R is fixed at the first backward (:meth:`RankAgreement.fix_reference`).
+    4. None: R is fixed at the first backward (:meth:`gradaccum._weights.WindowWeights.fix_reference`).
     """
     across = rules.shares_windows
     if plan is None:  # a window opened without a size: only one process knows its count
@@ -340,15 +339,12 @@ class RankAgreement:
         rows = self.sync.all_gather(torch.tensor(shape, dtype=count_dtype(self.device), device=self.device)).tolist()
         return all(row == rows[0] for row in rows) and rows[0][0] == 1.0
 
-    def fix_reference(self, items: Count) -> float:
-        """R for windows whose count is not known up front: fixed at its first use, by the first count
-        (one host sync and, across ranks, one max all-reduce, once), then kept in the state."""
-        if self.state.first_reference is None:
-            ref = first_reference(as_number(items))
-            if self.rules.shares_windows:
-                ref = float(self.sync.all_reduce_(torch.tensor([ref], device=self.device), "max").item())
-            self.state.first_reference = ref
-        return self.state.first_reference
+    def largest(self, value: float) -> float:
+        """The largest ``value`` on any rank (one host sync and, across ranks, one max all-reduce): how
+        the running R is agreed when it is fixed (:meth:`gradaccum._weights.WindowWeights.fix_reference`)."""
+        if not self.rules.shares_windows:
+            return float(value)
+        return float(self.sync.all_reduce_(torch.tensor([float(value)], device=self.device), "max").item())
 
     def learn(self, setup: WindowSetup, tally: Tally, outcome: Optional["Outcome"]) -> None:
         """After the boundary, on every rank (``outcome`` is None when the boundary raised: the window
@@ -373,8 +369,5 @@ class RankAgreement:
             state.count_ratio = num_items / upfront
         if outcome.counts_from_loss_fn is not None:
             state.counts_from_loss_fn = outcome.counts_from_loss_fn
-        if self.rules.shares_windows:
-            if num_items > 0:
-                state.last_window_items = num_items
-            if outcome.peers_can_pad is not None:
-                state.peers_can_pad = outcome.peers_can_pad
+        if self.rules.shares_windows and outcome.peers_can_pad is not None:
+            state.peers_can_pad = outcome.peers_can_pad

@@ -54,22 +54,26 @@ class _Seen:
 @dataclass(eq=False)
 class AccumulatorState:
     """Everything a window learns for the next, owned by the ``Accumulator`` (``acc.state``) and handed
-    to each window (``WindowContext.state``).
+    to each window (``WindowContext.state``); ``ExactTrainer`` and Lightning's ``ExactAccumulation`` keep
+    theirs in one too (``trainer.accumulator_state``, ``callback.state``), saved with their framework's
+    checkpoint. The fields a window's weighting changes (steps, skipped, first_reference,
+    last_window_items) are written by :class:`~gradaccum._weights.WindowWeights`, whoever drives it.
 
     Saved in ``state_dict`` (a resumed run continues bit-identically):
 
     Attributes:
-        steps: optimizer steps taken. ``Boundary`` adds one per step taken, before the scheduler's step.
-        skipped: windows that took no step (non-finite, fp16 overflow, 0 items). ``Boundary``.
+        steps: optimizer steps taken. ``WindowWeights.record``, at a step taken (before the scheduler's step).
+        skipped: windows that took no step (non-finite, fp16 overflow, 0 items). ``WindowWeights.record``.
         epoch: epochs ``train()`` finished: set when an epoch's loop ends (over a WindowSampler, already
             at its last window, so that a checkpoint taken there says the epoch is done).
         first_reference: R for windows whose item count is not known before their first backward: the
-            first such backward's count (:func:`gradaccum._maths.first_reference`), fixed once by
-            ``RankAgreement.fix_reference`` and kept. Windows that know their count use it instead.
+            first such backward's count (:func:`gradaccum._maths.first_reference`; Lightning's callback:
+            the accumulation times the ranks' first counts), fixed once by ``WindowWeights.fix_reference``
+            and kept. Windows that know their count use it instead.
         count_ratio: items ``loss_fn`` counted per item counted up front, in the last window with an
             up-front count (1.0 when they are the same items). ``RankAgreement.learn``, at the boundary.
-        last_window_items: the previous window's global item count N (the same on every rank; across
-            ranks only): R for windows planned without asking. ``RankAgreement.learn``.
+        last_window_items: the previous window with items' global count N (the same on every rank):
+            across ranks, R for windows planned without asking. ``WindowWeights.record``.
         auto_micro_batch_size: the micro-batch size that last worked under ``micro_batch_size="auto"``.
             ``AutoMicroBatch.step``, after the first window and after any that backed off.
 

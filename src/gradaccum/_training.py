@@ -161,8 +161,10 @@ def _sampler_windows(ctx: WindowContext, loader: Iterable[Batch], sampler: Windo
         for offset, size in enumerate(sizes):
             pending = list(islice(batches, size))
             if len(pending) != size:
-                raise RuntimeError(f"the loader yielded {len(pending)} micro-batches for window "
-                                   f"{first + offset} of epoch {epoch}, its WindowSampler planned {size}")
+                raise ConfigurationError(
+                    f"the loader yielded {len(pending)} micro-batches for window {first + offset} of epoch {epoch}, "
+                    f"its WindowSampler planned {size}: pass the sampler as the loader's batch_sampler "
+                    "(DataLoader(dataset, batch_sampler=sampler)), with no other sampler or batch_size")
             if spec.auto is None:  # every rank's share is known: no agreement to ask for
                 m = sampler.micro_batch_size
                 shares = sampler.shares(first + offset)

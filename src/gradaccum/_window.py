@@ -5,7 +5,8 @@ running tally of loss and items); :class:`WindowContext` is everything a window 
 Accumulator, passed explicitly, the :class:`~gradaccum._state.AccumulatorState` (what windows teach
 each other) included. :func:`gradaccum._run.run_window` drives a Window through a ``loss_fn`` for
 ``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off; a hand-written loop drives
-it itself (``acc.window``). The weights are :func:`gradaccum._maths.backward_weight`.
+it itself (``acc.window``). The weighting, the count's verdict and the skip are the one
+:class:`~gradaccum._weights.WindowWeights` every driver uses (ExactTrainer and Lightning's callback too).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from ._boundary import Boundary, InFlight, Outcome, WindowTotals
 from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
 from ._exchange import Tally
 from ._gradients import WindowGradients
-from ._maths import backward_weight, loss_check_term, window_mean
+from ._maths import loss_check_term, window_mean
 from ._ranks import RankAgreement, WindowRequest, WindowSetup
 from ._state import AccumulatorState
+from ._weights import WindowWeights
 from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError
@@ -109,7 +111,9 @@ class _MicroBatch:
 
 
 class Window:
-    """One open window: its micro-batches, each a forward and backward, then one ``step()``.
+    """One open window: its micro-batches, each a forward and backward, then one ``step()``. Not built
+    directly: ``acc.window(num_micro_batches)`` opens one (the constructor's arguments are the
+    Accumulator's parts).
 
     The lower-level path for people who keep their own loop (``Accumulator.step`` and ``train`` are
     built on it; docs/guides/own-loop.md shows padding under DDP). Every micro-batch runs inside
@@ -138,6 +142,8 @@ class Window:
         self.ctx, self.request, self.micro_batch_size = ctx, request, micro_batch_size
         #: what the ranks decided when the window opened (None before)
         self.setup: Optional[WindowSetup] = None
+        #: the window's weighting (:mod:`gradaccum._weights`), opened with the setup's R
+        self.weights: Optional[WindowWeights] = None
         self.done = 0  # micro-batches run, flush and padding included
         self.tally = Tally(ctx.device)
         self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now
@@ -155,6 +161,7 @@ class Window:
         try:
             ctx.boundary.check_scheduler()
             self.setup = ctx.ranks.open(self.request)
+            self.weights = WindowWeights(ctx.state, ctx.sync.grad_divisor, reference=self.setup.reference)
         except BaseException:
             self._close()
             raise
@@ -176,8 +183,7 @@ class Window:
     def reference(self) -> Optional[float]:
         """R, the count the backward weights are divided by (see :mod:`gradaccum._maths`): known when
         the window opened, or fixed at its first backward; None before that."""
-        known = self.setup.reference if self.setup is not None else None
-        return known if known is not None else self.ctx.state.first_reference
+        return self.weights.reference if self.weights is not None else self.ctx.state.first_reference
 
     # -- micro-batches ---------------------------------------------------------------------------
 
@@ -207,8 +213,9 @@ class Window:
             loss = torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)
         elif num_items == 0:
             loss = loss.nan_to_num(0.0)  # nothing of a mean over no item reaches the gradient
-        weighted = loss * backward_weight(num_items, self.fix_reference(num_items), self.ctx.sync.grad_divisor,
-                                          loss.dtype)
+        self.fix_reference(num_items)
+        assert self.weights is not None
+        weighted = loss * self.weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
         self._backward(weighted)
 
@@ -236,9 +243,10 @@ class Window:
 
     def fix_reference(self, count: Count) -> float:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
-        this first backward's count (:meth:`gradaccum._ranks.RankAgreement.fix_reference`)."""
-        known = self._open_setup("backward").reference
-        return known if known is not None else self.ctx.ranks.fix_reference(count)
+        this first backward's count, the largest on any rank (:meth:`WindowWeights.fix_reference`)."""
+        self._open_setup("backward")
+        assert self.weights is not None
+        return self.weights.fix_reference(count, self.ctx.ranks.largest)
 
     def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
         term = self._before_reduction()
@@ -351,7 +359,8 @@ def _loss_check(ctx: WindowContext, tally: Tally, share: float) -> torch.Tensor:
 
 def _totals(window: Window, setup: WindowSetup, *, ran: bool) -> WindowTotals:
     """This rank's tally and what the boundary needs with it."""
-    return WindowTotals(window.tally, window.reference or 1.0, ran=ran,
+    assert window.weights is not None
+    return WindowTotals(window.tally, window.weights, ran=ran,
                         can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), known_items=setup.known_items)
 
 

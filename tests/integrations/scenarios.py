@@ -283,9 +283,29 @@ def masked_reference(per_rank: Sequence[Sequence[tuple]]) -> nn.Module:
     return net
 
 
-def masked_fit(micro_batches: Sequence[tuple], *, exact: bool, world: int = 1):
+class EpochBatches(torch.utils.data.IterableDataset):
+    """Another list of micro-batches per epoch (``epochs[e]`` in epoch ``e``, read from the Trainer's
+    loop when the epoch's iteration starts, so a resumed fit sees the epoch it resumes in): a data
+    pipeline whose epochs differ, as a reshuffle per epoch does."""
+
+    def __init__(self, epochs: Sequence[Sequence[tuple]]) -> None:
+        self.epochs, self.trainer = [list(e) for e in epochs], None
+
+    def bind(self, trainer: Any) -> "EpochBatches":
+        self.trainer = trainer
+        return self
+
+    def __iter__(self) -> Iterator[tuple]:
+        # the epochs the loop has finished: restored on resume (current_epoch is still the saved one
+        # when a fit resumed from an epoch's end starts iterating)
+        return iter(self.epochs[self.trainer.fit_loop.epoch_progress.current.processed])  # type: ignore[union-attr]
+
+
+def masked_fit(micro_batches: Sequence[tuple], *, exact: bool, world: int = 1, epochs: int = 1, max_steps: int = -1,
+               callbacks: Sequence[Any] = (), ckpt_path: Optional[str] = None, root: Optional[str] = None):
     """Fit a masked regression with Lightning (``ExactAccumulation`` counting the mask, or
-    Lightning's own accumulation); returns (net, trainer, callback)."""
+    Lightning's own accumulation); returns (net, trainer, callback). ``callbacks`` (a ModelCheckpoint)
+    turn checkpointing on; ``ckpt_path`` resumes."""
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader
 
@@ -306,11 +326,14 @@ def masked_fit(micro_batches: Sequence[tuple], *, exact: bool, world: int = 1):
     quiet()
     lit = MaskedRegression()
     cb = ExactAccumulation(num_items=lambda batch: batch[2].sum()) if exact else None
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=1,
-                         accumulate_grad_batches=MASKED_ACCUM, callbacks=[cb] if cb else [], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         use_distributed_sampler=False, default_root_dir=tempfile.mkdtemp(prefix="gradaccum-pl-"))
-    trainer.fit(lit, DataLoader(list(micro_batches), batch_size=None))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=epochs,
+                         max_steps=max_steps, accumulate_grad_batches=MASKED_ACCUM,
+                         callbacks=([cb] if cb else []) + list(callbacks), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
+                         use_distributed_sampler=False,
+                         default_root_dir=root or tempfile.mkdtemp(prefix="gradaccum-pl-"))
+    data = list(micro_batches) if not isinstance(micro_batches, EpochBatches) else micro_batches.bind(trainer)
+    trainer.fit(lit, DataLoader(data, batch_size=None), ckpt_path=ckpt_path)
     return lit.net, trainer, cb
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pl = pytest.importorskip("pytorch_lightning")
 
 from integrations import scenarios as S  # noqa: E402
-from gradaccum import count_targets  # noqa: E402
+from gradaccum import ConfigurationError, count_targets  # noqa: E402
 from gradaccum.integrations.lightning import ExactAccumulation  # noqa: E402
 from hf_helpers import gpt2, llama, pad  # noqa: E402
 
@@ -161,7 +161,7 @@ def test_errors_name_the_argument_and_the_fix():
 
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, callbacks=[ExactAccumulation()], logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    with pytest.raises(RuntimeError, match="automatic_optimization = False"):
+    with pytest.raises(ConfigurationError, match="automatic_optimization = False"):
         trainer.fit(Manual(), torch.utils.data.DataLoader([(torch.zeros(1, 2), torch.zeros(1, 1))], batch_size=None))
 
 
@@ -187,3 +187,32 @@ def test_a_window_of_zero_items_is_skipped():
     assert trainer.global_step == 2 and cb.skipped_windows == 1
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2
     assert all(state["step"] == 2 for state in trainer.optimizers[0].state.values())
+
+
+def test_a_resume_after_a_skipped_window_is_the_uninterrupted_run(tmp_path):
+    """Rank 1's masked micro-batches, windows of 2, two epochs (the second in another order, starting
+    with the window of no item). A fit checkpointed after its first epoch (whose middle window, of no
+    item, was skipped) and resumed from Lightning's checkpoint ends bit-identical to the straight fit:
+    the callback's state (R fixed by the fit's first micro-batch, the skipped windows, the steps, the
+    last window's N) is in the checkpoint, so the resumed fit, whose first micro-batch counts 0 items,
+    divides by the same R (6, not 1: not a power of 2 apart, so a lost R changes the rounding). Both
+    equal the float64 reference (rtol 1e-10)."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    masked = S.masked_batches(1)  # items per micro-batch: 2, 3, 0, 0, 2, 2
+    micro = [masked[k] for k in (1, 0, 2, 3, 4, 5)]  # R = 2 * 3: no power of 2 away from the resumed fit's own
+    again_order = [masked[k] for k in (2, 3, 0, 1, 4, 5)]
+    data = lambda: S.EpochBatches([micro, again_order])  # noqa: E731
+    straight, trainer, cb = S.masked_fit(data(), exact=True, epochs=2)
+    assert trainer.global_step == 4 and cb.skipped_windows == 2
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _, first, cut = S.masked_fit(data(), exact=True, epochs=1, callbacks=[ckpt], root=str(tmp_path))
+    assert first.global_step == 2 and cut.skipped_windows == 1
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved[ExactAccumulation.CHECKPOINT_KEY] == cut.state.saved()
+    resumed, again, cb2 = S.masked_fit(data(), exact=True, epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
+                                       root=str(tmp_path))
+    assert again.global_step == 4 and cb2.skipped_windows == 2 and cb2.state.steps == 4
+    assert cb2.state.first_reference == cb.state.first_reference == 6.0
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
+    assert S.params_close(straight, S.masked_reference([micro + again_order])) is None

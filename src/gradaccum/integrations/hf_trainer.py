@@ -7,8 +7,23 @@ Every optimizer step is on the gradient of the item-weighted mean loss over the 
 micro-batch of it on every rank (one big batch). What an *item* is depends on where the loss comes
 from (:func:`loss_source`): the model's head (next-token targets, token labels, sequence labels,
 regression or multi-label elements), TRL's ``SFTTrainer`` (next-token targets) or a preference
-trainer (pairs). The formulas are :mod:`gradaccum._maths`'; this module only says what the items
-of a batch are and hooks the Trainer's window.
+trainer (pairs). The weighting, the window's count, its verdict and the skip are the core's one
+:class:`gradaccum._weights.WindowWeights` (N counted first, in ``get_batch_samples``), and what windows
+teach each other is one :class:`~gradaccum.AccumulatorState` saved in the Trainer's checkpoints; this
+module only says what the items of a batch are and hooks the Trainer's window.
+
+**How** (the core's one window, :class:`gradaccum._weights.WindowWeights`, driven from the Trainer's
+hooks). ``get_batch_samples`` (called once per window with its micro-batches, fewer on an epoch's
+short last window) counts ``N`` before any forward and all-reduces it, and opens the window's weights
+with it (counted first: R = N, no rescale at the boundary) and its verdict; each micro-batch
+backpropagates ``S_k * W / N`` (``sum_weight``; ``W`` processes, since DDP and FSDP2 average
+gradients), and ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing again. Under FSDP2
+(``fsdp_config={"fsdp_version": 2}``) every rank runs every micro-batch of a window, a skipped one
+included, so the shards' collectives stay matched. A window with ``N = 0`` (every label ignored on
+every rank) is skipped as the core skips it: no optimizer step (so no weight decay), no scheduler
+step, ``global_step`` not advanced, no log, evaluation or checkpoint for it. The state it leaves
+(steps, skipped windows, the last window's N) is ``ExactTrainer.accumulator_state``, saved in the
+Trainer's checkpoints; a resume reads it back and skips the skipped windows' data too.
 """
 from __future__ import annotations
 
@@ -19,6 +34,8 @@ import torch
 from torch import nn
 
 from .. import _maths
+from .._state import AccumulatorState
+from .._weights import Closing, WindowWeights
 from ..errors import ConfigurationError, NotExactError
 from ..moe import aux_term, refuse_aux_term
 from .hf_moe import WindowBalance
@@ -71,7 +88,7 @@ def loss_source(cls: type) -> str:
       with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
       ``average_tokens_across_devices`` so that both settings are exact.
     - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
-      weighted by ``pairs_k * W / N`` (:func:`gradaccum._maths.backward_weight`).
+      weighted by ``pairs_k * W / N`` (:meth:`gradaccum._weights.WindowWeights.mean_weight`).
     - Any other Trainer subclass whose ``compute_loss`` returns a mean of independent per-row terms: declare
       ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
       order, or an undeclared ``compute_loss``, is refused when the class is defined.
@@ -120,26 +137,74 @@ def loss_source(cls: type) -> str:
 
 @dataclasses.dataclass
 class _Window:
-    """The window being trained: its global item count N, whether it is skipped (N = 0), how many
-    micro-batches it holds and how many have run."""
+    """The window being trained: its weighting (N counted first), the boundary's decision (known from N
+    before any forward: step, or skip a window of no item), how many micro-batches it holds and how
+    many have run."""
 
-    items: int
-    skip: bool
+    weights: WindowWeights
+    closing: Closing
     micro_batches: int
     ran: int = 0
 
+    @property
+    def items(self) -> int:
+        """N, the window's items on every rank."""
+        return int(self.closing.num_items)
 
-class _Skips(TrainerCallback, ExportableState):
-    """Counts the windows skipped for holding no item (saved in checkpoints, read back on resume) and,
-    at the end of a skipped window, gives the Trainer back its optimizer and scheduler and keeps its
-    flow from logging, evaluating or saving a step that was not taken."""
+    @property
+    def skip(self) -> bool:
+        return not self.closing.steps
+
+
+class _StateCallback(TrainerCallback, ExportableState):
+    """Owns the ExactTrainer's :class:`~gradaccum.AccumulatorState` (steps, skipped windows, the last
+    window's N), saved in the Trainer's checkpoints (``TrainerState.stateful_callbacks``) and read back
+    on resume (:meth:`ExactTrainer._init_training_state`); at the end of a skipped window it gives the
+    Trainer back its optimizer and scheduler and keeps its flow from logging, evaluating or saving a
+    step that was not taken."""
 
     def __init__(self) -> None:
-        self.windows = 0
+        self.accumulator_state = AccumulatorState()
         self.held: Optional[Tuple[Any, Any]] = None  # (optimizer, scheduler) while a skipped window ends
 
     def state(self) -> dict:
-        return {"args": {}, "attributes": {"windows": self.windows}}
+        return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
+
+    def hold(self, trainer: "ExactTrainer") -> None:
+        """After a skipped window's last micro-batch: the optimizer and the scheduler the Trainer is about
+        to step are stood in for, and ``global_step`` is taken back by the one the Trainer adds, so that
+        the window leaves no trace but its consumed data."""
+        self.held = (trainer.optimizer, trainer.lr_scheduler)
+        trainer.optimizer, trainer.lr_scheduler = _NoStep(trainer.optimizer), _NoStep(trainer.lr_scheduler)  # type: ignore[assignment]
+        trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
+
+    def release(self, trainer: "ExactTrainer") -> None:
+        if self.held is not None:
+            trainer.optimizer, trainer.lr_scheduler = self.held
+            self.held = None
+
+    def resume(self, trainer: "ExactTrainer", epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
+        """The state the checkpoint saved, and the Trainer's resume position (``epochs`` done, ``batches``
+        of the next to skip, counted from its optimizer steps) moved past the skipped windows' data too."""
+        self.load(trainer.state.stateful_callbacks)  # type: ignore[arg-type]
+        skipped = self.accumulator_state.skipped
+        if skipped and not trainer.args.ignore_data_skip:
+            windows = trainer.state.global_step + skipped
+            epochs = windows // windows_per_epoch
+            batches = (windows % windows_per_epoch) * trainer.args.gradient_accumulation_steps
+        return epochs, batches
+
+    def load(self, stateful_callbacks: Dict[str, Any]) -> None:
+        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none; a checkpoint of an
+        earlier gradaccum saved only the skipped windows, as ``_Skips``)."""
+        state = self.accumulator_state
+        saved, old = stateful_callbacks.get(type(self).__name__), stateful_callbacks.get("_Skips")
+        if isinstance(saved, dict):
+            state.load_saved(state.read_saved(saved["attributes"]["saved"]))
+        else:
+            state.load_saved(state.read_saved({}))
+            if isinstance(old, dict):
+                state.skipped = int(old["attributes"]["windows"])
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.held is not None:
@@ -169,18 +234,9 @@ class ExactTrainer(Trainer):
 
         grad = sum_{ranks, k} grad(S_k) / N,    S_k = n_k L_k,    N = sum_{ranks, k} n_k
 
-    with ``L_k`` micro-batch k's mean loss over its ``n_k`` items. ``get_batch_samples`` (called once
-    per window with its micro-batches, fewer on an epoch's short last window) counts ``N`` before any
-    forward and all-reduces it; each micro-batch backpropagates ``S_k * W / N``
-    (:func:`gradaccum._maths.summed_loss_weight`; ``W`` processes, since DDP and FSDP2 average
-    gradients), and ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing again. Under
-    FSDP2 (``fsdp_config={"fsdp_version": 2}``) every rank runs every micro-batch of a window, a
-    skipped one included, so the shards' collectives stay matched. The logged ``loss`` is
-    the window's mean over all ranks; ``eval_loss`` is the item-weighted mean over the whole
-    evaluation set. A window with ``N = 0`` (every label ignored on every rank) is skipped as the
-    core skips it: no optimizer step (so no weight decay), no scheduler step, ``global_step`` not
-    advanced, no log, evaluation or checkpoint for it; ``windows_skipped`` counts them and a resume
-    accounts for them.
+    with ``L_k`` micro-batch k's mean loss over its ``n_k`` items; how: the module docstring. The
+    logged ``loss`` is the window's mean over all ranks; ``eval_loss`` the item-weighted mean over the
+    whole evaluation set. ``windows_skipped`` counts the windows of ``N = 0`` skipped.
 
     Where the loss comes from, and what its items are, is :func:`loss_source`'s to say: the model's
     head, TRL's SFT or DPO, a declared ``exact_items``, an MoE model's load balancing over the window,
@@ -240,11 +296,10 @@ class ExactTrainer(Trainer):
         # (a causal LM's own loss adds it; SFT's too)
         self.router_balance = aux_term(config) if self.source == "tokens" or self.items.head == "causal_lm" else None
         self._balance: Optional[WindowBalance] = None
-        self.last_window_items: Optional[int] = None  # N of the last window, all ranks: for logs and tests
         self._window: Optional[_Window] = None
-        self._skips = _Skips()
-        self.add_callback(self._skips)
-        self._eval_tally: List[torch.Tensor] = []  # per evaluation batch: [loss sums of its rows, their items]
+        self._state = _StateCallback()  # what windows teach each other, in the Trainer's checkpoints
+        self.add_callback(self._state)
+        self._evaluation = _Evaluation()
         self._windows = hf_window_loss.TrainerWindows(self) if self.window_loss is not None else None
 
     @property
@@ -253,18 +308,27 @@ class ExactTrainer(Trainer):
         return self.items.head
 
     @property
+    def accumulator_state(self) -> AccumulatorState:
+        """What windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints."""
+        return self._state.accumulator_state
+
+    @property
     def windows_skipped(self) -> int:
-        """Windows skipped since the run began (resumed runs included) because they held no item."""
-        return self._skips.windows
+        """Windows of no item skipped since the run began (resumed runs included): the state's ``skipped``."""
+        return self.accumulator_state.skipped
+
+    @property
+    def last_window_items(self) -> Optional[int]:
+        """N of the last window that held items, every rank's: ``accumulator_state.last_window_items``."""
+        n = self.accumulator_state.last_window_items
+        return None if n is None else int(n)
 
     # -- the window's count ----------------------------------------------------------------------
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: Optional[torch.device] = None) -> Tuple[List[Any], Optional[torch.Tensor]]:
         """The window's micro-batches and ``N``, their items summed over every rank, and the window's
-        verdict (step, or skip when ``N = 0``). One host synchronisation per window: the verdict needs N.
-
-        Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step)."""
+        verdict (step, or skip when ``N = 0``): one host synchronisation per window (the verdict needs N)."""
         batch_samples = _take(epoch_iterator, num_batches)
         if self._windows is not None:  # a WindowLoss: one mean over the window's rows, no count to hand over
             self._window = None
@@ -273,15 +337,13 @@ class ExactTrainer(Trainer):
         device = device if device is not None else self.args.device
         local = sum((self.items.count(b).to(device) for b in batch_samples), torch.zeros((), dtype=torch.long, device=device))
         total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
-        items = int(total)
-        decision = _maths.verdict(None, items, None, nonfinite="raise", has_scaler=False)
-        self._window = _Window(items=items, skip=decision is _maths.Verdict.SKIP_EMPTY,
-                               micro_batches=len(batch_samples))
+        items = int(total)  # count first: the weights are W / N, the boundary's scale 1, its verdict known now
+        weights = WindowWeights(self.accumulator_state, self.accelerator.num_processes, num_items=items)
+        self._window = _Window(weights, weights.close(items), micro_batches=len(batch_samples))
         if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
             inputs = [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples]
             self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), inputs,
                                           device, self.model_wrapped)
-        self.last_window_items = items
         return batch_samples, total
 
     # -- the loss --------------------------------------------------------------------------------
@@ -294,13 +356,13 @@ class ExactTrainer(Trainer):
             from .hf_window_loss import window_compute_loss
             return window_compute_loss(self._windows, self.window_loss, self.accelerator, model, inputs, return_outputs)
         if not model.training:
-            return self._evaluation_loss(model, inputs, return_outputs)
+            return self._evaluation.loss(self, model, inputs, return_outputs)
         window = self._window
         if window is None:
             raise RuntimeError("ExactTrainer.compute_loss in training before get_batch_samples counted the window "
                                "(do not override get_batch_samples away)")
         world = self.accelerator.num_processes
-        weight = 0.0 if window.skip else _maths.summed_loss_weight(window.items, world)
+        weight = window.weights.sum_weight()  # W / N (0 in a skipped window)
         balance, part = self._balance, None  # an MoE model's part of the window's load balancing (hf_moe)
         if self.source == "head":
             moe = {} if balance is None else {"output_router_logits": False}  # hooks read them (hf_moe)
@@ -315,9 +377,7 @@ class ExactTrainer(Trainer):
             loss = loss * (weight * max(window.items, 1) / own)
         else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
             loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
-            mean_weight = 0.0 if window.skip else _maths.backward_weight(
-                self.items.rows(inputs), reference=window.items, grad_divisor=world)
-            loss = loss * mean_weight
+            loss = loss * window.weights.mean_weight(self.items.rows(inputs))  # rows * W / N
         if part is not None and balance is not None:  # coef * this micro-batch's part of the window's LBL, times W
             loss = loss + part * (0.0 if window.skip else world)
             if window.ran == window.micro_batches - 1:  # before the last backward, every rank alike: routed as counted
@@ -332,79 +392,78 @@ class ExactTrainer(Trainer):
 
     # -- evaluation: the item-weighted mean over the whole set -----------------------------------
 
-    def _evaluation_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
-        """The batch's mean loss; its rows' loss sums and items are gathered (the Trainer's
-        ``gather_for_metrics`` drops the rows a distributed sampler repeated) for ``eval_loss``."""
-        rows_items = self.items.rows_items(inputs)
-        if self.source == "head":
-            outputs = model(**self.items.model_inputs(inputs))
-            rows_sums = self.items.rows_loss_sums(outputs, inputs)
-            mean = rows_sums.sum() / rows_items.sum().clamp(min=1).to(rows_sums.dtype)
-        else:  # the trainer's own batch mean, shared out over its rows by their items
-            mean, outputs = self._trainer_loss(model, inputs, return_outputs, None)
-            rows_sums = mean.detach() * rows_items.to(mean.dtype)
-        gathered = self.accelerator.gather_for_metrics(torch.stack([rows_sums.detach().double(),
-                                                                    rows_items.to(rows_sums.device).double()], dim=1))
-        self._eval_tally.append(gathered.sum(dim=0))
-        return (mean, outputs) if return_outputs else mean
-
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loop, with ``{prefix}_loss`` the item-weighted mean over the whole set
         (the Trainer's is a mean of batch means weighted by the batch size)."""
-        self._eval_tally = []
+        self._evaluation = _Evaluation()
         output = super().evaluation_loop(*args, **kwargs)
         prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
-        if self._eval_tally:
-            loss_sum, items = torch.stack(self._eval_tally).sum(dim=0).tolist()
-            output.metrics[f"{prefix}_loss"] = _maths.window_mean(loss_sum, items)  # type: ignore[index]
-        self._eval_tally = []
+        self._evaluation.report(output.metrics, prefix)
         return output
 
     # -- the skipped window ----------------------------------------------------------------------
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any],
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
-        """The Trainer's step; after the last micro-batch of a skipped window, the optimizer and the
-        scheduler the Trainer is about to step are stood in for, and ``global_step`` is taken back by
-        the one the Trainer adds, so that the window leaves no trace but its consumed data."""
+        """The Trainer's step; after a window's last micro-batch the state records its step or its skip
+        (then the Trainer's step is stood in for: :meth:`_StateCallback.hold`)."""
         loss = super().training_step(model, inputs, num_items_in_batch)
         window = self._window
         if window is not None:
             window.ran += 1
             if self._balance is not None and window.ran == window.micro_batches:
                 self._balance.finish()
-            if window.skip and window.ran == window.micro_batches:
-                self._skips.windows += 1
-                self._skips.held = (self.optimizer, self.lr_scheduler)
-                self.optimizer, self.lr_scheduler = _NoStep(self.optimizer), _NoStep(self.lr_scheduler)  # type: ignore[assignment]
-                self.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
+            if window.ran == window.micro_batches:
+                window.weights.record(window.closing)  # one step more, or one skipped window more
+                if window.skip:
+                    self._state.hold(self)
         return loss
 
-    def _release(self) -> None:
-        if self._skips.held is not None:
-            self.optimizer, self.lr_scheduler = self._skips.held
-            self._skips.held = None
-
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._release()  # the skipped window's step is over: the Trainer's own objects come back
+        self._state.release(self)  # the skipped window's step is over: the Trainer's own objects come back
         super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._release()
+            self._state.release(self)
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
         epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)
-        saved = self.state.stateful_callbacks.get(type(self._skips).__name__)  # type: ignore[union-attr]
-        self._skips.windows = int(saved["attributes"]["windows"]) if isinstance(saved, dict) else 0
-        if self._skips.windows and not self.args.ignore_data_skip:
-            windows = self.state.global_step + self._skips.windows
-            epochs = windows // num_update_steps_per_epoch
-            batches = (windows % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
-        return epochs, batches
+        return self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
+
+
+class _Evaluation:
+    """One evaluation loop's item-weighted mean loss over the whole set: per batch, its rows' loss sums
+    and items, gathered (the Trainer's ``gather_for_metrics`` drops the rows a distributed sampler
+    repeated)."""
+
+    def __init__(self) -> None:
+        self.tally: List[torch.Tensor] = []  # per evaluation batch: [loss sum of its rows, their items]
+
+    def loss(self, trainer: "ExactTrainer", model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
+        """The batch's mean loss (what ``compute_loss`` returns in evaluation); its sums kept."""
+        rows_items = trainer.items.rows_items(inputs)
+        if trainer.source == "head":
+            outputs = model(**trainer.items.model_inputs(inputs))
+            rows_sums = trainer.items.rows_loss_sums(outputs, inputs)
+            mean = rows_sums.sum() / rows_items.sum().clamp(min=1).to(rows_sums.dtype)
+        else:  # the trainer's own batch mean, shared out over its rows by their items
+            mean, outputs = trainer._trainer_loss(model, inputs, return_outputs, None)
+            rows_sums = mean.detach() * rows_items.to(mean.dtype)
+        gathered = trainer.accelerator.gather_for_metrics(torch.stack([rows_sums.detach().double(),
+                                                                       rows_items.to(rows_sums.device).double()], dim=1))
+        self.tally.append(gathered.sum(dim=0))
+        return (mean, outputs) if return_outputs else mean
+
+    def report(self, metrics: Dict[str, float], prefix: str) -> None:
+        """``{prefix}_loss`` in ``metrics``: the set's item-weighted mean (when a batch was evaluated)."""
+        if self.tally:
+            loss_sum, items = torch.stack(self.tally).sum(dim=0).tolist()
+            metrics[f"{prefix}_loss"] = _maths.window_mean(loss_sum, items)
+        self.tally = []
 
 
 def _take(epoch_iterator: Iterator, num_batches: int) -> List[Any]:

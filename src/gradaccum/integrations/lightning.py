@@ -5,12 +5,26 @@
 Lightning's automatic optimization backpropagates ``L_k / A`` for every micro-batch (``A`` =
 ``accumulate_grad_batches``, also on the short last window of an epoch) and DDP or FSDP2 averages
 over the ``W`` ranks, so every micro-batch weighs the same whatever it holds. :class:`ExactAccumulation`
-weighs each one by its item count instead, with the formulas of :mod:`gradaccum._maths`; nothing
-else of the loop changes.
+weighs each one by its item count instead: it drives the core's one weighting,
+:class:`gradaccum._weights.WindowWeights`, from Lightning's hooks (with the running R: Lightning shows a
+window's count only after its backwards), and keeps what windows teach each other in an
+:class:`~gradaccum.AccumulatorState` saved in Lightning's checkpoint. Nothing else of the loop changes.
+
+**How** (the core's :class:`~gradaccum._weights.WindowWeights`, driven from Lightning's hooks). Lightning
+backpropagates ``L_k / A`` and the strategy averages over ``W`` ranks. A hook on the loss multiplies
+micro-batch k's backward by ``c_k = A * w_k``, with ``w_k = n_k * W / R`` the window's
+``mean_weight``, so the window's reduced gradient is ``sum n_k grad(L_k) / R``. In
+``on_before_optimizer_step``, which Lightning calls after the window's last backward and *before*
+gradient clipping, the window's count is all-reduced once, ``close`` decides (step, or skip a window
+of no item) and the gradients are multiplied by the boundary scale ``R / N``. ``R`` is the running
+R, fixed once (``fix_reference``) at the first backward: ``A`` times the ranks' summed first
+micro-batch count (at least 1), so ``c_k`` is near 1 and the gradients keep Lightning's own scale
+until the step (what fp16 loss scaling expects). R, the skipped windows, the last window's N and the
+steps live in ``ExactAccumulation.state`` (an :class:`~gradaccum.AccumulatorState`), which the
+callback puts in Lightning's checkpoint: a resumed fit divides by the same R, bit for bit.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -25,9 +39,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .._checks import Count, as_number, item_count
-from .._maths import Verdict, backward_weight, boundary_scale, first_reference, verdict
+from .._maths import Verdict
+from .._state import AccumulatorState
+from .._weights import WindowWeights
 from ..batching import leading_dim
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, NotExactError
 from ..moe import refuse_aux_term
 
 __all__ = ["ExactAccumulation", "strategy_model", "count_step"]
@@ -47,25 +63,16 @@ class ExactAccumulation(Callback):
     the gradient of the mean over every item of the window on every rank: a micro-batch of padded
     sequences counts by its target tokens, the short last window of an epoch by what it holds.
 
-    How: Lightning backpropagates ``L_k / A`` and the strategy averages over ``W`` ranks. A hook on
-    the loss multiplies micro-batch k's backward by ``c_k = A * w_k``, with ``w_k = n_k * W / R`` the
-    core's backward weight, so the window's reduced gradient is ``sum n_k grad(L_k) / R``. In
-    ``on_before_optimizer_step``, which Lightning calls after the window's last backward and *before*
-    gradient clipping, the window's count is all-reduced once and the gradients are multiplied by the
-    boundary scale ``R / N``. ``R`` is agreed once per ``fit``: ``A`` times the ranks' summed first
-    micro-batch count (at least 1), so ``c_k`` is near 1 and the gradients keep Lightning's own scale
-    until the step (what fp16 loss scaling expects).
+    How: the module docstring. What windows teach each other is :attr:`state`, in Lightning's checkpoint.
 
     A window of ``N = 0`` items (every label ignored, on every rank) is skipped as the core skips it:
     its gradients are set to None before the optimizer runs (a torch optimizer leaves a parameter
     without a gradient untouched: no weight decay, no moment, no step count), ``global_step`` does
-    not advance, a scheduler with ``interval="step"`` does not step, :attr:`skipped_windows` counts
-    it and a warning says so once.
+    not advance, a scheduler with ``interval="step"`` does not step, :attr:`skipped_windows` (that is,
+    ``state.skipped``) counts it and a warning says so once.
 
-    Unchanged: the logged and returned loss (only its gradient is scaled), ``gradient_clip_val``
-    (applied to the normalized gradient), schedulers and ``global_step`` (but for skipped windows),
-    checkpoints, ``GradientAccumulationScheduler`` (``A`` is read every micro-batch). Cost: one scalar
-    all-reduce per optimizer step, and one per ``fit``.
+    Unchanged: the logged loss, ``gradient_clip_val`` (on the normalized gradient), schedulers and
+    ``GradientAccumulationScheduler``. Cost: one scalar all-reduce per optimizer step, and one per ``fit``.
 
     Args:
         num_items: How many items a batch holds. ``None`` (default): the batch's leading dimension.
@@ -78,7 +85,8 @@ class ExactAccumulation(Callback):
         TypeError: ``num_items`` is neither ``None`` nor callable.
         ValueError: a count is not a finite number >= 0, ``training_step`` returns a count while
             ``num_items`` is set too, or the Trainer holds two ``ExactAccumulation`` callbacks.
-        RuntimeError: manual optimization, or a strategy that accumulates by itself (DeepSpeed).
+        ConfigurationError: manual optimization. NotExactError: a strategy that accumulates by itself
+            (DeepSpeed). Both are ValueErrors (:mod:`gradaccum.errors`).
 
     Example:
         >>> from gradaccum import count_targets
@@ -98,15 +106,42 @@ class ExactAccumulation(Callback):
                             "batch's leading dimension) or a callable batch -> item count, e.g. "
                             "num_items=lambda batch: count_targets(batch['labels'])")
         self.num_items = num_items
-        self._reference: Optional[float] = None   # R, agreed across ranks once per fit
+        #: what the fit's windows teach each other (R, steps, skipped windows, the last window's N, the
+        #: warning given): fresh for each fit, saved in Lightning's checkpoint (:meth:`on_save_checkpoint`)
+        self.state = AccumulatorState()
         self.pending: Optional[Count] = None      #:  n_k of the micro-batch about to be backpropagated
-        self._window: Count = 0                   # sum of n_k backpropagated on this rank since zero_grad
+        self._count: Count = 0                    # sum of n_k backpropagated on this rank since zero_grad
+        self._weights: Optional[WindowWeights] = None  # the open window's weighting
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
         self._skipping = False                    # the window that just closed counted 0 items
-        self._replaced: Dict[str, Tuple[Callable[..., Any], bool]] = {}  # module hooks wrapped for this fit
-        self.last_window_items: Optional[float] = None  #: N of the last window, all ranks: for logs and tests
-        self.skipped_windows = 0                  #: windows of 0 items skipped in this fit
-        self._warned = False                      # the skipped-window warning was given in this fit
+        self._hooks = _ModuleHooks()              # the module's hooks wrapped for this fit
+
+    @property
+    def skipped_windows(self) -> int:
+        """Windows of 0 items skipped in this fit (a resumed fit included): ``state.skipped``."""
+        return self.state.skipped
+
+    @property
+    def last_window_items(self) -> Optional[float]:
+        """N of the last window with items, all ranks: ``state.last_window_items``."""
+        return self.state.last_window_items
+
+    CHECKPOINT_KEY = "gradaccum.ExactAccumulation"  #: where Lightning's checkpoint holds the state's saved fields
+
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           checkpoint: Dict[str, Any]) -> None:
+        """The :attr:`state`'s saved fields go into Lightning's checkpoint (under :attr:`CHECKPOINT_KEY`;
+        not through ``state_dict``, which would have Lightning refuse two callbacks with its own message
+        before :func:`_refuse_a_second_callback` names both and the fix)."""
+        checkpoint[self.CHECKPOINT_KEY] = self.state.saved()
+
+    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           checkpoint: Dict[str, Any]) -> None:
+        """On resume (after ``setup``): the fit continues with the saved R, steps and skipped windows. A
+        checkpoint written before the state was saved leaves the fresh state."""
+        saved = checkpoint.get(self.CHECKPOINT_KEY)
+        if isinstance(saved, dict):
+            self.state.load_saved(self.state.read_saved(saved))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_items={self.num_items!r})"
@@ -116,70 +151,21 @@ class ExactAccumulation(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        _refuse_a_second_callback(trainer)
-        if not pl_module.automatic_optimization:
-            raise RuntimeError("ExactAccumulation works with automatic optimization; this LightningModule sets "
-                               "automatic_optimization = False. Weight its losses by hand, or use "
-                               "gradaccum.Accumulator in training_step")
-        if trainer.strategy.handles_gradient_accumulation:
-            raise RuntimeError(f"ExactAccumulation: strategy {type(trainer.strategy).__name__} accumulates gradients "
-                               "itself (DeepSpeed), so the per-micro-batch weights cannot be applied; use strategy='ddp' "
-                               "or ModelParallelStrategy (FSDP2)")
-        for module in pl_module.modules():  # an MoE model's router load-balancing term, per micro-batch
-            refuse_aux_term(getattr(module, "config", None), "ExactAccumulation",
-                            "Set model.config.output_router_logits = False (the model's loss then leaves the term "
-                            "out) or router_aux_loss_coef = 0.0; or train with gradaccum.Accumulator and "
-                            "gradaccum.MoELoss, which computes it over the window")
-        self._reference, self._window, self.skipped_windows, self._warned = None, 0, 0, False
-        self._replace(pl_module, "training_step", self._count_returning_training_step)
+        _refuse_what_is_not_exact(trainer, pl_module)
+        self.state, self._count, self._weights = AccumulatorState(), 0, None  # a checkpoint's is loaded after setup
+        self._hooks.replace(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # after Lightning has validated the schedulers (an overridden hook would pass any scheduler)
-        self._replace(pl_module, "lr_scheduler_step", lambda hook: self._scheduler_step_unless_skipped(hook, trainer))
+        self._hooks.replace(pl_module, "lr_scheduler_step",
+                            lambda hook: self._scheduler_step_unless_skipped(hook, trainer))
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            self._restore(pl_module)
+            self._hooks.restore(pl_module)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._restore(pl_module)  # Lightning skips teardown after an exception
-
-    def _replace(self, pl_module: "pl.LightningModule", name: str,
-                 wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Set ``wrap(hook)`` as an instance attribute of the module for this fit; :meth:`_restore`
-        puts back what was there."""
-        if name not in self._replaced:
-            original = getattr(pl_module, name)
-            self._replaced[name] = (original, name in vars(pl_module))
-            setattr(pl_module, name, wrap(original))
-
-    def _restore(self, pl_module: "pl.LightningModule") -> None:
-        for name, (original, was_attribute) in self._replaced.items():
-            if was_attribute:
-                setattr(pl_module, name, original)
-            elif name in vars(pl_module):
-                delattr(pl_module, name)  # the class's method shows through again
-        self._replaced.clear()
-
-    def _count_returning_training_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """Accept ``(mean, count)`` from ``training_step``: Lightning itself refuses tuples, so no valid
-        return value changes meaning."""
-
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            _refuse_a_window_loss(out)
-            if isinstance(out, tuple):
-                if len(out) != 2:
-                    raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
-                                     "return the mean loss, or (mean_loss, item_count)")
-                if self.num_items is not None:
-                    raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
-                                     "too; keep one source of the count (drop num_items=... or return the mean)")
-                self.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
-                return out[0]
-            return out
-
-        return training_step
+        self._hooks.restore(pl_module)  # Lightning skips teardown after an exception
 
     def _scheduler_step_unless_skipped(self, original: Callable[..., Any], trainer: "pl.Trainer") -> Callable[..., Any]:
         """A scheduler with ``interval="step"`` steps once per optimizer step taken, never after a
@@ -206,18 +192,23 @@ class ExactAccumulation(Callback):
 
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                             optimizer: torch.optim.Optimizer) -> None:
-        self._window = 0  # a new window: the gradients are zeroed before its first backward
+        self._open(trainer)  # a new window: the gradients are zeroed before its first backward
+
+    def _open(self, trainer: "pl.Trainer") -> WindowWeights:
+        """The window's weighting with the running R (its count is known only at its end)."""
+        self._count, self._weights = 0, WindowWeights(self.state, trainer.world_size)
+        return self._weights
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            loss: torch.Tensor) -> None:
         n = self.pending if self.pending is not None else _leading_dim(self._batch)
         self.pending, self._batch = None, None
-        if self._reference is None:
-            summed = self._all_reduce(trainer, n)  # the ranks' first micro-batches: once per fit
-            self._reference = first_reference(trainer.accumulate_grad_batches * summed)
-        self._window = self._window + n
+        weights = self._weights if self._weights is not None else self._open(trainer)
+        if weights.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
+            weights.fix_reference(trainer.accumulate_grad_batches * self._all_reduce(trainer, n))
+        self._count = self._count + n
         if loss.requires_grad:
-            c = trainer.accumulate_grad_batches * backward_weight(n, self._reference, trainer.world_size, loss.dtype)
+            c = trainer.accumulate_grad_batches * weights.mean_weight(n, loss.dtype)
             loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
 
     @staticmethod
@@ -235,18 +226,22 @@ class ExactAccumulation(Callback):
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         total = as_number(item_count("ExactAccumulation: the window's item count (its counts summed over the window "
-                                     "and the ranks)", self._all_reduce(trainer, self._window)))
-        self._window = 0
-        self.last_window_items = total
+                                     "and the ranks)", self._all_reduce(trainer, self._count)))
+        weights = self._weights if self._weights is not None else self._open(trainer)
+        self._count, self._weights = 0, None
         # Lightning and its fp16 scaler handle non-finite gradients themselves: decide on N only
-        if verdict(None, total, None, nonfinite="skip", has_scaler=False) is Verdict.SKIP_EMPTY:
+        closing = weights.close(total)
+        if closing.verdict is Verdict.SKIP_EMPTY:
             self._skip(trainer, optimizer)
+            said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
+                    "ExactAccumulation.skipped_windows counts them")
+            weights.record(closing, warn_empty=said if trainer.is_global_zero else None)
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        scale = boundary_scale(self._reference, total) if self._reference is not None else 1.0
-        if grads and scale != 1.0:
+        if grads and closing.scale != 1.0:
             with torch.no_grad():
-                torch._foreach_mul_(grads, scale)
+                torch._foreach_mul_(grads, closing.scale)
+        weights.record(closing)
 
     def _skip(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
         """No step for a window of 0 items: no gradient reaches the optimizer, the step is not counted
@@ -256,12 +251,70 @@ class ExactAccumulation(Callback):
                 p.grad = None
         trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
         self._skipping = True
-        self.skipped_windows += 1
-        if not self._warned and trainer.is_global_zero:
-            self._warned = True
-            warnings.warn("ExactAccumulation: a window counted 0 items (e.g. every label is the ignore_index): it "
-                          "has no loss to step on, so it was skipped (no optimizer or scheduler step, global_step "
-                          "not advanced; ExactAccumulation.skipped_windows counts them)", UserWarning, stacklevel=2)
+
+
+class _ModuleHooks:
+    """The LightningModule's hooks the callback wraps for one fit (as instance attributes), and what
+    was there before, put back by :meth:`restore` (after the fit, or an exception)."""
+
+    def __init__(self) -> None:
+        self._replaced: Dict[str, Tuple[Callable[..., Any], bool]] = {}
+
+    def replace(self, pl_module: "pl.LightningModule", name: str,
+                wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Set ``wrap(hook)`` as an instance attribute of the module for this fit; :meth:`restore`
+        puts back what was there."""
+        if name not in self._replaced:
+            original = getattr(pl_module, name)
+            self._replaced[name] = (original, name in vars(pl_module))
+            setattr(pl_module, name, wrap(original))
+
+    def restore(self, pl_module: "pl.LightningModule") -> None:
+        for name, (original, was_attribute) in self._replaced.items():
+            if was_attribute:
+                setattr(pl_module, name, original)
+            elif name in vars(pl_module):
+                delattr(pl_module, name)  # the class's method shows through again
+        self._replaced.clear()
+
+
+def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Accept ``(mean, count)`` from ``training_step``: Lightning itself refuses tuples, so no valid
+    return value changes meaning."""
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        _refuse_a_window_loss(out)
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
+                                 "return the mean loss, or (mean_loss, item_count)")
+            if callback.num_items is not None:
+                raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
+                                 "too; keep one source of the count (drop num_items=... or return the mean)")
+            callback.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
+            return out[0]
+        return out
+
+    return training_step
+
+
+def _refuse_what_is_not_exact(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    """In ``setup``, before any step: what the callback cannot make one big batch, refused with the fix."""
+    _refuse_a_second_callback(trainer)
+    if not pl_module.automatic_optimization:
+        raise ConfigurationError("ExactAccumulation works with automatic optimization; this LightningModule sets "
+                                 "automatic_optimization = False. Weight its losses by hand, or use "
+                                 "gradaccum.Accumulator in training_step")
+    if trainer.strategy.handles_gradient_accumulation:
+        raise NotExactError(f"ExactAccumulation: strategy {type(trainer.strategy).__name__} accumulates gradients "
+                            "itself (DeepSpeed), so the per-micro-batch weights cannot be applied; use strategy='ddp' "
+                            "or ModelParallelStrategy (FSDP2)")
+    for module in pl_module.modules():  # an MoE model's router load-balancing term, per micro-batch
+        refuse_aux_term(getattr(module, "config", None), "ExactAccumulation",
+                        "Set model.config.output_router_logits = False (the model's loss then leaves the term "
+                        "out) or router_aux_loss_coef = 0.0; or train with gradaccum.Accumulator and "
+                        "gradaccum.MoELoss, which computes it over the window")
 
 
 def _refuse_a_window_loss(out: Any) -> None:

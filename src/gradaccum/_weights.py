@@ -1,0 +1,163 @@
+"""One window's item weighting, count, verdict and skip: the one home every loop drives.
+
+A window of micro-batches k (on every rank) with n_k items, mean loss L_k and summed loss S_k = n_k L_k
+is one big batch when the optimizer steps on ``sum_k n_k grad L_k / N``, N = sum_{ranks,k} n_k
+(:mod:`gradaccum._maths` derives it). :class:`WindowWeights` is that algorithm step by step, for any
+loop that owns its forward, backward and step:
+
+1. **open** it: ``WindowWeights(state, W, num_items=N)`` when the window's global N is known before the
+   first backward (count first: R = N, the boundary scale is 1; N = 0 is known to be skipped), else
+   ``WindowWeights(state, W)`` with the running R of ``state.first_reference``, fixed once by the first
+   backward (:meth:`fix_reference`) and kept in the state (a driver that cannot see the window ahead);
+2. **weigh** micro-batch k: a mean loss over n_k items by :meth:`mean_weight` (``n_k * W / R``), a
+   summed loss by :meth:`sum_weight` (``W / R``); W is the number of ranks the reduction averages over;
+3. at the **boundary**: :meth:`close` gives the :class:`Closing` (the verdict, from N and, where the
+   driver measured them, the loss and the norm; the scale ``R / N``), and :meth:`record` writes what the
+   window taught into the :class:`~gradaccum._state.AccumulatorState`: one more step, or one more
+   skipped window (with a one-time warning for an empty one), and N as the last window's count.
+
+The drivers: the ``Accumulator``'s :class:`~gradaccum._window.Window` and
+:class:`~gradaccum._boundary.Boundary` (N known first where a sampler or the leading dimension gives
+it, else the running R), ``ExactTrainer`` (``get_batch_samples`` counts N first; ``compute_loss``
+weighs; ``training_step`` skips), Lightning's ``ExactAccumulation`` (the running R: it sees a window's
+count only after its backwards). Each keeps the glue to its own hooks and its state in an
+``AccumulatorState``, saved with its framework's checkpoint.
+
+    >>> from gradaccum._state import AccumulatorState
+    >>> state = AccumulatorState()
+    >>> w = WindowWeights(state, grad_divisor=2.0, num_items=8)      # N known first: R = N
+    >>> w.mean_weight(3), w.sum_weight()                              # 3 * 2 / 8, 2 / 8
+    (0.75, 0.25)
+    >>> closing = w.close(8); closing.verdict, closing.scale
+    (<Verdict.STEP: 'step'>, 1.0)
+    >>> w.record(closing); state.steps, state.skipped, state.last_window_items
+    (1, 0, 8.0)
+    >>> empty = WindowWeights(state, 1.0, num_items=0)                 # known empty: weighs nothing
+    >>> empty.sum_weight(), empty.record(empty.close(0)), state.skipped
+    (0.0, None, 1)
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+
+from ._checks import Count, as_number
+from ._maths import Verdict, backward_weight, boundary_scale, first_reference, verdict
+from ._state import AccumulatorState
+
+__all__ = ["WindowWeights", "Closing"]
+
+
+@dataclass(frozen=True)
+class Closing:
+    """What a window's boundary decides: the verdict, the scale ``R / N`` that turns the reduced
+    gradient into the window's mean gradient (0 for a window of no item), the norm after that scale
+    (when measured), and the window's global item count N."""
+
+    verdict: Verdict
+    scale: float
+    num_items: float
+    grad_norm: Optional[float] = None
+
+    @property
+    def steps(self) -> bool:
+        return self.verdict is Verdict.STEP
+
+
+class WindowWeights:
+    """One window's weighting from its opening to its boundary (the module docstring's order).
+
+    Args:
+        state: the driver's :class:`~gradaccum._state.AccumulatorState`: the running R is read from it
+            and fixed into it, and :meth:`record` writes the window's lesson into it.
+        grad_divisor: W, the ranks the gradient reduction averages over (1 on one process).
+        num_items: the window's global N, when known before its first backward (count first).
+        reference: R, when the driver knows it up front and it is not N (the Accumulator's windows
+            across ranks planned alone use the previous window's N). Default: ``num_items``, else the
+            running R.
+    """
+
+    __slots__ = ("state", "grad_divisor", "num_items", "_reference")
+
+    def __init__(self, state: AccumulatorState, grad_divisor: float, *, num_items: Optional[Count] = None,
+                 reference: Optional[float] = None) -> None:
+        self.state, self.grad_divisor = state, float(grad_divisor)
+        #: the window's global N, when known before the first backward; else None
+        self.num_items: Optional[float] = None if num_items is None else as_number(num_items)
+        if reference is None and self.num_items is not None and self.num_items > 0:
+            reference = self.num_items
+        self._reference = reference
+
+    @property
+    def reference(self) -> Optional[float]:
+        """R: known when the window opened, else the running R (None until its first backward fixes it)."""
+        return self._reference if self._reference is not None else self.state.first_reference
+
+    @property
+    def empty(self) -> bool:
+        """The window is known before its first backward to hold no item: it weighs nothing, is skipped."""
+        return self.num_items == 0
+
+    def fix_reference(self, estimate: Count, agree: Callable[[float], float] = float) -> float:
+        """R for this window: known, or the running R; fixed now, once per state, from ``estimate`` (the
+        driver's guess at a window's N from its first backward, :func:`gradaccum._maths.first_reference`)
+        made the same on every rank by ``agree`` (a max across ranks; the identity where the estimate is
+        already agreed)."""
+        known = self.reference
+        if known is not None:
+            return known
+        self.state.first_reference = float(agree(first_reference(as_number(estimate))))
+        return self.state.first_reference
+
+    def _r(self) -> float:
+        r = self.reference
+        if r is None:
+            raise RuntimeError("WindowWeights: a weight asked for before R was fixed; call fix_reference(count) at "
+                               "the window's first backward")
+        return r
+
+    def mean_weight(self, num_items: Union[Count, torch.Tensor], loss_dtype: torch.dtype = torch.float64
+                    ) -> Union[float, torch.Tensor]:
+        """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by:
+        ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`); 0 in a window known to be empty."""
+        if self.empty:
+            return 0.0
+        return backward_weight(num_items, self._r(), self.grad_divisor, loss_dtype)
+
+    def sum_weight(self) -> float:
+        """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R`` (the mean
+        weight of one item); 0 in a window known to be empty."""
+        return 0.0 if self.empty else float(backward_weight(1, self._r(), self.grad_divisor))
+
+    def close(self, num_items: Count, *, loss_sum: Optional[float] = None, raw_norm: Optional[float] = None,
+              nonfinite: str = "raise", has_scaler: bool = False) -> Closing:
+        """The boundary's decision from the window's global N (summed over its micro-batches and ranks),
+        and where the driver measured them its global loss sum and the reduced gradient's norm before
+        the scale (:func:`gradaccum._maths.verdict`, :func:`gradaccum._maths.boundary_scale`). Changes
+        nothing: :meth:`record` does, once the driver has stepped or skipped."""
+        n = as_number(num_items)
+        r = self.reference  # None only where no weighted backward ran: then any R scales a zero gradient
+        scale = boundary_scale(r if r is not None else 1.0, n)
+        grad_norm = raw_norm * scale if raw_norm is not None else None
+        return Closing(verdict(loss_sum, n, grad_norm, nonfinite=nonfinite, has_scaler=has_scaler), scale, n,
+                       grad_norm)
+
+    def record(self, closing: Closing, *, warn_empty: Optional[str] = None, stacklevel: int = 2) -> None:
+        """What the state learns at the boundary: one more optimizer step, or one more skipped window
+        (``warn_empty``, when given, is said once per state for a window of no item: how the driver
+        counts them), and the window's N as the last window's (windows with items only: it is an R)."""
+        state = self.state
+        assert closing.verdict is not Verdict.RAISE, "a window that raises is not recorded: the driver raised"
+        if closing.steps:
+            state.steps += 1
+        else:
+            state.skipped += 1
+            if closing.verdict is Verdict.SKIP_EMPTY and warn_empty is not None and state.warn_once("no_items"):
+                warnings.warn("a window counted 0 items (e.g. every label is the ignore_index): it has no loss to "
+                              f"step on, so it was skipped; {warn_empty}", UserWarning, stacklevel=stacklevel + 1)
+        if closing.num_items > 0:
+            state.last_window_items = closing.num_items
