@@ -34,13 +34,13 @@ SETTINGS: Dict[str, Dict[str, int]] = {
     "spg 2, GA 4": dict(gradient_accumulation_steps=4, steps_per_generation=2),
     "spg 2, GA 2, 2 iterations": dict(gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2),
 }
-PROMPTS = 4  # prompts per rank: 16 completions, 8 micro-batches of 2 on each rank per epoch
+PROMPTS = 4  # 16 completions: 8 micro-batches of 2 per epoch on one process
 SHORT_LAST = dict(gradient_accumulation_steps=3, steps_per_generation=2)  # 8 micro-batches: steps of 3, 3, 2
 
 
-def prompts(count: int, rank: int = 0) -> List[Dict[str, str]]:
-    """``count`` prompts of 2-4 words, other ones per rank."""
-    g = torch.Generator().manual_seed(100 + rank)
+def prompts(count: int) -> List[Dict[str, str]]:
+    """``count`` prompts of 2-4 words."""
+    g = torch.Generator().manual_seed(100)
     out = []
     for _ in range(count):
         n = int(torch.randint(2, 5, (1,), generator=g))
@@ -66,14 +66,14 @@ class Fixed:
     """Mixed in first: generation replaced by :func:`completion`, and each training micro-batch
     recorded as ``(optimizer step, its tensors)``."""
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations=None):
         seen: Dict[Tuple[int, ...], int] = {}
         out = []
         for ids in prompt_ids:
             key = tuple(ids)
             j = seen[key] = seen.get(key, -1) + 1
             out.append(completion(ids, j))
-        return out, None
+        return out if num_generations is None else (out, None)  # RLOO's returns the ids alone
 
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
@@ -97,9 +97,11 @@ def base_model() -> nn.Module:
     return model
 
 
-def fit(cls: type, model: nn.Module, *, rank: int = 0, rloo: bool = False, **config: Any) -> Tuple[nn.Module, Any]:
-    """``cls`` (a GRPO or RLOO trainer, made :func:`fixed`) trained one epoch on a copy of ``model``:
-    plain SGD at a constant rate, no clipping, TRL's defaults otherwise."""
+def fit(cls: type, model: nn.Module, *, prompt_count: int = PROMPTS, rloo: bool = False, train: bool = True,
+        **config: Any) -> Tuple[nn.Module, Any]:
+    """``cls`` (a GRPO or RLOO trainer, made :func:`fixed`) trained one epoch (unless ``train=False``)
+    on ``prompt_count`` prompts with a copy of ``model``: plain SGD at a constant rate, no clipping,
+    TRL's defaults otherwise."""
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, RLOOConfig
@@ -116,16 +118,24 @@ def fit(cls: type, model: nn.Module, *, rank: int = 0, rloo: bool = False, **con
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     trainer = fixed(cls)(model=model, reward_funcs=reward, args=args, processing_class=tokenizer(),
-                         train_dataset=Dataset.from_list(prompts(PROMPTS, rank)), optimizers=(opt, sched))
+                         train_dataset=Dataset.from_list(prompts(prompt_count)), optimizers=(opt, sched))
     if trainer.ref_model is not None:
         float64_rmsnorm(trainer.ref_model)
     trainer.recorded = []
     trainer.remove_callback(transformers.PrinterCallback)
-    trainer.train()
+    if train:
+        trainer.train()
     return model, trainer
 
 
 # -- the independent reference: one float64 big-batch step per optimizer step ------------------------
+
+def _default(cfg: Dict[str, Any], name: str) -> Any:
+    """``cfg[name]``, else GRPOConfig's default for it."""
+    from trl import GRPOConfig
+
+    return cfg[name] if name in cfg else GRPOConfig.__dataclass_fields__[name].default
+
 
 def _token_terms(model: nn.Module, mb: Dict[str, torch.Tensor], loss_type: str, cfg: Dict[str, Any]):
     """Per-token policy terms ``l``, the mask ``m``, the entropies ``H`` of one recorded micro-batch
@@ -140,8 +150,8 @@ def _token_terms(model: nn.Module, mb: Dict[str, torch.Tensor], loss_type: str, 
     entropy = -(log_p.exp() * log_p).sum(-1)
     m = mb["completion_mask"].to(logp.dtype)
     adv = mb["advantages"][:, None]
-    eps_low = cfg.get("epsilon", 0.2)
-    eps_high = cfg.get("epsilon_high") or eps_low
+    eps_low = _default(cfg, "epsilon")
+    eps_high = _default(cfg, "epsilon_high") or eps_low
     if loss_type == "rloo":
         ratio = torch.exp((logp * m).sum(1, keepdim=True) - mb["old_logps"][:, None])
         term = -torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
@@ -151,8 +161,15 @@ def _token_terms(model: nn.Module, mb: Dict[str, torch.Tensor], loss_type: str, 
     if cfg.get("importance_sampling_level", "token") == "sequence":
         log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
     ratio = torch.exp(log_ratio)
-    if loss_type == "sapo":
-        tau = torch.where(adv > 0, cfg.get("sapo_temperature_pos", 1.0), cfg.get("sapo_temperature_neg", 1.05))
+    if loss_type == "vespo":  # TRL's gamma weights of the sequence's ratio (a weight, no normalisation in it)
+        from trl import GRPOTrainer
+
+        phi = GRPOTrainer.get_gamma_weights(adv, logp - old, m, None, **{k[6:]: _default(cfg, k) for k in (
+            "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")})
+        term = -phi * adv * logp
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, _default(cfg, "sapo_temperature_pos"),
+                          _default(cfg, "sapo_temperature_neg"))
         term = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     elif loss_type == "cispo":
         term = -ratio.clamp(max=eps_high).detach() * adv * logp
@@ -161,7 +178,8 @@ def _token_terms(model: nn.Module, mb: Dict[str, torch.Tensor], loss_type: str, 
     beta = cfg.get("beta", 0.0)
     if beta:
         d = mb["ref_per_token_logps"] - logp
-        term = term + beta * (torch.exp(d) - d - 1)
+        kl = torch.exp(d) - d - 1
+        term = term + beta * (kl * ratio if _default(cfg, "use_bias_correction_kl") else kl)
     return term.expand_as(m), m, entropy
 
 
@@ -197,9 +215,12 @@ def reference(model: nn.Module, steps: Sequence[Sequence[Dict[str, torch.Tensor]
               **cfg: Any) -> nn.Module:
     """One plain SGD step (rate :data:`LR`) per step on :func:`big_batch_loss`, from a copy of ``model``."""
     model = copy.deepcopy(model).train()
+    model.step_losses = []  # each step's loss, to compare with what the trainer logs
     for step in steps:
         model.zero_grad(set_to_none=True)
-        big_batch_loss(model, step, loss_type, cfg).backward()
+        loss = big_batch_loss(model, step, loss_type, cfg)
+        model.step_losses.append(loss.item())
+        loss.backward()
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
@@ -223,7 +244,8 @@ def loss_config(loss_type: str, **extra: Any) -> Dict[str, Any]:
 
 def run_pair(stock_cls: type, exact_cls: type, model: nn.Module, loss_type: str, *, rloo: bool = False,
              **config: Any) -> Tuple[float, float, Any]:
-    """(Δ stock, Δ exact, the exact trainer) on one process, each against its own run's reference."""
+    """(Δ stock, Δ exact, the exact trainer) on one process, each against its own run's reference
+    (kept as ``trainer.reference``)."""
     cfg = {} if rloo else loss_config(loss_type, **config)
     if rloo:
         cfg.update(config)
@@ -232,6 +254,7 @@ def run_pair(stock_cls: type, exact_cls: type, model: nn.Module, loss_type: str,
         trained, trainer = fit(cls, model, rloo=rloo, **cfg)
         ref = reference(model, steps_of([trainer.recorded]), "rloo" if rloo else loss_type,
                         **{k: v for k, v in cfg.items() if k != "loss_type"})
+        trainer.reference = ref
         out.append((delta(trained, ref), trainer))
     return out[0][0], out[1][0], out[1][1]
 
