@@ -157,3 +157,12 @@ def test_step_counts_are_summed_before_the_first_backward(model):
     last = [mb for s, mb in trainer.recorded if s == trainer.state.global_step - 1]
     assert trainer.last_step_count.tokens == sum(int(mb["completion_mask"].sum()) for mb in last)
     assert trainer.last_step_count.rows == 4 == sum(mb["completion_mask"].shape[0] for mb in last)
+
+
+def test_docstring_examples():
+    import doctest
+
+    from gradaccum.integrations import trl_rl
+
+    result = doctest.testmod(trl_rl)
+    assert result.attempted > 0 and result.failed == 0, result
