@@ -242,21 +242,22 @@ def loss_config(loss_type: str, **extra: Any) -> Dict[str, Any]:
     return cfg
 
 
+def run(cls: type, model: nn.Module, loss_type: str, *, rloo: bool = False, **config: Any) -> Tuple[float, Any]:
+    """(Δ, the trainer) of ``cls`` on one process against the reference of its own run's micro-batches
+    (kept as ``trainer.reference``)."""
+    cfg = dict(config) if rloo else loss_config(loss_type, **config)
+    trained, trainer = fit(cls, model, rloo=rloo, **cfg)
+    trainer.reference = reference(model, steps_of([trainer.recorded]), "rloo" if rloo else loss_type,
+                                  **{k: v for k, v in cfg.items() if k != "loss_type"})
+    return delta(trained, trainer.reference), trainer
+
+
 def run_pair(stock_cls: type, exact_cls: type, model: nn.Module, loss_type: str, *, rloo: bool = False,
              **config: Any) -> Tuple[float, float, Any]:
-    """(Δ stock, Δ exact, the exact trainer) on one process, each against its own run's reference
-    (kept as ``trainer.reference``)."""
-    cfg = {} if rloo else loss_config(loss_type, **config)
-    if rloo:
-        cfg.update(config)
-    out = []
-    for cls in (stock_cls, exact_cls):
-        trained, trainer = fit(cls, model, rloo=rloo, **cfg)
-        ref = reference(model, steps_of([trainer.recorded]), "rloo" if rloo else loss_type,
-                        **{k: v for k, v in cfg.items() if k != "loss_type"})
-        trainer.reference = ref
-        out.append((delta(trained, ref), trainer))
-    return out[0][0], out[1][0], out[1][1]
+    """(Δ stock, Δ exact, the exact trainer): :func:`run` for each."""
+    stock, _ = run(stock_cls, model, loss_type, rloo=rloo, **config)
+    exact, trainer = run(exact_cls, model, loss_type, rloo=rloo, **config)
+    return stock, exact, trainer
 
 
 def quick_check(loss_type: str = "dapo", setting: Optional[str] = None) -> None:  # pragma: no cover - a manual aid

@@ -48,6 +48,9 @@ def test_every_loss_type_is_one_big_batch_with_kl_and_entropy_bonus(model, loss_
     tokens, and every loss type takes the entropy bonus as each micro-batch's token mean over K."""
     stock, exact, trainer = _pair(model, loss_type, **HARD)
     assert exact < 1e-10 and stock > 1e-6, (exact, stock)
+    last = [mb for s, mb in trainer.recorded if s == trainer.state.global_step - 1]  # counted before they ran
+    assert trainer.last_step_count.tokens == sum(int(mb["completion_mask"].sum()) for mb in last)
+    assert trainer.last_step_count.rows == 4 == sum(mb["completion_mask"].shape[0] for mb in last)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == trainer.state.global_step == 4
     assert all({"kl", "entropy", "policy_loss", "entropy_coef"} <= set(h) for h in logs), sorted(logs[-1])
@@ -95,8 +98,10 @@ def test_a_wrong_step_count_is_caught(model, monkeypatch):
 
     counted = trl_rl.step_items
     monkeypatch.setattr(trl_rl, "step_items", lambda *a: counted(*a) + 1)
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
     for loss_type in ("dapo", "grpo"):
-        _, exact, _ = _pair(model, loss_type, **G.SETTINGS["spg 2, GA 4"])
+        exact, _ = G.run(ExactGRPOTrainer, model, loss_type, **G.SETTINGS["spg 2, GA 4"])
         assert exact > 1e-6, (loss_type, exact)
 
 
@@ -146,17 +151,6 @@ def test_exact_trainer_first_refuses_grpo_and_rloo_naming_the_drop_in():
             with pytest.raises(TypeError, match=rf"generates its micro-batches .* gradaccum\.integrations\.trl "
                                                 rf"import {drop_in}"):
                 type("X", (ExactTrainer, cls), dict(declared))
-
-
-def test_step_counts_are_summed_before_the_first_backward(model):
-    """The step's counts exist before its first micro-batch runs: the trainer's count equals the
-    recorded micro-batches' completion tokens and sequences, and every step holds 8 sequences."""
-    from gradaccum.integrations.trl import ExactGRPOTrainer
-
-    _, trainer = G.fit(ExactGRPOTrainer, model, **G.SETTINGS["spg 4, GA 2"])
-    last = [mb for s, mb in trainer.recorded if s == trainer.state.global_step - 1]
-    assert trainer.last_step_count.tokens == sum(int(mb["completion_mask"].sum()) for mb in last)
-    assert trainer.last_step_count.rows == 4 == sum(mb["completion_mask"].shape[0] for mb in last)
 
 
 def test_docstring_examples():

@@ -50,7 +50,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.trl_rl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
 
-__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "ITEMS", "step_items", "trl_divisor"]
+__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "ITEMS", "StepCount", "step_items", "trl_divisor"]
 
 #: what a step's loss averages over, per loss type: its sequences ("rows"), its completion tokens
 #: ("tokens"), or its rows times ``max_completion_length`` ("row slots", Dr. GRPO's constant)
@@ -70,7 +70,7 @@ def step_items(loss_type: str, tokens: int, rows: int, max_completion_length: Op
     return max(int(count), 1)
 
 
-def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> torch.Tensor:
+def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Union[float, torch.Tensor]:
     """What TRL 1.16's ``_compute_loss`` divided this training micro-batch's summed terms by (its
     ``loss_type``'s normaliser times the accumulation steps ``K``), so that ``loss * trl_divisor`` is
     the micro-batch's summed terms again::
@@ -79,10 +79,10 @@ def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> tor
         dr_grpo             rows_k * L_max * K      dapo, cispo, vespo   max(N_gen, 1) / W * K / steps_per_generation
         RLOO                rows_k                  (the Trainer's own 1/K is switched off)
 
-    with ``N_gen`` the generation batch's tokens over all ranks (TRL's ``num_items_in_batch``).
+    with ``N_gen`` the generation batch's tokens over all ranks (TRL's ``num_items_in_batch``). Each
+    is computed by TRL's own expression, in its dtype, so that the division is undone to the last bit.
     """
-    dtype = torch.promote_types(mask.dtype, torch.float64 if mask.device.type == "cpu" else torch.float32)
-    rows = torch.tensor(float(mask.shape[0]), dtype=dtype, device=mask.device)
+    rows = float(mask.shape[0])
     loss_type = _loss_type(trainer)
     if loss_type == "rloo":
         return rows
@@ -90,11 +90,11 @@ def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> tor
     if loss_type in ("grpo", "sapo", "luspo"):
         return rows * k
     if loss_type == "bnpo":
-        return mask.sum().clamp(min=1.0).to(dtype) * k
+        return mask.sum().clamp(min=1.0) * k
     if loss_type == "dr_grpo":
         return rows * trainer.max_completion_length * k
-    generation_tokens = inputs["num_items_in_batch"].clamp(min=1.0).to(dtype)
-    return generation_tokens / trainer.accelerator.num_processes * k / trainer.args.steps_per_generation
+    generation = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+    return generation * k / trainer.args.steps_per_generation
 
 
 def _loss_type(trainer: Any) -> str:
@@ -145,10 +145,11 @@ class _ExactRL:
         finally:
             self._step = first
         self._prepared = collections.deque(prepared)
-        counts = torch.zeros(2, dtype=torch.long, device=self.accelerator.device)  # type: ignore[attr-defined]
+        device = self.accelerator.device  # type: ignore[attr-defined]
+        counts = torch.zeros(2, dtype=torch.long, device=device)  # [completion tokens, sequences]
         for inputs in prepared:
-            counts += torch.stack([_loss_mask(inputs).sum().long(), torch.tensor(_loss_mask(inputs).shape[0])]
-                                  ).to(counts.device)
+            mask = _loss_mask(inputs)
+            counts += torch.stack([mask.sum().long(), torch.tensor(mask.shape[0], device=mask.device)]).to(device)
         if self.accelerator.num_processes > 1:  # type: ignore[attr-defined]
             counts = self.accelerator.reduce(counts, reduction="sum")  # type: ignore[attr-defined]
         tokens, rows = (int(c) for c in counts.tolist())
