@@ -57,6 +57,11 @@ def test_every_loss_type_is_one_big_batch_with_kl_and_entropy_bonus(model, loss_
     assert "reward" in logs[0]  # TRL logs rewards where it generates
     logged = [h["loss"] for h in logs]  # the step's loss, every micro-batch on every rank, as one batch
     assert logged == pytest.approx(trainer.reference.step_losses, rel=1e-6, abs=1e-7), logged
+    if loss_type == "dapo":  # evaluation is TRL's own: generated, scored, its loss and metrics
+        from datasets import Dataset
+
+        metrics = trainer.evaluate(Dataset.from_list(G.prompts(2)))
+        assert {"eval_loss", "eval_entropy", "eval_reward"} <= set(metrics), metrics
 
 
 #: where stock dapo (TRL's default) is one big batch on one process: a step that is one whole

@@ -133,7 +133,8 @@ class _ExactRL:
 
         Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step). The
         policy does not change inside a step, so generating a step's later generation batch at its
-        start gives the completions and old log-probabilities TRL would compute mid-step."""
+        start gives the completions and old log-probabilities TRL would compute mid-step (sampled
+        from the same policy; with dropout on, from another point of the random stream than TRL's)."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
         self.model.train()  # type: ignore[attr-defined]  # TRL's _prepare_inputs reads the mode
         first = self._step  # type: ignore[attr-defined]  # TRL's micro-batch counter picks the buffered slice
