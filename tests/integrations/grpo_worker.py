@@ -29,6 +29,7 @@ torch.set_num_threads(1)
 WORLD = int(os.environ["WORLD_SIZE"])
 PROMPTS = 2 * G.PROMPTS  # 32 completions: 8 micro-batches of 2 per rank per epoch
 HARD = dict(G.SETTINGS["spg 4, GA 2"], beta=0.04, entropy_coef=0.05)
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "sapo", "luspo", "cispo", "vespo")
 
 
 def _everyone(recorded: Any) -> list:
@@ -86,7 +87,7 @@ def _compare(stock_cls: type, exact_cls: type, loss_type: str, name: str, cfg: D
 
 SCENARIOS: Dict[str, Callable[[], str]] = {
     **{f"grpo_ddp_{lt}_kl_entropy": (lambda lt=lt: grpo(lt, f"grpo_ddp_{lt}_kl_entropy", HARD))
-       for lt in ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")},
+       for lt in LOSS_TYPES},
     "grpo_ddp_dapo_short_last_step": lambda: grpo("dapo", "grpo_ddp_dapo_short_last_step", G.SHORT_LAST),
     "rloo_ddp_short_last_step": lambda: rloo("rloo_ddp_short_last_step", G.SHORT_LAST),
 }
