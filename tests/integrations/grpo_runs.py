@@ -12,6 +12,7 @@ Shared by test_grpo.py, the torchrun worker (grpo_worker.py) and benchmarks/grpo
 from __future__ import annotations
 
 import copy
+import math
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -184,13 +185,14 @@ def _token_terms(model: nn.Module, mb: Dict[str, torch.Tensor], loss_type: str, 
 
 
 def big_batch_loss(model: nn.Module, step: Sequence[Dict[str, torch.Tensor]], loss_type: str,
-                   cfg: Dict[str, Any]) -> torch.Tensor:
-    """The loss type's formula over the step's whole batch (see gradaccum.integrations.trl_rl)."""
+                   cfg: Dict[str, Any], entropy_coef: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The loss type's formula over the step's whole batch (see gradaccum.integrations.trl_rl), with the
+    entropy bonus at ``entropy_coef`` (default: ``cfg``'s), and the step's mean entropy."""
     parts = [_token_terms(model, mb, loss_type, cfg) for mb in step]
     rows = sum(m.shape[0] for _, m, _ in parts)
     tokens = sum(m.sum() for _, m, _ in parts).clamp(min=1.0)
     if loss_type == "rloo":
-        return sum(t.sum() for t, _, _ in parts) / rows
+        return sum(t.sum() for t, _, _ in parts) / rows, torch.tensor(0.0)
     if loss_type in ("grpo", "sapo"):
         total = sum(((t * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum() for t, m, _ in parts) / rows
     elif loss_type == "luspo":
@@ -199,10 +201,9 @@ def big_batch_loss(model: nn.Module, step: Sequence[Dict[str, torch.Tensor]], lo
         total = sum((t * m).sum() for t, m, _ in parts) / (rows * cfg.get("max_completion_length", MAX_COMPLETION))
     else:  # bnpo, dapo, cispo: a token mean over the step
         total = sum((t * m).sum() for t, m, _ in parts) / tokens
-    coef = cfg.get("entropy_coef", 0.0)
-    if coef:
-        total = total - coef * sum((h * m).sum() for _, m, h in parts) / tokens
-    return total
+    entropy = sum((h * m).sum() for _, m, h in parts) / tokens  # the step's token mean
+    coef = cfg.get("entropy_coef", 0.0) if entropy_coef is None else entropy_coef
+    return total - coef * entropy, entropy.detach()
 
 
 def steps_of(recorded: Sequence[Sequence[Tuple[int, Dict[str, torch.Tensor]]]]) -> List[List[Dict[str, torch.Tensor]]]:
@@ -213,12 +214,22 @@ def steps_of(recorded: Sequence[Sequence[Tuple[int, Dict[str, torch.Tensor]]]]) 
 
 def reference(model: nn.Module, steps: Sequence[Sequence[Dict[str, torch.Tensor]]], loss_type: str,
               **cfg: Any) -> nn.Module:
-    """One plain SGD step (rate :data:`LR`) per step on :func:`big_batch_loss`, from a copy of ``model``."""
+    """One plain SGD step (rate :data:`LR`) per step on :func:`big_batch_loss`, from a copy of ``model``;
+    under ``use_adaptive_entropy`` the entropy coefficient follows TRL's documented controller (applied
+    once the previous step's entropy is at or below ``entropy_target``, then moved by
+    ``entropy_coef_delta`` within its bounds)."""
     model = copy.deepcopy(model).train()
     model.step_losses = []  # each step's loss, to compare with what the trainer logs
+    coef, last = cfg.get("entropy_coef", 0.0), math.inf  # the adaptive controller: TRL's documented rule
     for step in steps:
         model.zero_grad(set_to_none=True)
-        loss = big_batch_loss(model, step, loss_type, cfg)
+        adaptive = cfg.get("use_adaptive_entropy", False)
+        applied = coef if not adaptive or last <= _default(cfg, "entropy_target") else 0.0
+        loss, entropy = big_batch_loss(model, step, loss_type, cfg, applied)
+        if adaptive:  # the step's entropy moves the coefficient of the next step
+            last, delta_ = entropy.item(), _default(cfg, "entropy_coef_delta")
+            coef = (min(coef + delta_, _default(cfg, "entropy_coef_max")) if last <= _default(cfg, "entropy_target")
+                    else max(coef - delta_, _default(cfg, "entropy_coef_min")))
         model.step_losses.append(loss.item())
         loss.backward()
         with torch.no_grad():

@@ -84,6 +84,16 @@ def test_dapo_is_one_big_batch_in_every_setting(model, setting):
         assert trainer.state.global_step == 3 and trainer.last_step_count.rows == 4
 
 
+def test_adaptive_entropy_bonus_is_the_step_token_mean(model):
+    """Adaptive entropy control (Skywork-OR1): off in the first step, then on at a coefficient that
+    grows every step (the tiny model's entropy, about 3.9, is under the target 4.0); each step's bonus
+    the step's token mean. Stock applies each micro-batch's token mean over K."""
+    stock, exact, trainer = _pair(model, "grpo", use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=4.0,
+                                  entropy_coef_delta=0.05, **G.SETTINGS["spg 2, GA 4"])
+    assert exact < 1e-10 and stock > 1e-6, (exact, stock)
+    assert [h["entropy_coef"] for h in trainer.state.log_history if "loss" in h] == pytest.approx([0.1, 0.15])
+
+
 def test_rloo_is_the_mean_over_the_step_sequences(model):
     """RLOO's per-sequence terms averaged over the step's sequences (short last step included). Stock
     RLOO is exact here too (every micro-batch holds the same number of sequences): measured, not off."""
