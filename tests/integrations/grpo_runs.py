@@ -269,13 +269,3 @@ def run_pair(stock_cls: type, exact_cls: type, model: nn.Module, loss_type: str,
     stock, _ = run(stock_cls, model, loss_type, rloo=rloo, **config)
     exact, trainer = run(exact_cls, model, loss_type, rloo=rloo, **config)
     return stock, exact, trainer
-
-
-def quick_check(loss_type: str = "dapo", setting: Optional[str] = None) -> None:  # pragma: no cover - a manual aid
-    from trl import GRPOTrainer
-
-    from gradaccum.integrations.trl import ExactGRPOTrainer
-
-    for name, s in SETTINGS.items() if setting is None else [(setting, SETTINGS[setting])]:
-        stock, exact, _ = run_pair(GRPOTrainer, ExactGRPOTrainer, base_model(), loss_type, **s)
-        print(f"{loss_type:8s} {name:28s} stock {stock:.1e} exact {exact:.1e}")
