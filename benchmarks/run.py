@@ -9,7 +9,8 @@ distributed under torchrun (distributed.py, dist_bench.py); memory measured by P
 measuring costs (memory_bench.py); transformers, speed and distance from one big batch
 (transformer.py); accumulation against one big batch, numerics, the floor (scaling.py); a loss that
 couples the window's items, WindowLoss against the big batch and sentence-transformers (contrastive.py); an
-MoE router's load-balancing term per mode against the big batch, written into docs/guides/moe.md (moe.py); the
+MoE router's load-balancing term per mode against the big batch, written into docs/guides/moe.md (moe.py); TRL's
+GRPO and RLOO per loss type and setting, stock and exact, written into docs/guides/trl.md (grpo.py); the
 same on CUDA in its own process when a GPU is there (cuda_bench.py); each stack's own accumulation against
 ours (stacks.py). report.py writes the page.
 """
@@ -51,6 +52,8 @@ def main() -> None:
     where.mkdir(parents=True, exist_ok=True)
     from contrastive import contrastive, st_losses, write_st_table
     from distributed import distributed, window_cost
+    from grpo import grpo
+    from grpo import write_guide as write_grpo_guide
     from memory_bench import memory, meter_cost
     from moe import moe, write_guide
     from overhead import overhead, profile
@@ -64,7 +67,7 @@ def main() -> None:
     sections: Dict[str, Callable[[], Any]] = {
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
-        "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses, "moe": moe,
+        "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses, "moe": moe, "grpo": grpo,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks}
     for name, fn in sections.items():
         t0 = time.time()
@@ -80,6 +83,8 @@ def main() -> None:
     (where / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
     # the MoE section's table lives in its guide (a quick run writes it beside the other figures)
     write_guide(results["moe"], where / "moe.md" if QUICK else ROOT / "docs" / "guides" / "moe.md")
+    # GRPO/RLOO's stock-vs-exact tables live in the TRL guide
+    write_grpo_guide(results["grpo"], where / "trl.md" if QUICK else ROOT / "docs" / "guides" / "trl.md")
     if not QUICK:  # the sentence-transformers guide's per-loss table
         write_st_table(results["st_losses"], DOCS / "guides" / "sentence-transformers.md")
     print(doc)

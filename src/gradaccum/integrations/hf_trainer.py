@@ -59,6 +59,8 @@ __all__ = ["ExactTrainer", "HEADS", "SOURCES", "head_of", "loss_source"]
 SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
            "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
 _DECLARABLE = ("rows",)
+_RL_DROP_INS = {"trl.trainer.grpo_trainer.GRPOTrainer": "ExactGRPOTrainer",  # integrations/trl_rl.py
+                "trl.trainer.rloo_trainer.RLOOTrainer": "ExactRLOOTrainer"}
 _NOT_PER_PAIR = ("sft", "aot", "aot_unpaired")  # DPO loss types over the whole micro-batch, not per pair  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
 
 
@@ -111,6 +113,11 @@ def loss_source(cls: type) -> str:
             f"1/W or W times off). Write class {cls.__name__}(ExactTrainer, {wrong[0].__name__})")
     owner = next(c for c in mro[here + 1:] if "compute_loss" in vars(c))
     declared = getattr(cls, "exact_items", None)
+    drop_in = _RL_DROP_INS.get(_qualname(owner))
+    if drop_in is not None:  # its batches are prompts until training_step generates: nothing to count here
+        raise TypeError(f"class {cls.__name__}: {owner.__name__} generates its micro-batches inside training_step (a "
+                        "batch is a list of prompts until then), so ExactTrainer cannot count them and exact_items = "
+                        f"'rows' would fail in train(). Use the drop-in: from gradaccum.integrations.trl import {drop_in}")
     if _qualname(owner).startswith("sentence_transformers."):  # its losses couple the batch's rows
         raise TypeError(
             f"class {cls.__name__}: {owner.__name__}'s losses couple the batch's rows (in-batch negatives, CoSENT, "

@@ -7,6 +7,10 @@ TRL computes the loss, its metrics (``entropy``, ``mean_token_accuracy``, ``num_
 ``rewards/*``) and its logs as usual; :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`
 counts the window's items before its first forward and weighs each micro-batch by them, across
 ranks. For another Trainer subclass write the same one line, ExactTrainer first.
+
+GRPO and RLOO generate their micro-batches inside the training step, so ExactTrainer cannot count
+them: :class:`ExactGRPOTrainer` and :class:`ExactRLOOTrainer` (:mod:`gradaccum.integrations.trl_rl`)
+are drop-ins for ``GRPOTrainer`` and ``RLOOTrainer`` that count each step's completions first.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("gradaccum.integrations.trl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
 
 from .hf_trainer import ExactTrainer
+from .trl_rl import ExactGRPOTrainer, ExactRLOOTrainer  # RL: their own driver (count the step's completions first)
 
-__all__ = ["ExactSFTTrainer", "ExactDPOTrainer"]
+__all__ = ["ExactSFTTrainer", "ExactDPOTrainer", "ExactGRPOTrainer", "ExactRLOOTrainer"]
 
 
 class ExactSFTTrainer(ExactTrainer, SFTTrainer):  # type: ignore[misc]

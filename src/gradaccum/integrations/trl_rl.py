@@ -1,0 +1,259 @@
+"""TRL's GRPO and RLOO with every optimizer step one big batch of the chosen ``loss_type``.
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+    trainer = ExactGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds)
+
+TRL splits a generation batch over ``steps_per_generation`` micro-batches (reused ``num_iterations``
+times) and sums ``gradient_accumulation_steps`` of them, on every rank, into one optimizer step.
+Its ``_compute_loss`` normalises each micro-batch on its own (its rows, its tokens, or the
+generation batch's tokens) and divides by the accumulation steps, which is one big batch only when
+every micro-batch holds the same count. Here a step's micro-batches are generated (or taken from
+TRL's buffer) before its first backward, their items counted and summed over the ranks in one
+all-reduce, and each micro-batch backpropagates its *summed* terms times ``W / N``
+(:meth:`gradaccum._weights.WindowWeights.sum_weight`, the core's one weighting, opened with the
+step's N counted first; ``W`` processes, as DDP averages), so that the step
+is on the gradient of::
+
+    grpo, sapo     sum_{step's sequences i} (sum_t l_it m_it / n_i) / S       S: the step's sequences
+    luspo          sum_i sum_t l_it m_it / S
+    dr_grpo        sum_i sum_t l_it m_it / (S * max_completion_length)
+    bnpo, dapo,    sum_i sum_t l_it m_it / T                                  T: the step's tokens
+    cispo, vespo
+    RLOO           sum_i l_i / S                                              (one term per sequence)
+
+minus ``entropy_coef * sum_it H_it m_it / T`` (GRPO's entropy bonus, a token mean over the step);
+``l_it`` is TRL's per-token loss (clipped or soft importance-sampling ratio times the advantage,
+plus ``beta`` times the KL term), ``m_it`` its completion (and tool) mask, ``n_i`` sequence i's
+tokens: over every micro-batch of the step on every rank, whatever ``gradient_accumulation_steps``,
+``steps_per_generation``, ``num_iterations`` and the world size, the short last step included.
+
+TRL computes the micro-batch's loss, its metrics and logs as usual; the driver undoes TRL's own
+normalisation of the micro-batch (:func:`trl_divisor`) and applies the step's. A coupling that no
+weighting makes one big batch is refused: ``top_entropy_quantile < 1`` (a quantile of the
+micro-batch's entropies) and an MoE router's load-balancing loss (TRL's is per micro-batch).
+A step whose completions hold no token (every mask 0) has a zero gradient; TRL steps on it (the
+optimizer's weight decay and momentum still act), and so does this driver.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from .._state import AccumulatorState
+from .._weights import WindowWeights
+from ..errors import ConfigurationError, NotExactError
+
+try:
+    from trl import GRPOTrainer, RLOOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("gradaccum.integrations.trl_rl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
+
+__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "ITEMS", "StepCount", "step_items", "trl_divisor"]
+
+#: what a step's loss averages over, per loss type: its sequences ("rows"), its completion tokens
+#: ("tokens"), or its rows times ``max_completion_length`` ("row slots", Dr. GRPO's constant)
+ITEMS = {"grpo": "rows", "sapo": "rows", "luspo": "rows", "dr_grpo": "row slots",
+         "bnpo": "tokens", "dapo": "tokens", "cispo": "tokens", "vespo": "tokens", "rloo": "rows"}
+
+
+def step_items(loss_type: str, tokens: int, rows: int, max_completion_length: Optional[int]) -> int:
+    """N, the step's count that ``loss_type``'s big batch divides its summed terms by (never below 1:
+    a step without tokens has nothing to weigh, its terms are all masked).
+
+    >>> step_items("dapo", tokens=37, rows=8, max_completion_length=16), step_items("dr_grpo", 37, 8, 16)
+    (37, 128)
+    """
+    kind = ITEMS[loss_type]
+    count = tokens if kind == "tokens" else rows * (max_completion_length or 0) if kind == "row slots" else rows
+    return max(int(count), 1)
+
+
+def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Union[float, torch.Tensor]:
+    """What TRL 1.16's ``_compute_loss`` divided this training micro-batch's summed terms by (its
+    ``loss_type``'s normaliser times the accumulation steps ``K``), so that ``loss * trl_divisor`` is
+    the micro-batch's summed terms again::
+
+        grpo, sapo, luspo   rows_k * K              bnpo    max(tokens_k, 1) * K
+        dr_grpo             rows_k * L_max * K      dapo, cispo, vespo   max(N_gen, 1) / W * K / steps_per_generation
+        RLOO                rows_k                  (the Trainer's own 1/K is switched off)
+
+    with ``N_gen`` the generation batch's tokens over all ranks (TRL's ``num_items_in_batch``). Each
+    is computed by TRL's own expression, in its dtype, so that the division is undone to the last bit.
+    """
+    rows = float(mask.shape[0])
+    loss_type = _loss_type(trainer)
+    if loss_type == "rloo":
+        return rows
+    k = trainer.current_gradient_accumulation_steps
+    if loss_type in ("grpo", "sapo", "luspo"):
+        return rows * k
+    if loss_type == "bnpo":
+        return mask.sum().clamp(min=1.0) * k
+    if loss_type == "dr_grpo":
+        return rows * trainer.max_completion_length * k
+    generation = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+    return generation * k / trainer.args.steps_per_generation
+
+
+def _loss_type(trainer: Any) -> str:
+    return "rloo" if isinstance(trainer, RLOOTrainer) else trainer.loss_type
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCount:
+    """One optimizer step's counts over every micro-batch on every rank (one all-reduce): its
+    completion tokens (the masks' sum), its sequences, and N, what its loss type divides by."""
+
+    tokens: int
+    rows: int
+    items: int
+
+
+class _ExactRL:
+    """The driver shared by :class:`ExactGRPOTrainer` and :class:`ExactRLOOTrainer`: count the step
+    first, then weigh each micro-batch's summed terms by ``W / N``."""
+
+    loss_is_scaled_for_ga = True  # compute_loss returns the step-normalised loss (read by training_step)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_what_is_not_exact(self)
+        self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
+        self.accumulator_state = AccumulatorState()  # what the core's window weighting reads (R = N: counted first)
+        #: the step's weightings, opened with its N counted first: the loss type's items, and its tokens (the
+        #: entropy bonus's token mean)
+        self._weights: Optional[Tuple[WindowWeights, WindowWeights]] = None
+        self._prepared: Deque[Dict[str, Any]] = collections.deque()
+        self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
+
+    # -- count first ------------------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Tuple[List[Any], None]:
+        """The step's micro-batches, generated (or taken from TRL's buffer) now, before the step's
+        first backward, in the order TRL would; their completion tokens and sequences summed over
+        the ranks in one all-reduce (one host synchronisation per step).
+
+        Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step). The
+        policy does not change inside a step, so generating a step's later generation batch at its
+        start gives the completions and old log-probabilities TRL would compute mid-step (sampled
+        from the same policy; with dropout on, from another point of the random stream than TRL's)."""
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
+        self.model.train()  # type: ignore[attr-defined]  # TRL's _prepare_inputs reads the mode
+        first = self._step  # type: ignore[attr-defined]  # TRL's micro-batch counter picks the buffered slice
+        prepared = []
+        try:
+            for i, raw in enumerate(batch_samples):
+                self._step = first + i
+                prepared.append(super()._prepare_inputs(raw))  # type: ignore[misc]
+        finally:
+            self._step = first
+        self._prepared = collections.deque(prepared)
+        device = self.accelerator.device  # type: ignore[attr-defined]
+        counts = torch.zeros(2, dtype=torch.long, device=device)  # [completion tokens, sequences]
+        for inputs in prepared:
+            mask = _loss_mask(inputs)
+            counts += torch.stack([mask.sum().long(), torch.tensor(mask.shape[0], device=mask.device)]).to(device)
+        if self.accelerator.num_processes > 1:  # type: ignore[attr-defined]
+            counts = self.accelerator.reduce(counts, reduction="sum")  # type: ignore[attr-defined]
+        tokens, rows = (int(c) for c in counts.tolist())
+        self.last_step_count = StepCount(tokens, rows, step_items(
+            _loss_type(self), tokens, rows, getattr(self, "max_completion_length", None)))
+        world = self.accelerator.num_processes  # type: ignore[attr-defined]
+        self._weights = (WindowWeights(self.accumulator_state, world, num_items=self.last_step_count.items),
+                         WindowWeights(self.accumulator_state, world, num_items=max(tokens, 1)))
+        return batch_samples, None
+
+    def _prepare_inputs(self, generation_batch: Any) -> Dict[str, Any]:
+        """Training: the next micro-batch that :meth:`get_batch_samples` prepared; evaluation: TRL's."""
+        if not self.model.training:  # type: ignore[attr-defined]
+            return super()._prepare_inputs(generation_batch)  # type: ignore[misc]
+        if not self._prepared:
+            raise RuntimeError(f"{type(self).__name__}: a training micro-batch ran before get_batch_samples prepared "
+                               "its step (do not override get_batch_samples away, or call training_step alone)")
+        return self._prepared.popleft()
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)  # type: ignore[misc]
+        if self._captured is not None:
+            self._captured.append(out[1])
+        return out
+
+    # -- the loss ---------------------------------------------------------------------------------
+
+    def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
+        """Training: this micro-batch's summed terms times ``W / N`` (the entropy bonus's times
+        ``W / T``), with TRL's loss, metrics and logs computed as TRL computes them. Evaluation: TRL's."""
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
+        if self._weights is None:
+            raise RuntimeError(f"{type(self).__name__}.compute_loss in training before get_batch_samples counted "
+                               "the step")
+        coef = self._entropy_coef_now()
+        self._captured = []
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
+        finally:
+            captured, self._captured = self._captured, None
+        mask = _loss_mask(inputs)
+        items_weight, tokens_weight = self._weights
+        bonus = None
+        if coef != 0.0:  # TRL subtracted coef * (sum H m / max(T_k, 1) / K): take it back out, in TRL's order
+            entropy_sum = (captured[0] * mask).sum()
+            loss = loss + coef * (entropy_sum / mask.sum().clamp(min=1.0) / self.current_gradient_accumulation_steps)  # type: ignore[attr-defined]
+            bonus = -coef * entropy_sum * tokens_weight.sum_weight()  # W / T
+        loss = loss * trl_divisor(self, inputs, mask) * items_weight.sum_weight()  # W / N
+        return loss if bonus is None else loss + bonus
+
+    def _entropy_coef_now(self) -> float:
+        """The entropy bonus's coefficient TRL applies in this step (0 where off; adaptive: the
+        previous step's decision)."""
+        if not getattr(self, "_entropy_bonus_enabled", False):
+            return 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:  # type: ignore[attr-defined]
+            return 0.0
+        return float(self.entropy_coef)  # type: ignore[attr-defined]
+
+
+def _loss_mask(inputs: Dict[str, Any]) -> torch.Tensor:
+    """The completion tokens TRL's loss counts: ``completion_mask`` times ``tool_mask`` where tools ran."""
+    mask = inputs["completion_mask"]
+    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+
+
+def _refuse_what_is_not_exact(trainer: Any) -> None:
+    """What no weighting makes one big batch, or is not tested here: refused in one line with the fix."""
+    name, args = type(trainer).__name__, type(trainer.args).__name__
+    loss_type = _loss_type(trainer)
+    if loss_type not in ITEMS:
+        known = ", ".join(sorted(k for k in ITEMS if k != "rloo"))
+        raise NotExactError(f"{name}: loss_type={loss_type!r} is not one gradaccum knows how to make one big batch "
+                            f"(supported: {known}); pass {args}(..., loss_type='dapo') or another of them")
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        raise NotExactError(f"{name}: top_entropy_quantile={trainer.top_entropy_quantile} keeps the tokens above a "
+                            "quantile of each micro-batch's entropies, which couples the micro-batch's tokens, so no "
+                            f"weighting makes the step one big batch; pass {args}(..., top_entropy_quantile=1.0)")
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise NotExactError(
+            f"{name}: router_aux_loss_coef={trainer.router_aux_loss_coef} turns on the MoE router's load-balancing "
+            "loss, which TRL computes per micro-batch (its expert fractions are statistics of the whole batch), so "
+            f"the step would not be the big batch's. Pass {args}(..., router_aux_loss_coef=0.0) to train without it")
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.n_gpu > 1:
+        raise ConfigurationError(f"{name}: DeepSpeed, FSDP and DataParallel in one process (n_gpu > 1) are not tested "
+                                 "with GRPO and RLOO here; train with DDP (one process per device under torchrun)")
+
+
+class ExactGRPOTrainer(_ExactRL, GRPOTrainer):  # type: ignore[misc]
+    """``GRPOTrainer`` whose every optimizer step is one big batch of its ``loss_type`` over the
+    step's micro-batches on every rank (the module's docstring states each loss type's formula);
+    ``last_step_count`` holds the last step's counts. Refused: ``top_entropy_quantile < 1``, an MoE
+    router loss, DeepSpeed, FSDP."""
+
+
+class ExactRLOOTrainer(_ExactRL, RLOOTrainer):  # type: ignore[misc]
+    """``RLOOTrainer`` whose every optimizer step is the mean of its per-sequence terms over the
+    step's sequences on every rank (TRL: each micro-batch's mean, divided by the accumulation steps)."""

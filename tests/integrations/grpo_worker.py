@@ -1,0 +1,98 @@
+"""ExactGRPOTrainer and ExactRLOOTrainer under DDP, 2 gloo processes on the CPU (see test_grpo_distributed.py).
+
+One dataset of 8 prompts shared out by TRL's sampler: each rank generates (fixed completions,
+grpo_runs.completion) for its share of every generation batch, so the ranks hold different token
+counts in every micro-batch. Every rank's recorded micro-batches are gathered, the independent float64
+reference (grpo_runs.reference) takes one step per optimizer step over both ranks' micro-batches as one
+batch, and rank 0 prints ``PASS <name>: <numbers>`` or ``FAIL <name>: <why>``. The replicas are
+compared bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # grpo_runs, hf_helpers, integrations.*
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from integrations import grpo_runs as G  # noqa: E402
+from integrations.trl_data import float64_log_probs  # noqa: E402
+from integrations.scenarios import params_close  # noqa: E402
+from worker import identical_replicas, run  # noqa: E402
+
+torch.set_num_threads(1)
+WORLD = int(os.environ["WORLD_SIZE"])
+PROMPTS = 2 * G.PROMPTS  # 32 completions: 8 micro-batches of 2 per rank per epoch
+HARD = dict(G.SETTINGS["spg 4, GA 2"], beta=0.04, entropy_coef=0.05)
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "sapo", "luspo", "cispo", "vespo")
+
+
+def _everyone(recorded: Any) -> list:
+    every: list = [None] * WORLD
+    dist.all_gather_object(every, recorded)
+    return every
+
+
+def grpo(loss_type: str, name: str, config: Dict[str, Any], stock_off: bool = True) -> str:
+    from trl import GRPOTrainer
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    cfg = G.loss_config(loss_type, **config)
+    return _compare(GRPOTrainer, ExactGRPOTrainer, loss_type, name, cfg, stock_off, rloo=False)
+
+
+def rloo(name: str, config: Dict[str, Any]) -> str:
+    from trl import RLOOTrainer
+
+    from gradaccum.integrations.trl import ExactRLOOTrainer
+
+    return _compare(RLOOTrainer, ExactRLOOTrainer, "rloo", name, dict(config), False, rloo=True)
+
+
+def _compare(stock_cls: type, exact_cls: type, loss_type: str, name: str, cfg: Dict[str, Any], stock_off: bool,
+             rloo: bool) -> str:
+    model = G.base_model() if dist.get_rank() == 0 else None
+    model = _everyone(model)[0]  # rank 0's folder: the KL term's reference model is built from it
+    ref_cfg = {k: v for k, v in cfg.items() if k != "loss_type"}
+    runs = []
+    for cls in (stock_cls, exact_cls):
+        trained, trainer = G.fit(cls, model, prompt_count=PROMPTS, rloo=rloo, **cfg)
+        steps = G.steps_of(_everyone(trainer.recorded))
+        runs.append((trained, trainer, G.reference(model, steps, loss_type, **ref_cfg)))
+    (stock, _, stock_ref), (exact, trainer, ref) = runs
+    count = trainer.last_step_count
+    tokens = [[sum(int(mb["completion_mask"].sum()) for s, mb in trainer.recorded if s == step)
+               for step in range(trainer.state.global_step)]]
+    per_rank = [list(t) for t in zip(*(r[0] for r in _everyone(tokens)))]  # per step: each rank's tokens
+    problems = []
+    if count.tokens != sum(per_rank[-1]) or all(len(set(t)) == 1 for t in per_rank):
+        problems.append(f"last step's tokens {count.tokens}, per step and rank {per_rank} (want their sum, uneven)")
+    if not identical_replicas(exact):
+        problems.append("replicas differ")
+    mismatch = params_close(exact, ref)
+    if mismatch:
+        problems.append(f"exact != reference: {mismatch}")
+    d_exact, d_stock = G.delta(exact, ref), G.delta(stock, stock_ref)  # each against its own run's reference
+    if stock_off and d_stock <= 1e-6:
+        problems.append(f"stock TRL is not measurably off (delta {d_stock:.2e})")
+    numbers = f"delta exact {d_exact:.2e}, stock {d_stock:.2e}; tokens per step and rank {per_rank}"
+    return f"FAIL {name}: {'; '.join(problems)} ({numbers})" if problems else f"PASS {name}: {numbers}"
+
+
+SCENARIOS: Dict[str, Callable[[], str]] = {
+    **{f"grpo_ddp_{lt}_kl_entropy": (lambda lt=lt: grpo(lt, f"grpo_ddp_{lt}_kl_entropy", HARD))
+       for lt in LOSS_TYPES},
+    "grpo_ddp_dapo_short_last_step": lambda: grpo("dapo", "grpo_ddp_dapo_short_last_step", G.SHORT_LAST),
+    "rloo_ddp_short_last_step": lambda: rloo("rloo_ddp_short_last_step", G.SHORT_LAST),
+}
+
+
+if __name__ == "__main__":
+    with float64_log_probs():
+        run(SCENARIOS, sys.argv[1:])

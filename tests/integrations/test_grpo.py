@@ -1,0 +1,177 @@
+"""TRL's GRPO and RLOO as one big batch per optimizer step (issue 39), on one process.
+
+Generation is replaced by fixed completions of 1-8 tokens (grpo_runs.completion), so every run sees
+the same completions and rewards; a tiny float64 Llama (RMSNorm in float64, TRL's fused LM head
+swapped for trl_data.Float64LogProbs) is trained with plain SGD. Each run is compared with its own
+independent reference (grpo_runs.reference): one float64 SGD step per optimizer step on the loss
+type's formula over the step's recorded micro-batches as one batch. The exact trainers match at
+rtol 1e-10; the stock trainers are measured beside them and asserted off (> 1e-6) where they are.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+from integrations import grpo_runs as G  # noqa: E402
+from integrations import trl_data as T  # noqa: E402
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "sapo", "luspo", "cispo", "vespo")
+#: one generation batch feeding two optimizer steps (old log-probabilities computed, ratios away from 1),
+#: the KL term (bias-corrected, TRL's default) and the entropy bonus on
+HARD = dict(G.SETTINGS["spg 4, GA 2"], beta=0.04, entropy_coef=0.05)
+
+
+@pytest.fixture(autouse=True)
+def float64_head():
+    with T.float64_log_probs():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    return G.base_model()
+
+
+def _pair(model, loss_type, **config):
+    from trl import GRPOTrainer
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    return G.run_pair(GRPOTrainer, ExactGRPOTrainer, model, loss_type, **config)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_is_one_big_batch_with_kl_and_entropy_bonus(model, loss_type):
+    """Every loss type equals its formula over the step's whole batch, where stock TRL is off by more
+    than 1e-6: bnpo, dapo, cispo and vespo normalise by a micro-batch's or the generation batch's
+    tokens, and every loss type takes the entropy bonus as each micro-batch's token mean over K."""
+    stock, exact, trainer = _pair(model, loss_type, **HARD)
+    assert exact < 1e-10 and stock > 1e-6, (exact, stock)
+    last = [mb for s, mb in trainer.recorded if s == trainer.state.global_step - 1]  # counted before they ran
+    assert trainer.last_step_count.tokens == sum(int(mb["completion_mask"].sum()) for mb in last)
+    assert trainer.last_step_count.rows == 4 == sum(mb["completion_mask"].shape[0] for mb in last)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == trainer.state.global_step == 4
+    assert all({"kl", "entropy", "policy_loss", "entropy_coef"} <= set(h) for h in logs), sorted(logs[-1])
+    assert "reward" in logs[0]  # TRL logs rewards where it generates
+    logged = [h["loss"] for h in logs]  # the step's loss, every micro-batch on every rank, as one batch
+    assert logged == pytest.approx(trainer.reference.step_losses, rel=1e-6, abs=1e-7), logged
+    if loss_type == "dapo":  # evaluation is TRL's own: generated, scored, its loss and metrics
+        from datasets import Dataset
+
+        metrics = trainer.evaluate(Dataset.from_list(G.prompts(2)))
+        assert {"eval_loss", "eval_entropy", "eval_reward"} <= set(metrics), metrics
+
+
+#: where stock dapo (TRL's default) is one big batch on one process: a step that is one whole
+#: generation batch (its normaliser is then the step's tokens)
+STOCK_DAPO_EXACT = {"GA = spg = 4", "spg 2, GA 2, 2 iterations"}
+
+
+@pytest.mark.parametrize("setting", [s for s in G.SETTINGS if s != "spg 4, GA 2"] + ["short last step"])
+def test_dapo_is_one_big_batch_in_every_setting(model, setting):
+    """TRL's default loss type, without KL or entropy bonus, over the issue's settings, several
+    optimisation passes per generation, and a short last step (micro-batches 3, 3, 2)."""
+    config = G.SHORT_LAST if setting == "short last step" else G.SETTINGS[setting]
+    stock, exact, trainer = _pair(model, "dapo", **config)
+    assert exact < 1e-10, exact
+    if setting in STOCK_DAPO_EXACT:
+        assert stock < 1e-10, stock
+    else:
+        assert stock > 1e-6, stock
+    if setting == "short last step":
+        assert trainer.state.global_step == 3 and trainer.last_step_count.rows == 4
+
+
+def test_adaptive_entropy_bonus_is_the_step_token_mean(model):
+    """Adaptive entropy control (Skywork-OR1): off in the first step, then on at a coefficient that
+    grows every step (the tiny model's entropy, about 3.9, is under the target 4.0); each step's bonus
+    the step's token mean. Stock applies each micro-batch's token mean over K."""
+    stock, exact, trainer = _pair(model, "grpo", use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=4.0,
+                                  entropy_coef_delta=0.05, **G.SETTINGS["spg 2, GA 4"])
+    assert exact < 1e-10 and stock > 1e-6, (exact, stock)
+    assert [h["entropy_coef"] for h in trainer.state.log_history if "loss" in h] == pytest.approx([0.1, 0.15])
+
+
+def test_rloo_is_the_mean_over_the_step_sequences(model):
+    """RLOO's per-sequence terms averaged over the step's sequences (short last step included). Stock
+    RLOO is exact here too (every micro-batch holds the same number of sequences): measured, not off."""
+    from trl import RLOOTrainer
+
+    from gradaccum.integrations.trl import ExactRLOOTrainer
+
+    stock, exact, trainer = G.run_pair(RLOOTrainer, ExactRLOOTrainer, model, "rloo", rloo=True, **G.SHORT_LAST)
+    assert exact < 1e-10 and stock < 1e-10, (exact, stock)
+    assert trainer.state.global_step == 3
+
+
+def test_a_wrong_step_count_is_caught(model, monkeypatch):
+    """The count the weights divide by is what the tests see: one more token (or sequence) in a step
+    moves the parameters by more than 1e-6 from the reference."""
+    from gradaccum.integrations import trl_rl
+
+    counted = trl_rl.step_items
+    monkeypatch.setattr(trl_rl, "step_items", lambda *a: counted(*a) + 1)
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    for loss_type in ("dapo", "grpo"):
+        exact, _ = G.run(ExactGRPOTrainer, model, loss_type, **G.SETTINGS["spg 2, GA 4"])
+        assert exact > 1e-6, (loss_type, exact)
+
+
+def _trainer(model, **config):
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    return G.fit(ExactGRPOTrainer, model, train=False, **{**G.SETTINGS["spg 2, GA 4"], **config})
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(top_entropy_quantile=0.2), r"top_entropy_quantile=0\.2 .* couples .* top_entropy_quantile=1\.0"),
+])
+def test_what_no_weighting_makes_exact_is_refused(model, config, match):
+    from gradaccum.errors import NotExactError
+
+    with pytest.raises(NotExactError, match=match):
+        _trainer(model, **config)
+
+
+def test_an_unknown_loss_type_is_refused_by_name(model, monkeypatch):
+    from gradaccum.errors import NotExactError
+    from gradaccum.integrations import trl_rl
+
+    monkeypatch.delitem(trl_rl.ITEMS, "cispo")  # as a loss type TRL adds later would be
+    with pytest.raises(NotExactError, match=r"loss_type='cispo' is not one .* loss_type='dapo'"):
+        _trainer(model, loss_type="cispo")
+
+
+def test_an_moe_router_loss_is_refused_with_the_fix():
+    from integrations.moe_models import moe_model
+
+    from gradaccum.errors import NotExactError
+
+    with pytest.raises(NotExactError, match=r"router_aux_loss_coef=.*GRPOConfig\(\.\.\., router_aux_loss_coef=0\.0\)"):
+        _trainer(moe_model("qwen3_moe"), router_aux_loss_coef=0.01)
+
+
+def test_exact_trainer_first_refuses_grpo_and_rloo_naming_the_drop_in():
+    """Issue 39 item 3: ExactTrainer cannot count a batch GRPO generates inside training_step; the
+    refusal names the drop-in instead of leading to exact_items = 'rows' (which fails in train())."""
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from gradaccum.integrations.hf_trainer import ExactTrainer
+
+    for cls, drop_in in ((GRPOTrainer, "ExactGRPOTrainer"), (RLOOTrainer, "ExactRLOOTrainer")):
+        for declared in ({}, {"exact_items": "rows"}):
+            with pytest.raises(TypeError, match=rf"generates its micro-batches .* gradaccum\.integrations\.trl "
+                                                rf"import {drop_in}"):
+                type("X", (ExactTrainer, cls), dict(declared))
+
+
+def test_docstring_examples():
+    import doctest
+
+    from gradaccum.integrations import trl_rl
+
+    result = doctest.testmod(trl_rl)
+    assert result.attempted > 0 and result.failed == 0, result

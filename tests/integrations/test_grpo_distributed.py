@@ -1,0 +1,36 @@
+"""ExactGRPOTrainer and ExactRLOOTrainer under DDP, 2 gloo processes in one torchrun launch
+(grpo_worker.py): each equals the independent float64 big-batch reference over both ranks' micro-batches
+(rtol 1e-10, bit-identical replicas), with uneven token counts per rank, every GRPO loss type with the KL
+term and the entropy bonus on; stock TRL is off by more than 1e-6 for every one of them (the entropy
+bonus, and for bnpo, dapo, cispo and vespo their normalisers) and exact for RLOO (every micro-batch
+holds as many sequences).
+"""
+from __future__ import annotations
+
+import pytest
+
+from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("trl")
+
+WORKER = str(ROOT / "tests" / "integrations" / "grpo_worker.py")
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "sapo", "luspo", "cispo", "vespo")
+SCENARIOS = ([f"grpo_ddp_{lt}_kl_entropy" for lt in LOSS_TYPES]
+             + ["grpo_ddp_dapo_short_last_step", "rloo_ddp_short_last_step"])
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    return scenario_verdicts(WORKER)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(verdicts, name):
+    assert_scenario(verdicts, name)
+
+
+def test_every_scenario_is_listed(verdicts):
+    """Every scenario the worker ran is asserted here (one added there but not here would not be)."""
+    lines, _ = verdicts
+    assert sorted(lines) == sorted(SCENARIOS)
