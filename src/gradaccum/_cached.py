@@ -185,8 +185,9 @@ def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
                     buffers[name].copy_(value)
 
 
-def _checked_loss(out: Any) -> torch.Tensor:
-    """``loss(model, representations)``'s result, refused unless a scalar that depends on them."""
+def _checked_loss(out: Any, *, needs_grad: bool = True) -> torch.Tensor:
+    """``loss(model, representations)``'s result, refused unless a scalar that depends on them (where
+    ``needs_grad``: not in an evaluation under ``torch.no_grad()``)."""
     if isinstance(out, (tuple, list)):
         raise ConfigurationError("WindowLoss: loss(model, representations) returned a tuple; it returns the window's "
                                  "loss, one scalar, which is already over every item (a (mean, count) pair is for "
@@ -195,7 +196,7 @@ def _checked_loss(out: Any) -> torch.Tensor:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigurationError(f"WindowLoss: loss(model, representations) must return a scalar tensor, got {shape}; "
                                  "reduce it over the window's items (.mean())")
-    if not out.requires_grad:
+    if needs_grad and not out.requires_grad:
         raise ConfigurationError("WindowLoss: loss(model, representations) does not depend on the representations (it "
                                  "does not require grad); compute it from the tensors it is given, without .detach() "
                                  "or .item()")
@@ -472,7 +473,8 @@ class CachedPasses:
 def window_loss_of_batch(window_loss: WindowLoss, model: nn.Module, loss_model: Any, batch: Batch) -> torch.Tensor:
     """The loss of one batch alone (evaluation): ``loss(loss_model, encode(model, batch))``, checked."""
     out = window_loss.encode(model, batch)
-    return _checked_loss(window_loss.loss(loss_model, _rebuild(out, iter(_flat(out, rows_of(out), 0)))))
+    return _checked_loss(window_loss.loss(loss_model, _rebuild(out, iter(_flat(out, rows_of(out), 0)))),
+                         needs_grad=torch.is_grad_enabled())
 
 
 def rows_of(out: Any) -> int:

@@ -67,3 +67,50 @@ def test_the_first_micro_batch_s_graph_is_kept_one_forward_saved_per_window(tmp_
     train(ExactTrainer, DualEncoder(), pairs(24, seed=3), tmp_path, batch=5, accumulation=5, lr=LR,
           compute_loss_func=WindowLoss(encode, own_loss))
     assert calls == [True, False, False, False, False, True, True, True, True]
+
+
+def test_a_contrastive_model_without_return_loss_has_its_eval_loss(tmp_path):
+    """CLIP's batches without ``return_loss`` (ExactTrainer does not need it to train): ``evaluate()``
+    still reports ``eval_loss``, the stock Trainer's with ``return_loss=True`` (once silently absent)."""
+    from transformers import TrainingArguments
+
+    from integrations.clip_helpers import collate
+
+    def without_return_loss(rows):
+        return {k: v for k, v in collate(rows).items() if k != "return_loss"}
+
+    model, held_out = clip("clip"), pairs(10, seed=5)
+    args = TrainingArguments(str(tmp_path), per_device_eval_batch_size=4, report_to="none", use_cpu=True,
+                             remove_unused_columns=False)
+    exact = ExactTrainer(model=model, args=args, eval_dataset=held_out, data_collator=without_return_loss).evaluate()
+    stock = Trainer(model=model, args=args, eval_dataset=held_out, data_collator=collate).evaluate()
+    assert "eval_loss" not in Trainer(model=model, args=args, eval_dataset=held_out,
+                                      data_collator=without_return_loss).evaluate()  # what the stock one does
+    assert exact["eval_loss"] == pytest.approx(stock["eval_loss"], rel=1e-12)
+
+
+def plain_loss(outputs, labels, num_items_in_batch=None):
+    return outputs.logits.mean()
+
+
+def test_a_plain_compute_loss_func_is_refused_naming_window_loss(tmp_path):
+    with pytest.raises(ValueError) as refused:
+        train(ExactTrainer, DualEncoder(), pairs(8), tmp_path, batch=4, accumulation=2, lr=LR,
+              compute_loss_func=plain_loss)
+    assert str(refused.value) == (
+        "ExactTrainer(compute_loss_func=plain_loss): ExactTrainer cannot weigh a loss whose reduction it does not "
+        "know. A loss that couples the batch's rows (in-batch negatives, contrastive) goes in as compute_loss_func="
+        "gradaccum.WindowLoss(encode, loss), run over the whole window; for the model's own loss drop "
+        "compute_loss_func (ExactTrainer computes it), or use Trainer")
+
+
+def test_calling_a_window_loss_on_one_micro_batch_refuses_with_the_fix():
+    """As calling an MoELoss does: a loss over the window run per micro-batch would be another objective."""
+    from gradaccum import ConfigurationError
+
+    with pytest.raises(ConfigurationError) as refused:
+        own_window_loss()(DualEncoder(), pairs(4)[0])
+    assert str(refused.value) == (
+        "WindowLoss was called as a loss_fn on one micro-batch; its loss couples the whole window's items, so pass "
+        "it to acc.step(...) or acc.train(...), or ExactTrainer(compute_loss_func=...), which run the window "
+        "(encode and loss are its attributes, to call them yourself)")

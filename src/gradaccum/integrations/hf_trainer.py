@@ -220,7 +220,9 @@ class ExactTrainer(Trainer):
 
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, loss_source(type(self)))
         if kwargs.get("compute_loss_func") is not None:
-            raise ConfigurationError(f"ExactTrainer(compute_loss_func={kwargs['compute_loss_func']!r}): ExactTrainer "
+            given = kwargs["compute_loss_func"]
+            raise ConfigurationError(f"ExactTrainer(compute_loss_func={getattr(given, '__qualname__', type(given).__name__)}"
+                                     "): ExactTrainer "
                                      "cannot weigh a loss whose reduction it does not know. A loss that couples the "
                                      "batch's rows (in-batch negatives, contrastive) goes in as compute_loss_func="
                                      "gradaccum.WindowLoss(encode, loss), run over the whole window; for the model's "
