@@ -430,7 +430,7 @@ class CachedPasses:
             if own and self.check:
                 self.alike &= _same(outs, self.cached[k])
         if k == 0 and self.check:
-            self._agree_outputs_require_grad(outs)
+            _agree_outputs_require_grad(self.sync, self.device, outs, self.differentiable)
         if own:
             at = sum(self.sizes[:k])
             pairs = [(o, g[at:at + self.sizes[k]]) for o, g in zip(outs, self.slices) if g is not None]
@@ -452,15 +452,6 @@ class CachedPasses:
         value = self.loss.to(dtype) * (items * self.sync.grad_divisor / max(self.total, 1))
         return total - total.detach() + value
 
-    def _agree_outputs_require_grad(self, outs: List[torch.Tensor]) -> None:
-        """In a checked window, before any backward: every float representation requires grad, on every
-        rank (one rank raising alone would leave the others waiting in the reduction)."""
-        detached = [o for o, d in zip(outs, self.differentiable) if d and not o.requires_grad]
-        if self.sync.any_rank(bool(detached), self.device):
-            raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this rank "
-                                     "or another): it ran under torch.no_grad() or was detached. Return the model's "
-                                     "outputs as they are")
-
     def finish(self) -> None:
         """After the last part: the random state as after pass 1 alone (the window drew its random numbers
         once); in a checked window, on every rank alike, the refusal where a replay differed."""
@@ -468,6 +459,17 @@ class CachedPasses:
         self.end.restore()
         if self.check and self.sync.any_rank(not self.alike, self.device):
             raise replay_differs("WindowLoss", "gave other representations (encode's outputs)")
+
+
+def _agree_outputs_require_grad(sync: Any, device: torch.device, outs: List[torch.Tensor],
+                                differentiable: List[bool]) -> None:
+    """In a checked window, before any backward: every float representation requires grad, on every
+    rank (one rank raising alone would leave the others waiting in the reduction)."""
+    detached = [o for o, d in zip(outs, differentiable) if d and not o.requires_grad]
+    if sync.any_rank(bool(detached), device):
+        raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this rank "
+                                 "or another): it ran under torch.no_grad() or was detached. Return the model's "
+                                 "outputs as they are")
 
 
 def window_loss_of_batch(window_loss: WindowLoss, model: nn.Module, loss_model: Any, batch: Batch) -> torch.Tensor:

@@ -114,3 +114,38 @@ def test_calling_a_window_loss_on_one_micro_batch_refuses_with_the_fix():
         "WindowLoss was called as a loss_fn on one micro-batch; its loss couples the whole window's items, so pass "
         "it to acc.step(...) or acc.train(...), or ExactTrainer(compute_loss_func=...), which run the window "
         "(encode and loss are its attributes, to call them yourself)")
+
+
+def test_dropout_is_replayed_in_the_trainer_and_a_replay_that_differs_is_refused(tmp_path, monkeypatch):
+    """With dropout, the reference is the window's micro-batches run as one graph from the random state
+    pass 1 started from: pass 2 draws pass 1's masks. Without the replay the first window refuses."""
+    from gradaccum import ReplayError, WindowLoss
+    from gradaccum import _random
+    from integrations.clip_helpers import own_loss
+
+    seen = []
+
+    def encode(m, b):
+        if len(seen) < 4:  # pass 1: the random state before it, and the micro-batches in order
+            seen.append((torch.get_rng_state() if not seen else None, b))
+        return m(b["input_ids"], b["pixel_values"])
+
+    base = DualEncoder(dropout=0.3)
+    exact = copy.deepcopy(base)
+    train(ExactTrainer, exact, pairs(16, seed=3), tmp_path, batch=4, accumulation=4, lr=LR,
+          compute_loss_func=WindowLoss(encode, own_loss))
+    ref = copy.deepcopy(base)
+    torch.set_rng_state(seen[0][0])
+    reps = [ref(b["input_ids"], b["pixel_values"]) for _, b in seen]
+    own_loss(ref, [torch.cat([r[i] for r in reps]) for i in range(2)]).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= LR * p.grad
+    assert distance(base, exact, ref) < TOL
+
+    monkeypatch.setattr(_random.RandomState, "restore", lambda self: None)
+    broken = copy.deepcopy(base)
+    with pytest.raises(ReplayError, match="second forward gave other representations"):
+        train(ExactTrainer, broken, pairs(16, seed=3), tmp_path, batch=4, accumulation=4, lr=LR,
+              compute_loss_func=own_window_loss())
+    assert all(torch.equal(a, b) for a, b in zip(broken.parameters(), base.parameters()))  # no step
