@@ -283,21 +283,21 @@ class CachedPasses:
 
     **Which graphs are kept: the first micro-batches'.** Every driver runs pass 2 in order, and a
     framework's loop (the Trainer) calls micro-batch 0 first and runs pass 1 inside that call; the
-    kept graphs are then backpropagated before any replayed forward allocates activations (peak memory:
-    the kept micro-batches' activations *or* one replayed micro-batch's, never both), and the last
-    micro-batch, whose backward reduces across ranks, is a forward run again under the wrapper's sync.
+    kept graphs are then backpropagated before any replayed forward allocates activations (in pass 2 the
+    kept micro-batches' activations *or* one replayed micro-batch's, never both; in pass 1 a kept graph
+    is held while the other forwards run, one forward's passing tensors more), and the last
+    micro-batch, whose backward reduces across ranks, is a forward run again under the wrapper's sync
+    (the Trainer's last call runs outside ``no_sync``, so its graph cannot be kept from pass 1).
 
     **Half precision, one treatment:** the loss is taken in float32 at least before its gradient, and
     multiplied by the driver's loss scale (``scale``: the Accumulator's GradScaler; a Trainer, whose own
     scaler multiplies the surrogate at its backward, passes none).
 
     Args:
-        window_loss: the loss, its ``encode`` and ``loss``.
-        micro_batches: this rank's micro-batches of the window.
-        sync: the data-parallel seam (:mod:`gradaccum.sync`): the gather, the ranks' divisor and agreements.
-        device: where the random states, flags and counts live.
-        sizes: each micro-batch's items (checked against the representations' rows), or None to read
-            them from the representations.
+        window_loss, micro_batches: the loss (``encode``, ``loss``); this rank's micro-batches of the window.
+        sync, device: the data-parallel seam (:mod:`gradaccum.sync`: the gather, the ranks' divisor and
+            agreements); where the random states, flags and counts live.
+        sizes: each micro-batch's items (checked against the representations' rows), or None: read them.
         padding, padding_batch: zero-weight micro-batches the ranks ask this rank to run, and the batch
             it runs for them.
         check: compare pass 2's representations with pass 1's (the first window a loss runs).
