@@ -149,3 +149,26 @@ def test_dropout_is_replayed_in_the_trainer_and_a_replay_that_differs_is_refused
         train(ExactTrainer, broken, pairs(16, seed=3), tmp_path, batch=4, accumulation=4, lr=LR,
               compute_loss_func=own_window_loss())
     assert all(torch.equal(a, b) for a, b in zip(broken.parameters(), base.parameters()))  # no step
+
+
+def test_the_accumulator_and_exact_trainer_run_one_implementation(tmp_path, monkeypatch):
+    """Both drivers' windows are CachedPasses' steps, in the same order: pass 1, gather, the loss's
+    gradient, one part per micro-batch, the replay check (the Trainer through surrogate)."""
+    from gradaccum import Accumulator, _cached
+
+    calls = []
+    for name in ("first_pass", "gather", "loss_gradient", "part", "finish"):
+        def spy(self, *a, _name=name, _method=getattr(_cached.CachedPasses, name), **k):
+            calls.append(_name)
+            return _method(self, *a, **k)
+        monkeypatch.setattr(_cached.CachedPasses, name, spy)
+    expected = ["first_pass", "gather", "loss_gradient"] + ["part"] * 4 + ["finish"]
+
+    model = DualEncoder()
+    batch = {k: torch.stack([r[k] for r in pairs(16, seed=3)]) for k in ("input_ids", "pixel_values")}
+    Accumulator(model, torch.optim.SGD(model.parameters(), lr=LR)).step(batch, own_window_loss(), micro_batch_size=4)
+    assert calls == expected
+    calls.clear()
+    train(ExactTrainer, DualEncoder(), pairs(16, seed=3), tmp_path, batch=4, accumulation=4, lr=LR,
+          compute_loss_func=own_window_loss())
+    assert calls == expected
