@@ -220,9 +220,8 @@ class ExactTrainer(Trainer):
 
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, loss_source(type(self)))
         if kwargs.get("compute_loss_func") is not None:
-            given = kwargs["compute_loss_func"]
-            raise ConfigurationError(f"ExactTrainer(compute_loss_func={getattr(given, '__qualname__', type(given).__name__)}"
-                                     "): ExactTrainer "
+            given = getattr(kwargs["compute_loss_func"], "__qualname__", type(kwargs["compute_loss_func"]).__name__)
+            raise ConfigurationError(f"ExactTrainer(compute_loss_func={given}): ExactTrainer "
                                      "cannot weigh a loss whose reduction it does not know. A loss that couples the "
                                      "batch's rows (in-batch negatives, contrastive) goes in as compute_loss_func="
                                      "gradaccum.WindowLoss(encode, loss), run over the whole window; for the model's "
