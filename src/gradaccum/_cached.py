@@ -29,7 +29,7 @@ representations and the loss's own activations.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -43,7 +43,8 @@ from .batching import Batch, _rebuild, leaves, leading_dim
 from .result import StepResult
 from .errors import ConfigurationError, replay_differs
 
-__all__ = ["WindowLoss", "Constant", "run_cached_window", "check_window_loss"]
+__all__ = ["WindowLoss", "Constant", "CachedPasses", "run_cached_window", "graphs_to_keep", "check_window_loss",
+           "window_loss_of_batch", "rows_of", "refuse_a_loss_without_representations"]
 
 #: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
 Encode = Callable[[nn.Module, Batch], Any]
@@ -102,6 +103,15 @@ class WindowLoss:
             raise TypeError(f"WindowLoss(loss=...) must be callable as loss(model, representations) -> scalar, "
                             f"got {loss!r}")
         self.encode, self.loss, self.keep_graphs = encode, loss, keep_graphs
+
+    def __call__(self, model: nn.Module, micro_batch: Any) -> Any:
+        """A WindowLoss is a loss over the window: a caller that runs it one micro-batch at a time, not
+        through a driver of the window, would train another objective (each item seeing only its
+        micro-batch's negatives); refused, as :class:`~gradaccum.MoELoss` is."""
+        raise ConfigurationError(
+            "WindowLoss was called as a loss_fn on one micro-batch; its loss couples the whole window's items, so "
+            "pass it to acc.step(...) or acc.train(...), or ExactTrainer(compute_loss_func=...), which run the "
+            "window (encode and loss are its attributes, to call them yourself)")
 
     def __repr__(self) -> str:
         return f"WindowLoss(encode={self.encode!r}, loss={self.loss!r}, keep_graphs={self.keep_graphs})"
@@ -175,23 +185,22 @@ def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
                     buffers[name].copy_(value)
 
 
-def _window_loss(window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor], ctx: WindowContext
-                 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """The window's loss, from detached leaves (the differentiable ones require grad), and those leaves."""
-    inputs = [t.detach().requires_grad_(d) for t, d in zip(joined, _differentiable(spec))]
-    with ctx.precision.autocast():
-        out = window_loss.loss(ctx.model, _rebuild(spec, iter(inputs)))
+def _checked_loss(out: Any, *, needs_grad: bool = True) -> torch.Tensor:
+    """``loss(model, representations)``'s result, refused unless a scalar that depends on them (where
+    ``needs_grad``: not in an evaluation under ``torch.no_grad()``)."""
     if isinstance(out, (tuple, list)):
-        raise ConfigurationError("WindowLoss: loss(model, representations) returned a tuple; it returns the window's loss, one "
-                         "scalar, which is already over every item (a (mean, count) pair is for loss_fn)")
+        raise ConfigurationError("WindowLoss: loss(model, representations) returned a tuple; it returns the window's "
+                                 "loss, one scalar, which is already over every item (a (mean, count) pair is for "
+                                 "loss_fn)")
     if not isinstance(out, torch.Tensor) or out.dim() != 0:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigurationError(f"WindowLoss: loss(model, representations) must return a scalar tensor, got {shape}; "
-                         "reduce it over the window's items (.mean())")
-    if not out.requires_grad:
-        raise ConfigurationError("WindowLoss: loss(model, representations) does not depend on the representations (it does not "
-                         "require grad); compute it from the tensors it is given, without .detach() or .item()")
-    return out, inputs
+                                 "reduce it over the window's items (.mean())")
+    if needs_grad and not out.requires_grad:
+        raise ConfigurationError("WindowLoss: loss(model, representations) does not depend on the representations (it "
+                                 "does not require grad); compute it from the tensors it is given, without .detach() "
+                                 "or .item()")
+    return out
 
 
 def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
@@ -208,57 +217,276 @@ def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
 
 def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,
                       micro_batch_size: Any = None, plan: Optional[WindowPlan] = None) -> StepResult:
-    """One window of a :class:`WindowLoss`, in the module docstring's order: pass 1, the loss on every
-    rank's representations, pass 2, the step. Every rank runs as many forwards in each pass as the
-    window's padding asks (DDP's first forward and FSDP2's every forward are collectives)."""
+    """The Accumulator's driver of :class:`CachedPasses`: one window, in the module docstring's order
+    (pass 1, the loss on every rank's representations, pass 2 inside the window's micro-batch blocks,
+    the step). Every rank runs as many forwards in each pass as the window's padding asks (DDP's first
+    forward and FSDP2's every forward are collectives)."""
     ranks = ctx.ranks
     sizes = [int(as_number(c)) for c in counts.each]
     request = WindowRequest(len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         if micro_batches:
             ranks.remember(micro_batches[-1])
-        keep = _graphs_to_keep(ctx, window_loss, len(micro_batches))
-        first = _first_pass(ctx, window_loss, micro_batches, sizes, window.padding, keep)
-        joined, offset = ctx.sync.gather_items(first.local())
-        loss, slices, own = _loss_gradient(ctx, window, window_loss, first.spec, joined, offset, sum(sizes))
-        fold = bool(own) and ctx.sync.folds_outside_gradients()
-        if own and not fold:  # in .grad before any backward (DDP(find_unused_parameters=True) reads it there)
-            torch.autograd.backward([p for p, _ in own], [g for _, g in own])
-        _second_pass(ctx, window, window_loss, micro_batches, sizes, first, loss, slices, own if fold else [])
+        checked = window_loss in ctx.state.checked_replays
+        passes = CachedPasses(window_loss, micro_batches, sync=ctx.sync, device=ctx.device, sizes=sizes,
+                              padding=window.padding, padding_batch=ctx.state.padding_batch, check=not checked,
+                              autocast=ctx.precision.autocast)
+        passes.first_pass(ctx.model, keep=graphs_to_keep(window_loss, ctx.sync, ctx.model, len(micro_batches),
+                                                         ctx.device))
+        total = passes.gather()
+        passes.loss_gradient(ctx.model, ctx.grads.params, weight=backward_weight(total, window.fix_reference(total), 1.0),
+                             scale=ctx.precision.scale)
+        for k in range(passes.parts):
+            with window.micro_batch():
+                outputs, grads, items = passes.part(k, ctx.model)
+                window.backward_part(outputs, grads, passes.loss, items)
+        if not checked:  # once per WindowLoss, the first window it runs
+            ctx.state.checked_replays.add(window_loss)
+        passes.finish()
         return window.step()
 
 
-def _graphs_to_keep(ctx: WindowContext, window_loss: WindowLoss, own: int) -> int:
-    """How many of this window's last micro-batches keep their pass-1 graph: ``keep_graphs``, but none
+def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: int, device: torch.device) -> int:
+    """How many of the window's first micro-batches keep their pass-1 graph: ``keep_graphs``, but none
     under FSDP2 (its forwards and backwards gather and free shards in order) or with BatchNorm in
-    training mode (pass 1 leaves its statistics as it found them), and under DDP all but one (the
-    reducing backward replays its forward) and the same on every rank (the forwards' collectives)."""
-    if window_loss.keep_graphs == 0 or type(ctx.sync).__name__ == "FSDP2Sync" or training_batchnorms(ctx.model):
+    training mode (pass 1 leaves its statistics as it found them), and, where the last backward reduces
+    across ranks (DDP), all but the last micro-batch (that backward's forward must run under the
+    wrapper's sync) and the same on every rank (a kept forward is a wrapper's forward, a collective)."""
+    if window_loss.keep_graphs == 0 or type(sync).__name__ == "FSDP2Sync" or training_batchnorms(model):
         return 0  # alike on every rank
     keep = min(window_loss.keep_graphs, own)
-    if ctx.sync.reduces_across_ranks:  # every rank asks, one without micro-batches too
-        keep = ctx.sync.min_across(min(keep, own - 1), ctx.device)
+    if sync.reduces_across_ranks:  # every rank asks, one without micro-batches too
+        keep = sync.min_across(min(keep, own - 1), device)
     return max(keep, 0)
 
 
-def _loss_gradient(ctx: WindowContext, window: Window, window_loss: WindowLoss, spec: Any, joined: List[torch.Tensor],
-                   offset: int, mine: int) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], List[Tuple[Any, Any]]]:
-    """The window's loss (the same on every rank), this rank's slice of its gradient with respect to each
-    representation (times ``N * W / R``), and the loss's own parameters with their gradient (``N / R``),
-    taken by ``autograd.grad``, which writes nothing into ``.grad``."""
-    total = joined[0].shape[0]
-    loss, inputs = _window_loss(window_loss, spec, joined, ctx)
-    wrt = [t for t in inputs if t.requires_grad]  # the representations; labels and Constants ride along
-    outside: List[torch.Tensor] = [p for p in ctx.grads.params if p.requires_grad]
-    weighted = ctx.precision.scale(loss * backward_weight(total, window.fix_reference(total), 1.0))
-    with torch.autocast(device_type=ctx.device.type, enabled=False):
-        found = iter(torch.autograd.grad(weighted, wrt + outside, allow_unused=True))
-    of_inputs = [next(found) if t.requires_grad else None for t in inputs]
-    refuse_a_loss_without_representations(of_inputs)
-    slices: List[Optional[torch.Tensor]] = [None if g is None else g[offset:offset + mine] * ctx.sync.grad_divisor
-                                            for g in of_inputs]
-    own = [(p, g) for p, g in zip(outside, found) if g is not None]
-    return loss.detach(), slices, own
+class CachedPasses:
+    """One window of a :class:`WindowLoss`, step by step: the one implementation of the cached two
+    passes, which a driver calls from its own loop (the Accumulator's :func:`run_cached_window`; the
+    Trainers' ``compute_loss`` through :mod:`gradaccum.integrations.hf_window_loss`).
+
+    In the order a driver calls it (the module docstring has the maths):
+
+    1. :meth:`first_pass`: each micro-batch's representations without a graph, the random state saved
+       before each and after all; the first ``keep`` micro-batches keep their graph (see below).
+    2. :meth:`gather` then :meth:`loss_gradient`: every rank's representations joined (rank 0's first),
+       the window's loss ``L`` and the gradient of ``scale(weight * L)`` (``L`` in float32 at least)
+       with respect to the representations (this rank's slice, times the ranks' divisor ``W``) and to the
+       parameters the loss reaches itself (a temperature), by ``autograd.grad``, which writes nothing.
+    3. :meth:`part` for ``k`` in ``range(parts)``: micro-batch k's representations (its forward again,
+       its random state replayed, or pass 1's kept graph) and their gradients, for the driver to
+       backpropagate (``autograd.backward``, or :meth:`surrogate`'s scalar for a framework that calls
+       ``.backward()`` itself); then the zero-weight padding the ranks need.
+    4. :meth:`finish`: the random state as after pass 1 (the window drew its numbers once) and, in a
+       checked window, pass 2's representations compared with pass 1's on every rank
+       (:func:`gradaccum.errors.replay_differs`).
+
+    **Which graphs are kept: the first micro-batches'.** Every driver runs pass 2 in order, and a
+    framework's loop (the Trainer) calls micro-batch 0 first and runs pass 1 inside that call; the
+    kept graphs are then backpropagated before any replayed forward allocates activations (in pass 2 the
+    kept micro-batches' activations *or* one replayed micro-batch's, never both; in pass 1 a kept graph
+    is held while the other forwards run, one forward's passing tensors more), and the last
+    micro-batch, whose backward reduces across ranks, is a forward run again under the wrapper's sync
+    (the Trainer's last call runs outside ``no_sync``, so its graph cannot be kept from pass 1).
+
+    **Half precision, one treatment:** the loss is taken in float32 at least before its gradient, and
+    multiplied by the driver's loss scale (``scale``: the Accumulator's GradScaler; a Trainer, whose own
+    scaler multiplies the surrogate at its backward, passes none).
+
+    Args:
+        window_loss, micro_batches: the loss (``encode``, ``loss``); this rank's micro-batches of the window.
+        sync, device: the data-parallel seam (:mod:`gradaccum.sync`: the gather, the ranks' divisor and
+            agreements); where the random states, flags and counts live.
+        sizes: each micro-batch's items (checked against the representations' rows), or None: read them.
+        padding, padding_batch: zero-weight micro-batches the ranks ask this rank to run, and the batch
+            it runs for them.
+        check: compare pass 2's representations with pass 1's (the first window a loss runs).
+        autocast: the forward's and the loss's autocast context (none by default).
+    """
+
+    def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,
+                 sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None, check: bool = False,
+                 autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+        self.window_loss, self.micro_batches = window_loss, list(micro_batches)
+        self.sync, self.device, self.sizes, self.check, self.autocast = sync, device, sizes, check, autocast
+        self.padding, self.padding_batch = padding, padding_batch
+        self.cached: List[List[torch.Tensor]] = []
+        self.states: List[RandomState] = []
+        self.end: Optional[RandomState] = None
+        self.spec: Any = None
+        self.empty: List[torch.Tensor] = []
+        #: micro-batch index -> its representations with their graph (pass 1 kept it)
+        self.graphs: Dict[int, List[torch.Tensor]] = {}
+        self.differentiable: List[bool] = []
+        self.joined: List[torch.Tensor] = []
+        self.offset = 0
+        #: the window's loss L, detached (after :meth:`loss_gradient`)
+        self.loss: Optional[torch.Tensor] = None
+        self.total = 0
+        self.slices: List[Optional[torch.Tensor]] = []
+        self.carried: List[Tuple[Any, Any]] = []
+        self.alike = True
+        self.ran = 0
+
+    @property
+    def parts(self) -> int:
+        """Backward parts this rank runs in pass 2: its micro-batches, then its padding."""
+        return len(self.micro_batches) + self.padding
+
+    # -- pass 1 ------------------------------------------------------------------------------------
+
+    def first_pass(self, model: nn.Module, *, keep: int = 0, graph_model: Optional[nn.Module] = None) -> None:
+        """Each micro-batch's representations on ``model`` without a graph, the random state before each;
+        the first ``keep`` on ``graph_model`` (``model`` by default: a Trainer runs pass 1 on the
+        unwrapped model and the kept forwards on its data-parallel wrapper) with their graph, under the
+        wrapper's "do not reduce"; then the padding's forwards (their collectives, as the ranks with data
+        run them). BatchNorm's running statistics are left as pass 1 found them."""
+        sizes = self.sizes
+        with torch.no_grad(), _batchnorm_stats_kept(model), self.autocast():
+            for k, mb in enumerate(self.micro_batches):
+                self.states.append(RandomState(self.device))
+                if k < keep:
+                    with torch.enable_grad(), self.sync.micro_batch(last=False):
+                        out = self.window_loss.encode(graph_model if graph_model is not None else model, mb)
+                    outs = _flat(out, rows_of(out) if sizes is None else sizes[k], k)
+                    self.graphs[k] = outs
+                    self.cached.append([o.detach() for o in outs])
+                else:
+                    out = self.window_loss.encode(model, mb)
+                    self.cached.append(_flat(out, rows_of(out) if sizes is None else sizes[k], k))
+                self.spec = out if self.spec is None else self.spec
+            for _ in range(self.padding):
+                out = self.window_loss.encode(model, self.padding_batch)
+                if self.spec is None:
+                    self.spec, self.empty = out, [t[:0] for t in _flat(out, leading_dim(self.padding_batch), 0)]
+        self.end = RandomState(self.device)
+        self.sizes = [c[0].shape[0] for c in self.cached]
+        self.differentiable = _differentiable(self.spec) if self.spec is not None else []
+
+    def _local(self) -> List[torch.Tensor]:
+        """This rank's representations joined along dim 0, one tensor per position in the structure."""
+        if self.cached:
+            return [torch.cat(column) for column in zip(*self.cached)]
+        if not self.empty:
+            raise ConfigurationError("WindowLoss: this rank has no micro-batch in the window and none to pad with: "
+                                     "give it one with acc.set_padding(micro_batch)")
+        return self.empty
+
+    # -- the loss and its gradient -----------------------------------------------------------------
+
+    def gather(self) -> int:
+        """Every rank's representations, joined (rank 0's first); returns the window's N, every rank's."""
+        self.joined, self.offset = self.sync.gather_items(self._local())
+        self.total = int(self.joined[0].shape[0])
+        return self.total
+
+    def loss_gradient(self, loss_model: Any, params: Sequence[torch.Tensor], *, weight: float = 1.0,
+                      scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
+        """The window's loss ``L`` (the same on every rank) on ``loss_model``, and the gradient of
+        ``scale(weight * L)``: this rank's slices with respect to the representations (times ``W``, the
+        ranks' divisor), the loss's own parameters' (put in ``.grad`` now, or carried by the last part,
+        the one that reduces: :meth:`gradaccum.sync.GradSync.folds_outside_gradients`). Returns ``L``."""
+        inputs = [t.detach().requires_grad_(d) for t, d in zip(self.joined, self.differentiable)]
+        with self.autocast():
+            loss = _checked_loss(self.window_loss.loss(loss_model, _rebuild(self.spec, iter(inputs))))
+        wrt = [t for t in inputs if t.requires_grad]  # the representations; labels and Constants ride along
+        outside = [p for p in params if p.requires_grad]  # those the loss reaches itself get a gradient
+        weighted = scale(_at_least_float32(loss) * weight)
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            found = iter(torch.autograd.grad(weighted, wrt + outside, allow_unused=True))
+        of_inputs = [next(found) if t.requires_grad else None for t in inputs]
+        refuse_a_loss_without_representations(of_inputs)
+        mine = sum(self.sizes)
+        self.slices = [None if g is None else g[self.offset:self.offset + mine] * self.sync.grad_divisor
+                       for g in of_inputs]
+        own = [(p, g) for p, g in zip(outside, found) if g is not None]
+        if own and not self.sync.folds_outside_gradients():  # in .grad before any backward (DDP reads it there)
+            torch.autograd.backward([p for p, _ in own], [g for _, g in own])
+        else:
+            self.carried = own
+        self.loss = loss.detach()
+        return self.loss
+
+    # -- pass 2 ------------------------------------------------------------------------------------
+
+    def part(self, k: int, model: nn.Module) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
+        """Part ``k`` of pass 2: micro-batch k's representations (pass 1's kept graph, or its forward on
+        ``model`` again from its saved random state) and their gradients, with its item count; past the
+        micro-batches, a padding forward with zero gradients and no item. The last part also carries the
+        loss's own parameters and their gradient. Runs inside the driver's micro-batch context (the
+        wrapper's sync and autocast)."""
+        if self.loss is None or k != self.ran or k >= self.parts:
+            raise RuntimeError(f"CachedPasses.part({k}) out of order: after loss_gradient(), parts 0 to "
+                               f"{self.parts - 1} one by one ({self.ran} ran)")
+        own = k < len(self.micro_batches)
+        if own and k in self.graphs:
+            outs = self.graphs.pop(k)
+        else:
+            if own:
+                self.states[k].restore()
+            batch = self.micro_batches[k] if own else self.padding_batch
+            outs = _flat(self.window_loss.encode(model, batch), self.sizes[k] if own else leading_dim(batch),
+                         k if own else 0)
+            if own and self.check:
+                self.alike &= _same(outs, self.cached[k])
+        if k == 0 and self.check:
+            _agree_outputs_require_grad(self.sync, self.device, outs, self.differentiable)
+        if own:
+            at = sum(self.sizes[:k])
+            pairs = [(o, g[at:at + self.sizes[k]]) for o, g in zip(outs, self.slices) if g is not None]
+        else:  # zero weight: it adds nothing, but runs the collectives of a backward
+            pairs = [(o, torch.zeros_like(o)) for o, d in zip(outs, self.differentiable) if d and o.requires_grad]
+        self.ran = k + 1
+        pairs += self.carried if self.ran == self.parts else []
+        return [o for o, _ in pairs], [g for _, g in pairs], self.sizes[k] if own else 0
+
+    def surrogate(self, k: int, model: nn.Module) -> torch.Tensor:
+        """Part ``k`` as one scalar for a framework that calls ``.backward()`` itself: its gradient is
+        :meth:`part`'s (``sum <z, g>``, half-precision terms summed in float32), its value ``L * n_k * W / N``
+        (summed over the window and averaged over the ranks: ``L``, which the framework logs)."""
+        outs, grads, items = self.part(k, model)
+        assert self.loss is not None
+        dtype = torch.promote_types(self.loss.dtype, torch.float32)
+        terms = [(o * g.to(o.dtype)).sum().to(dtype) for o, g in zip(outs, grads)]
+        total = torch.stack(terms).sum() if terms else self.loss.to(dtype) * 0
+        value = self.loss.to(dtype) * (items * self.sync.grad_divisor / max(self.total, 1))
+        return total - total.detach() + value
+
+    def finish(self) -> None:
+        """After the last part: the random state as after pass 1 alone (the window drew its random numbers
+        once); in a checked window, on every rank alike, the refusal where a replay differed."""
+        assert self.end is not None, "pass 1 saved where the random state stands after it"
+        self.end.restore()
+        if self.check and self.sync.any_rank(not self.alike, self.device):
+            raise replay_differs("WindowLoss", "gave other representations (encode's outputs)")
+
+
+def _agree_outputs_require_grad(sync: Any, device: torch.device, outs: List[torch.Tensor],
+                                differentiable: List[bool]) -> None:
+    """In a checked window, before any backward: every float representation requires grad, on every
+    rank (one rank raising alone would leave the others waiting in the reduction)."""
+    detached = [o for o, d in zip(outs, differentiable) if d and not o.requires_grad]
+    if sync.any_rank(bool(detached), device):
+        raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this rank "
+                                 "or another): it ran under torch.no_grad() or was detached. Return the model's "
+                                 "outputs as they are")
+
+
+def window_loss_of_batch(window_loss: WindowLoss, model: nn.Module, loss_model: Any, batch: Batch) -> torch.Tensor:
+    """The loss of one batch alone (evaluation): ``loss(loss_model, encode(model, batch))``, checked."""
+    out = window_loss.encode(model, batch)
+    return _checked_loss(window_loss.loss(loss_model, _rebuild(out, iter(_flat(out, rows_of(out), 0)))),
+                         needs_grad=torch.is_grad_enabled())
+
+
+def rows_of(out: Any) -> int:
+    """The micro-batch's items: the leading size of the first tensor of the representations."""
+    for _, leaf in leaves(out):
+        leaf = leaf.tensor if isinstance(leaf, Constant) else leaf
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ConfigurationError("WindowLoss: encode(model, micro_batch) returned no tensor with a leading dimension; "
+                             "return the micro-batch's representations (a tensor, or a tuple/list/dict of tensors)")
 
 
 def refuse_a_loss_without_representations(grads: List[Optional[torch.Tensor]]) -> None:
@@ -274,110 +502,8 @@ def refuse_a_loss_without_representations(grads: List[Optional[torch.Tensor]]) -
             "No step was taken")
 
 
-def _second_pass(ctx: WindowContext, window: Window, window_loss: WindowLoss, micro_batches: List[Batch],
-                 sizes: List[int], first: "_FirstPass", loss: torch.Tensor, slices: List[Optional[torch.Tensor]],
-                 carried: List[Tuple[Any, Any]]) -> None:
-    """The micro-batches whose graph pass 1 kept are backpropagated first; then each other one's forward
-    runs again from its saved random state and is backpropagated with its slice; then the padding the
-    ranks need. ``carried`` (the loss's parameters and their gradient) rides in the last backward, the
-    one that reduces. The first window compares the replay with pass 1, on every rank."""
-    alike, padding_batch = True, ctx.state.padding_batch
-    checked = window_loss in ctx.state.checked_replays
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    kept = sorted(first.graphs)
-    order: List[Optional[int]] = kept + [k for k in range(len(micro_batches)) if k not in first.graphs]
-    order += [None] * window.padding
-    for i, k in enumerate(order):
-        own = k is not None
-        n = sizes[k] if k is not None else leading_dim(padding_batch)
-        with window.micro_batch():
-            if k is not None and k in first.graphs:
-                outs, differentiable = first.graphs.pop(k), first.differentiable
-            else:
-                if k is not None:
-                    first.states[k].restore()
-                out = window_loss.encode(ctx.model, micro_batches[k] if k is not None else padding_batch)
-                outs, differentiable = _flat(out, n, k if k is not None else 0), _differentiable(out)
-                if k is not None:
-                    alike &= checked or _same(outs, first.cached[k])
-            if i == 0 and not checked:
-                _agree_outputs_require_grad(ctx, outs, differentiable)
-            if k is not None:
-                at = starts[k]
-                pairs = [(o, g[at:at + n]) for o, g in zip(outs, slices) if g is not None]
-            else:  # zero weight: it adds nothing, but runs the collectives of a backward
-                pairs = [(o, torch.zeros_like(o)) for o, d in zip(outs, differentiable) if d and o.requires_grad]
-            pairs += carried if i == len(order) - 1 else []
-            window.backward_part([o for o, _ in pairs], [g for _, g in pairs], loss, n if own else 0)
-    assert first.end is not None, "pass 1 saved where the random state stands after it"
-    first.end.restore()  # as after pass 1 alone: the window drew its random numbers once
-    if not checked:  # once, and on every rank alike: none raises alone
-        ctx.state.checked_replays.add(window_loss)
-        if ctx.sync.any_rank(not alike, ctx.device):
-            raise replay_differs("WindowLoss", "gave other representations (encode's outputs)")
-
-
-def _agree_outputs_require_grad(ctx: WindowContext, outs: List[torch.Tensor], differentiable: List[bool]) -> None:
-    """In the first window, before any backward: every float representation requires grad, on every rank
-    (one rank raising alone would leave the others waiting in the reduction)."""
-    detached = [i for i, (o, d) in enumerate(zip(outs, differentiable)) if d and not o.requires_grad]
-    if ctx.sync.any_rank(bool(detached), ctx.device):
-        raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this rank or "
-                         "another): it ran under torch.no_grad() or was detached. Return the model's outputs as "
-                         "they are")
-
-
-class _FirstPass:
-    """What pass 1 leaves: each micro-batch's representations, the random state before each and after
-    all, their structure, and zero-row tensors of their shapes (for a rank that has none)."""
-
-    def __init__(self) -> None:
-        self.cached: List[List[torch.Tensor]] = []
-        self.states: List[RandomState] = []
-        self.spec: Any = None
-        self.empty: List[torch.Tensor] = []
-        self.end: Optional[RandomState] = None
-        #: micro-batch index -> its representations with their graph (pass 1 kept it), and which of them
-        #: are differentiable
-        self.graphs: dict = {}
-        self.differentiable: List[bool] = []
-
-    def local(self) -> List[torch.Tensor]:
-        """This rank's representations joined along dim 0, one tensor per position in the structure."""
-        if self.cached:
-            return [torch.cat(column) for column in zip(*self.cached)]
-        if not self.empty:
-            raise ConfigurationError("WindowLoss: this rank has no micro-batch in the window and none to pad with: "
-                             "give it one with acc.set_padding(micro_batch)")
-        return self.empty
-
-
-def _first_pass(ctx: WindowContext, window_loss: WindowLoss, micro_batches: List[Batch], sizes: List[int],
-                padding: int, keep: int = 0) -> _FirstPass:
-    """Pass 1: each micro-batch's representations, and the random state before each; without a graph
-    but for the last ``keep`` micro-batches, whose graph is kept for pass 2 (their forward under the
-    data-parallel wrapper's "do not reduce", as any micro-batch's but the last)."""
-    first = _FirstPass()
-    keep_from = len(micro_batches) - keep
-    with torch.no_grad(), _batchnorm_stats_kept(ctx.model), ctx.precision.autocast():
-        for k, (mb, n) in enumerate(zip(micro_batches, sizes)):
-            first.states.append(RandomState(ctx.device))
-            if k >= keep_from:
-                with torch.enable_grad(), ctx.sync.micro_batch(last=False):
-                    out = window_loss.encode(ctx.model, mb)
-                outs = _flat(out, n, k)
-                first.graphs[k], first.differentiable = outs, _differentiable(out)
-                first.cached.append([o.detach() for o in outs])
-            else:
-                out = window_loss.encode(ctx.model, mb)
-                first.cached.append(_flat(out, n, k))
-            first.spec = out if first.spec is None else first.spec
-        for _ in range(padding):  # the forwards' collectives, as the ranks with data run them
-            out = window_loss.encode(ctx.model, ctx.state.padding_batch)
-            if first.spec is None:
-                first.spec, first.empty = out, [t[:0] for t in _flat(out, leading_dim(ctx.state.padding_batch), 0)]
-    first.end = RandomState(ctx.device)
-    return first
+def _at_least_float32(loss: torch.Tensor) -> torch.Tensor:
+    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
 
 
 def _same(again: List[torch.Tensor], first: List[torch.Tensor]) -> bool:

@@ -141,10 +141,10 @@ def lightning_ddp_window_loss_recipe():
 
 
 def st_ddp_datasets_split_across_ranks_are_refused_on_every_rank():
-    """Two datasets, round robin: Accelerate gives batch i to rank i % 2, so rank 0's windows hold only
-    dataset a and rank 1's only b. Each rank alone sees one dataset; together the gathered window would
-    mix them (each rank computing another dataset's loss on it). Refused on both ranks alike, before
-    the gather (a rank refusing alone would leave the other waiting in it)."""
+    """Two datasets, round robin, one batch per rank per window: Accelerate gives batch i to rank i % 2, so
+    rank 0's windows hold only dataset a and rank 1's only b. Each rank alone sees one dataset; together
+    the gathered window would mix them. Refused on both ranks alike before training (the window is
+    gradient_accumulation_steps x the processes' batches), so that no rank waits in a collective."""
     import sentence_transformers.losses as L
 
     from gradaccum import ConfigurationError
@@ -153,14 +153,13 @@ def st_ddp_datasets_split_across_ranks_are_refused_on_every_rank():
     base, _, folder = _models()
     model = fresh(base)
     data = {"a": dataset("pairs", 12), "b": dataset("pairs", 12, seed=1)}
-    loss = {"a": L.MultipleNegativesRankingLoss(model), "b": L.MultipleNegativesRankingLoss(model)}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            train_once(ExactSentenceTransformerTrainer, model, loss, data, folder / "datasets", batch=3,
-                       accumulation=2, lr=LR, multi_dataset_batch_sampler="round_robin")
+            train_once(ExactSentenceTransformerTrainer, model, L.MultipleNegativesRankingLoss(model), data,
+                       folder / "datasets", batch=3, accumulation=1, lr=LR, multi_dataset_batch_sampler="round_robin")
     except ConfigurationError as refused:
-        assert "dataset per rank: [0, 1]" in str(refused), refused
+        assert "a window holds gradient_accumulation_steps=1 x 2 process(es) batches" in str(refused), refused
         return "refused on this rank"
     raise AssertionError("a window mixing datasets across the ranks was trained")
 

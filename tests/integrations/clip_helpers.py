@@ -58,10 +58,12 @@ def big_batch_step(model: nn.Module, rows: List[Dict[str, torch.Tensor]], lr: fl
 
 
 class DualEncoder(nn.Module):
-    """A model of one's own: two towers and a temperature its loss reads (inside the model)."""
+    """A model of one's own: two towers and a temperature its loss reads (inside the model), and
+    optionally dropout on the text tower's output."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout  # on the text representation, when above 0
         torch.manual_seed(seed)
         self.text = nn.Sequential(nn.Embedding(40, 8), nn.Flatten(), nn.Linear(8 * SEQ, 8))
         self.image = nn.Sequential(nn.Flatten(), nn.Linear(3 * IMAGE * IMAGE, 8))
@@ -69,7 +71,10 @@ class DualEncoder(nn.Module):
         self.double()
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, **_: Any):
-        return self.text(input_ids), self.image(pixel_values)
+        text = self.text(input_ids)
+        if self.dropout > 0:
+            text = nn.functional.dropout(text, self.dropout, self.training)
+        return text, self.image(pixel_values)
 
 
 def own_loss(model: nn.Module, reps) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("datasets")
@@ -73,19 +74,50 @@ def test_a_loss_it_cannot_serve_is_refused_by_name_before_training(models, tmp_p
                    batch=4, accumulation=2)
 
 
-def test_a_window_mixing_datasets_is_refused_when_it_reaches_the_loss(models, tmp_path):
-    """Two datasets (the proportional sampler interleaves them): a coupled loss is one dataset's big batch."""
+MIXED = ("ExactSentenceTransformerTrainer: train_dataset holds 2 datasets ('a', 'b') and a window holds "
+         "gradient_accumulation_steps=4 x 1 process(es) batches, which the multi_dataset_batch_sampler ({}) draws "
+         "from different datasets: one window would be one big batch over several datasets (in-batch negatives "
+         "across them), which sentence-transformers never trains (each of its batches is one dataset's). Train one "
+         "dataset per run (train_dataset=train_dataset['a']), concatenate them into one Dataset if a batch should mix "
+         "them (datasets.concatenate_datasets), or set gradient_accumulation_steps=1 on one process")
+
+
+@pytest.mark.parametrize("sampler", ["round_robin", "proportional"])
+@pytest.mark.parametrize("one_loss", [True, False])
+def test_several_datasets_in_windows_of_several_batches_are_refused_before_training(models, tmp_path, sampler,
+                                                                                    one_loss):
+    """Two datasets: the multi-dataset sampler interleaves their batches, so a window would be one big batch
+    over both (in-batch negatives across datasets), which sentence-transformers never trains. With one
+    loss for both (no ``dataset_name`` column) this trained silently before; refused before any step."""
     base, _ = models
     model = fresh(base)
+    before = [p.detach().clone() for p in model.parameters()]
     data = {"a": dataset("pairs", 8), "b": dataset("pairs", 8, seed=1)}
-    loss = {"a": L.MultipleNegativesRankingLoss(model), "b": L.MultipleNegativesRankingLoss(model)}
-    with pytest.raises(ValueError, match=r"one window holds micro-batches of several datasets \(this rank: \['a', 'b'\]"):
+    loss = (L.MultipleNegativesRankingLoss(model) if one_loss else
+            {"a": L.MultipleNegativesRankingLoss(model), "b": L.MultipleNegativesRankingLoss(model)})
+    with pytest.raises(ValueError) as refused:
         train_once(ExactSentenceTransformerTrainer, model, loss, data, tmp_path, batch=4, accumulation=4,
-                   multi_dataset_batch_sampler="round_robin")
+                   multi_dataset_batch_sampler=sampler)
+    assert str(refused.value) == MIXED.format(sampler)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_several_datasets_one_batch_per_window_train_as_the_stock_trainer(models, tmp_path):
+    """gradient_accumulation_steps=1 on one process: each window is one batch of one dataset, as the stock
+    trainer's; not refused, and the step is the stock trainer's."""
+    base, _ = models
+    data = {"a": dataset("pairs", 8), "b": dataset("pairs", 8, seed=1)}
+    ran = {}
+    for cls in (ExactSentenceTransformerTrainer, SentenceTransformerTrainer):
+        model = fresh(base)
+        train_once(cls, model, L.MultipleNegativesRankingLoss(model), data, tmp_path / cls.__name__, batch=4,
+                   accumulation=1, steps=2, multi_dataset_batch_sampler="round_robin")
+        ran[cls] = moved(base, model)
+    assert distance(ran[ExactSentenceTransformerTrainer], ran[SentenceTransformerTrainer]) < TOL
 
 
 def test_evaluation_saving_and_resuming_stay_the_trainer_s(models, tmp_path):
-    """Checkpoints every step; a run resumed from step 1 ends where the uninterrupted one does; the
+    """Checkpoints every step; a run resumed from step 1 ends where the uninterrupted one does, bit for bit; the
     evaluation loss is the stock trainer's per-batch loss."""
     from sentence_transformers import SentenceTransformerTrainingArguments
 
@@ -109,4 +141,5 @@ def test_evaluation_saving_and_resuming_stay_the_trainer_s(models, tmp_path):
     assert math.isclose(trainer.evaluate()["eval_loss"], stock_eval, rel_tol=1e-12)
     resumed = fresh(base)
     run(resumed, 2, resume=str(tmp_path / "run" / "checkpoint-1"))
-    assert distance(moved(base, resumed), moved(base, whole)) < TOL
+    assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), whole.parameters()))  # bit for bit
+    assert max(t.abs().max().item() for t in moved(base, whole)) > 1e-3  # the steps moved it

@@ -283,9 +283,12 @@ class ExactTrainer(Trainer):
 
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, loss_source(type(self)))
         if kwargs.get("compute_loss_func") is not None:
-            raise ConfigurationError("ExactTrainer(compute_loss_func=...): ExactTrainer cannot weigh a loss whose reduction "
-                             "it does not know; drop compute_loss_func (ExactTrainer computes the model's loss), or "
-                             "use Trainer")
+            given = getattr(kwargs["compute_loss_func"], "__qualname__", type(kwargs["compute_loss_func"]).__name__)
+            raise ConfigurationError(f"ExactTrainer(compute_loss_func={given}): ExactTrainer "
+                                     "cannot weigh a loss whose reduction it does not know. A loss that couples the "
+                                     "batch's rows (in-batch negatives, contrastive) goes in as compute_loss_func="
+                                     "gradaccum.WindowLoss(encode, loss), run over the whole window; for the model's "
+                                     "own loss drop compute_loss_func (ExactTrainer computes it), or use Trainer")
         if head is not None and head not in HEADS:
             raise ConfigurationError(f"ExactTrainer(head={head!r}): supported heads are {', '.join(HEADS)}")
         self.source = loss_source(type(self))

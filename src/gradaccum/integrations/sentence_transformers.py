@@ -79,9 +79,9 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
     losses that decode tokens, an ``AdaptiveLayerLoss`` inside another loss; a GIST guide that
     re-tokenizes; DeepSpeed, FSDP and DataParallel. ``AdaptiveLayerLoss`` (and ``Matryoshka2dLoss``) as
     the outermost loss is served every layer's sentence embedding (pass 1 and 2 run the model with its
-    hidden states) and its layers, weights and KL term are computed over the window. A window
-    whose micro-batches come from several datasets (``train_dataset`` a dict) is refused when it
-    reaches the loss: one coupled loss has one dataset.
+    hidden states) and its layers, weights and KL term are computed over the window. Several
+    training datasets (``train_dataset`` a dict of more than one) with windows of more than one batch
+    are refused before training (:func:`refuse_windows_mixing_datasets`): their windows would mix datasets.
 
     Example:
         >>> args = SentenceTransformerTrainingArguments("out", per_device_train_batch_size=32,
@@ -95,6 +95,8 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         refuse_what_a_window_loss_cannot_run(self)
+        refuse_windows_mixing_datasets(self.train_dataset, self.args.gradient_accumulation_steps,
+                                       self.accelerator.num_processes, self.args.multi_dataset_batch_sampler)
         for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss]):
             refuse_a_loss(loss)
         self._windows = TrainerWindows(self)
@@ -120,17 +122,7 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
 
     def _window_loss(self, model: nn.Module, batches: List[Any]) -> Tuple[WindowLoss, List[nn.Parameter], Any]:
         """The window's loss (its dataset's), served as a WindowLoss, and the loss's own parameters."""
-        names = {b.get("dataset_name") for b in batches}
-        keys = [str(k) for k in self.loss] if isinstance(self.loss, dict) else []
-        code = -1 if len(names) > 1 else keys.index(str(next(iter(names)))) if keys and names else 0
-        codes = [code]  # every rank's window must be one and the same dataset: agreed before any collective
-        if self.accelerator.num_processes > 1:
-            codes = self.accelerator.gather(torch.tensor([code], device=self.args.device)).tolist()
-        if min(codes) < 0 or len(set(codes)) > 1:
-            raise ConfigurationError(f"ExactSentenceTransformerTrainer: one window holds micro-batches of several "
-                                     f"datasets (this rank: {sorted(map(str, names))}, dataset per rank: {codes}, -1 "
-                                     "mixed); a coupled loss is one big batch of one dataset. Train one dataset per "
-                                     "run, or gradient_accumulation_steps=1 on one process")
+        names = {b.get("dataset_name") for b in batches}  # one dataset: refused at __init__ otherwise
         name = names.pop() if names else None
         loss_fn = self.loss[name] if isinstance(self.loss, dict) and name else self.loss
         module = self.accelerator.unwrap_model(model)
@@ -138,6 +130,26 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
         served = _ServedLoss(self, loss_fn, module, guides)
         models = {id(p) for m in [module, *guides.values()] for p in m.parameters()}
         return WindowLoss(served.encode, served.loss), [p for p in loss_fn.parameters() if id(p) not in models], None
+
+
+def refuse_windows_mixing_datasets(train_dataset: Any, accumulation: int, world: int, sampler: Any) -> None:
+    """Several training datasets, and a window of more than one batch: the multi-dataset batch sampler
+    interleaves their batches (round robin, proportional; under DDP consecutive batches go to different
+    ranks), so a window would join batches of several datasets into one big batch: in-batch negatives
+    across datasets, which sentence-transformers, drawing each batch from one dataset, never trains on.
+    Refused before training, whatever the loss (one, or one per dataset)."""
+    if not isinstance(train_dataset, dict) or len(train_dataset) < 2 or accumulation * world == 1:
+        return
+    names = ", ".join(repr(str(name)) for name in train_dataset)
+    first = str(next(iter(train_dataset)))
+    raise ConfigurationError(
+        f"ExactSentenceTransformerTrainer: train_dataset holds {len(train_dataset)} datasets ({names}) and a window "
+        f"holds gradient_accumulation_steps={accumulation} x {world} process(es) batches, which the "
+        f"multi_dataset_batch_sampler ({getattr(sampler, 'value', sampler)}) draws from different datasets: one window "
+        "would be one big batch over several datasets (in-batch negatives across them), which sentence-transformers "
+        f"never trains (each of its batches is one dataset's). Train one dataset per run (train_dataset=train_dataset"
+        f"[{first!r}]), concatenate them into one Dataset if a batch should mix them (datasets.concatenate_datasets), "
+        "or set gradient_accumulation_steps=1 on one process")
 
 
 def refuse_a_loss(loss: nn.Module) -> None:
