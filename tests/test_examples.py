@@ -58,8 +58,5 @@ def test_contrastive_window_loss_is_one_big_batch_and_plain_accumulation_is_not(
     quote_text = guide[guide.index("`examples/contrastive.py`"):][:600]
     quoted = re.findall(r"\d(?:\.\d+)?e-\d+", quote_text)[:2]
     assert len(quoted) == 2, "docs/guides/contrastive.md no longer quotes examples/contrastive.py's two distances"
-    if quoted == ["4.4e-16", "2.5e-1"]:  # stale; contrastive.md is edited on another branch (#40 item 7)
-        pytest.skip("docs/guides/contrastive.md quotes plain accumulation 2.5e-1, the example prints "
-                    f"{plain:.1e}: to be fixed by the contrastive guide's owner")
     for quote, figure in zip(quoted, found.groups()):
         assert_figure(quote, figure, "docs/guides/contrastive.md")
