@@ -90,8 +90,11 @@ def failure_summary(returncode: int, output: str) -> str:
     for line in errors:
         if line not in seen:
             seen.append(line)
-    return ("\n== torchrun exited " + str(returncode) + ": the failed ranks ==\n" + "\n".join(table[-12:] or ["(no table)"])
-            + "\n== the workers' error lines ==\n" + "\n".join(seen[-12:] or ["(none)"]) + "\n")
+    # each line quoted ("  | "), so that a test reading the workers' own lines (a usage error said once,
+    # from rank 0) never counts the summary's copy of them
+    quoted = lambda rows: "\n".join("  | " + row for row in rows)  # noqa: E731
+    return ("\n== torchrun exited " + str(returncode) + ": the failed ranks ==\n" + quoted(table[-12:] or ["(no table)"])
+            + "\n== the workers' error lines ==\n" + quoted(seen[-12:] or ["(none)"]) + "\n")
 
 
 def finish_worker(code: int = 0) -> NoReturn:
