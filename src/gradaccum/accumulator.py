@@ -54,9 +54,18 @@ from .schedule import AccumSteps
 from .sync import GradSync, sync_for
 from .errors import ConfigurationError
 
-__all__ = ["Accumulator"]
+__all__ = ["Accumulator", "LowPrecisionWarning"]
 
 _NONFINITE = ("skip", "raise")
+#: ``accum_dtype=`` names besides a dtype: float32 buffers for low-precision parameters, or none
+ACCUM_DTYPES = ("auto", "param")
+#: parameter dtypes whose window gradient ``accum_dtype="auto"`` sums in float32
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class LowPrecisionWarning(UserWarning):
+    """The window's gradient is summed in bf16/fp16 where gradaccum cannot sum it in float32 (under a
+    data-parallel wrapper that owns the sum): the warning names the setting that would."""
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
 Scheduler = Any
@@ -74,8 +83,15 @@ class Accumulator:
         max_grad_norm: clip the window's gradient to this total 2-norm, after normalization and
             unscaling.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
-        accum_dtype: e.g. ``torch.float32``: accumulate low-precision parameters' gradients in
-            buffers of this dtype, rounded once for the optimizer.
+        accum_dtype: where bf16/fp16 parameters' window gradient is summed. ``"auto"`` (the default):
+            in float32 buffers, one rounding of the window's gradient to the parameter's dtype for the
+            optimizer (single process; under DDP, FSDP2 or DeepSpeed the wrapper owns the sum, and a
+            setting that sums in bf16 there is named once in a warning). A dtype such as
+            ``torch.float64``: buffers of that dtype. ``"param"`` (or None) opts out: the sum is kept in
+            the parameter's own ``.grad``, rounded to 8 bits of mantissa (bf16) after every
+            micro-batch, so its error grows with the micro-batches (bf16 GPT-2, K = 64: about 2x the
+            floor; ``make bench``'s precision section) for 2 bytes per parameter less (float32
+            buffers cost 4 bytes per low-precision parameter while a window is open).
         nonfinite: ``"skip"`` a window whose loss or measured gradient is not finite (with a warning
             the first time; ``acc.skipped`` counts them), or ``"raise"``.
         reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch
@@ -112,7 +128,7 @@ class Accumulator:
         scheduler: Scheduler = None,
         max_grad_norm: Optional[float] = None,
         precision: str = "fp32",
-        accum_dtype: Optional[torch.dtype] = None,
+        accum_dtype: Union[None, str, torch.dtype] = "auto",
         nonfinite: str = "skip",
         reduce_every_micro_batch: bool = False,
         data_parallel: str = "auto",
@@ -318,8 +334,9 @@ def _check_arguments(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: 
         positive_number("max_grad_norm", max_grad_norm, what="a positive finite number or None")
     if nonfinite not in _NONFINITE:
         raise ConfigurationError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-    if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
-        raise TypeError(f"accum_dtype must be a torch.dtype such as torch.float32, got {accum_dtype!r}")
+    if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES and not isinstance(accum_dtype, torch.dtype):
+        raise TypeError(f"accum_dtype must be 'auto' (float32 buffers for bf16/fp16 parameters), 'param' (the "
+                        f"parameter's own dtype) or a torch.dtype such as torch.float32, got {accum_dtype!r}")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigurationError("model has no parameter that requires grad; there is nothing to accumulate")
@@ -388,19 +405,37 @@ def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _buffers(accum_dtype: Optional[torch.dtype], sync: GradSync, precision: str,
+def _buffers(accum_dtype: Union[None, str, torch.dtype], sync: GradSync, precision: str,
              params: Sequence[torch.nn.Parameter]) -> Optional[AccumulationBuffers]:
-    if accum_dtype is None:
+    """The window's float buffers, or None where the sum stays in ``.grad`` (see ``accum_dtype``)."""
+    if accum_dtype is None or accum_dtype == "param":
         return None
+    if accum_dtype == "auto":
+        cost = None
+        if sync.reduces_across_ranks:  # the wrapper owns the sum: it is summed in float32 or named here
+            cost = sync.low_precision_sum(params)
+        elif not any(p.dtype in LOW_PRECISION for p in params):
+            return None
+        elif precision == "fp16":
+            cost = ("precision='fp16' with bf16/fp16 parameters: GradScaler unscales float32 gradients only, so "
+                    "the window's gradient is summed in the parameters' own dtype")
+        if sync.reduces_across_ranks or precision == "fp16":
+            if cost is not None:
+                warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the "
+                              "window (bf16 GPT-2, 64 micro-batches: about 2x the error of a float32 sum). "
+                              "Pass accum_dtype='param' to accept it without this warning", LowPrecisionWarning,
+                              stacklevel=4)
+            return None
+        accum_dtype = torch.float32
     if sync.reduces_across_ranks:
         raise ConfigurationError(
-            "accum_dtype is for single-process training; with DDP or FSDP2 keep float32 "
+            f"accum_dtype is for single-process training (got accum_dtype={accum_dtype}); with DDP or FSDP2 keep float32 "
             "master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "reduce_dtype=torch.float32)) and leave accum_dtype=None"
+            "reduce_dtype=torch.float32)) and leave accum_dtype='auto'"
         )
     if precision == "fp16":
         raise ConfigurationError(
-            "accum_dtype with precision='fp16' is not supported: GradScaler unscales "
-            "float32 gradients only. Use precision='bf16' or keep float32 parameters"
+            f"accum_dtype with precision='fp16' is not supported (accum_dtype={accum_dtype}): GradScaler unscales "
+            "float32 gradients only. Use precision='bf16', keep float32 parameters, or pass accum_dtype='param'"
         )
     return AccumulationBuffers(params, accum_dtype)  # type: ignore[arg-type]

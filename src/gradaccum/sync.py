@@ -229,6 +229,12 @@ class GradSync:
         """Average already-accumulated local gradients across ranks now (used when every backward
         of the window skipped its reduction: a rank without data, or the micro-batch size search)."""
 
+    def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
+        """Where the wrapper sums the window's gradient in bf16/fp16 (its own accumulation, which
+        gradaccum's float32 buffers cannot replace), with the setting that would sum it in float32;
+        None where it sums in float32 (or gradaccum's buffers can, on one process)."""
+        return None
+
 
 class DDPSync(GradSync):
     """``DistributedDataParallel``: ``no_sync()`` around every micro-batch but the last.
@@ -305,6 +311,18 @@ class DDPSync(GradSync):
             offset += g.numel()
 
 
+    def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
+        low = sorted({str(p.dtype) for p in params if p.dtype in _LOW_PRECISION})
+        if not low:
+            return None
+        return (f"DistributedDataParallel sums the window's gradient in the parameters' own .grad ({', '.join(low)}); "
+                "keep float32 parameters and run the forward under precision='bf16' (autocast) to sum it in float32")
+
+
+#: floating dtypes whose running sum rounds to 8 (bf16) or 11 (fp16) bits of mantissa
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def _has_comm_hook(ddp: DistributedDataParallel) -> bool:
     """Whether DDP's logging data names a communication hook (True as well when it cannot be read)."""
     try:
@@ -354,6 +372,24 @@ class FSDP2Sync(GradSync):
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         raise NotImplementedError("FSDP2 reduces gradients only inside its backward pass")
+
+    def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
+        """FSDP2 keeps the unsharded gradient between micro-batches in ``MixedPrecisionPolicy.reduce_dtype``
+        (None: the ``param_dtype``, else the sharded parameters' dtype) and reduce-scatters in it."""
+        for module in self.modules:
+            try:
+                policy = module._get_fsdp_state()._mp_policy  # type: ignore[operator]  # torch's private state
+            except Exception:  # noqa: BLE001 - a torch without it: the parameters' dtype decides alone
+                policy = None
+            param_dtype = getattr(policy, "param_dtype", None)
+            reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
+            sums_in = reduce_dtype or next((p.dtype for p in module.parameters()), None)
+            if sums_in in _LOW_PRECISION:
+                return (f"FSDP2 sums the window's unsharded gradient and reduce-scatters it in {sums_in} "
+                        f"(MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype={getattr(policy, 'reduce_dtype', None)}) "
+                        "over the sharded parameters); shard float32 parameters with "
+                        "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+        return None
 
     def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """``sum ||local shard||^2`` in float64 when every gradient is a DTensor sharded over a mesh of
