@@ -39,6 +39,7 @@ from ._maths import Verdict, boundary_scale, clip_coefficient, tensor_norms, ver
 from ._state import AccumulatorState
 from .precision import MixedPrecision
 from .sync import GradSync, full_tensor
+from ._deepspeed import not_known_up_front
 
 __all__ = ["WindowTotals", "Outcome", "Boundary", "InFlight", "total_norm"]
 
@@ -92,7 +93,9 @@ class Boundary:
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.precision, self.sync, self.grads = precision, sync, grads
         self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
-        self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
+        # where the wrapper steps itself (DeepSpeed), it clips and measures the norm too: once, not twice
+        self.measure = (max_grad_norm is not None or compute_grad_norm or precision.scaler is not None) \
+            and not sync.owns_step
         #: whether the all-reduce may start before the last backward (:meth:`launch`): across ranks, and
         #: not when it carries the squared norm of a sharded (FSDP2) gradient, which exists only after
         self.launch_before_last_backward = sync.reduces_across_ranks and not (self.measure and sync.sharded_grads)
@@ -147,8 +150,11 @@ class Boundary:
                            has_scaler=self.precision.scaler is not None)
         try:
             if decision is Verdict.STEP:
-                self._step(grads, scale * clip_coefficient(grad_norm, self.max_grad_norm),
-                           None if loss_sum is None else window_mean(loss_sum, told.num_items))
+                if self.sync.needs_known_items and scale != 1.0:
+                    raise not_known_up_front()  # loss_fn counted other items than those known up front
+                stepped_norm = self._step(grads, scale * clip_coefficient(grad_norm, self.max_grad_norm),
+                                          None if loss_sum is None else window_mean(loss_sum, told.num_items))
+                grad_norm = grad_norm if stepped_norm is None else stepped_norm
             else:
                 self._skip(decision, loss_sum, grad_norm, totals.ran)
         finally:
@@ -201,11 +207,13 @@ class Boundary:
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counts_from_loss_fn > 0)
 
-    def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float]) -> None:
+    def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float]) -> Optional[float]:
+        """Scale, step (the seam's step: the optimizer's, or DeepSpeed's ``engine.step()``), schedule.
+        Returns the norm the step itself measured (DeepSpeed), else None."""
         if grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
         self.grads.write_back()
-        self.precision.step(self.optimizer)
+        stepped_norm = self.sync.step(self.optimizer, self.precision)
         self.state.steps += 1  # counted before the scheduler, which may raise after the step
         if self.scheduler is not None:
             if self.steps_on_loss:
@@ -213,6 +221,7 @@ class Boundary:
             else:
                 self.scheduler.step()
             self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
+        return stepped_norm
 
     def _skip(self, decision: Verdict, loss_sum: Optional[float], grad_norm: Optional[float], ran: bool) -> None:
         if decision is Verdict.RAISE:
@@ -222,6 +231,12 @@ class Boundary:
                 "no step was taken and the gradients were cleared. Lower the learning rate, use "
                 "max_grad_norm, or pass nonfinite='skip' to skip such windows"
             )
+        if decision is Verdict.SKIP_NONFINITE and self.sync.owns_step:
+            raise FloatingPointError(
+                f"the window's {_what(loss_sum)} is not finite (loss sum {loss_sum}) and the DeepSpeed engine holds "
+                "its gradient, which gradaccum cannot drop: no step was taken, and the engine's accumulated gradient "
+                "must not reach the next step. Restore the last checkpoint (engine.load_checkpoint and "
+                "acc.load_state_dict), and lower the learning rate or set \"gradient_clipping\" in the DeepSpeed config")
         self.state.skipped += 1
         if decision is Verdict.SKIP_EMPTY and ran:
             self._warn_once("no_items", "a window counted 0 items (e.g. every label is the ignore_index): it has "

@@ -29,6 +29,7 @@ from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError
 from .sync import GradSync
+from ._deepspeed import not_known_up_front
 
 __all__ = ["Window", "WindowContext", "OpenWindow"]
 
@@ -238,11 +239,14 @@ class Window:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
         this first backward's count (:meth:`gradaccum._ranks.RankAgreement.fix_reference`)."""
         known = self._open_setup("backward").reference
+        if known is None and self.ctx.sync.needs_known_items:
+            raise not_known_up_front()  # before any backward: nothing reached the gradient
         return known if known is not None else self.ctx.ranks.fix_reference(count)
 
     def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
         term = self._before_reduction()
-        self.ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off)
+        self.ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off,
+                                    run=self.ctx.sync.backward)
         self.done += 1
 
     def _before_reduction(self) -> Optional[torch.Tensor]:

@@ -52,6 +52,7 @@ from .precision import MixedPrecision
 from .result import StepResult
 from .schedule import AccumSteps
 from .sync import GradSync, sync_for
+from ._deepspeed import check_engine_arguments, deepspeed_engine
 from .errors import ConfigurationError
 
 __all__ = ["Accumulator", "LowPrecisionWarning"]
@@ -76,8 +77,11 @@ class Accumulator:
 
     Args:
         model: the module: plain, ``DistributedDataParallel``, FSDP2 ``fully_shard``-ed, or anything
-            holding one of them (``torch.compile(ddp_model)``, Accelerate's prepared model).
-        optimizer: any ``torch.optim.Optimizer`` over (some of) the model's trainable parameters.
+            holding one of them (``torch.compile(ddp_model)``, Accelerate's prepared model); or a
+            ``deepspeed.initialize`` engine (ZeRO 0-3) with ``"managed_gradient_accumulation": false``,
+            which owns the reduction, the optimizer, clipping and its scheduler (:mod:`gradaccum._deepspeed`).
+        optimizer: any ``torch.optim.Optimizer`` over (some of) the model's trainable parameters
+            (None, or the optimizer ``deepspeed.initialize`` returned, around a DeepSpeed engine).
         scheduler: stepped once per optimizer step taken, never on a skipped window. A
             ``ReduceLROnPlateau`` is stepped with the window's loss.
         max_grad_norm: clip the window's gradient to this total 2-norm, after normalization and
@@ -123,7 +127,7 @@ class Accumulator:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optional[torch.optim.Optimizer] = None,
         *,
         scheduler: Scheduler = None,
         max_grad_norm: Optional[float] = None,
@@ -135,7 +139,12 @@ class Accumulator:
         compute_grad_norm: bool = False,
         loss_every: int = 1,
     ) -> None:
-        params = _check_arguments(model, optimizer, scheduler, max_grad_norm, nonfinite, accum_dtype)
+        engine = deepspeed_engine(model)
+        if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed
+            optimizer = check_engine_arguments(engine, optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
+                                               precision=precision, accum_dtype=accum_dtype)
+        params = _check_arguments(model, optimizer, scheduler, max_grad_norm, nonfinite, accum_dtype,
+                                  engine_owned=engine is not None)
         positive_int("loss_every", loss_every)
         device = params[0].device
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -151,7 +160,8 @@ class Accumulator:
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=bool(compute_grad_norm),
                             nonfinite=nonfinite, device=device)
         rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts, self.sync.plain_reduction,
-                      loss_every=loss_every, steps_on_loss=boundary.steps_on_loss)
+                      loss_every=loss_every, steps_on_loss=boundary.steps_on_loss,
+                      reference_is_count=self.sync.needs_known_items)
         self.auto = AutoMicroBatch(self.sync, device, state)
         self.context = WindowContext(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=RankAgreement(self.sync, device, state, rules),
@@ -323,11 +333,12 @@ class Accumulator:
 # -- construction checks: every one before anything is built ------------------------------------------
 
 def _check_arguments(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: Any, nonfinite: Any,
-                     accum_dtype: Any) -> list:
-    """The model's trainable parameters, after every argument is checked."""
+                     accum_dtype: Any, *, engine_owned: bool = False) -> list:
+    """The model's trainable parameters, after every argument is checked (``engine_owned``: a DeepSpeed
+    engine's optimizer, checked by :func:`gradaccum._deepspeed.check_engine_arguments`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not engine_owned and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     _check_scheduler(scheduler, optimizer)
     if max_grad_norm is not None:
@@ -340,8 +351,9 @@ def _check_arguments(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: 
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigurationError("model has no parameter that requires grad; there is nothing to accumulate")
-    _check_optimizer_covers(optimizer, params, model)
-    _check_no_foreign_scaler(optimizer)
+    if not engine_owned:
+        _check_optimizer_covers(optimizer, params, model)
+        _check_no_foreign_scaler(optimizer)
     return params
 
 

@@ -33,13 +33,13 @@ from .errors import ConfigurationError, RankAgreementError
 
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
-           "DATA_PARALLEL"]
+           "DATA_PARALLEL", "loaded_type"]
 
 #: ``data_parallel=`` values: find the wrapper (and refuse none under several ranks), or train per rank
 DATA_PARALLEL = ("auto", "none")
 
 
-def _loaded_type(modules: Sequence[str], name: str) -> Any:
+def loaded_type(modules: Sequence[str], name: str) -> Any:
     """``name`` from the first of ``modules`` already imported, else None. A model can only have
     been wrapped by a class whose module was imported, and importing FSDP here would cost every
     user about a second."""
@@ -51,11 +51,11 @@ def _loaded_type(modules: Sequence[str], name: str) -> Any:
 
 
 def _fsdp2_module_type() -> Any:
-    return _loaded_type(("torch.distributed.fsdp", "torch.distributed._composable.fsdp"), "FSDPModule")
+    return loaded_type(("torch.distributed.fsdp", "torch.distributed._composable.fsdp"), "FSDPModule")
 
 
 def _fsdp1_type() -> Any:
-    return _loaded_type(("torch.distributed.fsdp",), "FullyShardedDataParallel")
+    return loaded_type(("torch.distributed.fsdp",), "FullyShardedDataParallel")
 
 
 def is_distributed() -> bool:
@@ -125,6 +125,12 @@ class GradSync:
     replicated_grads: bool = False
     #: whether each rank holds a shard of the reduced gradient (FSDP2): its norm needs the ranks
     sharded_grads: bool = False
+    #: the wrapper steps the optimizer itself (DeepSpeed's ``engine.step()``, which also clips and measures
+    #: the norm): the boundary asks :meth:`step` and measures no norm of its own
+    owns_step: bool = False
+    #: the gradient lives where it cannot be rescaled at the boundary (DeepSpeed's partitions): every
+    #: window's item count must be known before its first backward, so that R = N and the scale is 1
+    needs_known_items: bool = False
     group: Any = None
 
     @property
@@ -136,6 +142,16 @@ class GradSync:
     def micro_batch(self, *, last: bool) -> ContextManager[Any]:
         """Wraps one micro-batch's forward *and* backward; reduces gradients only when ``last``."""
         return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward of its weighted (and loss-scaled) loss."""
+        loss.backward()
+
+    def step(self, optimizer: Any, precision: Any) -> Optional[float]:
+        """The window's optimizer step (through the GradScaler under fp16); the norm of the gradient it
+        stepped on where the step itself measured one (None: the boundary measured it, if asked)."""
+        precision.step(optimizer)
+        return None
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.shares_windows:
@@ -422,6 +438,15 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
     """
     if data_parallel not in DATA_PARALLEL:
         raise ConfigurationError(f"data_parallel must be 'auto' or 'none', got {data_parallel!r}")
+    from ._deepspeed import DeepSpeedSync, deepspeed_engine
+
+    if deepspeed_engine(model) is not None:
+        if data_parallel == "none" or reduce_every_micro_batch:
+            raise ConfigurationError(
+                f"{'data_parallel=' + repr(data_parallel) if data_parallel == 'none' else 'reduce_every_micro_batch=True'} "
+                "around a DeepSpeed engine: the engine reduces across its data-parallel ranks itself (ZeRO-2/3 in "
+                "every backward already); leave the default")
+        return DeepSpeedSync(model)
     modules = list(model.modules())
     fsdp1 = _fsdp1_type()
     if fsdp1 is not None and any(isinstance(m, fsdp1) for m in modules):

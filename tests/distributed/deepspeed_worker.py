@@ -1,0 +1,269 @@
+"""DeepSpeed ZeRO-1/2/3 around the Accumulator, under torchrun with 2 gloo processes on the CPU
+(``DS_ACCELERATOR=cpu``; see test_deepspeed.py). Every scenario runs in this one launch: DeepSpeed
+imports (and, once per machine, builds its CPU communication op) once.
+
+Each scenario compares against single-process float64 steps on the union of both ranks' windows,
+computed on every rank. DeepSpeed keeps float32 master weights (ZeRO-3 refuses float64 parameters),
+so the model is float32 and the tolerance is float32's: 1e-6 relative to the reference's move. The
+stock routes run beside on the same data, so the table below has teeth: DeepSpeed's own accumulation
+(managed, the mean loss per micro-batch, ``gradient_accumulation_steps`` backward passes per step) and
+the caller-owned boundary without the data-parallel factor W.
+
+Rank 0 prints ``PASS <name>: <note>`` (the note carries the measured figures), ``FAIL`` or ``SKIP``.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+
+from gradaccum import Accumulator  # noqa: E402
+from gradaccum.errors import ConfigurationError  # noqa: E402
+from worker import run_scenarios  # noqa: E402
+
+RANK, WORLD = 0, 1
+LR, MOMENTUM, CLIP = 1.0, 0.9, 0.3
+
+# each window: every rank's micro-batch sizes and whether their rows count (an empty window counts none)
+# uneven counts across ranks (rank 1 pads), equal counts, a short last window where rank 1 has nothing,
+# an empty window (every row masked: no step), and one more after it (the empty one left nothing behind)
+WINDOWS: List[Dict[int, List[Tuple[int, bool]]]] = [
+    {0: [(4, True), (4, True), (3, True)], 1: [(5, True), (1, True)]},
+    {0: [(2, True), (3, True), (1, True)], 1: [(3, True), (3, True), (2, True)]},
+    {0: [(2, True)], 1: []},
+    {0: [(3, False)], 1: [(2, False)]},
+    {0: [(1, True), (4, True)], 1: [(2, True), (5, True)]},
+]
+# DeepSpeed's own loop needs as many micro-batches on every rank (gradient_accumulation_steps = 3)
+EQUAL = [{0: [(4, True), (4, True), (3, True)], 1: [(5, True), (1, True), (2, True)]},
+         {0: [(2, True), (3, True), (1, True)], 1: [(3, True), (3, True), (2, True)]}]
+
+
+def batch(rank: int, window: int, k: int, n: int, counted: bool):
+    g = torch.Generator().manual_seed(1000 * window + 100 * rank + k)
+    x, y = torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
+    return x, y, torch.full((n,), 1.0 if counted else 0.0)
+
+
+def shares(windows, rank: int):
+    return [[batch(rank, w, k, n, c) for k, (n, c) in enumerate(win[rank])] for w, win in enumerate(windows)]
+
+
+def loss_fn(model: nn.Module, b) -> torch.Tensor:
+    """The mean squared error over the micro-batch's counted rows (its items); 0, and a zero gradient,
+    over none (as gradaccum's own losses: a 0/0 mean would put nan into the engine's gradient)."""
+    x, y, m = b
+    per_row = ((model(x) - y) ** 2).mean(dim=1)
+    return (per_row * m).sum() / m.sum().clamp_min(1.0)
+
+
+def num_items(b) -> int:
+    return int(b[2].sum())
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def config(stage: int, *, clip: float = 0.0, managed: bool = False, gas: int = 1) -> Dict[str, Any]:
+    cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+                           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                           "gradient_clipping": clip, "steps_per_print": 10 ** 9}
+    if not managed:
+        cfg["managed_gradient_accumulation"] = False
+    return cfg
+
+
+def engine(stage: int, **kw):
+    import deepspeed
+
+    model = net()
+    eng, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR,
+                                                                                  momentum=MOMENTUM),
+                                          config=config(stage, **kw))
+    return eng
+
+
+def params(eng) -> List[torch.Tensor]:
+    """The engine's full float32 parameters on every rank (ZeRO-3 gathers its partitions)."""
+    import deepspeed
+
+    ps = list(eng.module.parameters())
+    with deepspeed.zero.GatheredParameters(ps, enabled=eng.zero_optimization_stage() == 3):
+        return [p.detach().clone().double() for p in ps]
+
+
+def reference(windows, *, clip: float = 0.0) -> Tuple[List[List[torch.Tensor]], List[Optional[float]]]:
+    """Float64 big-batch steps on the union of both ranks' windows: the parameters after each window
+    and each window's unclipped gradient norm (None: an empty window, no step)."""
+    model = net().double()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    after, norms = [], []
+    for win in windows:
+        parts = [batch(r, w, k, n, c) for w, r, k, n, c in _union(windows, win)]
+        x, y, m = (torch.cat(t) for t in zip(*parts))
+        if m.sum() == 0:
+            norms.append(None)
+        else:
+            opt.zero_grad()
+            loss_fn(model, (x.double(), y.double(), m.double())).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            norms.append(float(norm))
+            opt.step()
+        after.append([p.detach().clone() for p in model.parameters()])
+    return after, norms
+
+
+def _union(windows, win):
+    w = windows.index(win)
+    return [(w, r, k, n, c) for r in range(WORLD) for k, (n, c) in enumerate(win[r])]
+
+
+def delta(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
+    """Largest parameter difference relative to the reference's largest move from the start."""
+    start = [p.detach().double() for p in net().parameters()]
+    moved = max((w - s).abs().max().item() for w, s in zip(want, start))
+    return max((g - w).abs().max().item() for g, w in zip(got, want)) / moved
+
+
+def accumulate(stage: int, windows, *, clip: float = 0.0, w_factor: bool = True, eng=None, acc=None,
+               start: int = 0):
+    """The Accumulator around a caller-owned engine: one ``acc.step`` per window, this rank's share."""
+    eng = eng if eng is not None else engine(stage, clip=clip)
+    acc = acc if acc is not None else Accumulator(eng)
+    if not w_factor:
+        acc.sync.grad_divisor = 1.0  # what a loop without W does (the stock mean of DeepSpeed's average)
+    results = [acc.step(share, loss_fn, num_items=num_items) for share in shares(windows, RANK)[start:]]
+    return eng, acc, results
+
+
+def stock(stage: int, windows) -> List[torch.Tensor]:
+    """DeepSpeed's own loop: managed accumulation over gradient_accumulation_steps micro-batches, each
+    micro-batch's mean loss through ``engine.backward`` (which divides it by that count), a step each."""
+    eng = engine(stage, managed=True, gas=3)
+    for share in shares(windows, RANK):
+        for b in share:
+            eng.backward(loss_fn(eng, b))
+            eng.step()
+    return params(eng)
+
+
+# --------------------------------------------------------------------------- scenarios
+
+def _exact_stage(stage: int) -> str:
+    want, norms = reference(WINDOWS, clip=CLIP)
+    eng, acc, results = accumulate(stage, WINDOWS, clip=CLIP)
+    got = params(eng)
+    d = delta(got, want[-1])
+    skipped = [r.skipped for r in results]
+    assert skipped == [False, False, False, True, False], skipped
+    assert acc.steps == 4 and acc.skipped == 1 and eng.global_steps == 4, (acc.steps, acc.skipped, eng.global_steps)
+    assert all(r.num_items == sum(n for r_ in range(WORLD) for n, c in WINDOWS[w][r_] if c)
+               for w, r in enumerate(results)), [r.num_items for r in results]
+    engaged = [n for n in norms if n is not None and n > CLIP]
+    assert len(engaged) == 4, norms  # clipping engages on every window that steps
+    for r, n in zip(results, norms):
+        if n is not None:
+            assert abs(r.grad_norm - n) <= 1e-5 * n, (r.grad_norm, n)  # the window's true norm, once
+    assert d < 1e-6, f"stage {stage}: delta {d:.2e} from the big batch"
+    without_w = delta(params(accumulate(stage, WINDOWS, clip=0.0, w_factor=False)[0]), reference(WINDOWS)[0][-1])
+    eq_want, _ = reference(EQUAL)
+    stock_d = delta(stock(stage, EQUAL), eq_want[-1])
+    eq_d = delta(params(accumulate(stage, EQUAL)[0]), eq_want[-1])
+    assert stock_d > 100 * max(eq_d, 1e-9) and without_w > 1e-3, (stock_d, eq_d, without_w)
+    return (f"stage {stage}: Accumulator delta {d:.1e} (clipped, uneven, short, empty window skipped; "
+            f"grad_norm = the window's); equal-count windows: Accumulator {eq_d:.1e}, DeepSpeed's own loop "
+            f"{stock_d:.1e}; without W {without_w:.1e}")
+
+
+def zero1_exact():
+    return _exact_stage(1)
+
+
+def zero2_exact():
+    return _exact_stage(2)
+
+
+def zero3_exact():
+    return _exact_stage(3)
+
+
+def resume_exact():
+    """acc.state_dict() saved in DeepSpeed's checkpoint (client_state) and resumed: the same parameters,
+    bit for bit, as the run that was never interrupted (ZeRO-2 and ZeRO-3)."""
+    notes = []
+    for stage in (2, 3):
+        whole, _, _ = accumulate(stage, WINDOWS)
+        folder = [tempfile.mkdtemp(prefix="gradaccum-ds-") if RANK == 0 else None]
+        dist.broadcast_object_list(folder)
+        eng, acc, _ = accumulate(stage, WINDOWS[:2])
+        eng.save_checkpoint(folder[0], tag="w2", client_state={"accumulator": acc.state_dict()})
+        fresh = engine(stage)
+        _, client = fresh.load_checkpoint(folder[0], tag="w2")
+        acc2 = Accumulator(fresh)
+        acc2.load_state_dict(client["accumulator"])
+        acc2.set_padding(shares(WINDOWS, RANK)[0][0])  # a fresh process has no micro-batch to pad with yet
+        assert acc2.steps == 2, acc2.steps
+        resumed, acc2, _ = accumulate(stage, WINDOWS, eng=fresh, acc=acc2, start=2)
+        a, b = params(whole), params(resumed)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"stage {stage}: resumed run differs"
+        assert acc2.steps == 4 and acc2.skipped == 1, (acc2.steps, acc2.skipped)
+        notes.append(f"stage {stage}")
+    return "bit-identical after resume: " + ", ".join(notes)
+
+
+def refusals():
+    """What cannot be exact is refused before anything changes, with the fix."""
+    managed = engine(2, managed=True)
+    checks = [(lambda: Accumulator(managed), '"managed_gradient_accumulation": false'),
+              (lambda: Accumulator(engine(1), max_grad_norm=1.0), "gradient_clipping"),
+              (lambda: Accumulator(engine(1), precision="bf16"), "bf16"),
+              (lambda: Accumulator(engine(1), torch.optim.SGD(net().parameters(), lr=0.1)), "not the DeepSpeed engine's"),
+              (lambda: Accumulator(engine(1), accum_dtype=torch.float32), "grad_accum_dtype")]
+    for build, text in checks:
+        try:
+            build()
+        except ConfigurationError as e:
+            assert text in str(e), (text, str(e))
+        else:
+            raise AssertionError(f"not refused: {text}")
+    eng = engine(2)
+    acc = Accumulator(eng)
+    try:  # counts from loss_fn alone: the engine's gradient could not be rescaled, so refused before a backward
+        acc.step(shares(WINDOWS, RANK)[0], lambda m, b: (loss_fn(m, b), 2 * num_items(b)))
+    except ConfigurationError as e:
+        assert "known before its first backward" in str(e), str(e)
+    else:
+        raise AssertionError("counts known only from loss_fn were not refused")
+    return f"{len(checks) + 1} refusals, each naming the fix"
+
+
+SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals]
+
+
+if __name__ == "__main__":
+    import deepspeed
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+
+    def set_rank(rank, world):
+        globals().update(RANK=rank, WORLD=world)
+        deepspeed.init_distributed(dist_backend="gloo")
+
+    sys.exit(run_scenarios(SCENARIOS, set_rank))

@@ -1,0 +1,29 @@
+"""DeepSpeed ZeRO-1/2/3 around the Accumulator (#38), under torchrun with 2 gloo processes on the CPU
+(``DS_ACCELERATOR=cpu``). Every scenario runs in one launch (deepspeed_worker.py): DeepSpeed imports
+once, and builds its CPU communication op (``deepspeed_shm_comm``) once per machine, minutes on a
+fresh 2-core machine, hence the generous timeout."""
+from __future__ import annotations
+
+import pytest
+
+from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("deepspeed")
+
+WORKER = str(ROOT / "tests" / "distributed" / "deepspeed_worker.py")
+SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals"]
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    return scenario_verdicts(WORKER, timeout=900)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(verdicts, name):
+    """zeroN_exact: float32 within 1e-6 of the float64 big batch over uneven micro-batches and ranks, a
+    short last window, clipping that engages (the engine's, once; ``grad_norm`` the window's true norm) and
+    an empty window skipped, with DeepSpeed's own loop and the loop without W measurably off beside it;
+    resume_exact: acc.state in DeepSpeed's checkpoint, resumed bit-identically; refusals: with the fix."""
+    assert_scenario(verdicts, name)
