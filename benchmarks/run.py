@@ -11,7 +11,8 @@ measuring costs (memory_bench.py); transformers, speed and distance from one big
 couples the window's items, WindowLoss against the big batch and sentence-transformers (contrastive.py); an
 MoE router's load-balancing term per mode against the big batch, written into docs/guides/moe.md (moe.py); the
 same on CUDA in its own process when a GPU is there (cuda_bench.py); each stack's own accumulation against
-ours (stacks.py). report.py writes the page.
+ours (stacks.py); bf16 parameters' accumulation and DeepSpeed per ZeRO stage, written into
+docs/guides/deepspeed.md (precision.py). report.py writes the page.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def main() -> None:
     from memory_bench import memory, meter_cost
     from moe import moe, write_guide
     from overhead import overhead, profile
+    from precision import precision, write_guide as write_precision
     from scaling import bandwidth, numerics, throughput
     from stacks import stacks
     from transformer import transformer
@@ -65,7 +67,7 @@ def main() -> None:
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
         "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses, "moe": moe,
-        "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks}
+        "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks, "precision": precision}
     for name, fn in sections.items():
         t0 = time.time()
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
@@ -80,6 +82,8 @@ def main() -> None:
     (where / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
     # the MoE section's table lives in its guide (a quick run writes it beside the other figures)
     write_guide(results["moe"], where / "moe.md" if QUICK else ROOT / "docs" / "guides" / "moe.md")
+    # bf16 accumulation and DeepSpeed per ZeRO stage: the tables of the DeepSpeed guide
+    write_precision(results["precision"], where / "deepspeed.md" if QUICK else DOCS / "guides" / "deepspeed.md")
     if not QUICK:  # the sentence-transformers guide's per-loss table
         write_st_table(results["st_losses"], DOCS / "guides" / "sentence-transformers.md")
     print(doc)

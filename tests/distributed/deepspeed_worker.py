@@ -250,7 +250,25 @@ def refusals():
     return f"{len(checks) + 1} refusals, each naming the fix"
 
 
-SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals]
+def guide_example():
+    """docs/guides/deepspeed.md's code block, run as written (its checkpoint in a folder both ranks share)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "deepspeed.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    folder = [tempfile.mkdtemp(prefix="gradaccum-ds-guide-") if RANK == 0 else None]
+    dist.broadcast_object_list(folder)
+    os.environ["CHECKPOINTS"] = folder[0]
+    scope: Dict[str, Any] = {"__name__": "guide"}
+    exec(compile(code, "docs/guides/deepspeed.md", "exec"), scope)  # noqa: S102 - the guide's own code
+    acc, engine = scope["acc"], scope["engine"]
+    assert acc.steps == 3 and engine.global_steps == 3, (acc.steps, engine.global_steps)
+    flat = torch.cat([p.reshape(-1) for p in params(engine)])
+    every = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(every, flat)
+    assert torch.equal(every[0], every[1]), "the ranks' parameters differ"
+    return "ran as written: 3 steps, replicas identical, checkpoint saved and loaded"
+
+
+SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals, guide_example]
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("deepspeed")
 
 WORKER = str(ROOT / "tests" / "distributed" / "deepspeed_worker.py")
-SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals"]
+SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals", "guide_example"]
 
 
 @pytest.fixture(scope="module")

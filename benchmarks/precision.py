@@ -1,0 +1,105 @@
+"""bf16 parameters and DeepSpeed (section "precision", written into docs/guides/deepspeed.md).
+
+Two tables, each from the code the tests assert on, so the guide quotes what ``make test`` checks:
+
+- **bf16**: relative L2 error of the window gradient the optimizer is handed, from the float64 big
+  batch, on a bf16 GPT-2 built from a config (tests/test_precision.py: :func:`bf16_errors`), for K = 16
+  and 64 micro-batches: the floor, the plain loop, the ``Accumulator`` default (float32 buffers) and its
+  opt-out (``accum_dtype="param"``); and the peak memory of one window with and without the buffers
+  (PeakMeter, :func:`accumulation_memory`).
+- **DeepSpeed**: Δ per ZeRO stage from one torchrun launch of tests/distributed/deepspeed_worker.py
+  (2 gloo processes, ``DS_ACCELERATOR=cpu``), parsed from the figures its scenarios print.
+
+    PYTHONPATH=src:tests python benchmarks/precision.py     # prints both tables
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+from common import ROOT
+
+sys.path[:0] = [str(ROOT / "tests")]
+
+START, END = "<!-- bench:precision -->", "<!-- /bench:precision -->"
+DS_START, DS_END = "<!-- bench:deepspeed -->", "<!-- /bench:deepspeed -->"
+_FIGURES = re.compile(r"stage (\d): Accumulator delta (\S+) .*Accumulator (\S+), DeepSpeed's own loop (\S+); "
+                      r"without W (\S+)")
+
+
+def bf16() -> Dict[str, Any]:
+    from test_precision import accumulation_memory, bf16_errors
+
+    with torch.random.fork_rng():
+        torch.set_num_threads(1)
+        return {"errors": {str(k): bf16_errors(k) for k in (16, 64)}, "memory": accumulation_memory()}
+
+
+def deepspeed_table() -> Dict[str, Any]:
+    """Each stage's figures from one launch of the worker the tests run; empty without DeepSpeed."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return {}
+    from distributed.launch import torchrun
+
+    proc = torchrun([str(ROOT / "tests" / "distributed" / "deepspeed_worker.py"), "zero1_exact", "zero2_exact",
+                     "zero3_exact"], timeout=900)
+    rows = {}
+    for line in proc.stdout.splitlines():
+        m = _FIGURES.search(line)
+        if line.startswith("PASS") and m:
+            rows[m.group(1)] = {"accumulator": float(m.group(2)), "equal_accumulator": float(m.group(3)),
+                                "stock": float(m.group(4)), "without_w": float(m.group(5))}
+    return rows
+
+
+def precision() -> Dict[str, Any]:
+    return {"bf16": bf16(), "deepspeed": deepspeed_table()}
+
+
+def render_bf16(r: Dict[str, Any]) -> str:
+    e, mem = r["errors"], r["memory"]
+    lines = ["| K | floor: each micro-batch's bf16 gradient summed exactly, rounded once | plain `(S_k / N).backward()` "
+             "| `Accumulator` default (float32 buffers) | `Accumulator(accum_dtype=\"param\")` |", "|---|---|---|---|---|"]
+    for k, row in e.items():
+        lines.append(f"| {k} | {row['floor']:.2e} | {row['plain']:.2e} | {row['default']:.2e} | {row['param']:.2e} |")
+    lines += ["", f"Peak memory of one window of 8 micro-batches (PeakMeter, CPU; the parameters are "
+              f"{mem['param_bytes']:,} bytes in bf16): {mem['default']:,} bytes with the float32 buffers, "
+              f"{mem['param']:,} bytes without (+{mem['default'] - mem['param']:,} bytes, "
+              f"{(mem['default'] - mem['param']) / mem['param_bytes']:.2f}x the bf16 parameters)."]
+    return "\n".join(lines) + "\n"
+
+
+def render_deepspeed(rows: Dict[str, Any]) -> str:
+    if not rows:
+        return "(DeepSpeed is not installed where this ran: `pip install -e '.[test]'`.)\n"
+    lines = ["| ZeRO stage | `Accumulator`: uneven ranks, short and empty windows, clipped | `Accumulator`, equal-count "
+             "windows | DeepSpeed's own loop, same windows | the caller-owned boundary without W |",
+             "|---|---|---|---|---|"]
+    for stage, row in sorted(rows.items()):
+        lines.append(f"| {stage} | {row['accumulator']:.1e} | {row['equal_accumulator']:.1e} | {row['stock']:.1e} "
+                     f"| {row['without_w']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_guide(r: Dict[str, Any], path: Path) -> None:
+    """Both tables between their markers in the guide (a path without the markers gets them alone)."""
+    text = path.read_text() if path.exists() else ""
+    for start, end, body in ((START, END, render_bf16(r["bf16"])), (DS_START, DS_END, render_deepspeed(r["deepspeed"]))):
+        block = f"{start}\n{body}{end}"
+        if start in text and end in text:
+            text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+        else:
+            text += block + "\n"
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    result = precision()
+    print(render_bf16(result["bf16"]))
+    print(render_deepspeed(result["deepspeed"]))
