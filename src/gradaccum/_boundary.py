@@ -155,6 +155,8 @@ class Boundary:
                 stepped_norm = self._step(grads, scale * clip_coefficient(grad_norm, self.max_grad_norm),
                                           None if loss_sum is None else window_mean(loss_sum, told.num_items))
                 grad_norm = grad_norm if stepped_norm is None else stepped_norm
+                if grad_norm is not None and not math.isfinite(grad_norm) and self.sync.owns_step:
+                    decision = Verdict.SKIP_NONFINITE  # the wrapper's own loss scale skipped it (DeepSpeed fp16)
             else:
                 self._skip(decision, loss_sum, grad_norm, totals.ran)
         finally:
@@ -214,6 +216,9 @@ class Boundary:
             torch._foreach_mul_(grads, coef)
         self.grads.write_back()
         stepped_norm = self.sync.step(self.optimizer, self.precision)
+        if stepped_norm is not None and not math.isfinite(stepped_norm):  # the stepper skipped it (DeepSpeed fp16's
+            self.state.skipped += 1                                       # loss scale backed off): no step taken
+            return stepped_norm
         self.state.steps += 1  # counted before the scheduler, which may raise after the step
         if self.scheduler is not None:
             if self.steps_on_loss:

@@ -27,6 +27,7 @@ engine owns (``max_grad_norm``, ``scheduler``, ``precision``, an ``accum_dtype``
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, ContextManager, Optional, Sequence
 
 import torch
@@ -132,9 +133,12 @@ class DeepSpeedSync(GradSync):
     def step(self, optimizer: Any, precision: Any) -> Optional[float]:
         """``engine.step()``: finalise the window's gradient, clip (the config's ``gradient_clipping``),
         step the optimizer and the engine's scheduler. Returns the window gradient's norm as the engine
-        measured it (before clipping), or None where it measures none."""
+        measured it (before clipping), or None where it measures none; inf where the engine's fp16 loss
+        scale overflowed and it skipped the step (the boundary counts the window skipped)."""
         self.engine.step()
-        if not self.engine.was_step_applied() and not self.engine.fp16_enabled():
+        if not self.engine.was_step_applied() and self.engine.fp16_enabled():
+            return math.inf  # fp16's dynamic loss scale overflowed and backed off: a skipped window
+        if not self.engine.was_step_applied():
             raise FloatingPointError(
                 "the DeepSpeed engine found the window's gradient not finite and skipped its step (gradaccum's loss "
                 "check saw a finite loss): a micro-batch's backward put inf or nan into the engine's gradient, e.g. a "

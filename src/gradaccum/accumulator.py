@@ -53,7 +53,7 @@ from .result import StepResult
 from .schedule import AccumSteps
 from .sync import GradSync, sync_for
 from ._deepspeed import check_engine_arguments, deepspeed_engine
-from .errors import ConfigurationError
+from .errors import ConfigurationError, NotExactError
 
 __all__ = ["Accumulator", "LowPrecisionWarning"]
 
@@ -236,6 +236,7 @@ class Accumulator:
         self.context.slot.check_idle()
         check_micro_batch_size(micro_batch_size)
         _check_loss(loss_fn, num_items, micro_batch_size)
+        _check_engine_loss(self.sync, loss_fn)
         if micro_batch_size == "auto":
             return run_auto(self.context, self.auto, window, loss_fn, num_items)
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
@@ -282,6 +283,7 @@ class Accumulator:
         """
         self.context.slot.check_idle()
         _check_loss(loss_fn, num_items, micro_batch_size)
+        _check_engine_loss(self.sync, loss_fn)
         if micro_batch_size not in (None, "auto"):
             raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
                              "loader's batches are the micro-batches; use 'auto' to re-split each window on "
@@ -385,6 +387,18 @@ def _check_loss(loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
         return
     callable_loss_fn(loss_fn)
     _check_count_fn(num_items)
+
+
+def _check_engine_loss(sync: GradSync, loss_fn: Any) -> None:
+    """A WindowLoss's cached passes and an exact MoELoss's counting pass run forwards and backwards of
+    their own (the unwrapped module, ``torch.autograd.backward``) that a DeepSpeed engine would not see."""
+    from .moe import MoELoss
+
+    if sync.owns_step and (isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")):
+        raise NotExactError(
+            f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
+            "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
+            + ("" if isinstance(loss_fn, WindowLoss) else ", or use MoELoss(mode='micro_batch')"))
 
 
 def _check_count_fn(num_items: Any) -> None:

@@ -268,7 +268,90 @@ def guide_example():
     return "ran as written: 3 steps, replicas identical, checkpoint saved and loaded"
 
 
-SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals, guide_example]
+def nonfinite_window_raises():
+    """A window whose loss is not finite raises (the engine holds its gradient, which gradaccum cannot
+    drop), and no step is taken or counted."""
+    eng = engine(2)
+    acc = Accumulator(eng)
+    window = shares(WINDOWS, RANK)[0]
+    bad = (lambda m, b: loss_fn(m, b) * float("nan")) if RANK == 1 else loss_fn
+    try:
+        acc.step(window, bad, num_items=num_items)
+    except FloatingPointError as e:
+        assert "DeepSpeed engine holds" in str(e), str(e)
+    else:
+        raise AssertionError("a non-finite window under DeepSpeed did not raise")
+    assert acc.steps == 0 and eng.global_steps == 0, (acc.steps, eng.global_steps)
+    return "FloatingPointError on every rank, no step taken"
+
+
+def low_precision_is_named_once():
+    """bf16 parameters under a wrapper that owns the sum: a LowPrecisionWarning names the setting that
+    sums in float32 (DDP, FSDP2's reduce_dtype, DeepSpeed's grad_accum_dtype); none where it sums in float32."""
+    import warnings
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradaccum.accumulator import LowPrecisionWarning
+
+    def warned(build) -> List[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build()
+        return [str(w.message) for w in caught if issubclass(w.category, LowPrecisionWarning)]
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1)
+
+    ddp = DDP(net().to(torch.bfloat16))
+    assert any("DistributedDataParallel" in m for m in warned(lambda: Accumulator(ddp, sgd(ddp)))), "DDP bf16"
+    assert not warned(lambda: Accumulator(ddp, sgd(ddp), accum_dtype="param"))
+    found = {}
+    for reduce_dtype in (None, torch.float32):
+        model = net()
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype))
+        found[reduce_dtype] = warned(lambda: Accumulator(model, sgd(model)))
+    assert any("reduce_dtype=torch.float32" in m for m in found[None]) and not found[torch.float32], found
+    bf16 = {"bf16": {"enabled": True}}
+    fp32_sums = {**bf16, "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+    import deepspeed
+
+    notes = ["DDP", "FSDP2"]
+    for extra, expect in ((bf16, True), (fp32_sums, False)):
+        model = net()
+        try:
+            eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           config={**config(2), **extra})
+        except Exception as e:  # noqa: BLE001 - a DeepSpeed without bf16 on this CPU: the other two still ran
+            return f"DDP and FSDP2 named; DeepSpeed bf16 not built here ({type(e).__name__})"
+        got = warned(lambda: Accumulator(eng))
+        assert bool(got) == expect and (not expect or "grad_accum_dtype" in got[0]), (extra, got)
+    notes.append("DeepSpeed")
+    return "named under " + ", ".join(notes) + "; silent where the sum is float32 or accum_dtype='param'"
+
+
+def window_loss_refused():
+    """A WindowLoss's cached passes and an exact MoELoss's counting pass bypass engine.backward: refused
+    before any forward, with the route that works."""
+    from gradaccum import MoELoss, WindowLoss
+
+    acc = Accumulator(engine(1))
+    losses = [WindowLoss(lambda m, b: m(b[0]), lambda reps, b: reps.sum()),
+              MoELoss(lambda m, b: None, num_experts=2, top_k=1, coef=0.1)]
+    for loss in losses:
+        try:
+            acc.step(shares(WINDOWS, RANK)[0], loss)
+        except ConfigurationError as e:
+            assert "DeepSpeed engine is not supported yet" in str(e), str(e)
+        else:
+            raise AssertionError(f"{type(loss).__name__} under DeepSpeed was not refused")
+    assert acc.steps == 0
+    return "WindowLoss and an exact MoELoss refused before any forward"
+
+
+SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals, guide_example, nonfinite_window_raises,
+             low_precision_is_named_once, window_loss_refused]
 
 
 if __name__ == "__main__":

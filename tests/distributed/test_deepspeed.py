@@ -12,7 +12,8 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("deepspeed")
 
 WORKER = str(ROOT / "tests" / "distributed" / "deepspeed_worker.py")
-SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals", "guide_example"]
+SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals", "guide_example",
+             "nonfinite_window_raises", "low_precision_is_named_once", "window_loss_refused"]
 
 
 @pytest.fixture(scope="module")
@@ -25,5 +26,8 @@ def test_scenario(verdicts, name):
     """zeroN_exact: float32 within 1e-6 of the float64 big batch over uneven micro-batches and ranks, a
     short last window, clipping that engages (the engine's, once; ``grad_norm`` the window's true norm) and
     an empty window skipped, with DeepSpeed's own loop and the loop without W measurably off beside it;
-    resume_exact: acc.state in DeepSpeed's checkpoint, resumed bit-identically; refusals: with the fix."""
+    resume_exact: acc.state in DeepSpeed's checkpoint, resumed bit-identically; refusals (and
+    window_loss_refused): with the fix; guide_example: docs/guides/deepspeed.md's code as written;
+    nonfinite_window_raises: no step taken or counted; low_precision_is_named_once: the LowPrecisionWarning
+    under DDP, FSDP2 (reduce_dtype) and a bf16 DeepSpeed engine (grad_accum_dtype), silent where the sum is float32."""
     assert_scenario(verdicts, name)
