@@ -438,7 +438,7 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
                          "engine own the accumulation boundary (each loss divided by gradient_accumulation_steps), "
                          "so the window could not be one big batch. For DeepSpeed ZeRO-1/2/3 drive the engine with "
                          "gradaccum.Accumulator(engine) and \"managed_gradient_accumulation\": false in its config "
-                         "(docs/guides/deepspeed.md, tested); or shard with FSDP2 (fsdp='full_shard', "
+                         "(docs/guides/deepspeed.md, tested); or shard with FSDP2 instead (fsdp='full_shard', "
                          "fsdp_config={'fsdp_version': 2}) or train with DDP")
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
     if version not in (None, 2):
