@@ -1,4 +1,4 @@
-"""DeepSpeed (ZeRO stage 0-3) as a backend of the distributed seam: the engine owns the reduction,
+"""DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam: the engine owns the reduction,
 the optimizer, clipping and its scheduler; gradaccum owns the window.
 
 A ``deepspeed.initialize`` engine built with ``"managed_gradient_accumulation": false`` lets its caller
@@ -38,7 +38,7 @@ from .sync import GradSync, loaded_type
 
 __all__ = ["DeepSpeedSync", "deepspeed_engine", "check_engine_arguments", "WORKS_WITH"]
 
-#: the DeepSpeed release gradaccum is tested with, the first known to have a caller-owned boundary
+#: the DeepSpeed release gradaccum is tested with (it has the caller-owned boundary; older ones may not)
 WORKS_WITH = "0.19.8"
 
 _LOW = (torch.bfloat16, torch.float16)

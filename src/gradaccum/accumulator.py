@@ -78,7 +78,7 @@ class Accumulator:
     Args:
         model: the module: plain, ``DistributedDataParallel``, FSDP2 ``fully_shard``-ed, or anything
             holding one of them (``torch.compile(ddp_model)``, Accelerate's prepared model); or a
-            ``deepspeed.initialize`` engine (ZeRO 0-3) with ``"managed_gradient_accumulation": false``,
+            ``deepspeed.initialize`` engine (ZeRO 1-3) with ``"managed_gradient_accumulation": false``,
             which owns the reduction, the optimizer, clipping and its scheduler (:mod:`gradaccum._deepspeed`).
         optimizer: any ``torch.optim.Optimizer`` over (some of) the model's trainable parameters
             (None, or the optimizer ``deepspeed.initialize`` returned, around a DeepSpeed engine).
