@@ -160,6 +160,17 @@ def stock(stage: int, windows) -> List[torch.Tensor]:
     return params(eng)
 
 
+_FOLDERS: List[str] = []
+
+
+def shared_folder(prefix: str) -> List[str]:
+    """A temporary folder both ranks write DeepSpeed's checkpoint into (rank 0 makes it, removed at exit)."""
+    folder = [tempfile.mkdtemp(prefix=prefix) if RANK == 0 else None]
+    dist.broadcast_object_list(folder)
+    _FOLDERS.append(folder[0])
+    return folder
+
+
 # --------------------------------------------------------------------------- scenarios
 
 def _exact_stage(stage: int) -> str:
@@ -206,8 +217,7 @@ def resume_exact():
     notes = []
     for stage in (2, 3):
         whole, _, _ = accumulate(stage, WINDOWS)
-        folder = [tempfile.mkdtemp(prefix="gradaccum-ds-") if RANK == 0 else None]
-        dist.broadcast_object_list(folder)
+        folder = shared_folder("gradaccum-ds-")
         eng, acc, _ = accumulate(stage, WINDOWS[:2])
         eng.save_checkpoint(folder[0], tag="w2", client_state={"accumulator": acc.state_dict()})
         fresh = engine(stage)
@@ -254,8 +264,7 @@ def guide_example():
     """docs/guides/deepspeed.md's code block, run as written (its checkpoint in a folder both ranks share)."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "deepspeed.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
-    folder = [tempfile.mkdtemp(prefix="gradaccum-ds-guide-") if RANK == 0 else None]
-    dist.broadcast_object_list(folder)
+    folder = shared_folder("gradaccum-ds-guide-")
     os.environ["CHECKPOINTS"] = folder[0]
     scope: Dict[str, Any] = {"__name__": "guide"}
     exec(compile(code, "docs/guides/deepspeed.md", "exec"), scope)  # noqa: S102 - the guide's own code
@@ -367,4 +376,11 @@ if __name__ == "__main__":
         globals().update(RANK=rank, WORLD=world)
         deepspeed.init_distributed(dist_backend="gloo")
 
-    sys.exit(run_scenarios(SCENARIOS, set_rank))
+    try:
+        sys.exit(run_scenarios(SCENARIOS, set_rank))
+    finally:
+        if RANK == 0:
+            import shutil
+
+            for made in _FOLDERS:
+                shutil.rmtree(made, ignore_errors=True)
