@@ -359,8 +359,149 @@ def window_loss_refused():
     return "WindowLoss and an exact MoELoss refused before any forward"
 
 
+# --------------------------------------------------------------------------- ExactTrainer(deepspeed=...)
+# The Trainer's data and references are tests/integrations/scenarios.py's (windows of 3, 3 and 1 micro-batches
+# of 1-3 padded sequences per rank). Accelerate counts the real processes here (2), so nothing is adjusted.
+
+TRAINER_CLIP = 0.3
+
+
+def big_sgd(params) -> tuple:
+    """SGD with momentum and weight decay, lr 1 on a schedule: moves large enough that float32 parameters
+    (LayerNorm weights near 1) round well below 1e-6 of them."""
+    opt = torch.optim.SGD(params, lr=1.0, momentum=0.9, weight_decay=0.01)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def _integrations():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
+    import scenarios as S
+
+    return S
+
+
+def on_deepspeed(cls: type, optimizer) -> type:
+    """``cls`` with ``optimizer``'s optimizer and scheduler: under DeepSpeed the Trainer builds its own in
+    ``create_optimizer`` / ``create_scheduler`` (ignoring ``optimizers=``) before DeepSpeed wraps them."""
+
+    class OnDeepSpeed(cls):
+        def create_optimizer(self, model=None):
+            if getattr(self, "_made", None) is None:
+                self._made = optimizer(self.model.parameters())
+            self.optimizer = self._made[0]
+            return self.optimizer
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            self.lr_scheduler = self._made[1]
+            return self.lr_scheduler
+
+    OnDeepSpeed.__name__ = OnDeepSpeed.__qualname__ = f"{cls.__name__}OnDeepSpeed"
+    return OnDeepSpeed
+
+
+def hf_deepspeed(model, per_rank, stage: int, *, exact: bool, clip: Optional[float], optimizer):
+    """The Trainer (ExactTrainer, or the stock one under DeepSpeed's own accumulation) on ``per_rank``."""
+    from transformers import Trainer
+
+    from gradaccum.integrations.hf_trainer import ExactTrainer
+
+    S = _integrations()
+    cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                           "gradient_clipping": "auto", "steps_per_print": 10 ** 9}
+    if exact:
+        cfg["managed_gradient_accumulation"] = False
+    _, trainer = S.hf_fit(model, per_rank, exact=exact, clip=clip, deepspeed=cfg, optimizer=optimizer,
+                          trainer_cls=on_deepspeed(ExactTrainer if exact else Trainer, optimizer))
+    return params(trainer.model_wrapped), trainer
+
+
+def reference_norms(model, windows, clip, optimizer) -> List[float]:
+    """Each window's pre-clip gradient norm in the float64 big-batch run (scenarios.reference's steps)."""
+    from gradaccum import causal_lm_loss
+    from hf_helpers import pad
+
+    S = _integrations()
+    model = copy.deepcopy(model)
+    opt, sched = optimizer(model.parameters())
+    norms = []
+    for window in windows:
+        opt.zero_grad(set_to_none=True)
+        mb = pad(window)
+        causal_lm_loss(S.lm_logits(model, mb), mb["labels"])[0].backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        sched.step()
+    return norms
+
+
+def exact_trainer_stages():
+    """ExactTrainer(deepspeed=...) on ZeRO-1/2/3: within 1e-6 of the float64 big batch (clip engaged on
+    every step, the logged grad_norm the window's true norm), the stock Trainer under DeepSpeed's own
+    accumulation measurably off."""
+    from hf_helpers import gpt2
+
+    S = _integrations()
+    per_rank = [S.rank_micro_batches(r, S.SIZES[r]) for r in range(WORLD)]
+    windows = S.windows_of(per_rank, S.ACCUM)
+    model = gpt2().float()
+    want = [p.detach().clone() for p in S.reference(copy.deepcopy(model).double(), windows, clip=TRAINER_CLIP,
+                                                   optimizer=big_sgd).parameters()]
+    norms = reference_norms(copy.deepcopy(model).double(), windows, TRAINER_CLIP, big_sgd)
+    assert all(n > TRAINER_CLIP for n in norms), norms
+    found = []
+    for stage in (1, 2, 3):
+        got, trainer = hf_deepspeed(model, per_rank, stage, exact=True, clip=TRAINER_CLIP, optimizer=big_sgd)
+        d = delta_from(got, want, model)
+        logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        assert trainer.state.global_step == len(windows), trainer.state.global_step
+        assert len(logged) == len(norms) and all(abs(a - b) <= 1e-5 * b for a, b in zip(logged, norms)), (logged, norms)
+        assert d < 1e-6, f"stage {stage}: delta {d:.2e}"
+        found.append(d)
+    # unclipped, where a uniformly mis-scaled gradient shows (a clip engaged on every step keeps only its
+    # direction); the model as GPT2LMHeadModel(config) builds it (loss_type None): the stock Trainer's own loss
+    free = [p.detach().clone() for p in S.reference(copy.deepcopy(model).double(), windows,
+                                                   optimizer=big_sgd).parameters()]
+    exact_free = delta_from(hf_deepspeed(model, per_rank, 2, exact=True, clip=None, optimizer=big_sgd)[0], free, model)
+    stock_free = delta_from(hf_deepspeed(S.stock(copy.deepcopy(model)), per_rank, 2, exact=False, clip=None,
+                                         optimizer=big_sgd)[0], free, model)
+    assert exact_free < 1e-6 and stock_free > 100 * exact_free, (exact_free, stock_free)
+    return ("ExactTrainer delta " + ", ".join(f"stage {s} {d:.1e}" for s, d in zip((1, 2, 3), found))
+            + f" (clipped); unclipped, stage 2: ExactTrainer {exact_free:.1e}, stock Trainer {stock_free:.1e}")
+
+
+def exact_trainer_empty_window():
+    """A window with no target on either rank under ZeRO-2: no engine step (no momentum or weight-decay
+    step, no scheduler step, global_step not advanced), and the next window exact: the engine's gradient
+    was still zero. (SGD, not AdamW: Adam divides float32 rounding noise of near-zero gradients into
+    steps of the learning rate's size.)"""
+    from hf_helpers import gpt2
+
+    S = _integrations()
+    per_rank = [S.rank_micro_batches(r, S.SIZES[r] + [2]) for r in range(WORLD)]
+    for r, empty in {0: {3, 4, 5, 6, 7}, 1: {3, 4, 5}}.items():
+        for k in empty:
+            per_rank[r][k]["labels"] = torch.full_like(per_rank[r][k]["labels"], -100)
+    windows = S.stepped_windows(per_rank, S.ACCUM)
+    model = gpt2().float()
+    want = [p.detach().clone() for p in S.reference(copy.deepcopy(model).double(), windows,
+                                                   optimizer=big_sgd).parameters()]
+    got, trainer = hf_deepspeed(model, per_rank, 2, exact=True, clip=None, optimizer=big_sgd)
+    counts = (trainer.state.global_step, trainer.windows_skipped, trainer.model_wrapped.global_steps)
+    assert counts == (2, 1, 2), f"global_step, windows skipped, engine steps {counts}; expected (2, 1, 2)"
+    d = delta_from(got, want, model)
+    assert d < 1e-6, f"delta {d:.2e}"
+    return f"skipped, delta {d:.1e}"
+
+
+def delta_from(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], start_model) -> float:
+    start = [p.detach().double() for p in start_model.parameters()]
+    moved = max((w - s).abs().max().item() for w, s in zip(want, start))
+    return max((g - w).abs().max().item() for g, w in zip(got, want)) / moved
+
+
 SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals, guide_example, nonfinite_window_raises,
-             low_precision_is_named_once, window_loss_refused]
+             low_precision_is_named_once, window_loss_refused, exact_trainer_stages, exact_trainer_empty_window]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2/3 around the Accumulator (#38), under torchrun with 2 gloo processes on the CPU
+"""DeepSpeed ZeRO-1/2/3 around the Accumulator and under ExactTrainer (#38), under torchrun with 2 gloo processes on the CPU
 (``DS_ACCELERATOR=cpu``). Every scenario runs in one launch (deepspeed_worker.py): DeepSpeed imports
 once, and builds its CPU communication op (``deepspeed_shm_comm``) once per machine, minutes on a
 fresh 2-core machine, hence the generous timeout."""
@@ -13,7 +13,8 @@ pytest.importorskip("deepspeed")
 
 WORKER = str(ROOT / "tests" / "distributed" / "deepspeed_worker.py")
 SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals", "guide_example",
-             "nonfinite_window_raises", "low_precision_is_named_once", "window_loss_refused"]
+             "nonfinite_window_raises", "low_precision_is_named_once", "window_loss_refused", "exact_trainer_stages",
+             "exact_trainer_empty_window"]
 
 
 @pytest.fixture(scope="module")
@@ -29,5 +30,8 @@ def test_scenario(verdicts, name):
     resume_exact: acc.state in DeepSpeed's checkpoint, resumed bit-identically; refusals (and
     window_loss_refused): with the fix; guide_example: docs/guides/deepspeed.md's code as written;
     nonfinite_window_raises: no step taken or counted; low_precision_is_named_once: the LowPrecisionWarning
-    under DDP, FSDP2 (reduce_dtype) and a bf16 DeepSpeed engine (grad_accum_dtype), silent where the sum is float32."""
+    under DDP, FSDP2 (reduce_dtype) and a bf16 DeepSpeed engine (grad_accum_dtype), silent where the sum is float32;
+    exact_trainer_stages: ExactTrainer(deepspeed=...) on ZeRO-1/2/3 within 1e-6 of the big batch, clipped, the
+    logged grad_norm the window's true norm, the stock Trainer off; exact_trainer_empty_window: skipped, no
+    engine step, the next window exact."""
     assert_scenario(verdicts, name)
