@@ -7,8 +7,9 @@ Two tables, each from the code the tests assert on, so the guide quotes what ``m
   and 64 micro-batches: the floor, the plain loop, the ``Accumulator`` default (float32 buffers) and its
   opt-out (``accum_dtype="param"``); and the peak memory of one window with and without the buffers
   (PeakMeter, :func:`accumulation_memory`).
-- **DeepSpeed**: Δ per ZeRO stage from one torchrun launch of tests/distributed/deepspeed_worker.py
-  (2 gloo processes, ``DS_ACCELERATOR=cpu``), parsed from the figures its scenarios print.
+- **DeepSpeed**: Δ per ZeRO stage, through the ``Accumulator`` and ``ExactTrainer``, from one torchrun
+  launch of tests/distributed/deepspeed_worker.py (2 gloo processes, ``DS_ACCELERATOR=cpu``), parsed from
+  the figures its scenarios print.
 
     PYTHONPATH=src:tests python benchmarks/precision.py     # prints both tables
 """
@@ -27,8 +28,11 @@ sys.path[:0] = [str(ROOT / "tests")]
 
 START, END = "<!-- bench:precision -->", "<!-- /bench:precision -->"
 DS_START, DS_END = "<!-- bench:deepspeed -->", "<!-- /bench:deepspeed -->"
+HF_START, HF_END = "<!-- bench:deepspeed-trainer -->", "<!-- /bench:deepspeed-trainer -->"
 _FIGURES = re.compile(r"stage (\d): Accumulator delta (\S+) .*Accumulator (\S+), DeepSpeed's own loop (\S+); "
                       r"without W (\S+)")
+_TRAINER = re.compile(r"stage (\d) (\S+?)[,\s]")
+_TRAINER_FREE = re.compile(r"unclipped, stage 2: ExactTrainer (\S+), stock Trainer (\S+)$")
 
 
 def bf16() -> Dict[str, Any]:
@@ -48,13 +52,19 @@ def deepspeed_table() -> Dict[str, Any]:
     from distributed.launch import torchrun
 
     proc = torchrun([str(ROOT / "tests" / "distributed" / "deepspeed_worker.py"), "zero1_exact", "zero2_exact",
-                     "zero3_exact"], timeout=900)
-    rows = {}
+                     "zero3_exact", "exact_trainer_stages"], timeout=900)
+    rows: Dict[str, Any] = {}
     for line in proc.stdout.splitlines():
         m = _FIGURES.search(line)
         if line.startswith("PASS") and m:
             rows[m.group(1)] = {"accumulator": float(m.group(2)), "equal_accumulator": float(m.group(3)),
                                 "stock": float(m.group(4)), "without_w": float(m.group(5))}
+        if line.startswith("PASS exact_trainer_stages"):
+            clipped, _, free = line.partition("(clipped)")
+            rows["trainer"] = {stage: float(d) for stage, d in _TRAINER.findall(clipped)}
+            f = _TRAINER_FREE.search(free.strip())
+            if f:
+                rows["trainer_free"] = {"exact": float(f.group(1)), "stock": float(f.group(2))}
     return rows
 
 
@@ -87,10 +97,24 @@ def render_deepspeed(rows: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_trainer(rows: Dict[str, Any]) -> str:
+    if "trainer" not in rows:
+        return "(DeepSpeed is not installed where this ran: `pip install -e '.[test]'`.)\n"
+    free = rows.get("trainer_free", {})
+    lines = ["| ZeRO stage | `ExactTrainer`, clip engaged on every step | `ExactTrainer`, unclipped | stock Trainer, "
+             "unclipped |", "|---|---|---|---|"]
+    for stage, d in sorted(rows["trainer"].items()):
+        extra = f"{free['exact']:.1e} | {free['stock']:.1e}" if stage == "2" and free else " | "
+        lines.append(f"| {stage} | {d:.1e} | {extra} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_guide(r: Dict[str, Any], path: Path) -> None:
     """Both tables between their markers in the guide (a path without the markers gets them alone)."""
     text = path.read_text() if path.exists() else ""
-    for start, end, body in ((START, END, render_bf16(r["bf16"])), (DS_START, DS_END, render_deepspeed(r["deepspeed"]))):
+    stages = {k: v for k, v in r["deepspeed"].items() if k.isdigit()}
+    for start, end, body in ((START, END, render_bf16(r["bf16"])), (DS_START, DS_END, render_deepspeed(stages)),
+                             (HF_START, HF_END, render_trainer(r["deepspeed"]))):
         block = f"{start}\n{body}{end}"
         if start in text and end in text:
             text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
@@ -102,4 +126,5 @@ def write_guide(r: Dict[str, Any], path: Path) -> None:
 if __name__ == "__main__":
     result = precision()
     print(render_bf16(result["bf16"]))
-    print(render_deepspeed(result["deepspeed"]))
+    print(render_deepspeed({k: v for k, v in result["deepspeed"].items() if k.isdigit()}))
+    print(render_trainer(result["deepspeed"]))
