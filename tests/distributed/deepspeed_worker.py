@@ -399,7 +399,7 @@ def on_deepspeed(cls: type, optimizer) -> type:
     return OnDeepSpeed
 
 
-def hf_deepspeed(model, per_rank, stage: int, *, exact: bool, clip: Optional[float], optimizer):
+def hf_deepspeed(model, per_rank, stage: int, *, exact: bool, clip: Optional[float], optimizer, **fit: Any):
     """The Trainer (ExactTrainer, or the stock one under DeepSpeed's own accumulation) on ``per_rank``."""
     from transformers import Trainer
 
@@ -412,7 +412,7 @@ def hf_deepspeed(model, per_rank, stage: int, *, exact: bool, clip: Optional[flo
     if exact:
         cfg["managed_gradient_accumulation"] = False
     _, trainer = S.hf_fit(model, per_rank, exact=exact, clip=clip, deepspeed=cfg, optimizer=optimizer,
-                          trainer_cls=on_deepspeed(ExactTrainer if exact else Trainer, optimizer))
+                          trainer_cls=on_deepspeed(ExactTrainer if exact else Trainer, optimizer), **fit)
     return params(trainer.model_wrapped), trainer
 
 
@@ -494,6 +494,24 @@ def exact_trainer_empty_window():
     return f"skipped, delta {d:.1e}"
 
 
+def exact_trainer_resume():
+    """ExactTrainer under ZeRO-2 checkpointed after every step (DeepSpeed's engine checkpoint, the Trainer's
+    state and ExactTrainer's skipped-window count) and resumed from step 1 of 3: the same parameters, bit
+    for bit, as the run that never stopped."""
+    from hf_helpers import gpt2
+
+    S = _integrations()
+    per_rank = [S.rank_micro_batches(r, S.SIZES[r]) for r in range(WORLD)]
+    model = gpt2().float()
+    a, b = shared_folder("gradaccum-ds-hf-a-")[0], shared_folder("gradaccum-ds-hf-b-")[0]
+    straight, _ = hf_deepspeed(model, per_rank, 2, exact=True, clip=TRAINER_CLIP, optimizer=big_sgd, out=a, save=True)
+    resumed, trainer = hf_deepspeed(model, per_rank, 2, exact=True, clip=TRAINER_CLIP, optimizer=big_sgd, out=b,
+                                    resume=os.path.join(a, "checkpoint-1"))
+    assert trainer.state.global_step == 3, trainer.state.global_step
+    assert all(torch.equal(x, y) for x, y in zip(straight, resumed)), "the resumed run differs"
+    return "bit-identical after resume from checkpoint-1 of 3"
+
+
 def delta_from(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], start_model) -> float:
     start = [p.detach().double() for p in start_model.parameters()]
     moved = max((w - s).abs().max().item() for w, s in zip(want, start))
@@ -501,7 +519,8 @@ def delta_from(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], start_
 
 
 SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals, guide_example, nonfinite_window_raises,
-             low_precision_is_named_once, window_loss_refused, exact_trainer_stages, exact_trainer_empty_window]
+             low_precision_is_named_once, window_loss_refused, exact_trainer_stages, exact_trainer_empty_window,
+             exact_trainer_resume]
 
 
 if __name__ == "__main__":
