@@ -29,6 +29,8 @@ sys.path[:0] = [str(ROOT / "tests")]
 START, END = "<!-- bench:precision -->", "<!-- /bench:precision -->"
 DS_START, DS_END = "<!-- bench:deepspeed -->", "<!-- /bench:deepspeed -->"
 HF_START, HF_END = "<!-- bench:deepspeed-trainer -->", "<!-- /bench:deepspeed-trainer -->"
+TRL_START, TRL_END = "<!-- bench:deepspeed-trl -->", "<!-- /bench:deepspeed-trl -->"
+_TRL = re.compile(r"(SFT|DPO) \(ZeRO-(\d)\) (\S+?)(?:,|$)")
 _FIGURES = re.compile(r"stage (\d): Accumulator delta (\S+) .*Accumulator (\S+), DeepSpeed's own loop (\S+); "
                       r"without W (\S+)")
 _TRAINER = re.compile(r"stage (\d) (\S+?)[,\s]")
@@ -52,7 +54,7 @@ def deepspeed_table() -> Dict[str, Any]:
     from distributed.launch import torchrun
 
     proc = torchrun([str(ROOT / "tests" / "distributed" / "deepspeed_worker.py"), "zero1_exact", "zero2_exact",
-                     "zero3_exact", "exact_trainer_stages"], timeout=900)
+                     "zero3_exact", "exact_trainer_stages", "exact_trl_trainers"], timeout=900)
     rows: Dict[str, Any] = {}
     for line in proc.stdout.splitlines():
         m = _FIGURES.search(line)
@@ -65,6 +67,8 @@ def deepspeed_table() -> Dict[str, Any]:
             f = _TRAINER_FREE.search(free.strip())
             if f:
                 rows["trainer_free"] = {"exact": float(f.group(1)), "stock": float(f.group(2))}
+        if line.startswith("PASS exact_trl_trainers"):
+            rows["trl"] = {name: (stage, float(d)) for name, stage, d in _TRL.findall(line)}
     return rows
 
 
@@ -109,12 +113,21 @@ def render_trainer(rows: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_trl(rows: Dict[str, Any]) -> str:
+    if "trl" not in rows:
+        return "(DeepSpeed is not installed where this ran: `pip install -e '.[test]'`.)\n"
+    lines = ["| TRL trainer | ZeRO stage | Δ from TRL's loss over one big batch |", "|---|---|---|"]
+    lines += [f"| {name} | {stage} | {d:.1e} |" for name, (stage, d) in rows["trl"].items()]
+    return "\n".join(lines) + "\n"
+
+
 def write_guide(r: Dict[str, Any], path: Path) -> None:
     """Both tables between their markers in the guide (a path without the markers gets them alone)."""
     text = path.read_text() if path.exists() else ""
     stages = {k: v for k, v in r["deepspeed"].items() if k.isdigit()}
     for start, end, body in ((START, END, render_bf16(r["bf16"])), (DS_START, DS_END, render_deepspeed(stages)),
-                             (HF_START, HF_END, render_trainer(r["deepspeed"]))):
+                             (HF_START, HF_END, render_trainer(r["deepspeed"])),
+                             (TRL_START, TRL_END, render_trl(r["deepspeed"]))):
         block = f"{start}\n{body}{end}"
         if start in text and end in text:
             text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
@@ -128,3 +141,4 @@ if __name__ == "__main__":
     print(render_bf16(result["bf16"]))
     print(render_deepspeed({k: v for k, v in result["deepspeed"].items() if k.isdigit()}))
     print(render_trainer(result["deepspeed"]))
+    print(render_trl(result["deepspeed"]))

@@ -57,8 +57,8 @@ class DeepSpeedWindows(TrainerCallback):
 
 
 def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
-    """Check the DeepSpeed config and what ExactTrainer computes under it, then hand the boundary to the
-    window (``steps()``: whether the window being trained takes a step). Raises before anything changes."""
+    """Check the DeepSpeed config (every loss source alike: the model's head, TRL's SFT tokens and DPO
+    pairs are tested), then hand the boundary to the window (``steps()``: whether the window being trained takes a step). Raises before anything changes."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     config = getattr(plugin, "deepspeed_config", None) or {}
     if config.get("managed_gradient_accumulation", True) is not False:
@@ -66,9 +66,4 @@ def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
             "ExactTrainer under DeepSpeed: the engine manages gradient accumulation itself (each loss divided by "
             "gradient_accumulation_steps, a step every that many backward passes), so the window could not be one "
             "big batch: add \"managed_gradient_accumulation\": false to the DeepSpeed config (DeepSpeed >= 0.19.8)")
-    if trainer.source != "head":
-        raise ConfigurationError(
-            f"ExactTrainer under DeepSpeed is tested where ExactTrainer computes the model's loss, not under "
-            f"{type(trainer).__name__}'s own compute_loss ({trainer.source}): train it with DDP, or drive the engine "
-            "with gradaccum.Accumulator(engine) (docs/guides/deepspeed.md)")
     trainer.add_callback(DeepSpeedWindows(trainer, steps))
