@@ -336,7 +336,16 @@ def low_precision_is_named_once():
             return f"DDP and FSDP2 named; DeepSpeed bf16 not built here ({type(e).__name__})"
         got = warned(lambda: Accumulator(eng))
         assert bool(got) == expect and (not expect or "grad_accum_dtype" in got[0]), (extra, got)
-    notes.append("DeepSpeed")
+        from types import SimpleNamespace
+
+        from gradaccum.integrations.hf_deepspeed import DeepSpeedWindows
+
+        # ExactTrainer's callback, as the Trainer calls it once the engine is built (a Trainer stand-in)
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(deepspeed_engine_wrapped=SimpleNamespace(engine=eng)))
+        windows = DeepSpeedWindows(trainer, lambda: True)
+        got = warned(lambda: windows.on_train_begin(None, None, None))
+        assert bool(got) == expect and (not expect or "grad_accum_dtype" in got[0]), ("ExactTrainer", extra, got)
+    notes.append("DeepSpeed (Accumulator and ExactTrainer)")
     return "named under " + ", ".join(notes) + "; silent where the sum is float32 or accum_dtype='param'"
 
 

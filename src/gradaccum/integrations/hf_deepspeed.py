@@ -10,15 +10,20 @@ DeepSpeed averages over), goes to ``engine.backward(loss, scale_wrt_gas=False)``
 runs once per window, after its last micro-batch, and not at all in a window without items (every
 backward of it weighed 0, so the engine's gradient is still zero). The engine clips (its
 ``gradient_clipping``, which the Trainer sets from ``max_grad_norm``) and measures the window's norm
-once: the Trainer logs it as ``grad_norm``. The maths is :mod:`gradaccum._deepspeed`'s.
+once: the Trainer logs it as ``grad_norm``. The maths is :mod:`gradaccum._deepspeed`'s. A bf16 engine that
+sums the window in bf16 (``grad_accum_dtype``, ``communication_data_type``) is named once in a
+:class:`~gradaccum.accumulator.LowPrecisionWarning`, as the ``Accumulator`` names it.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 from transformers import TrainerCallback
 
+from .._deepspeed import DeepSpeedSync
+from ..accumulator import LowPrecisionWarning
 from ..errors import ConfigurationError
 
 __all__ = ["WindowEngine", "DeepSpeedWindows", "prepare"]
@@ -53,6 +58,10 @@ class DeepSpeedWindows(TrainerCallback):
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
         if wrapped is not None and not isinstance(wrapped, WindowEngine):
             accelerator.deepspeed_engine_wrapped = WindowEngine(wrapped.engine, self.steps)
+            cost = DeepSpeedSync(wrapped.engine).low_precision_sum([])  # the Accumulator's check, on this engine
+            if cost is not None:
+                warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the window",
+                              LowPrecisionWarning, stacklevel=2)
         return control
 
 
