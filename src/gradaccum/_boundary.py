@@ -241,7 +241,8 @@ class Boundary:
                 f"the window's {_what(loss_sum)} is not finite (loss sum {loss_sum}) and the DeepSpeed engine holds "
                 "its gradient, which gradaccum cannot drop: no step was taken, and the engine's accumulated gradient "
                 "must not reach the next step. Restore the last checkpoint (engine.load_checkpoint and "
-                "acc.load_state_dict), and lower the learning rate or set \"gradient_clipping\" in the DeepSpeed config")
+                "acc.load_state_dict), and lower the learning rate or set \"gradient_clipping\" in the DeepSpeed "
+                "config")
         self.state.skipped += 1
         if decision is Verdict.SKIP_EMPTY and ran:
             self._warn_once("no_items", "a window counted 0 items (e.g. every label is the ignore_index): it has "

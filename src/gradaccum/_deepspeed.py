@@ -1,5 +1,5 @@
-"""DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam: the engine owns the reduction,
-the optimizer, clipping and its scheduler; gradaccum owns the window.
+"""DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam: the
+engine owns the reduction, the optimizer, clipping and its scheduler; gradaccum owns the window.
 
 A ``deepspeed.initialize`` engine built with ``"managed_gradient_accumulation": false`` lets its caller
 own the boundary: ``engine.backward`` only accumulates (ZeRO-2/3 reduce-scatter each backward into the

@@ -394,7 +394,8 @@ def _check_engine_loss(sync: GradSync, loss_fn: Any) -> None:
     their own (the unwrapped module, ``torch.autograd.backward``) that a DeepSpeed engine would not see."""
     from .moe import MoELoss
 
-    if sync.owns_step and (isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")):
+    two_pass = isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")
+    if sync.owns_step and two_pass:
         raise NotExactError(
             f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
             "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
@@ -455,8 +456,8 @@ def _buffers(accum_dtype: Union[None, str, torch.dtype], sync: GradSync, precisi
         accum_dtype = torch.float32
     if sync.reduces_across_ranks:
         raise ConfigurationError(
-            f"accum_dtype is for single-process training (got accum_dtype={accum_dtype}); with DDP or FSDP2 keep float32 "
-            "master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            f"accum_dtype is for single-process training (got accum_dtype={accum_dtype}); with DDP or FSDP2 keep "
+            "float32 master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
             "reduce_dtype=torch.float32)) and leave accum_dtype='auto'"
         )
     if precision == "fp16":

@@ -400,9 +400,10 @@ class FSDP2Sync(GradSync):
             param_dtype = getattr(policy, "param_dtype", None)
             reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
             sums_in = reduce_dtype or next((p.dtype for p in module.parameters()), None)
+            asked = getattr(policy, "reduce_dtype", None)
             if sums_in in _LOW_PRECISION:
                 return (f"FSDP2 sums the window's unsharded gradient and reduce-scatters it in {sums_in} "
-                        f"(MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype={getattr(policy, 'reduce_dtype', None)}) "
+                        f"(MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype={asked}) "
                         "over the sharded parameters); shard float32 parameters with "
                         "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
         return None
@@ -442,8 +443,9 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
 
     if deepspeed_engine(model) is not None:
         if data_parallel == "none" or reduce_every_micro_batch:
+            given = f"data_parallel={data_parallel!r}" if data_parallel == "none" else "reduce_every_micro_batch=True"
             raise ConfigurationError(
-                f"{'data_parallel=' + repr(data_parallel) if data_parallel == 'none' else 'reduce_every_micro_batch=True'} "
+                f"{given} "
                 "around a DeepSpeed engine: the engine reduces across its data-parallel ranks itself (ZeRO-2/3 in "
                 "every backward already); leave the default")
         return DeepSpeedSync(model)

@@ -10,8 +10,8 @@ DeepSpeed averages over), goes to ``engine.backward(loss, scale_wrt_gas=False)``
 runs once per window, after its last micro-batch, and not at all in a window without items (every
 backward of it weighed 0, so the engine's gradient is still zero). The engine clips (its
 ``gradient_clipping``, which the Trainer sets from ``max_grad_norm``) and measures the window's norm
-once: the Trainer logs it as ``grad_norm``. The maths is :mod:`gradaccum._deepspeed`'s. A bf16 engine that
-sums the window in bf16 (``grad_accum_dtype``, ``communication_data_type``) is named once in a
+once: the Trainer logs it as ``grad_norm``. The maths is :mod:`gradaccum._deepspeed`'s. A bf16 engine
+that sums the window in bf16 (``grad_accum_dtype``, ``communication_data_type``) is named once in a
 :class:`~gradaccum.accumulator.LowPrecisionWarning`, as the ``Accumulator`` names it.
 """
 
@@ -67,7 +67,8 @@ class DeepSpeedWindows(TrainerCallback):
 
 def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
     """Check the DeepSpeed config (every loss source alike: the model's head, TRL's SFT tokens and DPO
-    pairs are tested), then hand the boundary to the window (``steps()``: whether the window being trained takes a step). Raises before anything changes."""
+    pairs are tested), then hand the boundary to the window (``steps()``: whether the window being
+    trained takes a step). Raises before anything changes."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     config = getattr(plugin, "deepspeed_config", None) or {}
     if config.get("managed_gradient_accumulation", True) is not False:
