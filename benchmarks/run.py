@@ -12,7 +12,8 @@ couples the window's items, WindowLoss against the big batch and sentence-transf
 MoE router's load-balancing term per mode against the big batch, written into docs/guides/moe.md (moe.py); TRL's
 GRPO and RLOO per loss type and setting, stock and exact, written into docs/guides/trl.md (grpo.py); the
 same on CUDA in its own process when a GPU is there (cuda_bench.py); each stack's own accumulation against
-ours (stacks.py). report.py writes the page.
+ours (stacks.py); bf16 parameters' accumulation and DeepSpeed per ZeRO stage, written into
+docs/guides/deepspeed.md (precision.py). report.py writes the page.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def main() -> None:
     from memory_bench import memory, meter_cost
     from moe import moe, write_guide
     from overhead import overhead, profile
+    from precision import precision, write_guide as write_precision
     from scaling import bandwidth, numerics, throughput
     from stacks import stacks
     from transformer import transformer
@@ -68,7 +70,8 @@ def main() -> None:
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
         "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses, "moe": moe, "grpo": grpo,
-        "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks}
+        "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks,
+        "precision": precision}
     for name, fn in sections.items():
         t0 = time.time()
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
@@ -85,6 +88,8 @@ def main() -> None:
     write_guide(results["moe"], where / "moe.md" if QUICK else ROOT / "docs" / "guides" / "moe.md")
     # GRPO/RLOO's stock-vs-exact tables live in the TRL guide
     write_grpo_guide(results["grpo"], where / "trl.md" if QUICK else ROOT / "docs" / "guides" / "trl.md")
+    # bf16 accumulation and DeepSpeed per ZeRO stage: the tables of the DeepSpeed guide
+    write_precision(results["precision"], where / "deepspeed.md" if QUICK else DOCS / "guides" / "deepspeed.md")
     if not QUICK:  # the sentence-transformers guide's per-loss table
         write_st_table(results["st_losses"], DOCS / "guides" / "sentence-transformers.md")
     print(doc)

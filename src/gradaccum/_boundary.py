@@ -26,10 +26,11 @@ gradient, and every rank's verdict, are not finite. ``StepResult.loss`` is None 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -40,6 +41,7 @@ from ._state import AccumulatorState
 from ._weights import Closing, WindowWeights
 from .errors import ConfigurationError
 from .precision import MixedPrecision
+from ._deepspeed import not_known_up_front
 from .sync import GradSync, full_tensor
 
 __all__ = ["WindowTotals", "Outcome", "Boundary", "InFlight", "total_norm"]
@@ -96,7 +98,9 @@ class Boundary:
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.precision, self.sync, self.grads = precision, sync, grads
         self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
-        self.measure = max_grad_norm is not None or compute_grad_norm or precision.scaler is not None
+        # where the wrapper steps itself (DeepSpeed), it clips and measures the norm too: once, not twice
+        self.measure = (max_grad_norm is not None or compute_grad_norm or precision.scaler is not None) \
+            and not sync.owns_step
         #: whether the all-reduce may start before the last backward (:meth:`launch`): across ranks, and
         #: not when it carries the squared norm of a sharded (FSDP2) gradient, which exists only after
         self.launch_before_last_backward = sync.reduces_across_ranks and not (self.measure and sync.sharded_grads)
@@ -148,16 +152,20 @@ class Boundary:
         closing = totals.weights.close(told.num_items, loss_sum=loss_sum, raw_norm=told.raw_norm,
                                        nonfinite=self.nonfinite, has_scaler=self.precision.scaler is not None)
         grad_norm = closing.grad_norm
+        stepped = False
         try:
             if closing.steps:
-                self._step(grads, closing.scale * clip_coefficient(grad_norm, self.max_grad_norm),
-                           None if loss_sum is None else window_mean(loss_sum, told.num_items),
-                           totals.weights, closing)
+                if self.sync.needs_known_items and closing.scale != 1.0:
+                    raise not_known_up_front()  # loss_fn counted other items than those known up front
+                stepped, stepped_norm = self._step(grads, closing.scale * clip_coefficient(grad_norm, self.max_grad_norm),
+                                                   None if loss_sum is None else window_mean(loss_sum, told.num_items),
+                                                   totals.weights, closing)
+                grad_norm = grad_norm if stepped_norm is None else stepped_norm
             else:
                 self._skip(closing, loss_sum, totals)
         finally:
             self.grads.clear()
-        return Outcome(loss_sum, told.num_items, grad_norm, not closing.steps, lr, self.state.steps,
+        return Outcome(loss_sum, told.num_items, grad_norm, not stepped, lr, self.state.steps,
                        told.peers_can_pad if exchange else None, told.stop,
                        told.counts_from_loss_fn if exchange else None)
 
@@ -206,11 +214,16 @@ class Boundary:
                          told.counts_from_loss_fn > 0)
 
     def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float], weights: WindowWeights,
-              closing: Closing) -> None:
+              closing: Closing) -> Tuple[bool, Optional[float]]:
+        """Scale, step (the seam's step: the optimizer's, or DeepSpeed's ``engine.step()``), schedule.
+        Returns whether the step was taken, and the norm the step itself measured (DeepSpeed), else None."""
         if grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
         self.grads.write_back()
-        self.precision.step(self.optimizer)
+        stepped_norm = self.sync.step(self.optimizer, self.precision)
+        if stepped_norm is not None and not math.isfinite(stepped_norm):  # the stepper skipped it (DeepSpeed fp16's
+            weights.record(dataclasses.replace(closing, verdict=Verdict.SKIP_NONFINITE))  # loss scale backed off)
+            return False, stepped_norm
         weights.record(closing)  # the step counted before the scheduler, which may raise after the step
         if self.scheduler is not None:
             if self.steps_on_loss:
@@ -218,6 +231,7 @@ class Boundary:
             else:
                 self.scheduler.step()
             self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
+        return True, stepped_norm
 
     def _skip(self, closing: Closing, loss_sum: Optional[float], totals: WindowTotals) -> None:
         decision, grad_norm = closing.verdict, closing.grad_norm
@@ -228,6 +242,13 @@ class Boundary:
                 "no step was taken and the gradients were cleared. Lower the learning rate, use "
                 "max_grad_norm, or pass nonfinite='skip' to skip such windows"
             )
+        if decision is Verdict.SKIP_NONFINITE and self.sync.owns_step:
+            raise FloatingPointError(
+                f"the window's {_what(loss_sum)} is not finite (loss sum {loss_sum}) and the DeepSpeed engine holds "
+                "its gradient, which gradaccum cannot drop: no step was taken, and the engine's accumulated gradient "
+                "must not reach the next step. Restore the last checkpoint (engine.load_checkpoint and "
+                "acc.load_state_dict), and lower the learning rate or set \"gradient_clipping\" in the DeepSpeed "
+                "config")
         totals.weights.record(closing, warn_empty="its StepResult.loss is nan" if totals.ran else None, stacklevel=5)
         if decision is Verdict.SKIP_NONFINITE and self.precision.scaler is None:
             self._warn_once("nonfinite", f"a window's {_what(loss_sum)} was not "

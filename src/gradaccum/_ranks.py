@@ -149,6 +149,8 @@ class Rules:
             (:meth:`gradaccum.sync.GradSync.plain_reduction`).
         loss_every: a window that could exchange nothing still exchanges every ``loss_every``-th time.
         steps_on_loss: a ReduceLROnPlateau needs every window's loss, so every window exchanges.
+        reference_is_count: R must be the window's own N, known up front (the gradient cannot be
+            rescaled at the boundary: :attr:`gradaccum.sync.GradSync.needs_known_items`, DeepSpeed).
     """
 
     shares_windows: bool
@@ -156,6 +158,7 @@ class Rules:
     plain_reduction: Callable[[], bool]
     loss_every: int = 1
     steps_on_loss: bool = False
+    reference_is_count: bool = False
 
 
 def padded_count(count: int, most: int, equal_counts: bool) -> int:
@@ -220,6 +223,10 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan]
     4. None: R is fixed at the first backward (:meth:`gradaccum._weights.WindowWeights.fix_reference`).
     """
     across = rules.shares_windows
+    if rules.reference_is_count:  # R = N or nothing (then the first backward refuses the window)
+        known = plan.items if plan is not None else (as_number(num_items) if num_items is not None and not across
+                                                     else None)
+        return None if known is None else (known if known > 0 else 1.0)  # 0 items: every weight is 0 anyway
     if plan is None:  # a window opened without a size: only one process knows its count
         return as_number(num_items) if num_items is not None and not across else None
     if across and state.last_window_items and (plan.asked or plan.items is None):  # cases 1 and 3

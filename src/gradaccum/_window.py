@@ -31,6 +31,7 @@ from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError
 from .sync import GradSync
+from ._deepspeed import not_known_up_front
 
 __all__ = ["Window", "WindowContext", "OpenWindow"]
 
@@ -246,11 +247,14 @@ class Window:
         this first backward's count, the largest on any rank (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
         assert self.weights is not None
+        if self.weights.reference is None and self.ctx.sync.needs_known_items:
+            raise not_known_up_front()  # before any backward: nothing reached the gradient
         return self.weights.fix_reference(count, self.ctx.ranks.largest)
 
     def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
         term = self._before_reduction()
-        self.ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off)
+        self.ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off,
+                                    run=self.ctx.sync.backward)
         self.done += 1
 
     def _before_reduction(self) -> Optional[torch.Tensor]:

@@ -53,11 +53,21 @@ from .precision import MixedPrecision
 from .result import StepResult
 from .schedule import AccumSteps
 from .sync import GradSync, sync_for
-from .errors import ConfigurationError
+from ._deepspeed import check_engine_arguments, deepspeed_engine
+from .errors import ConfigurationError, NotExactError
 
-__all__ = ["Accumulator"]
+__all__ = ["Accumulator", "LowPrecisionWarning"]
 
 _NONFINITE = ("skip", "raise")
+#: ``accum_dtype=`` names besides a dtype: float32 buffers for low-precision parameters, or none
+ACCUM_DTYPES = ("auto", "param")
+#: parameter dtypes whose window gradient ``accum_dtype="auto"`` sums in float32
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class LowPrecisionWarning(UserWarning):
+    """The window's gradient is summed in bf16/fp16 where gradaccum cannot sum it in float32 (under a
+    data-parallel wrapper that owns the sum): the warning names the setting that would."""
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
 Scheduler = Any
@@ -68,15 +78,25 @@ class Accumulator:
 
     Args:
         model: the module: plain, ``DistributedDataParallel``, FSDP2 ``fully_shard``-ed, or anything
-            holding one of them (``torch.compile(ddp_model)``, Accelerate's prepared model).
-        optimizer: any ``torch.optim.Optimizer`` over (some of) the model's trainable parameters.
+            holding one of them (``torch.compile(ddp_model)``, Accelerate's prepared model); or a
+            ``deepspeed.initialize`` engine (ZeRO 1-3) with ``"managed_gradient_accumulation": false``,
+            which owns the reduction, the optimizer, clipping and its scheduler (:mod:`gradaccum._deepspeed`).
+        optimizer: any ``torch.optim.Optimizer`` over (some of) the model's trainable parameters
+            (None, or the optimizer ``deepspeed.initialize`` returned, around a DeepSpeed engine).
         scheduler: stepped once per optimizer step taken, never on a skipped window. A
             ``ReduceLROnPlateau`` is stepped with the window's loss.
         max_grad_norm: clip the window's gradient to this total 2-norm, after normalization and
             unscaling.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
-        accum_dtype: e.g. ``torch.float32``: accumulate low-precision parameters' gradients in
-            buffers of this dtype, rounded once for the optimizer.
+        accum_dtype: where bf16/fp16 parameters' window gradient is summed. ``"auto"`` (the default):
+            in float32 buffers, one rounding of the window's gradient to the parameter's dtype for the
+            optimizer (single process; under DDP, FSDP2 or DeepSpeed the wrapper owns the sum, and a
+            setting that sums in bf16 there is named once in a warning). A dtype such as
+            ``torch.float64``: buffers of that dtype. ``"param"`` (or None) opts out: the sum is kept in
+            the parameter's own ``.grad``, rounded to 8 bits of mantissa (bf16) after every
+            micro-batch, so its error grows with the micro-batches (bf16 GPT-2, K = 64: about 2x the
+            floor; ``make bench``'s precision section) for 2 bytes per parameter less (float32
+            buffers cost 4 bytes per low-precision parameter while a window is open).
         nonfinite: ``"skip"`` a window whose loss or measured gradient is not finite (with a warning
             the first time; ``acc.skipped`` counts them), or ``"raise"``.
         reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch
@@ -108,19 +128,24 @@ class Accumulator:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optional[torch.optim.Optimizer] = None,
         *,
         scheduler: Scheduler = None,
         max_grad_norm: Optional[float] = None,
         precision: str = "fp32",
-        accum_dtype: Optional[torch.dtype] = None,
+        accum_dtype: Union[None, str, torch.dtype] = "auto",
         nonfinite: str = "skip",
         reduce_every_micro_batch: bool = False,
         data_parallel: str = "auto",
         compute_grad_norm: bool = False,
         loss_every: int = 1,
     ) -> None:
-        params = _check_arguments(model, optimizer, scheduler, max_grad_norm, nonfinite, accum_dtype)
+        engine = deepspeed_engine(model)
+        if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed
+            optimizer = check_engine_arguments(engine, optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
+                                               precision=precision, accum_dtype=accum_dtype)
+        params = _check_arguments(model, optimizer, scheduler, max_grad_norm, nonfinite, accum_dtype,
+                                  engine_owned=engine is not None)
         positive_int("loss_every", loss_every)
         device = params[0].device
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -136,7 +161,8 @@ class Accumulator:
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=bool(compute_grad_norm),
                             nonfinite=nonfinite, device=device)
         rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts, self.sync.plain_reduction,
-                      loss_every=loss_every, steps_on_loss=boundary.steps_on_loss)
+                      loss_every=loss_every, steps_on_loss=boundary.steps_on_loss,
+                      reference_is_count=self.sync.needs_known_items)
         self.auto = AutoMicroBatch(self.sync, device, state)
         self.context = WindowContext(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=RankAgreement(self.sync, device, state, rules),
@@ -211,6 +237,7 @@ class Accumulator:
         self.context.slot.check_idle()
         check_micro_batch_size(micro_batch_size)
         _check_loss(loss_fn, num_items, micro_batch_size)
+        _check_engine_loss(self.sync, loss_fn)
         if micro_batch_size == "auto":
             return run_auto(self.context, self.auto, window, loss_fn, num_items)
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
@@ -257,6 +284,7 @@ class Accumulator:
         """
         self.context.slot.check_idle()
         _check_loss(loss_fn, num_items, micro_batch_size)
+        _check_engine_loss(self.sync, loss_fn)
         if micro_batch_size not in (None, "auto"):
             raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
                              "loader's batches are the micro-batches; use 'auto' to re-split each window on "
@@ -308,24 +336,27 @@ class Accumulator:
 # -- construction checks: every one before anything is built ------------------------------------------
 
 def _check_arguments(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: Any, nonfinite: Any,
-                     accum_dtype: Any) -> list:
-    """The model's trainable parameters, after every argument is checked."""
+                     accum_dtype: Any, *, engine_owned: bool = False) -> list:
+    """The model's trainable parameters, after every argument is checked (``engine_owned``: a DeepSpeed
+    engine's optimizer, checked by :func:`gradaccum._deepspeed.check_engine_arguments`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not engine_owned and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     _check_scheduler(scheduler, optimizer)
     if max_grad_norm is not None:
         positive_number("max_grad_norm", max_grad_norm, what="a positive finite number or None")
     if nonfinite not in _NONFINITE:
         raise ConfigurationError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-    if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
-        raise TypeError(f"accum_dtype must be a torch.dtype such as torch.float32, got {accum_dtype!r}")
+    if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES and not isinstance(accum_dtype, torch.dtype):
+        raise TypeError(f"accum_dtype must be 'auto' (float32 buffers for bf16/fp16 parameters), 'param' (the "
+                        f"parameter's own dtype) or a torch.dtype such as torch.float32, got {accum_dtype!r}")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigurationError("model has no parameter that requires grad; there is nothing to accumulate")
-    _check_optimizer_covers(optimizer, params, model)
-    _check_no_foreign_scaler(optimizer)
+    if not engine_owned:
+        _check_optimizer_covers(optimizer, params, model)
+        _check_no_foreign_scaler(optimizer)
     return params
 
 
@@ -362,6 +393,19 @@ def _check_loss(loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
     _check_count_fn(num_items)
 
 
+def _check_engine_loss(sync: GradSync, loss_fn: Any) -> None:
+    """A WindowLoss's cached passes and an exact MoELoss's counting pass run forwards and backwards of
+    their own (the unwrapped module, ``torch.autograd.backward``) that a DeepSpeed engine would not see."""
+    from .moe import MoELoss
+
+    two_pass = isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")
+    if sync.owns_step and two_pass:
+        raise NotExactError(
+            f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
+            "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
+            + ("" if isinstance(loss_fn, WindowLoss) else ", or use MoELoss(mode='micro_batch')"))
+
+
 def _check_count_fn(num_items: Any) -> None:
     if num_items is not None and not callable(num_items):
         raise TypeError(f"num_items must be a function micro_batch -> count, got {type(num_items).__name__}; "
@@ -392,19 +436,37 @@ def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _buffers(accum_dtype: Optional[torch.dtype], sync: GradSync, precision: str,
+def _buffers(accum_dtype: Union[None, str, torch.dtype], sync: GradSync, precision: str,
              params: Sequence[torch.nn.Parameter]) -> Optional[AccumulationBuffers]:
-    if accum_dtype is None:
+    """The window's float buffers, or None where the sum stays in ``.grad`` (see ``accum_dtype``)."""
+    if accum_dtype is None or accum_dtype == "param":
         return None
+    if accum_dtype == "auto":
+        cost = None
+        if sync.reduces_across_ranks:  # the wrapper owns the sum: it is summed in float32 or named here
+            cost = sync.low_precision_sum(params)
+        elif not any(p.dtype in LOW_PRECISION for p in params):
+            return None
+        elif precision == "fp16":
+            cost = ("precision='fp16' with bf16/fp16 parameters: GradScaler unscales float32 gradients only, so "
+                    "the window's gradient is summed in the parameters' own dtype")
+        if sync.reduces_across_ranks or precision == "fp16":
+            if cost is not None:
+                warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the "
+                              "window (bf16 GPT-2, 64 micro-batches: about 2x the error of a float32 sum). "
+                              "Pass accum_dtype='param' to accept it without this warning", LowPrecisionWarning,
+                              stacklevel=4)
+            return None
+        accum_dtype = torch.float32
     if sync.reduces_across_ranks:
         raise ConfigurationError(
-            "accum_dtype is for single-process training; with DDP or FSDP2 keep float32 "
-            "master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "reduce_dtype=torch.float32)) and leave accum_dtype=None"
+            f"accum_dtype is for single-process training (got accum_dtype={accum_dtype}); with DDP or FSDP2 keep "
+            "float32 master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            "reduce_dtype=torch.float32)) and leave accum_dtype='auto'"
         )
     if precision == "fp16":
         raise ConfigurationError(
-            "accum_dtype with precision='fp16' is not supported: GradScaler unscales "
-            "float32 gradients only. Use precision='bf16' or keep float32 parameters"
+            f"accum_dtype with precision='fp16' is not supported (accum_dtype={accum_dtype}): GradScaler unscales "
+            "float32 gradients only. Use precision='bf16', keep float32 parameters, or pass accum_dtype='param'"
         )
     return AccumulationBuffers(params, accum_dtype)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ parameters, so one code path serves the CPU and CUDA.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 
@@ -46,15 +46,16 @@ class MixedPrecision:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def backward(self, loss: torch.Tensor, *, autocast_off: bool = False) -> None:
-        """``scale(loss).backward()``, outside autocast when the forward ran under it (or when asked:
-        a zero-weight padding micro-batch)."""
+    def backward(self, loss: torch.Tensor, *, autocast_off: bool = False,
+                 run: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
+        """``run(scale(loss))`` (``.backward()``, or the distributed seam's: DeepSpeed's ``engine.backward``),
+        outside autocast when the forward ran under it (or when asked: a zero-weight padding micro-batch)."""
         scaled = self.scale(loss)
         if self.dtype is None and not autocast_off:
-            scaled.backward()
+            run(scaled)
         else:  # the forward ran under autocast; its backward must not
             with torch.autocast(device_type=self.device_type, enabled=False):
-                scaled.backward()
+                run(scaled)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the accumulated gradients by the loss scale, once per window."""

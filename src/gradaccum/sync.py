@@ -33,13 +33,13 @@ from .errors import ConfigurationError, RankAgreementError
 
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
-           "DATA_PARALLEL"]
+           "DATA_PARALLEL", "loaded_type"]
 
 #: ``data_parallel=`` values: find the wrapper (and refuse none under several ranks), or train per rank
 DATA_PARALLEL = ("auto", "none")
 
 
-def _loaded_type(modules: Sequence[str], name: str) -> Any:
+def loaded_type(modules: Sequence[str], name: str) -> Any:
     """``name`` from the first of ``modules`` already imported, else None. A model can only have
     been wrapped by a class whose module was imported, and importing FSDP here would cost every
     user about a second."""
@@ -51,11 +51,11 @@ def _loaded_type(modules: Sequence[str], name: str) -> Any:
 
 
 def _fsdp2_module_type() -> Any:
-    return _loaded_type(("torch.distributed.fsdp", "torch.distributed._composable.fsdp"), "FSDPModule")
+    return loaded_type(("torch.distributed.fsdp", "torch.distributed._composable.fsdp"), "FSDPModule")
 
 
 def _fsdp1_type() -> Any:
-    return _loaded_type(("torch.distributed.fsdp",), "FullyShardedDataParallel")
+    return loaded_type(("torch.distributed.fsdp",), "FullyShardedDataParallel")
 
 
 def is_distributed() -> bool:
@@ -125,6 +125,12 @@ class GradSync:
     replicated_grads: bool = False
     #: whether each rank holds a shard of the reduced gradient (FSDP2): its norm needs the ranks
     sharded_grads: bool = False
+    #: the wrapper steps the optimizer itself (DeepSpeed's ``engine.step()``, which also clips and measures
+    #: the norm): the boundary asks :meth:`step` and measures no norm of its own
+    owns_step: bool = False
+    #: the gradient lives where it cannot be rescaled at the boundary (DeepSpeed's partitions): every
+    #: window's item count must be known before its first backward, so that R = N and the scale is 1
+    needs_known_items: bool = False
     group: Any = None
 
     @property
@@ -136,6 +142,16 @@ class GradSync:
     def micro_batch(self, *, last: bool) -> ContextManager[Any]:
         """Wraps one micro-batch's forward *and* backward; reduces gradients only when ``last``."""
         return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward of its weighted (and loss-scaled) loss."""
+        loss.backward()
+
+    def step(self, optimizer: Any, precision: Any) -> Optional[float]:
+        """The window's optimizer step (through the GradScaler under fp16); the norm of the gradient it
+        stepped on where the step itself measured one (None: the boundary measured it, if asked)."""
+        precision.step(optimizer)
+        return None
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.shares_windows:
@@ -229,6 +245,12 @@ class GradSync:
         """Average already-accumulated local gradients across ranks now (used when every backward
         of the window skipped its reduction: a rank without data, or the micro-batch size search)."""
 
+    def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
+        """Where the wrapper sums the window's gradient in bf16/fp16 (its own accumulation, which
+        gradaccum's float32 buffers cannot replace), with the setting that would sum it in float32;
+        None where it sums in float32 (or gradaccum's buffers can, on one process)."""
+        return None
+
 
 class DDPSync(GradSync):
     """``DistributedDataParallel``: ``no_sync()`` around every micro-batch but the last.
@@ -305,6 +327,18 @@ class DDPSync(GradSync):
             offset += g.numel()
 
 
+    def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
+        low = sorted({str(p.dtype) for p in params if p.dtype in _LOW_PRECISION})
+        if not low:
+            return None
+        return (f"DistributedDataParallel sums the window's gradient in the parameters' own .grad ({', '.join(low)}); "
+                "keep float32 parameters and run the forward under precision='bf16' (autocast) to sum it in float32")
+
+
+#: floating dtypes whose running sum rounds to 8 (bf16) or 11 (fp16) bits of mantissa
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def _has_comm_hook(ddp: DistributedDataParallel) -> bool:
     """Whether DDP's logging data names a communication hook (True as well when it cannot be read)."""
     try:
@@ -355,6 +389,25 @@ class FSDP2Sync(GradSync):
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         raise NotImplementedError("FSDP2 reduces gradients only inside its backward pass")
 
+    def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
+        """FSDP2 keeps the unsharded gradient between micro-batches in ``MixedPrecisionPolicy.reduce_dtype``
+        (None: the ``param_dtype``, else the sharded parameters' dtype) and reduce-scatters in it."""
+        for module in self.modules:
+            try:
+                policy = module._get_fsdp_state()._mp_policy  # type: ignore[operator]  # torch's private state
+            except Exception:  # noqa: BLE001 - a torch without it: the parameters' dtype decides alone
+                policy = None
+            param_dtype = getattr(policy, "param_dtype", None)
+            reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
+            sums_in = reduce_dtype or next((p.dtype for p in module.parameters()), None)
+            asked = getattr(policy, "reduce_dtype", None)
+            if sums_in in _LOW_PRECISION:
+                return (f"FSDP2 sums the window's unsharded gradient and reduce-scatters it in {sums_in} "
+                        f"(MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype={asked}) "
+                        "over the sharded parameters); shard float32 parameters with "
+                        "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+        return None
+
     def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """``sum ||local shard||^2`` in float64 when every gradient is a DTensor sharded over a mesh of
         all the ranks (plain FSDP2); None under HSDP (a replicated mesh dimension would count twice).
@@ -386,6 +439,16 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
     """
     if data_parallel not in DATA_PARALLEL:
         raise ConfigurationError(f"data_parallel must be 'auto' or 'none', got {data_parallel!r}")
+    from ._deepspeed import DeepSpeedSync, deepspeed_engine
+
+    if deepspeed_engine(model) is not None:
+        if data_parallel == "none" or reduce_every_micro_batch:
+            given = f"data_parallel={data_parallel!r}" if data_parallel == "none" else "reduce_every_micro_batch=True"
+            raise ConfigurationError(
+                f"{given} "
+                "around a DeepSpeed engine: the engine reduces across its data-parallel ranks itself (ZeRO-2/3 in "
+                "every backward already); leave the default")
+        return DeepSpeedSync(model)
     modules = list(model.modules())
     fsdp1 = _fsdp1_type()
     if fsdp1 is not None and any(isinstance(m, fsdp1) for m in modules):

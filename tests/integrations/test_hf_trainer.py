@@ -204,7 +204,8 @@ def declared_rows() -> type:
 REFUSALS = {
     "fsdp1": (ExactTrainer, r"FSDP with fsdp_version=1 is not supported .*use fsdp_version=2: "
                             r"fsdp_config=\{'fsdp_version': 2\}"),
-    "deepspeed": (ExactTrainer, r"DeepSpeed \(any ZeRO stage\) is not supported.*shard with FSDP2 instead"),
+    "deepspeed": (ExactTrainer, r"ExactTrainer under DeepSpeed: the engine manages gradient accumulation itself.*"
+                                r"add \"managed_gradient_accumulation\": false to the DeepSpeed config"),
     "fsdp2": (declared_rows(), r"FSDP2 is tested where ExactTrainer computes the model's loss, not under "
                                r"ExactMine's own compute_loss \(items: rows\); train it with DDP"),
 }
@@ -212,9 +213,10 @@ REFUSALS = {
 
 @pytest.mark.parametrize("stack", list(REFUSALS))
 def test_sharded_stacks_not_tested_are_refused_with_the_fix(stack):
-    """FSDP1 (fsdp_version=1), DeepSpeed, and FSDP2 under a trainer's own compute_loss (TRL's, or one
-    declared with exact_items) are refused in one line that names the fix, before any training; FSDP2
-    where ExactTrainer computes the loss is tested in test_distributed.py."""
+    """FSDP1 (fsdp_version=1), DeepSpeed managing its own accumulation, and FSDP2 under a trainer's own
+    compute_loss (TRL's, or one declared with exact_items) are refused in one line that names the fix,
+    before any training; FSDP2 where ExactTrainer computes the loss is tested in test_distributed.py, and
+    DeepSpeed with a caller-owned boundary in tests/distributed/test_deepspeed.py."""
     from transformers import TrainingArguments
 
     base, message = REFUSALS[stack]

@@ -496,11 +496,10 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     if trainer.args.n_gpu > 1:
         raise ConfigurationError(f"ExactTrainer: n_gpu={trainer.args.n_gpu} (DataParallel in one process) splits each "
                          "batch without telling the loss; launch one process per GPU (torchrun) instead")
-    if trainer.is_deepspeed_enabled:
-        raise ConfigurationError("ExactTrainer: DeepSpeed (any ZeRO stage) is not supported: untested here (see "
-                         "docs/guides/hf-trainer.md), and its engine steps inside backward, so a window without "
-                         "items could not be skipped; shard with FSDP2 instead (fsdp='full_shard', "
-                         "fsdp_config={'fsdp_version': 2}) or train with DDP")
+    if trainer.is_deepspeed_enabled:  # the engine steps once per window with items (integrations/hf_deepspeed.py)
+        from . import hf_deepspeed
+
+        hf_deepspeed.prepare(trainer, lambda: not (trainer._window is not None and trainer._window.skip))
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
     if version not in (None, 2):
         raise ConfigurationError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "

@@ -1,0 +1,176 @@
+"""DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam: the
+engine owns the reduction, the optimizer, clipping and its scheduler; gradaccum owns the window.
+
+A ``deepspeed.initialize`` engine built with ``"managed_gradient_accumulation": false`` lets its caller
+own the boundary: ``engine.backward`` only accumulates (ZeRO-2/3 reduce-scatter each backward into the
+partitions, ZeRO-0/1 keep ``.grad``), and every ``engine.step()`` finalises the window and steps once.
+The weights are the data-parallel ones (see :mod:`gradaccum._maths`): the window's global item count N
+is counted before the first backward (one all-gather when the window opens) and every micro-batch
+backpropagates ``n_k * W / N`` times its mean loss, ``engine.backward(loss, scale_wrt_gas=False)``,
+because DeepSpeed *averages* over the W ranks of its data-parallel group (``average_tensor`` in stage
+1/2, the pre-divide of stage 3's reduce-scatter)::
+
+    engine gradient = (1 / W) * sum_ranks sum_k n_k * W / N * grad L_k  =  grad L
+
+So the boundary scale is 1: the gradient inside the engine is already the window's, and the engine's
+own clipping (``"gradient_clipping"`` in its config) and norm (``engine.get_global_grad_norm()``, the
+``StepResult.grad_norm``) see the true window gradient, once. A window with no item is skipped by not
+calling ``engine.step()``: every backward of it weighed 0, so the engine's accumulated gradient is
+still zero. ZeRO-2/3 communicate in every backward (and ZeRO-3 in every forward), so every rank runs
+as many micro-batches as the busiest, padding with zero-weight ones (:mod:`gradaccum._ranks`).
+
+Refused with the fix: an engine that manages accumulation itself (its config lacks the key above, or
+a DeepSpeed too old to have it), the pipeline engine, DeepCompile, and the Accumulator arguments the
+engine owns (``max_grad_norm``, ``scheduler``, ``precision``, an ``accum_dtype``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, ContextManager, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .errors import ConfigurationError, NotExactError
+from .sync import GradSync, loaded_type
+
+__all__ = ["DeepSpeedSync", "deepspeed_engine", "check_engine_arguments", "WORKS_WITH"]
+
+#: the DeepSpeed release gradaccum is tested with (it has the caller-owned boundary; older ones may not)
+WORKS_WITH = "0.19.8"
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def deepspeed_engine(model: Any) -> Any:
+    """``model`` itself when it is a ``deepspeed.initialize`` engine (DeepSpeed imported), else None."""
+    engine_type = loaded_type(("deepspeed.runtime.engine", "deepspeed"), "DeepSpeedEngine")
+    return model if engine_type is not None and isinstance(model, engine_type) else None
+
+
+def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_grad_norm: Any, precision: str,
+                           accum_dtype: Any) -> Any:
+    """The engine's optimizer, after every check of the engine and of the Accumulator's arguments that
+    the engine owns. Nothing is changed before this returns."""
+    pipe = loaded_type(("deepspeed.runtime.pipe.engine",), "PipelineEngine")
+    if pipe is not None and isinstance(engine, pipe):
+        raise ConfigurationError(
+            "the DeepSpeed PipelineEngine schedules its own micro-batches (engine.train_batch) and cannot leave the "
+            "boundary to its caller (DeepSpeed refuses managed_gradient_accumulation=false there): initialize "
+            "DeepSpeed with a plain nn.Module (no PipelineModule) to accumulate exactly with the Accumulator")
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if managed is None:
+        import deepspeed
+
+        raise ConfigurationError(
+            f"DeepSpeed {getattr(deepspeed, '__version__', '?')} has no caller-owned accumulation boundary "
+            f"(the config key 'managed_gradient_accumulation'): install deepspeed>={WORKS_WITH}, the version "
+            "gradaccum is tested with")
+    if managed():
+        raise ConfigurationError(
+            "the DeepSpeed engine manages gradient accumulation itself (it reduces and steps every "
+            "gradient_accumulation_steps backward passes, each loss divided by that count), so the window could "
+            "not be one big batch: add \"managed_gradient_accumulation\": false to the DeepSpeed config")
+    if callable(getattr(engine, "is_deepcompile_enabled", None)) and engine.is_deepcompile_enabled():
+        raise ConfigurationError(
+            "DeepCompile compiles DeepSpeed's own accumulation schedule and cannot leave the boundary to its "
+            "caller: remove \"compile\": {\"deepcompile\": true} from the DeepSpeed config")
+    if engine.optimizer is None or type(engine.optimizer).__name__ == "DummyOptim":
+        raise ConfigurationError(
+            "the DeepSpeed engine has no optimizer, so engine.step() would move nothing: pass optimizer= (or an "
+            "\"optimizer\" section in the config) to deepspeed.initialize")
+    ours = (engine.optimizer, getattr(engine, "client_optimizer", None), getattr(engine, "basic_optimizer", None))
+    if optimizer is not None and not any(optimizer is o for o in ours if o is not None):
+        raise ConfigurationError(
+            f"the optimizer ({type(optimizer).__name__}) is not the DeepSpeed engine's: the engine steps its own. "
+            "Pass Accumulator(engine) (optimizer=None) or the optimizer deepspeed.initialize returned")
+    owned = [(max_grad_norm is not None, f"max_grad_norm={max_grad_norm!r}",
+              f"\"gradient_clipping\": {max_grad_norm} in the DeepSpeed config (the engine clips the window's "
+              "gradient once, at engine.step())"),
+             (scheduler is not None, f"scheduler={type(scheduler).__name__}",
+              "pass it to deepspeed.initialize(lr_scheduler=...): engine.step() steps it, once per window"),
+             (precision != "fp32", f"precision={precision!r}",
+              "set \"bf16\": {\"enabled\": true} (or fp16) in the DeepSpeed config, which owns mixed precision"),
+             (accum_dtype not in (None, "auto", "param"), f"accum_dtype={accum_dtype}",
+              "set \"data_types\": {\"grad_accum_dtype\": \"fp32\"} and \"communication_data_type\": \"fp32\" "
+              "in the DeepSpeed config, which accumulates the gradient")]
+    for given, what, fix in owned:
+        if given:
+            raise ConfigurationError(f"Accumulator({what}) around a DeepSpeed engine: the engine owns that; {fix}")
+    return engine.optimizer
+
+
+class DeepSpeedSync(GradSync):
+    """A ``deepspeed.initialize`` engine with a caller-owned boundary (see the module docstring)."""
+
+    shares_windows = reduces_across_ranks = allows_empty_share = True
+    can_reduce_later = False
+    needs_equal_counts = True
+    owns_step = True
+    needs_known_items = True
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.group = getattr(engine, "seq_data_parallel_group", None)
+        self._size = int(getattr(engine, "seq_dp_world_size", None) or getattr(engine, "dp_world_size", 1) or 1)
+        self.grad_divisor = float(self._size)  # DeepSpeed averages the gradient over its data-parallel ranks
+        self.collectives_in_forward = engine.zero_optimization_stage() == 3  # ZeRO-3 all-gathers in forward
+
+    @property
+    def group_size(self) -> int:
+        return self._size
+
+    def micro_batch(self, *, last: bool) -> ContextManager[Any]:
+        """Nothing to switch: with a caller-owned boundary ``engine.backward`` never steps."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``engine.backward(loss, scale_wrt_gas=False)``: the weight is gradaccum's, not ``1 / gas``."""
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, optimizer: Any, precision: Any) -> Optional[float]:
+        """``engine.step()``: finalise the window's gradient, clip (the config's ``gradient_clipping``),
+        step the optimizer and the engine's scheduler. Returns the window gradient's norm as the engine
+        measured it (before clipping), or None where it measures none; inf where the engine's fp16 loss
+        scale overflowed and it skipped the step (the boundary counts the window skipped)."""
+        self.engine.step()
+        if not self.engine.was_step_applied() and self.engine.fp16_enabled():
+            return math.inf  # fp16's dynamic loss scale overflowed and backed off: a skipped window
+        if not self.engine.was_step_applied():
+            raise FloatingPointError(
+                "the DeepSpeed engine found the window's gradient not finite and skipped its step (gradaccum's loss "
+                "check saw a finite loss): a micro-batch's backward put inf or nan into the engine's gradient, e.g. a "
+                "mean over 0 items computed as 0/0 (divide by max(count, 1), as gradaccum's losses do). The engine "
+                "dropped that gradient; acc.steps does not count the window")
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def reduce_gradients_(self, grads: Any) -> None:
+        raise NotImplementedError("DeepSpeed reduces gradients only inside engine.backward / engine.step")
+
+    def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
+        """DeepSpeed sums the window in ``data_types.grad_accum_dtype`` (default: the model's dtype) and, under
+        ZeRO-2/3, reduces every micro-batch's gradient in ``communication_data_type`` before summing it."""
+        engine = self.engine
+        model_dtype, accum = engine.get_data_types()
+        if model_dtype not in _LOW:
+            return None
+        comm = engine.communication_data_type
+        partitions = engine.zero_optimization_stage() >= 2
+        if accum in _LOW or (partitions and comm in _LOW):
+            return (f"DeepSpeed sums the window's gradient in {accum} (data_types.grad_accum_dtype) and reduces each "
+                    f"micro-batch's in {comm} (communication_data_type): set \"data_types\": {{\"grad_accum_dtype\": "
+                    "\"fp32\"}" + (" and \"communication_data_type\": \"fp32\"" if partitions else "")
+                    + " in the DeepSpeed config to sum it in float32")
+        return None
+
+
+def not_known_up_front() -> NotExactError:
+    """Under DeepSpeed the gradient lives in the engine, where gradaccum cannot rescale it at the boundary."""
+    return NotExactError(
+        "under DeepSpeed the window's item count must be known before its first backward (the engine holds the "
+        "gradient, so it cannot be rescaled at the boundary): pass num_items= (e.g. num_items=lambda mb: "
+        "gradaccum.count_targets(mb['labels'])) to step()/train(), or window(num_items=...), counting the items "
+        "loss_fn averages over")

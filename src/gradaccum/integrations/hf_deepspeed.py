@@ -1,0 +1,79 @@
+"""``ExactTrainer`` under DeepSpeed (ZeRO-1/2/3): the engine owns the reduction, the optimizer and
+clipping; the Trainer's window owns the boundary.
+
+The Trainer runs every micro-batch through ``accelerator.backward``, which under DeepSpeed goes to
+Accelerate's ``DeepSpeedEngineWrapper``: it tells the engine where the boundary is
+(``set_gradient_accumulation_boundary``, refused by an engine with a caller-owned boundary) and calls
+``engine.step()`` after the window's last micro-batch. :class:`WindowEngine` stands in for it: each
+micro-batch's loss, already weighed by ``ExactTrainer`` (``S_k * W / N``, W the data-parallel ranks
+DeepSpeed averages over), goes to ``engine.backward(loss, scale_wrt_gas=False)``, and ``engine.step()``
+runs once per window, after its last micro-batch, and not at all in a window without items (every
+backward of it weighed 0, so the engine's gradient is still zero). The engine clips (its
+``gradient_clipping``, which the Trainer sets from ``max_grad_norm``) and measures the window's norm
+once: the Trainer logs it as ``grad_norm``. The maths is :mod:`gradaccum._deepspeed`'s. A bf16 engine
+that sums the window in bf16 (``grad_accum_dtype``, ``communication_data_type``) is named once in a
+:class:`~gradaccum.accumulator.LowPrecisionWarning`, as the ``Accumulator`` names it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from transformers import TrainerCallback
+
+from .._deepspeed import DeepSpeedSync
+from ..accumulator import LowPrecisionWarning
+from ..errors import ConfigurationError
+
+__all__ = ["WindowEngine", "DeepSpeedWindows", "prepare"]
+
+
+class WindowEngine:
+    """Accelerate's ``DeepSpeedEngineWrapper`` for an engine whose caller owns the boundary."""
+
+    def __init__(self, engine: Any, steps: Callable[[], bool]) -> None:
+        self.engine, self.steps = engine, steps
+
+    def backward(self, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> None:
+        """The micro-batch's weighted loss into the engine; ``engine.step()`` after the window's last one,
+        unless the window holds no item."""
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if sync_gradients and self.steps():
+            self.engine.step()
+
+    def get_global_grad_norm(self) -> Any:
+        norm = self.engine.get_global_grad_norm()
+        return norm.item() if hasattr(norm, "item") else norm
+
+
+class DeepSpeedWindows(TrainerCallback):
+    """Puts :class:`WindowEngine` in place of Accelerate's wrapper once the Trainer has built the engine."""
+
+    def __init__(self, trainer: Any, steps: Callable[[], bool]) -> None:
+        self.trainer, self.steps = trainer, steps
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        accelerator = self.trainer.accelerator
+        wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        if wrapped is not None and not isinstance(wrapped, WindowEngine):
+            accelerator.deepspeed_engine_wrapped = WindowEngine(wrapped.engine, self.steps)
+            cost = DeepSpeedSync(wrapped.engine).low_precision_sum([])  # the Accumulator's check, on this engine
+            if cost is not None:
+                warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the window",
+                              LowPrecisionWarning, stacklevel=2)
+        return control
+
+
+def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
+    """Check the DeepSpeed config (every loss source alike: the model's head, TRL's SFT tokens and DPO
+    pairs are tested), then hand the boundary to the window (``steps()``: whether the window being
+    trained takes a step). Raises before anything changes."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None) or {}
+    if config.get("managed_gradient_accumulation", True) is not False:
+        raise ConfigurationError(
+            "ExactTrainer under DeepSpeed: the engine manages gradient accumulation itself (each loss divided by "
+            "gradient_accumulation_steps, a step every that many backward passes), so the window could not be one "
+            "big batch: add \"managed_gradient_accumulation\": false to the DeepSpeed config (DeepSpeed >= 0.19.8)")
+    trainer.add_callback(DeepSpeedWindows(trainer, steps))
