@@ -65,3 +65,61 @@ def test_what_the_engine_owns_is_refused_naming_its_setting(kwargs, fix):
     other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ConfigurationError, match="not the DeepSpeed engine's"):
         Accumulator(engine, other)
+
+
+class _Stepped:
+    """What ``engine.step()`` left behind, as the seam reads it: whether the step was applied, whether the
+    engine runs fp16 (its loss scale skips an overflowing step), and the norm it measured (ZeRO reports a
+    non-finite one as -1)."""
+
+    def __init__(self, applied: bool, fp16: bool, norm):
+        self.applied, self.fp16, self.norm, self.steps = applied, fp16, norm, 0
+
+    def zero_optimization_stage(self):
+        return 2
+
+    def step(self):
+        self.steps += 1
+
+    def was_step_applied(self):
+        return self.applied
+
+    def fp16_enabled(self):
+        return self.fp16
+
+    def get_global_grad_norm(self):
+        return self.norm
+
+
+def test_the_seam_reads_what_the_engine_s_step_did():
+    """A step the engine applied gives its norm; an fp16 overflow the engine skipped gives inf (the boundary
+    records a skipped window); a step applied on a non-finite norm (a bf16 or fp32 engine checks no
+    overflow) raises instead of being counted as a step or as a skip: the parameters moved on inf or nan."""
+    from gradaccum._deepspeed import DeepSpeedSync
+
+    assert DeepSpeedSync(_Stepped(True, False, 2.5)).step(None, None) == 2.5
+    assert DeepSpeedSync(_Stepped(False, True, None)).step(None, None) == float("inf")
+    for norm in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(FloatingPointError, match="may now hold inf or nan: restore the last checkpoint"):
+            DeepSpeedSync(_Stepped(True, False, norm)).step(None, None)
+    with pytest.raises(FloatingPointError, match="skipped its step"):
+        DeepSpeedSync(_Stepped(False, False, None)).step(None, None)
+
+
+def test_exact_trainer_reads_whether_the_engine_applied_the_window_s_step():
+    """ExactTrainer's stand-in for Accelerate's wrapper remembers whether the window's ``engine.step()`` was
+    applied: an fp16 overflow is then recorded as a skipped window, as the Accumulator records it."""
+    from types import SimpleNamespace
+
+    from gradaccum.integrations.hf_deepspeed import WindowEngine, step_applied
+
+    engine = _Stepped(False, True, None)
+    engine.backward = lambda loss, scale_wrt_gas: None
+    wrapped = WindowEngine(engine, steps=lambda: True)
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(deepspeed_engine_wrapped=wrapped))
+    assert step_applied(trainer)  # before any window
+    wrapped.backward(torch.zeros(()), sync_gradients=False)
+    assert step_applied(trainer) and engine.steps == 0  # not the window's last micro-batch: no step
+    wrapped.backward(torch.zeros(()), sync_gradients=True)
+    assert engine.steps == 1 and not step_applied(trainer)
+    assert step_applied(SimpleNamespace(accelerator=SimpleNamespace()))  # off DeepSpeed

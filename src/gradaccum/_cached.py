@@ -39,7 +39,7 @@ from ._maths import backward_weight
 from ._random import RandomState
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
-from .batching import Batch, _rebuild, leaves, leading_dim
+from .batching import Batch, rebuild, leaves, leading_dim
 from .result import StepResult
 from .errors import ConfigurationError, replay_differs
 
@@ -66,9 +66,10 @@ class WindowLoss:
             learned temperature, are reached through it) and the same structure with every
             micro-batch's representations on every rank joined along dim 0, in window order (rank 0's
             micro-batches first, then rank 1's, ...).
-        keep_graphs: how many micro-batches' graphs pass 1 keeps, the last ones it runs: their
-            forward is not run again in pass 2 (one forward saved each), at the memory of their
-            activations held through the loss. Default 1; 0 for the least memory. Under DDP at most
+        keep_graphs: how many micro-batches' graphs pass 1 keeps, the first ones it runs (pass 2 runs
+            in order, so they are backpropagated before any forward runs again): their forward is not
+            run again in pass 2 (one forward saved each), at the memory of their activations held
+            through the loss. Default 1; 0 for the least memory. Under DDP at most
             all but one (the last backward, which reduces, is a replayed forward), under FSDP2 and with
             BatchNorm in training mode none.
 
@@ -388,7 +389,7 @@ class CachedPasses:
         the one that reduces: :meth:`gradaccum.sync.GradSync.folds_outside_gradients`). Returns ``L``."""
         inputs = [t.detach().requires_grad_(d) for t, d in zip(self.joined, self.differentiable)]
         with self.autocast():
-            loss = _checked_loss(self.window_loss.loss(loss_model, _rebuild(self.spec, iter(inputs))))
+            loss = _checked_loss(self.window_loss.loss(loss_model, rebuild(self.spec, iter(inputs))))
         wrt = [t for t in inputs if t.requires_grad]  # the representations; labels and Constants ride along
         outside = [p for p in params if p.requires_grad]  # those the loss reaches itself get a gradient
         weighted = scale(_at_least_float32(loss) * weight)
@@ -475,7 +476,7 @@ def _agree_outputs_require_grad(sync: Any, device: torch.device, outs: List[torc
 def window_loss_of_batch(window_loss: WindowLoss, model: nn.Module, loss_model: Any, batch: Batch) -> torch.Tensor:
     """The loss of one batch alone (evaluation): ``loss(loss_model, encode(model, batch))``, checked."""
     out = window_loss.encode(model, batch)
-    return _checked_loss(window_loss.loss(loss_model, _rebuild(out, iter(_flat(out, rows_of(out), 0)))),
+    return _checked_loss(window_loss.loss(loss_model, rebuild(out, iter(_flat(out, rows_of(out), 0)))),
                          needs_grad=torch.is_grad_enabled())
 
 

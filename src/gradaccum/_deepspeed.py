@@ -145,7 +145,14 @@ class DeepSpeedSync(GradSync):
                 "mean over 0 items computed as 0/0 (divide by max(count, 1), as gradaccum's losses do). The engine "
                 "dropped that gradient; acc.steps does not count the window")
         norm = self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        norm = None if norm is None else float(norm)
+        if norm is not None and not (math.isfinite(norm) and norm >= 0):  # ZeRO reports a non-finite norm as -1
+            raise FloatingPointError(
+                f"the DeepSpeed engine stepped on a window whose gradient norm is {norm} (not finite; gradaccum's loss "
+                "check saw a finite loss), so its parameters may now hold inf or nan: restore the last checkpoint "
+                "(engine.load_checkpoint and acc.load_state_dict), and set \"gradient_clipping\" in the DeepSpeed "
+                "config or lower the learning rate. acc.steps does not count the window")
+        return norm
 
     def reduce_gradients_(self, grads: Any) -> None:
         raise NotImplementedError("DeepSpeed reduces gradients only inside engine.backward / engine.step")
@@ -167,10 +174,13 @@ class DeepSpeedSync(GradSync):
         return None
 
 
-def not_known_up_front() -> NotExactError:
-    """Under DeepSpeed the gradient lives in the engine, where gradaccum cannot rescale it at the boundary."""
+def not_known_up_front(*, in_engine: bool = False) -> NotExactError:
+    """Under DeepSpeed the gradient lives in the engine, where gradaccum cannot rescale it at the boundary.
+    ``in_engine``: found at the boundary, once the window's backwards are in the engine's gradient."""
+    leak = (" The window's backwards are already in the engine's gradient, which gradaccum cannot drop: restore the "
+            "last checkpoint (engine.load_checkpoint and acc.load_state_dict) before training on") if in_engine else ""
     return NotExactError(
         "under DeepSpeed the window's item count must be known before its first backward (the engine holds the "
         "gradient, so it cannot be rescaled at the boundary): pass num_items= (e.g. num_items=lambda mb: "
         "gradaccum.count_targets(mb['labels'])) to step()/train(), or window(num_items=...), counting the items "
-        "loss_fn averages over")
+        "loss_fn averages over" + leak)

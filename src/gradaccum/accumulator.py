@@ -67,7 +67,21 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 class LowPrecisionWarning(UserWarning):
     """The window's gradient is summed in bf16/fp16 where gradaccum cannot sum it in float32 (under a
-    data-parallel wrapper that owns the sum): the warning names the setting that would."""
+    data-parallel wrapper that owns the sum, or a trainer that sums into ``.grad``): the warning names
+    the setting that would."""
+
+
+def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
+    """Said once, loudly, by a driver whose framework sums the window's gradient into each parameter's
+    own ``.grad`` (the Hugging Face Trainer, Lightning): with bf16/fp16 trainable parameters that sum
+    rounds after every micro-batch, so its error grows with the window (a bf16 GPT-2 over 64
+    micro-batches: about twice the float32 sum's, docs/guides/deepspeed.md's precision table). ``fix``
+    names the framework's setting that sums in float32."""
+    low = sorted({str(p.dtype) for p in params if p.requires_grad and p.dtype in LOW_PRECISION})
+    if low:
+        warnings.warn(f"{who}: the trainable parameters are {', '.join(low)}, so each window's gradient is summed in "
+                      "their own .grad and rounds after every micro-batch (its error grows with the window: about "
+                      f"2x a float32 sum's over 64 micro-batches). {fix}", LowPrecisionWarning, stacklevel=3)
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
 Scheduler = Any
@@ -96,7 +110,8 @@ class Accumulator:
             the parameter's own ``.grad``, rounded to 8 bits of mantissa (bf16) after every
             micro-batch, so its error grows with the micro-batches (bf16 GPT-2, K = 64: about 2x the
             floor; ``make bench``'s precision section) for 2 bytes per parameter less (float32
-            buffers cost 4 bytes per low-precision parameter while a window is open).
+            buffers hold 4 bytes per low-precision parameter while a window is open, the bf16 ``.grad``'s 2 bytes
+            more: measured in docs/guides/deepspeed.md's precision section).
         nonfinite: ``"skip"`` a window whose loss or measured gradient is not finite (with a warning
             the first time; ``acc.skipped`` counts them), or ``"raise"``.
         reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch

@@ -1,7 +1,7 @@
 """Batches and micro-batches: split along dim 0, join, slice, count items, check leading dimensions.
 
 A *batch* is a Tensor, a tuple/list of batches, or a dict of batches. Its *leaves* are everything
-else it holds, and one walker (:func:`leaves` and :func:`_rebuild`) serves every operation here.
+else it holds, and one walker (:func:`leaves` and :func:`rebuild`) serves every operation here.
 A leaf that is a tensor with at least one dimension is *split*: every such tensor of one batch shares
 its leading dimension, which is what gets split and what counts as items by default. Every other leaf
 (a 0-d tensor such as an index or a flag, a string, a number, ``None``) is *carried* to every chunk
@@ -22,13 +22,13 @@ from .errors import ConfigurationError, SplitError
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["Batch", "leaves", "tensors", "first_tensor", "leading_dim", "split_batch", "concat_batches",
+__all__ = ["Batch", "leaves", "rebuild", "tensors", "first_tensor", "leading_dim", "split_batch", "concat_batches",
            "slice_batch", "check_micro_batch_size", "as_micro_batches"]
 
 
 def leaves(batch: Batch, path: str = "") -> Iterator[Tuple[str, Any]]:
     """Yield ``(path, leaf)`` for everything ``batch`` holds, depth first, in the order
-    :func:`_rebuild` puts them back (``path`` is like ``"['x'][0]"``)."""
+    :func:`rebuild` puts them back (``path`` is like ``"['x'][0]"``)."""
     if isinstance(batch, torch.Tensor):
         yield path, batch
     elif isinstance(batch, Mapping):
@@ -41,13 +41,13 @@ def leaves(batch: Batch, path: str = "") -> Iterator[Tuple[str, Any]]:
         yield path, batch
 
 
-def _rebuild(template: Batch, values: Iterator[Any]) -> Batch:
+def rebuild(template: Batch, values: Iterator[Any]) -> Batch:
     """``template``'s structure with its leaves replaced, in :func:`leaves` order, by ``values``
     (namedtuples, tuples, lists and dicts keep their types)."""
     if isinstance(template, Mapping):
-        return {k: _rebuild(v, values) for k, v in template.items()}
+        return {k: rebuild(v, values) for k, v in template.items()}
     if isinstance(template, (tuple, list)) and not isinstance(template, torch.Tensor):
-        parts = [_rebuild(v, values) for v in template]
+        parts = [rebuild(v, values) for v in template]
         if isinstance(template, tuple):
             make = getattr(type(template), "_make", None)  # namedtuple
             return make(parts) if make else tuple(parts)
@@ -137,7 +137,7 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     chunks = ceil_div(n, micro_batch_size)
     parts = [list(torch.split(leaf, micro_batch_size)) if _split(leaf) else [leaf] * chunks
              for _, leaf in leaves(batch)]
-    return [_rebuild(batch, (part[i] for part in parts)) for i in range(chunks)]
+    return [rebuild(batch, (part[i] for part in parts)) for i in range(chunks)]
 
 
 def concat_batches(batches: Sequence[Batch]) -> Batch:
@@ -164,7 +164,7 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
                     "(micro_batch_size='auto' joins a window's micro-batches): give it a leading dimension "
                     "(shape (n, ...)), or pass an int micro_batch_size")
         joined.append(first)
-    return _rebuild(batches[0], iter(joined))
+    return rebuild(batches[0], iter(joined))
 
 
 def _same_leaf(a: Any, b: Any) -> bool:
@@ -179,7 +179,7 @@ def _same_leaf(a: Any, b: Any) -> bool:
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Items ``start:stop`` of every tensor in ``batch`` that has a leading dimension (views; carried
     leaves unchanged)."""
-    return _rebuild(batch, (leaf[start:stop] if _split(leaf) else leaf for _, leaf in leaves(batch)))
+    return rebuild(batch, (leaf[start:stop] if _split(leaf) else leaf for _, leaf in leaves(batch)))
 
 
 def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int], *,

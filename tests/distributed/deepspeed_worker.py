@@ -503,6 +503,23 @@ def exact_trainer_empty_window():
     return f"skipped, delta {d:.1e}"
 
 
+def exact_trainer_moe_refused():
+    """An MoE model whose config turns its router's load-balancing loss on: ExactTrainer computes that term over
+    the window with DDP or FSDP2 only, so under DeepSpeed it is refused when the Trainer is built, with the fix
+    (it was refused only at the first window, naming an argument the user never passed)."""
+    from gradaccum import NotExactError
+
+    S = _integrations()  # tests/integrations on the path: moe_models too
+    import moe_models as M
+    per_rank = [S.rank_micro_batches(r, S.SIZES[r]) for r in range(WORLD)]
+    try:
+        hf_deepspeed(M.moe_model("mixtral").float(), per_rank, 2, exact=True, clip=None, optimizer=big_sgd)
+    except NotExactError as error:
+        assert "under DeepSpeed" in str(error) and "router_aux_loss_coef = 0.0" in str(error), error
+        return "refused with the fix"
+    raise AssertionError("ExactTrainer trained an MoE model's router loss under DeepSpeed")
+
+
 def exact_trainer_resume():
     """ExactTrainer under ZeRO-2 checkpointed after every step (DeepSpeed's engine checkpoint, the Trainer's
     state and ExactTrainer's skipped-window count) and resumed from step 1 of 3: the same parameters, bit
@@ -560,7 +577,7 @@ def delta_from(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], start_
 
 SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals, guide_example, nonfinite_window_raises,
              low_precision_is_named_once, window_loss_refused, exact_trainer_stages, exact_trainer_empty_window,
-             exact_trainer_resume, exact_trl_trainers]
+             exact_trainer_resume, exact_trl_trainers, exact_trainer_moe_refused]
 
 
 if __name__ == "__main__":

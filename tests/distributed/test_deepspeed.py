@@ -14,7 +14,8 @@ pytest.importorskip("deepspeed")
 WORKER = str(ROOT / "tests" / "distributed" / "deepspeed_worker.py")
 SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals", "guide_example",
              "nonfinite_window_raises", "low_precision_is_named_once", "window_loss_refused", "exact_trainer_stages",
-             "exact_trainer_empty_window", "exact_trainer_resume", "exact_trl_trainers"]
+             "exact_trainer_empty_window", "exact_trainer_resume", "exact_trl_trainers",
+             "exact_trainer_moe_refused"]
 
 
 @pytest.fixture(scope="module")
@@ -34,5 +35,6 @@ def test_scenario(verdicts, name):
     exact_trainer_stages: ExactTrainer(deepspeed=...) on ZeRO-1/2/3 within 1e-6 of the big batch, clipped, the
     logged grad_norm the window's true norm, the stock Trainer off; exact_trainer_empty_window: skipped, no
     engine step, the next window exact; exact_trainer_resume: checkpoint-1 of 3 resumed bit-identically;
-    exact_trl_trainers: TRL's SFT (ZeRO-2) and DPO (ZeRO-3) against TRL's loss over one big batch."""
+    exact_trl_trainers: TRL's SFT (ZeRO-2) and DPO (ZeRO-3) against TRL's loss over one big batch;
+    exact_trainer_moe_refused: an MoE router loss under DeepSpeed refused when the Trainer is built."""
     assert_scenario(verdicts, name)

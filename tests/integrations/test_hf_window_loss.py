@@ -43,6 +43,10 @@ def test_a_model_of_one_s_own_through_a_window_loss(tmp_path):
     assert distance(base, exact, ref) < TOL
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 1
+    # what the window taught lives in the trainer's one AccumulatorState (saved with its checkpoint)
+    state = trainer.accumulator_state
+    assert (state.steps, state.skipped, state.last_window_items) == (trainer.state.global_step, 0, 24)
+    assert trainer.window_loss in state.checked_replays
 
 
 def test_find_unused_parameters_is_refused_with_a_window_loss(tmp_path):

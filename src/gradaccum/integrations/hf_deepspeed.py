@@ -26,7 +26,7 @@ from .._deepspeed import DeepSpeedSync
 from ..accumulator import LowPrecisionWarning
 from ..errors import ConfigurationError
 
-__all__ = ["WindowEngine", "DeepSpeedWindows", "prepare"]
+__all__ = ["WindowEngine", "DeepSpeedWindows", "prepare", "step_applied"]
 
 
 class WindowEngine:
@@ -34,6 +34,8 @@ class WindowEngine:
 
     def __init__(self, engine: Any, steps: Callable[[], bool]) -> None:
         self.engine, self.steps = engine, steps
+        #: the engine applied the last window's step (False: its fp16 loss scale overflowed and backed off)
+        self.applied = True
 
     def backward(self, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> None:
         """The micro-batch's weighted loss into the engine; ``engine.step()`` after the window's last one,
@@ -41,6 +43,7 @@ class WindowEngine:
         self.engine.backward(loss, scale_wrt_gas=False)
         if sync_gradients and self.steps():
             self.engine.step()
+            self.applied = bool(self.engine.was_step_applied())
 
     def get_global_grad_norm(self) -> Any:
         norm = self.engine.get_global_grad_norm()
@@ -77,3 +80,9 @@ def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
             "gradient_accumulation_steps, a step every that many backward passes), so the window could not be one "
             "big batch: add \"managed_gradient_accumulation\": false to the DeepSpeed config (DeepSpeed >= 0.19.8)")
     trainer.add_callback(DeepSpeedWindows(trainer, steps))
+
+
+def step_applied(trainer: Any) -> bool:
+    """Whether the engine applied the window's step (an fp16 engine skips one whose loss scale overflowed:
+    then the window is recorded skipped, as the ``Accumulator`` records it). True off DeepSpeed."""
+    return getattr(getattr(trainer.accelerator, "deepspeed_engine_wrapped", None), "applied", True)

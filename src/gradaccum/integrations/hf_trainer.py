@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .. import _maths
+from ..accumulator import warn_low_precision_grad_sum
 from .._state import AccumulatorState
 from .._weights import Closing, WindowWeights
 from ..errors import ConfigurationError, NotExactError
@@ -58,10 +59,10 @@ __all__ = ["ExactTrainer", "HEADS", "SOURCES", "head_of", "loss_source"]
 #: the batch's preference pairs (chosen rows then rejected rows) or its rows along dim 0)
 SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
            "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
-_DECLARABLE = ("rows",)
+_DECLARABLE = ("rows",)  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
 _RL_DROP_INS = {"trl.trainer.grpo_trainer.GRPOTrainer": "ExactGRPOTrainer",  # integrations/trl_rl.py
                 "trl.trainer.rloo_trainer.RLOOTrainer": "ExactRLOOTrainer"}
-_NOT_PER_PAIR = ("sft", "aot", "aot_unpaired")  # DPO loss types over the whole micro-batch, not per pair  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
+_NOT_PER_PAIR = ("sft", "aot", "aot_unpaired")  # DPO loss types over the whole micro-batch, not per pair
 
 
 def _qualname(cls: type) -> str:
@@ -262,7 +263,8 @@ class ExactTrainer(Trainer):
     Raises:
         ValueError: ``compute_loss_func`` is passed; ``label_smoothing_factor`` where ExactTrainer
             computes the loss; DataParallel over several GPUs in one process (``n_gpu > 1``);
-            DeepSpeed (any ZeRO stage); FSDP1 (``fsdp_version=1``); FSDP2 where the loss is a
+            DeepSpeed without ``"managed_gradient_accumulation": false`` (or with an MoE router
+            loss); FSDP1 (``fsdp_version=1``); FSDP2 where the loss is a
             trainer's own (TRL's, or ``exact_items``); a batch has no ``labels``; the model
             returns no ``logits``.
 
@@ -294,6 +296,10 @@ class ExactTrainer(Trainer):
         self.source = loss_source(type(self))
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
+        if not self.is_deepspeed_enabled:  # under DeepSpeed the engine's dtypes are checked (hf_deepspeed)
+            warn_low_precision_grad_sum(type(self).__name__, self.model.parameters(),
+                                        "Keep float32 parameters and train with bf16=True (autocast) to sum in "
+                                        "float32, or train with gradaccum.Accumulator (accum_dtype='auto')")
         if "loss_is_scaled_for_ga" not in vars(Trainer):
             # transformers before 5.x: training_step divides by the accumulation steps unless the model
             # "accepts loss kwargs"
@@ -310,7 +316,8 @@ class ExactTrainer(Trainer):
         self._state = _StateCallback()  # what windows teach each other, in the Trainer's checkpoints
         self.add_callback(self._state)
         self._evaluation = _Evaluation()
-        self._windows = hf_window_loss.TrainerWindows(self) if self.window_loss is not None else None
+        self._windows = (hf_window_loss.TrainerWindows(self, self.accumulator_state) if self.window_loss is not None
+                         else None)
 
     @property
     def head(self) -> Any:
@@ -424,8 +431,14 @@ class ExactTrainer(Trainer):
             if self._balance is not None and window.ran == window.micro_batches:
                 self._balance.finish()
             if window.ran == window.micro_batches:
-                window.weights.record(window.closing)  # one step more, or one skipped window more
-                if window.skip:
+                closing = window.closing
+                if closing.steps and self.is_deepspeed_enabled:
+                    from .hf_deepspeed import step_applied
+
+                    if not step_applied(self):  # the engine's fp16 loss scale overflowed: it took no step
+                        closing = dataclasses.replace(closing, verdict=_maths.Verdict.SKIP_NONFINITE)
+                window.weights.record(closing)  # one step more, or one skipped window more
+                if not closing.steps:
                     self._state.hold(self)
         return loss
 
@@ -498,6 +511,13 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
                          "batch without telling the loss; launch one process per GPU (torchrun) instead")
     if trainer.is_deepspeed_enabled:  # the engine steps once per window with items (integrations/hf_deepspeed.py)
         from . import hf_deepspeed
+
+        if aux_term(getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)) is not None:
+            raise NotExactError(
+                f"{type(trainer).__name__} under DeepSpeed: the model's config turns on its MoE router's load-balancing "
+                "loss, which ExactTrainer computes over the window with DDP or FSDP2 only (its counting pass is not "
+                "tested inside a DeepSpeed engine). Train it with DDP or FSDP2 (fsdp_config={'fsdp_version': 2}), or "
+                "set model.config.router_aux_loss_coef = 0.0 to train without the term")
 
         hf_deepspeed.prepare(trainer, lambda: not (trainer._window is not None and trainer._window.skip))
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from .._cached import CachedPasses, WindowLoss, graphs_to_keep, window_loss_of_batch
+from .._state import AccumulatorState
+from .._weights import WindowWeights
 from ..errors import ConfigurationError
 
 __all__ = ["TrainerWindows", "contrastive_window_loss", "refuse_what_a_window_loss_cannot_run",
@@ -36,16 +38,16 @@ MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any
 
 
 class TrainerWindows:
-    """A Trainer's windows, one after the other: the micro-batches ``get_batch_samples`` hands over,
-    the window's :class:`~gradaccum._cached.CachedPasses`, and whether the replay was compared yet (in
-    the first window of the run)."""
+    """A Trainer's windows, one after the other: the micro-batches ``get_batch_samples`` hands over and
+    the window's :class:`~gradaccum._cached.CachedPasses`. What windows teach each other is the driver's
+    :class:`~gradaccum._state.AccumulatorState`: whether the replay was compared yet
+    (``checked_replays``, the run's first window) and the steps taken (one per window, its rows N)."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, state: AccumulatorState) -> None:
         refuse_what_a_window_loss_cannot_run(trainer)
-        self.trainer = trainer
+        self.trainer, self.state = trainer, state
         self.pending: List[Any] = []
         self.passes: Optional[CachedPasses] = None
-        self.checked = False
         # evaluation: the loss is encode's and loss's, which need no label column; without this the
         # Trainer computes no loss for a batch without labels (CLIP without return_loss: no eval_loss)
         trainer.can_return_loss = True
@@ -64,7 +66,8 @@ class TrainerWindows:
             window_loss, params, loss_model = make(batches)
             module = trainer.accelerator.unwrap_model(model)
             sync, device = sync_for(trainer.model_wrapped), trainer.args.device
-            passes = self.passes = CachedPasses(window_loss, batches, sync=sync, device=device, check=not self.checked)
+            passes = self.passes = CachedPasses(window_loss, batches, sync=sync, device=device,
+                                                check=window_loss not in self.state.checked_replays)
             if not batches:
                 raise ConfigurationError("ExactTrainer: a window without micro-batches on this rank")
             passes.first_pass(module, keep=graphs_to_keep(window_loss, sync, module, len(batches), device),
@@ -74,7 +77,9 @@ class TrainerWindows:
         loss = passes.surrogate(passes.ran, model)
         if passes.ran == passes.parts:
             passes.finish()
-            self.checked = True
+            self.state.checked_replays.add(passes.window_loss)
+            weights = WindowWeights(self.state, 1, num_items=passes.total)  # no weight read: the boundary's record
+            weights.record(weights.close(passes.total))  # one step more (a window of rows always steps), N kept
         return loss
 
 

@@ -42,6 +42,7 @@ from .._checks import Count, as_number, item_count
 from .._maths import Verdict
 from .._state import AccumulatorState
 from .._weights import WindowWeights
+from ..accumulator import warn_low_precision_grad_sum
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
 from ..moe import refuse_aux_term
@@ -152,6 +153,9 @@ class ExactAccumulation(Callback):
         if stage != "fit":
             return
         _refuse_what_is_not_exact(trainer, pl_module)
+        warn_low_precision_grad_sum("ExactAccumulation", pl_module.parameters(),
+                                    "Keep float32 parameters and train with precision='bf16-mixed' (autocast) to sum in "
+                                    "float32")
         self.state, self._count, self._weights = AccumulatorState(), 0, None  # a checkpoint's is loaded after setup
         self._hooks.replace(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .._cached import Constant, WindowLoss
+from .._state import AccumulatorState
 from ..errors import ConfigurationError
 from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run, swapped
 
@@ -99,7 +100,10 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
                                        self.accelerator.num_processes, self.args.multi_dataset_batch_sampler)
         for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss]):
             refuse_a_loss(loss)
-        self._windows = TrainerWindows(self)
+        #: what windows teach each other (the replay checked, the steps taken, the last window's N); not
+        #: in sentence-transformers' checkpoints: a resumed run checks its replay again, and R is each window's N
+        self.accumulator_state = AccumulatorState()
+        self._windows = TrainerWindows(self, self.accumulator_state)
 
     # -- the window ------------------------------------------------------------------------------
 

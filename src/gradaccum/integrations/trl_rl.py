@@ -123,7 +123,7 @@ class _ExactRL:
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
         self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
-        self.accumulator_state = AccumulatorState()  # what the core's window weighting reads (R = N: counted first)
+        self._weighing = AccumulatorState()  # WindowWeights reads it; nothing is carried between steps (R = N, counted first)
         #: the step's weightings, opened with its N counted first: the loss type's items, and its tokens (the
         #: entropy bonus's token mean)
         self._weights: Optional[Tuple[WindowWeights, WindowWeights]] = None
@@ -163,8 +163,8 @@ class _ExactRL:
         self.last_step_count = StepCount(tokens, rows, step_items(
             _loss_type(self), tokens, rows, getattr(self, "max_completion_length", None)))
         world = self.accelerator.num_processes  # type: ignore[attr-defined]
-        self._weights = (WindowWeights(self.accumulator_state, world, num_items=self.last_step_count.items),
-                         WindowWeights(self.accumulator_state, world, num_items=max(tokens, 1)))
+        self._weights = (WindowWeights(self._weighing, world, num_items=self.last_step_count.items),
+                         WindowWeights(self._weighing, world, num_items=max(tokens, 1)))
         return batch_samples, None
 
     def _prepare_inputs(self, generation_batch: Any) -> Dict[str, Any]:
