@@ -73,8 +73,9 @@ class LowPrecisionWarning(UserWarning):
 
 def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
     """Said once, loudly, by a driver whose framework sums the window's gradient into each parameter's
-    own ``.grad`` (the Hugging Face Trainer, Lightning): with bf16/fp16 trainable parameters that sum
-    rounds after every micro-batch, so its error grows with the window (a bf16 GPT-2 over 64
+    own ``.grad`` where gradaccum cannot sum it in float32 (a data-parallel wrapper owns the sum, or a
+    loss scaler unscales ``.grad`` before the driver's boundary): with bf16/fp16 trainable parameters
+    that sum rounds after every micro-batch, so its error grows with the window (a bf16 GPT-2 over 64
     micro-batches: about twice the float32 sum's, docs/guides/deepspeed.md's precision table). ``fix``
     names the framework's setting that sums in float32."""
     low = sorted({str(p.dtype) for p in params if p.requires_grad and p.dtype in LOW_PRECISION})
@@ -82,6 +83,36 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
         warnings.warn(f"{who}: the trainable parameters are {', '.join(low)}, so each window's gradient is summed in "
                       "their own .grad and rounds after every micro-batch (its error grows with the window: about "
                       f"2x a float32 sum's over 64 micro-batches). {fix}", LowPrecisionWarning, stacklevel=3)
+
+
+def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,
+                   fix: str) -> Optional[AccumulationBuffers]:
+    """The float32 :class:`~gradaccum._gradients.AccumulationBuffers` a trainer driver (ExactTrainer,
+    Lightning's ExactAccumulation) opens with each window and writes back, rounded once to the
+    parameter's dtype, after the window's last backward and before the framework clips and steps.
+
+    ``accum_dtype="auto"``: buffers for the bf16/fp16 trainable parameters where the driver owns the
+    window's sum (``owns_the_sum``: one process, no data-parallel wrapper, no scaler unscaling ``.grad``
+    before the boundary); elsewhere the sum stays in ``.grad`` and :func:`warn_low_precision_grad_sum`
+    says so with ``fix``. ``"param"``: the opt-out, the sum in the parameters' own dtype (rounded after
+    every micro-batch), silently. None (no buffers, no hooks) where no trainable parameter is bf16/fp16.
+
+    Raises:
+        ConfigurationError: ``accum_dtype`` is neither ``"auto"`` nor ``"param"``.
+    """
+    if accum_dtype not in ACCUM_DTYPES:
+        raise ConfigurationError(f"{who}(accum_dtype={accum_dtype!r}): accum_dtype must be 'auto' (float32 buffers for "
+                                 "bf16/fp16 parameters, rounded once per window) or 'param' (the sum in the "
+                                 "parameters' own .grad, rounded after every micro-batch)")
+    params = list(params)
+    low = [p for p in params if p.requires_grad and p.dtype in LOW_PRECISION]
+    if not low or accum_dtype == "param":
+        return None
+    if not owns_the_sum:
+        warn_low_precision_grad_sum(who, low, fix)
+        return None
+    return AccumulationBuffers(low, torch.float32)
+
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
 Scheduler = Any

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .. import _maths
-from ..accumulator import warn_low_precision_grad_sum
+from ..accumulator import driver_buffers
 from .._state import AccumulatorState
 from .._weights import Closing, WindowWeights
 from ..errors import ConfigurationError, NotExactError
@@ -255,6 +255,14 @@ class ExactTrainer(Trainer):
         head: One of :data:`HEADS`, where ExactTrainer computes the loss itself. Default: read from
             the model's class (:func:`head_of`).
         ignore_index: Label value that is not a target. Default -100.
+        accum_dtype: where bf16/fp16 trainable parameters' window gradient is summed. ``"auto"`` (the
+            default): on one process, in float32 buffers (:class:`gradaccum._gradients.AccumulationBuffers`,
+            4 bytes a parameter where the bf16 ``.grad`` took 2), handed to the Trainer's clipping and
+            step rounded once to the parameter's dtype; under DDP/FSDP2 the wrapper sums into ``.grad``
+            and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out,
+            the sum in the parameters' own ``.grad``, rounded after every micro-batch (its error grows
+            with the window: about 2x a float32 sum's over 64 micro-batches), silently. float32
+            parameters: no buffers either way.
         **kwargs: As for the Trainer; ``compute_loss_func`` is refused unless it is a
             :class:`~gradaccum.WindowLoss` (a loss that couples the batch's rows, see
             :mod:`gradaccum.integrations.hf_window_loss`; ``CLIPModel`` and ``SiglipModel`` get theirs
@@ -280,7 +288,8 @@ class ExactTrainer(Trainer):
         super().__init_subclass__(**kwargs)
         loss_source(cls)  # refuse a wrong composition where it is written
 
-    def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, accum_dtype: str = "auto",
+                 **kwargs: Any) -> None:
         from . import hf_window_loss  # a loss that couples the batch's rows: a WindowLoss, or CLIP's/SigLIP's
 
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, loss_source(type(self)))
@@ -296,10 +305,14 @@ class ExactTrainer(Trainer):
         self.source = loss_source(type(self))
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
-        if not self.is_deepspeed_enabled:  # under DeepSpeed the engine's dtypes are checked (hf_deepspeed)
-            warn_low_precision_grad_sum(type(self).__name__, self.model.parameters(),
-                                        "Keep float32 parameters and train with bf16=True (autocast) to sum in "
-                                        "float32, or train with gradaccum.Accumulator (accum_dtype='auto')")
+        # bf16/fp16 parameters: the window summed in float32 buffers where ExactTrainer owns the sum (one
+        # process, its counted window); under DeepSpeed the engine's dtypes are checked (hf_deepspeed)
+        self.buffers = None if self.is_deepspeed_enabled else driver_buffers(
+            type(self).__name__, self.model.parameters(), accum_dtype,
+            owns_the_sum=(self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.args.n_gpu <= 1
+                          and self.window_loss is None),
+            fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under DDP/FSDP2 "
+                "the wrapper owns the sum), or pass accum_dtype='param' to accept it without this warning")
         if "loss_is_scaled_for_ga" not in vars(Trainer):
             # transformers before 5.x: training_step divides by the accumulation steps unless the model
             # "accepts loss kwargs"
@@ -357,6 +370,9 @@ class ExactTrainer(Trainer):
         items = int(total)  # count first: the weights are W / N, the boundary's scale 1, its verdict known now
         weights = WindowWeights(self.accumulator_state, self.accelerator.num_processes, num_items=items)
         self._window = _Window(weights, weights.close(items), micro_batches=len(batch_samples))
+        if self.buffers is not None:  # the window's bf16 gradients fold into float32 buffers from here on
+            self.buffers.clear()
+            self.buffers.active = True
         if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
             inputs = [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples]
             self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), inputs,
@@ -422,8 +438,10 @@ class ExactTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any],
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
-        """The Trainer's step; after a window's last micro-batch the state records its step or its skip
-        (then the Trainer's step is stood in for: :meth:`_StateCallback.hold`)."""
+        """The Trainer's step; after a window's last micro-batch the float32 buffers (bf16/fp16 parameters)
+        are written back rounded once, before the Trainer clips, and the state records the window's step or
+        its skip (then the Trainer's step is stood in for: :meth:`_StateCallback.hold`; a skipped window's
+        buffers are cleared)."""
         loss = super().training_step(model, inputs, num_items_in_batch)
         window = self._window
         if window is not None:
@@ -432,6 +450,12 @@ class ExactTrainer(Trainer):
                 self._balance.finish()
             if window.ran == window.micro_batches:
                 closing = window.closing
+                if self.buffers is not None:  # before the Trainer clips and steps: the float32 sum, rounded once
+                    self.buffers.active = False
+                    if closing.steps:
+                        self.buffers.write_grads_()
+                    else:
+                        self.buffers.clear()
                 if closing.steps and self.is_deepspeed_enabled:
                     from .hf_deepspeed import step_applied
 
@@ -451,6 +475,9 @@ class ExactTrainer(Trainer):
             return super().train(*args, **kwargs)
         finally:
             self._state.release(self)
+            if self.buffers is not None:  # their hooks stay on the parameters: fold nothing after train()
+                self.buffers.active = False
+                self.buffers.clear()
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""

@@ -32,6 +32,7 @@ import torch
 try:
     import pytorch_lightning as pl
     from pytorch_lightning import Callback
+    from pytorch_lightning.strategies import SingleDeviceStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "gradaccum.integrations.lightning needs PyTorch Lightning: pip install 'gradaccum[lightning]' "
@@ -39,10 +40,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .._checks import Count, as_number, item_count
+from .._gradients import AccumulationBuffers
 from .._maths import Verdict
 from .._state import AccumulatorState
 from .._weights import WindowWeights
-from ..accumulator import warn_low_precision_grad_sum
+from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
 from ..moe import refuse_aux_term
@@ -81,9 +83,19 @@ class ExactAccumulation(Callback):
             for a causal LM (next-token targets that are not -100); a tensor count stays on its device
             until the window's end. Or leave it ``None`` and return ``(mean_loss, count)`` from
             ``training_step``; the callback hands Lightning the mean.
+        accum_dtype: where bf16/fp16 trainable parameters' window gradient is summed. ``"auto"`` (the
+            default): on one device (``SingleDeviceStrategy``, no 16-mixed loss scaler), in float32
+            buffers (:class:`gradaccum._gradients.AccumulationBuffers`, 4 bytes a parameter where the
+            bf16 ``.grad`` took 2), scaled by ``R / N`` and rounded once into ``.grad`` in
+            ``on_before_optimizer_step``, before Lightning clips; under DDP/FSDP2 the wrapper sums into
+            ``.grad`` and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the
+            opt-out, the sum in the parameters' own ``.grad``, rounded after every micro-batch (its error
+            grows with the window: about 2x a float32 sum's over 64 micro-batches), silently. float32
+            parameters: no buffers either way.
 
     Raises:
         TypeError: ``num_items`` is neither ``None`` nor callable.
+        ConfigurationError: ``accum_dtype`` is neither ``"auto"`` nor ``"param"``.
         ValueError: a count is not a finite number >= 0, ``training_step`` returns a count while
             ``num_items`` is set too, or the Trainer holds two ``ExactAccumulation`` callbacks.
         ConfigurationError: manual optimization. NotExactError: a strategy that accumulates by itself
@@ -101,12 +113,16 @@ class ExactAccumulation(Callback):
     window (Lightning saves at window ends) counts only the micro-batches seen after the resume.
     """
 
-    def __init__(self, num_items: Optional[NumItems] = None) -> None:
+    def __init__(self, num_items: Optional[NumItems] = None, accum_dtype: str = "auto") -> None:
         if num_items is not None and not callable(num_items):
             raise TypeError(f"ExactAccumulation(num_items={num_items!r}): num_items must be None (count the "
                             "batch's leading dimension) or a callable batch -> item count, e.g. "
                             "num_items=lambda batch: count_targets(batch['labels'])")
+        driver_buffers("ExactAccumulation", (), accum_dtype, owns_the_sum=True, fix="")  # refuses a bad name now
         self.num_items = num_items
+        self.accum_dtype = accum_dtype
+        #: the float32 buffers of the bf16/fp16 parameters' window gradient (None: the sum is in ``.grad``)
+        self.buffers: Optional[AccumulationBuffers] = None
         #: what the fit's windows teach each other (R, steps, skipped windows, the last window's N, the
         #: warning given): fresh for each fit, saved in Lightning's checkpoint (:meth:`on_save_checkpoint`)
         self.state = AccumulatorState()
@@ -153,9 +169,16 @@ class ExactAccumulation(Callback):
         if stage != "fit":
             return
         _refuse_what_is_not_exact(trainer, pl_module)
-        warn_low_precision_grad_sum("ExactAccumulation", pl_module.parameters(),
-                                    "Keep float32 parameters and train with precision='bf16-mixed' (autocast) to sum in "
-                                    "float32")
+        self._close_buffers()  # a previous fit's
+        # on one device without a loss scaler (which unscales .grad before on_before_optimizer_step) the
+        # callback owns the window's sum: bf16/fp16 parameters sum in float32 buffers, written back there
+        owns = (isinstance(trainer.strategy, SingleDeviceStrategy)
+                and getattr(trainer.precision_plugin, "scaler", None) is None)
+        self.buffers = driver_buffers("ExactAccumulation", pl_module.parameters(), self.accum_dtype, owns_the_sum=owns,
+                                      fix="Keep float32 parameters and train with precision='bf16-mixed' (autocast) "
+                                          "to sum in float32 (under DDP/FSDP2 the wrapper owns the sum; with a "
+                                          "16-mixed scaler Lightning unscales .grad first), or pass "
+                                          "ExactAccumulation(accum_dtype='param') to accept it without this warning")
         self.state, self._count, self._weights = AccumulatorState(), 0, None  # a checkpoint's is loaded after setup
         self._hooks.replace(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
 
@@ -167,9 +190,17 @@ class ExactAccumulation(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             self._hooks.restore(pl_module)
+            self._close_buffers()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._hooks.restore(pl_module)  # Lightning skips teardown after an exception
+        self._close_buffers()
+
+    def _close_buffers(self) -> None:
+        """After the fit: the buffers' hooks (they stay on the parameters) fold nothing any more."""
+        if self.buffers is not None:
+            self.buffers.active = False
+            self.buffers.clear()
 
     def _scheduler_step_unless_skipped(self, original: Callable[..., Any], trainer: "pl.Trainer") -> Callable[..., Any]:
         """A scheduler with ``interval="step"`` steps once per optimizer step taken, never after a
@@ -201,6 +232,9 @@ class ExactAccumulation(Callback):
     def _open(self, trainer: "pl.Trainer") -> WindowWeights:
         """The window's weighting with the running R (its count is known only at its end)."""
         self._count, self._weights = 0, WindowWeights(self.state, trainer.world_size)
+        if self.buffers is not None:  # the window's bf16 gradients fold into float32 buffers from here on
+            self.buffers.clear()
+            self.buffers.active = True
         return self._weights
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
@@ -235,13 +269,22 @@ class ExactAccumulation(Callback):
         self._count, self._weights = 0, None
         # Lightning and its fp16 scaler handle non-finite gradients themselves: decide on N only
         closing = weights.close(total)
+        if self.buffers is not None:
+            self.buffers.active = False
         if closing.verdict is Verdict.SKIP_EMPTY:
             self._skip(trainer, optimizer)
             said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
                     "ExactAccumulation.skipped_windows counts them")
             weights.record(closing, warn_empty=said if trainer.is_global_zero else None)
             return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.buffers is not None:  # scaled in float32, then rounded once into .grad, before Lightning clips
+            if closing.scale != 1.0 and self.buffers.tensors():
+                with torch.no_grad():
+                    torch._foreach_mul_(self.buffers.tensors(), closing.scale)
+            self.buffers.write_grads_()
+        low = set() if self.buffers is None else {id(p) for p in self.buffers.params}
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and id(p) not in low]
         if grads and closing.scale != 1.0:
             with torch.no_grad():
                 torch._foreach_mul_(grads, closing.scale)
@@ -253,6 +296,8 @@ class ExactAccumulation(Callback):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
+        if self.buffers is not None:
+            self.buffers.clear()
         trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
         self._skipping = True
 
