@@ -36,7 +36,8 @@ class Capture(torch.optim.SGD):
     def step(self, closure=None):  # noqa: ANN001, ANN201
         if closure is not None:  # Lightning's: the window's last backward and its on_before_optimizer_step
             closure()
-        self.sink.append(torch.cat([p.grad.double().flatten() for p in self.params]))
+        self.sink.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten()
+                                    for p in self.params]))  # no gradient handed over: zeros
 
 
 def _flat_grad(model: nn.Module) -> torch.Tensor:
@@ -301,3 +302,58 @@ def test_exact_trainer_opens_buffers_for_bf16_parameters_only(tmp_path):
         assert low.buffers is not None and low.buffers.dtype == torch.float32
         assert trainer(torch.bfloat16, accum_dtype="param").buffers is None
         assert trainer(torch.float32).buffers is None
+
+
+def test_a_skipped_window_leaves_the_drivers_buffers_empty(tmp_path):
+    """A window of no item (every label ignored) is skipped by both drivers: its float32 buffers are
+    cleared at the boundary, so nothing of it is held after the step that was not taken."""
+    import pytorch_lightning as pl
+    from transformers import TrainerCallback
+
+    from gradaccum.integrations.lightning import ExactAccumulation
+
+    low = gpt2(0).to(torch.bfloat16)
+    empty = [{**mb, "labels": torch.full_like(mb["labels"], -100)} for mb in window(3, 1)]
+    held: Dict[str, List[int]] = {"trainer": [], "lightning": []}
+
+    class TrainerProbe(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, ANN201
+            held["trainer"].append(len(trainer.buffers.tensors()))
+
+    from transformers import TrainingArguments
+
+    from gradaccum.integrations.hf_trainer import ExactTrainer
+
+    model = copy.deepcopy(low)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=len(empty), num_train_epochs=1, max_grad_norm=0.0,
+                             remove_unused_columns=False, save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    trainer = ExactTrainer(model=model, args=args, train_dataset=empty, data_collator=lambda rows: rows[0],
+                           optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)),
+                           callbacks=[TrainerProbe()])
+    trainer.train()
+    assert trainer.windows_skipped == 1 and held["trainer"] == [0], held
+
+    class LightningProbe(pl.Callback):
+        def on_train_batch_end(self, fit, pl_module, outputs, batch, batch_idx):  # noqa: ANN001, ANN201
+            held["lightning"].append(len(callback.buffers.tensors()))
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = copy.deepcopy(low)
+
+        def training_step(self, batch, _):  # noqa: ANN001, ANN201
+            return lm_loss(self.lm, batch)
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.lm.parameters(), lr=1.0)
+
+    callback = ExactAccumulation()
+    fit = pl.Trainer(accumulate_grad_batches=len(empty), max_epochs=1, callbacks=[callback, LightningProbe()],
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     accelerator="cpu", devices=1)
+    with pytest.warns(UserWarning, match="no optimizer or scheduler step"):
+        fit.fit(LM(), torch.utils.data.DataLoader(empty, batch_size=None, shuffle=False))
+    assert callback.skipped_windows == 1 and held["lightning"][-1] == 0 and min(held["lightning"][:-1]) > 0, held
