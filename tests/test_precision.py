@@ -281,6 +281,10 @@ def test_the_drivers_warn_where_a_wrapper_owns_the_sum_and_refuse_a_bad_name():
     assert buffers is not None and buffers.dtype == torch.float32 and len(buffers.params) == 2
     with pytest.raises(ConfigurationError, match=r"ExactAccumulation\(accum_dtype='float32'\).*'auto'.*'param'"):
         ExactAccumulation(accum_dtype="float32")
+    from gradaccum.integrations.hf_trainer import ExactTrainer
+
+    with pytest.raises(ConfigurationError, match=r"ExactTrainer\(accum_dtype=torch\.float32\).*'auto'.*'param'"):
+        ExactTrainer(model=bf16, accum_dtype=torch.float32)
 
 
 def test_exact_trainer_opens_buffers_for_bf16_parameters_only(tmp_path):

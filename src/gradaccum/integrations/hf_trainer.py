@@ -302,6 +302,7 @@ class ExactTrainer(Trainer):
                                      "own loss drop compute_loss_func (ExactTrainer computes it), or use Trainer")
         if head is not None and head not in HEADS:
             raise ConfigurationError(f"ExactTrainer(head={head!r}): supported heads are {', '.join(HEADS)}")
+        driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
         self.source = loss_source(type(self))
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
