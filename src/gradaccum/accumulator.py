@@ -67,14 +67,15 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 class LowPrecisionWarning(UserWarning):
     """The window's gradient is summed in bf16/fp16 where gradaccum cannot sum it in float32 (under a
-    data-parallel wrapper that owns the sum, or a trainer that sums into ``.grad``): the warning names
-    the setting that would."""
+    data-parallel wrapper that owns the sum, or a loss scaler that unscales ``.grad`` before the
+    boundary): the warning names the setting that would."""
 
 
 def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
-    """Said once, loudly, by a driver whose framework sums the window's gradient into each parameter's
-    own ``.grad`` where gradaccum cannot sum it in float32 (a data-parallel wrapper owns the sum, or a
-    loss scaler unscales ``.grad`` before the driver's boundary): with bf16/fp16 trainable parameters
+    """Said once, loudly, through :func:`driver_buffers` (``stacklevel``: the driver's caller), where a
+    driver's framework sums the window's gradient into each parameter's own ``.grad`` and gradaccum
+    cannot sum it in float32 (a data-parallel wrapper owns the sum, or a loss scaler unscales ``.grad``
+    before the driver's boundary): with bf16/fp16 trainable parameters
     that sum rounds after every micro-batch, so its error grows with the window (a bf16 GPT-2 over 64
     micro-batches: about twice the float32 sum's, docs/guides/deepspeed.md's precision table). ``fix``
     names the framework's setting that sums in float32."""
@@ -82,7 +83,7 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
     if low:
         warnings.warn(f"{who}: the trainable parameters are {', '.join(low)}, so each window's gradient is summed in "
                       "their own .grad and rounds after every micro-batch (its error grows with the window: about "
-                      f"2x a float32 sum's over 64 micro-batches). {fix}", LowPrecisionWarning, stacklevel=3)
+                      f"2x a float32 sum's over 64 micro-batches). {fix}", LowPrecisionWarning, stacklevel=4)
 
 
 def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,
@@ -104,7 +105,6 @@ def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: boo
         raise ConfigurationError(f"{who}(accum_dtype={accum_dtype!r}): accum_dtype must be 'auto' (float32 buffers for "
                                  "bf16/fp16 parameters, rounded once per window) or 'param' (the sum in the "
                                  "parameters' own .grad, rounded after every micro-batch)")
-    params = list(params)
     low = [p for p in params if p.requires_grad and p.dtype in LOW_PRECISION]
     if not low or accum_dtype == "param":
         return None
