@@ -371,9 +371,6 @@ class ExactTrainer(Trainer):
         items = int(total)  # count first: the weights are W / N, the boundary's scale 1, its verdict known now
         weights = WindowWeights(self.accumulator_state, self.accelerator.num_processes, num_items=items)
         self._window = _Window(weights, weights.close(items), micro_batches=len(batch_samples))
-        if self.buffers is not None:  # the window's bf16 gradients fold into float32 buffers from here on
-            self.buffers.clear()
-            self.buffers.active = True
         if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
             inputs = [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples]
             self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), inputs,
@@ -443,8 +440,17 @@ class ExactTrainer(Trainer):
         are written back rounded once, before the Trainer clips, and the state records the window's step or
         its skip (then the Trainer's step is stood in for: :meth:`_StateCallback.hold`; a skipped window's
         buffers are cleared)."""
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        window = self._window
+        window, buffers = self._window, self.buffers
+        if buffers is not None and window is not None and window.ran == 0:
+            buffers.clear()  # the window's first micro-batch: its bf16 gradients fold into float32 from here on
+            buffers.active = True
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            if buffers is not None:  # their hooks stay on the parameters: fold nothing after a failed window
+                buffers.active = False
+                buffers.clear()
+            raise
         if window is not None:
             window.ran += 1
             if self._balance is not None and window.ran == window.micro_batches:
@@ -476,9 +482,6 @@ class ExactTrainer(Trainer):
             return super().train(*args, **kwargs)
         finally:
             self._state.release(self)
-            if self.buffers is not None:  # their hooks stay on the parameters: fold nothing after train()
-                self.buffers.active = False
-                self.buffers.clear()
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
