@@ -162,3 +162,15 @@ def accelerator(num_steps: int, *, cpu: bool = True):
     _ACCELERATOR.gradient_state.plugin_kwargs.update(sync_with_dataloader=False)
     _ACCELERATOR.step = 0
     return _ACCELERATOR
+
+
+def between_markers(text: str, start: str, end: str, body: str) -> str:
+    """``text`` with what stands between the markers ``start`` and ``end`` replaced by ``body`` (the
+    markers kept); a text without them gets the marked block appended. How ``make bench`` writes the
+    tables a guide quotes, so that a page's figures are the last run's."""
+    import re
+
+    block = f"{start}\n{body}{end}"
+    if start in text and end in text:
+        return re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    return text + block + "\n"

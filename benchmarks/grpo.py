@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-from common import QUICK, ROOT, table
+from common import QUICK, ROOT, between_markers, table
 
 sys.path[:0] = [str(ROOT / "tests")]
 
@@ -83,13 +83,7 @@ def render(r: Dict[str, Any]) -> str:
 
 def write_guide(r: Dict[str, Any], path: Path) -> None:
     """The guide's tables between its markers, from this run (a path without the markers gets them alone)."""
-    block = f"{START}\n{render(r)}{END}"
-    text = path.read_text() if path.exists() else ""
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = block + "\n"
-    path.write_text(text)
+    path.write_text(between_markers(path.read_text() if path.exists() else "", START, END, render(r)))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 
-from common import QUICK, median, paired_ratio, side_by_side, table
+from common import QUICK, between_markers, median, paired_ratio, side_by_side, table
 
 from gradaccum import Accumulator, MoELoss
 
@@ -359,13 +359,7 @@ def write_guide(r: Dict[str, Any], path: Path) -> None:
     alone), and the expert-share plot beside it (``moe_expert_share.png``)."""
     if "expert_shares" in r:
         plot_shares(r["expert_shares"], path.parent / "moe_expert_share.png")
-    block = f"{START}\n{render(r)}{END}"
-    text = path.read_text() if path.exists() else ""
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = block + "\n"
-    path.write_text(text)
+    path.write_text(between_markers(path.read_text() if path.exists() else "", START, END, render(r)))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from common import ROOT
+from common import ROOT, between_markers
 
 sys.path[:0] = [str(ROOT / "tests")]
 
@@ -128,11 +128,7 @@ def write_guide(r: Dict[str, Any], path: Path) -> None:
     for start, end, body in ((START, END, render_bf16(r["bf16"])), (DS_START, DS_END, render_deepspeed(stages)),
                              (HF_START, HF_END, render_trainer(r["deepspeed"])),
                              (TRL_START, TRL_END, render_trl(r["deepspeed"]))):
-        block = f"{start}\n{body}{end}"
-        if start in text and end in text:
-            text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
-        else:
-            text += block + "\n"
+        text = between_markers(text, start, end, body)
     path.write_text(text)
 
 

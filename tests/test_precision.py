@@ -199,14 +199,9 @@ def exact_trainer_gradient(low: nn.Module, mbs: Sequence[Dict[str, torch.Tensor]
     return sink[0]
 
 
-def lightning_gradient(low: nn.Module, mbs: Sequence[Dict[str, torch.Tensor]], **kwargs) -> torch.Tensor:
-    """The gradient Lightning hands the optimizer for one window of ``mbs`` under ExactAccumulation
-    (``training_step`` returns ``lm_loss``'s ``(mean, count)``; no clipping); ``kwargs`` go to the callback."""
+def lightning_lm(low: nn.Module, optimizer) -> type:
+    """A LightningModule class training a copy of ``low`` on ``lm_loss``, with ``optimizer(params)``."""
     import pytorch_lightning as pl
-
-    from gradaccum.integrations.lightning import ExactAccumulation
-
-    sink: List[torch.Tensor] = []
 
     class LM(pl.LightningModule):
         def __init__(self) -> None:
@@ -217,7 +212,21 @@ def lightning_gradient(low: nn.Module, mbs: Sequence[Dict[str, torch.Tensor]], *
             return lm_loss(self.lm, batch)
 
         def configure_optimizers(self):  # noqa: ANN201
-            return Capture(self.lm.parameters(), sink)
+            return optimizer(self.lm.parameters())
+
+    return LM
+
+
+def lightning_gradient(low: nn.Module, mbs: Sequence[Dict[str, torch.Tensor]], **kwargs) -> torch.Tensor:
+    """The gradient Lightning hands the optimizer for one window of ``mbs`` under ExactAccumulation
+    (``training_step`` returns ``lm_loss``'s ``(mean, count)``; no clipping); ``kwargs`` go to the callback."""
+    import pytorch_lightning as pl
+
+    from gradaccum.integrations.lightning import ExactAccumulation
+
+    sink: List[torch.Tensor] = []
+
+    LM = lightning_lm(low, lambda params: Capture(params, sink))
 
     data = torch.utils.data.DataLoader(list(mbs), batch_size=None, shuffle=False)
     fit = pl.Trainer(accumulate_grad_batches=len(mbs), max_steps=1, callbacks=[ExactAccumulation(**kwargs)],
@@ -343,16 +352,7 @@ def test_a_skipped_window_leaves_the_drivers_buffers_empty(tmp_path):
         def on_train_batch_end(self, fit, pl_module, outputs, batch, batch_idx):  # noqa: ANN001, ANN201
             held["lightning"].append(len(callback.buffers.tensors()))
 
-    class LM(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lm = copy.deepcopy(low)
-
-        def training_step(self, batch, _):  # noqa: ANN001, ANN201
-            return lm_loss(self.lm, batch)
-
-        def configure_optimizers(self):  # noqa: ANN201
-            return torch.optim.SGD(self.lm.parameters(), lr=1.0)
+    LM = lightning_lm(low, lambda params: torch.optim.SGD(params, lr=1.0))
 
     callback = ExactAccumulation()
     fit = pl.Trainer(accumulate_grad_batches=len(empty), max_epochs=1, callbacks=[callback, LightningProbe()],
