@@ -28,7 +28,7 @@ Trainer's checkpoints; a resume reads it back and skips the skipped windows' dat
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -329,7 +329,7 @@ class ExactTrainer(Trainer):
         self._window: Optional[_Window] = None
         self._state = _StateCallback()  # what windows teach each other, in the Trainer's checkpoints
         self.add_callback(self._state)
-        self._evaluation = _Evaluation()
+        self._evaluation = _Evaluation(self._trainer_loss)
         self._windows = (hf_window_loss.TrainerWindows(self, self.accumulator_state) if self.window_loss is not None
                          else None)
 
@@ -342,6 +342,10 @@ class ExactTrainer(Trainer):
     def accumulator_state(self) -> AccumulatorState:
         """What windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints."""
         return self._state.accumulator_state
+
+    def window_steps(self) -> bool:
+        """Whether the window being trained takes an optimizer step (it holds items; True before any window)."""
+        return not (self._window is not None and self._window.skip)
 
     @property
     def windows_skipped(self) -> int:
@@ -426,7 +430,7 @@ class ExactTrainer(Trainer):
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loop, with ``{prefix}_loss`` the item-weighted mean over the whole set
         (the Trainer's is a mean of batch means weighted by the batch size)."""
-        self._evaluation = _Evaluation()
+        self._evaluation = _Evaluation(self._trainer_loss)
         output = super().evaluation_loop(*args, **kwargs)
         prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
         self._evaluation.report(output.metrics, prefix)
@@ -494,7 +498,8 @@ class _Evaluation:
     and items, gathered (the Trainer's ``gather_for_metrics`` drops the rows a distributed sampler
     repeated)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trainer_loss: Callable[..., Tuple[torch.Tensor, Any]]) -> None:
+        self.trainer_loss = trainer_loss  # the next class's compute_loss (SFT's, DPO's, ...), where it is the source
         self.tally: List[torch.Tensor] = []  # per evaluation batch: [loss sum of its rows, their items]
 
     def loss(self, trainer: "ExactTrainer", model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
@@ -505,7 +510,7 @@ class _Evaluation:
             rows_sums = trainer.items.rows_loss_sums(outputs, inputs)
             mean = rows_sums.sum() / rows_items.sum().clamp(min=1).to(rows_sums.dtype)
         else:  # the trainer's own batch mean, shared out over its rows by their items
-            mean, outputs = trainer._trainer_loss(model, inputs, return_outputs, None)
+            mean, outputs = self.trainer_loss(model, inputs, return_outputs, None)
             rows_sums = mean.detach() * rows_items.to(mean.dtype)
         gathered = trainer.accelerator.gather_for_metrics(torch.stack([rows_sums.detach().double(),
                                                                        rows_items.to(rows_sums.device).double()], dim=1))
@@ -549,8 +554,7 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
                 "loss, which ExactTrainer computes over the window with DDP or FSDP2 only (its counting pass is not "
                 "tested inside a DeepSpeed engine). Train it with DDP or FSDP2 (fsdp_config={'fsdp_version': 2}), or "
                 "set model.config.router_aux_loss_coef = 0.0 to train without the term")
-
-        hf_deepspeed.prepare(trainer, lambda: not (trainer._window is not None and trainer._window.skip))
+        hf_deepspeed.prepare(trainer, trainer.window_steps)
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
     if version not in (None, 2):
         raise ConfigurationError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
