@@ -298,9 +298,9 @@ def run_loop(parts: RunParts, life: RunLifecycle, start: Position, history: List
                 break
             parts.elapsed += seconds
             epoch, window = int(result.epoch or 0), int(result.window or 0)
-            row = _train_row(parts, result, seconds)  # record it
-            metrics.write(row)
+            row = _train_row(parts, result, seconds)  # record it: the terminal's line, then the file's row,
             progress.update(row["window_index"] + 1, result.loss, result.num_items, seconds)
+            metrics.write(row)  # so that a signal after the row is written is said after the window's line
             if result.skipped and not skipped_before and cfg.precision != "fp16":
                 skipped_before = True
                 life.say(_skipped_line(cfg, row))
