@@ -17,14 +17,14 @@ import json
 import os
 import shutil
 import socket
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import sync
 from .atomic import describe_os_error, is_temp_for, temp_name, write_text_atomic
 from .checkpoint import load_checkpoint, save_atomic
-from .config import TrainConfig, saved_config
+from .config import TrainConfig
+from .decision import Found, Position, ResumePlan, count, decide_run
 from .errors import CLIError
 from .jsonfile import strict_json
 from .rank0 import rank0_decides
@@ -42,35 +42,6 @@ ARTIFACTS = (CHECKPOINT, SHARDED_CHECKPOINT, "metrics.jsonl", "metrics.csv", "su
 LOCK = ".gradaccum.lock"
 #: --compare's one-batch run: a run folder of its own inside this one
 BASELINE = "baseline"
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where a run stands: the next window to run is ``window`` of ``epoch``; ``step`` steps are taken."""
-
-    epoch: int
-    window: int
-    step: int
-
-    def __str__(self) -> str:
-        return f"step {self.step} (epoch {self.epoch}, window {self.window})"
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    """What the folder and the flags decide before anything is written.
-
-    ``kind``: ``"fresh"``, ``"resume"`` or ``"complete"``; ``position``: where training starts;
-    ``remove``: the artifacts to remove first; ``note``: a line to print, if any; ``config``: the
-    settings to train with (on ``--resume`` without ``--batch-size`` or ``--accum-steps``, the
-    checkpoint's global batch)."""
-
-    kind: str
-    position: Position
-    remove: List[str]
-    note: Optional[str] = None
-    has_summary: bool = False
-    config: Optional[TrainConfig] = None
 
 
 def check_out(text: str, flag: str = "--out") -> Path:
@@ -274,48 +245,18 @@ class RunFolder:
         return load_checkpoint(self.checkpoint)
 
     def decide(self, cfg: TrainConfig, *, restart_count: int = 0) -> Tuple[ResumePlan, Optional[Dict[str, Any]]]:
-        """Fresh, resume or complete, from the folder and the flags; writes nothing (rank 0).
-        ``restart_count``: how often torchrun restarted the workers (see :mod:`.launch`)."""
-        start = Position(0, 0, 0)
-        artifacts = _artifacts_in(self.out)
-        if self.overwrite:
-            return ResumePlan("fresh", start, artifacts), None
-        if not self.resume:
-            runs = [a for a in artifacts if not any(is_temp_for(a, x) for x in ARTIFACTS)]
-            if runs:
-                if restart_count:
-                    raise CLIError(f"torchrun restarted the workers (restart {restart_count}), but this command has "
-                                   f"no --resume, so it cannot continue the run in --out {self.out}; add --resume to "
-                                   "the torchrun command (with no checkpoint yet it starts fresh)")
-                raise CLIError(f"--out {self.out} holds another run ({', '.join(runs)}); pass --resume to "
-                               "continue it, --overwrite to replace it, or another --out")
-            return ResumePlan("fresh", start, artifacts), None
+        """Fresh, resume or complete, from the folder and the flags (:func:`.decision.decide_run`), and
+        the checkpoint read on ``--resume``; writes nothing (rank 0). ``restart_count``: how often
+        torchrun restarted the workers (see :mod:`.launch`)."""
+        artifacts, has = _artifacts_in(self.out), self._exists()
         other = self.out / (CHECKPOINT if self.sharded else SHARDED_CHECKPOINT)
-        if not self._exists() and other.exists():
-            raise CLIError(f"--resume: {self.out} holds {other.name}, a {'non-' if self.sharded else ''}sharded "
-                           f"run's checkpoint; resume it {'without' if self.sharded else 'with'} --shard")
-        if not self._exists():
-            return ResumePlan("fresh", start, artifacts,
-                              note=f"--resume: nothing to resume in {self.out} (no {self.checkpoint.name}); "
-                                   "starting from step 0"), None
-        state = self._read()
-        cfg = _same_settings(self.checkpoint, cfg, state)
-        at = Position(int(state["epoch"]), int(state["window"]), int(state["accumulator"]["steps"]))
-        epochs = int(cfg.epochs)  # type: ignore[arg-type]
-        if (epochs, 0) < (at.epoch, at.window):
-            done = (count(at.epoch, "epoch") + (f" and {count(at.window, 'window')}" if at.window else "")
-                    + f", {count(at.step, 'step')}")
-            raise CLIError(f"--resume --epochs {epochs}: {self.checkpoint} already holds {done}; pass "
-                           f"--epochs {at.epoch + (1 if at.window else 0)} or more, or another --out")
-        stray = [a for a in artifacts if any(is_temp_for(a, x) for x in ARTIFACTS)]  # never read: removed
-        has_summary = (self.out / "summary.json").exists()  # rank 0 decides: no collective here
-        if (epochs, 0) == (at.epoch, at.window):
-            note = (f"{self.out} is complete: {count(epochs, 'epoch')}, {count(at.step, 'step')}; nothing to train"
-                    + ("; summary.json left as it was" if has_summary else "; writing its missing summary.json"))
-            return ResumePlan("complete", at, stray, note=note, has_summary=has_summary, config=cfg), state
-        why = f"torchrun restart {restart_count}: " if restart_count else "--resume: "
-        return ResumePlan("resume", at, stray, has_summary=has_summary, config=cfg,
-                          note=f"{why}continuing {self.out} from {at} of {self.checkpoint.name}"), state
+        found = Found(out=self.out, checkpoint=self.checkpoint, sharded=self.sharded, artifacts=artifacts,
+                      stray=[a for a in artifacts if any(is_temp_for(a, x) for x in ARTIFACTS)],  # never read
+                      has_checkpoint=has, has_summary=(self.out / "summary.json").exists(),
+                      other_checkpoint=other.name if not has and other.exists() else None,
+                      state=self._read() if has and self.resume and not self.overwrite else None)
+        plan = decide_run(found, cfg, resume=self.resume, overwrite=self.overwrite, restart_count=restart_count)
+        return plan, (found.state if plan.kind != "fresh" else None)
 
     def prepare(self, plan: ResumePlan) -> None:
         """Prove the folder takes a write, then remove what the plan says (rank 0; every rank
@@ -372,7 +313,7 @@ class RunFolder:
                 rows.append(json.loads(line))
             except ValueError:  # a line torn by kill -9 (or blank): the checkpoint is the truth
                 continue
-        return [r for r in rows if isinstance(r, dict) and "epoch" in r and _before(r, at)]
+        return [r for r in rows if isinstance(r, dict) and "epoch" in r and at.follows(r)]
 
     def write_json(self, name: str, obj: Dict[str, Any]) -> Optional[str]:
         """``name`` in the folder, atomically, as strict JSON (rank 0); returns why it failed, or None."""
@@ -407,50 +348,3 @@ class RunFolder:
         base = self.out / BASELINE
         resume = resume and rank0_decides((base / CHECKPOINT).exists)
         return RunFolder(base, resume=resume, overwrite=not resume, sharded=False, say=self.say)
-
-
-def _same_settings(checkpoint: Path, cfg: TrainConfig, state: Dict[str, Any]) -> TrainConfig:
-    """The settings to resume with: the flags', with the checkpoint's global batch when they say
-    nothing about it; a one-line CLIError when they would train another model."""
-    saved = saved_config(state, where=f"--resume: {checkpoint}",
-                         fix="resume with the gradaccum that wrote it, or pass another --out")
-    if cfg.batch_size is None and cfg.accum_steps is None and cfg.window_items != saved.window_items:
-        cfg = replace(cfg, batch_size=saved.window_items)  # the flags given say nothing about B: keep it
-    mine, theirs = cfg.training_settings(), saved.training_settings()
-    changed = [k for k in theirs if mine.get(k) != theirs[k]]
-    if changed:
-        was = ", ".join(_change(k, theirs[k], mine.get(k)) for k in changed)
-        drop = " and drop --accum-steps (it fixes B = M x N x ranks)" if cfg.accum_steps is not None else ""
-        hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
-                f"{theirs['batch_size']}{drop}" if "batch_size" in changed else "")
-        raise CLIError(f"--resume: {checkpoint} was written with other settings: {was}{hint}; resume with the same "
-                       "settings (only --epochs may grow; the ranks and the micro-batch size may change), or pass "
-                       "another --out")
-    return cfg
-
-
-def _change(key: str, was: Any, now: Any) -> str:
-    """A setting that changed, as flags: ``--lr 0.1 (now 0.2)``, ``no --max-grad-norm (now
-    --max-grad-norm 1.0)``, ``--shard (now without it)``."""
-    flag = f"--{key.replace('_', '-')}"
-
-    def given(value: Any) -> bool:
-        return value is not None and value is not False
-
-    then = (f"{flag} {was}" if was is not True else flag) if given(was) else f"no {flag}"
-    if not given(now):
-        return f"{then} (now without it)"
-    if now is True:
-        return f"{then} (now with it)"
-    return f"{then} (now {now})" if given(was) else f"{then} (now {flag} {now})"
-
-
-def count(n: int, noun: str) -> str:
-    """``1 epoch``, ``2 epochs``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _before(row: Dict[str, Any], at: Position) -> bool:
-    if row.get("kind") == "eval":
-        return (row["epoch"] + 1, 0) <= (at.epoch, at.window)
-    return "window" in row and (row["epoch"], row["window"]) < (at.epoch, at.window)
