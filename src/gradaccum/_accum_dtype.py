@@ -19,16 +19,14 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ._gradients import AccumulationBuffers
+from ._seam import LOW_PRECISION, GradSync
 from .errors import ConfigurationError
-from .sync import GradSync
 
 __all__ = ["LowPrecisionWarning", "ACCUM_DTYPES", "LOW_PRECISION", "AccumDtype", "check_accum_dtype",
            "window_buffers", "driver_buffers", "warn_low_precision_grad_sum"]
 
 #: ``accum_dtype=`` names besides a dtype: float32 buffers for low-precision parameters, or none
 ACCUM_DTYPES = ("auto", "param")
-#: parameter dtypes whose window gradient ``accum_dtype="auto"`` sums in float32
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: what ``accum_dtype=`` takes: ``"auto"``, ``"param"`` (or None, the same), or a dtype for the buffers
 AccumDtype = Union[None, str, torch.dtype]
 
