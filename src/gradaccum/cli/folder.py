@@ -2,7 +2,7 @@
 
 ``check_out`` refuses, in one line, an empty ``--out``, a path that is a file or lies under one, and
 a folder on a read-only filesystem or without write permission. :class:`RunFolder` then takes the
-folder's lock (one run at a time: :class:`FolderLock`), decides from the folder and the flags, still
+folder's lock (one run at a time: :class:`~gradaccum.cli.lock.FolderLock`), decides from the folder and the flags, still
 without writing (:meth:`RunFolder.decide`), prepares it, and writes and reads every file of the run:
 the checkpoint, the metrics files, ``summary.json``, ``compare.json``, the plots. When each is
 written is :mod:`gradaccum.cli.lifecycle`'s and :mod:`gradaccum.cli.run`'s decision.
@@ -11,12 +11,9 @@ written is :mod:`gradaccum.cli.lifecycle`'s and :mod:`gradaccum.cli.run`'s decis
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -27,6 +24,7 @@ from .config import TrainConfig
 from .decision import Found, Position, ResumePlan, count, decide_run
 from .errors import CLIError
 from .jsonfile import strict_json
+from .lock import LOCK, FolderClaim, FolderLock
 from .rank0 import rank0_decides
 from .tracking import EVENTS_PREFIX, MetricsLog
 
@@ -38,8 +36,6 @@ SHARDED_CHECKPOINT = "last.dcp"  # a folder: --shard's torch.distributed.checkpo
 #: the files one run writes into its folder; --overwrite removes these and nothing else
 ARTIFACTS = (CHECKPOINT, SHARDED_CHECKPOINT, "metrics.jsonl", "metrics.csv", "summary.json", "loss.png",
              "compare.json", "compare.png", f".{SHARDED_CHECKPOINT}.old")
-#: the folder's lock file (:class:`FolderLock`), not an artifact: while a run holds it, no other starts
-LOCK = ".gradaccum.lock"
 #: --compare's one-batch run: a run folder of its own inside this one
 BASELINE = "baseline"
 
@@ -99,60 +95,6 @@ def _remove_artifacts(folder: Path, names: List[str]) -> None:
             path.unlink()
 
 
-class FolderLock:
-    """One run at a time in a folder: an exclusive ``flock`` on ``.gradaccum.lock`` inside it,
-    which holds the PID and host of the process that holds it.
-
-    The kernel drops a ``flock`` when its holder exits, however it exits (``kill -9`` included), so
-    a killed run never leaves the folder locked: the file it leaves names a process that no longer
-    holds it, and the next run takes it over. Released, the file goes. Not an artifact of the run
-    (never listed, never removed by ``--overwrite``). On a network filesystem ``flock`` may lock on
-    one machine only: two machines writing one ``--out`` are not stopped there.
-    """
-
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / LOCK
-        self._fd: Optional[int] = None
-
-    def acquire(self) -> Optional[str]:
-        """Hold the lock and return None, or return who holds it (``PID 123 on host``)."""
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    os.close(fd)
-                    raise
-                holder = os.pread(fd, 256, 0).decode(errors="replace").split()
-                os.close(fd)
-                if not holder:  # between the holder's flock and its write
-                    return "a process that has not written its PID yet"
-                host = holder[1] if len(holder) > 1 else "?"
-                return f"PID {holder[0]}" + (" on this machine" if host == socket.gethostname() else f" on {host}")
-            try:  # a holder that released it removed the file we opened: lock the one at the path
-                opened, there = os.fstat(fd), os.stat(self.path)
-                same = (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-            self._fd = fd
-            return None
-
-    def release(self) -> None:
-        """Remove the file, then drop the lock (a run waiting to open it then opens a new one)."""
-        if self._fd is None:
-            return
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        os.close(self._fd)
-        self._fd = None
-
-
 class RunFolder:
     """The one object that reads and writes a run's folder (``--out``): its lock, the decision
     fresh / resume / complete, preparing it, the checkpoint, the metrics files, ``summary.json``,
@@ -160,7 +102,7 @@ class RunFolder:
 
     Rank 0 alone inspects, reads and writes it and tells the other ranks what it found; a sharded
     checkpoint is the exception, written and read by every rank. Use it as a context manager:
-    entering makes the folder if needed and takes its :class:`FolderLock` (a folder another run
+    entering makes the folder if needed and takes its :class:`~gradaccum.cli.lock.FolderLock` (a folder another run
     holds is refused in one line that names the process); leaving releases the lock and removes
     the folder again if this run made it and left it empty (a run refused before writing).
 
@@ -183,48 +125,21 @@ class RunFolder:
         self.checkpoint = out / (SHARDED_CHECKPOINT if sharded else CHECKPOINT)
         self.say = say
         self.rank0 = sync.is_rank_zero()
-        self._lock = FolderLock(out)
-        self._made: List[Path] = []  # folders made here, deepest first
+        self._claim = FolderClaim(out)  # the folder made if needed, and its lock
         self._write: Callable[[Dict[str, Any], Path], None] = save_atomic
 
     # -- the lock ---------------------------------------------------------------------------------
 
     def __enter__(self) -> "RunFolder":
         try:
-            rank0_decides(self._take)
+            rank0_decides(self._claim.take)
         except CLIError:
-            self._unmake()
+            self._claim.unmake()
             raise
         return self
 
-    def _take(self) -> None:
-        """Make the folder and take its lock (rank 0), or a one-line CLIError."""
-        try:
-            self._make_folder()
-            holder = self._lock.acquire()
-        except OSError as e:
-            raise CLIError(f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder you can "
-                           "write to with --out") from None
-        if holder is not None:
-            raise CLIError(f"--out {self.out} is in use by another gradaccum run ({holder}, which holds "
-                           f"{self._lock.path}); wait for it to end or stop it, or pass another --out")
-
     def __exit__(self, *exc: Any) -> None:
-        self._lock.release()
-        self._unmake()
-
-    def _make_folder(self) -> None:
-        folder = Path(os.path.abspath(self.out))
-        while not folder.exists():
-            self._made.append(folder)
-            folder = folder.parent
-        self.out.mkdir(parents=True, exist_ok=True)
-
-    def _unmake(self) -> None:
-        for folder in self._made:  # deepest first; a folder with anything in it stays
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        self._made = []
+        self._claim.release()
 
     # -- the decision -----------------------------------------------------------------------------
 
