@@ -1,11 +1,12 @@
 """The distributed seam's interface: :class:`GradSync`, what every backend answers, with the local
 answers as its defaults and the collectives every backend shares (the window's small all-reduces and
-all-gathers over ``sync.group``); the rank helpers the command line uses.
+all-gathers over its ``group``); the rank helpers the command line uses.
 
 The backends subclass it: DDP and FSDP2 in :mod:`gradaccum.sync`, DeepSpeed in
 :mod:`gradaccum._deepspeed`; :func:`gradaccum.sync.sync_for`, the seam's one factory, picks one. This
 module imports no backend, so each backend's module imports it and the factory imports them all,
-without a cycle. With :mod:`gradaccum.sync`, the library's only module importing ``torch.distributed``.
+without a cycle. This module and :mod:`gradaccum.sync` are the library's only modules importing
+``torch.distributed``.
 """
 
 from __future__ import annotations

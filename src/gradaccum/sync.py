@@ -14,8 +14,8 @@ Accelerate's wrappers and user modules that hold a DDP or FSDP2 module all reduc
 that no data-parallel wrapper reduces is refused in a process group of several ranks: each rank would
 step on its own gradients and the replicas would drift apart in silence.
 
-Every switch a context flips is restored on the way out, also when an exception leaves it. With
-:mod:`gradaccum._seam`, the library's only module importing ``torch.distributed``.
+Every switch a context flips is restored on the way out, also when an exception leaves it. This
+module and :mod:`gradaccum._seam` are the library's only modules importing ``torch.distributed``.
 """
 
 from __future__ import annotations
