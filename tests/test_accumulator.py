@@ -485,6 +485,21 @@ def test_a_scheduler_over_another_optimizer_is_refused():
         Accumulator(model, opt, scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
 
 
+def test_the_checked_settings_are_kept_frozen_and_a_bad_one_is_refused_before_the_model_is_read():
+    """acc.settings: the keyword settings as checked (max_grad_norm a float), not to be changed under a
+    built Accumulator; a bad setting is refused before the model and optimizer are looked at."""
+    import dataclasses
+
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=2, compute_grad_norm=1)
+    assert (acc.settings.max_grad_norm, acc.settings.compute_grad_norm, acc.settings.nonfinite) == (2.0, True, "skip")
+    assert type(acc.settings.max_grad_norm) is float and acc.max_grad_norm == 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        acc.settings.max_grad_norm = 1.0  # type: ignore[misc]
+    with pytest.raises(ConfigurationError, match="nonfinite must be 'skip' or 'raise', got 'ignore'"):
+        Accumulator("not a model", None, nonfinite="ignore")  # type: ignore[arg-type]
+
+
 def test_load_state_dict_of_none_names_what_to_pass():
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))

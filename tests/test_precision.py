@@ -10,7 +10,9 @@ micro-batch's own bf16 gradient (weighted ``n_k / N``), summed exactly (float64)
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
+from pathlib import Path
 from typing import Dict, List, Sequence
 
 import pytest
@@ -160,9 +162,11 @@ def test_fp32_parameters_get_no_buffers_and_bf16_ones_do():
 def test_fp16_autocast_with_low_precision_parameters_says_what_it_costs():
     """GradScaler unscales float32 gradients only: no buffers there, and a warning that names the cost."""
     model = nn.Linear(3, 2).to(torch.float16)
-    with pytest.warns(LowPrecisionWarning, match="summed in the parameters' own dtype.*accum_dtype='param'"):
+    with pytest.warns(LowPrecisionWarning, match="summed in the parameters' own dtype.*accum_dtype='param'") as said:
         acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
     assert acc.buffers is None
+    built = inspect.currentframe().f_lineno - 2  # the warning points at the line that built the Accumulator
+    assert [(Path(w.filename).name, w.lineno) for w in said] == [(Path(__file__).name, built)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", accum_dtype="param")

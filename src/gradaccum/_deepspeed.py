@@ -1,4 +1,5 @@
-"""DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam: the
+"""DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam (a
+:class:`~gradaccum._seam.GradSync`, which :func:`gradaccum.sync.sync_for` builds for an engine): the
 engine owns the reduction, the optimizer, clipping and its scheduler; gradaccum owns the window.
 
 A ``deepspeed.initialize`` engine built with ``"managed_gradient_accumulation": false`` lets its caller
@@ -34,15 +35,12 @@ import torch
 from torch import nn
 
 from .errors import ConfigurationError, NotExactError
-from .sync import GradSync, loaded_type
+from ._seam import LOW_PRECISION, GradSync, loaded_type
 
 __all__ = ["DeepSpeedSync", "deepspeed_engine", "check_engine_arguments", "WORKS_WITH"]
 
 #: the DeepSpeed release gradaccum is tested with (it has the caller-owned boundary; older ones may not)
 WORKS_WITH = "0.19.8"
-
-_LOW = (torch.bfloat16, torch.float16)
-
 
 def deepspeed_engine(model: Any) -> Any:
     """``model`` itself when it is a ``deepspeed.initialize`` engine (DeepSpeed imported), else None."""
@@ -162,11 +160,11 @@ class DeepSpeedSync(GradSync):
         ZeRO-2/3, reduces every micro-batch's gradient in ``communication_data_type`` before summing it."""
         engine = self.engine
         model_dtype, accum = engine.get_data_types()
-        if model_dtype not in _LOW:
+        if model_dtype not in LOW_PRECISION:
             return None
         comm = engine.communication_data_type
         partitions = engine.zero_optimization_stage() >= 2
-        if accum in _LOW or (partitions and comm in _LOW):
+        if accum in LOW_PRECISION or (partitions and comm in LOW_PRECISION):
             return (f"DeepSpeed sums the window's gradient in {accum} (data_types.grad_accum_dtype) and reduces each "
                     f"micro-batch's in {comm} (communication_data_type): set \"data_types\": {{\"grad_accum_dtype\": "
                     "\"fp32\"}" + (" and \"communication_data_type\": \"fp32\"" if partitions else "")

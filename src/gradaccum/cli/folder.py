@@ -2,7 +2,7 @@
 
 ``check_out`` refuses, in one line, an empty ``--out``, a path that is a file or lies under one, and
 a folder on a read-only filesystem or without write permission. :class:`RunFolder` then takes the
-folder's lock (one run at a time: :class:`FolderLock`), decides from the folder and the flags, still
+folder's lock (one run at a time: :class:`~gradaccum.cli.lock.FolderLock`), decides from the folder and the flags, still
 without writing (:meth:`RunFolder.decide`), prepares it, and writes and reads every file of the run:
 the checkpoint, the metrics files, ``summary.json``, ``compare.json``, the plots. When each is
 written is :mod:`gradaccum.cli.lifecycle`'s and :mod:`gradaccum.cli.run`'s decision.
@@ -11,22 +11,20 @@ written is :mod:`gradaccum.cli.lifecycle`'s and :mod:`gradaccum.cli.run`'s decis
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import shutil
-import socket
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import sync
 from .atomic import describe_os_error, is_temp_for, temp_name, write_text_atomic
 from .checkpoint import load_checkpoint, save_atomic
-from .config import TrainConfig, saved_config
+from .config import TrainConfig
+from .decision import Found, Position, ResumePlan, count, decide_run
 from .errors import CLIError
 from .jsonfile import strict_json
+from .lock import LOCK, FolderClaim, FolderLock
 from .rank0 import rank0_decides
 from .tracking import EVENTS_PREFIX, MetricsLog
 
@@ -38,39 +36,8 @@ SHARDED_CHECKPOINT = "last.dcp"  # a folder: --shard's torch.distributed.checkpo
 #: the files one run writes into its folder; --overwrite removes these and nothing else
 ARTIFACTS = (CHECKPOINT, SHARDED_CHECKPOINT, "metrics.jsonl", "metrics.csv", "summary.json", "loss.png",
              "compare.json", "compare.png", f".{SHARDED_CHECKPOINT}.old")
-#: the folder's lock file (:class:`FolderLock`), not an artifact: while a run holds it, no other starts
-LOCK = ".gradaccum.lock"
 #: --compare's one-batch run: a run folder of its own inside this one
 BASELINE = "baseline"
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where a run stands: the next window to run is ``window`` of ``epoch``; ``step`` steps are taken."""
-
-    epoch: int
-    window: int
-    step: int
-
-    def __str__(self) -> str:
-        return f"step {self.step} (epoch {self.epoch}, window {self.window})"
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    """What the folder and the flags decide before anything is written.
-
-    ``kind``: ``"fresh"``, ``"resume"`` or ``"complete"``; ``position``: where training starts;
-    ``remove``: the artifacts to remove first; ``note``: a line to print, if any; ``config``: the
-    settings to train with (on ``--resume`` without ``--batch-size`` or ``--accum-steps``, the
-    checkpoint's global batch)."""
-
-    kind: str
-    position: Position
-    remove: List[str]
-    note: Optional[str] = None
-    has_summary: bool = False
-    config: Optional[TrainConfig] = None
 
 
 def check_out(text: str, flag: str = "--out") -> Path:
@@ -128,60 +95,6 @@ def _remove_artifacts(folder: Path, names: List[str]) -> None:
             path.unlink()
 
 
-class FolderLock:
-    """One run at a time in a folder: an exclusive ``flock`` on ``.gradaccum.lock`` inside it,
-    which holds the PID and host of the process that holds it.
-
-    The kernel drops a ``flock`` when its holder exits, however it exits (``kill -9`` included), so
-    a killed run never leaves the folder locked: the file it leaves names a process that no longer
-    holds it, and the next run takes it over. Released, the file goes. Not an artifact of the run
-    (never listed, never removed by ``--overwrite``). On a network filesystem ``flock`` may lock on
-    one machine only: two machines writing one ``--out`` are not stopped there.
-    """
-
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / LOCK
-        self._fd: Optional[int] = None
-
-    def acquire(self) -> Optional[str]:
-        """Hold the lock and return None, or return who holds it (``PID 123 on host``)."""
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    os.close(fd)
-                    raise
-                holder = os.pread(fd, 256, 0).decode(errors="replace").split()
-                os.close(fd)
-                if not holder:  # between the holder's flock and its write
-                    return "a process that has not written its PID yet"
-                host = holder[1] if len(holder) > 1 else "?"
-                return f"PID {holder[0]}" + (" on this machine" if host == socket.gethostname() else f" on {host}")
-            try:  # a holder that released it removed the file we opened: lock the one at the path
-                opened, there = os.fstat(fd), os.stat(self.path)
-                same = (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-            self._fd = fd
-            return None
-
-    def release(self) -> None:
-        """Remove the file, then drop the lock (a run waiting to open it then opens a new one)."""
-        if self._fd is None:
-            return
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        os.close(self._fd)
-        self._fd = None
-
-
 class RunFolder:
     """The one object that reads and writes a run's folder (``--out``): its lock, the decision
     fresh / resume / complete, preparing it, the checkpoint, the metrics files, ``summary.json``,
@@ -189,7 +102,7 @@ class RunFolder:
 
     Rank 0 alone inspects, reads and writes it and tells the other ranks what it found; a sharded
     checkpoint is the exception, written and read by every rank. Use it as a context manager:
-    entering makes the folder if needed and takes its :class:`FolderLock` (a folder another run
+    entering makes the folder if needed and takes its :class:`~gradaccum.cli.lock.FolderLock` (a folder another run
     holds is refused in one line that names the process); leaving releases the lock and removes
     the folder again if this run made it and left it empty (a run refused before writing).
 
@@ -212,48 +125,21 @@ class RunFolder:
         self.checkpoint = out / (SHARDED_CHECKPOINT if sharded else CHECKPOINT)
         self.say = say
         self.rank0 = sync.is_rank_zero()
-        self._lock = FolderLock(out)
-        self._made: List[Path] = []  # folders made here, deepest first
+        self._claim = FolderClaim(out)  # the folder made if needed, and its lock
         self._write: Callable[[Dict[str, Any], Path], None] = save_atomic
 
     # -- the lock ---------------------------------------------------------------------------------
 
     def __enter__(self) -> "RunFolder":
         try:
-            rank0_decides(self._take)
+            rank0_decides(self._claim.take)
         except CLIError:
-            self._unmake()
+            self._claim.unmake()
             raise
         return self
 
-    def _take(self) -> None:
-        """Make the folder and take its lock (rank 0), or a one-line CLIError."""
-        try:
-            self._make_folder()
-            holder = self._lock.acquire()
-        except OSError as e:
-            raise CLIError(f"--out {self.out} cannot be written ({describe_os_error(e)}); pass a folder you can "
-                           "write to with --out") from None
-        if holder is not None:
-            raise CLIError(f"--out {self.out} is in use by another gradaccum run ({holder}, which holds "
-                           f"{self._lock.path}); wait for it to end or stop it, or pass another --out")
-
     def __exit__(self, *exc: Any) -> None:
-        self._lock.release()
-        self._unmake()
-
-    def _make_folder(self) -> None:
-        folder = Path(os.path.abspath(self.out))
-        while not folder.exists():
-            self._made.append(folder)
-            folder = folder.parent
-        self.out.mkdir(parents=True, exist_ok=True)
-
-    def _unmake(self) -> None:
-        for folder in self._made:  # deepest first; a folder with anything in it stays
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        self._made = []
+        self._claim.release()
 
     # -- the decision -----------------------------------------------------------------------------
 
@@ -274,48 +160,18 @@ class RunFolder:
         return load_checkpoint(self.checkpoint)
 
     def decide(self, cfg: TrainConfig, *, restart_count: int = 0) -> Tuple[ResumePlan, Optional[Dict[str, Any]]]:
-        """Fresh, resume or complete, from the folder and the flags; writes nothing (rank 0).
-        ``restart_count``: how often torchrun restarted the workers (see :mod:`.launch`)."""
-        start = Position(0, 0, 0)
-        artifacts = _artifacts_in(self.out)
-        if self.overwrite:
-            return ResumePlan("fresh", start, artifacts), None
-        if not self.resume:
-            runs = [a for a in artifacts if not any(is_temp_for(a, x) for x in ARTIFACTS)]
-            if runs:
-                if restart_count:
-                    raise CLIError(f"torchrun restarted the workers (restart {restart_count}), but this command has "
-                                   f"no --resume, so it cannot continue the run in --out {self.out}; add --resume to "
-                                   "the torchrun command (with no checkpoint yet it starts fresh)")
-                raise CLIError(f"--out {self.out} holds another run ({', '.join(runs)}); pass --resume to "
-                               "continue it, --overwrite to replace it, or another --out")
-            return ResumePlan("fresh", start, artifacts), None
+        """Fresh, resume or complete, from the folder and the flags (:func:`.decision.decide_run`), and
+        the checkpoint read on ``--resume``; writes nothing (rank 0). ``restart_count``: how often
+        torchrun restarted the workers (see :mod:`.launch`)."""
+        artifacts, has = _artifacts_in(self.out), self._exists()
         other = self.out / (CHECKPOINT if self.sharded else SHARDED_CHECKPOINT)
-        if not self._exists() and other.exists():
-            raise CLIError(f"--resume: {self.out} holds {other.name}, a {'non-' if self.sharded else ''}sharded "
-                           f"run's checkpoint; resume it {'without' if self.sharded else 'with'} --shard")
-        if not self._exists():
-            return ResumePlan("fresh", start, artifacts,
-                              note=f"--resume: nothing to resume in {self.out} (no {self.checkpoint.name}); "
-                                   "starting from step 0"), None
-        state = self._read()
-        cfg = _same_settings(self.checkpoint, cfg, state)
-        at = Position(int(state["epoch"]), int(state["window"]), int(state["accumulator"]["steps"]))
-        epochs = int(cfg.epochs)  # type: ignore[arg-type]
-        if (epochs, 0) < (at.epoch, at.window):
-            done = (count(at.epoch, "epoch") + (f" and {count(at.window, 'window')}" if at.window else "")
-                    + f", {count(at.step, 'step')}")
-            raise CLIError(f"--resume --epochs {epochs}: {self.checkpoint} already holds {done}; pass "
-                           f"--epochs {at.epoch + (1 if at.window else 0)} or more, or another --out")
-        stray = [a for a in artifacts if any(is_temp_for(a, x) for x in ARTIFACTS)]  # never read: removed
-        has_summary = (self.out / "summary.json").exists()  # rank 0 decides: no collective here
-        if (epochs, 0) == (at.epoch, at.window):
-            note = (f"{self.out} is complete: {count(epochs, 'epoch')}, {count(at.step, 'step')}; nothing to train"
-                    + ("; summary.json left as it was" if has_summary else "; writing its missing summary.json"))
-            return ResumePlan("complete", at, stray, note=note, has_summary=has_summary, config=cfg), state
-        why = f"torchrun restart {restart_count}: " if restart_count else "--resume: "
-        return ResumePlan("resume", at, stray, has_summary=has_summary, config=cfg,
-                          note=f"{why}continuing {self.out} from {at} of {self.checkpoint.name}"), state
+        found = Found(out=self.out, checkpoint=self.checkpoint, sharded=self.sharded, artifacts=artifacts,
+                      stray=[a for a in artifacts if any(is_temp_for(a, x) for x in ARTIFACTS)],  # never read
+                      has_checkpoint=has, has_summary=(self.out / "summary.json").exists(),
+                      other_checkpoint=other.name if not has and other.exists() else None,
+                      state=self._read() if has and self.resume and not self.overwrite else None)
+        plan = decide_run(found, cfg, resume=self.resume, overwrite=self.overwrite, restart_count=restart_count)
+        return plan, (found.state if plan.kind != "fresh" else None)
 
     def prepare(self, plan: ResumePlan) -> None:
         """Prove the folder takes a write, then remove what the plan says (rank 0; every rank
@@ -372,7 +228,7 @@ class RunFolder:
                 rows.append(json.loads(line))
             except ValueError:  # a line torn by kill -9 (or blank): the checkpoint is the truth
                 continue
-        return [r for r in rows if isinstance(r, dict) and "epoch" in r and _before(r, at)]
+        return [r for r in rows if isinstance(r, dict) and "epoch" in r and at.follows(r)]
 
     def write_json(self, name: str, obj: Dict[str, Any]) -> Optional[str]:
         """``name`` in the folder, atomically, as strict JSON (rank 0); returns why it failed, or None."""
@@ -407,50 +263,3 @@ class RunFolder:
         base = self.out / BASELINE
         resume = resume and rank0_decides((base / CHECKPOINT).exists)
         return RunFolder(base, resume=resume, overwrite=not resume, sharded=False, say=self.say)
-
-
-def _same_settings(checkpoint: Path, cfg: TrainConfig, state: Dict[str, Any]) -> TrainConfig:
-    """The settings to resume with: the flags', with the checkpoint's global batch when they say
-    nothing about it; a one-line CLIError when they would train another model."""
-    saved = saved_config(state, where=f"--resume: {checkpoint}",
-                         fix="resume with the gradaccum that wrote it, or pass another --out")
-    if cfg.batch_size is None and cfg.accum_steps is None and cfg.window_items != saved.window_items:
-        cfg = replace(cfg, batch_size=saved.window_items)  # the flags given say nothing about B: keep it
-    mine, theirs = cfg.training_settings(), saved.training_settings()
-    changed = [k for k in theirs if mine.get(k) != theirs[k]]
-    if changed:
-        was = ", ".join(_change(k, theirs[k], mine.get(k)) for k in changed)
-        drop = " and drop --accum-steps (it fixes B = M x N x ranks)" if cfg.accum_steps is not None else ""
-        hint = (f"; --batch-size is the global batch: on another number of ranks pass --batch-size "
-                f"{theirs['batch_size']}{drop}" if "batch_size" in changed else "")
-        raise CLIError(f"--resume: {checkpoint} was written with other settings: {was}{hint}; resume with the same "
-                       "settings (only --epochs may grow; the ranks and the micro-batch size may change), or pass "
-                       "another --out")
-    return cfg
-
-
-def _change(key: str, was: Any, now: Any) -> str:
-    """A setting that changed, as flags: ``--lr 0.1 (now 0.2)``, ``no --max-grad-norm (now
-    --max-grad-norm 1.0)``, ``--shard (now without it)``."""
-    flag = f"--{key.replace('_', '-')}"
-
-    def given(value: Any) -> bool:
-        return value is not None and value is not False
-
-    then = (f"{flag} {was}" if was is not True else flag) if given(was) else f"no {flag}"
-    if not given(now):
-        return f"{then} (now without it)"
-    if now is True:
-        return f"{then} (now with it)"
-    return f"{then} (now {now})" if given(was) else f"{then} (now {flag} {now})"
-
-
-def count(n: int, noun: str) -> str:
-    """``1 epoch``, ``2 epochs``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _before(row: Dict[str, Any], at: Position) -> bool:
-    if row.get("kind") == "eval":
-        return (row["epoch"] + 1, 0) <= (at.epoch, at.window)
-    return "window" in row and (row["epoch"], row["window"]) < (at.epoch, at.window)

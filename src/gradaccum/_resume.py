@@ -1,0 +1,89 @@
+"""Where training stands and what resuming needs: the :class:`~gradaccum.Accumulator`'s views of
+``acc.state`` (:class:`~gradaccum._state.AccumulatorState`, the one owner of every fact one window
+teaches the next) and its ``state_dict`` / ``load_state_dict``, derived from that state and the
+loss scaler. Nothing here keeps a value of its own."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Optional
+
+from ._state import AccumulatorState
+from .precision import MixedPrecision
+
+__all__ = ["Resumable"]
+
+
+class Resumable:
+    """The part of the :class:`~gradaccum.Accumulator` that reads and restores ``acc.state``: the
+    counters a loop reads (``steps``, ``skipped``, ``epoch``, ``auto_micro_batch_size``) and the
+    checkpoint (``state_dict``/``load_state_dict``). The Accumulator sets ``state`` and ``precision``."""
+
+    #: what one window teaches the next (see :class:`~gradaccum._state.AccumulatorState`)
+    state: AccumulatorState
+    #: autocast and the fp16 loss scaler, whose state is saved beside ``acc.state``'s
+    precision: MixedPrecision
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (``acc.state.steps``)."""
+        return self.state.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.state.steps = int(value)
+
+    @property
+    def skipped(self) -> int:
+        """Windows that took no step (non-finite loss or gradient, fp16 overflow, no item)."""
+        return self.state.skipped
+
+    @property
+    def epoch(self) -> int:
+        """Epochs ``train()`` finished (the next one it runs, without a WindowSampler)."""
+        return self.state.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.state.epoch = int(value)
+
+    @property
+    def auto_micro_batch_size(self) -> Optional[int]:
+        """The micro-batch size that last worked under ``micro_batch_size="auto"``."""
+        return self.state.auto_micro_batch_size
+
+    @auto_micro_batch_size.setter
+    def auto_micro_batch_size(self, value: Optional[int]) -> None:
+        self.state.auto_micro_batch_size = value
+
+    @property
+    def reference_items(self) -> Optional[float]:
+        """Deprecated: ``acc.state.first_reference``."""
+        warnings.warn("Accumulator.reference_items is deprecated: read acc.state.first_reference", DeprecationWarning,
+                      stacklevel=2)
+        return self.state.first_reference
+
+    @property
+    def count_ratio(self) -> float:
+        """Deprecated: ``acc.state.count_ratio``."""
+        warnings.warn("Accumulator.count_ratio is deprecated: read acc.state.count_ratio", DeprecationWarning,
+                      stacklevel=2)
+        return self.state.count_ratio
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What resuming needs beyond the model and optimizer: the saved fields of ``acc.state``
+        (counters, R, the count ratio, the auto size; :data:`gradaccum._state.SAVED_KEYS`) and the scaler."""
+        return {**self.state.saved(), "precision": self.precision.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (also one written by an earlier gradaccum)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"Accumulator.load_state_dict takes the dict Accumulator.state_dict() returned, got "
+                            f"{type(state).__name__}; pass checkpoint['accumulator'] (or what you saved it as)")
+        missing = [k for k in ("steps", "precision") if k not in state]
+        if missing:
+            raise KeyError(f"Accumulator.load_state_dict: the state lacks {', '.join(map(repr, missing))}; "
+                           "pass what Accumulator.state_dict() returned")
+        values = self.state.read_saved(state)  # every field checked before anything is set
+        self.precision.load_state_dict(state["precision"])
+        self.state.load_saved(values)

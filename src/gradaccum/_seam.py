@@ -1,0 +1,235 @@
+"""The distributed seam's interface: :class:`GradSync`, what every backend answers, with the local
+answers as its defaults and the collectives every backend shares (the window's small all-reduces and
+all-gathers over its ``group``); the rank helpers the command line uses.
+
+The backends subclass it: DDP and FSDP2 in :mod:`gradaccum.sync`, DeepSpeed in
+:mod:`gradaccum._deepspeed`; :func:`gradaccum.sync.sync_for`, the seam's one factory, picks one. This
+module imports no backend, so each backend's module imports it and the factory imports them all,
+without a cycle. This module and :mod:`gradaccum.sync` are the library's only modules importing
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import zlib
+from typing import Any, ContextManager, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import RankAgreementError
+
+__all__ = ["GradSync", "LOW_PRECISION", "loaded_type", "is_distributed", "rank", "world_size", "is_rank_zero",
+           "barrier", "broadcast_object", "all_reduce_"]
+
+#: floating dtypes whose running sum rounds to 8 (bf16) or 11 (fp16) bits of mantissa
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def loaded_type(modules: Sequence[str], name: str) -> Any:
+    """``name`` from the first of ``modules`` already imported, else None. A model can only have
+    been wrapped by a class whose module was imported, and importing FSDP here would cost every
+    user about a second."""
+    for module_name in modules:
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+    return None
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_rank_zero() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (identity when not distributed)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """In-place all-reduce (``"sum"``, ``"max"`` or ``"min"``); identity when not distributed."""
+    if is_distributed():
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                    "min": dist.ReduceOp.MIN}[op], group=group)
+    return tensor
+
+
+class GradSync:
+    """Local training: every backward keeps its gradient; nothing to reduce."""
+
+    #: the backward reduction divides the gradient sum by this many ranks
+    grad_divisor: float = 1.0
+    #: several ranks train each window together: their counts are summed and they agree on the window
+    #: (the rank agreement, :mod:`gradaccum._ranks`, asks this; other modules ask the two questions
+    #: below). False on one process, and on several under ``data_parallel="none"`` (each rank alone).
+    #: A question about the window's *counts*; :attr:`reduces_across_ranks` is one about its *gradient*.
+    #: Both wrappers here do both; a sync that summed counts but reduced gradients itself would not
+    shares_windows: bool = False
+    #: the last micro-batch's backward reduces the window's gradient across ranks (DDP, FSDP2): its
+    #: ``micro_batch()`` switches the wrapper's sync, the boundary's all-reduce can start before that
+    #: backward, and an out-of-memory agreement must come before it
+    reduces_across_ranks: bool = False
+    #: a rank may hold no micro-batch in a window its peers have data for (it runs zero-weight padding)
+    allows_empty_share: bool = False
+    #: whether reduce_gradients_ works (after backward passes that all skipped their reduction)
+    can_reduce_later: bool = True
+    #: whether every rank must run the same number of micro-batches per window (a collective in
+    #: every forward or every backward)
+    needs_equal_counts: bool = False
+    #: whether the wrapper runs collectives in a window's first forward (DDP's buffer broadcast and
+    #: bucket rebuild), so every rank must reach that forward
+    collectives_in_forward: bool = False
+    #: whether every rank holds the whole reduced gradient (DDP), so replicas can be compared
+    replicated_grads: bool = False
+    #: whether each rank holds a shard of the reduced gradient (FSDP2): its norm needs the ranks
+    sharded_grads: bool = False
+    #: the wrapper steps the optimizer itself (DeepSpeed's ``engine.step()``, which also clips and measures
+    #: the norm): the boundary asks :meth:`step` and measures no norm of its own
+    owns_step: bool = False
+    #: the gradient lives where it cannot be rescaled at the boundary (DeepSpeed's partitions): every
+    #: window's item count must be known before its first backward, so that R = N and the scale is 1
+    needs_known_items: bool = False
+    group: Any = None
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in the data-parallel group that reduces the gradient (1 on one process); the global
+        world is :func:`world_size`."""
+        return 1
+
+    def micro_batch(self, *, last: bool) -> ContextManager[Any]:
+        """Wraps one micro-batch's forward *and* backward; reduces gradients only when ``last``."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward of its weighted (and loss-scaled) loss."""
+        loss.backward()
+
+    def step(self, optimizer: Any, precision: Any) -> Optional[float]:
+        """The window's optimizer step (through the GradScaler under fp16); the norm of the gradient it
+        stepped on where the step itself measured one (None: the boundary measured it, if asked)."""
+        precision.step(optimizer)
+        return None
+
+    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.shares_windows:
+            all_reduce_(tensor, op, self.group)
+        return tensor
+
+    def plain_reduction(self) -> bool:
+        """Whether the backward's reduction is, as things stand now, the wrapper's own average of every
+        rank's whole gradient, so that a ``nan`` one rank adds to any parameter's gradient reaches every
+        rank's reduced gradient in that window, and that window only (see
+        :func:`gradaccum._maths.loss_check_term`). Only DDP's can be."""
+        return False
+
+    def folds_outside_gradients(self) -> bool:
+        """Whether a gradient computed outside the model's forward, the same on every rank (a
+        :class:`~gradaccum.WindowLoss`'s own parameters), rides in the backward that reduces, rather
+        than being put in ``.grad`` before any backward. It rides there except under
+        ``DistributedDataParallel(find_unused_parameters=True)``, whose reducer marks a parameter the
+        forward did not use as ready before that backward (and refuses it there), and reads its ``.grad``."""
+        return True
+
+    def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This rank's part of the gradient's squared norm, when summing it across ranks gives the
+        whole (each element held by exactly one rank); else None. Only sharded gradients have one."""
+        return None
+
+    def reduced_parameters(self) -> Optional[List[nn.Parameter]]:
+        """The parameters the wrapper may reduce across ranks (DDP's, less those it was told to
+        ignore), or None where that does not apply. One trained since it was built but frozen then
+        is not reduced either: the caller also needs a gradient the ranks found equal."""
+        return None
+
+    def any_rank(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank when ``flag`` is True on any (one max all-reduce of a tensor on ``device``
+        and one host sync across ranks; the flag itself on one process)."""
+        if not self.shares_windows:
+            return flag
+        return bool(self.all_reduce_(torch.tensor([1.0 if flag else 0.0], device=device), "max").item())
+
+    def min_across(self, value: int, device: torch.device) -> int:
+        """The smallest ``value`` of any rank, on every rank (``value`` itself on one process)."""
+        if not self.shares_windows:
+            return value
+        return int(self.all_reduce_(torch.tensor([value], device=device), "min").item())
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Any:
+        """Start an in-place sum all-reduce and return its work handle (``.wait()``), or None locally."""
+        if not self.shares_windows:
+            return None
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked along a new first dimension, in rank order."""
+        if not self.shares_windows:
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(self.group_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.stack(parts)
+
+    def gather_items(self, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], int]:
+        """Every rank's ``tensors`` (which share their leading dimension: this rank's items) joined along
+        dim 0 in rank order, and where this rank's items start in them. Each rank may hold any number of
+        items, none included: one all-gather of the counts, then one per tensor, padded to the most
+        items. On one process, the tensors themselves. Nothing is differentiable: this is data. The
+        first all-gather also carries each rank's layout (how many tensors, their shapes past dim 0 and
+        dtypes): ranks whose layouts differ would send mismatched all-gathers, so every rank refuses alike."""
+        if not self.shares_windows:
+            return list(tensors), 0
+        n = tensors[0].shape[0]
+        layout = zlib.crc32(repr([(tuple(t.shape[1:]), str(t.dtype)) for t in tensors]).encode())
+        rows = self.all_gather(torch.tensor([n, layout], dtype=torch.float64, device=tensors[0].device)).tolist()
+        if any(row[1] != rows[0][1] for row in rows):
+            raise RankAgreementError(
+                "the ranks' representations differ in layout (the number of tensors, their shapes past the item "
+                "dimension, or their dtypes), so they cannot be joined into one window: return the same structure "
+                "of tensors on every rank, padded to one length where a rank's sequences are shorter")
+        counts = [int(row[0]) for row in rows]
+        most = max(counts)
+        joined = []
+        for t in tensors:
+            sent = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool all-gather
+            padded = sent.new_zeros((most, *t.shape[1:]))
+            padded[:n] = sent
+            parts = [torch.empty_like(padded) for _ in range(self.group_size)]
+            dist.all_gather(parts, padded, group=self.group)
+            whole = torch.cat([part[:c] for part, c in zip(parts, counts)])
+            joined.append(whole.to(torch.bool) if t.dtype == torch.bool else whole)
+        return joined, sum(counts[:dist.get_rank(self.group)])
+
+    def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
+        """Average already-accumulated local gradients across ranks now (used when every backward
+        of the window skipped its reduction: a rank without data, or the micro-batch size search)."""
+
+    def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
+        """Where the wrapper sums the window's gradient in bf16/fp16 (its own accumulation, which
+        gradaccum's float32 buffers cannot replace), with the setting that would sum it in float32;
+        None where it sums in float32 (or gradaccum's buffers can, on one process)."""
+        return None

@@ -1,0 +1,174 @@
+"""The Accumulator's arguments, every one checked before anything is built or called.
+
+* :class:`Settings`: its keyword settings, a frozen dataclass checked as it is made;
+* :func:`check_training_objects`: the model, optimizer and scheduler (a DeepSpeed engine's through
+  :func:`gradaccum._deepspeed.check_engine_arguments`), returning the trainable parameters;
+* :func:`check_loss_call`: what ``step``/``train`` are given to run (``loss_fn``, ``num_items``,
+  ``micro_batch_size``), before any forward.
+
+Each refusal names the argument, the value and the fix (``precision`` is checked by
+:class:`~gradaccum.precision.MixedPrecision`, ``data_parallel`` by :func:`gradaccum.sync.sync_for`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._accum_dtype import AccumDtype, check_accum_dtype
+from ._cached import WindowLoss, check_window_loss
+from ._checks import callable_loss_fn, positive_int, positive_number
+from ._deepspeed import check_engine_arguments, deepspeed_engine
+from .errors import ConfigurationError, NotExactError
+from .moe import MoELoss, check_moe_loss
+from .sync import GradSync
+
+__all__ = ["NONFINITE", "Settings", "check_training_objects", "check_loss_call", "check_train_micro_batch_size"]
+
+#: ``nonfinite=``: skip a window whose loss or gradient is not finite, or raise
+NONFINITE = ("skip", "raise")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), checked
+    as they are made: ``max_grad_norm`` a positive finite number or None (kept as a float),
+    ``nonfinite`` one of :data:`NONFINITE`, ``accum_dtype`` ``"auto"``/``"param"``/None/a dtype,
+    ``loss_every`` a positive int.
+
+    Raises:
+        ConfigurationError, TypeError: the first setting that is out of range, naming it and the fix.
+    """
+
+    max_grad_norm: Optional[float] = None
+    precision: str = "fp32"
+    accum_dtype: AccumDtype = "auto"
+    nonfinite: str = "skip"
+    reduce_every_micro_batch: bool = False
+    data_parallel: str = "auto"
+    compute_grad_norm: bool = False
+    loss_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_grad_norm is not None:
+            positive_number("max_grad_norm", self.max_grad_norm, what="a positive finite number or None")
+            object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
+        if self.nonfinite not in NONFINITE:
+            raise ConfigurationError(f"nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        check_accum_dtype(self.accum_dtype)
+        positive_int("loss_every", self.loss_every)
+        object.__setattr__(self, "compute_grad_norm", bool(self.compute_grad_norm))
+
+
+def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
+                           settings: Settings) -> Tuple[Any, List[nn.Parameter]]:
+    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable
+    parameters, after the model, the optimizer and the scheduler are checked; around a DeepSpeed
+    engine, also the settings the engine owns (:func:`gradaccum._deepspeed.check_engine_arguments`).
+
+    Raises:
+        TypeError: ``model`` is no ``nn.Module``, ``optimizer`` no ``torch.optim.Optimizer``,
+            ``scheduler`` has no ``step()``.
+        ConfigurationError: no trainable parameter; an optimizer over none of them, or carrying its own
+            enabled GradScaler; a scheduler over another optimizer; an engine that cannot leave the
+            boundary to gradaccum, or a setting the engine owns.
+    """
+    engine = deepspeed_engine(model)
+    if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed
+        optimizer = check_engine_arguments(engine, optimizer, scheduler=scheduler,
+                                           max_grad_norm=settings.max_grad_norm, precision=settings.precision,
+                                           accum_dtype=settings.accum_dtype)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if engine is None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _check_scheduler(scheduler, optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigurationError("model has no parameter that requires grad; there is nothing to accumulate")
+    if engine is None:
+        _check_optimizer_covers(optimizer, params, model)
+        _check_no_foreign_scaler(optimizer)
+    return optimizer, params
+
+
+def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """A scheduler steps once per window; it must change the learning rate of *this* optimizer."""
+    if scheduler is None:
+        return
+    if not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+    own = getattr(scheduler, "optimizer", None)
+    if own is None:
+        return
+    ours: Any = optimizer
+    seen: List[Any] = []
+    while ours is not None and len(seen) < 4:  # Accelerate's AcceleratedOptimizer holds the raw one
+        seen.append(ours)
+        ours = getattr(ours, "optimizer", None)
+    if not any(own is o for o in seen):
+        raise ConfigurationError(
+            f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the Accumulator's "
+            f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
+            "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
+        )
+
+
+def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], model: nn.Module) -> None:
+    """An optimizer over none of the model's trainable parameters would 'step' and move nothing."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in held for p in params):
+        raise ConfigurationError(
+            f"the optimizer holds none of the {type(model).__name__}'s {len(params)} trainable "
+            "parameters, so its steps would never move the model: build it over this model's "
+            "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
+        )
+
+
+def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
+    """Accelerate's prepared optimizer under ``mixed_precision="fp16"`` carries a GradScaler and runs
+    ``scaler.step()`` in its own ``step()``: it would unscale gradients gradaccum never scaled."""
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
+        raise ConfigurationError(
+            f"the optimizer ({type(optimizer).__name__}) carries its own enabled GradScaler, so its step() "
+            "would unscale gradients gradaccum never scaled (Accelerate's prepared optimizer under "
+            "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
+            "precision='fp16' to Accumulator, which owns the scaler"
+        )
+
+
+# -- each call's loss: before any forward ------------------------------------------------------------
+
+def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
+    """``step``/``train``'s ``loss_fn`` with its ``num_items`` and ``micro_batch_size``: a
+    :class:`~gradaccum.WindowLoss` or :class:`~gradaccum.MoELoss` by its own rules, else a callable
+    with a ``num_items`` function or None; neither two-pass loss around a DeepSpeed engine."""
+    if isinstance(loss_fn, WindowLoss):
+        check_window_loss(num_items, micro_batch_size)
+    elif isinstance(loss_fn, MoELoss):
+        check_moe_loss(loss_fn, num_items, micro_batch_size)
+    else:
+        callable_loss_fn(loss_fn)
+        if num_items is not None and not callable(num_items):
+            raise TypeError(f"num_items must be a function micro_batch -> count, got {type(num_items).__name__}; "
+                            "pass counts of a hand-written loop to window.backward(loss, num_items=...)")
+    # a WindowLoss's cached passes and an exact MoELoss's counting pass run forwards and backwards of
+    # their own (the unwrapped module, torch.autograd.backward) that a DeepSpeed engine would not see
+    two_pass = isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")
+    if sync.owns_step and two_pass:
+        raise NotExactError(
+            f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
+            "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
+            + ("" if isinstance(loss_fn, WindowLoss) else ", or use MoELoss(mode='micro_batch')"))
+
+
+def check_train_micro_batch_size(micro_batch_size: Any) -> None:
+    """``train(micro_batch_size=...)`` takes ``"auto"`` or None: the loader's batches are the micro-batches."""
+    if micro_batch_size not in (None, "auto"):
+        raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
+                                 "loader's batches are the micro-batches; use 'auto' to re-split each window on "
+                                 "out-of-memory errors")
