@@ -34,7 +34,7 @@ from torch import nn
 from .._cached import Constant, WindowLoss
 from .._state import AccumulatorState
 from ..errors import ConfigurationError
-from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run, swapped
+from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run
 
 try:
     from sentence_transformers import SentenceTransformerTrainer
@@ -103,7 +103,7 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
         #: what windows teach each other (the replay checked, the steps taken, the last window's N); not
         #: in sentence-transformers' checkpoints: a resumed run checks its replay again, and R is each window's N
         self.accumulator_state = AccumulatorState()
-        self._windows = TrainerWindows(self, self.accumulator_state)
+        self._windows = TrainerWindows(self, self.accumulator_state, self._prepare_inputs)
 
     # -- the window ------------------------------------------------------------------------------
 
@@ -293,7 +293,7 @@ class _ServedLoss:
                 stack.enter_context(swapped(owner, name, served[key]))
             for owner in _loss_modules(self.loss_fn):
                 if getattr(owner, "gather_across_devices", False):  # the embeddings are every rank's already
-                    stack.enter_context(_attribute(owner, "gather_across_devices", False))
+                    stack.enter_context(swapped(owner, "gather_across_devices", False))
             fn = self.loss_fn
             if self.adaptive is not None:
                 out = self._adaptive_layers(served["model"], features, reps.get("labels"))
@@ -333,8 +333,11 @@ class _ServedLoss:
 
 
 @contextlib.contextmanager
-def _attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(owner, name)
+def swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name = value`` for the block, the old value back after (also on an exception); a module's
+    child is read from its registry, not through an attribute of the same name."""
+    children = owner._modules if isinstance(owner, nn.Module) else {}
+    old = children[name] if name in children else getattr(owner, name)
     setattr(owner, name, value)
     try:
         yield
