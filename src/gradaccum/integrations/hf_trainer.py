@@ -12,7 +12,7 @@ trainer (pairs). The weighting, the window's count, its verdict and the skip are
 teach each other is one :class:`~gradaccum.AccumulatorState` saved in the Trainer's checkpoints; this
 module only says what the items of a batch are and hooks the Trainer's window.
 
-How it is driven from the Trainer's hooks, step by step: docs/guides/hf-trainer.md ("How it works"),
+How it is driven from the Trainer's hooks, step by step: docs/guides/hf-trainer.md ("What it computes"),
 and the window it drives is :class:`gradaccum._driven.DrivenWindow`.
 """
 from __future__ import annotations
@@ -65,29 +65,13 @@ def loss_source(cls: type) -> str:
     the first class after ExactTrainer in its MRO that defines ``compute_loss``, or what ``cls``
     declares in ``exact_items`` for a ``compute_loss`` of its own.
 
-    Where the loss comes from, by source:
-
-    - ``ExactTrainer`` itself (the next ``compute_loss`` in the MRO is the Trainer's): the model runs
-      without ``labels`` and ExactTrainer computes its head's loss from the logits, as the model
-      defines it: next-token cross-entropy (``causal_lm``: items ``labels[:, 1:] != -100``, or a
-      collator's ``shift_labels``), token cross-entropy (``token_classification``, ``masked_lm``),
-      and for ``sequence_classification`` by problem type: cross-entropy over the labels that are not
-      -100, squared error (``regression``, ``num_labels=1``) or binary cross-entropy
-      (``multi_label_classification``) over every label element.
-    - A mixture-of-experts causal LM whose config turns its router's load-balancing loss on
-      (``output_router_logits``, ``router_aux_loss_coef``): ``coef`` times that loss over the whole
-      window, every rank's micro-batches, is added as the model's own loss adds it over one batch
-      (:mod:`gradaccum.integrations.hf_moe`; also under SFT). ``eval_loss`` stays the token loss.
-    - ``class X(ExactTrainer, SFTTrainer)`` (TRL): SFT computes its loss, metrics and logs itself,
-      with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
-      ``average_tokens_across_devices`` so that both settings are exact.
-    - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
-      weighted by ``pairs_k * W / N`` (:meth:`gradaccum._weights.WindowWeights.mean_weight`).
-    - Any other Trainer subclass whose ``compute_loss`` returns a mean of independent per-row terms: declare
-      ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
-      order, or an undeclared ``compute_loss``, is refused when the class is defined.
-    - ``compute_loss_func=WindowLoss(...)``, or a ``CLIPModel``/``SiglipModel`` with its own loss: a loss
-      that couples the batch's rows, run over the whole window (:mod:`gradaccum.integrations.hf_window_loss`).
+    The sources (docs/guides/hf-trainer.md, "The one line" and "What it computes"; TRL's in
+    docs/guides/trl.md): ExactTrainer's own (``"head"``: it computes the model head's loss from the
+    logits, an MoE causal LM's load balancing over the window added, :mod:`.hf_moe`), TRL's SFT
+    (``"tokens"``: its summed token loss over ``num_items_in_batch = N``, its own factor for
+    ``average_tokens_across_devices`` undone), DPO (``"pairs"``: its mean over the micro-batch's pairs
+    times ``mean_weight(pairs_k)``), a declared ``exact_items = "rows"``; a ``WindowLoss`` (or CLIP's,
+    SigLIP's own loss) runs over the whole window instead (:mod:`.hf_window_loss`).
 
     Raises:
         TypeError: a Trainer subclass comes before ExactTrainer in the MRO (its ``compute_loss`` or
@@ -238,27 +222,22 @@ class ExactTrainer(Trainer):
 
         grad = sum_{ranks, k} grad(S_k) / N,    S_k = n_k L_k,    N = sum_{ranks, k} n_k
 
-    with ``L_k`` micro-batch k's mean loss over its ``n_k`` items; how: the module docstring. The
-    logged ``loss`` is the window's mean over all ranks; ``eval_loss`` the item-weighted mean over the
-    whole evaluation set. ``windows_skipped`` counts the windows of ``N = 0`` skipped.
-
-    Where the loss comes from, and what its items are, is :func:`loss_source`'s to say: the model's
-    head, TRL's SFT or DPO, a declared ``exact_items``, an MoE model's load balancing over the window,
-    or a loss that couples the batch's rows (:mod:`gradaccum.integrations.hf_window_loss`).
+    with ``L_k`` micro-batch k's mean loss over its ``n_k`` items (how, and what an item is by loss
+    source: :func:`loss_source` and docs/guides/hf-trainer.md). The logged ``loss`` is the window's
+    mean over all ranks; ``eval_loss`` the item-weighted mean over the whole evaluation set.
+    ``windows_skipped`` counts the windows of ``N = 0`` skipped.
 
     Args:
         *args: As for ``transformers.Trainer`` (or the subclass).
         head: One of :data:`HEADS`, where ExactTrainer computes the loss itself. Default: read from
             the model's class (:func:`head_of`).
         ignore_index: Label value that is not a target. Default -100.
-        accum_dtype: where bf16/fp16 trainable parameters' window gradient is summed. ``"auto"`` (the
-            default): on one process, in float32 buffers (:class:`gradaccum._gradients.AccumulationBuffers`,
-            4 bytes a parameter where the bf16 ``.grad`` took 2), handed to the Trainer's clipping and
-            step rounded once to the parameter's dtype; under DDP/FSDP2 the wrapper sums into ``.grad``
-            and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out,
-            the sum in the parameters' own ``.grad``, rounded after every micro-batch (its error grows
-            with the window: about 2x a float32 sum's over 64 micro-batches), silently. float32
-            parameters: no buffers either way.
+        accum_dtype: ``"auto"`` (the default): bf16/fp16 trainable parameters sum the window's gradient
+            in float32 buffers on one process, rounded once into ``.grad`` before the Trainer clips;
+            under DDP/FSDP2 the wrapper sums into ``.grad`` and a
+            :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out, the
+            sum in ``.grad``, silently. What each costs: docs/guides/deepspeed.md ("bf16 and fp16
+            parameters").
         **kwargs: As for the Trainer; ``compute_loss_func`` is refused unless it is a
             :class:`~gradaccum.WindowLoss` (a loss that couples the batch's rows, see
             :mod:`gradaccum.integrations.hf_window_loss`; ``CLIPModel`` and ``SiglipModel`` get theirs

@@ -10,12 +10,13 @@ weighs each one by its item count instead: it drives the core's one weighting,
 window's count only after its backwards), and keeps what windows teach each other in an
 :class:`~gradaccum.AccumulatorState` saved in Lightning's checkpoint. Nothing else of the loop changes.
 
-How it is driven from Lightning's hooks, step by step: docs/guides/lightning.md ("How it works"); the
+How it is driven from Lightning's hooks, step by step: docs/guides/lightning.md ("What it changes"); the
 window it drives is :class:`gradaccum._driven.DrivenWindow`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Optional, Set
 
 import torch
 
@@ -33,6 +34,7 @@ from .._checks import Count, as_number, item_count
 from .._driven import DrivenWindow, retire_buffers
 from .._gradients import AccumulationBuffers
 from .._maths import Verdict
+from .._patching import swapped
 from .._state import AccumulatorState
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
@@ -57,15 +59,10 @@ class ExactAccumulation(Callback):
     sequences counts by its target tokens, the short last window of an epoch by what it holds.
 
     How: the module docstring. What windows teach each other is :attr:`state`, in Lightning's checkpoint.
-
     A window of ``N = 0`` items (every label ignored, on every rank) is skipped as the core skips it:
-    its gradients are set to None before the optimizer runs (a torch optimizer leaves a parameter
-    without a gradient untouched: no weight decay, no moment, no step count), ``global_step`` does
-    not advance, a scheduler with ``interval="step"`` does not step, :attr:`skipped_windows` (that is,
-    ``state.skipped``) counts it and a warning says so once.
-
-    Unchanged: the logged loss, ``gradient_clip_val`` (on the normalized gradient), schedulers and
-    ``GradientAccumulationScheduler``. Cost: one scalar all-reduce per optimizer step, and one per ``fit``.
+    no optimizer or scheduler step, ``global_step`` not advanced, :attr:`skipped_windows` counts it.
+    What stays Lightning's (the logged loss, ``gradient_clip_val``, schedulers), the cost, and the
+    limits: docs/guides/lightning.md ("What it changes", "Limits").
 
     Args:
         num_items: How many items a batch holds. ``None`` (default): the batch's leading dimension.
@@ -73,15 +70,12 @@ class ExactAccumulation(Callback):
             for a causal LM (next-token targets that are not -100); a tensor count stays on its device
             until the window's end. Or leave it ``None`` and return ``(mean_loss, count)`` from
             ``training_step``; the callback hands Lightning the mean.
-        accum_dtype: where bf16/fp16 trainable parameters' window gradient is summed. ``"auto"`` (the
-            default): on one device (``SingleDeviceStrategy``, no 16-mixed loss scaler), in float32
-            buffers (:class:`gradaccum._gradients.AccumulationBuffers`, 4 bytes a parameter where the
-            bf16 ``.grad`` took 2), scaled by ``R / N`` and rounded once into ``.grad`` in
-            ``on_before_optimizer_step``, before Lightning clips; under DDP/FSDP2 the wrapper sums into
-            ``.grad`` and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the
-            opt-out, the sum in the parameters' own ``.grad``, rounded after every micro-batch (its error
-            grows with the window: about 2x a float32 sum's over 64 micro-batches), silently. float32
-            parameters: no buffers either way.
+        accum_dtype: ``"auto"`` (the default): bf16/fp16 trainable parameters sum the window's gradient
+            in float32 buffers on one device (``SingleDeviceStrategy``, no 16-mixed loss scaler), rounded
+            once into ``.grad`` before Lightning clips; under DDP/FSDP2 the wrapper sums into ``.grad``
+            and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out,
+            the sum in ``.grad``, silently. What each costs: docs/guides/deepspeed.md ("bf16 and fp16
+            parameters").
 
     Raises:
         TypeError: ``num_items`` is neither ``None`` nor callable.
@@ -95,12 +89,6 @@ class ExactAccumulation(Callback):
         >>> from gradaccum import count_targets
         >>> cb = ExactAccumulation(num_items=lambda batch: count_targets(batch["labels"]))
         >>> trainer = pl.Trainer(accumulate_grad_batches=4, gradient_clip_val=1.0, callbacks=[cb])  # doctest: +SKIP
-
-    Limits: automatic optimization with one optimizer; strategies that average gradients over ranks
-    (single device, DDP and FSDP2 through ``ModelParallelStrategy`` with every rank data-parallel are
-    tested; DeepSpeed is refused); one ``ExactAccumulation`` per Trainer (a second is refused);
-    optimizers that call their closure once per step (not LBFGS); a fit resumed in the middle of a
-    window (Lightning saves at window ends) counts only the micro-batches seen after the resume.
     """
 
     def __init__(self, num_items: Optional[NumItems] = None, accum_dtype: str = "auto") -> None:
@@ -271,24 +259,19 @@ class _ModuleHooks:
     was there before, put back by :meth:`restore` (after the fit, or an exception)."""
 
     def __init__(self) -> None:
-        self._replaced: Dict[str, Tuple[Callable[..., Any], bool]] = {}
+        self.stack = contextlib.ExitStack()
+        self.names: Set[str] = set()
 
     def replace(self, pl_module: "pl.LightningModule", name: str,
                 wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Set ``wrap(hook)`` as an instance attribute of the module for this fit; :meth:`restore`
-        puts back what was there."""
-        if name not in self._replaced:
-            original = getattr(pl_module, name)
-            self._replaced[name] = (original, name in vars(pl_module))
-            setattr(pl_module, name, wrap(original))
+        """Set ``wrap(hook)`` as an instance attribute of the module for this fit (once)."""
+        if name not in self.names:
+            self.names.add(name)
+            self.stack.enter_context(swapped(pl_module, name, wrap(getattr(pl_module, name))))
 
     def restore(self, pl_module: "pl.LightningModule") -> None:
-        for name, (original, was_attribute) in self._replaced.items():
-            if was_attribute:
-                setattr(pl_module, name, original)
-            elif name in vars(pl_module):
-                delattr(pl_module, name)  # the class's method shows through again
-        self._replaced.clear()
+        self.stack.close()
+        self.names.clear()
 
 
 def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]) -> Callable[..., Any]:
