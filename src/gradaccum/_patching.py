@@ -1,6 +1,7 @@
 """An attribute of an object replaced for a while and put back after, also on an exception: how a
-driver serves a framework's object something else for one call (a loss its cached embeddings) or for
-one fit (a LightningModule's hooks, wrapped)."""
+driver serves a framework's object something else for one call (a loss its cached embeddings), for one
+fit (a LightningModule's hooks, wrapped) or for one skipped window's end (the Trainer's optimizer and
+scheduler, by stand-ins whose ``step()`` does nothing)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
-__all__ = ["swapped"]
+__all__ = ["NoStep", "swapped"]
 
 
 @contextlib.contextmanager
@@ -27,3 +28,17 @@ def swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
             setattr(owner, name, old)
         elif name in vars(owner):
             delattr(owner, name)
+
+
+class NoStep:
+    """Stands in for an optimizer or a scheduler whose step must not happen (a skipped window's):
+    ``step()`` does nothing, everything else is the real object's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

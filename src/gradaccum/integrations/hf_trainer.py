@@ -17,6 +17,7 @@ and the window it drives is :class:`gradaccum._driven.DrivenWindow`.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -26,6 +27,7 @@ from torch import nn
 from .._batch_items import HEADS, BatchItems, SetMean, check_head
 from .._driven import DrivenWindow, retire_buffers
 from .._gradients import AccumulationBuffers
+from .._patching import NoStep, swapped
 from .._state import AccumulatorState
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
@@ -153,7 +155,7 @@ class _StateCallback(TrainerCallback, ExportableState):
 
     def __init__(self) -> None:
         self.accumulator_state = AccumulatorState()
-        self.held: Optional[Tuple[Any, Any]] = None  # (optimizer, scheduler) while a skipped window ends
+        self.held: Optional[contextlib.ExitStack] = None  # the stand-ins, while a skipped window ends
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
@@ -162,13 +164,14 @@ class _StateCallback(TrainerCallback, ExportableState):
         """After a skipped window's last micro-batch: the optimizer and the scheduler the Trainer is about
         to step are stood in for, and ``global_step`` is taken back by the one the Trainer adds, so that
         the window leaves no trace but its consumed data."""
-        self.held = (trainer.optimizer, trainer.lr_scheduler)
-        trainer.optimizer, trainer.lr_scheduler = _NoStep(trainer.optimizer), _NoStep(trainer.lr_scheduler)  # type: ignore[assignment]
+        self.held = contextlib.ExitStack()
+        for name in ("optimizer", "lr_scheduler"):
+            self.held.enter_context(swapped(trainer, name, NoStep(getattr(trainer, name))))
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
 
-    def release(self, trainer: "ExactTrainer") -> None:
+    def release(self) -> None:
         if self.held is not None:
-            trainer.optimizer, trainer.lr_scheduler = self.held
+            self.held.close()
             self.held = None
 
     def resume(self, trainer: "ExactTrainer", epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
@@ -198,20 +201,6 @@ class _StateCallback(TrainerCallback, ExportableState):
         if self.held is not None:
             control.should_log = control.should_evaluate = control.should_save = False
         return control
-
-
-class _NoStep:
-    """Stands in for the optimizer and the scheduler at the end of a skipped window: ``step()`` does
-    nothing, everything else is the real object's."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class ExactTrainer(Trainer):
@@ -393,14 +382,14 @@ class ExactTrainer(Trainer):
     # -- the Trainer's flow around a skipped window, and the state across a resume ----------------
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._state.release(self)  # the skipped window's step is over: the Trainer's own objects come back
+        self._state.release()  # the skipped window's step is over: the Trainer's own objects come back
         super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._state.release(self)
+            self._state.release()
             retire_buffers(self.buffers)  # the last window opened may not have run
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
