@@ -4,18 +4,11 @@ that drives the one implementation of the cached two passes, :class:`gradaccum._
 from the Trainer's hooks (the Accumulator's driver is :func:`gradaccum._cached.run_cached_window`).
 
 The Trainer hands over a window's micro-batches once (``get_batch_samples``: :meth:`TrainerWindows.begin`),
-then calls ``compute_loss`` once per micro-batch, under ``no_sync`` but for the last
-(:meth:`TrainerWindows.surrogate`). In micro-batch 0's call, pass 1 runs over all of them on the
-unwrapped model (no collective), the first micro-batch's forward on the Trainer's model with its graph
-(``keep_graphs``; see :class:`~gradaccum._cached.CachedPasses` for why the first), then the gather and
-the loss's gradient. Micro-batch k's call returns :meth:`~gradaccum._cached.CachedPasses.surrogate`,
-the scalar the Trainer backpropagates::
-
-    s_k = W * sum_i <z_k,i, g_k,i>   (+ sum_p <p, g_p> in the last micro-batch)
-
-DDP averages over the ``W`` ranks, so the reduced gradient is ``sum_{ranks, k} J_k^T g_k + g_p = grad L``:
-the big batch's. The surrogate's *value* is ``L * n_k * W / N`` (``n_k`` rows of the ``N`` in the
-window, every rank): the Trainer sums it over the window and averages over ranks, so it logs ``L``.
+then calls ``compute_loss`` once per micro-batch, under ``no_sync`` but for the last. In micro-batch 0's
+call pass 1 runs over all of them on the unwrapped model (no collective), with the first micro-batch's
+graph kept on the Trainer's model, then the gather and the loss's gradient; every call returns
+micro-batch k's :meth:`~gradaccum._cached.CachedPasses.surrogate`, the scalar the Trainer
+backpropagates (its gradient the big batch's part, its value what the Trainer logs as ``L``).
 """
 from __future__ import annotations
 
