@@ -58,9 +58,10 @@ class ExactAccumulation(Callback):
     the gradient of the mean over every item of the window on every rank: a micro-batch of padded
     sequences counts by its target tokens, the short last window of an epoch by what it holds.
 
-    How: the module docstring. What windows teach each other is :attr:`state`, in Lightning's checkpoint.
-    A window of ``N = 0`` items (every label ignored, on every rank) is skipped as the core skips it:
-    no optimizer or scheduler step, ``global_step`` not advanced, :attr:`skipped_windows` counts it.
+    How: docs/guides/lightning.md ("What it changes"). What windows teach each other is :attr:`state`,
+    in Lightning's checkpoint. A window of ``N = 0`` items (every label ignored, on every rank) is
+    skipped as the core skips it: no optimizer or scheduler step, ``global_step`` not advanced,
+    :attr:`skipped_windows` counts it, a warning says so once.
     What stays Lightning's (the logged loss, ``gradient_clip_val``, schedulers), the cost, and the
     limits: docs/guides/lightning.md ("What it changes", "Limits").
 
