@@ -1,18 +1,12 @@
 """``ExactTrainer`` under DeepSpeed (ZeRO-1/2/3): the engine owns the reduction, the optimizer and
 clipping; the Trainer's window owns the boundary.
 
-The Trainer runs every micro-batch through ``accelerator.backward``, which under DeepSpeed goes to
-Accelerate's ``DeepSpeedEngineWrapper``: it tells the engine where the boundary is
-(``set_gradient_accumulation_boundary``, refused by an engine with a caller-owned boundary) and calls
-``engine.step()`` after the window's last micro-batch. :class:`WindowEngine` stands in for it: each
-micro-batch's loss, already weighed by ``ExactTrainer`` (``S_k * W / N``, W the data-parallel ranks
-DeepSpeed averages over), goes to ``engine.backward(loss, scale_wrt_gas=False)``, and ``engine.step()``
-runs once per window, after its last micro-batch, and not at all in a window without items (every
-backward of it weighed 0, so the engine's gradient is still zero). The engine clips (its
-``gradient_clipping``, which the Trainer sets from ``max_grad_norm``) and measures the window's norm
-once: the Trainer logs it as ``grad_norm``. The maths is :mod:`gradaccum._deepspeed`'s. A bf16 engine
-that sums the window in bf16 (``grad_accum_dtype``, ``communication_data_type``) is named once in a
-:class:`~gradaccum.accumulator.LowPrecisionWarning`, as the ``Accumulator`` names it.
+Accelerate's ``DeepSpeedEngineWrapper`` would tell the engine where the boundary is (refused in this
+mode) and step it even in a window without items; :class:`WindowEngine` stands in for it: each
+micro-batch's loss, already weighed by ``ExactTrainer``, goes to ``engine.backward(loss,
+scale_wrt_gas=False)``, and ``engine.step()`` runs once per window with items, after its last
+micro-batch (the engine clips and measures the window's norm). Set-up and figures:
+docs/guides/deepspeed.md ("ExactTrainer with ``deepspeed=``"); the maths is :mod:`gradaccum._deepspeed`'s.
 """
 
 from __future__ import annotations

@@ -12,35 +12,28 @@ trainer (pairs). The weighting, the window's count, its verdict and the skip are
 teach each other is one :class:`~gradaccum.AccumulatorState` saved in the Trainer's checkpoints; this
 module only says what the items of a batch are and hooks the Trainer's window.
 
-**How** (the core's one window, :class:`gradaccum._weights.WindowWeights`, driven from the Trainer's
-hooks). ``get_batch_samples`` (called once per window with its micro-batches, fewer on an epoch's
-short last window) counts ``N`` before any forward and all-reduces it, and opens the window's weights
-with it (counted first: R = N, no rescale at the boundary) and its verdict; each micro-batch
-backpropagates ``S_k * W / N`` (``sum_weight``; ``W`` processes, since DDP and FSDP2 average
-gradients), and ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing again. Under FSDP2
-(``fsdp_config={"fsdp_version": 2}``) every rank runs every micro-batch of a window, a skipped one
-included, so the shards' collectives stay matched. A window with ``N = 0`` (every label ignored on
-every rank) is skipped as the core skips it: no optimizer step (so no weight decay), no scheduler
-step, ``global_step`` not advanced, no log, evaluation or checkpoint for it. The state it leaves
-(steps, skipped windows, the last window's N) is ``ExactTrainer.accumulator_state``, saved in the
-Trainer's checkpoints; a resume reads it back and skips the skipped windows' data too.
+How it is driven from the Trainer's hooks, step by step: docs/guides/hf-trainer.md ("What it computes"),
+and the window it drives is :class:`gradaccum._driven.DrivenWindow`.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from .. import _maths
-from ..accumulator import driver_buffers
+from .._batch_items import HEADS, BatchItems, SetMean, check_head
+from .._driven import DrivenWindow, retire_buffers
+from .._gradients import AccumulationBuffers
+from .._patching import NoStep, swapped
 from .._state import AccumulatorState
-from .._weights import Closing, WindowWeights
+from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
 from ..moe import aux_term, refuse_aux_term
+from . import hf_window_loss
 from .hf_moe import WindowBalance
-from .hf_items import HEADS, BatchItems, head_of
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -74,29 +67,13 @@ def loss_source(cls: type) -> str:
     the first class after ExactTrainer in its MRO that defines ``compute_loss``, or what ``cls``
     declares in ``exact_items`` for a ``compute_loss`` of its own.
 
-    Where the loss comes from, by source:
-
-    - ``ExactTrainer`` itself (the next ``compute_loss`` in the MRO is the Trainer's): the model runs
-      without ``labels`` and ExactTrainer computes its head's loss from the logits, as the model
-      defines it: next-token cross-entropy (``causal_lm``: items ``labels[:, 1:] != -100``, or a
-      collator's ``shift_labels``), token cross-entropy (``token_classification``, ``masked_lm``),
-      and for ``sequence_classification`` by problem type: cross-entropy over the labels that are not
-      -100, squared error (``regression``, ``num_labels=1``) or binary cross-entropy
-      (``multi_label_classification``) over every label element.
-    - A mixture-of-experts causal LM whose config turns its router's load-balancing loss on
-      (``output_router_logits``, ``router_aux_loss_coef``): ``coef`` times that loss over the whole
-      window, every rank's micro-batches, is added as the model's own loss adds it over one batch
-      (:mod:`gradaccum.integrations.hf_moe`; also under SFT). ``eval_loss`` stays the token loss.
-    - ``class X(ExactTrainer, SFTTrainer)`` (TRL): SFT computes its loss, metrics and logs itself,
-      with ``num_items_in_batch = N``; ExactTrainer undoes SFT's own factor for
-      ``average_tokens_across_devices`` so that both settings are exact.
-    - ``class X(ExactTrainer, DPOTrainer)``: its mean over the micro-batch's preference pairs is
-      weighted by ``pairs_k * W / N`` (:meth:`gradaccum._weights.WindowWeights.mean_weight`).
-    - Any other Trainer subclass whose ``compute_loss`` returns a mean of independent per-row terms: declare
-      ``exact_items = "rows"`` on the class. ExactTrainer must come first among the bases; the other
-      order, or an undeclared ``compute_loss``, is refused when the class is defined.
-    - ``compute_loss_func=WindowLoss(...)``, or a ``CLIPModel``/``SiglipModel`` with its own loss: a loss
-      that couples the batch's rows, run over the whole window (:mod:`gradaccum.integrations.hf_window_loss`).
+    The sources (docs/guides/hf-trainer.md, "The one line" and "What it computes"; TRL's in
+    docs/guides/trl.md): ExactTrainer's own (``"head"``: it computes the model head's loss from the
+    logits, an MoE causal LM's load balancing over the window added, :mod:`.hf_moe`), TRL's SFT
+    (``"tokens"``: its summed token loss over ``num_items_in_batch = N``, its own factor for
+    ``average_tokens_across_devices`` undone), DPO (``"pairs"``: its mean over the micro-batch's pairs
+    times ``mean_weight(pairs_k)``), a declared ``exact_items = "rows"``; a ``WindowLoss`` (or CLIP's,
+    SigLIP's own loss) runs over the whole window instead (:mod:`.hf_window_loss`).
 
     Raises:
         TypeError: a Trainer subclass comes before ExactTrainer in the MRO (its ``compute_loss`` or
@@ -143,25 +120,30 @@ def loss_source(cls: type) -> str:
     return source
 
 
-@dataclasses.dataclass
-class _Window:
-    """The window being trained: its weighting (N counted first), the boundary's decision (known from N
-    before any forward: step, or skip a window of no item), how many micro-batches it holds and how
-    many have run."""
+def head_of(model: nn.Module) -> str:
+    """The :data:`HEADS` entry of a Hugging Face model, from its class (PEFT and compile unwrapped).
 
-    weights: WindowWeights
-    closing: Closing
-    micro_batches: int
-    ran: int = 0
+    Raises:
+        ConfigurationError: the class is none of the Auto mappings' causal-LM, masked-LM, token- or
+            sequence-classification classes (pass ``head=`` to ExactTrainer).
+    """
+    from transformers.models.auto import modeling_auto as auto
 
-    @property
-    def items(self) -> int:
-        """N, the window's items on every rank."""
-        return int(self.closing.num_items)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
+    base = getattr(base, "_orig_mod", base)
+    name = type(base).__name__
 
-    @property
-    def skip(self) -> bool:
-        return not self.closing.steps
+    def names(mapping: Dict[str, Any]) -> set:
+        return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
+
+    for head, mapping in (("causal_lm", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                          ("sequence_classification", auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
+                          ("token_classification", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
+                          ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)):
+        if name in names(mapping):
+            return head
+    raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
+                     "(ExactTrainer computes that head's loss from the model's logits)")
 
 
 class _StateCallback(TrainerCallback, ExportableState):
@@ -173,7 +155,7 @@ class _StateCallback(TrainerCallback, ExportableState):
 
     def __init__(self) -> None:
         self.accumulator_state = AccumulatorState()
-        self.held: Optional[Tuple[Any, Any]] = None  # (optimizer, scheduler) while a skipped window ends
+        self.held: Optional[contextlib.ExitStack] = None  # the stand-ins, while a skipped window ends
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
@@ -182,13 +164,14 @@ class _StateCallback(TrainerCallback, ExportableState):
         """After a skipped window's last micro-batch: the optimizer and the scheduler the Trainer is about
         to step are stood in for, and ``global_step`` is taken back by the one the Trainer adds, so that
         the window leaves no trace but its consumed data."""
-        self.held = (trainer.optimizer, trainer.lr_scheduler)
-        trainer.optimizer, trainer.lr_scheduler = _NoStep(trainer.optimizer), _NoStep(trainer.lr_scheduler)  # type: ignore[assignment]
+        self.held = contextlib.ExitStack()
+        for name in ("optimizer", "lr_scheduler"):
+            self.held.enter_context(swapped(trainer, name, NoStep(getattr(trainer, name))))
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
 
-    def release(self, trainer: "ExactTrainer") -> None:
+    def release(self) -> None:
         if self.held is not None:
-            trainer.optimizer, trainer.lr_scheduler = self.held
+            self.held.close()
             self.held = None
 
     def resume(self, trainer: "ExactTrainer", epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
@@ -220,20 +203,6 @@ class _StateCallback(TrainerCallback, ExportableState):
         return control
 
 
-class _NoStep:
-    """Stands in for the optimizer and the scheduler at the end of a skipped window: ``step()`` does
-    nothing, everything else is the real object's."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
 class ExactTrainer(Trainer):
     """A ``transformers.Trainer`` whose gradient accumulation is exactly one big batch.
 
@@ -242,27 +211,22 @@ class ExactTrainer(Trainer):
 
         grad = sum_{ranks, k} grad(S_k) / N,    S_k = n_k L_k,    N = sum_{ranks, k} n_k
 
-    with ``L_k`` micro-batch k's mean loss over its ``n_k`` items; how: the module docstring. The
-    logged ``loss`` is the window's mean over all ranks; ``eval_loss`` the item-weighted mean over the
-    whole evaluation set. ``windows_skipped`` counts the windows of ``N = 0`` skipped.
-
-    Where the loss comes from, and what its items are, is :func:`loss_source`'s to say: the model's
-    head, TRL's SFT or DPO, a declared ``exact_items``, an MoE model's load balancing over the window,
-    or a loss that couples the batch's rows (:mod:`gradaccum.integrations.hf_window_loss`).
+    with ``L_k`` micro-batch k's mean loss over its ``n_k`` items (how, and what an item is by loss
+    source: :func:`loss_source` and docs/guides/hf-trainer.md). The logged ``loss`` is the window's
+    mean over all ranks; ``eval_loss`` the item-weighted mean over the whole evaluation set.
+    ``windows_skipped`` counts the windows of ``N = 0`` skipped.
 
     Args:
         *args: As for ``transformers.Trainer`` (or the subclass).
         head: One of :data:`HEADS`, where ExactTrainer computes the loss itself. Default: read from
             the model's class (:func:`head_of`).
         ignore_index: Label value that is not a target. Default -100.
-        accum_dtype: where bf16/fp16 trainable parameters' window gradient is summed. ``"auto"`` (the
-            default): on one process, in float32 buffers (:class:`gradaccum._gradients.AccumulationBuffers`,
-            4 bytes a parameter where the bf16 ``.grad`` took 2), handed to the Trainer's clipping and
-            step rounded once to the parameter's dtype; under DDP/FSDP2 the wrapper sums into ``.grad``
-            and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out,
-            the sum in the parameters' own ``.grad``, rounded after every micro-batch (its error grows
-            with the window: about 2x a float32 sum's over 64 micro-batches), silently. float32
-            parameters: no buffers either way.
+        accum_dtype: ``"auto"`` (the default): bf16/fp16 trainable parameters sum the window's gradient
+            in float32 buffers on one process, rounded once into ``.grad`` before the Trainer clips;
+            under DDP/FSDP2 the wrapper sums into ``.grad`` and a
+            :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out, the
+            sum in ``.grad``, silently. What each costs: docs/guides/deepspeed.md ("bf16 and fp16
+            parameters").
         **kwargs: As for the Trainer; ``compute_loss_func`` is refused unless it is a
             :class:`~gradaccum.WindowLoss` (a loss that couples the batch's rows, see
             :mod:`gradaccum.integrations.hf_window_loss`; ``CLIPModel`` and ``SiglipModel`` get theirs
@@ -290,48 +254,30 @@ class ExactTrainer(Trainer):
 
     def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, accum_dtype: str = "auto",
                  **kwargs: Any) -> None:
-        from . import hf_window_loss  # a loss that couples the batch's rows: a WindowLoss, or CLIP's/SigLIP's
-
-        self.window_loss = hf_window_loss.window_loss_of(kwargs, args, loss_source(type(self)))
-        if kwargs.get("compute_loss_func") is not None:
-            given = getattr(kwargs["compute_loss_func"], "__qualname__", type(kwargs["compute_loss_func"]).__name__)
-            raise ConfigurationError(f"ExactTrainer(compute_loss_func={given}): ExactTrainer "
-                                     "cannot weigh a loss whose reduction it does not know. A loss that couples the "
-                                     "batch's rows (in-batch negatives, contrastive) goes in as compute_loss_func="
-                                     "gradaccum.WindowLoss(encode, loss), run over the whole window; for the model's "
-                                     "own loss drop compute_loss_func (ExactTrainer computes it), or use Trainer")
-        if head is not None and head not in HEADS:
-            raise ConfigurationError(f"ExactTrainer(head={head!r}): supported heads are {', '.join(HEADS)}")
+        source = loss_source(type(self))
+        self.window_loss = hf_window_loss.window_loss_of(kwargs, args, source)  # CLIP's, SigLIP's, a WindowLoss
+        check_head(head)
         driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
-        self.source = loss_source(type(self))
+        self.source = source
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
-        # bf16/fp16 parameters: the window summed in float32 buffers where ExactTrainer owns the sum (one
-        # process, its counted window); under DeepSpeed the engine's dtypes are checked (hf_deepspeed)
-        self.buffers = None if self.is_deepspeed_enabled else driver_buffers(
-            type(self).__name__, self.model.parameters(), accum_dtype,
-            owns_the_sum=(self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.args.n_gpu <= 1
-                          and self.window_loss is None),
-            fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under DDP/FSDP2 "
-                "the wrapper owns the sum), or pass accum_dtype='param' to accept it without this warning")
-        if "loss_is_scaled_for_ga" not in vars(Trainer):
-            # transformers before 5.x: training_step divides by the accumulation steps unless the model
-            # "accepts loss kwargs"
-            self.model_accepts_loss_kwargs = True
+        self.buffers = _window_buffers(self, accum_dtype)  # float32 sums of bf16/fp16 gradients, or None
+        if "loss_is_scaled_for_ga" not in vars(Trainer):  # transformers 4.x: training_step divides by the
+            self.model_accepts_loss_kwargs = True            # accumulation steps unless the model "accepts loss kwargs"
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        self.items = BatchItems(self.source, head or (head_of(self.model) if self.source == "head" and  # type: ignore[arg-type]
-                                                      self.window_loss is None else None),
-                                ignore_index, config, self.args.device)
-        # an MoE model's load-balancing term, computed over the window (integrations/hf_moe.py)
-        # (a causal LM's own loss adds it; SFT's too)
-        self.router_balance = aux_term(config) if self.source == "tokens" or self.items.head == "causal_lm" else None
+        counted_head = source == "head" and self.window_loss is None
+        self.items = BatchItems(source, head or (head_of(self.model) if counted_head else None), ignore_index, config,
+                                self.args.device)
+        # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it, SFT's too
+        self.router_balance = aux_term(config) if source == "tokens" or self.items.head == "causal_lm" else None
         self._balance: Optional[WindowBalance] = None
-        self._window: Optional[_Window] = None
+        self._window: Optional[DrivenWindow] = None
         self._state = _StateCallback()  # what windows teach each other, in the Trainer's checkpoints
         self.add_callback(self._state)
-        self._evaluation = _Evaluation(self._trainer_loss)
-        self._windows = (hf_window_loss.TrainerWindows(self, self.accumulator_state) if self.window_loss is not None
-                         else None)
+        self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
+        self._loss = _SourceLoss(self, self._trainer_loss, self._evaluation)
+        self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(
+            self, self.accumulator_state, self._prepare_inputs)
 
     @property
     def head(self) -> Any:
@@ -358,66 +304,39 @@ class ExactTrainer(Trainer):
         n = self.accumulator_state.last_window_items
         return None if n is None else int(n)
 
-    # -- the window's count ----------------------------------------------------------------------
+    # -- the window: counted first, weighed per micro-batch, recorded at its end -----------------
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: Optional[torch.device] = None) -> Tuple[List[Any], Optional[torch.Tensor]]:
-        """The window's micro-batches and ``N``, their items summed over every rank, and the window's
-        verdict (step, or skip when ``N = 0``): one host synchronisation per window (the verdict needs N)."""
-        batch_samples = _take(epoch_iterator, num_batches)
+        """The window's micro-batches (fewer at an epoch's end) and ``N``, their items summed over every
+        rank: the window opens counted first, its verdict known (one host synchronisation per window)."""
+        batch_samples = list(itertools.islice(epoch_iterator, num_batches))
         if self._windows is not None:  # a WindowLoss: one mean over the window's rows, no count to hand over
-            self._window = None
             self._windows.begin(batch_samples)
             return batch_samples, None
         device = device if device is not None else self.args.device
-        local = sum((self.items.count(b).to(device) for b in batch_samples), torch.zeros((), dtype=torch.long, device=device))
+        local = self.items.window_count(batch_samples, device)
         total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
-        items = int(total)  # count first: the weights are W / N, the boundary's scale 1, its verdict known now
-        weights = WindowWeights(self.accumulator_state, self.accelerator.num_processes, num_items=items)
-        self._window = _Window(weights, weights.close(items), micro_batches=len(batch_samples))
+        self._window = DrivenWindow(self.accumulator_state, self.accelerator.num_processes, num_items=int(total),
+                                    micro_batches=len(batch_samples), buffers=self.buffers)
         if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
             inputs = [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples]
             self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), inputs,
                                           device, self.model_wrapped)
         return batch_samples, total
 
-    # -- the loss --------------------------------------------------------------------------------
-
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
         """Training: micro-batch k's share ``S_k * W / N`` of the window's mean (0 in a skipped
         window). Evaluation: the batch's mean, its rows' sums and items kept for ``eval_loss``."""
         if self._windows is not None:
-            from .hf_window_loss import window_compute_loss
-            return window_compute_loss(self._windows, self.window_loss, self.accelerator, model, inputs, return_outputs)
+            return self._windows.compute_loss(self.window_loss, model, inputs, return_outputs)
         if not model.training:
-            return self._evaluation.loss(self, model, inputs, return_outputs)
-        window = self._window
-        if window is None:
+            return self._loss.evaluation(model, inputs, return_outputs)
+        if self._window is None:
             raise RuntimeError("ExactTrainer.compute_loss in training before get_batch_samples counted the window "
                                "(do not override get_batch_samples away)")
-        world = self.accelerator.num_processes
-        weight = window.weights.sum_weight()  # W / N (0 in a skipped window)
-        balance, part = self._balance, None  # an MoE model's part of the window's load balancing (hf_moe)
-        if self.source == "head":
-            moe = {} if balance is None else {"output_router_logits": False}  # hooks read them (hf_moe)
-            forward = lambda: model(**self.items.model_inputs(inputs), **moe)  # noqa: E731
-            outputs, part = (forward(), None) if balance is None else balance.run(window.ran, model, inputs, forward)
-            loss = self.items.head_loss_sum(outputs, inputs) * weight
-        elif self.source == "tokens":
-            # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
-            trl = lambda: self._trainer_loss(model, inputs, return_outputs, max(window.items, 1))  # noqa: E731
-            (loss, outputs), part = (trl(), None) if balance is None else balance.run(window.ran, model, inputs, trl, self)
-            own = world if self.args.average_tokens_across_devices else 1
-            loss = loss * (weight * max(window.items, 1) / own)
-        else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
-            loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
-            loss = loss * window.weights.mean_weight(self.items.rows(inputs))  # rows * W / N
-        if part is not None and balance is not None:  # coef * this micro-batch's part of the window's LBL, times W
-            loss = loss + part * (0.0 if window.skip else world)
-            if window.ran == window.micro_batches - 1:  # before the last backward, every rank alike: routed as counted
-                balance.check()
-        return (loss, outputs) if return_outputs else loss
+        return self._loss.training(self._window, self._balance, model, inputs, return_outputs)
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
@@ -425,67 +344,53 @@ class ExactTrainer(Trainer):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
         return out if return_outputs else (out, None)  # type: ignore[return-value]
 
+    def training_step(self, model: nn.Module, inputs: Dict[str, Any],
+                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
+        """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window
+        closes (its float32 buffers rounded once into ``.grad``) and the state records its step or its
+        skip (then the Trainer's step is stood in for: :meth:`_StateCallback.hold`)."""
+        window = self._window
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            if window is not None:
+                window.abort()
+            raise
+        if window is not None and window.ran_one():
+            if self._balance is not None:
+                self._balance.finish()
+            closing = window.close()
+            if closing.steps and self.is_deepspeed_enabled:
+                from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step
+
+                closing = window.record(closing, applied=step_applied(self))
+            else:
+                closing = window.record(closing)
+            if not closing.steps:
+                self._state.hold(self)
+        return loss
+
     # -- evaluation: the item-weighted mean over the whole set -----------------------------------
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loop, with ``{prefix}_loss`` the item-weighted mean over the whole set
         (the Trainer's is a mean of batch means weighted by the batch size)."""
-        self._evaluation = _Evaluation(self._trainer_loss)
         output = super().evaluation_loop(*args, **kwargs)
-        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
-        self._evaluation.report(output.metrics, prefix)
+        self._evaluation.report(output.metrics, kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval"))
         return output
 
-    # -- the skipped window ----------------------------------------------------------------------
-
-    def training_step(self, model: nn.Module, inputs: Dict[str, Any],
-                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
-        """The Trainer's step; after a window's last micro-batch the float32 buffers (bf16/fp16 parameters)
-        are written back rounded once, before the Trainer clips, and the state records the window's step or
-        its skip (then the Trainer's step is stood in for: :meth:`_StateCallback.hold`; a skipped window's
-        buffers are cleared)."""
-        window, buffers = self._window, self.buffers
-        if buffers is not None and window is not None and window.ran == 0:
-            buffers.clear()  # the window's first micro-batch: its bf16 gradients fold into float32 from here on
-            buffers.active = True
-        try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        except BaseException:
-            if buffers is not None:  # their hooks stay on the parameters: fold nothing after a failed window
-                buffers.active = False
-                buffers.clear()
-            raise
-        if window is not None:
-            window.ran += 1
-            if self._balance is not None and window.ran == window.micro_batches:
-                self._balance.finish()
-            if window.ran == window.micro_batches:
-                closing = window.closing
-                if self.buffers is not None:  # before the Trainer clips and steps: the float32 sum, rounded once
-                    self.buffers.active = False
-                    if closing.steps:
-                        self.buffers.write_grads_()
-                    else:
-                        self.buffers.clear()
-                if closing.steps and self.is_deepspeed_enabled:
-                    from .hf_deepspeed import step_applied
-
-                    if not step_applied(self):  # the engine's fp16 loss scale overflowed: it took no step
-                        closing = dataclasses.replace(closing, verdict=_maths.Verdict.SKIP_NONFINITE)
-                window.weights.record(closing)  # one step more, or one skipped window more
-                if not closing.steps:
-                    self._state.hold(self)
-        return loss
+    # -- the Trainer's flow around a skipped window, and the state across a resume ----------------
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._state.release(self)  # the skipped window's step is over: the Trainer's own objects come back
+        self._state.release()  # the skipped window's step is over: the Trainer's own objects come back
         super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._state.release(self)
+            self._state.release()
+            retire_buffers(self.buffers)  # the last window opened may not have run
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
@@ -493,47 +398,66 @@ class ExactTrainer(Trainer):
         return self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
 
 
-class _Evaluation:
-    """One evaluation loop's item-weighted mean loss over the whole set: per batch, its rows' loss sums
-    and items, gathered (the Trainer's ``gather_for_metrics`` drops the rows a distributed sampler
-    repeated)."""
+class _SourceLoss:
+    """What ExactTrainer's ``compute_loss`` returns, by loss source (:func:`loss_source`): in training
+    micro-batch k's share of the window's mean loss (with an MoE model's part of the window's load
+    balancing, :mod:`gradaccum.integrations.hf_moe`), in evaluation the batch's mean, its rows' sums
+    and items kept in the set's :class:`~gradaccum._batch_items.SetMean`. ``trainer_loss`` is the next
+    class's ``compute_loss`` (SFT's, DPO's, ...), handed over by the trainer."""
 
-    def __init__(self, trainer_loss: Callable[..., Tuple[torch.Tensor, Any]]) -> None:
-        self.trainer_loss = trainer_loss  # the next class's compute_loss (SFT's, DPO's, ...), where it is the source
-        self.tally: List[torch.Tensor] = []  # per evaluation batch: [loss sum of its rows, their items]
+    def __init__(self, trainer: ExactTrainer, trainer_loss: Callable[..., Tuple[torch.Tensor, Any]],
+                 evaluation: SetMean) -> None:
+        self.trainer, self.trainer_loss, self.evaluation_mean = trainer, trainer_loss, evaluation
+        self.items, self.world = trainer.items, trainer.accelerator.num_processes
+        # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
+        self.sft_factor = self.world if trainer.args.average_tokens_across_devices else 1
 
-    def loss(self, trainer: "ExactTrainer", model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
-        """The batch's mean loss (what ``compute_loss`` returns in evaluation); its sums kept."""
-        rows_items = trainer.items.rows_items(inputs)
-        if trainer.source == "head":
-            outputs = model(**trainer.items.model_inputs(inputs))
-            rows_sums = trainer.items.rows_loss_sums(outputs, inputs)
-            mean = rows_sums.sum() / rows_items.sum().clamp(min=1).to(rows_sums.dtype)
+    def training(self, window: DrivenWindow, balance: Optional[WindowBalance], model: nn.Module,
+                 inputs: Dict[str, Any], return_outputs: bool) -> Any:
+        """``S_k * W / N`` (``sum_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
+        items, weight, part = self.items, window.weights.sum_weight(), None  # W / N (0 in a skipped window)
+        if items.source == "head":
+            moe = {} if balance is None else {"output_router_logits": False}  # hooks read them (hf_moe)
+            forward = lambda: model(**items.model_inputs(inputs), **moe)  # noqa: E731
+            outputs, part = (forward(), None) if balance is None else balance.run(window.ran, model, inputs, forward)
+            loss = items.head_loss_sum(outputs, inputs) * weight
+        elif items.source == "tokens":
+            n = max(window.items, 1)
+            trl = lambda: self.trainer_loss(model, inputs, return_outputs, n)  # noqa: E731
+            (loss, outputs), part = (trl(), None) if balance is None else balance.run(window.ran, model, inputs, trl,
+                                                                                      self.trainer)
+            loss = loss * (weight * n / self.sft_factor)
+        else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
+            loss, outputs = self.trainer_loss(model, inputs, return_outputs, None)
+            loss = loss * window.weights.mean_weight(items.rows(inputs))  # rows * W / N
+        if part is not None and balance is not None:  # coef * this micro-batch's part of the window's LBL, times W
+            loss = loss + part * (0.0 if window.skip else self.world)
+            if window.last:  # before the last backward, every rank alike: routed as counted
+                balance.check()
+        return (loss, outputs) if return_outputs else loss
+
+    def evaluation(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
+        if self.items.source == "head":
+            outputs = model(**self.items.model_inputs(inputs))
+            mean = self.evaluation_mean.head_mean(outputs, inputs)
         else:  # the trainer's own batch mean, shared out over its rows by their items
             mean, outputs = self.trainer_loss(model, inputs, return_outputs, None)
-            rows_sums = mean.detach() * rows_items.to(mean.dtype)
-        gathered = trainer.accelerator.gather_for_metrics(torch.stack([rows_sums.detach().double(),
-                                                                       rows_items.to(rows_sums.device).double()], dim=1))
-        self.tally.append(gathered.sum(dim=0))
+            self.evaluation_mean.keep_mean(mean, inputs)
         return (mean, outputs) if return_outputs else mean
 
-    def report(self, metrics: Dict[str, float], prefix: str) -> None:
-        """``{prefix}_loss`` in ``metrics``: the set's item-weighted mean (when a batch was evaluated)."""
-        if self.tally:
-            loss_sum, items = torch.stack(self.tally).sum(dim=0).tolist()
-            metrics[f"{prefix}_loss"] = _maths.window_mean(loss_sum, items)
-        self.tally = []
 
-
-def _take(epoch_iterator: Iterator, num_batches: int) -> List[Any]:
-    """The window's micro-batches: ``num_batches``, or fewer at the end of the epoch."""
-    batch_samples: List[Any] = []
-    for _ in range(num_batches):
-        try:
-            batch_samples.append(next(epoch_iterator))
-        except StopIteration:
-            break
-    return batch_samples
+def _window_buffers(trainer: ExactTrainer, accum_dtype: str) -> Optional[AccumulationBuffers]:
+    """bf16/fp16 parameters: the window summed in float32 buffers where ExactTrainer owns the sum (one
+    process, its counted window); under DDP/FSDP2 the wrapper owns it (a warning says so), under
+    DeepSpeed the engine (its dtypes are checked by hf_deepspeed)."""
+    if trainer.is_deepspeed_enabled:
+        return None
+    owns = (trainer.accelerator.num_processes == 1 and not trainer.is_fsdp_enabled and trainer.args.n_gpu <= 1
+            and trainer.window_loss is None)
+    return driver_buffers(type(trainer).__name__, trainer.model.parameters(), accum_dtype, owns_the_sum=owns,
+                          fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under "
+                              "DDP/FSDP2 the wrapper owns the sum), or pass accum_dtype='param' to accept it without "
+                              "this warning")
 
 
 def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
@@ -542,9 +466,7 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     if trainer.source == "head" and getattr(trainer.args, "label_smoothing_factor", None):
         raise ConfigurationError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
                          "supported where ExactTrainer computes the model's loss; set it to 0")
-    if trainer.args.n_gpu > 1:
-        raise ConfigurationError(f"ExactTrainer: n_gpu={trainer.args.n_gpu} (DataParallel in one process) splits each "
-                         "batch without telling the loss; launch one process per GPU (torchrun) instead")
+    hf_window_loss.refuse_data_parallel(trainer)
     if trainer.is_deepspeed_enabled:  # the engine steps once per window with items (integrations/hf_deepspeed.py)
         from . import hf_deepspeed
 

@@ -4,23 +4,15 @@ that drives the one implementation of the cached two passes, :class:`gradaccum._
 from the Trainer's hooks (the Accumulator's driver is :func:`gradaccum._cached.run_cached_window`).
 
 The Trainer hands over a window's micro-batches once (``get_batch_samples``: :meth:`TrainerWindows.begin`),
-then calls ``compute_loss`` once per micro-batch, under ``no_sync`` but for the last
-(:meth:`TrainerWindows.surrogate`). In micro-batch 0's call, pass 1 runs over all of them on the
-unwrapped model (no collective), the first micro-batch's forward on the Trainer's model with its graph
-(``keep_graphs``; see :class:`~gradaccum._cached.CachedPasses` for why the first), then the gather and
-the loss's gradient. Micro-batch k's call returns :meth:`~gradaccum._cached.CachedPasses.surrogate`,
-the scalar the Trainer backpropagates::
-
-    s_k = W * sum_i <z_k,i, g_k,i>   (+ sum_p <p, g_p> in the last micro-batch)
-
-DDP averages over the ``W`` ranks, so the reduced gradient is ``sum_{ranks, k} J_k^T g_k + g_p = grad L``:
-the big batch's. The surrogate's *value* is ``L * n_k * W / N`` (``n_k`` rows of the ``N`` in the
-window, every rank): the Trainer sums it over the window and averages over ranks, so it logs ``L``.
+then calls ``compute_loss`` once per micro-batch, under ``no_sync`` but for the last. In micro-batch 0's
+call pass 1 runs over all of them on the unwrapped model (no collective), with the first micro-batch's
+graph kept on the Trainer's model, then the gather and the loss's gradient; every call returns
+micro-batch k's :meth:`~gradaccum._cached.CachedPasses.surrogate`, the scalar the Trainer
+backpropagates (its gradient the big batch's part, its value what the Trainer logs as ``L``).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -30,8 +22,8 @@ from .._state import AccumulatorState
 from .._weights import WindowWeights
 from ..errors import ConfigurationError
 
-__all__ = ["TrainerWindows", "contrastive_window_loss", "refuse_what_a_window_loss_cannot_run",
-           "window_loss_of", "window_compute_loss"]
+__all__ = ["TrainerWindows", "contrastive_window_loss", "refuse_data_parallel", "refuse_what_a_window_loss_cannot_run",
+           "window_loss_of"]
 
 #: ``make(micro_batches) -> (window_loss, params, loss_model)`` for one window
 MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]
@@ -41,11 +33,13 @@ class TrainerWindows:
     """A Trainer's windows, one after the other: the micro-batches ``get_batch_samples`` hands over and
     the window's :class:`~gradaccum._cached.CachedPasses`. What windows teach each other is the driver's
     :class:`~gradaccum._state.AccumulatorState`: whether the replay was compared yet
-    (``checked_replays``, the run's first window) and the steps taken (one per window, its rows N)."""
+    (``checked_replays``, the run's first window) and the steps taken (one per window, its rows N).
+    ``prepare`` is the trainer's own ``_prepare_inputs`` (a micro-batch onto the device), handed over
+    by the trainer."""
 
-    def __init__(self, trainer: Any, state: AccumulatorState) -> None:
+    def __init__(self, trainer: Any, state: AccumulatorState, prepare: Callable[[Any], Any]) -> None:
         refuse_what_a_window_loss_cannot_run(trainer)
-        self.trainer, self.state = trainer, state
+        self.trainer, self.state, self.prepare = trainer, state, prepare
         self.pending: List[Any] = []
         self.passes: Optional[CachedPasses] = None
         # evaluation: the loss is encode's and loss's, which need no label column; without this the
@@ -62,7 +56,7 @@ class TrainerWindows:
         trainer = self.trainer
         passes = self.passes
         if passes is None or passes.ran == passes.parts:
-            batches = [trainer._prepare_inputs(b) for b in self.pending]
+            batches = [self.prepare(b) for b in self.pending]
             window_loss, params, loss_model = make(batches)
             module = trainer.accelerator.unwrap_model(model)
             sync, device = sync_for(trainer.model_wrapped), trainer.args.device
@@ -81,6 +75,16 @@ class TrainerWindows:
             weights = WindowWeights(self.state, 1, num_items=passes.total)  # no weight read: the boundary's record
             weights.record(weights.close(passes.total))  # one step more (a window of rows always steps), N kept
         return loss
+
+    def compute_loss(self, window_loss: WindowLoss, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:
+        """ExactTrainer's ``compute_loss`` with a WindowLoss: in training micro-batch k's surrogate, in
+        evaluation the loss of the evaluation batch alone."""
+        module = self.trainer.accelerator.unwrap_model(model)
+        if model.training:
+            loss = self.surrogate(model, inputs, lambda batches: (window_loss, list(module.parameters()), module))
+        else:
+            loss = window_loss_of_batch(window_loss, model, module, inputs)
+        return (loss, {"loss": loss}) if return_outputs else loss
 
 
 def contrastive_window_loss(model: nn.Module) -> Optional[WindowLoss]:
@@ -116,7 +120,7 @@ def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLos
     """The WindowLoss an ExactTrainer trains with: ``compute_loss_func=WindowLoss(...)`` (taken out of
     the Trainer's arguments), or, without ``compute_loss_func``, a contrastive model's own loss
     (:func:`contrastive_window_loss`); None for every other model, and where a trainer's own
-    ``compute_loss`` runs (``source`` is not "head")."""
+    ``compute_loss`` runs (``source`` is not "head"). Any other ``compute_loss_func`` is refused."""
     given = kwargs.get("compute_loss_func")
     if isinstance(given, WindowLoss):
         if source != "head":
@@ -124,30 +128,30 @@ def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLos
                                      f"compute_loss runs (items: {source}): the two losses conflict; use "
                                      "ExactTrainer itself with the WindowLoss")
         return kwargs.pop("compute_loss_func")
-    if given is not None or source != "head":
-        return None  # ExactTrainer refuses a compute_loss_func of another kind
+    if given is not None:
+        name = getattr(given, "__qualname__", type(given).__name__)
+        raise ConfigurationError(f"ExactTrainer(compute_loss_func={name}): ExactTrainer "
+                                 "cannot weigh a loss whose reduction it does not know. A loss that couples the "
+                                 "batch's rows (in-batch negatives, contrastive) goes in as compute_loss_func="
+                                 "gradaccum.WindowLoss(encode, loss), run over the whole window; for the model's "
+                                 "own loss drop compute_loss_func (ExactTrainer computes it), or use Trainer")
+    if source != "head":
+        return None
     model = kwargs.get("model", args[0] if args else None)
     return contrastive_window_loss(model) if isinstance(model, nn.Module) else None
 
 
-def window_compute_loss(windows: "TrainerWindows", window_loss: WindowLoss, accelerator: Any, model: nn.Module,
-                        inputs: Any, return_outputs: bool) -> Any:
-    """``compute_loss`` with a WindowLoss: in training micro-batch k's surrogate, in evaluation the
-    loss of the evaluation batch alone."""
-    module = accelerator.unwrap_model(model)
-    if model.training:
-        loss = windows.surrogate(model, inputs, lambda batches: (window_loss, list(module.parameters()),
-                                                                           module))
-    else:
-        loss = window_loss_of_batch(window_loss, model, module, inputs)
-    return (loss, {"loss": loss}) if return_outputs else loss
+def refuse_data_parallel(trainer: Any) -> None:
+    """DataParallel over several GPUs in one process splits each batch without telling the loss."""
+    if trainer.args.n_gpu > 1:
+        raise ConfigurationError(f"{type(trainer).__name__}: n_gpu={trainer.args.n_gpu} (DataParallel in one process) "
+                                 "splits each batch without telling the loss; launch one process per GPU (torchrun) "
+                                 "instead")
 
 
 def refuse_what_a_window_loss_cannot_run(trainer: Any) -> None:
     """A Trainer set-up under which the cached window is not tested: refused with the fix."""
-    if trainer.args.n_gpu > 1:
-        raise ConfigurationError(f"n_gpu={trainer.args.n_gpu} (DataParallel in one process) splits each batch without "
-                                 "telling the loss; launch one process per GPU (torchrun) instead")
+    refuse_data_parallel(trainer)
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         raise ConfigurationError("a WindowLoss in the Trainer is tested with DDP (one process per device under "
                                  "torchrun), not with DeepSpeed or FSDP: train it with DDP")
@@ -163,14 +167,3 @@ def refuse_what_a_window_loss_cannot_run(trainer: Any) -> None:
     if trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
         raise ConfigurationError("gradient_accumulation_kwargs={'sync_each_batch': True} reduces every micro-batch's "
                                  "surrogate: drop sync_each_batch")
-
-
-@contextlib.contextmanager
-def swapped(owner: nn.Module, name: str, value: Any) -> Iterator[None]:
-    """``owner.name = value`` for the block, the old value back after (also on an exception)."""
-    old = owner._modules.get(name) if name in owner._modules else getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)

@@ -10,22 +10,13 @@ weighs each one by its item count instead: it drives the core's one weighting,
 window's count only after its backwards), and keeps what windows teach each other in an
 :class:`~gradaccum.AccumulatorState` saved in Lightning's checkpoint. Nothing else of the loop changes.
 
-**How** (the core's :class:`~gradaccum._weights.WindowWeights`, driven from Lightning's hooks). Lightning
-backpropagates ``L_k / A`` and the strategy averages over ``W`` ranks. A hook on the loss multiplies
-micro-batch k's backward by ``c_k = A * w_k``, with ``w_k = n_k * W / R`` the window's
-``mean_weight``, so the window's reduced gradient is ``sum n_k grad(L_k) / R``. In
-``on_before_optimizer_step``, which Lightning calls after the window's last backward and *before*
-gradient clipping, the window's count is all-reduced once, ``close`` decides (step, or skip a window
-of no item) and the gradients are multiplied by the boundary scale ``R / N``. ``R`` is the running
-R, fixed once (``fix_reference``) at the first backward: ``A`` times the ranks' summed first
-micro-batch count (at least 1), so ``c_k`` is near 1 and the gradients keep Lightning's own scale
-until the step (what fp16 loss scaling expects). R, the skipped windows, the last window's N and the
-steps live in ``ExactAccumulation.state`` (an :class:`~gradaccum.AccumulatorState`), which the
-callback puts in Lightning's checkpoint: a resumed fit divides by the same R, bit for bit.
+How it is driven from Lightning's hooks, step by step: docs/guides/lightning.md ("What it changes"); the
+window it drives is :class:`gradaccum._driven.DrivenWindow`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Optional, Set
 
 import torch
 
@@ -40,10 +31,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .._checks import Count, as_number, item_count
+from .._driven import DrivenWindow, retire_buffers
 from .._gradients import AccumulationBuffers
 from .._maths import Verdict
+from .._patching import swapped
 from .._state import AccumulatorState
-from .._weights import WindowWeights
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
@@ -66,16 +58,12 @@ class ExactAccumulation(Callback):
     the gradient of the mean over every item of the window on every rank: a micro-batch of padded
     sequences counts by its target tokens, the short last window of an epoch by what it holds.
 
-    How: the module docstring. What windows teach each other is :attr:`state`, in Lightning's checkpoint.
-
-    A window of ``N = 0`` items (every label ignored, on every rank) is skipped as the core skips it:
-    its gradients are set to None before the optimizer runs (a torch optimizer leaves a parameter
-    without a gradient untouched: no weight decay, no moment, no step count), ``global_step`` does
-    not advance, a scheduler with ``interval="step"`` does not step, :attr:`skipped_windows` (that is,
-    ``state.skipped``) counts it and a warning says so once.
-
-    Unchanged: the logged loss, ``gradient_clip_val`` (on the normalized gradient), schedulers and
-    ``GradientAccumulationScheduler``. Cost: one scalar all-reduce per optimizer step, and one per ``fit``.
+    How: docs/guides/lightning.md ("What it changes"). What windows teach each other is :attr:`state`,
+    in Lightning's checkpoint. A window of ``N = 0`` items (every label ignored, on every rank) is
+    skipped as the core skips it: no optimizer or scheduler step, ``global_step`` not advanced,
+    :attr:`skipped_windows` counts it, a warning says so once.
+    What stays Lightning's (the logged loss, ``gradient_clip_val``, schedulers), the cost, and the
+    limits: docs/guides/lightning.md ("What it changes", "Limits").
 
     Args:
         num_items: How many items a batch holds. ``None`` (default): the batch's leading dimension.
@@ -83,15 +71,12 @@ class ExactAccumulation(Callback):
             for a causal LM (next-token targets that are not -100); a tensor count stays on its device
             until the window's end. Or leave it ``None`` and return ``(mean_loss, count)`` from
             ``training_step``; the callback hands Lightning the mean.
-        accum_dtype: where bf16/fp16 trainable parameters' window gradient is summed. ``"auto"`` (the
-            default): on one device (``SingleDeviceStrategy``, no 16-mixed loss scaler), in float32
-            buffers (:class:`gradaccum._gradients.AccumulationBuffers`, 4 bytes a parameter where the
-            bf16 ``.grad`` took 2), scaled by ``R / N`` and rounded once into ``.grad`` in
-            ``on_before_optimizer_step``, before Lightning clips; under DDP/FSDP2 the wrapper sums into
-            ``.grad`` and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the
-            opt-out, the sum in the parameters' own ``.grad``, rounded after every micro-batch (its error
-            grows with the window: about 2x a float32 sum's over 64 micro-batches), silently. float32
-            parameters: no buffers either way.
+        accum_dtype: ``"auto"`` (the default): bf16/fp16 trainable parameters sum the window's gradient
+            in float32 buffers on one device (``SingleDeviceStrategy``, no 16-mixed loss scaler), rounded
+            once into ``.grad`` before Lightning clips; under DDP/FSDP2 the wrapper sums into ``.grad``
+            and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out,
+            the sum in ``.grad``, silently. What each costs: docs/guides/deepspeed.md ("bf16 and fp16
+            parameters").
 
     Raises:
         TypeError: ``num_items`` is neither ``None`` nor callable.
@@ -105,12 +90,6 @@ class ExactAccumulation(Callback):
         >>> from gradaccum import count_targets
         >>> cb = ExactAccumulation(num_items=lambda batch: count_targets(batch["labels"]))
         >>> trainer = pl.Trainer(accumulate_grad_batches=4, gradient_clip_val=1.0, callbacks=[cb])  # doctest: +SKIP
-
-    Limits: automatic optimization with one optimizer; strategies that average gradients over ranks
-    (single device, DDP and FSDP2 through ``ModelParallelStrategy`` with every rank data-parallel are
-    tested; DeepSpeed is refused); one ``ExactAccumulation`` per Trainer (a second is refused);
-    optimizers that call their closure once per step (not LBFGS); a fit resumed in the middle of a
-    window (Lightning saves at window ends) counts only the micro-batches seen after the resume.
     """
 
     def __init__(self, num_items: Optional[NumItems] = None, accum_dtype: str = "auto") -> None:
@@ -127,10 +106,9 @@ class ExactAccumulation(Callback):
         #: warning given): fresh for each fit, saved in Lightning's checkpoint (:meth:`on_save_checkpoint`)
         self.state = AccumulatorState()
         self.pending: Optional[Count] = None      #:  n_k of the micro-batch about to be backpropagated
-        self._count: Count = 0                    # sum of n_k backpropagated on this rank since zero_grad
-        self._weights: Optional[WindowWeights] = None  # the open window's weighting
+        self._window: Optional[DrivenWindow] = None  # the open window (running R)
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
-        self._skipping = False                    # the window that just closed counted 0 items
+        self.skipping = False                     #: the window that just closed counted 0 items
         self._hooks = _ModuleHooks()              # the module's hooks wrapped for this fit
 
     @property
@@ -169,56 +147,29 @@ class ExactAccumulation(Callback):
         if stage != "fit":
             return
         _refuse_what_is_not_exact(trainer, pl_module)
-        self._close_buffers()  # a previous fit's
-        # on one device without a loss scaler (which unscales .grad before on_before_optimizer_step) the
-        # callback owns the window's sum: bf16/fp16 parameters sum in float32 buffers, written back there
-        owns = (isinstance(trainer.strategy, SingleDeviceStrategy)
-                and getattr(trainer.precision_plugin, "scaler", None) is None)
-        self.buffers = driver_buffers("ExactAccumulation", pl_module.parameters(), self.accum_dtype, owns_the_sum=owns,
-                                      fix="Keep float32 parameters and train with precision='bf16-mixed' (autocast) "
-                                          "to sum in float32 (under DDP/FSDP2 the wrapper owns the sum; with a "
-                                          "16-mixed scaler Lightning unscales .grad first), or pass "
-                                          "ExactAccumulation(accum_dtype='param') to accept it without this warning")
-        self.state, self._count, self._weights = AccumulatorState(), 0, None  # a checkpoint's is loaded after setup
+        retire_buffers(self.buffers)  # a previous fit's
+        self.buffers = _fit_buffers(trainer, pl_module, self.accum_dtype)
+        self.state, self._window = AccumulatorState(), None  # a checkpoint's is loaded after setup
         self._hooks.replace(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # after Lightning has validated the schedulers (an overridden hook would pass any scheduler)
-        self._hooks.replace(pl_module, "lr_scheduler_step",
-                            lambda hook: self._scheduler_step_unless_skipped(hook, trainer))
+        self._hooks.replace(pl_module, "lr_scheduler_step", lambda hook: _unless_skipped(self, trainer, hook))
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             self._hooks.restore(pl_module)
-            self._close_buffers()
+            retire_buffers(self.buffers)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._hooks.restore(pl_module)  # Lightning skips teardown after an exception
-        self._close_buffers()
-
-    def _close_buffers(self) -> None:
-        """After the fit: the buffers' hooks (they stay on the parameters) fold nothing any more."""
-        if self.buffers is not None:
-            self.buffers.active = False
-            self.buffers.clear()
-
-    def _scheduler_step_unless_skipped(self, original: Callable[..., Any], trainer: "pl.Trainer") -> Callable[..., Any]:
-        """A scheduler with ``interval="step"`` steps once per optimizer step taken, never after a
-        skipped window (as the core's); epoch schedulers step at an epoch's end as before."""
-
-        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-            if self._skipping and any(config.scheduler is scheduler and config.interval == "step"
-                                      for config in trainer.lr_scheduler_configs):
-                return None
-            return original(scheduler, metric)
-
-        return lr_scheduler_step
+        retire_buffers(self.buffers)
 
     # -- per micro-batch ---------------------------------------------------------------------------
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
-        self._skipping = False
+        self.skipping = False
         if self.num_items is not None:
             self.pending = item_count("num_items(batch)", self.num_items(batch))
         else:
@@ -229,77 +180,79 @@ class ExactAccumulation(Callback):
                             optimizer: torch.optim.Optimizer) -> None:
         self._open(trainer)  # a new window: the gradients are zeroed before its first backward
 
-    def _open(self, trainer: "pl.Trainer") -> WindowWeights:
-        """The window's weighting with the running R (its count is known only at its end)."""
-        self._count, self._weights = 0, WindowWeights(self.state, trainer.world_size)
-        if self.buffers is not None:  # the window's bf16 gradients fold into float32 buffers from here on
-            self.buffers.clear()
-            self.buffers.active = True
-        return self._weights
+    def _open(self, trainer: "pl.Trainer") -> DrivenWindow:
+        """The window with the running R (its count is known only at its end)."""
+        self._window = DrivenWindow(self.state, trainer.world_size, buffers=self.buffers)
+        return self._window
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            loss: torch.Tensor) -> None:
         n = self.pending if self.pending is not None else _leading_dim(self._batch)
         self.pending, self._batch = None, None
-        weights = self._weights if self._weights is not None else self._open(trainer)
-        if weights.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
-            weights.fix_reference(trainer.accumulate_grad_batches * self._all_reduce(trainer, n))
-        self._count = self._count + n
+        window = self._window if self._window is not None else self._open(trainer)
+        if window.weights.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
+            window.weights.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n))
+        window.count = window.count + n
         if loss.requires_grad:
-            c = trainer.accumulate_grad_batches * weights.mean_weight(n, loss.dtype)
+            c = trainer.accumulate_grad_batches * window.weights.mean_weight(n, loss.dtype)
             loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
-
-    @staticmethod
-    def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
-        """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact)."""
-        if trainer.world_size == 1:
-            return as_number(count)
-        device = trainer.strategy.root_device
-        t = (count.detach().to(device, torch.float64, copy=True).reshape(()) if isinstance(count, torch.Tensor)
-             else torch.tensor(float(count), dtype=torch.float64, device=device))
-        return as_number(trainer.strategy.reduce(t, reduce_op="sum"))
 
     # -- per window --------------------------------------------------------------------------------
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
+        """The boundary, before Lightning clips: N all-reduced, the verdict, the gradients at ``R / N``
+        (Lightning and its fp16 scaler handle non-finite gradients themselves: decided on N only). A
+        window of no item reaches the optimizer with no gradient, and its step is not counted."""
+        window = self._window if self._window is not None else self._open(trainer)
+        self._window = None
         total = as_number(item_count("ExactAccumulation: the window's item count (its counts summed over the window "
-                                     "and the ranks)", self._all_reduce(trainer, self._count)))
-        weights = self._weights if self._weights is not None else self._open(trainer)
-        self._count, self._weights = 0, None
-        # Lightning and its fp16 scaler handle non-finite gradients themselves: decide on N only
-        closing = weights.close(total)
-        if self.buffers is not None:
-            self.buffers.active = False
-        if closing.verdict is Verdict.SKIP_EMPTY:
-            self._skip(trainer, optimizer)
+                                     "and the ranks)", _all_reduce(trainer, window.count)))
+        closing = window.close(total, params=[p for group in optimizer.param_groups for p in group["params"]])
+        said = None
+        if closing.verdict is Verdict.SKIP_EMPTY:  # Lightning counts the step after this hook returns
+            trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
+            self.skipping = True
             said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
-                    "ExactAccumulation.skipped_windows counts them")
-            weights.record(closing, warn_empty=said if trainer.is_global_zero else None)
-            return
-        if self.buffers is not None:  # scaled in float32, then rounded once into .grad, before Lightning clips
-            if closing.scale != 1.0 and self.buffers.tensors():
-                with torch.no_grad():
-                    torch._foreach_mul_(self.buffers.tensors(), closing.scale)
-            self.buffers.write_grads_()
-        low = set() if self.buffers is None else {id(p) for p in self.buffers.params}
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None and id(p) not in low]
-        if grads and closing.scale != 1.0:
-            with torch.no_grad():
-                torch._foreach_mul_(grads, closing.scale)
-        weights.record(closing)
+                    "ExactAccumulation.skipped_windows counts them") if trainer.is_global_zero else None
+        window.record(closing, warn_empty=said)
 
-    def _skip(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
-        """No step for a window of 0 items: no gradient reaches the optimizer, the step is not counted
-        (Lightning counts it after this hook returns), and the scheduler hook skips it."""
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        if self.buffers is not None:
-            self.buffers.clear()
-        trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
-        self._skipping = True
+
+def _fit_buffers(trainer: "pl.Trainer", pl_module: "pl.LightningModule", accum_dtype: str
+                 ) -> Optional[AccumulationBuffers]:
+    """On one device without a loss scaler (which unscales ``.grad`` before ``on_before_optimizer_step``)
+    the callback owns the window's sum: bf16/fp16 parameters sum in float32 buffers, written back there."""
+    owns = isinstance(trainer.strategy, SingleDeviceStrategy) and getattr(trainer.precision_plugin, "scaler",
+                                                                          None) is None
+    return driver_buffers("ExactAccumulation", pl_module.parameters(), accum_dtype, owns_the_sum=owns,
+                          fix="Keep float32 parameters and train with precision='bf16-mixed' (autocast) to sum in "
+                              "float32 (under DDP/FSDP2 the wrapper owns the sum; with a 16-mixed scaler Lightning "
+                              "unscales .grad first), or pass ExactAccumulation(accum_dtype='param') to accept it "
+                              "without this warning")
+
+
+def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
+    """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact)."""
+    if trainer.world_size == 1:
+        return as_number(count)
+    device = trainer.strategy.root_device
+    t = (count.detach().to(device, torch.float64, copy=True).reshape(()) if isinstance(count, torch.Tensor)
+         else torch.tensor(float(count), dtype=torch.float64, device=device))
+    return as_number(trainer.strategy.reduce(t, reduce_op="sum"))
+
+
+def _unless_skipped(callback: ExactAccumulation, trainer: "pl.Trainer", original: Callable[..., Any]
+                    ) -> Callable[..., Any]:
+    """A scheduler with ``interval="step"`` steps once per optimizer step taken, never after a
+    skipped window (as the core's); epoch schedulers step at an epoch's end as before."""
+
+    def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+        if callback.skipping and any(config.scheduler is scheduler and config.interval == "step"
+                                     for config in trainer.lr_scheduler_configs):
+            return None
+        return original(scheduler, metric)
+
+    return lr_scheduler_step
 
 
 class _ModuleHooks:
@@ -307,24 +260,19 @@ class _ModuleHooks:
     was there before, put back by :meth:`restore` (after the fit, or an exception)."""
 
     def __init__(self) -> None:
-        self._replaced: Dict[str, Tuple[Callable[..., Any], bool]] = {}
+        self.stack = contextlib.ExitStack()
+        self.names: Set[str] = set()
 
     def replace(self, pl_module: "pl.LightningModule", name: str,
                 wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Set ``wrap(hook)`` as an instance attribute of the module for this fit; :meth:`restore`
-        puts back what was there."""
-        if name not in self._replaced:
-            original = getattr(pl_module, name)
-            self._replaced[name] = (original, name in vars(pl_module))
-            setattr(pl_module, name, wrap(original))
+        """Set ``wrap(hook)`` as an instance attribute of the module for this fit (once)."""
+        if name not in self.names:
+            self.names.add(name)
+            self.stack.enter_context(swapped(pl_module, name, wrap(getattr(pl_module, name))))
 
     def restore(self, pl_module: "pl.LightningModule") -> None:
-        for name, (original, was_attribute) in self._replaced.items():
-            if was_attribute:
-                setattr(pl_module, name, original)
-            elif name in vars(pl_module):
-                delattr(pl_module, name)  # the class's method shows through again
-        self._replaced.clear()
+        self.stack.close()
+        self.names.clear()
 
 
 def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]) -> Callable[..., Any]:

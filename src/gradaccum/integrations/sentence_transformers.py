@@ -3,25 +3,13 @@
     trainer = ExactSentenceTransformerTrainer(model=model, args=args, train_dataset=ds, loss=loss)
     # instead of SentenceTransformerTrainer(...): nothing else changes
 
-sentence-transformers' losses couple the batch's rows: in-batch negatives (MNRL: every other positive is
-a negative), CoSENT and AnglE (every pair ranked against every other), batch triplet mining (the
-hardest positive and negative within the batch). With ``gradient_accumulation_steps = K`` the stock
-trainer averages K losses over micro-batches, another objective: each anchor sees 1/K of the negatives.
-:class:`ExactSentenceTransformerTrainer` makes each optimizer step the step of the loss on one big batch
-of ``per_device_train_batch_size * K * world_size`` rows, every rank's included, by caching the
-embeddings (:mod:`gradaccum._cached`, run across the Trainer's calls by
-:mod:`gradaccum.integrations.hf_window_loss`):
-
-1. pass 1: every micro-batch's embeddings, column by column, without a graph (and a frozen guide's,
-   for GIST);
-2. every rank's embeddings, labels and scores joined (rank 0's first); the loss itself runs on them:
-   its ``model`` is served the cached embeddings for the duration of the call, so the loss, its
-   wrappers (``MatryoshkaLoss``) and its options are used as they are;
-3. pass 2: each micro-batch's forward again (dropout replayed), backpropagated with its slice of the
-   loss's gradient, inside the Trainer's own backward, ``no_sync`` and clipping.
-
-The logged ``loss`` is the big batch's. Evaluation, saving, resuming, callbacks and the router stay
-the trainer's. Cost: one more forward per micro-batch, and the window's embeddings on every rank.
+Its losses couple the batch's rows (in-batch negatives, CoSENT, triplet mining), so the stock trainer's
+K micro-batch losses are another objective. Each optimizer step here is the loss's step on one big batch
+of ``per_device_train_batch_size * K * world_size`` rows, by caching the embeddings: the core's one
+implementation of the cached two passes (:class:`gradaccum._cached.CachedPasses`), run across the
+Trainer's calls by :mod:`gradaccum.integrations.hf_window_loss`; this module serves the loss the cached
+embeddings (:class:`_ServedLoss`) and refuses what it cannot serve. What each loss gets, the figures
+and the cost: docs/guides/sentence-transformers.md.
 """
 from __future__ import annotations
 
@@ -32,9 +20,10 @@ import torch
 from torch import nn
 
 from .._cached import Constant, WindowLoss
+from .._patching import swapped
 from .._state import AccumulatorState
 from ..errors import ConfigurationError
-from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run, swapped
+from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run
 
 try:
     from sentence_transformers import SentenceTransformerTrainer
@@ -70,19 +59,10 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
     rows first), whatever the loss couples. With ``gradient_accumulation_steps=1`` on one process it is
     the stock trainer's step (still cached).
 
-    What each loss gets: its own ``forward`` (or, for ``MegaBatchMarginLoss``, its non-mini-batched
-    forward) called once per window with the window's features and labels, its ``model`` (and a GIST
-    guide) serving the cached embeddings; ``gather_across_devices`` is off for that call, since the
-    embeddings are already every rank's. Labels and scores of every rank reach it.
-
-    Refused by name (:data:`REFUSED`), before training: the ``Cached*`` losses (they cache one
-    micro-batch themselves: use the plain twin, which this trainer caches over the whole window),
-    losses that decode tokens, an ``AdaptiveLayerLoss`` inside another loss; a GIST guide that
-    re-tokenizes; DeepSpeed, FSDP and DataParallel. ``AdaptiveLayerLoss`` (and ``Matryoshka2dLoss``) as
-    the outermost loss is served every layer's sentence embedding (pass 1 and 2 run the model with its
-    hidden states) and its layers, weights and KL term are computed over the window. Several
-    training datasets (``train_dataset`` a dict of more than one) with windows of more than one batch
-    are refused before training (:func:`refuse_windows_mixing_datasets`): their windows would mix datasets.
+    What each loss gets (its own ``forward``, once per window, on every rank's cached embeddings) and
+    what is refused by name before training, with the fix (:data:`REFUSED`, :func:`refuse_a_loss`,
+    :func:`refuse_windows_mixing_datasets`; DeepSpeed, FSDP, DataParallel):
+    docs/guides/sentence-transformers.md ("What each loss gets").
 
     Example:
         >>> args = SentenceTransformerTrainingArguments("out", per_device_train_batch_size=32,
@@ -103,7 +83,7 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
         #: what windows teach each other (the replay checked, the steps taken, the last window's N); not
         #: in sentence-transformers' checkpoints: a resumed run checks its replay again, and R is each window's N
         self.accumulator_state = AccumulatorState()
-        self._windows = TrainerWindows(self, self.accumulator_state)
+        self._windows = TrainerWindows(self, self.accumulator_state, self._prepare_inputs)
 
     # -- the window ------------------------------------------------------------------------------
 
@@ -293,7 +273,7 @@ class _ServedLoss:
                 stack.enter_context(swapped(owner, name, served[key]))
             for owner in _loss_modules(self.loss_fn):
                 if getattr(owner, "gather_across_devices", False):  # the embeddings are every rank's already
-                    stack.enter_context(_attribute(owner, "gather_across_devices", False))
+                    stack.enter_context(swapped(owner, "gather_across_devices", False))
             fn = self.loss_fn
             if self.adaptive is not None:
                 out = self._adaptive_layers(served["model"], features, reps.get("labels"))
@@ -330,13 +310,3 @@ class _ServedLoss:
                                                                     dim=-1), final, reduction="batchmean")
                 loss = loss + kl * ad.kl_temperature * ad.kl_div_weight
         return loss
-
-
-@contextlib.contextmanager
-def _attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)

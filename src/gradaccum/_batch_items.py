@@ -1,20 +1,22 @@
-"""What a batch's items are, for :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`: the heads whose
-loss it computes from the logits, and the items of each loss source (next-token targets, labels,
-label elements, preference pairs, rows). The formulas themselves are :mod:`gradaccum._maths`'.
+"""What a labelled batch's items are, and its loss summed over them, by where the loss comes from: a
+model head whose loss is computed from the logits (next-token targets, labels, label elements), or a
+trainer's mean over preference pairs or rows. Framework-independent (a batch is a dict with
+``labels``, ``shift_labels``, ``input_ids``); the formulas themselves are :mod:`gradaccum._maths`'.
+Its driver is :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`, for training (``count``,
+``head_loss_sum``) and for ``eval_loss`` (:class:`SetMean`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 
-from .. import _maths
-from ..batching import leading_dim
-from ..errors import ConfigurationError
+from . import _maths
+from .batching import leading_dim
+from .errors import ConfigurationError
 
-__all__ = ["HEADS", "head_of", "BatchItems"]
+__all__ = ["HEADS", "BatchItems", "SetMean", "check_head"]
 
 #: the model heads whose loss ExactTrainer computes itself, and the loss of each
 #: (a sequence-classification head's depends on its problem type, resolved as the model resolves it)
@@ -24,30 +26,10 @@ _PROBLEM_LOSS = {"single_label_classification": "cross_entropy", "regression": "
                  "multi_label_classification": "binary_cross_entropy"}
 
 
-def head_of(model: nn.Module) -> str:
-    """The :data:`HEADS` entry of a Hugging Face model, from its class (PEFT and compile unwrapped).
-
-    Raises:
-        ValueError: the class is none of the Auto mappings' causal-LM, masked-LM, token- or
-            sequence-classification classes (pass ``head=`` to ExactTrainer).
-    """
-    from transformers.models.auto import modeling_auto as auto
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
-    base = getattr(base, "_orig_mod", base)
-    name = type(base).__name__
-
-    def names(mapping: Dict[str, Any]) -> set:
-        return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
-
-    for head, mapping in (("causal_lm", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
-                          ("sequence_classification", auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
-                          ("token_classification", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
-                          ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)):
-        if name in names(mapping):
-            return head
-    raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
-                     "(ExactTrainer computes that head's loss from the model's logits)")
+def check_head(head: Optional[str]) -> None:
+    """``head=`` as ExactTrainer takes it: None (read from the model's class) or one of :data:`HEADS`."""
+    if head is not None and head not in HEADS:
+        raise ConfigurationError(f"ExactTrainer(head={head!r}): supported heads are {', '.join(HEADS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +101,10 @@ class BatchItems:
         loss = "cross_entropy" if self.source == "tokens" else self.loss_of(batch)
         return _maths.loss_items(targets, loss=loss, ignore_index=self.ignore_index)
 
+    def window_count(self, batches: Sequence[Dict[str, Any]], device: torch.device) -> torch.Tensor:
+        """The items of a window's micro-batches on this rank, summed on ``device`` (a long scalar)."""
+        return sum((self.count(b).to(device) for b in batches), torch.zeros((), dtype=torch.long, device=device))
+
     def model_inputs(self, inputs: Dict[str, Any]) -> Dict[str, Any]:
         return {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
 
@@ -155,3 +141,39 @@ class BatchItems:
         loss = self.loss_of(batch)
         return torch.stack([_maths.summed_loss(lg, t, loss=loss, ignore_index=self.ignore_index)
                             for lg, t in zip(logits, targets)])
+
+
+class SetMean:
+    """The item-weighted mean loss over a whole evaluation set (a mean of batch means weighted by the
+    batch size is not it): per batch its rows' loss sums and items, gathered by ``gather`` (the
+    Trainer's ``gather_for_metrics``, which drops the rows a distributed sampler repeated), summed
+    in float64 at the end::
+
+        loss = sum_{batches, rows} S_row / sum_{batches, rows} n_row
+    """
+
+    def __init__(self, items: BatchItems, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.items, self.gather = items, gather
+        self.tally: List[torch.Tensor] = []  # per batch: [loss sum of its rows, their items]
+
+    def head_mean(self, outputs: Any, batch: Dict[str, Any]) -> torch.Tensor:
+        """The head's mean loss over the batch's items (what evaluation returns); its sums kept."""
+        rows_items, rows_sums = self.items.rows_items(batch), self.items.rows_loss_sums(outputs, batch)
+        self._keep(rows_sums, rows_items)
+        return rows_sums.sum() / rows_items.sum().clamp(min=1).to(rows_sums.dtype)
+
+    def keep_mean(self, mean: torch.Tensor, batch: Dict[str, Any]) -> None:
+        """A trainer's own batch mean, shared out over the batch's rows by their items."""
+        rows_items = self.items.rows_items(batch)
+        self._keep(mean.detach() * rows_items.to(mean.dtype), rows_items)
+
+    def _keep(self, rows_sums: torch.Tensor, rows_items: torch.Tensor) -> None:
+        both = torch.stack([rows_sums.detach().double(), rows_items.to(rows_sums.device).double()], dim=1)
+        self.tally.append(self.gather(both).sum(dim=0))
+
+    def report(self, metrics: Dict[str, float], prefix: str) -> None:
+        """``{prefix}_loss`` in ``metrics``: the set's item-weighted mean (when a batch was evaluated)."""
+        if self.tally:
+            loss_sum, items = torch.stack(self.tally).sum(dim=0).tolist()
+            metrics[f"{prefix}_loss"] = _maths.window_mean(loss_sum, items)
+        self.tally = []

@@ -1,0 +1,128 @@
+"""One window of a loop a framework owns (the Hugging Face Trainer's, Lightning's), driven from its hooks.
+
+The framework calls forward, backward, clipping and the optimizer; the driver (``ExactTrainer``,
+``ExactAccumulation``) only hooks them. What is the same in every such driver is here, once:
+
+1. **open** the window: the core's :class:`~gradaccum._weights.WindowWeights` (``num_items=N`` when the
+   driver counted the window first, the running R otherwise), and the float32 buffers of the bf16/fp16
+   parameters' window gradient (:class:`~gradaccum._gradients.AccumulationBuffers`) cleared and folding;
+2. **weigh** each micro-batch (``weights.mean_weight``/``sum_weight``), counting what ran;
+3. at the **boundary**, before the framework clips and steps: :meth:`DrivenWindow.close` decides (step,
+   or skip a window of no item), stops the buffers folding and, for a step, hands the framework the
+   window's gradient at its scale ``R / N``: the buffers multiplied in float32 and rounded once into
+   ``.grad``, every other gradient multiplied in place; for a skip, every gradient dropped. Then
+   :meth:`DrivenWindow.record` writes what the window taught into the driver's
+   :class:`~gradaccum.AccumulatorState`.
+
+A window that fails part-way drops its buffers (:meth:`DrivenWindow.abort`): their hooks stay on the
+parameters, so nothing of it may fold into the next window.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ._checks import Count
+from ._gradients import AccumulationBuffers
+from ._maths import Verdict
+from ._state import AccumulatorState
+from ._weights import Closing, WindowWeights
+
+__all__ = ["DrivenWindow", "retire_buffers"]
+
+
+class DrivenWindow:
+    """The window being trained by a framework's loop: its weighting, the float32 buffers it folds
+    into, how many micro-batches it holds (when known) and how many have run, and the items this rank
+    has weighed (the running count, for a driver that learns N only at the boundary).
+
+    Args:
+        state: the driver's :class:`~gradaccum.AccumulatorState`.
+        grad_divisor: W, the ranks the framework's reduction averages over.
+        num_items: the window's global N, counted before its first backward; None: the running R.
+        micro_batches: how many micro-batches the window holds, when the driver knows it up front.
+        buffers: the driver's float32 buffers (None: the sum is in ``.grad``); opened now.
+    """
+
+    def __init__(self, state: AccumulatorState, grad_divisor: float, *, num_items: Optional[Count] = None,
+                 micro_batches: Optional[int] = None, buffers: Optional[AccumulationBuffers] = None) -> None:
+        self.weights = WindowWeights(state, grad_divisor, num_items=num_items)
+        #: the boundary's decision, known at the opening where N was counted first
+        self.closing: Optional[Closing] = None if num_items is None else self.weights.close(num_items)
+        self.micro_batches, self.ran, self.count = micro_batches, 0, 0  # count: sum of n_k weighed here
+        self.buffers = buffers
+        if buffers is not None:  # the window's bf16 gradients fold into float32 from here on
+            buffers.clear()
+            buffers.active = True
+
+    @property
+    def items(self) -> int:
+        """N, the window's items on every rank (counted first)."""
+        return int(self.weights.num_items or 0)
+
+    @property
+    def skip(self) -> bool:
+        """The window is known at its opening to take no step (N = 0)."""
+        return self.closing is not None and not self.closing.steps
+
+    @property
+    def last(self) -> bool:
+        """The micro-batch running now is the window's last."""
+        return self.micro_batches is not None and self.ran == self.micro_batches - 1
+
+    def ran_one(self) -> bool:
+        """One micro-batch more has run; whether it was the window's last."""
+        self.ran += 1
+        return self.micro_batches is not None and self.ran == self.micro_batches
+
+    def close(self, num_items: Optional[Count] = None, params: Iterable[torch.nn.Parameter] = ()) -> Closing:
+        """The boundary, before the framework clips and steps: the verdict (from ``num_items``, the
+        window's global N, where it was not counted first) and the window's gradient handed over at its
+        scale ``R / N``, the buffers rounded once into ``.grad``; for a skipped window the buffers and
+        the ``.grad`` of ``params`` are dropped."""
+        closing = self.closing if self.closing is not None else self.weights.close(num_items if num_items is not None
+                                                                                     else self.count)
+        params = list(params)
+        buffers = self.buffers
+        if buffers is not None:
+            buffers.active = False
+        if not closing.steps:
+            if buffers is not None:
+                buffers.clear()
+            for p in params:
+                p.grad = None
+            return closing
+        if buffers is not None:
+            _scale(buffers.tensors(), closing.scale)
+            buffers.write_grads_()  # now .grad, already at the scale
+        low = set() if buffers is None else {id(p) for p in buffers.params}
+        _scale([p.grad for p in params if p.grad is not None and id(p) not in low], closing.scale)
+        return closing
+
+    def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None) -> Closing:
+        """What the state learns: one step more, or one skipped window more (also a step the framework
+        did not apply: an fp16 loss scale that overflowed)."""
+        if closing.steps and not applied:
+            closing = dataclasses.replace(closing, verdict=Verdict.SKIP_NONFINITE)
+        self.weights.record(closing, warn_empty=warn_empty, stacklevel=3)
+        return closing
+
+    def abort(self) -> None:
+        """The window failed part-way: its buffers fold nothing more and keep nothing."""
+        retire_buffers(self.buffers)
+
+
+def retire_buffers(buffers: Optional[AccumulationBuffers]) -> None:
+    """Buffers whose window failed or whose fit ended: their hooks stay on the parameters, so they stop
+    folding and keep nothing."""
+    if buffers is not None:
+        buffers.active = False
+        buffers.clear()
+
+
+def _scale(tensors: Sequence[torch.Tensor], scale: float) -> None:
+    if tensors and scale != 1.0:
+        with torch.no_grad():
+            torch._foreach_mul_(list(tensors), scale)

@@ -1,0 +1,157 @@
+"""The window a framework's loop drives (_driven.DrivenWindow), the one home of what ExactTrainer and
+Lightning's ExactAccumulation both did around WindowWeights: open the float32 buffers, hand the window's
+gradient over at its scale R / N (buffers rounded once), drop a skipped window's gradient, record.
+
+The oracle is written out here: the window's float64 gradient of sum_k S_k / N, and its float32 sum
+rounded once to bf16. The drivers' own exactness tests (test_precision.py's trainer-driver tests,
+test_lightning.py, test_hf_trainer.py) run through it; these pin each step on its own.
+Also: the one ``swapped`` both drivers patch with (_patching.py), and the evaluation set's
+item-weighted mean (_batch_items.SetMean)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradaccum._batch_items import BatchItems, SetMean
+from gradaccum._driven import DrivenWindow, retire_buffers
+from gradaccum._gradients import AccumulationBuffers
+from gradaccum._maths import Verdict
+from gradaccum._patching import swapped
+from gradaccum._state import AccumulatorState
+
+
+def _micro_batches(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64))
+            for n in (3, 1, 5)]
+
+
+def _summed(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((x @ w - y) ** 2).sum()
+
+
+def _big_batch_grad(batches, n):
+    w = torch.linspace(-1, 1, 4, dtype=torch.float64, requires_grad=True)
+    sum(_summed(w, x, y) for x, y in batches).div(n).backward()
+    return w.grad
+
+
+@pytest.mark.parametrize("counted_first", [True, False])
+def test_the_window_hands_over_the_big_batchs_gradient(counted_first):
+    """Counted first (R = N, scale 1) or on the running R (scale R / N at the boundary): the .grad the
+    framework steps on is the big batch's, float64 to rounding; the state records one step and N."""
+    batches = _micro_batches()
+    n = sum(len(y) for _, y in batches)
+    state = AccumulatorState()
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 4, dtype=torch.float64))
+    window = DrivenWindow(state, 1, num_items=n if counted_first else None, micro_batches=len(batches))
+    for x, y in batches:
+        if window.weights.reference is None:
+            window.weights.fix_reference(2 * len(y))  # a driver's first guess at N (Lightning's: A * n_0)
+        window.count += len(y)
+        (_summed(p, x, y) / len(y) * window.weights.mean_weight(len(y))).backward()
+        assert window.ran_one() is (window.ran == len(batches))
+    closing = window.close(None if counted_first else n, params=[p])
+    assert closing.steps and (closing.scale == 1.0) is counted_first
+    torch.testing.assert_close(p.grad, _big_batch_grad(batches, n), rtol=1e-12, atol=0)
+    window.record(closing)
+    assert (state.steps, state.skipped, state.last_window_items) == (1, 0, float(n))
+
+
+def test_bf16_gradients_sum_in_float32_and_round_once():
+    """The buffers fold each micro-batch's bf16 gradient into float32; close scales them (R / N) and
+    rounds once into .grad: exactly the float32 sum's rounding, not the bf16 running sum's."""
+    p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    buffers = AccumulationBuffers([p], torch.float32)
+    grads = [torch.full((64,), 1.0 + k / 256, dtype=torch.bfloat16) * (1 + torch.arange(64) / 64).bfloat16()
+             for k in range(16)]
+    state = AccumulatorState()
+    window = DrivenWindow(state, 1, buffers=buffers)
+    window.weights.fix_reference(8.0)
+    for g in grads:
+        (p * g).sum().backward()
+        window.count += 1
+    closing = window.close(16)  # R = 8, N = 16: scale 1/2
+    assert closing.scale == 0.5 and not buffers.active
+    want = (torch.stack([g.float() for g in grads]).sum(0) * 0.5).bfloat16()
+    assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, want)
+    running = torch.zeros(64, dtype=torch.bfloat16)
+    for g in grads:
+        running += g  # what .grad would hold without the buffers
+    assert not torch.equal((running * 0.5), want)  # the test has teeth: the bf16 sum rounds differently
+
+
+def test_a_skipped_window_leaves_no_gradient_and_counts_a_skip():
+    p = torch.nn.Parameter(torch.ones(3))
+    q = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    buffers = AccumulationBuffers([q], torch.float32)
+    state = AccumulatorState()
+    window = DrivenWindow(state, 1, num_items=0, micro_batches=1, buffers=buffers)
+    assert window.skip and window.weights.sum_weight() == 0.0
+    (p.sum() + q.float().sum()).backward()
+    closing = window.close(params=[p, q])
+    assert closing.verdict is Verdict.SKIP_EMPTY
+    assert p.grad is None and q.grad is None and buffers.tensors() == []
+    window.record(closing)
+    assert (state.steps, state.skipped) == (0, 1)
+
+
+def test_a_step_the_framework_did_not_apply_is_recorded_skipped():
+    """An fp16 engine whose loss scale overflowed took no step: recorded as a non-finite skip."""
+    state = AccumulatorState()
+    window = DrivenWindow(state, 1, num_items=4, micro_batches=1)
+    closing = window.record(window.close(), applied=False)
+    assert closing.verdict is Verdict.SKIP_NONFINITE and (state.steps, state.skipped) == (0, 1)
+
+
+def test_a_failed_window_folds_nothing_into_the_next():
+    q = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    buffers = AccumulationBuffers([q], torch.float32)
+    window = DrivenWindow(AccumulatorState(), 1, num_items=2, micro_batches=2, buffers=buffers)
+    q.float().sum().backward()
+    assert buffers.tensors()
+    window.abort()
+    assert buffers.tensors() == [] and not buffers.active
+    q.float().sum().backward()  # after the failure: not folded
+    assert buffers.tensors() == [] and q.grad is not None
+    retire_buffers(None)  # no buffers: nothing to do
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Linear(1, 1)
+        self.flag = True
+
+    def hook(self) -> str:
+        return "class"
+
+
+def test_swapped_puts_back_what_was_there_also_on_an_exception():
+    holder, stand_in = _Holder(), torch.nn.Identity()
+    model = holder.model
+    with swapped(holder, "model", stand_in), swapped(holder, "flag", False), swapped(holder, "hook", lambda: "mine"):
+        assert holder.model is stand_in and holder.flag is False and holder.hook() == "mine"
+    assert holder.model is model and holder.flag is True and holder.hook() == "class"
+    assert "hook" not in vars(holder)  # the class's method shows through again, no bound copy left behind
+    with pytest.raises(KeyError):
+        with swapped(holder, "flag", 0):
+            raise KeyError("inside")
+    assert holder.flag is True
+
+
+def test_the_evaluation_mean_weighs_items_not_batches():
+    """Two batches of 1 and 3 labelled rows: the set's mean is the item-weighted one (float64), which a
+    mean of batch means is not."""
+    items = BatchItems("rows", None, -100, None, torch.device("cpu"))
+    mean = SetMean(items, gather=lambda t: t)
+    batches = [({"input_ids": torch.zeros(1, 2)}, torch.tensor(4.0, dtype=torch.float64)),
+               ({"input_ids": torch.zeros(3, 2)}, torch.tensor(1.0, dtype=torch.float64))]
+    for batch, batch_mean in batches:
+        mean.keep_mean(batch_mean, batch)
+    metrics: dict = {}
+    mean.report(metrics, "eval")
+    assert metrics == {"eval_loss": (4.0 * 1 + 1.0 * 3) / 4}
+    assert metrics["eval_loss"] != (4.0 + 1.0) / 2
+    mean.report(metrics := {}, "eval")
+    assert metrics == {}  # the tally starts again with each evaluation
