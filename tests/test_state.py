@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from gradaccum import Accumulator, ConfigurationError, WindowLoss
-from gradaccum._ranks import Rules, WindowPlan, WindowRequest, local_plan, padded_count, window_setup
+from gradaccum._ranks import RankAgreement, Rules, WindowPlan, WindowRequest, local_plan, padded_count, window_setup
 from gradaccum._state import SAVED_KEYS, AccumulatorState
+from gradaccum.sync import GradSync
 from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
 
 ALONE = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: True)
@@ -187,9 +188,30 @@ def test_ddp_plans_alone_only_once_every_rank_can_pad():
     assert local_plan(state, DDP, WindowRequest(0, can_pad=True)) == WindowPlan(0, 1, 0, None)
     assert local_plan(state, DDP, WindowRequest(2, can_pad=False)) is None
     assert local_plan(state, FSDP, WindowRequest(2, can_pad=True)) is None  # FSDP2 always asks
-    state.last_window_items = 40.0  # planned alone: R is the previous window's global count
+    state.last_window_items = 40.0  # planned alone: R is not the previous window's count, but N counted first
     setup = window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None))
-    assert setup.reference == 40.0 and setup.padding == 1 and setup.exchanges
+    assert setup.reference is None and setup.padding == 1 and setup.exchanges and setup.counted is None
+
+
+def test_a_window_across_ranks_that_counted_up_front_counts_first():
+    """Planned alone (or over equal shares) with this rank's items counted up front: the window opens
+    an all-reduce of the counts (a stand-in sync sums one rank's here) and R is that N, times the last
+    window's count ratio; without an up-front count, or where the agreement was asked (it carries N or
+    says some rank has none), nothing is counted and R runs."""
+    state = AccumulatorState(peers_can_pad=True, last_window_items=40.0)
+    ranks = RankAgreement(GradSync(), torch.device("cpu"), state, DDP)
+    setup = ranks.open(WindowRequest(2, items=7, can_pad=True))
+    assert setup.counted is not None and setup.reference is None and setup.items is None
+    assert ranks.reference(setup) == 7.0 and setup.items == 7.0  # read at the first backward
+    state.count_ratio = 2.0
+    assert ranks.reference(ranks.open(WindowRequest(2, items=7, can_pad=True))) == 14.0
+    assert ranks.open(WindowRequest(2, can_pad=True)).counted is None  # no count up front: R runs
+    asked = WindowPlan(2, 2, 2, None, asked=True)
+    assert ranks.open(WindowRequest(2, items=7, can_pad=True, plan=asked)).counted is None
+    known = ranks.open(WindowRequest(2, items=7, can_pad=True, plan=WindowPlan(2, 2, 2, 9.0, asked=True)))
+    assert known.counted is None and known.reference == 18.0  # the agreement's N: nothing more to count
+    alone = RankAgreement(GradSync(), torch.device("cpu"), AccumulatorState(), ALONE)
+    assert alone.open(WindowRequest(2, items=7)).counted is None  # one process: N is its own count
 
 
 def test_padding_is_what_the_agreement_asks_of_this_rank():

@@ -162,7 +162,8 @@ class Window:
         try:
             ctx.boundary.check_scheduler()
             self.setup = ctx.ranks.open(self.request)
-            self.weights = WindowWeights(ctx.state, ctx.sync.grad_divisor, reference=self.setup.reference)
+            if self.setup.counted is None:  # else at the first backward, when the ranks' count arrives
+                self._weighing()
         except BaseException:
             self._close()
             raise
@@ -184,7 +185,19 @@ class Window:
     def reference(self) -> Optional[float]:
         """R, the count the backward weights are divided by (see :mod:`gradaccum._maths`): known when
         the window opened, or fixed at its first backward; None before that."""
-        return self.weights.reference if self.weights is not None else self.ctx.state.first_reference
+        if self.setup is None:
+            return self.ctx.state.first_reference
+        return self.weights.reference if self.weights is not None else None
+
+    def _weighing(self) -> WindowWeights:
+        """The window's :class:`~gradaccum._weights.WindowWeights`, opened with R the first time it is asked
+        for: as the window opens, or, where it counts first, at its first backward (or its step), which
+        reads the ranks' count (:class:`~gradaccum._ranks.CountedFirst`)."""
+        if self.weights is None:
+            assert self.setup is not None
+            self.weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
+                                         reference=self.ctx.ranks.reference(self.setup))
+        return self.weights
 
     # -- micro-batches ---------------------------------------------------------------------------
 
@@ -215,8 +228,7 @@ class Window:
         elif num_items == 0:
             loss = loss.nan_to_num(0.0)  # nothing of a mean over no item reaches the gradient
         self.fix_reference(num_items)
-        assert self.weights is not None
-        weighted = loss * self.weights.mean_weight(num_items, loss.dtype)
+        weighted = loss * self._weighing().mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
         self._backward(weighted)
 
@@ -246,10 +258,10 @@ class Window:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
         this first backward's count, the largest on any rank (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
-        assert self.weights is not None
-        if self.weights.reference is None and self.ctx.sync.needs_known_items:
+        weights = self._weighing()
+        if weights.reference is None and self.ctx.sync.needs_known_items:
             raise not_known_up_front()  # before any backward: nothing reached the gradient
-        return self.weights.fix_reference(count, self.ctx.ranks.largest)
+        return weights.fix_reference(count, self.ctx.ranks.largest)
 
     def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
         term = self._before_reduction()
@@ -363,8 +375,7 @@ def _loss_check(ctx: WindowContext, tally: Tally, share: float) -> torch.Tensor:
 
 def _totals(window: Window, setup: WindowSetup, *, ran: bool) -> WindowTotals:
     """This rank's tally and what the boundary needs with it."""
-    assert window.weights is not None
-    return WindowTotals(window.tally, window.weights, ran=ran,
+    return WindowTotals(window.tally, window._weighing(), ran=ran,
                         can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), known_items=setup.known_items)
 
 
