@@ -22,7 +22,7 @@ FSDP = Rules(shares_windows=True, needs_equal_counts=True, plain_reduction=lambd
 
 def _distinct_values():
     """A value for every saved field, none its default, each of the field's type."""
-    return {"steps": 7, "skipped": 2, "epoch": 3, "first_reference": 41.0, "count_ratio": 2.5,
+    return {"steps": 7, "skipped": 2, "epoch": 3, "reference": 41.0, "count_ratio": 2.5,
             "last_window_items": 96.0, "auto_micro_batch_size": 16}
 
 
@@ -44,15 +44,20 @@ def test_every_saved_field_round_trips_through_state_dict():
 
 
 def test_a_checkpoint_of_an_earlier_version_still_loads():
-    """The keys earlier gradaccum wrote (reference_items, last_items), and a state without the newer ones."""
+    """The keys earlier gradaccum wrote (reference_items, last_items: now reference, last_window_items, the
+    fields' names), and a state without the newer ones; the deprecated alias first_reference still reads R."""
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     acc.load_state_dict({"steps": 5, "skipped": 1, "epoch": 2, "auto_micro_batch_size": None,
                          "reference_items": 12.0, "count_ratio": 1.5, "last_items": 30.0,
                          "precision": acc.precision.state_dict()})
-    assert (acc.state.first_reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
+    assert (acc.state.reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
+    with pytest.warns(DeprecationWarning, match="state.reference"):
+        assert acc.state.first_reference == 12.0
+    assert set(acc.state_dict()) >= {"reference", "last_window_items"}
+    assert not set(acc.state_dict()) & {"reference_items", "last_items"}
     acc.load_state_dict({"steps": 9, "precision": acc.precision.state_dict()})
-    assert acc.steps == 9 and acc.state.first_reference is None and acc.state.count_ratio == 1.0
+    assert acc.steps == 9 and acc.state.reference is None and acc.state.count_ratio == 1.0
 
 
 def test_a_bad_saved_value_is_refused_before_any_field_changes():
@@ -92,7 +97,7 @@ def test_a_resumed_run_is_bit_identical_with_a_learned_reference():
         _own_window(acc, model, w)
     ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "opt": copy.deepcopy(acc.optimizer.state_dict()), "acc": acc.state_dict()}
-    assert ckpt["acc"]["reference_items"] == 3.0  # the first micro-batch's count, kept
+    assert ckpt["acc"]["reference"] == 3.0  # the first micro-batch's count, kept
     _own_window(acc, model, windows[2])
     again = regression_model(seed=9)
     again.load_state_dict(ckpt["model"])
@@ -139,7 +144,7 @@ def test_a_resume_after_a_skipped_window_is_the_uninterrupted_run():
     resumed.load_state_dict(ckpt["acc"])
     for w in windows[3:]:
         _counted_window(resumed, again, *w)
-    assert (resumed.state.steps, resumed.state.skipped, resumed.state.first_reference) == (4, 1, 3.0)
+    assert (resumed.state.steps, resumed.state.skipped, resumed.state.reference) == (4, 1, 3.0)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
@@ -163,7 +168,7 @@ def test_a_window_learns_r_and_the_count_source_into_the_state():
     with acc.window(1) as w:  # no count up front: R fixed by the first backward, kept in the state
         with w.micro_batch():
             w.backward(mse(model, regression_batch(6)), num_items=6)
-        assert w.reference == 6.0 == acc.state.first_reference
+        assert w.reference == 6.0 == acc.state.reference
         w.step()
 
 

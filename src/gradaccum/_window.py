@@ -129,7 +129,9 @@ class Window:
             result = window.step()
 
     In the order it runs: opening asks the ranks for the window's :class:`~gradaccum._ranks.WindowSetup`
-    (plan, R, exchange, padding); each ``backward`` weighs its mean loss by ``n_k * W / R``
+    (plan, R, exchange, padding; across ranks, where the plan does not carry N but the window's items
+    were counted up front, the all-reduce that counts them first, read at the first backward: R = N);
+    each ``backward`` weighs its mean loss by ``n_k * W / R``
     (:func:`gradaccum._maths.backward_weight`) into the :class:`~gradaccum._exchange.Tally`; before the
     backward that reduces across ranks the boundary's all-reduce starts (or the loss check is folded into
     the gradient: :func:`_loss_check`); ``step`` hands the tally to the :class:`~gradaccum._boundary.Boundary`
@@ -170,10 +172,17 @@ class Window:
         return self
 
     @property
-    def num_micro_batches(self) -> Optional[int]:
+    def micro_batches(self) -> Optional[int]:
         """Micro-batches this rank runs in the window, padding included (None when opened without a size)."""
         n = self.request.micro_batches
         return None if n is None or self.setup is None else n + self.setup.padding
+
+    @property
+    def num_micro_batches(self) -> Optional[int]:
+        """Deprecated: :attr:`micro_batches`."""
+        warnings.warn("Window.num_micro_batches is deprecated: read window.micro_batches", DeprecationWarning,
+                      stacklevel=2)
+        return self.micro_batches
 
     @property
     def padding(self) -> int:
@@ -186,7 +195,7 @@ class Window:
         """R, the count the backward weights are divided by (see :mod:`gradaccum._maths`): known when
         the window opened, or fixed at its first backward; None before that."""
         if self.setup is None:
-            return self.ctx.state.first_reference
+            return self.ctx.state.reference
         return self.weights.reference if self.weights is not None else None
 
     def _weighing(self) -> WindowWeights:
@@ -204,11 +213,11 @@ class Window:
     def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
         """Context for one micro-batch's forward and backward.
 
-        ``last`` defaults to "this is micro-batch number ``num_micro_batches``"; pass it when the
+        ``last`` defaults to "this is micro-batch number ``micro_batches``"; pass it when the
         window was opened without a size. Only the last micro-batch reduces gradients across ranks.
         """
         self._open_setup()
-        last = _is_last(self.done, self.num_micro_batches, last)
+        last = _is_last(self.done, self.micro_batches, last)
         return _MicroBatch(self, last and not self.request.defer and self.ctx.sync.reduces_across_ranks)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
@@ -389,7 +398,7 @@ def _check_can_step(window: Window, setup: WindowSetup) -> None:
             "window.backward(loss, num_items=...) inside `with window.micro_batch():` for each "
             "micro-batch (a plain loss.backward() is not counted, so the step could not be normalized)"
         )
-    size = window.num_micro_batches
+    size = window.micro_batches
     if size is not None and window.done != size:
         raise RuntimeError(
             f"the window was opened for {size} micro-batches but {window.done} ran; under "
