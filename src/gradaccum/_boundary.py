@@ -58,15 +58,16 @@ class WindowTotals:
             :meth:`~gradaccum._weights.WindowWeights.close` decides, its ``record`` counts.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad_next: whether this rank can pad its next window (has a micro-batch to repeat).
-        known_items: the window's global N, when every rank knew it up front and the window
-            exchanges nothing (:func:`gradaccum._ranks.window_setup`); else None.
+        items: the window's global N as counted before its first backward
+            (:attr:`gradaccum._ranks.WindowSetup.items`), else None; a window that exchanges nothing at
+            its boundary (:func:`gradaccum._ranks.window_setup`) steps on it.
     """
 
     tally: Tally
     weights: WindowWeights
     ran: bool
     can_pad_next: bool = True
-    known_items: Optional[float] = None
+    items: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,9 @@ class Boundary:
         if exchange:
             told = self._exchanged(totals, grads, in_flight)
         else:
-            assert totals.known_items is not None, "a window exchanges nothing only when N is known"
+            assert totals.items is not None, "a window exchanges nothing only when N is known"
             raw = float(total_norm(grads, self.device).item())  # the window's one host sync
-            told = Exchanged(math.nan, totals.known_items, raw, True, False, False)
+            told = Exchanged(math.nan, totals.items, raw, True, False, False)
         loss_sum = told.loss_sum if exchange else None
         lr = float(self.optimizer.param_groups[0]["lr"])
         closing = totals.weights.close(told.num_items, loss_sum=loss_sum, raw_norm=told.raw_norm,

@@ -140,7 +140,7 @@ class WindowSetup:
     @property
     def items(self) -> Optional[float]:
         """The window's global N as counted before its first backward (by the plan, or by the count
-        all-reduce once read), else None."""
+        all-reduce once read), else None. A window that exchanges nothing at its boundary steps on it."""
         if self.plan is not None and self.plan.items is not None:
             return self.plan.items
         return self.counted.value if self.counted is not None else None
@@ -149,11 +149,6 @@ class WindowSetup:
     def share(self) -> Optional[float]:
         """This rank's items as every rank knows them, in a window that exchanges nothing."""
         return None if self.exchanges or self.plan is None else self.plan.share
-
-    @property
-    def known_items(self) -> Optional[float]:
-        """The window's global N as every rank knew it up front, in a window that exchanges nothing."""
-        return None if self.exchanges or self.plan is None else self.plan.items
 
 
 class CountedFirst:

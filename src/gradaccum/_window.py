@@ -384,7 +384,7 @@ def _before_reduction(window: Window) -> Optional[torch.Tensor]:
 def _totals(window: Window, setup: WindowSetup, *, ran: bool) -> WindowTotals:
     """This rank's tally and what the boundary needs with it."""
     return WindowTotals(window.tally, window.weights, ran=ran,
-                        can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), known_items=setup.known_items)
+                        can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), items=setup.items)
 
 
 def _check_can_step(window: Window, setup: WindowSetup) -> None:

@@ -31,6 +31,7 @@ SCENARIOS = [
     "unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice",
     "ddp_step_counts_first_with_one_small_collective",
     "ddp_counted_first_is_the_plain_loop_bit_for_bit",
+    "ddp_a_resumed_run_counting_first_is_the_uninterrupted_one",
     "ddp_step_with_a_rank_without_data_costs_the_same",
     "ddp_train_over_a_window_sampler_costs_one_collective_per_window",
     "ddp_a_bypassed_wrapper_is_refused_on_every_rank",

@@ -7,6 +7,7 @@ prints ``PASS <name>`` on rank 0, or ``FAIL <name>: <why>`` and the run goes on.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import os
 import sys
@@ -667,6 +668,46 @@ def ddp_counted_first_is_the_plain_loop_bit_for_bit():
     return f"bit-equal to the plain loop; the rescaled window differs by up to {rescaled:.1e}"
 
 
+def ddp_a_resumed_run_counting_first_is_the_uninterrupted_one():
+    """float32 DDP, uneven windows, a loss_fn that counts its own items (a (mean, count) pair over the
+    rows whose first target is above -0.5: not the rows counted up front, so R = N times the saved
+    count ratio and the boundary rescales): stopped after 2 windows, restored into a fresh model,
+    optimizer and Accumulator (whose first window asks the ranks, where the uninterrupted one counted
+    first), the run ends bit-identical to the uninterrupted one on both ranks."""
+    def windows(w):
+        return [[tuple(t.float() for t in data(r, 500 + 7 * w + k, 3 + (2 * w + 3 * r + k) % 4))
+                 for k in range(2 + (w + r) % 2)] for r in range(WORLD)]
+
+    def loss_fn(m, b):
+        x, y = b
+        keep = y[:, 0] > -0.5
+        rows = ((m(x) - y) ** 2).mean(dim=1)
+        return (rows * keep).sum() / keep.sum().clamp(min=1), int(keep.sum())
+
+    def fresh():
+        model = DDP(model_fn().float())
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        return model, opt, Accumulator(model, opt)
+
+    whole, whole_opt, whole_acc = fresh()
+    for w in range(5):
+        whole_acc.step(windows(w)[RANK], loss_fn)
+    first, first_opt, first_acc = fresh()
+    for w in range(2):
+        first_acc.step(windows(w)[RANK], loss_fn)
+    assert first_acc.state.count_ratio != 1.0, "the test must rescale: loss_fn counts other items"
+    saved = copy.deepcopy((first.module.state_dict(), first_opt.state_dict(), first_acc.state_dict()))
+    resumed, resumed_opt, resumed_acc = fresh()
+    resumed.module.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    resumed_acc.load_state_dict(saved[2])
+    for w in range(2, 5):
+        resumed_acc.step(windows(w)[RANK], loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters())), "the resume differs"
+    assert params_equal_on_all_ranks(resumed.module)
+    return f"bit-identical after 3 resumed windows (count ratio {first_acc.state.count_ratio:.3f})"
+
+
 def ddp_train_over_a_window_sampler_costs_one_collective_per_window():
     """acc.train over a WindowSampler: every rank knows every share, so no agreement at all, also in
     the first window and the short last one; exact against the union of each global window."""
@@ -1082,7 +1123,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
              ddp_step_counts_first_with_one_small_collective, ddp_step_with_a_rank_without_data_costs_the_same,
-             ddp_counted_first_is_the_plain_loop_bit_for_bit,
+             ddp_counted_first_is_the_plain_loop_bit_for_bit, ddp_a_resumed_run_counting_first_is_the_uninterrupted_one,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
              ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
