@@ -632,7 +632,8 @@ def ddp_counted_first_is_the_plain_loop_bit_for_bit():
     no rescale, so its parameters equal, bit for bit, those of a hand loop under DDP that backpropagates
     ``mean_k * n_k * W / N`` with N summed across ranks beforehand. A window weighed by another R and
     rescaled by R / N at the boundary rounds every gradient once more (measured beside it: not equal).
-    A hand-written window without num_items (the running R) is that path."""
+    A hand-written window without num_items (the running R) is that path; one given its num_items
+    counts first, and is the plain loop too."""
     def float_model():
         return model_fn().float()
 
@@ -640,13 +641,19 @@ def ddp_counted_first_is_the_plain_loop_bit_for_bit():
         return [[tuple(t.float() for t in data(r, 300 + 7 * w + k, 2 + (3 * w + 2 * r + k) % 5))
                  for k in range(3 - r)] for r in range(WORLD)]
 
-    exact, plain, running = DDP(float_model()), DDP(float_model()), DDP(float_model())
+    exact, plain, running, hand = DDP(float_model()), DDP(float_model()), DDP(float_model()), DDP(float_model())
     acc = Accumulator(exact, make_opt(exact, "sgd"))
     acc_running = Accumulator(running, make_opt(running, "sgd"))
+    acc_hand = Accumulator(hand, make_opt(hand, "sgd"))
     opt = make_opt(plain, "sgd")
     for w in range(4):
         mine = windows(w)[RANK]
         acc.step(mine, mse)
+        with acc_hand.window(len(mine), num_items=sum(len(x) for x, _ in mine), pad=True) as window:
+            for x, y in mine:  # a hand-written window given its count up front counts first too
+                with window.micro_batch():
+                    window.backward(mse(hand, (x, y)), num_items=len(x))
+            window.step()
         with acc_running.window(len(mine)) as window:  # no count up front: the running R, rescaled
             for x, y in mine:
                 with window.micro_batch():
@@ -661,6 +668,7 @@ def ddp_counted_first_is_the_plain_loop_bit_for_bit():
                 (mse(plain, (x, y)) * (len(x) * WORLD / n.item())).backward()
         opt.step()
     same = all(torch.equal(a, b) for a, b in zip(exact.parameters(), plain.parameters()))
+    same = same and all(torch.equal(a, b) for a, b in zip(hand.parameters(), plain.parameters()))
     rescaled = max((a - b).abs().max().item() for a, b in zip(running.parameters(), plain.parameters()))
     assert same, "the counted-first window is not the plain loop bit for bit"
     assert rescaled > 0, "the rescaled path should round differently: the test has no teeth"
