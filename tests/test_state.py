@@ -23,7 +23,8 @@ FSDP = Rules(shares_windows=True, needs_equal_counts=True, plain_reduction=lambd
 def _distinct_values():
     """A value for every saved field, none its default, each of the field's type."""
     return {"steps": 7, "skipped": 2, "epoch": 3, "reference": 41.0, "count_ratio": 2.5,
-            "last_window_items": 96.0, "auto_micro_batch_size": 16}
+            "last_window_items": 96.0, "auto_micro_batch_size": 16,
+            "counts_first": True}
 
 
 def test_every_saved_field_round_trips_through_state_dict():
@@ -199,18 +200,23 @@ def test_ddp_plans_alone_only_once_every_rank_can_pad():
 
 
 def test_a_window_across_ranks_that_counted_up_front_counts_first():
-    """Planned alone (or over equal shares) with this rank's items counted up front: the window opens
-    an all-reduce of the counts (a stand-in sync sums one rank's here) and R is that N, times the last
-    window's count ratio; without an up-front count, or where the agreement was asked (it carries N or
-    says some rank has none), nothing is counted and R runs."""
+    """Planned alone (or over equal shares) once every rank counted its items up front in the last
+    exchanged window (state.counts_first, the same on every rank): the window opens an all-reduce of
+    the counts (a stand-in sync sums one rank's here) and R is that N, times the last window's count
+    ratio; a rank without a count this time still takes part (nan: then R runs on every rank). Before
+    that, or where the agreement was asked (it carries N or says some rank has none), nothing is
+    counted."""
     state = AccumulatorState(peers_can_pad=True, last_window_items=40.0)
     ranks = RankAgreement(GradSync(), torch.device("cpu"), state, DDP)
+    assert ranks.open(WindowRequest(2, items=7, can_pad=True)).counted is None  # not yet known of every rank
+    state.counts_first = True
     setup = ranks.open(WindowRequest(2, items=7, can_pad=True))
     assert setup.counted is not None and setup.reference is None and setup.items is None
     assert ranks.reference(setup) == 7.0 and setup.items == 7.0  # read at the first backward
     state.count_ratio = 2.0
     assert ranks.reference(ranks.open(WindowRequest(2, items=7, can_pad=True))) == 14.0
-    assert ranks.open(WindowRequest(2, can_pad=True)).counted is None  # no count up front: R runs
+    without = ranks.open(WindowRequest(2, can_pad=True))  # no count up front here: takes part, R runs
+    assert without.counted is not None and ranks.reference(without) is None and without.items is None
     asked = WindowPlan(2, 2, 2, None, asked=True)
     assert ranks.open(WindowRequest(2, items=7, can_pad=True, plan=asked)).counted is None
     known = ranks.open(WindowRequest(2, items=7, can_pad=True, plan=WindowPlan(2, 2, 2, 9.0, asked=True)))

@@ -31,7 +31,9 @@ backward weighs ``n_k W / N`` as one big batch does, with no rescale (one more r
 gradient) at the boundary. N comes from the sampler's shares or the agreement when the window has one;
 else (a window planned alone, or over equal shares) :meth:`RankAgreement.open` starts one small
 all-reduce of the ranks' counts as the window opens, which overlaps its first forward and is read at its
-first backward (:class:`CountedFirst`: one collective and one host synchronisation per window). Only
+first backward (:class:`CountedFirst`: one collective and one host synchronisation per window). Whether
+a window counts first is decided from what every rank shares (every rank counted up front in the last
+window that exchanged: ``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce. Only
 where no count is known up front (a hand-written window without ``num_items``) is R the running one,
 fixed once at its first use by a max all-reduce of the first count
 (:meth:`gradaccum._weights.WindowWeights.fix_reference`) and kept in ``state_dict``. When ``loss_fn``
@@ -44,6 +46,7 @@ state and the window itself, so a resumed process rounds as the uninterrupted on
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -154,26 +157,31 @@ class WindowSetup:
 class CountedFirst:
     """The window's global N, counted first: the sum of every rank's up-front count in one small
     all-reduce, started as the window opens (so that it overlaps the first forward) and read on the
-    host at the first backward (:meth:`wait`), where the weights need it. On one process: the count.
+    host at the first backward (:meth:`wait`), where the weights need it. A rank without an up-front
+    count this time still takes part, with nan: then no rank has N, and the window's R runs. On one
+    process: the count.
 
-    >>> CountedFirst(GradSync(), torch.device("cpu"), 12).wait()
-    12.0
+    >>> CountedFirst(GradSync(), torch.device("cpu"), 12).wait(), CountedFirst(GradSync(), torch.device("cpu"), None).wait()
+    (12.0, None)
     """
 
-    __slots__ = ("tensor", "work", "value")
+    __slots__ = ("tensor", "work", "value", "read")
 
-    def __init__(self, sync: GradSync, device: torch.device, items: Count) -> None:
-        self.tensor = torch.tensor([as_number(items)], dtype=count_dtype(device), device=device)
+    def __init__(self, sync: GradSync, device: torch.device, items: Optional[Count]) -> None:
+        self.tensor = torch.tensor([math.nan if items is None else as_number(items)], dtype=count_dtype(device),
+                                   device=device)
         self.work = sync.all_reduce_async(self.tensor)
-        #: N, once read (None before :meth:`wait`)
+        #: N once read, the same on every rank; None before :meth:`wait`, or where some rank had no count
         self.value: Optional[float] = None
+        self.read = False
 
-    def wait(self) -> float:
-        """N, the same on every rank (the first call waits for the all-reduce: one host sync)."""
-        if self.value is None:
+    def wait(self) -> Optional[float]:
+        """N (the first call waits for the all-reduce: one host sync), or None where a rank had no count."""
+        if not self.read:
             if self.work is not None:
                 self.work.wait()
-            self.value = float(self.tensor.item())
+            n = float(self.tensor.item())
+            self.value, self.read = (None if math.isnan(n) else n), True
         return self.value
 
 
@@ -321,8 +329,7 @@ class RankAgreement:
             plan = (local_plan(self.state, self.rules, request)
                     or self.agree(request.micro_batches, request.items, request.can_pad))
         setup = window_setup(self.state, self.rules, request, plan)
-        if self.counts_first(plan, request):
-            assert request.items is not None
+        if self.counts_first(plan):
             setup = dataclasses.replace(setup, counted=CountedFirst(self.sync, self.device, request.items))
         return setup
 
@@ -332,16 +339,18 @@ class RankAgreement:
         if setup.counted is None:
             return setup.reference
         assert setup.plan is not None, "only a window with a plan counts first"
-        return _reference(self.state, self.rules, dataclasses.replace(setup.plan, items=setup.counted.wait()), None)
+        n = setup.counted.wait()
+        return None if n is None else _reference(self.state, self.rules, dataclasses.replace(setup.plan, items=n), None)
 
-    def counts_first(self, plan: Optional[WindowPlan], request: WindowRequest) -> bool:
-        """Whether the window's N must be counted across ranks as it opens: its plan (made alone, over
-        equal shares, or a sampler's without its item shares) does not carry N, and this rank counted
-        its items up front. Every rank decides alike: the plan and the up-front counts come from the
-        same code on every rank (a hand-written window gives ``num_items`` on every rank or on none);
-        an asked plan already says whether every rank counted (then N is in it, or R runs)."""
+    def counts_first(self, plan: Optional[WindowPlan]) -> bool:
+        """Whether the window's N is counted across ranks as it opens: its plan (made alone, over equal
+        shares, or a sampler's without its item shares) does not carry N, and in the last window that
+        exchanged every rank had counted its items up front (``state.counts_first``). Every rank
+        decides alike, from what every rank shares, so none waits alone in the all-reduce: a rank
+        without a count this time sends nan, and the window's R runs on every rank. An asked plan
+        already carries N, or says that some rank has no count (then R runs)."""
         return (self.rules.shares_windows and plan is not None and not plan.asked and plan.items is None
-                and request.items is not None)
+                and self.state.counts_first)
 
     def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float],
                    share: Optional[float] = None) -> Optional[WindowPlan]:
@@ -428,5 +437,7 @@ class RankAgreement:
             state.count_ratio = num_items / upfront
         if outcome.counts_from_loss_fn is not None:
             state.counts_from_loss_fn = outcome.counts_from_loss_fn
+        if self.rules.shares_windows and outcome.counted_first is not None:
+            state.counts_first = outcome.counted_first
         if self.rules.shares_windows and outcome.peers_can_pad is not None:
             state.peers_can_pad = outcome.peers_can_pad

@@ -80,6 +80,10 @@ class AccumulatorState:
             ``last_items`` before.)
         auto_micro_batch_size: the micro-batch size that last worked under ``micro_batch_size="auto"``.
             ``AutoMicroBatch.step``, after the first window and after any that backed off.
+        counts_first: across ranks, every rank counted its items before the first backward in the last
+            window that exchanged, so a window whose plan does not carry N counts it first (the same
+            on every rank: :meth:`gradaccum._ranks.RankAgreement.counts_first`). ``learn``. Saved, so
+            that a resumed process counts (or not) where the uninterrupted one did.
 
     Start afresh in a new process:
 
@@ -112,6 +116,7 @@ class AccumulatorState:
     count_ratio: float = _saved(1.0, float)
     last_window_items: Optional[float] = _saved(None, _optional(float), old=("last_items",))
     auto_micro_batch_size: Optional[int] = _saved(None, _optional(int))
+    counts_first: bool = _saved(False, bool)
 
     windows: int = 0
     counts_from_loss_fn: bool = False

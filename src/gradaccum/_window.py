@@ -384,7 +384,8 @@ def _before_reduction(window: Window) -> Optional[torch.Tensor]:
 def _totals(window: Window, setup: WindowSetup, *, ran: bool) -> WindowTotals:
     """This rank's tally and what the boundary needs with it."""
     return WindowTotals(window.tally, window.weights, ran=ran,
-                        can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), items=setup.items)
+                        can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), items=setup.items,
+                        counted_first=window.request.items is not None)
 
 
 def _check_can_step(window: Window, setup: WindowSetup) -> None:

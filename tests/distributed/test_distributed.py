@@ -32,6 +32,7 @@ SCENARIOS = [
     "ddp_step_counts_first_with_one_small_collective",
     "ddp_counted_first_is_the_plain_loop_bit_for_bit",
     "ddp_a_resumed_run_counting_first_is_the_uninterrupted_one",
+    "ddp_a_rank_without_num_items_still_counts_with_the_others",
     "ddp_step_with_a_rank_without_data_costs_the_same",
     "ddp_train_over_a_window_sampler_costs_one_collective_per_window",
     "ddp_a_bypassed_wrapper_is_refused_on_every_rank",

@@ -676,6 +676,33 @@ def ddp_counted_first_is_the_plain_loop_bit_for_bit():
     return f"bit-equal to the plain loop; the rescaled window differs by up to {rescaled:.1e}"
 
 
+def ddp_a_rank_without_num_items_still_counts_with_the_others():
+    """Hand-written windows with pad=True: once every rank gave num_items (learned at a boundary, the
+    same on every rank), every window opens the count's all-reduce on every rank; where rank 1 gives
+    none (window 3), it still takes part (nan), so no rank waits alone, and every rank falls back to
+    the running R for that window; the next counts first again. Exact, replicas bit-equal."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    steps, flags = [], []
+    for w in range(6):
+        wins = [[data(r, 700 + 5 * w + k, 2 + (w + r + k) % 3) for k in range(2 + r)] for r in range(WORLD)]
+        steps.append(wins)
+        mine = wins[RANK]
+        count = None if (w == 3 and RANK == 1) else sum(len(x) for x, _ in mine)
+        with acc.window(len(mine), num_items=count, pad=True) as window:
+            for x, y in mine:
+                with window.micro_batch():
+                    window.backward(mse(model, (x, y)), num_items=len(x))
+            counted = window.setup.counted is not None
+            window.step()
+        flags.append((counted, acc.state.counts_first))
+    # window 0 asks the ranks; from window 1 on every window counts; window 3 told the ranks that one had none
+    assert [f[0] for f in flags] == [False, True, True, True, False, True], flags
+    close(model.module, reference(steps, "sgd"))
+    assert params_equal_on_all_ranks(model.module)
+    return f"(counted first, counts_first after) per window: {flags}"
+
+
 def ddp_a_resumed_run_counting_first_is_the_uninterrupted_one():
     """float32 DDP, uneven windows, a loss_fn that counts its own items (a (mean, count) pair over the
     rows whose first target is above -0.5: not the rows counted up front, so R = N times the saved
@@ -1132,6 +1159,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
              ddp_step_counts_first_with_one_small_collective, ddp_step_with_a_rank_without_data_costs_the_same,
              ddp_counted_first_is_the_plain_loop_bit_for_bit, ddp_a_resumed_run_counting_first_is_the_uninterrupted_one,
+             ddp_a_rank_without_num_items_still_counts_with_the_others,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
              ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
