@@ -120,7 +120,8 @@ both ranks' windows. The `loss_every={w.get('loss_every', 10)}` row exchanges th
 cost no collective, and its distance is measured on such a window. "the same DataLoader" is
 `acc.train` over the hand loop's own `DistributedSampler` loader (no agreement per window; its items
 are summed at the boundary). "(the floor)" is the hand loop plus the boundary's all-reduce that
-`acc.step` adds: five numbers launched after the last forward, read on the host after the last
+`acc.step` adds: five numbers (the loss sum, the count, three flags; `acc.step`'s row has a fourth)
+launched after the last forward, read on the host after the last
 backward. No design that learns the window's global item count at its end can cost less, so the gap
 between it and the hand loop is what that knowledge costs on this machine; `acc.step` also counts the
 window first (one more small all-reduce, next section), which a loop weighing by the window's own N
