@@ -33,3 +33,9 @@ def window_cost() -> Optional[dict]:
     """What a window costs besides DDP's buckets: gradaccum against the hand no_sync loop and
     Accelerate (dist_window_cost.py)."""
     return _launch("dist_window_cost.py")
+
+
+def count_first() -> Optional[dict]:
+    """Counting a window's items first across ranks against the running R and the hand loop that
+    counts first (count_first.py)."""
+    return _launch("count_first.py")

@@ -119,17 +119,20 @@ both ranks' windows. The `loss_every={w.get('loss_every', 10)}` row exchanges th
 {w.get('loss_every', 10)}th window only (`Accumulator(loss_every=...)`, over a `WindowSampler`): the windows between
 cost no collective, and its distance is measured on such a window. "the same DataLoader" is
 `acc.train` over the hand loop's own `DistributedSampler` loader (no agreement per window; its items
-are summed at the boundary). "(the floor)" is the hand loop plus the one thing `acc.step` adds: an
-all-reduce of five numbers launched after the last forward, read on the host after the last backward.
-No design that learns the window's global item count can cost less, so the gap between it and the
-hand loop is what that knowledge costs on this machine, and the gap between `acc.step` and it is
-gradaccum's own. `acc.train` is timed against the hand loop
+are summed at the boundary). "(the floor)" is the hand loop plus the boundary's all-reduce that
+`acc.step` adds: five numbers (the loss sum, the count, three flags; `acc.step`'s row has a fourth)
+launched after the last forward, read on the host after the last
+backward. No design that learns the window's global item count at its end can cost less, so the gap
+between it and the hand loop is what that knowledge costs on this machine; `acc.step` also counts the
+window first (one more small all-reduce, next section), which a loop weighing by the window's own N
+pays too. `acc.train` is timed against the hand loop
 over a DataLoader with a DistributedSampler, FSDP2's rows against the hand loop that toggles
 `set_requires_gradient_sync` (over tensors: FSDP2's `acc.train` also pays its DataLoader), the others
 against the hand loop over tensors. Goal: at
-most one small collective and one host sync per window, none before the first forward, and within
-1.03x of the hand loop.
-
+most one small collective and one host sync per window at the boundary, none before the first forward,
+and within 1.03x of the hand loop; `acc.step` and `acc.train` over a plain loader also count the window
+first (one more small collective, started before the first forward and read after it: the next section).
+{_alone(w)}
 {table(w["rows"], ["contender", "collectives", "host_syncs", "time_ratio", "ratio_q1", "ratio_q3", "window_ms",
                    "distance", "extra_latency_us_at_1024"],
        {"collectives": ".3g", "host_syncs": ".2f", "time_ratio": ".3f", "ratio_q1": ".3f", "ratio_q3": ".3f",
@@ -137,10 +140,44 @@ most one small collective and one host sync per window, none before the first fo
 
 Paper projection to W = 1024 ranks: a small collective is latency-bound, about {w['latency_us_per_hop']:g} us
 per log2(W) step of a tree or ring on a cluster (a stated assumption, not measured here), so each one
-per window adds about {w['latency_us_per_hop'] * 10:g} us at W = 1024. gradaccum's one collective carries
+per window adds about {w['latency_us_per_hop'] * 10:g} us at W = 1024. gradaccum's boundary collective carries
 the window's loss and item count (the global mean and the exact normalization), whether every rank
-can pad, and a stop request; the hand loop reports no global loss and cannot skip a non-finite
+can pad, and a stop request (the one before the first forward, where the window counts first, its N); the hand loop reports no global loss and cannot skip a non-finite
 window on every rank alike.
+"""
+
+
+def _alone(section: Dict[str, Any]) -> str:
+    """The line a section measured in a run of its own (not this page's ``make bench``) carries."""
+    note = section.get("measured_alone")
+    return f"\n*Measured alone, not in this page's run: {note}.*\n" if note else ""
+
+
+def count_first_section(r: Results) -> str:
+    c = r.get("count_first")
+    if not c:
+        return "### Counting the window first across ranks\n\nThe torchrun launch failed in this run.\n"
+    return f"""### Counting the window first across ranks (MLP 784-512-512-10, {c['micro_batches'][0]} and {c['micro_batches'][1]} micro-batches of 3 to 17 items)
+
+Windows uneven across ranks and from one window to the next. `acc.step` counts first: the ranks'
+up-front counts are all-reduced as the window opens (overlapping its first forward, read at its first
+backward), every backward weighs `n_k W / N` and the boundary does not rescale. Against it, the
+running R (`acc.window` without `num_items`: R fixed once at the first backward, the reduced
+gradient rescaled by `R / N` at the boundary, one more rounding of every element; the path every
+window across ranks without a sampler took before, with the previous window's N as R), the baseline
+of the time ratios (median over {c['repeats']} rotated repeats of {c['windows']} windows, quartiles
+beside it), the hand loop that counts first itself (N all-reduced, then
+`(mean_k * n_k * W / N).backward()`, as torchtitan's `train_step`), and, for its distance, a hand loop
+doing what `acc.step` across ranks did before (R the previous window's N, rescaled by `R / N`; written
+out in the benchmark, the library no longer has it). Relative L2 distance of the
+gradient the optimizer receives from the float64 big batch on the union of both ranks' windows, mean
+over {c['accuracy_windows']} windows, for float32 and bf16 parameters (bf16: DDP sums the window in
+the parameters' dtype).
+{_alone(c)}
+{table(c["rows"], ["contender", "collectives", "host_syncs", "time_ratio", "ratio_q1", "ratio_q3", "window_ms",
+                   "rel_l2_float32", "rel_l2_bfloat16"],
+       {"collectives": ".3g", "host_syncs": ".2f", "time_ratio": ".3f", "ratio_q1": ".3f", "ratio_q3": ".3f",
+        "window_ms": ".2f", "rel_l2_float32": ".2e", "rel_l2_bfloat16": ".2e"})}
 """
 
 
@@ -382,6 +419,7 @@ Sections took: {durations}.
 {overhead_section(r)}
 {distributed_section(r)}
 {window_cost_section(r)}
+{count_first_section(r)}
 {memory_section(r)}
 {transformer_section(r)}
 {scaling_sections(r)}

@@ -5,7 +5,7 @@
     BENCH_QUICK=1 make bench         # a smoke run of every section, about a minute
 
 Sections: overhead against the hand loop and Accelerate, and a profile of it (overhead.py);
-distributed under torchrun (distributed.py, dist_bench.py); memory measured by PeakMeter and what
+distributed under torchrun (distributed.py, dist_bench.py, dist_window_cost.py, count_first.py); memory measured by PeakMeter and what
 measuring costs (memory_bench.py); transformers, speed and distance from one big batch
 (transformer.py); accumulation against one big batch, numerics, the floor (scaling.py); a loss that
 couples the window's items, WindowLoss against the big batch and sentence-transformers (contrastive.py); an
@@ -52,7 +52,7 @@ def main() -> None:
     where = ROOT / "runs" / "bench-quick" if QUICK else DOCS
     where.mkdir(parents=True, exist_ok=True)
     from contrastive import contrastive, st_losses, write_st_table
-    from distributed import distributed, window_cost
+    from distributed import count_first, distributed, window_cost
     from grpo import grpo
     from grpo import write_guide as write_grpo_guide
     from memory_bench import memory, meter_cost
@@ -69,6 +69,7 @@ def main() -> None:
     sections: Dict[str, Callable[[], Any]] = {
         "overhead": overhead, "profile": profile, "memory": memory, "meter_cost": meter_cost,
         "transformer": transformer, "distributed": distributed, "window_cost": window_cost,
+        "count_first": count_first,
         "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses, "moe": moe, "grpo": grpo,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks,
         "precision": precision}

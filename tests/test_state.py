@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from gradaccum import Accumulator, ConfigurationError, WindowLoss
-from gradaccum._ranks import Rules, WindowPlan, WindowRequest, local_plan, padded_count, window_setup
+from gradaccum._ranks import RankAgreement, Rules, WindowPlan, WindowRequest, local_plan, padded_count, window_setup
 from gradaccum._state import SAVED_KEYS, AccumulatorState
+from gradaccum.sync import GradSync
 from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
 
 ALONE = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: True)
@@ -21,8 +22,9 @@ FSDP = Rules(shares_windows=True, needs_equal_counts=True, plain_reduction=lambd
 
 def _distinct_values():
     """A value for every saved field, none its default, each of the field's type."""
-    return {"steps": 7, "skipped": 2, "epoch": 3, "first_reference": 41.0, "count_ratio": 2.5,
-            "last_window_items": 96.0, "auto_micro_batch_size": 16}
+    return {"steps": 7, "skipped": 2, "epoch": 3, "reference": 41.0, "count_ratio": 2.5,
+            "last_window_items": 96.0, "auto_micro_batch_size": 16,
+            "counts_first": True}
 
 
 def test_every_saved_field_round_trips_through_state_dict():
@@ -43,15 +45,20 @@ def test_every_saved_field_round_trips_through_state_dict():
 
 
 def test_a_checkpoint_of_an_earlier_version_still_loads():
-    """The keys earlier gradaccum wrote (reference_items, last_items), and a state without the newer ones."""
+    """The keys earlier gradaccum wrote (reference_items, last_items: now reference, last_window_items, the
+    fields' names), and a state without the newer ones; the deprecated alias first_reference still reads R."""
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     acc.load_state_dict({"steps": 5, "skipped": 1, "epoch": 2, "auto_micro_batch_size": None,
                          "reference_items": 12.0, "count_ratio": 1.5, "last_items": 30.0,
                          "precision": acc.precision.state_dict()})
-    assert (acc.state.first_reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
+    assert (acc.state.reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
+    with pytest.warns(DeprecationWarning, match="state.reference"):
+        assert acc.state.first_reference == 12.0
+    assert set(acc.state_dict()) >= {"reference", "last_window_items"}
+    assert not set(acc.state_dict()) & {"reference_items", "last_items"}
     acc.load_state_dict({"steps": 9, "precision": acc.precision.state_dict()})
-    assert acc.steps == 9 and acc.state.first_reference is None and acc.state.count_ratio == 1.0
+    assert acc.steps == 9 and acc.state.reference is None and acc.state.count_ratio == 1.0
 
 
 def test_a_bad_saved_value_is_refused_before_any_field_changes():
@@ -91,7 +98,7 @@ def test_a_resumed_run_is_bit_identical_with_a_learned_reference():
         _own_window(acc, model, w)
     ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "opt": copy.deepcopy(acc.optimizer.state_dict()), "acc": acc.state_dict()}
-    assert ckpt["acc"]["reference_items"] == 3.0  # the first micro-batch's count, kept
+    assert ckpt["acc"]["reference"] == 3.0  # the first micro-batch's count, kept
     _own_window(acc, model, windows[2])
     again = regression_model(seed=9)
     again.load_state_dict(ckpt["model"])
@@ -138,7 +145,7 @@ def test_a_resume_after_a_skipped_window_is_the_uninterrupted_run():
     resumed.load_state_dict(ckpt["acc"])
     for w in windows[3:]:
         _counted_window(resumed, again, *w)
-    assert (resumed.state.steps, resumed.state.skipped, resumed.state.first_reference) == (4, 1, 3.0)
+    assert (resumed.state.steps, resumed.state.skipped, resumed.state.reference) == (4, 1, 3.0)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
@@ -162,7 +169,7 @@ def test_a_window_learns_r_and_the_count_source_into_the_state():
     with acc.window(1) as w:  # no count up front: R fixed by the first backward, kept in the state
         with w.micro_batch():
             w.backward(mse(model, regression_batch(6)), num_items=6)
-        assert w.reference == 6.0 == acc.state.first_reference
+        assert w.reference == 6.0 == acc.state.reference
         w.step()
 
 
@@ -187,9 +194,35 @@ def test_ddp_plans_alone_only_once_every_rank_can_pad():
     assert local_plan(state, DDP, WindowRequest(0, can_pad=True)) == WindowPlan(0, 1, 0, None)
     assert local_plan(state, DDP, WindowRequest(2, can_pad=False)) is None
     assert local_plan(state, FSDP, WindowRequest(2, can_pad=True)) is None  # FSDP2 always asks
-    state.last_window_items = 40.0  # planned alone: R is the previous window's global count
+    state.last_window_items = 40.0  # planned alone: R is not the previous window's count, but N counted first
     setup = window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None))
-    assert setup.reference == 40.0 and setup.padding == 1 and setup.exchanges
+    assert setup.reference is None and setup.padding == 1 and setup.exchanges and setup.counted is None
+
+
+def test_a_window_across_ranks_that_counted_up_front_counts_first():
+    """Planned alone (or over equal shares) once every rank counted its items up front in the last
+    exchanged window (state.counts_first, the same on every rank): the window opens an all-reduce of
+    the counts (a stand-in sync sums one rank's here) and R is that N, times the last window's count
+    ratio; a rank without a count this time still takes part (nan: then R runs on every rank). Before
+    that, or where the agreement was asked (it carries N or says some rank has none), nothing is
+    counted."""
+    state = AccumulatorState(peers_can_pad=True, last_window_items=40.0)
+    ranks = RankAgreement(GradSync(), torch.device("cpu"), state, DDP)
+    assert ranks.open(WindowRequest(2, items=7, can_pad=True)).counted is None  # not yet known of every rank
+    state.counts_first = True
+    setup = ranks.open(WindowRequest(2, items=7, can_pad=True))
+    assert setup.counted is not None and setup.reference is None and setup.items is None
+    assert ranks.reference(setup) == 7.0 and setup.items == 7.0  # read at the first backward
+    state.count_ratio = 2.0
+    assert ranks.reference(ranks.open(WindowRequest(2, items=7, can_pad=True))) == 14.0
+    without = ranks.open(WindowRequest(2, can_pad=True))  # no count up front here: takes part, R runs
+    assert without.counted is not None and ranks.reference(without) is None and without.items is None
+    asked = WindowPlan(2, 2, 2, None, asked=True)
+    assert ranks.open(WindowRequest(2, items=7, can_pad=True, plan=asked)).counted is None
+    known = ranks.open(WindowRequest(2, items=7, can_pad=True, plan=WindowPlan(2, 2, 2, 9.0, asked=True)))
+    assert known.counted is None and known.reference == 18.0  # the agreement's N: nothing more to count
+    alone = RankAgreement(GradSync(), torch.device("cpu"), AccumulatorState(), ALONE)
+    assert alone.open(WindowRequest(2, items=7)).counted is None  # one process: N is its own count
 
 
 def test_padding_is_what_the_agreement_asks_of_this_rank():

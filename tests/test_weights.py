@@ -40,7 +40,7 @@ def test_the_running_r_is_fixed_once_agreed_once_and_kept_in_the_state():
     with pytest.raises(RuntimeError, match="before R was fixed"):
         first.mean_weight(3)
     assert first.fix_reference(3, agree) == 4.0 and first.fix_reference(7, agree) == 4.0
-    assert asked == [3.0] and state.first_reference == 4.0
+    assert asked == [3.0] and state.reference == 4.0
     assert WindowWeights(state, 1.0).fix_reference(9, agree) == 4.0 and asked == [3.0]  # the next window too
     assert WindowWeights(AccumulatorState(), 1.0).fix_reference(0) == 1.0  # never below 1
     closing = first.close(10, raw_norm=2.0)

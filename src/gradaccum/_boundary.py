@@ -58,22 +58,27 @@ class WindowTotals:
             :meth:`~gradaccum._weights.WindowWeights.close` decides, its ``record`` counts.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad_next: whether this rank can pad its next window (has a micro-batch to repeat).
-        known_items: the window's global N, when every rank knew it up front and the window
-            exchanges nothing (:func:`gradaccum._ranks.window_setup`); else None.
+        items: the window's global N as counted before its first backward
+            (:attr:`gradaccum._ranks.WindowSetup.items`), else None; a window that exchanges nothing at
+            its boundary (:func:`gradaccum._ranks.window_setup`) steps on it.
+        counted_first: this rank counted its items before the window's first backward (its request
+            had them); exchanged, so that every rank learns whether the next window counts first.
     """
 
     tally: Tally
     weights: WindowWeights
     ran: bool
     can_pad_next: bool = True
-    known_items: Optional[float] = None
+    items: Optional[float] = None
+    counted_first: bool = False
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What the boundary did: the window's global loss sum (None when not exchanged) and item count,
     the norm, the verdict, and what the ranks told each other on the way (every rank can pad, some
-    rank's loss_fn returned its own counts: None when not exchanged; any rank asked to stop)."""
+    rank's loss_fn returned its own counts, every rank counted its items first: None when not
+    exchanged; any rank asked to stop)."""
 
     loss_sum: Optional[float]
     num_items: float
@@ -84,6 +89,7 @@ class Outcome:
     peers_can_pad: Optional[bool] = False
     stop_requested: bool = False
     counts_from_loss_fn: Optional[bool] = None
+    counted_first: Optional[bool] = None
 
 
 class Boundary:
@@ -144,9 +150,9 @@ class Boundary:
         if exchange:
             told = self._exchanged(totals, grads, in_flight)
         else:
-            assert totals.known_items is not None, "a window exchanges nothing only when N is known"
+            assert totals.items is not None, "a window exchanges nothing only when N is known"
             raw = float(total_norm(grads, self.device).item())  # the window's one host sync
-            told = Exchanged(math.nan, totals.known_items, raw, True, False, False)
+            told = Exchanged(math.nan, totals.items, raw, True, False, False, True)
         loss_sum = told.loss_sum if exchange else None
         lr = float(self.optimizer.param_groups[0]["lr"])
         closing = totals.weights.close(told.num_items, loss_sum=loss_sum, raw_norm=told.raw_norm,
@@ -167,7 +173,7 @@ class Boundary:
             self.grads.clear()
         return Outcome(loss_sum, told.num_items, grad_norm, not stepped, lr, self.state.steps,
                        told.peers_can_pad if exchange else None, told.stop,
-                       told.counts_from_loss_fn if exchange else None)
+                       told.counts_from_loss_fn if exchange else None, told.counted_first if exchange else None)
 
     def launch(self, totals: WindowTotals) -> "InFlight":
         """Start the window's one all-reduce (an :class:`~gradaccum._exchange.ExchangeRow`) across ranks
@@ -185,6 +191,7 @@ class Boundary:
 
     def _row(self, totals: WindowTotals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
         return pack_row(totals.tally, totals.tally.loss_sum_on(self.device), can_pad_next=totals.can_pad_next,
+                        counted_first=totals.counted_first,
                         stop=self._stop_now(), square_norm=square_norm)
 
     def _exchanged(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> Exchanged:
@@ -207,11 +214,12 @@ class Boundary:
                             norm=norm)  # the window's one host sync
         if row is None:
             raw = host["norm"][0] if norm is not None else None
-            return Exchanged(host["loss_sum"][0], tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn)
+            return Exchanged(host["loss_sum"][0], tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
+                             totals.counted_first)
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
-                         told.counts_from_loss_fn > 0)
+                         told.counts_from_loss_fn > 0, told.counted_first >= self.sync.group_size)
 
     def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float], weights: WindowWeights,
               closing: Closing) -> Tuple[bool, Optional[float]]:

@@ -79,6 +79,7 @@ class ExchangeRow(NamedTuple):
     can_pad_next: float        #: ranks that can pad a later window (all of them: the group's size)
     stop: float                #: ranks that asked to stop since the last boundary
     counts_from_loss_fn: float  #: ranks whose loss_fn returned its own counts
+    counted_first: float       #: ranks that counted the window's items before its first backward
     square_norm: float = math.nan  #: FSDP2: the shards' squared gradient norms, when measured
 
 
@@ -91,15 +92,16 @@ class Exchanged(NamedTuple):
     peers_can_pad: bool  # every rank has a micro-batch to pad a later window with
     stop: bool  # some rank asked to stop
     counts_from_loss_fn: bool  # some rank's loss_fn returned its own counts
+    counted_first: bool  # every rank counted the window's items before its first backward
 
 
-def pack_row(tally: Tally, loss_sum: torch.Tensor, *, can_pad_next: bool, stop: bool,
+def pack_row(tally: Tally, loss_sum: torch.Tensor, *, can_pad_next: bool, stop: bool, counted_first: bool,
              square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's :class:`ExchangeRow` as one tensor on the loss sum's device and dtype."""
     items = loss_sum.new_tensor(tally.host_items)
     if tally.device_items is not None:
         items = items + tally.device_items
-    flags = loss_sum.new_tensor([1.0 if can_pad_next else 0.0, 1.0 if stop else 0.0, 1.0 if tally.counts_from_loss_fn else 0.0])
+    flags = loss_sum.new_tensor([float(can_pad_next), float(stop), float(tally.counts_from_loss_fn), float(counted_first)])
     row = torch.cat([torch.stack([loss_sum, items]), flags])
     if square_norm is not None:
         row = torch.cat([row, square_norm.to(row).reshape(1)])

@@ -20,11 +20,13 @@ At the boundary it is multiplied once by the **boundary scale** ``R / N`` (:func
 
 R is a reference count, the same on every rank. When the window's global item count is known before
 the first backward (the micro-batches' leading dimensions for a bare mean loss, or a ``num_items=``
-counter) and ``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and
-each backward weighs exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model,
-such as a Llama RMSNorm, round as in one big batch). When the counts come from ``loss_fn`` only (a
-``(mean, count)`` pair), R is fixed beforehand (:func:`first_reference`, :mod:`gradaccum._ranks`)
-and the scale corrects it exactly. Dividing each micro-batch by K instead is exact only when every n_k
+counter; across ranks summed by one small all-reduce as the window opens: **count first**) and
+``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and each backward
+weighs exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model, such as a Llama
+RMSNorm, round as in one big batch). When ``loss_fn`` counts other items (a ``(mean, count)`` pair),
+R is the up-front N times the last window's ratio of the two; when nothing is counted up front, the
+running R (:func:`running_reference`, fixed once); either way the scale ``R / N`` corrects it exactly,
+at the cost of one more rounding of every gradient element (:mod:`gradaccum._ranks`). Dividing each micro-batch by K instead is exact only when every n_k
 is equal, which uneven micro-batches, padded sequences and a short last window are not.
 
 A window with N = 0 (every label ignored) has no loss to step on: its scale is 0 and the
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 
 from .errors import ConfigurationError
 
-__all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "first_reference", "window_mean",
+__all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "running_reference", "window_mean",
            "clip_coefficient", "tensor_norms", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum",
            "LOSSES", "loss_items", "summed_loss", "router_statistics", "balance_loss_part"]
 
@@ -91,13 +93,13 @@ def boundary_scale(reference: float, num_items: float) -> float:
     return reference / num_items if num_items > 0 else 0.0
 
 
-def first_reference(count: float) -> float:
-    """R for windows whose item count is not known before the first backward: the first count seen
+def running_reference(count: float) -> float:
+    """The running R, for windows whose item count is not known before the first backward: the first count seen
     (across ranks, the largest of them), never below 1 so that a first micro-batch of 0 items still
     gives finite weights. Any positive R is exact (the boundary scale corrects it); one near N keeps
     the gradients near their final size, which fp16's loss scale expects.
 
-    >>> first_reference(0.0), first_reference(37.0)
+    >>> running_reference(0.0), running_reference(37.0)
     (1.0, 37.0)
     """
     return max(float(count), 1.0)

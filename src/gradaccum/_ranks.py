@@ -24,19 +24,29 @@ synchronisation before its first forward. FSDP2, ``reduce_every_micro_batch`` an
 windows opened without ``pad=True`` still ask, since a rank there can differ in a way the others
 must know before the first forward.
 
-**R** (see :mod:`gradaccum._maths` for the maths) must be the same on every rank. When every
-rank knew its items before the first backward, R = N, the window's global count, from the
-sampler's shares or (the first window) from the agreement. Other windows use the previous window's
-global count (every rank learned it at that boundary), whether they asked or not, so a resumed
-process rounds as the uninterrupted one did: equal windows get R = N and no scaling pass, others an
-exact correction. Otherwise R is fixed once, at its first use, by a max
-all-reduce of the first count (:meth:`gradaccum._weights.WindowWeights.fix_reference`), and kept in ``state_dict``. When ``loss_fn`` counts other items than those counted up front (tokens
-of sequences), the last window's ratio of the two (``AccumulatorState.count_ratio``) keeps R near
-the count the backward really divides, which is what fp16's loss scale needs.
+**R** (see :mod:`gradaccum._maths` for the maths) must be the same on every rank. **Count first**:
+when every rank knows its items before the first backward (the leading dimension, a ``num_items=``
+counter, a sampler's shares), R = N, the window's global count, and the boundary scale is 1: every
+backward weighs ``n_k W / N`` as one big batch does, with no rescale (one more rounding of every
+gradient) at the boundary. N comes from the sampler's shares or the agreement when the window has one;
+else (a window planned alone, or over equal shares) :meth:`RankAgreement.open` starts one small
+all-reduce of the ranks' counts as the window opens, which overlaps its first forward and is read at its
+first backward (:class:`CountedFirst`: one collective and one host synchronisation per window). Whether
+a window counts first is decided from what every rank shares (every rank counted up front in the last
+window that exchanged: ``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce. Only
+where no count is known up front (a hand-written window without ``num_items``) is R the running one,
+fixed once at its first use by a max all-reduce of the first count
+(:meth:`gradaccum._weights.WindowWeights.fix_reference`) and kept in ``state_dict``. When ``loss_fn``
+counts other items than those counted up front (tokens of sequences), R is N times the last window's
+ratio of the two (``AccumulatorState.count_ratio``, saved), which keeps R near the count the backward
+really divides (what fp16's loss scale needs) and the scale near 1. Every R is a function of the saved
+state and the window itself, so a resumed process rounds as the uninterrupted one did.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -55,8 +65,8 @@ from .sync import GradSync
 if TYPE_CHECKING:
     from ._boundary import Outcome
 
-__all__ = ["WindowPlan", "WindowRequest", "WindowSetup", "Rules", "RankAgreement", "padded_count", "local_plan",
-           "window_setup"]
+__all__ = ["WindowPlan", "WindowRequest", "WindowSetup", "CountedFirst", "Rules", "RankAgreement", "padded_count",
+           "local_plan", "window_setup"]
 
 
 @dataclass(frozen=True)
@@ -119,22 +129,60 @@ class WindowSetup:
             :meth:`gradaccum._weights.WindowWeights.fix_reference`).
         exchanges: the boundary all-reduces the window's totals across ranks.
         padding: zero-weight micro-batches the agreement asks this rank to run on top of its own.
+        counted: the ranks' count all-reduce started as the window opened, when the plan does not carry
+            N but every rank counted its items up front (:meth:`RankAgreement.open`); R is N, read at
+            the first backward. Else None.
     """
 
     plan: Optional[WindowPlan]
     reference: Optional[float]
     exchanges: bool
     padding: int = 0
+    counted: Optional["CountedFirst"] = None
+
+    @property
+    def items(self) -> Optional[float]:
+        """The window's global N as counted before its first backward (by the plan, or by the count
+        all-reduce once read), else None. A window that exchanges nothing at its boundary steps on it."""
+        if self.plan is not None and self.plan.items is not None:
+            return self.plan.items
+        return self.counted.value if self.counted is not None else None
 
     @property
     def share(self) -> Optional[float]:
         """This rank's items as every rank knows them, in a window that exchanges nothing."""
         return None if self.exchanges or self.plan is None else self.plan.share
 
-    @property
-    def known_items(self) -> Optional[float]:
-        """The window's global N as every rank knew it up front, in a window that exchanges nothing."""
-        return None if self.exchanges or self.plan is None else self.plan.items
+
+class CountedFirst:
+    """The window's global N, counted first: the sum of every rank's up-front count in one small
+    all-reduce, started as the window opens (so that it overlaps the first forward) and read on the
+    host at the first backward (:meth:`wait`), where the weights need it. A rank without an up-front
+    count this time still takes part, with nan: then no rank has N, and the window's R runs. On one
+    process: the count.
+
+    >>> CountedFirst(GradSync(), torch.device("cpu"), 12).wait(), CountedFirst(GradSync(), torch.device("cpu"), None).wait()
+    (12.0, None)
+    """
+
+    __slots__ = ("tensor", "work", "value", "read")
+
+    def __init__(self, sync: GradSync, device: torch.device, items: Optional[Count]) -> None:
+        self.tensor = torch.tensor([math.nan if items is None else as_number(items)], dtype=count_dtype(device),
+                                   device=device)
+        self.work = sync.all_reduce_async(self.tensor)
+        #: N once read, the same on every rank; None before :meth:`wait`, or where some rank had no count
+        self.value: Optional[float] = None
+        self.read = False
+
+    def wait(self) -> Optional[float]:
+        """N (the first call waits for the all-reduce: one host sync), or None where a rank had no count."""
+        if not self.read:
+            if self.work is not None:
+                self.work.wait()
+            n = float(self.tensor.item())
+            self.value, self.read = (None if math.isnan(n) else n), True
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -196,7 +244,7 @@ def window_setup(state: AccumulatorState, rules: Rules, request: WindowRequest,
 
     >>> alone = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: False)
     >>> window_setup(AccumulatorState(), alone, WindowRequest(2, items=10), WindowPlan(2, 2, 2, 10.0))
-    WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False, share=None), reference=10.0, exchanges=True, padding=0)
+    WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False, share=None), reference=10.0, exchanges=True, padding=0, counted=None)
     """
     reference = _reference(state, rules, plan, request.items)
     known = plan.items if plan is not None and plan.share is not None else None
@@ -211,29 +259,20 @@ def window_setup(state: AccumulatorState, rules: Rules, request: WindowRequest,
 
 def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan],
                num_items: Optional[Count]) -> Optional[float]:
-    """R for a window, the same on every rank, chosen in this order:
-
-    1. across ranks, a window whose plan was asked for once a previous window's global count is
-       known: that count (as an unasked window would take; so whether a window asked, which a
-       fresh process always does first, never changes the rounding, and a resume is bit-identical);
-    2. the window's global count known up front (the sampler's shares, the first agreement, or
-       one process's own count): N, times the last window's ratio of the items ``loss_fn``
-       counted to those counted up front (1 when they are the same items: then R = N exactly);
-    3. across ranks, a window planned alone: the previous window's global count;
-    4. None: R is fixed at the first backward (:meth:`gradaccum._weights.WindowWeights.fix_reference`).
-    """
+    """R for a window when it opens, the same on every rank: N times ``state.count_ratio`` (1 when
+    ``loss_fn`` counts the items counted up front: then R = N exactly), where N is known now (the
+    plan's, or one process's own count); None where it is not: R is then N counted first
+    (:class:`CountedFirst`, read at the first backward) or, without an up-front count, the running R
+    (:meth:`gradaccum._weights.WindowWeights.fix_reference`). Under DeepSpeed (``reference_is_count``)
+    R is N itself, or nothing (then the first backward refuses the window)."""
     across = rules.shares_windows
-    if rules.reference_is_count:  # R = N or nothing (then the first backward refuses the window)
-        known = plan.items if plan is not None else (as_number(num_items) if num_items is not None and not across
-                                                     else None)
+    known = plan.items if plan is not None else (as_number(num_items) if num_items is not None and not across
+                                                 else None)
+    if rules.reference_is_count:
         return None if known is None else (known if known > 0 else 1.0)  # 0 items: every weight is 0 anyway
-    if plan is None:  # a window opened without a size: only one process knows its count
-        return as_number(num_items) if num_items is not None and not across else None
-    if across and state.last_window_items and (plan.asked or plan.items is None):  # cases 1 and 3
-        return state.last_window_items
-    if plan.items is not None and plan.items > 0:  # case 2
-        return plan.items * state.count_ratio
-    return None
+    if not known:
+        return None
+    return known * state.count_ratio if plan is not None else known  # a window without a size counts as it says
 
 
 def _exchanges(state: AccumulatorState, rules: Rules, known_items: Optional[float]) -> bool:
@@ -289,7 +328,29 @@ class RankAgreement:
         if plan is None and request.micro_batches is not None:
             plan = (local_plan(self.state, self.rules, request)
                     or self.agree(request.micro_batches, request.items, request.can_pad))
-        return window_setup(self.state, self.rules, request, plan)
+        setup = window_setup(self.state, self.rules, request, plan)
+        if self.counts_first(plan):
+            setup = dataclasses.replace(setup, counted=CountedFirst(self.sync, self.device, request.items))
+        return setup
+
+    def reference(self, setup: WindowSetup) -> Optional[float]:
+        """R for a window that has opened: the setup's, or, where the window counts first, N times the
+        count ratio, read now (the first backward; :class:`CountedFirst`)."""
+        if setup.counted is None:
+            return setup.reference
+        assert setup.plan is not None, "only a window with a plan counts first"
+        n = setup.counted.wait()
+        return None if n is None else _reference(self.state, self.rules, dataclasses.replace(setup.plan, items=n), None)
+
+    def counts_first(self, plan: Optional[WindowPlan]) -> bool:
+        """Whether the window's N is counted across ranks as it opens: its plan (made alone, over equal
+        shares, or a sampler's without its item shares) does not carry N, and in the last window that
+        exchanged every rank had counted its items up front (``state.counts_first``). Every rank
+        decides alike, from what every rank shares, so none waits alone in the all-reduce: a rank
+        without a count this time sends nan, and the window's R runs on every rank. An asked plan
+        already carries N, or says that some rank has no count (then R runs)."""
+        return (self.rules.shares_windows and plan is not None and not plan.asked and plan.items is None
+                and self.state.counts_first)
 
     def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float],
                    share: Optional[float] = None) -> Optional[WindowPlan]:
@@ -371,10 +432,12 @@ class RankAgreement:
         if outcome is None:
             return
         num_items = outcome.num_items
-        upfront = setup.plan.items if setup.plan is not None else None
+        upfront = setup.items
         if upfront and num_items > 0:
             state.count_ratio = num_items / upfront
         if outcome.counts_from_loss_fn is not None:
             state.counts_from_loss_fn = outcome.counts_from_loss_fn
+        if self.rules.shares_windows and outcome.counted_first is not None:
+            state.counts_first = outcome.counted_first
         if self.rules.shares_windows and outcome.peers_can_pad is not None:
             state.peers_can_pad = outcome.peers_can_pad

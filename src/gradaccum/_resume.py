@@ -58,10 +58,10 @@ class Resumable:
 
     @property
     def reference_items(self) -> Optional[float]:
-        """Deprecated: ``acc.state.first_reference``."""
-        warnings.warn("Accumulator.reference_items is deprecated: read acc.state.first_reference", DeprecationWarning,
+        """Deprecated: ``acc.state.reference``."""
+        warnings.warn("Accumulator.reference_items is deprecated: read acc.state.reference", DeprecationWarning,
                       stacklevel=2)
-        return self.state.first_reference
+        return self.state.reference
 
     @property
     def count_ratio(self) -> float:

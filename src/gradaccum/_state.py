@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Set
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -30,10 +31,10 @@ def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else convert(value)
 
 
-def _saved(default: Any, convert: Callable[[Any], Any], key: Optional[str] = None) -> Any:
-    """A field kept in ``state_dict`` under ``key`` (the name earlier gradaccum versions wrote), read
-    back through ``convert``."""
-    return field(default=default, metadata={"saved": True, "key": key, "convert": convert})
+def _saved(default: Any, convert: Callable[[Any], Any], old: Tuple[str, ...] = ()) -> Any:
+    """A field kept in ``state_dict`` under its own name, read back through ``convert``; ``old``: the
+    keys earlier gradaccum versions wrote it under, still read from their checkpoints."""
+    return field(default=default, metadata={"saved": True, "old": old, "convert": convert})
 
 
 class _Seen:
@@ -56,7 +57,7 @@ class AccumulatorState:
     """Everything a window learns for the next, owned by the ``Accumulator`` (``acc.state``) and handed
     to each window (``WindowContext.state``); ``ExactTrainer`` and Lightning's ``ExactAccumulation`` keep
     theirs in one too (``trainer.accumulator_state``, ``callback.state``), saved with their framework's
-    checkpoint. The fields a window's weighting changes (steps, skipped, first_reference,
+    checkpoint. The fields a window's weighting changes (steps, skipped, reference,
     last_window_items) are written by :class:`~gradaccum._weights.WindowWeights`, whoever drives it.
 
     Saved in ``state_dict`` (a resumed run continues bit-identically):
@@ -66,16 +67,23 @@ class AccumulatorState:
         skipped: windows that took no step (non-finite, fp16 overflow, 0 items). ``WindowWeights.record``.
         epoch: epochs ``train()`` finished: set when an epoch's loop ends (over a WindowSampler, already
             at its last window, so that a checkpoint taken there says the epoch is done).
-        first_reference: R for windows whose item count is not known before their first backward: the
-            first such backward's count (:func:`gradaccum._maths.first_reference`; Lightning's callback:
-            the accumulation times the ranks' first counts), fixed once by ``WindowWeights.fix_reference``
-            and kept. Windows that know their count use it instead.
+        reference: the running R, for windows whose item count is not known before their first backward
+            (a hand-written window without ``num_items``, Lightning's automatic loop): the first such
+            backward's count (:func:`gradaccum._maths.running_reference`; Lightning's callback: the
+            accumulation times the ranks' first counts), fixed once by ``WindowWeights.fix_reference`` and
+            kept. Windows that count first weigh by their own N instead. (Saved as ``reference_items``
+            before; ``first_reference`` is a deprecated alias.)
         count_ratio: items ``loss_fn`` counted per item counted up front, in the last window with an
             up-front count (1.0 when they are the same items). ``RankAgreement.learn``, at the boundary.
-        last_window_items: the previous window with items' global count N (the same on every rank):
-            across ranks, R for windows planned without asking. ``WindowWeights.record``.
+        last_window_items: the previous window with items' global count N (the same on every rank), for
+            the drivers' reports (``ExactTrainer.last_window_items``). ``WindowWeights.record``. (Saved as
+            ``last_items`` before.)
         auto_micro_batch_size: the micro-batch size that last worked under ``micro_batch_size="auto"``.
             ``AutoMicroBatch.step``, after the first window and after any that backed off.
+        counts_first: across ranks, every rank counted its items before the first backward in the last
+            window that exchanged, so a window whose plan does not carry N counts it first (the same
+            on every rank: :meth:`gradaccum._ranks.RankAgreement.counts_first`). ``learn``. Saved, so
+            that a resumed process counts (or not) where the uninterrupted one did.
 
     Start afresh in a new process:
 
@@ -104,10 +112,11 @@ class AccumulatorState:
     steps: int = _saved(0, int)
     skipped: int = _saved(0, int)
     epoch: int = _saved(0, int)
-    first_reference: Optional[float] = _saved(None, _optional(float), key="reference_items")
+    reference: Optional[float] = _saved(None, _optional(float), old=("reference_items",))
     count_ratio: float = _saved(1.0, float)
-    last_window_items: Optional[float] = _saved(None, _optional(float), key="last_items")
+    last_window_items: Optional[float] = _saved(None, _optional(float), old=("last_items",))
     auto_micro_batch_size: Optional[int] = _saved(None, _optional(int))
+    counts_first: bool = _saved(False, bool)
 
     windows: int = 0
     counts_from_loss_fn: bool = False
@@ -121,9 +130,16 @@ class AccumulatorState:
     checked_replays: _Seen = field(default_factory=_Seen, repr=False)
     warned: Set[str] = field(default_factory=set)
 
+    @property
+    def first_reference(self) -> Optional[float]:
+        """Deprecated: :attr:`reference` (the running R)."""
+        warnings.warn("AccumulatorState.first_reference is deprecated: read state.reference", DeprecationWarning,
+                      stacklevel=2)
+        return self.reference
+
     def saved(self) -> Dict[str, Any]:
-        """The saved fields, by their ``state_dict`` key."""
-        return {_key(f): getattr(self, f.name) for f in fields(self) if f.metadata.get("saved")}
+        """The saved fields, by their ``state_dict`` key (the field's name)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("saved")}
 
     def read_saved(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """The saved fields' values from a ``state_dict`` (one written by an earlier gradaccum too: a key
@@ -131,11 +147,12 @@ class AccumulatorState:
         values = {}
         for f in fields(self):
             if f.metadata.get("saved"):
-                raw = state.get(_key(f), f.default)
+                key = next((k for k in (f.name, *f.metadata["old"]) if k in state), f.name)
+                raw = state.get(key, f.default)
                 try:
                     values[f.name] = f.metadata["convert"](raw)
                 except (TypeError, ValueError):
-                    raise ConfigurationError(f"Accumulator.load_state_dict: {_key(f)}={raw!r} is not a number; pass "
+                    raise ConfigurationError(f"Accumulator.load_state_dict: {key}={raw!r} is not a number; pass "
                                              "what Accumulator.state_dict() returned") from None
         return values
 
@@ -152,9 +169,5 @@ class AccumulatorState:
         return first
 
 
-def _key(f: Any) -> str:
-    return f.metadata.get("key") or f.name
-
-
-#: the keys ``state_dict`` writes for the state, in field order
-SAVED_KEYS: List[str] = [_key(f) for f in fields(AccumulatorState) if f.metadata.get("saved")]
+#: the keys ``state_dict`` writes for the state (the saved fields' names), in field order
+SAVED_KEYS: List[str] = [f.name for f in fields(AccumulatorState) if f.metadata.get("saved")]

@@ -7,7 +7,7 @@ loop that owns its forward, backward and step:
 
 1. **open** it: ``WindowWeights(state, W, num_items=N)`` when the window's global N is known before the
    first backward (count first: R = N, the boundary scale is 1; N = 0 is known to be skipped), else
-   ``WindowWeights(state, W)`` with the running R of ``state.first_reference``, fixed once by the first
+   ``WindowWeights(state, W)`` with the running R of ``state.reference``, fixed once by the first
    backward (:meth:`fix_reference`) and kept in the state (a driver that cannot see the window ahead);
 2. **weigh** micro-batch k: a mean loss over n_k items by :meth:`mean_weight` (``n_k * W / R``), a
    summed loss by :meth:`sum_weight` (``W / R``); W is the number of ranks the reduction averages over;
@@ -17,8 +17,8 @@ loop that owns its forward, backward and step:
    skipped window (with a one-time warning for an empty one), and N as the last window's count.
 
 The drivers: the ``Accumulator``'s :class:`~gradaccum._window.Window` and
-:class:`~gradaccum._boundary.Boundary` (N known first where a sampler or the leading dimension gives
-it, else the running R), ``ExactTrainer`` (``get_batch_samples`` counts N first; ``compute_loss``
+:class:`~gradaccum._boundary.Boundary` (N counted first wherever the window's items are known before
+its first backward, across ranks by one small all-reduce as it opens; else the running R), ``ExactTrainer`` (``get_batch_samples`` counts N first; ``compute_loss``
 weighs; ``training_step`` skips), Lightning's ``ExactAccumulation`` (the running R: it sees a window's
 count only after its backwards). Each keeps the glue to its own hooks and its state in an
 ``AccumulatorState``, saved with its framework's checkpoint.
@@ -46,7 +46,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ._checks import Count, as_number
-from ._maths import Verdict, backward_weight, boundary_scale, first_reference, verdict
+from ._maths import Verdict, backward_weight, boundary_scale, running_reference, verdict
 from ._state import AccumulatorState
 
 __all__ = ["WindowWeights", "Closing"]
@@ -76,9 +76,9 @@ class WindowWeights:
             and fixed into it, and :meth:`record` writes the window's lesson into it.
         grad_divisor: W, the ranks the gradient reduction averages over (1 on one process).
         num_items: the window's global N, when known before its first backward (count first).
-        reference: R, when the driver knows it up front and it is not N (the Accumulator's windows
-            across ranks planned alone use the previous window's N). Default: ``num_items``, else the
-            running R.
+        reference: R, when the driver knows it up front (the Accumulator's: N times the last window's
+            ratio of the items ``loss_fn`` counted to those counted up front, 1 when they are the same
+            items). Default: ``num_items``, else the running R.
     """
 
     __slots__ = ("state", "grad_divisor", "num_items", "_reference")
@@ -95,7 +95,7 @@ class WindowWeights:
     @property
     def reference(self) -> Optional[float]:
         """R: known when the window opened, else the running R (None until its first backward fixes it)."""
-        return self._reference if self._reference is not None else self.state.first_reference
+        return self._reference if self._reference is not None else self.state.reference
 
     @property
     def empty(self) -> bool:
@@ -104,14 +104,14 @@ class WindowWeights:
 
     def fix_reference(self, estimate: Count, agree: Callable[[float], float] = float) -> float:
         """R for this window: known, or the running R; fixed now, once per state, from ``estimate`` (the
-        driver's guess at a window's N from its first backward, :func:`gradaccum._maths.first_reference`)
+        driver's guess at a window's N from its first backward, :func:`gradaccum._maths.running_reference`)
         made the same on every rank by ``agree`` (a max across ranks; the identity where the estimate is
         already agreed)."""
         known = self.reference
         if known is not None:
             return known
-        self.state.first_reference = float(agree(first_reference(as_number(estimate))))
-        return self.state.first_reference
+        self.state.reference = float(agree(running_reference(as_number(estimate))))
+        return self.state.reference
 
     def _r(self) -> float:
         r = self.reference

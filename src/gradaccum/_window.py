@@ -7,6 +7,14 @@ each other) included. :func:`gradaccum._run.run_window` drives a Window through 
 ``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off; a hand-written loop drives
 it itself (``acc.window``). The weighting, the count's verdict and the skip are the one
 :class:`~gradaccum._weights.WindowWeights` every driver uses (ExactTrainer and Lightning's callback too).
+
+In the order a :class:`Window` runs: opening asks the ranks for its :class:`~gradaccum._ranks.WindowSetup`
+(plan, R, exchange, padding; across ranks, where the plan does not carry N but the window's items were
+counted up front, the all-reduce that counts them first, read at the first backward: R = N); each
+``backward`` weighs its mean loss by ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`) into the
+:class:`~gradaccum._exchange.Tally`; before the backward that reduces across ranks the boundary's
+all-reduce starts (or the loss check is folded into the gradient: :func:`_loss_check`); ``step`` hands
+the tally to the :class:`~gradaccum._boundary.Boundary` and the ranks learn from it.
 """
 
 from __future__ import annotations
@@ -128,14 +136,9 @@ class Window:
                     window.backward(loss, num_items=len(mb[0]))
             result = window.step()
 
-    In the order it runs: opening asks the ranks for the window's :class:`~gradaccum._ranks.WindowSetup`
-    (plan, R, exchange, padding); each ``backward`` weighs its mean loss by ``n_k * W / R``
-    (:func:`gradaccum._maths.backward_weight`) into the :class:`~gradaccum._exchange.Tally`; before the
-    backward that reduces across ranks the boundary's all-reduce starts (or the loss check is folded into
-    the gradient: :func:`_loss_check`); ``step`` hands the tally to the :class:`~gradaccum._boundary.Boundary`
-    and the ranks learn from it. A rank whose data ran out opens ``acc.window(0, pad=True)`` and runs
-    ``window.padding`` zero-weight micro-batches (``backward_padding``). Leaving the block by an
-    exception, or without ``step()``, drops the window's gradients.
+    A rank whose data ran out opens ``acc.window(0, pad=True)`` and runs ``window.padding`` zero-weight
+    micro-batches (``backward_padding``). Leaving the block by an exception, or without ``step()``,
+    drops the window's gradients. The order it runs in: the module docstring.
     """
 
     def __init__(self, ctx: WindowContext, request: WindowRequest, *, micro_batch_size: Optional[Any] = None) -> None:
@@ -143,8 +146,7 @@ class Window:
         self.ctx, self.request, self.micro_batch_size = ctx, request, micro_batch_size
         #: what the ranks decided when the window opened (None before)
         self.setup: Optional[WindowSetup] = None
-        #: the window's weighting (:mod:`gradaccum._weights`), opened with the setup's R
-        self.weights: Optional[WindowWeights] = None
+        self._weights: Optional[WindowWeights] = None  # see the weights property
         self.done = 0  # micro-batches run, flush and padding included
         self.tally = Tally(ctx.device)
         self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now
@@ -162,17 +164,25 @@ class Window:
         try:
             ctx.boundary.check_scheduler()
             self.setup = ctx.ranks.open(self.request)
-            self.weights = WindowWeights(ctx.state, ctx.sync.grad_divisor, reference=self.setup.reference)
+            if self.setup.counted is None:  # else at the first backward, when the ranks' count arrives
+                self.weights  # noqa: B018 - opens the weighting now
         except BaseException:
             self._close()
             raise
         return self
 
     @property
-    def num_micro_batches(self) -> Optional[int]:
+    def micro_batches(self) -> Optional[int]:
         """Micro-batches this rank runs in the window, padding included (None when opened without a size)."""
         n = self.request.micro_batches
         return None if n is None or self.setup is None else n + self.setup.padding
+
+    @property
+    def num_micro_batches(self) -> Optional[int]:
+        """Deprecated: :attr:`micro_batches`."""
+        warnings.warn("Window.num_micro_batches is deprecated: read window.micro_batches", DeprecationWarning,
+                      stacklevel=2)
+        return self.micro_batches
 
     @property
     def padding(self) -> int:
@@ -184,18 +194,30 @@ class Window:
     def reference(self) -> Optional[float]:
         """R, the count the backward weights are divided by (see :mod:`gradaccum._maths`): known when
         the window opened, or fixed at its first backward; None before that."""
-        return self.weights.reference if self.weights is not None else self.ctx.state.first_reference
+        if self.setup is None:
+            return self.ctx.state.reference
+        return self._weights.reference if self._weights is not None else None
+
+    @property
+    def weights(self) -> WindowWeights:
+        """The window's :class:`~gradaccum._weights.WindowWeights`, opened with R when first read: as the
+        window opens, or where it counts first at its first backward, which reads the ranks' count."""
+        if self._weights is None:
+            assert self.setup is not None, "the weighting is read inside `with acc.window(...)`"
+            self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
+                                          reference=self.ctx.ranks.reference(self.setup))
+        return self._weights
 
     # -- micro-batches ---------------------------------------------------------------------------
 
     def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
         """Context for one micro-batch's forward and backward.
 
-        ``last`` defaults to "this is micro-batch number ``num_micro_batches``"; pass it when the
+        ``last`` defaults to "this is micro-batch number ``micro_batches``"; pass it when the
         window was opened without a size. Only the last micro-batch reduces gradients across ranks.
         """
         self._open_setup()
-        last = _is_last(self.done, self.num_micro_batches, last)
+        last = _is_last(self.done, self.micro_batches, last)
         return _MicroBatch(self, last and not self.request.defer and self.ctx.sync.reduces_across_ranks)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
@@ -215,7 +237,6 @@ class Window:
         elif num_items == 0:
             loss = loss.nan_to_num(0.0)  # nothing of a mean over no item reaches the gradient
         self.fix_reference(num_items)
-        assert self.weights is not None
         weighted = loss * self.weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
         self._backward(weighted)
@@ -229,14 +250,12 @@ class Window:
 
     def backward_part(self, outputs: List[torch.Tensor], grads: List[torch.Tensor], loss: torch.Tensor,
                       num_items: Count) -> None:
-        """Backpropagate one micro-batch's part of a loss over the whole window (a
-        :class:`~gradaccum.WindowLoss`, :mod:`gradaccum._cached`): ``outputs`` with ``grads``, already
-        weighed (its share of the window loss's gradient, times the backward weight of the window's N
-        items, ``N * W / R``, and the loss scale); the tally adds the window's ``loss`` for its
-        ``num_items`` items."""
+        """Backpropagate one micro-batch's part of a window loss (:mod:`gradaccum._cached`): ``outputs``
+        with ``grads`` already weighed (its share of the loss's gradient, times ``N * W / R`` and the loss
+        scale); the tally adds the window's ``loss`` for its ``num_items`` items."""
         _in_micro_batch(self, None)
         self.tally.add(loss, num_items)
-        term = self._before_reduction()
+        term = _before_reduction(self)
         extra = [] if term is None else [term]
         with torch.autocast(device_type=self.ctx.device.type, enabled=False):
             torch.autograd.backward(list(outputs) + extra, list(grads) + [None] * len(extra))  # type: ignore[list-item]
@@ -246,30 +265,15 @@ class Window:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
         this first backward's count, the largest on any rank (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
-        assert self.weights is not None
         if self.weights.reference is None and self.ctx.sync.needs_known_items:
             raise not_known_up_front()  # before any backward: nothing reached the gradient
         return self.weights.fix_reference(count, self.ctx.ranks.largest)
 
     def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
-        term = self._before_reduction()
+        term = _before_reduction(self)
         self.ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off,
                                     run=self.ctx.sync.backward)
         self.done += 1
-
-    def _before_reduction(self) -> Optional[torch.Tensor]:
-        """Before the backward that reduces across ranks every count of the window is known: start
-        the boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`);
-        or, in a window that exchanges nothing, return this rank's loss check for the backward to add."""
-        assert self.current is not None and self.setup is not None
-        if not self.current.reduces:
-            return None
-        self.reduced = True
-        if self.setup.share is not None:  # the window exchanges nothing
-            return _loss_check(self.ctx, self.tally, self.setup.share)
-        if self.ctx.boundary.launch_before_last_backward:
-            self.in_flight = self.ctx.boundary.launch(_totals(self, self.setup, ran=True))
-        return None
 
     # -- the boundary ----------------------------------------------------------------------------
 
@@ -361,11 +365,27 @@ def _loss_check(ctx: WindowContext, tally: Tally, share: float) -> torch.Tensor:
     return loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, share, probe.reshape(-1)[0])
 
 
+def _before_reduction(window: Window) -> Optional[torch.Tensor]:
+    """Before the backward that reduces across ranks every count of the window is known: start the
+    boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`); or, in a
+    window that exchanges nothing, return this rank's loss check for the backward to add."""
+    setup = window.setup
+    assert window.current is not None and setup is not None
+    if not window.current.reduces:
+        return None
+    window.reduced = True
+    if setup.share is not None:  # the window exchanges nothing
+        return _loss_check(window.ctx, window.tally, setup.share)
+    if window.ctx.boundary.launch_before_last_backward:
+        window.in_flight = window.ctx.boundary.launch(_totals(window, setup, ran=True))
+    return None
+
+
 def _totals(window: Window, setup: WindowSetup, *, ran: bool) -> WindowTotals:
     """This rank's tally and what the boundary needs with it."""
-    assert window.weights is not None
     return WindowTotals(window.tally, window.weights, ran=ran,
-                        can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), known_items=setup.known_items)
+                        can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), items=setup.items,
+                        counted_first=window.request.items is not None)
 
 
 def _check_can_step(window: Window, setup: WindowSetup) -> None:
@@ -378,7 +398,7 @@ def _check_can_step(window: Window, setup: WindowSetup) -> None:
             "window.backward(loss, num_items=...) inside `with window.micro_batch():` for each "
             "micro-batch (a plain loss.backward() is not counted, so the step could not be normalized)"
         )
-    size = window.num_micro_batches
+    size = window.micro_batches
     if size is not None and window.done != size:
         raise RuntimeError(
             f"the window was opened for {size} micro-batches but {window.done} ran; under "

@@ -194,7 +194,8 @@ class Accumulator(Resumable):
         Args:
             num_micro_batches: this rank's micro-batches in the window (0 on a rank whose data
                 ran out). Ranks agree on the counts when it opens.
-            num_items: this rank's items in the window, if known before the first backward.
+            num_items: this rank's items in the window, if known before the first backward: R = N, no
+                rescale (across ranks summed as the window opens; give it on every rank or on none).
             micro_batch_size: recorded in the window's ``StepResult.micro_batch_size`` (an int), for logs;
                 the loop itself decides how it splits its data.
             pad: this loop runs ``window.padding`` zero-weight micro-batches when the ranks' counts

@@ -6,6 +6,8 @@ prints ``PASS <name>`` on rank 0, or ``FAIL <name>: <why>`` and the run goes on.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import datetime
 import os
 import sys
@@ -580,21 +582,24 @@ def _train_counted(acc, loader, after=None, loss_fn=mse, **train):
     return results, [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
 
 
-def ddp_step_costs_one_collective_and_one_sync_per_window():
-    """acc.step with equal counts: besides DDP's buckets, one small all-reduce and one host sync per
-    window, none of either before the window's first forward; the steps stay exact. (SGD: torch's
-    single-tensor Adam reads its step counter with .item(), a sync the hand loop pays as well.)"""
+def ddp_step_counts_first_with_one_small_collective():
+    """acc.step with uneven counts across ranks and windows: besides DDP's buckets, two small all-reduces
+    and two host syncs per window: the window's counts, started as it opens (before its first forward,
+    read after it: no host sync before that forward), so every backward weighs by the window's own N
+    (R = N, no rescale), and the boundary's. Exact. (SGD: torch's single-tensor Adam reads its step
+    counter with .item(), a sync the hand loop pays as well.)"""
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"))
     steps = []
 
     def run(w, on_forward):
-        wins = [[data(r, 40 + 4 * w + k, 4) for k in range(3)] for r in range(WORLD)]
+        wins = [[data(r, 40 + 4 * w + k, 4 + (w + r + k) % 3) for k in range(3)] for r in range(WORLD)]
         steps.append(wins)
-        acc.step(wins[RANK], lambda m, b: (on_forward and on_forward(), mse(m, b))[1])
+        result = acc.step(wins[RANK], lambda m, b: (on_forward and on_forward(), mse(m, b))[1])
+        assert result.num_items == sum(len(x) for win in wins for x, _ in win), result
 
     rows = _steady_counts(run, windows=4)
-    assert all(r[0] == 1 and r[1] == 1 and r[2] == 0 and r[3] == 0 for r in rows), rows
+    assert all(r[0] == 2 and r[1] == 2 and r[2] == 0 and r[3] == 1 for r in rows), rows
     close(model.module, reference(steps, "sgd"))
     return f"(collectives, syncs, syncs before forward, collectives before forward) per window: {rows[0]}"
 
@@ -615,10 +620,127 @@ def ddp_step_with_a_rank_without_data_costs_the_same():
         assert result.num_items == (6 if w == 3 else 12), result.num_items
 
     rows = _steady_counts(run, windows=2)
-    assert all(r[0] == 1 and r[1] == 1 and r[2] == 0 for r in rows), rows
+    assert all(r[0] == 2 and r[1] == 2 and r[2] == 0 for r in rows), rows
     close(model.module, reference(steps, "sgd"))
     assert params_equal_on_all_ranks(model.module)
     return f"the empty window: {rows[1]}"
+
+
+def ddp_counted_first_is_the_plain_loop_bit_for_bit():
+    """float32, uneven counts across ranks and windows (so the previous window's N is never this one's):
+    acc.step weighs every micro-batch by the window's own N, counted across ranks first, and steps with
+    no rescale, so its parameters equal, bit for bit, those of a hand loop under DDP that backpropagates
+    ``mean_k * n_k * W / N`` with N summed across ranks beforehand. A window weighed by another R and
+    rescaled by R / N at the boundary rounds every gradient once more (measured beside it: not equal).
+    A hand-written window without num_items (the running R) is that path; one given its num_items
+    counts first, and is the plain loop too."""
+    def float_model():
+        return model_fn().float()
+
+    def windows(w):
+        return [[tuple(t.float() for t in data(r, 300 + 7 * w + k, 2 + (3 * w + 2 * r + k) % 5))
+                 for k in range(3 - r)] for r in range(WORLD)]
+
+    exact, plain, running, hand = DDP(float_model()), DDP(float_model()), DDP(float_model()), DDP(float_model())
+    acc = Accumulator(exact, make_opt(exact, "sgd"))
+    acc_running = Accumulator(running, make_opt(running, "sgd"))
+    acc_hand = Accumulator(hand, make_opt(hand, "sgd"))
+    opt = make_opt(plain, "sgd")
+    for w in range(4):
+        mine = windows(w)[RANK]
+        acc.step(mine, mse)
+        with acc_hand.window(len(mine), num_items=sum(len(x) for x, _ in mine), pad=True) as window:
+            for x, y in mine:  # a hand-written window given its count up front counts first too
+                with window.micro_batch():
+                    window.backward(mse(hand, (x, y)), num_items=len(x))
+            window.step()
+        with acc_running.window(len(mine)) as window:  # no count up front: the running R, rescaled
+            for x, y in mine:
+                with window.micro_batch():
+                    window.backward(mse(running, (x, y)), num_items=len(x))
+            window.step()
+        n = torch.tensor([float(sum(len(x) for x, _ in mine))], dtype=torch.float64)
+        dist.all_reduce(n)
+        opt.zero_grad(set_to_none=True)
+        for k, (x, y) in enumerate(mine):
+            ctx = plain.no_sync() if k < len(mine) - 1 else contextlib.nullcontext()
+            with ctx:
+                (mse(plain, (x, y)) * (len(x) * WORLD / n.item())).backward()
+        opt.step()
+    same = all(torch.equal(a, b) for a, b in zip(exact.parameters(), plain.parameters()))
+    same = same and all(torch.equal(a, b) for a, b in zip(hand.parameters(), plain.parameters()))
+    rescaled = max((a - b).abs().max().item() for a, b in zip(running.parameters(), plain.parameters()))
+    assert same, "the counted-first window is not the plain loop bit for bit"
+    assert rescaled > 0, "the rescaled path should round differently: the test has no teeth"
+    assert params_equal_on_all_ranks(exact)
+    return f"bit-equal to the plain loop; the rescaled window differs by up to {rescaled:.1e}"
+
+
+def ddp_a_rank_without_num_items_still_counts_with_the_others():
+    """Hand-written windows with pad=True: once every rank gave num_items (learned at a boundary, the
+    same on every rank), every window opens the count's all-reduce on every rank; where rank 1 gives
+    none (window 3), it still takes part (nan), so no rank waits alone, and every rank falls back to
+    the running R for that window; the next counts first again. Exact, replicas bit-equal."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    steps, flags = [], []
+    for w in range(6):
+        wins = [[data(r, 700 + 5 * w + k, 2 + (w + r + k) % 3) for k in range(2 + r)] for r in range(WORLD)]
+        steps.append(wins)
+        mine = wins[RANK]
+        count = None if (w == 3 and RANK == 1) else sum(len(x) for x, _ in mine)
+        with acc.window(len(mine), num_items=count, pad=True) as window:
+            for x, y in mine:
+                with window.micro_batch():
+                    window.backward(mse(model, (x, y)), num_items=len(x))
+            counted = window.setup.counted is not None
+            window.step()
+        flags.append((counted, acc.state.counts_first))
+    # window 0 asks the ranks; from window 1 on every window counts; window 3 told the ranks that one had none
+    assert [f[0] for f in flags] == [False, True, True, True, False, True], flags
+    close(model.module, reference(steps, "sgd"))
+    assert params_equal_on_all_ranks(model.module)
+    return f"(counted first, counts_first after) per window: {flags}"
+
+
+def ddp_a_resumed_run_counting_first_is_the_uninterrupted_one():
+    """float32 DDP, uneven windows, a loss_fn that counts its own items (a (mean, count) pair over the
+    rows whose first target is above -0.5: not the rows counted up front, so R = N times the saved
+    count ratio and the boundary rescales): stopped after 2 windows, restored into a fresh model,
+    optimizer and Accumulator (whose first window asks the ranks, where the uninterrupted one counted
+    first), the run ends bit-identical to the uninterrupted one on both ranks."""
+    def windows(w):
+        return [[tuple(t.float() for t in data(r, 500 + 7 * w + k, 3 + (2 * w + 3 * r + k) % 4))
+                 for k in range(2 + (w + r) % 2)] for r in range(WORLD)]
+
+    def loss_fn(m, b):
+        x, y = b
+        keep = y[:, 0] > -0.5
+        rows = ((m(x) - y) ** 2).mean(dim=1)
+        return (rows * keep).sum() / keep.sum().clamp(min=1), int(keep.sum())
+
+    def fresh():
+        model = DDP(model_fn().float())
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        return model, opt, Accumulator(model, opt)
+
+    whole, whole_opt, whole_acc = fresh()
+    for w in range(5):
+        whole_acc.step(windows(w)[RANK], loss_fn)
+    first, first_opt, first_acc = fresh()
+    for w in range(2):
+        first_acc.step(windows(w)[RANK], loss_fn)
+    assert first_acc.state.count_ratio != 1.0, "the test must rescale: loss_fn counts other items"
+    saved = copy.deepcopy((first.module.state_dict(), first_opt.state_dict(), first_acc.state_dict()))
+    resumed, resumed_opt, resumed_acc = fresh()
+    resumed.module.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    resumed_acc.load_state_dict(saved[2])
+    for w in range(2, 5):
+        resumed_acc.step(windows(w)[RANK], loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters())), "the resume differs"
+    assert params_equal_on_all_ranks(resumed.module)
+    return f"bit-identical after 3 resumed windows (count ratio {first_acc.state.count_ratio:.3f})"
 
 
 def ddp_train_over_a_window_sampler_costs_one_collective_per_window():
@@ -978,9 +1100,9 @@ def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
                                             loss_fn=loss_fn, accum_steps=3, epochs=2)
     # 25 items a rank: batches of 3, 3, ..., 1; rank 1 keeps 2, 2, ..., 1 of them
     assert [r.num_items for r in results] == [15, 15, 12] * 2 and not any(r.skipped for r in results), results
-    # window 0: the epoch's check, R fixed once (the items are not known up front), the replica check,
-    # the boundary; window 3: the next epoch's check too
-    assert per_window == [4, 1, 1, 2, 1, 1], per_window
+    # every window: its count (the rows collated, counted first: R = N), the boundary; window 0: the
+    # epoch's check and the replica check too; window 3: the next epoch's check too
+    assert per_window == [4, 2, 2, 3, 2, 2], per_window
     close(model.module, _one_big_batch_steps(_gathered_windows(recorded)))
     assert params_equal_on_all_ranks(model.module)
     return f"collectives per window {per_window}"
@@ -1035,7 +1157,9 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_a_fresh_rank_with_an_empty_first_share_needs_set_padding,
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
-             ddp_step_costs_one_collective_and_one_sync_per_window, ddp_step_with_a_rank_without_data_costs_the_same,
+             ddp_step_counts_first_with_one_small_collective, ddp_step_with_a_rank_without_data_costs_the_same,
+             ddp_counted_first_is_the_plain_loop_bit_for_bit, ddp_a_resumed_run_counting_first_is_the_uninterrupted_one,
+             ddp_a_rank_without_num_items_still_counts_with_the_others,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
              ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
