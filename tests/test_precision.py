@@ -350,7 +350,7 @@ def test_a_skipped_window_leaves_the_drivers_buffers_empty(tmp_path):
                            optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)),
                            callbacks=[TrainerProbe()])
     trainer.train()
-    assert trainer.windows_skipped == 1 and held["trainer"] == [0], held
+    assert trainer.skipped == 1 and held["trainer"] == [0], held
 
     class LightningProbe(pl.Callback):
         def on_train_batch_end(self, fit, pl_module, outputs, batch, batch_idx):  # noqa: ANN001, ANN201
@@ -364,4 +364,4 @@ def test_a_skipped_window_leaves_the_drivers_buffers_empty(tmp_path):
                      accelerator="cpu", devices=1)
     with pytest.warns(UserWarning, match="no optimizer or scheduler step"):
         fit.fit(LM(), torch.utils.data.DataLoader(empty, batch_size=None, shuffle=False))
-    assert callback.skipped_windows == 1 and held["lightning"][-1] == 0 and min(held["lightning"][:-1]) > 0, held
+    assert callback.skipped == 1 and held["lightning"][-1] == 0 and min(held["lightning"][:-1]) > 0, held

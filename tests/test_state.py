@@ -53,7 +53,7 @@ def test_a_checkpoint_of_an_earlier_version_still_loads():
                          "reference_items": 12.0, "count_ratio": 1.5, "last_items": 30.0,
                          "precision": acc.precision.state_dict()})
     assert (acc.state.reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
-    with pytest.warns(DeprecationWarning, match="state.reference"):
+    with pytest.warns(DeprecationWarning, match=r"first_reference is deprecated: read .reference"):
         assert acc.state.first_reference == 12.0
     assert set(acc.state_dict()) >= {"reference", "last_window_items"}
     assert not set(acc.state_dict()) & {"reference_items", "last_items"}

@@ -363,19 +363,19 @@ class RankAgreement:
             return None
         return WindowPlan(mine, most, fewest, items, share=share if items is not None else None)
 
-    def agree(self, num_micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
+    def agree(self, micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
         """Every rank's micro-batch count and up-front item count, from one small all-gather."""
         if not self.rules.shares_windows:
-            plan = local_plan(self.state, self.rules, WindowRequest(num_micro_batches, num_items))
+            plan = local_plan(self.state, self.rules, WindowRequest(micro_batches, num_items))
             assert plan is not None
             return plan
         known = num_items is not None
-        mine = torch.tensor([float(num_micro_batches), 0.0 if num_items is None else as_number(num_items),
+        mine = torch.tensor([float(micro_batches), 0.0 if num_items is None else as_number(num_items),
                              1.0 if known else 0.0, 1.0 if can_pad else 0.0],
                             dtype=count_dtype(self.device), device=self.device)
         rows = self.sync.all_gather(mine).tolist()  # the agreement's one host synchronisation
         counts = [int(r[0]) for r in rows]
-        plan = WindowPlan(num_micro_batches, max(counts), min(counts),
+        plan = WindowPlan(micro_batches, max(counts), min(counts),
                           sum(r[1] for r in rows) if all(r[2] for r in rows) else None, asked=True)
         stuck = [r for r, row in enumerate(rows)
                  if padded_count(int(row[0]), plan.most, self.rules.needs_equal_counts) > row[0] and not row[3]]

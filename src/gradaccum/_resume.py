@@ -5,9 +5,9 @@ loss scaler. Nothing here keeps a value of its own."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, Optional
 
+from ._deprecated import renamed
 from ._state import AccumulatorState
 from .precision import MixedPrecision
 
@@ -56,19 +56,9 @@ class Resumable:
     def auto_micro_batch_size(self, value: Optional[int]) -> None:
         self.state.auto_micro_batch_size = value
 
-    @property
-    def reference_items(self) -> Optional[float]:
-        """Deprecated: ``acc.state.reference``."""
-        warnings.warn("Accumulator.reference_items is deprecated: read acc.state.reference", DeprecationWarning,
-                      stacklevel=2)
-        return self.state.reference
+    reference_items = renamed("reference_items", "state.reference")
 
-    @property
-    def count_ratio(self) -> float:
-        """Deprecated: ``acc.state.count_ratio``."""
-        warnings.warn("Accumulator.count_ratio is deprecated: read acc.state.count_ratio", DeprecationWarning,
-                      stacklevel=2)
-        return self.state.count_ratio
+    count_ratio = renamed("count_ratio", "state.count_ratio")
 
     def state_dict(self) -> Dict[str, Any]:
         """What resuming needs beyond the model and optimizer: the saved fields of ``acc.state``

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field, fields
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from ._deprecated import renamed
 from .errors import ConfigurationError
 
 __all__ = ["AccumulatorState", "SAVED_KEYS"]
@@ -130,12 +130,7 @@ class AccumulatorState:
     checked_replays: _Seen = field(default_factory=_Seen, repr=False)
     warned: Set[str] = field(default_factory=set)
 
-    @property
-    def first_reference(self) -> Optional[float]:
-        """Deprecated: :attr:`reference` (the running R)."""
-        warnings.warn("AccumulatorState.first_reference is deprecated: read state.reference", DeprecationWarning,
-                      stacklevel=2)
-        return self.reference
+    first_reference = renamed("first_reference", "reference")
 
     def saved(self) -> Dict[str, Any]:
         """The saved fields, by their ``state_dict`` key (the field's name)."""

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ._boundary import Boundary, InFlight, Outcome, WindowTotals
+from ._deprecated import renamed
 from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
 from ._exchange import Tally
 from ._gradients import WindowGradients
@@ -121,7 +122,7 @@ class _MicroBatch:
 
 class Window:
     """One open window: its micro-batches, each a forward and backward, then one ``step()``. Not built
-    directly: ``acc.window(num_micro_batches)`` opens one (the constructor's arguments are the
+    directly: ``acc.window(micro_batches)`` opens one (the constructor's arguments are the
     Accumulator's parts).
 
     The lower-level path for people who keep their own loop (``Accumulator.step`` and ``train`` are
@@ -177,12 +178,7 @@ class Window:
         n = self.request.micro_batches
         return None if n is None or self.setup is None else n + self.setup.padding
 
-    @property
-    def num_micro_batches(self) -> Optional[int]:
-        """Deprecated: :attr:`micro_batches`."""
-        warnings.warn("Window.num_micro_batches is deprecated: read window.micro_batches", DeprecationWarning,
-                      stacklevel=2)
-        return self.micro_batches
+    num_micro_batches = renamed("num_micro_batches", "micro_batches")
 
     @property
     def padding(self) -> int:
@@ -323,7 +319,7 @@ class Window:
 
 def _check_request(ctx: WindowContext, request: WindowRequest) -> None:
     if request.micro_batches is not None and not (ctx.sync.allows_empty_share and request.micro_batches == 0):
-        positive_int("num_micro_batches", request.micro_batches)
+        positive_int("micro_batches", request.micro_batches)
     if request.items is not None:
         item_count("num_items", request.items)
 
@@ -332,7 +328,7 @@ def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
     """Whether the next micro-batch is the window's last (the one that reduces across ranks)."""
     if size is not None and done >= size:
         raise RuntimeError(f"the window was opened for {size} micro-batches and all have run; "
-                           "call window.step(), or open it with the right num_micro_batches")
+                           "call window.step(), or open it with the right micro_batches")
     if last is None:
         if size is None:
             raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")

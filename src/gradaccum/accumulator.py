@@ -187,12 +187,12 @@ class Accumulator(Resumable):
         assert result is not None
         return result
 
-    def window(self, num_micro_batches: Optional[int] = None, *, num_items: Optional[Count] = None,
+    def window(self, micro_batches: Optional[int] = None, *, num_items: Optional[Count] = None,
                micro_batch_size: Optional[Any] = None, pad: bool = False) -> Window:
         """Open a window for a hand-written loop (see :class:`~gradaccum.Window`).
 
         Args:
-            num_micro_batches: this rank's micro-batches in the window (0 on a rank whose data
+            micro_batches: this rank's micro-batches in the window (0 on a rank whose data
                 ran out). Ranks agree on the counts when it opens.
             num_items: this rank's items in the window, if known before the first backward: R = N, no
                 rescale (across ranks summed as the window opens; give it on every rank or on none).
@@ -203,7 +203,7 @@ class Accumulator(Resumable):
                 Without it such a window is refused on every rank alike.
         """
         self.context.slot.check_idle()
-        return Window(self.context, WindowRequest(num_micro_batches, num_items, can_pad=pad),
+        return Window(self.context, WindowRequest(micro_batches, num_items, can_pad=pad),
                       micro_batch_size=micro_batch_size)
 
     def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,

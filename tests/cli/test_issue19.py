@@ -53,20 +53,20 @@ def test_a_diverging_run_says_so_exits_3_and_writes_strict_json(tmp_path):
     assert sum(r["skipped"] for r in train) == 10
     assert [r["step"] for r in train if r["skipped"]] == [2] * 10  # the step count repeats on a skipped window
     summary = strict((out / "summary.json").read_text())
-    assert summary["skipped_windows"] == 10 and summary["windows"] == 12 and summary["test_loss"] is None
+    assert summary["skipped"] == 10 and summary["windows"] == 12 and summary["test_loss"] is None
     assert summary["skipped_at_end"] == 10  # windows 3 to 12
     for row in csv.DictReader((out / "metrics.csv").read_text().splitlines()):
         assert row["loss"].lower() not in ("nan", "inf")
 
 
 @pytest.mark.parametrize("summary, diverged", [
-    ({"windows": 48, "skipped_windows": 17, "skipped_at_end": 17, "last_loss": 1e25}, True),  # stuck at the end
-    ({"windows": 48, "skipped_windows": 3, "skipped_at_end": 3, "last_loss": 0.5}, True),
-    ({"windows": 48, "skipped_windows": 5, "skipped_at_end": 2, "last_loss": 0.5}, False),  # fp16 overflows
-    ({"windows": 2, "skipped_windows": 1, "skipped_at_end": 1, "last_loss": 0.5}, False),
-    ({"windows": 2, "skipped_windows": 2, "skipped_at_end": 2, "last_loss": 0.5}, True),
-    ({"windows": 48, "skipped_windows": 25, "skipped_at_end": 0, "last_loss": 0.5}, True),  # most skipped
-    ({"windows": 48, "skipped_windows": 0, "skipped_at_end": 0, "last_loss": None}, True),  # no loss at the end
+    ({"windows": 48, "skipped": 17, "skipped_at_end": 17, "last_loss": 1e25}, True),  # stuck at the end
+    ({"windows": 48, "skipped": 3, "skipped_at_end": 3, "last_loss": 0.5}, True),
+    ({"windows": 48, "skipped": 5, "skipped_at_end": 2, "last_loss": 0.5}, False),  # fp16 overflows
+    ({"windows": 2, "skipped": 1, "skipped_at_end": 1, "last_loss": 0.5}, False),
+    ({"windows": 2, "skipped": 2, "skipped_at_end": 2, "last_loss": 0.5}, True),
+    ({"windows": 48, "skipped": 25, "skipped_at_end": 0, "last_loss": 0.5}, True),  # most skipped
+    ({"windows": 48, "skipped": 0, "skipped_at_end": 0, "last_loss": None}, True),  # no loss at the end
 ])
 def test_a_run_whose_last_windows_were_all_skipped_exits_3(summary, diverged):
     """A run that trained, then skipped every window of its end (a new user's: 17 of 48 windows, the

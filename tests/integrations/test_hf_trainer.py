@@ -82,7 +82,7 @@ def test_every_head_is_exact(kind):
 def test_a_window_without_items_is_skipped(tmp_path):
     """A window whose every label is -100 (float64 GPT-2, AdamW with weight decay): no optimizer step (the
     weights equal a reference that never saw the window, so weight decay did not move them), no scheduler
-    step, global_step not advanced, no checkpoint for it, windows_skipped counts it. Resuming from the
+    step, global_step not advanced, no checkpoint for it, skipped counts it. Resuming from the
     checkpoint after it skips its data too (bit-identical to the straight run). The stock Trainer steps on it."""
     micro = S.rank_micro_batches(0, [2, 3, 1, 2, 3, 1, 2, 2, 1, 3])  # windows of 3, 3, 3 and 1
     for mb in micro[3:6]:
@@ -92,7 +92,7 @@ def test_a_window_without_items_is_skipped(tmp_path):
     ref = S.reference(model, windows, optimizer=adamw)
     exact, trainer = S.hf_fit(model, [micro], exact=True, optimizer=adamw, out=str(tmp_path / "a"), save=True)
     assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
-    assert trainer.state.global_step == 3 and trainer.windows_skipped == 1
+    assert trainer.state.global_step == 3 and trainer.skipped == 1
     assert trainer.lr_scheduler.last_epoch == 3
     assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == [f"checkpoint-{i}" for i in (1, 2, 3)]
     saved = json.loads((tmp_path / "a" / "checkpoint-1" / "trainer_state.json").read_text())
@@ -102,7 +102,7 @@ def test_a_window_without_items_is_skipped(tmp_path):
             if k in ("steps", "skipped")} == {"steps": 2, "skipped": 1}  # the skip is in the checkpoint after it
     resumed, again = S.hf_fit(model, [micro], exact=True, optimizer=adamw, out=str(tmp_path / "b"),
                               resume=str(tmp_path / "a" / "checkpoint-2"))
-    assert again.state.global_step == 3 and again.windows_skipped == 1
+    assert again.state.global_step == 3 and again.skipped == 1
     assert all(torch.equal(p, q) for p, q in zip(exact.parameters(), resumed.parameters()))
     stock, _ = S.hf_fit(model, [micro], exact=False, optimizer=adamw)
     assert not S.max_diff(stock, ref) < 1e-6  # nan, or a step on the empty window

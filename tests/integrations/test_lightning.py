@@ -184,7 +184,7 @@ def test_a_window_of_zero_items_is_skipped():
         net, trainer, cb = S.masked_fit(micro, exact=True)
     assert len([w for w in caught if "counted 0 items" in str(w.message)]) == 1
     assert S.params_close(net, S.masked_reference([micro])) is None, S.params_close(net, S.masked_reference([micro]))
-    assert trainer.global_step == 2 and cb.skipped_windows == 1
+    assert trainer.global_step == 2 and cb.skipped == 1
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2
     assert all(state["step"] == 2 for state in trainer.optimizers[0].state.values())
 
@@ -204,15 +204,15 @@ def test_a_resume_after_a_skipped_window_is_the_uninterrupted_run(tmp_path):
     again_order = [masked[k] for k in (2, 3, 0, 1, 4, 5)]
     data = lambda: S.EpochBatches([micro, again_order])  # noqa: E731
     straight, trainer, cb = S.masked_fit(data(), exact=True, epochs=2)
-    assert trainer.global_step == 4 and cb.skipped_windows == 2
+    assert trainer.global_step == 4 and cb.skipped == 2
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     _, first, cut = S.masked_fit(data(), exact=True, epochs=1, callbacks=[ckpt], root=str(tmp_path))
-    assert first.global_step == 2 and cut.skipped_windows == 1
+    assert first.global_step == 2 and cut.skipped == 1
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert saved[ExactAccumulation.CHECKPOINT_KEY] == cut.state.saved()
     resumed, again, cb2 = S.masked_fit(data(), exact=True, epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
                                        root=str(tmp_path))
-    assert again.global_step == 4 and cb2.skipped_windows == 2 and cb2.state.steps == 4
-    assert cb2.state.first_reference == cb.state.first_reference == 6.0
+    assert again.global_step == 4 and cb2.skipped == 2 and cb2.state.steps == 4
+    assert cb2.state.reference == cb.state.reference == 6.0
     assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
     assert S.params_close(straight, S.masked_reference([micro + again_order])) is None

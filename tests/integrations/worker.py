@@ -99,8 +99,8 @@ def lightning_zero_item_windows(name: str) -> str:
     exact, trainer, cb = S.masked_fit(per_rank[RANK], exact=True, world=WORLD)
     native, _, _ = S.masked_fit(per_rank[RANK], exact=False, world=WORLD)
     lr_steps = trainer.lr_scheduler_configs[0].scheduler.last_epoch
-    if (trainer.global_step, cb.skipped_windows, lr_steps) != (2, 1, 2):
-        return (f"FAIL {name}: global_step {trainer.global_step}, skipped {cb.skipped_windows}, scheduler steps "
+    if (trainer.global_step, cb.skipped, lr_steps) != (2, 1, 2):
+        return (f"FAIL {name}: global_step {trainer.global_step}, skipped {cb.skipped}, scheduler steps "
                 f"{lr_steps}; expected 2, 1, 2")
     return verdict(name, exact, native, ref, f", last window N={cb.last_window_items:.0f}")
 
@@ -180,7 +180,7 @@ def hf_fsdp2_zero_item_windows(name: str) -> str:
     ref = S.reference(model, windows, optimizer=S.adamw)
     exact, trainer = S.hf_fit(model, per_rank, exact=True, optimizer=S.adamw, fsdp_version=2)
     native, _ = S.hf_fit(model, per_rank, exact=False, optimizer=S.adamw, fsdp_version=2)
-    counts = (trainer.state.global_step, trainer.windows_skipped, trainer.lr_scheduler.last_epoch)
+    counts = (trainer.state.global_step, trainer.skipped, trainer.lr_scheduler.last_epoch)
     if counts != (2, 1, 2):
         return f"FAIL {name}: global_step, windows skipped, scheduler steps {counts}; expected (2, 1, 2)"
     return verdict(name, unsharded(exact, model), unsharded(native, model), ref,

@@ -431,7 +431,7 @@ def _summary(parts: RunParts, plan: ResumePlan, history: List[Dict[str, Any]], l
     micro_batch_size = parts.micro_batch_size  # as it ran: at most a full window's share of one rank
     summary: Dict[str, Any] = dict(metrics)
     reported = [r for r in rows if r["loss"] is not None]  # under --loss-every K, every K-th window
-    summary.update(steps=acc.steps, windows=len(rows), skipped_windows=sum(1 for r in rows if r.get("skipped")),
+    summary.update(steps=acc.steps, windows=len(rows), skipped=sum(1 for r in rows if r.get("skipped")),
                    skipped_at_end=_trailing(rows, lambda r: bool(r.get("skipped"))),
                    last_loss=reported[-1]["loss"] if reported else None,
                    last_loss_step=reported[-1].get("step") if reported else None,

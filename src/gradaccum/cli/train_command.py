@@ -189,7 +189,8 @@ STUCK_WINDOWS = 3
 def _raise_if_diverged(summary: Dict[str, Any], cfg: Any, out: Path) -> None:
     """Exit 3 when the run ended with a non-finite loss, with its last windows all skipped, or with
     most of its windows skipped."""
-    windows, skipped = summary.get("windows"), summary.get("skipped_windows")
+    windows = summary.get("windows")
+    skipped = summary.get("skipped", summary.get("skipped_windows"))  # an older summary: skipped_windows
     if not windows or skipped is None:
         return  # a summary written before these counts existed
     last = summary.get("last_loss")

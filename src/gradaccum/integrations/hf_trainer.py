@@ -28,6 +28,7 @@ from .._batch_items import HEADS, BatchItems, SetMean, check_head
 from .._driven import DrivenWindow, retire_buffers
 from .._gradients import AccumulationBuffers
 from .._patching import NoStep, swapped
+from .._deprecated import renamed
 from .._state import AccumulatorState
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
@@ -214,7 +215,7 @@ class ExactTrainer(Trainer):
     with ``L_k`` micro-batch k's mean loss over its ``n_k`` items (how, and what an item is by loss
     source: :func:`loss_source` and docs/guides/hf-trainer.md). The logged ``loss`` is the window's
     mean over all ranks; ``eval_loss`` the item-weighted mean over the whole evaluation set.
-    ``windows_skipped`` counts the windows of ``N = 0`` skipped.
+    ``skipped`` counts the windows of ``N = 0`` skipped.
 
     Args:
         *args: As for ``transformers.Trainer`` (or the subclass).
@@ -293,8 +294,10 @@ class ExactTrainer(Trainer):
         """Whether the window being trained takes an optimizer step (it holds items; True before any window)."""
         return not (self._window is not None and self._window.skip)
 
+    windows_skipped = renamed("windows_skipped", "skipped")
+
     @property
-    def windows_skipped(self) -> int:
+    def skipped(self) -> int:
         """Windows of no item skipped since the run began (resumed runs included): the state's ``skipped``."""
         return self.accumulator_state.skipped
 

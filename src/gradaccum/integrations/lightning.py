@@ -35,6 +35,7 @@ from .._driven import DrivenWindow, retire_buffers
 from .._gradients import AccumulationBuffers
 from .._maths import Verdict
 from .._patching import swapped
+from .._deprecated import renamed
 from .._state import AccumulatorState
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
@@ -61,7 +62,7 @@ class ExactAccumulation(Callback):
     How: docs/guides/lightning.md ("What it changes"). What windows teach each other is :attr:`state`,
     in Lightning's checkpoint. A window of ``N = 0`` items (every label ignored, on every rank) is
     skipped as the core skips it: no optimizer or scheduler step, ``global_step`` not advanced,
-    :attr:`skipped_windows` counts it, a warning says so once.
+    :attr:`skipped` counts it, a warning says so once.
     What stays Lightning's (the logged loss, ``gradient_clip_val``, schedulers), the cost, and the
     limits: docs/guides/lightning.md ("What it changes", "Limits").
 
@@ -111,8 +112,10 @@ class ExactAccumulation(Callback):
         self.skipping = False                     #: the window that just closed counted 0 items
         self._hooks = _ModuleHooks()              # the module's hooks wrapped for this fit
 
+    skipped_windows = renamed("skipped_windows", "skipped")
+
     @property
-    def skipped_windows(self) -> int:
+    def skipped(self) -> int:
         """Windows of 0 items skipped in this fit (a resumed fit included): ``state.skipped``."""
         return self.state.skipped
 
@@ -214,7 +217,7 @@ class ExactAccumulation(Callback):
             trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
             self.skipping = True
             said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
-                    "ExactAccumulation.skipped_windows counts them") if trainer.is_global_zero else None
+                    "ExactAccumulation.skipped counts them") if trainer.is_global_zero else None
         window.record(closing, warn_empty=said)
 
 
