@@ -19,7 +19,7 @@ WORKER = str(ROOT / "tests" / "integrations" / "grpo_worker.py")
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "sapo", "luspo", "cispo", "vespo")
 SCENARIOS = ([f"grpo_ddp_{lt}_kl_entropy" for lt in LOSS_TYPES]
              + ["grpo_ddp_dapo_short_last_step", "rloo_ddp_short_last_step",
-                "grpo_ddp_moe_grpo_entropy", "rloo_ddp_moe_short_last_step"])
+                "grpo_ddp_dapo_empty_steps", "grpo_ddp_moe_grpo_entropy", "rloo_ddp_moe_short_last_step"])
 
 
 @pytest.fixture(scope="module")
