@@ -4,7 +4,9 @@
 term and the entropy bonus on; stock TRL is off by more than 1e-6 for every one of them (the entropy
 bonus, and for bnpo, dapo, cispo and vespo their normalisers) and exact for RLOO (every micro-batch
 holds as many sequences) except where an MoE model's router loss is on (the moe scenarios: its
-load-balancing loss over both ranks' micro-batches, where TRL adds each micro-batch's over K).
+load-balancing loss over both ranks' micro-batches, where TRL adds each micro-batch's over K). The
+empty-steps scenario skips a step with no completion token on either rank and steps on one whose tokens
+are all on one rank.
 """
 from __future__ import annotations
 
