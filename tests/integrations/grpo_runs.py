@@ -215,7 +215,9 @@ def big_batch_loss(model: nn.Module, step: Sequence[Dict[str, torch.Tensor]], lo
     parts = [_token_terms(model, mb, loss_type, cfg, routed) for mb in step]
     aux = cfg.get("router_aux_loss_coef")
     aux = getattr(model.config, "router_aux_loss_coef", 0.0) if aux is None else aux
-    balance = aux * load_balancing_loss(routed, model.config.num_experts_per_tok) if routed and aux else 0.0
+    lbl = load_balancing_loss(routed, model.config.num_experts_per_tok) if routed and aux else None
+    balance = 0.0 if lbl is None else aux * lbl
+    model.step_balance.append(None if lbl is None else lbl.item())  # as TRL logs it: aux_loss
     rows = sum(m.shape[0] for _, m, _ in parts)
     tokens = sum(m.sum() for _, m, _ in parts).clamp(min=1.0)
     if loss_type == "rloo":
@@ -247,6 +249,7 @@ def reference(model: nn.Module, steps: Sequence[Sequence[Dict[str, torch.Tensor]
     ``entropy_coef_delta`` within its bounds)."""
     model = copy.deepcopy(model).train()
     model.step_losses = []  # each step's loss, to compare with what the trainer logs
+    model.step_balance = []  # each step's load-balancing loss (an MoE model's router loss; None without)
     coef, last = cfg.get("entropy_coef", 0.0), math.inf  # the adaptive controller: TRL's documented rule
     for step in steps:
         model.zero_grad(set_to_none=True)
