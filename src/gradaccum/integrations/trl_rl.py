@@ -198,8 +198,8 @@ class _ExactRL:
         self._closing = self._weights[0].close(self.last_step_count.items)  # step, or skip a step of N = 0
         self._ran = 0
         if self.router_balance is not None:  # the step's expert counts, every rank's, before any backward
-            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model),  # type: ignore[attr-defined]
-                                          [_model_inputs(inputs) for inputs in prepared], device,
+            unwrapped = self.accelerator.unwrap_model(self.model)  # type: ignore[attr-defined]
+            self._balance = WindowBalance(self.router_balance, unwrapped, [_model_inputs(b) for b in prepared], device,
                                           self.model_wrapped, who=type(self).__name__)  # type: ignore[attr-defined]
             self._balance_sum = torch.zeros((), dtype=torch.float64, device=device)
         return batch_samples, None
@@ -231,7 +231,9 @@ class _ExactRL:
             raise RuntimeError(f"{type(self).__name__}.compute_loss in training before get_batch_samples counted "
                                "the step")
         coef = self._entropy_coef_now()
-        trl = lambda: super(_ExactRL, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]  # noqa: E731
+        def trl() -> torch.Tensor:  # TRL's loss, metrics and logs
+            trl_loss = super(_ExactRL, self).compute_loss  # type: ignore[misc]
+            return trl_loss(model, inputs, return_outputs, num_items_in_batch)
         balance, part = self._balance, None
         self._captured = []
         try:  # an MoE model: the forward replayed as counted, its router logits read, TRL's own aux term off
@@ -250,7 +252,8 @@ class _ExactRL:
         loss = loss if bonus is None else loss + bonus
         if part is not None and balance is not None:  # coef * this micro-batch's part of the step's LBL, times W
             self._balance_sum = self._balance_sum + part.detach() / balance.routing.term.coef
-            loss = loss + part * (self.accelerator.num_processes if self._closing.steps else 0.0)  # type: ignore[union-attr, attr-defined]
+            steps = self._closing is not None and self._closing.steps
+            loss = loss + part * (self.accelerator.num_processes if steps else 0.0)  # type: ignore[attr-defined]
             if not self._prepared:  # before the step's last backward, every rank alike: routed as counted
                 balance.check()
         return loss
