@@ -24,12 +24,18 @@ START, END = "<!-- grpo table: make bench writes it -->", "<!-- /grpo table -->"
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "sapo", "luspo", "cispo", "vespo")
 
 
+#: the row of an MoE model whose router loss TRL turns on (a tiny Qwen3-MoE; 3 prompts: steps of 4 and 2
+#: micro-batches)
+MOE_ROW = "spg 2, GA 4, MoE router loss"
+
+
 def _settings() -> Dict[str, Dict[str, Any]]:
     from integrations import grpo_runs as G
 
     out: Dict[str, Dict[str, Any]] = {name: dict(s) for name, s in G.SETTINGS.items()}
     out["GA 3, spg 2, short last step"] = dict(G.SHORT_LAST)
     out["spg 4, GA 2, KL + entropy bonus"] = dict(G.SETTINGS["spg 4, GA 2"], beta=0.04, entropy_coef=0.05)
+    out[MOE_ROW] = dict(G.SETTINGS["spg 2, GA 4"], prompt_count=3)
     return out
 
 
@@ -41,15 +47,20 @@ def one_process() -> List[Dict[str, Any]]:
     from integrations import grpo_runs as G
     from integrations.trl_data import float64_log_probs
 
-    model, rows = G.base_model(), []
+    from integrations.moe_models import moe_model
+
+    llama, rows = G.base_model(), []
     settings = _settings()
     with float64_log_probs():
         for name, config in (list(settings.items())[:2] if QUICK else settings.items()):
             row: Dict[str, Any] = {"setting": name}
+            model = moe_model("qwen3_moe") if name == MOE_ROW else llama
             for loss_type in (LOSS_TYPES[:2] if QUICK else LOSS_TYPES):
                 stock, exact, _ = G.run_pair(GRPOTrainer, ExactGRPOTrainer, model, loss_type, **config)
                 row[loss_type] = (stock, exact)
             rloo = {k: v for k, v in config.items() if k != "entropy_coef"}  # RLOO has no entropy bonus
+            if name == MOE_ROW:
+                rloo["beta"] = 0.0  # RLOO's default KL term would load its reference model from a folder
             row["rloo"] = G.run_pair(RLOOTrainer, ExactRLOOTrainer, model, "rloo", rloo=True, **rloo)[:2]
             rows.append(row)
     return rows
@@ -76,7 +87,9 @@ def render(r: Dict[str, Any]) -> str:
            table(cells, columns, headers={c: f"`{c}`" for c in columns if c != "setting"}), ""]
     if r["two_processes"]:
         out += ["Two processes (DDP, gloo; `spg 4, GA 2` with `beta=0.04`, `entropy_coef=0.05`, or GA 3, spg 2 "
-                "with a short last step), as `tests/integrations/grpo_worker.py` prints them:", "", "```"]
+                "with a short last step; `moe`: a tiny Qwen3-MoE with its router loss, `spg 4, GA 2` with "
+                "`entropy_coef=0.05`, or RLOO with a short last step), as `tests/integrations/grpo_worker.py` "
+                "prints them:", "", "```"]
         out += [re.sub(r"; tokens per step and rank .*", "", line) for line in r["two_processes"]] + ["```", ""]
     return "\n".join(out)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -98,11 +98,16 @@ def base_model() -> nn.Module:
     return model
 
 
+def sgd(params: Any) -> torch.optim.Optimizer:
+    """Plain SGD at :data:`LR` (the reference's step)."""
+    return torch.optim.SGD(params, lr=LR)
+
+
 def fit(cls: type, model: nn.Module, *, prompt_count: int = PROMPTS, rloo: bool = False, train: bool = True,
-        **config: Any) -> Tuple[nn.Module, Any]:
+        optimizer: Callable[[Any], torch.optim.Optimizer] = sgd, **config: Any) -> Tuple[nn.Module, Any]:
     """``cls`` (a GRPO or RLOO trainer, made :func:`fixed`) trained one epoch (unless ``train=False``)
-    on ``prompt_count`` prompts with a copy of ``model``: plain SGD at a constant rate, no clipping,
-    TRL's defaults otherwise."""
+    on ``prompt_count`` prompts with a copy of ``model``: ``optimizer`` (plain SGD) at a constant rate,
+    no clipping, TRL's defaults otherwise."""
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, RLOOConfig
@@ -116,7 +121,7 @@ def fit(cls: type, model: nn.Module, *, prompt_count: int = PROMPTS, rloo: bool 
                     model_init_kwargs={"dtype": torch.float64})
     settings.update(config)
     args = (RLOOConfig if rloo else GRPOConfig)(**settings)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = optimizer(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     trainer = fixed(cls)(model=model, reward_funcs=reward, args=args, processing_class=tokenizer(),
                          train_dataset=Dataset.from_list(prompts(prompt_count)), optimizers=(opt, sched))
@@ -138,14 +143,18 @@ def _default(cfg: Dict[str, Any], name: str) -> Any:
     return cfg[name] if name in cfg else GRPOConfig.__dataclass_fields__[name].default
 
 
-def _token_terms(model: nn.Module, mb: Dict[str, torch.Tensor], loss_type: str, cfg: Dict[str, Any]):
+def _token_terms(model: nn.Module, mb: Dict[str, torch.Tensor], loss_type: str, cfg: Dict[str, Any], routed: list):
     """Per-token policy terms ``l``, the mask ``m``, the entropies ``H`` of one recorded micro-batch
-    (GRPO), or per-sequence terms (RLOO: ``loss_type == "rloo"``)."""
+    (GRPO), or per-sequence terms (RLOO: ``loss_type == "rloo"``); an MoE model's router logits and
+    token mask appended to ``routed``."""
     prompt, completion_ids = mb["prompt_ids"], mb["completion_ids"]
     ids = torch.cat([prompt, completion_ids], dim=1)
     attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
     width = completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, -width - 1:-1] / cfg.get("temperature", 1.0)
+    out = model(input_ids=ids, attention_mask=attention)
+    if getattr(out, "router_logits", None) is not None:
+        routed.append((out.router_logits, attention.reshape(-1)))
+    logits = out.logits[:, -width - 1:-1] / cfg.get("temperature", 1.0)
     log_p = logits.log_softmax(-1)
     logp = log_p.gather(-1, completion_ids[..., None]).squeeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
@@ -184,15 +193,35 @@ def _token_terms(model: nn.Module, mb: Dict[str, torch.Tensor], loss_type: str, 
     return term.expand_as(m), m, entropy
 
 
+def load_balancing_loss(routed: Sequence[Tuple[Sequence[torch.Tensor], torch.Tensor]], top_k: int) -> torch.Tensor:
+    """transformers' load-balancing loss (``load_balancing_loss_func``, as documented) over every forward
+    in ``routed`` as one batch: ``E * sum_e (C_e / T) (P_e / T)``, ``C_e`` the top-k choices of expert e
+    and ``P_e`` its summed router probability over every layer's unmasked tokens, ``T`` those rows."""
+    chosen = probs = rows = 0.0
+    for layers, mask in routed:
+        for logits in layers:
+            p = logits.softmax(-1) * mask[:, None]
+            top = torch.zeros_like(p).scatter(-1, logits.topk(top_k, dim=-1).indices, 1.0) * mask[:, None]
+            chosen, probs, rows = chosen + top.detach().sum(0), probs + p.sum(0), rows + mask.sum()
+    return chosen.shape[-1] * (chosen / rows * probs / rows).sum()
+
+
 def big_batch_loss(model: nn.Module, step: Sequence[Dict[str, torch.Tensor]], loss_type: str,
                    cfg: Dict[str, Any], entropy_coef: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The loss type's formula over the step's whole batch (see gradaccum.integrations.trl_rl), with the
-    entropy bonus at ``entropy_coef`` (default: ``cfg``'s), and the step's mean entropy."""
-    parts = [_token_terms(model, mb, loss_type, cfg) for mb in step]
+    entropy bonus at ``entropy_coef`` (default: ``cfg``'s), and the step's mean entropy; an MoE model's
+    ``router_aux_loss_coef`` (cfg's, else its config's) times the step's load-balancing loss added."""
+    routed: list = []
+    parts = [_token_terms(model, mb, loss_type, cfg, routed) for mb in step]
+    aux = cfg.get("router_aux_loss_coef")
+    aux = getattr(model.config, "router_aux_loss_coef", 0.0) if aux is None else aux
+    lbl = load_balancing_loss(routed, model.config.num_experts_per_tok) if routed and aux else None
+    balance = 0.0 if lbl is None else aux * lbl
+    model.step_balance.append(None if lbl is None else lbl.item())  # as TRL logs it: aux_loss
     rows = sum(m.shape[0] for _, m, _ in parts)
     tokens = sum(m.sum() for _, m, _ in parts).clamp(min=1.0)
     if loss_type == "rloo":
-        return sum(t.sum() for t, _, _ in parts) / rows, torch.tensor(0.0)
+        return sum(t.sum() for t, _, _ in parts) / rows + balance, torch.tensor(0.0)
     if loss_type in ("grpo", "sapo"):
         total = sum(((t * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum() for t, m, _ in parts) / rows
     elif loss_type == "luspo":
@@ -203,7 +232,7 @@ def big_batch_loss(model: nn.Module, step: Sequence[Dict[str, torch.Tensor]], lo
         total = sum((t * m).sum() for t, m, _ in parts) / tokens
     entropy = sum((h * m).sum() for _, m, h in parts) / tokens  # the step's token mean
     coef = cfg.get("entropy_coef", 0.0) if entropy_coef is None else entropy_coef
-    return total - coef * entropy, entropy.detach()
+    return total - coef * entropy + balance, entropy.detach()
 
 
 def steps_of(recorded: Sequence[Sequence[Tuple[int, Dict[str, torch.Tensor]]]]) -> List[List[Dict[str, torch.Tensor]]]:
@@ -220,6 +249,7 @@ def reference(model: nn.Module, steps: Sequence[Sequence[Dict[str, torch.Tensor]
     ``entropy_coef_delta`` within its bounds)."""
     model = copy.deepcopy(model).train()
     model.step_losses = []  # each step's loss, to compare with what the trainer logs
+    model.step_balance = []  # each step's load-balancing loss (an MoE model's router loss; None without)
     coef, last = cfg.get("entropy_coef", 0.0), math.inf  # the adaptive controller: TRL's documented rule
     for step in steps:
         model.zero_grad(set_to_none=True)

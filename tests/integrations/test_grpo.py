@@ -145,13 +145,123 @@ def test_an_unknown_loss_type_is_refused_by_name(model, monkeypatch):
         _trainer(model, loss_type="cispo")
 
 
-def test_an_moe_router_loss_is_refused_with_the_fix():
+#: an MoE model's router loss (its config's router_aux_loss_coef 0.2, which TRL turns on), one step of 4
+#: micro-batches of 2 sequences then one of 4 (GA 4, spg 2, 3 prompts)
+MOE = dict(G.SETTINGS["spg 2, GA 4"], prompt_count=3)
+
+
+@pytest.mark.parametrize("trainer, loss_type, family", [("grpo", "grpo", "qwen3_moe"), ("grpo", "dapo", "mixtral"),
+                                                        ("rloo", "rloo", "qwen2_moe")])
+def test_an_moe_router_loss_is_the_step_whole_batch(trainer, loss_type, family):
+    """Issue 39: an MoE model's load-balancing loss is the step's whole batch's (expert counts and
+    routed rows of every micro-batch, counted before the first backward), added at TRL's coefficient to
+    the loss type's formula: the reference writes transformers' formula over the step's forwards as one
+    batch. Stock TRL adds each micro-batch's own loss over K: off, for GRPO where its policy term is
+    exact (``grpo``) and for RLOO, whose stock step is otherwise one big batch."""
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer, ExactRLOOTrainer
     from integrations.moe_models import moe_model
 
-    from gradaccum.errors import NotExactError
+    classes = (GRPOTrainer, ExactGRPOTrainer) if trainer == "grpo" else (RLOOTrainer, ExactRLOOTrainer)
+    stock, exact, run = G.run_pair(*classes, moe_model(family), loss_type, rloo=trainer == "rloo", **MOE,
+                                    **({"beta": 0.0} if trainer == "rloo" else {}))  # no KL: no reference model
+    assert exact < 1e-10 and stock > 1e-6, (exact, stock)
+    assert run.router_balance is not None and run.router_balance.coef == 0.2
+    logs = [h for h in run.state.log_history if "loss" in h]
+    assert len(logs) == run.state.global_step == 2
+    assert [h["loss"] for h in logs] == pytest.approx(run.reference.step_losses, rel=1e-6, abs=1e-7)
+    # the logged aux_loss is the step's load-balancing loss, every micro-batch's routing as one batch
+    assert [h["aux_loss"] for h in logs] == pytest.approx(run.reference.step_balance, rel=1e-10)
 
-    with pytest.raises(NotExactError, match=r"router_aux_loss_coef=.*GRPOConfig\(\.\.\., router_aux_loss_coef=0\.0\)"):
-        _trainer(moe_model("qwen3_moe"), router_aux_loss_coef=0.01)
+
+def test_router_counts_from_the_micro_batch_are_caught(monkeypatch):
+    """The load-balancing part of each micro-batch with its own expert counts and rows (what TRL does)
+    instead of the step's: the run leaves the reference by more than 1e-6."""
+    from gradaccum._maths import router_statistics
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+    from gradaccum.moe import WindowRouting
+    from integrations.moe_models import moe_model
+
+    part = WindowRouting.part
+
+    def from_the_micro_batch(self, k, router_logits, token_mask):
+        counts, _, rows = router_statistics(router_logits, self.term.top_k, token_mask)
+        self.counts, self.rows = counts.detach(), rows.detach()
+        return part(self, k, router_logits, token_mask)
+
+    monkeypatch.setattr(WindowRouting, "part", from_the_micro_batch)
+    exact, _ = G.run(ExactGRPOTrainer, moe_model("qwen3_moe"), "grpo", **MOE)
+    assert exact > 1e-6, exact
+
+
+def test_a_router_loss_gradaccum_cannot_compute_is_refused_with_the_fix():
+    from gradaccum.errors import NotExactError
+    from integrations.moe_models import moe_model
+
+    model = moe_model("qwen3_moe")
+    model.config.model_type = "jetmoe"  # a family whose router loss is not transformers' load_balancing_loss_func
+    with pytest.raises(NotExactError, match=r"model \(jetmoe\) .*router_aux_loss_coef=0\.2 .*supported: mixtral.*"
+                                            r"GRPOConfig\(\.\.\., router_aux_loss_coef=0\.0\)"):
+        _trainer(model)
+
+
+def test_a_step_without_completion_tokens_is_skipped(model, monkeypatch):
+    """Issue 39: a step whose completions hold no token (all truncated, masked by
+    ``mask_truncated_completions``) is skipped as every gradaccum driver skips an empty window: AdamW's
+    weight decay does not act (stock TRL's step moves every weight), the scheduler does not step, the
+    state counts it; the next step is one big batch (SGD against the reference)."""
+    import torch
+    from transformers import TrainerCallback
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+    from trl import GRPOTrainer
+
+    calls = [0]
+    completion = G.completion
+
+    def first_step_truncated(prompt_ids, j):  # the first generation batch (the first step's 4 rows): 8 tokens, no EOS
+        calls[0] += 1
+        ids = completion(prompt_ids, j)
+        return (ids[:-1] + [5]) * G.MAX_COMPLETION if calls[0] <= 4 else ids
+
+    monkeypatch.setattr(G, "completion", lambda ids, j: first_step_truncated(ids, j)[:G.MAX_COMPLETION])
+    setting = dict(G.SETTINGS["spg 2, GA 2, 2 iterations"], num_iterations=1, prompt_count=2,
+                   mask_truncated_completions=True, loss_type="dapo")
+
+    class Weights(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer, self.after = trainer, []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.after.append([p.detach().clone() for p in self.trainer.model.parameters()])
+
+    adamw = lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.1)  # noqa: E731
+    before = [p.detach().clone() for p in model.parameters()]
+    runs = {}
+    for cls in (GRPOTrainer, ExactGRPOTrainer):
+        calls[0] = 0
+        _, trainer = G.fit(cls, model, train=False, optimizer=adamw, **setting)
+        trainer.add_callback(weights := Weights(trainer))
+        if cls is ExactGRPOTrainer:
+            with pytest.warns(UserWarning, match=r"counted 0 items.* no token on any rank"):
+                trainer.train()
+        else:
+            trainer.train()
+        runs[cls] = trainer, weights.after
+    (stock, stock_after), (exact, exact_after) = runs[GRPOTrainer], runs[ExactGRPOTrainer]
+    assert [mb["completion_mask"].sum().item() for _, mb in exact.recorded][:2] == [0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(exact_after[0], before)), "the empty step moved the weights"
+    assert not any(torch.equal(a, b) for a, b in zip(stock_after[0], before) if b.abs().max() > 0)  # decay acts
+    state = exact.accumulator_state
+    assert (state.steps, state.skipped, exact.state.global_step) == (1, 1, 1)
+    assert {int(exact.optimizer.state[p]["step"]) for p in exact.model.parameters()} == {1}
+    assert exact.lr_scheduler.last_epoch == 1 and stock.lr_scheduler.last_epoch == 2
+    assert len([h for h in exact.state.log_history if "loss" in h]) == 1
+    calls[0] = 0  # with SGD, against the reference (whose empty step is a zero gradient)
+    with pytest.warns(UserWarning, match=r"counted 0 items"):
+        delta, sgd = G.run(ExactGRPOTrainer, model, **setting)
+    assert delta < 1e-10 and sgd.accumulator_state.skipped == 1, delta
 
 
 def test_exact_trainer_first_refuses_grpo_and_rloo_naming_the_drop_in():

@@ -3,7 +3,10 @@
 (rtol 1e-10, bit-identical replicas), with uneven token counts per rank, every GRPO loss type with the KL
 term and the entropy bonus on; stock TRL is off by more than 1e-6 for every one of them (the entropy
 bonus, and for bnpo, dapo, cispo and vespo their normalisers) and exact for RLOO (every micro-batch
-holds as many sequences).
+holds as many sequences) except where an MoE model's router loss is on (the moe scenarios: its
+load-balancing loss over both ranks' micro-batches, where TRL adds each micro-batch's over K). The
+empty-steps scenario skips a step with no completion token on either rank and steps on one whose tokens
+are all on one rank.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ pytest.importorskip("trl")
 WORKER = str(ROOT / "tests" / "integrations" / "grpo_worker.py")
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "sapo", "luspo", "cispo", "vespo")
 SCENARIOS = ([f"grpo_ddp_{lt}_kl_entropy" for lt in LOSS_TYPES]
-             + ["grpo_ddp_dapo_short_last_step", "rloo_ddp_short_last_step"])
+             + ["grpo_ddp_dapo_short_last_step", "rloo_ddp_short_last_step",
+                "grpo_ddp_dapo_empty_steps", "grpo_ddp_moe_grpo_entropy", "rloo_ddp_moe_short_last_step"])
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The router's load-balancing term over the window, for :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`:
+"""The router's load-balancing term over the window, for :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`
+(and TRL's GRPO and RLOO drivers, :mod:`gradaccum.integrations.trl_rl`):
 the Trainer's glue to :class:`gradaccum.moe.WindowRouting`, which counts, agrees, replays and checks.
 
 The Trainer hands ExactTrainer the window's micro-batches in ``get_batch_samples`` before their first
@@ -9,15 +10,27 @@ TRL's own per-micro-batch aux term off), and adds ``coef`` times its part of the
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..moe import MoEOutput, RouterBalance, WindowRouting, router_logits_of
+from ..moe import MoEOutput, RouterBalance, WindowRouting, aux_term, router_logits_of
 from ..sync import sync_for
 
-__all__ = ["WindowBalance"]
+__all__ = ["WindowBalance", "trl_router_balance"]
+
+
+def trl_router_balance(config: Any, coef: float) -> Optional[RouterBalance]:
+    """The load-balancing term a TRL RL trainer adds (GRPO, RLOO): TRL asks every forward for the router
+    logits and weighs them by its own ``router_aux_loss_coef`` (``coef``, the config's unless given), so
+    :func:`gradaccum.moe.aux_term` of the config with those two set (an unknown family refused by it)."""
+    if not coef:
+        return None
+    view = copy.copy(config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config)
+    view.output_router_logits, view.router_aux_loss_coef = True, float(coef)
+    return aux_term(view)
 
 
 def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:
@@ -42,10 +55,11 @@ class WindowBalance:
         device: where counts are made.
         wrapped: the Trainer's wrapped model (``model_wrapped``: DDP, FSDP2 or the model), whose
             :func:`gradaccum.sync.sync_for` seam runs the window's collectives.
+        who: the driver, named in the refusals.
     """
 
     def __init__(self, term: RouterBalance, model: nn.Module, batches: List[Dict[str, Any]], device: torch.device,
-                 wrapped: nn.Module) -> None:
+                 wrapped: nn.Module, who: str = "ExactTrainer") -> None:
         # only the seam's collectives are used (the Trainer switches the gradient sync itself), so it is
         # asked for no skipped reduction (which DDP(static_graph=True) would refuse)
         sync = sync_for(wrapped, reduce_every_micro_batch=True)
@@ -53,7 +67,7 @@ class WindowBalance:
         model.train()  # routes as the training forward will (jitter and dropout on)
         try:
             self.routing = WindowRouting.open(term, batches, route=_routed(getattr(model, "base_model", model)),
-                                              forward=_routed(model), sync=sync, device=device, who="ExactTrainer")
+                                              forward=_routed(model), sync=sync, device=device, who=who)
         finally:
             model.train(was_training)
 

@@ -27,12 +27,22 @@ plus ``beta`` times the KL term), ``m_it`` its completion (and tool) mask, ``n_i
 tokens: over every micro-batch of the step on every rank, whatever ``gradient_accumulation_steps``,
 ``steps_per_generation``, ``num_iterations`` and the world size, the short last step included.
 
+plus, for an MoE model whose router loss TRL turns on (``router_aux_loss_coef``), ``coef * LBL`` of
+the step's whole batch: transformers' load-balancing loss ``E * sum_e C_e S_e / T^2`` with the expert
+counts ``C``, router probabilities ``S`` and routed rows ``T`` of every micro-batch on every rank
+(prompt and completion tokens, padding out), computed by the core's one
+:class:`gradaccum.moe.WindowRouting` (through :class:`gradaccum.integrations.hf_moe.WindowBalance`:
+counted before the step's first backward, the counts agreed in one all-gather), where TRL adds each
+micro-batch's own ``LBL_k / K``.
+
 TRL computes the micro-batch's loss, its metrics and logs as usual; the driver undoes TRL's own
 normalisation of the micro-batch (:func:`trl_divisor`) and applies the step's. A coupling that no
 weighting makes one big batch is refused: ``top_entropy_quantile < 1`` (a quantile of the
-micro-batch's entropies) and an MoE router's load-balancing loss (TRL's is per micro-batch).
-A step whose completions hold no token (every mask 0) has a zero gradient; TRL steps on it (the
-optimizer's weight decay and momentum still act), and so does this driver.
+micro-batch's entropies). A step whose loss type averages over tokens and whose completions hold no
+token on any rank (every mask 0, e.g. every completion truncated under ``mask_truncated_completions``)
+has nothing to average: it is skipped as every gradaccum driver skips an empty window (no optimizer
+step, so no weight decay or momentum; no scheduler step; ``accumulator_state.skipped`` counts it),
+where TRL steps on a zero gradient.
 """
 from __future__ import annotations
 
@@ -44,8 +54,11 @@ import torch
 from torch import nn
 
 from .._state import AccumulatorState
-from .._weights import WindowWeights
+from .._weights import Closing, WindowWeights
 from ..errors import ConfigurationError, NotExactError
+from ..moe import BALANCED_FAMILIES
+from .hf_moe import WindowBalance, trl_router_balance
+from .hf_trainer import _StateCallback  # ExactTrainer's skip (hold/release) and saved state: to be made public
 
 try:
     from trl import GRPOTrainer, RLOOTrainer
@@ -61,15 +74,17 @@ ITEMS = {"grpo": "rows", "sapo": "rows", "luspo": "rows", "dr_grpo": "row slots"
 
 
 def step_items(loss_type: str, tokens: int, rows: int, max_completion_length: Optional[int]) -> int:
-    """N, the step's count that ``loss_type``'s big batch divides its summed terms by (never below 1:
-    a step without tokens has nothing to weigh, its terms are all masked).
+    """N, the step's count that ``loss_type``'s big batch divides its summed terms by; 0 (a token mean
+    over a step without tokens) is a step with nothing to average, skipped.
 
     >>> step_items("dapo", tokens=37, rows=8, max_completion_length=16), step_items("dr_grpo", 37, 8, 16)
     (37, 128)
+    >>> step_items("dapo", tokens=0, rows=8, max_completion_length=16), step_items("grpo", 0, 8, 16)
+    (0, 8)
     """
     kind = ITEMS[loss_type]
     count = tokens if kind == "tokens" else rows * (max_completion_length or 0) if kind == "row slots" else rows
-    return max(int(count), 1)
+    return int(count)
 
 
 def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Union[float, torch.Tensor]:
@@ -106,7 +121,8 @@ def _loss_type(trainer: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class StepCount:
     """One optimizer step's counts over every micro-batch on every rank (one all-reduce): its
-    completion tokens (the masks' sum), its sequences, and N, what its loss type divides by."""
+    completion tokens (the masks' sum), its sequences, and N, what its loss type divides by (0: the
+    step is skipped)."""
 
     tokens: int
     rows: int
@@ -115,7 +131,7 @@ class StepCount:
 
 class _ExactRL:
     """The driver shared by :class:`ExactGRPOTrainer` and :class:`ExactRLOOTrainer`: count the step
-    first, then weigh each micro-batch's summed terms by ``W / N``."""
+    first, then weigh each micro-batch's summed terms by ``W / N`` (skip the step where N = 0)."""
 
     loss_is_scaled_for_ga = True  # compute_loss returns the step-normalised loss (read by training_step)
 
@@ -123,12 +139,26 @@ class _ExactRL:
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
         self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
-        self._weighing = AccumulatorState()  # WindowWeights reads it; nothing is carried between steps (R = N, counted first)
+        # steps and skipped steps (R = N, counted first), saved in the Trainer's checkpoints; it stands in for
+        # the optimizer and the scheduler at the end of a skipped step, as in ExactTrainer
+        self._state = _StateCallback()
+        self.add_callback(self._state)
         #: the step's weightings, opened with its N counted first: the loss type's items, and its tokens (the
-        #: entropy bonus's token mean)
+        #: entropy bonus's token mean); and the boundary's verdict, known from N before any forward
         self._weights: Optional[Tuple[WindowWeights, WindowWeights]] = None
+        self._closing: Optional[Closing] = None
         self._prepared: Deque[Dict[str, Any]] = collections.deque()
+        self._ran = 0  # the step's micro-batches trained so far
         self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
+        #: an MoE model's load-balancing term (TRL's router_aux_loss_coef), over the step's window
+        self.router_balance = _router_balance(self)
+        self._balance: Optional[WindowBalance] = None
+        self._balance_sum: Optional[torch.Tensor] = None  # this rank's parts of the step's LBL (for the log)
+
+    @property
+    def accumulator_state(self) -> AccumulatorState:
+        """Steps taken and steps skipped (no token to average), in the Trainer's checkpoints."""
+        return self._state.accumulator_state
 
     # -- count first ------------------------------------------------------------------------------
 
@@ -162,9 +192,16 @@ class _ExactRL:
         tokens, rows = (int(c) for c in counts.tolist())
         self.last_step_count = StepCount(tokens, rows, step_items(
             _loss_type(self), tokens, rows, getattr(self, "max_completion_length", None)))
-        world = self.accelerator.num_processes  # type: ignore[attr-defined]
-        self._weights = (WindowWeights(self._weighing, world, num_items=self.last_step_count.items),
-                         WindowWeights(self._weighing, world, num_items=max(tokens, 1)))
+        world, state = self.accelerator.num_processes, self.accumulator_state  # type: ignore[attr-defined]
+        self._weights = (WindowWeights(state, world, num_items=self.last_step_count.items),
+                         WindowWeights(state, world, num_items=max(tokens, 1)))
+        self._closing = self._weights[0].close(self.last_step_count.items)  # step, or skip a step of N = 0
+        self._ran = 0
+        if self.router_balance is not None:  # the step's expert counts, every rank's, before any backward
+            unwrapped = self.accelerator.unwrap_model(self.model)  # type: ignore[attr-defined]
+            self._balance = WindowBalance(self.router_balance, unwrapped, [_model_inputs(b) for b in prepared], device,
+                                          self.model_wrapped, who=type(self).__name__)  # type: ignore[attr-defined]
+            self._balance_sum = torch.zeros((), dtype=torch.float64, device=device)
         return batch_samples, None
 
     def _prepare_inputs(self, generation_batch: Any) -> Dict[str, Any]:
@@ -194,9 +231,14 @@ class _ExactRL:
             raise RuntimeError(f"{type(self).__name__}.compute_loss in training before get_batch_samples counted "
                                "the step")
         coef = self._entropy_coef_now()
+        def trl() -> torch.Tensor:  # TRL's loss, metrics and logs
+            trl_loss = super(_ExactRL, self).compute_loss  # type: ignore[misc]
+            return trl_loss(model, inputs, return_outputs, num_items_in_batch)
+        balance, part = self._balance, None
         self._captured = []
-        try:
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
+        try:  # an MoE model: the forward replayed as counted, its router logits read, TRL's own aux term off
+            loss, part = (trl(), None) if balance is None else balance.run(self._ran, model, _model_inputs(inputs), trl,
+                                                                          self)
         finally:
             captured, self._captured = self._captured, None
         mask = _loss_mask(inputs)
@@ -207,7 +249,45 @@ class _ExactRL:
             loss = loss + coef * (entropy_sum / mask.sum().clamp(min=1.0) / self.current_gradient_accumulation_steps)  # type: ignore[attr-defined]
             bonus = -coef * entropy_sum * tokens_weight.sum_weight()  # W / T
         loss = loss * trl_divisor(self, inputs, mask) * items_weight.sum_weight()  # W / N
-        return loss if bonus is None else loss + bonus
+        loss = loss if bonus is None else loss + bonus
+        if part is not None and balance is not None:  # coef * this micro-batch's part of the step's LBL, times W
+            self._balance_sum = self._balance_sum + part.detach() / balance.routing.term.coef
+            steps = self._closing is not None and self._closing.steps
+            loss = loss + part * (self.accelerator.num_processes if steps else 0.0)  # type: ignore[attr-defined]
+            if not self._prepared:  # before the step's last backward, every rank alike: routed as counted
+                balance.check()
+        return loss
+
+    def training_step(self, model: nn.Module, inputs: Dict[str, Any],
+                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
+        """TRL's step; after the step's last micro-batch the state records the step, or its skip (then
+        the Trainer's optimizer and scheduler step are stood in for, as in ExactTrainer)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        self._ran += 1
+        if self._prepared or self._closing is None or not model.training:
+            return loss
+        if self._balance is not None:  # the step's LBL over every rank, logged as TRL logs its aux_loss
+            self._balance.finish()
+            total = self.accelerator.reduce(self._balance_sum, reduction="sum")  # type: ignore[attr-defined]
+            self._metrics["train"]["aux_loss"].append(float(total))  # type: ignore[attr-defined]
+            self._balance = None
+        closing, self._closing = self._closing, None
+        self._weights[0].record(closing, warn_empty=(  # type: ignore[index]
+            "here: an optimizer step whose completions hold no token on any rank (every completion mask 0, e.g. "
+            "every completion truncated under mask_truncated_completions); the step's data is consumed"))
+        if not closing.steps:
+            self._state.hold(self)
+        return loss
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        self._state.release(self)  # a skipped step's stand-ins go: the Trainer's own optimizer and scheduler
+        super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._state.release(self)
 
     def _entropy_coef_now(self) -> float:
         """The entropy bonus's coefficient TRL applies in this step (0 where off; adaptive: the
@@ -219,10 +299,36 @@ class _ExactRL:
         return float(self.entropy_coef)  # type: ignore[attr-defined]
 
 
+def _model_inputs(inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """What TRL's forward of a training micro-batch routes (its prompt and completion, padding masked)."""
+    if "pixel_values" in inputs:
+        raise ConfigurationError("the MoE router loss over the step is computed from the prompt and completion "
+                                 "tokens alone, and this micro-batch holds images (pixel_values): train a multimodal "
+                                 "MoE model with router_aux_loss_coef=0.0")
+    return {"input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}
+
+
 def _loss_mask(inputs: Dict[str, Any]) -> torch.Tensor:
     """The completion tokens TRL's loss counts: ``completion_mask`` times ``tool_mask`` where tools ran."""
     mask = inputs["completion_mask"]
     return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+
+
+def _router_balance(trainer: Any) -> Optional[Any]:
+    """The MoE load-balancing term TRL turned on (``aux_loss_enabled``), or None; a family whose router
+    loss gradaccum cannot compute over the step refused with TRL's fix."""
+    if not getattr(trainer, "aux_loss_enabled", False):
+        return None
+    try:
+        return trl_router_balance(trainer.accelerator.unwrap_model(trainer.model).config, trainer.router_aux_loss_coef)
+    except NotExactError as unknown:  # TRL asks for the router logits whatever the config says: its coef is the fix
+        family = getattr(trainer.model.config, "model_type", None)
+        raise NotExactError(f"{type(trainer).__name__}: the model ({family}) adds a router loss at "
+                            f"router_aux_loss_coef={trainer.router_aux_loss_coef} that gradaccum does not compute over "
+                            f"the step (supported: {', '.join(BALANCED_FAMILIES)}), and TRL would add it per "
+                            f"micro-batch; pass {type(trainer.args).__name__}(..., router_aux_loss_coef=0.0) to train "
+                            "without it") from unknown
 
 
 def _refuse_what_is_not_exact(trainer: Any) -> None:
@@ -237,11 +343,6 @@ def _refuse_what_is_not_exact(trainer: Any) -> None:
         raise NotExactError(f"{name}: top_entropy_quantile={trainer.top_entropy_quantile} keeps the tokens above a "
                             "quantile of each micro-batch's entropies, which couples the micro-batch's tokens, so no "
                             f"weighting makes the step one big batch; pass {args}(..., top_entropy_quantile=1.0)")
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise NotExactError(
-            f"{name}: router_aux_loss_coef={trainer.router_aux_loss_coef} turns on the MoE router's load-balancing "
-            "loss, which TRL computes per micro-batch (its expert fractions are statistics of the whole batch), so "
-            f"the step would not be the big batch's. Pass {args}(..., router_aux_loss_coef=0.0) to train without it")
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.n_gpu > 1:
         raise ConfigurationError(f"{name}: DeepSpeed, FSDP and DataParallel in one process (n_gpu > 1) are not tested "
                                  "with GRPO and RLOO here; train with DDP (one process per device under torchrun)")
@@ -250,8 +351,8 @@ def _refuse_what_is_not_exact(trainer: Any) -> None:
 class ExactGRPOTrainer(_ExactRL, GRPOTrainer):  # type: ignore[misc]
     """``GRPOTrainer`` whose every optimizer step is one big batch of its ``loss_type`` over the
     step's micro-batches on every rank (the module's docstring states each loss type's formula);
-    ``last_step_count`` holds the last step's counts. Refused: ``top_entropy_quantile < 1``, an MoE
-    router loss, DeepSpeed, FSDP."""
+    ``last_step_count`` holds the last step's counts, ``accumulator_state`` the steps taken and skipped;
+    an MoE router loss is the step's whole batch's. Refused: ``top_entropy_quantile < 1``, DeepSpeed, FSDP."""
 
 
 class ExactRLOOTrainer(_ExactRL, RLOOTrainer):  # type: ignore[misc]
