@@ -31,3 +31,15 @@ def test_the_trainer_drivers_old_skip_counts_read_skipped(module, cls, old):
     with pytest.warns(DeprecationWarning, match=rf"read \.skipped$"):
         assert getattr(owner, old).fget(stand_in) == 3
     assert isinstance(owner.skipped, property)
+
+
+@pytest.mark.parametrize("key, saved, skipped", [
+    ("TrainerWindowState", {"attributes": {"saved": {"steps": 5, "skipped": 2}}}, 2),
+    ("_StateCallback", {"attributes": {"saved": {"steps": 5, "skipped": 2}}}, 2),  # the name before the rename
+    ("_Skips", {"attributes": {"windows": 2}}, 2),  # the first checkpoints: only the skipped windows
+    ("SomethingElse", {"attributes": {"saved": {"skipped": 9}}}, 0)])
+def test_the_trainers_saved_state_loads_under_each_name_it_was_saved_as(key, saved, skipped):
+    hf_trainer = pytest.importorskip("gradaccum.integrations.hf_trainer")
+    callback = hf_trainer.TrainerWindowState()
+    callback.load({key: saved})
+    assert callback.accumulator_state.skipped == skipped

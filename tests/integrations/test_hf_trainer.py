@@ -96,9 +96,9 @@ def test_a_window_without_items_is_skipped(tmp_path):
     assert trainer.lr_scheduler.last_epoch == 3
     assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == [f"checkpoint-{i}" for i in (1, 2, 3)]
     saved = json.loads((tmp_path / "a" / "checkpoint-1" / "trainer_state.json").read_text())
-    assert saved["stateful_callbacks"]["_StateCallback"]["attributes"]["saved"]["skipped"] == 0  # not saved again by the skip
+    assert saved["stateful_callbacks"]["TrainerWindowState"]["attributes"]["saved"]["skipped"] == 0  # not saved again by the skip
     kept = json.loads((tmp_path / "a" / "checkpoint-2" / "trainer_state.json").read_text())
-    assert {k: v for k, v in kept["stateful_callbacks"]["_StateCallback"]["attributes"]["saved"].items()
+    assert {k: v for k, v in kept["stateful_callbacks"]["TrainerWindowState"]["attributes"]["saved"].items()
             if k in ("steps", "skipped")} == {"steps": 2, "skipped": 1}  # the skip is in the checkpoint after it
     resumed, again = S.hf_fit(model, [micro], exact=True, optimizer=adamw, out=str(tmp_path / "b"),
                               resume=str(tmp_path / "a" / "checkpoint-2"))

@@ -147,7 +147,7 @@ def head_of(model: nn.Module) -> str:
                      "(ExactTrainer computes that head's loss from the model's logits)")
 
 
-class _StateCallback(TrainerCallback, ExportableState):
+class TrainerWindowState(TrainerCallback, ExportableState):
     """Owns the ExactTrainer's :class:`~gradaccum.AccumulatorState` (steps, skipped windows, the last
     window's N), saved in the Trainer's checkpoints (``TrainerState.stateful_callbacks``) and read back
     on resume (:meth:`ExactTrainer._init_training_state`); at the end of a skipped window it gives the
@@ -187,10 +187,11 @@ class _StateCallback(TrainerCallback, ExportableState):
         return epochs, batches
 
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
-        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none; a checkpoint of an
-        earlier gradaccum saved only the skipped windows, as ``_Skips``)."""
+        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none; earlier gradaccum
+        saved it as ``_StateCallback``, and before that only the skipped windows, as ``_Skips``)."""
         state = self.accumulator_state
-        saved, old = stateful_callbacks.get(type(self).__name__), stateful_callbacks.get("_Skips")
+        saved = stateful_callbacks.get(type(self).__name__, stateful_callbacks.get("_StateCallback"))
+        old = stateful_callbacks.get("_Skips")
         if isinstance(saved, dict):
             state.load_saved(state.read_saved(saved["attributes"]["saved"]))
         else:
@@ -273,7 +274,7 @@ class ExactTrainer(Trainer):
         self.router_balance = aux_term(config) if source == "tokens" or self.items.head == "causal_lm" else None
         self._balance: Optional[WindowBalance] = None
         self._window: Optional[DrivenWindow] = None
-        self._state = _StateCallback()  # what windows teach each other, in the Trainer's checkpoints
+        self._state = TrainerWindowState()  # what windows teach each other, in the Trainer's checkpoints
         self.add_callback(self._state)
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
         self._loss = _SourceLoss(self, self._trainer_loss, self._evaluation)
@@ -351,7 +352,7 @@ class ExactTrainer(Trainer):
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
         """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window
         closes (its float32 buffers rounded once into ``.grad``) and the state records its step or its
-        skip (then the Trainer's step is stood in for: :meth:`_StateCallback.hold`)."""
+        skip (then the Trainer's step is stood in for: :meth:`TrainerWindowState.hold`)."""
         window = self._window
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)

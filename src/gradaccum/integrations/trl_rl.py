@@ -58,7 +58,7 @@ from .._weights import Closing, WindowWeights
 from ..errors import ConfigurationError, NotExactError
 from ..moe import BALANCED_FAMILIES
 from .hf_moe import WindowBalance, trl_router_balance
-from .hf_trainer import _StateCallback  # ExactTrainer's skip (hold/release) and saved state: to be made public
+from .hf_trainer import TrainerWindowState  # ExactTrainer's skip (hold/release) and saved state
 
 try:
     from trl import GRPOTrainer, RLOOTrainer
@@ -141,7 +141,7 @@ class _ExactRL:
         self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
         # steps and skipped steps (R = N, counted first), saved in the Trainer's checkpoints; it stands in for
         # the optimizer and the scheduler at the end of a skipped step, as in ExactTrainer
-        self._state = _StateCallback()
+        self._state = TrainerWindowState()
         self.add_callback(self._state)
         #: the step's weightings, opened with its N counted first: the loss type's items, and its tokens (the
         #: entropy bonus's token mean); and the boundary's verdict, known from N before any forward
@@ -280,14 +280,14 @@ class _ExactRL:
         return loss
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._state.release(self)  # a skipped step's stand-ins go: the Trainer's own optimizer and scheduler
+        self._state.release()  # a skipped step's stand-ins go: the Trainer's own optimizer and scheduler
         super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
-            self._state.release(self)
+            self._state.release()
 
     def _entropy_coef_now(self) -> float:
         """The entropy bonus's coefficient TRL applies in this step (0 where off; adaptive: the
