@@ -174,3 +174,35 @@ def between_markers(text: str, start: str, end: str, body: str) -> str:
     if start in text and end in text:
         return re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     return text + block + "\n"
+
+
+class Count:
+    """Collectives issued from Python (``torch.distributed``'s and DTensor's functional ones, e.g. an
+    FSDP2 norm; DDP's buckets run in C++ and are not seen) and host syncs, while active."""
+
+    NAMES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor")
+
+    def __enter__(self) -> "Count":
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        self.collectives = self.syncs = 0
+        self.saved = [(dist, n, getattr(dist, n)) for n in self.NAMES]
+        self.saved += [(funcol, n, getattr(funcol, n)) for n in ("all_reduce", "all_gather_tensor")]
+        self.saved += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("item", "tolist", "cpu")]
+        for owner, name, fn in self.saved:
+            setattr(owner, name, self.wrap(fn, owner is not torch.Tensor))
+        return self
+
+    def wrap(self, fn: Callable, collective: bool) -> Callable:
+        def f(*a, **k):  # type: ignore[no-untyped-def]
+            if collective:
+                self.collectives += 1
+            else:
+                self.syncs += 1
+            return fn(*a, **k)
+        return f
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)

@@ -30,13 +30,14 @@ import os
 import statistics
 import time
 import warnings
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common import Count
 from gradaccum import Accumulator
 
 QUICK = os.environ.get("BENCH_QUICK") == "1"
@@ -125,31 +126,6 @@ def hand_previous_reference(model: DDP, opt: torch.optim.Optimizer, mbs: List[Ba
     opt.zero_grad(set_to_none=True)
 
 
-class Count:
-    """Collectives issued from Python and host syncs while active (DDP's buckets run in C++)."""
-
-    NAMES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor")
-
-    def __enter__(self) -> "Count":
-        self.collectives = self.syncs = 0
-        self.saved = [(dist, n, getattr(dist, n)) for n in self.NAMES]
-        self.saved += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("item", "tolist", "cpu")]
-        for owner, name, fn in self.saved:
-            setattr(owner, name, self.wrap(fn, owner is not torch.Tensor))
-        return self
-
-    def wrap(self, fn: Callable, collective: bool) -> Callable:
-        def f(*a, **k):  # type: ignore[no-untyped-def]
-            if collective:
-                self.collectives += 1
-            else:
-                self.syncs += 1
-            return fn(*a, **k)
-        return f
-
-    def __exit__(self, *exc: object) -> None:
-        for owner, name, fn in self.saved:
-            setattr(owner, name, fn)
 
 
 NAMES = ("count first (acc.step)", "running R, rescaled (acc.window without num_items)",

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
+from common import Count
 from gradaccum import Accumulator, WindowSampler
 
 N, M = 4, 8                      # micro-batches per window, items per micro-batch (per rank)
@@ -45,32 +46,6 @@ def loss_fn(m, b):
     return nn.functional.cross_entropy(m(b[0]), b[1])
 
 
-class Count:
-    """Collectives from Python and host syncs while active."""
-
-    def __enter__(self):
-        self.collectives = self.syncs = 0
-        self.saved = [(dist, n, getattr(dist, n)) for n in ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor")]
-        import torch.distributed._functional_collectives as funcol  # DTensor's (an FSDP2 norm)
-
-        self.saved += [(funcol, n, getattr(funcol, n)) for n in ("all_reduce", "all_gather_tensor")]
-        self.saved += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("item", "tolist", "cpu")]
-        for owner, name, fn in self.saved:
-            setattr(owner, name, self.wrap(fn, owner is not torch.Tensor))
-        return self
-
-    def wrap(self, fn, collective):
-        def f(*a, **k):
-            if collective:
-                self.collectives += 1
-            else:
-                self.syncs += 1
-            return fn(*a, **k)
-        return f
-
-    def __exit__(self, *exc):
-        for owner, name, fn in self.saved:
-            setattr(owner, name, fn)
 
 
 def data(rank: int, windows: int, dtype=torch.float32):
