@@ -17,7 +17,8 @@ def test_every_module_with_a_time_exists():
     seconds = json.loads(Path(MODULE_SECONDS).read_text())
     assert seconds, "tests/module_seconds.json is empty: run make test-times"
     missing = sorted(m for m in seconds if not (ROOT / m).is_file())
-    assert not missing, f"tests/module_seconds.json names modules that are gone: {missing}; run make test-times"
+    assert not missing, (f"tests/module_seconds.json names modules that are gone: {missing}; remove their lines "
+                         "(a renamed module: give the new name the old one's seconds), or run make test-times")
 
 
 def test_the_longest_modules_start_first_and_a_module_keeps_its_own_order():
