@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 OUT    ?= runs/demo
 
-.PHONY: install demo test docs bench clean
+.PHONY: install demo test test-times docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,16 @@ demo: install
 
 # the whole suite on TEST_JOBS processes (pytest-xdist; 0: this process alone), a test module's
 # tests on one of them (--dist loadscope), so that a module's shared fixture (one torchrun launch, one
-# trained run) is made once
+# trained run) is made once; the modules start longest first, in the order tests/conftest.py gives
+# them from tests/module_seconds.json (--no-loadscope-reorder: not re-sorted by their number of tests)
 TEST_JOBS ?= 2
+TEST_ARGS := -q -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder
 test: install
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope
+	$(PY) -m pytest $(TEST_ARGS)
+
+# the suite as make test runs it, then each module's seconds written to tests/module_seconds.json
+test-times: install
+	GRADACCUM_MODULE_SECONDS=write $(PY) -m pytest $(TEST_ARGS)
 
 # the API reference is generated from the docstrings: --strict turns a renamed function into a failed build
 docs: install

@@ -73,7 +73,10 @@ FAILURES_LOG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def pytest_runtest_logreport(report):
-    if not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _record_time(report)
+    if not report.failed:
         return
     import datetime
 
@@ -81,3 +84,81 @@ def pytest_runtest_logreport(report):
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open(FAILURES_LOG, "a") as log:
         log.write(f"==== {when} FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-20000:]}\n\n")
+
+
+# The order the modules start in (make test: 2 pytest-xdist workers, --dist loadscope, each module on
+# one worker). Two workers end together only when the longest modules start first and the short ones
+# fill in at the end (longest processing time first): a module of a few long tests (torchrun launches,
+# command-line subprocesses) that starts last keeps one worker busy while the other waits (the modules
+# sorted by their number of tests started test_global_batch.py, 8 tests and a sixth of the suite's time,
+# last; one worker then idled for about 2 of a loaded run's 17 minutes). tests/module_seconds.json holds each module's
+# measured seconds (setup, call and teardown of its tests, summed); a module not in it counts as the
+# median. The Makefile passes --no-loadscope-reorder, so that xdist keeps this order instead of sorting
+# the modules by their number of tests. GRADACCUM_MODULE_SECONDS=write rewrites the file with the times
+# of the modules that ran in full (make test-times).
+MODULE_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "module_seconds.json")
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+
+    try:
+        with open(MODULE_SECONDS) as f:
+            seconds = json.load(f)
+    except FileNotFoundError:
+        return
+    order_by_module_seconds(items, seconds)
+
+
+def order_by_module_seconds(items, seconds: dict) -> None:
+    """Sort ``items`` in place by module, the longest in ``seconds`` first (a module not in it counts as
+    the median); a module's own tests keep their order."""
+    known = sorted(seconds.values())
+    default = known[len(known) // 2] if known else 0.0
+    first: dict = {}
+    for i, item in enumerate(items):
+        first.setdefault(_module_of(item.nodeid), i)
+    items.sort(key=lambda item: (-seconds.get(_module_of(item.nodeid), default), first[_module_of(item.nodeid)]))
+
+
+_ran: dict = {}  # module: [seconds, tests reported]
+_collected: set = set()  # under xdist the controller learns the test ids from its workers
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    _collected.update(ids)
+
+
+def _record_time(report) -> None:
+    spent = _ran.setdefault(_module_of(report.nodeid), [0.0, set()])
+    spent[0] += report.duration
+    spent[1].add(report.nodeid)
+
+
+def pytest_sessionfinish(session):
+    if os.environ.get("GRADACCUM_MODULE_SECONDS") != "write" or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    option = session.config.option
+    if option.keyword or option.markexpr or any("::" in arg for arg in session.config.args):
+        return  # some modules ran in part: their times are not a whole module's
+    import json
+
+    collected: dict = {}
+    for nodeid in _collected or {item.nodeid for item in session.items}:
+        collected.setdefault(_module_of(nodeid), set()).add(nodeid)
+    try:
+        with open(MODULE_SECONDS) as f:
+            seconds = json.load(f)
+    except FileNotFoundError:
+        seconds = {}
+    for module, (spent, tests) in _ran.items():
+        if tests >= collected.get(module, {None}):  # every test of the module reported
+            seconds[module] = round(spent, 1)
+    with open(MODULE_SECONDS, "w") as f:
+        json.dump(dict(sorted(seconds.items(), key=lambda kv: -kv[1])), f, indent=1)
+        f.write("\n")

@@ -120,6 +120,21 @@ def run_guide(guide: str, tmp_path, monkeypatch) -> Dict:
     return namespace
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """A guide runs as in a reader's fresh interpreter: Accelerate's process-wide state, which a Trainer
+    built by an earlier test of this process leaves behind (mixed_precision="bf16" from the GRPO tests made
+    accelerate.md's ``Accelerator()`` refuse to start), is reset before the guide and after it."""
+    def reset():
+        state = sys.modules.get("accelerate.state")
+        if state is not None:
+            state.AcceleratorState._reset_state(reset_partial_state=True)
+            state.GradientState._reset_state()
+    reset()
+    yield
+    reset()
+
+
 # the guides with a block that runs here (the Lightning guide's run in the recipe's test below), and the
 # package each needs beyond torch
 RUNNABLE = {"accelerate.md": "accelerate", "hf-models.md": "transformers", "hf-trainer.md": "transformers",
@@ -133,7 +148,7 @@ def test_the_runnable_guides_are_listed():
 
 @pytest.mark.parametrize("guide", [pytest.param(g, marks=pytest.mark.distributed) if g == "torchrun.md" else g
                                    for g in sorted(RUNNABLE)])
-def test_guide_runs(guide, tmp_path, monkeypatch):
+def test_guide_runs(guide, tmp_path, monkeypatch, fresh_accelerate):
     if RUNNABLE[guide]:
         pytest.importorskip(RUNNABLE[guide])
     ns = run_guide(guide, tmp_path, monkeypatch)

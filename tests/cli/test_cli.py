@@ -149,13 +149,16 @@ def stderr_lines(out: Path) -> list:
     return (out.parent / f"{out.name}.stderr").read_text().splitlines()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_ctrl_c_then_kill_9_then_resume_is_bit_identical(tmp_path, uninterrupted, dtype):
+def test_ctrl_c_then_kill_9_then_resume_is_bit_identical(tmp_path, uninterrupted):
     """With the default --checkpoint-every 0, Ctrl-C finishes the window, writes an atomic checkpoint,
     prints where it is and the command that resumes it, and exits 130. That run resumed and killed
     with kill -9 keeps its last periodic checkpoint whole; the printed command then ends with exactly
     the uninterrupted model (both sides are subprocesses with one thread, so float32 agrees to the
-    bit too), and its progress (stderr is a pipe) is a plain line every tenth of the run."""
+    bit), and its progress (stderr is a pipe) is a plain line every tenth of the run. float32, the
+    default and the dtype whose rounding a difference between the two sides would show; a float64
+    resume is held to the bit under torchrun (tests/distributed: test_cli_under_torchrun_...,
+    test_global_batch.py)."""
+    dtype = "float32"
     args = [a for a in KILL_ARGS if a not in ("--checkpoint-every", "2")] + ["--dtype", dtype]
     out = tmp_path / "ctrl-c"
     proc = start_and_kill_mid_run(out, args, signal.SIGINT, checkpoint=False)

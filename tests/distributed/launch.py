@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, NoReturn, Sequence
+from typing import Callable, List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
@@ -230,3 +230,35 @@ def assert_scenario(verdicts, name: str) -> None:
     assert status == "PASS", f"{line}\n{proc.stderr[-4000:]}"
     # every scenario reported, and then a worker died on its way out: a defect of its own, named here
     assert proc.returncode == 0, f"the workers exited {proc.returncode} after the scenarios:\n{proc.stderr[-3000:]}"
+
+
+def scenario_tests(worker: str, scenarios: Sequence[str], *, timeout: int = 300,
+                   gaps: Optional[Mapping[str, str]] = None, doc: Optional[str] = None) -> Tuple[Callable, Callable]:
+    """The fixture and the test of a scenario module, written once: ``verdicts`` launches ``worker`` (a
+    path from the repository's root) under torchrun once per module, every scenario in one launch, and
+    ``test_scenario`` asserts one scenario's verdict, parametrized over ``scenarios``. A scenario named in
+    ``gaps`` (name: the library gap it shows) is a strict xfail until the library is fixed. ``doc``: what
+    the scenarios assert, shown as the test's docstring. A module binds both names at its top level,
+    where pytest finds them::
+
+        verdicts, test_scenario = scenario_tests("tests/distributed/cached_worker.py", SCENARIOS)
+    """
+    import pytest
+
+    gaps = dict(gaps or {})
+    unknown = sorted(set(gaps) - set(scenarios))
+    if unknown:
+        raise ValueError(f"gaps={unknown} names no scenario of {worker}: list the scenario in scenarios, or drop the gap")
+    script = str(ROOT / worker)
+
+    @pytest.fixture(scope="module")
+    def verdicts():
+        return scenario_verdicts(script, timeout=timeout)
+
+    @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=gaps[n]))
+                                      if n in gaps else n for n in scenarios])
+    def test_scenario(verdicts, name):
+        assert_scenario(verdicts, name)
+
+    test_scenario.__doc__ = doc or f"The scenario reported PASS from {worker} under torchrun (2 gloo processes)."
+    return verdicts, test_scenario

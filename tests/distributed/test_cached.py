@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+from distributed.launch import scenario_tests
 
 pytestmark = pytest.mark.distributed
 
-WORKER = str(ROOT / "tests" / "distributed" / "cached_worker.py")
+WORKER = "tests/distributed/cached_worker.py"
 SCENARIOS = [
     "cached_ddp_exact_with_uneven_ranks_and_a_rank_without_data",
     "cached_ddp_find_unused_parameters",
@@ -22,11 +22,4 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    return scenario_verdicts(WORKER)
-
-
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario(verdicts, name):
-    assert_scenario(verdicts, name)
+verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS)

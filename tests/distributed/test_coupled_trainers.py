@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+from distributed.launch import scenario_tests
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("pytorch_lightning")
 
-WORKER = str(ROOT / "tests" / "distributed" / "coupled_trainers_worker.py")
+WORKER = "tests/distributed/coupled_trainers_worker.py"
 SCENARIOS = ["st_ddp_" + name for name in ["MNRL", "MNSRL", "GIST", "MegaBatchMargin", "CoSENT", "AnglE",
                                            "BatchAllTriplet", "BatchHardTriplet", "BatchSemiHardTriplet",
                                            "OnlineContrastive", "Matryoshka_MNRL", "Matryoshka_CoSENT",
@@ -22,11 +22,4 @@ SCENARIOS += ["hf_ddp_clip_own_loss", "hf_ddp_siglip_own_loss", "hf_ddp_window_l
               "lightning_ddp_window_loss_recipe", "st_ddp_datasets_split_across_ranks_are_refused_on_every_rank"]
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    return scenario_verdicts(WORKER)
-
-
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario(verdicts, name):
-    assert_scenario(verdicts, name)
+verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS)

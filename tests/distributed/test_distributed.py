@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, assert_scenario, scenario_verdicts, torchrun, two_agents
+from distributed.launch import scenario_tests, torchrun, two_agents
 
 pytestmark = pytest.mark.distributed
 
-WORKER = str(ROOT / "tests" / "distributed" / "worker.py")
+WORKER = "tests/distributed/worker.py"
 SCENARIOS = [
     "ddp_uneven_exact",
     "ddp_loss_is_the_global_item_mean",
@@ -47,14 +47,7 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    return scenario_verdicts(WORKER)
-
-
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario(verdicts, name):
-    assert_scenario(verdicts, name)
+verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS)
 
 
 def test_two_torchrun_agents_nnodes_2():

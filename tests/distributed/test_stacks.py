@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+from distributed.launch import ROOT, scenario_tests
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-WORKER = str(ROOT / "tests" / "distributed" / "stacks_worker.py")
+WORKER = "tests/distributed/stacks_worker.py"
 SCENARIOS = [
     "ddp_over_compiled_eager_and_aot_eager",
     "ddp_over_compiled_inductor",
@@ -27,15 +27,7 @@ SCENARIOS = [
 GAPS: dict = {}
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    return scenario_verdicts(WORKER, timeout=600)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GAPS[n]))
-                                  if n in GAPS else n for n in SCENARIOS])
-def test_scenario(verdicts, name):
-    assert_scenario(verdicts, name)
+verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS, timeout=600, gaps=GAPS)
 
 
 def test_every_scenario_is_listed():

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+from distributed.launch import ROOT, scenario_tests
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 pytest.importorskip("pytorch_lightning")
 
-WORKER = str(ROOT / "tests" / "integrations" / "worker.py")
+WORKER = "tests/integrations/worker.py"
 SCENARIOS = [
     "lightning_ddp_gpt2_clipped",
     "lightning_ddp_llama_float64_norm_clipped",
@@ -30,14 +30,7 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    return scenario_verdicts(WORKER)
-
-
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario(verdicts, name):
-    assert_scenario(verdicts, name)
+verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS)
 
 
 def test_every_scenario_is_listed():

@@ -12,26 +12,19 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+from distributed.launch import scenario_tests
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("trl")
 
-WORKER = str(ROOT / "tests" / "integrations" / "grpo_worker.py")
+WORKER = "tests/integrations/grpo_worker.py"
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "sapo", "luspo", "cispo", "vespo")
 SCENARIOS = ([f"grpo_ddp_{lt}_kl_entropy" for lt in LOSS_TYPES]
              + ["grpo_ddp_dapo_short_last_step", "rloo_ddp_short_last_step",
                 "grpo_ddp_dapo_empty_steps", "grpo_ddp_moe_grpo_entropy", "rloo_ddp_moe_short_last_step"])
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    return scenario_verdicts(WORKER)
-
-
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario(verdicts, name):
-    assert_scenario(verdicts, name)
+verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS)
 
 
 def test_every_scenario_is_listed(verdicts):

@@ -13,26 +13,19 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import ROOT, assert_scenario, scenario_verdicts
+from distributed.launch import scenario_tests
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 
-WORKER = str(ROOT / "tests" / "integrations" / "moe_worker.py")
+WORKER = "tests/integrations/moe_worker.py"
 SCENARIOS = ([f"hf_ddp_{f}_clipped" for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")]
              + ["hf_fsdp2_mixtral_clipped"]
              + ["accumulator_ddp_qwen2_moe_clipped", "accumulator_fsdp2_mixtral_clipped"]
              + ["accumulator_train_uneven_ranks_olmoe", "trl_sft_ddp_olmoe_average_tokens"])
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    return scenario_verdicts(WORKER)
-
-
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario(verdicts, name):
-    assert_scenario(verdicts, name)
+verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS)
 
 
 
