@@ -285,3 +285,50 @@ def test_docstring_examples():
 
     result = doctest.testmod(trl_rl)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+#: one generation batch (one prompt's 4 completions) per step, so every step ends at a generation boundary;
+#: 4 prompts in dataset order: 4 steps of 2 micro-batches, the second (prompt 1) without completion tokens
+RESUME = dict(G.SETTINGS["spg 2, GA 2, 2 iterations"], num_iterations=1, prompt_count=4, shuffle_dataset=False,
+              mask_truncated_completions=True, loss_type="dapo")
+
+
+def _truncate_prompt(monkeypatch, index):
+    """Prompt ``index``'s completions all truncated (8 tokens, no end of sequence): masked out, its step empty."""
+    target = [int(w[1:]) for w in G.prompts(RESUME["prompt_count"])[index]["prompt"].split()]
+    completion = G.completion
+
+    def truncated(ids, j):
+        out = completion(ids, j)
+        return ((out[:-1] + [5]) * G.MAX_COMPLETION)[:G.MAX_COMPLETION] if list(ids) == target else out
+
+    monkeypatch.setattr(G, "completion", truncated)
+
+
+def test_a_resume_across_a_skipped_step_ends_where_the_uninterrupted_run_ends(model, monkeypatch, tmp_path):
+    """Issue 39: a run saved after a skipped step (steps 1, skipped, 2: checkpoint-2 holds 3 steps' data)
+    and resumed from that checkpoint trains the micro-batches the uninterrupted run trained after it, no
+    other, and ends bit-identical, with the same steps and skipped steps. The checkpoint is at a
+    generation boundary (each step one generation batch): TRL keeps its generation buffer out of
+    checkpoints, so a resume inside a generation generates it again (from the restored policy)."""
+    import torch
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    _truncate_prompt(monkeypatch, 1)
+    save = dict(save_strategy="steps", save_steps=2, output_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"counted 0 items"):
+        whole, uninterrupted = G.fit(ExactGRPOTrainer, model, **RESUME, **save)
+    assert [int(mb["completion_mask"].sum()) for _, mb in uninterrupted.recorded][2:4] == [0, 0]
+    state = uninterrupted.accumulator_state
+    assert (state.steps, state.skipped, uninterrupted.state.global_step) == (3, 1, 3)
+
+    resumed_model, resumed = G.fit(ExactGRPOTrainer, model, train=False, **RESUME, **save)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    after = uninterrupted.recorded[6:]  # the last step's micro-batches: the checkpoint came after 3 steps' data
+    assert len(resumed.recorded) == len(after) == 2
+    for (_, mine), (_, theirs) in zip(resumed.recorded, after):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), "other data"
+    state = resumed.accumulator_state
+    assert (state.steps, state.skipped, resumed.state.global_step) == (3, 1, 3)
+    assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), whole.parameters()))
