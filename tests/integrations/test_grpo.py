@@ -332,3 +332,28 @@ def test_a_resume_across_a_skipped_step_ends_where_the_uninterrupted_run_ends(mo
     state = resumed.accumulator_state
     assert (state.steps, state.skipped, resumed.state.global_step) == (3, 1, 3)
     assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), whole.parameters()))
+
+
+#: TRL's adaptive controller under a target the tiny model's entropy (about 3.9) is under (the coefficient
+#: grows) and over (it shrinks and the bonus stays off): the coefficient logged after each step taken
+CONTROLLERS = {"under the target": (dict(entropy_coef=0.05, entropy_target=4.0), [0.1, 0.15, 0.2]),
+               "over the target": (dict(entropy_coef=0.15, entropy_target=3.0), [0.1, 0.05, 0.0])}
+
+
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_a_skipped_step_leaves_the_adaptive_entropy_controller_alone(model, monkeypatch, controller):
+    """Issue 39: TRL's adaptive entropy controller reads a step without tokens as entropy 0 (at or under any
+    target), which would move the coefficient up and turn the bonus on for the next step; a skipped step
+    keeps the last step's decision, and its log of the coefficient goes with it. Steps: taken, skipped,
+    taken, taken. The reference records the skipped step's micro-batches under the next step (the step
+    count did not move), where they hold no token: one step, one move of the controller."""
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    _truncate_prompt(monkeypatch, 1)
+    config, logged = CONTROLLERS[controller]
+    with pytest.warns(UserWarning, match=r"counted 0 items"):
+        delta, trainer = G.run(ExactGRPOTrainer, model, **RESUME, use_adaptive_entropy=True, entropy_coef_delta=0.05,
+                               **config)
+    assert delta < 1e-10 and trainer.accumulator_state.skipped == 1, delta
+    assert [h["entropy_coef"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(logged)
+    assert trainer.entropy_coef == pytest.approx(logged[-1]) and 3.0 < trainer._last_world_entropy <= 4.0
