@@ -357,3 +357,32 @@ def test_a_skipped_step_leaves_the_adaptive_entropy_controller_alone(model, monk
     assert delta < 1e-10 and trainer.accumulator_state.skipped == 1, delta
     assert [h["entropy_coef"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(logged)
     assert trainer.entropy_coef == pytest.approx(logged[-1]) and 3.0 < trainer._last_world_entropy <= 4.0
+
+
+def test_a_resume_inside_a_generation_trains_each_step_on_its_generation_batch(model, tmp_path):
+    """Issue 39: a checkpoint inside a generation (spg 4, GA 2: after the first of the two steps one
+    generation batch feeds) cannot resume bit-identical, as TRL keeps its generation buffer out of the
+    checkpoint (the resume generates that batch again, its old log-probabilities from the restored
+    policy). The resume still trains each step on the prompts the uninterrupted run trained it on: the
+    second half of the first generation batch, then the second one. Stock TRL restarts its micro-batch
+    counter at 0 and trains the first generation batch's prompts in a step that should train the second's."""
+    from trl import GRPOTrainer
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    setting = dict(G.SETTINGS["spg 4, GA 2"], save_strategy="steps", save_steps=1)
+    prompts_of = {}
+    for cls in (GRPOTrainer, ExactGRPOTrainer):
+        _, whole = G.fit(cls, model, output_dir=str(tmp_path / cls.__name__), **setting)
+        order = {}  # each prompt's generation batch (two prompts of four completions each) in the uninterrupted run
+        for _, mb in whole.recorded:
+            for row in mb["prompt_ids"].tolist():
+                order.setdefault(tuple(row), len(order) // 2)
+        assert len(order) == 4 and sorted(set(order.values())) == [0, 1] and whole.state.global_step == 4
+        _, resumed = G.fit(cls, model, train=False, output_dir=str(tmp_path / cls.__name__), **setting)
+        resumed.train(resume_from_checkpoint=str(tmp_path / cls.__name__ / "checkpoint-1"))
+        assert len(resumed.recorded) == 6 and resumed.state.global_step == 4
+        prompts_of[cls] = [(step, {order[tuple(row)] for row in mb["prompt_ids"].tolist()})
+                           for step, mb in resumed.recorded]
+    assert prompts_of[ExactGRPOTrainer] == [(1, {0}), (1, {0}), (2, {1}), (2, {1}), (3, {1}), (3, {1})]
+    assert prompts_of[GRPOTrainer][2] == (2, {0}), prompts_of[GRPOTrainer]  # stock: the first batch again
