@@ -42,7 +42,16 @@ micro-batch's entropies). A step whose loss type averages over tokens and whose 
 token on any rank (every mask 0, e.g. every completion truncated under ``mask_truncated_completions``)
 has nothing to average: it is skipped as every gradaccum driver skips an empty window (no optimizer
 step, so no weight decay or momentum; no scheduler step; ``accumulator_state.skipped`` counts it),
-where TRL steps on a zero gradient.
+where TRL steps on a zero gradient; TRL's adaptive entropy controller keeps the last step's decision
+(TRL would read the empty step's entropy as 0).
+
+A run resumed from a checkpoint (``train(resume_from_checkpoint=...)``) reads back the steps and
+skipped steps, and starts past the data of every step, skipped ones included (one loader batch per
+micro-batch, as the Trainer counts), TRL's micro-batch counter at that position. Resumed at a
+generation boundary (a step count times ``gradient_accumulation_steps`` a multiple of
+``steps_per_generation * num_iterations``), it ends bit-identical to the uninterrupted run; resumed
+inside a generation, it generates that batch again from the restored policy (TRL saves no generation
+buffer), each step still on its own generation batch's prompts.
 """
 from __future__ import annotations
 
@@ -320,6 +329,7 @@ class _ExactRL:
         epochs, batches = super()._init_training_state(  # type: ignore[misc]
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
         epochs, batches = self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
+        self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
         if resume_from_checkpoint is not None and not self.args.ignore_data_skip:  # type: ignore[attr-defined]
             self._step = batches  # type: ignore[attr-defined]  # micro-batches of this epoch already trained
             self._resume_rng = resume_from_checkpoint if batches > 0 else None  # else the Trainer loads it first
