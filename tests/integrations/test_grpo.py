@@ -305,32 +305,41 @@ def _truncate_prompt(monkeypatch, index):
     monkeypatch.setattr(G, "completion", truncated)
 
 
-def test_a_resume_across_a_skipped_step_ends_where_the_uninterrupted_run_ends(model, monkeypatch, tmp_path):
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_a_resume_across_a_skipped_step_ends_where_the_uninterrupted_run_ends(model, monkeypatch, tmp_path, kind):
     """Issue 39: a run saved after a skipped step (steps 1, skipped, 2: checkpoint-2 holds 3 steps' data)
     and resumed from that checkpoint trains the micro-batches the uninterrupted run trained after it, no
-    other, and ends bit-identical, with the same steps and skipped steps. The checkpoint is at a
+    other, and ends bit-identical, with the same steps and skipped steps. RLOO averages over sequences, so
+    its step of masked completions is taken (checkpoint-2 holds 2 steps' data). The checkpoint is at a
     generation boundary (each step one generation batch): TRL keeps its generation buffer out of
     checkpoints, so a resume inside a generation generates it again (from the restored policy)."""
+    import contextlib
+
     import torch
 
-    from gradaccum.integrations.trl import ExactGRPOTrainer
+    from gradaccum.integrations.trl import ExactGRPOTrainer, ExactRLOOTrainer
 
     _truncate_prompt(monkeypatch, 1)
-    save = dict(save_strategy="steps", save_steps=2, output_dir=str(tmp_path))
-    with pytest.warns(UserWarning, match=r"counted 0 items"):
-        whole, uninterrupted = G.fit(ExactGRPOTrainer, model, **RESUME, **save)
+    rloo = kind == "rloo"
+    cls, skipped = (ExactRLOOTrainer, 0) if rloo else (ExactGRPOTrainer, 1)
+    config = dict(RESUME, save_strategy="steps", save_steps=2, output_dir=str(tmp_path), rloo=rloo)
+    if rloo:  # no loss types; no KL term (no reference model)
+        del config["loss_type"]
+        config["beta"] = 0.0
+    with pytest.warns(UserWarning, match=r"counted 0 items") if skipped else contextlib.nullcontext():
+        whole, uninterrupted = G.fit(cls, model, **config)
     assert [int(mb["completion_mask"].sum()) for _, mb in uninterrupted.recorded][2:4] == [0, 0]
     state = uninterrupted.accumulator_state
-    assert (state.steps, state.skipped, uninterrupted.state.global_step) == (3, 1, 3)
+    assert (state.steps, state.skipped, uninterrupted.state.global_step) == (4 - skipped, skipped, 4 - skipped)
 
-    resumed_model, resumed = G.fit(ExactGRPOTrainer, model, train=False, **RESUME, **save)
+    resumed_model, resumed = G.fit(cls, model, train=False, **config)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    after = uninterrupted.recorded[6:]  # the last step's micro-batches: the checkpoint came after 3 steps' data
-    assert len(resumed.recorded) == len(after) == 2
+    after = uninterrupted.recorded[2 * (2 + skipped):]  # the micro-batches of the steps after the checkpoint's
+    assert len(resumed.recorded) == len(after) == 2 * (2 - skipped)
     for (_, mine), (_, theirs) in zip(resumed.recorded, after):
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), "other data"
     state = resumed.accumulator_state
-    assert (state.steps, state.skipped, resumed.state.global_step) == (3, 1, 3)
+    assert (state.steps, state.skipped, resumed.state.global_step) == (4 - skipped, skipped, 4 - skipped)
     assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), whole.parameters()))
 
 
