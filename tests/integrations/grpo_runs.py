@@ -236,7 +236,9 @@ def big_batch_loss(model: nn.Module, step: Sequence[Dict[str, torch.Tensor]], lo
 
 
 def steps_of(recorded: Sequence[Sequence[Tuple[int, Dict[str, torch.Tensor]]]]) -> List[List[Dict[str, torch.Tensor]]]:
-    """Every rank's recorded micro-batches grouped by optimizer step (rank 0's first)."""
+    """Every rank's recorded micro-batches grouped by optimizer step (rank 0's first). A skipped step's
+    micro-batches (no completion token) are recorded under the next step's number, as the Trainer's step
+    count did not move: they add no token to that step, so it is the step they were skipped from."""
     count = 1 + max(s for rank in recorded for s, _ in rank)
     return [[mb for rank in recorded for s, mb in rank if s == step] for step in range(count)]
 

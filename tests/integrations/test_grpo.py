@@ -285,3 +285,113 @@ def test_docstring_examples():
 
     result = doctest.testmod(trl_rl)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+#: one generation batch (one prompt's 4 completions) per step, so every step ends at a generation boundary;
+#: 4 prompts in dataset order: 4 steps of 2 micro-batches, the second (prompt 1) without completion tokens
+RESUME = dict(G.SETTINGS["spg 2, GA 2, 2 iterations"], num_iterations=1, prompt_count=4, shuffle_dataset=False,
+              mask_truncated_completions=True, loss_type="dapo")
+
+
+def _truncate_prompt(monkeypatch, index):
+    """Prompt ``index``'s completions all truncated (8 tokens, no end of sequence): masked out, its step empty."""
+    target = [int(w[1:]) for w in G.prompts(RESUME["prompt_count"])[index]["prompt"].split()]
+    completion = G.completion
+
+    def truncated(ids, j):
+        out = completion(ids, j)
+        return ((out[:-1] + [5]) * G.MAX_COMPLETION)[:G.MAX_COMPLETION] if list(ids) == target else out
+
+    monkeypatch.setattr(G, "completion", truncated)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_a_resume_across_a_skipped_step_ends_where_the_uninterrupted_run_ends(model, monkeypatch, tmp_path, kind):
+    """Issue 39: a run saved after a skipped step (steps 1, skipped, 2: checkpoint-2 holds 3 steps' data)
+    and resumed from that checkpoint trains the micro-batches the uninterrupted run trained after it, no
+    other, and ends bit-identical, with the same steps and skipped steps. RLOO averages over sequences, so
+    its step of masked completions is taken (checkpoint-2 holds 2 steps' data). The checkpoint is at a
+    generation boundary (each step one generation batch): TRL keeps its generation buffer out of
+    checkpoints, so a resume inside a generation generates it again (from the restored policy)."""
+    import contextlib
+
+    import torch
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer, ExactRLOOTrainer
+
+    _truncate_prompt(monkeypatch, 1)
+    rloo = kind == "rloo"
+    cls, skipped = (ExactRLOOTrainer, 0) if rloo else (ExactGRPOTrainer, 1)
+    config = dict(RESUME, save_strategy="steps", save_steps=2, output_dir=str(tmp_path), rloo=rloo)
+    if rloo:  # no loss types; no KL term (no reference model)
+        del config["loss_type"]
+        config["beta"] = 0.0
+    with pytest.warns(UserWarning, match=r"counted 0 items") if skipped else contextlib.nullcontext():
+        whole, uninterrupted = G.fit(cls, model, **config)
+    assert [int(mb["completion_mask"].sum()) for _, mb in uninterrupted.recorded][2:4] == [0, 0]
+    state = uninterrupted.accumulator_state
+    assert (state.steps, state.skipped, uninterrupted.state.global_step) == (4 - skipped, skipped, 4 - skipped)
+
+    resumed_model, resumed = G.fit(cls, model, train=False, **config)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    after = uninterrupted.recorded[2 * (2 + skipped):]  # the micro-batches of the steps after the checkpoint's
+    assert len(resumed.recorded) == len(after) == 2 * (2 - skipped)
+    for (_, mine), (_, theirs) in zip(resumed.recorded, after):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), "other data"
+    state = resumed.accumulator_state
+    assert (state.steps, state.skipped, resumed.state.global_step) == (4 - skipped, skipped, 4 - skipped)
+    assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), whole.parameters()))
+
+
+#: TRL's adaptive controller under a target the tiny model's entropy (about 3.9) is under (the coefficient
+#: grows) and over (it shrinks and the bonus stays off): the coefficient logged after each step taken
+CONTROLLERS = {"under the target": (dict(entropy_coef=0.05, entropy_target=4.0), [0.1, 0.15, 0.2]),
+               "over the target": (dict(entropy_coef=0.15, entropy_target=3.0), [0.1, 0.05, 0.0])}
+
+
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_a_skipped_step_leaves_the_adaptive_entropy_controller_alone(model, monkeypatch, controller):
+    """Issue 39: TRL's adaptive entropy controller reads a step without tokens as entropy 0 (at or under any
+    target), which would move the coefficient up and turn the bonus on for the next step; a skipped step
+    keeps the last step's decision, and its log of the coefficient goes with it. Steps: taken, skipped,
+    taken, taken. The reference records the skipped step's micro-batches under the next step (the step
+    count did not move), where they hold no token: one step, one move of the controller."""
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    _truncate_prompt(monkeypatch, 1)
+    config, logged = CONTROLLERS[controller]
+    with pytest.warns(UserWarning, match=r"counted 0 items"):
+        delta, trainer = G.run(ExactGRPOTrainer, model, **RESUME, use_adaptive_entropy=True, entropy_coef_delta=0.05,
+                               **config)
+    assert delta < 1e-10 and trainer.accumulator_state.skipped == 1, delta
+    assert [h["entropy_coef"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(logged)
+    assert trainer.entropy_coef == pytest.approx(logged[-1]) and 3.0 < trainer._last_world_entropy <= 4.0
+
+
+def test_a_resume_inside_a_generation_trains_each_step_on_its_generation_batch(model, tmp_path):
+    """Issue 39: a checkpoint inside a generation (spg 4, GA 2: after the first of the two steps one
+    generation batch feeds) cannot resume bit-identical, as TRL keeps its generation buffer out of the
+    checkpoint (the resume generates that batch again, its old log-probabilities from the restored
+    policy). The resume still trains each step on the prompts the uninterrupted run trained it on: the
+    second half of the first generation batch, then the second one. Stock TRL restarts its micro-batch
+    counter at 0 and trains the first generation batch's prompts in a step that should train the second's."""
+    from trl import GRPOTrainer
+
+    from gradaccum.integrations.trl import ExactGRPOTrainer
+
+    setting = dict(G.SETTINGS["spg 4, GA 2"], save_strategy="steps", save_steps=1)
+    prompts_of = {}
+    for cls in (GRPOTrainer, ExactGRPOTrainer):
+        _, whole = G.fit(cls, model, output_dir=str(tmp_path / cls.__name__), **setting)
+        order = {}  # each prompt's generation batch (two prompts of four completions each) in the uninterrupted run
+        for _, mb in whole.recorded:
+            for row in mb["prompt_ids"].tolist():
+                order.setdefault(tuple(row), len(order) // 2)
+        assert len(order) == 4 and sorted(set(order.values())) == [0, 1] and whole.state.global_step == 4
+        _, resumed = G.fit(cls, model, train=False, output_dir=str(tmp_path / cls.__name__), **setting)
+        resumed.train(resume_from_checkpoint=str(tmp_path / cls.__name__ / "checkpoint-1"))
+        assert len(resumed.recorded) == 6 and resumed.state.global_step == 4
+        prompts_of[cls] = [(step, {order[tuple(row)] for row in mb["prompt_ids"].tolist()})
+                           for step, mb in resumed.recorded]
+    assert prompts_of[ExactGRPOTrainer] == [(1, {0}), (1, {0}), (2, {1}), (2, {1}), (3, {1}), (3, {1})]
+    assert prompts_of[GRPOTrainer][2] == (2, {0}), prompts_of[GRPOTrainer]  # stock: the first batch again
