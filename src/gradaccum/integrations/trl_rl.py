@@ -138,7 +138,91 @@ class StepCount:
     items: int
 
 
-class _ExactRL:
+class _RLResume:
+    """A GRPO/RLOO run resumed from a checkpoint: the saved steps and skipped steps read back, the data
+    position past every step's data (skipped ones included), TRL's micro-batch counter there, and the
+    checkpoint's random state loaded before the step's generation (the Trainer would load it after)."""
+
+    #: a resume inside an epoch: the checkpoint whose random state the step's generation draws from
+    #: (loaded before generating; the Trainer's later load is then skipped)
+    _resume_rng: Optional[str] = None
+    _rng_loaded_early = False
+
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
+                             resume_from_checkpoint: Optional[str], trial: Any) -> Tuple[int, int]:
+        """The state the checkpoint saved (steps, skipped), and the Trainer's resume position moved past the
+        skipped steps' data too (:meth:`TrainerWindowState.resume`, as in ExactTrainer).
+
+        What a step consumes: GRPO's (and RLOO's) loader yields one generation batch
+        (``per_device_train_batch_size * steps_per_generation`` rows) per micro-batch, TRL's
+        ``RepeatSampler`` repeating each ``steps_per_generation * num_iterations`` times, so a step of
+        ``gradient_accumulation_steps`` micro-batches consumes that many loader batches, skipped or not,
+        and ``windows * gradient_accumulation_steps`` is the position, as the Trainer counts it. TRL's
+        micro-batch counter (``_step``, which picks the buffered slice and when to generate) restarts at
+        that position: a resume at a generation boundary (``_step % (steps_per_generation *
+        num_iterations) == 0``) then generates what the uninterrupted run generated, from the checkpoint's
+        random state (loaded before the step's generation: :meth:`get_batch_samples`); a resume inside a
+        generation generates its batch again, from the restored policy (TRL's buffer is not saved)."""
+        epochs, batches = super()._init_training_state(  # type: ignore[misc]
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
+        epochs, batches = self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
+        self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
+        if resume_from_checkpoint is not None and not self.args.ignore_data_skip:  # type: ignore[attr-defined]
+            self._step = batches  # type: ignore[attr-defined]  # micro-batches of this epoch already trained
+            self._resume_rng = resume_from_checkpoint if batches > 0 else None  # else the Trainer loads it first
+        return epochs, batches
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        """The Trainer's restore of the checkpoint's random state, once, where :meth:`get_batch_samples`
+        restored it before the step's generation (the Trainer's restore would come after it)."""
+        if self._rng_loaded_early:
+            self._rng_loaded_early = False
+            return
+        super()._load_rng_state(checkpoint)  # type: ignore[misc]
+
+    def _load_rng_state_before_generating(self) -> None:
+        """On the first step after a resume inside an epoch: the random state the uninterrupted run
+        generated this step from."""
+        if self._resume_rng is not None:
+            checkpoint, self._resume_rng = self._resume_rng, None
+            self._load_rng_state(checkpoint)
+            self._rng_loaded_early = True
+
+
+class _RLEntropy:
+    """TRL's entropy bonus as the exact step applies it: its coefficient this step, and TRL's adaptive
+    controller left where the last step taken left it when a step is skipped (TRL would move it on the
+    skipped step's entropy, 0 over no token, so the coefficient would grow)."""
+
+    _controller: Optional[Tuple[float, float]] = None  # (coefficient, last entropy) kept over a skipped step
+
+    def _entropy_coef_now(self) -> float:
+        """The entropy bonus's coefficient TRL applies in this step (0 where off; adaptive: the
+        previous step's decision)."""
+        if not getattr(self, "_entropy_bonus_enabled", False):
+            return 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:  # type: ignore[attr-defined]
+            return 0.0
+        return float(self.entropy_coef)  # type: ignore[attr-defined]
+
+
+    def _keep_entropy_controller(self) -> None:
+        if getattr(self, "use_adaptive_entropy", False):
+            self._controller = (self.entropy_coef, self._last_world_entropy)  # type: ignore[attr-defined]
+
+    def _restore_entropy_controller(self) -> None:
+        """After a skipped step: the controller as the last step taken left it, the step's ``entropy_coef``
+        log gone."""
+        if self._controller is None:
+            return
+        self.entropy_coef, self._last_world_entropy = self._controller  # type: ignore[attr-defined]
+        self._controller = None
+        logged = self._metrics["train"].get("entropy_coef")  # type: ignore[attr-defined]
+        if logged:
+            logged.pop()
+
+
+class _ExactRL(_RLResume, _RLEntropy):
     """The driver shared by :class:`ExactGRPOTrainer` and :class:`ExactRLOOTrainer`: count the step
     first, then weigh each micro-batch's summed terms by ``W / N`` (skip the step where N = 0)."""
 
@@ -163,12 +247,6 @@ class _ExactRL:
         self.router_balance = _router_balance(self)
         self._balance: Optional[WindowBalance] = None
         self._balance_sum: Optional[torch.Tensor] = None  # this rank's parts of the step's LBL (for the log)
-        #: a resume inside an epoch: the checkpoint whose random state the step's generation draws from
-        #: (:meth:`get_batch_samples` loads it before generating; the Trainer's later load is then skipped)
-        self._resume_rng: Optional[str] = None
-        self._rng_loaded_early = False
-        #: TRL's adaptive entropy controller as the last step taken left it, kept while a skipped step runs
-        self._controller: Optional[Tuple[float, float]] = None
 
     @property
     def accumulator_state(self) -> AccumulatorState:
@@ -187,10 +265,7 @@ class _ExactRL:
         start gives the completions and old log-probabilities TRL would compute mid-step (sampled
         from the same policy; with dropout on, from another point of the random stream than TRL's)."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
-        if self._resume_rng is not None:  # the random state the uninterrupted run generated this step from
-            checkpoint, self._resume_rng = self._resume_rng, None
-            self._load_rng_state(checkpoint)
-            self._rng_loaded_early = True
+        self._load_rng_state_before_generating()
         self.model.train()  # type: ignore[attr-defined]  # TRL's _prepare_inputs reads the mode
         first = self._step  # type: ignore[attr-defined]  # TRL's micro-batch counter picks the buffered slice
         prepared = []
@@ -215,7 +290,8 @@ class _ExactRL:
         self._weights = (WindowWeights(state, world, num_items=self.last_step_count.items),
                          WindowWeights(state, world, num_items=max(tokens, 1)))
         self._closing = self._weights[0].close(self.last_step_count.items)  # step, or skip a step of N = 0
-        self._controller = None if self._closing.steps else _entropy_controller(self)
+        if not self._closing.steps:
+            self._keep_entropy_controller()
         self._ran = 0
         if self.router_balance is not None:  # the step's expert counts, every rank's, before any backward
             unwrapped = self.accelerator.unwrap_model(self.model)  # type: ignore[attr-defined]
@@ -296,8 +372,7 @@ class _ExactRL:
             "here: an optimizer step whose completions hold no token on any rank (every completion mask 0, e.g. "
             "every completion truncated under mask_truncated_completions); the step's data is consumed"))
         if not closing.steps:
-            _restore_entropy_controller(self, self._controller)
-            self._controller = None
+            self._restore_entropy_controller()
             self._state.hold(self)
         return loss
 
@@ -310,66 +385,6 @@ class _ExactRL:
             return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._state.release()
-
-    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
-                             resume_from_checkpoint: Optional[str], trial: Any) -> Tuple[int, int]:
-        """The state the checkpoint saved (steps, skipped), and the Trainer's resume position moved past the
-        skipped steps' data too (:meth:`TrainerWindowState.resume`, as in ExactTrainer).
-
-        What a step consumes: GRPO's (and RLOO's) loader yields one generation batch
-        (``per_device_train_batch_size * steps_per_generation`` rows) per micro-batch, TRL's
-        ``RepeatSampler`` repeating each ``steps_per_generation * num_iterations`` times, so a step of
-        ``gradient_accumulation_steps`` micro-batches consumes that many loader batches, skipped or not,
-        and ``windows * gradient_accumulation_steps`` is the position, as the Trainer counts it. TRL's
-        micro-batch counter (``_step``, which picks the buffered slice and when to generate) restarts at
-        that position: a resume at a generation boundary (``_step % (steps_per_generation *
-        num_iterations) == 0``) then generates what the uninterrupted run generated, from the checkpoint's
-        random state (loaded before the step's generation: :meth:`get_batch_samples`); a resume inside a
-        generation generates its batch again, from the restored policy (TRL's buffer is not saved)."""
-        epochs, batches = super()._init_training_state(  # type: ignore[misc]
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
-        epochs, batches = self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
-        self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
-        if resume_from_checkpoint is not None and not self.args.ignore_data_skip:  # type: ignore[attr-defined]
-            self._step = batches  # type: ignore[attr-defined]  # micro-batches of this epoch already trained
-            self._resume_rng = resume_from_checkpoint if batches > 0 else None  # else the Trainer loads it first
-        return epochs, batches
-
-    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
-        """The Trainer's restore of the checkpoint's random state, once, where :meth:`get_batch_samples`
-        restored it before the step's generation (the Trainer's restore would come after it)."""
-        if self._rng_loaded_early:
-            self._rng_loaded_early = False
-            return
-        super()._load_rng_state(checkpoint)  # type: ignore[misc]
-
-    def _entropy_coef_now(self) -> float:
-        """The entropy bonus's coefficient TRL applies in this step (0 where off; adaptive: the
-        previous step's decision)."""
-        if not getattr(self, "_entropy_bonus_enabled", False):
-            return 0.0
-        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:  # type: ignore[attr-defined]
-            return 0.0
-        return float(self.entropy_coef)  # type: ignore[attr-defined]
-
-
-def _entropy_controller(trainer: Any) -> Optional[Tuple[float, float]]:
-    """TRL's adaptive entropy controller (its coefficient and the last step's entropy), or None where off."""
-    if not getattr(trainer, "use_adaptive_entropy", False):
-        return None
-    return trainer.entropy_coef, trainer._last_world_entropy
-
-
-def _restore_entropy_controller(trainer: Any, kept: Optional[Tuple[float, float]]) -> None:
-    """After a skipped step: the controller as the last step taken left it. TRL moved it on the skipped
-    step's entropy (0 over no token, so the coefficient grew); its ``entropy_coef`` log of the step goes too."""
-    if kept is None:
-        return
-    trainer.entropy_coef, trainer._last_world_entropy = kept
-    logged = trainer._metrics["train"].get("entropy_coef")
-    if logged:
-        logged.pop()
-
 
 def _model_inputs(inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """What TRL's forward of a training micro-batch routes (its prompt and completion, padding masked)."""
