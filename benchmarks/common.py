@@ -206,3 +206,14 @@ class Count:
     def __exit__(self, *exc: object) -> None:
         for owner, name, fn in self.saved:
             setattr(owner, name, fn)
+
+
+def torchrun(script: Path, *, timeout: int = 600) -> "subprocess.CompletedProcess[str]":
+    """``script`` under torchrun, 2 gloo processes (``--standalone``: torchrun picks a free port), this
+    checkout's ``src`` first on the path, one thread each; its output captured."""
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), BENCH_QUICK="1" if QUICK else "0",
+               ACCELERATE_USE_CPU="1")  # Accelerate really runs DDP on the CPU under torchrun
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], capture_output=True, text=True, env=env, timeout=timeout)

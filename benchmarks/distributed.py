@@ -3,20 +3,14 @@ a free port itself, so concurrent runs never race for a fixed one)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from typing import Optional
 
-from common import QUICK, ROOT
+from common import ROOT, torchrun
 
 
 def _launch(script: str) -> Optional[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), BENCH_QUICK="1" if QUICK else "0",
-               ACCELERATE_USE_CPU="1")  # Accelerate really runs DDP on the CPU under torchrun
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "benchmarks" / script)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = torchrun(ROOT / "benchmarks" / script)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(proc.stderr[-2000:], file=sys.stderr)

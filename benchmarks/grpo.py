@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-from common import QUICK, ROOT, between_markers, table
+from common import QUICK, ROOT, between_markers, table, torchrun
 
 sys.path[:0] = [str(ROOT / "tests")]
 
@@ -68,9 +68,7 @@ def one_process() -> List[Dict[str, Any]]:
 
 def two_processes() -> List[str]:
     """The worker's ``PASS``/``FAIL`` lines (one torchrun launch, 2 gloo processes)."""
-    from distributed.launch import torchrun
-
-    proc = torchrun([str(ROOT / "tests" / "integrations" / "grpo_worker.py")], timeout=900)
+    proc = torchrun(ROOT / "tests" / "integrations" / "grpo_worker.py", timeout=900)  # it sets its own path
     return [line for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
 
 
