@@ -10,7 +10,8 @@ from common import ROOT, torchrun
 
 
 def _launch(script: str) -> Optional[dict]:
-    proc = torchrun(ROOT / "benchmarks" / script)
+    # Accelerate really runs DDP on the CPU under torchrun
+    proc = torchrun(ROOT / "benchmarks" / script, env={"ACCELERATE_USE_CPU": "1"})
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(proc.stderr[-2000:], file=sys.stderr)

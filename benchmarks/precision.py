@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from common import ROOT, between_markers
+from common import ROOT, between_markers, torchrun
 
 sys.path[:0] = [str(ROOT / "tests")]
 
@@ -51,10 +51,8 @@ def deepspeed_table() -> Dict[str, Any]:
         import deepspeed  # noqa: F401
     except ImportError:
         return {}
-    from distributed.launch import torchrun
-
-    proc = torchrun([str(ROOT / "tests" / "distributed" / "deepspeed_worker.py"), "zero1_exact", "zero2_exact",
-                     "zero3_exact", "exact_trainer_stages", "exact_trl_trainers"], timeout=900)
+    proc = torchrun(ROOT / "tests" / "distributed" / "deepspeed_worker.py", "zero1_exact", "zero2_exact",
+                    "zero3_exact", "exact_trainer_stages", "exact_trl_trainers", timeout=900)
     rows: Dict[str, Any] = {}
     for line in proc.stdout.splitlines():
         m = _FIGURES.search(line)

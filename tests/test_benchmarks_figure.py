@@ -44,3 +44,15 @@ def test_no_pale_lines_and_no_two_methods_on_one_point(figure):
     first_x = [line.get_xdata()[0] for line in distance.get_lines()]
     per_model = len(first_x) // 2
     assert len(set(first_x[:per_model])) == per_model  # at N = 1 every method is one batch: moved apart
+
+
+def test_no_benchmark_launches_through_the_tests_distributed_package():
+    """Under benchmarks/run.py the module name ``distributed`` is benchmarks/distributed.py, so a section
+    that imported the tests' ``distributed.launch`` stopped make bench there (grpo and precision did):
+    the sections launch torchrun through benchmarks/common.py's ``torchrun``."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    offenders = [p.name for p in sorted(bench.glob("*.py"))
+                 if "from distributed.launch import" in p.read_text() or "import distributed.launch" in p.read_text()]
+    assert not offenders, offenders
