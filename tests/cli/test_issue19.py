@@ -67,6 +67,7 @@ def test_a_diverging_run_says_so_exits_3_and_writes_strict_json(tmp_path):
     ({"windows": 2, "skipped": 2, "skipped_at_end": 2, "last_loss": 0.5}, True),
     ({"windows": 48, "skipped": 25, "skipped_at_end": 0, "last_loss": 0.5}, True),  # most skipped
     ({"windows": 48, "skipped": 0, "skipped_at_end": 0, "last_loss": None}, True),  # no loss at the end
+    ({"windows": 48, "skipped_windows": 25, "skipped_at_end": 0, "last_loss": 0.5}, True),  # an older summary's key
 ])
 def test_a_run_whose_last_windows_were_all_skipped_exits_3(summary, diverged):
     """A run that trained, then skipped every window of its end (a new user's: 17 of 48 windows, the
