@@ -161,7 +161,7 @@ class Boundary:
         stepped = False
         try:
             if closing.steps:
-                if self.sync.needs_known_items and closing.scale != 1.0:
+                if self.sync.needs_count_first and closing.scale != 1.0:
                     raise not_known_up_front(in_engine=True)  # loss_fn counted other items than those known up front
                 stepped, stepped_norm = self._step(grads, closing.scale * clip_coefficient(grad_norm, self.max_grad_norm),
                                                    None if loss_sum is None else window_mean(loss_sum, told.num_items),

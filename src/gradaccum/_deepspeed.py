@@ -107,7 +107,7 @@ class DeepSpeedSync(GradSync):
     can_reduce_later = False
     needs_equal_counts = True
     owns_step = True
-    needs_known_items = True
+    needs_count_first = True
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

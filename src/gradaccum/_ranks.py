@@ -198,7 +198,7 @@ class Rules:
         loss_every: a window that could exchange nothing still exchanges every ``loss_every``-th time.
         steps_on_loss: a ReduceLROnPlateau needs every window's loss, so every window exchanges.
         reference_is_count: R must be the window's own N, known up front (the gradient cannot be
-            rescaled at the boundary: :attr:`gradaccum.sync.GradSync.needs_known_items`, DeepSpeed).
+            rescaled at the boundary: :attr:`gradaccum.sync.GradSync.needs_count_first`, DeepSpeed).
     """
 
     shares_windows: bool
@@ -275,20 +275,20 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan]
     return known * state.count_ratio if plan is not None else known  # a window without a size counts as it says
 
 
-def _exchanges(state: AccumulatorState, rules: Rules, known_items: Optional[float]) -> bool:
+def _exchanges(state: AccumulatorState, rules: Rules, items: Optional[float]) -> bool:
     """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
     there it costs nothing). A window may skip it when the reduced gradient carries every rank's loss
     check (:meth:`gradaccum.sync.GradSync.plain_reduction`: DDP's own average, no
     ``find_unused_parameters``, no comm hook, which could keep or lose the check,
     :func:`gradaccum._maths.loss_check_term`) on a trainable parameter the wrapper reduces
     (``state.probe``: one that had a gradient in the window whose replicas were compared, so never
-    before that window), every rank knows the global N up front (``known_items``: a WindowSampler's
+    before that window), every rank knows the global N up front (``items``: a WindowSampler's
     shares), in the last exchanged window every rank's ``loss_fn`` returned bare means weighed by
     those very counts (``state.counts_from_loss_fn`` False, ``state.count_ratio`` 1), no
     ReduceLROnPlateau needs the loss, and the window is not a ``loss_every``-th one, counted by
     ``state.windows``."""
     probe = state.probe
-    if probe is None or not probe.requires_grad or known_items is None or state.count_ratio != 1.0 \
+    if probe is None or not probe.requires_grad or items is None or state.count_ratio != 1.0 \
             or state.counts_from_loss_fn or not rules.plain_reduction():
         return True
     return rules.steps_on_loss or state.windows % rules.loss_every == 0

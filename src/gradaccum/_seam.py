@@ -113,7 +113,7 @@ class GradSync:
     owns_step: bool = False
     #: the gradient lives where it cannot be rescaled at the boundary (DeepSpeed's partitions): every
     #: window's item count must be known before its first backward, so that R = N and the scale is 1
-    needs_known_items: bool = False
+    needs_count_first: bool = False
     group: Any = None
 
     @property

@@ -261,7 +261,7 @@ class Window:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
         this first backward's count, the largest on any rank (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
-        if self.weights.reference is None and self.ctx.sync.needs_known_items:
+        if self.weights.reference is None and self.ctx.sync.needs_count_first:
             raise not_known_up_front()  # before any backward: nothing reached the gradient
         return self.weights.fix_reference(count, self.ctx.ranks.largest)
 

@@ -151,7 +151,7 @@ class Accumulator(Resumable):
                             nonfinite=nonfinite, device=device)
         rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts, self.sync.plain_reduction,
                       loss_every=loss_every, steps_on_loss=boundary.steps_on_loss,
-                      reference_is_count=self.sync.needs_known_items)
+                      reference_is_count=self.sync.needs_count_first)
         self.auto = AutoMicroBatch(self.sync, device, state)
         self.context = WindowContext(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=RankAgreement(self.sync, device, state, rules),
