@@ -104,6 +104,22 @@ def test_a_step_the_framework_did_not_apply_is_recorded_skipped():
     assert closing.verdict is Verdict.SKIP_NONFINITE and (state.steps, state.skipped) == (0, 1)
 
 
+@pytest.mark.parametrize("rows, tokens", [(4, 7), (4, 0)])
+def test_a_second_mean_is_weighed_over_its_own_count(rows, tokens):
+    """GRPO's entropy bonus (a token mean) in a step whose loss averages over its sequences: the summed
+    terms of each mean times W / its own count, over two ranks (float64 against the two means written out);
+    a mean over no token weighs a zero sum (W / 1), the window still steps on its rows."""
+    g = torch.Generator().manual_seed(0)
+    loss_terms, bonus_terms = torch.randn(rows, dtype=torch.float64, generator=g), torch.randn(
+        tokens, dtype=torch.float64, generator=g)
+    window = DrivenWindow(AccumulatorState(), 2, num_items=rows, micro_batches=1, second_items=tokens)
+    got = (loss_terms.sum() * window.weights.sum_weight() + bonus_terms.sum() * window.second.sum_weight()) / 2
+    want = loss_terms.mean() + (bonus_terms.mean() if tokens else 0.0)
+    assert torch.allclose(got, torch.as_tensor(want, dtype=torch.float64), rtol=1e-15, atol=0)
+    assert window.second.sum_weight() == 2 / max(tokens, 1) and window.record(window.close()).steps
+    assert DrivenWindow(AccumulatorState(), 1, num_items=rows).second is None
+
+
 def test_a_failed_window_folds_nothing_into_the_next():
     q = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     buffers = AccumulationBuffers([q], torch.float32)

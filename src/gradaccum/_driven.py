@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ._checks import Count
+from ._checks import Count, as_number
 from ._gradients import AccumulationBuffers
 from ._maths import Verdict
 from ._state import AccumulatorState
@@ -44,11 +44,17 @@ class DrivenWindow:
         num_items: the window's global N, counted before its first backward; None: the running R.
         micro_batches: how many micro-batches the window holds, when the driver knows it up front.
         buffers: the driver's float32 buffers (None: the sum is in ``.grad``); opened now.
+        second_items: the window's global count of a second mean its loss holds (GRPO's entropy bonus,
+            a token mean over the step whose loss may average over sequences): weighed by ``second``,
+            ``W / max(count, 1)`` (a mean over no item weighs a zero sum).
     """
 
     def __init__(self, state: AccumulatorState, grad_divisor: float, *, num_items: Optional[Count] = None,
-                 micro_batches: Optional[int] = None, buffers: Optional[AccumulationBuffers] = None) -> None:
+                 micro_batches: Optional[int] = None, buffers: Optional[AccumulationBuffers] = None,
+                 second_items: Optional[Count] = None) -> None:
         self.weights = WindowWeights(state, grad_divisor, num_items=num_items)
+        self.second = None if second_items is None else WindowWeights(state, grad_divisor,
+                                                                      num_items=max(as_number(second_items), 1.0))
         #: the boundary's decision, known at the opening where N was counted first
         self.closing: Optional[Closing] = None if num_items is None else self.weights.close(num_items)
         self.micro_batches, self.ran, self.count = micro_batches, 0, 0  # count: sum of n_k weighed here

@@ -117,8 +117,9 @@ def test_several_datasets_one_batch_per_window_train_as_the_stock_trainer(models
 
 
 def test_evaluation_saving_and_resuming_stay_the_trainer_s(models, tmp_path):
-    """Checkpoints every step; a run resumed from step 1 ends where the uninterrupted one does, bit for bit; the
-    evaluation loss is the stock trainer's per-batch loss."""
+    """Checkpoints every step; a run resumed from step 1 ends where the uninterrupted one does, bit for bit,
+    its AccumulatorState read back from the checkpoint (the steps before the resume counted); the evaluation
+    loss is the stock trainer's per-batch loss."""
     from sentence_transformers import SentenceTransformerTrainingArguments
 
     base, _ = models
@@ -140,6 +141,8 @@ def test_evaluation_saving_and_resuming_stay_the_trainer_s(models, tmp_path):
                                             loss=L.MultipleNegativesRankingLoss(whole)).evaluate()["eval_loss"]
     assert math.isclose(trainer.evaluate()["eval_loss"], stock_eval, rel_tol=1e-12)
     resumed = fresh(base)
-    run(resumed, 2, resume=str(tmp_path / "run" / "checkpoint-1"))
+    again = run(resumed, 2, resume=str(tmp_path / "run" / "checkpoint-1"))
     assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), whole.parameters()))  # bit for bit
+    assert (again.accumulator_state.steps, again.accumulator_state.last_window_items) == (2, 8.0)  # 1 read back
+    assert trainer.accumulator_state.saved() == again.accumulator_state.saved()
     assert max(t.abs().max().item() for t in moved(base, whole)) > 1e-3  # the steps moved it

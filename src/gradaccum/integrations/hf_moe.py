@@ -70,6 +70,8 @@ class WindowBalance:
                                               forward=_routed(model), sync=sync, device=device, who=who)
         finally:
             model.train(was_training)
+        #: this rank's parts of the window's load-balancing loss (without ``coef``), summed: what a log shows
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
 
     def run(self, k: int, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
             trainer: Any = None) -> Tuple[Any, torch.Tensor]:
@@ -87,7 +89,9 @@ class WindowBalance:
         finally:
             if kept is not None:
                 trainer.aux_loss_enabled = kept
-        return out, self.routing.term.coef * self.routing.part(k, router_logits, _mask(inputs))
+        part = self.routing.part(k, router_logits, _mask(inputs))
+        self.total += part.detach()
+        return out, self.routing.term.coef * part
 
     def check(self) -> None:
         """Before the window's last backward, on every rank: the training forwards routed as counted."""

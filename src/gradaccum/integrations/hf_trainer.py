@@ -17,7 +17,6 @@ and the window it drives is :class:`gradaccum._driven.DrivenWindow`.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -25,27 +24,24 @@ import torch
 from torch import nn
 
 from .._batch_items import HEADS, BatchItems, SetMean, check_head
-from .._driven import DrivenWindow, retire_buffers
+from .._driven import DrivenWindow
 from .._gradients import AccumulationBuffers
-from .._patching import NoStep, swapped
-from .._deprecated import renamed
-from .._state import AccumulatorState
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
 from ..moe import aux_term, refuse_aux_term
 from . import hf_window_loss
-from .hf_moe import WindowBalance
 
 try:
-    from transformers import Trainer, TrainerCallback
-    from transformers.trainer_callback import ExportableState
+    from transformers import Trainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "gradaccum.integrations.hf_trainer needs transformers: pip install 'gradaccum[hf]' "
         "(or pip install 'transformers>=4.46')"
     ) from exc
 
-__all__ = ["ExactTrainer", "HEADS", "SOURCES", "head_of", "loss_source"]
+from .hf_driver import TrainerDriver, TrainerWindowState  # noqa: E402  (the window's lifecycle and saved state)
+
+__all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", "loss_source"]
 
 #: where a Trainer's loss comes from, by the class whose ``compute_loss`` it runs: its items, and how
 #: that ``compute_loss`` reduces over them ("head": ExactTrainer computes the model's loss itself;
@@ -147,65 +143,7 @@ def head_of(model: nn.Module) -> str:
                      "(ExactTrainer computes that head's loss from the model's logits)")
 
 
-class TrainerWindowState(TrainerCallback, ExportableState):
-    """Owns the ExactTrainer's :class:`~gradaccum.AccumulatorState` (steps, skipped windows, the last
-    window's N), saved in the Trainer's checkpoints (``TrainerState.stateful_callbacks``) and read back
-    on resume (:meth:`ExactTrainer._init_training_state`); at the end of a skipped window it gives the
-    Trainer back its optimizer and scheduler and keeps its flow from logging, evaluating or saving a
-    step that was not taken."""
-
-    def __init__(self) -> None:
-        self.accumulator_state = AccumulatorState()
-        self.held: Optional[contextlib.ExitStack] = None  # the stand-ins, while a skipped window ends
-
-    def state(self) -> dict:
-        return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
-
-    def hold(self, trainer: "ExactTrainer") -> None:
-        """After a skipped window's last micro-batch: the optimizer and the scheduler the Trainer is about
-        to step are stood in for, and ``global_step`` is taken back by the one the Trainer adds, so that
-        the window leaves no trace but its consumed data."""
-        self.held = contextlib.ExitStack()
-        for name in ("optimizer", "lr_scheduler"):
-            self.held.enter_context(swapped(trainer, name, NoStep(getattr(trainer, name))))
-        trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
-
-    def release(self) -> None:
-        if self.held is not None:
-            self.held.close()
-            self.held = None
-
-    def resume(self, trainer: "ExactTrainer", epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
-        """The state the checkpoint saved, and the Trainer's resume position (``epochs`` done, ``batches``
-        of the next to skip, counted from its optimizer steps) moved past the skipped windows' data too."""
-        self.load(trainer.state.stateful_callbacks)  # type: ignore[arg-type]
-        skipped = self.accumulator_state.skipped
-        if skipped and not trainer.args.ignore_data_skip:
-            windows = trainer.state.global_step + skipped
-            epochs = windows // windows_per_epoch
-            batches = (windows % windows_per_epoch) * trainer.args.gradient_accumulation_steps
-        return epochs, batches
-
-    def load(self, stateful_callbacks: Dict[str, Any]) -> None:
-        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none; earlier gradaccum
-        saved it as ``_StateCallback``, and before that only the skipped windows, as ``_Skips``)."""
-        state = self.accumulator_state
-        saved = stateful_callbacks.get(type(self).__name__, stateful_callbacks.get("_StateCallback"))
-        old = stateful_callbacks.get("_Skips")
-        if isinstance(saved, dict):
-            state.load_saved(state.read_saved(saved["attributes"]["saved"]))
-        else:
-            state.load_saved(state.read_saved({}))
-            if isinstance(old, dict):
-                state.skipped = int(old["attributes"]["windows"])
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.held is not None:
-            control.should_log = control.should_evaluate = control.should_save = False
-        return control
-
-
-class ExactTrainer(Trainer):
+class ExactTrainer(TrainerDriver, Trainer):
     """A ``transformers.Trainer`` whose gradient accumulation is exactly one big batch.
 
     Every optimizer step is on the gradient of the item-weighted mean loss over the window, every
@@ -247,7 +185,6 @@ class ExactTrainer(Trainer):
         >>> ExactTrainer(model=model, args=args, train_dataset=ds, data_collator=collator).train()  # doctest: +SKIP
     """
 
-    loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     exact_items: Optional[str] = None  # a subclass's declaration for a compute_loss of its own (see loss_source)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -272,41 +209,18 @@ class ExactTrainer(Trainer):
                                 self.args.device)
         # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it, SFT's too
         self.router_balance = aux_term(config) if source == "tokens" or self.items.head == "causal_lm" else None
-        self._balance: Optional[WindowBalance] = None
-        self._window: Optional[DrivenWindow] = None
-        self._state = TrainerWindowState()  # what windows teach each other, in the Trainer's checkpoints
-        self.add_callback(self._state)
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
         self._loss = _SourceLoss(self, self._trainer_loss, self._evaluation)
-        self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(
-            self, self.accumulator_state, self._prepare_inputs)
+        self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(self, self._prepare_inputs)
 
     @property
     def head(self) -> Any:
         """The head whose loss ExactTrainer computes (None where the trainer computes it)."""
         return self.items.head
 
-    @property
-    def accumulator_state(self) -> AccumulatorState:
-        """What windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints."""
-        return self._state.accumulator_state
-
     def window_steps(self) -> bool:
         """Whether the window being trained takes an optimizer step (it holds items; True before any window)."""
         return not (self._window is not None and self._window.skip)
-
-    windows_skipped = renamed("windows_skipped", "skipped")
-
-    @property
-    def skipped(self) -> int:
-        """Windows of no item skipped since the run began (resumed runs included): the state's ``skipped``."""
-        return self.accumulator_state.skipped
-
-    @property
-    def last_window_items(self) -> Optional[int]:
-        """N of the last window that held items, every rank's: ``accumulator_state.last_window_items``."""
-        n = self.accumulator_state.last_window_items
-        return None if n is None else int(n)
 
     # -- the window: counted first, weighed per micro-batch, recorded at its end -----------------
 
@@ -321,12 +235,8 @@ class ExactTrainer(Trainer):
         device = device if device is not None else self.args.device
         local = self.items.window_count(batch_samples, device)
         total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
-        self._window = DrivenWindow(self.accumulator_state, self.accelerator.num_processes, num_items=int(total),
-                                    micro_batches=len(batch_samples), buffers=self.buffers)
-        if self.router_balance is not None:  # the window's expert counts, every rank's, before any backward
-            inputs = [self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples]
-            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), inputs,
-                                          device, self.model_wrapped)
+        self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
+            self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
         return batch_samples, total
 
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
@@ -340,39 +250,13 @@ class ExactTrainer(Trainer):
         if self._window is None:
             raise RuntimeError("ExactTrainer.compute_loss in training before get_batch_samples counted the window "
                                "(do not override get_batch_samples away)")
-        return self._loss.training(self._window, self._balance, model, inputs, return_outputs)
+        return self._loss.training(self._window, model, inputs, return_outputs)
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
         """The next class's ``compute_loss`` (SFT's, DPO's, ...), with its metrics and logs."""
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
         return out if return_outputs else (out, None)  # type: ignore[return-value]
-
-    def training_step(self, model: nn.Module, inputs: Dict[str, Any],
-                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
-        """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window
-        closes (its float32 buffers rounded once into ``.grad``) and the state records its step or its
-        skip (then the Trainer's step is stood in for: :meth:`TrainerWindowState.hold`)."""
-        window = self._window
-        try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        except BaseException:
-            if window is not None:
-                window.abort()
-            raise
-        if window is not None and window.ran_one():
-            if self._balance is not None:
-                self._balance.finish()
-            closing = window.close()
-            if closing.steps and self.is_deepspeed_enabled:
-                from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step
-
-                closing = window.record(closing, applied=step_applied(self))
-            else:
-                closing = window.record(closing)
-            if not closing.steps:
-                self._state.hold(self)
-        return loss
 
     # -- evaluation: the item-weighted mean over the whole set -----------------------------------
 
@@ -382,24 +266,6 @@ class ExactTrainer(Trainer):
         output = super().evaluation_loop(*args, **kwargs)
         self._evaluation.report(output.metrics, kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval"))
         return output
-
-    # -- the Trainer's flow around a skipped window, and the state across a resume ----------------
-
-    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._state.release()  # the skipped window's step is over: the Trainer's own objects come back
-        super()._maybe_log_save_evaluate(*args, **kwargs)
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            self._state.release()
-            retire_buffers(self.buffers)  # the last window opened may not have run
-
-    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
-        """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
-        epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)
-        return self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
 
 
 class _SourceLoss:
@@ -412,32 +278,27 @@ class _SourceLoss:
     def __init__(self, trainer: ExactTrainer, trainer_loss: Callable[..., Tuple[torch.Tensor, Any]],
                  evaluation: SetMean) -> None:
         self.trainer, self.trainer_loss, self.evaluation_mean = trainer, trainer_loss, evaluation
-        self.items, self.world = trainer.items, trainer.accelerator.num_processes
+        self.items = trainer.items
         # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
-        self.sft_factor = self.world if trainer.args.average_tokens_across_devices else 1
+        self.sft_factor = trainer.accelerator.num_processes if trainer.args.average_tokens_across_devices else 1
 
-    def training(self, window: DrivenWindow, balance: Optional[WindowBalance], model: nn.Module,
-                 inputs: Dict[str, Any], return_outputs: bool) -> Any:
+    def training(self, window: DrivenWindow, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
         """``S_k * W / N`` (``sum_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
         items, weight, part = self.items, window.weights.sum_weight(), None  # W / N (0 in a skipped window)
         if items.source == "head":
-            moe = {} if balance is None else {"output_router_logits": False}  # hooks read them (hf_moe)
-            forward = lambda: model(**items.model_inputs(inputs), **moe)  # noqa: E731
-            outputs, part = (forward(), None) if balance is None else balance.run(window.ran, model, inputs, forward)
+            moe = {} if self.trainer.router_balance is None else {"output_router_logits": False}  # hooks read them
+            outputs, part = self.trainer.balanced(model, inputs, lambda: model(**items.model_inputs(inputs), **moe))
             loss = items.head_loss_sum(outputs, inputs) * weight
         elif items.source == "tokens":
             n = max(window.items, 1)
-            trl = lambda: self.trainer_loss(model, inputs, return_outputs, n)  # noqa: E731
-            (loss, outputs), part = (trl(), None) if balance is None else balance.run(window.ran, model, inputs, trl,
-                                                                                      self.trainer)
+            (loss, outputs), part = self.trainer.balanced(
+                model, inputs, lambda: self.trainer_loss(model, inputs, return_outputs, n), self.trainer)
             loss = loss * (weight * n / self.sft_factor)
         else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
             loss, outputs = self.trainer_loss(model, inputs, return_outputs, None)
             loss = loss * window.weights.mean_weight(items.rows(inputs))  # rows * W / N
-        if part is not None and balance is not None:  # coef * this micro-batch's part of the window's LBL, times W
-            loss = loss + part * (0.0 if window.skip else self.world)
-            if window.last:  # before the last backward, every rank alike: routed as counted
-                balance.check()
+        if part is not None:  # coef * this micro-batch's part of the window's load balancing, times W
+            loss = loss + part
         return (loss, outputs) if return_outputs else loss
 
     def evaluation(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:

@@ -18,8 +18,6 @@ import torch
 from torch import nn
 
 from .._cached import CachedPasses, WindowLoss, graphs_to_keep, window_loss_of_batch
-from .._state import AccumulatorState
-from .._weights import WindowWeights
 from ..errors import ConfigurationError
 
 __all__ = ["TrainerWindows", "contrastive_window_loss", "refuse_data_parallel", "refuse_what_a_window_loss_cannot_run",
@@ -31,15 +29,15 @@ MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any
 
 class TrainerWindows:
     """A Trainer's windows, one after the other: the micro-batches ``get_batch_samples`` hands over and
-    the window's :class:`~gradaccum._cached.CachedPasses`. What windows teach each other is the driver's
-    :class:`~gradaccum._state.AccumulatorState`: whether the replay was compared yet
-    (``checked_replays``, the run's first window) and the steps taken (one per window, its rows N).
-    ``prepare`` is the trainer's own ``_prepare_inputs`` (a micro-batch onto the device), handed over
-    by the trainer."""
+    the window's :class:`~gradaccum._cached.CachedPasses`. The trainer is a
+    :class:`~gradaccum.integrations.hf_driver.TrainerDriver`: once pass 1 has counted the window's rows N,
+    its window opens (``open_window``) and the driver records it at the boundary; its
+    ``accumulator_state`` remembers whether the replay was compared yet (``checked_replays``, the run's
+    first window). ``prepare`` is the trainer's own ``_prepare_inputs`` (a micro-batch onto the device)."""
 
-    def __init__(self, trainer: Any, state: AccumulatorState, prepare: Callable[[Any], Any]) -> None:
+    def __init__(self, trainer: Any, prepare: Callable[[Any], Any]) -> None:
         refuse_what_a_window_loss_cannot_run(trainer)
-        self.trainer, self.state, self.prepare = trainer, state, prepare
+        self.trainer, self.prepare = trainer, prepare
         self.pending: List[Any] = []
         self.passes: Optional[CachedPasses] = None
         # evaluation: the loss is encode's and loss's, which need no label column; without this the
@@ -61,19 +59,18 @@ class TrainerWindows:
             module = trainer.accelerator.unwrap_model(model)
             sync, device = sync_for(trainer.model_wrapped), trainer.args.device
             passes = self.passes = CachedPasses(window_loss, batches, sync=sync, device=device,
-                                                check=window_loss not in self.state.checked_replays)
+                                                check=window_loss not in trainer.accumulator_state.checked_replays)
             if not batches:
                 raise ConfigurationError("ExactTrainer: a window without micro-batches on this rank")
             passes.first_pass(module, keep=graphs_to_keep(window_loss, sync, module, len(batches), device),
                               graph_model=model)
             passes.gather()
             passes.loss_gradient(loss_model, params)
+            trainer.open_window(passes.total, passes.parts)  # the driver records it after the last micro-batch
         loss = passes.surrogate(passes.ran, model)
         if passes.ran == passes.parts:
             passes.finish()
-            self.state.checked_replays.add(passes.window_loss)
-            weights = WindowWeights(self.state, 1, num_items=passes.total)  # no weight read: the boundary's record
-            weights.record(weights.close(passes.total))  # one step more (a window of rows always steps), N kept
+            trainer.accumulator_state.checked_replays.add(passes.window_loss)
         return loss
 
     def compute_loss(self, window_loss: WindowLoss, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:

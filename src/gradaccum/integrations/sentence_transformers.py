@@ -21,8 +21,8 @@ from torch import nn
 
 from .._cached import Constant, WindowLoss
 from .._patching import swapped
-from .._state import AccumulatorState
 from ..errors import ConfigurationError
+from .hf_driver import TrainerDriver
 from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run
 
 try:
@@ -51,7 +51,7 @@ REFUSED = {
 }
 
 
-class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
+class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer):
     """A ``SentenceTransformerTrainer`` whose ``gradient_accumulation_steps`` is one big batch.
 
     Every optimizer step is on the gradient of ``loss(features, labels)`` computed on the whole window:
@@ -71,8 +71,6 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
         ...                                 loss=MultipleNegativesRankingLoss(model)).train()  # doctest: +SKIP
     """
 
-    loss_is_scaled_for_ga = True  # the surrogates sum to the window's gradient (read by training_step)
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         refuse_what_a_window_loss_cannot_run(self)
@@ -80,10 +78,7 @@ class ExactSentenceTransformerTrainer(SentenceTransformerTrainer):
                                        self.accelerator.num_processes, self.args.multi_dataset_batch_sampler)
         for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss]):
             refuse_a_loss(loss)
-        #: what windows teach each other (the replay checked, the steps taken, the last window's N); not
-        #: in sentence-transformers' checkpoints: a resumed run checks its replay again, and R is each window's N
-        self.accumulator_state = AccumulatorState()
-        self._windows = TrainerWindows(self, self.accumulator_state, self._prepare_inputs)
+        self._windows = TrainerWindows(self, self._prepare_inputs)
 
     # -- the window ------------------------------------------------------------------------------
 

@@ -62,12 +62,11 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .._state import AccumulatorState
-from .._weights import Closing, WindowWeights
+from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
 from ..moe import BALANCED_FAMILIES
 from .hf_moe import WindowBalance, trl_router_balance
-from .hf_trainer import TrainerWindowState  # ExactTrainer's skip (hold/release) and saved state
+from .hf_driver import TrainerDriver  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 
 try:
     from trl import GRPOTrainer, RLOOTrainer
@@ -151,7 +150,7 @@ class _RLResume:
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: Optional[str], trial: Any) -> Tuple[int, int]:
         """The state the checkpoint saved (steps, skipped), and the Trainer's resume position moved past the
-        skipped steps' data too (:meth:`TrainerWindowState.resume`, as in ExactTrainer).
+        skipped steps' data too (:class:`~gradaccum.integrations.hf_driver.TrainerDriver`, as in ExactTrainer).
 
         What a step consumes: GRPO's (and RLOO's) loader yields one generation batch
         (``per_device_train_batch_size * steps_per_generation`` rows) per micro-batch, TRL's
@@ -165,7 +164,6 @@ class _RLResume:
         generation generates its batch again, from the restored policy (TRL's buffer is not saved)."""
         epochs, batches = super()._init_training_state(  # type: ignore[misc]
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
-        epochs, batches = self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
         self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
         if resume_from_checkpoint is not None and not self.args.ignore_data_skip:  # type: ignore[attr-defined]
             self._step = batches  # type: ignore[attr-defined]  # micro-batches of this epoch already trained
@@ -222,36 +220,22 @@ class _RLEntropy:
             logged.pop()
 
 
-class _ExactRL(_RLResume, _RLEntropy):
+class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
     """The driver shared by :class:`ExactGRPOTrainer` and :class:`ExactRLOOTrainer`: count the step
     first, then weigh each micro-batch's summed terms by ``W / N`` (skip the step where N = 0)."""
 
-    loss_is_scaled_for_ga = True  # compute_loss returns the step-normalised loss (read by training_step)
+    empty_window_note = ("here: an optimizer step whose completions hold no token on any rank (every completion "
+                         "mask 0, e.g. every completion truncated under mask_truncated_completions); the step's "
+                         "data is consumed")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
         self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
-        # steps and skipped steps (R = N, counted first), saved in the Trainer's checkpoints; it stands in for
-        # the optimizer and the scheduler at the end of a skipped step, as in ExactTrainer
-        self._state = TrainerWindowState()
-        self.add_callback(self._state)
-        #: the step's weightings, opened with its N counted first: the loss type's items, and its tokens (the
-        #: entropy bonus's token mean); and the boundary's verdict, known from N before any forward
-        self._weights: Optional[Tuple[WindowWeights, WindowWeights]] = None
-        self._closing: Optional[Closing] = None
         self._prepared: Deque[Dict[str, Any]] = collections.deque()
-        self._ran = 0  # the step's micro-batches trained so far
         self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
         #: an MoE model's load-balancing term (TRL's router_aux_loss_coef), over the step's window
         self.router_balance = _router_balance(self)
-        self._balance: Optional[WindowBalance] = None
-        self._balance_sum: Optional[torch.Tensor] = None  # this rank's parts of the step's LBL (for the log)
-
-    @property
-    def accumulator_state(self) -> AccumulatorState:
-        """Steps taken and steps skipped (no token to average), in the Trainer's checkpoints."""
-        return self._state.accumulator_state
 
     # -- count first ------------------------------------------------------------------------------
 
@@ -286,18 +270,10 @@ class _ExactRL(_RLResume, _RLEntropy):
         tokens, rows = (int(c) for c in counts.tolist())
         self.last_step_count = StepCount(tokens, rows, step_items(
             _loss_type(self), tokens, rows, getattr(self, "max_completion_length", None)))
-        world, state = self.accelerator.num_processes, self.accumulator_state  # type: ignore[attr-defined]
-        self._weights = (WindowWeights(state, world, num_items=self.last_step_count.items),
-                         WindowWeights(state, world, num_items=max(tokens, 1)))
-        self._closing = self._weights[0].close(self.last_step_count.items)  # step, or skip a step of N = 0
-        if not self._closing.steps:
+        window = self.open_window(self.last_step_count.items, len(prepared), second_items=tokens,
+                                  routed=lambda: [_model_inputs(b) for b in prepared])
+        if window.skip:  # a step of N = 0: TRL's entropy controller keeps the last step's decision
             self._keep_entropy_controller()
-        self._ran = 0
-        if self.router_balance is not None:  # the step's expert counts, every rank's, before any backward
-            unwrapped = self.accelerator.unwrap_model(self.model)  # type: ignore[attr-defined]
-            self._balance = WindowBalance(self.router_balance, unwrapped, [_model_inputs(b) for b in prepared], device,
-                                          self.model_wrapped, who=type(self).__name__)  # type: ignore[attr-defined]
-            self._balance_sum = torch.zeros((), dtype=torch.float64, device=device)
         return batch_samples, None
 
     def _prepare_inputs(self, generation_batch: Any) -> Dict[str, Any]:
@@ -323,68 +299,38 @@ class _ExactRL(_RLResume, _RLEntropy):
         ``W / T``), with TRL's loss, metrics and logs computed as TRL computes them. Evaluation: TRL's."""
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
-        if self._weights is None:
+        window = self._window
+        if window is None:
             raise RuntimeError(f"{type(self).__name__}.compute_loss in training before get_batch_samples counted "
                                "the step")
         coef = self._entropy_coef_now()
         def trl() -> torch.Tensor:  # TRL's loss, metrics and logs
-            trl_loss = super(_ExactRL, self).compute_loss  # type: ignore[misc]
-            return trl_loss(model, inputs, return_outputs, num_items_in_batch)
-        balance, part = self._balance, None
+            return super(_ExactRL, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
         self._captured = []
         try:  # an MoE model: the forward replayed as counted, its router logits read, TRL's own aux term off
-            loss, part = (trl(), None) if balance is None else balance.run(self._ran, model, _model_inputs(inputs), trl,
-                                                                          self)
+            loss, part = self.balanced(model, _model_inputs(inputs) if self._balance is not None else inputs, trl,
+                                       self)
         finally:
             captured, self._captured = self._captured, None
         mask = _loss_mask(inputs)
-        items_weight, tokens_weight = self._weights
         bonus = None
         if coef != 0.0:  # TRL subtracted coef * (sum H m / max(T_k, 1) / K): take it back out, in TRL's order
             entropy_sum = (captured[0] * mask).sum()
             loss = loss + coef * (entropy_sum / mask.sum().clamp(min=1.0) / self.current_gradient_accumulation_steps)  # type: ignore[attr-defined]
-            bonus = -coef * entropy_sum * tokens_weight.sum_weight()  # W / T
-        loss = loss * trl_divisor(self, inputs, mask) * items_weight.sum_weight()  # W / N
+            bonus = -coef * entropy_sum * window.second.sum_weight()  # type: ignore[union-attr]  # W / T
+        loss = loss * trl_divisor(self, inputs, mask) * window.weights.sum_weight()  # W / N
         loss = loss if bonus is None else loss + bonus
-        if part is not None and balance is not None:  # coef * this micro-batch's part of the step's LBL, times W
-            self._balance_sum = self._balance_sum + part.detach() / balance.routing.term.coef
-            steps = self._closing is not None and self._closing.steps
-            loss = loss + part * (self.accelerator.num_processes if steps else 0.0)  # type: ignore[attr-defined]
-            if not self._prepared:  # before the step's last backward, every rank alike: routed as counted
-                balance.check()
-        return loss
+        return loss if part is None else loss + part  # coef * this micro-batch's part of the step's LBL, times W
 
-    def training_step(self, model: nn.Module, inputs: Dict[str, Any],
-                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
-        """TRL's step; after the step's last micro-batch the state records the step, or its skip (then
-        the Trainer's optimizer and scheduler step are stood in for, as in ExactTrainer)."""
-        loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
-        self._ran += 1
-        if self._prepared or self._closing is None or not model.training:
-            return loss
-        if self._balance is not None:  # the step's LBL over every rank, logged as TRL logs its aux_loss
-            self._balance.finish()
-            total = self.accelerator.reduce(self._balance_sum, reduction="sum")  # type: ignore[attr-defined]
+    def _window_ends(self, closing: Closing) -> None:
+        """The step's LBL over every rank logged as TRL logs its ``aux_loss``; a skipped step leaves TRL's
+        entropy controller where the last step taken left it."""
+        if self._balance is not None:
+            total = self.accelerator.reduce(self._balance.total, reduction="sum")  # type: ignore[attr-defined]
             self._metrics["train"]["aux_loss"].append(float(total))  # type: ignore[attr-defined]
-            self._balance = None
-        closing, self._closing = self._closing, None
-        self._weights[0].record(closing, warn_empty=(  # type: ignore[index]
-            "here: an optimizer step whose completions hold no token on any rank (every completion mask 0, e.g. "
-            "every completion truncated under mask_truncated_completions); the step's data is consumed"))
         if not closing.steps:
             self._restore_entropy_controller()
-            self._state.hold(self)
-        return loss
 
-    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._state.release()  # a skipped step's stand-ins go: the Trainer's own optimizer and scheduler
-        super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().train(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._state.release()
 
 def _model_inputs(inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """What TRL's forward of a training micro-batch routes (its prompt and completion, padding masked)."""

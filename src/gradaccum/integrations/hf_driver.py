@@ -1,0 +1,207 @@
+"""The one driver of a window from a Hugging Face ``Trainer``'s hooks, shared by ``ExactTrainer``, TRL's
+GRPO/RLOO drivers and ``ExactSentenceTransformerTrainer``: each counts its window and says what an item
+is; :class:`TrainerDriver` opens the core's :class:`~gradaccum._driven.DrivenWindow`, closes and records
+it after the last micro-batch, stands in for the step of a skipped window and keeps the
+:class:`~gradaccum.AccumulatorState` in the Trainer's checkpoints (:class:`TrainerWindowState`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._checks import Count
+from .._deprecated import renamed
+from .._driven import DrivenWindow
+from .._gradients import AccumulationBuffers
+from .._patching import NoStep, swapped
+from .._state import AccumulatorState
+from .._weights import Closing
+from .hf_moe import WindowBalance
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("gradaccum.integrations.hf_driver needs transformers: pip install 'gradaccum[hf]'") from exc
+
+__all__ = ["TrainerDriver", "TrainerWindowState"]
+
+
+class TrainerWindowState(TrainerCallback, ExportableState):
+    """Owns a Trainer driver's :class:`~gradaccum.AccumulatorState` (steps, skipped windows, the last
+    window's N), saved in the Trainer's checkpoints (``TrainerState.stateful_callbacks``) and read back
+    on resume; at the end of a skipped window it gives the Trainer back its optimizer and scheduler and
+    keeps its flow from logging, evaluating or saving a step that was not taken."""
+
+    def __init__(self) -> None:
+        self.accumulator_state = AccumulatorState()
+        self.held: Optional[contextlib.ExitStack] = None  # the stand-ins, while a skipped window ends
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
+
+    def hold(self, trainer: Any) -> None:
+        """After a skipped window's last micro-batch: the optimizer and the scheduler the Trainer is about
+        to step are stood in for, and ``global_step`` is taken back by the one the Trainer adds, so that
+        the window leaves no trace but its consumed data."""
+        self.held = contextlib.ExitStack()
+        for name in ("optimizer", "lr_scheduler"):
+            self.held.enter_context(swapped(trainer, name, NoStep(getattr(trainer, name))))
+        trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.close()
+            self.held = None
+
+    def resume(self, trainer: Any, epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
+        """The state the checkpoint saved, and the Trainer's resume position (``epochs`` done, ``batches``
+        of the next to skip, counted from its optimizer steps) moved past the skipped windows' data too."""
+        self.load(trainer.state.stateful_callbacks)
+        skipped = self.accumulator_state.skipped
+        if skipped and not trainer.args.ignore_data_skip:
+            windows = trainer.state.global_step + skipped
+            epochs = windows // windows_per_epoch
+            batches = (windows % windows_per_epoch) * trainer.args.gradient_accumulation_steps
+        return epochs, batches
+
+    def load(self, stateful_callbacks: Dict[str, Any]) -> None:
+        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none; earlier gradaccum
+        saved it as ``_StateCallback``, and before that only the skipped windows, as ``_Skips``)."""
+        state = self.accumulator_state
+        saved = stateful_callbacks.get(type(self).__name__, stateful_callbacks.get("_StateCallback"))
+        old = stateful_callbacks.get("_Skips")
+        if isinstance(saved, dict):
+            state.load_saved(state.read_saved(saved["attributes"]["saved"]))
+        else:
+            state.load_saved(state.read_saved({}))
+            if isinstance(old, dict):
+                state.skipped = int(old["attributes"]["windows"])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.held is not None:
+            control.should_log = control.should_evaluate = control.should_save = False
+        return control
+
+
+class TrainerDriver:
+    """Mixin before the Trainer class in the MRO: the window's lifecycle, written once.
+
+    1. The subclass counts its window (``get_batch_samples``) and calls :meth:`open_window` with N:
+       the core's :class:`~gradaccum._driven.DrivenWindow` (weights ``W / N``, ``W`` processes), and,
+       for an MoE model (``router_balance``), the window's routing counted before any backward.
+    2. Its ``compute_loss`` weighs micro-batch k by ``window.weights`` (:meth:`balanced` adds an MoE
+       model's part of the window's load-balancing loss).
+    3. After the last micro-batch, before the Trainer clips: the window closes, the state records a step
+       or a skip (under DeepSpeed, a step the engine did not apply is a skip), :meth:`_window_ends`
+       runs, and a skipped window's optimizer and scheduler step are stood in for. A micro-batch that
+       raises drops the window's buffers.
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
+    router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass
+    empty_window_note: Optional[str] = None  # said once with the warning for a window of no item (None: no warning)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._state = TrainerWindowState()  # what windows teach each other, in the Trainer's checkpoints
+        self.add_callback(self._state)  # type: ignore[attr-defined]
+        self._window: Optional[DrivenWindow] = None
+        self._balance: Optional[WindowBalance] = None
+
+    @property
+    def accumulator_state(self) -> AccumulatorState:
+        """What windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints."""
+        return self._state.accumulator_state
+
+    windows_skipped = renamed("windows_skipped", "skipped")
+
+    @property
+    def skipped(self) -> int:
+        """Windows of no item skipped since the run began (resumed runs included): the state's ``skipped``."""
+        return self.accumulator_state.skipped
+
+    @property
+    def last_window_items(self) -> Optional[int]:
+        """N of the last window that held items, every rank's: ``accumulator_state.last_window_items``."""
+        n = self.accumulator_state.last_window_items
+        return None if n is None else int(n)
+
+    def open_window(self, num_items: Count, micro_batches: int, *, buffers: Optional[AccumulationBuffers] = None,
+                    routed: Optional[Callable[[], List[Dict[str, Any]]]] = None,
+                    second_items: Optional[Count] = None) -> DrivenWindow:
+        """The window of ``micro_batches`` micro-batches and ``num_items`` = N, every rank's, counted first;
+        ``routed()`` gives its micro-batches as the model routes them (called for an MoE model only)."""
+        world = self.accelerator.num_processes  # type: ignore[attr-defined]
+        self._window = DrivenWindow(self.accumulator_state, world, num_items=num_items, micro_batches=micro_batches,
+                                    buffers=buffers, second_items=second_items)
+        self._balance = None
+        if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
+            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model),  # type: ignore[attr-defined]
+                                          routed(), self.accelerator.device, self.model_wrapped,  # type: ignore[attr-defined]
+                                          who=type(self).__name__)
+        return self._window
+
+    def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
+                 aux_owner: Any = None) -> Tuple[Any, Optional[torch.Tensor]]:
+        """``forward()`` and, for an MoE model, ``coef`` times this micro-batch's part of the window's
+        load-balancing loss times ``W`` (0 in a skipped window): the forward replayed as counted, its router
+        logits read by hooks (``aux_owner``: a TRL trainer whose own aux term is off meanwhile). Before the
+        window's last backward every rank checks it routed as counted. None for another model."""
+        balance, window = self._balance, self._window
+        if balance is None or window is None:
+            return forward(), None
+        out, part = balance.run(window.ran, model, inputs, forward, aux_owner)
+        if window.last:
+            balance.check()
+        return out, part * (0.0 if window.skip else self.accelerator.num_processes)  # type: ignore[attr-defined]
+
+    def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window
+        closes (its float32 buffers rounded once into ``.grad``) and the state records its step or its
+        skip (then the Trainer's step is stood in for: :meth:`TrainerWindowState.hold`)."""
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        except BaseException:
+            if self._window is not None:
+                self._window.abort()
+            raise
+        window = self._window
+        if window is not None and window.ran_one():
+            if self._balance is not None:
+                self._balance.finish()
+            applied = True
+            if self.is_deepspeed_enabled:  # type: ignore[attr-defined]
+                from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step
+
+                applied = step_applied(self)
+            closing = window.record(window.close(), applied=applied, warn_empty=self.empty_window_note)
+            self._window_ends(closing)
+            if not closing.steps:
+                self._state.hold(self)
+        return loss
+
+    def _window_ends(self, closing: Closing) -> None:
+        """What the subclass does once its window is recorded (its logs, its own state over a skip)."""
+
+    # -- the Trainer's flow around a skipped window, and the state across a resume ----------------
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        self._state.release()  # the skipped window's step is over: the Trainer's own objects come back
+        super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._state.release()
+            if self._window is not None:  # the last window opened may not have run
+                self._window.abort()
+
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
+        """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
+        epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)  # type: ignore[misc]
+        return self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
