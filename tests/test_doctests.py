@@ -7,7 +7,8 @@ import importlib
 import pytest
 
 MODULES = ["gradaccum._maths", "gradaccum._weights", "gradaccum._exchange", "gradaccum._ranks", "gradaccum.batching",
-           "gradaccum.losses", "gradaccum.schedule", "gradaccum.accumulator", "gradaccum.checking"]
+           "gradaccum.losses", "gradaccum.schedule", "gradaccum.accumulator", "gradaccum.checking",
+           "gradaccum.rl"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -56,7 +56,6 @@ buffer), each step still on its own generation batch's prompts.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -65,6 +64,7 @@ from torch import nn
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
 from ..moe import BALANCED_FAMILIES
+from ..rl import ITEMS, StepCount
 from .hf_moe import WindowBalance, trl_router_balance
 from .hf_driver import TrainerDriver  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 
@@ -73,27 +73,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.trl_rl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
 
-__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "ITEMS", "StepCount", "step_items", "trl_divisor"]
-
-#: what a step's loss averages over, per loss type: its sequences ("rows"), its completion tokens
-#: ("tokens"), or its rows times ``max_completion_length`` ("row slots", Dr. GRPO's constant)
-ITEMS = {"grpo": "rows", "sapo": "rows", "luspo": "rows", "dr_grpo": "row slots",
-         "bnpo": "tokens", "dapo": "tokens", "cispo": "tokens", "vespo": "tokens", "rloo": "rows"}
-
-
-def step_items(loss_type: str, tokens: int, rows: int, max_completion_length: Optional[int]) -> int:
-    """N, the step's count that ``loss_type``'s big batch divides its summed terms by; 0 (a token mean
-    over a step without tokens) is a step with nothing to average, skipped.
-
-    >>> step_items("dapo", tokens=37, rows=8, max_completion_length=16), step_items("dr_grpo", 37, 8, 16)
-    (37, 128)
-    >>> step_items("dapo", tokens=0, rows=8, max_completion_length=16), step_items("grpo", 0, 8, 16)
-    (0, 8)
-    """
-    kind = ITEMS[loss_type]
-    count = tokens if kind == "tokens" else rows * (max_completion_length or 0) if kind == "row slots" else rows
-    return int(count)
-
+__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "trl_divisor"]
 
 def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Union[float, torch.Tensor]:
     """What TRL 1.16's ``_compute_loss`` divided this training micro-batch's summed terms by (its
@@ -124,17 +104,6 @@ def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Uni
 
 def _loss_type(trainer: Any) -> str:
     return "rloo" if isinstance(trainer, RLOOTrainer) else trainer.loss_type
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCount:
-    """One optimizer step's counts over every micro-batch on every rank (one all-reduce): its
-    completion tokens (the masks' sum), its sequences, and N, what its loss type divides by (0: the
-    step is skipped)."""
-
-    tokens: int
-    rows: int
-    items: int
 
 
 class _RLResume:
@@ -268,8 +237,7 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         if self.accelerator.num_processes > 1:  # type: ignore[attr-defined]
             counts = self.accelerator.reduce(counts, reduction="sum")  # type: ignore[attr-defined]
         tokens, rows = (int(c) for c in counts.tolist())
-        self.last_step_count = StepCount(tokens, rows, step_items(
-            _loss_type(self), tokens, rows, getattr(self, "max_completion_length", None)))
+        self.last_step_count = StepCount.of(_loss_type(self), tokens, rows, getattr(self, "max_completion_length", None))
         window = self.open_window(self.last_step_count.items, len(prepared), second_items=tokens,
                                   routed=lambda: [_model_inputs(b) for b in prepared])
         if window.skip:  # a step of N = 0: TRL's entropy controller keeps the last step's decision
