@@ -1,12 +1,7 @@
 """``ExactTrainer`` under DeepSpeed (ZeRO-1/2/3): the engine owns the reduction, the optimizer and
-clipping; the Trainer's window owns the boundary.
-
-Accelerate's ``DeepSpeedEngineWrapper`` would tell the engine where the boundary is (refused in this
-mode) and step it even in a window without items; :class:`WindowEngine` stands in for it: each
-micro-batch's loss, already weighed by ``ExactTrainer``, goes to ``engine.backward(loss,
-scale_wrt_gas=False)``, and ``engine.step()`` runs once per window with items, after its last
-micro-batch (the engine clips and measures the window's norm). Set-up and figures:
-docs/guides/deepspeed.md ("ExactTrainer with ``deepspeed=``"); the maths is :mod:`gradaccum._deepspeed`'s.
+clipping; the Trainer's window owns the boundary (:class:`WindowEngine` stands in for Accelerate's
+``DeepSpeedEngineWrapper``). Set-up and figures: docs/guides/deepspeed.md ("ExactTrainer with
+``deepspeed=``"); the maths is :mod:`gradaccum._deepspeed`'s.
 """
 
 from __future__ import annotations

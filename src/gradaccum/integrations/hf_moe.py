@@ -1,12 +1,6 @@
-"""The router's load-balancing term over the window, for :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`
-(and TRL's GRPO and RLOO drivers, :mod:`gradaccum.integrations.trl_rl`):
-the Trainer's glue to :class:`gradaccum.moe.WindowRouting`, which counts, agrees, replays and checks.
-
-The Trainer hands ExactTrainer the window's micro-batches in ``get_batch_samples`` before their first
-forward; there :class:`WindowBalance` opens the window's routing (the counting forwards run the
-model's trunk without its LM head, in training mode, as the training forward will route). Each
-training forward then runs from its replayed random state with its router logits read by hooks (and
-TRL's own per-micro-batch aux term off), and adds ``coef`` times its part of the window's loss.
+"""The Trainer drivers' glue to :class:`gradaccum.moe.WindowRouting` (which counts, agrees, replays and
+checks): an MoE model's load-balancing term over the window, opened in ``get_batch_samples`` and applied
+by :meth:`~gradaccum.integrations.hf_driver.TrainerDriver.balanced`. How: docs/guides/moe.md.
 """
 from __future__ import annotations
 
@@ -16,21 +10,35 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..moe import MoEOutput, RouterBalance, WindowRouting, aux_term, router_logits_of
+from ..errors import NotExactError
+from ..moe import BALANCED_FAMILIES, MoEOutput, RouterBalance, WindowRouting, aux_term, router_logits_of
 from ..sync import sync_for
 
 __all__ = ["WindowBalance", "trl_router_balance"]
 
 
-def trl_router_balance(config: Any, coef: float) -> Optional[RouterBalance]:
-    """The load-balancing term a TRL RL trainer adds (GRPO, RLOO): TRL asks every forward for the router
-    logits and weighs them by its own ``router_aux_loss_coef`` (``coef``, the config's unless given), so
-    :func:`gradaccum.moe.aux_term` of the config with those two set (an unknown family refused by it)."""
+def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
+    """The load-balancing term a TRL RL trainer (GRPO, RLOO) turned on (``aux_loss_enabled``), or None:
+    TRL asks every forward for the router logits and weighs them by its own ``router_aux_loss_coef``, so
+    :func:`gradaccum.moe.aux_term` of the model's config with those two set.
+
+    Raises:
+        NotExactError: a family whose router loss gradaccum does not compute over the step (TRL would add
+            it per micro-batch); the fix is TRL's ``router_aux_loss_coef=0.0``.
+    """
+    coef = trainer.router_aux_loss_coef if getattr(trainer, "aux_loss_enabled", False) else 0.0
     if not coef:
         return None
+    config = trainer.accelerator.unwrap_model(trainer.model).config
     view = copy.copy(config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config)
     view.output_router_logits, view.router_aux_loss_coef = True, float(coef)
-    return aux_term(view)
+    try:
+        return aux_term(view)
+    except NotExactError as unknown:  # TRL asks for the router logits whatever the config says: its coef is the fix
+        raise NotExactError(f"{type(trainer).__name__}: the model ({getattr(config, 'model_type', None)}) adds a router "
+                            f"loss at router_aux_loss_coef={coef} that gradaccum does not compute over the step "
+                            f"(supported: {', '.join(BALANCED_FAMILIES)}), and TRL would add it per micro-batch; pass "
+                            f"{type(trainer.args).__name__}(..., router_aux_loss_coef=0.0) to train without it") from unknown
 
 
 def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:

@@ -1,19 +1,7 @@
-"""Hugging Face ``Trainer``: exact gradient accumulation for every head, and for the trainers built on it.
-
-    trainer = ExactTrainer(model=model, args=args, train_dataset=dataset)     # instead of Trainer(...)
-    class ExactSFT(ExactTrainer, SFTTrainer): pass                            # any Trainer subclass: ExactTrainer first
-
-Every optimizer step is on the gradient of the item-weighted mean loss over the whole window, every
-micro-batch of it on every rank (one big batch). What an *item* is depends on where the loss comes
-from (:func:`loss_source`): the model's head (next-token targets, token labels, sequence labels,
-regression or multi-label elements), TRL's ``SFTTrainer`` (next-token targets) or a preference
-trainer (pairs). The weighting, the window's count, its verdict and the skip are the core's one
-:class:`gradaccum._weights.WindowWeights` (N counted first, in ``get_batch_samples``), and what windows
-teach each other is one :class:`~gradaccum.AccumulatorState` saved in the Trainer's checkpoints; this
-module only says what the items of a batch are and hooks the Trainer's window.
-
-How it is driven from the Trainer's hooks, step by step: docs/guides/hf-trainer.md ("What it computes"),
-and the window it drives is :class:`gradaccum._driven.DrivenWindow`.
+"""Hugging Face ``Trainer``: :class:`ExactTrainer`, every optimizer step one big batch, for every head and
+for the trainers built on it (``class ExactSFT(ExactTrainer, SFTTrainer)``, ExactTrainer first). This
+module says what a batch's items are (:func:`loss_source`, :func:`head_of`); the window is the one
+:class:`~gradaccum.integrations.hf_driver.TrainerDriver` drives. Guide: docs/guides/hf-trainer.md.
 """
 from __future__ import annotations
 
@@ -64,13 +52,8 @@ def loss_source(cls: type) -> str:
     the first class after ExactTrainer in its MRO that defines ``compute_loss``, or what ``cls``
     declares in ``exact_items`` for a ``compute_loss`` of its own.
 
-    The sources (docs/guides/hf-trainer.md, "The one line" and "What it computes"; TRL's in
-    docs/guides/trl.md): ExactTrainer's own (``"head"``: it computes the model head's loss from the
-    logits, an MoE causal LM's load balancing over the window added, :mod:`.hf_moe`), TRL's SFT
-    (``"tokens"``: its summed token loss over ``num_items_in_batch = N``, its own factor for
-    ``average_tokens_across_devices`` undone), DPO (``"pairs"``: its mean over the micro-batch's pairs
-    times ``mean_weight(pairs_k)``), a declared ``exact_items = "rows"``; a ``WindowLoss`` (or CLIP's,
-    SigLIP's own loss) runs over the whole window instead (:mod:`.hf_window_loss`).
+    What each source weighs: docs/guides/hf-trainer.md ("What it computes") and docs/guides/trl.md; a
+    ``WindowLoss`` (CLIP's, SigLIP's) runs over the whole window instead (:mod:`.hf_window_loss`).
 
     Raises:
         TypeError: a Trainer subclass comes before ExactTrainer in the MRO (its ``compute_loss`` or

@@ -1,14 +1,7 @@
-"""A :class:`~gradaccum.WindowLoss` inside a Hugging Face ``Trainer``'s window: the Trainer keeps its
-loop (its micro-batches, ``no_sync``, backward, clipping, optimizer and scheduler); this is the glue
-that drives the one implementation of the cached two passes, :class:`gradaccum._cached.CachedPasses`,
-from the Trainer's hooks (the Accumulator's driver is :func:`gradaccum._cached.run_cached_window`).
-
-The Trainer hands over a window's micro-batches once (``get_batch_samples``: :meth:`TrainerWindows.begin`),
-then calls ``compute_loss`` once per micro-batch, under ``no_sync`` but for the last. In micro-batch 0's
-call pass 1 runs over all of them on the unwrapped model (no collective), with the first micro-batch's
-graph kept on the Trainer's model, then the gather and the loss's gradient; every call returns
-micro-batch k's :meth:`~gradaccum._cached.CachedPasses.surrogate`, the scalar the Trainer
-backpropagates (its gradient the big batch's part, its value what the Trainer logs as ``L``).
+"""A :class:`~gradaccum.WindowLoss` inside a Hugging Face ``Trainer``'s window: the glue that drives the
+one implementation of the cached two passes, :class:`gradaccum._cached.CachedPasses`, from the
+Trainer's hooks (pass 1, the gather and the loss's gradient in micro-batch 0's ``compute_loss``, each
+call's surrogate the scalar the Trainer backpropagates). How: docs/guides/contrastive.md.
 """
 from __future__ import annotations
 

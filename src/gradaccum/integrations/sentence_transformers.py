@@ -1,15 +1,7 @@
-"""sentence-transformers: ``gradient_accumulation_steps`` that is one big batch, for any of its losses.
-
-    trainer = ExactSentenceTransformerTrainer(model=model, args=args, train_dataset=ds, loss=loss)
-    # instead of SentenceTransformerTrainer(...): nothing else changes
-
-Its losses couple the batch's rows (in-batch negatives, CoSENT, triplet mining), so the stock trainer's
-K micro-batch losses are another objective. Each optimizer step here is the loss's step on one big batch
-of ``per_device_train_batch_size * K * world_size`` rows, by caching the embeddings: the core's one
-implementation of the cached two passes (:class:`gradaccum._cached.CachedPasses`), run across the
-Trainer's calls by :mod:`gradaccum.integrations.hf_window_loss`; this module serves the loss the cached
-embeddings (:class:`_ServedLoss`) and refuses what it cannot serve. What each loss gets, the figures
-and the cost: docs/guides/sentence-transformers.md.
+"""sentence-transformers: :class:`ExactSentenceTransformerTrainer`, whose ``gradient_accumulation_steps`` is
+one big batch for any of its losses, by the cached two passes (:mod:`.hf_window_loss`); this module serves
+the loss the cached embeddings (:class:`_ServedLoss`) and refuses what it cannot serve. What each loss
+gets, the figures and the cost: docs/guides/sentence-transformers.md.
 """
 from __future__ import annotations
 

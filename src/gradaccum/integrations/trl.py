@@ -1,16 +1,7 @@
-"""TRL's trainers with exact gradient accumulation: each is ``class X(ExactTrainer, TRLTrainer)``.
-
-    from gradaccum.integrations.trl import ExactSFTTrainer
-    trainer = ExactSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds)   # was SFTTrainer(...)
-
-TRL computes the loss, its metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``, DPO's
-``rewards/*``) and its logs as usual; :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`
-counts the window's items before its first forward and weighs each micro-batch by them, across
-ranks. For another Trainer subclass write the same one line, ExactTrainer first.
-
-GRPO and RLOO generate their micro-batches inside the training step, so ExactTrainer cannot count
-them: :class:`ExactGRPOTrainer` and :class:`ExactRLOOTrainer` (:mod:`gradaccum.integrations.trl_rl`)
-are drop-ins for ``GRPOTrainer`` and ``RLOOTrainer`` that count each step's completions first.
+"""TRL's trainers with exact gradient accumulation: SFT and DPO are ``class X(ExactTrainer, TRLTrainer)``
+(for another Trainer subclass write the same one line, ExactTrainer first); GRPO and RLOO generate their
+micro-batches inside the step, so their drop-ins count each step's completions first
+(:mod:`gradaccum.integrations.trl_rl`). Guide: docs/guides/trl.md.
 """
 from __future__ import annotations
 

@@ -1,57 +1,8 @@
-"""TRL's GRPO and RLOO with every optimizer step one big batch of the chosen ``loss_type``.
-
-    from gradaccum.integrations.trl import ExactGRPOTrainer
-    trainer = ExactGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds)
-
-TRL splits a generation batch over ``steps_per_generation`` micro-batches (reused ``num_iterations``
-times) and sums ``gradient_accumulation_steps`` of them, on every rank, into one optimizer step.
-Its ``_compute_loss`` normalises each micro-batch on its own (its rows, its tokens, or the
-generation batch's tokens) and divides by the accumulation steps, which is one big batch only when
-every micro-batch holds the same count. Here a step's micro-batches are generated (or taken from
-TRL's buffer) before its first backward, their items counted and summed over the ranks in one
-all-reduce, and each micro-batch backpropagates its *summed* terms times ``W / N``
-(:meth:`gradaccum._weights.WindowWeights.sum_weight`, the core's one weighting, opened with the
-step's N counted first; ``W`` processes, as DDP averages), so that the step
-is on the gradient of::
-
-    grpo, sapo     sum_{step's sequences i} (sum_t l_it m_it / n_i) / S       S: the step's sequences
-    luspo          sum_i sum_t l_it m_it / S
-    dr_grpo        sum_i sum_t l_it m_it / (S * max_completion_length)
-    bnpo, dapo,    sum_i sum_t l_it m_it / T                                  T: the step's tokens
-    cispo, vespo
-    RLOO           sum_i l_i / S                                              (one term per sequence)
-
-minus ``entropy_coef * sum_it H_it m_it / T`` (GRPO's entropy bonus, a token mean over the step);
-``l_it`` is TRL's per-token loss (clipped or soft importance-sampling ratio times the advantage,
-plus ``beta`` times the KL term), ``m_it`` its completion (and tool) mask, ``n_i`` sequence i's
-tokens: over every micro-batch of the step on every rank, whatever ``gradient_accumulation_steps``,
-``steps_per_generation``, ``num_iterations`` and the world size, the short last step included.
-
-plus, for an MoE model whose router loss TRL turns on (``router_aux_loss_coef``), ``coef * LBL`` of
-the step's whole batch: transformers' load-balancing loss ``E * sum_e C_e S_e / T^2`` with the expert
-counts ``C``, router probabilities ``S`` and routed rows ``T`` of every micro-batch on every rank
-(prompt and completion tokens, padding out), computed by the core's one
-:class:`gradaccum.moe.WindowRouting` (through :class:`gradaccum.integrations.hf_moe.WindowBalance`:
-counted before the step's first backward, the counts agreed in one all-gather), where TRL adds each
-micro-batch's own ``LBL_k / K``.
-
-TRL computes the micro-batch's loss, its metrics and logs as usual; the driver undoes TRL's own
-normalisation of the micro-batch (:func:`trl_divisor`) and applies the step's. A coupling that no
-weighting makes one big batch is refused: ``top_entropy_quantile < 1`` (a quantile of the
-micro-batch's entropies). A step whose loss type averages over tokens and whose completions hold no
-token on any rank (every mask 0, e.g. every completion truncated under ``mask_truncated_completions``)
-has nothing to average: it is skipped as every gradaccum driver skips an empty window (no optimizer
-step, so no weight decay or momentum; no scheduler step; ``accumulator_state.skipped`` counts it),
-where TRL steps on a zero gradient; TRL's adaptive entropy controller keeps the last step's decision
-(TRL would read the empty step's entropy as 0).
-
-A run resumed from a checkpoint (``train(resume_from_checkpoint=...)``) reads back the steps and
-skipped steps, and starts past the data of every step, skipped ones included (one loader batch per
-micro-batch, as the Trainer counts), TRL's micro-batch counter at that position. Resumed at a
-generation boundary (a step count times ``gradient_accumulation_steps`` a multiple of
-``steps_per_generation * num_iterations``), it ends bit-identical to the uninterrupted run; resumed
-inside a generation, it generates that batch again from the restored policy (TRL saves no generation
-buffer), each step still on its own generation batch's prompts.
+"""TRL's GRPO and RLOO with every optimizer step one big batch of the chosen ``loss_type``: drop-ins
+for ``GRPOTrainer`` and ``RLOOTrainer`` (:class:`ExactGRPOTrainer`, :class:`ExactRLOOTrainer`) that
+generate and count each step's micro-batches first (:mod:`gradaccum.rl`), then drive the Trainer's one
+window (:class:`~gradaccum.integrations.hf_driver.TrainerDriver`). What each loss type becomes, the
+skipped empty step, the MoE router loss, the resume and the figures: docs/guides/trl.md ("GRPO and RLOO").
 """
 from __future__ import annotations
 
@@ -63,9 +14,8 @@ from torch import nn
 
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
-from ..moe import BALANCED_FAMILIES
 from ..rl import ITEMS, StepCount
-from .hf_moe import WindowBalance, trl_router_balance
+from .hf_moe import trl_router_balance
 from .hf_driver import TrainerDriver  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 
 try:
@@ -118,19 +68,11 @@ class _RLResume:
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: Optional[str], trial: Any) -> Tuple[int, int]:
-        """The state the checkpoint saved (steps, skipped), and the Trainer's resume position moved past the
-        skipped steps' data too (:class:`~gradaccum.integrations.hf_driver.TrainerDriver`, as in ExactTrainer).
-
-        What a step consumes: GRPO's (and RLOO's) loader yields one generation batch
-        (``per_device_train_batch_size * steps_per_generation`` rows) per micro-batch, TRL's
-        ``RepeatSampler`` repeating each ``steps_per_generation * num_iterations`` times, so a step of
-        ``gradient_accumulation_steps`` micro-batches consumes that many loader batches, skipped or not,
-        and ``windows * gradient_accumulation_steps`` is the position, as the Trainer counts it. TRL's
-        micro-batch counter (``_step``, which picks the buffered slice and when to generate) restarts at
-        that position: a resume at a generation boundary (``_step % (steps_per_generation *
-        num_iterations) == 0``) then generates what the uninterrupted run generated, from the checkpoint's
-        random state (loaded before the step's generation: :meth:`get_batch_samples`); a resume inside a
-        generation generates its batch again, from the restored policy (TRL's buffer is not saved)."""
+        """The driver's resume (the state read back, the position past skipped steps' data: a step consumes
+        ``gradient_accumulation_steps`` loader batches, one generation batch each), then TRL's micro-batch
+        counter ``_step`` set to that position, and the checkpoint's random state kept for the step's
+        generation (:meth:`get_batch_samples`), so that a resume at a generation boundary generates what the
+        uninterrupted run generated."""
         epochs, batches = super()._init_training_state(  # type: ignore[misc]
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
         self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
@@ -204,7 +146,7 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         self._prepared: Deque[Dict[str, Any]] = collections.deque()
         self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
         #: an MoE model's load-balancing term (TRL's router_aux_loss_coef), over the step's window
-        self.router_balance = _router_balance(self)
+        self.router_balance = trl_router_balance(self)
 
     # -- count first ------------------------------------------------------------------------------
 
@@ -316,22 +258,6 @@ def _loss_mask(inputs: Dict[str, Any]) -> torch.Tensor:
     return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
 
 
-def _router_balance(trainer: Any) -> Optional[Any]:
-    """The MoE load-balancing term TRL turned on (``aux_loss_enabled``), or None; a family whose router
-    loss gradaccum cannot compute over the step refused with TRL's fix."""
-    if not getattr(trainer, "aux_loss_enabled", False):
-        return None
-    try:
-        return trl_router_balance(trainer.accelerator.unwrap_model(trainer.model).config, trainer.router_aux_loss_coef)
-    except NotExactError as unknown:  # TRL asks for the router logits whatever the config says: its coef is the fix
-        family = getattr(trainer.model.config, "model_type", None)
-        raise NotExactError(f"{type(trainer).__name__}: the model ({family}) adds a router loss at "
-                            f"router_aux_loss_coef={trainer.router_aux_loss_coef} that gradaccum does not compute over "
-                            f"the step (supported: {', '.join(BALANCED_FAMILIES)}), and TRL would add it per "
-                            f"micro-batch; pass {type(trainer.args).__name__}(..., router_aux_loss_coef=0.0) to train "
-                            "without it") from unknown
-
-
 def _refuse_what_is_not_exact(trainer: Any) -> None:
     """What no weighting makes one big batch, or is not tested here: refused in one line with the fix."""
     name, args = type(trainer).__name__, type(trainer.args).__name__
@@ -350,12 +276,27 @@ def _refuse_what_is_not_exact(trainer: Any) -> None:
 
 
 class ExactGRPOTrainer(_ExactRL, GRPOTrainer):  # type: ignore[misc]
-    """``GRPOTrainer`` whose every optimizer step is one big batch of its ``loss_type`` over the
-    step's micro-batches on every rank (the module's docstring states each loss type's formula);
-    ``last_step_count`` holds the last step's counts, ``accumulator_state`` the steps taken and skipped;
-    an MoE router loss is the step's whole batch's. Refused: ``top_entropy_quantile < 1``, DeepSpeed, FSDP."""
+    """``GRPOTrainer`` whose every optimizer step is one big batch of its ``loss_type``: each micro-batch
+    backpropagates its summed terms times ``W / N`` (``W`` processes), so that the step is on the gradient of
+
+        sum_{ranks, k} sum_{i in k} sum_t l_it m_it / d_i  /  N   -   entropy_coef * sum_{ranks,k,i,t} H_it m_it / T
+
+    with ``l_it`` TRL's per-token term (ratio times advantage, plus ``beta`` times the KL term), ``m_it``
+    the completion (and tool) mask, ``d_i`` sequence i's tokens ``n_i`` for ``grpo``/``sapo`` (else 1),
+    ``T`` the step's completion tokens and ``N`` what the loss type averages over
+    (:func:`gradaccum.rl.step_items`: the step's sequences, ``dr_grpo``'s sequences times
+    ``max_completion_length``, or ``T``), plus ``coef * LBL`` of the step's whole batch for an MoE model
+    (:class:`gradaccum.moe.WindowRouting`). A step of ``N = 0`` is skipped. ``last_step_count`` holds
+    the last step's counts, ``accumulator_state`` the steps taken and skipped.
+
+    Raises:
+        NotExactError: ``top_entropy_quantile < 1``, a ``loss_type`` not in :data:`gradaccum.rl.ITEMS`,
+            an MoE family whose router loss is not computed over the step.
+        ConfigurationError: DeepSpeed, FSDP, DataParallel in one process.
+    """
 
 
 class ExactRLOOTrainer(_ExactRL, RLOOTrainer):  # type: ignore[misc]
-    """``RLOOTrainer`` whose every optimizer step is the mean of its per-sequence terms over the
-    step's sequences on every rank (TRL: each micro-batch's mean, divided by the accumulation steps)."""
+    """``RLOOTrainer`` whose every optimizer step is ``sum_i l_i / S``, the mean of its per-sequence terms
+    over the step's ``S`` sequences on every rank (TRL: each micro-batch's mean, divided by the
+    accumulation steps); otherwise as :class:`ExactGRPOTrainer`."""
