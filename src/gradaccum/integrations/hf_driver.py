@@ -1,8 +1,5 @@
-"""The one driver of a window from a Hugging Face ``Trainer``'s hooks, shared by ``ExactTrainer``, TRL's
-GRPO/RLOO drivers and ``ExactSentenceTransformerTrainer``: each counts its window and says what an item
-is; :class:`TrainerDriver` opens the core's :class:`~gradaccum._driven.DrivenWindow`, closes and records
-it after the last micro-batch, stands in for the step of a skipped window and keeps the
-:class:`~gradaccum.AccumulatorState` in the Trainer's checkpoints (:class:`TrainerWindowState`).
+"""The one window lifecycle of the Hugging Face Trainer drivers (``ExactTrainer``, TRL's GRPO/RLOO drivers,
+``ExactSentenceTransformerTrainer``), driven from the Trainer's hooks, and its state in the checkpoints.
 """
 from __future__ import annotations
 

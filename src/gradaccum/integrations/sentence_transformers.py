@@ -15,7 +15,7 @@ from .._cached import Constant, WindowLoss
 from .._patching import swapped
 from ..errors import ConfigurationError
 from .hf_driver import TrainerDriver
-from .hf_window_loss import TrainerWindows, refuse_what_a_window_loss_cannot_run
+from .hf_window_loss import TrainerWindows
 
 try:
     from sentence_transformers import SentenceTransformerTrainer
@@ -65,12 +65,11 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        refuse_what_a_window_loss_cannot_run(self)
         refuse_windows_mixing_datasets(self.train_dataset, self.args.gradient_accumulation_steps,
                                        self.accelerator.num_processes, self.args.multi_dataset_batch_sampler)
         for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss]):
             refuse_a_loss(loss)
-        self._windows = TrainerWindows(self, self._prepare_inputs)
+        self._windows = TrainerWindows(self, self._prepare_inputs)  # refuses what a cached window cannot run
 
     # -- the window ------------------------------------------------------------------------------
 
