@@ -15,8 +15,8 @@ from torch import nn
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount
-from .hf_moe import trl_router_balance
 from .hf_driver import TrainerDriver  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
+from .hf_moe import trl_router_balance
 
 try:
     from trl import GRPOTrainer, RLOOTrainer
@@ -24,6 +24,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("gradaccum.integrations.trl_rl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
 
 __all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "trl_divisor"]
+
 
 def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Union[float, torch.Tensor]:
     """What TRL 1.16's ``_compute_loss`` divided this training micro-batch's summed terms by (its
