@@ -208,8 +208,8 @@ def load_balancing_loss(routed: Sequence[Tuple[Sequence[torch.Tensor], torch.Ten
 
 def big_batch_loss(model: nn.Module, step: Sequence[Dict[str, torch.Tensor]], loss_type: str,
                    cfg: Dict[str, Any], entropy_coef: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The loss type's formula over the step's whole batch (see gradaccum.integrations.trl_rl.ExactGRPOTrainer), with the
-    entropy bonus at ``entropy_coef`` (default: ``cfg``'s), and the step's mean entropy; an MoE model's
+    """The loss type's formula over the step's whole batch (see gradaccum.integrations.trl_rl.ExactGRPOTrainer),
+    with the entropy bonus at ``entropy_coef`` (default: ``cfg``'s), and the step's mean entropy; an MoE model's
     ``router_aux_loss_coef`` (cfg's, else its config's) times the step's load-balancing loss added."""
     routed: list = []
     parts = [_token_terms(model, mb, loss_type, cfg, routed) for mb in step]
