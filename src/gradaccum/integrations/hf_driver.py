@@ -98,6 +98,10 @@ class TrainerDriver:
        raises drops the window's buffers.
     """
 
+    accelerator: Any  # the Trainer's (annotations only: the Trainer sets them)
+    model: Any
+    model_wrapped: Any
+    is_deepspeed_enabled: bool
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass
     empty_window_note: Optional[str] = None  # said once with the warning for a window of no item (None: no warning)
@@ -132,14 +136,13 @@ class TrainerDriver:
                     second_items: Optional[Count] = None) -> DrivenWindow:
         """The window of ``micro_batches`` micro-batches and ``num_items`` = N, every rank's, counted first;
         ``routed()`` gives its micro-batches as the model routes them (called for an MoE model only)."""
-        world = self.accelerator.num_processes  # type: ignore[attr-defined]
+        world = self.accelerator.num_processes
         self._window = DrivenWindow(self.accumulator_state, world, num_items=num_items, micro_batches=micro_batches,
                                     buffers=buffers, second_items=second_items)
         self._balance = None
         if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
-            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model),  # type: ignore[attr-defined]
-                                          routed(), self.accelerator.device, self.model_wrapped,  # type: ignore[attr-defined]
-                                          who=type(self).__name__)
+            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
+                                          self.accelerator.device, self.model_wrapped, who=type(self).__name__)
         return self._window
 
     def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
@@ -154,7 +157,7 @@ class TrainerDriver:
         out, part = balance.run(window.ran, model, inputs, forward, aux_owner)
         if window.last:
             balance.check()
-        return out, part * (0.0 if window.skip else self.accelerator.num_processes)  # type: ignore[attr-defined]
+        return out, part * (0.0 if window.skip else self.accelerator.num_processes)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window
@@ -171,7 +174,7 @@ class TrainerDriver:
             if self._balance is not None:
                 self._balance.finish()
             applied = True
-            if self.is_deepspeed_enabled:  # type: ignore[attr-defined]
+            if self.is_deepspeed_enabled:
                 from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step
 
                 applied = step_applied(self)

@@ -35,10 +35,11 @@ def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
     try:
         return aux_term(view)
     except NotExactError as unknown:  # TRL asks for the router logits whatever the config says: its coef is the fix
-        raise NotExactError(f"{type(trainer).__name__}: the model ({getattr(config, 'model_type', None)}) adds a router "
-                            f"loss at router_aux_loss_coef={coef} that gradaccum does not compute over the step "
-                            f"(supported: {', '.join(BALANCED_FAMILIES)}), and TRL would add it per micro-batch; pass "
-                            f"{type(trainer.args).__name__}(..., router_aux_loss_coef=0.0) to train without it") from unknown
+        family, args = getattr(config, "model_type", None), type(trainer.args).__name__
+        raise NotExactError(f"{type(trainer).__name__}: the model ({family}) adds a router loss at "
+                            f"router_aux_loss_coef={coef} that gradaccum does not compute over the step (supported: "
+                            f"{', '.join(BALANCED_FAMILIES)}), and TRL would add it per micro-batch; pass {args}(..., "
+                            "router_aux_loss_coef=0.0) to train without it") from unknown
 
 
 def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:

@@ -216,7 +216,8 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
                                "the step")
         coef = self._entropy_coef_now()
         def trl() -> torch.Tensor:  # TRL's loss, metrics and logs
-            return super(_ExactRL, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
+            trl_loss = super(_ExactRL, self).compute_loss  # type: ignore[misc]
+            return trl_loss(model, inputs, return_outputs, num_items_in_batch)
         self._captured = []
         try:  # an MoE model: the forward replayed as counted, its router logits read, TRL's own aux term off
             loss, part = self.balanced(model, _model_inputs(inputs) if self._balance is not None else inputs, trl,
@@ -227,7 +228,8 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         bonus = None
         if coef != 0.0:  # TRL subtracted coef * (sum H m / max(T_k, 1) / K): take it back out, in TRL's order
             entropy_sum = (captured[0] * mask).sum()
-            loss = loss + coef * (entropy_sum / mask.sum().clamp(min=1.0) / self.current_gradient_accumulation_steps)  # type: ignore[attr-defined]
+            k = self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
+            loss = loss + coef * (entropy_sum / mask.sum().clamp(min=1.0) / k)
             bonus = -coef * entropy_sum * window.second.sum_weight()  # type: ignore[union-attr]  # W / T
         loss = loss * trl_divisor(self, inputs, mask) * window.weights.sum_weight()  # W / N
         loss = loss if bonus is None else loss + bonus
