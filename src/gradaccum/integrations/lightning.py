@@ -2,16 +2,10 @@
 
     trainer = Trainer(accumulate_grad_batches=4, callbacks=[ExactAccumulation(num_items=count)])
 
-Lightning's automatic optimization backpropagates ``L_k / A`` for every micro-batch (``A`` =
-``accumulate_grad_batches``, also on the short last window of an epoch) and DDP or FSDP2 averages
-over the ``W`` ranks, so every micro-batch weighs the same whatever it holds. :class:`ExactAccumulation`
-weighs each one by its item count instead: it drives the core's one weighting,
-:class:`gradaccum._weights.WindowWeights`, from Lightning's hooks (with the running R: Lightning shows a
-window's count only after its backwards), and keeps what windows teach each other in an
-:class:`~gradaccum.AccumulatorState` saved in Lightning's checkpoint. Nothing else of the loop changes.
-
-How it is driven from Lightning's hooks, step by step: docs/guides/lightning.md ("What it changes"); the
-window it drives is :class:`gradaccum._driven.DrivenWindow`.
+:class:`ExactAccumulation` drives the core's one window (:class:`gradaccum._driven.DrivenWindow`,
+with the running R: Lightning shows a window's count only after its backwards) from Lightning's hooks;
+this module is that glue and the refusals. How it is driven, step by step: docs/guides/lightning.md
+("What it changes").
 """
 from __future__ import annotations
 
