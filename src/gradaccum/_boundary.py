@@ -210,11 +210,12 @@ class Boundary:
         else:  # one process, counts on the host already: only the loss sum crosses to the host
             row = None
         norm = total_norm(grads, self.device) if self.measure and square is None else None
-        host = read_on_host(row=row, loss_sum=tally.loss_sum_on(self.device) if row is None else None,
-                            norm=norm)  # the window's one host sync
+        losses = tally.host_losses() if row is None else None  # one process: summed on the host
+        host = read_on_host(row=row, losses=losses, norm=norm)  # the window's one host sync
         if row is None:
             raw = host["norm"][0] if norm is not None else None
-            return Exchanged(host["loss_sum"][0], tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
+            loss_sum = tally.host_loss_sum(host["losses"]) if losses is not None else 0.0
+            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
                              totals.counted_first)
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None

@@ -55,8 +55,9 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Coun
     """What a bare mean loss is weighted by: the leading dimension, or the ``num_items`` counter.
     Every micro-batch's leading dimensions are checked here, before anything runs."""
     each: List[Count] = [leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
-    if count_fn is not None:
-        each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
+    if count_fn is None:
+        return Counts(each, float(sum(each)))  # ints: no count to read
+    each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
     return Counts(each, float(sum(as_number(c) for c in each)))
 
 
@@ -64,6 +65,9 @@ def _backward(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, c
     """One micro-batch's forward through ``loss_fn`` and its weighted backward, inside its block."""
     with window.micro_batch():
         out = loss_fn(window.ctx.model, micro_batch)
+        if type(out) is torch.Tensor:  # a bare mean loss, weighed by the count known up front
+            window.backward(out, count)
+            return
         loss, counted = split_loss_output(out, count)
         window.backward(loss, counted, from_loss_fn=isinstance(out, (tuple, list)))
 

@@ -107,8 +107,8 @@ class _MicroBatch:
         self.stack: Optional[contextlib.ExitStack] = None
 
     def __enter__(self) -> None:
-        ctx = self.window.ctx
-        if ctx.sync.reduces_across_ranks or ctx.precision.dtype is not None:
+        if self.window.switches:
+            ctx = self.window.ctx
             stack = self.stack = contextlib.ExitStack()
             stack.enter_context(ctx.sync.micro_batch(last=self.reduces))
             stack.enter_context(ctx.precision.autocast())
@@ -155,6 +155,14 @@ class Window:
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
         self.abandoned = False
+        #: a micro-batch enters a context (the sync switch, autocast): across ranks or under autocast
+        self.switches = ctx.sync.reduces_across_ranks or ctx.precision.dtype is not None
+        #: the last micro-batch's backward reduces across ranks (not deferred to the boundary)
+        self.reduces_last = ctx.sync.reduces_across_ranks and not request.defer
+        #: fp32: a backward is the seam's own (no loss scale, no autocast to leave)
+        self.plain_backward = ctx.precision.precision == "fp32"
+        self._r: Optional[float] = None  # R once fixed for this window (it does not change after)
+        self._size: Optional[int] = None  # micro_batches, once the window has opened
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -165,6 +173,7 @@ class Window:
         try:
             ctx.boundary.check_scheduler()
             self.setup = ctx.ranks.open(self.request)
+            self._size = self.micro_batches
             if self.setup.counted is None:  # else at the first backward, when the ranks' count arrives
                 self.weights  # noqa: B018 - opens the weighting now
         except BaseException:
@@ -212,9 +221,14 @@ class Window:
         ``last`` defaults to "this is micro-batch number ``micro_batches``"; pass it when the
         window was opened without a size. Only the last micro-batch reduces gradients across ranks.
         """
-        self._open_setup()
-        last = _is_last(self.done, self.micro_batches, last)
-        return _MicroBatch(self, last and not self.request.defer and self.ctx.sync.reduces_across_ranks)
+        if self.setup is None or self.ctx.slot.window is not self:
+            self._open_setup()  # raises
+        size, done = self._size, self.done
+        if last is None and size is not None and done < size:
+            last = done == size - 1
+        else:
+            last = _is_last(done, size, last)
+        return _MicroBatch(self, last and self.reduces_last)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
         """Backpropagate ``loss`` with the weight ``n_k * W / R``; add its item sum to the tally.
@@ -226,16 +240,25 @@ class Window:
             from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
                 than it being the count known up front.
         """
-        loss = _in_micro_batch(self, loss)
-        item_count("num_items", num_items)
-        if isinstance(num_items, torch.Tensor):  # no host sync: a count of 0 selects the cleaned mean
-            loss = torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)
-        elif num_items == 0:
-            loss = loss.nan_to_num(0.0)  # nothing of a mean over no item reaches the gradient
-        self.fix_reference(num_items)
-        weighted = loss * self.weights.mean_weight(num_items, loss.dtype)
+        if self.current is None or self.reduced or type(loss) is not torch.Tensor or loss.dim() \
+                or not loss.requires_grad:
+            loss = _in_micro_batch(self, loss)  # raises, unless a tensor subclass passes its checks
+        if type(num_items) is not int or num_items <= 0:  # an int > 0 is a count as it is
+            item_count("num_items", num_items)
+            if isinstance(num_items, torch.Tensor):  # no host sync: a count of 0 selects the cleaned mean
+                loss = torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)
+            elif num_items == 0:
+                loss = loss.nan_to_num(0.0)  # nothing of a mean over no item reaches the gradient
+        if self._r is None:
+            self.fix_reference(num_items)
+        weights = self._weights if self._weights is not None else self.weights
+        weighted = loss * weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        self._backward(weighted)
+        if self.plain_backward and not self.switches:  # one process, fp32: the backward itself
+            self.ctx.sync.backward(weighted)
+            self.done += 1
+        else:
+            self._backward(weighted)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
@@ -261,12 +284,14 @@ class Window:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
         this first backward's count, the largest on any rank (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
-        if self.weights.reference is None and self.ctx.sync.needs_count_first:
-            raise not_known_up_front()  # before any backward: nothing reached the gradient
-        return self.weights.fix_reference(count, self.ctx.ranks.largest)
+        if self._r is None:
+            if self.weights.reference is None and self.ctx.sync.needs_count_first:
+                raise not_known_up_front()  # before any backward: nothing reached the gradient
+            self._r = self.weights.fix_reference(count, self.ctx.ranks.largest)
+        return self._r
 
     def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
-        term = _before_reduction(self)
+        term = _before_reduction(self) if self.switches else None
         self.ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off,
                                     run=self.ctx.sync.backward)
         self.done += 1
