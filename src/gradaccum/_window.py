@@ -20,6 +20,7 @@ the tally to the :class:`~gradaccum._boundary.Boundary` and the ranks learn from
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -161,6 +162,9 @@ class Window:
         self.reduces_last = ctx.sync.reduces_across_ranks and not request.defer
         #: fp32: a backward is the seam's own (no loss scale, no autocast to leave)
         self.plain_backward = ctx.precision.precision == "fp32"
+        #: one process in fp32: a micro-batch enters no context and backpropagates through the seam directly
+        self.direct = not self.switches and self.plain_backward
+        self._plain = _MicroBatch(self, False)  # every micro-batch's context where it enters none
         self._r: Optional[float] = None  # R once fixed for this window (it does not change after)
         self._size: Optional[int] = None  # micro_batches, once the window has opened
 
@@ -228,6 +232,8 @@ class Window:
             last = done == size - 1
         else:
             last = _is_last(done, size, last)
+        if not self.switches:
+            return self._plain  # no switch to flip, nothing reduces: one context serves them all
         return _MicroBatch(self, last and self.reduces_last)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
@@ -254,7 +260,7 @@ class Window:
         weights = self._weights if self._weights is not None else self.weights
         weighted = loss * weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        if self.plain_backward and not self.switches:  # one process, fp32: the backward itself
+        if self.direct:  # one process, fp32: the backward itself
             self.ctx.sync.backward(weighted)
             self.done += 1
         else:
@@ -343,10 +349,11 @@ class Window:
 
 
 def _check_request(ctx: WindowContext, request: WindowRequest) -> None:
-    if request.micro_batches is not None and not (ctx.sync.allows_empty_share and request.micro_batches == 0):
-        positive_int("micro_batches", request.micro_batches)
-    if request.items is not None:
-        item_count("num_items", request.items)
+    n, items = request.micro_batches, request.items
+    if n is not None and not (type(n) is int and n > 0) and not (ctx.sync.allows_empty_share and n == 0):
+        positive_int("micro_batches", n)
+    if items is not None and not (type(items) is float and 0.0 <= items < math.inf):  # a summed count passes
+        item_count("num_items", items)
 
 
 def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
