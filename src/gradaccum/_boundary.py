@@ -15,8 +15,9 @@ optimizer step; the scheduler step (only on steps taken); gradients cleared.
 
 **Windows that exchange nothing.** Under DDP the reduced gradient is the same on every rank, so a
 verdict read from it alone is the same on every rank too. When every rank also knows the window's
-global N up front (a WindowSampler's shares) and ``loss_fn`` counts those items, the all-reduce above
-only tells the ranks each other's loss (and carries stop requests). ``Accumulator(loss_every=k)`` does
+global N before its first backward (a WindowSampler's shares, or N counted first: one small
+all-reduce as the window opens) and ``loss_fn`` counts those items, the all-reduce above only tells the
+ranks each other's loss (and carries stop requests). ``Accumulator(loss_every=k)`` does
 it on every k-th window only (:func:`gradaccum._ranks.window_setup`); the windows between cost no collective
 besides DDP's own reduction. Their verdict reads the gradient's norm (measured always there), and a
 rank's non-finite loss still reaches every rank, through the gradient: its reducing backward adds

@@ -215,6 +215,7 @@ class Window:
             assert self.setup is not None, "the weighting is read inside `with acc.window(...)`"
             self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
                                           reference=self.ctx.ranks.reference(self.setup))
+            self.setup = self.ctx.ranks.after_count(self.setup)
         return self._weights
 
     # -- micro-batches ---------------------------------------------------------------------------
@@ -310,6 +311,9 @@ class Window:
         steps (:mod:`gradaccum._boundary`); then the ranks learn from it."""
         setup, ctx = self._open_setup("step"), self.ctx
         _check_can_step(self, setup)
+        self.weights  # noqa: B018 - a window that counts first reads its count by now (a rank without backward)
+        setup = self.setup
+        assert setup is not None
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
         out = None

@@ -604,6 +604,54 @@ def ddp_step_counts_first_with_one_small_collective():
     return f"(collectives, syncs, syncs before forward, collectives before forward) per window: {rows[0]}"
 
 
+def ddp_step_counting_first_with_loss_every_exchanges_only_its_count():
+    """acc.step under loss_every=3, uneven counts across ranks and windows: a window counted first whose N
+    every rank read at its first backward exchanges nothing at its boundary (but every 3rd): one small
+    collective (its count) instead of two, its loss None, its loss check riding in the gradient. Exact,
+    replicas bit-equal; a loss only rank 1 finds not finite in such a window is skipped on both ranks."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
+    steps, results = [], []
+
+    def run(w, on_forward):
+        wins = [[data(r, 300 + 4 * w + k, 2 + (w + r + k) % 4) for k in range(3)] for r in range(WORLD)]
+        bad = w == 7 and RANK == 1
+
+        def loss_fn(m, b):
+            if on_forward:
+                on_forward()
+            return mse(m, b) + (float("inf") if bad else 0.0)
+        result = acc.step(wins[RANK], loss_fn)
+        results.append(result)
+        if w != 7:
+            steps.append(wins)
+        assert result.num_items == sum(len(x) for win in wins for x, _ in win), result
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = _steady_counts(run, windows=7)  # windows 2..8: acc's windows 2..8
+    quiet = [w % 3 != 0 for w in range(2, 9)]
+    assert [r[0] for r in rows] == [1 if q else 2 for q in quiet], rows
+    assert [r[3] for r in rows] == [1] * 7, rows  # the count: started before the first forward
+    assert [results[w].loss is None for w in range(2, 9)] == quiet, results
+    assert [r.skipped for r in results] == [w == 7 for w in range(9)], results
+    run(9, None)  # a 3rd window: it exchanges
+    # window 10 would exchange nothing, but rank 1 opens it without num_items: no N arrives, R runs, and
+    # every rank exchanges after all (the boundary's N rescales the gradient)
+    wins = [[data(r, 400 + k, 3 + r + k) for k in range(2)] for r in range(WORLD)]
+    steps.append(wins)
+    mine = wins[RANK]
+    with acc.window(len(mine), num_items=sum(len(x) for x, _ in mine) if RANK == 0 else None, pad=True) as window:
+        for mb in mine:
+            with window.micro_batch():
+                window.backward(mse(model, mb), len(mb[0]))
+        late = window.step()
+    assert late.loss is not None and late.num_items == sum(len(x) for win in wins for x, _ in win), late
+    close(model.module, reference(steps, "sgd"))
+    assert params_equal_on_all_ranks(model.module)
+    return f"collectives per window {[r[0] for r in rows]}"
+
+
 def ddp_step_with_a_rank_without_data_costs_the_same():
     """A window where rank 1 has no data: it repeats its last micro-batch with zero weight, decided
     alone (no agreement), and the step is exact on rank 0's items."""
@@ -1158,6 +1206,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
              ddp_step_counts_first_with_one_small_collective, ddp_step_with_a_rank_without_data_costs_the_same,
+             ddp_step_counting_first_with_loss_every_exchanges_only_its_count,
              ddp_counted_first_is_the_plain_loop_bit_for_bit, ddp_a_resumed_run_counting_first_is_the_uninterrupted_one,
              ddp_a_rank_without_num_items_still_counts_with_the_others,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
