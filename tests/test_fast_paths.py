@@ -127,3 +127,25 @@ def test_a_tuple_whose_leading_dimensions_disagree_is_refused():
     with pytest.raises(SplitError, match=r"window\[1\]\[0\] has 3 items but window\[1\]\[1\] has 2"):
         acc.step([(x, y), (x, y[:2])], mse)
     assert acc.steps == 0
+
+
+def test_a_window_leaves_nothing_for_the_garbage_collector():
+    """A window's objects are freed as it ends (no reference cycle): the cycle collector finds nothing,
+    so the short ways cost no collection of their own (nor keep a window's tally alive until one)."""
+    import gc
+
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.step(_window(), mse)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            acc.step(_window(), mse)
+            with acc.window(1) as window:
+                with window.micro_batch():
+                    window.backward(mse(model, regression_batch(2, seed=9)), 2)
+                window.step()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -164,7 +164,7 @@ class Window:
         self.plain_backward = ctx.precision.precision == "fp32"
         #: one process in fp32: a micro-batch enters no context and backpropagates through the seam directly
         self.direct = not self.switches and self.plain_backward
-        self._plain = _MicroBatch(self, False)  # every micro-batch's context where it enters none
+        self._plain = _MicroBatch(self, False)  # every micro-batch's context where it enters none (until closed)
         self._r: Optional[float] = None  # R once fixed for this window (it does not change after)
         self._size: Optional[int] = None  # micro_batches, once the window has opened
 
@@ -345,6 +345,7 @@ class Window:
     def _close(self) -> None:
         self.ctx.slot.leave(self)
         self.ctx.grads.close()
+        self._plain = None  # type: ignore[assignment]  # it refers back to the window: no cycle left for the gc
 
     def _open_setup(self, what: str = "micro_batch") -> WindowSetup:
         if self.setup is None or self.ctx.slot.window is not self:

@@ -1121,9 +1121,10 @@ def ddp_the_loss_check_rides_on_a_parameter_ddp_reduces():
 
 def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
     """acc.train over a DataLoader with a DistributedSampler: every rank holds as many batches, so the
-    ranks confirm that once per epoch (one all-gather) and never agree per window. The items are still
-    summed at every boundary (loss_every=2 saves nothing here): rank 1's collate_fn drops a row from
-    its batches, and the steps stay exact on the rows really seen. Two epochs, a short last window."""
+    ranks confirm that once per epoch (one all-gather) and never agree per window. Each window counts the
+    rows collated first (rank 1's collate_fn drops a row from its batches), so under loss_every=2 every
+    other window exchanges only that count, and the steps stay exact on the rows really seen. Two
+    epochs, a short last window."""
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.dataloader import default_collate
     from torch.utils.data.distributed import DistributedSampler
@@ -1148,9 +1149,10 @@ def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
                                             loss_fn=loss_fn, accum_steps=3, epochs=2)
     # 25 items a rank: batches of 3, 3, ..., 1; rank 1 keeps 2, 2, ..., 1 of them
     assert [r.num_items for r in results] == [15, 15, 12] * 2 and not any(r.skipped for r in results), results
-    # every window: its count (the rows collated, counted first: R = N), the boundary; window 0: the
-    # epoch's check and the replica check too; window 3: the next epoch's check too
-    assert per_window == [4, 2, 2, 3, 2, 2], per_window
+    # every window: its count (the rows collated, counted first: R = N), and at every 2nd (loss_every) the
+    # boundary's exchange; window 0: the epoch's check and the replica check too (and it exchanges: the
+    # first window always does); window 3: the next epoch's check too
+    assert per_window == [4, 1, 2, 2, 2, 1], per_window
     close(model.module, _one_big_batch_steps(_gathered_windows(recorded)))
     assert params_equal_on_all_ranks(model.module)
     return f"collectives per window {per_window}"
