@@ -23,6 +23,7 @@ from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
 from .moe import MoELoss, run_moe_window
 from .batching import Batch, leading_dim, split_batch
+from .errors import SplitError
 from .result import StepResult
 
 __all__ = ["LossFn", "CountFn", "is_out_of_memory", "Counts", "count_items", "run_window", "run_auto"]
@@ -54,7 +55,12 @@ class Counts:
 def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Counts:
     """What a bare mean loss is weighted by: the leading dimension, or the ``num_items`` counter.
     Every micro-batch's leading dimensions are checked here, before anything runs."""
-    each: List[Count] = [leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
+    try:
+        each: List[Count] = [leading_dim(mb) for mb in micro_batches]
+    except SplitError:  # said again naming the micro-batch (the name is built only for the error)
+        for i, mb in enumerate(micro_batches):
+            leading_dim(mb, argument=f"window[{i}]")
+        raise
     if count_fn is None:
         return Counts(each, float(sum(each)))  # ints: no count to read
     each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
