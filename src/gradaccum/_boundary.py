@@ -30,8 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -49,8 +48,7 @@ __all__ = ["WindowTotals", "Outcome", "Boundary", "InFlight", "total_norm"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class WindowTotals:
+class WindowTotals(NamedTuple):
     """What one rank's window hands the boundary.
 
     Attributes:
@@ -74,8 +72,7 @@ class WindowTotals:
     counted_first: bool = False
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What the boundary did: the window's global loss sum (None when not exchanged) and item count,
     the norm, the verdict, and what the ranks told each other on the way (every rank can pad, some
     rank's loss_fn returned its own counts, every rank counted its items first: None when not

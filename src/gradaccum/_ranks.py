@@ -48,11 +48,10 @@ state and the window itself, so a resumed process rounds as the uninterrupted on
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils.data import BatchSampler
@@ -72,8 +71,7 @@ __all__ = ["WindowPlan", "WindowRequest", "WindowSetup", "CountedFirst", "Rules"
            "local_plan", "window_setup"]
 
 
-@dataclass(frozen=True)
-class WindowPlan:
+class WindowPlan(NamedTuple):
     """What every rank agreed on when a window opened.
 
     Attributes:
@@ -95,8 +93,7 @@ class WindowPlan:
     share: Optional[float] = None
 
 
-@dataclass(frozen=True)
-class WindowRequest:
+class WindowRequest(NamedTuple):
     """What a window asks for when it opens.
 
     Attributes:
@@ -122,8 +119,7 @@ class WindowRequest:
     flush: int = 0
 
 
-@dataclass(frozen=True)
-class WindowSetup:
+class WindowSetup(NamedTuple):
     """Everything a window needs from the ranks, decided once when it opens (:func:`window_setup`).
 
     Attributes:
@@ -344,8 +340,7 @@ class RankAgreement:
             # a sampler's window does; where some rank had no count N does not come, and it exchanges after all
             # (:meth:`after_count`). Decided from what every rank shares, so every rank decides alike
             quiet = not request.defer and not _exchanges(self.state, self.rules, True)
-            setup = dataclasses.replace(setup, counted=CountedFirst(self.sync, self.device, request.items),
-                                        exchanges=not quiet)
+            setup = setup._replace(counted=CountedFirst(self.sync, self.device, request.items), exchanges=not quiet)
         return setup
 
     def after_count(self, setup: WindowSetup) -> WindowSetup:
@@ -354,7 +349,7 @@ class RankAgreement:
         its boundary rescales by the global N, and every rank exchanges it."""
         if setup.counted is None or setup.exchanges or setup.counted.wait() is not None:
             return setup
-        return dataclasses.replace(setup, exchanges=True)
+        return setup._replace(exchanges=True)
 
     def reference(self, setup: WindowSetup) -> Optional[float]:
         """R for a window that has opened: the setup's, or, where the window counts first, N times the
@@ -363,7 +358,7 @@ class RankAgreement:
             return setup.reference
         assert setup.plan is not None, "only a window with a plan counts first"
         n = setup.counted.wait()
-        return None if n is None else _reference(self.state, self.rules, dataclasses.replace(setup.plan, items=n), None)
+        return None if n is None else _reference(self.state, self.rules, setup.plan._replace(items=n), None)
 
     def counts_first(self, plan: Optional[WindowPlan]) -> bool:
         """Whether the window's N is counted across ranks as it opens: its plan (made alone, over equal
