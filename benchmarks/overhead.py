@@ -161,3 +161,89 @@ def profile(m: int = 8, windows: int = 0) -> Dict[str, object]:
     return {"micro_batch": m, "windows": windows, "rows": rows,
             "extra_ms_per_window": sum(r["ms_per_window"] for r in rows),  # type: ignore[misc]
             "profiled_window_ms": 1e3 * total_profiled / windows}
+
+
+# -- this tree against another commit's (python benchmarks/overhead.py --against DIR) -------------------
+
+def bytecodes_per_window(run: Callable[[], None], package_dir: str, windows: int = 20) -> float:
+    """Python bytecodes executed per window inside ``package_dir``: gradaccum's own work, counted, so it
+    does not move with the machine's load as a time does (3.11: ``sys.settrace`` opcode events)."""
+    import sys
+    count = [0]
+
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+        if not frame.f_code.co_filename.startswith(package_dir):
+            return None
+        if event == "call":
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            count[0] += 1
+        return tracer
+    sys.settrace(tracer)
+    try:
+        for _ in range(windows):
+            run()
+    finally:
+        sys.settrace(None)
+    return count[0] / windows
+
+
+def against(other_src: str, m: int = 8, repeats: int = 40, clip: bool = False) -> Dict[str, object]:
+    """Section 1's window at micro-batch ``m``: this tree's gradaccum against another's (``other_src``: the
+    ``src`` of another commit, e.g. ``git archive <commit> src | tar -x -C /tmp/old``, then
+    ``/tmp/old/src``), beside the hand loop, in one process (the other imported under another name), the
+    order shuffled every repeat. Median per-repeat ratios with their quartiles, and bytecodes per window."""
+    import importlib
+    import shutil
+    import sys
+    import tempfile
+
+    tmp = tempfile.mkdtemp()
+    shutil.copytree(os.path.join(other_src, "gradaccum"), os.path.join(tmp, "gradaccum_other"))
+    sys.path.insert(0, tmp)
+    other = importlib.import_module("gradaccum_other")  # its imports are relative: a package of its own
+    x, y = data(N * m)
+    window = [(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) for i in range(N)]
+    crit = nn.CrossEntropyLoss()
+    hand_model = mlp()
+    hand_opt = sgd(hand_model)
+
+    def hand() -> None:
+        for xb, yb in window:
+            (crit(hand_model(xb), yb) / N).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(hand_model.parameters(), 1.0)
+        hand_opt.step()
+        hand_opt.zero_grad()
+
+    def ours(package) -> Callable[[], None]:  # type: ignore[no-untyped-def]
+        model = mlp()
+        acc = package.Accumulator(model, sgd(model), max_grad_norm=1.0 if clip else None)
+        return lambda: acc.step(window, ce)
+
+    fns = {"hand": hand, "this tree": ours(sys.modules["gradaccum"]), "other": ours(other)}
+    block = BLOCK.get(m, 2)
+    s = side_by_side({k: (lambda f=f: [f() for _ in range(block)]) for k, f in fns.items()}, repeats)
+    out: Dict[str, object] = {"micro_batch": m, "clip": clip, "repeats": repeats, "windows_per_block": block}
+    for num, den in (("this tree", "hand"), ("other", "hand"), ("this tree", "other")):
+        r = paired_ratio(s, num, den)
+        out[f"{num} / {den}"] = f"{r['ratio']:.3f} ({r['q1']:.3f}-{r['q3']:.3f})"
+    out["ms per window"] = {k: round(1e3 * median(v) / block, 3) for k, v in s.items()}
+    out["bytecodes per window"] = {
+        "this tree": bytecodes_per_window(fns["this tree"], str(ROOT / "src" / "gradaccum") + os.sep),
+        "other": bytecodes_per_window(fns["other"], os.path.join(tmp, "gradaccum_other") + os.sep)}
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=against.__doc__)
+    parser.add_argument("--against", required=True, help="the src directory of another gradaccum")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--clip", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(json.dumps(against(args.against, args.micro_batch, args.repeats, args.clip)))

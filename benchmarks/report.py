@@ -117,7 +117,8 @@ SGD makes none), the median over repeats of the time against the hand loop in th
 (quartiles beside it), and the largest parameter difference from one float64 step on the union of
 both ranks' windows. The `loss_every={w.get('loss_every', 10)}` row exchanges the window's loss on every
 {w.get('loss_every', 10)}th window only (`Accumulator(loss_every=...)`, over a `WindowSampler`): the windows between
-cost no collective, and its distance is measured on such a window. "the same DataLoader" is
+cost no collective, and its distance is measured on such a window; `acc.step`'s `loss_every` row counts each
+window first as `acc.step` does, and between loss windows exchanges only that count. "the same DataLoader" is
 `acc.train` over the hand loop's own `DistributedSampler` loader (no agreement per window; its items
 are summed at the boundary). "(the floor)" is the hand loop plus the boundary's all-reduce that
 `acc.step` adds: five numbers (the loss sum, the count, three flags; `acc.step`'s row has a fourth)

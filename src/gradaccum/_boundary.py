@@ -15,8 +15,9 @@ optimizer step; the scheduler step (only on steps taken); gradients cleared.
 
 **Windows that exchange nothing.** Under DDP the reduced gradient is the same on every rank, so a
 verdict read from it alone is the same on every rank too. When every rank also knows the window's
-global N up front (a WindowSampler's shares) and ``loss_fn`` counts those items, the all-reduce above
-only tells the ranks each other's loss (and carries stop requests). ``Accumulator(loss_every=k)`` does
+global N before its first backward (a WindowSampler's shares, or N counted first: one small
+all-reduce as the window opens) and ``loss_fn`` counts those items, the all-reduce above only tells the
+ranks each other's loss (and carries stop requests). ``Accumulator(loss_every=k)`` does
 it on every k-th window only (:func:`gradaccum._ranks.window_setup`); the windows between cost no collective
 besides DDP's own reduction. Their verdict reads the gradient's norm (measured always there), and a
 rank's non-finite loss still reaches every rank, through the gradient: its reducing backward adds
@@ -29,8 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -48,8 +48,7 @@ __all__ = ["WindowTotals", "Outcome", "Boundary", "InFlight", "total_norm"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class WindowTotals:
+class WindowTotals(NamedTuple):
     """What one rank's window hands the boundary.
 
     Attributes:
@@ -73,8 +72,7 @@ class WindowTotals:
     counted_first: bool = False
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What the boundary did: the window's global loss sum (None when not exchanged) and item count,
     the norm, the verdict, and what the ranks told each other on the way (every rank can pad, some
     rank's loss_fn returned its own counts, every rank counted its items first: None when not
@@ -138,11 +136,13 @@ class Boundary:
         (:func:`gradaccum._ranks.window_setup`)."""
         self.grads.close()
         self.precision.unscale_(self.optimizer)
-        grads = self.grads.tensors()
-        if self.sync.replicated_grads and not self.state.replicas_checked:
+        first_check = self.sync.replicated_grads and not self.state.replicas_checked
+        # the gradient's tensors, where something reads them before the step (else _step lists them if it scales)
+        grads = self.grads.tensors() if self.measure or first_check or not exchange else None
+        if first_check:
             self.state.replicas_checked = True
             try:
-                check_replicas(grads, self.sync, self.device)
+                check_replicas(grads, self.sync, self.device)  # type: ignore[arg-type]
             except BaseException:
                 self.grads.clear()
                 raise
@@ -194,7 +194,8 @@ class Boundary:
                         counted_first=totals.counted_first,
                         stop=self._stop_now(), square_norm=square_norm)
 
-    def _exchanged(self, totals: WindowTotals, grads: List[torch.Tensor], in_flight: Optional["InFlight"]) -> Exchanged:
+    def _exchanged(self, totals: WindowTotals, grads: Optional[List[torch.Tensor]], in_flight: Optional["InFlight"]
+                   ) -> Exchanged:
         """The window's global numbers on the host, from one small all-reduce (across ranks, or when
         a count is a tensor; launched early when the window could, see :meth:`launch`) and the
         window's one host synchronisation. Across ranks the all-reduce also sums the flags, so the
@@ -205,28 +206,31 @@ class Boundary:
         if in_flight is not None:
             row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)
         elif self.sync.reduces_across_ranks or tally.device_items is not None:
-            square = self.sync.local_square_sum(grads) if self.measure else None
+            square = self.sync.local_square_sum(grads) if self.measure else None  # type: ignore[arg-type]
             row = self.sync.all_reduce_(self._row(totals, square)).to(torch.float64)
         else:  # one process, counts on the host already: only the loss sum crosses to the host
             row = None
-        norm = total_norm(grads, self.device) if self.measure and square is None else None
-        host = read_on_host(row=row, loss_sum=tally.loss_sum_on(self.device) if row is None else None,
-                            norm=norm)  # the window's one host sync
+        norm = total_norm(grads, self.device) if self.measure and square is None else None  # type: ignore[arg-type]
+        losses = tally.host_losses() if row is None else None  # one process: summed on the host
+        host = read_on_host(row=row, losses=losses, norm=norm)  # the window's one host sync
         if row is None:
             raw = host["norm"][0] if norm is not None else None
-            return Exchanged(host["loss_sum"][0], tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
+            loss_sum = tally.host_loss_sum(host["losses"]) if losses is not None else 0.0
+            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
                              totals.counted_first)
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counts_from_loss_fn > 0, told.counted_first >= self.sync.group_size)
 
-    def _step(self, grads: List[torch.Tensor], coef: float, loss: Optional[float], weights: WindowWeights,
+    def _step(self, grads: Optional[List[torch.Tensor]], coef: float, loss: Optional[float], weights: WindowWeights,
               closing: Closing) -> Tuple[bool, Optional[float]]:
         """Scale, step (the seam's step: the optimizer's, or DeepSpeed's ``engine.step()``), schedule.
         Returns whether the step was taken, and the norm the step itself measured (DeepSpeed), else None."""
-        if grads and coef != 1.0:
-            torch._foreach_mul_(grads, coef)
+        if coef != 1.0:
+            grads = self.grads.tensors() if grads is None else grads
+            if grads:
+                torch._foreach_mul_(grads, coef)
         self.grads.write_back()
         stepped_norm = self.sync.step(self.optimizer, self.precision)
         if stepped_norm is not None and not math.isfinite(stepped_norm):  # the stepper skipped it (DeepSpeed fp16's

@@ -1,8 +1,11 @@
 """What a rank adds up over a window, and what the ranks exchange at its boundary, by name.
 
-:class:`Tally` is one rank's running sums while its micro-batches run: ``sum n_k L_k`` on the device
-(float64, so the loss sum does not round with the model's dtype) and the item counts, Python numbers
-apart from device tensors (a count left on the device is never read per micro-batch).
+:class:`Tally` is one rank's running sums while its micro-batches run: ``sum n_k L_k`` (in float64,
+so the loss sum does not round with the model's dtype) and the item counts, Python numbers apart from
+device tensors (a count left on the device is never read per micro-batch). A micro-batch only files
+its detached loss and count; the sum is taken where it is read: on the device (:attr:`Tally.loss_sum`,
+for the boundary's all-reduce or a loss check), or on one process in the one copy to the host
+(:meth:`Tally.host_loss_sum`), so a window pays no tensor operation per micro-batch for its tally.
 
 :class:`ExchangeRow` is the layout of the boundary's one small all-reduce: each rank packs its row
 (:func:`pack_row`), the all-reduce sums the rows, and every rank reads the sums back by name; the
@@ -33,41 +36,80 @@ class Tally:
     """One rank's running sums over a window: ``sum n_k L_k`` and the item counts.
 
     Attributes:
-        loss_sum: ``sum n_k L_k`` on the device (None before the first micro-batch).
+        losses, counts: each micro-batch's detached mean loss and its count, in the order they ran.
         host_items: the sum of the counts given as Python numbers.
         device_items: the sum of the counts given as tensors, on the device (None if none was).
-        counts_from_loss_fn: ``loss_fn`` returned its own count for some micro-batch (a ``(mean, count)``
-            pair) rather than weighing a bare mean by the count known up front.
+        counts_from_loss_fn: ``loss_fn`` returned its own count for some micro-batch (a ``(mean, count)`` pair)
+            rather than weighing a bare mean by the count known up front.
     """
 
-    __slots__ = ("loss_sum", "host_items", "device_items", "counts_from_loss_fn", "dtype")
+    __slots__ = ("losses", "counts", "host_items", "device_items", "counts_from_loss_fn", "dtype", "_sum", "_summed")
 
     def __init__(self, device: torch.device) -> None:
         self.dtype = count_dtype(device)
-        self.loss_sum: Optional[torch.Tensor] = None
+        self.losses: List[torch.Tensor] = []
+        self.counts: List[Count] = []
         self.host_items = 0.0
         self.device_items: Optional[torch.Tensor] = None
         self.counts_from_loss_fn = False
+        self._sum: Optional[torch.Tensor] = None  # the device sum of the first _summed micro-batches
+        self._summed = 0
 
     def add(self, loss: torch.Tensor, count: Count, *, from_loss_fn: bool = False) -> None:
-        """Add one micro-batch: its mean loss times its count (no host synchronisation).
-        ``from_loss_fn``: ``loss_fn`` returned the count itself."""
-        self.counts_from_loss_fn |= from_loss_fn
-        if isinstance(count, torch.Tensor):
+        """File one micro-batch's mean loss and its count (no tensor operation for a Python count, no host
+        synchronisation). ``from_loss_fn``: ``loss_fn`` returned the count itself."""
+        if from_loss_fn:
+            self.counts_from_loss_fn = True
+        if type(count) is int:
+            self.host_items += count
+        elif isinstance(count, torch.Tensor):
             count = count.to(self.dtype)
-            part = loss.detach() * count
             self.device_items = count if self.device_items is None else self.device_items + count
-            self.loss_sum = part.to(self.dtype) if self.loss_sum is None else self.loss_sum.add_(part)
         else:
             self.host_items += count
-            if self.loss_sum is None:  # the first: one op, in the sum's (float64) precision
-                self.loss_sum = loss.detach().to(self.dtype) * count
+        self.losses.append(loss.detach())
+        self.counts.append(count)
+
+    @property
+    def loss_sum(self) -> Optional[torch.Tensor]:
+        """``sum n_k L_k`` on the device, in float64 (None before the first micro-batch): the micro-batches
+        not summed yet are added in the order they ran, each product in the sum's precision."""
+        for loss, count in zip(self.losses[self._summed:], self.counts[self._summed:]):
+            if isinstance(count, torch.Tensor):
+                part = loss * count
+                self._sum = part.to(self.dtype) if self._sum is None else self._sum.add_(part)
+            elif self._sum is None:  # the first: one op, in the sum's (float64) precision
+                self._sum = loss.to(self.dtype) * count
             else:
-                self.loss_sum.add_(loss.detach(), alpha=count)  # promoted into the float64 sum
+                self._sum.add_(loss, alpha=count)  # promoted into the float64 sum
+        self._summed = len(self.losses)
+        return self._sum
 
     def loss_sum_on(self, device: torch.device) -> torch.Tensor:
         """``sum n_k L_k``, zero for a rank that ran no micro-batch of its own."""
-        return self.loss_sum if self.loss_sum is not None else torch.zeros((), dtype=self.dtype, device=device)
+        total = self.loss_sum
+        return total if total is not None else torch.zeros((), dtype=self.dtype, device=device)
+
+    def host_losses(self) -> Optional[torch.Tensor]:
+        """The micro-batches' losses as one flat tensor, for :meth:`host_loss_sum` to read in the boundary's
+        one copy to the host; None when the sum must be taken on the device (a count is a tensor) or no
+        micro-batch ran."""
+        if self.device_items is not None or not self.losses:
+            return None
+        return torch.stack(self.losses) if len(self.losses) > 1 else self.losses[0].reshape(1)
+
+    def host_loss_sum(self, losses: List[float]) -> float:
+        """``sum n_k L_k`` from the losses :meth:`host_losses` gave, read on the host: the products and
+        the sum in float64, in the order the micro-batches ran (every count is a Python number here).
+
+        >>> t = Tally(torch.device("cpu")); t.add(torch.tensor(0.5), 4); t.add(torch.tensor(0.25), 2)
+        >>> t.host_loss_sum(t.host_losses().tolist()), t.loss_sum.item()
+        (2.5, 2.5)
+        """
+        total = 0.0
+        for loss, count in zip(losses, self.counts):
+            total += loss * count  # type: ignore[operator]
+        return total
 
 
 class ExchangeRow(NamedTuple):
@@ -113,11 +155,19 @@ def read_on_host(**parts: Optional[torch.Tensor]) -> Dict[str, List[float]]:
 
     >>> read_on_host(row=torch.tensor([1.0, 2.0]), norm=None, extra=torch.tensor(3.0))
     {'row': [1.0, 2.0], 'extra': [3.0]}
+    >>> read_on_host(norm=None)
+    {}
     """
     named = [(name, t.reshape(-1)) for name, t in parts.items() if t is not None]
+    if len(named) == 1:
+        return {named[0][0]: named[0][1].tolist()}
+    if not named:
+        return {}
     first = named[0][1]
-    flat = torch.cat([t.to(device=first.device, dtype=first.dtype) for _, t in named]).tolist() \
-        if len(named) > 1 else first.tolist()
+    dtype = first.dtype
+    for _, t in named[1:]:  # the widest of them (a bf16 loss read with a float32 norm stays float32)
+        dtype = torch.promote_types(dtype, t.dtype)
+    flat = torch.cat([t.to(device=first.device, dtype=dtype) for _, t in named]).tolist()
     out, at = {}, 0
     for name, t in named:
         out[name], at = flat[at:at + t.numel()], at + t.numel()

@@ -33,7 +33,10 @@ else (a window planned alone, or over equal shares) :meth:`RankAgreement.open` s
 all-reduce of the ranks' counts as the window opens, which overlaps its first forward and is read at its
 first backward (:class:`CountedFirst`: one collective and one host synchronisation per window). Whether
 a window counts first is decided from what every rank shares (every rank counted up front in the last
-window that exchanged: ``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce. Only
+window that exchanged: ``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce.
+Such a window knows N on every rank before its first backward, so under ``loss_every`` it may exchange
+nothing at its boundary, as a sampler's window does (:func:`_exchanges`): then its count is its one
+collective. Only
 where no count is known up front (a hand-written window without ``num_items``) is R the running one,
 fixed once at its first use by a max all-reduce of the first count
 (:meth:`gradaccum._weights.WindowWeights.fix_reference`) and kept in ``state_dict``. When ``loss_fn``
@@ -45,11 +48,10 @@ state and the window itself, so a resumed process rounds as the uninterrupted on
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils.data import BatchSampler
@@ -69,8 +71,7 @@ __all__ = ["WindowPlan", "WindowRequest", "WindowSetup", "CountedFirst", "Rules"
            "local_plan", "window_setup"]
 
 
-@dataclass(frozen=True)
-class WindowPlan:
+class WindowPlan(NamedTuple):
     """What every rank agreed on when a window opened.
 
     Attributes:
@@ -92,8 +93,7 @@ class WindowPlan:
     share: Optional[float] = None
 
 
-@dataclass(frozen=True)
-class WindowRequest:
+class WindowRequest(NamedTuple):
     """What a window asks for when it opens.
 
     Attributes:
@@ -119,8 +119,7 @@ class WindowRequest:
     flush: int = 0
 
 
-@dataclass(frozen=True)
-class WindowSetup:
+class WindowSetup(NamedTuple):
     """Everything a window needs from the ranks, decided once when it opens (:func:`window_setup`).
 
     Attributes:
@@ -150,8 +149,13 @@ class WindowSetup:
 
     @property
     def share(self) -> Optional[float]:
-        """This rank's items as every rank knows them, in a window that exchanges nothing."""
-        return None if self.exchanges or self.plan is None else self.plan.share
+        """This rank's items, in a window that exchanges nothing: as every rank knows them (a sampler's
+        share), or as this rank counted them first (its part of the N every rank read)."""
+        if self.exchanges or self.plan is None:
+            return None
+        if self.plan.share is not None:
+            return self.plan.share
+        return self.counted.mine if self.counted is not None else None
 
 
 class CountedFirst:
@@ -165,10 +169,12 @@ class CountedFirst:
     (12.0, None)
     """
 
-    __slots__ = ("tensor", "work", "value", "read")
+    __slots__ = ("tensor", "work", "value", "read", "mine")
 
     def __init__(self, sync: GradSync, device: torch.device, items: Optional[Count]) -> None:
-        self.tensor = torch.tensor([math.nan if items is None else as_number(items)], dtype=count_dtype(device),
+        #: this rank's own up-front count (its part of N), or None
+        self.mine: Optional[float] = None if items is None else as_number(items)
+        self.tensor = torch.tensor([math.nan if self.mine is None else self.mine], dtype=count_dtype(device),
                                    device=device)
         self.work = sync.all_reduce_async(self.tensor)
         #: N once read, the same on every rank; None before :meth:`wait`, or where some rank had no count
@@ -247,8 +253,8 @@ def window_setup(state: AccumulatorState, rules: Rules, request: WindowRequest,
     WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False, share=None), reference=10.0, exchanges=True, padding=0, counted=None)
     """
     reference = _reference(state, rules, plan, request.items)
-    known = plan.items if plan is not None and plan.share is not None else None
-    exchanges = request.defer or _exchanges(state, rules, known)
+    exchanges = request.defer or _exchanges(state, rules, plan is not None and plan.share is not None
+                                            and plan.items is not None)
     padding = 0
     if plan is not None and request.micro_batches is not None and plan.most != plan.fewest:
         padding = max(0, padded_count(plan.micro_batches, plan.most, rules.needs_equal_counts) - plan.micro_batches)
@@ -275,20 +281,20 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan]
     return known * state.count_ratio if plan is not None else known  # a window without a size counts as it says
 
 
-def _exchanges(state: AccumulatorState, rules: Rules, items: Optional[float]) -> bool:
+def _exchanges(state: AccumulatorState, rules: Rules, every_rank_knows_n: bool) -> bool:
     """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
     there it costs nothing). A window may skip it when the reduced gradient carries every rank's loss
     check (:meth:`gradaccum.sync.GradSync.plain_reduction`: DDP's own average, no
     ``find_unused_parameters``, no comm hook, which could keep or lose the check,
     :func:`gradaccum._maths.loss_check_term`) on a trainable parameter the wrapper reduces
     (``state.probe``: one that had a gradient in the window whose replicas were compared, so never
-    before that window), every rank knows the global N up front (``items``: a WindowSampler's
-    shares), in the last exchanged window every rank's ``loss_fn`` returned bare means weighed by
+    before that window), every rank knows the global N before the first backward (``every_rank_knows_n``: a
+    WindowSampler's shares, or N counted first: :meth:`RankAgreement.open`), in the last exchanged window every rank's ``loss_fn`` returned bare means weighed by
     those very counts (``state.counts_from_loss_fn`` False, ``state.count_ratio`` 1), no
     ReduceLROnPlateau needs the loss, and the window is not a ``loss_every``-th one, counted by
     ``state.windows``."""
     probe = state.probe
-    if probe is None or not probe.requires_grad or items is None or state.count_ratio != 1.0 \
+    if probe is None or not probe.requires_grad or not every_rank_knows_n or state.count_ratio != 1.0 \
             or state.counts_from_loss_fn or not rules.plain_reduction():
         return True
     return rules.steps_on_loss or state.windows % rules.loss_every == 0
@@ -330,8 +336,20 @@ class RankAgreement:
                     or self.agree(request.micro_batches, request.items, request.can_pad))
         setup = window_setup(self.state, self.rules, request, plan)
         if self.counts_first(plan):
-            setup = dataclasses.replace(setup, counted=CountedFirst(self.sync, self.device, request.items))
+            # every rank reads N at its first backward, so the window may exchange nothing at its boundary, as
+            # a sampler's window does; where some rank had no count N does not come, and it exchanges after all
+            # (:meth:`after_count`). Decided from what every rank shares, so every rank decides alike
+            quiet = not request.defer and not _exchanges(self.state, self.rules, True)
+            setup = setup._replace(counted=CountedFirst(self.sync, self.device, request.items), exchanges=not quiet)
         return setup
+
+    def after_count(self, setup: WindowSetup) -> WindowSetup:
+        """The setup once the window's count first has been read (its first backward): unchanged, unless
+        it was to exchange nothing and some rank had no count (every rank reads the same nan): then R runs,
+        its boundary rescales by the global N, and every rank exchanges it."""
+        if setup.counted is None or setup.exchanges or setup.counted.wait() is not None:
+            return setup
+        return setup._replace(exchanges=True)
 
     def reference(self, setup: WindowSetup) -> Optional[float]:
         """R for a window that has opened: the setup's, or, where the window counts first, N times the
@@ -340,7 +358,7 @@ class RankAgreement:
             return setup.reference
         assert setup.plan is not None, "only a window with a plan counts first"
         n = setup.counted.wait()
-        return None if n is None else _reference(self.state, self.rules, dataclasses.replace(setup.plan, items=n), None)
+        return None if n is None else _reference(self.state, self.rules, setup.plan._replace(items=n), None)
 
     def counts_first(self, plan: Optional[WindowPlan]) -> bool:
         """Whether the window's N is counted across ranks as it opens: its plan (made alone, over equal
@@ -424,8 +442,9 @@ class RankAgreement:
         if share is not None and tally.device_items is None and tally.host_items != share:
             warnings.warn(  # said now that every rank has left the window's collectives: as an error
                 # before the reducing backward it would have left the other ranks in the reduction
-                f"this rank counted {tally.host_items:g} items in a window where its WindowSampler share is "
-                f"{share:g} (a collate_fn that drops rows, or a loss_fn that returns its own count): the "
+                f"this rank counted {tally.host_items:g} items in a window where its WindowSampler share (or "
+                f"its count up front) is {share:g} (a collate_fn that drops rows, or a loss_fn that returns its "
+                "own count): the "
                 "window's global item count is not the one every rank assumed, so it is dropped on every "
                 "rank (as a non-finite window). Windows that exchange their loss (Accumulator(loss_every=1)) "
                 "sum the real counts instead", stacklevel=5)

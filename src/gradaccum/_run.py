@@ -23,6 +23,7 @@ from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
 from .moe import MoELoss, run_moe_window
 from .batching import Batch, leading_dim, split_batch
+from .errors import SplitError
 from .result import StepResult
 
 __all__ = ["LossFn", "CountFn", "is_out_of_memory", "Counts", "count_items", "run_window", "run_auto"]
@@ -54,9 +55,15 @@ class Counts:
 def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Counts:
     """What a bare mean loss is weighted by: the leading dimension, or the ``num_items`` counter.
     Every micro-batch's leading dimensions are checked here, before anything runs."""
-    each: List[Count] = [leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
-    if count_fn is not None:
-        each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
+    try:
+        each: List[Count] = [leading_dim(mb) for mb in micro_batches]
+    except SplitError:  # said again naming the micro-batch (the name is built only for the error)
+        for i, mb in enumerate(micro_batches):
+            leading_dim(mb, argument=f"window[{i}]")
+        raise
+    if count_fn is None:
+        return Counts(each, float(sum(each)))  # ints: no count to read
+    each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
     return Counts(each, float(sum(as_number(c) for c in each)))
 
 
@@ -64,6 +71,9 @@ def _backward(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, c
     """One micro-batch's forward through ``loss_fn`` and its weighted backward, inside its block."""
     with window.micro_batch():
         out = loss_fn(window.ctx.model, micro_batch)
+        if type(out) is torch.Tensor:  # a bare mean loss, weighed by the count known up front
+            window.backward(out, count)
+            return
         loss, counted = split_loss_output(out, count)
         window.backward(loss, counted, from_loss_fn=isinstance(out, (tuple, list)))
 

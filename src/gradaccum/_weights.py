@@ -124,9 +124,10 @@ class WindowWeights:
                     ) -> Union[float, torch.Tensor]:
         """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by:
         ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`); 0 in a window known to be empty."""
-        if self.empty:
+        if self.num_items == 0:  # known empty
             return 0.0
-        return backward_weight(num_items, self._r(), self.grad_divisor, loss_dtype)
+        r = self._reference if self._reference is not None else self._r()
+        return backward_weight(num_items, r, self.grad_divisor, loss_dtype)
 
     def sum_weight(self) -> float:
         """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R`` (the mean

@@ -20,8 +20,9 @@ the tally to the :class:`~gradaccum._boundary.Boundary` and the ranks learn from
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 import torch
@@ -93,6 +94,15 @@ class WindowContext:
     boundary: Boundary
     slot: OpenWindow
     state: AccumulatorState
+    #: micro-batches enter a context (the sync switch, autocast): across ranks or under autocast
+    switches: bool = field(init=False)
+    #: one process in fp32: a micro-batch's backward is the seam's own, with nothing around it
+    direct: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        switches = self.sync.reduces_across_ranks or self.precision.dtype is not None
+        object.__setattr__(self, "switches", switches)
+        object.__setattr__(self, "direct", not switches and self.precision.precision == "fp32")
 
 
 class _MicroBatch:
@@ -107,8 +117,8 @@ class _MicroBatch:
         self.stack: Optional[contextlib.ExitStack] = None
 
     def __enter__(self) -> None:
-        ctx = self.window.ctx
-        if ctx.sync.reduces_across_ranks or ctx.precision.dtype is not None:
+        if self.window.ctx.switches:
+            ctx = self.window.ctx
             stack = self.stack = contextlib.ExitStack()
             stack.enter_context(ctx.sync.micro_batch(last=self.reduces))
             stack.enter_context(ctx.precision.autocast())
@@ -155,6 +165,10 @@ class Window:
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
         self.abandoned = False
+        self.reduces_last = ctx.sync.reduces_across_ranks and not request.defer  # the last backward reduces
+        self._plain = _MicroBatch(self, False)  # every micro-batch's context where it enters none (until closed)
+        self._r: Optional[float] = None  # R once fixed for this window (it does not change after)
+        self._size: Optional[int] = None  # micro_batches, once the window has opened
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -165,6 +179,7 @@ class Window:
         try:
             ctx.boundary.check_scheduler()
             self.setup = ctx.ranks.open(self.request)
+            self._size = self.micro_batches
             if self.setup.counted is None:  # else at the first backward, when the ranks' count arrives
                 self.weights  # noqa: B018 - opens the weighting now
         except BaseException:
@@ -202,6 +217,7 @@ class Window:
             assert self.setup is not None, "the weighting is read inside `with acc.window(...)`"
             self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
                                           reference=self.ctx.ranks.reference(self.setup))
+            self.setup = self.ctx.ranks.after_count(self.setup)
         return self._weights
 
     # -- micro-batches ---------------------------------------------------------------------------
@@ -212,9 +228,12 @@ class Window:
         ``last`` defaults to "this is micro-batch number ``micro_batches``"; pass it when the
         window was opened without a size. Only the last micro-batch reduces gradients across ranks.
         """
-        self._open_setup()
-        last = _is_last(self.done, self.micro_batches, last)
-        return _MicroBatch(self, last and not self.request.defer and self.ctx.sync.reduces_across_ranks)
+        if self.setup is None or self.ctx.slot.window is not self:
+            self._open_setup()  # raises
+        last = _is_last(self.done, self._size, last)
+        if not self.ctx.switches:
+            return self._plain  # no switch to flip, nothing reduces: one context serves them all
+        return _MicroBatch(self, last and self.reduces_last)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
         """Backpropagate ``loss`` with the weight ``n_k * W / R``; add its item sum to the tally.
@@ -226,23 +245,20 @@ class Window:
             from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
                 than it being the count known up front.
         """
-        loss = _in_micro_batch(self, loss)
-        item_count("num_items", num_items)
-        if isinstance(num_items, torch.Tensor):  # no host sync: a count of 0 selects the cleaned mean
-            loss = torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)
-        elif num_items == 0:
-            loss = loss.nan_to_num(0.0)  # nothing of a mean over no item reaches the gradient
-        self.fix_reference(num_items)
-        weighted = loss * self.weights.mean_weight(num_items, loss.dtype)
+        loss = _counted_mean(_in_micro_batch(self, loss), num_items)
+        if self._r is None:
+            self.fix_reference(num_items)
+        weights = self._weights if self._weights is not None else self.weights
+        weighted = loss * weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        self._backward(weighted)
+        _backward(self, weighted)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
         runs the forward and backward collectives that ranks with data run."""
         loss = _in_micro_batch(self, loss)
         self.fix_reference(0)  # takes part in fixing R, as the ranks with data do
-        self._backward(loss.nan_to_num(0.0) * 0.0, autocast_off=True)
+        _backward(self, loss.nan_to_num(0.0) * 0.0, autocast_off=True)
 
     def backward_part(self, outputs: List[torch.Tensor], grads: List[torch.Tensor], loss: torch.Tensor,
                       num_items: Count) -> None:
@@ -261,15 +277,11 @@ class Window:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
         this first backward's count, the largest on any rank (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
-        if self.weights.reference is None and self.ctx.sync.needs_count_first:
-            raise not_known_up_front()  # before any backward: nothing reached the gradient
-        return self.weights.fix_reference(count, self.ctx.ranks.largest)
-
-    def _backward(self, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
-        term = _before_reduction(self)
-        self.ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off,
-                                    run=self.ctx.sync.backward)
-        self.done += 1
+        if self._r is None:
+            if self.weights.reference is None and self.ctx.sync.needs_count_first:
+                raise not_known_up_front()  # before any backward: nothing reached the gradient
+            self._r = self.weights.fix_reference(count, self.ctx.ranks.largest)
+        return self._r
 
     # -- the boundary ----------------------------------------------------------------------------
 
@@ -277,13 +289,15 @@ class Window:
         """Take (or skip) the window's one optimizer step: the boundary unscales, reads the window's
         global loss sum and item count (exchanged across ranks), measures the norm, decides, clips and
         steps (:mod:`gradaccum._boundary`); then the ranks learn from it."""
-        setup, ctx = self._open_setup("step"), self.ctx
-        _check_can_step(self, setup)
+        ctx = self.ctx
+        _check_can_step(self, self._open_setup("step"))
+        totals = _totals(self, ran=self.done > 0)  # a window that counts first has read its count by now
+        setup = self._open_setup("step")
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
         out = None
         try:
-            out = ctx.boundary.finish(_totals(self, setup, ran=self.done > 0), self.in_flight, exchange=setup.exchanges)
+            out = ctx.boundary.finish(totals, self.in_flight, exchange=setup.exchanges)
         finally:  # every rank has left the window's collectives
             ctx.ranks.learn(setup, self.tally, out)
         assert out is not None
@@ -310,6 +324,7 @@ class Window:
     def _close(self) -> None:
         self.ctx.slot.leave(self)
         self.ctx.grads.close()
+        self._plain = None  # type: ignore[assignment]  # it refers back to the window: no cycle left for the gc
 
     def _open_setup(self, what: str = "micro_batch") -> WindowSetup:
         if self.setup is None or self.ctx.slot.window is not self:
@@ -318,14 +333,17 @@ class Window:
 
 
 def _check_request(ctx: WindowContext, request: WindowRequest) -> None:
-    if request.micro_batches is not None and not (ctx.sync.allows_empty_share and request.micro_batches == 0):
-        positive_int("micro_batches", request.micro_batches)
-    if request.items is not None:
-        item_count("num_items", request.items)
+    n, items = request.micro_batches, request.items
+    if n is not None and not (type(n) is int and n > 0) and not (ctx.sync.allows_empty_share and n == 0):
+        positive_int("micro_batches", n)
+    if items is not None and not (type(items) is float and 0.0 <= items < math.inf):  # a summed count passes
+        item_count("num_items", items)
 
 
 def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
     """Whether the next micro-batch is the window's last (the one that reduces across ranks)."""
+    if last is None and size is not None and done < size:  # the common case first
+        return done == size - 1
     if size is not None and done >= size:
         raise RuntimeError(f"the window was opened for {size} micro-batches and all have run; "
                            "call window.step(), or open it with the right micro_batches")
@@ -339,6 +357,9 @@ def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
 def _in_micro_batch(window: Window, loss: Any) -> Any:
     """``loss`` checked as a scalar that requires grad (when given), after checking that the window is
     inside a ``micro_batch()`` block and before its reducing backward."""
+    if window.current is not None and not window.reduced and type(loss) is torch.Tensor and not loss.dim() \
+            and loss.requires_grad:
+        return loss  # a plain scalar loss where it belongs: nothing more to check
     if window.reduced:
         raise RuntimeError(
             "window.backward() after the backward of the micro-batch that reduces across ranks (the "
@@ -351,6 +372,30 @@ def _in_micro_batch(window: Window, loss: Any) -> Any:
             "the forward pass (DDP decides in forward whether the backward reduces)"
         )
     return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
+
+
+def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
+    """One micro-batch's backward of its weighted loss (with the loss check the reducing one adds, where the
+    window exchanges nothing); on one process in fp32 the seam's backward itself."""
+    ctx = window.ctx
+    if ctx.direct and not autocast_off:
+        ctx.sync.backward(weighted)
+    else:
+        term = _before_reduction(window) if ctx.switches else None
+        ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off,
+                               run=ctx.sync.backward)
+    window.done += 1
+
+
+def _counted_mean(loss: torch.Tensor, num_items: Count) -> torch.Tensor:
+    """``loss`` once ``num_items`` is checked: a mean over no item (nan) cleaned to 0, so that nothing of
+    it reaches the gradient (a tensor count is compared on the device: no host sync)."""
+    if type(num_items) is int and num_items > 0:  # the common count: nothing to check or clean
+        return loss
+    item_count("num_items", num_items)
+    if isinstance(num_items, torch.Tensor):
+        return torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)
+    return loss.nan_to_num(0.0) if num_items == 0 else loss
 
 
 def _loss_check(ctx: WindowContext, tally: Tally, share: float) -> torch.Tensor:
@@ -373,13 +418,17 @@ def _before_reduction(window: Window) -> Optional[torch.Tensor]:
     if setup.share is not None:  # the window exchanges nothing
         return _loss_check(window.ctx, window.tally, setup.share)
     if window.ctx.boundary.launch_before_last_backward:
-        window.in_flight = window.ctx.boundary.launch(_totals(window, setup, ran=True))
+        window.in_flight = window.ctx.boundary.launch(_totals(window, ran=True))
     return None
 
 
-def _totals(window: Window, setup: WindowSetup, *, ran: bool) -> WindowTotals:
-    """This rank's tally and what the boundary needs with it."""
-    return WindowTotals(window.tally, window.weights, ran=ran,
+def _totals(window: Window, *, ran: bool) -> WindowTotals:
+    """This rank's tally and what the boundary needs with it (the weights read first: a window that counts
+    first reads its count there, and with it whether its boundary exchanges, :meth:`RankAgreement.after_count`)."""
+    weights = window.weights
+    setup = window.setup
+    assert setup is not None
+    return WindowTotals(window.tally, weights, ran=ran,
                         can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), items=setup.items,
                         counted_first=window.request.items is not None)
 

@@ -104,7 +104,8 @@ class Accumulator(Resumable):
         loss_every: under DDP, the ranks exchange the window's loss (``StepResult.loss``) and stop
             requests every ``loss_every`` windows. A window in between of ``train()`` over a
             :class:`~gradaccum.WindowSampler` (every rank knows every share) costs no collective
-            besides DDP's own reduction: its ``StepResult.loss`` is None, and its non-finite check reads
+            besides DDP's own reduction, one that counts its items first (``step()``, ``train()`` over
+            another loader) only its count's: its ``StepResult.loss`` is None, and its non-finite check reads
             the reduced gradient's norm (one pass), where every rank's loss check arrives too (see
             :mod:`gradaccum._boundary`). 1 (the default): every window exchanges.
 

@@ -80,9 +80,13 @@ def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
     """
     if isinstance(batch, torch.Tensor) and batch.dim() > 0:
         return batch.shape[0]
-    if type(batch) in (tuple, list) and batch and all(type(t) is torch.Tensor and t.dim() > 0 for t in batch):
-        n = batch[0].shape[0]  # the common (inputs, targets) case, without the general walk
-        if all(t.shape[0] == n for t in batch):
+    if type(batch) in (tuple, list) and batch:  # the common (inputs, targets) case, without the general walk
+        n = -1
+        for t in batch:
+            if type(t) is not torch.Tensor or not t.dim() or (n >= 0 and t.shape[0] != n):
+                break  # the general walk below says what is wrong, if anything
+            n = t.shape[0]
+        else:
             return n
     first: Optional[Tuple[str, int]] = None
     scalars = []

@@ -34,6 +34,7 @@ SCENARIOS = [
     "ddp_a_resumed_run_counting_first_is_the_uninterrupted_one",
     "ddp_a_rank_without_num_items_still_counts_with_the_others",
     "ddp_step_with_a_rank_without_data_costs_the_same",
+    "ddp_step_counting_first_with_loss_every_exchanges_only_its_count",
     "ddp_train_over_a_window_sampler_costs_one_collective_per_window",
     "ddp_a_bypassed_wrapper_is_refused_on_every_rank",
     "ddp_train_with_loss_every_exchanges_nothing_between",

@@ -604,6 +604,54 @@ def ddp_step_counts_first_with_one_small_collective():
     return f"(collectives, syncs, syncs before forward, collectives before forward) per window: {rows[0]}"
 
 
+def ddp_step_counting_first_with_loss_every_exchanges_only_its_count():
+    """acc.step under loss_every=3, uneven counts across ranks and windows: a window counted first whose N
+    every rank read at its first backward exchanges nothing at its boundary (but every 3rd): one small
+    collective (its count) instead of two, its loss None, its loss check riding in the gradient. Exact,
+    replicas bit-equal; a loss only rank 1 finds not finite in such a window is skipped on both ranks."""
+    model = DDP(model_fn())
+    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
+    steps, results = [], []
+
+    def run(w, on_forward):
+        wins = [[data(r, 300 + 4 * w + k, 2 + (w + r + k) % 4) for k in range(3)] for r in range(WORLD)]
+        bad = w == 7 and RANK == 1
+
+        def loss_fn(m, b):
+            if on_forward:
+                on_forward()
+            return mse(m, b) + (float("inf") if bad else 0.0)
+        result = acc.step(wins[RANK], loss_fn)
+        results.append(result)
+        if w != 7:
+            steps.append(wins)
+        assert result.num_items == sum(len(x) for win in wins for x, _ in win), result
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = _steady_counts(run, windows=7)  # windows 2..8: acc's windows 2..8
+    quiet = [w % 3 != 0 for w in range(2, 9)]
+    assert [r[0] for r in rows] == [1 if q else 2 for q in quiet], rows
+    assert [r[3] for r in rows] == [1] * 7, rows  # the count: started before the first forward
+    assert [results[w].loss is None for w in range(2, 9)] == quiet, results
+    assert [r.skipped for r in results] == [w == 7 for w in range(9)], results
+    run(9, None)  # a 3rd window: it exchanges
+    # window 10 would exchange nothing, but rank 1 opens it without num_items: no N arrives, R runs, and
+    # every rank exchanges after all (the boundary's N rescales the gradient)
+    wins = [[data(r, 400 + k, 3 + r + k) for k in range(2)] for r in range(WORLD)]
+    steps.append(wins)
+    mine = wins[RANK]
+    with acc.window(len(mine), num_items=sum(len(x) for x, _ in mine) if RANK == 0 else None, pad=True) as window:
+        for mb in mine:
+            with window.micro_batch():
+                window.backward(mse(model, mb), len(mb[0]))
+        late = window.step()
+    assert late.loss is not None and late.num_items == sum(len(x) for win in wins for x, _ in win), late
+    close(model.module, reference(steps, "sgd"))
+    assert params_equal_on_all_ranks(model.module)
+    return f"collectives per window {[r[0] for r in rows]}"
+
+
 def ddp_step_with_a_rank_without_data_costs_the_same():
     """A window where rank 1 has no data: it repeats its last micro-batch with zero weight, decided
     alone (no agreement), and the step is exact on rank 0's items."""
@@ -1073,9 +1121,10 @@ def ddp_the_loss_check_rides_on_a_parameter_ddp_reduces():
 
 def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
     """acc.train over a DataLoader with a DistributedSampler: every rank holds as many batches, so the
-    ranks confirm that once per epoch (one all-gather) and never agree per window. The items are still
-    summed at every boundary (loss_every=2 saves nothing here): rank 1's collate_fn drops a row from
-    its batches, and the steps stay exact on the rows really seen. Two epochs, a short last window."""
+    ranks confirm that once per epoch (one all-gather) and never agree per window. Each window counts the
+    rows collated first (rank 1's collate_fn drops a row from its batches), so under loss_every=2 every
+    other window exchanges only that count, and the steps stay exact on the rows really seen. Two
+    epochs, a short last window."""
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.dataloader import default_collate
     from torch.utils.data.distributed import DistributedSampler
@@ -1100,9 +1149,10 @@ def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
                                             loss_fn=loss_fn, accum_steps=3, epochs=2)
     # 25 items a rank: batches of 3, 3, ..., 1; rank 1 keeps 2, 2, ..., 1 of them
     assert [r.num_items for r in results] == [15, 15, 12] * 2 and not any(r.skipped for r in results), results
-    # every window: its count (the rows collated, counted first: R = N), the boundary; window 0: the
-    # epoch's check and the replica check too; window 3: the next epoch's check too
-    assert per_window == [4, 2, 2, 3, 2, 2], per_window
+    # every window: its count (the rows collated, counted first: R = N), and at every 2nd (loss_every) the
+    # boundary's exchange; window 0: the epoch's check and the replica check too (and it exchanges: the
+    # first window always does); window 3: the next epoch's check too
+    assert per_window == [4, 1, 2, 2, 2, 1], per_window
     close(model.module, _one_big_batch_steps(_gathered_windows(recorded)))
     assert params_equal_on_all_ranks(model.module)
     return f"collectives per window {per_window}"
@@ -1158,6 +1208,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
              ddp_step_counts_first_with_one_small_collective, ddp_step_with_a_rank_without_data_costs_the_same,
+             ddp_step_counting_first_with_loss_every_exchanges_only_its_count,
              ddp_counted_first_is_the_plain_loop_bit_for_bit, ddp_a_resumed_run_counting_first_is_the_uninterrupted_one,
              ddp_a_rank_without_num_items_still_counts_with_the_others,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
