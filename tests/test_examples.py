@@ -1,7 +1,10 @@
 """The examples a newcomer reads first must run and say what they claim."""
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +17,20 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def run(name: str) -> str:
+    """``python examples/NAME`` as a user runs it, a process of its own: its printed output."""
     return subprocess.run([sys.executable, str(EXAMPLES / name)], check=True, capture_output=True,
                           text=True, timeout=120).stdout
+
+
+def run_here(name: str) -> str:
+    """examples/NAME run as ``__main__`` in this process: its printed output. For an example that
+    leaves no process-wide state behind (no singleton such as Accelerate's, no logging level, no
+    environment variable; the seeds are every test's own, tests/conftest.py); it saves a process's
+    imports (torch and torch._dynamo: about 4 CPU seconds)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    return out.getvalue()
 
 
 def test_accelerate_toy_regression_reaches_2_04_both_ways():
@@ -26,12 +41,12 @@ def test_accelerate_toy_regression_reaches_2_04_both_ways():
 
 @pytest.mark.parametrize("name", ["plain_loop.py", "train_loop.py"])
 def test_examples_run(name):
-    assert "loss" in run(name)
+    assert "loss" in run_here(name)
 
 
 def test_hf_causal_lm_gradaccum_is_one_big_batch_and_the_naive_loop_is_not():
     pytest.importorskip("transformers")
-    out = run("hf_causal_lm.py")
+    out = run_here("hf_causal_lm.py")
     assert "14 micro-batches of 4, windows of 4: 8 optimizer steps" in out
     assert len(re.findall(r"^step \d+: loss \d\.\d+ over \d+ tokens$", out, re.M)) == 8
     found = re.search(r"distance from one big batch per window: gradaccum (\S+), naive loss/4 loop (\S+)$", out, re.M)
@@ -41,7 +56,7 @@ def test_hf_causal_lm_gradaccum_is_one_big_batch_and_the_naive_loop_is_not():
 
 
 def test_contrastive_window_loss_is_one_big_batch_and_plain_accumulation_is_not():
-    out = run("contrastive.py")
+    out = run_here("contrastive.py")
     assert len(re.findall(r"^step \d+: loss \d+\.\d+ over 64 pairs in 4 micro-batches$", out, re.M)) == 8, out
     found = re.search(r"WindowLoss (\S+), plain accumulation (\S+)$", out, re.M)
     assert found, out

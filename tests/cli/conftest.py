@@ -2,10 +2,13 @@ from __future__ import annotations
 
 import gzip
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_idx(path: Path, data: torch.Tensor, magic: int, gz: bool) -> None:
@@ -39,27 +42,16 @@ def text_file(tmp_path_factory):
 
 
 @pytest.fixture
-def here(capsys, monkeypatch):
+def here():
     """The command line run in this process, returned as a finished process would be (exit code,
     stdout, stderr): for tests about what it says, records and writes. Tests about the process itself
     (signals, a closed pipe, the interpreter's own output, a file-size limit) run ``cli``, a subprocess.
-    ``cwd``: the folder it runs in (default: the repository, as ``cli``)."""
-    import subprocess
+    ``cwd``: the folder it runs in (default: the repository, as ``cli``). One runner for the suite:
+    tests/distributed/launch.py's ``run_cli_here``."""
+    from distributed.launch import run_cli_here
 
-    from gradaccum.cli import main
-
-    root = Path(__file__).resolve().parents[2]
-
-    def run(*args: str, cwd: Path = root) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        with monkeypatch.context() as m:
-            m.chdir(cwd)
-            try:
-                code = main(list(args))
-            except SystemExit as e:  # argparse's own refusals
-                code = e.code
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), code, out, err)
+    def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+        return run_cli_here(args, cwd=cwd)
     return run
 
 

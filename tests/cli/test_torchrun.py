@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed.launch import run_cli, torchrun
+from distributed.launch import run_cli_here, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +23,7 @@ def test_a_damaged_shard_is_refused_in_one_line_on_every_rank_and_left_in_place(
     group of one) and resumed on two: a sharded checkpoint resumes on any number of ranks."""
     out = tmp_path / "sharded"
     args = ["train", *MLP, "--shard", "--out", str(out)]
-    first = run_cli([*args, "--epochs", "1"])
+    first = run_cli_here([*args, "--epochs", "1"])  # in this process: a group of one
     assert first.returncode == 0, first.stderr[-3000:]
     folder = out / "last.dcp"
     shard = folder / "__0_0.distcp"
@@ -45,7 +45,7 @@ def test_a_damaged_shard_is_refused_in_one_line_on_every_rank_and_left_in_place(
     meta = torch.load(folder / "gradaccum.pt", weights_only=True)
     assert sorted(meta["shards"]) == sorted(p.name for p in folder.iterdir() if p.name != "gradaccum.pt")
 
-    shown = run_cli(["eval", "--checkpoint", str(out), "--device", "cpu"])
+    shown = run_cli_here(["eval", "--checkpoint", str(out), "--device", "cpu"])
     assert shown.returncode == 2 and shown.stderr.count("\n") == 1, shown.stderr
     assert "__0_0.distcp does not match the checksum" in shown.stderr and "evaluate another checkpoint" in shown.stderr
 

@@ -206,6 +206,30 @@ def run_cli(cli_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT) ->
                           text=True, timeout=timeout)
 
 
+def run_cli_here(cli_args: Sequence[str], *, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``gradaccum ...`` in this process (world size 1, rank 0), returned as :func:`run_cli` returns the
+    finished process: exit code, stdout, stderr. For a run whose process is not what a test is about
+    (what it says, records, writes, trains); it saves a process's imports (torch, and torch._dynamo,
+    which the optimizer's constructor pulls in: about 4 CPU seconds). Tests about the process itself
+    (signals, exit status, a closed pipe, torchrun) run :func:`run_cli` or :func:`start_cli`.
+    ``cwd``: the folder it runs in (default: the repository, as :func:`run_cli`)."""
+    import io
+
+    from gradaccum.cli import main
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(cli_args))
+            except SystemExit as e:  # argparse's own refusals
+                code = e.code
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(list(cli_args), code, out.getvalue(), err.getvalue())
+
+
 def scenario_verdicts(script: str, *, timeout: int = 300):
     """Run a scenario worker under torchrun: ``({name: (status, line)}, proc)`` from the lines it
     prints on rank 0 (``PASS``/``SKIP``/``FAIL <name>: <note>``, agreed by both ranks)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed.launch import kill_tree, run_cli, start_cli, start_torchrun, torchrun
+from distributed.launch import kill_tree, run_cli_here, start_cli, start_torchrun, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -54,13 +54,14 @@ def max_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The uninterrupted run on W ranks, made once per W."""
+    """The uninterrupted run on W ranks, made once per W (on 1 rank in this process: its process is not
+    what a test here is about, and a process costs its imports)."""
     made = {}
 
     def run(world: int) -> Path:
         if world not in made:
             out = tmp_path_factory.mktemp(f"ranks{world}")
-            proc = run_cli(train(out)) if world == 1 else torchrun(module(train(out)), nproc=world)
+            proc = run_cli_here(train(out)) if world == 1 else torchrun(module(train(out)), nproc=world)
             assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
             made[world] = out
         return made[world]
@@ -124,7 +125,7 @@ def test_stopped_on_2_ranks_by_ctrl_c_continues_on_1_rank(runs, tmp_path, starte
     ours = Path(sys.executable).parent / "torchrun"
     if ours.exists():
         assert Path(shutil.which(launcher) or launcher).resolve() == ours.resolve(), launcher
-    resumed = run_cli(train(out, "--resume", micro=4))
+    resumed = run_cli_here(train(out, "--resume", micro=4))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"continuing {out} from step {held['accumulator']['steps']}" in resumed.stderr
     assert [r["step"] for r in rows(out)] == list(range(1, STEPS + 1))
@@ -224,11 +225,11 @@ def test_sharded_on_2_ranks_resumes_on_1_rank_from_its_dcp_checkpoint(runs, tmp_
     os.replace(out / "last.dcp", out / ".last.dcp.old")
     (out / ".last.dcp.tmp-dcp").mkdir()
     (out / ".last.dcp.tmp-dcp" / "__0_0.distcp").write_bytes(b"half written")
-    resumed = run_cli(train(out, "--shard", "--resume"))
+    resumed = run_cli_here(train(out, "--shard", "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"continuing {out} from step 23 (epoch 1, window 0) of last.dcp" in resumed.stderr
     assert not (out / ".last.dcp.tmp-dcp").exists() and not (out / ".last.dcp.old").exists()
-    shown = run_cli(["eval", "--checkpoint", str(out / "last.dcp"), "--device", "cpu"])
+    shown = run_cli_here(["eval", "--checkpoint", str(out / "last.dcp"), "--device", "cpu"])
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["step"] == STEPS
     import torch.distributed.checkpoint as dcp
@@ -247,7 +248,7 @@ def test_a_last_window_smaller_than_the_ranks_leaves_one_rank_without_data_and_n
     args = ["train", "--model", "mlp", "--dtype", "float64", "--batch-size", "1437", "--micro-batch-size", "256",
             "--epochs", "1", "--device", "cpu"]
     one, two = tmp_path / "one", tmp_path / "two"
-    proc = run_cli([*args, "--out", str(one)], timeout=120)
+    proc = run_cli_here([*args, "--out", str(one)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = torchrun(module([*args, "--out", str(two)]), timeout=120)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
