@@ -235,7 +235,8 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
         passes.first_pass(ctx.model, keep=graphs_to_keep(window_loss, ctx.sync, ctx.model, len(micro_batches),
                                                          ctx.device))
         total = passes.gather()
-        passes.loss_gradient(ctx.model, ctx.grads.params, weight=backward_weight(total, window.fix_reference(total), 1.0),
+        window.fix_reference(total)
+        passes.loss_gradient(ctx.model, ctx.grads.params, weight=window.weights.window_loss_weight(total),
                              scale=ctx.precision.scale)
         for k in range(passes.parts):
             with window.micro_batch():
@@ -450,7 +451,7 @@ class CachedPasses:
         dtype = torch.promote_types(self.loss.dtype, torch.float32)
         terms = [(o * g.to(o.dtype)).sum().to(dtype) for o, g in zip(outs, grads)]
         total = torch.stack(terms).sum() if terms else self.loss.to(dtype) * 0
-        value = self.loss.to(dtype) * (items * self.sync.grad_divisor / max(self.total, 1))
+        value = self.loss.to(dtype) * backward_weight(items, max(self.total, 1), self.sync.grad_divisor)
         return total - total.detach() + value
 
     def finish(self) -> None:

@@ -129,6 +129,13 @@ class WindowWeights:
         r = self._reference if self._reference is not None else self._r()
         return backward_weight(num_items, r, self.grad_divisor, loss_dtype)
 
+    def window_loss_weight(self, num_items: Count) -> float:
+        """What the gradient of a loss over the **whole window** (a ``WindowLoss``: one mean over the
+        window's ``num_items`` = N rows, the cached two passes) is multiplied by: ``N / R``
+        (:func:`gradaccum._maths.backward_weight` with ``W`` = 1: the ranks' divisor rides in the
+        representations' gradient slices), 1 where N was counted first."""
+        return 0.0 if self.empty else float(backward_weight(as_number(num_items), self._r(), 1.0))
+
     def sum_weight(self) -> float:
         """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R`` (the mean
         weight of one item); 0 in a window known to be empty."""

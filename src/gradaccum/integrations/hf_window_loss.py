@@ -57,9 +57,9 @@ class TrainerWindows:
                 raise ConfigurationError("ExactTrainer: a window without micro-batches on this rank")
             passes.first_pass(module, keep=graphs_to_keep(window_loss, sync, module, len(batches), device),
                               graph_model=model)
-            passes.gather()
-            passes.loss_gradient(loss_model, params)
-            trainer.open_window(passes.total, passes.parts)  # the driver records it after the last micro-batch
+            passes.gather()  # N: the window's rows, every rank's
+            window = trainer.open_window(passes.total, passes.parts)  # the driver records it after the last micro-batch
+            passes.loss_gradient(loss_model, params, weight=window.weights.window_loss_weight(passes.total))
         loss = passes.surrogate(passes.ran, model)
         if passes.ran == passes.parts:
             passes.finish()
