@@ -23,7 +23,7 @@ import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ from .errors import ConfigurationError
 from .sync import GradSync
 from ._deepspeed import not_known_up_front
 
-__all__ = ["Window", "WindowContext", "OpenWindow"]
+__all__ = ["Window", "WindowContext", "OpenWindow", "weighing_nothing"]
 
 class OpenWindow:
     """At most one window is open per Accumulator; opening one clears stale gradients and warns
@@ -241,7 +241,9 @@ class Window:
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
             num_items: how many items that mean is over (an int, a float weight, or a tensor left on
-                the device). A micro-batch of 0 items weighs nothing (its mean, nan, is not read).
+                the device). A micro-batch of 0 items weighs nothing: its mean (nan) is not read, and
+                nothing of its backward reaches the gradient (the backward is skipped where it reduces
+                nothing across ranks, else its gradient is replaced by 0: :func:`weighing_nothing`).
             from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
                 than it being the count known up front.
         """
@@ -251,7 +253,14 @@ class Window:
         weights = self._weights if self._weights is not None else self.weights
         weighted = loss * weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        _backward(self, weighted)
+        if type(num_items) is int and num_items > 0:  # the common count
+            _backward(self, weighted)
+        elif isinstance(num_items, torch.Tensor):  # 0 or not, known on the device only
+            _backward(self, weighted, empty=None if self.ctx.sync.owns_step else num_items.reshape(()) == 0)
+        elif num_items == 0 and _adds_nothing(self):
+            self.done += 1  # skipped: exactly nothing to add (its graph goes with `weighted`)
+        else:
+            _backward(self, weighted, empty=True if num_items == 0 and not self.ctx.sync.owns_step else None)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
@@ -374,17 +383,67 @@ def _in_micro_batch(window: Window, loss: Any) -> Any:
     return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
 
 
-def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
+def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = False,
+              empty: Union[None, bool, torch.Tensor] = None) -> None:
     """One micro-batch's backward of its weighted loss (with the loss check the reducing one adds, where the
-    window exchanges nothing); on one process in fp32 the seam's backward itself."""
+    window exchanges nothing); on one process in fp32 the seam's backward itself. ``empty``: the micro-batch
+    may hold no item (True, or a device bool): then what its graph brings each parameter is replaced by 0
+    (:func:`weighing_nothing`), the loss check's own gradient kept."""
     ctx = window.ctx
-    if ctx.direct and not autocast_off:
+    if ctx.direct and not autocast_off and empty is None:
         ctx.sync.backward(weighted)
     else:
         term = _before_reduction(window) if ctx.switches else None
-        ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off,
-                               run=ctx.sync.backward)
+        loss = weighted if term is None else weighted + term
+        if empty is None:
+            ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
+        else:
+            kept = {}
+            if term is not None:  # d term / d probe, scaled as the loss is: what the probe keeps
+                probe = ctx.state.probe
+                assert probe is not None
+                kept[probe] = torch.autograd.grad(ctx.precision.scale(term), probe, retain_graph=True)[0]
+            with weighing_nothing(ctx.model.parameters(), empty, kept):
+                ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
     window.done += 1
+
+
+def _adds_nothing(window: Window) -> bool:
+    """A micro-batch of 0 items may skip its backward: it reduces nothing across ranks (one process, or any
+    micro-batch but the reducing one under DDP/FSDP2) and the seam does not count backwards (DeepSpeed)."""
+    ctx = window.ctx
+    current = window.current
+    return (current is not None and not current.reduces and not ctx.sync.owns_step
+            and not getattr(ctx.sync, "reduce_every_micro_batch", False))
+
+
+@contextlib.contextmanager
+def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Tensor],
+                     kept: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> Iterator[None]:
+    """Inside: a backward adds exactly nothing to the parameters' gradients where ``empty`` (True, or a 0-d
+    bool tensor compared on the device: no host sync), ``kept[p]`` excepted.
+
+    A micro-batch of 0 items weighs ``0 / N``, but a mean ``sum / count`` divides by 0: its graph turns the
+    incoming 0 into ``0 / 0 = nan``, which no weight on the loss can clean. Each parameter's hook runs before
+    its gradient is accumulated (and before DDP reduces it), and replaces what this backward brings by 0:
+    the micro-batch's exact contribution, ``0 * grad L_k``. Where ``empty`` is False it passes the gradient on
+    unchanged."""
+    kept = kept or {}
+    handles = [p.register_hook(_nothing_but(empty, kept.get(p))) for p in params if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _nothing_but(empty: Union[bool, torch.Tensor], kept: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        instead = torch.zeros_like(grad) if kept is None else kept.to(grad.dtype)
+        if empty is True:
+            return instead
+        return torch.where(empty.to(grad.device, non_blocking=True), instead, grad)  # type: ignore[union-attr]
+    return hook
 
 
 def _counted_mean(loss: torch.Tensor, num_items: Count) -> torch.Tensor:
