@@ -158,3 +158,45 @@ def test_lightning_a_micro_batch_of_no_item_is_the_big_batch():
         assert_params_close(fit([ExactAccumulation(num_items=COUNTS[count])]), ref)
     stock = fit([])
     assert not all(torch.isfinite(p).all() for p in stock.parameters())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_backward_of_a_host_count_of_0_is_skipped(precision):
+    """One process: a micro-batch counted 0 on the host reduces nothing, so its backward is not run at all
+    (its graph released): exact, and it costs nothing. A tensor count's backward runs (0 is on the device)."""
+    model = regression_model().float() if precision == "bf16" else regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
+    ran = []
+    for count in (COUNTS["int"], COUNTS["tensor"]):
+        with acc.window(len(MASKS)) as window:
+            for k, batch in enumerate(_window()):
+                batch = tuple(t.to(next(model.parameters()).dtype) for t in batch)
+                with window.micro_batch():
+                    loss = masked_mean(model, batch)
+                    loss.register_hook(lambda grad, k=k: ran.append(k))
+                    window.backward(loss, count(batch))
+            assert not window.step().skipped
+    assert ran == [0, 2, 0, 1, 2]
+
+
+def test_weighing_nothing_keeps_only_what_it_is_told():
+    """Under ``weighing_nothing`` a backward brings each parameter 0 where the micro-batch is empty (the
+    nan of 0 / 0 included), ``kept[p]`` for a parameter told what to keep (the loss check's probe), and
+    its gradient unchanged where a device flag says it is not empty."""
+    from gradaccum._window import weighing_nothing
+
+    model = regression_model()
+    x, y, m = _window()[1]
+    first = next(model.parameters())
+    kept = torch.full_like(first, 0.5)
+    with weighing_nothing(model.parameters(), True, {first: kept}):
+        masked_mean(model, (x, y, m)).backward()
+    assert torch.equal(first.grad, kept)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in list(model.parameters())[1:])
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(model)
+    x, y, m = _window()[0]
+    masked_mean(ref, (x, y, m)).backward()
+    with weighing_nothing(model.parameters(), m.sum() == 0):  # not empty: passed on unchanged
+        masked_mean(model, (x, y, m)).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
