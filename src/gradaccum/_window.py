@@ -241,9 +241,8 @@ class Window:
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
             num_items: how many items that mean is over (an int, a float weight, or a tensor left on
-                the device). A micro-batch of 0 items weighs nothing: its mean (nan) is not read, and
-                nothing of its backward reaches the gradient (the backward is skipped where it reduces
-                nothing across ranks, else its gradient is replaced by 0: :func:`weighing_nothing`).
+                the device). A micro-batch of 0 items weighs nothing: neither its mean (nan) nor its
+                backward's nan reaches the gradient (:func:`_backward_of_a_count`).
             from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
                 than it being the count known up front.
         """
@@ -255,12 +254,8 @@ class Window:
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
         if type(num_items) is int and num_items > 0:  # the common count
             _backward(self, weighted)
-        elif isinstance(num_items, torch.Tensor):  # 0 or not, known on the device only
-            _backward(self, weighted, empty=None if self.ctx.sync.owns_step else num_items.reshape(()) == 0)
-        elif num_items == 0 and _adds_nothing(self):
-            self.done += 1  # skipped: exactly nothing to add (its graph goes with `weighted`)
         else:
-            _backward(self, weighted, empty=True if num_items == 0 and not self.ctx.sync.owns_step else None)
+            _backward_of_a_count(self, weighted, num_items)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
@@ -406,6 +401,21 @@ def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = Fa
             with weighing_nothing(ctx.model.parameters(), empty, kept):
                 ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
     window.done += 1
+
+
+def _backward_of_a_count(window: Window, weighted: torch.Tensor, num_items: Count) -> None:
+    """The backward of a micro-batch whose count may be 0 (a float, or a tensor). A mean ``sum / count``
+    over no item is nan, and its graph turns the incoming 0 into ``0 / 0 = nan`` whatever its weight: a
+    host count of 0 skips its backward where that reduces nothing across ranks (:func:`_adds_nothing`),
+    else (the reducing backward, or a tensor count, 0 or not, compared on the device: no host sync) it
+    runs under :func:`weighing_nothing`, which replaces what it brings each parameter by 0 when empty.
+    Not under DeepSpeed, whose engine owns the gradients (its backward runs as before)."""
+    if isinstance(num_items, torch.Tensor):
+        _backward(window, weighted, empty=None if window.ctx.sync.owns_step else num_items.reshape(()) == 0)
+    elif num_items == 0 and _adds_nothing(window):
+        window.done += 1  # skipped: it adds exactly nothing (its graph is released with `weighted`)
+    else:
+        _backward(window, weighted, empty=True if num_items == 0 and not window.ctx.sync.owns_step else None)
 
 
 def _adds_nothing(window: Window) -> bool:
