@@ -43,7 +43,7 @@ from .errors import ConfigurationError
 from .sync import GradSync
 from ._deepspeed import not_known_up_front
 
-__all__ = ["Window", "WindowContext", "OpenWindow", "weighing_nothing"]
+__all__ = ["Window", "WindowContext", "OpenWindow", "weighing_nothing", "graph_leaves"]
 
 class OpenWindow:
     """At most one window is open per Accumulator; opening one clears stale gradients and warns
@@ -398,7 +398,9 @@ def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = Fa
                 probe = ctx.state.probe
                 assert probe is not None
                 kept[probe] = torch.autograd.grad(ctx.precision.scale(term), probe, retain_graph=True)[0]
-            with weighing_nothing(ctx.model.parameters(), empty, kept):
+            # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded)
+            leaves = graph_leaves(weighted) if ctx.sync.sharded_grads else ctx.model.parameters()
+            with weighing_nothing(leaves, empty, kept):
                 ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
     window.done += 1
 
@@ -406,7 +408,7 @@ def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = Fa
 def _backward_of_a_count(window: Window, weighted: torch.Tensor, num_items: Count) -> None:
     """The backward of a micro-batch whose count may be 0 (a float, or a tensor). A mean ``sum / count``
     over no item is nan, and its graph turns the incoming 0 into ``0 / 0 = nan`` whatever its weight: a
-    host count of 0 skips its backward where that reduces nothing across ranks (:func:`_adds_nothing`),
+    host count of 0 skips its backward where that runs no collective (:func:`_adds_nothing`),
     else (the reducing backward, or a tensor count, 0 or not, compared on the device: no host sync) it
     runs under :func:`weighing_nothing`, which replaces what it brings each parameter by 0 when empty.
     Not under DeepSpeed, whose engine owns the gradients (its backward runs as before)."""
@@ -419,12 +421,14 @@ def _backward_of_a_count(window: Window, weighted: torch.Tensor, num_items: Coun
 
 
 def _adds_nothing(window: Window) -> bool:
-    """A micro-batch of 0 items may skip its backward: it reduces nothing across ranks (one process, or any
-    micro-batch but the reducing one under DDP/FSDP2) and the seam does not count backwards (DeepSpeed)."""
+    """A micro-batch of 0 items may skip its backward where that backward runs no collective: it reduces
+    nothing across ranks (one process, or any micro-batch but the reducing one under DDP), and the wrapper
+    has no collective in every backward (FSDP2 all-gathers there, DDP reducing every micro-batch reduces:
+    ``needs_equal_counts``) nor counts backwards (DeepSpeed's engine)."""
     ctx = window.ctx
     current = window.current
-    return (current is not None and not current.reduces and not ctx.sync.owns_step
-            and not getattr(ctx.sync, "reduce_every_micro_batch", False))
+    return (current is not None and not current.reduces and not ctx.sync.needs_equal_counts
+            and not ctx.sync.owns_step)
 
 
 @contextlib.contextmanager
@@ -445,6 +449,25 @@ def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Te
     finally:
         for handle in handles:
             handle.remove()
+
+
+def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors whose ``.grad`` a backward of ``loss`` accumulates into (its graph's leaves: under FSDP2
+    the unsharded parameters its forward ran on)."""
+    leaves: List[torch.Tensor] = []
+    seen = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            leaves.append(variable)
+        else:
+            stack.extend(child for child, _ in node.next_functions)
+    return leaves
 
 
 def _nothing_but(empty: Union[bool, torch.Tensor], kept: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:

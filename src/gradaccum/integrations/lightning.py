@@ -23,7 +23,7 @@ import torch
 try:
     import pytorch_lightning as pl
     from pytorch_lightning import Callback
-    from pytorch_lightning.strategies import SingleDeviceStrategy
+    from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "gradaccum.integrations.lightning needs PyTorch Lightning: pip install 'gradaccum[lightning]' "
@@ -37,7 +37,7 @@ from .._maths import Verdict
 from .._patching import swapped
 from .._deprecated import renamed
 from .._state import AccumulatorState
-from .._window import weighing_nothing
+from .._window import graph_leaves, weighing_nothing
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
@@ -204,7 +204,9 @@ class ExactAccumulation(Callback):
             loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
             empty = n.reshape(()) == 0 if isinstance(n, torch.Tensor) else (True if n == 0 else None)
             if empty is not None:  # its weight 0 cannot clean the 0 / 0 of a mean over no item: see weighing_nothing
-                self._nothing.enter_context(weighing_nothing(pl_module.parameters(), empty))
+                leaves = (pl_module.parameters() if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+                          else graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
+                self._nothing.enter_context(weighing_nothing(leaves, empty))
 
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._nothing.close()  # the hooks of a micro-batch that may hold no item
