@@ -472,10 +472,10 @@ def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
 
 def _nothing_but(empty: Union[bool, torch.Tensor], kept: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        instead = torch.zeros_like(grad) if kept is None else kept.to(grad.dtype)
         if empty is True:
-            return instead
-        return torch.where(empty.to(grad.device, non_blocking=True), instead, grad)  # type: ignore[union-attr]
+            return torch.zeros_like(grad) if kept is None else kept.to(grad.dtype)
+        flag = empty if empty.device == grad.device else empty.to(grad.device, non_blocking=True)  # type: ignore[union-attr]
+        return torch.where(flag, 0.0 if kept is None else kept.to(grad.dtype), grad)
     return hook
 
 
