@@ -393,13 +393,15 @@ def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = Fa
         if empty is None:
             ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
         else:
+            # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded);
+            # a loss check's probe, one of the module's parameters, is then not among them: its term passes
+            sharded = ctx.sync.sharded_grads
             kept = {}
-            if term is not None:  # d term / d probe, scaled as the loss is: what the probe keeps
+            if term is not None and not sharded:  # d term / d probe, scaled as the loss is: what the probe keeps
                 probe = ctx.state.probe
                 assert probe is not None
                 kept[probe] = torch.autograd.grad(ctx.precision.scale(term), probe, retain_graph=True)[0]
-            # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded)
-            leaves = graph_leaves(weighted) if ctx.sync.sharded_grads else ctx.model.parameters()
+            leaves = graph_leaves(weighted) if sharded else ctx.model.parameters()
             with weighing_nothing(leaves, empty, kept):
                 ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
     window.done += 1
