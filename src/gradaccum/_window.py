@@ -23,7 +23,7 @@ import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ from .errors import ConfigurationError
 from .sync import GradSync
 from ._deepspeed import not_known_up_front
 
-__all__ = ["Window", "WindowContext", "OpenWindow"]
+__all__ = ["Window", "WindowContext", "OpenWindow", "weighing_nothing", "graph_leaves"]
 
 class OpenWindow:
     """At most one window is open per Accumulator; opening one clears stale gradients and warns
@@ -241,7 +241,8 @@ class Window:
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
             num_items: how many items that mean is over (an int, a float weight, or a tensor left on
-                the device). A micro-batch of 0 items weighs nothing (its mean, nan, is not read).
+                the device). A micro-batch of 0 items weighs nothing: neither its mean (nan) nor its
+                backward's nan reaches the gradient (:func:`_backward_of_a_count`).
             from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
                 than it being the count known up front.
         """
@@ -251,7 +252,10 @@ class Window:
         weights = self._weights if self._weights is not None else self.weights
         weighted = loss * weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        _backward(self, weighted)
+        if type(num_items) is int and num_items > 0:  # the common count
+            _backward(self, weighted)
+        else:
+            _backward_of_a_count(self, weighted, num_items)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
@@ -374,17 +378,107 @@ def _in_micro_batch(window: Window, loss: Any) -> Any:
     return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
 
 
-def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = False) -> None:
+def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = False,
+              empty: Union[None, bool, torch.Tensor] = None) -> None:
     """One micro-batch's backward of its weighted loss (with the loss check the reducing one adds, where the
-    window exchanges nothing); on one process in fp32 the seam's backward itself."""
+    window exchanges nothing); on one process in fp32 the seam's backward itself. ``empty``: the micro-batch
+    may hold no item (True, or a device bool): then what its graph brings each parameter is replaced by 0
+    (:func:`weighing_nothing`), the loss check's own gradient kept."""
     ctx = window.ctx
-    if ctx.direct and not autocast_off:
+    if ctx.direct and not autocast_off and empty is None:
         ctx.sync.backward(weighted)
     else:
         term = _before_reduction(window) if ctx.switches else None
-        ctx.precision.backward(weighted if term is None else weighted + term, autocast_off=autocast_off,
-                               run=ctx.sync.backward)
+        loss = weighted if term is None else weighted + term
+        if empty is None:
+            ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
+        else:
+            # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded);
+            # a loss check's probe, one of the module's parameters, is then not among them: its term passes
+            sharded = ctx.sync.sharded_grads
+            kept = {}
+            if term is not None and not sharded:  # d term / d probe, scaled as the loss is: what the probe keeps
+                probe = ctx.state.probe
+                assert probe is not None
+                kept[probe] = torch.autograd.grad(ctx.precision.scale(term), probe, retain_graph=True)[0]
+            leaves = graph_leaves(weighted) if sharded else ctx.model.parameters()
+            with weighing_nothing(leaves, empty, kept):
+                ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
     window.done += 1
+
+
+def _backward_of_a_count(window: Window, weighted: torch.Tensor, num_items: Count) -> None:
+    """The backward of a micro-batch whose count may be 0 (a float, or a tensor). A mean ``sum / count``
+    over no item is nan, and its graph turns the incoming 0 into ``0 / 0 = nan`` whatever its weight: a
+    host count of 0 skips its backward where that runs no collective (:func:`_adds_nothing`),
+    else (the reducing backward, or a tensor count, 0 or not, compared on the device: no host sync) it
+    runs under :func:`weighing_nothing`, which replaces what it brings each parameter by 0 when empty.
+    Not under DeepSpeed, whose engine owns the gradients (its backward runs as before)."""
+    if isinstance(num_items, torch.Tensor):
+        _backward(window, weighted, empty=None if window.ctx.sync.owns_step else num_items.reshape(()) == 0)
+    elif num_items == 0 and _adds_nothing(window):
+        window.done += 1  # skipped: it adds exactly nothing (its graph is released with `weighted`)
+    else:
+        _backward(window, weighted, empty=True if num_items == 0 and not window.ctx.sync.owns_step else None)
+
+
+def _adds_nothing(window: Window) -> bool:
+    """A micro-batch of 0 items may skip its backward where that backward runs no collective: it reduces
+    nothing across ranks (one process, or any micro-batch but the reducing one under DDP), and the wrapper
+    has no collective in every backward (FSDP2 all-gathers there, DDP reducing every micro-batch reduces:
+    ``needs_equal_counts``) nor counts backwards (DeepSpeed's engine)."""
+    ctx = window.ctx
+    current = window.current
+    return (current is not None and not current.reduces and not ctx.sync.needs_equal_counts
+            and not ctx.sync.owns_step)
+
+
+@contextlib.contextmanager
+def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Tensor],
+                     kept: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> Iterator[None]:
+    """Inside: a backward adds exactly nothing to the parameters' gradients where ``empty`` (True, or a 0-d
+    bool tensor compared on the device: no host sync), ``kept[p]`` excepted.
+
+    A micro-batch of 0 items weighs ``0 / N``, but a mean ``sum / count`` divides by 0: its graph turns the
+    incoming 0 into ``0 / 0 = nan``, which no weight on the loss can clean. Each parameter's hook runs before
+    its gradient is accumulated (and before DDP reduces it), and replaces what this backward brings by 0:
+    the micro-batch's exact contribution, ``0 * grad L_k``. Where ``empty`` is False it passes the gradient on
+    unchanged."""
+    kept = kept or {}
+    handles = [p.register_hook(_nothing_but(empty, kept.get(p))) for p in params if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors whose ``.grad`` a backward of ``loss`` accumulates into (its graph's leaves: under FSDP2
+    the unsharded parameters its forward ran on)."""
+    leaves: List[torch.Tensor] = []
+    seen = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            leaves.append(variable)
+        else:
+            stack.extend(child for child, _ in node.next_functions)
+    return leaves
+
+
+def _nothing_but(empty: Union[bool, torch.Tensor], kept: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if empty is True:
+            return torch.zeros_like(grad) if kept is None else kept.to(grad.dtype)
+        flag = empty if empty.device == grad.device else empty.to(grad.device, non_blocking=True)  # type: ignore[union-attr]
+        return torch.where(flag, 0.0 if kept is None else kept.to(grad.dtype), grad)
+    return hook
 
 
 def _counted_mean(loss: torch.Tensor, num_items: Count) -> torch.Tensor:

@@ -45,6 +45,8 @@ SCENARIOS = [
     "ddp_the_loss_check_rides_on_a_parameter_ddp_reduces",
     "ddp_train_over_a_distributed_sampler_asks_once_per_epoch",
     "clipped_train_over_a_window_sampler_costs_one_collective_per_window",
+    "ddp_a_micro_batch_of_no_item_weighs_nothing",
+    "fsdp2_a_micro_batch_of_no_item_weighs_nothing",
 ]
 
 

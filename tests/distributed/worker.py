@@ -1198,6 +1198,80 @@ def clipped_train_over_a_window_sampler_costs_one_collective_per_window():
     return "collectives per window: " + ", ".join(notes)
 
 
+def _masked_window(rank: int):
+    """Rank 0: 3 micro-batches, the middle one of 0 items; rank 1: 2, the last (the reducing one) of 0."""
+    masks = {0: [[1, 0, 1], [0, 0], [1, 1, 0, 1]], 1: [[1, 1, 0, 1], [0, 0, 0]]}[rank]
+    return [data(rank, 40 + k, len(m)) + (torch.tensor(m, dtype=torch.float64),) for k, m in enumerate(masks)]
+
+
+def _masked_mean(model, batch):
+    x, y, m = batch
+    return (((model(x) - y) ** 2).mean(1) * m).sum() / m.sum()  # nan over a micro-batch of 0 items
+
+
+def ddp_a_micro_batch_of_no_item_weighs_nothing():
+    """A masked mean over a micro-batch of 0 items is nan, and its backward brings 0 / 0 = nan: on rank 0 in
+    the middle of the window (its backward skipped), on rank 1 as the last micro-batch, whose backward
+    reduces (its gradient replaced by 0 before DDP reduces it). Int counts and tensor counts, against the
+    float64 big batch of both ranks' items; a stock DDP loop on the same data ends with nan weights."""
+    wins = [_masked_window(r) for r in range(WORLD)]
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    x, y, m = (torch.cat([b[i] for w in wins for b in w]) for i in range(3))
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        _masked_mean(ref, (x, y, m)).backward()
+        opt.step()
+    notes = []
+    for name, count in (("int", lambda b: int(b[2].sum())), ("tensor", lambda b: b[2].sum())):
+        model = DDP(model_fn())
+        acc = Accumulator(model, make_opt(model, "sgd"))
+        for _ in range(2):
+            result = acc.step(wins[RANK], _masked_mean, num_items=count)
+            assert not result.skipped and result.num_items == int(m.sum()), result
+        assert params_equal_on_all_ranks(model.module)
+        close(model.module, ref)
+        notes.append(name)
+    stock = DDP(model_fn())  # the stock loop: each micro-batch's loss / k, DDP's no_sync before the last
+    for k, batch in enumerate(wins[RANK]):
+        with stock.no_sync() if k < len(wins[RANK]) - 1 else contextlib.nullcontext():
+            (_masked_mean(stock, batch) / len(wins[RANK])).backward()
+    assert not all(torch.isfinite(p.grad).all() for p in stock.parameters() if p.grad is not None), "no teeth"
+    return f"exact ({', '.join(notes)} counts); the stock loop's gradient is nan"
+
+
+def fsdp2_a_micro_batch_of_no_item_weighs_nothing():
+    """FSDP2 (the same number of micro-batches on each rank): rank 0's first micro-batch holds no item (its
+    backward skipped), rank 1's last, the reducing one, holds none: int and tensor counts, the big batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    masks = {0: [[0, 0], [1, 1, 0]], 1: [[1, 1, 0, 1], [0, 0, 0]]}
+    wins = [[data(r, 40 + k, len(mk)) + (torch.tensor(mk, dtype=torch.float64),) for k, mk in enumerate(masks[r])]
+            for r in range(WORLD)]
+    ref = model_fn()
+    opt = make_opt(ref, "sgd")
+    x, y, m = (torch.cat([b[i] for w in wins for b in w]) for i in range(3))
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        _masked_mean(ref, (x, y, m)).backward()
+        opt.step()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for name, count in (("int", lambda b: int(b[2].sum())), ("tensor", lambda b: b[2].sum())):
+        model = model_fn()
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model.b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        acc = Accumulator(model, make_opt(model, "sgd"))
+        for _ in range(2):
+            result = acc.step(wins[RANK], _masked_mean, num_items=count)
+            assert not result.skipped and result.num_items == int(m.sum()), (name, result)
+        close(model, ref)
+    return "exact (int, tensor counts)"
+
+
 SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
@@ -1219,7 +1293,8 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_find_unused_parameters_keeps_every_window_exchanging,
              ddp_the_loss_check_rides_on_a_parameter_ddp_reduces,
              ddp_train_over_a_distributed_sampler_asks_once_per_epoch,
-             clipped_train_over_a_window_sampler_costs_one_collective_per_window]
+             clipped_train_over_a_window_sampler_costs_one_collective_per_window,
+             ddp_a_micro_batch_of_no_item_weighs_nothing, fsdp2_a_micro_batch_of_no_item_weighs_nothing]
 
 
 class Skip(Exception):

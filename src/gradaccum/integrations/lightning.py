@@ -17,7 +17,7 @@ import torch
 try:
     import pytorch_lightning as pl
     from pytorch_lightning import Callback
-    from pytorch_lightning.strategies import SingleDeviceStrategy
+    from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "gradaccum.integrations.lightning needs PyTorch Lightning: pip install 'gradaccum[lightning]' "
@@ -31,6 +31,7 @@ from .._maths import Verdict
 from .._patching import swapped
 from .._deprecated import renamed
 from .._state import AccumulatorState
+from .._window import graph_leaves, weighing_nothing
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
@@ -105,6 +106,7 @@ class ExactAccumulation(Callback):
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
         self.skipping = False                     #: the window that just closed counted 0 items
         self._hooks = _ModuleHooks()              # the module's hooks wrapped for this fit
+        self._nothing = contextlib.ExitStack()    # during a backward of a micro-batch that may hold no item
 
     skipped_windows = renamed("skipped_windows", "skipped")
 
@@ -160,6 +162,7 @@ class ExactAccumulation(Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._hooks.restore(pl_module)  # Lightning skips teardown after an exception
+        self._nothing.close()
         retire_buffers(self.buffers)
 
     # -- per micro-batch ---------------------------------------------------------------------------
@@ -193,6 +196,14 @@ class ExactAccumulation(Callback):
         if loss.requires_grad:
             c = trainer.accumulate_grad_batches * window.weights.mean_weight(n, loss.dtype)
             loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
+            empty = n.reshape(()) == 0 if isinstance(n, torch.Tensor) else (True if n == 0 else None)
+            if empty is not None:  # its weight 0 cannot clean the 0 / 0 of a mean over no item: see weighing_nothing
+                leaves = (pl_module.parameters() if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+                          else graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
+                self._nothing.enter_context(weighing_nothing(leaves, empty))
+
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._nothing.close()  # the hooks of a micro-batch that may hold no item
 
     # -- per window --------------------------------------------------------------------------------
 
