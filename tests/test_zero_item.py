@@ -128,9 +128,10 @@ def test_every_label_ignored_still_weighs_nothing(count):
 
 # -- Lightning ---------------------------------------------------------------------------------------
 
-def test_lightning_a_micro_batch_of_no_item_is_the_big_batch():
+def test_lightning_a_micro_batch_of_no_item_is_the_big_batch(monkeypatch):
     """ExactAccumulation, one window of 3 micro-batches (accumulate 3), micro-batch 1 of no item, counted by
-    an int and by a tensor: the float64 big batch; Lightning's own accumulation on the same data is nan."""
+    an int, by a CPU tensor (read on the host) and by a tensor compared on the device (as an accelerator's
+    is): the float64 big batch; Lightning's own accumulation on the same data is nan."""
     pl = pytest.importorskip("pytorch_lightning")
     from gradaccum.integrations.lightning import ExactAccumulation
 
@@ -156,6 +157,10 @@ def test_lightning_a_micro_batch_of_no_item_is_the_big_batch():
     ref = _big_batch(regression_model())
     for count in ("int", "tensor"):
         assert_params_close(fit([ExactAccumulation(num_items=COUNTS[count])]), ref)
+    import gradaccum.integrations.lightning as lightning_module
+
+    monkeypatch.setattr(lightning_module, "host_count", lambda n: n)  # the accelerator's path
+    assert_params_close(fit([ExactAccumulation(num_items=COUNTS["tensor"])]), ref)
     stock = fit([])
     assert not all(torch.isfinite(p).all() for p in stock.parameters())
 
@@ -163,7 +168,8 @@ def test_lightning_a_micro_batch_of_no_item_is_the_big_batch():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_backward_of_a_host_count_of_0_is_skipped(precision):
     """One process: a micro-batch counted 0 on the host reduces nothing, so its backward is not run at all
-    (its graph released): exact, and it costs nothing. A tensor count's backward runs (0 is on the device)."""
+    (its graph released): exact, and it costs nothing; a CPU tensor's count is read on the host as well
+    (an accelerator's is compared on the device: the test below)."""
     model = regression_model().float() if precision == "bf16" else regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)
     ran = []
@@ -176,7 +182,7 @@ def test_the_backward_of_a_host_count_of_0_is_skipped(precision):
                     loss.register_hook(lambda grad, k=k: ran.append(k))
                     window.backward(loss, count(batch))
             assert not window.step().skipped
-    assert ran == [0, 2, 0, 1, 2]
+    assert ran == [0, 2, 0, 2]
 
 
 def test_weighing_nothing_keeps_only_what_it_is_told():
@@ -200,3 +206,31 @@ def test_weighing_nothing_keeps_only_what_it_is_told():
     with weighing_nothing(model.parameters(), m.sum() == 0):  # not empty: passed on unchanged
         masked_mean(model, (x, y, m)).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_an_accelerator_s_tensor_count_is_compared_on_the_device(monkeypatch):
+    """A tensor count on an accelerator is not read on the host (no sync per micro-batch): every such
+    micro-batch backpropagates under ``weighing_nothing`` with the comparison on the device. Here CPU
+    tensors are made to take that path (``host_count`` leaves them tensors), and the windows, counted up
+    front or by ``loss_fn``, and Lightning's, are still the float64 big batch."""
+    import gradaccum._window as window_module
+
+    ran = []
+    weighing = window_module.weighing_nothing
+
+    def recorded(params, empty, kept=None):
+        ran.append(empty)
+        return weighing(params, empty, kept)
+
+    monkeypatch.setattr(window_module, "host_count", lambda n: n)
+    monkeypatch.setattr(window_module, "weighing_nothing", recorded)
+    for loss_fn, num_items in ((masked_mean, COUNTS["tensor"]), (lambda m, b: (masked_mean(m, b), b[2].sum()), None)):
+        model = regression_model()
+        ref = _big_batch(model)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        for _ in range(2):
+            result = acc.step(_window(), loss_fn, num_items=num_items)
+            assert not result.skipped and result.num_items == 5, result
+        assert_params_close(model, ref)
+    assert len(ran) == 2 * 2 * len(MASKS) and all(isinstance(e, torch.Tensor) for e in ran)  # every micro-batch
+    assert [bool(e) for e in ran[:len(MASKS)]] == [False, True, False]

@@ -43,7 +43,7 @@ from .errors import ConfigurationError
 from .sync import GradSync
 from ._deepspeed import not_known_up_front
 
-__all__ = ["Window", "WindowContext", "OpenWindow", "weighing_nothing", "graph_leaves"]
+__all__ = ["Window", "WindowContext", "OpenWindow", "weighing_nothing", "graph_leaves", "host_count"]
 
 class OpenWindow:
     """At most one window is open per Accumulator; opening one clears stale gradients and warns
@@ -240,9 +240,8 @@ class Window:
 
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
-            num_items: how many items that mean is over (an int, a float weight, or a tensor left on
-                the device). A micro-batch of 0 items weighs nothing: neither its mean (nan) nor its
-                backward's nan reaches the gradient (:func:`_backward_of_a_count`).
+            num_items: how many items that mean is over (an int, a float weight, or a tensor left on the
+                device). 0 items weigh nothing, nan mean and backward included (:func:`_backward_of_a_count`).
             from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
                 than it being the count known up front.
         """
@@ -252,10 +251,7 @@ class Window:
         weights = self._weights if self._weights is not None else self.weights
         weighted = loss * weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        if type(num_items) is int and num_items > 0:  # the common count
-            _backward(self, weighted)
-        else:
-            _backward_of_a_count(self, weighted, num_items)
+        _backward_of_a_count(self, weighted, num_items)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
@@ -408,18 +404,30 @@ def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = Fa
 
 
 def _backward_of_a_count(window: Window, weighted: torch.Tensor, num_items: Count) -> None:
-    """The backward of a micro-batch whose count may be 0 (a float, or a tensor). A mean ``sum / count``
+    """The backward of a micro-batch of ``num_items`` items, which may be 0. A mean ``sum / count``
     over no item is nan, and its graph turns the incoming 0 into ``0 / 0 = nan`` whatever its weight: a
-    host count of 0 skips its backward where that runs no collective (:func:`_adds_nothing`),
-    else (the reducing backward, or a tensor count, 0 or not, compared on the device: no host sync) it
-    runs under :func:`weighing_nothing`, which replaces what it brings each parameter by 0 when empty.
-    Not under DeepSpeed, whose engine owns the gradients (its backward runs as before)."""
+    count of 0 the host reads (:func:`host_count`) skips its backward where that runs no collective
+    (:func:`_adds_nothing`), else (the reducing backward) runs under :func:`weighing_nothing`, which
+    replaces what it brings each parameter by 0; an accelerator's tensor count, 0 or not, is compared on
+    the device (no host sync) under :func:`weighing_nothing`. Not under DeepSpeed, whose engine owns the
+    gradients (its backward runs as before)."""
+    if type(num_items) is int and num_items > 0:  # the common count
+        return _backward(window, weighted)
+    num_items = host_count(num_items)
     if isinstance(num_items, torch.Tensor):
         _backward(window, weighted, empty=None if window.ctx.sync.owns_step else num_items.reshape(()) == 0)
     elif num_items == 0 and _adds_nothing(window):
         window.done += 1  # skipped: it adds exactly nothing (its graph is released with `weighted`)
     else:
         _backward(window, weighted, empty=True if num_items == 0 and not window.ctx.sync.owns_step else None)
+
+
+def host_count(num_items: Count) -> Count:
+    """``num_items`` as the host reads it without waiting for a device: a number as it is, a CPU tensor
+    read (free); an accelerator's tensor stays a tensor."""
+    if isinstance(num_items, torch.Tensor) and num_items.device.type == "cpu":
+        return num_items.item()
+    return num_items
 
 
 def _adds_nothing(window: Window) -> bool:

@@ -31,7 +31,7 @@ from .._maths import Verdict
 from .._patching import swapped
 from .._deprecated import renamed
 from .._state import AccumulatorState
-from .._window import graph_leaves, weighing_nothing
+from .._window import graph_leaves, host_count, weighing_nothing
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
@@ -196,7 +196,8 @@ class ExactAccumulation(Callback):
         if loss.requires_grad:
             c = trainer.accumulate_grad_batches * window.weights.mean_weight(n, loss.dtype)
             loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
-            empty = n.reshape(()) == 0 if isinstance(n, torch.Tensor) else (True if n == 0 else None)
+            n_host = host_count(n)  # an accelerator's count is compared on the device (no host sync)
+            empty = n_host.reshape(()) == 0 if isinstance(n_host, torch.Tensor) else (True if n_host == 0 else None)
             if empty is not None:  # its weight 0 cannot clean the 0 / 0 of a mean over no item: see weighing_nothing
                 leaves = (pl_module.parameters() if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
                           else graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
