@@ -1209,12 +1209,9 @@ def _masked_mean(model, batch):
     return (((model(x) - y) ** 2).mean(1) * m).sum() / m.sum()  # nan over a micro-batch of 0 items
 
 
-def ddp_a_micro_batch_of_no_item_weighs_nothing():
-    """A masked mean over a micro-batch of 0 items is nan, and its backward brings 0 / 0 = nan: on rank 0 in
-    the middle of the window (its backward skipped), on rank 1 as the last micro-batch, whose backward
-    reduces (its gradient replaced by 0 before DDP reduces it). Int counts and tensor counts, against the
-    float64 big batch of both ranks' items; a stock DDP loop on the same data ends with nan weights."""
-    wins = [_masked_window(r) for r in range(WORLD)]
+def _masked_big_batch(wins):
+    """Two SGD steps on every rank's windows as one float64 batch (a micro-batch of 0 items adds none), and
+    the joined mask."""
     ref = model_fn()
     opt = make_opt(ref, "sgd")
     x, y, m = (torch.cat([b[i] for w in wins for b in w]) for i in range(3))
@@ -1222,6 +1219,16 @@ def ddp_a_micro_batch_of_no_item_weighs_nothing():
         opt.zero_grad(set_to_none=True)
         _masked_mean(ref, (x, y, m)).backward()
         opt.step()
+    return ref, m
+
+
+def ddp_a_micro_batch_of_no_item_weighs_nothing():
+    """A masked mean over a micro-batch of 0 items is nan, and its backward brings 0 / 0 = nan: on rank 0 in
+    the middle of the window (its backward skipped), on rank 1 as the last micro-batch, whose backward
+    reduces (its gradient replaced by 0 before DDP reduces it). Int counts and tensor counts, against the
+    float64 big batch of both ranks' items; a stock DDP loop on the same data ends with nan weights."""
+    wins = [_masked_window(r) for r in range(WORLD)]
+    ref, m = _masked_big_batch(wins)
     notes = []
     for name, count in (("int", lambda b: int(b[2].sum())), ("tensor", lambda b: b[2].sum())):
         model = DDP(model_fn())
@@ -1251,13 +1258,7 @@ def fsdp2_a_micro_batch_of_no_item_weighs_nothing():
     masks = {0: [[0, 0], [1, 1, 0]], 1: [[1, 1, 0, 1], [0, 0, 0]]}
     wins = [[data(r, 40 + k, len(mk)) + (torch.tensor(mk, dtype=torch.float64),) for k, mk in enumerate(masks[r])]
             for r in range(WORLD)]
-    ref = model_fn()
-    opt = make_opt(ref, "sgd")
-    x, y, m = (torch.cat([b[i] for w in wins for b in w]) for i in range(3))
-    for _ in range(2):
-        opt.zero_grad(set_to_none=True)
-        _masked_mean(ref, (x, y, m)).backward()
-        opt.step()
+    ref, m = _masked_big_batch(wins)
     mesh = init_device_mesh("cpu", (WORLD,))
     for name, count in (("int", lambda b: int(b[2].sum())), ("tensor", lambda b: b[2].sum())):
         model = model_fn()
