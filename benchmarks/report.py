@@ -385,7 +385,7 @@ last of 3). TRL's rows with "TRL's kernel" use TRL's fused LM head as shipped: i
 float32 and, under TRL's default `bf16=True`, projects in bf16 even for a float64 model, so its big
 batch is the reference there and ~1e-9 is that kernel's rounding; "float64 kernel" rows swap in a
 float64 one on both sides and show the weighting alone. 2-process rows are the torchrun scenarios of
-`tests/integrations/worker.py` (2 gloo processes).
+`tests/integrations/hf_worker.py` (2 gloo processes).
 
 {chr(10).join(lines)}
 

@@ -98,7 +98,7 @@ def stacks() -> List[Dict[str, Any]]:
     return rows
 
 
-#: torchrun scenarios of tests/integrations/worker.py reported here: (stack, case)
+#: torchrun scenarios of tests/integrations/hf_worker.py reported here: (stack, case)
 TWO_PROCESS = {
     "hf_ddp_llama_plain_forward_clipped": ("HF Trainer", "2 processes: Llama, forward without **kwargs, clipped"),
     "trl_sft_ddp_average_tokens_gpt2": ("TRL SFTTrainer", "2 processes, average_tokens_across_devices=True (float64 kernel)"),
@@ -116,7 +116,7 @@ def _two_processes() -> List[Dict[str, Any]]:
     spec = importlib.util.spec_from_file_location("_launch", ROOT / "tests" / "distributed" / "launch.py")
     launch = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(launch)  # type: ignore[union-attr]
-    proc = launch.torchrun([str(ROOT / "tests" / "integrations" / "worker.py"), *TWO_PROCESS], timeout=900)
+    proc = launch.torchrun([str(ROOT / "tests" / "integrations" / "hf_worker.py"), *TWO_PROCESS], timeout=900)
     rows = []
     for line in proc.stdout.splitlines():
         found = re.match(r"(PASS|FAIL) (\w+): .*delta integration ([0-9.e+-]+), native ([0-9.e+-]+)", line)

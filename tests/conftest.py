@@ -103,6 +103,51 @@ def _module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+# The torchrun scenario modules (those that call distributed.launch.scenario_tests) share one torchrun
+# launch that runs all their workers (tests/distributed/launch.py, shared_verdicts): torch, transformers,
+# Lightning, sentence-transformers and DeepSpeed then import once per rank instead of once per module
+# (about 70 CPU seconds of the suite's 750). Their tests therefore form one scope, on one pytest-xdist
+# worker: TORCHRUN_SCOPE.
+TORCHRUN_SCOPE = "torchrun scenarios"
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def torchrun_modules() -> frozenset:
+    """The test modules (node ids, from the repository's root) that call ``scenario_tests(``."""
+    found = set()
+    root = os.path.dirname(TESTS)
+    for folder, _, files in os.walk(TESTS):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    if "= scenario_tests(" in f.read():
+                        found.add(os.path.relpath(path, root).replace(os.sep, "/"))
+    return frozenset(found)
+
+
+def scope_of(nodeid: str, torchrun: frozenset) -> str:
+    """A test's scope under make test: its module, or TORCHRUN_SCOPE for the torchrun scenario modules."""
+    module = _module_of(nodeid)
+    return TORCHRUN_SCOPE if module in torchrun else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope with the torchrun scenario modules in one scope (so their one launch is made once)."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    torchrun = torchrun_modules()
+
+    class OneTorchrunLaunch(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return TORCHRUN_SCOPE if _module_of(nodeid) in torchrun else super()._split_scope(nodeid)
+
+    return OneTorchrunLaunch(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     import json
 
@@ -111,18 +156,31 @@ def pytest_collection_modifyitems(config, items):
             seconds = json.load(f)
     except FileNotFoundError:
         return
-    order_by_module_seconds(items, seconds)
+    order_by_module_seconds(items, seconds, torchrun_modules())
 
 
-def order_by_module_seconds(items, seconds: dict) -> None:
-    """Sort ``items`` in place by module, the longest in ``seconds`` first (a module not in it counts as
-    the median); a module's own tests keep their order."""
+def order_by_module_seconds(items, seconds: dict, torchrun: frozenset = frozenset()) -> None:
+    """Sort ``items`` in place by scope (:func:`scope_of`), the longest first (a scope's seconds: its
+    modules' in ``seconds``, a module not in it counting as the median), and within a scope by module,
+    the longest first; a module's own tests keep their order."""
     known = sorted(seconds.values())
     default = known[len(known) // 2] if known else 0.0
     first: dict = {}
+    scope_seconds: dict = {}
     for i, item in enumerate(items):
-        first.setdefault(_module_of(item.nodeid), i)
-    items.sort(key=lambda item: (-seconds.get(_module_of(item.nodeid), default), first[_module_of(item.nodeid)]))
+        module = _module_of(item.nodeid)
+        if module not in first:
+            first[module] = i
+            scope = scope_of(item.nodeid, torchrun)
+            scope_seconds[scope] = scope_seconds.get(scope, 0.0) + seconds.get(module, default)
+            first.setdefault(scope, i)
+
+    def key(item):
+        module = _module_of(item.nodeid)
+        scope = scope_of(item.nodeid, torchrun)
+        return -scope_seconds[scope], first[scope], -seconds.get(module, default), first[module]
+
+    items.sort(key=key)
 
 
 _ran: dict = {}  # module: [seconds, tests reported]

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import MODULE_SECONDS, order_by_module_seconds
+from conftest import MODULE_SECONDS, TORCHRUN_SCOPE, order_by_module_seconds, scope_of, torchrun_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,11 +40,38 @@ def test_make_test_keeps_that_order_on_its_workers():
     assert re.search(r"^test: .*\n\t\$\(PY\) -m pytest \$\(TEST_ARGS\)$", makefile, re.M), makefile
 
 
-def test_this_run_was_collected_longest_module_first(request):
-    """The hook is in place: this session's own tests stand in that order (whatever ran with them)."""
+def test_the_torchrun_scenario_modules_are_one_scope_started_by_their_summed_time():
+    """Two torchrun scenario modules (one launch between them) sort as one scope of their summed
+    seconds, before a single module longer than either, each the longer first inside it."""
+    seconds = {"tests/test_long.py": 90.0, "tests/a/test_s1.py": 50.0, "tests/a/test_s2.py": 60.0}
+    torchrun = frozenset({"tests/a/test_s1.py", "tests/a/test_s2.py"})
+    modules = ["tests/a/test_s1.py", "tests/test_long.py", "tests/a/test_s2.py"]
+    items = [SimpleNamespace(nodeid=f"{m}::test_{i}") for m in modules for i in (2, 1)]
+    order_by_module_seconds(items, seconds, torchrun)
+    assert [item.nodeid.split("::")[0] for item in items[::2]] == [
+        "tests/a/test_s2.py", "tests/a/test_s1.py", "tests/test_long.py"]
+    assert {scope_of(item.nodeid, torchrun) for item in items[:4]} == {TORCHRUN_SCOPE}
+
+
+def test_every_module_that_launches_scenarios_is_in_the_shared_launch():
+    """A scenario module is found by its call of scenario_tests (a new one joins the shared launch)."""
+    found = torchrun_modules()
+    called = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if "= scenario_tests(" in p.read_text()}
+    assert found == called and "tests/distributed/test_deepspeed.py" in found, found
+
+
+def test_this_run_was_collected_longest_scope_first(request):
+    """The hook is in place: this session's own tests stand in that order (whatever ran with them):
+    scopes by their summed seconds, the modules of a scope by their own."""
     seconds = json.loads(Path(MODULE_SECONDS).read_text())
     known = sorted(seconds.values())
     median = known[len(known) // 2]
+    torchrun = torchrun_modules()
     modules = list(dict.fromkeys(item.nodeid.split("::")[0] for item in request.session.items))
-    times = [seconds.get(m, median) for m in modules]
-    assert times == sorted(times, reverse=True), list(zip(modules, times))
+    scopes = list(dict.fromkeys(scope_of(m, torchrun) for m in modules))
+    summed = [sum(seconds.get(m, median) for m in modules if scope_of(m, torchrun) == s) for s in scopes]
+    assert summed == sorted(summed, reverse=True), list(zip(scopes, summed))
+    for scope in scopes:
+        times = [seconds.get(m, median) for m in modules if scope_of(m, torchrun) == scope]
+        assert times == sorted(times, reverse=True), (scope, times)

@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: the contrastive helpers
 
 from contrastive import DualEncoder, big_batch_step, largest_difference, pair_batch, split, twin, window_loss  # noqa: E402
-from distributed.worker import main, params_equal_on_all_ranks  # noqa: E402
+from distributed.launch import run_modules  # noqa: E402
+from distributed.worker import params_equal_on_all_ranks  # noqa: E402
 from contrastive_labels import labelled_batch, labelled_big_batch_step, labelled_window_loss, split_rows  # noqa: E402
 from gradaccum import Accumulator, WindowLoss, WindowSampler  # noqa: E402
 
@@ -271,4 +272,4 @@ SCENARIOS = [cached_labels_ride_along_joined_across_ranks, cached_loss_without_r
              cached_fsdp2_exact, cached_train_over_a_window_sampler]
 
 if __name__ == "__main__":
-    sys.exit(main(SCENARIOS, globals()))
+    run_modules([sys.modules[__name__]], sys.argv[1:])

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/
 
 
 from contrastive import big_batch_step as pairs_big_batch_step, largest_difference, pair_batch, twin  # noqa: E402
-from distributed.worker import main, params_equal_on_all_ranks  # noqa: E402
+from distributed.launch import run_modules  # noqa: E402
+from distributed.worker import params_equal_on_all_ranks  # noqa: E402
 from integrations.clip_helpers import (DualEncoder, big_batch_step, clip, distance as clip_distance,  # noqa: E402
                                        own_big_batch_step, own_window_loss, pairs, train)
 from integrations.st_helpers import big_batch, dataset, distance, fresh, losses, moved, tiny_model, train_once  # noqa: E402
@@ -169,4 +170,4 @@ SCENARIOS = ([_scenario(name) for name in losses(None, None)]
                 lightning_ddp_window_loss_recipe, st_ddp_datasets_split_across_ranks_are_refused_on_every_rank])
 
 if __name__ == "__main__":
-    sys.exit(main(SCENARIOS, globals()))
+    run_modules([sys.modules[__name__]], sys.argv[1:])

@@ -13,12 +13,14 @@ Rank 0 prints ``PASS <name>: <note>`` (the note carries the measured figures), `
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
 from gradaccum import Accumulator  # noqa: E402
 from gradaccum.errors import ConfigurationError  # noqa: E402
-from worker import run_scenarios  # noqa: E402
+from distributed.launch import run_modules  # noqa: E402
 
 RANK, WORLD = 0, 1
 LR, MOMENTUM, CLIP = 1.0, 0.9, 0.3
@@ -580,24 +582,25 @@ SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals, guid
              exact_trainer_resume, exact_trl_trainers, exact_trainer_moe_refused]
 
 
-if __name__ == "__main__":
-    import deepspeed
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+@contextlib.contextmanager
+def scenario_context() -> Iterator[None]:
+    """DeepSpeed on the group the launcher joined (its CPU communication op built once per machine, at
+    install), its logs quiet; at the end rank 0 removes the checkpoint folders the scenarios shared."""
     import logging
+
+    import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     deepspeed.utils.logger.setLevel(logging.ERROR)
-
-    def set_rank(rank, world):
-        globals().update(RANK=rank, WORLD=world)
-        deepspeed.init_distributed(dist_backend="gloo")
-
+    deepspeed.init_distributed(dist_backend="gloo")
     try:
-        sys.exit(run_scenarios(SCENARIOS, set_rank))
+        yield
     finally:
+        dist.barrier()
         if RANK == 0:
-            import shutil
-
             for made in _FOLDERS:
                 shutil.rmtree(made, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    run_modules([sys.modules[__name__]], sys.argv[1:])

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, List, Mapping, NoReturn, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
@@ -113,6 +113,104 @@ def finish_worker(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class Skip(Exception):
+    """A scenario that cannot run on this machine (inductor without a C++ compiler): reported as SKIP."""
+
+
+#: what rank 0 prints before a worker module's lines in a launch that runs several (:func:`run_workers`)
+WORKER_HEADER = "== scenarios of "
+
+
+def run_each(scenarios, names: Sequence[str] = ()) -> None:
+    """Run ``scenarios`` (those named in ``names``; all when empty) on this rank, one line each on rank 0:
+
+    * a list of functions returning a note: ``PASS``/``SKIP``/``FAIL <name>: <note>``, PASS only where every
+      rank passed (each verdict all-reduced; :class:`Skip` is a SKIP);
+    * a dict of name -> function returning its own ``PASS <name>: ...`` or ``FAIL <name>: ...`` line (rank
+      0's printed; an exception is a FAIL line)."""
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if isinstance(scenarios, dict):
+        for name in names or list(scenarios):
+            try:
+                line = scenarios[name]()
+            except Exception:  # noqa: BLE001 - report and go on to the next scenario
+                line = f"FAIL {name}: {traceback.format_exc()[-1500:]}"
+            if rank == 0:
+                print(line, flush=True)
+        dist.barrier()
+        return
+    for scenario in scenarios:
+        if names and scenario.__name__ not in names:
+            continue
+        try:
+            note = scenario()
+            verdict = torch.tensor([0])
+        except Skip as e:
+            note, verdict = str(e), torch.tensor([1])
+        except Exception:  # noqa: BLE001 - reported per scenario
+            note = traceback.format_exc().strip().splitlines()[-1]
+            verdict = torch.tensor([2])
+            traceback.print_exc()
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            status = ("PASS", "SKIP", "FAIL")[int(verdict.item())]
+            print(f"{status} {scenario.__name__}: {note}", flush=True)
+        dist.barrier()
+
+
+def run_modules(modules: Sequence, names: Sequence[str] = ()) -> NoReturn:
+    """Join the group (gloo, 2 processes: a collective that waits 2 minutes is an error, not a hang), then
+    each worker module's scenarios in turn (:func:`run_each`), with its ``RANK`` and ``WORLD`` set and
+    inside its ``scenario_context()`` where it has one (a worker's own set-up: DeepSpeed joining the group,
+    a float64 stand-in patched in); rank 0 prints :data:`WORKER_HEADER` and the module's file before its
+    lines. Between modules the process-wide state a worker may leave is reset (the default dtype,
+    Accelerate's singletons). The process ends through :func:`finish_worker`."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2, "run with --nproc_per_node=2 (or two agents of one process)"
+    dtype = torch.get_default_dtype()
+    for module in modules:
+        if rank == 0:
+            print(f"{WORKER_HEADER}{module.__file__}", flush=True)
+        module.RANK, module.WORLD = rank, world
+        with getattr(module, "scenario_context", contextlib.nullcontext)():
+            run_each(module.SCENARIOS, names)
+        torch.set_default_dtype(dtype)
+        if "accelerate" in sys.modules:  # a Trainer's Accelerator settings live on in a process-wide singleton
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state()
+            GradientState._reset_state()
+    finish_worker(0)
+
+
+def run_workers(paths: Sequence[str]) -> NoReturn:
+    """The worker scripts at ``paths`` in this process (each rank's), imported as modules and run by
+    :func:`run_modules`: the suite's scenario workers in one torchrun launch, so that torch, transformers,
+    Lightning, sentence-transformers and DeepSpeed import once per rank instead of once per worker."""
+    import importlib.util
+
+    modules = []
+    for path in paths:
+        spec = importlib.util.spec_from_file_location(f"scenario_worker_{Path(path).stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        modules.append(module)
+    run_modules(modules)
 
 
 def _agent_args(node_rank: int, port: int) -> List[str]:
@@ -230,16 +328,44 @@ def run_cli_here(cli_args: Sequence[str], *, cwd: Path = ROOT) -> subprocess.Com
     return subprocess.CompletedProcess(list(cli_args), code, out.getvalue(), err.getvalue())
 
 
-def scenario_verdicts(script: str, *, timeout: int = 300):
-    """Run a scenario worker under torchrun: ``({name: (status, line)}, proc)`` from the lines it
-    prints on rank 0 (``PASS``/``SKIP``/``FAIL <name>: <note>``, agreed by both ranks)."""
-    proc = torchrun([script], timeout=timeout)
-    lines = {}
-    for line in proc.stdout.splitlines():
+#: the runner of every scenario worker in one launch (:func:`run_workers`)
+ALL_SCENARIOS = ROOT / "tests" / "distributed" / "all_scenarios.py"
+#: the worker scripts of the scenario modules collected in this process: their timeouts and test modules
+_WORKERS: Dict[str, Tuple[int, str]] = {}
+#: the launches made, by the worker scripts they ran: ({script: {name: (status, line)}}, proc)
+_LAUNCHES: Dict[Tuple[str, ...], Tuple[Dict[str, Dict[str, Tuple[str, str]]], subprocess.CompletedProcess]] = {}
+#: run last in a shared launch: DeepSpeed's engine changes process-wide state (its communication layer)
+_LAST = ("deepspeed_worker.py",)
+
+
+def shared_verdicts(session, script: str):
+    """The verdicts of ``script``'s scenarios, from the one torchrun launch that runs every scenario worker
+    whose test module has a test in this session (tests/conftest.py keeps those modules on one pytest-xdist
+    worker, so the launch is made once): ``({name: (status, line)}, proc)``."""
+    ran = {str(getattr(item, "path", item.fspath)) for item in session.items}
+    scripts = [s for s, (_, module) in _WORKERS.items() if module in ran or s == script]
+    scripts.sort(key=lambda s: Path(s).name in _LAST)
+    key = tuple(scripts)
+    if key not in _LAUNCHES:
+        proc = torchrun([str(ALL_SCENARIOS), *scripts], timeout=sum(_WORKERS[s][0] for s in scripts))
+        _LAUNCHES[key] = (verdict_lines(proc.stdout), proc)
+    by_script, proc = _LAUNCHES[key]
+    return by_script.get(script, {}), proc
+
+
+def verdict_lines(stdout: str) -> Dict[str, Dict[str, Tuple[str, str]]]:
+    """Rank 0's ``PASS``/``FAIL``/``SKIP <name>: <note>`` lines, by the worker script whose
+    :data:`WORKER_HEADER` came before them."""
+    by_script: Dict[str, Dict[str, Tuple[str, str]]] = {}
+    lines: Dict[str, Tuple[str, str]] = {}
+    for line in stdout.splitlines():
+        if line.startswith(WORKER_HEADER):
+            lines = by_script.setdefault(line[len(WORKER_HEADER):].strip(), {})
+            continue
         status, _, rest = line.partition(" ")
         if status in ("PASS", "FAIL", "SKIP"):
             lines[rest.split(":")[0]] = (status, line)
-    return lines, proc
+    return by_script
 
 
 def assert_scenario(verdicts, name: str) -> None:
@@ -258,9 +384,10 @@ def assert_scenario(verdicts, name: str) -> None:
 
 def scenario_tests(worker: str, scenarios: Sequence[str], *, timeout: int = 300,
                    gaps: Optional[Mapping[str, str]] = None, doc: Optional[str] = None) -> Tuple[Callable, Callable]:
-    """The fixture and the test of a scenario module, written once: ``verdicts`` launches ``worker`` (a
-    path from the repository's root) under torchrun once per module, every scenario in one launch, and
-    ``test_scenario`` asserts one scenario's verdict, parametrized over ``scenarios``. A scenario named in
+    """The fixture and the test of a scenario module, written once: ``verdicts`` holds the verdicts of
+    ``worker``'s scenarios (a path from the repository's root), from the one torchrun launch of every
+    scenario worker the session runs (:func:`shared_verdicts`; ``timeout``: this worker's part of its
+    limit), and ``test_scenario`` asserts one scenario's verdict, parametrized over ``scenarios``. A scenario named in
     ``gaps`` (name: the library gap it shows) is a strict xfail until the library is fixed. ``doc``: what
     the scenarios assert, shown as the test's docstring. A module binds both names at its top level,
     where pytest finds them::
@@ -274,10 +401,11 @@ def scenario_tests(worker: str, scenarios: Sequence[str], *, timeout: int = 300,
     if unknown:
         raise ValueError(f"gaps={unknown} names no scenario of {worker}: list the scenario in scenarios, or drop the gap")
     script = str(ROOT / worker)
+    _WORKERS[script] = (timeout, sys._getframe(1).f_globals["__file__"])
 
     @pytest.fixture(scope="module")
-    def verdicts():
-        return scenario_verdicts(script, timeout=timeout)
+    def verdicts(request):
+        return shared_verdicts(request.session, script)
 
     @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=gaps[n]))
                                       if n in gaps else n for n in scenarios])

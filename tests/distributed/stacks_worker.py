@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_helpe
 
 from gradaccum import Accumulator, count_targets  # noqa: E402
 from gradaccum.sync import DDPSync  # noqa: E402
-from worker import Skip, close, counting_hook, data, main, make_opt, model_fn, mse, reference  # noqa: E402
+from distributed.launch import Skip, run_modules  # noqa: E402
+from worker import close, counting_hook, data, make_opt, model_fn, mse, reference  # noqa: E402
 
 RANK, WORLD = 0, 1
 
@@ -286,4 +287,4 @@ SCENARIOS = [ddp_over_compiled_eager_and_aot_eager, ddp_over_compiled_inductor,
 
 
 if __name__ == "__main__":
-    sys.exit(main(SCENARIOS, globals()))
+    run_modules([sys.modules[__name__]], sys.argv[1:])

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import os
 import sys
-import traceback
 import warnings
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: distributed.launch
 
-from distributed.launch import finish_worker  # noqa: E402
+from distributed.launch import run_modules  # noqa: E402
 from gradaccum import Accumulator, ConfigurationError  # noqa: E402
 
 RANK, WORLD = 0, 1
@@ -1298,47 +1295,5 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_a_micro_batch_of_no_item_weighs_nothing, fsdp2_a_micro_batch_of_no_item_weighs_nothing]
 
 
-class Skip(Exception):
-    """A scenario that cannot run on this machine (inductor without a C++ compiler): reported as SKIP."""
-
-
-def run_scenarios(scenarios, set_rank) -> int:
-    """Join the group, run the scenarios named on the command line (all by default) and print, on rank
-    0, ``PASS``/``SKIP``/``FAIL <name>: <note>`` per scenario: a scenario passes only if it passed on
-    both ranks. ``set_rank(rank, world)`` sets the calling module's globals."""
-    # a hang would be the worst failure: make any collective that waits a minute an error instead
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 2, "run with --nproc_per_node=2 (or two agents of one process)"
-    set_rank(rank, world)
-    names = sys.argv[1:] or [s.__name__ for s in scenarios]
-    for scenario in scenarios:
-        if scenario.__name__ not in names:
-            continue
-        try:
-            note = scenario()
-            verdict = torch.tensor([0])
-        except Skip as e:
-            note, verdict = str(e), torch.tensor([1])
-        except Exception:  # noqa: BLE001 - reported per scenario
-            note = traceback.format_exc().strip().splitlines()[-1]
-            verdict = torch.tensor([2])
-            traceback.print_exc()
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            status = ("PASS", "SKIP", "FAIL")[int(verdict.item())]
-            print(f"{status} {scenario.__name__}: {note}", flush=True)
-        dist.barrier()
-    return 0
-
-
-def main(scenarios, namespace: dict) -> NoReturn:
-    """A worker script's entry point: run ``scenarios`` with RANK and WORLD set in ``namespace``
-    (the calling module's globals), then end the process through ``finish_worker`` (the group
-    destroyed once the scenarios' frames are gone, no interpreter teardown: tests/distributed/launch.py)."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    finish_worker(run_scenarios(scenarios, lambda rank, world: namespace.update(RANK=rank, WORLD=world)))
-
-
 if __name__ == "__main__":
-    sys.exit(main(SCENARIOS, globals()))
+    run_modules([sys.modules[__name__]], sys.argv[1:])

@@ -24,7 +24,8 @@ import torch.distributed as dist  # noqa: E402
 from integrations import grpo_runs as G  # noqa: E402
 from integrations.trl_data import float64_log_probs  # noqa: E402
 from integrations.scenarios import params_close  # noqa: E402
-from worker import identical_replicas, run  # noqa: E402
+from distributed.launch import run_modules  # noqa: E402
+from hf_worker import identical_replicas  # noqa: E402
 
 torch.set_num_threads(1)
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -148,6 +149,10 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
 }
 
 
+def scenario_context():
+    """TRL's fused LM head with its float64 stand-in, on both sides of every comparison."""
+    return float64_log_probs()
+
+
 if __name__ == "__main__":
-    with float64_log_probs():
-        run(SCENARIOS, sys.argv[1:])
+    run_modules([sys.modules[__name__]], sys.argv[1:])

@@ -21,7 +21,8 @@ import moe_scenarios as MS  # noqa: E402
 import scenarios as S  # noqa: E402
 from gradaccum import Accumulator, MoELoss  # noqa: E402
 from hf_helpers import unpad  # noqa: E402
-from worker import run, unsharded, verdict  # noqa: E402
+from distributed.launch import run_modules  # noqa: E402
+from hf_worker import unsharded, verdict  # noqa: E402
 
 torch.set_num_threads(1)
 RANK = int(os.environ["RANK"])
@@ -161,6 +162,10 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
 }
 
 
+def scenario_context():
+    """The models' load-balancing loss with its float32 islands in float64, on both sides."""
+    return M.float64_balance_loss()
+
+
 if __name__ == "__main__":
-    with M.float64_balance_loss():
-        run(SCENARIOS, sys.argv[1:])
+    run_modules([sys.modules[__name__]], sys.argv[1:])

@@ -1,5 +1,5 @@
 """Runs shared by the in-process tests (test_lightning.py, test_hf_trainer.py) and the torchrun worker
-(worker.py): a framework trains a tiny float64 causal LM on padded micro-batches of uneven sizes, and
+(hf_worker.py): a framework trains a tiny float64 causal LM on padded micro-batches of uneven sizes, and
 a float64 reference steps once per window on the union of every rank's micro-batches of that window.
 
 Data: ``rank_micro_batches(rank, world, sizes)`` gives each rank its own micro-batches (sequence

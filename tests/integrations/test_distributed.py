@@ -2,7 +2,7 @@
 through Accelerate) and TRL's SFT and DPO trainers under torchrun, 2 gloo processes on the CPU: the
 integration equals one float64 step per window on the union of both ranks' micro-batches (rtol 1e-10;
 FSDP2's shards are gathered first), the replicas are bit-identical, and the framework's own
-accumulation is off by more than 1e-6. The scenarios live in worker.py and run in one launch
+accumulation is off by more than 1e-6. The scenarios live in hf_worker.py and run in one launch
 (Lightning and transformers import once)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 pytest.importorskip("pytorch_lightning")
 
-WORKER = "tests/integrations/worker.py"
+WORKER = "tests/integrations/hf_worker.py"
 SCENARIOS = [
     "lightning_ddp_gpt2_clipped",
     "lightning_ddp_llama_float64_norm_clipped",
@@ -37,7 +37,7 @@ def test_every_scenario_is_listed():
     """A scenario added to the worker but not here would never be asserted."""
     import ast
 
-    tree = ast.parse((ROOT / "tests" / "integrations" / "worker.py").read_text())
+    tree = ast.parse((ROOT / "tests" / "integrations" / "hf_worker.py").read_text())
     listed = next(node.value for node in tree.body if isinstance(node, ast.AnnAssign)
                   and getattr(node.target, "id", None) == "SCENARIOS")
     assert [k.value for k in listed.keys] == SCENARIOS

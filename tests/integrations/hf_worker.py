@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, List, NoReturn
+from typing import Callable, Dict
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # scenarios, trl_data, hf_helpers
@@ -24,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import scenarios as S  # noqa: E402
-from distributed.launch import finish_worker  # noqa: E402
+from distributed.launch import run_modules  # noqa: E402
 from gradaccum import causal_lm_loss  # noqa: E402
 from hf_helpers import gpt2, llama, pad, unpad  # noqa: E402
 
@@ -243,25 +241,5 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
 }
 
 
-def run(scenarios: Dict[str, Callable[[], str]], names: List[str]) -> NoReturn:
-    """Join the group, run the named scenarios (all by default), rank 0 printing each one's line, and
-    end the process through ``finish_worker`` (the group destroyed once the scenarios' frames are gone,
-    no interpreter teardown: tests/distributed/launch.py)."""
-    _run_scenarios(scenarios, names)
-    finish_worker(0)
-
-
-def _run_scenarios(scenarios: Dict[str, Callable[[], str]], names: List[str]) -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    for name in names or list(scenarios):
-        try:
-            line = scenarios[name]()
-        except Exception:  # noqa: BLE001 - report and go on to the next scenario
-            line = f"FAIL {name}: {traceback.format_exc()[-1500:]}"
-        if RANK == 0:
-            print(line, flush=True)
-    dist.barrier()
-
-
 if __name__ == "__main__":
-    run(SCENARIOS, sys.argv[1:])
+    run_modules([sys.modules[__name__]], sys.argv[1:])
