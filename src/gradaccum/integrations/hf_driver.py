@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from .._checks import Count
-from .._deprecated import renamed
 from .._driven import DrivenWindow
 from .._gradients import AccumulationBuffers
 from .._patching import NoStep, swapped
@@ -66,17 +65,10 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         return epochs, batches
 
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
-        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none; earlier gradaccum
-        saved it as ``_StateCallback``, and before that only the skipped windows, as ``_Skips``)."""
+        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none)."""
+        saved = stateful_callbacks.get(type(self).__name__)
         state = self.accumulator_state
-        saved = stateful_callbacks.get(type(self).__name__, stateful_callbacks.get("_StateCallback"))
-        old = stateful_callbacks.get("_Skips")
-        if isinstance(saved, dict):
-            state.load_saved(state.read_saved(saved["attributes"]["saved"]))
-        else:
-            state.load_saved(state.read_saved({}))
-            if isinstance(old, dict):
-                state.skipped = int(old["attributes"]["windows"])
+        state.load_saved(state.read_saved(saved["attributes"]["saved"] if isinstance(saved, dict) else {}))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.held is not None:
@@ -117,8 +109,6 @@ class TrainerDriver:
     def accumulator_state(self) -> AccumulatorState:
         """What windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints."""
         return self._state.accumulator_state
-
-    windows_skipped = renamed("windows_skipped", "skipped")
 
     @property
     def skipped(self) -> int:

@@ -29,7 +29,6 @@ from .._driven import DrivenWindow, retire_buffers
 from .._gradients import AccumulationBuffers
 from .._maths import Verdict
 from .._patching import swapped
-from .._deprecated import renamed
 from .._state import AccumulatorState
 from .._window import graph_leaves, host_count, weighing_nothing
 from ..accumulator import driver_buffers
@@ -107,8 +106,6 @@ class ExactAccumulation(Callback):
         self.skipping = False                     #: the window that just closed counted 0 items
         self._hooks = _ModuleHooks()              # the module's hooks wrapped for this fit
         self._nothing = contextlib.ExitStack()    # during a backward of a micro-batch that may hold no item
-
-    skipped_windows = renamed("skipped_windows", "skipped")
 
     @property
     def skipped(self) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
-from ..rl import ITEMS, StepCount, step_items  # noqa: F401  (step_items: still importable from here)
+from ..rl import ITEMS, StepCount
 from .hf_driver import TrainerDriver  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 from .hf_moe import trl_router_balance
 
@@ -23,7 +23,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.trl_rl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
 
-__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "ITEMS", "StepCount", "step_items", "trl_divisor"]
+__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "trl_divisor"]
 
 
 def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Union[float, torch.Tensor]:
