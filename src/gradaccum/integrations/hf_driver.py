@@ -135,6 +135,10 @@ class TrainerDriver:
                                           self.accelerator.device, self.model_wrapped, who=type(self).__name__)
         return self._window
 
+    def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
+        """A window's count tensor summed over the ranks (one reduction; ``local`` itself on one process)."""
+        return self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
+
     def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
                  aux_owner: Any = None) -> Tuple[Any, Optional[torch.Tensor]]:
         """``forward()`` and, for an MoE model, ``coef`` times this micro-batch's part of the window's

@@ -217,7 +217,7 @@ class ExactTrainer(TrainerDriver, Trainer):
             return batch_samples, None
         device = device if device is not None else self.args.device
         local = self.items.window_count(batch_samples, device)
-        total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
+        total = self.summed_over_ranks(local)
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
         return batch_samples, total

@@ -14,7 +14,7 @@ from torch import nn
 
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
-from ..rl import ITEMS, StepCount
+from ..rl import ITEMS, StepCount, local_counts, trl_divisor
 from .hf_driver import TrainerDriver  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 from .hf_moe import trl_router_balance
 
@@ -23,34 +23,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.trl_rl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
 
-__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "trl_divisor"]
-
-
-def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Union[float, torch.Tensor]:
-    """What TRL 1.16's ``_compute_loss`` divided this training micro-batch's summed terms by (its
-    ``loss_type``'s normaliser times the accumulation steps ``K``), so that ``loss * trl_divisor`` is
-    the micro-batch's summed terms again::
-
-        grpo, sapo, luspo   rows_k * K              bnpo    max(tokens_k, 1) * K
-        dr_grpo             rows_k * L_max * K      dapo, cispo, vespo   max(N_gen, 1) / W * K / steps_per_generation
-        RLOO                rows_k                  (the Trainer's own 1/K is switched off)
-
-    with ``N_gen`` the generation batch's tokens over all ranks (TRL's ``num_items_in_batch``). Each
-    is computed by TRL's own expression, in its dtype, so that the division is undone to the last bit.
-    """
-    rows = float(mask.shape[0])
-    loss_type = _loss_type(trainer)
-    if loss_type == "rloo":
-        return rows
-    k = trainer.current_gradient_accumulation_steps
-    if loss_type in ("grpo", "sapo", "luspo"):
-        return rows * k
-    if loss_type == "bnpo":
-        return mask.sum().clamp(min=1.0) * k
-    if loss_type == "dr_grpo":
-        return rows * trainer.max_completion_length * k
-    generation = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
-    return generation * k / trainer.args.steps_per_generation
+__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer"]
 
 
 def _loss_type(trainer: Any) -> str:
@@ -172,14 +145,8 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         finally:
             self._step = first
         self._prepared = collections.deque(prepared)
-        device = self.accelerator.device  # type: ignore[attr-defined]
-        counts = torch.zeros(2, dtype=torch.long, device=device)  # [completion tokens, sequences]
-        for inputs in prepared:
-            mask = _loss_mask(inputs)
-            counts += torch.stack([mask.sum().long(), torch.tensor(mask.shape[0], device=mask.device)]).to(device)
-        if self.accelerator.num_processes > 1:  # type: ignore[attr-defined]
-            counts = self.accelerator.reduce(counts, reduction="sum")  # type: ignore[attr-defined]
-        tokens, rows = (int(c) for c in counts.tolist())
+        counts = local_counts([_loss_mask(b) for b in prepared], self.accelerator.device)  # type: ignore[attr-defined]
+        tokens, rows = (int(c) for c in self.summed_over_ranks(counts).tolist())  # [completion tokens, sequences]
         self.last_step_count = StepCount.of(_loss_type(self), tokens, rows, getattr(self, "max_completion_length", None))
         window = self.open_window(self.last_step_count.items, len(prepared), second_items=tokens,
                                   routed=lambda: [_model_inputs(b) for b in prepared])
@@ -226,12 +193,15 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
             captured, self._captured = self._captured, None
         mask = _loss_mask(inputs)
         bonus = None
+        k = self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
         if coef != 0.0:  # TRL subtracted coef * (sum H m / max(T_k, 1) / K): take it back out, in TRL's order
             entropy_sum = (captured[0] * mask).sum()
-            k = self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
             loss = loss + coef * (entropy_sum / mask.sum().clamp(min=1.0) / k)
             bonus = -coef * entropy_sum * window.second.sum_weight()  # type: ignore[union-attr]  # W / T
-        loss = loss * trl_divisor(self, inputs, mask) * window.weights.sum_weight()  # W / N
+        divisor = trl_divisor(_loss_type(self), mask, accumulation=k, steps_per_generation=self.args.steps_per_generation,
+                              max_completion_length=getattr(self, "max_completion_length", None),
+                              generation_tokens=inputs.get("num_items_in_batch"), world=self.accelerator.num_processes)
+        loss = loss * divisor * window.weights.sum_weight()  # W / N: TRL's division undone (gradaccum.rl.trl_divisor)
         loss = loss if bonus is None else loss + bonus
         return loss if part is None else loss + part  # coef * this micro-batch's part of the step's LBL, times W
 
