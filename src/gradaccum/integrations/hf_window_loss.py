@@ -12,9 +12,9 @@ from torch import nn
 
 from .._cached import CachedPasses, WindowLoss, graphs_to_keep, window_loss_of_batch
 from ..errors import ConfigurationError
+from ..losses import contrastive_window_loss
 
-__all__ = ["TrainerWindows", "contrastive_window_loss", "refuse_data_parallel", "refuse_what_a_window_loss_cannot_run",
-           "window_loss_of"]
+__all__ = ["TrainerWindows", "refuse_data_parallel", "refuse_what_a_window_loss_cannot_run", "window_loss_of"]
 
 #: ``make(micro_batches) -> (window_loss, params, loss_model)`` for one window
 MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]
@@ -75,32 +75,6 @@ class TrainerWindows:
         else:
             loss = window_loss_of_batch(window_loss, model, module, inputs)
         return (loss, {"loss": loss}) if return_outputs else loss
-
-
-def contrastive_window_loss(model: nn.Module) -> Optional[WindowLoss]:
-    """The loss of a contrastive Hugging Face model (``CLIPModel``, ``SiglipModel``) as a WindowLoss:
-    ``encode`` runs the model without its loss (``return_loss=False``) for the normalized text and
-    image embeddings; ``loss`` is the model's own over the whole window, its ``logit_scale`` (and
-    SigLIP's ``logit_bias``) reached through the model. None for another model."""
-    name = type(model).__name__
-    if name not in ("CLIPModel", "SiglipModel"):
-        return None
-
-    def encode(m: nn.Module, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        out = m(**{k: v for k, v in batch.items() if k not in ("return_loss", "labels")}, return_loss=False)
-        return out.text_embeds, out.image_embeds
-
-    def loss(m: nn.Module, reps: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        text, image = reps
-        logits = text @ image.T * m.logit_scale.exp()
-        if name == "CLIPModel":
-            target = torch.arange(len(text), device=text.device)
-            return (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.T, target)) / 2
-        logits = logits + m.logit_bias
-        signs = 2 * torch.eye(len(text), device=text.device, dtype=logits.dtype) - 1
-        return -nn.functional.logsigmoid(signs * logits).sum(dim=-1).mean()
-
-    return WindowLoss(encode, loss)
 
 
 # -- ExactTrainer's hooks (gradaccum.integrations.hf_trainer calls these when it holds a WindowLoss) ------
