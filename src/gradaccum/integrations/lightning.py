@@ -30,7 +30,7 @@ from .._gradients import AccumulationBuffers
 from .._maths import Verdict
 from .._patching import swapped
 from .._state import AccumulatorState
-from .._window import graph_leaves, host_count, weighing_nothing
+from .._window import graph_leaves
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
@@ -189,16 +189,9 @@ class ExactAccumulation(Callback):
         window = self._window if self._window is not None else self._open(trainer)
         if window.weights.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
             window.weights.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n))
-        window.count = window.count + n
-        if loss.requires_grad:
-            c = trainer.accumulate_grad_batches * window.weights.mean_weight(n, loss.dtype)
-            loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
-            n_host = host_count(n)  # an accelerator's count is compared on the device (no host sync)
-            empty = n_host.reshape(()) == 0 if isinstance(n_host, torch.Tensor) else (True if n_host == 0 else None)
-            if empty is not None:  # its weight 0 cannot clean the 0 / 0 of a mean over no item: see weighing_nothing
-                leaves = (pl_module.parameters() if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
-                          else graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
-                self._nothing.enter_context(weighing_nothing(leaves, empty))
+        leaves = (pl_module.parameters if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+                  else lambda: graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
+        self._nothing.enter_context(window.weigh(loss, n, leaves, divided_by=trainer.accumulate_grad_batches))
 
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._nothing.close()  # the hooks of a micro-batch that may hold no item
