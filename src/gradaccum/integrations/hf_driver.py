@@ -15,6 +15,7 @@ from .._gradients import AccumulationBuffers
 from .._patching import NoStep, swapped
 from .._state import AccumulatorState
 from .._weights import Closing
+from ..errors import ConfigurationError
 from .hf_moe import WindowBalance
 
 try:
@@ -23,7 +24,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.hf_driver needs transformers: pip install 'gradaccum[hf]'") from exc
 
-__all__ = ["TrainerDriver", "TrainerWindowState"]
+__all__ = ["TrainerDriver", "TrainerWindowState", "refuse_untested"]
 
 
 class TrainerWindowState(TrainerCallback, ExportableState):
@@ -199,3 +200,17 @@ class TrainerDriver:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
         epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)  # type: ignore[misc]
         return self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
+
+
+def refuse_untested(trainer: Any, path: str, *, deepspeed: bool = True, fsdp: bool = True) -> None:
+    """Refuse, before training, a stack that ``path`` (``"training with GRPO and RLOO"``, ``"training with a WindowLoss"``) is not
+    tested under here: DataParallel in one process always (it splits each batch without telling the
+    loss), DeepSpeed and FSDP where asked. The fix is DDP."""
+    n_gpu = trainer.args.n_gpu
+    stacks = [f"n_gpu={n_gpu} (DataParallel in one process: it splits each batch without telling the loss)"
+              ] if n_gpu > 1 else []
+    stacks += [name for name, on in (("DeepSpeed", deepspeed and trainer.is_deepspeed_enabled),
+                                     ("FSDP", fsdp and trainer.is_fsdp_enabled)) if on]
+    if stacks:
+        raise ConfigurationError(f"{type(trainer).__name__}: {path} is not tested here under {' and '.join(stacks)}; "
+                                 "train with DDP (one process per device under torchrun)")

@@ -14,7 +14,7 @@ from ..errors import NotExactError
 from ..moe import BALANCED_FAMILIES, MoEOutput, RouterBalance, WindowRouting, aux_term, router_logits_of
 from ..sync import sync_for
 
-__all__ = ["WindowBalance", "trl_router_balance"]
+__all__ = ["WindowBalance", "trl_aux_refusal", "trl_router_balance"]
 
 
 def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
@@ -35,11 +35,18 @@ def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
     try:
         return aux_term(view)
     except NotExactError as unknown:  # TRL asks for the router logits whatever the config says: its coef is the fix
-        family, args = getattr(config, "model_type", None), type(trainer.args).__name__
-        raise NotExactError(f"{type(trainer).__name__}: the model ({family}) adds a router loss at "
-                            f"router_aux_loss_coef={coef} that gradaccum does not compute over the step (supported: "
-                            f"{', '.join(BALANCED_FAMILIES)}), and TRL would add it per micro-batch; pass {args}(..., "
-                            "router_aux_loss_coef=0.0) to train without it") from unknown
+        raise trl_aux_refusal(trainer, f"which the model ({getattr(config, 'model_type', None)}) adds by a formula "
+                              f"gradaccum does not compute over the step (supported: {', '.join(BALANCED_FAMILIES)}), "
+                              "and TRL would add it per micro-batch") from unknown
+
+
+def trl_aux_refusal(trainer: Any, why: str, then: str = "") -> NotExactError:
+    """The refusal of a TRL trainer's router loss (TRL's ``router_aux_loss_coef``, which rewrites the
+    model's config) where gradaccum does not compute it over the window: ``why``, and TRL's argument as the fix."""
+    return NotExactError(
+        f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns on "
+        f"the MoE router's load-balancing loss, {why}. Pass {type(trainer.args).__name__}(..., "
+        f"router_aux_loss_coef=0.0) to train without it{then}")
 
 
 def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:

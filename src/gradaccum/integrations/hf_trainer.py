@@ -16,7 +16,7 @@ from .._driven import DrivenWindow
 from .._gradients import AccumulationBuffers
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
-from ..moe import aux_term, refuse_aux_term
+from ..moe import BALANCED_FAMILIES, aux_term, refuse_aux_term
 from . import hf_window_loss
 
 try:
@@ -27,7 +27,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "(or pip install 'transformers>=4.46')"
     ) from exc
 
-from .hf_driver import TrainerDriver, TrainerWindowState  # noqa: E402  (the window's lifecycle and saved state)
+from .hf_moe import trl_aux_refusal
+from .hf_driver import TrainerDriver, TrainerWindowState, refuse_untested  # noqa: E402  (the window's lifecycle and saved state)
 
 __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", "loss_source"]
 
@@ -314,7 +315,7 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     if trainer.source == "head" and getattr(trainer.args, "label_smoothing_factor", None):
         raise ConfigurationError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
                          "supported where ExactTrainer computes the model's loss; set it to 0")
-    hf_window_loss.refuse_data_parallel(trainer)
+    refuse_untested(trainer, "training", deepspeed=False, fsdp=False)  # DeepSpeed and FSDP2: below
     if trainer.is_deepspeed_enabled:  # the engine steps once per window with items (integrations/hf_deepspeed.py)
         from . import hf_deepspeed
 
@@ -351,16 +352,10 @@ def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
     elif trainer.source == "tokens" and getattr(trainer, "aux_loss_enabled", False) and aux_term(config) is None:
-        raise NotExactError(  # TRL asked for the term but the model's config does not carry it as ExactTrainer reads it
-            f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns on "
-            "the MoE router's load-balancing loss, which TRL would compute per micro-batch, and this model's config "
-            f"does not carry it as ExactTrainer reads it (supported: mixtral, qwen2_moe, qwen3_moe, olmoe). Pass "
-            f"{type(trainer.args).__name__}(..., router_aux_loss_coef=0.0) to train without it")
+        raise trl_aux_refusal(trainer, "which TRL would compute per micro-batch, and this model's config does not "
+                              f"carry it as ExactTrainer reads it (supported: {', '.join(BALANCED_FAMILIES)})")
     elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
-        args = type(trainer.args).__name__
-        raise NotExactError(
-            f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns "
-            "on the MoE router's load-balancing loss, which TRL computes per micro-batch (its expert fractions are "
-            f"statistics of the whole batch), so the step would not be the big batch's. Pass {args}(..., "
-            "router_aux_loss_coef=0.0) to train without it (TRL then sets the model's output_router_logits=False "
-            "itself; setting output_router_logits=False alone is overridden by TRL)")
+        raise trl_aux_refusal(trainer, "which TRL computes per micro-batch (its expert fractions are statistics of the "
+                              "whole batch), so the step would not be the big batch's", then=(
+                                  " (TRL then sets the model's output_router_logits=False itself; setting "
+                                  "output_router_logits=False alone is overridden by TRL)"))

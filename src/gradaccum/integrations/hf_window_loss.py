@@ -13,8 +13,9 @@ from torch import nn
 from .._cached import CachedPasses, WindowLoss, graphs_to_keep, window_loss_of_batch
 from ..errors import ConfigurationError
 from ..losses import contrastive_window_loss
+from .hf_driver import refuse_untested
 
-__all__ = ["TrainerWindows", "refuse_data_parallel", "refuse_what_a_window_loss_cannot_run", "window_loss_of"]
+__all__ = ["TrainerWindows", "refuse_what_a_window_loss_cannot_run", "window_loss_of"]
 
 #: ``make(micro_batches) -> (window_loss, params, loss_model)`` for one window
 MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]
@@ -105,20 +106,9 @@ def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLos
     return contrastive_window_loss(model) if isinstance(model, nn.Module) else None
 
 
-def refuse_data_parallel(trainer: Any) -> None:
-    """DataParallel over several GPUs in one process splits each batch without telling the loss."""
-    if trainer.args.n_gpu > 1:
-        raise ConfigurationError(f"{type(trainer).__name__}: n_gpu={trainer.args.n_gpu} (DataParallel in one process) "
-                                 "splits each batch without telling the loss; launch one process per GPU (torchrun) "
-                                 "instead")
-
-
 def refuse_what_a_window_loss_cannot_run(trainer: Any) -> None:
     """A Trainer set-up under which the cached window is not tested: refused with the fix."""
-    refuse_data_parallel(trainer)
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-        raise ConfigurationError("a WindowLoss in the Trainer is tested with DDP (one process per device under "
-                                 "torchrun), not with DeepSpeed or FSDP: train it with DDP")
+    refuse_untested(trainer, "training with a WindowLoss")
     if getattr(trainer, "window_loss", None) is not None:  # ExactTrainer: the loss may read the model's parameters
         if trainer.args.ddp_find_unused_parameters:
             raise ConfigurationError(

@@ -15,7 +15,7 @@ from torch import nn
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount, local_counts, trl_divisor
-from .hf_driver import TrainerDriver  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
+from .hf_driver import TrainerDriver, refuse_untested  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 from .hf_moe import trl_router_balance
 
 try:
@@ -243,9 +243,7 @@ def _refuse_what_is_not_exact(trainer: Any) -> None:
         raise NotExactError(f"{name}: top_entropy_quantile={trainer.top_entropy_quantile} keeps the tokens above a "
                             "quantile of each micro-batch's entropies, which couples the micro-batch's tokens, so no "
                             f"weighting makes the step one big batch; pass {args}(..., top_entropy_quantile=1.0)")
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.n_gpu > 1:
-        raise ConfigurationError(f"{name}: DeepSpeed, FSDP and DataParallel in one process (n_gpu > 1) are not tested "
-                                 "with GRPO and RLOO here; train with DDP (one process per device under torchrun)")
+    refuse_untested(trainer, "training with GRPO and RLOO")
 
 
 class ExactGRPOTrainer(_ExactRL, GRPOTrainer):  # type: ignore[misc]
