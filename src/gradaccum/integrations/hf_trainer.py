@@ -39,8 +39,16 @@ __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", 
 SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
            "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
 _DECLARABLE = ("rows",)  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
-_RL_DROP_INS = {"trl.trainer.grpo_trainer.GRPOTrainer": "ExactGRPOTrainer",  # integrations/trl_rl.py
-                "trl.trainer.rloo_trainer.RLOOTrainer": "ExactRLOOTrainer"}
+_GENERATES = (" generates its micro-batches inside training_step (a batch is a list of prompts until then), so "
+              "ExactTrainer cannot count them")
+#: the Trainers ExactTrainer cannot weigh (by the qualified name of the class whose compute_loss runs, or its
+#: package), why, and the drop-in to use instead (exact_items = 'rows' would fail in train() or train plain
+#: accumulation)
+_DROP_INS = {"trl.trainer.grpo_trainer.GRPOTrainer": (_GENERATES, "gradaccum.integrations.trl import ExactGRPOTrainer"),
+             "trl.trainer.rloo_trainer.RLOOTrainer": (_GENERATES, "gradaccum.integrations.trl import ExactRLOOTrainer"),
+             "sentence_transformers.": ("'s losses couple the batch's rows (in-batch negatives, CoSENT, triplet mining), so "
+                                        "no weighting of micro-batches makes them one big batch", "gradaccum.integrations."
+                                        "sentence_transformers import ExactSentenceTransformerTrainer")}
 _NOT_PER_PAIR = ("sft", "aot", "aot_unpaired")  # DPO loss types over the whole micro-batch, not per pair
 
 
@@ -72,17 +80,10 @@ def loss_source(cls: type) -> str:
             f"1/W or W times off). Write class {cls.__name__}(ExactTrainer, {wrong[0].__name__})")
     owner = next(c for c in mro[here + 1:] if "compute_loss" in vars(c))
     declared = getattr(cls, "exact_items", None)
-    drop_in = _RL_DROP_INS.get(_qualname(owner))
-    if drop_in is not None:  # its batches are prompts until training_step generates: nothing to count here
-        raise TypeError(f"class {cls.__name__}: {owner.__name__} generates its micro-batches inside training_step (a "
-                        "batch is a list of prompts until then), so ExactTrainer cannot count them and exact_items = "
-                        f"'rows' would fail in train(). Use the drop-in: from gradaccum.integrations.trl import {drop_in}")
-    if _qualname(owner).startswith("sentence_transformers."):  # its losses couple the batch's rows
-        raise TypeError(
-            f"class {cls.__name__}: {owner.__name__}'s losses couple the batch's rows (in-batch negatives, CoSENT, "
-            "triplet mining), so no weighting of micro-batches makes them one big batch, and exact_items = 'rows' "
-            "would train plain accumulation. Use gradaccum.integrations.sentence_transformers."
-            "ExactSentenceTransformerTrainer instead of SentenceTransformerTrainer")
+    for name, (why, drop_in) in _DROP_INS.items():
+        if _qualname(owner) == name or (name.endswith(".") and _qualname(owner).startswith(name)):
+            raise TypeError(f"class {cls.__name__}: {owner.__name__}{why}, and "
+                            f"exact_items = 'rows' would not make it exact. Use the drop-in: from {drop_in}")
     if declared is not None:
         if declared not in _DECLARABLE:
             raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported is {_DECLARABLE} (compute_loss "
@@ -145,24 +146,16 @@ class ExactTrainer(TrainerDriver, Trainer):
         head: One of :data:`HEADS`, where ExactTrainer computes the loss itself. Default: read from
             the model's class (:func:`head_of`).
         ignore_index: Label value that is not a target. Default -100.
-        accum_dtype: ``"auto"`` (the default): bf16/fp16 trainable parameters sum the window's gradient
-            in float32 buffers on one process, rounded once into ``.grad`` before the Trainer clips;
-            under DDP/FSDP2 the wrapper sums into ``.grad`` and a
-            :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out, the
-            sum in ``.grad``, silently. What each costs: docs/guides/deepspeed.md ("bf16 and fp16
-            parameters").
-        **kwargs: As for the Trainer; ``compute_loss_func`` is refused unless it is a
-            :class:`~gradaccum.WindowLoss` (a loss that couples the batch's rows, see
-            :mod:`gradaccum.integrations.hf_window_loss`; ``CLIPModel`` and ``SiglipModel`` get theirs
-            without it).
+        accum_dtype: ``"auto"`` (default) or ``"param"``: where bf16/fp16 parameters sum the window
+            (docs/guides/deepspeed.md, "bf16 and fp16 parameters").
+        **kwargs: As for the Trainer; ``compute_loss_func`` only as a :class:`~gradaccum.WindowLoss`
+            (``CLIPModel`` and ``SiglipModel`` get theirs without it: docs/guides/hf-trainer.md, "CLIP,
+            SigLIP and other losses that couple the batch").
 
     Raises:
-        ValueError: ``compute_loss_func`` is passed; ``label_smoothing_factor`` where ExactTrainer
-            computes the loss; DataParallel over several GPUs in one process (``n_gpu > 1``);
-            DeepSpeed without ``"managed_gradient_accumulation": false`` (or with an MoE router
-            loss); FSDP1 (``fsdp_version=1``); FSDP2 where the loss is a
-            trainer's own (TRL's, or ``exact_items``); a batch has no ``labels``; the model
-            returns no ``logits``.
+        ValueError: a set-up that would not be one big batch, or is not tested here, with the fix, before
+            training (docs/guides/hf-trainer.md, "Limits" and "Sharded training"); a batch without
+            ``labels``, a model that returns no ``logits``.
 
     Example:
         >>> args = TrainingArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=4)  # doctest: +SKIP
