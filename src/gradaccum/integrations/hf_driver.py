@@ -151,7 +151,7 @@ class TrainerDriver:
             return forward(), None
         out, part = balance.run(window.ran, model, inputs, forward, aux_owner)
         if window.last:
-            balance.check()
+            balance.routing.check()  # every rank: the training forwards routed as counted
         return out, part * (0.0 if window.skip else self.accelerator.num_processes)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -167,7 +167,7 @@ class TrainerDriver:
         window = self._window
         if window is not None and window.ran_one():
             if self._balance is not None:
-                self._balance.finish()
+                self._balance.routing.finish()  # the random state as the counting pass left it
             applied = True
             if self.is_deepspeed_enabled:
                 from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step

@@ -4,14 +4,17 @@ by :meth:`~gradaccum.integrations.hf_driver.TrainerDriver.balanced`. How: docs/g
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .._patching import swapped
 from ..errors import NotExactError
-from ..moe import BALANCED_FAMILIES, MoEOutput, RouterBalance, WindowRouting, aux_term, router_logits_of
+from ..moe import (BALANCED_FAMILIES, RouterBalance, WindowRouting, aux_term, hf_routing, hf_token_mask,
+                   router_logits_of)
 from ..sync import sync_for
 
 __all__ = ["WindowBalance", "trl_aux_refusal", "trl_router_balance"]
@@ -49,18 +52,6 @@ def trl_aux_refusal(trainer: Any, why: str, then: str = "") -> NotExactError:
         f"router_aux_loss_coef=0.0) to train without it{then}")
 
 
-def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:
-    """The tokens the model's own ``load_balancing_loss_func`` balances: its 2-D ``attention_mask``."""
-    mask = inputs.get("attention_mask")
-    return mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-
-
-def _routed(module: nn.Module) -> Callable[[Dict[str, Any]], MoEOutput]:
-    """``module``'s router logits on a micro-batch's model inputs (the Trainer counts items itself)."""
-    return lambda inputs: MoEOutput(None, None, module(**inputs, output_router_logits=True).router_logits,
-                                    _mask(inputs))
-
-
 class WindowBalance:
     """One window's :class:`~gradaccum.moe.WindowRouting`, opened and driven from the Trainer's hooks.
 
@@ -82,8 +73,10 @@ class WindowBalance:
         was_training = model.training
         model.train()  # routes as the training forward will (jitter and dropout on)
         try:
-            self.routing = WindowRouting.open(term, batches, route=_routed(getattr(model, "base_model", model)),
-                                              forward=_routed(model), sync=sync, device=device, who=who)
+            trunk = getattr(model, "base_model", model)
+            self.routing = WindowRouting.open(term, batches, route=lambda inputs: hf_routing(trunk, inputs),
+                                              forward=lambda inputs: hf_routing(model, inputs), sync=sync,
+                                              device=device, who=who)
         finally:
             model.train(was_training)
         #: this rank's parts of the window's load-balancing loss (without ``coef``), summed: what a log shows
@@ -96,23 +89,10 @@ class WindowBalance:
         TRL ``trainer``, its own per-micro-batch aux term is off for the forward (the window's part
         replaces it)."""
         self.routing.replay(k)
-        kept = getattr(trainer, "aux_loss_enabled", None)
-        if kept is not None:
-            trainer.aux_loss_enabled = False
-        try:
-            with router_logits_of(model) as router_logits:
-                out = forward()
-        finally:
-            if kept is not None:
-                trainer.aux_loss_enabled = kept
-        part = self.routing.part(k, router_logits, _mask(inputs))
+        own_term_off = (swapped(trainer, "aux_loss_enabled", False) if hasattr(trainer, "aux_loss_enabled")
+                        else contextlib.nullcontext())
+        with own_term_off, router_logits_of(model) as router_logits:
+            out = forward()
+        part = self.routing.part(k, router_logits, hf_token_mask(inputs))
         self.total += part.detach()
         return out, self.routing.term.coef * part
-
-    def check(self) -> None:
-        """Before the window's last backward, on every rank: the training forwards routed as counted."""
-        self.routing.check()
-
-    def finish(self) -> None:
-        """After the window: the random state as the counting pass left it."""
-        self.routing.finish()
