@@ -31,9 +31,9 @@ def _loss_type(trainer: Any) -> str:
 
 
 class _RLResume:
-    """A GRPO/RLOO run resumed from a checkpoint: the saved steps and skipped steps read back, the data
-    position past every step's data (skipped ones included), TRL's micro-batch counter there, and the
-    checkpoint's random state loaded before the step's generation (the Trainer would load it after)."""
+    """A GRPO/RLOO run resumed from a checkpoint, as docs/guides/trl.md ("GRPO and RLOO") says: the
+    driver's resume, TRL's micro-batch counter at its position, and the checkpoint's random state loaded
+    before the step's generation (the Trainer would load it after)."""
 
     #: a resume inside an epoch: the checkpoint whose random state the step's generation draws from
     #: (loaded before generating; the Trainer's later load is then skipped)
@@ -42,11 +42,8 @@ class _RLResume:
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: Optional[str], trial: Any) -> Tuple[int, int]:
-        """The driver's resume (the state read back, the position past skipped steps' data: a step consumes
-        ``gradient_accumulation_steps`` loader batches, one generation batch each), then TRL's micro-batch
-        counter ``_step`` set to that position, and the checkpoint's random state kept for the step's
-        generation (:meth:`get_batch_samples`), so that a resume at a generation boundary generates what the
-        uninterrupted run generated."""
+        """The driver's resume, then TRL's micro-batch counter ``_step`` set to its position and the
+        checkpoint kept for the random state of the step's generation (:meth:`get_batch_samples`)."""
         epochs, batches = super()._init_training_state(  # type: ignore[misc]
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
         self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
@@ -56,16 +53,14 @@ class _RLResume:
         return epochs, batches
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
-        """The Trainer's restore of the checkpoint's random state, once, where :meth:`get_batch_samples`
-        restored it before the step's generation (the Trainer's restore would come after it)."""
+        """The Trainer's restore of the checkpoint's random state, unless :meth:`get_batch_samples` did it."""
         if self._rng_loaded_early:
             self._rng_loaded_early = False
             return
         super()._load_rng_state(checkpoint)  # type: ignore[misc]
 
     def _load_rng_state_before_generating(self) -> None:
-        """On the first step after a resume inside an epoch: the random state the uninterrupted run
-        generated this step from."""
+        """After a resume inside an epoch: the random state the uninterrupted run generated this step from."""
         if self._resume_rng is not None:
             checkpoint, self._resume_rng = self._resume_rng, None
             self._load_rng_state(checkpoint)
@@ -74,20 +69,17 @@ class _RLResume:
 
 class _RLEntropy:
     """TRL's entropy bonus as the exact step applies it: its coefficient this step, and TRL's adaptive
-    controller left where the last step taken left it when a step is skipped (TRL would move it on the
-    skipped step's entropy, 0 over no token, so the coefficient would grow)."""
+    controller kept over a skipped step (docs/guides/trl.md, "GRPO and RLOO")."""
 
     _controller: Optional[Tuple[float, float]] = None  # (coefficient, last entropy) kept over a skipped step
 
     def _entropy_coef_now(self) -> float:
-        """The entropy bonus's coefficient TRL applies in this step (0 where off; adaptive: the
-        previous step's decision)."""
+        """The coefficient TRL applies in this step (0 where off; adaptive: the previous step's decision)."""
         if not getattr(self, "_entropy_bonus_enabled", False):
             return 0.0
         if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:  # type: ignore[attr-defined]
             return 0.0
         return float(self.entropy_coef)  # type: ignore[attr-defined]
-
 
     def _keep_entropy_controller(self) -> None:
         if getattr(self, "use_adaptive_entropy", False):
@@ -125,14 +117,11 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
     # -- count first ------------------------------------------------------------------------------
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Tuple[List[Any], None]:
-        """The step's micro-batches, generated (or taken from TRL's buffer) now, before the step's
-        first backward, in the order TRL would; their completion tokens and sequences summed over
-        the ranks in one all-reduce (one host synchronisation per step).
-
-        Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step). The
-        policy does not change inside a step, so generating a step's later generation batch at its
-        start gives the completions and old log-probabilities TRL would compute mid-step (sampled
-        from the same policy; with dropout on, from another point of the random stream than TRL's)."""
+        """The step's micro-batches, generated (or taken from TRL's buffer) now, before its first
+        backward, in the order TRL would; their completion tokens and sequences summed over the ranks in
+        one all-reduce (one host synchronisation per step). The policy does not change inside a step, so
+        a later generation batch generated at its start is sampled from the same policy (with dropout on,
+        from another point of the random stream than TRL's)."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
         self._load_rng_state_before_generating()
         self.model.train()  # type: ignore[attr-defined]  # TRL's _prepare_inputs reads the mode
