@@ -123,3 +123,31 @@ def test_exact_trainer_reads_whether_the_engine_applied_the_window_s_step():
     wrapped.backward(torch.zeros(()), sync_gradients=True)
     assert engine.steps == 1 and not step_applied(trainer)
     assert step_applied(SimpleNamespace(accelerator=SimpleNamespace()))  # off DeepSpeed
+
+
+def test_exact_trainer_refuses_a_deepspeed_config_that_manages_accumulation_as_the_accumulator_does():
+    """The one refusal of an engine that manages accumulation (``_deepspeed.engine_manages_accumulation``):
+    ExactTrainer reads it from the DeepSpeed config before the engine exists, names itself and the key;
+    with the key set it hands the boundary to its window."""
+    from types import SimpleNamespace
+
+    hf_deepspeed = pytest.importorskip("gradaccum.integrations.hf_deepspeed")
+
+    class ExactSFTStandIn:
+        def __init__(self, config):
+            plugin = SimpleNamespace(deepspeed_config=config)
+            self.accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+            self.callbacks = []
+
+        def add_callback(self, callback):
+            self.callbacks.append(callback)
+
+    for config in ({}, {"managed_gradient_accumulation": True}):
+        trainer = ExactSFTStandIn(config)
+        with pytest.raises(ConfigurationError, match=r'^ExactSFTStandIn under DeepSpeed: .*add "managed_gradient_'
+                                                     rf'accumulation": false to the DeepSpeed config \(DeepSpeed >= {WORKS_WITH}\)'):
+            hf_deepspeed.prepare(trainer, lambda: True)
+        assert trainer.callbacks == []
+    trainer = ExactSFTStandIn({"managed_gradient_accumulation": False})
+    hf_deepspeed.prepare(trainer, lambda: True)
+    assert [type(c).__name__ for c in trainer.callbacks] == ["DeepSpeedWindows"]

@@ -1,7 +1,5 @@
 """The old public names of renamed concepts (one name per concept, #37): each still reads the new
 name and says so with a DeprecationWarning naming the replacement."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -23,22 +21,11 @@ def test_the_accumulators_old_names_read_the_state_and_warn():
         acc.state.first_reference = 1.0
 
 
-@pytest.mark.parametrize("module, cls, old", [("gradaccum.integrations.hf_trainer", "ExactTrainer", "windows_skipped"),
-                                              ("gradaccum.integrations.lightning", "ExactAccumulation", "skipped_windows")])
-def test_the_trainer_drivers_old_skip_counts_read_skipped(module, cls, old):
-    owner = getattr(pytest.importorskip(module), cls)
-    stand_in = SimpleNamespace(skipped=3)
-    with pytest.warns(DeprecationWarning, match=rf"read \.skipped$"):
-        assert getattr(owner, old).fget(stand_in) == 3
-    assert isinstance(owner.skipped, property)
-
-
 @pytest.mark.parametrize("key, saved, skipped", [
     ("TrainerWindowState", {"attributes": {"saved": {"steps": 5, "skipped": 2}}}, 2),
-    ("_StateCallback", {"attributes": {"saved": {"steps": 5, "skipped": 2}}}, 2),  # the name before the rename
-    ("_Skips", {"attributes": {"windows": 2}}, 2),  # the first checkpoints: only the skipped windows
+    ("_StateCallback", {"attributes": {"saved": {"steps": 5, "skipped": 2}}}, 0),  # pre-release names: not read
     ("SomethingElse", {"attributes": {"saved": {"skipped": 9}}}, 0)])
-def test_the_trainers_saved_state_loads_under_each_name_it_was_saved_as(key, saved, skipped):
+def test_the_trainers_saved_state_loads_under_its_name_only(key, saved, skipped):
     hf_trainer = pytest.importorskip("gradaccum.integrations.hf_trainer")
     callback = hf_trainer.TrainerWindowState()
     callback.load({key: saved})

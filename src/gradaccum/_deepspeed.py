@@ -37,7 +37,7 @@ from torch import nn
 from .errors import ConfigurationError, NotExactError
 from ._seam import LOW_PRECISION, GradSync, loaded_type
 
-__all__ = ["DeepSpeedSync", "deepspeed_engine", "check_engine_arguments", "WORKS_WITH"]
+__all__ = ["DeepSpeedSync", "deepspeed_engine", "check_engine_arguments", "engine_manages_accumulation", "WORKS_WITH"]
 
 #: the DeepSpeed release gradaccum is tested with (it has the caller-owned boundary; older ones may not)
 WORKS_WITH = "0.19.8"
@@ -67,10 +67,7 @@ def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_g
             f"(the config key 'managed_gradient_accumulation'): install deepspeed>={WORKS_WITH}, the version "
             "gradaccum is tested with")
     if managed():
-        raise ConfigurationError(
-            "the DeepSpeed engine manages gradient accumulation itself (it reduces and steps every "
-            "gradient_accumulation_steps backward passes, each loss divided by that count), so the window could "
-            "not be one big batch: add \"managed_gradient_accumulation\": false to the DeepSpeed config")
+        raise engine_manages_accumulation("Accumulator")
     if callable(getattr(engine, "is_deepcompile_enabled", None)) and engine.is_deepcompile_enabled():
         raise ConfigurationError(
             "DeepCompile compiles DeepSpeed's own accumulation schedule and cannot leave the boundary to its "
@@ -170,6 +167,14 @@ class DeepSpeedSync(GradSync):
                     "\"fp32\"}" + (" and \"communication_data_type\": \"fp32\"" if partitions else "")
                     + " in the DeepSpeed config to sum it in float32")
         return None
+
+
+def engine_manages_accumulation(who: str) -> ConfigurationError:
+    """The refusal of a DeepSpeed engine (or config) that manages gradient accumulation itself, for ``who``."""
+    return ConfigurationError(
+        f"{who} under DeepSpeed: the engine manages gradient accumulation itself (it reduces and steps every "
+        "gradient_accumulation_steps backward passes, each loss divided by that count), so the window could not be "
+        f"one big batch: add \"managed_gradient_accumulation\": false to the DeepSpeed config (DeepSpeed >= {WORKS_WITH})")
 
 
 def not_known_up_front(*, in_engine: bool = False) -> NotExactError:

@@ -6,7 +6,8 @@ The framework calls forward, backward, clipping and the optimizer; the driver (`
 1. **open** the window: the core's :class:`~gradaccum._weights.WindowWeights` (``num_items=N`` when the
    driver counted the window first, the running R otherwise), and the float32 buffers of the bf16/fp16
    parameters' window gradient (:class:`~gradaccum._gradients.AccumulationBuffers`) cleared and folding;
-2. **weigh** each micro-batch (``weights.mean_weight``/``sum_weight``), counting what ran;
+2. **weigh** each micro-batch (``weights.mean_weight``/``sum_weight``, or :meth:`DrivenWindow.weigh` on
+   the loss the framework backpropagates, with the guard of a micro-batch of 0 items), counting what ran;
 3. at the **boundary**, before the framework clips and steps: :meth:`DrivenWindow.close` decides (step,
    or skip a window of no item), stops the buffers folding and, for a step, hands the framework the
    window's gradient at its scale ``R / N``: the buffers multiplied in float32 and rounded once into
@@ -19,8 +20,9 @@ parameters, so nothing of it may fold into the next window.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 
@@ -29,6 +31,7 @@ from ._gradients import AccumulationBuffers
 from ._maths import Verdict
 from ._state import AccumulatorState
 from ._weights import Closing, WindowWeights
+from ._window import may_be_empty, weighing_nothing
 
 __all__ = ["DrivenWindow", "retire_buffers"]
 
@@ -82,6 +85,21 @@ class DrivenWindow:
         """One micro-batch more has run; whether it was the window's last."""
         self.ran += 1
         return self.micro_batches is not None and self.ran == self.micro_batches
+
+    def weigh(self, loss: torch.Tensor, num_items: Count, leaves: Callable[[], Iterable[torch.Tensor]], *,
+              divided_by: float = 1.0) -> ContextManager[None]:
+        """Micro-batch k's weight ``n_k W / R`` on the gradient of ``loss``, which the framework itself
+        backpropagates after dividing it by ``divided_by`` (Lightning: ``accumulate_grad_batches``), and
+        ``n_k`` added to the running count. Returns the context its backward runs in: where ``n_k`` may be
+        0 (:func:`~gradaccum._window.may_be_empty`), :func:`~gradaccum._window.weighing_nothing` over
+        ``leaves()``, since a mean over no item is ``0 / 0 = nan``, which no weight on the loss cleans."""
+        self.count = self.count + num_items
+        if not loss.requires_grad:
+            return contextlib.nullcontext()
+        c = divided_by * self.weights.mean_weight(num_items, loss.dtype)
+        loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
+        empty = may_be_empty(num_items)
+        return contextlib.nullcontext() if empty is None else weighing_nothing(leaves(), empty)
 
     def close(self, num_items: Optional[Count] = None, params: Iterable[torch.nn.Parameter] = ()) -> Closing:
         """The boundary, before the framework clips and steps: the verdict (from ``num_items``, the

@@ -413,13 +413,22 @@ def _backward_of_a_count(window: Window, weighted: torch.Tensor, num_items: Coun
     gradients (its backward runs as before)."""
     if type(num_items) is int and num_items > 0:  # the common count
         return _backward(window, weighted)
-    num_items = host_count(num_items)
-    if isinstance(num_items, torch.Tensor):
-        _backward(window, weighted, empty=None if window.ctx.sync.owns_step else num_items.reshape(()) == 0)
-    elif num_items == 0 and _adds_nothing(window):
+    empty = may_be_empty(num_items)
+    if empty is True and _adds_nothing(window):
         window.done += 1  # skipped: it adds exactly nothing (its graph is released with `weighted`)
     else:
-        _backward(window, weighted, empty=True if num_items == 0 and not window.ctx.sync.owns_step else None)
+        _backward(window, weighted, empty=None if window.ctx.sync.owns_step else empty)
+
+
+def may_be_empty(num_items: Count) -> Union[None, bool, torch.Tensor]:
+    """Whether a micro-batch of ``num_items`` holds no item, as far as the host can tell without waiting
+    for a device: None for a count it reads as > 0 (nothing to guard), True for 0, and for an
+    accelerator's tensor count a 0-d bool compared on the device (no host sync), for
+    :func:`weighing_nothing`. Every driver's guard of a micro-batch of 0 items starts here."""
+    n = host_count(num_items)
+    if isinstance(n, torch.Tensor):
+        return n.reshape(()) == 0
+    return True if n == 0 else None
 
 
 def host_count(num_items: Count) -> Count:

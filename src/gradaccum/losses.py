@@ -6,18 +6,23 @@ why dividing each micro-batch's mean by N mis-weights the window; the Accumulato
 each micro-batch's mean by its count and divides by the window's total count::
 
     window loss = sum_k count_k * mean_k / sum_k count_k
+
+A contrastive model's loss couples the batch's rows instead: :func:`contrastive_window_loss` is CLIP's and
+SigLIP's as a :class:`~gradaccum.WindowLoss`, computed once over the whole window.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Optional, Tuple
 
 import torch
+from torch import nn
 
+from ._cached import WindowLoss
 from ._maths import target_count, token_loss_sum
 from .errors import ConfigurationError
 
-__all__ = ["causal_lm_loss", "count_targets", "token_cross_entropy"]
+__all__ = ["causal_lm_loss", "contrastive_window_loss", "count_targets", "token_cross_entropy"]
 
 
 def token_cross_entropy(
@@ -78,3 +83,30 @@ def count_targets(labels: torch.Tensor, *, shift: bool = True, ignore_index: int
     if labels.dim() < 1 or (shift and labels.dim() != 2):
         raise ConfigurationError(f"count_targets expects labels of shape (batch, seq), got {tuple(labels.shape)}")
     return int(target_count(labels[:, 1:] if shift else labels, ignore_index=ignore_index))
+
+
+def contrastive_window_loss(model: nn.Module) -> Optional[WindowLoss]:
+    """The loss of a contrastive Hugging Face model (``CLIPModel``, ``SiglipModel``) as a WindowLoss:
+    ``encode`` runs the model without its loss (``return_loss=False``) for the normalized text and
+    image embeddings; ``loss`` is the model's own over the whole window, its ``logit_scale`` (and
+    SigLIP's ``logit_bias``) reached through the model. None for another model. ``ExactTrainer`` trains
+    these models with it; in one's own loop: ``acc.step(batch, contrastive_window_loss(model), ...)``."""
+    name = type(model).__name__
+    if name not in ("CLIPModel", "SiglipModel"):
+        return None
+
+    def encode(m: nn.Module, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        out = m(**{k: v for k, v in batch.items() if k not in ("return_loss", "labels")}, return_loss=False)
+        return out.text_embeds, out.image_embeds
+
+    def loss(m: nn.Module, reps: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        text, image = reps
+        logits = text @ image.T * m.logit_scale.exp()
+        if name == "CLIPModel":
+            target = torch.arange(len(text), device=text.device)
+            return (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.T, target)) / 2
+        logits = logits + m.logit_bias
+        signs = 2 * torch.eye(len(text), device=text.device, dtype=logits.dtype) - 1
+        return -nn.functional.logsigmoid(signs * logits).sum(dim=-1).mean()
+
+    return WindowLoss(encode, loss)

@@ -57,7 +57,8 @@ from .errors import ConfigurationError, NotExactError, replay_differs
 from .sync import FSDP2Sync, GradSync
 
 __all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss",
-           "MODES", "WindowRouting", "counts_on_every_rank", "run_moe_window", "check_moe_loss"]
+           "MODES", "WindowRouting", "counts_on_every_rank", "run_moe_window", "check_moe_loss", "hf_routing",
+           "hf_token_mask"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
 MODES = ("exact", "micro_batch", "prefix")
@@ -196,6 +197,21 @@ class MoEOutput(NamedTuple):
     token_mask: Optional[torch.Tensor] = None
 
 
+def hf_token_mask(inputs: Mapping[str, Any]) -> Optional[torch.Tensor]:
+    """The tokens a Hugging Face MoE model's ``load_balancing_loss_func`` balances: its 2-D
+    ``attention_mask``, flattened (None: every token)."""
+    mask = inputs.get("attention_mask")
+    return mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
+def hf_routing(model: nn.Module, inputs: Mapping[str, Any], num_items: Any = None) -> MoEOutput:
+    """A Hugging Face MoE model's routing of a micro-batch's model inputs (the counting pass): its router
+    logits (``output_router_logits=True``) and :func:`hf_token_mask`; ``num_items`` as the caller counts
+    them. ``model`` is the trunk (``base_model``) where the LM head is not needed."""
+    return MoEOutput(None, num_items, model(**inputs, output_router_logits=True).router_logits,  # type: ignore[arg-type]
+                     hf_token_mask(inputs))
+
+
 class MoELoss:
     """A loss for ``acc.step`` / ``acc.train`` (in place of a ``loss_fn``): a token loss plus ``coef``
     times a mixture-of-experts load-balancing loss over the **whole window**, every micro-batch on
@@ -319,15 +335,12 @@ class MoELoss:
             with router_logits_of(model) as router_logits:
                 out = model(**inputs, output_router_logits=False)
             mean, count = causal_lm_loss(out.logits, labels, ignore_index=ignore_index)
-            mask = batch.get("attention_mask")
-            return MoEOutput(mean, count, list(router_logits), None if mask is None else mask.reshape(-1))
+            return MoEOutput(mean, count, list(router_logits), hf_token_mask(batch))
 
         def route(model: nn.Module, batch: Any) -> MoEOutput:
             inputs, labels = split(batch)
-            out = getattr(model, "base_model", model)(**inputs, output_router_logits=True)
             count = target_count(labels[..., 1:], ignore_index=ignore_index)
-            mask = batch.get("attention_mask")
-            return MoEOutput(None, count, out.router_logits, None if mask is None else mask.reshape(-1))
+            return hf_routing(getattr(model, "base_model", model), inputs, count)
 
         return cls(forward, num_experts=term.num_experts, top_k=term.top_k, coef=term.coef, mode=mode, route=route)
 

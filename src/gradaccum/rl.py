@@ -18,9 +18,11 @@ docs/guides/trl.md ("GRPO and RLOO").
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence, Union
 
-__all__ = ["ITEMS", "StepCount", "step_items"]
+import torch
+
+__all__ = ["ITEMS", "StepCount", "local_counts", "step_items", "trl_divisor"]
 
 #: what a step's loss averages over, per loss type: its sequences ("rows"), its completion tokens
 #: ("tokens"), or its rows times ``max_completion_length`` ("row slots", Dr. GRPO's constant)
@@ -55,3 +57,52 @@ class StepCount:
     def of(cls, loss_type: str, tokens: int, rows: int, max_completion_length: Optional[int]) -> "StepCount":
         """The step's counts, N from :func:`step_items`."""
         return cls(tokens, rows, step_items(loss_type, tokens, rows, max_completion_length))
+
+
+def local_counts(masks: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's ``[completion tokens, sequences]`` over a step's micro-batches (their loss masks), a
+    long tensor on ``device`` to sum over the ranks in one reduction, before :meth:`StepCount.of`.
+
+    >>> local_counts([torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.tensor([[1, 1, 1]])], torch.device("cpu"))
+    tensor([6, 3])
+    """
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for mask in masks:
+        counts += torch.stack([mask.sum().long(), torch.tensor(mask.shape[0], device=mask.device)]).to(device)
+    return counts
+
+
+def trl_divisor(loss_type: str, mask: torch.Tensor, *, accumulation: int, max_completion_length: Optional[int],
+                generation_tokens: Optional[torch.Tensor], world: int, steps_per_generation: int
+                ) -> Union[float, torch.Tensor]:
+    """What TRL 1.16's ``_compute_loss`` divided a training micro-batch's summed terms by (its
+    ``loss_type``'s normaliser times the accumulation steps ``K``), so that ``loss * trl_divisor`` is
+    the micro-batch's summed terms again::
+
+        grpo, sapo, luspo   rows_k * K              bnpo    max(tokens_k, 1) * K
+        dr_grpo             rows_k * L_max * K      dapo, cispo, vespo   max(N_gen, 1) / W * K / steps_per_generation
+        rloo                rows_k                  (the Trainer's own 1/K is switched off)
+
+    with ``rows_k``/``tokens_k`` the micro-batch's sequences and completion tokens (``mask``), ``N_gen`` the
+    generation batch's tokens over all ``W`` ranks (TRL's ``num_items_in_batch``). Each is TRL's own
+    expression, in its dtype, so that the division is undone to the last bit.
+
+    >>> mask = torch.tensor([[1., 1., 0.], [1., 0., 0.]])
+    >>> common = dict(accumulation=4, max_completion_length=3, generation_tokens=torch.tensor(9.), world=1)
+    >>> trl_divisor("grpo", mask, steps_per_generation=1, **common), trl_divisor("dr_grpo", mask, steps_per_generation=1, **common)
+    (8.0, 24.0)
+    >>> trl_divisor("bnpo", mask, steps_per_generation=1, **common), trl_divisor("dapo", mask, steps_per_generation=2, **common)
+    (tensor(12.), tensor(18.))
+    """
+    rows = float(mask.shape[0])
+    if loss_type == "rloo":
+        return rows
+    if loss_type in ("grpo", "sapo", "luspo"):
+        return rows * accumulation
+    if loss_type == "bnpo":
+        return mask.sum().clamp(min=1.0) * accumulation
+    if loss_type == "dr_grpo":
+        assert max_completion_length is not None, "dr_grpo divides by max_completion_length"
+        return rows * max_completion_length * accumulation
+    assert generation_tokens is not None, f"loss_type={loss_type!r} divides by the generation batch's tokens"
+    return generation_tokens.clamp(min=1.0) / world * accumulation / steps_per_generation

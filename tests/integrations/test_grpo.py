@@ -201,7 +201,7 @@ def test_a_router_loss_gradaccum_cannot_compute_is_refused_with_the_fix():
 
     model = moe_model("qwen3_moe")
     model.config.model_type = "jetmoe"  # a family whose router loss is not transformers' load_balancing_loss_func
-    with pytest.raises(NotExactError, match=r"model \(jetmoe\) .*router_aux_loss_coef=0\.2 .*supported: mixtral.*"
+    with pytest.raises(NotExactError, match=r"router_aux_loss_coef=0\.2 .*model \(jetmoe\) .*supported: mixtral.*"
                                             r"GRPOConfig\(\.\.\., router_aux_loss_coef=0\.0\)"):
         _trainer(model)
 

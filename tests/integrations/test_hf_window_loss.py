@@ -176,3 +176,29 @@ def test_the_accumulator_and_exact_trainer_run_one_implementation(tmp_path, monk
     train(ExactTrainer, DualEncoder(), pairs(16, seed=3), tmp_path, batch=4, accumulation=4, lr=LR,
           compute_loss_func=own_window_loss())
     assert calls == expected
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_a_contrastive_model_s_window_loss_in_one_s_own_loop_is_one_big_batch(kind):
+    """``gradaccum.losses.contrastive_window_loss`` is the same loss ExactTrainer trains with, for an
+    Accumulator too: one step over 4 uneven micro-batches equals the model's own loss on every row,
+    where averaging each micro-batch's own loss (plain accumulation) does not."""
+    from gradaccum import Accumulator
+    from gradaccum.losses import contrastive_window_loss
+    from integrations.clip_helpers import collate
+
+    base, rows = clip(kind), pairs(22, seed=5)
+    ref = big_batch_step(base, rows, LR)
+    exact = copy.deepcopy(base)
+    batches = [collate(rows[a:b]) for a, b in ((0, 4), (4, 11), (11, 17), (17, 22))]
+    Accumulator(exact, torch.optim.SGD(exact.parameters(), lr=LR)).step(batches, contrastive_window_loss(exact))
+    stock = copy.deepcopy(base)
+    for b in batches:  # each micro-batch's own loss, weighted by its rows
+        (stock(**b).loss * len(b["input_ids"]) / len(rows)).backward()
+    with torch.no_grad():
+        for p in stock.parameters():
+            if p.grad is not None:
+                p -= LR * p.grad
+    assert distance(base, exact, ref) < TOL
+    assert distance(base, stock, ref) > 1e-3
+    assert contrastive_window_loss(torch.nn.Linear(2, 2)) is None

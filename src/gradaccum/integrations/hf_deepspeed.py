@@ -11,9 +11,8 @@ from typing import Any, Callable
 
 from transformers import TrainerCallback
 
-from .._deepspeed import DeepSpeedSync
+from .._deepspeed import DeepSpeedSync, engine_manages_accumulation
 from ..accumulator import LowPrecisionWarning
-from ..errors import ConfigurationError
 
 __all__ = ["WindowEngine", "DeepSpeedWindows", "prepare", "step_applied"]
 
@@ -64,10 +63,7 @@ def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     config = getattr(plugin, "deepspeed_config", None) or {}
     if config.get("managed_gradient_accumulation", True) is not False:
-        raise ConfigurationError(
-            "ExactTrainer under DeepSpeed: the engine manages gradient accumulation itself (each loss divided by "
-            "gradient_accumulation_steps, a step every that many backward passes), so the window could not be one "
-            "big batch: add \"managed_gradient_accumulation\": false to the DeepSpeed config (DeepSpeed >= 0.19.8)")
+        raise engine_manages_accumulation(type(trainer).__name__)
     trainer.add_callback(DeepSpeedWindows(trainer, steps))
 
 

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from .._checks import Count
-from .._deprecated import renamed
 from .._driven import DrivenWindow
 from .._gradients import AccumulationBuffers
 from .._patching import NoStep, swapped
 from .._state import AccumulatorState
 from .._weights import Closing
+from ..errors import ConfigurationError
 from .hf_moe import WindowBalance
 
 try:
@@ -24,7 +24,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.hf_driver needs transformers: pip install 'gradaccum[hf]'") from exc
 
-__all__ = ["TrainerDriver", "TrainerWindowState"]
+__all__ = ["TrainerDriver", "TrainerWindowState", "refuse_untested"]
 
 
 class TrainerWindowState(TrainerCallback, ExportableState):
@@ -66,17 +66,10 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         return epochs, batches
 
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
-        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none; earlier gradaccum
-        saved it as ``_StateCallback``, and before that only the skipped windows, as ``_Skips``)."""
+        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none)."""
+        saved = stateful_callbacks.get(type(self).__name__)
         state = self.accumulator_state
-        saved = stateful_callbacks.get(type(self).__name__, stateful_callbacks.get("_StateCallback"))
-        old = stateful_callbacks.get("_Skips")
-        if isinstance(saved, dict):
-            state.load_saved(state.read_saved(saved["attributes"]["saved"]))
-        else:
-            state.load_saved(state.read_saved({}))
-            if isinstance(old, dict):
-                state.skipped = int(old["attributes"]["windows"])
+        state.load_saved(state.read_saved(saved["attributes"]["saved"] if isinstance(saved, dict) else {}))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.held is not None:
@@ -118,8 +111,6 @@ class TrainerDriver:
         """What windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints."""
         return self._state.accumulator_state
 
-    windows_skipped = renamed("windows_skipped", "skipped")
-
     @property
     def skipped(self) -> int:
         """Windows of no item skipped since the run began (resumed runs included): the state's ``skipped``."""
@@ -145,6 +136,10 @@ class TrainerDriver:
                                           self.accelerator.device, self.model_wrapped, who=type(self).__name__)
         return self._window
 
+    def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
+        """A window's count tensor summed over the ranks (one reduction; ``local`` itself on one process)."""
+        return self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
+
     def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
                  aux_owner: Any = None) -> Tuple[Any, Optional[torch.Tensor]]:
         """``forward()`` and, for an MoE model, ``coef`` times this micro-batch's part of the window's
@@ -156,7 +151,7 @@ class TrainerDriver:
             return forward(), None
         out, part = balance.run(window.ran, model, inputs, forward, aux_owner)
         if window.last:
-            balance.check()
+            balance.routing.check()  # every rank: the training forwards routed as counted
         return out, part * (0.0 if window.skip else self.accelerator.num_processes)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -172,7 +167,7 @@ class TrainerDriver:
         window = self._window
         if window is not None and window.ran_one():
             if self._balance is not None:
-                self._balance.finish()
+                self._balance.routing.finish()  # the random state as the counting pass left it
             applied = True
             if self.is_deepspeed_enabled:
                 from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step
@@ -205,3 +200,17 @@ class TrainerDriver:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
         epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)  # type: ignore[misc]
         return self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
+
+
+def refuse_untested(trainer: Any, path: str, *, deepspeed: bool = True, fsdp: bool = True) -> None:
+    """Refuse, before training, a stack that ``path`` (``"training with GRPO and RLOO"``, ``"training with a WindowLoss"``) is not
+    tested under here: DataParallel in one process always (it splits each batch without telling the
+    loss), DeepSpeed and FSDP where asked. The fix is DDP."""
+    n_gpu = trainer.args.n_gpu
+    stacks = [f"n_gpu={n_gpu} (DataParallel in one process: it splits each batch without telling the loss)"
+              ] if n_gpu > 1 else []
+    stacks += [name for name, on in (("DeepSpeed", deepspeed and trainer.is_deepspeed_enabled),
+                                     ("FSDP", fsdp and trainer.is_fsdp_enabled)) if on]
+    if stacks:
+        raise ConfigurationError(f"{type(trainer).__name__}: {path} is not tested here under {' and '.join(stacks)}; "
+                                 "train with DDP (one process per device under torchrun)")

@@ -4,17 +4,20 @@ by :meth:`~gradaccum.integrations.hf_driver.TrainerDriver.balanced`. How: docs/g
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .._patching import swapped
 from ..errors import NotExactError
-from ..moe import BALANCED_FAMILIES, MoEOutput, RouterBalance, WindowRouting, aux_term, router_logits_of
+from ..moe import (BALANCED_FAMILIES, RouterBalance, WindowRouting, aux_term, hf_routing, hf_token_mask,
+                   router_logits_of)
 from ..sync import sync_for
 
-__all__ = ["WindowBalance", "trl_router_balance"]
+__all__ = ["WindowBalance", "trl_aux_refusal", "trl_router_balance"]
 
 
 def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
@@ -35,23 +38,18 @@ def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
     try:
         return aux_term(view)
     except NotExactError as unknown:  # TRL asks for the router logits whatever the config says: its coef is the fix
-        family, args = getattr(config, "model_type", None), type(trainer.args).__name__
-        raise NotExactError(f"{type(trainer).__name__}: the model ({family}) adds a router loss at "
-                            f"router_aux_loss_coef={coef} that gradaccum does not compute over the step (supported: "
-                            f"{', '.join(BALANCED_FAMILIES)}), and TRL would add it per micro-batch; pass {args}(..., "
-                            "router_aux_loss_coef=0.0) to train without it") from unknown
+        raise trl_aux_refusal(trainer, f"which the model ({getattr(config, 'model_type', None)}) adds by a formula "
+                              f"gradaccum does not compute over the step (supported: {', '.join(BALANCED_FAMILIES)}), "
+                              "and TRL would add it per micro-batch") from unknown
 
 
-def _mask(inputs: Dict[str, Any]) -> Optional[torch.Tensor]:
-    """The tokens the model's own ``load_balancing_loss_func`` balances: its 2-D ``attention_mask``."""
-    mask = inputs.get("attention_mask")
-    return mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-
-
-def _routed(module: nn.Module) -> Callable[[Dict[str, Any]], MoEOutput]:
-    """``module``'s router logits on a micro-batch's model inputs (the Trainer counts items itself)."""
-    return lambda inputs: MoEOutput(None, None, module(**inputs, output_router_logits=True).router_logits,
-                                    _mask(inputs))
+def trl_aux_refusal(trainer: Any, why: str, then: str = "") -> NotExactError:
+    """The refusal of a TRL trainer's router loss (TRL's ``router_aux_loss_coef``, which rewrites the
+    model's config) where gradaccum does not compute it over the window: ``why``, and TRL's argument as the fix."""
+    return NotExactError(
+        f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns on "
+        f"the MoE router's load-balancing loss, {why}. Pass {type(trainer.args).__name__}(..., "
+        f"router_aux_loss_coef=0.0) to train without it{then}")
 
 
 class WindowBalance:
@@ -75,8 +73,10 @@ class WindowBalance:
         was_training = model.training
         model.train()  # routes as the training forward will (jitter and dropout on)
         try:
-            self.routing = WindowRouting.open(term, batches, route=_routed(getattr(model, "base_model", model)),
-                                              forward=_routed(model), sync=sync, device=device, who=who)
+            trunk = getattr(model, "base_model", model)
+            self.routing = WindowRouting.open(term, batches, route=lambda inputs: hf_routing(trunk, inputs),
+                                              forward=lambda inputs: hf_routing(model, inputs), sync=sync,
+                                              device=device, who=who)
         finally:
             model.train(was_training)
         #: this rank's parts of the window's load-balancing loss (without ``coef``), summed: what a log shows
@@ -89,23 +89,10 @@ class WindowBalance:
         TRL ``trainer``, its own per-micro-batch aux term is off for the forward (the window's part
         replaces it)."""
         self.routing.replay(k)
-        kept = getattr(trainer, "aux_loss_enabled", None)
-        if kept is not None:
-            trainer.aux_loss_enabled = False
-        try:
-            with router_logits_of(model) as router_logits:
-                out = forward()
-        finally:
-            if kept is not None:
-                trainer.aux_loss_enabled = kept
-        part = self.routing.part(k, router_logits, _mask(inputs))
+        own_term_off = (swapped(trainer, "aux_loss_enabled", False) if hasattr(trainer, "aux_loss_enabled")
+                        else contextlib.nullcontext())
+        with own_term_off, router_logits_of(model) as router_logits:
+            out = forward()
+        part = self.routing.part(k, router_logits, hf_token_mask(inputs))
         self.total += part.detach()
         return out, self.routing.term.coef * part
-
-    def check(self) -> None:
-        """Before the window's last backward, on every rank: the training forwards routed as counted."""
-        self.routing.check()
-
-    def finish(self) -> None:
-        """After the window: the random state as the counting pass left it."""
-        self.routing.finish()

@@ -16,7 +16,7 @@ from .._driven import DrivenWindow
 from .._gradients import AccumulationBuffers
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
-from ..moe import aux_term, refuse_aux_term
+from ..moe import BALANCED_FAMILIES, aux_term, refuse_aux_term
 from . import hf_window_loss
 
 try:
@@ -27,7 +27,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "(or pip install 'transformers>=4.46')"
     ) from exc
 
-from .hf_driver import TrainerDriver, TrainerWindowState  # noqa: E402  (the window's lifecycle and saved state)
+from .hf_moe import trl_aux_refusal
+from .hf_driver import TrainerDriver, TrainerWindowState, refuse_untested  # noqa: E402  (the window's lifecycle and saved state)
 
 __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", "loss_source"]
 
@@ -38,8 +39,16 @@ __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", 
 SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
            "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
 _DECLARABLE = ("rows",)  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
-_RL_DROP_INS = {"trl.trainer.grpo_trainer.GRPOTrainer": "ExactGRPOTrainer",  # integrations/trl_rl.py
-                "trl.trainer.rloo_trainer.RLOOTrainer": "ExactRLOOTrainer"}
+_GENERATES = (" generates its micro-batches inside training_step (a batch is a list of prompts until then), so "
+              "ExactTrainer cannot count them")
+#: the Trainers ExactTrainer cannot weigh (by the qualified name of the class whose compute_loss runs, or its
+#: package), why, and the drop-in to use instead (exact_items = 'rows' would fail in train() or train plain
+#: accumulation)
+_DROP_INS = {"trl.trainer.grpo_trainer.GRPOTrainer": (_GENERATES, "gradaccum.integrations.trl import ExactGRPOTrainer"),
+             "trl.trainer.rloo_trainer.RLOOTrainer": (_GENERATES, "gradaccum.integrations.trl import ExactRLOOTrainer"),
+             "sentence_transformers.": ("'s losses couple the batch's rows (in-batch negatives, CoSENT, triplet mining), so "
+                                        "no weighting of micro-batches makes them one big batch", "gradaccum.integrations."
+                                        "sentence_transformers import ExactSentenceTransformerTrainer")}
 _NOT_PER_PAIR = ("sft", "aot", "aot_unpaired")  # DPO loss types over the whole micro-batch, not per pair
 
 
@@ -71,17 +80,10 @@ def loss_source(cls: type) -> str:
             f"1/W or W times off). Write class {cls.__name__}(ExactTrainer, {wrong[0].__name__})")
     owner = next(c for c in mro[here + 1:] if "compute_loss" in vars(c))
     declared = getattr(cls, "exact_items", None)
-    drop_in = _RL_DROP_INS.get(_qualname(owner))
-    if drop_in is not None:  # its batches are prompts until training_step generates: nothing to count here
-        raise TypeError(f"class {cls.__name__}: {owner.__name__} generates its micro-batches inside training_step (a "
-                        "batch is a list of prompts until then), so ExactTrainer cannot count them and exact_items = "
-                        f"'rows' would fail in train(). Use the drop-in: from gradaccum.integrations.trl import {drop_in}")
-    if _qualname(owner).startswith("sentence_transformers."):  # its losses couple the batch's rows
-        raise TypeError(
-            f"class {cls.__name__}: {owner.__name__}'s losses couple the batch's rows (in-batch negatives, CoSENT, "
-            "triplet mining), so no weighting of micro-batches makes them one big batch, and exact_items = 'rows' "
-            "would train plain accumulation. Use gradaccum.integrations.sentence_transformers."
-            "ExactSentenceTransformerTrainer instead of SentenceTransformerTrainer")
+    for name, (why, drop_in) in _DROP_INS.items():
+        if _qualname(owner) == name or (name.endswith(".") and _qualname(owner).startswith(name)):
+            raise TypeError(f"class {cls.__name__}: {owner.__name__}{why}, and "
+                            f"exact_items = 'rows' would not make it exact. Use the drop-in: from {drop_in}")
     if declared is not None:
         if declared not in _DECLARABLE:
             raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported is {_DECLARABLE} (compute_loss "
@@ -144,24 +146,16 @@ class ExactTrainer(TrainerDriver, Trainer):
         head: One of :data:`HEADS`, where ExactTrainer computes the loss itself. Default: read from
             the model's class (:func:`head_of`).
         ignore_index: Label value that is not a target. Default -100.
-        accum_dtype: ``"auto"`` (the default): bf16/fp16 trainable parameters sum the window's gradient
-            in float32 buffers on one process, rounded once into ``.grad`` before the Trainer clips;
-            under DDP/FSDP2 the wrapper sums into ``.grad`` and a
-            :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out, the
-            sum in ``.grad``, silently. What each costs: docs/guides/deepspeed.md ("bf16 and fp16
-            parameters").
-        **kwargs: As for the Trainer; ``compute_loss_func`` is refused unless it is a
-            :class:`~gradaccum.WindowLoss` (a loss that couples the batch's rows, see
-            :mod:`gradaccum.integrations.hf_window_loss`; ``CLIPModel`` and ``SiglipModel`` get theirs
-            without it).
+        accum_dtype: ``"auto"`` (default) or ``"param"``: where bf16/fp16 parameters sum the window
+            (docs/guides/deepspeed.md, "bf16 and fp16 parameters").
+        **kwargs: As for the Trainer; ``compute_loss_func`` only as a :class:`~gradaccum.WindowLoss`
+            (``CLIPModel`` and ``SiglipModel`` get theirs without it: docs/guides/hf-trainer.md, "CLIP,
+            SigLIP and other losses that couple the batch").
 
     Raises:
-        ValueError: ``compute_loss_func`` is passed; ``label_smoothing_factor`` where ExactTrainer
-            computes the loss; DataParallel over several GPUs in one process (``n_gpu > 1``);
-            DeepSpeed without ``"managed_gradient_accumulation": false`` (or with an MoE router
-            loss); FSDP1 (``fsdp_version=1``); FSDP2 where the loss is a
-            trainer's own (TRL's, or ``exact_items``); a batch has no ``labels``; the model
-            returns no ``logits``.
+        ValueError: a set-up that would not be one big batch, or is not tested here, with the fix, before
+            training (docs/guides/hf-trainer.md, "Limits" and "Sharded training"); a batch without
+            ``labels``, a model that returns no ``logits``.
 
     Example:
         >>> args = TrainingArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=4)  # doctest: +SKIP
@@ -217,7 +211,7 @@ class ExactTrainer(TrainerDriver, Trainer):
             return batch_samples, None
         device = device if device is not None else self.args.device
         local = self.items.window_count(batch_samples, device)
-        total = self.accelerator.gather(local.reshape(1)).sum() if self.accelerator.num_processes > 1 else local
+        total = self.summed_over_ranks(local)
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
         return batch_samples, total
@@ -314,7 +308,7 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     if trainer.source == "head" and getattr(trainer.args, "label_smoothing_factor", None):
         raise ConfigurationError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
                          "supported where ExactTrainer computes the model's loss; set it to 0")
-    hf_window_loss.refuse_data_parallel(trainer)
+    refuse_untested(trainer, "training", deepspeed=False, fsdp=False)  # DeepSpeed and FSDP2: below
     if trainer.is_deepspeed_enabled:  # the engine steps once per window with items (integrations/hf_deepspeed.py)
         from . import hf_deepspeed
 
@@ -351,16 +345,10 @@ def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
     elif trainer.source == "tokens" and getattr(trainer, "aux_loss_enabled", False) and aux_term(config) is None:
-        raise NotExactError(  # TRL asked for the term but the model's config does not carry it as ExactTrainer reads it
-            f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns on "
-            "the MoE router's load-balancing loss, which TRL would compute per micro-batch, and this model's config "
-            f"does not carry it as ExactTrainer reads it (supported: mixtral, qwen2_moe, qwen3_moe, olmoe). Pass "
-            f"{type(trainer.args).__name__}(..., router_aux_loss_coef=0.0) to train without it")
+        raise trl_aux_refusal(trainer, "which TRL would compute per micro-batch, and this model's config does not "
+                              f"carry it as ExactTrainer reads it (supported: {', '.join(BALANCED_FAMILIES)})")
     elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
-        args = type(trainer.args).__name__
-        raise NotExactError(
-            f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns "
-            "on the MoE router's load-balancing loss, which TRL computes per micro-batch (its expert fractions are "
-            f"statistics of the whole batch), so the step would not be the big batch's. Pass {args}(..., "
-            "router_aux_loss_coef=0.0) to train without it (TRL then sets the model's output_router_logits=False "
-            "itself; setting output_router_logits=False alone is overridden by TRL)")
+        raise trl_aux_refusal(trainer, "which TRL computes per micro-batch (its expert fractions are statistics of the "
+                              "whole batch), so the step would not be the big batch's", then=(
+                                  " (TRL then sets the model's output_router_logits=False itself; setting "
+                                  "output_router_logits=False alone is overridden by TRL)"))

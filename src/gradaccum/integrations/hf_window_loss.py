@@ -12,9 +12,10 @@ from torch import nn
 
 from .._cached import CachedPasses, WindowLoss, graphs_to_keep, window_loss_of_batch
 from ..errors import ConfigurationError
+from ..losses import contrastive_window_loss
+from .hf_driver import refuse_untested
 
-__all__ = ["TrainerWindows", "contrastive_window_loss", "refuse_data_parallel", "refuse_what_a_window_loss_cannot_run",
-           "window_loss_of"]
+__all__ = ["TrainerWindows", "refuse_what_a_window_loss_cannot_run", "window_loss_of"]
 
 #: ``make(micro_batches) -> (window_loss, params, loss_model)`` for one window
 MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]
@@ -77,32 +78,6 @@ class TrainerWindows:
         return (loss, {"loss": loss}) if return_outputs else loss
 
 
-def contrastive_window_loss(model: nn.Module) -> Optional[WindowLoss]:
-    """The loss of a contrastive Hugging Face model (``CLIPModel``, ``SiglipModel``) as a WindowLoss:
-    ``encode`` runs the model without its loss (``return_loss=False``) for the normalized text and
-    image embeddings; ``loss`` is the model's own over the whole window, its ``logit_scale`` (and
-    SigLIP's ``logit_bias``) reached through the model. None for another model."""
-    name = type(model).__name__
-    if name not in ("CLIPModel", "SiglipModel"):
-        return None
-
-    def encode(m: nn.Module, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        out = m(**{k: v for k, v in batch.items() if k not in ("return_loss", "labels")}, return_loss=False)
-        return out.text_embeds, out.image_embeds
-
-    def loss(m: nn.Module, reps: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        text, image = reps
-        logits = text @ image.T * m.logit_scale.exp()
-        if name == "CLIPModel":
-            target = torch.arange(len(text), device=text.device)
-            return (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.T, target)) / 2
-        logits = logits + m.logit_bias
-        signs = 2 * torch.eye(len(text), device=text.device, dtype=logits.dtype) - 1
-        return -nn.functional.logsigmoid(signs * logits).sum(dim=-1).mean()
-
-    return WindowLoss(encode, loss)
-
-
 # -- ExactTrainer's hooks (gradaccum.integrations.hf_trainer calls these when it holds a WindowLoss) ------
 
 
@@ -131,20 +106,9 @@ def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLos
     return contrastive_window_loss(model) if isinstance(model, nn.Module) else None
 
 
-def refuse_data_parallel(trainer: Any) -> None:
-    """DataParallel over several GPUs in one process splits each batch without telling the loss."""
-    if trainer.args.n_gpu > 1:
-        raise ConfigurationError(f"{type(trainer).__name__}: n_gpu={trainer.args.n_gpu} (DataParallel in one process) "
-                                 "splits each batch without telling the loss; launch one process per GPU (torchrun) "
-                                 "instead")
-
-
 def refuse_what_a_window_loss_cannot_run(trainer: Any) -> None:
     """A Trainer set-up under which the cached window is not tested: refused with the fix."""
-    refuse_data_parallel(trainer)
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-        raise ConfigurationError("a WindowLoss in the Trainer is tested with DDP (one process per device under "
-                                 "torchrun), not with DeepSpeed or FSDP: train it with DDP")
+    refuse_untested(trainer, "training with a WindowLoss")
     if getattr(trainer, "window_loss", None) is not None:  # ExactTrainer: the loss may read the model's parameters
         if trainer.args.ddp_find_unused_parameters:
             raise ConfigurationError(

@@ -29,9 +29,8 @@ from .._driven import DrivenWindow, retire_buffers
 from .._gradients import AccumulationBuffers
 from .._maths import Verdict
 from .._patching import swapped
-from .._deprecated import renamed
 from .._state import AccumulatorState
-from .._window import graph_leaves, host_count, weighing_nothing
+from .._window import graph_leaves
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
@@ -51,36 +50,22 @@ class ExactAccumulation(Callback):
 
         grad = sum_{ranks, k in window} n_k * grad(L_k) / N,   N = sum_{ranks, k in window} n_k,
 
-    the gradient of the mean over every item of the window on every rank: a micro-batch of padded
-    sequences counts by its target tokens, the short last window of an epoch by what it holds.
-
-    How: docs/guides/lightning.md ("What it changes"). What windows teach each other is :attr:`state`,
-    in Lightning's checkpoint. A window of ``N = 0`` items (every label ignored, on every rank) is
-    skipped as the core skips it: no optimizer or scheduler step, ``global_step`` not advanced,
-    :attr:`skipped` counts it, a warning says so once.
-    What stays Lightning's (the logged loss, ``gradient_clip_val``, schedulers), the cost, and the
-    limits: docs/guides/lightning.md ("What it changes", "Limits").
+    the gradient of the mean over every item of the window on every rank. What windows teach each other
+    is :attr:`state`, in Lightning's checkpoint; a window of ``N = 0`` items is skipped as the core skips
+    it (:attr:`skipped` counts it). How, what stays Lightning's, the cost and the limits:
+    docs/guides/lightning.md ("What it changes", "Limits").
 
     Args:
-        num_items: How many items a batch holds. ``None`` (default): the batch's leading dimension.
-            A callable ``batch -> int | Tensor``, e.g. ``lambda batch: count_targets(batch["labels"])``
-            for a causal LM (next-token targets that are not -100); a tensor count stays on its device
-            until the window's end. Or leave it ``None`` and return ``(mean_loss, count)`` from
-            ``training_step``; the callback hands Lightning the mean.
-        accum_dtype: ``"auto"`` (the default): bf16/fp16 trainable parameters sum the window's gradient
-            in float32 buffers on one device (``SingleDeviceStrategy``, no 16-mixed loss scaler), rounded
-            once into ``.grad`` before Lightning clips; under DDP/FSDP2 the wrapper sums into ``.grad``
-            and a :class:`~gradaccum.accumulator.LowPrecisionWarning` says so. ``"param"``: the opt-out,
-            the sum in ``.grad``, silently. What each costs: docs/guides/deepspeed.md ("bf16 and fp16
-            parameters").
+        num_items: A callable ``batch -> int | Tensor``, the micro-batch's item count (e.g.
+            ``lambda batch: count_targets(batch["labels"])``). ``None`` (default): the batch's leading
+            dimension, or the count ``training_step`` returns as ``(mean_loss, count)``
+            (docs/guides/lightning.md, "The one line").
+        accum_dtype: ``"auto"`` (default) or ``"param"``: where bf16/fp16 parameters sum the window
+            (docs/guides/deepspeed.md, "bf16 and fp16 parameters").
 
     Raises:
-        TypeError: ``num_items`` is neither ``None`` nor callable.
-        ConfigurationError: ``accum_dtype`` is neither ``"auto"`` nor ``"param"``.
-        ValueError: a count is not a finite number >= 0, ``training_step`` returns a count while
-            ``num_items`` is set too, or the Trainer holds two ``ExactAccumulation`` callbacks.
-        ConfigurationError: manual optimization. NotExactError: a strategy that accumulates by itself
-            (DeepSpeed). Both are ValueErrors (:mod:`gradaccum.errors`).
+        TypeError, ConfigurationError, NotExactError: as docs/guides/lightning.md ("Misuse that is
+            refused") lists, in ``__init__`` or ``setup``, before any step.
 
     Example:
         >>> from gradaccum import count_targets
@@ -107,8 +92,6 @@ class ExactAccumulation(Callback):
         self.skipping = False                     #: the window that just closed counted 0 items
         self._hooks = _ModuleHooks()              # the module's hooks wrapped for this fit
         self._nothing = contextlib.ExitStack()    # during a backward of a micro-batch that may hold no item
-
-    skipped_windows = renamed("skipped_windows", "skipped")
 
     @property
     def skipped(self) -> int:
@@ -192,16 +175,9 @@ class ExactAccumulation(Callback):
         window = self._window if self._window is not None else self._open(trainer)
         if window.weights.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
             window.weights.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n))
-        window.count = window.count + n
-        if loss.requires_grad:
-            c = trainer.accumulate_grad_batches * window.weights.mean_weight(n, loss.dtype)
-            loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
-            n_host = host_count(n)  # an accelerator's count is compared on the device (no host sync)
-            empty = n_host.reshape(()) == 0 if isinstance(n_host, torch.Tensor) else (True if n_host == 0 else None)
-            if empty is not None:  # its weight 0 cannot clean the 0 / 0 of a mean over no item: see weighing_nothing
-                leaves = (pl_module.parameters() if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
-                          else graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
-                self._nothing.enter_context(weighing_nothing(leaves, empty))
+        leaves = (pl_module.parameters if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+                  else lambda: graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
+        self._nothing.enter_context(window.weigh(loss, n, leaves, divided_by=trainer.accumulate_grad_batches))
 
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._nothing.close()  # the hooks of a micro-batch that may hold no item

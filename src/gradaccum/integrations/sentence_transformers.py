@@ -52,9 +52,8 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
     the stock trainer's step (still cached).
 
     What each loss gets (its own ``forward``, once per window, on every rank's cached embeddings) and
-    what is refused by name before training, with the fix (:data:`REFUSED`, :func:`refuse_a_loss`,
-    :func:`refuse_windows_mixing_datasets`; DeepSpeed, FSDP, DataParallel):
-    docs/guides/sentence-transformers.md ("What each loss gets").
+    what is refused before training, with the fix: docs/guides/sentence-transformers.md ("What each
+    loss gets").
 
     Example:
         >>> args = SentenceTransformerTrainingArguments("out", per_device_train_batch_size=32,
@@ -103,11 +102,9 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
 
 
 def refuse_windows_mixing_datasets(train_dataset: Any, accumulation: int, world: int, sampler: Any) -> None:
-    """Several training datasets, and a window of more than one batch: the multi-dataset batch sampler
-    interleaves their batches (round robin, proportional; under DDP consecutive batches go to different
-    ranks), so a window would join batches of several datasets into one big batch: in-batch negatives
-    across datasets, which sentence-transformers, drawing each batch from one dataset, never trains on.
-    Refused before training, whatever the loss (one, or one per dataset)."""
+    """Several training datasets and a window of more than one batch, refused before training: a window
+    would be one big batch over several datasets (docs/guides/sentence-transformers.md, "What each loss
+    gets")."""
     if not isinstance(train_dataset, dict) or len(train_dataset) < 2 or accumulation * world == 1:
         return
     names = ", ".join(repr(str(name)) for name in train_dataset)
@@ -270,7 +267,6 @@ class _ServedLoss:
         if isinstance(out, dict):
             out = torch.stack(list(out.values())).sum()
         return out
-
 
     def _adaptive_layers(self, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
         """AdaptiveLayerLoss's forward on the served layers: the inner loss on the last layer, on the

@@ -14,8 +14,8 @@ from torch import nn
 
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
-from ..rl import ITEMS, StepCount, step_items  # noqa: F401  (step_items: still importable from here)
-from .hf_driver import TrainerDriver  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
+from ..rl import ITEMS, StepCount, local_counts, trl_divisor
+from .hf_driver import TrainerDriver, refuse_untested  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 from .hf_moe import trl_router_balance
 
 try:
@@ -23,34 +23,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.trl_rl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
 
-__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer", "ITEMS", "StepCount", "step_items", "trl_divisor"]
-
-
-def trl_divisor(trainer: Any, inputs: Dict[str, Any], mask: torch.Tensor) -> Union[float, torch.Tensor]:
-    """What TRL 1.16's ``_compute_loss`` divided this training micro-batch's summed terms by (its
-    ``loss_type``'s normaliser times the accumulation steps ``K``), so that ``loss * trl_divisor`` is
-    the micro-batch's summed terms again::
-
-        grpo, sapo, luspo   rows_k * K              bnpo    max(tokens_k, 1) * K
-        dr_grpo             rows_k * L_max * K      dapo, cispo, vespo   max(N_gen, 1) / W * K / steps_per_generation
-        RLOO                rows_k                  (the Trainer's own 1/K is switched off)
-
-    with ``N_gen`` the generation batch's tokens over all ranks (TRL's ``num_items_in_batch``). Each
-    is computed by TRL's own expression, in its dtype, so that the division is undone to the last bit.
-    """
-    rows = float(mask.shape[0])
-    loss_type = _loss_type(trainer)
-    if loss_type == "rloo":
-        return rows
-    k = trainer.current_gradient_accumulation_steps
-    if loss_type in ("grpo", "sapo", "luspo"):
-        return rows * k
-    if loss_type == "bnpo":
-        return mask.sum().clamp(min=1.0) * k
-    if loss_type == "dr_grpo":
-        return rows * trainer.max_completion_length * k
-    generation = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
-    return generation * k / trainer.args.steps_per_generation
+__all__ = ["ExactGRPOTrainer", "ExactRLOOTrainer"]
 
 
 def _loss_type(trainer: Any) -> str:
@@ -58,9 +31,9 @@ def _loss_type(trainer: Any) -> str:
 
 
 class _RLResume:
-    """A GRPO/RLOO run resumed from a checkpoint: the saved steps and skipped steps read back, the data
-    position past every step's data (skipped ones included), TRL's micro-batch counter there, and the
-    checkpoint's random state loaded before the step's generation (the Trainer would load it after)."""
+    """A GRPO/RLOO run resumed from a checkpoint, as docs/guides/trl.md ("GRPO and RLOO") says: the
+    driver's resume, TRL's micro-batch counter at its position, and the checkpoint's random state loaded
+    before the step's generation (the Trainer would load it after)."""
 
     #: a resume inside an epoch: the checkpoint whose random state the step's generation draws from
     #: (loaded before generating; the Trainer's later load is then skipped)
@@ -69,11 +42,8 @@ class _RLResume:
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: Optional[str], trial: Any) -> Tuple[int, int]:
-        """The driver's resume (the state read back, the position past skipped steps' data: a step consumes
-        ``gradient_accumulation_steps`` loader batches, one generation batch each), then TRL's micro-batch
-        counter ``_step`` set to that position, and the checkpoint's random state kept for the step's
-        generation (:meth:`get_batch_samples`), so that a resume at a generation boundary generates what the
-        uninterrupted run generated."""
+        """The driver's resume, then TRL's micro-batch counter ``_step`` set to its position and the
+        checkpoint kept for the random state of the step's generation (:meth:`get_batch_samples`)."""
         epochs, batches = super()._init_training_state(  # type: ignore[misc]
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
         self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
@@ -83,16 +53,14 @@ class _RLResume:
         return epochs, batches
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
-        """The Trainer's restore of the checkpoint's random state, once, where :meth:`get_batch_samples`
-        restored it before the step's generation (the Trainer's restore would come after it)."""
+        """The Trainer's restore of the checkpoint's random state, unless :meth:`get_batch_samples` did it."""
         if self._rng_loaded_early:
             self._rng_loaded_early = False
             return
         super()._load_rng_state(checkpoint)  # type: ignore[misc]
 
     def _load_rng_state_before_generating(self) -> None:
-        """On the first step after a resume inside an epoch: the random state the uninterrupted run
-        generated this step from."""
+        """After a resume inside an epoch: the random state the uninterrupted run generated this step from."""
         if self._resume_rng is not None:
             checkpoint, self._resume_rng = self._resume_rng, None
             self._load_rng_state(checkpoint)
@@ -101,20 +69,17 @@ class _RLResume:
 
 class _RLEntropy:
     """TRL's entropy bonus as the exact step applies it: its coefficient this step, and TRL's adaptive
-    controller left where the last step taken left it when a step is skipped (TRL would move it on the
-    skipped step's entropy, 0 over no token, so the coefficient would grow)."""
+    controller kept over a skipped step (docs/guides/trl.md, "GRPO and RLOO")."""
 
     _controller: Optional[Tuple[float, float]] = None  # (coefficient, last entropy) kept over a skipped step
 
     def _entropy_coef_now(self) -> float:
-        """The entropy bonus's coefficient TRL applies in this step (0 where off; adaptive: the
-        previous step's decision)."""
+        """The coefficient TRL applies in this step (0 where off; adaptive: the previous step's decision)."""
         if not getattr(self, "_entropy_bonus_enabled", False):
             return 0.0
         if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:  # type: ignore[attr-defined]
             return 0.0
         return float(self.entropy_coef)  # type: ignore[attr-defined]
-
 
     def _keep_entropy_controller(self) -> None:
         if getattr(self, "use_adaptive_entropy", False):
@@ -152,14 +117,11 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
     # -- count first ------------------------------------------------------------------------------
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Tuple[List[Any], None]:
-        """The step's micro-batches, generated (or taken from TRL's buffer) now, before the step's
-        first backward, in the order TRL would; their completion tokens and sequences summed over
-        the ranks in one all-reduce (one host synchronisation per step).
-
-        Overrides the public ``Trainer.get_batch_samples`` (one call per optimizer step). The
-        policy does not change inside a step, so generating a step's later generation batch at its
-        start gives the completions and old log-probabilities TRL would compute mid-step (sampled
-        from the same policy; with dropout on, from another point of the random stream than TRL's)."""
+        """The step's micro-batches, generated (or taken from TRL's buffer) now, before its first
+        backward, in the order TRL would; their completion tokens and sequences summed over the ranks in
+        one all-reduce (one host synchronisation per step). The policy does not change inside a step, so
+        a later generation batch generated at its start is sampled from the same policy (with dropout on,
+        from another point of the random stream than TRL's)."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
         self._load_rng_state_before_generating()
         self.model.train()  # type: ignore[attr-defined]  # TRL's _prepare_inputs reads the mode
@@ -172,14 +134,8 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         finally:
             self._step = first
         self._prepared = collections.deque(prepared)
-        device = self.accelerator.device  # type: ignore[attr-defined]
-        counts = torch.zeros(2, dtype=torch.long, device=device)  # [completion tokens, sequences]
-        for inputs in prepared:
-            mask = _loss_mask(inputs)
-            counts += torch.stack([mask.sum().long(), torch.tensor(mask.shape[0], device=mask.device)]).to(device)
-        if self.accelerator.num_processes > 1:  # type: ignore[attr-defined]
-            counts = self.accelerator.reduce(counts, reduction="sum")  # type: ignore[attr-defined]
-        tokens, rows = (int(c) for c in counts.tolist())
+        counts = local_counts([_loss_mask(b) for b in prepared], self.accelerator.device)  # type: ignore[attr-defined]
+        tokens, rows = (int(c) for c in self.summed_over_ranks(counts).tolist())  # [completion tokens, sequences]
         self.last_step_count = StepCount.of(_loss_type(self), tokens, rows, getattr(self, "max_completion_length", None))
         window = self.open_window(self.last_step_count.items, len(prepared), second_items=tokens,
                                   routed=lambda: [_model_inputs(b) for b in prepared])
@@ -226,12 +182,15 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
             captured, self._captured = self._captured, None
         mask = _loss_mask(inputs)
         bonus = None
+        k = self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
         if coef != 0.0:  # TRL subtracted coef * (sum H m / max(T_k, 1) / K): take it back out, in TRL's order
             entropy_sum = (captured[0] * mask).sum()
-            k = self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
             loss = loss + coef * (entropy_sum / mask.sum().clamp(min=1.0) / k)
             bonus = -coef * entropy_sum * window.second.sum_weight()  # type: ignore[union-attr]  # W / T
-        loss = loss * trl_divisor(self, inputs, mask) * window.weights.sum_weight()  # W / N
+        divisor = trl_divisor(_loss_type(self), mask, accumulation=k, steps_per_generation=self.args.steps_per_generation,
+                              max_completion_length=getattr(self, "max_completion_length", None),
+                              generation_tokens=inputs.get("num_items_in_batch"), world=self.accelerator.num_processes)
+        loss = loss * divisor * window.weights.sum_weight()  # W / N: TRL's division undone (gradaccum.rl.trl_divisor)
         loss = loss if bonus is None else loss + bonus
         return loss if part is None else loss + part  # coef * this micro-batch's part of the step's LBL, times W
 
@@ -273,9 +232,7 @@ def _refuse_what_is_not_exact(trainer: Any) -> None:
         raise NotExactError(f"{name}: top_entropy_quantile={trainer.top_entropy_quantile} keeps the tokens above a "
                             "quantile of each micro-batch's entropies, which couples the micro-batch's tokens, so no "
                             f"weighting makes the step one big batch; pass {args}(..., top_entropy_quantile=1.0)")
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.n_gpu > 1:
-        raise ConfigurationError(f"{name}: DeepSpeed, FSDP and DataParallel in one process (n_gpu > 1) are not tested "
-                                 "with GRPO and RLOO here; train with DDP (one process per device under torchrun)")
+    refuse_untested(trainer, "training with GRPO and RLOO")
 
 
 class ExactGRPOTrainer(_ExactRL, GRPOTrainer):  # type: ignore[misc]
