@@ -113,7 +113,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def torchrun_modules() -> frozenset:
-    """The test modules (node ids, from the repository's root) that call ``scenario_tests(``."""
+    """The test modules (node ids, from the repository's root) whose top level binds ``scenario_tests(...)``."""
+    import ast
+
     found = set()
     root = os.path.dirname(TESTS)
     for folder, _, files in os.walk(TESTS):
@@ -121,8 +123,11 @@ def torchrun_modules() -> frozenset:
             if name.startswith("test_") and name.endswith(".py"):
                 path = os.path.join(folder, name)
                 with open(path) as f:
-                    if "= scenario_tests(" in f.read():
-                        found.add(os.path.relpath(path, root).replace(os.sep, "/"))
+                    text = f.read()
+                if "scenario_tests(" in text and any(
+                        isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                        and getattr(node.value.func, "id", None) == "scenario_tests" for node in ast.parse(text).body):
+                    found.add(os.path.relpath(path, root).replace(os.sep, "/"))
     return frozenset(found)
 
 

@@ -1,5 +1,6 @@
-"""The old public names of renamed concepts (one name per concept, #37): each still reads the new
-name and says so with a DeprecationWarning naming the replacement."""
+"""The old public names of renamed concepts (one name per concept, #37): the Accumulator's still read the
+new name and say so with a DeprecationWarning naming the replacement; a Trainer checkpoint saved under a
+pre-release key is refused, not read as fresh."""
 import pytest
 import torch
 
@@ -23,10 +24,20 @@ def test_the_accumulators_old_names_read_the_state_and_warn():
 
 @pytest.mark.parametrize("key, saved, skipped", [
     ("TrainerWindowState", {"attributes": {"saved": {"steps": 5, "skipped": 2}}}, 2),
-    ("_StateCallback", {"attributes": {"saved": {"steps": 5, "skipped": 2}}}, 0),  # pre-release names: not read
     ("SomethingElse", {"attributes": {"saved": {"skipped": 9}}}, 0)])
 def test_the_trainers_saved_state_loads_under_its_name_only(key, saved, skipped):
     hf_trainer = pytest.importorskip("gradaccum.integrations.hf_trainer")
     callback = hf_trainer.TrainerWindowState()
     callback.load({key: saved})
     assert callback.accumulator_state.skipped == skipped
+
+
+@pytest.mark.parametrize("key", ["_StateCallback", "_Skips"])
+def test_a_checkpoint_under_a_pre_release_key_is_refused_not_read_as_fresh(key):
+    """Read as fresh, its 2 skipped windows would move the resumed data position, silently."""
+    hf_trainer = pytest.importorskip("gradaccum.integrations.hf_trainer")
+    from gradaccum import ConfigurationError
+
+    callback = hf_trainer.TrainerWindowState()
+    with pytest.raises(ConfigurationError, match=rf"holds \['{key}'\].*resume it with the gradaccum that wrote it"):
+        callback.load({key: {"attributes": {"saved": {"steps": 5, "skipped": 2}}}})

@@ -54,11 +54,18 @@ def test_the_torchrun_scenario_modules_are_one_scope_started_by_their_summed_tim
 
 
 def test_every_module_that_launches_scenarios_is_in_the_shared_launch():
-    """A scenario module is found by its call of scenario_tests (a new one joins the shared launch)."""
+    """A scenario module is found by the call of scenario_tests at its top level (a new one joins the shared
+    launch); a module that only names it (this one) is not."""
     found = torchrun_modules()
-    called = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-              if "= scenario_tests(" in p.read_text()}
-    assert found == called and "tests/distributed/test_deepspeed.py" in found, found
+    expected = {"tests/distributed/test_distributed.py", "tests/distributed/test_cached.py",
+                "tests/distributed/test_stacks.py", "tests/distributed/test_coupled_trainers.py",
+                "tests/distributed/test_deepspeed.py", "tests/integrations/test_distributed.py",
+                "tests/integrations/test_moe_distributed.py", "tests/integrations/test_grpo_distributed.py"}
+    assert found == expected, found ^ expected
+    worker_files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*_worker.py")} | {
+        "tests/distributed/worker.py"}
+    named = {m for m in found if any(w in (ROOT / m).read_text() for w in worker_files)}
+    assert named == found, "each scenario module names its worker"
 
 
 def test_this_run_was_collected_longest_scope_first(request):
@@ -75,3 +82,17 @@ def test_this_run_was_collected_longest_scope_first(request):
     for scope in scopes:
         times = [seconds.get(m, median) for m in modules if scope_of(m, torchrun) == scope]
         assert times == sorted(times, reverse=True), (scope, times)
+
+
+def test_the_shared_launch_is_read_per_worker_with_its_end_marker():
+    """Each worker's verdicts are the lines between its header and its footer; a worker whose footer never
+    came (the launch died in it) is read as unfinished, so its tests see the launch's exit code."""
+    from distributed.launch import WORKER_FOOTER, WORKER_HEADER, _section, verdict_lines
+
+    out = "\n".join([f"{WORKER_HEADER}/a.py", "PASS one: 1e-17", "FAIL two: off", f"{WORKER_FOOTER}/a.py",
+                     f"{WORKER_HEADER}/b.py", "PASS three: x: y", "noise line"])
+    read = verdict_lines(out)
+    assert read["/a.py"] == ({"one": ("PASS", "PASS one: 1e-17"), "two": ("FAIL", "FAIL two: off")}, True)
+    assert read["/b.py"] == ({"three": ("PASS", "PASS three: x: y")}, False)
+    err = f"start\n{WORKER_HEADER}/a.py\ntraceback of a\n{WORKER_FOOTER}/a.py\n{WORKER_HEADER}/b.py\nof b\n"
+    assert "traceback of a" in _section(err, "/a.py") and "of b" not in _section(err, "/a.py")

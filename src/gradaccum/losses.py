@@ -13,14 +13,16 @@ SigLIP's as a :class:`~gradaccum.WindowLoss`, computed once over the whole windo
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ._cached import WindowLoss
 from ._maths import target_count, token_loss_sum
 from .errors import ConfigurationError
+
+if TYPE_CHECKING:  # the window's machinery is imported where a contrastive loss is made, not with the losses
+    from ._cached import WindowLoss
 
 __all__ = ["causal_lm_loss", "contrastive_window_loss", "count_targets", "token_cross_entropy"]
 
@@ -91,6 +93,8 @@ def contrastive_window_loss(model: nn.Module) -> Optional[WindowLoss]:
     image embeddings; ``loss`` is the model's own over the whole window, its ``logit_scale`` (and
     SigLIP's ``logit_bias``) reached through the model. None for another model. ``ExactTrainer`` trains
     these models with it; in one's own loop: ``acc.step(batch, contrastive_window_loss(model), ...)``."""
+    from ._cached import WindowLoss
+
     name = type(model).__name__
     if name not in ("CLIPModel", "SiglipModel"):
         return None

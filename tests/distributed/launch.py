@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
@@ -119,33 +119,47 @@ class Skip(Exception):
     """A scenario that cannot run on this machine (inductor without a C++ compiler): reported as SKIP."""
 
 
-#: what rank 0 prints before a worker module's lines in a launch that runs several (:func:`run_workers`)
+#: what rank 0 prints (to stdout and stderr) before a worker module's lines in a launch that runs several
+#: (:func:`run_workers`), and after them once every rank has finished the module in step
 WORKER_HEADER = "== scenarios of "
+WORKER_FOOTER = "== done: scenarios of "
+_STATUS = ("PASS", "SKIP", "FAIL")
 
 
-def run_each(scenarios, names: Sequence[str] = ()) -> None:
-    """Run ``scenarios`` (those named in ``names``; all when empty) on this rank, one line each on rank 0:
+def run_each(scenarios, names: Sequence[str] = ()) -> int:
+    """Run ``scenarios`` (those named in ``names``; all when empty) on this rank, one line each on rank 0,
+    and return how many ran. A scenario passes only where every rank passed (each verdict all-reduced):
 
-    * a list of functions returning a note: ``PASS``/``SKIP``/``FAIL <name>: <note>``, PASS only where every
-      rank passed (each verdict all-reduced; :class:`Skip` is a SKIP);
-    * a dict of name -> function returning its own ``PASS <name>: ...`` or ``FAIL <name>: ...`` line (rank
-      0's printed; an exception is a FAIL line)."""
+    * a list of functions returning a note: ``PASS``/``SKIP``/``FAIL <name>: <note>`` (:class:`Skip` is a
+      SKIP, an exception a FAIL);
+    * a dict of name -> function returning its own ``PASS <name>: ...`` or ``FAIL <name>: ...`` line (an
+      exception is a FAIL line); where a rank's line is worse than rank 0's, that rank's line is printed."""
     import traceback
 
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    ran = 0
     if isinstance(scenarios, dict):
         for name in names or list(scenarios):
             try:
                 line = scenarios[name]()
             except Exception:  # noqa: BLE001 - report and go on to the next scenario
                 line = f"FAIL {name}: {traceback.format_exc()[-1500:]}"
+            status = line.partition(" ")[0]
+            lines = [None] * dist.get_world_size()
+            dist.all_gather_object(lines, (_STATUS.index(status) if status in _STATUS else 2, line))
+            worst = max(range(len(lines)), key=lambda r: (lines[r][0], -r))  # rank 0's line unless another is worse
             if rank == 0:
-                print(line, flush=True)
+                code, said = lines[worst]
+                if worst != 0:
+                    head, _, note = said.partition(": ")
+                    said = f"{_STATUS[code]} {name}: rank {worst}: {note or head}"
+                print(said, flush=True)
+            ran += 1
         dist.barrier()
-        return
+        return ran
     for scenario in scenarios:
         if names and scenario.__name__ not in names:
             continue
@@ -160,19 +174,30 @@ def run_each(scenarios, names: Sequence[str] = ()) -> None:
             traceback.print_exc()
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
         if rank == 0:
-            status = ("PASS", "SKIP", "FAIL")[int(verdict.item())]
-            print(f"{status} {scenario.__name__}: {note}", flush=True)
+            print(f"{_STATUS[int(verdict.item())]} {scenario.__name__}: {note}", flush=True)
         dist.barrier()
+        ran += 1
+    return ran
+
+
+def _say(line: str) -> None:
+    """Rank 0's marker, on stdout (where the verdicts are read) and stderr (where a module's traceback is)."""
+    print(line, flush=True)
+    print(line, file=sys.stderr, flush=True)
 
 
 def run_modules(modules: Sequence, names: Sequence[str] = ()) -> NoReturn:
     """Join the group (gloo, 2 processes: a collective that waits 2 minutes is an error, not a hang), then
     each worker module's scenarios in turn (:func:`run_each`), with its ``RANK`` and ``WORLD`` set and
     inside its ``scenario_context()`` where it has one (a worker's own set-up: DeepSpeed joining the group,
-    a float64 stand-in patched in); rank 0 prints :data:`WORKER_HEADER` and the module's file before its
-    lines. Between modules the process-wide state a worker may leave is reset (the default dtype,
-    Accelerate's singletons). The process ends through :func:`finish_worker`."""
+    a float64 stand-in patched in). Rank 0 prints :data:`WORKER_HEADER` and the module's file before its
+    lines, and :data:`WORKER_FOOTER` once every rank has run as many of its scenarios (ranks out of step
+    end the launch: every later collective would pair with the wrong one). An entry of ``modules`` that is
+    an exception (a worker that failed to import) is reported and skipped. Between modules the state a
+    worker may leave in the process is reset: the default dtype, the seeds (torch's, Python's), and
+    Accelerate's singletons. The process ends through :func:`finish_worker`."""
     import datetime
+    import random
 
     import torch
     import torch.distributed as dist
@@ -182,13 +207,27 @@ def run_modules(modules: Sequence, names: Sequence[str] = ()) -> NoReturn:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, "run with --nproc_per_node=2 (or two agents of one process)"
     dtype = torch.get_default_dtype()
-    for module in modules:
+    for index, module in enumerate(modules):
+        path = module.args[0] if isinstance(module, BaseException) else module.__file__
         if rank == 0:
-            print(f"{WORKER_HEADER}{module.__file__}", flush=True)
+            _say(f"{WORKER_HEADER}{path}")
+        if isinstance(module, BaseException):
+            print(f"FAIL {path}: the worker did not import: {module.args[1]}", file=sys.stderr, flush=True)
+            continue
         module.RANK, module.WORLD = rank, world
         with getattr(module, "scenario_context", contextlib.nullcontext)():
-            run_each(module.SCENARIOS, names)
+            ran = run_each(module.SCENARIOS, names)
+        every = [None] * world
+        dist.all_gather_object(every, (index, ran))
+        if len(set(every)) != 1:
+            print(f"the ranks are out of step after {path}: (module, scenarios run) per rank {every}",
+                  file=sys.stderr, flush=True)
+            finish_worker(1)
+        if rank == 0:
+            _say(f"{WORKER_FOOTER}{path}")
         torch.set_default_dtype(dtype)
+        torch.manual_seed(0)
+        random.seed(0)
         if "accelerate" in sys.modules:  # a Trainer's Accelerator settings live on in a process-wide singleton
             from accelerate.state import AcceleratorState, GradientState
 
@@ -200,16 +239,22 @@ def run_modules(modules: Sequence, names: Sequence[str] = ()) -> NoReturn:
 def run_workers(paths: Sequence[str]) -> NoReturn:
     """The worker scripts at ``paths`` in this process (each rank's), imported as modules and run by
     :func:`run_modules`: the suite's scenario workers in one torchrun launch, so that torch, transformers,
-    Lightning, sentence-transformers and DeepSpeed import once per rank instead of once per worker."""
+    Lightning, sentence-transformers and DeepSpeed import once per rank instead of once per worker. A
+    worker that fails to import is reported in its place; the others run."""
     import importlib.util
+    import traceback
 
-    modules = []
+    modules: List[Any] = []
     for path in paths:
         spec = importlib.util.spec_from_file_location(f"scenario_worker_{Path(path).stem}", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-        modules.append(module)
+        try:
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - reported in its place by run_modules
+            modules.append(ImportError(path, traceback.format_exc()[-1500:]))
+        else:
+            modules.append(module)
     run_modules(modules)
 
 
@@ -341,31 +386,63 @@ _LAST = ("deepspeed_worker.py",)
 def shared_verdicts(session, script: str):
     """The verdicts of ``script``'s scenarios, from the one torchrun launch that runs every scenario worker
     whose test module has a test in this session (tests/conftest.py keeps those modules on one pytest-xdist
-    worker, so the launch is made once): ``({name: (status, line)}, proc)``."""
-    ran = {str(getattr(item, "path", item.fspath)) for item in session.items}
-    scripts = [s for s, (_, module) in _WORKERS.items() if module in ran or s == script]
-    scripts.sort(key=lambda s: Path(s).name in _LAST)
+    worker under --dist loadscope, so the launch is made once; under another --dist each xdist worker
+    launches only the worker it asks for): ``({name: (status, line)}, proc)``, ``proc`` this worker's part
+    of the launch: its stderr section where every rank finished this worker in step, and the launch's exit
+    code unless a later worker is what failed. A launch that failed or timed out is kept too, so that the
+    next module reads it instead of launching again."""
+    config = session.config
+    if hasattr(config, "workerinput") and config.getoption("dist", None) != "loadscope":
+        scripts = [script]
+    else:
+        ran = {str(getattr(item, "path", item.fspath)) for item in session.items}
+        scripts = [s for s, (_, module) in _WORKERS.items() if module in ran or s == script]
+        scripts.sort(key=lambda s: Path(s).name in _LAST)
     key = tuple(scripts)
     if key not in _LAUNCHES:
-        proc = torchrun([str(ALL_SCENARIOS), *scripts], timeout=sum(_WORKERS[s][0] for s in scripts))
+        args = [str(ALL_SCENARIOS), *scripts]
+        try:
+            proc = torchrun(args, timeout=sum(_WORKERS[s][0] for s in scripts))
+        except subprocess.TimeoutExpired as e:
+            said = (e.stderr or "") if isinstance(e.stderr, str) else ""
+            proc = subprocess.CompletedProcess(args, -9, e.output if isinstance(e.output, str) else "",
+                                               said + f"\n== the launch was killed after {e.timeout} s ==\n")
         _LAUNCHES[key] = (verdict_lines(proc.stdout), proc)
     by_script, proc = _LAUNCHES[key]
-    return by_script.get(script, {}), proc
+    lines, finished = by_script.get(script, ({}, False))
+    every = all(by_script.get(s, ({}, False))[1] for s in key)  # then a failed exit is every worker's defect
+    code = proc.returncode if every or not finished else 0
+    said = proc.stderr if not finished else _section(proc.stderr, script) + (
+        "" if code == 0 else "\n== the end of the launch ==\n" + proc.stderr[-3000:])
+    part = subprocess.CompletedProcess(proc.args, code, proc.stdout, said)
+    return lines, part
 
 
-def verdict_lines(stdout: str) -> Dict[str, Dict[str, Tuple[str, str]]]:
-    """Rank 0's ``PASS``/``FAIL``/``SKIP <name>: <note>`` lines, by the worker script whose
-    :data:`WORKER_HEADER` came before them."""
-    by_script: Dict[str, Dict[str, Tuple[str, str]]] = {}
+def verdict_lines(stdout: str) -> Dict[str, Tuple[Dict[str, Tuple[str, str]], bool]]:
+    """Rank 0's ``PASS``/``FAIL``/``SKIP <name>: <note>`` lines by the worker script whose
+    :data:`WORKER_HEADER` came before them, and whether its :data:`WORKER_FOOTER` came after them."""
+    by_script: Dict[str, Tuple[Dict[str, Tuple[str, str]], bool]] = {}
     lines: Dict[str, Tuple[str, str]] = {}
     for line in stdout.splitlines():
         if line.startswith(WORKER_HEADER):
-            lines = by_script.setdefault(line[len(WORKER_HEADER):].strip(), {})
-            continue
-        status, _, rest = line.partition(" ")
-        if status in ("PASS", "FAIL", "SKIP"):
-            lines[rest.split(":")[0]] = (status, line)
+            script = line[len(WORKER_HEADER):].strip()
+            lines = {}
+            by_script[script] = (lines, False)
+        elif line.startswith(WORKER_FOOTER):
+            script = line[len(WORKER_FOOTER):].strip()
+            by_script[script] = (by_script.get(script, ({}, False))[0], True)
+        else:
+            status, _, rest = line.partition(" ")
+            if status in _STATUS:
+                lines[rest.split(":")[0]] = (status, line)
     return by_script
+
+
+def _section(stderr: str, script: str) -> str:
+    """The part of a launch's stderr between ``script``'s header and footer (both ranks' output then)."""
+    start = stderr.find(f"{WORKER_HEADER}{script}")
+    end = stderr.find(f"{WORKER_FOOTER}{script}", max(start, 0))
+    return stderr[max(start, 0):end if end >= 0 else len(stderr)]
 
 
 def assert_scenario(verdicts, name: str) -> None:

@@ -66,7 +66,15 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         return epochs, batches
 
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
-        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none)."""
+        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none). A checkpoint of a
+        pre-release gradaccum (its state under ``_StateCallback`` or ``_Skips``) is refused: read as fresh, its
+        skipped windows would move the resumed data position, silently."""
+        old = sorted({"_StateCallback", "_Skips"} & set(stateful_callbacks))
+        if old:
+            raise ConfigurationError(f"this checkpoint's TrainerState.stateful_callbacks holds {old}, the state of a "
+                                     "pre-release gradaccum that this one does not read (its skipped windows would "
+                                     "move the data position); resume it with the gradaccum that wrote it, or train "
+                                     "from the start")
         saved = stateful_callbacks.get(type(self).__name__)
         state = self.accumulator_state
         state.load_saved(state.read_saved(saved["attributes"]["saved"] if isinstance(saved, dict) else {}))
