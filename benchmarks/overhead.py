@@ -28,6 +28,23 @@ GOALS = {8: (1.03, 1.01), 256: (1.02, 1.02)}
 METHODS = ("hand", "gradaccum", "hand_clip", "gradaccum_clip", "accelerate")
 
 
+def hand_loop(window, clip: bool, device: torch.device = torch.device("cpu")) -> Callable[[], None]:
+    """The baseline: one window as people write it, each micro-batch's mean over N backpropagated, then
+    (with ``clip``) the norm clipped to 1, the step and the zeroing; on a fresh model."""
+    model = mlp().to(device)
+    opt = sgd(model)
+    crit = nn.CrossEntropyLoss()
+
+    def run() -> None:
+        for xb, yb in window:
+            (crit(model(xb), yb) / N).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return run
+
+
 def loops(m: int, device: torch.device = torch.device("cpu")) -> Dict[str, Callable[[], None]]:
     """One window of each method, on models with the same initial weights and the same data."""
     x, y = data(N * m)
@@ -35,26 +52,13 @@ def loops(m: int, device: torch.device = torch.device("cpu")) -> Dict[str, Calla
     crit = nn.CrossEntropyLoss()
     fns: Dict[str, Callable[[], None]] = {}
 
-    def hand_loop(clip: bool) -> Callable[[], None]:
-        model = mlp().to(device)
-        opt = sgd(model)
-
-        def run() -> None:  # what people write: each micro-batch's mean over N
-            for xb, yb in window:
-                (crit(model(xb), yb) / N).backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-        return run
-
     def ours(clip: bool) -> Callable[[], None]:
         model = mlp().to(device)
         acc = Accumulator(model, sgd(model), max_grad_norm=1.0 if clip else None)
         return lambda: acc.step(window, ce)
 
-    fns["hand"], fns["gradaccum"] = hand_loop(False), ours(False)
-    fns["hand_clip"], fns["gradaccum_clip"] = hand_loop(True), ours(True)
+    fns["hand"], fns["gradaccum"] = hand_loop(window, False, device), ours(False)
+    fns["hand_clip"], fns["gradaccum_clip"] = hand_loop(window, True, device), ours(True)
     accel = accelerator(N, cpu=device.type == "cpu")
     if accel is not None:
         model = mlp().to(device)
@@ -204,24 +208,12 @@ def against(other_src: str, m: int = 8, repeats: int = 40, clip: bool = False) -
     other = importlib.import_module("gradaccum_other")  # its imports are relative: a package of its own
     x, y = data(N * m)
     window = [(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) for i in range(N)]
-    crit = nn.CrossEntropyLoss()
-    hand_model = mlp()
-    hand_opt = sgd(hand_model)
-
-    def hand() -> None:
-        for xb, yb in window:
-            (crit(hand_model(xb), yb) / N).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(hand_model.parameters(), 1.0)
-        hand_opt.step()
-        hand_opt.zero_grad()
-
     def ours(package) -> Callable[[], None]:  # type: ignore[no-untyped-def]
         model = mlp()
         acc = package.Accumulator(model, sgd(model), max_grad_norm=1.0 if clip else None)
         return lambda: acc.step(window, ce)
 
-    fns = {"hand": hand, "this tree": ours(sys.modules["gradaccum"]), "other": ours(other)}
+    fns = {"hand": hand_loop(window, clip), "this tree": ours(sys.modules["gradaccum"]), "other": ours(other)}
     block = BLOCK.get(m, 2)
     s = side_by_side({k: (lambda f=f: [f() for _ in range(block)]) for k, f in fns.items()}, repeats)
     out: Dict[str, object] = {"micro_batch": m, "clip": clip, "repeats": repeats, "windows_per_block": block}
