@@ -18,11 +18,11 @@ docs/guides/trl.md ("GRPO and RLOO").
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["ITEMS", "StepCount", "local_counts", "step_items", "trl_divisor"]
+__all__ = ["ITEMS", "StepCount", "local_counts", "step_items", "trl_divisor", "trl_entropy_mean"]
 
 #: what a step's loss averages over, per loss type: its sequences ("rows"), its completion tokens
 #: ("tokens"), or its rows times ``max_completion_length`` ("row slots", Dr. GRPO's constant)
@@ -106,3 +106,18 @@ def trl_divisor(loss_type: str, mask: torch.Tensor, *, accumulation: int, max_co
         return rows * max_completion_length * accumulation
     assert generation_tokens is not None, f"loss_type={loss_type!r} divides by the generation batch's tokens"
     return generation_tokens.clamp(min=1.0) / world * accumulation / steps_per_generation
+
+
+def trl_entropy_mean(entropies: torch.Tensor, mask: torch.Tensor, *, accumulation: int
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A training micro-batch's entropy sum ``sum_it H_it m_it``, and the mean TRL 1.16's entropy bonus
+    subtracted ``entropy_coef`` times: ``sum_it H_it m_it / max(tokens_k, 1) / K``, in TRL's order of
+    operations, so that adding it back undoes TRL's term to the last bit. The exact step weighs the sum by
+    ``W / T`` instead, ``T`` the step's completion tokens on every rank.
+
+    >>> trl_entropy_mean(torch.tensor([[1., 2., 4.], [3., 0., 0.]]), torch.tensor([[1., 1., 0.], [1., 0., 0.]]),
+    ...                  accumulation=2)
+    (tensor(6.), tensor(1.))
+    """
+    entropy_sum = (entropies * mask).sum()
+    return entropy_sum, entropy_sum / mask.sum().clamp(min=1.0) / accumulation

@@ -14,7 +14,7 @@ from torch import nn
 
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
-from ..rl import ITEMS, StepCount, local_counts, trl_divisor
+from ..rl import ITEMS, StepCount, local_counts, trl_divisor, trl_entropy_mean
 from .hf_driver import TrainerDriver, refuse_untested  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 from .hf_moe import trl_router_balance
 
@@ -183,9 +183,9 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         mask = _loss_mask(inputs)
         bonus = None
         k = self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
-        if coef != 0.0:  # TRL subtracted coef * (sum H m / max(T_k, 1) / K): take it back out, in TRL's order
-            entropy_sum = (captured[0] * mask).sum()
-            loss = loss + coef * (entropy_sum / mask.sum().clamp(min=1.0) / k)
+        if coef != 0.0:  # TRL subtracted coef times its entropy mean: taken back out, as TRL computed it
+            entropy_sum, trl_mean = trl_entropy_mean(captured[0], mask, accumulation=k)
+            loss = loss + coef * trl_mean
             bonus = -coef * entropy_sum * window.second.sum_weight()  # type: ignore[union-attr]  # W / T
         divisor = trl_divisor(_loss_type(self), mask, accumulation=k, steps_per_generation=self.args.steps_per_generation,
                               max_completion_length=getattr(self, "max_completion_length", None),
