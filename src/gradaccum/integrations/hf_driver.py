@@ -145,7 +145,8 @@ class TrainerDriver:
         return self._window
 
     def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """A window's count tensor summed over the ranks (one reduction; ``local`` itself on one process)."""
+        """A window's tensor (its counts, its load-balancing sum) summed over the ranks (one reduction;
+        ``local`` itself on one process)."""
         return self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
 
     def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],

@@ -198,7 +198,7 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         """The step's LBL over every rank logged as TRL logs its ``aux_loss``; a skipped step leaves TRL's
         entropy controller where the last step taken left it."""
         if self._balance is not None:
-            total = self.accelerator.reduce(self._balance.total, reduction="sum")  # type: ignore[attr-defined]
+            total = self.summed_over_ranks(self._balance.total)
             self._metrics["train"]["aux_loss"].append(float(total))  # type: ignore[attr-defined]
         if not closing.steps:
             self._restore_entropy_controller()
