@@ -114,8 +114,6 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def torchrun_modules() -> frozenset:
     """The test modules (node ids, from the repository's root) whose top level binds ``scenario_tests(...)``."""
-    import ast
-
     found = set()
     root = os.path.dirname(TESTS)
     for folder, _, files in os.walk(TESTS):
@@ -123,12 +121,18 @@ def torchrun_modules() -> frozenset:
             if name.startswith("test_") and name.endswith(".py"):
                 path = os.path.join(folder, name)
                 with open(path) as f:
-                    text = f.read()
-                if "scenario_tests(" in text and any(
-                        isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                        and getattr(node.value.func, "id", None) == "scenario_tests" for node in ast.parse(text).body):
-                    found.add(os.path.relpath(path, root).replace(os.sep, "/"))
+                    if binds_scenario_tests(f.read()):
+                        found.add(os.path.relpath(path, root).replace(os.sep, "/"))
     return frozenset(found)
+
+
+def binds_scenario_tests(source: str) -> bool:
+    """Whether a module's top level assigns the result of a ``scenario_tests(...)`` call (not a mention)."""
+    import ast
+
+    return "scenario_tests(" in source and any(
+        isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        and getattr(node.value.func, "id", None) == "scenario_tests" for node in ast.parse(source).body)
 
 
 def scope_of(nodeid: str, torchrun: frozenset) -> str:

@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import MODULE_SECONDS, TORCHRUN_SCOPE, order_by_module_seconds, scope_of, torchrun_modules
+from conftest import (MODULE_SECONDS, TORCHRUN_SCOPE, binds_scenario_tests, order_by_module_seconds, scope_of,
+                      torchrun_modules)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,6 +67,9 @@ def test_every_module_that_launches_scenarios_is_in_the_shared_launch():
         "tests/distributed/worker.py"}
     named = {m for m in found if any(w in (ROOT / m).read_text() for w in worker_files)}
     assert named == found, "each scenario module names its worker"
+    assert binds_scenario_tests('verdicts, test_scenario = scenario_tests("w.py", ["a"])\n')
+    assert not binds_scenario_tests('"""calls scenario_tests(...) elsewhere"""\nX = "= scenario_tests("\n')
+    assert not binds_scenario_tests('def f():\n    v = scenario_tests("w.py", [])\n')
 
 
 def test_this_run_was_collected_longest_scope_first(request):
