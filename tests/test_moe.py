@@ -144,6 +144,13 @@ def test_refusals():
         MoELoss(lambda m, b: None, num_experts=4, top_k=2, coef=0.1, mode="big")
     with pytest.raises(NotExactError, match="acc.step"):
         MoELoss(lambda m, b: None, num_experts=4, top_k=2, coef=0.1)(None, None)
+    # an attention_mask not (batch, sequence): the model's own balance would read it as such, so no count is its
+    from gradaccum.moe import hf_token_mask
+
+    mask = torch.ones(2, 1, 5, 5)
+    with pytest.raises(ConfigurationError, match=r"has shape \(2, 1, 5, 5\): pass the 2-D padding mask"):
+        hf_token_mask({"attention_mask": mask})
+    assert hf_token_mask({"attention_mask": torch.ones(2, 5)}).shape == (10,) and hf_token_mask({}) is None
 
 
 def test_the_checker_names_the_load_balancing_term():

@@ -199,9 +199,16 @@ class MoEOutput(NamedTuple):
 
 def hf_token_mask(inputs: Mapping[str, Any]) -> Optional[torch.Tensor]:
     """The tokens a Hugging Face MoE model's ``load_balancing_loss_func`` balances: its 2-D
-    ``attention_mask``, flattened (None: every token)."""
+    ``attention_mask`` (batch, sequence), flattened (None: no mask, every token). Another shape is refused:
+    the model's own function reads the mask as (batch, sequence), so no count of it would be the model's."""
     mask = inputs.get("attention_mask")
-    return mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    if not isinstance(mask, torch.Tensor):
+        return None
+    if mask.dim() != 2:
+        raise ConfigurationError(f"the MoE load balancing over the window reads attention_mask as (batch, sequence), "
+                                 f"as the model's load_balancing_loss_func does; this micro-batch's has shape "
+                                 f"{tuple(mask.shape)}: pass the 2-D padding mask (1 for a token, 0 for padding)")
+    return mask.reshape(-1)
 
 
 def hf_routing(model: nn.Module, inputs: Mapping[str, Any], num_items: Any = None) -> MoEOutput:
