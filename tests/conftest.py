@@ -157,6 +157,13 @@ def pytest_xdist_make_scheduler(config, log):
     return OneTorchrunLaunch(config, log)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Tell each pytest-xdist worker the --dist mode (a worker's own option reads "no"), so that the shared
+    torchrun launch knows whether its scenario modules were kept together (distributed.launch.shared_verdicts)."""
+    node.workerinput["gradaccum_dist"] = node.config.getoption("dist")
+
+
 def pytest_collection_modifyitems(config, items):
     import json
 

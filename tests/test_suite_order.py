@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from conftest import (MODULE_SECONDS, TORCHRUN_SCOPE, binds_scenario_tests, order_by_module_seconds, scope_of,
                       torchrun_modules)
 
@@ -100,3 +102,15 @@ def test_the_shared_launch_is_read_per_worker_with_its_end_marker():
     assert read["/b.py"] == ({"three": ("PASS", "PASS three: x: y")}, False)
     err = f"start\n{WORKER_HEADER}/a.py\ntraceback of a\n{WORKER_FOOTER}/a.py\n{WORKER_HEADER}/b.py\nof b\n"
     assert "traceback of a" in _section(err, "/a.py") and "of b" not in _section(err, "/a.py")
+
+
+def test_a_pytest_xdist_worker_knows_the_dist_mode(request):
+    """Under pytest-xdist a worker's own --dist reads "no": the controller hands it the mode, without which the
+    scenario modules would each launch their own worker (make test measured 6:21 with 8 launches, not one)."""
+    worker = getattr(request.config, "workerinput", None)
+    if worker is None:
+        pytest.skip("not a pytest-xdist worker")
+    argv = worker["mainargv"]
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--dist=")), None) or next(
+        (argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--dist"), None)
+    assert worker.get("gradaccum_dist") == (given or "no"), (worker.get("gradaccum_dist"), argv)

@@ -391,8 +391,8 @@ def shared_verdicts(session, script: str):
     of the launch: its stderr section where every rank finished this worker in step, and the launch's exit
     code unless a later worker is what failed. A launch that failed or timed out is kept too, so that the
     next module reads it instead of launching again."""
-    config = session.config
-    if hasattr(config, "workerinput") and config.getoption("dist", None) != "loadscope":
+    worker = getattr(session.config, "workerinput", None)  # a pytest-xdist worker: the mode from tests/conftest.py
+    if worker is not None and worker.get("gradaccum_dist") != "loadscope":
         scripts = [script]
     else:
         ran = {str(getattr(item, "path", item.fspath)) for item in session.items}
