@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from distributed.launch import freeze_the_living  # noqa: E402
+
 torch.set_num_threads(1)
 
 
@@ -33,6 +35,15 @@ def _same_start():
     yield
     torch.set_default_dtype(dtype)
     assert torch.get_num_threads() == 1, "a test changed the thread count"
+
+
+@pytest.fixture(autouse=True)
+def _garbage_of_earlier_tests_collected_the_rest_frozen():
+    """Each test starts with the process's objects frozen out of the cyclic collector's reach
+    (tests/distributed/launch.py, ``freeze_the_living``): every ``Trainer.train()`` runs a full
+    ``gc.collect()``, which otherwise walks every object of torch, transformers and TRL each time."""
+    freeze_the_living()
+    yield
 
 
 @pytest.fixture(autouse=True)

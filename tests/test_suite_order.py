@@ -114,3 +114,23 @@ def test_a_pytest_xdist_worker_knows_the_dist_mode(request):
     given = next((a.split("=", 1)[1] for a in argv if a.startswith("--dist=")), None) or next(
         (argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--dist"), None)
     assert worker.get("gradaccum_dist") == (given or "no"), (worker.get("gradaccum_dist"), argv)
+
+
+def test_a_test_starts_with_the_imported_modules_out_of_the_collector_s_reach():
+    """tests/conftest.py freezes what lives before each test, so that a Trainer's full gc.collect() per
+    train() does not walk torch's and transformers' objects again (the torchrun scenarios do the same
+    before each scenario, distributed/launch.py); what the test itself makes stays collectable."""
+    import gc
+    import weakref
+
+    assert gc.get_freeze_count() > 100_000  # torch alone holds more objects than that
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.self = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    gc.collect()
+    assert gone() is None  # a cycle the test made and dropped is still collected

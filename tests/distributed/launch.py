@@ -97,16 +97,32 @@ def failure_summary(returncode: int, output: str) -> str:
             + "\n== the workers' error lines ==\n" + quoted(seen[-12:] or ["(none)"]) + "\n")
 
 
+def freeze_the_living() -> None:
+    """Collect the garbage, then move every object still alive (the imported modules of torch,
+    transformers, TRL, DeepSpeed...) into the collector's permanent generation (``gc.freeze``), before
+    a test or a scenario. Accelerate's ``free_memory``, which every ``Trainer.train()`` calls, runs a
+    full ``gc.collect()``: over those modules' millions of objects that took 0.2-0.3 s a call, a third
+    of an in-process GRPO test and half of the torchrun scenario launch (docs/measurements.md). What a
+    test creates stays collectable: each call collects first, and reference counting frees what is not
+    a cycle. No result can depend on it: a collection frees only unreachable objects."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def finish_worker(code: int = 0) -> NoReturn:
     """How every torchrun test worker ends, after its last collective: reference cycles collected (DDP's
-    reducer, FSDP2's DTensors and module hooks hold the group), the group destroyed, output flushed,
-    and ``os._exit(code)``. The interpreter's teardown is skipped: that is where a gloo group, or a
-    C++ object still holding one, could abort a worker whose work was done (exit 134), which failed a
-    suite run now and then. Call it from the script's top level, once the scenarios' frames are gone."""
+    reducer, FSDP2's DTensors and module hooks hold the group; frozen ones too, :func:`freeze_the_living`),
+    the group destroyed, output flushed, and ``os._exit(code)``. The interpreter's teardown is skipped: that
+    is where a gloo group, or a C++ object still holding one, could abort a worker whose work was done
+    (exit 134), which failed a suite run now and then. Call it from the script's top level, once the
+    scenarios' frames are gone."""
     import gc
 
     import torch.distributed as dist
 
+    gc.unfreeze()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -143,6 +159,7 @@ def run_each(scenarios, names: Sequence[str] = ()) -> int:
     ran = 0
     if isinstance(scenarios, dict):
         for name in names or list(scenarios):
+            freeze_the_living()
             try:
                 line = scenarios[name]()
             except Exception:  # noqa: BLE001 - report and go on to the next scenario
@@ -163,6 +180,7 @@ def run_each(scenarios, names: Sequence[str] = ()) -> int:
     for scenario in scenarios:
         if names and scenario.__name__ not in names:
             continue
+        freeze_the_living()
         try:
             note = scenario()
             verdict = torch.tensor([0])
