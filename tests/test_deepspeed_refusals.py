@@ -125,6 +125,27 @@ def test_exact_trainer_reads_whether_the_engine_applied_the_window_s_step():
     assert step_applied(SimpleNamespace(accelerator=SimpleNamespace()))  # off DeepSpeed
 
 
+@pytest.mark.parametrize("applied, norm, said", [(True, float("nan"), "may now hold inf or nan"),
+                                                 (True, -1.0, "may now hold inf or nan"),
+                                                 (False, None, "skipped its step")])
+def test_exact_trainer_s_window_steps_through_the_seam_and_refuses_what_the_accumulator_refuses(applied, norm, said):
+    """The Trainer's stand-in steps the engine through the seam's DeepSpeed backend, so a bf16/fp32 engine
+    that stepped on a non-finite gradient (ZeRO's norm -1), or dropped the window's gradient, raises with the
+    fix there as under the Accumulator, instead of being logged as a step or counted as a skip; an applied
+    step hands the Trainer the engine's norm."""
+    from gradaccum.integrations.hf_deepspeed import WindowEngine
+
+    engine = _Stepped(applied, False, norm)
+    engine.backward = lambda loss, scale_wrt_gas: None
+    wrapped = WindowEngine(engine, steps=lambda: True)
+    with pytest.raises(FloatingPointError, match=said):
+        wrapped.backward(torch.zeros(()), sync_gradients=True)
+    fine = WindowEngine(_Stepped(True, False, 2.5), steps=lambda: True)
+    fine.engine.backward = lambda loss, scale_wrt_gas: None
+    fine.backward(torch.zeros(()), sync_gradients=True)
+    assert fine.applied and fine.get_global_grad_norm() == 2.5
+
+
 def test_exact_trainer_refuses_a_deepspeed_config_that_manages_accumulation_as_the_accumulator_does():
     """The one refusal of an engine that manages accumulation (``_deepspeed.engine_manages_accumulation``):
     ExactTrainer reads it from the DeepSpeed config before the engine exists, names itself and the key;

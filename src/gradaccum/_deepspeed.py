@@ -135,18 +135,18 @@ class DeepSpeedSync(GradSync):
             return math.inf  # fp16's dynamic loss scale overflowed and backed off: a skipped window
         if not self.engine.was_step_applied():
             raise FloatingPointError(
-                "the DeepSpeed engine found the window's gradient not finite and skipped its step (gradaccum's loss "
-                "check saw a finite loss): a micro-batch's backward put inf or nan into the engine's gradient, e.g. a "
-                "mean over 0 items computed as 0/0 (divide by max(count, 1), as gradaccum's losses do). The engine "
-                "dropped that gradient; acc.steps does not count the window")
+                "the DeepSpeed engine found the window's gradient not finite and skipped its step: a micro-batch's "
+                "backward put inf or nan into the engine's gradient (a loss that was not finite, or e.g. a mean over 0 "
+                "items computed as 0/0: divide by max(count, 1), as gradaccum's losses do). The engine dropped that "
+                "gradient; the window is not counted as a step")
         norm = self.engine.get_global_grad_norm()
         norm = None if norm is None else float(norm)
         if norm is not None and not (math.isfinite(norm) and norm >= 0):  # ZeRO reports a non-finite norm as -1
             raise FloatingPointError(
-                f"the DeepSpeed engine stepped on a window whose gradient norm is {norm} (not finite; gradaccum's loss "
-                "check saw a finite loss), so its parameters may now hold inf or nan: restore the last checkpoint "
-                "(engine.load_checkpoint and acc.load_state_dict), and set \"gradient_clipping\" in the DeepSpeed "
-                "config or lower the learning rate. acc.steps does not count the window")
+                f"the DeepSpeed engine stepped on a window whose gradient norm is {norm} (not finite), so its "
+                "parameters may now hold inf or nan: restore the last checkpoint (engine.load_checkpoint and "
+                "acc.load_state_dict; under a Trainer, resume_from_checkpoint), and set \"gradient_clipping\" in the "
+                "DeepSpeed config or lower the learning rate. The window is not counted as a step")
         return norm
 
     def reduce_gradients_(self, grads: Any) -> None:

@@ -6,8 +6,9 @@ clipping; the Trainer's window owns the boundary (:class:`WindowEngine` stands i
 
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from transformers import TrainerCallback
 
@@ -18,24 +19,31 @@ __all__ = ["WindowEngine", "DeepSpeedWindows", "prepare", "step_applied"]
 
 
 class WindowEngine:
-    """Accelerate's ``DeepSpeedEngineWrapper`` for an engine whose caller owns the boundary."""
+    """Accelerate's ``DeepSpeedEngineWrapper`` for an engine whose caller owns the boundary: each
+    micro-batch's backward and the window's step are the seam's DeepSpeed backend's
+    (:class:`~gradaccum._deepspeed.DeepSpeedSync`), as under the ``Accumulator``."""
 
     def __init__(self, engine: Any, steps: Callable[[], bool]) -> None:
         self.engine, self.steps = engine, steps
-        #: the engine applied the last window's step (False: its fp16 loss scale overflowed and backed off)
-        self.applied = True
+        self.sync = DeepSpeedSync(engine)
+        #: the last window's gradient norm as the engine measured it (inf: its fp16 loss scale overflowed and
+        #: it took no step; None: it measured none, or no window stepped yet)
+        self.norm: Optional[float] = None
+
+    @property
+    def applied(self) -> bool:
+        """The engine applied the last window's step (False: its fp16 loss scale overflowed and backed off)."""
+        return self.norm is None or math.isfinite(self.norm)
 
     def backward(self, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> None:
-        """The micro-batch's weighted loss into the engine; ``engine.step()`` after the window's last one,
-        unless the window holds no item."""
-        self.engine.backward(loss, scale_wrt_gas=False)
+        """The micro-batch's weighted loss into the engine; its step after the window's last one, unless
+        the window holds no item (a step the engine applied on a non-finite gradient raises, with the fix)."""
+        self.sync.backward(loss)
         if sync_gradients and self.steps():
-            self.engine.step()
-            self.applied = bool(self.engine.was_step_applied())
+            self.norm = self.sync.step(None, None)
 
-    def get_global_grad_norm(self) -> Any:
-        norm = self.engine.get_global_grad_norm()
-        return norm.item() if hasattr(norm, "item") else norm
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self.norm
 
 
 class DeepSpeedWindows(TrainerCallback):
@@ -48,8 +56,8 @@ class DeepSpeedWindows(TrainerCallback):
         accelerator = self.trainer.accelerator
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
         if wrapped is not None and not isinstance(wrapped, WindowEngine):
-            accelerator.deepspeed_engine_wrapped = WindowEngine(wrapped.engine, self.steps)
-            cost = DeepSpeedSync(wrapped.engine).low_precision_sum([])  # the Accumulator's check, on this engine
+            window_engine = accelerator.deepspeed_engine_wrapped = WindowEngine(wrapped.engine, self.steps)
+            cost = window_engine.sync.low_precision_sum([])  # the Accumulator's check, on this engine
             if cost is not None:
                 warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the window",
                               LowPrecisionWarning, stacklevel=2)
