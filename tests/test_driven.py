@@ -5,7 +5,7 @@ gradient over at its scale R / N (buffers rounded once), drop a skipped window's
 The oracle is written out here: the window's float64 gradient of sum_k S_k / N, and its float32 sum
 rounded once to bf16. The drivers' own exactness tests (test_precision.py's trainer-driver tests,
 test_lightning.py, test_hf_trainer.py) run through it; these pin each step on its own.
-Also: the one ``swapped`` both drivers patch with (_patching.py), and the evaluation set's
+Also: the one ``swapped`` (and ``Swaps``) both drivers patch with (_patching.py), and the evaluation set's
 item-weighted mean (_batch_items.SetMean)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gradaccum._batch_items import BatchItems, SetMean
 from gradaccum._driven import DrivenWindow, retire_buffers
 from gradaccum._gradients import AccumulationBuffers
 from gradaccum._maths import Verdict
-from gradaccum._patching import swapped
+from gradaccum._patching import NoStep, Swaps, swapped
 from gradaccum._state import AccumulatorState
 
 
@@ -154,6 +154,24 @@ def test_swapped_puts_back_what_was_there_also_on_an_exception():
         with swapped(holder, "flag", 0):
             raise KeyError("inside")
     assert holder.flag is True
+
+
+def test_swaps_wrap_each_attribute_once_until_restored():
+    """What Lightning's callback does to the module's hooks for a fit, and the Trainer driver to its optimizer
+    for a skipped window's end: each attribute wrapped once (a second wrap would wrap the wrapper), all put
+    back by restore, which may be called again."""
+    holder, swaps = _Holder(), Swaps()
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    holder.optimizer = optimizer
+    assert not swaps
+    for _ in range(2):
+        swaps.wrap(holder, "optimizer", NoStep)
+        swaps.wrap(holder, "hook", lambda hook: lambda: "wrapped " + hook())
+    assert swaps and holder.hook() == "wrapped class" and holder.optimizer.inner is optimizer
+    assert holder.optimizer.step() is None and holder.optimizer.param_groups is optimizer.param_groups
+    swaps.restore()
+    swaps.restore()
+    assert not swaps and holder.optimizer is optimizer and "hook" not in vars(holder) and holder.hook() == "class"
 
 
 def test_the_evaluation_mean_weighs_items_not_batches():

@@ -5,11 +5,11 @@ scheduler, by stand-ins whose ``step()`` does nothing)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Set, Tuple
 
 from torch import nn
 
-__all__ = ["NoStep", "swapped"]
+__all__ = ["NoStep", "Swaps", "swapped"]
 
 
 @contextlib.contextmanager
@@ -28,6 +28,30 @@ def swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
             setattr(owner, name, old)
         elif name in vars(owner):
             delattr(owner, name)
+
+
+class Swaps:
+    """Attributes :func:`swapped` until :meth:`restore` rather than for a block: a framework's objects
+    served something else across its own calls (a LightningModule's hooks for one fit, the Trainer's
+    optimizer and scheduler while a skipped window ends). Each attribute is wrapped once; :meth:`restore`
+    puts every one back, in reverse, and may be called again."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._names: Set[Tuple[int, str]] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._names)
+
+    def wrap(self, owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+        """``owner.name = wrap(owner.name)`` until :meth:`restore`, unless it is wrapped already."""
+        if (id(owner), name) not in self._names:
+            self._names.add((id(owner), name))
+            self._stack.enter_context(swapped(owner, name, wrap(getattr(owner, name))))
+
+    def restore(self) -> None:
+        self._stack.close()
+        self._names.clear()
 
 
 class NoStep:

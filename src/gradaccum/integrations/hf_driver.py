@@ -3,7 +3,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from .._checks import Count
 from .._driven import DrivenWindow
 from .._gradients import AccumulationBuffers
-from .._patching import NoStep, swapped
+from .._patching import NoStep, Swaps
 from .._state import AccumulatorState
 from .._weights import Closing
 from ..errors import ConfigurationError
@@ -35,7 +34,7 @@ class TrainerWindowState(TrainerCallback, ExportableState):
 
     def __init__(self) -> None:
         self.accumulator_state = AccumulatorState()
-        self.held: Optional[contextlib.ExitStack] = None  # the stand-ins, while a skipped window ends
+        self.held = Swaps()  # the stand-ins, while a skipped window ends
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
@@ -44,15 +43,12 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         """After a skipped window's last micro-batch: the optimizer and the scheduler the Trainer is about
         to step are stood in for, and ``global_step`` is taken back by the one the Trainer adds, so that
         the window leaves no trace but its consumed data."""
-        self.held = contextlib.ExitStack()
         for name in ("optimizer", "lr_scheduler"):
-            self.held.enter_context(swapped(trainer, name, NoStep(getattr(trainer, name))))
+            self.held.wrap(trainer, name, NoStep)
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
 
     def release(self) -> None:
-        if self.held is not None:
-            self.held.close()
-            self.held = None
+        self.held.restore()
 
     def resume(self, trainer: Any, epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
         """The state the checkpoint saved, and the Trainer's resume position (``epochs`` done, ``batches``
@@ -80,7 +76,7 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         state.load_saved(state.read_saved(saved["attributes"]["saved"] if isinstance(saved, dict) else {}))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.held is not None:
+        if self.held:
             control.should_log = control.should_evaluate = control.should_save = False
         return control
 

@@ -10,7 +10,7 @@ this module is that glue and the refusals. How it is driven, step by step: docs/
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -28,7 +28,7 @@ from .._checks import Count, as_number, item_count
 from .._driven import DrivenWindow, retire_buffers
 from .._gradients import AccumulationBuffers
 from .._maths import Verdict
-from .._patching import swapped
+from .._patching import Swaps
 from .._state import AccumulatorState
 from .._window import graph_leaves
 from ..accumulator import driver_buffers
@@ -90,7 +90,7 @@ class ExactAccumulation(Callback):
         self._window: Optional[DrivenWindow] = None  # the open window (running R)
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
         self.skipping = False                     #: the window that just closed counted 0 items
-        self._hooks = _ModuleHooks()              # the module's hooks wrapped for this fit
+        self._hooks = Swaps()                     # the module's hooks wrapped for this fit
         self._nothing = contextlib.ExitStack()    # during a backward of a micro-batch that may hold no item
 
     @property
@@ -132,19 +132,19 @@ class ExactAccumulation(Callback):
         retire_buffers(self.buffers)  # a previous fit's
         self.buffers = _fit_buffers(trainer, pl_module, self.accum_dtype)
         self.state, self._window = AccumulatorState(), None  # a checkpoint's is loaded after setup
-        self._hooks.replace(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
+        self._hooks.wrap(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # after Lightning has validated the schedulers (an overridden hook would pass any scheduler)
-        self._hooks.replace(pl_module, "lr_scheduler_step", lambda hook: _unless_skipped(self, trainer, hook))
+        self._hooks.wrap(pl_module, "lr_scheduler_step", lambda hook: _unless_skipped(self, trainer, hook))
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            self._hooks.restore(pl_module)
+            self._hooks.restore()
             retire_buffers(self.buffers)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._hooks.restore(pl_module)  # Lightning skips teardown after an exception
+        self._hooks.restore()  # Lightning skips teardown after an exception
         self._nothing.close()
         retire_buffers(self.buffers)
 
@@ -238,26 +238,6 @@ def _unless_skipped(callback: ExactAccumulation, trainer: "pl.Trainer", original
         return original(scheduler, metric)
 
     return lr_scheduler_step
-
-
-class _ModuleHooks:
-    """The LightningModule's hooks the callback wraps for one fit (as instance attributes), and what
-    was there before, put back by :meth:`restore` (after the fit, or an exception)."""
-
-    def __init__(self) -> None:
-        self.stack = contextlib.ExitStack()
-        self.names: Set[str] = set()
-
-    def replace(self, pl_module: "pl.LightningModule", name: str,
-                wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Set ``wrap(hook)`` as an instance attribute of the module for this fit (once)."""
-        if name not in self.names:
-            self.names.add(name)
-            self.stack.enter_context(swapped(pl_module, name, wrap(getattr(pl_module, name))))
-
-    def restore(self, pl_module: "pl.LightningModule") -> None:
-        self.stack.close()
-        self.names.clear()
 
 
 def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]) -> Callable[..., Any]:
