@@ -5,6 +5,7 @@ tests/distributed/test_deepspeed.py."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -104,6 +105,10 @@ def test_the_seam_reads_what_the_engine_s_step_did():
             DeepSpeedSync(_Stepped(True, False, norm)).step(None, None)
     with pytest.raises(FloatingPointError, match="skipped its step"):
         DeepSpeedSync(_Stepped(False, False, None)).step(None, None)
+    # a driver that checks no loss (ExactTrainer) gets the dropped step back as a skipped window
+    assert DeepSpeedSync(_Stepped(False, False, None), checks_loss=False).step(None, None) == float("inf")
+    with pytest.raises(FloatingPointError, match=r"may now hold inf or nan.*TrainingArguments\(max_grad_norm"):
+        DeepSpeedSync(_Stepped(True, False, -1.0), checks_loss=False).step(None, None)
 
 
 def test_exact_trainer_reads_whether_the_engine_applied_the_window_s_step():
@@ -125,25 +130,43 @@ def test_exact_trainer_reads_whether_the_engine_applied_the_window_s_step():
     assert step_applied(SimpleNamespace(accelerator=SimpleNamespace()))  # off DeepSpeed
 
 
-@pytest.mark.parametrize("applied, norm, said", [(True, float("nan"), "may now hold inf or nan"),
-                                                 (True, -1.0, "may now hold inf or nan"),
-                                                 (False, None, "skipped its step")])
-def test_exact_trainer_s_window_steps_through_the_seam_and_refuses_what_the_accumulator_refuses(applied, norm, said):
+@pytest.mark.parametrize("norm", [float("nan"), -1.0])
+def test_exact_trainer_s_window_steps_through_the_seam_and_refuses_a_step_on_a_non_finite_gradient(norm):
     """The Trainer's stand-in steps the engine through the seam's DeepSpeed backend, so a bf16/fp32 engine
-    that stepped on a non-finite gradient (ZeRO's norm -1), or dropped the window's gradient, raises with the
-    fix there as under the Accumulator, instead of being logged as a step or counted as a skip; an applied
-    step hands the Trainer the engine's norm."""
+    that stepped on a non-finite gradient (ZeRO's norm -1) raises with the fix, as under the Accumulator,
+    instead of being logged as a step; an applied step hands the Trainer the engine's norm."""
     from gradaccum.integrations.hf_deepspeed import WindowEngine
 
-    engine = _Stepped(applied, False, norm)
+    engine = _Stepped(True, False, norm)
     engine.backward = lambda loss, scale_wrt_gas: None
-    wrapped = WindowEngine(engine, steps=lambda: True)
-    with pytest.raises(FloatingPointError, match=said):
-        wrapped.backward(torch.zeros(()), sync_gradients=True)
+    with pytest.raises(FloatingPointError, match="may now hold inf or nan"):
+        WindowEngine(engine, steps=lambda: True).backward(torch.zeros(()), sync_gradients=True)
     fine = WindowEngine(_Stepped(True, False, 2.5), steps=lambda: True)
     fine.engine.backward = lambda loss, scale_wrt_gas: None
     fine.backward(torch.zeros(()), sync_gradients=True)
     assert fine.applied and fine.get_global_grad_norm() == 2.5
+
+
+def test_a_step_a_bf16_or_fp32_engine_dropped_is_a_skipped_window_said_once():
+    """The Trainer checks no loss: a window whose gradient the engine found not finite and dropped (its
+    bf16/fp32 overflow check) is recorded as skipped, with one warning per run (an fp16 overflow, the
+    loss scale backing off, says nothing)."""
+    from types import SimpleNamespace
+
+    from gradaccum import AccumulatorState
+    from gradaccum.integrations.hf_deepspeed import WindowEngine, step_applied
+
+    for fp16, warns in ((False, True), (True, False)):
+        engine = _Stepped(False, fp16, None)
+        engine.backward = lambda loss, scale_wrt_gas: None
+        wrapped = WindowEngine(engine, steps=lambda: True)
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(deepspeed_engine_wrapped=wrapped),
+                                  accumulator_state=AccumulatorState())
+        wrapped.backward(torch.zeros(()), sync_gradients=True)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert not step_applied(trainer) and not step_applied(trainer)
+        assert sum("took no step" in str(w.message) for w in said) == (1 if warns else 0)
 
 
 def test_exact_trainer_refuses_a_deepspeed_config_that_manages_accumulation_as_the_accumulator_does():

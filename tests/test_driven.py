@@ -172,6 +172,19 @@ def test_swaps_wrap_each_attribute_once_until_restored():
     swaps.restore()
     swaps.restore()
     assert not swaps and holder.optimizer is optimizer and "hook" not in vars(holder) and holder.hook() == "class"
+    other = _Holder()  # two owners' attributes of one name are two swaps
+    swaps.wrap(holder, "hook", lambda hook: lambda: "one")
+    swaps.wrap(other, "hook", lambda hook: lambda: "two")
+    assert (holder.hook(), other.hook()) == ("one", "two")
+    swaps.restore()
+    with pytest.raises(AttributeError):  # a wrap that fails holds nothing, and the attribute can be wrapped later
+        swaps.wrap(holder, "missing", lambda value: value)
+    assert not swaps
+    holder.missing = 1
+    swaps.wrap(holder, "missing", lambda value: value + 1)
+    assert holder.missing == 2
+    swaps.restore()
+    assert holder.missing == 1
 
 
 def test_the_evaluation_mean_weighs_items_not_batches():

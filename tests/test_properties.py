@@ -9,7 +9,6 @@ same examples; ``HYPOTHESIS_PROFILE=dev`` draws many more.
 from __future__ import annotations
 
 import copy
-import gc
 import math
 from typing import List, Tuple
 
@@ -23,17 +22,6 @@ from gradaccum import Accumulator, causal_lm_loss, count_targets
 from helpers import assert_params_close, mse, regression_batch, regression_model
 
 RTOL, ATOL = 1e-10, 1e-12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """micro_batch_size="auto" runs gc.collect() after each out-of-memory error; over the heap that
-    torch, pytest and Hypothesis leave, that is ~0.2 s a time. Frozen objects are not scanned (what
-    the tests create still is), which keeps this file fast; the heap is unfrozen afterwards."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 # -- strategies and builders -----------------------------------------------------------------

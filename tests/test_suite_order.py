@@ -119,18 +119,27 @@ def test_a_pytest_xdist_worker_knows_the_dist_mode(request):
 def test_a_test_starts_with_the_imported_modules_out_of_the_collector_s_reach():
     """tests/conftest.py freezes what lives before each test, so that a Trainer's full gc.collect() per
     train() does not walk torch's and transformers' objects again (the torchrun scenarios do the same
-    before each scenario, distributed/launch.py); what the test itself makes stays collectable."""
+    before each scenario, distributed/launch.py). The freeze collects first, so the garbage a test
+    leaves is freed, not frozen; the collector stays on for what the test itself makes."""
     import gc
     import weakref
 
+    from distributed.launch import freeze_the_living
+
     assert gc.get_freeze_count() > 100_000  # torch alone holds more objects than that
+    assert gc.isenabled()
 
     class Node:
         pass
 
-    cycle = Node()
-    cycle.self = cycle
-    gone = weakref.ref(cycle)
-    del cycle
+    def dropped_cycle() -> weakref.ref:
+        cycle = Node()
+        cycle.self = cycle
+        return weakref.ref(cycle)
+
+    left_behind = dropped_cycle()  # what an earlier test left: freed by the next freeze, not kept by it
+    freeze_the_living()
+    assert left_behind() is None
+    made_here = dropped_cycle()
     gc.collect()
-    assert gone() is None  # a cycle the test made and dropped is still collected
+    assert made_here() is None  # a cycle the test made and dropped is still collected

@@ -98,7 +98,15 @@ def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_g
 
 
 class DeepSpeedSync(GradSync):
-    """A ``deepspeed.initialize`` engine with a caller-owned boundary (see the module docstring)."""
+    """A ``deepspeed.initialize`` engine with a caller-owned boundary (see the module docstring).
+
+    Args:
+        engine: the engine.
+        checks_loss: the driver refuses a window whose loss is not finite before :meth:`step` (the
+            ``Accumulator``), so a step the engine then drops is a defect to raise; a driver that does
+            not (``ExactTrainer``) gets that step back as a skipped window, as the ``Accumulator``'s
+            ``nonfinite="skip"`` skips a window whose loss is not finite.
+    """
 
     shares_windows = reduces_across_ranks = allows_empty_share = True
     can_reduce_later = False
@@ -106,8 +114,8 @@ class DeepSpeedSync(GradSync):
     owns_step = True
     needs_count_first = True
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any, *, checks_loss: bool = True) -> None:
+        self.engine, self.checks_loss = engine, checks_loss
         self.group = getattr(engine, "seq_data_parallel_group", None)
         self._size = int(getattr(engine, "seq_dp_world_size", None) or getattr(engine, "dp_world_size", 1) or 1)
         self.grad_divisor = float(self._size)  # DeepSpeed averages the gradient over its data-parallel ranks
@@ -128,25 +136,30 @@ class DeepSpeedSync(GradSync):
     def step(self, optimizer: Any, precision: Any) -> Optional[float]:
         """``engine.step()``: finalise the window's gradient, clip (the config's ``gradient_clipping``),
         step the optimizer and the engine's scheduler. Returns the window gradient's norm as the engine
-        measured it (before clipping), or None where it measures none; inf where the engine's fp16 loss
-        scale overflowed and it skipped the step (the boundary counts the window skipped)."""
+        measured it (before clipping), or None where it measures none; inf where the engine found the
+        gradient not finite and took no step, its gradient dropped (the driver counts the window skipped):
+        an fp16 loss scale that overflowed and backed off, or, for a driver that does not check the loss
+        (``checks_loss=False``), any dtype's. A step applied on a non-finite gradient always raises."""
         self.engine.step()
-        if not self.engine.was_step_applied() and self.engine.fp16_enabled():
-            return math.inf  # fp16's dynamic loss scale overflowed and backed off: a skipped window
         if not self.engine.was_step_applied():
+            if self.engine.fp16_enabled() or not self.checks_loss:
+                return math.inf
             raise FloatingPointError(
-                "the DeepSpeed engine found the window's gradient not finite and skipped its step: a micro-batch's "
-                "backward put inf or nan into the engine's gradient (a loss that was not finite, or e.g. a mean over 0 "
-                "items computed as 0/0: divide by max(count, 1), as gradaccum's losses do). The engine dropped that "
-                "gradient; the window is not counted as a step")
+                "the DeepSpeed engine found the window's gradient not finite and skipped its step (gradaccum's loss "
+                "check saw a finite loss): a micro-batch's backward put inf or nan into the engine's gradient, e.g. a "
+                "mean over 0 items computed as 0/0 (divide by max(count, 1), as gradaccum's losses do). The engine "
+                "dropped that gradient; acc.steps does not count the window")
         norm = self.engine.get_global_grad_norm()
         norm = None if norm is None else float(norm)
         if norm is not None and not (math.isfinite(norm) and norm >= 0):  # ZeRO reports a non-finite norm as -1
+            clip = ("\"gradient_clipping\" in the DeepSpeed config" if self.checks_loss else
+                    "TrainingArguments(max_grad_norm=...), which the Trainer writes into the DeepSpeed config")
+            resume = ("engine.load_checkpoint and acc.load_state_dict" if self.checks_loss else
+                      "trainer.train(resume_from_checkpoint=...)")
             raise FloatingPointError(
                 f"the DeepSpeed engine stepped on a window whose gradient norm is {norm} (not finite), so its "
-                "parameters may now hold inf or nan: restore the last checkpoint (engine.load_checkpoint and "
-                "acc.load_state_dict; under a Trainer, resume_from_checkpoint), and set \"gradient_clipping\" in the "
-                "DeepSpeed config or lower the learning rate. The window is not counted as a step")
+                f"parameters may now hold inf or nan: restore the last checkpoint ({resume}), and set {clip} or lower "
+                "the learning rate. The window is not counted as a step")
         return norm
 
     def reduce_gradients_(self, grads: Any) -> None:

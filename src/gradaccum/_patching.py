@@ -45,13 +45,16 @@ class Swaps:
 
     def wrap(self, owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
         """``owner.name = wrap(owner.name)`` until :meth:`restore`, unless it is wrapped already."""
-        if (id(owner), name) not in self._names:
-            self._names.add((id(owner), name))
+        key = (id(owner), name)  # the owner stays alive while it is swapped: its id is not reused meanwhile
+        if key not in self._names:
             self._stack.enter_context(swapped(owner, name, wrap(getattr(owner, name))))
+            self._names.add(key)  # only once swapped: a wrap that raised leaves nothing held
 
     def restore(self) -> None:
-        self._stack.close()
-        self._names.clear()
+        try:
+            self._stack.close()
+        finally:
+            self._names.clear()
 
 
 class NoStep:

@@ -410,8 +410,10 @@ def on_deepspeed(cls: type, optimizer) -> type:
     return OnDeepSpeed
 
 
-def hf_deepspeed(model, per_rank, stage: int, *, exact: bool, clip: Optional[float], optimizer, **fit: Any):
-    """The Trainer (ExactTrainer, or the stock one under DeepSpeed's own accumulation) on ``per_rank``."""
+def hf_deepspeed(model, per_rank, stage: int, *, exact: bool, clip: Optional[float], optimizer,
+                 trainer_cls_base: Optional[type] = None, **fit: Any):
+    """The Trainer (ExactTrainer, ``trainer_cls_base``, or the stock one under DeepSpeed's own accumulation)
+    on ``per_rank``."""
     from transformers import Trainer
 
     from gradaccum.integrations.hf_trainer import ExactTrainer
@@ -423,7 +425,8 @@ def hf_deepspeed(model, per_rank, stage: int, *, exact: bool, clip: Optional[flo
     if exact:
         cfg["managed_gradient_accumulation"] = False
     _, trainer = S.hf_fit(model, per_rank, exact=exact, clip=clip, deepspeed=cfg, optimizer=optimizer,
-                          trainer_cls=on_deepspeed(ExactTrainer if exact else Trainer, optimizer), **fit)
+                          trainer_cls=on_deepspeed(trainer_cls_base or (ExactTrainer if exact else Trainer), optimizer),
+                          **fit)
     return params(trainer.model_wrapped), trainer
 
 
@@ -505,6 +508,48 @@ def exact_trainer_empty_window():
     return f"skipped, delta {d:.1e}"
 
 
+def exact_trainer_nonfinite_window_skipped():
+    """A window whose loss is not finite on rank 1 (one micro-batch's loss times nan) under ZeRO-2, fp32: the
+    engine finds the gradient not finite and drops it, and ExactTrainer, which checks no loss, records the
+    window as skipped with one warning (no engine, optimizer or scheduler step, global_step not advanced)
+    instead of stopping the run; the other windows are within 1e-6 of the float64 big batch without it."""
+    import warnings
+
+    from hf_helpers import gpt2
+
+    from gradaccum.integrations.hf_trainer import ExactTrainer
+
+    S = _integrations()
+    per_rank = [S.rank_micro_batches(r, S.SIZES[r]) for r in range(WORLD)]
+    model = gpt2().float()
+    want = [p.detach().clone() for p in S.reference(copy.deepcopy(model).double(), S.windows_of(per_rank, S.ACCUM)[1:],
+                                                   optimizer=big_sgd).parameters()]
+
+    class NanInTheFirstWindow(ExactTrainer):
+        ran = 0
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if model.training:
+                self.ran += 1
+                if RANK == 1 and self.ran == 2:  # the first window's second micro-batch on rank 1
+                    loss = loss * float("nan")
+            return loss
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got, trainer = hf_deepspeed(model, per_rank, 2, exact=True, clip=None, optimizer=big_sgd,
+                                    trainer_cls_base=NanInTheFirstWindow)
+    told = [str(w.message) for w in said if "took no step" in str(w.message)]
+    engine = trainer.model_wrapped  # it counts the step it dropped in global_steps and in skipped_steps
+    counts = (trainer.state.global_step, trainer.skipped, engine.global_steps - engine.skipped_steps, len(told))
+    assert counts == (2, 1, 2, 1), (f"global_step, windows skipped, engine steps applied, warnings {counts}; "
+                                    "expected (2, 1, 2, 1)")
+    d = delta_from(got, want, model)
+    assert d < 1e-6, f"delta {d:.2e}"
+    return f"skipped with one warning, the others within {d:.1e}"
+
+
 def exact_trainer_moe_refused():
     """An MoE model whose config turns its router's load-balancing loss on: ExactTrainer computes that term over
     the window with DDP or FSDP2 only, so under DeepSpeed it is refused when the Trainer is built, with the fix
@@ -579,7 +624,7 @@ def delta_from(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], start_
 
 SCENARIOS = [zero1_exact, zero2_exact, zero3_exact, resume_exact, refusals, guide_example, nonfinite_window_raises,
              low_precision_is_named_once, window_loss_refused, exact_trainer_stages, exact_trainer_empty_window,
-             exact_trainer_resume, exact_trl_trainers, exact_trainer_moe_refused]
+             exact_trainer_resume, exact_trl_trainers, exact_trainer_moe_refused, exact_trainer_nonfinite_window_skipped]
 
 
 @contextlib.contextmanager

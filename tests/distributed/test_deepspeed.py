@@ -15,7 +15,7 @@ WORKER = "tests/distributed/deepspeed_worker.py"
 SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals", "guide_example",
              "nonfinite_window_raises", "low_precision_is_named_once", "window_loss_refused", "exact_trainer_stages",
              "exact_trainer_empty_window", "exact_trainer_resume", "exact_trl_trainers",
-             "exact_trainer_moe_refused"]
+             "exact_trainer_moe_refused", "exact_trainer_nonfinite_window_skipped"]
 
 # what each scenario asserts, the test's docstring
 DOC = """zeroN_exact: float32 within 1e-6 of the float64 big batch over uneven micro-batches and ranks, a
@@ -29,6 +29,8 @@ exact_trainer_stages: ExactTrainer(deepspeed=...) on ZeRO-1/2/3 within 1e-6 of t
 logged grad_norm the window's true norm, the stock Trainer off; exact_trainer_empty_window: skipped, no
 engine step, the next window exact; exact_trainer_resume: checkpoint-1 of 3 resumed bit-identically;
 exact_trl_trainers: TRL's SFT (ZeRO-2) and DPO (ZeRO-3) against TRL's loss over one big batch;
-exact_trainer_moe_refused: an MoE router loss under DeepSpeed refused when the Trainer is built."""
+exact_trainer_moe_refused: an MoE router loss under DeepSpeed refused when the Trainer is built;
+exact_trainer_nonfinite_window_skipped: a window whose loss is not finite is dropped by the engine and recorded
+skipped with one warning, the other windows exact."""
 
 verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS, timeout=900, doc=DOC)

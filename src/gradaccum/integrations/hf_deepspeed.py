@@ -21,18 +21,19 @@ __all__ = ["WindowEngine", "DeepSpeedWindows", "prepare", "step_applied"]
 class WindowEngine:
     """Accelerate's ``DeepSpeedEngineWrapper`` for an engine whose caller owns the boundary: each
     micro-batch's backward and the window's step are the seam's DeepSpeed backend's
-    (:class:`~gradaccum._deepspeed.DeepSpeedSync`), as under the ``Accumulator``."""
+    (:class:`~gradaccum._deepspeed.DeepSpeedSync`), as under the ``Accumulator``; the Trainer checks no
+    loss, so a step the engine drops on a gradient that is not finite is a skipped window."""
 
     def __init__(self, engine: Any, steps: Callable[[], bool]) -> None:
         self.engine, self.steps = engine, steps
-        self.sync = DeepSpeedSync(engine)
-        #: the last window's gradient norm as the engine measured it (inf: its fp16 loss scale overflowed and
-        #: it took no step; None: it measured none, or no window stepped yet)
+        self.sync = DeepSpeedSync(engine, checks_loss=False)
+        #: the last window's gradient norm as the engine measured it (inf: the gradient was not finite and
+        #: the engine took no step; None: it measured none, or no window stepped yet)
         self.norm: Optional[float] = None
 
     @property
     def applied(self) -> bool:
-        """The engine applied the last window's step (False: its fp16 loss scale overflowed and backed off)."""
+        """The engine applied the last window's step (False: it found the gradient not finite and dropped it)."""
         return self.norm is None or math.isfinite(self.norm)
 
     def backward(self, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> None:
@@ -76,6 +77,14 @@ def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
 
 
 def step_applied(trainer: Any) -> bool:
-    """Whether the engine applied the window's step (an fp16 engine skips one whose loss scale overflowed:
-    then the window is recorded skipped, as the ``Accumulator`` records it). True off DeepSpeed."""
-    return getattr(getattr(trainer.accelerator, "deepspeed_engine_wrapped", None), "applied", True)
+    """Whether the engine applied the window's step; True off DeepSpeed. A step it dropped is recorded as a
+    skipped window, as the ``Accumulator`` records one: silently for fp16, whose loss scale backs off so,
+    else with a warning, once per run (a loss or gradient that was not finite)."""
+    wrapped = getattr(trainer.accelerator, "deepspeed_engine_wrapped", None)
+    applied = getattr(wrapped, "applied", True)
+    if not applied and not wrapped.engine.fp16_enabled() and trainer.accumulator_state.warn_once("nonfinite"):
+        warnings.warn(f"{type(trainer).__name__} under DeepSpeed: the engine found a window's gradient not finite "
+                      "(a loss that was not finite, or a mean over 0 items computed as 0/0) and took no step, so the "
+                      "window was skipped (trainer.skipped counts them; the logged loss is not finite). Lower the "
+                      "learning rate or set max_grad_norm", UserWarning, stacklevel=3)
+    return applied
