@@ -120,13 +120,17 @@ def test_exact_trainer_reads_whether_the_engine_applied_the_window_s_step():
 
     engine = _Stepped(False, True, None)
     engine.backward = lambda loss, scale_wrt_gas: None
-    wrapped = WindowEngine(engine, steps=lambda: True)
+    window_steps = [True]
+    wrapped = WindowEngine(engine, steps=lambda: window_steps[0])
     trainer = SimpleNamespace(accelerator=SimpleNamespace(deepspeed_engine_wrapped=wrapped))
     assert step_applied(trainer)  # before any window
     wrapped.backward(torch.zeros(()), sync_gradients=False)
     assert step_applied(trainer) and engine.steps == 0  # not the window's last micro-batch: no step
     wrapped.backward(torch.zeros(()), sync_gradients=True)
-    assert engine.steps == 1 and not step_applied(trainer)
+    assert engine.steps == 1 and not step_applied(trainer) and wrapped.get_global_grad_norm() == float("inf")
+    window_steps[0] = False  # then a window without items: no step, and nothing of the last window's left
+    wrapped.backward(torch.zeros(()), sync_gradients=True)
+    assert engine.steps == 1 and step_applied(trainer) and wrapped.get_global_grad_norm() is None
     assert step_applied(SimpleNamespace(accelerator=SimpleNamespace()))  # off DeepSpeed
 
 
@@ -195,3 +199,34 @@ def test_exact_trainer_refuses_a_deepspeed_config_that_manages_accumulation_as_t
     trainer = ExactSFTStandIn({"managed_gradient_accumulation": False})
     hf_deepspeed.prepare(trainer, lambda: True)
     assert [type(c).__name__ for c in trainer.callbacks] == ["DeepSpeedWindows"]
+
+
+@pytest.mark.parametrize("accum_dtype, warns", [("auto", True), ("param", False)])
+def test_exact_trainer_names_a_bf16_engine_s_sum_once_unless_accum_dtype_is_param(accum_dtype, warns):
+    """ExactTrainer under a bf16 engine that sums the window in bf16 says so once its engine is built, with
+    the Accumulator's check and message (window_buffers); accum_dtype='param' accepts it silently, as the
+    guide says (the Trainer's own copy of the warning ignored it)."""
+    from types import SimpleNamespace
+
+    from gradaccum.accumulator import LowPrecisionWarning
+    from gradaccum.integrations.hf_deepspeed import DeepSpeedWindows, WindowEngine
+
+    class Bf16Engine:
+        communication_data_type = torch.bfloat16
+
+        def zero_optimization_stage(self):
+            return 2
+
+        def get_data_types(self):
+            return torch.bfloat16, torch.bfloat16
+
+    accelerator = SimpleNamespace(deepspeed_engine_wrapped=SimpleNamespace(engine=Bf16Engine()))
+    windows = DeepSpeedWindows(SimpleNamespace(accelerator=accelerator), steps=lambda: True, accum_dtype=accum_dtype)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        windows.on_train_begin(None, None, "control")
+    assert isinstance(accelerator.deepspeed_engine_wrapped, WindowEngine)
+    named = [str(w.message) for w in said if issubclass(w.category, LowPrecisionWarning)]
+    assert len(named) == (1 if warns else 0), named
+    if warns:
+        assert "grad_accum_dtype" in named[0] and "accum_dtype='param'" in named[0]

@@ -228,10 +228,9 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         if micro_batches:
             ranks.remember(micro_batches[-1])
-        checked = window_loss in ctx.state.checked_replays
         passes = CachedPasses(window_loss, micro_batches, sync=ctx.sync, device=ctx.device, sizes=sizes,
-                              padding=window.padding, padding_batch=ctx.state.padding_batch, check=not checked,
-                              autocast=ctx.precision.autocast)
+                              padding=window.padding, padding_batch=ctx.state.padding_batch,
+                              checked=ctx.state.checked_replays, autocast=ctx.precision.autocast)
         passes.first_pass(ctx.model, keep=graphs_to_keep(window_loss, ctx.sync, ctx.model, len(micro_batches),
                                                          ctx.device))
         total = passes.gather()
@@ -242,9 +241,7 @@ def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_los
             with window.micro_batch():
                 outputs, grads, items = passes.part(k, ctx.model)
                 window.backward_part(outputs, grads, passes.loss, items)
-        if not checked:  # once per WindowLoss, the first window it runs
-            ctx.state.checked_replays.add(window_loss)
-        passes.finish()
+        passes.finish()  # in the first window a WindowLoss runs, its replay compared (then marked checked)
         return window.step()
 
 
@@ -281,7 +278,7 @@ class CachedPasses:
        ``.backward()`` itself); then the zero-weight padding the ranks need.
     4. :meth:`finish`: the random state as after pass 1 (the window drew its numbers once) and, in a
        checked window, pass 2's representations compared with pass 1's on every rank
-       (:func:`gradaccum.errors.replay_differs`).
+       (:func:`gradaccum.errors.replay_differs`); once they matched, the loss is marked checked.
 
     **Which graphs are kept: the first micro-batches'.** Every driver runs pass 2 in order, and a
     framework's loop (the Trainer) calls micro-batch 0 first and runs pass 1 inside that call; the
@@ -302,15 +299,20 @@ class CachedPasses:
         sizes: each micro-batch's items (checked against the representations' rows), or None: read them.
         padding, padding_batch: zero-weight micro-batches the ranks ask this rank to run, and the batch
             it runs for them.
-        check: compare pass 2's representations with pass 1's (the first window a loss runs).
+        checked: the driver's state's ``checked_replays``: where the loss is not in it yet (its first
+            window), pass 2's representations are compared with pass 1's, and it is added once they
+            matched (a window whose replay differed leaves it unchecked). None: no comparison.
         autocast: the forward's and the loss's autocast context (none by default).
     """
 
     def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,
-                 sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None, check: bool = False,
+                 sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None,
+                 checked: Any = None,
                  autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.window_loss, self.micro_batches = window_loss, list(micro_batches)
-        self.sync, self.device, self.sizes, self.check, self.autocast = sync, device, sizes, check, autocast
+        self.sync, self.device, self.sizes, self.autocast = sync, device, sizes, autocast
+        self.checked = checked
+        self.check = checked is not None and window_loss not in checked
         self.padding, self.padding_batch = padding, padding_batch
         self.cached: List[List[torch.Tensor]] = []
         self.states: List[RandomState] = []
@@ -461,6 +463,8 @@ class CachedPasses:
         self.end.restore()
         if self.check and self.sync.any_rank(not self.alike, self.device):
             raise replay_differs("WindowLoss", "gave other representations (encode's outputs)")
+        if self.check and self.checked is not None:
+            self.checked.add(self.window_loss)
 
 
 def _agree_outputs_require_grad(sync: Any, device: torch.device, outs: List[torch.Tensor],

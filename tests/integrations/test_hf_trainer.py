@@ -225,12 +225,14 @@ def test_sharded_stacks_not_tested_are_refused_with_the_fix(stack):
         stand_in(stack, base)(model=gpt2(), args=args)
 
 
-@pytest.mark.parametrize("n_gpu, deepspeed, fsdp, named", [(2, False, False, "n_gpu=2 (DataParallel in one process"),
-                                                           (1, True, False, "DeepSpeed"), (1, False, True, "FSDP"),
-                                                           (2, True, True, "n_gpu=2 (DataParallel")])
-def test_a_stack_a_path_is_not_tested_under_is_refused_naming_it_and_the_fix(n_gpu, deepspeed, fsdp, named):
-    """The one refusal of an untested stack (GRPO/RLOO, a WindowLoss, ExactTrainer's DataParallel) names
-    the driver, the path, the stack and DDP as the fix; a stack a path is tested under passes."""
+@pytest.mark.parametrize("n_gpu, deepspeed, fsdp, tp, named", [
+    (2, False, False, 1, "n_gpu=2 (DataParallel in one process"), (1, True, False, 1, "DeepSpeed"),
+    (1, False, True, 1, "FSDP"), (2, True, True, 1, "n_gpu=2 (DataParallel"),
+    (1, False, False, 2, "tp_size=2 (one batch held by several processes)")])
+def test_a_stack_a_path_is_not_tested_under_is_refused_naming_it_and_the_fix(n_gpu, deepspeed, fsdp, tp, named):
+    """The one refusal of an untested stack (GRPO/RLOO, a WindowLoss, ExactTrainer's DataParallel, and
+    tensor parallelism, which every driver refuses) names the driver, the path, the stack and DDP as the
+    fix; a stack a path is tested under passes."""
     import re
     from types import SimpleNamespace
 
@@ -240,9 +242,13 @@ def test_a_stack_a_path_is_not_tested_under_is_refused_naming_it_and_the_fix(n_g
     class ExactGRPOStandIn:
         args = SimpleNamespace(n_gpu=n_gpu)
         is_deepspeed_enabled, is_fsdp_enabled = deepspeed, fsdp
+        accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(tp_size=tp, cp_size=None, sp_size=1))
 
     with pytest.raises(ConfigurationError, match=rf"^ExactGRPOStandIn: training with GRPO and RLOO is not tested here "
                                                  rf"under {re.escape(named)}.*; train with DDP \(one process per device"):
         refuse_untested(ExactGRPOStandIn(), "training with GRPO and RLOO")
-    if n_gpu == 1:
+    if n_gpu == 1 and tp == 1:
         refuse_untested(ExactGRPOStandIn(), "training", deepspeed=False, fsdp=False)  # ExactTrainer's own check
+    elif tp > 1:
+        with pytest.raises(ConfigurationError, match="tp_size=2"):
+            refuse_untested(ExactGRPOStandIn(), "training", deepspeed=False, fsdp=False)

@@ -83,3 +83,27 @@ def test_a_router_loss_exact_trainer_cannot_compute_is_refused_not_dropped():
     S.hf_fit(jetmoe(output_router_logits=False, aux_loss_coef=0.5), [S.rank_micro_batches(0, [1])], exact=True,
              accum=1)
     assert aux_term(M.moe_model("mixtral").config) is not None  # the tested families still compute it
+
+
+def test_exact_sft_refuses_a_router_loss_it_cannot_compute_naming_trl_s_argument():
+    """ExactSFTTrainer with a family whose router loss gradaccum does not compute over the window
+    (GraniteMoE): refused, and the fix named is TRL's router_aux_loss_coef=0.0, since TRL rewrites the
+    config's output_router_logits from it (the config's own fix would be overridden); that fix trains."""
+    pytest.importorskip("trl")
+    import torch
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    from gradaccum.integrations.trl import ExactSFTTrainer
+    from hf_helpers import VOCAB
+    from integrations import trl_data as T
+
+    torch.manual_seed(0)
+    model = GraniteMoeForCausalLM(GraniteMoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.01, bos_token_id=0, eos_token_id=0, pad_token_id=0)).double()
+    examples = T.sft_examples(4)
+    with pytest.raises(NotExactError, match=r"granitemoe.*SFTConfig\(\.\.\., router_aux_loss_coef=0\.0\)"):
+        T.fit(ExactSFTTrainer, model, examples, train=False)
+    _, trainer = T.fit(ExactSFTTrainer, model, examples, train=False, router_aux_loss_coef=0.0)
+    assert trainer.router_balance is None and not trainer.aux_loss_enabled

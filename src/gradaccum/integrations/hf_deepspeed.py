@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional
 
 from transformers import TrainerCallback
 
+from .._accum_dtype import window_buffers
 from .._deepspeed import DeepSpeedSync, engine_manages_accumulation
-from ..accumulator import LowPrecisionWarning
 
 __all__ = ["WindowEngine", "DeepSpeedWindows", "prepare", "step_applied"]
 
@@ -40,32 +40,31 @@ class WindowEngine:
         """The micro-batch's weighted loss into the engine; its step after the window's last one, unless
         the window holds no item (a step the engine applied on a non-finite gradient raises, with the fix)."""
         self.sync.backward(loss)
-        if sync_gradients and self.steps():
-            self.norm = self.sync.step(None, None)
+        if sync_gradients:  # the window's last micro-batch: a window without items takes no step, measures nothing
+            self.norm = self.sync.step(None, None) if self.steps() else None
 
     def get_global_grad_norm(self) -> Optional[float]:
         return self.norm
 
 
 class DeepSpeedWindows(TrainerCallback):
-    """Puts :class:`WindowEngine` in place of Accelerate's wrapper once the Trainer has built the engine."""
+    """Puts :class:`WindowEngine` in place of Accelerate's wrapper once the Trainer has built the engine,
+    and says once where that engine sums a bf16/fp16 window (the ``Accumulator``'s check, on this engine:
+    :func:`gradaccum._accum_dtype.window_buffers`, which ``accum_dtype="param"`` silences)."""
 
-    def __init__(self, trainer: Any, steps: Callable[[], bool]) -> None:
-        self.trainer, self.steps = trainer, steps
+    def __init__(self, trainer: Any, steps: Callable[[], bool], accum_dtype: str = "auto") -> None:
+        self.trainer, self.steps, self.accum_dtype = trainer, steps, accum_dtype
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         accelerator = self.trainer.accelerator
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
         if wrapped is not None and not isinstance(wrapped, WindowEngine):
             window_engine = accelerator.deepspeed_engine_wrapped = WindowEngine(wrapped.engine, self.steps)
-            cost = window_engine.sync.low_precision_sum([])  # the Accumulator's check, on this engine
-            if cost is not None:
-                warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the window",
-                              LowPrecisionWarning, stacklevel=2)
+            window_buffers(self.accum_dtype, window_engine.sync, "fp32", [])  # None: the engine holds the sum
         return control
 
 
-def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
+def prepare(trainer: Any, steps: Callable[[], bool], accum_dtype: str = "auto") -> None:
     """Check the DeepSpeed config (every loss source alike: the model's head, TRL's SFT tokens and DPO
     pairs are tested), then hand the boundary to the window (``steps()``: whether the window being
     trained takes a step). Raises before anything changes."""
@@ -73,7 +72,7 @@ def prepare(trainer: Any, steps: Callable[[], bool]) -> None:
     config = getattr(plugin, "deepspeed_config", None) or {}
     if config.get("managed_gradient_accumulation", True) is not False:
         raise engine_manages_accumulation(type(trainer).__name__)
-    trainer.add_callback(DeepSpeedWindows(trainer, steps))
+    trainer.add_callback(DeepSpeedWindows(trainer, steps, accum_dtype))
 
 
 def step_applied(trainer: Any) -> bool:

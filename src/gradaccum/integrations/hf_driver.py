@@ -157,7 +157,9 @@ class TrainerDriver:
         out, part = balance.run(window.ran, model, inputs, forward, aux_owner)
         if window.last:
             balance.routing.check()  # every rank: the training forwards routed as counted
-        return out, part * (0.0 if window.skip else self.accelerator.num_processes)
+        # the part is this micro-batch's share of a mean over the window's N items: weighed as that mean is
+        # (N W / R = W; 0 in a skipped window), as moe.run_moe_window weighs it
+        return out, part * window.weights.mean_weight(window.items)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window
@@ -209,11 +211,16 @@ class TrainerDriver:
 
 def refuse_untested(trainer: Any, path: str, *, deepspeed: bool = True, fsdp: bool = True) -> None:
     """Refuse, before training, a stack that ``path`` (``"training with GRPO and RLOO"``, ``"training with a WindowLoss"``) is not
-    tested under here: DataParallel in one process always (it splits each batch without telling the
-    loss), DeepSpeed and FSDP where asked. The fix is DDP."""
+    tested under here: DataParallel in one process and tensor, context or sequence parallelism always (the
+    first splits each batch without telling the loss; the others hold one batch on several processes,
+    which the window's count and the ranks' divisor W, read over every process, would count again),
+    DeepSpeed and FSDP where asked. The fix is DDP."""
     n_gpu = trainer.args.n_gpu
     stacks = [f"n_gpu={n_gpu} (DataParallel in one process: it splits each batch without telling the loss)"
               ] if n_gpu > 1 else []
+    parallel = getattr(trainer.accelerator, "parallelism_config", None)
+    stacks += [f"{size}={getattr(parallel, size)} (one batch held by several processes)"
+               for size in ("tp_size", "cp_size", "sp_size") if (getattr(parallel, size, None) or 1) > 1]
     stacks += [name for name, on in (("DeepSpeed", deepspeed and trainer.is_deepspeed_enabled),
                                      ("FSDP", fsdp and trainer.is_fsdp_enabled)) if on]
     if stacks:

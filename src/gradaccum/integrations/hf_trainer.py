@@ -16,7 +16,7 @@ from .._driven import DrivenWindow
 from .._gradients import AccumulationBuffers
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
-from ..moe import BALANCED_FAMILIES, aux_term, refuse_aux_term
+from ..moe import aux_term, refuse_aux_term
 from . import hf_window_loss
 
 try:
@@ -27,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "(or pip install 'transformers>=4.46')"
     ) from exc
 
-from .hf_moe import trl_aux_refusal
+from .hf_moe import trl_aux_refusal, trl_router_balance
 from .hf_driver import TrainerDriver, TrainerWindowState, refuse_untested  # noqa: E402  (the window's lifecycle and saved state)
 
 __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", "loss_source"]
@@ -174,7 +174,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, source)  # CLIP's, SigLIP's, a WindowLoss
         check_head(head)
         driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
-        self.source = source
+        self.source, self.accum_dtype = source, accum_dtype
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
         self.buffers = _window_buffers(self, accum_dtype)  # float32 sums of bf16/fp16 gradients, or None
@@ -184,8 +184,10 @@ class ExactTrainer(TrainerDriver, Trainer):
         counted_head = source == "head" and self.window_loss is None
         self.items = BatchItems(source, head or (head_of(self.model) if counted_head else None), ignore_index, config,
                                 self.args.device)
-        # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it, SFT's too
-        self.router_balance = aux_term(config) if source == "tokens" or self.items.head == "causal_lm" else None
+        # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it; SFT's as TRL
+        # turns it on (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
+        self.router_balance = (trl_router_balance(self) if source == "tokens" else
+                               aux_term(config) if self.items.head == "causal_lm" else None)
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
         self._loss = _SourceLoss(self, self._trainer_loss, self._evaluation)
         self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(self, self._prepare_inputs)
@@ -318,7 +320,7 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
                 "loss, which ExactTrainer computes over the window with DDP or FSDP2 only (its counting pass is not "
                 "tested inside a DeepSpeed engine). Train it with DDP or FSDP2 (fsdp_config={'fsdp_version': 2}), or "
                 "set model.config.router_aux_loss_coef = 0.0 to train without the term")
-        hf_deepspeed.prepare(trainer, trainer.window_steps)
+        hf_deepspeed.prepare(trainer, trainer.window_steps, trainer.accum_dtype)
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
     if version not in (None, 2):
         raise ConfigurationError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
@@ -338,15 +340,12 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
 def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
     """An MoE model whose loss adds the router's load-balancing term: refused where it is not computed
     over the window (:mod:`gradaccum.moe`). TRL rewrites the config from its own argument, so the fix is
-    that argument."""
+    that argument (SFT's term is computed over the window, or refused so, by ``hf_moe.trl_router_balance``)."""
     config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
     if trainer.source == "rows":  # a compute_loss of its own, which may call the model's loss
         refuse_aux_term(config, type(trainer).__name__,
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
-    elif trainer.source == "tokens" and getattr(trainer, "aux_loss_enabled", False) and aux_term(config) is None:
-        raise trl_aux_refusal(trainer, "which TRL would compute per micro-batch, and this model's config does not "
-                              f"carry it as ExactTrainer reads it (supported: {', '.join(BALANCED_FAMILIES)})")
     elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
         raise trl_aux_refusal(trainer, "which TRL computes per micro-batch (its expert fractions are statistics of the "
                               "whole batch), so the step would not be the big batch's", then=(

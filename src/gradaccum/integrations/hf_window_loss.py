@@ -53,7 +53,7 @@ class TrainerWindows:
             module = trainer.accelerator.unwrap_model(model)
             sync, device = sync_for(trainer.model_wrapped), trainer.args.device
             passes = self.passes = CachedPasses(window_loss, batches, sync=sync, device=device,
-                                                check=window_loss not in trainer.accumulator_state.checked_replays)
+                                                checked=trainer.accumulator_state.checked_replays)
             if not batches:
                 raise ConfigurationError("ExactTrainer: a window without micro-batches on this rank")
             passes.first_pass(module, keep=graphs_to_keep(window_loss, sync, module, len(batches), device),
@@ -64,7 +64,6 @@ class TrainerWindows:
         loss = passes.surrogate(passes.ran, model)
         if passes.ran == passes.parts:
             passes.finish()
-            trainer.accumulator_state.checked_replays.add(passes.window_loss)
         return loss
 
     def compute_loss(self, window_loss: WindowLoss, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:
