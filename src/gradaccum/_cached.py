@@ -250,7 +250,15 @@ def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: in
     under FSDP2 (its forwards and backwards gather and free shards in order) or with BatchNorm in
     training mode (pass 1 leaves its statistics as it found them), and, where the last backward reduces
     across ranks (DDP), all but the last micro-batch (that backward's forward must run under the
-    wrapper's sync) and the same on every rank (a kept forward is a wrapper's forward, a collective)."""
+    wrapper's sync) and the same on every rank (a kept forward is a wrapper's forward, a collective).
+
+    Why the first: every driver runs pass 2 in order, and a framework's loop (the Trainer) calls
+    micro-batch 0 first and runs pass 1 inside that call; the kept graphs are then backpropagated before
+    any replayed forward allocates activations (in pass 2 the kept micro-batches' activations *or* one
+    replayed micro-batch's, never both; in pass 1 a kept graph is held while the other forwards run, one
+    forward's passing tensors more), and the last micro-batch, whose backward reduces across ranks, is a
+    forward run again under the wrapper's sync (the Trainer's last call runs outside ``no_sync``, so its
+    graph cannot be kept from pass 1)."""
     if window_loss.keep_graphs == 0 or type(sync).__name__ == "FSDP2Sync" or training_batchnorms(model):
         return 0  # alike on every rank
     keep = min(window_loss.keep_graphs, own)
@@ -280,13 +288,7 @@ class CachedPasses:
        checked window, pass 2's representations compared with pass 1's on every rank
        (:func:`gradaccum.errors.replay_differs`); once they matched, the loss is marked checked.
 
-    **Which graphs are kept: the first micro-batches'.** Every driver runs pass 2 in order, and a
-    framework's loop (the Trainer) calls micro-batch 0 first and runs pass 1 inside that call; the
-    kept graphs are then backpropagated before any replayed forward allocates activations (in pass 2 the
-    kept micro-batches' activations *or* one replayed micro-batch's, never both; in pass 1 a kept graph
-    is held while the other forwards run, one forward's passing tensors more), and the last
-    micro-batch, whose backward reduces across ranks, is a forward run again under the wrapper's sync
-    (the Trainer's last call runs outside ``no_sync``, so its graph cannot be kept from pass 1).
+    **Which graphs are kept: the first micro-batches'** (why: :func:`graphs_to_keep`).
 
     **Half precision, one treatment:** the loss is taken in float32 at least before its gradient, and
     multiplied by the driver's loss scale (``scale``: the Accumulator's GradScaler; a Trainer, whose own
@@ -306,12 +308,10 @@ class CachedPasses:
     """
 
     def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,
-                 sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None,
-                 checked: Any = None,
+                 sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None, checked: Any = None,
                  autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.window_loss, self.micro_batches = window_loss, list(micro_batches)
-        self.sync, self.device, self.sizes, self.autocast = sync, device, sizes, autocast
-        self.checked = checked
+        self.sync, self.device, self.sizes, self.autocast, self.checked = sync, device, sizes, autocast, checked
         self.check = checked is not None and window_loss not in checked
         self.padding, self.padding_batch = padding, padding_batch
         self.cached: List[List[torch.Tensor]] = []
