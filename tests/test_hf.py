@@ -187,3 +187,59 @@ def test_hf_outputs_loss_is_float32_while_causal_lm_loss_on_the_logits_is_exact(
         errors[name] = update_error(model, ref, start)
     assert errors["causal_lm_loss"] < RTOL, errors
     assert 10 * RTOL < errors["outputs.loss"] < 1e-5, errors  # float32's rounding: ~1e-7
+
+
+def hf_loss(m, mb):
+    """A Hugging Face model's own loss: a bare mean over the micro-batch's targets."""
+    return m(**mb).loss
+
+
+def test_hf_outputs_loss_on_padded_batches_without_num_items_is_refused_before_any_backward():
+    """Issue 47: ``acc.step(window, lambda m, b: m(**b).loss)`` on padded micro-batches would weigh each
+    by its rows, not its targets. Refused before the first backward (nothing moved, no gradient), with
+    the fix; the fix is exact, and saying "rows" runs the off step the refusal saves the user from."""
+    from gradaccum import NotExactError
+
+    model = gpt2()
+    start = copy.deepcopy(model)
+    acc = Accumulator(model, make_optimizer("sgd", model.parameters()))
+    with pytest.raises(NotExactError, match=r"labels' hold the ignore index -100.*num_items=lambda mb: "
+                                            r"gradaccum.count_targets\(mb\['labels'\]\).*num_items='rows'"):
+        acc.step(micro_batches(WINDOWS[0], SPLITS["2-2-2-1"][0]), hf_loss)
+    assert acc.steps == 0 and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters()))
+    with pytest.raises(NotExactError, match="num_items"):  # the loop of micro-batches, too
+        list(acc.train([pad(WINDOWS[0][:3]), pad(WINDOWS[0][3:])], hf_loss, accum_steps=2))
+    assert acc.steps == 0 and all(p.grad is None for p in model.parameters())
+
+    ref = gpt2()
+    ref_opt = make_optimizer("sgd", ref.parameters())
+    result = acc.step(micro_batches(WINDOWS[0], SPLITS["2-2-2-1"][0]), hf_loss, num_items="rows")  # said so
+    reference_step(ref, ref_opt, WINDOWS[0])
+    assert result.num_items == 7 and update_error(model, ref, start) > 1e-2  # what the refusal saves
+    exact, ref, start = run_pair(gpt2, "2-2-2-1", "sgd", num_items=count, loss_fn=hf_loss, loss_rel=1e-6)
+    assert update_error(exact, ref, start) < 1e-5  # float32's rounding of outputs.loss, as above
+
+
+def test_a_bare_loss_on_labels_without_padding_is_weighed_by_rows_as_before():
+    """Labels with no -100: every row holds as many targets, so rows weigh exactly; no refusal."""
+    seqs = sequences([5, 5, 5, 5, 5], seed=3)
+    model, ref = gpt2(), gpt2()
+    acc = Accumulator(model, make_optimizer("sgd", model.parameters()))
+    assert not (pad(seqs)["labels"] == -100).any()
+    acc.step(micro_batches(seqs, [2, 3]), hf_loss)
+    reference_step(ref, make_optimizer("sgd", ref.parameters()), seqs)
+    assert_params_close(model, ref, rtol=1e-6, atol=1e-9)  # outputs.loss is float32
+
+
+def test_check_equivalence_names_the_token_count_and_takes_num_items():
+    """The checker on ``outputs.loss`` over a padded batch names the count of targets as the cause (not
+    a loss that couples the items), and with ``num_items=`` it reports equivalence."""
+    from gradaccum import check_equivalence
+
+    batch = pad(WINDOWS[0])
+    report = check_equivalence(gpt2(), hf_loss, batch, 2)
+    assert not report.equivalent and report.max_rel_diff > 1e-2
+    assert len(report.hints) == 1 and "count_targets" in report.hints[0] and "WindowLoss" not in report.hints[0]
+    fixed = check_equivalence(gpt2(), hf_loss, batch, 2, num_items=count)
+    assert fixed.equivalent and fixed.hints == [], str(fixed)

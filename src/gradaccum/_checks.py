@@ -7,18 +7,22 @@ the fix. The command line passes its flag names (``--accum-steps``) as ``name``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, NotExactError
 
 __all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count", "callable_loss_fn",
-           "scalar_loss", "split_loss_output", "as_number", "training_batchnorms"]
+           "scalar_loss", "split_loss_output", "as_number", "training_batchnorms", "ROWS", "holds_ignored_labels",
+           "padded_rows_refusal"]
 
 #: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
 Count = Union[int, float, torch.Tensor]
+#: ``num_items="rows"``: a bare mean loss is over the micro-batch's rows (dim 0), declared so
+ROWS = "rows"
 
 
 def _is_int_from(value: Any, minimum: int) -> bool:
@@ -117,3 +121,24 @@ def training_batchnorms(model: nn.Module) -> List[str]:
     accumulation over them is not one big batch."""
     return [name for name, m in model.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+
+
+def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> bool:
+    """Whether a mapping micro-batch's integer ``labels`` hold ``ignore_index`` (padding, a prompt
+    masked out): a mean over its targets is then not a mean over its rows. One host synchronisation
+    for all of them; False, with none, where no micro-batch has such labels."""
+    labels = [mb.get("labels") for mb in micro_batches if isinstance(mb, Mapping)]
+    found = [(t == ignore_index).any() for t in labels
+             if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
+    return bool(torch.stack([f.to(found[0].device) for f in found]).any()) if found else False
+
+
+def padded_rows_refusal(where: str, fix: str) -> NotExactError:
+    """A bare mean loss on micro-batches whose ``labels`` hold -100, with nothing said of its items:
+    weighed by rows it would not be the big batch's mean over targets. ``where`` names the call,
+    ``fix`` how that call takes a count."""
+    return NotExactError(
+        f"{where}: loss_fn returned a bare mean loss on micro-batches whose 'labels' hold the ignore index -100 "
+        "(padding, masked prompts), and no num_items says what that mean is over, so each micro-batch would be "
+        "weighed by its rows, not by its targets, and the step would not be one big batch's (a Hugging Face "
+        f"model's outputs.loss is a mean over the targets). {fix}")

@@ -18,7 +18,7 @@ from torch import nn
 
 from ._autosize import AutoMicroBatch
 from ._cached import WindowLoss, run_cached_window
-from ._checks import Count, as_number, item_count, split_loss_output
+from ._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, padded_rows_refusal, split_loss_output
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
 from .moe import MoELoss, run_moe_window
@@ -31,8 +31,14 @@ __all__ = ["LossFn", "CountFn", "is_out_of_memory", "Counts", "count_items", "ru
 #: ``loss_fn(model, micro_batch)`` -> the mean loss over the micro-batch's items, or ``(mean, count)``;
 #: or a :class:`~gradaccum.WindowLoss`, for a loss over the whole window
 LossFn = Union[Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Count]]], WindowLoss]
-#: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward
-CountFn = Callable[[Batch], Count]
+#: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward; or
+#: ``"rows"``: a bare mean loss is over the micro-batch's rows (dim 0), declared so
+CountFn = Union[Callable[[Batch], Count], str]
+#: what a bare mean loss weighed by rows, undeclared, on padded labels is told to do instead
+PADDED_ROWS_FIX = ("Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a causal LM; "
+                   "shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
+                   "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, "
+                   "say so: num_items='rows'")
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -43,35 +49,46 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 
-@dataclass(frozen=True)
+@dataclass
 class Counts:
-    """Each micro-batch's item count before any forward pass, and their sum (a tensor count is read
-    once, here: one host synchronisation per tensor)."""
+    """Each micro-batch's item count before any forward, and their sum (a tensor count is read once,
+    here: one host synchronisation per tensor). ``unchecked``: micro-batches counted by their rows
+    without ``num_items``, until a bare mean loss meets them (:meth:`weigh_bare_mean`)."""
 
     each: List[Count]
     total: float
+    unchecked: Optional[List[Batch]] = None
+
+    def weigh_bare_mean(self) -> None:
+        """Before a bare mean loss is weighed by rows nobody declared: refused where the labels hold
+        -100, whose mean is over targets (checked once per window, before its first backward)."""
+        batches, self.unchecked = self.unchecked, None
+        if batches and holds_ignored_labels(batches):
+            raise padded_rows_refusal("Accumulator", PADDED_ROWS_FIX)
 
 
 def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Counts:
-    """What a bare mean loss is weighted by: the leading dimension, or the ``num_items`` counter.
-    Every micro-batch's leading dimensions are checked here, before anything runs."""
+    """What a bare mean loss is weighted by: the leading dimension (``count_fn`` None or ``"rows"``),
+    or the ``num_items`` counter. Every micro-batch's leading dimensions are checked here, before
+    anything runs."""
     try:
         each: List[Count] = [leading_dim(mb) for mb in micro_batches]
     except SplitError:  # said again naming the micro-batch (the name is built only for the error)
         for i, mb in enumerate(micro_batches):
             leading_dim(mb, argument=f"window[{i}]")
         raise
-    if count_fn is None:
-        return Counts(each, float(sum(each)))  # ints: no count to read
-    each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]
+    if count_fn is None or count_fn == ROWS:
+        return Counts(each, float(sum(each)), None if count_fn == ROWS else micro_batches)  # ints: no count to read
+    each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]  # type: ignore[operator]
     return Counts(each, float(sum(as_number(c) for c in each)))
 
 
-def _backward(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, count: Count) -> None:
+def _backward(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, count: Count, counts: Counts) -> None:
     """One micro-batch's forward through ``loss_fn`` and its weighted backward, inside its block."""
     with window.micro_batch():
         out = loss_fn(window.ctx.model, micro_batch)
         if type(out) is torch.Tensor:  # a bare mean loss, weighed by the count known up front
+            counts.weigh_bare_mean()
             window.backward(out, count)
             return
         loss, counted = split_loss_output(out, count)
@@ -112,7 +129,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
             for mb in flush:
                 _backward_padding(window, loss_fn, mb)
             for mb, count in zip(micro_batches, counts.each):
-                _backward(window, loss_fn, mb, count)
+                _backward(window, loss_fn, mb, count, counts)
         except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
             if not (catch_oom and is_out_of_memory(error)):
                 raise

@@ -20,7 +20,7 @@ from torch import nn
 
 from ._accum_dtype import AccumDtype, check_accum_dtype
 from ._cached import WindowLoss, check_window_loss
-from ._checks import callable_loss_fn, positive_int, positive_number
+from ._checks import ROWS, callable_loss_fn, positive_int, positive_number
 from ._deepspeed import check_engine_arguments, deepspeed_engine
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
@@ -153,8 +153,8 @@ def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_si
         check_moe_loss(loss_fn, num_items, micro_batch_size)
     else:
         callable_loss_fn(loss_fn)
-        if num_items is not None and not callable(num_items):
-            raise TypeError(f"num_items must be a function micro_batch -> count, got {type(num_items).__name__}; "
+        if num_items is not None and num_items != ROWS and not callable(num_items):
+            raise TypeError(f"num_items must be a function micro_batch -> count or 'rows', got {num_items!r}; "
                             "pass counts of a hand-written loop to window.backward(loss, num_items=...)")
     # a WindowLoss's cached passes and an exact MoELoss's counting pass run forwards and backwards of
     # their own (the unwrapped module, torch.autograd.backward) that a DeepSpeed engine would not see

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator, List, Optional
 
 
 from ._autosize import AutoMicroBatch
-from ._checks import non_negative_int
+from ._checks import ROWS, non_negative_int
 from ._maths import ceil_div
 from ._ranks import WindowPlan
 from ._run import CountFn, Counts, LossFn, count_items, run_auto, run_window
@@ -168,7 +168,7 @@ def _sampler_windows(ctx: WindowContext, loader: Iterable[Batch], sampler: Windo
             if spec.auto is None:  # every rank's share is known: no agreement to ask for
                 m = sampler.micro_batch_size
                 shares = sampler.shares(first + offset)
-                rows = spec.num_items is None  # then the sampler's shares are the items counted
+                rows = spec.num_items in (None, ROWS)  # then the sampler's shares are the items counted
                 plan = ctx.ranks.known_plan(size, [ceil_div(s, m) for s in shares], float(sum(shares)) if rows else None,
                                             share=float(shares[sampler.rank]) if rows else None)
                 result = _step(ctx, pending, spec, plan=plan)

@@ -174,7 +174,10 @@ class Accumulator(Resumable):
             num_items: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted
                 before any forward pass (e.g. ``gradaccum.count_targets(mb["labels"])``). A bare
                 loss is then weighted by it instead of the leading dimension, and each backward
-                weighs exactly ``n_k / N``.
+                weighs exactly ``n_k / N``. ``"rows"`` says a bare loss is a mean over the rows (dim
+                0). Without either, a bare loss on mapping micro-batches whose ``labels`` hold -100
+                (a Hugging Face model's ``outputs.loss`` on padded batches: a mean over targets) is
+                refused before the first backward, with the fix.
         """
         self.context.slot.check_idle()
         check_micro_batch_size(micro_batch_size)

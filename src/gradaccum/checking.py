@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from ._cached import WindowLoss
-from ._checks import positive_int, positive_number, scalar_loss, split_loss_output, training_batchnorms
+from ._checks import (ROWS, holds_ignored_labels, item_count, positive_int, positive_number, scalar_loss,
+                      split_loss_output, training_batchnorms)
 from .accumulator import Accumulator
 from .batching import Batch, concat_batches, first_tensor, leading_dim, split_batch
 from .errors import SplitError
@@ -171,9 +172,12 @@ class _Recorder:
             h.remove()
 
 
-def _checked_loss(out: Any, micro_batch: Batch) -> Tuple[torch.Tensor, Any]:
-    """``loss_fn``'s output under the Accumulator's contract, or an error that says the fix."""
-    loss, n = split_loss_output(out, leading_dim(micro_batch))
+def _checked_loss(out: Any, micro_batch: Batch, num_items: Any) -> Tuple[torch.Tensor, Any]:
+    """``loss_fn``'s output under the Accumulator's contract (a bare loss counts ``num_items(micro_batch)``,
+    else its rows), or an error that says the fix."""
+    rows = num_items is None or num_items == ROWS
+    loss, n = split_loss_output(out, leading_dim(micro_batch) if rows else
+                                item_count("num_items(micro_batch)", num_items(micro_batch)))
     return scalar_loss(loss, subject="loss_fn must return a scalar loss",
                        where="loss_fn (check_equivalence compares gradients)"), n
 
@@ -186,27 +190,30 @@ class _MicroBatchFailed(Exception):
         self.index, self.items, self.error = index, items, error
 
 
-def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
-    """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64."""
+def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any = None
+                  ) -> Tuple[Dict[str, torch.Tensor], float, bool]:
+    """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64;
+    and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows)."""
     for p in model.parameters():
         p.grad = None
     if isinstance(loss_fn, WindowLoss):
-        return _window_loss_grads(model, loss_fn, micro_batches)
+        return (*_window_loss_grads(model, loss_fn, micro_batches), False)
     if isinstance(loss_fn, MoELoss):
-        return _moe_loss_grads(model, loss_fn, micro_batches)
-    loss_sum, items = 0.0, 0.0
+        return (*_moe_loss_grads(model, loss_fn, micro_batches), False)
+    loss_sum, items, bare = 0.0, 0.0, False
     for index, mb in enumerate(micro_batches):
         try:
             out = loss_fn(model, mb)
         except Exception as e:  # noqa: BLE001 - which micro-batch failed decides whose fault it is
             raise _MicroBatchFailed(index, leading_dim(mb), e) from e
-        loss, n = _checked_loss(out, mb)
+        bare = type(out) is torch.Tensor
+        loss, n = _checked_loss(out, mb, num_items)
         (loss * n).backward()
         loss_sum += float(loss.detach()) * float(n)
         items += float(n)
     grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters()
              if p.grad is not None}
-    return grads, loss_sum / items
+    return grads, loss_sum / items, bare
 
 
 def _window_loss_grads(model: nn.Module, window_loss: WindowLoss, micro_batches: List[Batch]
@@ -318,6 +325,18 @@ def _summed_loss_hint(loss_full: float, loss_acc: float, sizes: List[int]) -> Op
             "reduction='mean'), or (sum / count, count)")
 
 
+def _padded_rows_hint(full: "_Pass", batch: Batch, num_items: Any) -> Optional[str]:
+    """A bare mean loss weighed by rows on a batch whose ``labels`` hold -100: the mean is over its
+    targets (a Hugging Face model's ``outputs.loss``), which the rows do not count."""
+    if num_items is not None or not full.bare or not holds_ignored_labels([batch]):
+        return None
+    return ("loss_fn returns a bare mean loss and the batch's 'labels' hold the ignore index -100, so the mean is "
+            "over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are weighed by "
+            "their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
+            "gradaccum.count_targets(mb['labels'])) and the same num_items= to Accumulator.step/train, or return "
+            "(mean, count) from loss_fn (gradaccum.causal_lm_loss)")
+
+
 def _coupled_loss_hint(loss_full: float, loss_acc: float, rtol: float) -> str:
     """What is left when every module gives each item the same output on the whole batch and on its
     micro-batches, and the losses still differ: the loss itself couples the items."""
@@ -342,7 +361,7 @@ def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], rtol: float) -> 
 
 
 def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_size: int, *,
-                      rtol: float = 1e-5) -> EquivalenceReport:
+                      rtol: float = 1e-5, num_items: Any = None) -> EquivalenceReport:
     """Compare one big batch's gradient with the accumulated gradient over micro-batches.
 
     Args:
@@ -356,6 +375,9 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         micro_batch_size: items per micro-batch; the split must give at least 2 micro-batches.
         rtol: the largest relative gradient difference still called equivalent; float32 models
             round differently for different splits at about 1e-6.
+        num_items: as ``Accumulator.step`` takes it: ``num_items(micro_batch)`` -> how many items a bare
+            mean loss is over (e.g. ``lambda mb: gradaccum.count_targets(mb["labels"])``), or ``"rows"``;
+            None weighs a bare loss by its rows.
 
     Raises:
         SplitError: the split gives one micro-batch, or a micro-batch the model cannot run (a
@@ -370,6 +392,8 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     """
     positive_int("micro_batch_size", micro_batch_size)
     positive_number("rtol", rtol)
+    if num_items is not None and num_items != ROWS and not callable(num_items):
+        raise TypeError(f"num_items must be a function micro_batch -> count or 'rows', got {num_items!r}")
     micro_batches = split_batch(batch, micro_batch_size)
     items = leading_dim(batch)
     if len(micro_batches) < 2:
@@ -388,7 +412,7 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         suspects.add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
                            "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
                            "to check the rest)")
-    full, acc = _both_passes(model, loss_fn, batch, micro_batches, micro_batch_size)
+    full, acc = _both_passes(model, loss_fn, batch, micro_batches, micro_batch_size, num_items)
     max_rel = 0.0
     for name, gf in full.grads.items():
         ga = acc.grads.get(name, torch.zeros_like(gf))
@@ -404,16 +428,26 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
                            "CUDA's generator, draw others")
     for name in _mixing(full.recorder, acc.recorder, len(micro_batches), rtol) - random:  # draws explain those
         suspects.add(name, "its output for an item depends on the other items of the micro-batch")
-    hint = None if matched else _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches])
-    if not matched and hint is None and isinstance(loss_fn, MoELoss) and loss_fn.mode != "exact":
-        hint = (f"MoELoss(mode={loss_fn.mode!r}) computes the load-balancing term from part of the window, which is "
-                "another objective than the big batch's: mode='exact' computes it over the whole window")
-    elif not matched and hint is None and not isinstance(loss_fn, MoELoss):  # the term over the batch (moe)
-        hint = balance_hint(model)
-    if not matched and hint is None and not suspects.reasons and not isinstance(loss_fn, WindowLoss):
-        hint = _coupled_loss_hint(full.loss, acc.loss, rtol) or None
+    hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items,
+                                      bool(suspects.reasons), rtol)
     return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects.listed(),
                              loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
+
+
+def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Batch, micro_batches: List[Batch],
+          num_items: Any, suspected: bool, rtol: float) -> Optional[str]:
+    """What the numbers suggest where the gradients differ, the likeliest cause first: a bare mean over
+    targets weighed by rows, a summed loss, a partial load-balancing term, a loss that couples the items."""
+    hint = (_padded_rows_hint(full, batch, num_items) or
+            _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches]))
+    if hint is None and isinstance(loss_fn, MoELoss) and loss_fn.mode != "exact":
+        hint = (f"MoELoss(mode={loss_fn.mode!r}) computes the load-balancing term from part of the window, which is "
+                "another objective than the big batch's: mode='exact' computes it over the whole window")
+    elif hint is None and not isinstance(loss_fn, MoELoss):  # the term over the batch (moe)
+        hint = balance_hint(model)
+    if hint is None and not suspected and not isinstance(loss_fn, WindowLoss):
+        hint = _coupled_loss_hint(full.loss, acc.loss, rtol) or None
+    return hint
 
 
 class _Suspects:
@@ -437,11 +471,12 @@ class _Pass:
 
     grads: Dict[str, torch.Tensor]
     loss: float
+    bare: bool  # loss_fn returned a bare loss (weighed by num_items, or by rows)
     recorder: _Recorder
 
 
 def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: List[Batch],
-                 micro_batch_size: int) -> Tuple[_Pass, _Pass]:
+                 micro_batch_size: int, num_items: Any) -> Tuple[_Pass, _Pass]:
     """The full batch, then its micro-batches, from the same state; the model left as found. A
     failure of the full batch is the user's (re-raised); one of a micro-batch alone may be the
     split's (BatchNorm on one item: :class:`SplitError`)."""
@@ -449,7 +484,7 @@ def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: Li
     try:
         full_rec = _Recorder(model)
         try:
-            full = _Pass(*_window_grads(model, loss_fn, [batch]), full_rec)
+            full = _Pass(*_window_grads(model, loss_fn, [batch], num_items), full_rec)
         except _MicroBatchFailed as failed:
             raise failed.error from None
         finally:
@@ -457,7 +492,7 @@ def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: Li
         snapshot.restore_values()
         acc_rec = _Recorder(model)
         try:
-            acc = _Pass(*_window_grads(model, loss_fn, micro_batches), acc_rec)
+            acc = _Pass(*_window_grads(model, loss_fn, micro_batches, num_items), acc_rec)
         except _MicroBatchFailed as failed:
             error = _one_item_error(model, failed, micro_batch_size, leading_dim(batch), len(micro_batches))
             raise (failed.error if error is None else error) from None
