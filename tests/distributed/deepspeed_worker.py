@@ -528,13 +528,16 @@ def exact_trainer_nonfinite_window_skipped():
     class NanInTheFirstWindow(ExactTrainer):
         ran = 0
 
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if model.training:
-                self.ran += 1
-                if RANK == 1 and self.ran == 2:  # the first window's second micro-batch on rank 1
-                    loss = loss * float("nan")
-            return loss
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.ran += 1
+            if not (RANK == 1 and self.ran == 2):
+                return super().training_step(model, inputs, num_items_in_batch)
+            # the first window's second micro-batch on rank 1: its logits, and so its loss, nan
+            hook = self.accelerator.unwrap_model(model).lm_head.register_forward_hook(lambda m, a, out: out * float("nan"))
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                hook.remove()
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

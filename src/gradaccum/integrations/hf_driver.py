@@ -3,6 +3,9 @@
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -14,7 +17,7 @@ from .._gradients import AccumulationBuffers
 from .._patching import NoStep, Swaps
 from .._state import AccumulatorState
 from .._weights import Closing
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, NotExactError
 from .hf_moe import WindowBalance
 
 try:
@@ -23,7 +26,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.hf_driver needs transformers: pip install 'gradaccum[hf]'") from exc
 
-__all__ = ["TrainerDriver", "TrainerWindowState", "refuse_untested"]
+__all__ = ["TrainerDriver", "TrainerWindowState", "calls_next", "refuse_untested", "serves_the_window"]
 
 
 class TrainerWindowState(TrainerCallback, ExportableState):
@@ -81,6 +84,57 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         return control
 
 
+def calls_next(function: Any, name: str) -> bool:
+    """Whether ``function`` (its nested functions included) looks ``name`` up as an attribute, as
+    ``super().compute_loss(...)`` does: read from its code, when its class is made."""
+    codes = [getattr(inspect.unwrap(function), "__code__", None)]
+    while codes:
+        code = codes.pop()
+        if code is not None:
+            if name in code.co_names:
+                return True
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return False
+
+
+def serves_the_window(compute_loss: Callable[..., Any]) -> Callable[..., Any]:
+    """A driver's ``compute_loss``: the loss it returns in training is kept, so that a subclass's
+    override that calls it can be checked to return that loss unchanged (:meth:`TrainerDriver.__init_subclass__`)."""
+    @functools.wraps(compute_loss)
+    def serve(self: Any, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        out = compute_loss(self, model, inputs, *args, **kwargs)
+        self._served = out[0] if isinstance(out, tuple) else out
+        return out
+    serve.gradaccum_driver = True  # type: ignore[attr-defined]
+    return serve
+
+
+def _override_checked(own: Callable[..., Any], cls: type) -> Callable[..., Any]:
+    """A subclass's ``compute_loss`` that calls the driver's: in training it must return the driver's
+    loss (micro-batch k's share of the window's mean) unchanged, or it raises before that backward."""
+    @functools.wraps(own)
+    def compute_loss(self: Any, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self._served = None
+        out = own(self, model, inputs, *args, **kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
+        if model.training and (self._served is None or loss is not self._served):
+            did = ("returned without calling super().compute_loss" if self._served is None else
+                   "returned another loss than the one super().compute_loss returned")
+            raise NotExactError(
+                f"{cls.__name__}.compute_loss {did} in training: the driver's loss is this micro-batch's share of the "
+                "window's mean, and anything else would be stepped as plain accumulation (a term changed or added "
+                "per micro-batch is not weighed as one big batch's). Return super().compute_loss(...)'s loss "
+                f"unchanged{cls.own_loss_fix}")
+        return out
+    compute_loss.gradaccum_driver = True  # type: ignore[attr-defined]
+    return compute_loss
+
+
+def _driver_of(cls: type) -> str:
+    """The first of gradaccum's classes in ``cls``'s MRO (the driver a user's subclass extends)."""
+    return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("gradaccum."))
+
+
 class TrainerDriver:
     """Mixin before the Trainer class in the MRO: the window's lifecycle, written once.
 
@@ -102,6 +156,33 @@ class TrainerDriver:
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass
     empty_window_note: Optional[str] = None  # said once with the warning for a window of no item (None: no warning)
+    _served: Any = None  # the loss the driver's compute_loss last returned in training (serves_the_window)
+    own_loss_fix = ""  # what a subclass may do instead with a compute_loss of its own (ExactTrainer: declare it)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A user's subclass that overrides ``compute_loss`` or ``training_step`` (extra logging, a tweaked
+        loss): the override must call the driver's (``super()``), which weighs the micro-batch and closes
+        the window, or the class is refused here, where it is written; a ``compute_loss`` that calls it is
+        checked in training to return its loss unchanged."""
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith("gradaccum."):
+            return
+        driver = _driver_of(cls)
+        for name, does in (("compute_loss", "weighs each micro-batch by its share of the window's items"),
+                           ("training_step", "closes the window after its last micro-batch")):
+            own = vars(cls).get(name)
+            if own is None or getattr(own, "gradaccum_driver", False):
+                continue
+            if not calls_next(own, name):
+                args = "model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch" \
+                    if name == "compute_loss" else "model, inputs, num_items_in_batch"
+                raise TypeError(
+                    f"class {cls.__name__}: its {name} replaces {driver}'s, which {does}; without it each "
+                    f"micro-batch would be stepped as plain accumulation (a mean loss per micro-batch: a step "
+                    f"gradient_accumulation_steps times too large). Call super().{name}({args}) and return what it "
+                    f"returns{cls.own_loss_fix if name == 'compute_loss' else ''}")
+            if name == "compute_loss":
+                setattr(cls, name, _override_checked(own, cls))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -28,7 +28,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .hf_moe import trl_aux_refusal, trl_router_balance
-from .hf_driver import TrainerDriver, TrainerWindowState, refuse_untested  # noqa: E402  (the window's lifecycle and saved state)
+from .hf_driver import (TrainerDriver, TrainerWindowState, calls_next, refuse_untested,  # noqa: E402  (the window's
+                        serves_the_window)  # lifecycle and saved state)
 
 __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", "loss_source"]
 
@@ -38,7 +39,9 @@ __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", 
 #: the batch's preference pairs (chosen rows then rejected rows) or its rows along dim 0)
 SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
            "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
-_DECLARABLE = ("rows",)  # what a subclass may declare for a compute_loss of its own: `exact_items = "rows"`
+#: what a subclass may declare for a compute_loss of its own, ``exact_items = "head"``: the mean over the items the
+#: model's head counts (``model(**inputs).loss``), or over the batch's rows along dim 0
+_DECLARABLE = ("head", "rows")
 _GENERATES = (" generates its micro-batches inside training_step (a batch is a list of prompts until then), so "
               "ExactTrainer cannot count them")
 #: the Trainers ExactTrainer cannot weigh (by the qualified name of the class whose compute_loss runs, or its
@@ -59,7 +62,9 @@ def _qualname(cls: type) -> str:
 def loss_source(cls: type) -> str:
     """How ``cls`` (a subclass of :class:`ExactTrainer`) gets its loss: the :data:`SOURCES` entry of
     the first class after ExactTrainer in its MRO that defines ``compute_loss``, or what ``cls``
-    declares in ``exact_items`` for a ``compute_loss`` of its own.
+    declares in ``exact_items`` for a ``compute_loss`` of its own (one written in ``cls`` that does not
+    call ``super().compute_loss``, or one after ExactTrainer in the MRO): ExactTrainer then calls it and
+    weighs the mean it returns by the micro-batch's items.
 
     What each source weighs: docs/guides/hf-trainer.md ("What it computes") and docs/guides/trl.md; a
     ``WindowLoss`` (CLIP's, SigLIP's) runs over the whole window instead (:mod:`.hf_window_loss`).
@@ -86,8 +91,9 @@ def loss_source(cls: type) -> str:
                             f"exact_items = 'rows' would not make it exact. Use the drop-in: from {drop_in}")
     if declared is not None:
         if declared not in _DECLARABLE:
-            raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported is {_DECLARABLE} (compute_loss "
-                            "returns the mean over the batch's rows along dim 0)")
+            raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported are 'head' (compute_loss returns the "
+                            "mean over the items the model's head counts, as model(**inputs).loss) and 'rows' (the "
+                            "mean over the batch's rows along dim 0)")
         return declared
     source = SOURCES.get(_qualname(owner))
     if source is None:
@@ -96,7 +102,7 @@ def loss_source(cls: type) -> str:
             f"ExactTrainer cannot tell how {owner.__name__}.compute_loss reduces its loss, so it cannot weigh "
             f"micro-batches by their items. Supported: {known}. Where compute_loss returns the mean of one term per "
             f"row (dim 0), each row's term independent of the other rows, declare it: class {cls.__name__}(...): "
-            "exact_items = 'rows'. A loss that couples the rows (in-batch negatives, CLIP, CoSENT, triplet mining) "
+            "exact_items = 'rows' ('head' for the mean over the items the model's head counts). A loss that couples the rows (in-batch negatives, CLIP, CoSENT, triplet mining) "
             "is not a mean of independent terms: no weighting makes it exact; pass it as a gradaccum.WindowLoss, "
             "ExactTrainer(compute_loss_func=WindowLoss(...)) (see docs/guides/contrastive.md)")
     return source
@@ -163,9 +169,17 @@ class ExactTrainer(TrainerDriver, Trainer):
     """
 
     exact_items: Optional[str] = None  # a subclass's declaration for a compute_loss of its own (see loss_source)
+    own_loss: Optional[Callable[..., Any]] = None  # a subclass's compute_loss that it declared, called by ExactTrainer
+    own_loss_fix = (", or compute the whole loss yourself without super() and declare what it is a mean over: "
+                    "exact_items = 'head' (the items the model's head counts, as model(**inputs).loss does) or "
+                    "'rows' (the batch's rows)")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
+        own = vars(cls).get("compute_loss")
+        if own is not None and cls.exact_items is not None and not calls_next(own, "compute_loss"):
+            cls.own_loss = own  # the mean it declares, weighed by ExactTrainer's compute_loss, which runs instead
+            cls.compute_loss = vars(ExactTrainer)["compute_loss"]  # type: ignore[method-assign]
+        super().__init_subclass__(**kwargs)  # refuses other overrides that would step plain accumulation
         loss_source(cls)  # refuse a wrong composition where it is written
 
     def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, accum_dtype: str = "auto",
@@ -187,7 +201,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it; SFT's as TRL
         # turns it on (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
         self.router_balance = (trl_router_balance(self) if source == "tokens" else
-                               aux_term(config) if self.items.head == "causal_lm" else None)
+                               aux_term(config) if self.items.head == "causal_lm" and self.own_loss is None else None)
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
         self._loss = _SourceLoss(self, self._trainer_loss, self._evaluation)
         self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(self, self._prepare_inputs)
@@ -218,6 +232,7 @@ class ExactTrainer(TrainerDriver, Trainer):
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
         return batch_samples, total
 
+    @serves_the_window
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
         """Training: micro-batch k's share ``S_k * W / N`` of the window's mean (0 in a skipped
@@ -233,8 +248,10 @@ class ExactTrainer(TrainerDriver, Trainer):
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
-        """The next class's ``compute_loss`` (SFT's, DPO's, ...), with its metrics and logs."""
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
+        """The next class's ``compute_loss`` (SFT's, DPO's, ...), with its metrics and logs; or the subclass's
+        own, declared in ``exact_items``."""
+        loss = super().compute_loss if self.own_loss is None else self.own_loss
+        out = loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
         return out if return_outputs else (out, None)  # type: ignore[return-value]
 
     # -- evaluation: the item-weighted mean over the whole set -----------------------------------
@@ -264,7 +281,10 @@ class _SourceLoss:
     def training(self, window: DrivenWindow, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
         """``S_k * W / N`` (``sum_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
         items, weight, part = self.items, window.weights.sum_weight(), None  # W / N (0 in a skipped window)
-        if items.source == "head":
+        if self.trainer.own_loss is not None:  # a subclass's own mean over the head's items or the rows, declared
+            loss, outputs = self.trainer_loss(model, inputs, return_outputs, None)
+            loss = loss * window.weights.mean_weight(items.count(inputs) if items.source == "head" else items.rows(inputs))
+        elif items.source == "head":
             moe = {} if self.trainer.router_balance is None else {"output_router_logits": False}  # hooks read them
             outputs, part = self.trainer.balanced(model, inputs, lambda: model(**items.model_inputs(inputs), **moe))
             loss = items.head_loss_sum(outputs, inputs) * weight
@@ -281,7 +301,7 @@ class _SourceLoss:
         return (loss, outputs) if return_outputs else loss
 
     def evaluation(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
-        if self.items.source == "head":
+        if self.items.source == "head" and self.trainer.own_loss is None:
             outputs = model(**self.items.model_inputs(inputs))
             mean = self.evaluation_mean.head_mean(outputs, inputs)
         else:  # the trainer's own batch mean, shared out over its rows by their items
@@ -307,7 +327,7 @@ def _window_buffers(trainer: ExactTrainer, accum_dtype: str) -> Optional[Accumul
 def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     """After the Trainer is built (its arguments and Accelerator read): what would not be one big batch,
     or is not tested here, refused in one line that says the fix."""
-    if trainer.source == "head" and getattr(trainer.args, "label_smoothing_factor", None):
+    if trainer.source == "head" and trainer.own_loss is None and getattr(trainer.args, "label_smoothing_factor", None):
         raise ConfigurationError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
                          "supported where ExactTrainer computes the model's loss; set it to 0")
     refuse_untested(trainer, "training", deepspeed=False, fsdp=False)  # DeepSpeed and FSDP2: below
@@ -325,7 +345,7 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     if version not in (None, 2):
         raise ConfigurationError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
                          "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
-    if version == 2 and trainer.source != "head":
+    if version == 2 and (trainer.source != "head" or trainer.own_loss is not None):
         raise ConfigurationError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not under "
                          f"{type(trainer).__name__}'s own compute_loss (items: {trainer.source}); train it with DDP "
                          "(one process per device under torchrun)")
@@ -342,7 +362,7 @@ def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
     over the window (:mod:`gradaccum.moe`). TRL rewrites the config from its own argument, so the fix is
     that argument (SFT's term is computed over the window, or refused so, by ``hf_moe.trl_router_balance``)."""
     config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
-    if trainer.source == "rows":  # a compute_loss of its own, which may call the model's loss
+    if trainer.source == "rows" or trainer.own_loss is not None:  # a compute_loss of its own, which may call the model's loss
         refuse_aux_term(config, type(trainer).__name__,
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")

@@ -14,7 +14,7 @@ from torch import nn
 from .._cached import Constant, WindowLoss
 from .._patching import swapped
 from ..errors import ConfigurationError
-from .hf_driver import TrainerDriver
+from .hf_driver import TrainerDriver, serves_the_window
 from .hf_window_loss import TrainerWindows
 
 try:
@@ -79,6 +79,7 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
         self._windows.begin(batch_samples)
         return batch_samples, num_items
 
+    @serves_the_window
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         """Training: micro-batch k's surrogate (see :mod:`gradaccum.integrations.hf_window_loss`);

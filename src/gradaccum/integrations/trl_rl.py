@@ -15,7 +15,7 @@ from torch import nn
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount, local_counts, trl_divisor, trl_entropy_mean
-from .hf_driver import TrainerDriver, refuse_untested  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
+from .hf_driver import TrainerDriver, refuse_untested, serves_the_window  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
 from .hf_moe import trl_router_balance
 
 try:
@@ -160,6 +160,7 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
 
     # -- the loss ---------------------------------------------------------------------------------
 
+    @serves_the_window
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
         """Training: this micro-batch's summed terms times ``W / N`` (the entropy bonus's times

@@ -1,0 +1,122 @@
+"""A user's subclass of a Trainer driver that overrides ``compute_loss`` or ``training_step`` (issue 47):
+the most common Trainer customisation, and before this silently a step ``gradient_accumulation_steps``
+times too large. Each override is exact or refused: refused where the class is written when it does
+not call the driver's method and declares nothing; weighed when it declares what its loss averages
+over (``exact_items``); checked in training when it calls ``super()`` and then changes the loss. Against
+one float64 step per window (scenarios.py: windows of 3, 3 and 1 micro-batches of padded sequences),
+with the stock Trainer under the same override measured beside it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from integrations import scenarios as S  # noqa: E402
+from gradaccum import NotExactError, causal_lm_loss  # noqa: E402
+from gradaccum.integrations.hf_trainer import ExactTrainer  # noqa: E402
+from hf_helpers import gpt2  # noqa: E402
+
+MICRO = S.rank_micro_batches(0, S.SIZES[0])
+WINDOWS = S.windows_of([MICRO], S.ACCUM)
+
+
+def token_mean(model, inputs):
+    """The model's mean next-token loss over the micro-batch's targets, in float64 (outputs.loss is float32)."""
+    return causal_lm_loss(model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits,
+                          inputs["labels"])[0]
+
+
+def own_loss(base, **declared):
+    """``class Mine(base)`` whose compute_loss is the model's token mean, logged, without ``super()``."""
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = token_mean(model, inputs)
+        self.seen = getattr(self, "seen", 0) + 1  # "extra logging"
+        return loss
+
+    return type("Mine", (base,), {"compute_loss": compute_loss, **declared})
+
+
+def test_an_own_compute_loss_without_super_is_refused_where_the_class_is_written():
+    """Undeclared, it would be stepped as plain accumulation (GA times too large a step): refused at class
+    creation with both fixes; so is a training_step that does not call the driver's."""
+    with pytest.raises(TypeError, match=r"class Mine: its compute_loss replaces ExactTrainer's.*"
+                                        r"Call super\(\).compute_loss\(model, inputs, return_outputs=return_outputs, "
+                                        r"num_items_in_batch=num_items_in_batch\).*exact_items = 'head'"):
+        own_loss(ExactTrainer)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return torch.tensor(0.0)
+
+    with pytest.raises(TypeError, match=r"its training_step replaces ExactTrainer's, which closes the window.*"
+                                        r"super\(\).training_step\(model, inputs, num_items_in_batch\)"):
+        type("Stepper", (ExactTrainer,), {"training_step": training_step})
+    with pytest.raises(TypeError, match=r"exact_items='tokens': supported are 'head'"):
+        own_loss(ExactTrainer, exact_items="tokens")
+
+
+def test_a_declared_own_compute_loss_is_weighed_exactly_where_the_stock_trainer_is_not():
+    """``exact_items = "head"``: ExactTrainer calls the override and weighs its mean by the micro-batch's
+    targets: the float64 big batch at rtol 1e-10. The stock Trainer under the same override divides by
+    the steps (3, 3 and 1 micro-batches): off."""
+    from transformers import Trainer
+
+    model = S.stock(gpt2())
+    ref = S.reference(model, WINDOWS)
+    exact, trainer = S.hf_fit(model, [MICRO], exact=True, trainer_cls=own_loss(ExactTrainer, exact_items="head"))
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    assert trainer.seen == len(MICRO)  # the override ran on every micro-batch
+    stock, _ = S.hf_fit(model, [MICRO], exact=False, trainer_cls=own_loss(Trainer))
+    assert S.max_diff(stock, ref) > 1e-4
+
+
+def test_an_override_that_calls_super_is_exact_and_one_that_changes_its_loss_is_refused():
+    """Logging around ``super().compute_loss``: exact. Changing what it returned (a term added per
+    micro-batch), or returning without calling it in training: refused at the first micro-batch, before
+    its backward (the weights did not move)."""
+    def logged(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super(Logged, self).compute_loss(model, inputs, return_outputs=return_outputs,
+                                               num_items_in_batch=num_items_in_batch)
+        self.logged = getattr(self, "logged", 0) + 1
+        return out
+
+    Logged = type("Logged", (ExactTrainer,), {"compute_loss": logged})
+    model = S.stock(gpt2())
+    ref = S.reference(model, WINDOWS)
+    exact, trainer = S.hf_fit(model, [MICRO], exact=True, trainer_cls=Logged)
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    assert trainer.logged == len(MICRO)
+
+    def tweaked(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super(Tweaked, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss + 0.01 * sum(p.pow(2).sum() for p in model.parameters())
+
+    def sidestepped(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:
+            return super(Sidestepped, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return token_mean(model, inputs)
+
+    Tweaked = type("Tweaked", (ExactTrainer,), {"compute_loss": tweaked})
+    Sidestepped = type("Sidestepped", (ExactTrainer,), {"compute_loss": sidestepped})
+    for cls, did in ((Tweaked, "returned another loss than the one super"),
+                     (Sidestepped, "returned without calling super")):
+        with pytest.raises(NotExactError, match=rf"{cls.__name__}.compute_loss {did}.*exact_items = 'head'"):
+            S.hf_fit(model, [MICRO], exact=True, trainer_cls=cls)
+
+
+def test_the_trl_and_sentence_transformers_drivers_refuse_an_own_compute_loss_too():
+    """The same check for every driver: a compute_loss of one's own without super() is refused where the
+    class is written (GRPO/RLOO and sentence-transformers take no declaration: their loss is the driver's)."""
+    pytest.importorskip("trl")
+    from gradaccum.integrations.trl import ExactGRPOTrainer, ExactSFTTrainer
+
+    with pytest.raises(TypeError, match=r"its compute_loss replaces ExactSFTTrainer's.*exact_items = 'head'"):
+        own_loss(ExactSFTTrainer)
+    with pytest.raises(TypeError, match=r"its compute_loss replaces ExactGRPOTrainer's.*and return what it returns$"):
+        own_loss(ExactGRPOTrainer)
+    pytest.importorskip("sentence_transformers")
+    from gradaccum.integrations.sentence_transformers import ExactSentenceTransformerTrainer
+
+    with pytest.raises(TypeError, match=r"replaces ExactSentenceTransformerTrainer's"):
+        own_loss(ExactSentenceTransformerTrainer)
