@@ -169,6 +169,42 @@ def test_clipping_applies_to_the_normalized_window_gradient(max_norm):
     assert result.grad_norm == pytest.approx(ref_norm, rel=1e-9)
 
 
+def masked_mse(model: torch.nn.Module, batch):
+    """A mean over the rows the mask keeps, counted by loss_fn itself: nothing is known up front, so the
+    window is weighed by a reference count R and rescaled by R / N at the boundary."""
+    x, y, keep = batch
+    per_row = (model(x) - y).pow(2).mean(dim=1)
+    return (per_row * keep).sum() / keep.sum(), keep.sum()
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 0.5])
+@pytest.mark.parametrize("loop", ["step", "own_loop"])
+def test_clipping_by_the_norm_after_the_boundary_rescale(loop, max_norm):
+    """Issue 48, item 7: with counts that come from loss_fn (R != N, a boundary scale other than 1), the
+    clip coefficient is taken on the rescaled window gradient, as clip_grad_norm_ takes it on the float64
+    big batch. Clipping by the norm before the rescale moves the weights by the scale's error."""
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    x, y = regression_batch(9)
+    keep = torch.tensor([1, 0, 0, 1, 1, 1, 0, 1, 1], dtype=torch.float64)  # 1, 2, 2 and 1 kept per micro-batch
+    acc = Accumulator(model, opt, max_grad_norm=max_norm)
+    if loop == "step":
+        result = acc.step((x, y, keep), masked_mse, micro_batch_size=2)
+    else:
+        with acc.window(5) as window:
+            for i in range(0, 9, 2):
+                with window.micro_batch():
+                    window.backward(*masked_mse(model, (x[i:i + 2], y[i:i + 2], keep[i:i + 2])))
+            result = window.step()
+    ref_opt.zero_grad()
+    masked_mse(ref, (x, y, keep))[0].backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item()
+    ref_opt.step()
+    assert result.num_items == 6 and result.grad_norm == pytest.approx(ref_norm, rel=1e-9)
+    assert ref_norm > 2 * max_norm  # the clip engaged
+    assert_params_close(model, ref)
+
+
 def test_scheduler_steps_once_per_optimizer_step_and_never_on_a_skipped_one():
     model = regression_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
