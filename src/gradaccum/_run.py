@@ -88,7 +88,8 @@ def _backward(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, c
     with window.micro_batch():
         out = loss_fn(window.ctx.model, micro_batch)
         if type(out) is torch.Tensor:  # a bare mean loss, weighed by the count known up front
-            counts.weigh_bare_mean()
+            if counts.unchecked is not None:
+                counts.weigh_bare_mean()
             window.backward(out, count)
             return
         loss, counted = split_loss_output(out, count)
