@@ -259,7 +259,7 @@ def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: in
     forward's passing tensors more), and the last micro-batch, whose backward reduces across ranks, is a
     forward run again under the wrapper's sync (the Trainer's last call runs outside ``no_sync``, so its
     graph cannot be kept from pass 1)."""
-    if window_loss.keep_graphs == 0 or type(sync).__name__ == "FSDP2Sync" or training_batchnorms(model):
+    if window_loss.keep_graphs == 0 or sync.sharded_grads or training_batchnorms(model):
         return 0  # alike on every rank
     keep = min(window_loss.keep_graphs, own)
     if sync.reduces_across_ranks:  # every rank asks, one without micro-batches too

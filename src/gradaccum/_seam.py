@@ -106,7 +106,8 @@ class GradSync:
     collectives_in_forward: bool = False
     #: whether every rank holds the whole reduced gradient (DDP), so replicas can be compared
     replicated_grads: bool = False
-    #: whether each rank holds a shard of the reduced gradient (FSDP2): its norm needs the ranks
+    #: whether each rank holds a shard of the parameters and of the reduced gradient (FSDP2): its norm
+    #: needs the ranks, and every forward all-gathers the shards (a collective every rank runs in order)
     sharded_grads: bool = False
     #: the wrapper steps the optimizer itself (DeepSpeed's ``engine.step()``, which also clips and measures
     #: the norm): the boundary asks :meth:`step` and measures no norm of its own

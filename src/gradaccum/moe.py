@@ -54,7 +54,7 @@ from ._random import RandomState
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window
 from .errors import ConfigurationError, NotExactError, replay_differs
-from .sync import FSDP2Sync, GradSync
+from .sync import GradSync
 
 __all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss",
            "MODES", "WindowRouting", "counts_on_every_rank", "run_moe_window", "check_moe_loss", "hf_routing",
@@ -439,7 +439,7 @@ def counts_on_every_rank(sync: GradSync) -> bool:
     """Whether every forward is a collective (FSDP2 all-gathers the shards in each), so that the
     counting pass runs the whole model on every rank, as many times as the busiest rank; else it runs
     the unwrapped module (the trunk where it can), which runs no collective."""
-    return isinstance(sync, FSDP2Sync)
+    return sync.sharded_grads
 
 
 class WindowRouting:
