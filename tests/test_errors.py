@@ -131,6 +131,56 @@ def test_window_misuse(setup):
                 w.backward(mse(model, (x, y)), 4)
 
 
+def test_a_nested_micro_batch_and_a_second_backward_name_their_cause(setup):
+    """A micro_batch() block opened inside another, and a second window.backward in one block, are each refused
+    when they happen, naming what happened and the fix (they used to surface at step() as "opened for N
+    micro-batches but M ran"), before the second backward reaches the gradient: no step, nothing left behind."""
+    model, _, acc = setup
+    x, y = regression_batch(4)
+    with pytest.raises(RuntimeError) as nested:
+        with acc.window(2) as w:
+            with w.micro_batch():
+                with w.micro_batch():
+                    w.backward(mse(model, (x, y)), 4)
+    assert str(nested.value) == (
+        "window.micro_batch() opened inside another micro_batch() (micro-batch 1 of the window is still open): each "
+        "micro-batch is one block, one after the other; close the open block before opening the next, and run one "
+        "window.backward in each")
+    with pytest.raises(RuntimeError) as twice:
+        with acc.window(2) as w:
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), 4)
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), 4)
+                w.backward(mse(model, (x, y)), 4)
+    assert str(twice.value) == (
+        "window.backward called twice in one micro-batch (micro-batch 2 of the window): each `with "
+        "window.micro_batch():` block runs one forward and one window.backward(loss, num_items=...); add the "
+        "losses into one before its backward, or give each its own micro_batch() block (and the window as many "
+        "micro-batches)")
+    assert acc.steps == 0
+    with pytest.raises(RuntimeError, match=r"^the window was opened for 1 micro-batch and all have run;"):
+        with acc.window(1) as w:
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), 4)
+            w.micro_batch()
+
+
+def test_the_second_backward_is_refused_before_it_reaches_the_gradient():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = regression_batch(4)
+    with acc.window(1) as w:
+        with w.micro_batch():
+            w.backward(mse(model, (x, y)), 4)
+            grads = [p.grad.clone() for p in model.parameters()]
+            with pytest.raises(RuntimeError, match="window.backward called twice in one micro-batch"):
+                w.backward(mse(model, (x, y)), 4)
+            assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        w.step()
+    assert acc.steps == 1
+
+
 @pytest.mark.parametrize("window", ["tuple", "list"])
 def test_a_batch_given_as_a_window_is_refused(setup, window):
     """`step((X, Y), loss_fn)` without micro_batch_size used to run X and then Y as two micro-batches."""
