@@ -257,11 +257,26 @@ def test_a_detached_loss_is_our_error(setup):
         acc.step(regression_batch(4), lambda m, b: mse(m, b).detach(), micro_batch_size=2)
 
 
-def test_load_state_dict_names_missing_keys():
+def test_load_state_dict_names_missing_and_unknown_keys_and_what_a_state_holds():
+    """One line, gradaccum's own error (it was a bare KeyError), raised before anything is loaded."""
+    from gradaccum import ConfigurationError
+
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(KeyError, match="the state lacks 'steps', 'precision'"):
-        acc.load_state_dict({"auto_micro_batch_size": None})
+    acc.state.steps = 3
+    holds = ("an Accumulator's state holds steps, skipped, epoch, reference, count_ratio, last_window_items, "
+             "auto_micro_batch_size, counts_first and precision: pass what Accumulator.state_dict() returned (e.g. "
+             "checkpoint['accumulator'], not the whole checkpoint)")
+    unknown = "which no Accumulator state holds"
+    for state, said in (({"x": 1}, f"lacks 'steps', 'precision' and holds 'x', {unknown}"),
+                        ({"auto_micro_batch_size": None}, "lacks 'steps', 'precision'"),
+                        ({**acc.state_dict(), "steps": 8, "skiped": 1}, f"holds 'skiped', {unknown}"),
+                        ({"model": {}, "accumulator": acc.state_dict()},
+                         f"lacks 'steps', 'precision' and holds 'model', 'accumulator', {unknown}")):
+        with pytest.raises(ConfigurationError) as info:
+            acc.load_state_dict(state)
+        assert str(info.value) == f"Accumulator.load_state_dict: the state {said}; {holds}"
+        assert acc.steps == 3
 
 
 def test_check_equivalence_refuses_vector_and_detached_losses():
