@@ -304,3 +304,42 @@ def test_a_list_of_micro_batches_with_micro_batch_size_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and acc.steps == 0
     acc.step([x, y], mse, micro_batch_size=4)  # one batch given as a list of tensors is still one batch
     assert acc.steps == 1
+
+
+PIPELINE = ("pipeline parallelism (torch.distributed.pipelining) has no exact route in gradaccum yet; train the whole "
+            "model under DDP, FSDP2 (fully_shard) or DeepSpeed ZeRO instead")
+
+
+@pytest.mark.parametrize("module, name", [("torch.distributed.pipelining.stage", "PipelineStage"),
+                                          ("torch.distributed.pipelining._IR", "Pipe"),
+                                          ("torch.distributed.pipelining.schedules", "ScheduleGPipe")])
+def test_a_pipeline_stage_is_refused_with_what_is_supported(module, name):
+    """A torch.distributed.pipelining object (the classes in type only: nothing initialised) is refused with what
+    gradaccum supports, not told to wrap a stage in DDP (which then fails: the ranks hold different models)."""
+    import importlib
+
+    from gradaccum import NotExactError
+
+    cls = getattr(importlib.import_module(module), name)
+    stage = cls.__new__(cls)
+    if isinstance(stage, torch.nn.Module):
+        torch.nn.Module.__init__(stage)
+    model = regression_model()
+    with pytest.raises(NotExactError) as info:
+        Accumulator(stage, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert str(info.value) == f"model is a {name}: {PIPELINE}"
+
+
+def test_an_unwrapped_model_under_several_ranks_is_not_told_to_wrap_a_pipeline_stage(monkeypatch):
+    """Under several ranks a model no wrapper reduces is refused (torchrun: tests/distributed/worker.py); the
+    message says to wrap the whole model, and that a pipeline stage has no route, instead of only 'wrap it'."""
+    import gradaccum.sync as sync
+
+    monkeypatch.setattr(sync, "is_distributed", lambda: True)
+    monkeypatch.setattr(sync.dist, "get_world_size", lambda group=None: 2)
+    model = regression_model()
+    with pytest.raises(ValueError) as info:
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    said = str(info.value)
+    assert "Wrap the whole model, the same on every rank (DistributedDataParallel(model)" in said
+    assert said.endswith(f"Where each rank holds a stage of a pipeline: {PIPELINE}"), said
