@@ -28,9 +28,20 @@ def test_split_batch_equals_full_batch(opt_name, micro_batch_size):
         assert result.loss == pytest.approx(ref_loss, rel=RTOL)
         assert result.num_items == 10
         assert result.micro_batches == math.ceil(10 / micro_batch_size)
-        assert result.micro_batch_size == micro_batch_size
+        assert result.micro_batch_size == min(micro_batch_size, 10)  # the size used: 16 runs all 10 at once
         assert not result.skipped
     assert acc.steps == 2
+
+
+def test_a_micro_batch_size_larger_than_the_batch_reports_the_size_used():
+    """10 rows at micro_batch_size=1000 run as one micro-batch of 10, and the result says 10 (it said 1000, a
+    size no micro-batch had), as micro_batch_size="auto" reports the size it settled on."""
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    result = acc.step(regression_batch(10), mse, micro_batch_size=1000)
+    assert (result.micro_batch_size, result.micro_batches, result.num_items) == (10, 1, 10)
+    result = acc.step(regression_batch(10), mse, micro_batch_size=4)
+    assert (result.micro_batch_size, result.micro_batches) == (4, 3)
 
 
 @pytest.mark.parametrize("sizes", [[5, 1, 3], [1, 1, 1, 9], [2, 7], [4]])

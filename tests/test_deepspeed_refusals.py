@@ -173,10 +173,11 @@ def test_a_step_a_bf16_or_fp32_engine_dropped_is_a_skipped_window_said_once():
         assert sum("took no step" in str(w.message) for w in said) == (1 if warns else 0)
 
 
-def test_exact_trainer_refuses_a_deepspeed_config_that_manages_accumulation_as_the_accumulator_does():
-    """The one refusal of an engine that manages accumulation (``_deepspeed.engine_manages_accumulation``):
-    ExactTrainer reads it from the DeepSpeed config before the engine exists, names itself and the key;
-    with the key set it hands the boundary to its window."""
+def test_exact_trainer_sets_the_caller_owned_boundary_itself_and_refuses_an_engine_managed_one():
+    """A Trainer-style config without ``"managed_gradient_accumulation"`` (or with ``"auto"``) gets it set to
+    false in the Trainer's copy of the config, said in one warning; false set by the user says nothing; any
+    other value is refused in one line naming the key, the value and the fix, before anything changes (no
+    callback added, the config as it was). With no config to fill in, the Accumulator's refusal."""
     from types import SimpleNamespace
 
     hf_deepspeed = pytest.importorskip("gradaccum.integrations.hf_deepspeed")
@@ -190,15 +191,39 @@ def test_exact_trainer_refuses_a_deepspeed_config_that_manages_accumulation_as_t
         def add_callback(self, callback):
             self.callbacks.append(callback)
 
-    for config in ({}, {"managed_gradient_accumulation": True}):
-        trainer = ExactSFTStandIn(config)
-        with pytest.raises(ConfigurationError, match=r'^ExactSFTStandIn under DeepSpeed: .*add "managed_gradient_'
-                                                     rf'accumulation": false to the DeepSpeed config \(DeepSpeed >= {WORKS_WITH}\)'):
+    auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
+    for given in (dict(auto), dict(auto, managed_gradient_accumulation="auto")):
+        trainer = ExactSFTStandIn(given)
+        with pytest.warns(UserWarning) as said:
             hf_deepspeed.prepare(trainer, lambda: True)
-        assert trainer.callbacks == []
-    trainer = ExactSFTStandIn({"managed_gradient_accumulation": False})
-    hf_deepspeed.prepare(trainer, lambda: True)
+        assert [str(w.message) for w in said] == [
+            'ExactSFTStandIn under DeepSpeed: set "managed_gradient_accumulation": false in the Trainer\'s copy of '
+            "the DeepSpeed config (yours is left as it is), so that each window takes one engine step on one big "
+            "batch's gradient; add that line to your config to say so and silence this notice"]
+        assert given == dict(auto, managed_gradient_accumulation=False)
+        assert [type(c).__name__ for c in trainer.callbacks] == ["DeepSpeedWindows"]
+    trainer = ExactSFTStandIn(dict(auto, managed_gradient_accumulation=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_deepspeed.prepare(trainer, lambda: True)
     assert [type(c).__name__ for c in trainer.callbacks] == ["DeepSpeedWindows"]
+    for value, said in ((True, "true"), (1, "1")):
+        config = dict(auto, managed_gradient_accumulation=value)
+        trainer = ExactSFTStandIn(config)
+        with pytest.raises(ConfigurationError) as info:
+            hf_deepspeed.prepare(trainer, lambda: True)
+        assert str(info.value) == (
+            f'ExactSFTStandIn under DeepSpeed: "managed_gradient_accumulation": {said} in the DeepSpeed config: the '
+            "engine manages gradient accumulation itself (it reduces and steps every gradient_accumulation_steps "
+            "backward passes, each loss divided by that count), so the window could not be one big batch; set it "
+            "to false, or remove the key (ExactSFTStandIn then sets it to false)")
+        assert trainer.callbacks == [] and config == dict(auto, managed_gradient_accumulation=value)
+    trainer = ExactSFTStandIn(None)
+    with pytest.raises(ConfigurationError, match=r'^ExactSFTStandIn under DeepSpeed: .*add "managed_gradient_'
+                                                 rf'accumulation": false to the DeepSpeed config \(DeepSpeed >= {WORKS_WITH}\)'):
+        hf_deepspeed.prepare(trainer, lambda: True)
+    assert trainer.callbacks == []
 
 
 @pytest.mark.parametrize("accum_dtype, warns", [("auto", True), ("param", False)])

@@ -131,6 +131,56 @@ def test_window_misuse(setup):
                 w.backward(mse(model, (x, y)), 4)
 
 
+def test_a_nested_micro_batch_and_a_second_backward_name_their_cause(setup):
+    """A micro_batch() block opened inside another, and a second window.backward in one block, are each refused
+    when they happen, naming what happened and the fix (they used to surface at step() as "opened for N
+    micro-batches but M ran"), before the second backward reaches the gradient: no step, nothing left behind."""
+    model, _, acc = setup
+    x, y = regression_batch(4)
+    with pytest.raises(RuntimeError) as nested:
+        with acc.window(2) as w:
+            with w.micro_batch():
+                with w.micro_batch():
+                    w.backward(mse(model, (x, y)), 4)
+    assert str(nested.value) == (
+        "window.micro_batch() opened inside another micro_batch() (micro-batch 1 of the window is still open): each "
+        "micro-batch is one block, one after the other; close the open block before opening the next, and run one "
+        "window.backward in each")
+    with pytest.raises(RuntimeError) as twice:
+        with acc.window(2) as w:
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), 4)
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), 4)
+                w.backward(mse(model, (x, y)), 4)
+    assert str(twice.value) == (
+        "window.backward called twice in one micro-batch (micro-batch 2 of the window): each `with "
+        "window.micro_batch():` block runs one forward and one window.backward(loss, num_items=...); add the "
+        "losses into one before its backward, or give each its own micro_batch() block (and the window as many "
+        "micro-batches)")
+    assert acc.steps == 0
+    with pytest.raises(RuntimeError, match=r"^the window was opened for 1 micro-batch and all have run;"):
+        with acc.window(1) as w:
+            with w.micro_batch():
+                w.backward(mse(model, (x, y)), 4)
+            w.micro_batch()
+
+
+def test_the_second_backward_is_refused_before_it_reaches_the_gradient():
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = regression_batch(4)
+    with acc.window(1) as w:
+        with w.micro_batch():
+            w.backward(mse(model, (x, y)), 4)
+            grads = [p.grad.clone() for p in model.parameters()]
+            with pytest.raises(RuntimeError, match="window.backward called twice in one micro-batch"):
+                w.backward(mse(model, (x, y)), 4)
+            assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        w.step()
+    assert acc.steps == 1
+
+
 @pytest.mark.parametrize("window", ["tuple", "list"])
 def test_a_batch_given_as_a_window_is_refused(setup, window):
     """`step((X, Y), loss_fn)` without micro_batch_size used to run X and then Y as two micro-batches."""
@@ -207,11 +257,26 @@ def test_a_detached_loss_is_our_error(setup):
         acc.step(regression_batch(4), lambda m, b: mse(m, b).detach(), micro_batch_size=2)
 
 
-def test_load_state_dict_names_missing_keys():
+def test_load_state_dict_names_missing_and_unknown_keys_and_what_a_state_holds():
+    """One line, gradaccum's own error (it was a bare KeyError), raised before anything is loaded."""
+    from gradaccum import ConfigurationError
+
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(KeyError, match="the state lacks 'steps', 'precision'"):
-        acc.load_state_dict({"auto_micro_batch_size": None})
+    acc.state.steps = 3
+    holds = ("an Accumulator's state holds steps, skipped, epoch, reference, count_ratio, last_window_items, "
+             "auto_micro_batch_size, counts_first and precision: pass what Accumulator.state_dict() returned (e.g. "
+             "checkpoint['accumulator'], not the whole checkpoint)")
+    unknown = "which no Accumulator state holds"
+    for state, said in (({"x": 1}, f"lacks 'steps', 'precision' and holds 'x', {unknown}"),
+                        ({"auto_micro_batch_size": None}, "lacks 'steps', 'precision'"),
+                        ({**acc.state_dict(), "steps": 8, "skiped": 1}, f"holds 'skiped', {unknown}"),
+                        ({"model": {}, "accumulator": acc.state_dict()},
+                         f"lacks 'steps', 'precision' and holds 'model', 'accumulator', {unknown}")):
+        with pytest.raises(ConfigurationError) as info:
+            acc.load_state_dict(state)
+        assert str(info.value) == f"Accumulator.load_state_dict: the state {said}; {holds}"
+        assert acc.steps == 3
 
 
 def test_check_equivalence_refuses_vector_and_detached_losses():
@@ -239,3 +304,42 @@ def test_a_list_of_micro_batches_with_micro_batch_size_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and acc.steps == 0
     acc.step([x, y], mse, micro_batch_size=4)  # one batch given as a list of tensors is still one batch
     assert acc.steps == 1
+
+
+PIPELINE = ("pipeline parallelism (torch.distributed.pipelining) has no exact route in gradaccum yet; train the whole "
+            "model under DDP, FSDP2 (fully_shard) or DeepSpeed ZeRO instead")
+
+
+@pytest.mark.parametrize("module, name", [("torch.distributed.pipelining.stage", "PipelineStage"),
+                                          ("torch.distributed.pipelining._IR", "Pipe"),
+                                          ("torch.distributed.pipelining.schedules", "ScheduleGPipe")])
+def test_a_pipeline_stage_is_refused_with_what_is_supported(module, name):
+    """A torch.distributed.pipelining object (the classes in type only: nothing initialised) is refused with what
+    gradaccum supports, not told to wrap a stage in DDP (which then fails: the ranks hold different models)."""
+    import importlib
+
+    from gradaccum import NotExactError
+
+    cls = getattr(importlib.import_module(module), name)
+    stage = cls.__new__(cls)
+    if isinstance(stage, torch.nn.Module):
+        torch.nn.Module.__init__(stage)
+    model = regression_model()
+    with pytest.raises(NotExactError) as info:
+        Accumulator(stage, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert str(info.value) == f"model is a {name}: {PIPELINE}"
+
+
+def test_an_unwrapped_model_under_several_ranks_is_not_told_to_wrap_a_pipeline_stage(monkeypatch):
+    """Under several ranks a model no wrapper reduces is refused (torchrun: tests/distributed/worker.py); the
+    message says to wrap the whole model, and that a pipeline stage has no route, instead of only 'wrap it'."""
+    import gradaccum.sync as sync
+
+    monkeypatch.setattr(sync, "is_distributed", lambda: True)
+    monkeypatch.setattr(sync.dist, "get_world_size", lambda group=None: 2)
+    model = regression_model()
+    with pytest.raises(ValueError) as info:
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    said = str(info.value)
+    assert "Wrap the whole model, the same on every rank (DistributedDataParallel(model)" in said
+    assert said.endswith(f"Where each rank holds a stage of a pipeline: {PIPELINE}"), said

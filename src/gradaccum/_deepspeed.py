@@ -28,6 +28,7 @@ engine owns (``max_grad_norm``, ``scheduler``, ``precision``, an ``accum_dtype``
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from typing import Any, ContextManager, Optional, Sequence
 
@@ -182,12 +183,18 @@ class DeepSpeedSync(GradSync):
         return None
 
 
-def engine_manages_accumulation(who: str) -> ConfigurationError:
-    """The refusal of a DeepSpeed engine (or config) that manages gradient accumulation itself, for ``who``."""
+def engine_manages_accumulation(who: str, *, value: Any = None) -> ConfigurationError:
+    """The refusal of a DeepSpeed engine (or config) that manages gradient accumulation itself, for ``who``;
+    ``value``: what the config sets ``"managed_gradient_accumulation"`` to (None: the key is absent)."""
+    why = ("the engine manages gradient accumulation itself (it reduces and steps every gradient_accumulation_steps "
+           "backward passes, each loss divided by that count), so the window could not be one big batch")
+    if value is not None:
+        return ConfigurationError(
+            f"{who} under DeepSpeed: \"managed_gradient_accumulation\": {json.dumps(value, default=repr)} in the "
+            f"DeepSpeed config: {why}; set it to false, or remove the key ({who} then sets it to false)")
     return ConfigurationError(
-        f"{who} under DeepSpeed: the engine manages gradient accumulation itself (it reduces and steps every "
-        "gradient_accumulation_steps backward passes, each loss divided by that count), so the window could not be "
-        f"one big batch: add \"managed_gradient_accumulation\": false to the DeepSpeed config (DeepSpeed >= {WORKS_WITH})")
+        f"{who} under DeepSpeed: {why}: add \"managed_gradient_accumulation\": false to the DeepSpeed config "
+        f"(DeepSpeed >= {WORKS_WITH})")
 
 
 def not_known_up_front(*, in_engine: bool = False) -> NotExactError:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from ._deprecated import renamed
-from ._state import AccumulatorState
+from ._state import READ_KEYS, SAVED_KEYS, AccumulatorState
+from .errors import ConfigurationError
 from .precision import MixedPrecision
 
 __all__ = ["Resumable"]
@@ -66,14 +67,24 @@ class Resumable:
         return {**self.state.saved(), "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (also one written by an earlier gradaccum)."""
+        """Restore what :meth:`state_dict` returned (also one written by an earlier gradaccum).
+
+        Raises:
+            ConfigurationError: ``state`` lacks ``steps`` or ``precision``, holds a key no Accumulator state
+                holds (a whole checkpoint, a misspelt key), or a value that is not a number; nothing is loaded.
+        """
         if not isinstance(state, dict):
             raise TypeError(f"Accumulator.load_state_dict takes the dict Accumulator.state_dict() returned, got "
                             f"{type(state).__name__}; pass checkpoint['accumulator'] (or what you saved it as)")
         missing = [k for k in ("steps", "precision") if k not in state]
-        if missing:
-            raise KeyError(f"Accumulator.load_state_dict: the state lacks {', '.join(map(repr, missing))}; "
-                           "pass what Accumulator.state_dict() returned")
+        unknown = [k for k in state if k not in READ_KEYS and k != "precision"]
+        if missing or unknown:
+            said = [f"lacks {', '.join(map(repr, missing))}" if missing else "",
+                    f"holds {', '.join(map(repr, unknown))}, which no Accumulator state holds" if unknown else ""]
+            raise ConfigurationError(
+                f"Accumulator.load_state_dict: the state {' and '.join(s for s in said if s)}; an Accumulator's state "
+                f"holds {', '.join(SAVED_KEYS)} and precision: pass what Accumulator.state_dict() returned (e.g. "
+                "checkpoint['accumulator'], not the whole checkpoint)")
         values = self.state.read_saved(state)  # every field checked before anything is set
         self.precision.load_state_dict(state["precision"])
         self.state.load_saved(values)

@@ -24,7 +24,7 @@ from ._checks import ROWS, callable_loss_fn, positive_int, positive_number
 from ._deepspeed import check_engine_arguments, deepspeed_engine
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
-from .sync import GradSync
+from .sync import GradSync, refuse_pipeline
 
 __all__ = ["NONFINITE", "Settings", "check_training_objects", "check_loss_call", "check_train_micro_batch_size"]
 
@@ -74,8 +74,10 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
             ``scheduler`` has no ``step()``.
         ConfigurationError: no trainable parameter; an optimizer over none of them, or carrying its own
             enabled GradScaler; a scheduler over another optimizer; an engine that cannot leave the
-            boundary to gradaccum, or a setting the engine owns.
+            boundary to gradaccum, or a setting the engine owns; a ``torch.distributed.pipelining`` object
+            (``NotExactError``).
     """
+    refuse_pipeline(model)
     engine = deepspeed_engine(model)
     if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed
         optimizer = check_engine_arguments(engine, optimizer, scheduler=scheduler,

@@ -24,7 +24,7 @@ import torch
 from ._deprecated import renamed
 from .errors import ConfigurationError
 
-__all__ = ["AccumulatorState", "SAVED_KEYS"]
+__all__ = ["AccumulatorState", "SAVED_KEYS", "READ_KEYS"]
 
 
 def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -166,3 +166,6 @@ class AccumulatorState:
 
 #: the keys ``state_dict`` writes for the state (the saved fields' names), in field order
 SAVED_KEYS: List[str] = [f.name for f in fields(AccumulatorState) if f.metadata.get("saved")]
+#: the keys a ``state_dict`` may hold for the state: :data:`SAVED_KEYS` and the names earlier gradaccums wrote
+READ_KEYS: List[str] = SAVED_KEYS + [old for f in fields(AccumulatorState) if f.metadata.get("saved")
+                                     for old in f.metadata["old"]]

@@ -123,6 +123,7 @@ class _MicroBatch:
             stack.enter_context(ctx.sync.micro_batch(last=self.reduces))
             stack.enter_context(ctx.precision.autocast())
         self.window.current = self
+        self.window.entered_at = self.window.done
 
     def __exit__(self, *exc: Any) -> None:
         self.window.current = None
@@ -161,6 +162,7 @@ class Window:
         self.done = 0  # micro-batches run, flush and padding included
         self.tally = Tally(ctx.device)
         self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now
+        self.entered_at = 0  # micro-batches done when that block was entered (its backward makes it one more)
         self.reduced = False  # the backward that reduces across ranks has run
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
@@ -230,6 +232,11 @@ class Window:
         """
         if self.setup is None or self.ctx.slot.window is not self:
             self._open_setup()  # raises
+        if self.current is not None:
+            raise RuntimeError(
+                f"window.micro_batch() opened inside another micro_batch() (micro-batch {self.entered_at + 1} of the "
+                "window is still open): each micro-batch is one block, one after the other; close the open block "
+                "before opening the next, and run one window.backward in each")
         last = _is_last(self.done, self._size, last)
         if not self.ctx.switches:
             return self._plain  # no switch to flip, nothing reduces: one context serves them all
@@ -345,7 +352,7 @@ def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
     if last is None and size is not None and done < size:  # the common case first
         return done == size - 1
     if size is not None and done >= size:
-        raise RuntimeError(f"the window was opened for {size} micro-batches and all have run; "
+        raise RuntimeError(f"the window was opened for {_micro_batches(size)} and all have run; "
                            "call window.step(), or open it with the right micro_batches")
     if last is None:
         if size is None:
@@ -357,9 +364,15 @@ def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
 def _in_micro_batch(window: Window, loss: Any) -> Any:
     """``loss`` checked as a scalar that requires grad (when given), after checking that the window is
     inside a ``micro_batch()`` block and before its reducing backward."""
-    if window.current is not None and not window.reduced and type(loss) is torch.Tensor and not loss.dim() \
-            and loss.requires_grad:
+    if window.current is not None and window.done == window.entered_at and not window.reduced \
+            and type(loss) is torch.Tensor and not loss.dim() and loss.requires_grad:
         return loss  # a plain scalar loss where it belongs: nothing more to check
+    if window.current is not None and window.done != window.entered_at:
+        raise RuntimeError(
+            f"window.backward called twice in one micro-batch (micro-batch {window.entered_at + 1} of the window): "
+            "each `with window.micro_batch():` block runs one forward and one window.backward(loss, num_items=...); "
+            "add the losses into one before its backward, or give each its own micro_batch() block (and the window "
+            "as many micro-batches)")
     if window.reduced:
         raise RuntimeError(
             "window.backward() after the backward of the micro-batch that reduces across ranks (the "
@@ -557,9 +570,13 @@ def _check_can_step(window: Window, setup: WindowSetup) -> None:
     size = window.micro_batches
     if size is not None and window.done != size:
         raise RuntimeError(
-            f"the window was opened for {size} micro-batches but {window.done} ran; under "
+            f"the window was opened for {_micro_batches(size)} but {window.done} ran; under "
             "data parallelism the last one is the one that reduces gradients, so the counts must match"
         )
+
+
+def _micro_batches(n: int) -> str:
+    return f"{n} micro-batch" if n == 1 else f"{n} micro-batches"
 
 
 def _step_result(out: Outcome, micro_batches: int, micro_batch_size: Any) -> StepResult:

@@ -49,7 +49,7 @@ from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
 from ._run import CountFn, LossFn, count_items, run_auto, run_window
 from ._window import OpenWindow, Window, WindowContext
-from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size
+from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size, leading_dim
 from .precision import MixedPrecision
 from .result import StepResult
 from .schedule import AccumSteps
@@ -169,8 +169,9 @@ class Accumulator(Resumable):
                 data parallelism a rank whose data ran out passes ``[]``.
             loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss, or ``(mean_loss, num_items)``.
             micro_batch_size: split the batch along dim 0 into chunks of this size (the last may
-                be smaller); ``"auto"`` starts from the whole batch (or the last size that worked)
-                and halves on out-of-memory errors.
+                be smaller; a batch smaller than it is one micro-batch, and ``StepResult.micro_batch_size``
+                says the batch's size); ``"auto"`` starts from the whole batch (or the last size that
+                worked) and halves on out-of-memory errors.
             num_items: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted
                 before any forward pass (e.g. ``gradaccum.count_targets(mb["labels"])``). A bare
                 loss is then weighted by it instead of the leading dimension, and each backward
@@ -186,6 +187,8 @@ class Accumulator(Resumable):
             return run_auto(self.context, self.auto, window, loss_fn, num_items)
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
                                          allow_empty=self.sync.allows_empty_share)
+        if micro_batch_size is not None and micro_batches:  # the size used: the batch's own where it is smaller
+            micro_batch_size = leading_dim(micro_batches[0])
         result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items),
                             micro_batch_size=micro_batch_size)
         assert result is not None

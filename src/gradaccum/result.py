@@ -29,8 +29,10 @@ class StepResult:
             gradient, fp16 overflow, or a window with 0 items).
         lr: learning rate of the first parameter group used for this window.
         step: optimizer steps taken so far, this one included.
-        micro_batch_size: the split used when the window was one batch (with "auto", the size it
-            settled on); None for a list of micro-batches.
+        micro_batch_size: the split used when the window was one batch: the size of its first
+            micro-batch, which is ``micro_batch_size`` or the batch's own size where that is smaller (10
+            rows at ``micro_batch_size=1000``: 10); with "auto", the size it settled on; None for a list
+            of micro-batches.
         accum_steps: the micro-batches the window was **planned** with: from ``train()``, the epoch's
             ``accum_steps`` (a short last window runs fewer ``micro_batches``), or over a WindowSampler
             this rank's micro-batches in that window; from ``step()`` and a hand-written window, which

@@ -32,11 +32,18 @@ from ._deepspeed import DeepSpeedSync, deepspeed_engine
 from ._maths import tensor_norms
 from ._seam import (LOW_PRECISION, GradSync, all_reduce_, barrier, broadcast_object, is_distributed, is_rank_zero,
                     loaded_type, rank, world_size)
-from .errors import ConfigurationError
+from .errors import ConfigurationError, NotExactError
 
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
            "DATA_PARALLEL", "loaded_type", "full_tensor"]
+
+#: what a pipeline stage is told: no window of gradaccum's drives a pipeline schedule (yet)
+PIPELINE = ("pipeline parallelism (torch.distributed.pipelining) has no exact route in gradaccum yet; train the "
+            "whole model under DDP, FSDP2 (fully_shard) or DeepSpeed ZeRO instead")
+_PIPELINE_TYPES = (("torch.distributed.pipelining._IR", "Pipe"),
+                   ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
+                   ("torch.distributed.pipelining.schedules", "_PipelineSchedule"))
 
 #: ``data_parallel=`` values: find the wrapper (and refuse none under several ranks), or train per rank
 DATA_PARALLEL = ("auto", "none")
@@ -271,11 +278,22 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
         raise ConfigurationError(
             f"torch.distributed runs {dist.get_world_size()} ranks but no DistributedDataParallel or "
             f"fully_shard module reduces this {type(model).__name__}'s gradients: every rank would step "
-            "on its own gradients and the replicas would drift apart. Wrap the model "
-            "(DistributedDataParallel(model) or fully_shard(model); torch.compile(ddp_model) is fine), "
-            "or pass data_parallel='none' to train each rank on its own data on purpose"
+            "on its own gradients and the replicas would drift apart. Wrap the whole model, the same on every "
+            "rank (DistributedDataParallel(model) or fully_shard(model); torch.compile(ddp_model) is fine), "
+            "or pass data_parallel='none' to train each rank on its own data on purpose. Where each rank holds "
+            f"a stage of a pipeline: {PIPELINE}"
         )
     return GradSync()
+
+
+
+def refuse_pipeline(model: Any) -> None:
+    """A ``torch.distributed.pipelining`` object handed over as the model (a ``Pipe``, a stage, a schedule):
+    refused with what is supported, before anything else is read of it."""
+    for module, name in _PIPELINE_TYPES:
+        kind = loaded_type((module,), name)
+        if kind is not None and isinstance(model, kind):
+            raise NotExactError(f"model is a {type(model).__name__}: {PIPELINE}")
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -270,13 +270,31 @@ def test_a_window_larger_than_the_dataset_warns_once_and_records_the_real_batch(
     proc = here("train", "--micro-batch-size", "5000", *MLP, "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and "a window of 20000 images is more than the 1438" in warnings[0]
+    # in the flags' terms: the 20000 is theirs, multiplied out (#47 item 5: "a window of 20000 images" said a number
+    # the user never typed)
+    assert warnings == ["gradaccum train: warning: --micro-batch-size 5000 x --accum-steps 4 (the default) = 20000 "
+                        "images is more than the 1438 images of the training set: each step takes all 1438 "
+                        "(summary.json records global_batch_size 1438); pass --batch-size 1438 or less to say so"], warnings
     s = strict((out / "summary.json").read_text())
     assert s["global_batch_size"] == 1438 and s["requested_global_batch_size"] == 20000
     # the split as trained, as the rows say it (it recorded the flags' 4 micro-batches of the 20000; #26 item 12),
     # and the micro-batch that ran: all 1438, not the flag's 5000 (#34 item 9)
     assert s["micro_batch_size"] == 1438 == train_rows(out)[0]["micro_batch_size"]
     assert s["accum_steps"] == 1 == train_rows(out)[0]["accum_steps"]
+
+
+@pytest.mark.parametrize("flags, said", [
+    ({"micro_batch_size": 5000}, "--micro-batch-size 5000 x --accum-steps 4 (the default) = 20000"),
+    ({"accum_steps": 700}, "--micro-batch-size 32 (the default) x --accum-steps 700 = 22400"),
+    ({"micro_batch_size": 600, "accum_steps": 2, "world_size": 2},
+     "--micro-batch-size 600 x --accum-steps 2 x 2 ranks = 2400"),
+    ({"batch_size": 5000, "micro_batch_size": 100}, "--batch-size 5000"),
+    ({"micro_batch_size": "auto"}, "--batch-size 128 (the default with --micro-batch-size auto)")])
+def test_the_window_is_said_in_the_flags_given(flags, said):
+    from gradaccum.cli.config import TrainConfig
+    from gradaccum.cli.run import window_flags
+
+    assert window_flags(TrainConfig(**flags)) == said
 
 
 # -- 8. the default run folder ---------------------------------------------------------------

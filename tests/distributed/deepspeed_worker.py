@@ -410,20 +410,28 @@ def on_deepspeed(cls: type, optimizer) -> type:
     return OnDeepSpeed
 
 
+def trainer_config(stage: int, *, key: bool) -> Dict[str, Any]:
+    """The DeepSpeed config a Trainer user writes ("auto" values the Trainer fills in), with
+    ``"managed_gradient_accumulation": false`` where ``key`` (without it ExactTrainer sets it itself)."""
+    cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                           "gradient_clipping": "auto", "steps_per_print": 10 ** 9}
+    if key:
+        cfg["managed_gradient_accumulation"] = False
+    return cfg
+
+
 def hf_deepspeed(model, per_rank, stage: int, *, exact: bool, clip: Optional[float], optimizer,
-                 trainer_cls_base: Optional[type] = None, **fit: Any):
+                 trainer_cls_base: Optional[type] = None, deepspeed: Any = None, **fit: Any):
     """The Trainer (ExactTrainer, ``trainer_cls_base``, or the stock one under DeepSpeed's own accumulation)
-    on ``per_rank``."""
+    on ``per_rank``; ``deepspeed``: the config as given to TrainingArguments (default: :func:`trainer_config`,
+    with the key where ``exact``)."""
     from transformers import Trainer
 
     from gradaccum.integrations.hf_trainer import ExactTrainer
 
     S = _integrations()
-    cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-                           "gradient_clipping": "auto", "steps_per_print": 10 ** 9}
-    if exact:
-        cfg["managed_gradient_accumulation"] = False
+    cfg = trainer_config(stage, key=exact) if deepspeed is None else deepspeed
     _, trainer = S.hf_fit(model, per_rank, exact=exact, clip=clip, deepspeed=cfg, optimizer=optimizer,
                           trainer_cls=on_deepspeed(trainer_cls_base or (ExactTrainer if exact else Trainer), optimizer),
                           **fit)
@@ -450,9 +458,14 @@ def reference_norms(model, windows, clip, optimizer) -> List[float]:
 
 
 def exact_trainer_stages():
-    """ExactTrainer(deepspeed=...) on ZeRO-1/2/3: within 1e-6 of the float64 big batch (clip engaged on
-    every step, the logged grad_norm the window's true norm), the stock Trainer under DeepSpeed's own
-    accumulation measurably off."""
+    """ExactTrainer(deepspeed=...) on ZeRO-1/2/3 with the config a Trainer user writes ("auto" values, no
+    "managed_gradient_accumulation": ExactTrainer sets it false in its copy, said once; a dict at ZeRO-2/3,
+    a JSON file at ZeRO-1, the user's dict left unchanged): within 1e-6 of the float64 big batch (clip
+    engaged on every step, the logged grad_norm the window's true norm), the stock Trainer under
+    DeepSpeed's own accumulation measurably off."""
+    import json
+    import warnings
+
     from hf_helpers import gpt2
 
     S = _integrations()
@@ -464,8 +477,23 @@ def exact_trainer_stages():
     norms = reference_norms(copy.deepcopy(model).double(), windows, TRAINER_CLIP, big_sgd)
     assert all(n > TRAINER_CLIP for n in norms), norms
     found = []
+    folder = tempfile.mkdtemp(prefix="gradaccum-ds-config-")
     for stage in (1, 2, 3):
-        got, trainer = hf_deepspeed(model, per_rank, stage, exact=True, clip=TRAINER_CLIP, optimizer=big_sgd)
+        users = trainer_config(stage, key=False)
+        before = copy.deepcopy(users)
+        given: Any = users
+        if stage == 1:
+            given = os.path.join(folder, "ds_config.json")
+            with open(given, "w") as f:
+                json.dump(users, f)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got, trainer = hf_deepspeed(model, per_rank, stage, exact=True, clip=TRAINER_CLIP, optimizer=big_sgd,
+                                        deepspeed=given)
+        notices = [str(w.message) for w in said if "managed_gradient_accumulation" in str(w.message)]
+        assert len(notices) == 1 and "Trainer's copy" in notices[0], notices
+        assert users == before, "ExactTrainer changed the user's DeepSpeed config"
+        assert trainer.model_wrapped.managed_gradient_accumulation() is False
         d = delta_from(got, want, model)
         logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
         assert trainer.state.global_step == len(windows), trainer.state.global_step
@@ -479,8 +507,10 @@ def exact_trainer_stages():
     exact_free = delta_from(hf_deepspeed(model, per_rank, 2, exact=True, clip=None, optimizer=big_sgd)[0], free, model)
     stock_free = delta_from(hf_deepspeed(S.stock(copy.deepcopy(model)), per_rank, 2, exact=False, clip=None,
                                          optimizer=big_sgd)[0], free, model)
+    shutil.rmtree(folder, ignore_errors=True)
     assert exact_free < 1e-6 and stock_free > 100 * exact_free, (exact_free, stock_free)
-    return ("ExactTrainer delta " + ", ".join(f"stage {s} {d:.1e}" for s, d in zip((1, 2, 3), found))
+    return ("ExactTrainer (the user's config, the key set by it) delta "
+            + ", ".join(f"stage {s} {d:.1e}" for s, d in zip((1, 2, 3), found))
             + f" (clipped); unclipped, stage 2: ExactTrainer {exact_free:.1e}, stock Trainer {stock_free:.1e}")
 
 

@@ -25,8 +25,10 @@ resume_exact: acc.state in DeepSpeed's checkpoint, resumed bit-identically; refu
 window_loss_refused): with the fix; guide_example: docs/guides/deepspeed.md's code as written;
 nonfinite_window_raises: no step taken or counted; low_precision_is_named_once: the LowPrecisionWarning
 under DDP, FSDP2 (reduce_dtype) and a bf16 DeepSpeed engine (grad_accum_dtype), silent where the sum is float32;
-exact_trainer_stages: ExactTrainer(deepspeed=...) on ZeRO-1/2/3 within 1e-6 of the big batch, clipped, the
-logged grad_norm the window's true norm, the stock Trainer off; exact_trainer_empty_window: skipped, no
+exact_trainer_stages: ExactTrainer(deepspeed=...) on ZeRO-1/2/3 with a Trainer user's "auto" config without
+"managed_gradient_accumulation" (a dict, a JSON file at ZeRO-1; ExactTrainer sets the key in its copy, said
+once, the user's dict unchanged) within 1e-6 of the big batch, clipped, the logged grad_norm the window's true
+norm, the stock Trainer off; exact_trainer_empty_window: skipped, no
 engine step, the next window exact; exact_trainer_resume: checkpoint-1 of 3 resumed bit-identically;
 exact_trl_trainers: TRL's SFT (ZeRO-2) and DPO (ZeRO-3) against TRL's loss over one big batch;
 exact_trainer_moe_refused: an MoE router loss under DeepSpeed refused when the Trainer is built;

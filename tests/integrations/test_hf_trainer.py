@@ -154,6 +154,29 @@ def test_errors_name_the_argument_and_the_fix():
         ExactTrainer(model=gpt2(), args=args, head="seq2seq")
 
 
+def test_a_head_that_does_not_fit_the_model_is_refused_naming_it_and_the_head_that_fits():
+    """ExactTrainer(head="causal_lm") on a sequence classifier failed at the first batch, frames deep in the loss's
+    shapes; it is refused when the trainer is built, naming head=, the model's class and the head that fits. The
+    head the class has passes, and so does any head of a model whose class the Auto mappings do not name."""
+    from transformers import TrainingArguments
+
+    from gradaccum import ConfigurationError
+
+    args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    with pytest.raises(ConfigurationError) as info:
+        ExactTrainer(model=H.bert("single_label"), args=args, head="causal_lm")
+    assert str(info.value) == (
+        "ExactTrainer(head='causal_lm') does not fit the model, a BertForSequenceClassification, whose head is "
+        "sequence_classification (its logits and labels are shaped for that head, not for causal_lm): pass "
+        "head='sequence_classification', or leave head= out (ExactTrainer reads it from the model's class)")
+    with pytest.raises(ConfigurationError, match=r"^ExactTrainer\(head='token_classification'\) does not fit the "
+                                                 r"model, a GPT2LMHeadModel, whose head is causal_lm"):
+        ExactTrainer(model=gpt2(), args=args, head="token_classification")
+    fits = ExactTrainer(model=H.bert("single_label"), args=args, head="sequence_classification")
+    assert fits.head == "sequence_classification"
+    assert ExactTrainer(model=S.PlainForward(gpt2()), args=args, head="causal_lm").head == "causal_lm"
+
+
 def test_a_trainer_subclass_before_exact_trainer_is_refused_with_the_fix():
     """Another Trainer before ExactTrainer in the MRO would run its compute_loss with ExactTrainer's
     window count; a compute_loss whose reduction is unknown cannot be weighted. Both refused where

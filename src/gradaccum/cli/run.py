@@ -110,6 +110,19 @@ def window_words(cfg: TrainConfig, available: int, unit: str) -> str:
     return f"{whole} as one micro-batch" if int(m) * w >= available else f"{whole} in micro-batches of {m}"
 
 
+def window_flags(cfg: TrainConfig) -> str:
+    """The flags that make the window, in the user's terms (a default said to be one): ``--micro-batch-size
+    5000 x --accum-steps 4 (the default) = 20000``, ``--batch-size 20000``."""
+    (b, m, n), w = cfg.window, cfg.world_size
+    if cfg.batch_size is not None:
+        return f"--batch-size {b}"
+    if m == "auto":
+        return f"--batch-size {b} (the default with --micro-batch-size auto)"
+    flags = [f"{flag} {value}" + ("" if given is not None else " (the default)") for flag, value, given
+             in (("--micro-batch-size", m, cfg.micro_batch_size), ("--accum-steps", n, cfg.accum_steps))]
+    return " x ".join(flags) + (f" x {w} ranks" if w > 1 else "") + f" = {b}"
+
+
 def plot_title(cfg: TrainConfig, task: Task, history: List[Dict[str, Any]]) -> str:
     """Task, model and window (line 1) and the rest of the recipe (line 2), for every plot of the run.
     A run resumed with another micro-batch size or number of ranks says where each held."""
@@ -359,9 +372,10 @@ def run_training(cfg: TrainConfig, folder: RunFolder, task: Task, *, command: st
     with life.handling_signals():
         folder.prepare(plan)
         if cfg.window_items > task.num_train and plan.kind != "complete":
-            life.say(f"warning: a window of {cfg.window_items} {task.window_unit} is more than the {task.num_train} "
-                     f"of the training set: each step takes all {task.num_train} (summary.json records "
-                     f"global_batch_size {task.num_train}); pass --batch-size {task.num_train} or less to say so")
+            n = task.num_train
+            life.say(f"warning: {window_flags(cfg)} {task.window_unit} is more than the {n} {task.window_unit} of the "
+                     f"training set: each step takes all {n} (summary.json records global_batch_size {n}); pass "
+                     f"--batch-size {n} or less to say so")
         result.history = history = _kept_rows(folder, plan, parts.sampler.num_windows)
         last_eval, memory = None, None
         if plan.kind != "complete":

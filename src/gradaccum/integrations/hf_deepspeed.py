@@ -15,6 +15,8 @@ from transformers import TrainerCallback
 from .._accum_dtype import window_buffers
 from .._deepspeed import DeepSpeedSync, engine_manages_accumulation
 
+KEY = "managed_gradient_accumulation"  # the DeepSpeed config key that hands the boundary to its caller
+
 __all__ = ["WindowEngine", "DeepSpeedWindows", "prepare", "step_applied"]
 
 
@@ -67,11 +69,25 @@ class DeepSpeedWindows(TrainerCallback):
 def prepare(trainer: Any, steps: Callable[[], bool], accum_dtype: str = "auto") -> None:
     """Check the DeepSpeed config (every loss source alike: the model's head, TRL's SFT tokens and DPO
     pairs are tested), then hand the boundary to the window (``steps()``: whether the window being
-    trained takes a step). Raises before anything changes."""
+    trained takes a step). A config without ``"managed_gradient_accumulation"`` (or with ``"auto"``)
+    gets it set to false, said once, in the Trainer's own copy of the config: the dict it parsed from
+    ``deepspeed=`` (a dict, copied, or a JSON file) and fills the ``"auto"`` values of, which the engine
+    is built from; the user's dict or file is left as it is. Any other value is refused before anything
+    changes."""
+    who = type(trainer).__name__
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    config = getattr(plugin, "deepspeed_config", None) or {}
-    if config.get("managed_gradient_accumulation", True) is not False:
-        raise engine_manages_accumulation(type(trainer).__name__)
+    config = getattr(plugin, "deepspeed_config", None)
+    if not isinstance(config, dict):  # no config to fill in: the engine would manage accumulation
+        raise engine_manages_accumulation(who)
+    value = config.get(KEY, "auto")  # absent, or "auto" as the Trainer's other keys: ExactTrainer's to set
+    if value != "auto" and value is not False:
+        raise engine_manages_accumulation(who, value=value)
+    if value == "auto":
+        config[KEY] = False
+        warnings.warn(f"{who} under DeepSpeed: set \"{KEY}\": false in the Trainer's copy of the DeepSpeed config "
+                      "(yours is left as it is), so that each window takes one engine step on one big batch's "
+                      "gradient; add that line to your config to say so and silence this notice", UserWarning,
+                      stacklevel=4)
     trainer.add_callback(DeepSpeedWindows(trainer, steps, accum_dtype))
 
 

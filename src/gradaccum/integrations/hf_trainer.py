@@ -115,6 +115,15 @@ def head_of(model: nn.Module) -> str:
         ConfigurationError: the class is none of the Auto mappings' causal-LM, masked-LM, token- or
             sequence-classification classes (pass ``head=`` to ExactTrainer).
     """
+    name, heads = _class_heads(model)
+    if heads:
+        return heads[0]
+    raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
+                     "(ExactTrainer computes that head's loss from the model's logits)")
+
+
+def _class_heads(model: nn.Module) -> Tuple[str, List[str]]:
+    """The model's class name (PEFT and compile unwrapped) and the :data:`HEADS` whose Auto mapping names it."""
     from transformers.models.auto import modeling_auto as auto
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
@@ -124,14 +133,29 @@ def head_of(model: nn.Module) -> str:
     def names(mapping: Dict[str, Any]) -> set:
         return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
 
-    for head, mapping in (("causal_lm", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
-                          ("sequence_classification", auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
-                          ("token_classification", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
-                          ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)):
-        if name in names(mapping):
-            return head
-    raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
-                     "(ExactTrainer computes that head's loss from the model's logits)")
+    return name, [head for head, mapping in (
+        ("causal_lm", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        ("sequence_classification", auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
+        ("token_classification", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
+        ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)) if name in names(mapping)]
+
+
+def _fitting_head(model: nn.Module, head: Optional[str]) -> str:
+    """``head=`` as ExactTrainer was given it, once it fits the model (read from the model's class where None).
+
+    Raises:
+        ConfigurationError: ``head`` is not a head the Auto mappings give the model's class (a model of a
+            class they do not name passes: its head cannot be told from its class).
+    """
+    if head is None:
+        return head_of(model)
+    name, heads = _class_heads(model)
+    if heads and head not in heads:
+        raise ConfigurationError(
+            f"ExactTrainer(head={head!r}) does not fit the model, a {name}, whose head is {heads[0]} (its logits "
+            f"and labels are shaped for that head, not for {head}): pass head={heads[0]!r}, or leave head= out "
+            "(ExactTrainer reads it from the model's class)")
+    return head
 
 
 class ExactTrainer(TrainerDriver, Trainer):
@@ -196,7 +220,7 @@ class ExactTrainer(TrainerDriver, Trainer):
             self.model_accepts_loss_kwargs = True            # accumulation steps unless the model "accepts loss kwargs"
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         counted_head = source == "head" and self.window_loss is None
-        self.items = BatchItems(source, head or (head_of(self.model) if counted_head else None), ignore_index, config,
+        self.items = BatchItems(source, _fitting_head(self.model, head) if counted_head else head, ignore_index, config,
                                 self.args.device)
         # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it; SFT's as TRL
         # turns it on (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
