@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from ._boundary import Boundary, InFlight, Outcome, WindowTotals
-from ._deprecated import renamed
 from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
 from ._exchange import Tally
 from ._gradients import WindowGradients
@@ -192,8 +191,6 @@ class Window:
         """Micro-batches this rank runs in the window, padding included (None when opened without a size)."""
         n = self.request.micro_batches
         return None if n is None or self.setup is None else n + self.setup.padding
-
-    num_micro_batches = renamed("num_micro_batches", "micro_batches")
 
     @property
     def padding(self) -> int:
