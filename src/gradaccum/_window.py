@@ -566,5 +566,5 @@ def _step_result(out: Outcome, micro_batches: int, micro_batch_size: Any) -> Ste
         num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
         micro_batches=micro_batches, grad_norm=out.grad_norm, skipped=out.skipped, lr=out.lr, step=out.step,
         micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None,
-        accum_steps=micro_batches, stop_requested=out.stop_requested,
+        stop_requested=out.stop_requested,
     )
