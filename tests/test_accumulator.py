@@ -127,8 +127,6 @@ def test_parameters_do_not_move_inside_a_window_and_grads_are_cleared():
     window = [regression_batch(3, seed=i) for i in range(4)]
     with acc.window(len(window)) as w:
         assert w.micro_batches == 4
-        with pytest.warns(DeprecationWarning, match=r"Window.num_micro_batches is deprecated: read .micro_batches"):
-            assert w.num_micro_batches == 4  # the old name, kept as a deprecated alias
         for mb in window:
             with w.micro_batch():
                 w.backward(mse(model, mb), num_items=3)

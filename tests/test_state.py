@@ -46,15 +46,13 @@ def test_every_saved_field_round_trips_through_state_dict():
 
 def test_a_checkpoint_of_an_earlier_version_still_loads():
     """The keys earlier gradaccum wrote (reference_items, last_items: now reference, last_window_items, the
-    fields' names), and a state without the newer ones; the deprecated alias first_reference still reads R."""
+    fields' names), and a state without the newer ones."""
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     acc.load_state_dict({"steps": 5, "skipped": 1, "epoch": 2, "auto_micro_batch_size": None,
                          "reference_items": 12.0, "count_ratio": 1.5, "last_items": 30.0,
                          "precision": acc.precision.state_dict()})
     assert (acc.state.reference, acc.state.count_ratio, acc.state.last_window_items) == (12.0, 1.5, 30.0)
-    with pytest.warns(DeprecationWarning, match=r"first_reference is deprecated: read .reference"):
-        assert acc.state.first_reference == 12.0
     assert set(acc.state_dict()) >= {"reference", "last_window_items"}
     assert not set(acc.state_dict()) & {"reference_items", "last_items"}
     acc.load_state_dict({"steps": 9, "precision": acc.precision.state_dict()})

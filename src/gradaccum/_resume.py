@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ._deprecated import renamed
 from ._state import READ_KEYS, SAVED_KEYS, AccumulatorState
 from .errors import ConfigurationError
 from .precision import MixedPrecision
@@ -56,10 +55,6 @@ class Resumable:
     @auto_micro_batch_size.setter
     def auto_micro_batch_size(self, value: Optional[int]) -> None:
         self.state.auto_micro_batch_size = value
-
-    reference_items = renamed("reference_items", "state.reference")
-
-    count_ratio = renamed("count_ratio", "state.count_ratio")
 
     def state_dict(self) -> Dict[str, Any]:
         """What resuming needs beyond the model and optimizer: the saved fields of ``acc.state``

@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ._deprecated import renamed
 from .errors import ConfigurationError
 
 __all__ = ["AccumulatorState", "SAVED_KEYS", "READ_KEYS"]
@@ -72,7 +71,7 @@ class AccumulatorState:
             backward's count (:func:`gradaccum._maths.running_reference`; Lightning's callback: the
             accumulation times the ranks' first counts), fixed once by ``WindowWeights.fix_reference`` and
             kept. Windows that count first weigh by their own N instead. (Saved as ``reference_items``
-            before; ``first_reference`` is a deprecated alias.)
+            before.)
         count_ratio: items ``loss_fn`` counted per item counted up front, in the last window with an
             up-front count (1.0 when they are the same items). ``RankAgreement.learn``, at the boundary.
         last_window_items: the previous window with items' global count N (the same on every rank), for
@@ -129,8 +128,6 @@ class AccumulatorState:
     stops_carried: int = 0
     checked_replays: _Seen = field(default_factory=_Seen, repr=False)
     warned: Set[str] = field(default_factory=set)
-
-    first_reference = renamed("first_reference", "reference")
 
     def saved(self) -> Dict[str, Any]:
         """The saved fields, by their ``state_dict`` key (the field's name)."""

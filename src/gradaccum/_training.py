@@ -145,7 +145,7 @@ def _grouped_windows(ctx: WindowContext, loader: Iterable[Batch], schedule: Accu
             if spec.drop_last and plan.fewest < n:
                 break  # the short last window (on some rank) is dropped on every rank
             result = _step(ctx, pending, spec, counts=counts, plan=plan)
-            yield replace(result, accum_steps=n, epoch=epoch, window=window)
+            yield replace(result, epoch=epoch, window=window)
             window += 1
         ctx.state.epoch = epoch + 1
 
@@ -177,5 +177,5 @@ def _sampler_windows(ctx: WindowContext, loader: Iterable[Batch], sampler: Windo
             sampler.advance()  # the position a checkpoint saves: this window is done
             if offset == len(sizes) - 1:
                 ctx.state.epoch = epoch + 1  # finished, also in a checkpoint taken at this step
-            yield replace(result, accum_steps=size, epoch=epoch, window=first + offset)
+            yield replace(result, epoch=epoch, window=first + offset)
         ctx.state.epoch = epoch + 1

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from ._boundary import Boundary, InFlight, Outcome, WindowTotals
-from ._deprecated import renamed
 from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
 from ._exchange import Tally
 from ._gradients import WindowGradients
@@ -194,8 +193,6 @@ class Window:
         """Micro-batches this rank runs in the window, padding included (None when opened without a size)."""
         n = self.request.micro_batches
         return None if n is None or self.setup is None else n + self.setup.padding
-
-    num_micro_batches = renamed("num_micro_batches", "micro_batches")
 
     @property
     def padding(self) -> int:
@@ -586,5 +583,5 @@ def _step_result(out: Outcome, micro_batches: int, micro_batch_size: Any) -> Ste
         num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
         micro_batches=micro_batches, grad_norm=out.grad_norm, skipped=out.skipped, lr=out.lr, step=out.step,
         micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None,
-        accum_steps=micro_batches, stop_requested=out.stop_requested,
+        stop_requested=out.stop_requested,
     )

@@ -19,8 +19,8 @@ class StepResult:
         num_items: items in the window across all ranks (the normalizer); an int, or a float when
             the counts given were fractional weights.
         micro_batches: the micro-batches this rank **ran** in the window and counted (its forward and
-            weighted backward; the zero-weight padding and flush are not counted). Two counts of
-            micro-batches, two concepts: ``micro_batches`` is what ran, ``accum_steps`` what was planned.
+            weighted backward; the zero-weight padding and flush are not counted). A short last window
+            of ``train()`` runs fewer than ``accum_steps``, and shows here as fewer.
         grad_norm: total gradient norm before clipping (after normalization and unscaling), when
             measured: with ``max_grad_norm``, fp16, ``Accumulator(compute_grad_norm=True)``, or in a
             window whose ranks exchanged nothing (its non-finite check reads the norm); None otherwise (measuring is a pass over the whole gradient). inf or nan when the
@@ -33,10 +33,6 @@ class StepResult:
             micro-batch, which is ``micro_batch_size`` or the batch's own size where that is smaller (10
             rows at ``micro_batch_size=1000``: 10); with "auto", the size it settled on; None for a list
             of micro-batches.
-        accum_steps: the micro-batches the window was **planned** with: from ``train()``, the epoch's
-            ``accum_steps`` (a short last window runs fewer ``micro_batches``), or over a WindowSampler
-            this rank's micro-batches in that window; from ``step()`` and a hand-written window, which
-            plan nothing beyond what they run, equal to ``micro_batches``.
         epoch: the epoch in ``train()``; None from ``step()``.
         window: the window's index within its epoch in ``train()`` (what a checkpoint saves to
             resume after it: ``window + 1``); None from ``step()``.
@@ -52,7 +48,6 @@ class StepResult:
     lr: float
     step: int
     micro_batch_size: Optional[int] = None
-    accum_steps: Optional[int] = None
     epoch: Optional[int] = None
     window: Optional[int] = None
     stop_requested: bool = False

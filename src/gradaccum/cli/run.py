@@ -336,10 +336,11 @@ def _train_row(parts: RunParts, result: StepResult, seconds: float) -> Dict[str,
     epoch, window = int(result.epoch or 0), int(result.window or 0)
     batch = parts.sampler.global_batch_size
     items = min(batch, parts.task.num_train - window * batch)
+    share = parts.sampler.shares(window)[parts.sampler.rank]  # this rank's items: the sampler's plan, from the flags
     return {"kind": "train", "window_index": epoch * parts.sampler.num_windows + window, "step": result.step,
             "epoch": epoch, "window": window, "skipped": result.skipped, "loss": result.loss, "lr": result.lr,
             "num_items": result.num_items, "window_items": items, "grad_norm": result.grad_norm,
-            "micro_batches": result.micro_batches, "accum_steps": result.accum_steps,
+            "micro_batches": result.micro_batches, "accum_steps": ceil_div(share, parts.sampler.micro_batch_size),
             "micro_batch_size": result.micro_batch_size or parts.micro_batch_size, "world_size": sync.world_size(),
             "samples_per_second": items / seconds if seconds > 0 else None}
 
