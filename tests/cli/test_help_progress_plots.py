@@ -31,7 +31,7 @@ def test_every_flag_has_help_with_its_default_and_choices_instead_of_metavars():
             if action.dest in ("task", "model", "optimizer", "precision", "device", "dtype"):
                 assert action.metavar.startswith("{"), f"{flag} shows {action.metavar}, not its choices"
     train = _subparsers()["train"].format_help()
-    assert "--task {digits,mnist,text}" in train and "--device {cpu,cuda,auto}" in train
+    assert "--task {digits,mnist5k,mnist,text}" in train and "--device {cpu,cuda,auto}" in train
     assert "0: only at the end and when stopped by" in " ".join(train.split())  # --checkpoint-every 0
     assert re.search(r"digits\s+lenet5\s+15\s+sgd\s+0.02", train), "the per-task defaults table"
     assert re.search(r"text\s+transformer\s+1\s+adamw\s+0.003", train)

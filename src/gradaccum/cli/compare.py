@@ -57,6 +57,8 @@ def run_compare(cfg: Any, folder: RunFolder, accumulated: RunResult, task: Any, 
         if a.get("peak_memory_bytes") is not None and b.get("peak_memory_bytes") is not None:
             memory = (f"; peak memory {a['peak_memory_bytes'] / mib:.2f} MiB accumulated vs "
                       f"{b['peak_memory_bytes'] / mib:.2f} MiB one batch ({a['peak_memory_source'].split(':')[0]})")
+        if a.get("test_accuracy") is not None and b.get("test_accuracy") is not None:
+            print(f"compare: test accuracy {a['test_accuracy']:.4f} accumulated, {b['test_accuracy']:.4f} one batch")
         print(f"compare: largest parameter difference {diff:.3e}{memory} -> {folder.out / 'compare.png'}")
         if cfg.dtype == "float32":
             print("compare: in float32 the two runs round differently and the difference compounds over "

@@ -10,7 +10,7 @@ from typing import Any, Dict, NamedTuple, Optional, Union
 from .._checks import check_int
 from .._maths import ceil_div
 from ..precision import PRECISIONS
-from ..tasks.data import TASKS
+from ..tasks.data import SHIPPED, TASKS
 from ..tasks.models import MODELS
 from ..errors import ConfigurationError
 from .errors import CLIError
@@ -32,6 +32,7 @@ SEED_RANGE_TEXT = "0 to 2**63-1"
 # per task: model, epochs, optimizer, learning rate
 DEFAULTS: Dict[str, Dict[str, Any]] = {
     "digits": {"model": "lenet5", "epochs": 15, "optimizer": "sgd", "lr": 0.02},
+    "mnist5k": {"model": "lenet5", "epochs": 10, "optimizer": "sgd", "lr": 0.01},  # seed 000's: Momentum(0.01, 0.9)
     "mnist": {"model": "lenet5", "epochs": 2, "optimizer": "sgd", "lr": 0.05},
     "text": {"model": "transformer", "epochs": 1, "optimizer": "adamw", "lr": 3e-3},
 }
@@ -126,9 +127,10 @@ class TrainConfig:
         if self.task not in TASKS:
             raise bad("--task", self.task, f"one of {', '.join(TASKS)}")
         if self.data_path is not None:
-            if self.task == "digits":
-                raise ConfigurationError(f"--data-path {self.data_path} is not used by --task digits (its data ships "
-                                 "with scikit-learn); drop --data-path, or pass --task mnist or --task text")
+            if self.task in SHIPPED:
+                raise ConfigurationError(f"--data-path {self.data_path} is not used by --task {self.task} (its data "
+                                 f"ships with {SHIPPED[self.task]}); drop --data-path, or pass --task mnist or "
+                                 "--task text")
             if not self.data_path.strip():
                 raise ConfigurationError(f"--data-path must name a {'folder' if self.task == 'mnist' else 'file'}, "
                                  "got an empty string")

@@ -33,6 +33,7 @@ def find_checkpoint(text: str) -> Tuple[Path, bool]:
 
 
 def _settings(state: Dict[str, Any], path: Path, data_path: Any) -> Any:
+    from ..tasks.data import SHIPPED
     from .config import saved_config
 
     cfg = saved_config(state, where=f"--checkpoint {path}", fix="evaluate it with the gradaccum that wrote it")
@@ -41,9 +42,9 @@ def _settings(state: Dict[str, Any], path: Path, data_path: Any) -> Any:
             raise CLIError(f"{path} was trained on {cfg.data_path}, which no longer exists; pass --data-path with "
                            f"where that {'folder' if cfg.task == 'mnist' else 'file'} is now")
         return cfg
-    if cfg.task == "digits":
-        raise CLIError(f"--data-path {data_path} is not used: {path} is a model of the digits task, whose data "
-                       "ships with scikit-learn; drop --data-path")
+    if cfg.task in SHIPPED:
+        raise CLIError(f"--data-path {data_path} is not used: {path} is a model of the {cfg.task} task, whose data "
+                       f"ships with {SHIPPED[cfg.task]}; drop --data-path")
     return replace(cfg, data_path=data_path)  # validated, and made absolute, like train's
 
 

