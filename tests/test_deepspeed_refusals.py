@@ -174,8 +174,9 @@ def test_a_step_a_bf16_or_fp32_engine_dropped_is_a_skipped_window_said_once():
 
 
 def test_exact_trainer_sets_the_caller_owned_boundary_itself_and_refuses_an_engine_managed_one():
-    """A Trainer-style config without ``"managed_gradient_accumulation"`` (or with ``"auto"``) gets it set to
-    false in the Trainer's copy of the config, said in one warning; false set by the user says nothing; any
+    """A Trainer-style config without ``"managed_gradient_accumulation"`` (or with ``"auto"``) is taken, said in
+    one warning, and holds false only while the trainer trains (the config is the TrainingArguments', which a
+    stock Trainer built from them reads too); false set by the user says nothing; any
     other value is refused in one line naming the key, the value and the fix, before anything changes (no
     callback added, the config as it was). With no config to fill in, the Accumulator's refusal."""
     from types import SimpleNamespace
@@ -198,10 +199,13 @@ def test_exact_trainer_sets_the_caller_owned_boundary_itself_and_refuses_an_engi
         with pytest.warns(UserWarning) as said:
             hf_deepspeed.prepare(trainer, lambda: True)
         assert [str(w.message) for w in said] == [
-            'ExactSFTStandIn under DeepSpeed: set "managed_gradient_accumulation": false in the Trainer\'s copy of '
-            "the DeepSpeed config (yours is left as it is), so that each window takes one engine step on one big "
-            "batch's gradient; add that line to your config to say so and silence this notice"]
-        assert given == dict(auto, managed_gradient_accumulation=False)
+            'ExactSFTStandIn under DeepSpeed: builds the engine with "managed_gradient_accumulation": false while it '
+            "trains (your config and the TrainingArguments' are left as they are), so that each window takes one "
+            "engine step on one big batch's gradient; add that line to your config to say so and silence this notice"]
+        before = dict(given)
+        with hf_deepspeed.accumulation_off(trainer):
+            assert given == dict(auto, managed_gradient_accumulation=False)  # what the engine is built from
+        assert given == before
         assert [type(c).__name__ for c in trainer.callbacks] == ["DeepSpeedWindows"]
     trainer = ExactSFTStandIn(dict(auto, managed_gradient_accumulation=False))
     with warnings.catch_warnings():

@@ -243,3 +243,5 @@ def test_check_equivalence_names_the_token_count_and_takes_num_items():
     assert len(report.hints) == 1 and "count_targets" in report.hints[0] and "WindowLoss" not in report.hints[0]
     fixed = check_equivalence(gpt2(), hf_loss, batch, 2, num_items=count)
     assert fixed.equivalent and fixed.hints == [], str(fixed)
+    said_rows = check_equivalence(gpt2(), hf_loss, batch, 2, num_items="rows")  # the mistake said out loud
+    assert not said_rows.equivalent and "count_targets" in said_rows.hints[0]

@@ -328,11 +328,11 @@ def _summed_loss_hint(loss_full: float, loss_acc: float, sizes: List[int]) -> Op
 def _padded_rows_hint(full: "_Pass", batch: Batch, num_items: Any) -> Optional[str]:
     """A bare mean loss weighed by rows on a batch whose ``labels`` hold -100: the mean is over its
     targets (a Hugging Face model's ``outputs.loss``), which the rows do not count."""
-    if num_items is not None or not full.bare or not holds_ignored_labels([batch]):
+    if num_items not in (None, ROWS) or not full.bare or not holds_ignored_labels([batch]):
         return None
     return ("loss_fn returns a bare mean loss and the batch's 'labels' hold the ignore index -100, so the mean is "
-            "over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are weighed by "
-            "their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
+            "likely over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are weighed "
+            "by their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
             "gradaccum.count_targets(mb['labels'])) and the same num_items= to Accumulator.step/train, or return "
             "(mean, count) from loss_fn (gradaccum.causal_lm_loss)")
 

@@ -56,6 +56,42 @@ def test_an_own_compute_loss_without_super_is_refused_where_the_class_is_written
         own_loss(ExactTrainer, exact_items="tokens")
 
 
+def test_a_mixin_s_compute_loss_before_the_driver_is_checked_as_the_class_s_own():
+    """The compute_loss that runs is checked, wherever it is written: a mixin before ExactTrainer in the bases
+    without super() is refused where the class is written; one that calls super() and changes the loss, in
+    training; so is a declaration over a compute_loss that calls super(), and one with no compute_loss of its own."""
+    class LossMixin:
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(**inputs).loss
+
+    class AddsATerm:
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 1.5
+
+    class StepMixin:
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return torch.tensor(0.0)
+
+    with pytest.raises(TypeError, match=r"class Mine: LossMixin.compute_loss replaces ExactTrainer's"):
+        type("Mine", (LossMixin, ExactTrainer), {})
+    with pytest.raises(TypeError, match=r"class Mine: StepMixin.training_step replaces ExactTrainer's"):
+        type("Mine", (StepMixin, ExactTrainer), {})
+    with pytest.raises(NotExactError, match=r"Tweaked.compute_loss returned another loss"):
+        S.hf_fit(S.stock(gpt2()), [MICRO], exact=True, trainer_cls=type("Tweaked", (AddsATerm, ExactTrainer), {}))
+
+    def eval_by_super(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:
+            return super(Both, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return token_mean(model, inputs)
+
+    with pytest.raises(TypeError, match=r"class Both declares exact_items = 'head' and Both.compute_loss calls "
+                                        r"super\(\).compute_loss.*Remove the super\(\) call"):
+        Both = type("Both", (ExactTrainer,), {"compute_loss": eval_by_super, "exact_items": "head"})
+    with pytest.raises(TypeError, match=r"Lone.exact_items='rows' declares a compute_loss of its own, but the "
+                                        r"compute_loss that runs is Trainer's"):
+        type("Lone", (ExactTrainer,), {"exact_items": "rows"})
+
+
 def test_a_declared_own_compute_loss_is_weighed_exactly_where_the_stock_trainer_is_not():
     """``exact_items = "head"``: ExactTrainer calls the override and weighs its mean by the micro-batch's
     targets: the float64 big batch at rtol 1e-10. The stock Trainer under the same override divides by

@@ -6,9 +6,10 @@ clipping; the Trainer's window owns the boundary (:class:`WindowEngine` stands i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from transformers import TrainerCallback
 
@@ -69,11 +70,9 @@ class DeepSpeedWindows(TrainerCallback):
 def prepare(trainer: Any, steps: Callable[[], bool], accum_dtype: str = "auto") -> None:
     """Check the DeepSpeed config (every loss source alike: the model's head, TRL's SFT tokens and DPO
     pairs are tested), then hand the boundary to the window (``steps()``: whether the window being
-    trained takes a step). A config without ``"managed_gradient_accumulation"`` (or with ``"auto"``)
-    gets it set to false, said once, in the Trainer's own copy of the config: the dict it parsed from
-    ``deepspeed=`` (a dict, copied, or a JSON file) and fills the ``"auto"`` values of, which the engine
-    is built from; the user's dict or file is left as it is. Any other value is refused before anything
-    changes."""
+    trained takes a step). A config without ``"managed_gradient_accumulation"`` (or with ``"auto"``) is
+    taken, said once: the engine is built with it false while the trainer trains (:func:`accumulation_off`).
+    Any other value is refused before anything changes."""
     who = type(trainer).__name__
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     config = getattr(plugin, "deepspeed_config", None)
@@ -83,12 +82,33 @@ def prepare(trainer: Any, steps: Callable[[], bool], accum_dtype: str = "auto") 
     if value != "auto" and value is not False:
         raise engine_manages_accumulation(who, value=value)
     if value == "auto":
-        config[KEY] = False
-        warnings.warn(f"{who} under DeepSpeed: set \"{KEY}\": false in the Trainer's copy of the DeepSpeed config "
-                      "(yours is left as it is), so that each window takes one engine step on one big batch's "
-                      "gradient; add that line to your config to say so and silence this notice", UserWarning,
-                      stacklevel=4)
+        warnings.warn(f"{who} under DeepSpeed: builds the engine with \"{KEY}\": false while it trains (your config "
+                      "and the TrainingArguments' are left as they are), so that each window takes one engine step on "
+                      "one big batch's gradient; add that line to your config to say so and silence this notice",
+                      UserWarning, stacklevel=4)
     trainer.add_callback(DeepSpeedWindows(trainer, steps, accum_dtype))
+
+
+@contextlib.contextmanager
+def accumulation_off(trainer: Any) -> Iterator[None]:
+    """While ``trainer`` trains: ``"managed_gradient_accumulation": false`` in the DeepSpeed config its engine
+    is built from, where the user left it unset or ``"auto"``; as it was afterwards. That config is the
+    TrainingArguments' (Accelerate's plugin holds the same dict), which a stock Trainer built from the same
+    arguments would read too."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None)
+    if not isinstance(config, dict) or config.get(KEY, "auto") != "auto":
+        yield
+        return
+    had, value = KEY in config, config.get(KEY)
+    config[KEY] = False
+    try:
+        yield
+    finally:
+        if had:
+            config[KEY] = value
+        else:
+            del config[KEY]
 
 
 def step_applied(trainer: Any) -> bool:

@@ -170,14 +170,16 @@ class TrainerDriver:
         driver = _driver_of(cls)
         for name, does in (("compute_loss", "weighs each micro-batch by its share of the window's items"),
                            ("training_step", "closes the window after its last micro-batch")):
-            own = vars(cls).get(name)
-            if own is None or getattr(own, "gradaccum_driver", False):
+            owner = next(c for c in cls.__mro__ if name in vars(c))  # the class whose method runs: a mixin's too
+            own = vars(owner)[name]
+            if owner.__module__.startswith("gradaccum.") or getattr(own, "gradaccum_driver", False):
                 continue
             if not calls_next(own, name):
                 args = "model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch" \
                     if name == "compute_loss" else "model, inputs, num_items_in_batch"
                 raise TypeError(
-                    f"class {cls.__name__}: its {name} replaces {driver}'s, which {does}; without it each "
+                    f"class {cls.__name__}: {owner.__name__ + '.' if owner is not cls else 'its '}{name} replaces "
+                    f"{driver}'s, which {does}; without it each "
                     f"micro-batch would be stepped as plain accumulation (a mean loss per micro-batch: a step "
                     f"gradient_accumulation_steps times too large). Call super().{name}({args}) and return what it "
                     f"returns{cls.own_loss_fix if name == 'compute_loss' else ''}")

@@ -90,6 +90,11 @@ def loss_source(cls: type) -> str:
             raise TypeError(f"class {cls.__name__}: {owner.__name__}{why}, and "
                             f"exact_items = 'rows' would not make it exact. Use the drop-in: from {drop_in}")
     if declared is not None:
+        if cls.own_loss is None and _qualname(owner) in SOURCES:
+            raise TypeError(
+                f"{cls.__name__}.exact_items={declared!r} declares a compute_loss of its own, but the compute_loss that "
+                f"runs is {owner.__name__}'s, whose items ExactTrainer knows ({SOURCES[_qualname(owner)]}): weighed "
+                f"as {declared!r} they would be weighed wrong. Drop exact_items, or define the compute_loss it declares")
         if declared not in _DECLARABLE:
             raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported are 'head' (compute_loss returns the "
                             "mean over the items the model's head counts, as model(**inputs).loss) and 'rows' (the "
@@ -199,8 +204,17 @@ class ExactTrainer(TrainerDriver, Trainer):
                     "'rows' (the batch's rows)")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        own = vars(cls).get("compute_loss")
-        if own is not None and cls.exact_items is not None and not calls_next(own, "compute_loss"):
+        owner = next(c for c in cls.__mro__ if "compute_loss" in vars(c))  # the class whose compute_loss runs
+        own = vars(owner)["compute_loss"]
+        if cls.exact_items is not None and not owner.__module__.startswith("gradaccum.") \
+                and not getattr(own, "gradaccum_driver", False):
+            if calls_next(own, "compute_loss"):
+                raise TypeError(
+                    f"class {cls.__name__} declares exact_items = {cls.exact_items!r} and {owner.__name__}.compute_loss "
+                    "calls super().compute_loss: ExactTrainer calls a declared compute_loss itself, in training and "
+                    "in evaluation, and weighs the mean it returns, so it must not call ExactTrainer's. Remove the "
+                    "super() call (eval_loss is then your loss, item-weighted over the set), or drop exact_items and "
+                    "return super().compute_loss(...)'s loss unchanged")
             cls.own_loss = own  # the mean it declares, weighed by ExactTrainer's compute_loss, which runs instead
             cls.compute_loss = vars(ExactTrainer)["compute_loss"]  # type: ignore[method-assign]
         super().__init_subclass__(**kwargs)  # refuses other overrides that would step plain accumulation
@@ -277,6 +291,16 @@ class ExactTrainer(TrainerDriver, Trainer):
         loss = super().compute_loss if self.own_loss is None else self.own_loss
         out = loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
         return out if return_outputs else (out, None)  # type: ignore[return-value]
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; under DeepSpeed its engine built with ``"managed_gradient_accumulation":
+        false`` for this call, where the config leaves it unset (the arguments' config as it was after)."""
+        if not self.is_deepspeed_enabled:
+            return super().train(*args, **kwargs)
+        from .hf_deepspeed import accumulation_off
+
+        with accumulation_off(self):
+            return super().train(*args, **kwargs)
 
     # -- evaluation: the item-weighted mean over the whole set -----------------------------------
 
