@@ -309,7 +309,7 @@ def test_check_command_passes_the_default_model(capsys):
     (["--micro-batch-size", "0"], "--micro-batch-size must be an integer >= 1 or 'auto', got 0"),
     (["--micro-batch-size", "lots"], "must be an integer >= 1 or 'auto', got 'lots'"),
     (["--accum-steps", "x"], "argument --accum-steps: invalid int value: 'x'"),
-    (["--task", "cifar"], "--task must be one of digits, mnist, text, got 'cifar'"),
+    (["--task", "cifar"], "--task must be one of digits, mnist5k, mnist, text, got 'cifar'"),
     (["--model", "resnet"], "--model must be one of lenet5, mlp, transformer, got 'resnet'"),
     (["--model", "transformer"], "--model transformer does not fit --task digits"),
     (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16, got 'fp8'"),
