@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 OUT    ?= runs/demo
 
-.PHONY: install demo test test-times docs bench clean
+.PHONY: install demo test test-oldest test-times docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,26 @@ test: install
 	$(PY) -m compileall -q src tests
 	$(PY) -m pytest $(TEST_ARGS)
 
+# the integration tests on the oldest framework versions the extras declare, in a second environment: the
+# floors of src/gradaccum/integrations/_versions.py pinned == (the file prints them), everything else as pip
+# resolves; it prints the versions it tested first (docs/index.md, "Tested versions", quotes them). The
+# torchrun modules and the examples stay in make test.
+OLDEST       := .venv-oldest
+OLDEST_PY    := $(OLDEST)/bin/python
+OLDEST_TESTS := tests/integrations tests/test_hf.py tests/test_accelerate.py tests/test_deepspeed_refusals.py \
+                --ignore=tests/integrations/test_distributed.py --ignore=tests/integrations/test_grpo_distributed.py \
+                --ignore=tests/integrations/test_moe_distributed.py --ignore=tests/integrations/test_examples.py
+$(OLDEST)/.installed: pyproject.toml src/gradaccum/integrations/_versions.py
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST_PY) -m pip install -q --upgrade pip
+	$(OLDEST_PY) -m pip install -q "$(TORCH)"
+	$(OLDEST_PY) -m pip install -q -e ".[test]" $$($(PYTHON) src/gradaccum/integrations/_versions.py)
+	touch $@
+
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST_PY) src/gradaccum/integrations/_versions.py --installed
+	$(OLDEST_PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope -p no:cacheprovider $(OLDEST_TESTS)
+
 # the suite as make test runs it, then each module's seconds written to tests/module_seconds.json
 test-times: install
 	$(PY) -m compileall -q src tests
@@ -56,4 +76,4 @@ bench: install
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) runs build site src/*.egg-info
+	rm -rf $(VENV) $(OLDEST) runs build site src/*.egg-info

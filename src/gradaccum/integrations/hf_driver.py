@@ -18,8 +18,10 @@ from .._patching import NoStep, Swaps
 from .._state import AccumulatorState
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
+from ._versions import require
 from .hf_moe import WindowBalance
 
+require("transformers", "gradaccum's Trainer integrations (ExactTrainer, TRL's, sentence-transformers')")
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState

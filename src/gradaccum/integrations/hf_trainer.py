@@ -18,13 +18,14 @@ from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
 from ..moe import aux_term, refuse_aux_term
 from . import hf_window_loss
+from ._versions import FLOORS
 
 try:
     from transformers import Trainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "gradaccum.integrations.hf_trainer needs transformers: pip install 'gradaccum[hf]' "
-        "(or pip install 'transformers>=4.46')"
+        f"(or pip install 'transformers>={FLOORS['transformers']}')"
     ) from exc
 
 from .hf_moe import trl_aux_refusal, trl_router_balance

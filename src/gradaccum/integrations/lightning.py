@@ -14,6 +14,9 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from ._versions import FLOORS, require
+
+require("pytorch-lightning", "gradaccum.integrations.lightning")
 try:
     import pytorch_lightning as pl
     from pytorch_lightning import Callback
@@ -21,7 +24,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "gradaccum.integrations.lightning needs PyTorch Lightning: pip install 'gradaccum[lightning]' "
-        "(or pip install 'pytorch-lightning>=2.4')"
+        f"(or pip install 'pytorch-lightning>={FLOORS['pytorch-lightning']}')"
     ) from exc
 
 from .._checks import Count, as_number, item_count

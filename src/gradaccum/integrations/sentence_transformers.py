@@ -15,8 +15,10 @@ from .._cached import Constant, WindowLoss
 from .._patching import swapped
 from ..errors import ConfigurationError
 from .hf_driver import TrainerDriver, serves_the_window
+from ._versions import FLOORS, require
 from .hf_window_loss import TrainerWindows
 
+require("sentence-transformers", "gradaccum.integrations.sentence_transformers")  # 6.x's module layout, below
 try:
     from sentence_transformers import SentenceTransformerTrainer
     from sentence_transformers.base.model import BaseModel
@@ -24,7 +26,7 @@ try:
     from sentence_transformers.sentence_transformer.losses import AdaptiveLayerLoss
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.sentence_transformers needs sentence-transformers: "
-                      "pip install 'sentence-transformers>=3.1'") from exc
+                      f"pip install 'sentence-transformers>={FLOORS['sentence-transformers']}'") from exc
 
 __all__ = ["ExactSentenceTransformerTrainer", "SUPPORTED", "REFUSED"]
 

@@ -5,6 +5,9 @@ micro-batches inside the step, so their drop-ins count each step's completions f
 """
 from __future__ import annotations
 
+from ._versions import require
+
+require("trl", "gradaccum.integrations.trl")
 try:
     from trl import DPOTrainer, SFTTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra

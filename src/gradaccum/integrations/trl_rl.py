@@ -16,8 +16,10 @@ from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount, local_counts, trl_divisor, trl_entropy_mean
 from .hf_driver import TrainerDriver, refuse_untested, serves_the_window  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
+from ._versions import require
 from .hf_moe import trl_router_balance
 
+require("trl", "gradaccum.integrations.trl")
 try:
     from trl import GRPOTrainer, RLOOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
