@@ -3,10 +3,11 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -280,9 +281,14 @@ class TrainerDriver:
         self._state.release()  # the skipped window's step is over: the Trainer's own objects come back
         super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
 
+    def training_context(self) -> ContextManager[Any]:
+        """What holds while ``train()`` runs (ExactTrainer: its DeepSpeed engine's configuration)."""
+        return contextlib.nullcontext()
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().train(*args, **kwargs)  # type: ignore[misc]
+            with self.training_context():
+                return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._state.release()
             if self._window is not None:  # the last window opened may not have run

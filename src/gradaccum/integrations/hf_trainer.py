@@ -5,8 +5,9 @@ module says what a batch's items are (:func:`loss_source`, :func:`head_of`); the
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -293,15 +294,14 @@ class ExactTrainer(TrainerDriver, Trainer):
         out = loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
         return out if return_outputs else (out, None)  # type: ignore[return-value]
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``; under DeepSpeed its engine built with ``"managed_gradient_accumulation":
-        false`` for this call, where the config leaves it unset (the arguments' config as it was after)."""
+    def training_context(self) -> ContextManager[Any]:
+        """Under DeepSpeed, the engine built with ``"managed_gradient_accumulation": false`` while ``train()``
+        runs, where the config leaves it unset (the arguments' config as it was after)."""
         if not self.is_deepspeed_enabled:
-            return super().train(*args, **kwargs)
+            return contextlib.nullcontext()
         from .hf_deepspeed import accumulation_off
 
-        with accumulation_off(self):
-            return super().train(*args, **kwargs)
+        return accumulation_off(self)
 
     # -- evaluation: the item-weighted mean over the whole set -----------------------------------
 
