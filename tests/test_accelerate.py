@@ -17,9 +17,12 @@ from hf_helpers import gpt2, lm_loss, pad, reference_step, sequences, unpad  # n
 
 @pytest.fixture
 def accelerator():
-    """Accelerate keeps its state in process-wide singletons: reset them after the test."""
+    """Accelerate keeps its state in process-wide singletons: reset them before the test (a Trainer stopped by
+    an error mid-window, in an earlier test of this process, leaves sync_gradients False) and after it."""
     from accelerate.state import AcceleratorState, GradientState
 
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     yield accelerate.Accelerator(cpu=True)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
