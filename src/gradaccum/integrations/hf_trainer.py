@@ -232,8 +232,6 @@ class ExactTrainer(TrainerDriver, Trainer):
         super().__init__(*args, **kwargs)
         _refuse_what_is_not_exact(self)
         self.buffers = _window_buffers(self, accum_dtype)  # float32 sums of bf16/fp16 gradients, or None
-        if "loss_is_scaled_for_ga" not in vars(Trainer):  # transformers 4.x: training_step divides by the
-            self.model_accepts_loss_kwargs = True            # accumulation steps unless the model "accepts loss kwargs"
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         counted_head = source == "head" and self.window_loss is None
         self.items = BatchItems(source, _fitting_head(self.model, head) if counted_head else head, ignore_index, config,
