@@ -109,6 +109,7 @@ class Boundary:
         #: not when it carries the squared norm of a sharded (FSDP2) gradient, which exists only after
         self.launch_before_last_backward = sync.reduces_across_ranks and not (self.measure and sync.sharded_grads)
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        self.wrapped_step = type(sync).step is not GradSync.step or precision.scaler is not None
 
     def check_scheduler(self) -> None:
         """Before a window opens: the scheduler must stand where this boundary's last step left it.
@@ -232,7 +233,12 @@ class Boundary:
             if grads:
                 torch._foreach_mul_(grads, coef)
         self.grads.write_back()
-        stepped_norm = self.sync.step(self.optimizer, self.precision)
+        # the seam's step (DeepSpeed's engine.step(), the GradScaler's), or the optimizer's where neither adds one
+        stepped_norm = None
+        if self.wrapped_step:
+            stepped_norm = self.sync.step(self.optimizer, self.precision)
+        else:
+            self.optimizer.step()
         if stepped_norm is not None and not math.isfinite(stepped_norm):  # the stepper skipped it (DeepSpeed fp16's
             weights.record(dataclasses.replace(closing, verdict=Verdict.SKIP_NONFINITE))  # loss scale backed off)
             return False, stepped_norm

@@ -10,6 +10,7 @@ router's load balancing over the whole window) through :func:`gradaccum.moe.run_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple, Union
 
@@ -78,7 +79,8 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Coun
             leading_dim(mb, argument=f"window[{i}]")
         raise
     if count_fn is None or count_fn == ROWS:
-        return Counts(each, float(sum(each)), None if count_fn == ROWS else micro_batches)  # ints: no count to read
+        labelled = count_fn is None and any(isinstance(mb, Mapping) and "labels" in mb for mb in micro_batches)
+        return Counts(each, float(sum(each)), micro_batches if labelled else None)  # ints: no count to read
     each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]  # type: ignore[operator]
     return Counts(each, float(sum(as_number(c) for c in each)))
 

@@ -13,7 +13,7 @@ In the order a :class:`Window` runs: opening asks the ranks for its :class:`~gra
 counted up front, the all-reduce that counts them first, read at the first backward: R = N); each
 ``backward`` weighs its mean loss by ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`) into the
 :class:`~gradaccum._exchange.Tally`; before the backward that reduces across ranks the boundary's
-all-reduce starts (or the loss check is folded into the gradient: :func:`_loss_check`); ``step`` hands
+all-reduce starts (or the loss check is folded into the gradient: :meth:`Window._before_reduction`); ``step`` hands
 the tally to the :class:`~gradaccum._boundary.Boundary` and the ranks learn from it.
 """
 
@@ -62,7 +62,7 @@ class OpenWindow:
 
     def enter(self, window: "Window") -> None:
         self.check_idle()  # before anything changes: a nested window would clear the open one
-        if self.model.training and self.state.warn_once("batchnorm"):
+        if self.model.training and "batchnorm" not in self.state.warned and self.state.warn_once("batchnorm"):
             names = training_batchnorms(self.model)
             if names:
                 warnings.warn(
@@ -97,11 +97,15 @@ class WindowContext:
     switches: bool = field(init=False)
     #: one process in fp32: a micro-batch's backward is the seam's own, with nothing around it
     direct: bool = field(init=False)
+    #: the seam's backward: ``torch.Tensor.backward`` itself where the seam adds nothing to it
+    backward: Callable[[torch.Tensor], None] = field(init=False)
 
     def __post_init__(self) -> None:
         switches = self.sync.reduces_across_ranks or self.precision.dtype is not None
         object.__setattr__(self, "switches", switches)
         object.__setattr__(self, "direct", not switches and self.precision.precision == "fp32")
+        plain = type(self.sync).backward is GradSync.backward
+        object.__setattr__(self, "backward", torch.Tensor.backward if plain else self.sync.backward)
 
 
 class _MicroBatch:
@@ -135,10 +139,9 @@ class Window:
     directly: ``acc.window(micro_batches)`` opens one (the constructor's arguments are the
     Accumulator's parts).
 
-    The lower-level path for people who keep their own loop (``Accumulator.step`` and ``train`` are
-    built on it; docs/guides/own-loop.md shows padding under DDP). Every micro-batch runs inside
-    ``micro_batch()`` (which skips the gradient reduction before the last one and autocasts) and hands
-    ``backward`` its *mean* loss and item count::
+    For people who keep their own loop (``step`` and ``train`` run on it). Every micro-batch runs inside
+    ``micro_batch()`` (which skips the reduction before the last one, and autocasts) and hands ``backward``
+    its *mean* loss and item count::
 
         with acc.window(len(micro_batches)) as window:
             for mb in micro_batches:
@@ -148,8 +151,7 @@ class Window:
             result = window.step()
 
     A rank whose data ran out opens ``acc.window(0, pad=True)`` and runs ``window.padding`` zero-weight
-    micro-batches (``backward_padding``). Leaving the block by an exception, or without ``step()``,
-    drops the window's gradients. The order it runs in: the module docstring.
+    micro-batches (``backward_padding``). Leaving the block without ``step()`` drops the window's gradients.
     """
 
     def __init__(self, ctx: WindowContext, request: WindowRequest, *, micro_batch_size: Optional[Any] = None) -> None:
@@ -230,10 +232,7 @@ class Window:
         if self.setup is None or self.ctx.slot.window is not self:
             self._open_setup()  # raises
         if self.current is not None:
-            raise RuntimeError(
-                f"window.micro_batch() opened inside another micro_batch() (micro-batch {self.entered_at + 1} of the "
-                "window is still open): each micro-batch is one block, one after the other; close the open block "
-                "before opening the next, and run one window.backward in each")
+            raise RuntimeError(_NESTED.format(k=self.entered_at + 1))
         last = _is_last(self.done, self._size, last)
         if not self.ctx.switches:
             return self._plain  # no switch to flip, nothing reduces: one context serves them all
@@ -245,37 +244,83 @@ class Window:
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
             num_items: how many items that mean is over (an int, a float weight, or a tensor left on the
-                device). 0 items weigh nothing, nan mean and backward included (:func:`_backward_of_a_count`).
+                device). 0 items weigh nothing, nan mean and backward included (:meth:`_backprop`).
             from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
                 than it being the count known up front.
         """
-        loss = _counted_mean(_in_micro_batch(self, loss), num_items)
+        current = self.current
+        if current is None or self.done != self.entered_at or self.reduced or type(loss) is not torch.Tensor \
+                or loss.dim() or not loss.requires_grad:  # the common scalar loss in its block passes straight on
+            loss = _checked(self, loss)
+        if not (type(num_items) is int and num_items > 0):  # a mean over no item (nan) cleaned to 0
+            loss = _counted_mean(loss, num_items)
         if self._r is None:
             self.fix_reference(num_items)
         weights = self._weights if self._weights is not None else self.weights
         weighted = loss * weights.mean_weight(num_items, loss.dtype)
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        _backward_of_a_count(self, weighted, num_items)
+        self._backprop(weighted, num_items)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
         runs the forward and backward collectives that ranks with data run."""
-        loss = _in_micro_batch(self, loss)
+        loss = _checked(self, loss)
         self.fix_reference(0)  # takes part in fixing R, as the ranks with data do
-        _backward(self, loss.nan_to_num(0.0) * 0.0, autocast_off=True)
+        self._backprop(loss.nan_to_num(0.0) * 0.0, autocast_off=True)
 
     def backward_part(self, outputs: List[torch.Tensor], grads: List[torch.Tensor], loss: torch.Tensor,
                       num_items: Count) -> None:
         """Backpropagate one micro-batch's part of a window loss (:mod:`gradaccum._cached`): ``outputs``
         with ``grads`` already weighed (its share of the loss's gradient, times ``N * W / R`` and the loss
         scale); the tally adds the window's ``loss`` for its ``num_items`` items."""
-        _in_micro_batch(self, None)
+        _checked(self, None)
         self.tally.add(loss, num_items)
-        term = _before_reduction(self)
+        term = self._before_reduction()
         extra = [] if term is None else [term]
         with torch.autocast(device_type=self.ctx.device.type, enabled=False):
             torch.autograd.backward(list(outputs) + extra, list(grads) + [None] * len(extra))  # type: ignore[list-item]
         self.done += 1
+
+    def _backprop(self, weighted: torch.Tensor, num_items: Count = 1, *, autocast_off: bool = False) -> None:
+        """One micro-batch's backward of its weighted loss, counted as done. On one process in fp32 the
+        seam's backward itself; else through the loss scale, with the loss check the reducing backward adds
+        where the window exchanges nothing. A micro-batch of 0 items: a mean ``sum / count`` over no item
+        turns the incoming 0 into ``0 / 0 = nan`` whatever its weight, so a count the host reads as 0 skips
+        its backward where that runs no collective, and otherwise (also an accelerator's tensor count,
+        compared on the device: no host sync) runs under :func:`weighing_nothing`, which replaces what it
+        brings each parameter by 0. Not under DeepSpeed, whose engine owns the gradients."""
+        ctx = self.ctx
+        empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
+        if empty is not None and ctx.sync.owns_step:
+            empty = None
+        if empty is True and self.current is not None and not self.current.reduces \
+                and not ctx.sync.needs_equal_counts:
+            pass  # skipped: it adds exactly nothing and runs no collective (its graph goes with it)
+        elif ctx.direct and not autocast_off and empty is None:
+            ctx.backward(weighted)
+        else:
+            _guarded_backward(ctx, weighted, self._before_reduction() if ctx.switches else None, empty, autocast_off)
+        self.done += 1
+
+    def _before_reduction(self) -> Optional[torch.Tensor]:
+        """Before the backward that reduces across ranks every count of the window is known: start the
+        boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`); or, in a
+        window that exchanges nothing, return this rank's loss check for the backward to add
+        (:func:`gradaccum._maths.loss_check_term`, carried by the probe's gradient)."""
+        setup, ctx = self.setup, self.ctx
+        assert self.current is not None and setup is not None
+        if not self.current.reduces:
+            return None
+        self.reduced = True
+        if setup.share is not None:  # the window exchanges nothing
+            probe = ctx.state.probe
+            assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
+            tally = self.tally
+            return loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, setup.share,
+                                   probe.reshape(-1)[0])
+        if ctx.boundary.launch_before_last_backward:
+            self.in_flight = ctx.boundary.launch(self._totals(ran=True))
+        return None
 
     def fix_reference(self, count: Count) -> float:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
@@ -287,19 +332,19 @@ class Window:
             self._r = self.weights.fix_reference(count, self.ctx.ranks.largest)
         return self._r
 
-    # -- the boundary ----------------------------------------------------------------------------
-
     def step(self) -> StepResult:
         """Take (or skip) the window's one optimizer step: the boundary unscales, reads the window's
         global loss sum and item count (exchanged across ranks), measures the norm, decides, clips and
         steps (:mod:`gradaccum._boundary`); then the ranks learn from it."""
         ctx = self.ctx
-        _check_can_step(self, self._open_setup("step"))
-        totals = _totals(self, ran=self.done > 0)  # a window that counts first has read its count by now
-        setup = self._open_setup("step")
+        refused = _step_refused(self, self._open_setup("step"))
+        if refused:
+            raise RuntimeError(refused)
+        totals = self._totals(ran=self.done > 0)  # a window that counts first has read its count by now
+        setup: WindowSetup = self.setup  # type: ignore[assignment]  # as the count left it
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = None
+        out = None  # every rank learns from the window, also when its boundary raised
         try:
             out = ctx.boundary.finish(totals, self.in_flight, exchange=setup.exchanges)
         finally:  # every rank has left the window's collectives
@@ -308,22 +353,25 @@ class Window:
         self.result = _step_result(out, self.done - self.request.flush - self.padding, self.micro_batch_size)
         return self.result
 
+    def _totals(self, *, ran: bool) -> WindowTotals:
+        """This rank's tally and what the boundary needs with it (the weights read first: a window that
+        counts first reads its count there, and with it whether its boundary exchanges)."""
+        weights = self.weights
+        return WindowTotals(self.tally, weights, ran=ran, can_pad_next=self.ctx.ranks.can_pad(self.request.can_pad),
+                            items=self.setup.items, counted_first=self.request.items is not None)  # type: ignore[union-attr]
+
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
         self.abandoned = True
         self.ctx.grads.clear()
-
-    # -- closing ---------------------------------------------------------------------------------
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._close()
         if self.result is None:
             self.ctx.grads.clear()
             if exc_type is None and not self.abandoned:
-                raise RuntimeError(
-                    "the window was closed without step(); call window.step() inside the "
-                    "`with acc.window(...)` block to take its optimizer step"
-                )
+                raise RuntimeError("the window was closed without step(); call window.step() inside the "
+                                   "`with acc.window(...)` block to take its optimizer step")
 
     def _close(self) -> None:
         self.ctx.slot.leave(self)
@@ -334,6 +382,54 @@ class Window:
         if self.setup is None or self.ctx.slot.window is not self:
             raise RuntimeError(f"use window.{what}() inside `with acc.window(...) as window:`")
         return self.setup
+
+
+def _guarded_backward(ctx: WindowContext, weighted: torch.Tensor, term: Optional[torch.Tensor],
+                      empty: Union[None, bool, torch.Tensor], autocast_off: bool) -> None:
+    """The backward of ``weighted`` (plus the loss check ``term``) through the loss scale and the seam; where
+    the micro-batch may hold no item (``empty``), under :func:`weighing_nothing`, the check's own gradient kept."""
+    loss = weighted if term is None else weighted + term
+    if empty is None:
+        ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.backward)
+        return
+    # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded);
+    # a loss check's probe, one of the module's parameters, is then not among them: its term passes
+    sharded = ctx.sync.sharded_grads
+    kept = {}
+    if term is not None and not sharded:  # d term / d probe, scaled as the loss is: what the probe keeps
+        probe = ctx.state.probe
+        assert probe is not None
+        kept[probe] = torch.autograd.grad(ctx.precision.scale(term), probe, retain_graph=True)[0]
+    leaves = graph_leaves(weighted) if sharded else ctx.model.parameters()
+    with weighing_nothing(leaves, empty, kept):
+        ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.backward)
+
+
+def _checked(window: "Window", loss: Any) -> Any:
+    """``loss`` checked as a scalar that requires grad (when given), after checking that ``window`` is inside a
+    ``micro_batch()`` block and before its reducing backward."""
+    if window.current is not None and window.done != window.entered_at:
+        raise RuntimeError(_TWICE.format(k=window.entered_at + 1))
+    if window.reduced:
+        raise RuntimeError(_AFTER_REDUCTION)
+    if window.current is None:
+        raise RuntimeError(_OUTSIDE)
+    return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
+
+
+def _step_refused(window: "Window", setup: WindowSetup) -> Optional[str]:
+    """Why ``window.step()`` may not run now (a window steps once, after its micro-batches have all run), or None."""
+    if window.result is not None:
+        return "step() was already called for this window; open a new one"
+    if window.done == 0 and not (setup.plan is not None and window.ctx.sync.allows_empty_share):
+        return ("step() on a window where window.backward() never ran: call window.backward(loss, num_items=...) "
+                "inside `with window.micro_batch():` for each micro-batch (a plain loss.backward() is not "
+                "counted, so the step could not be normalized)")
+    size = window.micro_batches
+    if size is not None and window.done != size:
+        return (f"the window was opened for {_micro_batches(size)} but {window.done} ran; under data parallelism "
+                "the last one is the one that reduces gradients, so the counts must match")
+    return None
 
 
 def _check_request(ctx: WindowContext, request: WindowRequest) -> None:
@@ -358,78 +454,6 @@ def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
     return bool(last)
 
 
-def _in_micro_batch(window: Window, loss: Any) -> Any:
-    """``loss`` checked as a scalar that requires grad (when given), after checking that the window is
-    inside a ``micro_batch()`` block and before its reducing backward."""
-    if window.current is not None and window.done == window.entered_at and not window.reduced \
-            and type(loss) is torch.Tensor and not loss.dim() and loss.requires_grad:
-        return loss  # a plain scalar loss where it belongs: nothing more to check
-    if window.current is not None and window.done != window.entered_at:
-        raise RuntimeError(
-            f"window.backward called twice in one micro-batch (micro-batch {window.entered_at + 1} of the window): "
-            "each `with window.micro_batch():` block runs one forward and one window.backward(loss, num_items=...); "
-            "add the losses into one before its backward, or give each its own micro_batch() block (and the window "
-            "as many micro-batches)")
-    if window.reduced:
-        raise RuntimeError(
-            "window.backward() after the backward of the micro-batch that reduces across ranks (the "
-            "last): the window's gradient was already reduced and its counts fixed. Run one backward per "
-            "micro_batch() block, and mark only the last micro-batch with micro_batch(last=True)"
-        )
-    if window.current is None:
-        raise RuntimeError(
-            "window.backward() must run inside `with window.micro_batch():`, which also wraps "
-            "the forward pass (DDP decides in forward whether the backward reduces)"
-        )
-    return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
-
-
-def _backward(window: Window, weighted: torch.Tensor, *, autocast_off: bool = False,
-              empty: Union[None, bool, torch.Tensor] = None) -> None:
-    """One micro-batch's backward of its weighted loss (with the loss check the reducing one adds, where the
-    window exchanges nothing); on one process in fp32 the seam's backward itself. ``empty``: the micro-batch
-    may hold no item (True, or a device bool): then what its graph brings each parameter is replaced by 0
-    (:func:`weighing_nothing`), the loss check's own gradient kept."""
-    ctx = window.ctx
-    if ctx.direct and not autocast_off and empty is None:
-        ctx.sync.backward(weighted)
-    else:
-        term = _before_reduction(window) if ctx.switches else None
-        loss = weighted if term is None else weighted + term
-        if empty is None:
-            ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
-        else:
-            # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded);
-            # a loss check's probe, one of the module's parameters, is then not among them: its term passes
-            sharded = ctx.sync.sharded_grads
-            kept = {}
-            if term is not None and not sharded:  # d term / d probe, scaled as the loss is: what the probe keeps
-                probe = ctx.state.probe
-                assert probe is not None
-                kept[probe] = torch.autograd.grad(ctx.precision.scale(term), probe, retain_graph=True)[0]
-            leaves = graph_leaves(weighted) if sharded else ctx.model.parameters()
-            with weighing_nothing(leaves, empty, kept):
-                ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.sync.backward)
-    window.done += 1
-
-
-def _backward_of_a_count(window: Window, weighted: torch.Tensor, num_items: Count) -> None:
-    """The backward of a micro-batch of ``num_items`` items, which may be 0. A mean ``sum / count``
-    over no item is nan, and its graph turns the incoming 0 into ``0 / 0 = nan`` whatever its weight: a
-    count of 0 the host reads (:func:`host_count`) skips its backward where that runs no collective
-    (:func:`_adds_nothing`), else (the reducing backward) runs under :func:`weighing_nothing`, which
-    replaces what it brings each parameter by 0; an accelerator's tensor count, 0 or not, is compared on
-    the device (no host sync) under :func:`weighing_nothing`. Not under DeepSpeed, whose engine owns the
-    gradients (its backward runs as before)."""
-    if type(num_items) is int and num_items > 0:  # the common count
-        return _backward(window, weighted)
-    empty = may_be_empty(num_items)
-    if empty is True and _adds_nothing(window):
-        window.done += 1  # skipped: it adds exactly nothing (its graph is released with `weighted`)
-    else:
-        _backward(window, weighted, empty=None if window.ctx.sync.owns_step else empty)
-
-
 def may_be_empty(num_items: Count) -> Union[None, bool, torch.Tensor]:
     """Whether a micro-batch of ``num_items`` holds no item, as far as the host can tell without waiting
     for a device: None for a count it reads as > 0 (nothing to guard), True for 0, and for an
@@ -447,17 +471,6 @@ def host_count(num_items: Count) -> Count:
     if isinstance(num_items, torch.Tensor) and num_items.device.type == "cpu":
         return num_items.item()
     return num_items
-
-
-def _adds_nothing(window: Window) -> bool:
-    """A micro-batch of 0 items may skip its backward where that backward runs no collective: it reduces
-    nothing across ranks (one process, or any micro-batch but the reducing one under DDP), and the wrapper
-    has no collective in every backward (FSDP2 all-gathers there, DDP reducing every micro-batch reduces:
-    ``needs_equal_counts``) nor counts backwards (DeepSpeed's engine)."""
-    ctx = window.ctx
-    current = window.current
-    return (current is not None and not current.reduces and not ctx.sync.needs_equal_counts
-            and not ctx.sync.owns_step)
 
 
 @contextlib.contextmanager
@@ -519,57 +532,18 @@ def _counted_mean(loss: torch.Tensor, num_items: Count) -> torch.Tensor:
     return loss.nan_to_num(0.0) if num_items == 0 else loss
 
 
-def _loss_check(ctx: WindowContext, tally: Tally, share: float) -> torch.Tensor:
-    """In a window that exchanges nothing, this rank's loss check, which its reducing backward adds to
-    its loss (:func:`gradaccum._maths.loss_check_term`), carried by the probe's gradient."""
-    probe = ctx.state.probe
-    assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
-    return loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, share, probe.reshape(-1)[0])
-
-
-def _before_reduction(window: Window) -> Optional[torch.Tensor]:
-    """Before the backward that reduces across ranks every count of the window is known: start the
-    boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`); or, in a
-    window that exchanges nothing, return this rank's loss check for the backward to add."""
-    setup = window.setup
-    assert window.current is not None and setup is not None
-    if not window.current.reduces:
-        return None
-    window.reduced = True
-    if setup.share is not None:  # the window exchanges nothing
-        return _loss_check(window.ctx, window.tally, setup.share)
-    if window.ctx.boundary.launch_before_last_backward:
-        window.in_flight = window.ctx.boundary.launch(_totals(window, ran=True))
-    return None
-
-
-def _totals(window: Window, *, ran: bool) -> WindowTotals:
-    """This rank's tally and what the boundary needs with it (the weights read first: a window that counts
-    first reads its count there, and with it whether its boundary exchanges, :meth:`RankAgreement.after_count`)."""
-    weights = window.weights
-    setup = window.setup
-    assert setup is not None
-    return WindowTotals(window.tally, weights, ran=ran,
-                        can_pad_next=window.ctx.ranks.can_pad(window.request.can_pad), items=setup.items,
-                        counted_first=window.request.items is not None)
-
-
-def _check_can_step(window: Window, setup: WindowSetup) -> None:
-    """A window steps once, after its micro-batches have all run."""
-    if window.result is not None:
-        raise RuntimeError("step() was already called for this window; open a new one")
-    if window.done == 0 and not (setup.plan is not None and window.ctx.sync.allows_empty_share):
-        raise RuntimeError(
-            "step() on a window where window.backward() never ran: call "
-            "window.backward(loss, num_items=...) inside `with window.micro_batch():` for each "
-            "micro-batch (a plain loss.backward() is not counted, so the step could not be normalized)"
-        )
-    size = window.micro_batches
-    if size is not None and window.done != size:
-        raise RuntimeError(
-            f"the window was opened for {_micro_batches(size)} but {window.done} ran; under "
-            "data parallelism the last one is the one that reduces gradients, so the counts must match"
-        )
+_NESTED = ("window.micro_batch() opened inside another micro_batch() (micro-batch {k} of the window is still "
+           "open): each micro-batch is one block, one after the other; close the open block before opening the "
+           "next, and run one window.backward in each")
+_OUTSIDE = ("window.backward() must run inside `with window.micro_batch():`, which also wraps the forward pass "
+            "(DDP decides in forward whether the backward reduces)")
+_TWICE = ("window.backward called twice in one micro-batch (micro-batch {k} of the window): each "
+          "`with window.micro_batch():` block runs one forward and one window.backward(loss, num_items=...); add the "
+          "losses into one before its backward, or give each its own micro_batch() block (and the window as many "
+          "micro-batches)")
+_AFTER_REDUCTION = ("window.backward() after the backward of the micro-batch that reduces across ranks (the last): the "
+                    "window's gradient was already reduced and its counts fixed. Run one backward per micro_batch() "
+                    "block, and mark only the last micro-batch with micro_batch(last=True)")
 
 
 def _micro_batches(n: int) -> str:

@@ -138,6 +138,8 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     n = leading_dim(batch)
     if n == 0:
         raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
+    if type(batch) in (tuple, list) and all(type(t) is torch.Tensor and t.dim() for t in batch):  # (inputs, targets)
+        return [type(batch)(chunk) for chunk in zip(*(torch.split(t, micro_batch_size) for t in batch))]
     chunks = ceil_div(n, micro_batch_size)
     parts = [list(torch.split(leaf, micro_batch_size)) if _split(leaf) else [leaf] * chunks
              for _, leaf in leaves(batch)]
