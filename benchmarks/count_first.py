@@ -1,24 +1,22 @@
-"""Counting a window's items first across ranks: what the one extra collective costs, and what it saves
-(run under torchrun, 2 gloo processes; #37 item 3).
+"""Where a window across ranks learns its N: counted first, or at its boundary (run under torchrun, 2 gloo
+processes; #37 item 3, #48 item 4).
 
 Windows of uneven micro-batches, uneven across ranks and from window to window (so that no earlier
-count is this window's N). Three ways to weigh them, each on its own DDP model:
+count is this window's N: the boundary always rescales). Three ways to weigh them, each on its own DDP model:
 
-- ``acc.step`` (count first): the window's up-front counts all-reduced as it opens, every backward
-  weighs ``n_k W / N``, no rescale at the boundary (two small collectives per window);
-- ``acc.window`` without ``num_items`` (the running R): one collective per window, R fixed once at the
-  first backward and the reduced gradient rescaled by ``R / N`` at the boundary: one more rounding of
-  every gradient element (the path every window across ranks took before counting first, where R was
-  the previous window's N);
-- the hand loop that counts first itself (torchtitan's ``train_step``): N all-reduced, then
-  ``(mean_k * n_k * W / N).backward()``: the floor;
-- a hand loop doing what ``acc.step`` did before (R the previous window's N, the gradient rescaled by
-  ``R / N`` at the boundary), for its distance: written out here, since the library no longer has it.
+- ``acc.step``: every backward weighs ``n_k W / R`` with R the last window's N (the same on every rank),
+  and the boundary's one small all-reduce brings N: the reduced gradient is rescaled by ``R / N`` before
+  the step, one more rounding of every gradient element (none where windows repeat their N);
+- the same written by hand (R the previous window's N, the boundary's count all-reduced after the last
+  backward, the rescale): the floor of that design;
+- the hand loop that counts first itself (torchtitan's ``train_step``): N all-reduced before the first
+  backward, then ``(mean_k * n_k * W / N).backward()``, no rescale; gradaccum does this in the first
+  window only (and under DeepSpeed, where the gradient sits in the engine's partitions).
 
 Reported: per window the collectives issued from Python and the host syncs, the median time relative
-to the running R in the same repeat (order rotated every repeat), and the relative L2 distance of the
-window's gradient (as the optimizer receives it) from the float64 big batch on the union of the ranks'
-windows, for float32 and bf16 parameters (bf16: DDP sums the window in the parameters' dtype).
+to the hand loop with the previous N in the same repeat (order rotated every repeat), and the relative L2
+distance of the window's gradient (as the optimizer receives it) from the float64 big batch on the union
+of the ranks' windows, for float32 and bf16 parameters (bf16: DDP sums the window in the parameters' dtype).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/count_first.py   # prints one JSON line
 """
@@ -80,16 +78,8 @@ class Recorder(torch.optim.SGD):
         self.grads = [p.grad.detach().to(torch.float64).clone() for g in self.param_groups for p in g["params"]]
 
 
-def counted_first(acc: Accumulator, mbs: List[Batch]) -> None:
+def gradaccum_step(acc: Accumulator, mbs: List[Batch]) -> None:
     acc.step(mbs, loss_fn)
-
-
-def running_reference(acc: Accumulator, mbs: List[Batch]) -> None:
-    with acc.window(len(mbs), pad=True) as win:  # pad=True: a DDP rank plans alone, as acc.step does
-        for x, y in mbs:
-            with win.micro_batch():
-                win.backward(loss_fn(acc.model, (x, y)), num_items=len(x))
-        win.step()
 
 
 def hand_counted_first(model: DDP, opt: torch.optim.Optimizer, mbs: List[Batch]) -> None:
@@ -104,9 +94,9 @@ def hand_counted_first(model: DDP, opt: torch.optim.Optimizer, mbs: List[Batch])
 
 
 def hand_previous_reference(model: DDP, opt: torch.optim.Optimizer, mbs: List[Batch], previous: List[float]) -> None:
-    """What ``acc.step`` across ranks did before counting first: R the previous window's N (learned
-    from the boundary's all-reduce, here summed after the last backward), the gradient rescaled by
-    ``R / N`` before the step (the first window counts first, as the agreement did)."""
+    """What ``acc.step`` across ranks does, by hand: R the previous window's N (learned from the
+    boundary's all-reduce, here summed after the last backward), the gradient rescaled by ``R / N``
+    before the step (the first window counts first)."""
     mine = float(sum(len(x) for x, _ in mbs))
     if not previous:
         first = torch.tensor([mine], dtype=torch.float64)
@@ -128,9 +118,9 @@ def hand_previous_reference(model: DDP, opt: torch.optim.Optimizer, mbs: List[Ba
 
 
 
-NAMES = ("count first (acc.step)", "running R, rescaled (acc.window without num_items)",
-         "hand loop counting first (the floor)", "hand loop, R the previous window's N, rescaled (acc.step before)")
-BASELINE = NAMES[1]
+NAMES = ("acc.step (R the last window's N, rescaled)", "hand loop counting first",
+         "hand loop, R the previous window's N, rescaled (the floor)")
+BASELINE = NAMES[2]
 
 
 def timing(rank: int) -> Dict[str, dict]:
@@ -138,14 +128,12 @@ def timing(rank: int) -> Dict[str, dict]:
     for name in NAMES:
         model = DDP(net(torch.float32))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        if name == NAMES[2]:
+        if name == NAMES[1]:
             runs[name] = lambda mbs, model=model, opt=opt: hand_counted_first(model, opt, mbs)
-        elif name == NAMES[3]:
+        elif name == NAMES[2]:
             runs[name] = lambda mbs, model=model, opt=opt, seen=[]: hand_previous_reference(model, opt, mbs, seen)
         else:
-            acc = Accumulator(model, opt)
-            runs[name] = (lambda mbs, acc=acc: counted_first(acc, mbs)) if name == NAMES[0] \
-                else (lambda mbs, acc=acc: running_reference(acc, mbs))
+            runs[name] = lambda mbs, acc=Accumulator(model, opt): gradaccum_step(acc, mbs)
     windows = [window(rank, w, torch.float32) for w in range(WINDOWS)]
     for run in runs.values():  # warm-up: the buckets, the replica check, R fixed once
         for mbs in windows[:2]:
@@ -176,14 +164,12 @@ def accuracy(rank: int, world: int, dtype: torch.dtype) -> Dict[str, float]:
     for name in NAMES:
         model = DDP(net(dtype))
         opt = Recorder(model.parameters())
-        if name == NAMES[2]:
+        if name == NAMES[1]:
             runs[name] = (opt, lambda mbs, model=model, opt=opt: hand_counted_first(model, opt, mbs))
-        elif name == NAMES[3]:
+        elif name == NAMES[2]:
             runs[name] = (opt, lambda mbs, model=model, opt=opt, seen=[]: hand_previous_reference(model, opt, mbs, seen))
         else:
-            acc = Accumulator(model, opt)
-            runs[name] = (opt, (lambda mbs, acc=acc: counted_first(acc, mbs)) if name == NAMES[0]
-                          else (lambda mbs, acc=acc: running_reference(acc, mbs)))
+            runs[name] = (opt, lambda mbs, acc=Accumulator(model, opt): gradaccum_step(acc, mbs))
     ref = net(torch.float64)
     errors: Dict[str, List[float]] = {name: [] for name in NAMES}
     for w in range(ACCURACY_WINDOWS):

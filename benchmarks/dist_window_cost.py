@@ -1,7 +1,7 @@
 """What a distributed window costs besides DDP's own gradient reduction (run under torchrun, 2 gloo
-processes): the hand-written ``no_sync`` loop, ``acc.step`` (also with ``loss_every``: a window counted first
-exchanges only its count between loss windows), ``acc.train`` over a WindowSampler and Accelerate's
-``accumulate()``, side by side, the order rotated every repeat.
+processes): the hand-written ``no_sync`` loop, ``acc.step``, ``acc.train`` over a WindowSampler (also with
+``loss_every``: the windows between exchange nothing) and Accelerate's ``accumulate()``, side by side, the order
+rotated every repeat.
 
 Per window it reports the collectives issued from Python (``torch.distributed`` functions wrapped
 with a counter; DDP's bucket all-reduces run in C++ and are the same for every contender), the host
@@ -172,9 +172,6 @@ def main() -> None:
     model_s = DDP(net())
     acc_s = Accumulator(model_s, torch.optim.SGD(model_s.parameters(), lr=1e-3))
     contenders["gradaccum acc.step"] = lambda: gradaccum_step(model_s, None, x, y, acc_s)
-    model_q = DDP(net())
-    acc_q = Accumulator(model_q, torch.optim.SGD(model_q.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
-    contenders[f"gradaccum acc.step, loss_every={LOSS_EVERY}"] = lambda: gradaccum_step(model_q, None, x, y, acc_q)
     model_x = DDP(net())
     opt_x = torch.optim.SGD(model_x.parameters(), lr=1e-3)
     contenders["hand no_sync loop + one async all-reduce (the floor)"] = lambda: hand_loop_with_exchange(model_x, opt_x, x, y)
@@ -280,16 +277,6 @@ def distances(rank: int, world: int, accelerator=None) -> dict:
     o = torch.optim.SGD(model.parameters(), lr=0.1)
     gradaccum_step(model, o, x, y, Accumulator(model, o))
     out["gradaccum acc.step"] = gap(model.module)
-    # loss_every with acc.step: two windows at lr 0 (the first exchanges, compares the replicas and learns
-    # that every rank counts first), so that the measured third counts first and exchanges nothing else
-    model = DDP(net(torch.float64))
-    o = torch.optim.SGD(model.parameters(), lr=0.0)
-    acc = Accumulator(model, o, loss_every=LOSS_EVERY)
-    for _ in range(2):
-        gradaccum_step(model, o, x, y, acc)
-    o.param_groups[0]["lr"] = 0.1
-    gradaccum_step(model, o, x, y, acc)
-    out[f"gradaccum acc.step, loss_every={LOSS_EVERY}"] = gap(model.module)
     model = DDP(net(torch.float64))
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     sampler = WindowSampler(len(ux), global_batch_size=N * M * world, micro_batch_size=M, shuffle=False)

@@ -116,23 +116,21 @@ bucket all-reduces are the same for all), host synchronisations (`Tensor.item/to
 SGD makes none), the median over repeats of the time against the hand loop in the same repeat
 (quartiles beside it), and the largest parameter difference from one float64 step on the union of
 both ranks' windows. The `loss_every={w.get('loss_every', 10)}` row exchanges the window's loss on every
-{w.get('loss_every', 10)}th window only (`Accumulator(loss_every=...)`, over a `WindowSampler`): the windows between
-cost no collective, and its distance is measured on such a window; `acc.step`'s `loss_every` row counts each
-window first as `acc.step` does, and between loss windows exchanges only that count. "the same DataLoader" is
+{w.get('loss_every', 10)}th window only (`Accumulator(loss_every=...)`, over a `WindowSampler`, whose windows every rank
+knows before they run): the windows between cost no collective, and its distance is measured on such a
+window. "the same DataLoader" is
 `acc.train` over the hand loop's own `DistributedSampler` loader (no agreement per window; its items
 are summed at the boundary). "(the floor)" is the hand loop plus the boundary's all-reduce that
-`acc.step` adds: five numbers (the loss sum, the count, three flags; `acc.step`'s row has a fourth)
-launched after the last forward, read on the host after the last
-backward. No design that learns the window's global item count at its end can cost less, so the gap
-between it and the hand loop is what that knowledge costs on this machine; `acc.step` also counts the
-window first (one more small all-reduce, next section), which a loop weighing by the window's own N
-pays too. `acc.train` is timed against the hand loop
+`acc.step` adds: six numbers (the loss sum, the count, four flags) launched after the last forward, read
+on the host after the last backward. No design that learns the window's global item count at its end can
+cost less, so the gap between it and the hand loop is what that knowledge costs on this machine: `acc.step`
+weighs by the last window's N and rescales by `R / N` at the boundary (next section), so that this one
+exchange is all it adds. `acc.train` is timed against the hand loop
 over a DataLoader with a DistributedSampler, FSDP2's rows against the hand loop that toggles
 `set_requires_gradient_sync` (over tensors: FSDP2's `acc.train` also pays its DataLoader), the others
 against the hand loop over tensors. Goal: at
 most one small collective and one host sync per window at the boundary, none before the first forward,
-and within 1.03x of the hand loop; `acc.step` and `acc.train` over a plain loader also count the window
-first (one more small collective, started before the first forward and read after it: the next section).
+and `acc.step` within 1.05x of the floor.
 {_alone(w)}
 {table(w["rows"], ["contender", "collectives", "host_syncs", "time_ratio", "ratio_q1", "ratio_q3", "window_ms",
                    "distance", "extra_latency_us_at_1024"],
@@ -143,7 +141,7 @@ Paper projection to W = 1024 ranks: a small collective is latency-bound, about {
 per log2(W) step of a tree or ring on a cluster (a stated assumption, not measured here), so each one
 per window adds about {w['latency_us_per_hop'] * 10:g} us at W = 1024. gradaccum's boundary collective carries
 the window's loss and item count (the global mean and the exact normalization), whether every rank
-can pad, and a stop request (the one before the first forward, where the window counts first, its N); the hand loop reports no global loss and cannot skip a non-finite
+can pad, and a stop request; the hand loop reports no global loss and cannot skip a non-finite
 window on every rank alike.
 """
 
@@ -157,23 +155,20 @@ def _alone(section: Dict[str, Any]) -> str:
 def count_first_section(r: Results) -> str:
     c = r.get("count_first")
     if not c:
-        return "### Counting the window first across ranks\n\nThe torchrun launch failed in this run.\n"
-    return f"""### Counting the window first across ranks (MLP 784-512-512-10, {c['micro_batches'][0]} and {c['micro_batches'][1]} micro-batches of 3 to 17 items)
+        return "### Where a window across ranks learns its N\n\nThe torchrun launch failed in this run.\n"
+    return f"""### Where a window across ranks learns its N (MLP 784-512-512-10, {c['micro_batches'][0]} and {c['micro_batches'][1]} micro-batches of 3 to 17 items)
 
-Windows uneven across ranks and from one window to the next. `acc.step` counts first: the ranks'
-up-front counts are all-reduced as the window opens (overlapping its first forward, read at its first
-backward), every backward weighs `n_k W / N` and the boundary does not rescale. Against it, the
-running R (`acc.window` without `num_items`: R fixed once at the first backward, the reduced
-gradient rescaled by `R / N` at the boundary, one more rounding of every element; the path every
-window across ranks without a sampler took before, with the previous window's N as R), the baseline
-of the time ratios (median over {c['repeats']} rotated repeats of {c['windows']} windows, quartiles
-beside it), the hand loop that counts first itself (N all-reduced, then
-`(mean_k * n_k * W / N).backward()`, as torchtitan's `train_step`), and, for its distance, a hand loop
-doing what `acc.step` across ranks did before (R the previous window's N, rescaled by `R / N`; written
-out in the benchmark, the library no longer has it). Relative L2 distance of the
-gradient the optimizer receives from the float64 big batch on the union of both ranks' windows, mean
-over {c['accuracy_windows']} windows, for float32 and bf16 parameters (bf16: DDP sums the window in
-the parameters' dtype).
+Windows uneven across ranks and from one window to the next, so that the boundary always rescales.
+`acc.step` weighs every backward by `n_k W / R`, R the last window's N (the same on every rank, saved
+with the state), and rescales the reduced gradient by `R / N` at the boundary, whose one all-reduce
+brings N: one more rounding of every element where N changed, none where windows repeat their N.
+Beside it the same written by hand (the floor of that design, the baseline of the time ratios: median
+over {c['repeats']} rotated repeats of {c['windows']} windows, quartiles beside it) and the hand loop
+that counts first (N all-reduced before the first backward, then `(mean_k * n_k * W / N).backward()`,
+as torchtitan's `train_step`; gradaccum counts first in its first window only, and under DeepSpeed).
+Relative L2 distance of the gradient the optimizer receives from the float64 big batch on the union
+of both ranks' windows, mean over {c['accuracy_windows']} windows, for float32 and bf16 parameters
+(bf16: DDP sums the window in the parameters' dtype).
 {_alone(c)}
 {table(c["rows"], ["contender", "collectives", "host_syncs", "time_ratio", "ratio_q1", "ratio_q3", "window_ms",
                    "rel_l2_float32", "rel_l2_bfloat16"],

@@ -73,12 +73,23 @@ def main() -> None:
         "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses, "moe": moe, "grpo": grpo,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks,
         "precision": precision}
+    only = [n for n in os.environ.get("BENCH_ONLY", "").split(",") if n]
+    if only:  # these sections again, into the page's stored figures (each marked as measured alone)
+        unknown = sorted(set(only) - set(sections))
+        if unknown:
+            sys.exit(f"BENCH_ONLY names no section {unknown}; the sections: {', '.join(sections)}")
+        stored = json.loads((where / "benchmarks.json").read_text())
+        stored["durations_s"] = dict(stored.get("durations_s", {}))
+        results, sections = stored, {n: sections[n] for n in only}
     for name, fn in sections.items():
         t0 = time.time()
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         results[name] = fn()
         results["durations_s"][name] = time.time() - t0
-    results["total_s"] = time.time() - started
+        if only and isinstance(results[name], dict):
+            results[name]["measured_alone"] = f"BENCH_ONLY={','.join(only)} make bench, {time.strftime('%Y-%m-%d')}"
+    if not only:
+        results["total_s"] = time.time() - started
 
     from report import plot, render
     plot(results, where / "benchmarks.png")

@@ -192,19 +192,21 @@ def test_ddp_plans_alone_only_once_every_rank_can_pad():
     assert local_plan(state, DDP, WindowRequest(0, can_pad=True)) == WindowPlan(0, 1, 0, None)
     assert local_plan(state, DDP, WindowRequest(2, can_pad=False)) is None
     assert local_plan(state, FSDP, WindowRequest(2, can_pad=True)) is None  # FSDP2 always asks
-    state.last_window_items = 40.0  # planned alone: R is not the previous window's count, but N counted first
     setup = window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None))
     assert setup.reference is None and setup.padding == 1 and setup.exchanges and setup.counted is None
+    state.last_window_items = 40.0  # planned alone once a window had items: R is that N, rescaled at the boundary
+    assert window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None)).reference == 40.0
 
 
-def test_a_window_across_ranks_that_counted_up_front_counts_first():
+def test_only_the_first_window_across_ranks_counts_first():
     """Planned alone (or over equal shares) once every rank counted its items up front in the last
-    exchanged window (state.counts_first, the same on every rank): the window opens an all-reduce of
-    the counts (a stand-in sync sums one rank's here) and R is that N, times the last window's count
-    ratio; a rank without a count this time still takes part (nan: then R runs on every rank). Before
-    that, or where the agreement was asked (it carries N or says some rank has none), nothing is
-    counted."""
-    state = AccumulatorState(peers_can_pad=True, last_window_items=40.0)
+    exchanged window (state.counts_first, the same on every rank), a window with no N before it opens
+    an all-reduce of the counts (a stand-in sync sums one rank's here) and R is that N, times the last
+    window's count ratio; a rank without a count this time still takes part (nan: then R runs on every
+    rank). Once a window had items, R is its N (the same on every rank), no count is asked, and the
+    boundary's one all-reduce rescales by R / N: one collective per window. Where the agreement was
+    asked (it carries N or says some rank has none), nothing is counted."""
+    state = AccumulatorState(peers_can_pad=True)
     ranks = RankAgreement(GradSync(), torch.device("cpu"), state, DDP)
     assert ranks.open(WindowRequest(2, items=7, can_pad=True)).counted is None  # not yet known of every rank
     state.counts_first = True
@@ -219,6 +221,9 @@ def test_a_window_across_ranks_that_counted_up_front_counts_first():
     assert ranks.open(WindowRequest(2, items=7, can_pad=True, plan=asked)).counted is None
     known = ranks.open(WindowRequest(2, items=7, can_pad=True, plan=WindowPlan(2, 2, 2, 9.0, asked=True)))
     assert known.counted is None and known.reference == 18.0  # the agreement's N: nothing more to count
+    state.last_window_items = 40.0  # a window had items: the next ones weigh by its N and count nothing first
+    later = ranks.open(WindowRequest(2, items=7, can_pad=True))
+    assert later.counted is None and later.reference == 40.0 and later.exchanges
     alone = RankAgreement(GradSync(), torch.device("cpu"), AccumulatorState(), ALONE)
     assert alone.open(WindowRequest(2, items=7)).counted is None  # one process: N is its own count
 

@@ -24,26 +24,26 @@ synchronisation before its first forward. FSDP2, ``reduce_every_micro_batch`` an
 windows opened without ``pad=True`` still ask, since a rank there can differ in a way the others
 must know before the first forward.
 
-**R** (see :mod:`gradaccum._maths` for the maths) must be the same on every rank. **Count first**:
-when every rank knows its items before the first backward (the leading dimension, a ``num_items=``
-counter, a sampler's shares), R = N, the window's global count, and the boundary scale is 1: every
-backward weighs ``n_k W / N`` as one big batch does, with no rescale (one more rounding of every
-gradient) at the boundary. N comes from the sampler's shares or the agreement when the window has one;
-else (a window planned alone, or over equal shares) :meth:`RankAgreement.open` starts one small
-all-reduce of the ranks' counts as the window opens, which overlaps its first forward and is read at its
-first backward (:class:`CountedFirst`: one collective and one host synchronisation per window). Whether
-a window counts first is decided from what every rank shares (every rank counted up front in the last
-window that exchanged: ``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce.
-Such a window knows N on every rank before its first backward, so under ``loss_every`` it may exchange
-nothing at its boundary, as a sampler's window does (:func:`_exchanges`): then its count is its one
-collective. Only
-where no count is known up front (a hand-written window without ``num_items``) is R the running one,
-fixed once at its first use by a max all-reduce of the first count
+**R** (see :mod:`gradaccum._maths` for the maths) must be the same on every rank. Where the window's
+N is known before its first backward on every rank (one process: its own count; a sampler's shares),
+R = N: the boundary scale is 1 and every backward weighs ``n_k W / N`` as one big batch does. Across
+DDP ranks without a sampler, R is the last window's N (``AccumulatorState.last_window_items``, the
+same on every rank, saved), and the boundary's one all-reduce, which carries this window's N, rescales
+the reduced gradient by ``R / N`` (nothing to do where windows repeat their N): one small collective
+per window. Only a window with no N before it (the first) counts first: :meth:`RankAgreement.open`
+starts one small all-reduce of the ranks' counts as the window opens, which overlaps its first forward
+and is read at its first backward (:class:`CountedFirst`); DeepSpeed, whose gradient sits in the
+engine's partitions where no rescale reaches it, counts first in every window. Whether a window counts
+first is decided from what every rank shares (every rank counted up front in the last window that
+exchanged: ``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce. Where no
+count is known at all (a hand-written window without ``num_items``, before any window had items) R is
+the running one, fixed once at its first use by a max all-reduce of the first count
 (:meth:`gradaccum._weights.WindowWeights.fix_reference`) and kept in ``state_dict``. When ``loss_fn``
-counts other items than those counted up front (tokens of sequences), R is N times the last window's
-ratio of the two (``AccumulatorState.count_ratio``, saved), which keeps R near the count the backward
-really divides (what fp16's loss scale needs) and the scale near 1. Every R is a function of the saved
-state and the window itself, so a resumed process rounds as the uninterrupted one did.
+counts other items than those counted up front (tokens of sequences), an R from an up-front count is N
+times the last window's ratio of the two (``AccumulatorState.count_ratio``, saved), which keeps R near
+the count the backward really divides (what fp16's loss scale needs) and the scale near 1. Every R is a
+function of the saved state and the window itself, so a resumed process rounds as the uninterrupted one
+did.
 """
 
 from __future__ import annotations
@@ -276,6 +276,9 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan]
                                                  else None)
     if rules.reference_is_count:
         return None if known is None else (known if known > 0 else 1.0)  # 0 items: every weight is 0 anyway
+    if rules.shares_windows and not rules.needs_equal_counts and state.last_window_items is not None \
+            and (plan is None or plan.share is None):  # DDP, N not a sampler's: the last window's N, saved
+        return state.last_window_items
     if not known:
         return None
     return known * state.count_ratio if plan is not None else known  # a window without a size counts as it says
@@ -368,7 +371,7 @@ class RankAgreement:
         without a count this time sends nan, and the window's R runs on every rank. An asked plan
         already carries N, or says that some rank has no count (then R runs)."""
         return (self.rules.shares_windows and plan is not None and not plan.asked and plan.items is None
-                and self.state.counts_first)
+                and self.state.counts_first and (self.rules.reference_is_count or self.state.last_window_items is None))
 
     def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float],
                    share: Optional[float] = None) -> Optional[WindowPlan]:

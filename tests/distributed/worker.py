@@ -579,12 +579,12 @@ def _train_counted(acc, loader, after=None, loss_fn=mse, **train):
     return results, [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
 
 
-def ddp_step_counts_first_with_one_small_collective():
-    """acc.step with uneven counts across ranks and windows: besides DDP's buckets, two small all-reduces
-    and two host syncs per window: the window's counts, started as it opens (before its first forward,
-    read after it: no host sync before that forward), so every backward weighs by the window's own N
-    (R = N, no rescale), and the boundary's. Exact. (SGD: torch's single-tensor Adam reads its step
-    counter with .item(), a sync the hand loop pays as well.)"""
+def ddp_step_costs_one_small_collective_per_window():
+    """acc.step with uneven counts across ranks and windows: besides DDP's buckets, one small all-reduce
+    and one host sync per window, the boundary's: every backward weighs by the last window's N (R, the
+    same on every rank) and the boundary rescales by R / N from the N its all-reduce brings; nothing
+    before the first forward. Exact. (SGD: torch's single-tensor Adam reads its step counter with .item(),
+    a sync the hand loop pays as well.)"""
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"))
     steps = []
@@ -596,16 +596,15 @@ def ddp_step_counts_first_with_one_small_collective():
         assert result.num_items == sum(len(x) for win in wins for x, _ in win), result
 
     rows = _steady_counts(run, windows=4)
-    assert all(r[0] == 2 and r[1] == 2 and r[2] == 0 and r[3] == 1 for r in rows), rows
+    assert all(r[0] == 1 and r[1] == 1 and r[2] == 0 and r[3] == 0 for r in rows), rows
     close(model.module, reference(steps, "sgd"))
     return f"(collectives, syncs, syncs before forward, collectives before forward) per window: {rows[0]}"
 
 
-def ddp_step_counting_first_with_loss_every_exchanges_only_its_count():
-    """acc.step under loss_every=3, uneven counts across ranks and windows: a window counted first whose N
-    every rank read at its first backward exchanges nothing at its boundary (but every 3rd): one small
-    collective (its count) instead of two, its loss None, its loss check riding in the gradient. Exact,
-    replicas bit-equal; a loss only rank 1 finds not finite in such a window is skipped on both ranks."""
+def ddp_step_with_loss_every_costs_one_collective_per_window():
+    """acc.step under loss_every=3, uneven counts across ranks and windows: N is known on no rank before the
+    boundary (no sampler), so every window exchanges at its boundary, its one small collective, and reports
+    its loss. Exact, replicas bit-equal; a loss only rank 1 finds not finite is skipped on both ranks."""
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
     steps, results = [], []
@@ -627,14 +626,13 @@ def ddp_step_counting_first_with_loss_every_exchanges_only_its_count():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rows = _steady_counts(run, windows=7)  # windows 2..8: acc's windows 2..8
-    quiet = [w % 3 != 0 for w in range(2, 9)]
-    assert [r[0] for r in rows] == [1 if q else 2 for q in quiet], rows
-    assert [r[3] for r in rows] == [1] * 7, rows  # the count: started before the first forward
-    assert [results[w].loss is None for w in range(2, 9)] == quiet, results
+    assert [r[0] for r in rows] == [1] * 7, rows
+    assert [r[3] for r in rows] == [0] * 7, rows  # nothing before the first forward
+    assert not any(results[w].loss is None for w in range(2, 9)), results
     assert [r.skipped for r in results] == [w == 7 for w in range(9)], results
     run(9, None)  # a 3rd window: it exchanges
-    # window 10 would exchange nothing, but rank 1 opens it without num_items: no N arrives, R runs, and
-    # every rank exchanges after all (the boundary's N rescales the gradient)
+    # rank 1 opens window 10 without num_items: R is the last N on every rank all the same, and the
+    # boundary's N rescales the gradient
     wins = [[data(r, 400 + k, 3 + r + k) for k in range(2)] for r in range(WORLD)]
     steps.append(wins)
     mine = wins[RANK]
@@ -665,44 +663,38 @@ def ddp_step_with_a_rank_without_data_costs_the_same():
         assert result.num_items == (6 if w == 3 else 12), result.num_items
 
     rows = _steady_counts(run, windows=2)
-    assert all(r[0] == 2 and r[1] == 2 and r[2] == 0 for r in rows), rows
+    assert all(r[0] == 1 and r[1] == 1 and r[2] == 0 for r in rows), rows
     close(model.module, reference(steps, "sgd"))
     assert params_equal_on_all_ranks(model.module)
     return f"the empty window: {rows[1]}"
 
 
-def ddp_counted_first_is_the_plain_loop_bit_for_bit():
-    """float32, uneven counts across ranks and windows (so the previous window's N is never this one's):
-    acc.step weighs every micro-batch by the window's own N, counted across ranks first, and steps with
-    no rescale, so its parameters equal, bit for bit, those of a hand loop under DDP that backpropagates
-    ``mean_k * n_k * W / N`` with N summed across ranks beforehand. A window weighed by another R and
-    rescaled by R / N at the boundary rounds every gradient once more (measured beside it: not equal).
-    A hand-written window without num_items (the running R) is that path; one given its num_items
-    counts first, and is the plain loop too."""
+def ddp_step_is_the_plain_loop_bit_for_bit_while_n_repeats():
+    """float32, uneven counts across ranks and micro-batches: acc.step weighs every micro-batch by R, the
+    window's own N in the first window (counted across ranks first) and the last window's N after it. While
+    windows repeat their N (0-2), R = N and nothing is rescaled, so its parameters equal, bit for bit, those
+    of a hand loop under DDP that backpropagates ``mean_k * n_k * W / N`` with N summed across ranks
+    beforehand; a hand-written window given its num_items too. Window 3 holds another N: the boundary
+    rescales by R / N, which rounds every gradient once more: equal to float32 rounding, not to the bit."""
     def float_model():
         return model_fn().float()
 
     def windows(w):
-        return [[tuple(t.float() for t in data(r, 300 + 7 * w + k, 2 + (3 * w + 2 * r + k) % 5))
-                 for k in range(3 - r)] for r in range(WORLD)]
+        sizes = [[2, 2, 2], [3, 4]] if w == 3 else [[2, 3, 4][w:] + [2, 3, 4][:w], [5, 6][w % 2:] + [5, 6][:w % 2]]
+        return [[tuple(t.float() for t in data(r, 300 + 7 * w + k, n)) for k, n in enumerate(sizes[r])]
+                for r in range(WORLD)]
 
-    exact, plain, running, hand = DDP(float_model()), DDP(float_model()), DDP(float_model()), DDP(float_model())
+    exact, plain, hand = DDP(float_model()), DDP(float_model()), DDP(float_model())
     acc = Accumulator(exact, make_opt(exact, "sgd"))
-    acc_running = Accumulator(running, make_opt(running, "sgd"))
     acc_hand = Accumulator(hand, make_opt(hand, "sgd"))
     opt = make_opt(plain, "sgd")
     for w in range(4):
         mine = windows(w)[RANK]
         acc.step(mine, mse)
         with acc_hand.window(len(mine), num_items=sum(len(x) for x, _ in mine), pad=True) as window:
-            for x, y in mine:  # a hand-written window given its count up front counts first too
-                with window.micro_batch():
-                    window.backward(mse(hand, (x, y)), num_items=len(x))
-            window.step()
-        with acc_running.window(len(mine)) as window:  # no count up front: the running R, rescaled
             for x, y in mine:
                 with window.micro_batch():
-                    window.backward(mse(running, (x, y)), num_items=len(x))
+                    window.backward(mse(hand, (x, y)), num_items=len(x))
             window.step()
         n = torch.tensor([float(sum(len(x) for x, _ in mine))], dtype=torch.float64)
         dist.all_reduce(n)
@@ -712,20 +704,21 @@ def ddp_counted_first_is_the_plain_loop_bit_for_bit():
             with ctx:
                 (mse(plain, (x, y)) * (len(x) * WORLD / n.item())).backward()
         opt.step()
-    same = all(torch.equal(a, b) for a, b in zip(exact.parameters(), plain.parameters()))
-    same = same and all(torch.equal(a, b) for a, b in zip(hand.parameters(), plain.parameters()))
-    rescaled = max((a - b).abs().max().item() for a, b in zip(running.parameters(), plain.parameters()))
-    assert same, "the counted-first window is not the plain loop bit for bit"
-    assert rescaled > 0, "the rescaled path should round differently: the test has no teeth"
+        if w == 2:
+            same = all(torch.equal(a, b) for a, b in zip(exact.parameters(), plain.parameters()))
+            same = same and all(torch.equal(a, b) for a, b in zip(hand.parameters(), plain.parameters()))
+            assert same, "windows repeating their N are not the plain loop bit for bit"
+    rescaled = max((a - b).abs().max().item() for a, b in zip(exact.parameters(), plain.parameters()))
+    assert 0 < rescaled < 1e-6, f"the rescaled window should round once more, within float32: {rescaled}"
     assert params_equal_on_all_ranks(exact)
-    return f"bit-equal to the plain loop; the rescaled window differs by up to {rescaled:.1e}"
+    return f"bit-equal to the plain loop while N repeats; the rescaled window differs by {rescaled:.1e}"
 
 
-def ddp_a_rank_without_num_items_still_counts_with_the_others():
-    """Hand-written windows with pad=True: once every rank gave num_items (learned at a boundary, the
-    same on every rank), every window opens the count's all-reduce on every rank; where rank 1 gives
-    none (window 3), it still takes part (nan), so no rank waits alone, and every rank falls back to
-    the running R for that window; the next counts first again. Exact, replicas bit-equal."""
+def ddp_a_rank_without_num_items_weighs_as_the_others():
+    """Hand-written windows with pad=True, where rank 1 gives no num_items in window 3: no window counts
+    first (the first asks the ranks; the others weigh by the last window's N, the same on every rank,
+    whatever a rank was given), so no rank can wait alone in a count, and the boundary rescales by the
+    exchanged N. Exact, replicas bit-equal."""
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"))
     steps, flags = [], []
@@ -741,8 +734,7 @@ def ddp_a_rank_without_num_items_still_counts_with_the_others():
             counted = window.setup.counted is not None
             window.step()
         flags.append((counted, acc.state.counts_first))
-    # window 0 asks the ranks; from window 1 on every window counts; window 3 told the ranks that one had none
-    assert [f[0] for f in flags] == [False, True, True, True, False, True], flags
+    assert [f[0] for f in flags] == [False] * 6, flags
     close(model.module, reference(steps, "sgd"))
     assert params_equal_on_all_ranks(model.module)
     return f"(counted first, counts_first after) per window: {flags}"
@@ -752,8 +744,9 @@ def ddp_a_resumed_run_counting_first_is_the_uninterrupted_one():
     """float32 DDP, uneven windows, a loss_fn that counts its own items (a (mean, count) pair over the
     rows whose first target is above -0.5: not the rows counted up front, so R = N times the saved
     count ratio and the boundary rescales): stopped after 2 windows, restored into a fresh model,
-    optimizer and Accumulator (whose first window asks the ranks, where the uninterrupted one counted
-    first), the run ends bit-identical to the uninterrupted one on both ranks."""
+    optimizer and Accumulator (whose first window asks the ranks, where the uninterrupted one plans alone:
+    both weigh by the saved last window's N), the run ends bit-identical to the uninterrupted one on both
+    ranks."""
     def windows(w):
         return [[tuple(t.float() for t in data(r, 500 + 7 * w + k, 3 + (2 * w + 3 * r + k) % 4))
                  for k in range(2 + (w + r) % 2)] for r in range(WORLD)]
@@ -1118,10 +1111,10 @@ def ddp_the_loss_check_rides_on_a_parameter_ddp_reduces():
 
 def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
     """acc.train over a DataLoader with a DistributedSampler: every rank holds as many batches, so the
-    ranks confirm that once per epoch (one all-gather) and never agree per window. Each window counts the
-    rows collated first (rank 1's collate_fn drops a row from its batches), so under loss_every=2 every
-    other window exchanges only that count, and the steps stay exact on the rows really seen. Two
-    epochs, a short last window."""
+    ranks confirm that once per epoch (one all-gather) and never agree per window. Each window weighs by
+    the last window's N and exchanges its own at the boundary (rank 1's collate_fn drops a row from its
+    batches), one collective, and the steps stay exact on the rows really seen. Two epochs, a short last
+    window."""
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.dataloader import default_collate
     from torch.utils.data.distributed import DistributedSampler
@@ -1146,10 +1139,10 @@ def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
                                             loss_fn=loss_fn, accum_steps=3, epochs=2)
     # 25 items a rank: batches of 3, 3, ..., 1; rank 1 keeps 2, 2, ..., 1 of them
     assert [r.num_items for r in results] == [15, 15, 12] * 2 and not any(r.skipped for r in results), results
-    # every window: its count (the rows collated, counted first: R = N), and at every 2nd (loss_every) the
-    # boundary's exchange; window 0: the epoch's check and the replica check too (and it exchanges: the
-    # first window always does); window 3: the next epoch's check too
-    assert per_window == [4, 1, 2, 2, 2, 1], per_window
+    # every window: the boundary's exchange (N is known on no rank before it: loss_every has nothing to
+    # save); window 0: the epoch's check, the count first and the replica check too; window 3: the next
+    # epoch's check too
+    assert per_window == [4, 1, 1, 2, 1, 1], per_window
     close(model.module, _one_big_batch_steps(_gathered_windows(recorded)))
     assert params_equal_on_all_ranks(model.module)
     return f"collectives per window {per_window}"
@@ -1279,10 +1272,10 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_a_fresh_rank_with_an_empty_first_share_needs_set_padding,
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
-             ddp_step_counts_first_with_one_small_collective, ddp_step_with_a_rank_without_data_costs_the_same,
-             ddp_step_counting_first_with_loss_every_exchanges_only_its_count,
-             ddp_counted_first_is_the_plain_loop_bit_for_bit, ddp_a_resumed_run_counting_first_is_the_uninterrupted_one,
-             ddp_a_rank_without_num_items_still_counts_with_the_others,
+             ddp_step_costs_one_small_collective_per_window, ddp_step_with_a_rank_without_data_costs_the_same,
+             ddp_step_with_loss_every_costs_one_collective_per_window,
+             ddp_step_is_the_plain_loop_bit_for_bit_while_n_repeats, ddp_a_resumed_run_counting_first_is_the_uninterrupted_one,
+             ddp_a_rank_without_num_items_weighs_as_the_others,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
              ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
