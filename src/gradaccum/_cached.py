@@ -306,7 +306,7 @@ class CachedPasses:
         # all-reduce, and an encode that replays alike once does in every window (an MoE's routing, integer
         # counts, is compared exactly every window: moe.WindowRouting)
         self.check = checked is not None and window_loss not in checked
-        self.replay = Replay(device, rtol=1e-5)
+        self.replay = Replay(device, sync, "WindowLoss", "gave other representations (encode's outputs)", rtol=1e-5)
         self.padding, self.padding_batch = padding, padding_batch
         self.cached: List[List[torch.Tensor]] = []
         self.spec: Any = None
@@ -458,7 +458,7 @@ class CachedPasses:
         once); in a checked window, on every rank alike, the refusal where a replay differed."""
         self.replay.finish()
         if self.check:
-            self.replay.check(self.sync, "WindowLoss", "gave other representations (encode's outputs)")
+            self.replay.check()
             self.checked.add(self.window_loss)
 
 

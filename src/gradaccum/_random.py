@@ -10,7 +10,7 @@ puts back the state pass 1 left, so the window draws its random numbers once.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -47,11 +47,13 @@ class Replay:
 
     Args:
         device: where the random states and the comparison's flag live.
+        sync: the distributed seam, whose ``any_rank`` makes every rank refuse alike.
+        who, what: who ran the forward and what differed, for the refusal.
         rtol: how far a second forward may be from the first, relative (0: exactly equal).
     """
 
-    def __init__(self, device: torch.device, *, rtol: float = 0.0) -> None:
-        self.device, self.rtol = device, rtol
+    def __init__(self, device: torch.device, sync: Any, who: str, what: str, *, rtol: float = 0.0) -> None:
+        self.device, self.sync, self.who, self.what, self.rtol = device, sync, who, what, rtol
         self.states: List[RandomState] = []
         self.end: Optional[RandomState] = None
         self.differs = torch.zeros((), dtype=torch.bool, device=device)
@@ -73,11 +75,11 @@ class Replay:
         for a, b in zip(again, first):
             self.differs |= ~torch.isclose(a.detach(), b, rtol=self.rtol, atol=0.0, equal_nan=True).all()
 
-    def check(self, sync: object, who: str, what: str) -> None:
-        """On every rank alike (one flag all-reduced by ``sync.any_rank``): the refusal where any rank's
-        second forward differed from its first. ``who`` ran it, ``what`` differed."""
-        if sync.any_rank(bool(self.differs), self.device):  # type: ignore[attr-defined]
-            raise replay_differs(who, what)
+    def check(self) -> None:
+        """On every rank alike (one flag all-reduced, one host synchronisation): the refusal where any
+        rank's second forward differed from its first."""
+        if self.sync.any_rank(bool(self.differs), self.device):
+            raise replay_differs(self.who, self.what)
 
     def finish(self) -> None:
         """After pass 2: the random state as pass 1 left it (the window drew its random numbers once)."""
