@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from contrastive import (DualEncoder, big_batch_step, in_batch_negatives, largest_difference, pair_batch,
                          per_micro_batch_step, split, twin, window_loss)
 from gradaccum import Accumulator, ReplayError, WindowLoss
-from gradaccum import _cached
+from gradaccum import _random
 
 TOL = 1e-12  # float64: the gradients differ by the order of additions only
 
@@ -106,7 +106,7 @@ def test_dropout_is_replayed_and_without_replay_the_step_is_wrong(monkeypatch):
     assert largest_difference(model, ref) < TOL
     assert torch.equal(after, torch.get_rng_state())  # the window drew its numbers once
 
-    monkeypatch.setattr(_cached.RandomState, "restore", lambda self: None)
+    monkeypatch.setattr(_random.RandomState, "restore", lambda self: None)
     broken = DualEncoder(dropout=0.3)
     before = [p.detach().clone() for p in broken.parameters()]
     acc = Accumulator(broken, torch.optim.SGD(broken.parameters(), lr=0.5))

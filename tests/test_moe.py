@@ -145,7 +145,7 @@ def test_refusals():
     with pytest.raises(NotExactError, match="acc.step"):
         MoELoss(lambda m, b: None, num_experts=4, top_k=2, coef=0.1)(None, None)
     # an attention_mask not (batch, sequence): the model's own balance would read it as such, so no count is its
-    from gradaccum.moe import hf_token_mask
+    from gradaccum.integrations.hf_router import hf_token_mask
 
     mask = torch.ones(2, 1, 5, 5)
     with pytest.raises(ConfigurationError, match=r"has shape \(2, 1, 5, 5\): pass the 2-D padding mask"):

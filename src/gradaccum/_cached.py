@@ -36,15 +36,15 @@ from torch import nn
 
 from ._checks import as_number, training_batchnorms
 from ._maths import backward_weight
-from ._random import RandomState
+from ._random import Replay
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window, WindowContext
 from .batching import Batch, rebuild, leaves, leading_dim
 from .result import StepResult
-from .errors import ConfigurationError, replay_differs
+from .errors import ConfigurationError
 
 __all__ = ["WindowLoss", "Constant", "CachedPasses", "run_cached_window", "graphs_to_keep", "check_window_loss",
-           "window_loss_of_batch", "rows_of", "refuse_a_loss_without_representations"]
+           "window_loss_of_batch", "rows_of"]
 
 #: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
 Encode = Callable[[nn.Module, Batch], Any]
@@ -137,12 +137,6 @@ class Constant:
 
     def __repr__(self) -> str:
         return f"Constant({tuple(self.tensor.shape)}, {self.tensor.dtype})"
-
-
-def _differentiable(out: Any) -> List[bool]:
-    """For each tensor of the representations, in :func:`_flat`'s order: whether ``loss`` is
-    differentiated with respect to it (a float tensor that is not a :class:`Constant`)."""
-    return [isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for _, leaf in leaves(out)]
 
 
 def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
@@ -274,21 +268,16 @@ class CachedPasses:
 
     In the order a driver calls it (the module docstring has the maths):
 
-    1. :meth:`first_pass`: each micro-batch's representations without a graph, the random state saved
-       before each and after all; the first ``keep`` micro-batches keep their graph (see below).
+    1. :meth:`first_pass`: each micro-batch's representations without a graph, its random state saved
+       before it; the first ``keep`` micro-batches keep their graph (why the first: :func:`graphs_to_keep`).
     2. :meth:`gather` then :meth:`loss_gradient`: every rank's representations joined (rank 0's first),
-       the window's loss ``L`` and the gradient of ``scale(weight * L)`` (``L`` in float32 at least)
-       with respect to the representations (this rank's slice, times the ranks' divisor ``W``) and to the
-       parameters the loss reaches itself (a temperature), by ``autograd.grad``, which writes nothing.
-    3. :meth:`part` for ``k`` in ``range(parts)``: micro-batch k's representations (its forward again,
-       its random state replayed, or pass 1's kept graph) and their gradients, for the driver to
-       backpropagate (``autograd.backward``, or :meth:`surrogate`'s scalar for a framework that calls
-       ``.backward()`` itself); then the zero-weight padding the ranks need.
-    4. :meth:`finish`: the random state as after pass 1 (the window drew its numbers once) and, in a
-       checked window, pass 2's representations compared with pass 1's on every rank
-       (:func:`gradaccum.errors.replay_differs`); once they matched, the loss is marked checked.
-
-    **Which graphs are kept: the first micro-batches'** (why: :func:`graphs_to_keep`).
+       the window's loss ``L`` and, by ``autograd.grad`` (which writes nothing), the gradient of
+       ``scale(weight * L)`` with respect to this rank's representations and the loss's own parameters.
+    3. :meth:`part` for ``k`` in ``range(parts)``: micro-batch k's representations (its forward again
+       from its random state, or pass 1's kept graph) and their gradients, for the driver to
+       backpropagate (or :meth:`surrogate`'s scalar); then the zero-weight padding the ranks need.
+    4. :meth:`finish`: the random state as after pass 1 and, in a checked window, pass 2's
+       representations compared with pass 1's on every rank (:class:`gradaccum._random.Replay`).
 
     **Half precision, one treatment:** the loss is taken in float32 at least before its gradient, and
     multiplied by the driver's loss scale (``scale``: the Accumulator's GradScaler; a Trainer, whose own
@@ -312,11 +301,14 @@ class CachedPasses:
                  autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.window_loss, self.micro_batches = window_loss, list(micro_batches)
         self.sync, self.device, self.sizes, self.autocast, self.checked = sync, device, sizes, autocast, checked
+        # the replay is compared in the loss's first window only, to float rounding: pass 2 runs with a graph,
+        # pass 1 without (kernels may round otherwise); a comparison reads every representation and costs an
+        # all-reduce, and an encode that replays alike once does in every window (an MoE's routing, integer
+        # counts, is compared exactly every window: moe.WindowRouting)
         self.check = checked is not None and window_loss not in checked
+        self.replay = Replay(device, sync, "WindowLoss", "gave other representations (encode's outputs)", rtol=1e-5)
         self.padding, self.padding_batch = padding, padding_batch
         self.cached: List[List[torch.Tensor]] = []
-        self.states: List[RandomState] = []
-        self.end: Optional[RandomState] = None
         self.spec: Any = None
         self.empty: List[torch.Tensor] = []
         #: micro-batch index -> its representations with their graph (pass 1 kept it)
@@ -329,7 +321,6 @@ class CachedPasses:
         self.total = 0
         self.slices: List[Optional[torch.Tensor]] = []
         self.carried: List[Tuple[Any, Any]] = []
-        self.alike = True
         self.ran = 0
 
     @property
@@ -345,27 +336,27 @@ class CachedPasses:
         unwrapped model and the kept forwards on its data-parallel wrapper) with their graph, under the
         wrapper's "do not reduce"; then the padding's forwards (their collectives, as the ranks with data
         run them). BatchNorm's running statistics are left as pass 1 found them."""
-        sizes = self.sizes
         with torch.no_grad(), _batchnorm_stats_kept(model), self.autocast():
             for k, mb in enumerate(self.micro_batches):
-                self.states.append(RandomState(self.device))
+                self.replay.save()
                 if k < keep:
                     with torch.enable_grad(), self.sync.micro_batch(last=False):
                         out = self.window_loss.encode(graph_model if graph_model is not None else model, mb)
-                    outs = _flat(out, rows_of(out) if sizes is None else sizes[k], k)
-                    self.graphs[k] = outs
-                    self.cached.append([o.detach() for o in outs])
                 else:
                     out = self.window_loss.encode(model, mb)
-                    self.cached.append(_flat(out, rows_of(out) if sizes is None else sizes[k], k))
+                outs = _flat(out, rows_of(out) if self.sizes is None else self.sizes[k], k)
+                if k < keep:
+                    self.graphs[k] = outs
+                self.cached.append([o.detach() for o in outs])
                 self.spec = out if self.spec is None else self.spec
             for _ in range(self.padding):
                 out = self.window_loss.encode(model, self.padding_batch)
                 if self.spec is None:
                     self.spec, self.empty = out, [t[:0] for t in _flat(out, leading_dim(self.padding_batch), 0)]
-        self.end = RandomState(self.device)
+        self.replay.saved_all()
         self.sizes = [c[0].shape[0] for c in self.cached]
-        self.differentiable = _differentiable(self.spec) if self.spec is not None else []
+        # per tensor, in _flat's order: whether the loss is differentiated by it (a float, not a Constant)
+        self.differentiable = [isinstance(t, torch.Tensor) and t.is_floating_point() for _, t in leaves(self.spec)]
 
     def _local(self) -> List[torch.Tensor]:
         """This rank's representations joined along dim 0, one tensor per position in the structure."""
@@ -395,11 +386,17 @@ class CachedPasses:
             loss = _checked_loss(self.window_loss.loss(loss_model, rebuild(self.spec, iter(inputs))))
         wrt = [t for t in inputs if t.requires_grad]  # the representations; labels and Constants ride along
         outside = [p for p in params if p.requires_grad]  # those the loss reaches itself get a gradient
-        weighted = scale(_at_least_float32(loss) * weight)
+        weighted = scale(loss.to(torch.promote_types(loss.dtype, torch.float32)) * weight)
         with torch.autocast(device_type=self.device.type, enabled=False):
             found = iter(torch.autograd.grad(weighted, wrt + outside, allow_unused=True))
         of_inputs = [next(found) if t.requires_grad else None for t in inputs]
-        refuse_a_loss_without_representations(of_inputs)
+        if all(g is None for g in of_inputs):  # refused before any backward, on every rank alike (the same loss)
+            raise ConfigurationError(
+                "WindowLoss: loss(model, representations) does not depend on the representations encode returned "
+                "(its gradient with respect to every one of them is None), so the step would train only the loss's "
+                "own parameters (a temperature). Compute the loss from the representations it is given; reaching "
+                "model outputs another way (model.logit_scale alone, a closure over earlier outputs) is not it. "
+                "No step was taken")
         mine = sum(self.sizes)
         self.slices = [None if g is None else g[self.offset:self.offset + mine] * self.sync.grad_divisor
                        for g in of_inputs]
@@ -427,12 +424,12 @@ class CachedPasses:
             outs = self.graphs.pop(k)
         else:
             if own:
-                self.states[k].restore()
+                self.replay.replay(k)
             batch = self.micro_batches[k] if own else self.padding_batch
             outs = _flat(self.window_loss.encode(model, batch), self.sizes[k] if own else leading_dim(batch),
                          k if own else 0)
             if own and self.check:
-                self.alike &= _same(outs, self.cached[k])
+                self.replay.compare(outs, self.cached[k])
         if k == 0 and self.check:
             _agree_outputs_require_grad(self.sync, self.device, outs, self.differentiable)
         if own:
@@ -459,11 +456,9 @@ class CachedPasses:
     def finish(self) -> None:
         """After the last part: the random state as after pass 1 alone (the window drew its random numbers
         once); in a checked window, on every rank alike, the refusal where a replay differed."""
-        assert self.end is not None, "pass 1 saved where the random state stands after it"
-        self.end.restore()
-        if self.check and self.sync.any_rank(not self.alike, self.device):
-            raise replay_differs("WindowLoss", "gave other representations (encode's outputs)")
-        if self.check and self.checked is not None:
+        self.replay.finish()
+        if self.check:
+            self.replay.check()
             self.checked.add(self.window_loss)
 
 
@@ -493,25 +488,3 @@ def rows_of(out: Any) -> int:
             return int(leaf.shape[0])
     raise ConfigurationError("WindowLoss: encode(model, micro_batch) returned no tensor with a leading dimension; "
                              "return the micro-batch's representations (a tensor, or a tuple/list/dict of tensors)")
-
-
-def refuse_a_loss_without_representations(grads: List[Optional[torch.Tensor]]) -> None:
-    """The loss's gradient with respect to every representation is absent: the step would train only
-    the loss's own parameters (a temperature), silently. Refused before any backward (every rank
-    computes the same loss, so every rank refuses alike)."""
-    if all(g is None for g in grads):
-        raise ConfigurationError(
-            "WindowLoss: loss(model, representations) does not depend on the representations encode returned "
-            "(its gradient with respect to every one of them is None), so the step would train only the loss's "
-            "own parameters (a temperature). Compute the loss from the representations it is given; reaching "
-            "model outputs another way (model.logit_scale alone, a closure over earlier outputs) is not it. "
-            "No step was taken")
-
-
-def _at_least_float32(loss: torch.Tensor) -> torch.Tensor:
-    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
-
-
-def _same(again: List[torch.Tensor], first: List[torch.Tensor]) -> bool:
-    """Pass 2's representations are pass 1's (to float rounding: 1e-5 relative)."""
-    return all(torch.allclose(a.detach(), b, rtol=1e-5, atol=0.0, equal_nan=True) for a, b in zip(again, first))

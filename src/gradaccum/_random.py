@@ -1,18 +1,22 @@
-"""The random state a forward starts from, kept so that the same forward can run again alike.
+"""The two-pass methods' one replay: a micro-batch's forward run twice, drawing the same random numbers.
 
-Two-pass methods run a micro-batch's forward twice and need both to draw the same random numbers
-(dropout, router jitter): :class:`~gradaccum.WindowLoss` (pass 1 caches the representations, pass 2
-backpropagates them), :class:`~gradaccum.MoELoss` (a counting forward, then the training forward) and
-their Trainer drivers. Each saves a :class:`RandomState` before the first forward and restores it
-before the second; the state after the first pass is restored at the end, so the window draws its
-random numbers once.
+:class:`~gradaccum.WindowLoss` (pass 1 caches the representations, pass 2 backpropagates them) and
+:class:`~gradaccum.MoELoss` (a counting forward, then the training forward), in every driver, run each
+micro-batch's forward twice. A :class:`Replay` saves the random state before each first forward
+(dropout, router jitter), restores it before the second, compares what the two forwards gave, refuses
+the window on every rank where they differ (:func:`gradaccum.errors.replay_differs`), and at the end
+puts back the state pass 1 left, so the window draws its random numbers once.
 """
 
 from __future__ import annotations
 
+from typing import Any, List, Optional, Sequence
+
 import torch
 
-__all__ = ["RandomState"]
+from .errors import replay_differs
+
+__all__ = ["RandomState", "Replay"]
 
 
 class RandomState:
@@ -30,3 +34,54 @@ class RandomState:
         torch.set_rng_state(self.cpu)
         if self.device_state is not None:
             torch.cuda.set_rng_state(self.device_state, self.device)
+
+
+class Replay:
+    """One window's replay, in the order a driver calls it:
+
+    1. pass 1: :meth:`save` before each micro-batch's first forward, :meth:`saved_all` after the last;
+    2. pass 2: :meth:`replay` ``k`` before micro-batch k's second forward, :meth:`compare` what it gave
+       with what the first gave (on the device: no host synchronisation per micro-batch);
+    3. :meth:`check`, on every rank alike: :class:`~gradaccum.ReplayError` where a forward differed;
+    4. :meth:`finish`: the random state as pass 1 left it.
+
+    Args:
+        device: where the random states and the comparison's flag live.
+        sync: the distributed seam, whose ``any_rank`` makes every rank refuse alike.
+        who, what: who ran the forward and what differed, for the refusal.
+        rtol: how far a second forward may be from the first, relative (0: exactly equal).
+    """
+
+    def __init__(self, device: torch.device, sync: Any, who: str, what: str, *, rtol: float = 0.0) -> None:
+        self.device, self.sync, self.who, self.what, self.rtol = device, sync, who, what, rtol
+        self.states: List[RandomState] = []
+        self.end: Optional[RandomState] = None
+        self.differs = torch.zeros((), dtype=torch.bool, device=device)
+
+    def save(self) -> None:
+        """Before micro-batch ``len(states)``'s first forward: the random state it starts from."""
+        self.states.append(RandomState(self.device))
+
+    def saved_all(self) -> None:
+        """After pass 1: the random state the window goes on from."""
+        self.end = RandomState(self.device)
+
+    def replay(self, k: int) -> None:
+        """Micro-batch k's random state, as its first forward found it."""
+        self.states[k].restore()
+
+    def compare(self, again: Sequence[torch.Tensor], first: Sequence[torch.Tensor]) -> None:
+        """The second forward's tensors against the first's (NaN equal to NaN), kept for :meth:`check`."""
+        for a, b in zip(again, first):
+            self.differs |= ~torch.isclose(a.detach(), b, rtol=self.rtol, atol=0.0, equal_nan=True).all()
+
+    def check(self) -> None:
+        """On every rank alike (one flag all-reduced, one host synchronisation): the refusal where any
+        rank's second forward differed from its first."""
+        if self.sync.any_rank(bool(self.differs), self.device):
+            raise replay_differs(self.who, self.what)
+
+    def finish(self) -> None:
+        """After pass 2: the random state as pass 1 left it (the window drew its random numbers once)."""
+        assert self.end is not None, "saved_all() ran after pass 1"
+        self.end.restore()

@@ -53,7 +53,8 @@ from ._checks import (ROWS, holds_ignored_labels, item_count, positive_int, posi
 from .accumulator import Accumulator
 from .batching import Batch, concat_batches, first_tensor, leading_dim, split_batch
 from .errors import SplitError
-from .moe import MoELoss, balance_hint
+from .integrations.hf_router import balance_hint
+from .moe import MoELoss
 
 __all__ = ["EquivalenceReport", "SplitError", "check_equivalence"]
 

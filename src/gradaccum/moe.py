@@ -35,147 +35,31 @@ in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weigh
 window's items, so the objective does not change with the accumulation steps or the world size) and
 ``"prefix"`` (expert fractions from this rank's micro-batches so far, Megatron's running average).
 
-:func:`aux_term` says when a Hugging Face model's loss has that term; :func:`refuse_aux_term` refuses
-the routes that would train it per micro-batch.
+Each micro-batch's two forwards are one :class:`gradaccum._random.Replay` (what a Hugging Face model's
+config and router give: :mod:`gradaccum.integrations.hf_router`).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ._maths import balance_loss_part, router_statistics, target_count
-from ._random import RandomState
+from ._maths import balance_loss_part, router_statistics
+from ._random import Replay
 from ._ranks import WindowPlan, WindowRequest
 from ._window import Window
-from .errors import ConfigurationError, NotExactError, replay_differs
+from .errors import ConfigurationError, NotExactError
 from .sync import GradSync
 
-__all__ = ["RouterBalance", "aux_term", "refuse_aux_term", "balance_hint", "router_logits_of", "MoEOutput", "MoELoss",
-           "MODES", "WindowRouting", "counts_on_every_rank", "run_moe_window", "check_moe_loss", "hf_routing",
-           "hf_token_mask"]
+__all__ = ["MoEOutput", "MoELoss", "MODES", "WindowRouting", "counts_on_every_rank", "run_moe_window",
+           "check_moe_loss"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
 MODES = ("exact", "micro_batch", "prefix")
-
-
-@dataclass(frozen=True)
-class RouterBalance:
-    """A model's load-balancing term: ``coef * LBL`` over ``num_experts`` experts, ``top_k`` per token."""
-
-    num_experts: int
-    top_k: int
-    coef: float
-
-
-def _text_config(config: Any) -> Any:
-    getter = getattr(config, "get_text_config", None)
-    return getter() if callable(getter) else config
-
-
-def aux_term(config: Any) -> Optional[RouterBalance]:
-    """The load-balancing term a Hugging Face config adds to the model's loss, or None: the model
-    returns its router logits (``output_router_logits``) and weighs them by a nonzero
-    ``router_aux_loss_coef``. A multimodal config is read through its text config.
-
-    >>> class Config: output_router_logits, router_aux_loss_coef, num_local_experts, num_experts_per_tok = True, 0.02, 8, 2
-    >>> aux_term(Config())
-    RouterBalance(num_experts=8, top_k=2, coef=0.02)
-    >>> Config.router_aux_loss_coef = 0.0; aux_term(Config()) is None
-    True
-    """
-    if config is None:
-        return None
-    text = _text_config(config)
-    coef = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
-    if not getattr(text, "output_router_logits", False):
-        return None
-    _refuse_an_unknown_term(text, coef)
-    if not coef:
-        return None
-    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
-    return RouterBalance(int(experts or 0), int(getattr(text, "num_experts_per_tok", 0) or 0), float(coef))
-
-
-#: the model types whose load-balancing loss is transformers' ``load_balancing_loss_func`` as
-#: :func:`gradaccum._maths.balance_loss_part` computes it (tested against each family's own loss)
-BALANCED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-#: where other models keep the weight of a router loss of their own (JetMoe, DBRX, ...)
-_OTHER_WEIGHTS = ("aux_loss_coef", "moe_aux_loss_coef", "router_z_loss_coef")
-
-
-def _refuse_an_unknown_term(text: Any, coef: float) -> None:
-    """A config whose loss adds a router term gradaccum cannot compute over the window (another
-    family's formula, or a weight under another name): refused, never trained without it in silence."""
-    family = getattr(text, "model_type", None)
-    others = {name: getattr(text, name) for name in _OTHER_WEIGHTS if getattr(text, name, 0)}
-    ffn = getattr(text, "ffn_config", None)
-    if getattr(ffn, "moe_loss_weight", 0) or (isinstance(ffn, dict) and ffn.get("moe_loss_weight")):
-        others["ffn_config.moe_loss_weight"] = getattr(ffn, "moe_loss_weight", None) or ffn.get("moe_loss_weight")
-    unknown = bool(others) or (bool(coef) and family is not None and family not in BALANCED_FAMILIES)
-    if unknown:
-        weights = ", ".join(f"{k}={v}" for k, v in ({"router_aux_loss_coef": coef} if coef else {}).items())
-        weights = ", ".join(filter(None, [weights] + [f"{k}={v}" for k, v in others.items()]))
-        raise NotExactError(
-            f"the model's config ({family}) has output_router_logits=True and {weights}: its loss adds a router "
-            f"term gradaccum does not compute over the window (supported: {', '.join(BALANCED_FAMILIES)}), so it "
-            "would be dropped or computed per micro-batch. Set output_router_logits=False (or that weight to 0) to "
-            "train without it")
-
-
-def refuse_aux_term(config: Any, where: str, fix: str) -> None:
-    """Raise :class:`~gradaccum.NotExactError` when ``config`` adds a load-balancing term that ``where``
-    would compute per micro-batch (or drop), naming the config's values and ``fix``."""
-    term = aux_term(config)
-    if term is None:
-        return
-    raise NotExactError(
-        f"{where}: the model's config has output_router_logits=True and router_aux_loss_coef={term.coef}, so its "
-        f"loss adds a load-balancing term (E={term.num_experts} experts, top-{term.top_k}) whose expert fractions "
-        f"are statistics of the whole batch; {where} would compute it per micro-batch, so the step would not be "
-        f"the big batch's. {fix}")
-
-
-def balance_hint(model: nn.Module) -> Optional[str]:
-    """The checker's hint for a model whose loss adds a load-balancing term (None without one)."""
-    try:
-        term = next((t for t in (aux_term(getattr(m, "config", None)) for m in model.modules()) if t is not None), None)
-    except NotExactError as unknown:
-        return f"{unknown}; per micro-batch that term is another objective"
-    if term is None:
-        return None
-    return (f"the model's loss adds an MoE router load-balancing term (router_aux_loss_coef={term.coef}, "
-            f"{term.num_experts} experts, top-{term.top_k}) whose expert fractions are statistics of the whole "
-            "batch, so per micro-batch it is another objective: train with gradaccum.MoELoss.for_hf_model(model) "
-            "(Accumulator) or ExactTrainer / ExactSFTTrainer, which compute it over the window, or set "
-            "router_aux_loss_coef=0.0")
-
-
-@contextlib.contextmanager
-def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
-    """The router logits of every forward of ``model`` inside the block, in layer order, for forwards
-    that do not return them (TRL's fused LM head) or that are asked not to (so that the model computes
-    no per-batch aux loss of its own): hooks on the router class the model's own output capture names
-    (``_can_record_outputs["router_logits"]``, transformers 5)."""
-    spec = next((m._can_record_outputs["router_logits"] for m in model.modules()
-                 if "router_logits" in (getattr(m, "_can_record_outputs", None) or {})), None)
-    if spec is None:
-        raise ConfigurationError(f"{type(model).__name__} does not name its router (no "
-                                 "_can_record_outputs['router_logits']); pass router_logits_of a model whose router is "
-                                 "named so, or write MoELoss(forward=...) yourself")
-    seen: List[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
-             for m in model.modules() if isinstance(m, spec.target_class)]
-    try:
-        yield seen
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 class MoEOutput(NamedTuple):
@@ -195,28 +79,6 @@ class MoEOutput(NamedTuple):
     num_items: Any
     router_logits: Sequence[torch.Tensor]
     token_mask: Optional[torch.Tensor] = None
-
-
-def hf_token_mask(inputs: Mapping[str, Any]) -> Optional[torch.Tensor]:
-    """The tokens a Hugging Face MoE model's ``load_balancing_loss_func`` balances: its 2-D
-    ``attention_mask`` (batch, sequence), flattened (None: no mask, every token). Another shape is refused:
-    the model's own function reads the mask as (batch, sequence), so no count of it would be the model's."""
-    mask = inputs.get("attention_mask")
-    if not isinstance(mask, torch.Tensor):
-        return None
-    if mask.dim() != 2:
-        raise ConfigurationError(f"the MoE load balancing over the window reads attention_mask as (batch, sequence), "
-                                 f"as the model's load_balancing_loss_func does; this micro-batch's has shape "
-                                 f"{tuple(mask.shape)}: pass the 2-D padding mask (1 for a token, 0 for padding)")
-    return mask.reshape(-1)
-
-
-def hf_routing(model: nn.Module, inputs: Mapping[str, Any], num_items: Any = None) -> MoEOutput:
-    """A Hugging Face MoE model's routing of a micro-batch's model inputs (the counting pass): its router
-    logits (``output_router_logits=True``) and :func:`hf_token_mask`; ``num_items`` as the caller counts
-    them. ``model`` is the trunk (``base_model``) where the LM head is not needed."""
-    return MoEOutput(None, num_items, model(**inputs, output_router_logits=True).router_logits,  # type: ignore[arg-type]
-                     hf_token_mask(inputs))
 
 
 class MoELoss:
@@ -275,11 +137,6 @@ class MoELoss:
         self.forward, self.num_experts, self.top_k, self.coef, self.mode = forward, num_experts, top_k, float(coef), mode
         self.route = route if route is not None else forward
 
-    @property
-    def term(self) -> RouterBalance:
-        """E, top-k and coef, as :class:`WindowRouting` takes them."""
-        return RouterBalance(self.num_experts, self.top_k, self.coef)
-
     def __repr__(self) -> str:
         return (f"MoELoss(forward={self.forward!r}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"coef={self.coef}, mode={self.mode!r})")
@@ -305,56 +162,16 @@ class MoELoss:
                 ``loss_fn``; later, a micro-batch that is not a dict with ``labels``.
             NotExactError: the config adds a router loss of another family (JetMoe, DBRX, ...).
         """
-        from .losses import causal_lm_loss
+        from .integrations.hf_router import causal_lm_parts
 
-        inner = _unwrapped(model)
-        name = type(inner).__name__
-        config = getattr(inner, "config", None)
-        if config is None:
-            raise ConfigurationError(
-                f"MoELoss.for_hf_model({name}): the model has no Hugging Face config (model.config), so there is no "
-                f"router to read E, top-k and coef from; for_hf_model takes a {', '.join(BALANCED_FAMILIES)} causal "
-                "LM; for a model of your own write MoELoss(forward, num_experts=..., top_k=..., coef=...)")
-        term = aux_term(config)
-        if term is None:
-            raise ConfigurationError(
-                f"MoELoss.for_hf_model({name}): its config has no load-balancing term (output_router_logits="
-                f"{getattr(_text_config(config), 'output_router_logits', None)}, router_aux_loss_coef="
-                f"{getattr(_text_config(config), 'router_aux_loss_coef', None)}); use a plain loss_fn such as "
-                "gradaccum.causal_lm_loss, or set output_router_logits=True and router_aux_loss_coef > 0")
-
-        def split(batch: Any) -> Tuple[Dict[str, Any], torch.Tensor]:
-            if not isinstance(batch, Mapping):
-                raise ConfigurationError(
-                    f"MoELoss.for_hf_model: a micro-batch is a {type(batch).__name__}; it takes dicts of the model's "
-                    "inputs with labels, e.g. {'input_ids': ..., 'attention_mask': ..., 'labels': ...} (a "
-                    "tokenizer's output with labels added)")
-            if "labels" not in batch:
-                raise ConfigurationError(
-                    f"MoELoss.for_hf_model: a micro-batch has no 'labels' (its keys: {sorted(batch)}); add the "
-                    "targets as batch['labels'] (input_ids, with -100 where no loss is taken; the model shifts them)")
-            return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, batch["labels"]
-
-        def forward(model: nn.Module, batch: Any) -> MoEOutput:
-            inputs, labels = split(batch)
-            # the router logits by hooks: with output_router_logits=False the model computes no
-            # per-batch aux loss of its own (unused here)
-            with router_logits_of(model) as router_logits:
-                out = model(**inputs, output_router_logits=False)
-            mean, count = causal_lm_loss(out.logits, labels, ignore_index=ignore_index)
-            return MoEOutput(mean, count, list(router_logits), hf_token_mask(batch))
-
-        def route(model: nn.Module, batch: Any) -> MoEOutput:
-            inputs, labels = split(batch)
-            count = target_count(labels[..., 1:], ignore_index=ignore_index)
-            return hf_routing(getattr(model, "base_model", model), inputs, count)
-
-        return cls(forward, num_experts=term.num_experts, top_k=term.top_k, coef=term.coef, mode=mode, route=route)
+        term, forward, route = causal_lm_parts(_unwrapped(model), ignore_index)
+        return cls(lambda m, batch: MoEOutput(*forward(m, batch)), num_experts=term.num_experts, top_k=term.top_k,
+                   coef=term.coef, mode=mode, route=lambda m, batch: MoEOutput(*route(m, batch)))
 
     def checked(self, out: Any) -> MoEOutput:
         """``forward``'s output after the checks every mode makes (an :class:`MoEOutput`, router logits
         of ``num_experts`` experts), or a :class:`~gradaccum.ConfigurationError` that says the fix."""
-        _check_routing(_checked(out), self.term, "MoELoss")
+        _check_routing(_checked(out), self, "MoELoss")
         return out  # type: ignore[no-any-return]
 
     # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
@@ -368,7 +185,7 @@ class MoELoss:
 
         def loss_fn(model: nn.Module, batch: Any) -> Any:
             out = _checked(self.forward(model, batch))
-            counts, probs, rows = _statistics(out, self.term, "MoELoss")
+            counts, probs, rows = _statistics(out, self, "MoELoss")
             fractions_of, over = (counts, rows)
             if self.mode == "prefix":
                 seen[:] = [counts, rows] if not seen else [seen[0] + counts, seen[1] + rows]
@@ -392,13 +209,13 @@ def _checked(out: Any) -> MoEOutput:
     return out
 
 
-def _statistics(out: MoEOutput, term: RouterBalance, who: str) -> Any:
+def _statistics(out: MoEOutput, term: Any, who: str) -> Any:
     """``router_statistics`` of a forward's output, after :func:`_check_routing`."""
     _check_routing(out, term, who)
     return router_statistics(list(out.router_logits), term.top_k, out.token_mask)
 
 
-def _check_routing(out: MoEOutput, term: RouterBalance, who: str) -> None:
+def _check_routing(out: MoEOutput, term: Any, who: str) -> None:
     """The checks every mode makes alike: router logits there are, and each layer's have
     ``term.num_experts`` experts."""
     logits = list(out.router_logits) if out.router_logits is not None else []
@@ -407,7 +224,7 @@ def _check_routing(out: MoEOutput, term: RouterBalance, who: str) -> None:
             f"{who}: the forward returned no router logits (router_logits={out.router_logits!r}), so there is no "
             "load balancing to compute: return one (tokens, experts) tensor per MoE layer in MoEOutput.router_logits "
             "(a Hugging Face model returns them with output_router_logits=True, or read them with "
-            "gradaccum.moe.router_logits_of(model))")
+            "gradaccum.integrations.hf_router.router_logits_of(model))")
     experts = {int(t.shape[-1]) for t in logits}
     if experts != {term.num_experts}:
         raise ConfigurationError(f"{who}(num_experts={term.num_experts}): the router logits have "
@@ -442,7 +259,7 @@ def counts_on_every_rank(sync: GradSync) -> bool:
     return sync.sharded_grads
 
 
-class WindowRouting:
+class WindowRouting(Replay):
     """One window's load balancing, step by step: the one implementation that every driver calls
     (the Accumulator's :func:`run_moe_window`, ExactTrainer's
     :class:`~gradaccum.integrations.hf_moe.WindowBalance`), in the order a window runs:
@@ -458,23 +275,27 @@ class WindowRouting:
        they were counted (:func:`gradaccum.errors.replay_differs` where one did not).
     4. :meth:`finish` after the window: the random state as pass 1 left it (the window drew once).
 
-    Attributes (after :meth:`open`): ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``,
-    every rank's; ``local_items`` this rank's), ``itemless`` (a micro-batch somewhere routes tokens but
-    holds no loss item), ``sizes`` (each rank's micro-batches).
+    The replay is a :class:`~gradaccum._random.Replay` compared exactly, in every window: the counts
+    are integers, so any difference is a token routed to another expert, which changes ``C`` for the
+    whole window; a comparison is E numbers per micro-batch, and a near-tie in the router's top-k can
+    flip in any window under non-deterministic kernels (a :class:`~gradaccum.WindowLoss` compares its
+    float representations once, to rounding).
+
+    Attributes (after :meth:`open`): ``term`` (E, top-k and coef: the :class:`MoELoss`, or a config's
+    ``RouterBalance``), ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``, every rank's;
+    ``local_items`` this rank's), ``sizes`` (each rank's micro-batches).
     """
 
-    def __init__(self, term: RouterBalance, sync: GradSync, device: torch.device, who: str) -> None:
-        self.term, self.sync, self.device, self.who = term, sync, device, who
-        self.states: List[RandomState] = []
+    def __init__(self, term: Any, sync: GradSync, device: torch.device, who: str) -> None:
+        super().__init__(device, sync, who, "routed its tokens to other experts")
+        self.term = term
         self.first: List[torch.Tensor] = []
-        self.differs = torch.zeros((), dtype=torch.bool, device=device)
         self.counts = torch.zeros(term.num_experts, dtype=torch.float64, device=device)
         self.rows = self.items = self.local_items = 0.0
-        self.itemless = False
         self.sizes: List[int] = []
 
     @classmethod
-    def open(cls, term: RouterBalance, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
+    def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
              forward: Callable[[Any], MoEOutput], sync: GradSync, device: torch.device, who: str,
              padding: Sequence[Any] = (), autocast: Optional[Callable[[], Any]] = None) -> "WindowRouting":
         """Count the window and agree the counts across the ranks.
@@ -500,27 +321,27 @@ class WindowRouting:
             for batch in padding:  # first: whatever they draw, the micro-batches' replays start after it
                 run(batch)
             for batch in micro_batches:
-                routing.states.append(RandomState(device))
+                routing.save()
                 out = _checked(run(batch))
                 c, _, rows = _statistics(out, term, who)
                 routing.first.append(c)
                 n = torch.as_tensor(0 if out.num_items is None else out.num_items, device=device).to(torch.float64)
                 bad = ((n == 0) & (rows > 0)).to(torch.float64) if out.num_items is not None else torch.zeros_like(n)
                 totals += torch.cat([c.to(torch.float64), torch.stack([rows.to(torch.float64), n, bad])])
-        routing.states.append(RandomState(device))
+        routing.saved_all()
         # every rank's (C, T, N, itemless, micro-batches): one all-gather per window, before any backward
         every = sync.all_gather(torch.cat([totals, totals.new_tensor([len(micro_batches)])]))
         summed = every[:, :-1].sum(dim=0)
         routing.counts = summed[:-3]
         read = torch.cat([summed[-3:], totals[-2:-1]]).tolist()  # one host synchronisation
         routing.rows, routing.items, itemless, routing.local_items = read
-        routing.itemless = bool(itemless)
         routing.sizes = [int(m) for m in every[:, -1].tolist()]
+        if itemless and routing.items > 0:  # only where route counts the items: MoELoss's
+            raise NotExactError(
+                f"{who}: a micro-batch holds tokens the router balances but no loss item (every label ignored), "
+                "so its share of the load-balancing gradient has no item weight to ride on; leave such micro-batches "
+                "out of the window (on this rank or another), or use MoELoss(mode='micro_batch')")
         return routing
-
-    def replay(self, k: int) -> None:
-        """Micro-batch k's random state, as it was when it was counted."""
-        self.states[k].restore()
 
     def part(self, k: int, router_logits: Sequence[torch.Tensor], token_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """``balance_loss_part(S_k, C, T, T)``: micro-batch k's part of the window's load-balancing loss
@@ -528,18 +349,17 @@ class WindowRouting:
         kept for :meth:`check`."""
         require_router_grad(router_logits, self.who)
         c, s, _ = _statistics(MoEOutput(None, None, router_logits, token_mask), self.term, self.who)
-        self.differs = self.differs | (c.detach() != self.first[k]).any()
+        self.compare([c], [self.first[k]])
         return balance_loss_part(s, self.counts, self.rows, self.rows)
 
-    def check(self) -> None:
-        """Before the window's last backward, on every rank alike: every training forward routed as it
-        was counted, else :class:`~gradaccum.ReplayError`."""
-        if self.sync.any_rank(bool(self.differs), self.device):
-            raise replay_differs(self.who, "routed its tokens to other experts")
-
-    def finish(self) -> None:
-        """After the window: the random state as the counting pass left it (drawn once per window)."""
-        self.states[-1].restore()
+    def mean_loss(self, k: int, out: MoEOutput) -> torch.Tensor:
+        """Micro-batch k's token loss plus ``coef * N / n_k`` times its :meth:`part`: a mean over its
+        ``n_k`` items, which the core's weight ``n_k / N`` turns into ``L_k n_k / N + coef * part``
+        (a micro-batch of no item adds no part; a count tensor stays on the device: no host sync)."""
+        part, n, coef = self.part(k, out.router_logits, out.token_mask), out.num_items, self.term.coef
+        if isinstance(n, torch.Tensor):
+            return out.loss + torch.where(n > 0, coef * self.items / n.clamp(min=1).to(part.dtype), 0.0) * part
+        return out.loss + coef * self.items / n * part if n > 0 else out.loss
 
 
 def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any, *, micro_batch_size: Any = None,
@@ -548,54 +368,43 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
     :func:`gradaccum._run.run_window`, which runs the cheaper modes as a ``(mean, count)`` ``loss_fn``):
     the Accumulator's driver of :class:`WindowRouting`, in the module docstring's order."""
     assert not catch_oom, "micro_batch_size='auto' with MoELoss(mode='exact') is refused by check_moe_loss"
-    ranks = ctx.ranks
+    ranks, own = ctx.ranks, len(micro_batches)
     if micro_batches:
         ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
-    # pass 1 runs before the window opens: on the unwrapped module under DDP (whose forward runs
-    # collectives a rank without data lacks); under FSDP2 every forward all-gathers the shards, so
-    # every rank runs as many as the busiest, padding with its last micro-batch (zero weight)
-    padding = 0
-    if counts_on_every_rank(ctx.sync):
-        padding = int(ctx.sync.all_gather(torch.tensor([len(micro_batches)], device=ctx.device)).max()) - len(micro_batches)
-        if ctx.sync.any_rank(padding > 0 and ctx.state.padding_batch is None, ctx.device):
-            raise ConfigurationError("MoELoss: a rank has fewer micro-batches than another and none to pad its counting "
-                                     "forwards with (FSDP2 runs every forward on every rank): give it one with "
-                                     "acc.set_padding(micro_batch)")
+    # pass 1 runs before the window opens, on the unwrapped module (DDP's forward runs collectives)
     routing = WindowRouting.open(
-        moe.term, micro_batches, route=lambda mb: moe.route(_unwrapped(ctx.model), mb),
+        moe, micro_batches, route=lambda mb: moe.route(_unwrapped(ctx.model), mb),
         forward=lambda mb: moe.forward(ctx.model, mb), sync=ctx.sync, device=ctx.device, who="MoELoss",
-        padding=[ctx.state.padding_batch] * padding, autocast=ctx.precision.autocast)
-    items = routing.items
-    if routing.itemless and items > 0:
-        raise NotExactError(
-            "MoELoss: a micro-batch holds tokens the router balances but no loss item (every label ignored), "
-            "so its share of the load-balancing gradient has no item weight to ride on; leave such micro-batches "
-            "out of the window (on this rank or another), or use MoELoss(mode='micro_batch')")
+        padding=_counting_padding(ctx, own), autocast=ctx.precision.autocast)
     # the window opens knowing its global N (R = N: each backward weighs n_k / N as the big batch does)
-    plan = WindowPlan(len(micro_batches), max(routing.sizes), min(routing.sizes), items)
-    request = WindowRequest(len(micro_batches), routing.local_items, can_pad=ranks.can_pad(bool(micro_batches)),
-                            plan=plan)
+    plan = WindowPlan(own, max(routing.sizes), min(routing.sizes), routing.items)
+    request = WindowRequest(own, routing.local_items, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
-        last = len(micro_batches) + window.padding - 1
+        last = own + window.padding - 1
         for k in range(last + 1):
-            own = k < len(micro_batches)
-            if own:
+            if k < own:
                 routing.replay(k)
             with window.micro_batch():
-                out = _checked(moe.forward(ctx.model, micro_batches[k] if own else ctx.state.padding_batch))
-                loss = out.loss
-                if own:
-                    part = routing.part(k, out.router_logits, out.token_mask)
-                    n = out.num_items  # the core's weight n_k / N leaves coef * part
-                    if isinstance(n, torch.Tensor):  # left on the device: no host sync per micro-batch
-                        loss = loss + torch.where(n > 0, moe.coef * items / n.clamp(min=1).to(part.dtype), 0.0) * part
-                    elif n > 0:
-                        loss = loss + moe.coef * items / n * part
+                out = _checked(moe.forward(ctx.model, micro_batches[k] if k < own else ctx.state.padding_batch))
+                loss = routing.mean_loss(k, out) if k < own else out.loss
                 if k == last:
                     routing.check()
-                if own:
+                if k < own:
                     window.backward(loss, out.num_items)
                 else:
                     window.backward_padding(loss)
         routing.finish()
         return window.step()
+
+
+def _counting_padding(ctx: Any, own: int) -> List[Any]:
+    """The counting forwards this rank runs first, for nothing: under FSDP2 every forward all-gathers the
+    shards, so every rank runs as many as the busiest, padding with its padding batch (zero weight)."""
+    if not counts_on_every_rank(ctx.sync):
+        return []
+    padding = int(ctx.sync.all_gather(torch.tensor([own], device=ctx.device)).max()) - own
+    if ctx.sync.any_rank(padding > 0 and ctx.state.padding_batch is None, ctx.device):
+        raise ConfigurationError("MoELoss: a rank has fewer micro-batches than another and none to pad its counting "
+                                 "forwards with (FSDP2 runs every forward on every rank): give it one with "
+                                 "acc.set_padding(micro_batch)")
+    return [ctx.state.padding_batch] * padding

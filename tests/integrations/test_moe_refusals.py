@@ -67,7 +67,7 @@ def test_a_router_loss_exact_trainer_cannot_compute_is_refused_not_dropped():
     from transformers import DbrxConfig, JetMoeConfig, JetMoeForCausalLM
 
     from gradaccum.checking import check_equivalence
-    from gradaccum.moe import aux_term
+    from gradaccum.integrations.hf_router import aux_term
 
     def jetmoe(**extra):
         torch.manual_seed(0)

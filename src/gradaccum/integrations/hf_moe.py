@@ -13,9 +13,9 @@ from torch import nn
 
 from .._patching import swapped
 from ..errors import NotExactError
-from ..moe import (BALANCED_FAMILIES, RouterBalance, WindowRouting, aux_term, hf_routing, hf_token_mask,
-                   router_logits_of)
+from ..moe import MoEOutput, WindowRouting
 from ..sync import sync_for
+from .hf_router import BALANCED_FAMILIES, RouterBalance, aux_term, hf_routing, hf_token_mask, router_logits_of
 
 __all__ = ["WindowBalance", "trl_aux_refusal", "trl_router_balance"]
 
@@ -23,7 +23,7 @@ __all__ = ["WindowBalance", "trl_aux_refusal", "trl_router_balance"]
 def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
     """The load-balancing term a TRL RL trainer (GRPO, RLOO) turned on (``aux_loss_enabled``), or None:
     TRL asks every forward for the router logits and weighs them by its own ``router_aux_loss_coef``, so
-    :func:`gradaccum.moe.aux_term` of the model's config with those two set.
+    :func:`gradaccum.integrations.hf_router.aux_term` of the model's config with those two set.
 
     Raises:
         NotExactError: a family whose router loss gradaccum does not compute over the step (TRL would add
@@ -56,7 +56,7 @@ class WindowBalance:
     """One window's :class:`~gradaccum.moe.WindowRouting`, opened and driven from the Trainer's hooks.
 
     Args:
-        term: the model's :class:`~gradaccum.moe.RouterBalance` (E, top-k, coef).
+        term: the model's :class:`~gradaccum.integrations.hf_router.RouterBalance` (E, top-k, coef).
         model: the unwrapped model (the counting pass runs no collective but FSDP2's).
         batches: the window's micro-batches, already on the device, as the model takes them.
         device: where counts are made.
@@ -74,9 +74,10 @@ class WindowBalance:
         model.train()  # routes as the training forward will (jitter and dropout on)
         try:
             trunk = getattr(model, "base_model", model)
-            self.routing = WindowRouting.open(term, batches, route=lambda inputs: hf_routing(trunk, inputs),
-                                              forward=lambda inputs: hf_routing(model, inputs), sync=sync,
-                                              device=device, who=who)
+            self.routing = WindowRouting.open(
+                term, batches, route=lambda inputs: MoEOutput(None, None, *hf_routing(trunk, inputs)),
+                forward=lambda inputs: MoEOutput(None, None, *hf_routing(model, inputs)), sync=sync, device=device,
+                who=who)
         finally:
             model.train(was_training)
         #: this rank's parts of the window's load-balancing loss (without ``coef``), summed: what a log shows

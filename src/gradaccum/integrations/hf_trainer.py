@@ -17,7 +17,7 @@ from .._driven import DrivenWindow
 from .._gradients import AccumulationBuffers
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
-from ..moe import aux_term, refuse_aux_term
+from .hf_router import aux_term, refuse_aux_term
 from . import hf_window_loss
 from ._versions import FLOORS
 

@@ -37,7 +37,7 @@ from .._window import graph_leaves
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError
-from ..moe import refuse_aux_term
+from .hf_router import refuse_aux_term
 
 __all__ = ["ExactAccumulation", "strategy_model", "count_step"]
 
