@@ -176,7 +176,7 @@ class ExactTrainer(TrainerDriver, Trainer):
     with ``L_k`` micro-batch k's mean loss over its ``n_k`` items (how, and what an item is by loss
     source: :func:`loss_source` and docs/guides/hf-trainer.md). The logged ``loss`` is the window's
     mean over all ranks; ``eval_loss`` the item-weighted mean over the whole evaluation set.
-    ``skipped`` counts the windows of ``N = 0`` skipped.
+    ``skipped`` counts the windows skipped: of ``N = 0``, or whose gradient was not finite.
 
     Args:
         *args: As for ``transformers.Trainer`` (or the subclass).
@@ -185,6 +185,11 @@ class ExactTrainer(TrainerDriver, Trainer):
         ignore_index: Label value that is not a target. Default -100.
         accum_dtype: ``"auto"`` (default) or ``"param"``: where bf16/fp16 parameters sum the window
             (docs/guides/deepspeed.md, "bf16 and fp16 parameters").
+        nonfinite: ``"skip"`` (default) a window whose loss or gradient is not finite (a nan or inf in any
+            micro-batch, read from the gradient norm the Trainer measures before it steps): no optimizer
+            or scheduler step, ``global_step`` not advanced, ``skipped`` counts it, a warning once; or
+            ``"raise"`` ``FloatingPointError`` at that window. Also a class attribute. With an fp16 loss
+            scaler the scaler skips an overflowing step itself; under DeepSpeed the engine.
         **kwargs: As for the Trainer; ``compute_loss_func`` only as a :class:`~gradaccum.WindowLoss`
             (``CLIPModel`` and ``SiglipModel`` get theirs without it: docs/guides/hf-trainer.md, "CLIP,
             SigLIP and other losses that couple the batch").
