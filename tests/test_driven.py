@@ -104,6 +104,33 @@ def test_a_step_the_framework_did_not_apply_is_recorded_skipped():
     assert closing.verdict is Verdict.SKIP_NONFINITE and (state.steps, state.skipped) == (0, 1)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_gradient_that_is_not_finite_is_skipped_or_raises(bad):
+    """The Accumulator's rule on the gradient handed over: its norm (measured here, or the framework's) not
+    finite skips under nonfinite='skip' (the .grad dropped, a skip recorded, the norm kept), raises under
+    'raise' naming the window and the fix; a finite one steps and keeps its norm."""
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    state = AccumulatorState()
+    window = DrivenWindow(state, 1, num_items=4, micro_batches=1, who="ExactTrainer")
+    p.grad = torch.tensor([3.0, 4.0, 0.0], dtype=torch.float64)
+    closing = window.judge(window.close(params=[p]), [p])
+    assert closing.verdict is Verdict.STEP and closing.grad_norm == 5.0 and p.grad is not None
+    p.grad = torch.tensor([1.0, bad, 0.0], dtype=torch.float64)
+    closing = window.judge(window.close(params=[p]), [p])
+    assert closing.verdict is Verdict.SKIP_NONFINITE and p.grad is None
+    with pytest.warns(UserWarning, match=r"ExactTrainer: a window's gradient was not finite"):
+        window.record(closing, warn_nonfinite="skipped counts them")
+    assert (state.steps, state.skipped) == (0, 1)
+    raising = DrivenWindow(state, 1, num_items=4, micro_batches=1, nonfinite="raise", who="ExactTrainer")
+    with pytest.raises(FloatingPointError, match=r"window 2 of this run .*ExactTrainer\(nonfinite='skip'\)"):
+        raising.judge(raising.close(), grad_norm=torch.tensor(bad))
+    half = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    half.grad = torch.full((2,), 60000.0, dtype=torch.float16)  # finite, with a norm past float16's range
+    assert window.judge(window.close(params=[half]), [half]).grad_norm == pytest.approx(60000.0 * 2 ** 0.5)
+    empty = DrivenWindow(state, 1, num_items=0, micro_batches=1)
+    assert empty.judge(empty.close(), grad_norm=bad).verdict is Verdict.SKIP_EMPTY  # no item: nothing to judge
+
+
 @pytest.mark.parametrize("rows, tokens", [(4, 7), (4, 0)])
 def test_a_second_mean_is_weighed_over_its_own_count(rows, tokens):
     """GRPO's entropy bonus (a token mean) in a step whose loss averages over its sequences: the summed

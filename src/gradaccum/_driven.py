@@ -11,9 +11,16 @@ The framework calls forward, backward, clipping and the optimizer; the driver (`
 3. at the **boundary**, before the framework clips and steps: :meth:`DrivenWindow.close` decides (step,
    or skip a window of no item), stops the buffers folding and, for a step, hands the framework the
    window's gradient at its scale ``R / N``: the buffers multiplied in float32 and rounded once into
-   ``.grad``, every other gradient multiplied in place; for a skip, every gradient dropped. Then
-   :meth:`DrivenWindow.record` writes what the window taught into the driver's
-   :class:`~gradaccum.AccumulatorState`.
+   ``.grad``, every other gradient multiplied in place; for a skip, every gradient dropped.
+   :meth:`DrivenWindow.judge` gives the rest of the verdict on the gradient handed over, with the
+   ``Accumulator``'s rule (:func:`~gradaccum._maths.verdict`) and its ``nonfinite=`` choice: a norm
+   that is not finite (a nan or inf loss or gradient in any micro-batch, on any rank) skips the window
+   (``"skip"``: its gradient dropped; the driver keeps its framework's optimizer and scheduler from
+   stepping) or raises (``"raise"``). The norm is the one the framework measures anyway where it does
+   (the Hugging Face Trainer's, for clipping and its log), else one fused pass here; either way one
+   host read per window, and the same on every rank, since every rank holds the same reduced gradient
+   (under FSDP2 the norm is of the whole gradient). Then :meth:`DrivenWindow.record` writes what the
+   window taught into the driver's :class:`~gradaccum.AccumulatorState` (one step more, or one skip).
 
 A window that fails part-way drops its buffers (:meth:`DrivenWindow.abort`): their hooks stay on the
 parameters, so nothing of it may fold into the next window.
@@ -22,18 +29,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, ContextManager, Iterable, Optional, Sequence
+import warnings
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, Union
 
 import torch
 
 from ._checks import Count, as_number
+from ._boundary import total_norm
 from ._gradients import AccumulationBuffers
-from ._maths import Verdict
+from ._maths import Verdict, verdict
+from ._settings import NONFINITE
 from ._state import AccumulatorState
 from ._weights import Closing, WindowWeights
 from ._window import may_be_empty, weighing_nothing
+from .errors import ConfigurationError
 
-__all__ = ["DrivenWindow", "retire_buffers"]
+__all__ = ["DrivenWindow", "nonfinite_choice", "retire_buffers"]
 
 
 class DrivenWindow:
@@ -50,11 +61,14 @@ class DrivenWindow:
         second_items: the window's global count of a second mean its loss holds (GRPO's entropy bonus,
             a token mean over the step whose loss may average over sequences): weighed by ``second``,
             ``W / max(count, 1)`` (a mean over no item weighs a zero sum).
+        nonfinite: ``"skip"`` or ``"raise"`` a window whose gradient is not finite (:meth:`judge`).
+        who: the driver, as its user wrote it (``"ExactTrainer"``), named in the warning and the error.
     """
 
     def __init__(self, state: AccumulatorState, grad_divisor: float, *, num_items: Optional[Count] = None,
                  micro_batches: Optional[int] = None, buffers: Optional[AccumulationBuffers] = None,
-                 second_items: Optional[Count] = None) -> None:
+                 second_items: Optional[Count] = None, nonfinite: str = "skip", who: str = "the driver") -> None:
+        self.nonfinite, self.who = nonfinite, who
         self.weights = WindowWeights(state, grad_divisor, num_items=num_items)
         self.second = None if second_items is None else WindowWeights(state, grad_divisor,
                                                                       num_items=max(as_number(second_items), 1.0))
@@ -125,17 +139,75 @@ class DrivenWindow:
         _scale([p.grad for p in params if p.grad is not None and id(p) not in low], closing.scale)
         return closing
 
-    def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None) -> Closing:
+    def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),
+              grad_norm: Union[None, float, torch.Tensor] = None) -> Closing:
+        """The verdict on the gradient :meth:`close` handed over, before the framework's optimizer steps:
+        from ``grad_norm``, its norm where the framework measured it anyway (the Hugging Face Trainer's,
+        for clipping and its log; a tensor), else measured here over the ``.grad`` of ``params`` (one
+        fused pass). Read on the host once. The rule is the ``Accumulator``'s
+        (:func:`~gradaccum._maths.verdict`): a norm that is not finite (nan or inf in a loss or a gradient
+        of any micro-batch: every rank holds the same reduced gradient, so every rank decides the same)
+        skips the window under ``nonfinite="skip"``, its ``.grad`` of ``params`` dropped (the driver
+        keeps the optimizer and the scheduler from stepping, and :meth:`record` counts the skip), and
+        raises ``FloatingPointError`` under ``"raise"``, naming the window and the fix. A window that
+        already takes no step is returned as it was."""
+        if not closing.steps:
+            return closing
+        params = list(params)
+        if grad_norm is None:
+            grads = [p.grad for p in params if p.grad is not None]
+            if any(g.dtype == torch.float16 for g in grads):  # finite fp16 elements whose norm passes 65504
+                grads = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]  # norm of the norms
+            grad_norm = total_norm(grads, grads[0].device if grads else torch.device("cpu"))
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP2: the whole gradient's
+        norm = float(grad_norm)  # the window's one host read of its norm
+        decision = verdict(None, closing.num_items, norm, nonfinite=self.nonfinite, has_scaler=False)
+        closing = dataclasses.replace(closing, verdict=decision, grad_norm=norm)
+        if decision is Verdict.STEP:
+            return closing
+        for p in params:
+            p.grad = None
+        if decision is Verdict.RAISE:
+            state = self.weights.state
+            raise FloatingPointError(
+                f"{self.who}: the gradient of window {state.steps + state.skipped + 1} of this run (after "
+                f"{state.steps} optimizer steps and {state.skipped} skipped windows) has the norm {norm}, not "
+                "finite: a loss or a gradient of one of its micro-batches was nan or inf. No optimizer step was "
+                "taken. Lower the learning rate, or look for the batch that overflows; or pass "
+                f"{self.who}(nonfinite='skip') to skip such windows (skipped counts them)")
+        return closing
+
+    def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None,
+               warn_nonfinite: Optional[str] = None) -> Closing:
         """What the state learns: one step more, or one skipped window more (also a step the framework
-        did not apply: an fp16 loss scale that overflowed)."""
+        did not apply: an fp16 loss scale that overflowed). ``warn_nonfinite``, when given, is said once
+        per state with the warning for a window skipped for a gradient that was not finite (how the
+        driver counts them)."""
         if closing.steps and not applied:
             closing = dataclasses.replace(closing, verdict=Verdict.SKIP_NONFINITE)
         self.weights.record(closing, warn_empty=warn_empty, stacklevel=3)
+        if closing.verdict is Verdict.SKIP_NONFINITE and warn_nonfinite is not None \
+                and self.weights.state.warn_once("nonfinite"):
+            warnings.warn(f"{self.who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was "
+                          f"skipped: its gradient dropped, no optimizer or scheduler step; {warn_nonfinite}. Lower "
+                          f"the learning rate, or pass {self.who}(nonfinite='raise') to stop at such a window",
+                          UserWarning, stacklevel=3)
         return closing
 
     def abort(self) -> None:
         """The window failed part-way: its buffers fold nothing more and keep nothing."""
         retire_buffers(self.buffers)
+
+
+def nonfinite_choice(who: str, value: Any) -> str:
+    """``nonfinite=`` as a driver was given it, once it is one of ``"skip"`` and ``"raise"``."""
+    if not isinstance(value, str) or value not in NONFINITE:
+        raise ConfigurationError(
+            f"{who}(nonfinite={value!r}): nonfinite must be 'skip' (a window whose loss or gradient is not finite "
+            "takes no optimizer or scheduler step, is counted in skipped, with a warning) or 'raise' (training "
+            f"stops with FloatingPointError at that window); pass {who}(nonfinite='skip') or nonfinite='raise'")
+    return value
 
 
 def retire_buffers(buffers: Optional[AccumulationBuffers]) -> None:

@@ -447,3 +447,20 @@ def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool
         trainer.remove_callback(PrinterCallback)  # it prints every log line
         trainer.train(resume_from_checkpoint=resume)
     return model, trainer
+
+
+class NanOnCall:
+    """A forward hook making the output of the module's ``call``-th forward (from 0) nan: the micro-batch
+    that runs it has a nan loss and a nan gradient. Registered on a model before a fit copies it, each copy
+    counts its own calls from 0 (the hook is deep-copied with the model)."""
+
+    def __init__(self, call: int) -> None:
+        self.call, self.calls = call, 0
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> Optional[torch.Tensor]:
+        self.calls += 1
+        return output * float("nan") if self.calls - 1 == self.call else None
+
+
+def all_finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())

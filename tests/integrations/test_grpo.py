@@ -386,3 +386,15 @@ def test_a_resume_inside_a_generation_trains_each_step_on_its_generation_batch(m
                            for step, mb in resumed.recorded]
     assert prompts_of[ExactGRPOTrainer] == [(1, {0}), (1, {0}), (2, {1}), (2, {1}), (3, {1}), (3, {1})]
     assert prompts_of[GRPOTrainer][2] == (2, {0}), prompts_of[GRPOTrainer]  # stock: the first batch again
+
+
+def test_nonfinite_is_the_drivers_argument_checked_before_the_trainer_is_built():
+    """GRPO and RLOO take ``nonfinite=`` as every Trainer driver does (the verdict itself is the one
+    test_hf_trainer.py and test_sentence_transformers.py run); a value other than 'skip' and 'raise' is
+    refused naming the argument and the fix before TRL builds anything."""
+    from gradaccum import ConfigurationError
+    from gradaccum.integrations.trl import ExactGRPOTrainer, ExactRLOOTrainer
+
+    for cls in (ExactGRPOTrainer, ExactRLOOTrainer):
+        with pytest.raises(ConfigurationError, match=rf"{cls.__name__}\(nonfinite='skipped'\): nonfinite must be"):
+            cls(model=None, nonfinite="skipped")

@@ -275,3 +275,40 @@ def test_a_stack_a_path_is_not_tested_under_is_refused_naming_it_and_the_fix(n_g
     elif tp > 1:
         with pytest.raises(ConfigurationError, match="tp_size=2"):
             refuse_untested(ExactGRPOStandIn(), "training", deepspeed=False, fsdp=False)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["norm-for-the-log", "norm-for-the-clip"])
+def test_a_window_whose_loss_is_not_finite_is_skipped(clip):
+    """Micro-batch 4 (window 1 of 3) gives nan logits, so its loss and the window's gradient are nan (float64
+    GPT-2, AdamW with weight decay). ExactTrainer skips that window, read from the norm the Trainer measures
+    anyway (for its clip, or for its log): the parameters equal a reference that never saw the window
+    (rtol 1e-10; weight decay did not move them), no scheduler step, global_step not advanced, skipped
+    counts it, one warning. The stock Trainer steps on it and ends with nan parameters."""
+    windows = [w for i, w in enumerate(WINDOWS) if i != 1]
+    model = S.stock(gpt2())
+    ref = S.reference(model, windows, clip=clip, optimizer=adamw)
+    model.lm_head.register_forward_hook(S.NanOnCall(4))
+    with pytest.warns(UserWarning, match=r"ExactTrainer: a window's gradient was not finite \(norm nan\)") as said:
+        exact, trainer = S.hf_fit(model, [MICRO], exact=True, clip=clip, optimizer=adamw)
+    assert len([w for w in said if "not finite" in str(w.message)]) == 1
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    assert trainer.state.global_step == 2 and trainer.skipped == 1 and trainer.accumulator_state.steps == 2
+    assert trainer.lr_scheduler.last_epoch == 2
+    stock, _ = S.hf_fit(model, [MICRO], exact=False, clip=clip, optimizer=adamw)
+    assert not S.all_finite(stock)
+
+
+def test_nonfinite_raise_stops_at_the_window_naming_it_and_the_fix():
+    """``nonfinite = "raise"`` (a class attribute here; ``nonfinite=`` is the argument): FloatingPointError
+    at the window whose gradient is nan, before its step, naming the window and the fix. A value other than
+    'skip' and 'raise' is refused naming the argument, the value and the fix, before the Trainer is built."""
+    class Raising(ExactTrainer):
+        nonfinite = "raise"
+
+    model = S.stock(gpt2())
+    model.lm_head.register_forward_hook(S.NanOnCall(4))
+    with pytest.raises(FloatingPointError, match=r"Raising: the gradient of window 2 of this run \(after 1 optimizer "
+                                                 r"steps.*has the norm nan.*Raising\(nonfinite='skip'\)"):
+        S.hf_fit(model, [MICRO], exact=True, optimizer=adamw, trainer_cls=Raising)
+    with pytest.raises(ValueError, match=r"ExactTrainer\(nonfinite='ignore'\): nonfinite must be 'skip' .* or 'raise'"):
+        ExactTrainer(model=gpt2(), nonfinite="ignore")

@@ -216,3 +216,27 @@ def test_a_resume_after_a_skipped_window_is_the_uninterrupted_run(tmp_path):
     assert cb2.state.reference == cb.state.reference == 6.0
     assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
     assert S.params_close(straight, S.masked_reference([micro + again_order])) is None
+
+
+def test_a_window_whose_loss_is_not_finite_is_skipped():
+    """Micro-batch 4 (window 1 of 3) gives nan logits, so its loss and the window's gradient are nan. The
+    callback skips that window, from the norm of the gradient it hands over: the parameters equal a
+    reference that never saw the window (rtol 1e-10), no scheduler step, global_step not advanced,
+    skipped counts it, one warning. Lightning's own accumulation steps on it and ends with nan parameters.
+    Under ``nonfinite="raise"`` the fit stops at that window with the fix; a bad value is refused."""
+    model = gpt2()
+    ref = S.reference(model, [w for i, w in enumerate(WINDOWS) if i != 1])
+    model.lm_head.register_forward_hook(S.NanOnCall(4))
+    with pytest.warns(UserWarning, match=r"ExactAccumulation: a window's gradient was not finite") as said:
+        lit, trainer, cb = S.lightning_fit(model, MICRO, exact=True)
+    assert len([w for w in said if "not finite" in str(w.message)]) == 1
+    assert S.params_close(lit.model, ref) is None, S.params_close(lit.model, ref)
+    assert trainer.global_step == 2 and cb.skipped == 1 and cb.state.steps == 2
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2
+    native, _, _ = S.lightning_fit(model, MICRO, exact=False)
+    assert not S.all_finite(native.model)
+    raising = ExactAccumulation(num_items=lambda b: count_targets(b["labels"]), nonfinite="raise")
+    with pytest.raises(FloatingPointError, match=r"window 2 of this run.*ExactAccumulation\(nonfinite='skip'\)"):
+        S.lightning_fit(model, MICRO, exact=False, callbacks=[raising])
+    with pytest.raises(ConfigurationError, match=r"ExactAccumulation\(nonfinite=None\): nonfinite must be 'skip'"):
+        ExactAccumulation(nonfinite=None)

@@ -146,3 +146,32 @@ def test_evaluation_saving_and_resuming_stay_the_trainer_s(models, tmp_path):
     assert (again.accumulator_state.steps, again.accumulator_state.last_window_items) == (2, 8.0)  # 1 read back
     assert trainer.accumulator_state.saved() == again.accumulator_state.saved()
     assert max(t.abs().max().item() for t in moved(base, whole)) > 1e-3  # the steps moved it
+
+
+def test_a_window_whose_loss_is_not_finite_is_skipped(models, tmp_path):
+    """The first forward of the only window gives nan embeddings (so the window's loss and gradient are nan):
+    ExactSentenceTransformerTrainer skips it (the Trainer drivers' one verdict, on the Trainer's norm), so the
+    model is the one it started from, bit for bit, and skipped counts it; the stock trainer steps on it and
+    ends with nan parameters. Under nonfinite='raise' it stops there with the fix."""
+    from integrations.scenarios import NanOnCall, all_finite
+
+    base, _ = models
+    data = dataset("pairs", 16)
+    runs = {}
+    for name, cls in (("exact", ExactSentenceTransformerTrainer), ("stock", SentenceTransformerTrainer)):
+        model = fresh(base)
+        model[0].auto_model.embeddings.register_forward_hook(NanOnCall(0))
+        runs[name] = (model, train_once(cls, model, L.MultipleNegativesRankingLoss(model), data, tmp_path, batch=4,
+                                        accumulation=4))
+    exact, trainer = runs["exact"]
+    assert all(torch.equal(p, q) for p, q in zip(exact.parameters(), base.parameters()))
+    assert trainer.skipped == 1 and trainer.state.global_step == 0
+    assert not all_finite(runs["stock"][0])
+
+    class Raising(ExactSentenceTransformerTrainer):
+        nonfinite = "raise"
+
+    model = fresh(base)
+    model[0].auto_model.embeddings.register_forward_hook(NanOnCall(0))
+    with pytest.raises(FloatingPointError, match=r"Raising: the gradient of window 1 .*Raising\(nonfinite='skip'\)"):
+        train_once(Raising, model, L.MultipleNegativesRankingLoss(model), data, tmp_path, batch=4, accumulation=4)

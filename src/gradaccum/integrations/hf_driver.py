@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .._checks import Count
-from .._driven import DrivenWindow
+from .._driven import DrivenWindow, nonfinite_choice
 from .._gradients import AccumulationBuffers
 from .._patching import NoStep, Swaps
 from .._state import AccumulatorState
@@ -146,10 +146,17 @@ class TrainerDriver:
        for an MoE model (``router_balance``), the window's routing counted before any backward.
     2. Its ``compute_loss`` weighs micro-batch k by ``window.weights`` (:meth:`balanced` adds an MoE
        model's part of the window's load-balancing loss).
-    3. After the last micro-batch, before the Trainer clips: the window closes, the state records a step
-       or a skip (under DeepSpeed, a step the engine did not apply is a skip), :meth:`_window_ends`
-       runs, and a skipped window's optimizer and scheduler step are stood in for. A micro-batch that
-       raises drops the window's buffers.
+    3. After the last micro-batch, before the Trainer clips: the window closes (its gradient handed
+       over). Then, once the Trainer has measured the gradient's norm (``_get_grad_norm``, which it calls
+       before its optimizer step whether it clips or not), the verdict on that norm (``nonfinite``: a
+       window whose gradient is not finite is skipped, or raises); under DeepSpeed the engine's, and
+       with an fp16 loss scaler the scaler's (it skips an overflowing step and backs off itself). The
+       state records a step or a skip (under DeepSpeed, a step the engine did not apply is a skip),
+       :meth:`_window_ends` runs, and a skipped window's optimizer and scheduler step are stood in for.
+       A micro-batch that raises drops the window's buffers.
+
+    ``nonfinite``: ``"skip"`` (default) or ``"raise"``, as the ``Accumulator``'s; a class attribute, or the
+    argument ``nonfinite=`` of every driver (``ExactTrainer(..., nonfinite="raise")``).
     """
 
     accelerator: Any  # the Trainer's (annotations only: the Trainer sets them)
@@ -161,6 +168,7 @@ class TrainerDriver:
     empty_window_note: Optional[str] = None  # said once with the warning for a window of no item (None: no warning)
     _served: Any = None  # the loss the driver's compute_loss last returned in training (serves_the_window)
     own_loss_fix = ""  # what a subclass may do instead with a compute_loss of its own (ExactTrainer: declare it)
+    nonfinite = "skip"  # a window whose gradient is not finite: "skip" it (no step, counted, a warning) or "raise"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A user's subclass that overrides ``compute_loss`` or ``training_step`` (extra logging, a tweaked
@@ -189,11 +197,13 @@ class TrainerDriver:
             if name == "compute_loss":
                 setattr(cls, name, _override_checked(own, cls))
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, nonfinite: Optional[str] = None, **kwargs: Any) -> None:
+        self.nonfinite = nonfinite_choice(type(self).__name__, type(self).nonfinite if nonfinite is None else nonfinite)
         super().__init__(*args, **kwargs)
         self._state = TrainerWindowState()  # what windows teach each other, in the Trainer's checkpoints
         self.add_callback(self._state)  # type: ignore[attr-defined]
         self._window: Optional[DrivenWindow] = None
+        self._closed: Optional[Closing] = None  # a closed window whose verdict waits for the Trainer's norm
         self._balance: Optional[WindowBalance] = None
 
     @property
@@ -203,7 +213,8 @@ class TrainerDriver:
 
     @property
     def skipped(self) -> int:
-        """Windows of no item skipped since the run began (resumed runs included): the state's ``skipped``."""
+        """Windows skipped since the run began (resumed runs included): of no item, or whose gradient was not
+        finite (``nonfinite="skip"``); the state's ``skipped``."""
         return self.accumulator_state.skipped
 
     @property
@@ -217,9 +228,15 @@ class TrainerDriver:
                     second_items: Optional[Count] = None) -> DrivenWindow:
         """The window of ``micro_batches`` micro-batches and ``num_items`` = N, every rank's, counted first;
         ``routed()`` gives its micro-batches as the model routes them (called for an MoE model only)."""
+        if self._closed is not None:  # the last window stepped without its verdict: a loop that skips _get_grad_norm
+            raise RuntimeError(f"{type(self).__name__}: the Trainer's loop stepped a window without measuring its gradient "
+                               "norm (Trainer._get_grad_norm), which the window's verdict on a non-finite gradient reads; "
+                               "do not override _get_grad_norm or the training loop away")
         world = self.accelerator.num_processes
         self._window = DrivenWindow(self.accumulator_state, world, num_items=num_items, micro_batches=micro_batches,
-                                    buffers=buffers, second_items=second_items)
+                                    buffers=buffers, second_items=second_items, nonfinite=self.nonfinite,
+                                    who=type(self).__name__)
+        self._closed = None
         self._balance = None
         if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
             self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
@@ -249,8 +266,9 @@ class TrainerDriver:
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window
-        closes (its float32 buffers rounded once into ``.grad``) and the state records its step or its
-        skip (then the Trainer's step is stood in for: :meth:`TrainerWindowState.hold`)."""
+        closes (its float32 buffers rounded once into ``.grad``). A window that steps is judged on the
+        Trainer's norm next (:meth:`_get_grad_norm`); else the state records its step or its skip now
+        (then the Trainer's step is stood in for: :meth:`TrainerWindowState.hold`)."""
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         except BaseException:
@@ -261,16 +279,40 @@ class TrainerDriver:
         if window is not None and window.ran_one():
             if self._balance is not None:
                 self._balance.routing.finish()  # the random state as the counting pass left it
+            closing = window.close()
+            if closing.steps and self._judges_the_norm():
+                self._closed = closing  # judged on the norm the Trainer measures before it steps
+                return loss
             applied = True
             if self.is_deepspeed_enabled:
                 from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step
 
                 applied = step_applied(self)
-            closing = window.record(window.close(), applied=applied, warn_empty=self.empty_window_note)
-            self._window_ends(closing)
-            if not closing.steps:
-                self._state.hold(self)
+            self._window_recorded(window.record(closing, applied=applied, warn_empty=self.empty_window_note))
         return loss
+
+    def _judges_the_norm(self) -> bool:
+        """The window's gradient is judged on its norm here: not under DeepSpeed (the engine judges it,
+        ``hf_deepspeed.step_applied``), nor with an fp16 loss scaler (an overflow is how it learns to back
+        off: it skips that step and lowers its scale itself)."""
+        return not self.is_deepspeed_enabled and getattr(self.accelerator, "scaler", None) is None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """The Trainer's norm of the window's gradient, which it measures before every optimizer step (for
+        clipping, else for its log): the closed window's verdict on it (:meth:`DrivenWindow.judge`, one host
+        read), then its record; a window skipped for a gradient that is not finite is not stepped."""
+        norm = super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
+        closing, window, self._closed = self._closed, self._window, None
+        if closing is not None and window is not None:
+            closing = window.judge(closing, grad_norm=norm)  # the Trainer's zero_grad drops a skipped gradient
+            self._window_recorded(window.record(closing, warn_nonfinite=(
+                f"{type(self).__name__}.skipped counts them, global_step is not advanced")))
+        return norm
+
+    def _window_recorded(self, closing: Closing) -> None:
+        self._window_ends(closing)
+        if not closing.steps:
+            self._state.hold(self)
 
     def _window_ends(self, closing: Closing) -> None:
         """What the subclass does once its window is recorded (its logs, its own state over a skip)."""

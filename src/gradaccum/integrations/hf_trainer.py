@@ -176,7 +176,7 @@ class ExactTrainer(TrainerDriver, Trainer):
     with ``L_k`` micro-batch k's mean loss over its ``n_k`` items (how, and what an item is by loss
     source: :func:`loss_source` and docs/guides/hf-trainer.md). The logged ``loss`` is the window's
     mean over all ranks; ``eval_loss`` the item-weighted mean over the whole evaluation set.
-    ``skipped`` counts the windows of ``N = 0`` skipped.
+    ``skipped`` counts the windows skipped: of ``N = 0``, or whose gradient was not finite.
 
     Args:
         *args: As for ``transformers.Trainer`` (or the subclass).
@@ -185,6 +185,12 @@ class ExactTrainer(TrainerDriver, Trainer):
         ignore_index: Label value that is not a target. Default -100.
         accum_dtype: ``"auto"`` (default) or ``"param"``: where bf16/fp16 parameters sum the window
             (docs/guides/deepspeed.md, "bf16 and fp16 parameters").
+        nonfinite: ``"skip"`` (default) a window whose loss or gradient is not finite (a nan or inf in any
+            micro-batch, read from the gradient norm the Trainer measures before it steps): no optimizer
+            or scheduler step, ``global_step`` not advanced, ``skipped`` counts it, a warning once; or
+            ``"raise"`` ``FloatingPointError`` at that window. None: the class attribute ``nonfinite``
+            (``"skip"``). With an fp16 loss
+            scaler the scaler skips an overflowing step itself; under DeepSpeed the engine.
         **kwargs: As for the Trainer; ``compute_loss_func`` only as a :class:`~gradaccum.WindowLoss`
             (``CLIPModel`` and ``SiglipModel`` get theirs without it: docs/guides/hf-trainer.md, "CLIP,
             SigLIP and other losses that couple the batch").
@@ -223,13 +229,13 @@ class ExactTrainer(TrainerDriver, Trainer):
         loss_source(cls)  # refuse a wrong composition where it is written
 
     def __init__(self, *args: Any, head: Optional[str] = None, ignore_index: int = -100, accum_dtype: str = "auto",
-                 **kwargs: Any) -> None:
+                 nonfinite: Optional[str] = None, **kwargs: Any) -> None:
         source = loss_source(type(self))
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, source)  # CLIP's, SigLIP's, a WindowLoss
         check_head(head)
         driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
         self.source, self.accum_dtype = source, accum_dtype
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, nonfinite=nonfinite, **kwargs)
         _refuse_what_is_not_exact(self)
         self.buffers = _window_buffers(self, accum_dtype)  # float32 sums of bf16/fp16 gradients, or None
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)

@@ -28,9 +28,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .._checks import Count, as_number, item_count
-from .._driven import DrivenWindow, retire_buffers
+from .._driven import DrivenWindow, nonfinite_choice, retire_buffers
 from .._gradients import AccumulationBuffers
-from .._maths import Verdict
 from .._patching import Swaps
 from .._state import AccumulatorState
 from .._window import graph_leaves
@@ -54,8 +53,8 @@ class ExactAccumulation(Callback):
         grad = sum_{ranks, k in window} n_k * grad(L_k) / N,   N = sum_{ranks, k in window} n_k,
 
     the gradient of the mean over every item of the window on every rank. What windows teach each other
-    is :attr:`state`, in Lightning's checkpoint; a window of ``N = 0`` items is skipped as the core skips
-    it (:attr:`skipped` counts it). How, what stays Lightning's, the cost and the limits:
+    is :attr:`state`, in Lightning's checkpoint; a window of ``N = 0`` items, or whose gradient is not
+    finite, is skipped as the core skips it (:attr:`skipped` counts it). How, what stays Lightning's, the cost and the limits:
     docs/guides/lightning.md ("What it changes", "Limits").
 
     Args:
@@ -65,6 +64,11 @@ class ExactAccumulation(Callback):
             (docs/guides/lightning.md, "The one line").
         accum_dtype: ``"auto"`` (default) or ``"param"``: where bf16/fp16 parameters sum the window
             (docs/guides/deepspeed.md, "bf16 and fp16 parameters").
+        nonfinite: ``"skip"`` (default) a window whose loss or gradient is not finite (a nan or inf in any
+            micro-batch, on any rank: read from the norm of the window's gradient, before Lightning clips):
+            no optimizer or scheduler step, ``global_step`` not advanced, :attr:`skipped` counts it, a
+            warning once; or ``"raise"`` ``FloatingPointError`` at that window. With a ``16-mixed`` loss
+            scaler the scaler skips an overflowing step itself.
 
     Raises:
         TypeError, ConfigurationError, NotExactError: as docs/guides/lightning.md ("Misuse that is
@@ -76,7 +80,8 @@ class ExactAccumulation(Callback):
         >>> trainer = pl.Trainer(accumulate_grad_batches=4, gradient_clip_val=1.0, callbacks=[cb])  # doctest: +SKIP
     """
 
-    def __init__(self, num_items: Optional[NumItems] = None, accum_dtype: str = "auto") -> None:
+    def __init__(self, num_items: Optional[NumItems] = None, accum_dtype: str = "auto", nonfinite: str = "skip") -> None:
+        self.nonfinite = nonfinite_choice("ExactAccumulation", nonfinite)
         if num_items is not None and not callable(num_items):
             raise TypeError(f"ExactAccumulation(num_items={num_items!r}): num_items must be None (count the "
                             "batch's leading dimension) or a callable batch -> item count, e.g. "
@@ -92,13 +97,14 @@ class ExactAccumulation(Callback):
         self.pending: Optional[Count] = None      #:  n_k of the micro-batch about to be backpropagated
         self._window: Optional[DrivenWindow] = None  # the open window (running R)
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
-        self.skipping = False                     #: the window that just closed counted 0 items
+        self.skipping = False                     #: the window that just closed takes no step
         self._hooks = Swaps()                     # the module's hooks wrapped for this fit
         self._nothing = contextlib.ExitStack()    # during a backward of a micro-batch that may hold no item
 
     @property
     def skipped(self) -> int:
-        """Windows of 0 items skipped in this fit (a resumed fit included): ``state.skipped``."""
+        """Windows skipped in this fit (a resumed fit included), of 0 items or whose gradient was not finite:
+        ``state.skipped``."""
         return self.state.skipped
 
     @property
@@ -168,7 +174,8 @@ class ExactAccumulation(Callback):
 
     def _open(self, trainer: "pl.Trainer") -> DrivenWindow:
         """The window with the running R (its count is known only at its end)."""
-        self._window = DrivenWindow(self.state, trainer.world_size, buffers=self.buffers)
+        self._window = DrivenWindow(self.state, trainer.world_size, buffers=self.buffers, nonfinite=self.nonfinite,
+                                    who="ExactAccumulation")
         return self._window
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
@@ -189,21 +196,26 @@ class ExactAccumulation(Callback):
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        """The boundary, before Lightning clips: N all-reduced, the verdict, the gradients at ``R / N``
-        (Lightning and its fp16 scaler handle non-finite gradients themselves: decided on N only). A
-        window of no item reaches the optimizer with no gradient, and its step is not counted."""
+        """The boundary, before Lightning clips: N all-reduced, the verdict, the gradients at ``R / N``,
+        then the verdict on their norm (``nonfinite``; with a ``16-mixed`` scaler the scaler's own, which
+        skips an overflowing step and backs off). A skipped window (no item, or a gradient that is not
+        finite) reaches the optimizer with no gradient, and its step is not counted."""
         window = self._window if self._window is not None else self._open(trainer)
         self._window = None
         total = as_number(item_count("ExactAccumulation: the window's item count (its counts summed over the window "
                                      "and the ranks)", _all_reduce(trainer, window.count)))
-        closing = window.close(total, params=[p for group in optimizer.param_groups for p in group["params"]])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        closing = window.close(total, params=params)
+        if getattr(trainer.precision_plugin, "scaler", None) is None:
+            closing = window.judge(closing, params)  # every rank holds the same reduced gradient: one verdict
         said = None
-        if closing.verdict is Verdict.SKIP_EMPTY:  # Lightning counts the step after this hook returns
+        if not closing.steps:  # Lightning counts the step after this hook returns
             trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
             self.skipping = True
             said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
                     "ExactAccumulation.skipped counts them") if trainer.is_global_zero else None
-        window.record(closing, warn_empty=said)
+        window.record(closing, warn_empty=said, warn_nonfinite=said and (
+            "global_step not advanced; ExactAccumulation.skipped counts them"))
 
 
 def _fit_buffers(trainer: "pl.Trainer", pl_module: "pl.LightningModule", accum_dtype: str
