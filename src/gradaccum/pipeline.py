@@ -109,8 +109,9 @@ class PipelineWindow:
             micro-batch that weigh 0. Default: every window fills the schedule.
         max_grad_norm: clip by the global norm over every stage's parameters (and the replicas' shards).
         pp_group: the pipeline's process group (the stages'); default the world.
-        dp_group: the replicas' group, where each stage is wrapped in ``DistributedDataParallel`` or
-            ``fully_shard`` over it: N sums over it and W is its size. Default: no data parallelism, W = 1.
+        dp_group: the replicas' group, where each stage's module is in ``fully_shard`` over it (FSDP2, as
+            torchtitan; ``DistributedDataParallel`` is refused: its reducer fails under a PipelineStage):
+            N sums over it and W is its size. Default: no data parallelism, W = 1.
         lr_scheduler: stepped after each optimizer step.
     """
 
@@ -134,6 +135,13 @@ class PipelineWindow:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigurationError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
         wrapped = [s for s in self.stages if _data_parallel(s.submod) is not None]
+        if any(_data_parallel(s.submod) == "DistributedDataParallel" for s in wrapped):
+            raise NotExactError(
+                "a stage's module is wrapped in DistributedDataParallel: a PipelineStage's shape inference runs a "
+                "backward outside no_sync, and DDP's reducer then fails its first window (torch 2.13: 'rebuilt "
+                "parameter indices size is not same as original model parameters size'), so no exact window was "
+                "measured over it; wrap each stage's module in fully_shard(module, mesh=mesh['dp']) instead, as "
+                "torchtitan does, and pass dp_group=mesh['dp'].get_group()")
         if wrapped and dp_group is None:
             raise ConfigurationError(
                 f"stage {wrapped[0].stage_index}'s module is wrapped in {_data_parallel(wrapped[0].submod)} but "
@@ -141,8 +149,8 @@ class PipelineWindow:
                 "items are summed and the gradient averaged")
         if dp_group is not None and dp_group.size() > 1 and len(wrapped) < len(self.stages):
             raise ConfigurationError(
-                "dp_group has several replicas but a stage's module is in neither DistributedDataParallel nor "
-                "fully_shard: its replicas would step on their own gradients; wrap each stage's module over dp_group")
+                "dp_group has several replicas but a stage's module is not in fully_shard: its replicas would step "
+                "on their own gradients; wrap each stage's module in fully_shard(module, mesh=mesh['dp'])")
         self.schedule, self.optimizer, self.lr_scheduler = schedule, optimizer, lr_scheduler
         self.reduction, self.micro_batch_size, self.max_grad_norm = reduction, micro_batch_size, max_grad_norm
         self.num_items = num_items or target_count
@@ -210,11 +218,9 @@ class PipelineWindow:
 
         # 4. the boundary: the global squared norm and the window's summed loss, in one all-reduce per group
         grads = [p.grad for s in self.stages for p in s.submod.parameters() if p.grad is not None]
-        local_grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local_grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # fully_shard: this shard
         square = (tensor_norms(local_grads, torch.float64) ** 2).sum() if grads \
             else torch.zeros((), dtype=torch.float64, device=device)
-        if self.dp_group is not None and not any(hasattr(g, "to_local") for g in grads):
-            square = square / self.grad_divisor  # DDP: every replica holds the whole (same) gradient
         summed = list(self._window["summed"].values())
         loss_sum = torch.stack(summed).sum().to(torch.float64) if summed else torch.zeros((), dtype=torch.float64)
         told = torch.stack([square.to(device), loss_sum.to(device)])

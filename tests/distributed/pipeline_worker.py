@@ -75,9 +75,8 @@ def big_batch(full: nn.Module, windows, clip=CLIP, lr=LR) -> List[float]:
     return norms
 
 
-def placement(layout: str, world: int) -> List[int]:
-    """This rank's stage indices: 2 stages ("single"), 4 looped ("interleaved") or V-shaped ("v")."""
-    r = RANK % world
+def placement(layout: str, r: int) -> List[int]:
+    """Pipeline rank r's stage indices: 2 stages ("single"), 4 looped ("interleaved") or V-shaped ("v")."""
     return {"single": [r], "interleaved": [r, r + 2], "v": [r, 3 - r]}[layout]
 
 
@@ -90,10 +89,9 @@ def build(full: nn.Module, schedule_cls, layout: str, loss_fn, scale_grads: bool
     """This rank's stages (copies of the unsplit model's slices, each wrapped by ``wrap``) and a schedule."""
     from torch.distributed.pipelining import PipelineStage
 
-    pp = dist.get_world_size(group)
     num_stages = 2 if layout == "single" else 4
     modules, stages = [], []
-    for index in placement(layout, pp):
+    for index in placement(layout, dist.get_rank(group)):
         a, b = stage_slice(index, layout)
         module = copy.deepcopy(full[a:b])
         modules.append((module, full[a:b]))
@@ -119,12 +117,17 @@ def worst(values) -> float:
     return float(t)
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's global value (fully_shard's DTensor shards gathered)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def grad_delta(modules, reference_grads: Dict[int, torch.Tensor]) -> float:
     """max |g - g_ref| / max |g_ref| over every stage's parameters (the stock routes' first window)."""
     num, den = [], []
     for module, ref in modules:
         for p, q in zip(module.parameters(), ref.parameters()):
-            num.append(float((p.grad - reference_grads[id(q)]).abs().max()))
+            num.append(float((whole(p.grad) - reference_grads[id(q)]).abs().max()))
             den.append(float(reference_grads[id(q)].abs().max()))
     return worst(num) / worst(den)
 
@@ -134,42 +137,49 @@ def param_delta(modules, before: Dict[int, torch.Tensor]) -> float:
     num, den = [], []
     for module, ref in modules:
         for p, q in zip(module.parameters(), ref.parameters()):
-            num.append(float((p.detach() - q.detach()).abs().max()))
+            num.append(float((whole(p.detach()) - q.detach()).abs().max()))
             den.append(float((q.detach() - before[id(q)]).abs().max()))
     return worst(num) / worst(den)
 
 
-def stock_deltas(schedule_cls, layout: str, windows_data, group=None, wrap=None, world_windows=None) -> List[float]:
+def stock_deltas(schedule_cls, layout: str, mine, joined, group=None, wrap=None) -> List[float]:
     """The stock schedule (mean loss, scale_grads=True) and scale_grads=False with the mean loss: each
-    one window's gradient against the big batch's (every replica's micro-batches joined)."""
+    one window's gradient (``mine``: this replica's part) against the big batch's (``joined``: every
+    replica's parts)."""
     full = model()
-    xs, ys = zip(*(world_windows or windows_data[:1]))
-    (token_sum(full(torch.cat(xs)), torch.cat(ys)) / (torch.cat(ys) != -100).sum()).backward()
+    x, y = torch.cat([x for x, _ in joined]), torch.cat([y for _, y in joined])
+    (token_sum(full(x), y) / (y != -100).sum()).backward()
     reference = {id(p): p.grad.clone() for p in full.parameters()}
     deltas = []
     for scale_grads in (True, False):
         schedule, stages, modules = build(full, schedule_cls, layout, token_mean, scale_grads, group, wrap)
-        run_schedule(schedule, stages, *windows_data[0])
+        run_schedule(schedule, stages, *mine)
         deltas.append(grad_delta(modules, reference))
     return deltas
 
 
-def exact_route(schedule_cls, layout: str, *, reduction="sum", windows=WINDOWS) -> str:
+def exact_route(schedule_cls, layout: str, *, reduction="sum", windows=(WINDOWS,), replica=0, pp_group=None,
+                dp_group=None, wrap=None) -> str:
     """gradaccum over ``schedule_cls`` against the big batch: a full window (clipping engaged), then a
-    short one; the stock routes measured beside it."""
-    data = [window(c, seed=10 + i) for i, c in enumerate(windows)]
-    stock, mean = stock_deltas(schedule_cls, layout, data)
+    short one; the stock routes measured beside it. ``windows``: each replica's target counts per window
+    (the big batch joins the replicas' parts); this rank runs replica ``replica``'s."""
+    data = [[window(c, seed=10 + 100 * r + i) for i, c in enumerate(counts)] for r, counts in enumerate(windows)]
+    joined = [(torch.cat([d[i][0] for d in data]), torch.cat([d[i][1] for d in data])) for i in range(len(data[0]))]
+    stock, mean = stock_deltas(schedule_cls, layout, data[replica][0], [d[0] for d in data], pp_group, wrap)
     full = model()
     before = {id(p): p.detach().clone() for p in full.parameters()}
-    schedule, stages, modules = build(full, schedule_cls, layout, token_sum if reduction == "sum" else token_mean, False)
+    schedule, stages, modules = build(full, schedule_cls, layout, token_sum if reduction == "sum" else token_mean,
+                                      False, pp_group, wrap)
     opt = torch.optim.SGD([p for m, _ in modules for p in m.parameters()], lr=LR)
-    pipe = PipelineWindow(schedule, opt, reduction=reduction, micro_batch_size=ROWS, max_grad_norm=CLIP)
-    results = [run_schedule(schedule, stages, x, y, pipe) for x, y in data]
-    norms = big_batch(full, data)
+    pipe = PipelineWindow(schedule, opt, reduction=reduction, micro_batch_size=ROWS, max_grad_norm=CLIP,
+                          pp_group=pp_group, dp_group=dp_group)
+    results = [run_schedule(schedule, stages, x, y, pipe) for x, y in data[replica]]
+    norms = big_batch(full, joined)
     delta = param_delta(modules, before)
+    items = [sum(sum(counts[i]) for counts in windows) for i in range(len(windows[0]))]
     assert results[0].grad_norm > CLIP, f"clipping not engaged: norm {results[0].grad_norm}"
-    assert [r.micro_batches for r in results] == [4, 2], [r.micro_batches for r in results]
-    assert [r.num_items for r in results] == [sum(c) for c in windows], [r.num_items for r in results]
+    assert [r.micro_batches for r in results] == [len(c) for c in windows[replica]], results
+    assert [r.num_items for r in results] == items, ([r.num_items for r in results], items)
     assert abs(results[0].grad_norm - norms[0]) <= 1e-12 * norms[0], (results[0].grad_norm, norms[0])
     assert delta <= 1e-12, f"gradaccum {delta:.1e} from the big batch (stock {stock:.1e}, mean {mean:.1e})"
     assert stock >= 1e-3 and mean >= 1e-3, f"the stock routes are {stock:.1e} and {mean:.1e} off: no teeth"
@@ -209,7 +219,7 @@ def zbv_zero_bubble():
 def declared_mean_with_an_empty_micro_batch():
     """reduction="mean": L_k weighed n_k W / N; a micro-batch of 0 targets (nan mean) brings 0."""
     from torch.distributed.pipelining import Schedule1F1B
-    return exact_route(Schedule1F1B, "single", reduction="mean", windows=[[23, 0, 9, 22], [5, 17]])
+    return exact_route(Schedule1F1B, "single", reduction="mean", windows=([[23, 0, 9, 22], [5, 17]],))
 
 
 def empty_and_nonfinite_windows_skip_on_every_stage():
