@@ -323,9 +323,48 @@ def refusals_name_the_fix():
     return f"{len(said)} refusals"
 
 
+def guide_example_runs_as_written():
+    """docs/guides/pipeline.md's torchrun block, as written, in this launch (the group already joined:
+    its init_process_group and destroy_process_group stand aside); 3 steps, the last window short."""
+    import re
+    from pathlib import Path
+    from unittest import mock
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "pipeline.md").read_text()
+    code = re.search(r"<!-- run under torchrun -->\n```python\n(.*?)^```", text, re.M | re.S).group(1)
+    namespace = {"__name__": "guide"}
+    with mock.patch.object(dist, "init_process_group"), mock.patch.object(dist, "destroy_process_group"):
+        exec(compile(code, "docs/guides/pipeline.md", "exec"), namespace)  # noqa: S102 - our own guide
+    result = namespace["result"]
+    assert (result.step, result.micro_batches, result.skipped) == (3, 2, False), result
+    return f"3 steps, the last over {result.num_items} tokens"
+
+
+#: the guide's table: its row per scenario (the measured figures are checked against it by the tests)
+GUIDE_ROWS = {"gpipe": "GPipe", "one_f_one_b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+              "looped_bfs": "LoopedBFS", "interleaved_zero_bubble": "InterleavedZeroBubble",
+              "zbv_zero_bubble": "ZBVZeroBubble",
+              "fsdp2_1f1b_uneven_items_across_replicas": "1F1B, 2 stages x 2 replicas (fully_shard), 57 and 43 tokens"}
+
+
+def assert_guide_quotes(line: str, name: str) -> None:
+    """The guide's row for scenario ``name`` quotes the three figures its PASS line printed."""
+    import re
+    from pathlib import Path
+
+    from transcripts import assert_figure
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "pipeline.md").read_text()
+    row = next(r for r in text.splitlines() if r.startswith(f"| {GUIDE_ROWS[name]} |"))
+    quoted = [c.strip() for c in row.strip("|").split("|")[1:]]
+    printed = re.search(r"stock (\S+), mean (\S+), gradaccum (\S+)$", line).groups()
+    for q, p in zip(quoted, printed):
+        assert_figure(q, p, f"docs/guides/pipeline.md's row {GUIDE_ROWS[name]!r}")
+
+
 SCENARIOS = [gpipe, one_f_one_b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv_zero_bubble,
              declared_mean_with_an_empty_micro_batch, empty_and_nonfinite_windows_skip_on_every_stage,
-             resume_is_bit_identical, refusals_name_the_fix]
+             resume_is_bit_identical, refusals_name_the_fix, guide_example_runs_as_written]
 
 if __name__ == "__main__":
     run_modules([sys.modules[__name__]], sys.argv[1:])

@@ -10,6 +10,7 @@ import ast
 import pytest
 
 from distributed.launch import ROOT, scenario_tests
+from distributed.pipeline_worker import GUIDE_ROWS, assert_guide_quotes
 
 pytestmark = pytest.mark.distributed
 
@@ -25,6 +26,7 @@ SCENARIOS = [
     "empty_and_nonfinite_windows_skip_on_every_stage",
     "resume_is_bit_identical",
     "refusals_name_the_fix",
+    "guide_example_runs_as_written",
 ]
 
 verdicts, test_scenario = scenario_tests(WORKER, SCENARIOS, timeout=240)
@@ -36,3 +38,11 @@ def test_every_scenario_is_listed():
     listed = next(node.value for node in tree.body if isinstance(node, ast.Assign)
                   and any(getattr(t, "id", None) == "SCENARIOS" for t in node.targets))
     assert [elt.id for elt in listed.elts] == SCENARIOS
+
+
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n in GUIDE_ROWS])
+def test_the_guide_quotes_what_the_scenario_measured(verdicts, name):
+    """docs/guides/pipeline.md's table row: stock, scale_grads=False with the mean loss, gradaccum, as printed."""
+    lines, _ = verdicts
+    assert name in lines and lines[name][0] == "PASS", lines.get(name)
+    assert_guide_quotes(lines[name][1], name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from distributed.launch import ROOT, assert_scenario, torchrun, verdict_lines
+from distributed.pipeline_worker import assert_guide_quotes
 
 pytestmark = pytest.mark.distributed
 
@@ -24,3 +25,11 @@ def verdicts():
 def test_scenario(verdicts, name):
     """The scenario reported PASS from pipeline_dp_worker.py under torchrun (4 gloo processes)."""
     assert_scenario(verdicts, name)
+
+
+def test_the_guide_quotes_what_the_replicas_measured(verdicts):
+    """docs/guides/pipeline.md's 2 stages x 2 replicas row, as the scenario printed it."""
+    lines, _ = verdicts
+    name = "fsdp2_1f1b_uneven_items_across_replicas"
+    assert name in lines and lines[name][0] == "PASS", lines.get(name)
+    assert_guide_quotes(lines[name][1], name)
