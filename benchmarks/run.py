@@ -13,7 +13,8 @@ MoE router's load-balancing term per mode against the big batch, written into do
 GRPO and RLOO per loss type and setting, stock and exact, written into docs/guides/trl.md (grpo.py); the
 same on CUDA in its own process when a GPU is there (cuda_bench.py); each stack's own accumulation against
 ours (stacks.py); bf16 parameters' accumulation and DeepSpeed per ZeRO stage, written into
-docs/guides/deepspeed.md (precision.py). report.py writes the page.
+docs/guides/deepspeed.md (precision.py); a pipeline schedule under PipelineWindow against the stock one, time
+and collectives per window (pipeline.py). report.py writes the page.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def main() -> None:
     from memory_bench import memory, meter_cost
     from moe import moe, write_guide
     from overhead import overhead, profile
+    from pipeline import pipeline
     from precision import precision, write_guide as write_precision
     from scaling import bandwidth, numerics, throughput
     from stacks import stacks
@@ -72,7 +74,7 @@ def main() -> None:
         "count_first": count_first,
         "throughput": throughput, "contrastive": contrastive, "st_losses": st_losses, "moe": moe, "grpo": grpo,
         "numerics": numerics, "bandwidth_Bps": bandwidth, "cuda": _cuda, "stacks": stacks,
-        "precision": precision}
+        "precision": precision, "pipeline": pipeline}
     only = [n for n in os.environ.get("BENCH_ONLY", "").split(",") if n]
     if only:  # these sections again, into the page's stored figures (each marked as measured alone)
         unknown = sorted(set(only) - set(sections))

@@ -46,7 +46,7 @@ def test_an_engine_that_manages_accumulation_is_refused_with_the_config_key():
 
 
 def test_the_pipeline_engine_and_deepcompile_are_refused_with_the_fix():
-    with pytest.raises(ConfigurationError, match="PipelineEngine.*plain nn.Module"):
+    with pytest.raises(ConfigurationError, match="PipelineEngine.*plain nn.Module.*gradaccum.PipelineWindow"):
         Accumulator(_engine(pipe_engine.PipelineEngine, managed_gradient_accumulation=lambda: False))
     compiled = _engine(deepspeed_engine.DeepSpeedEngine, managed_gradient_accumulation=lambda: False,
                        is_deepcompile_enabled=lambda: True)

@@ -306,8 +306,9 @@ def test_a_list_of_micro_batches_with_micro_batch_size_is_refused():
     assert acc.steps == 1
 
 
-PIPELINE = ("pipeline parallelism (torch.distributed.pipelining) has no exact route in gradaccum yet; train the whole "
-            "model under DDP, FSDP2 (fully_shard) or DeepSpeed ZeRO instead")
+PIPELINE = ("the Accumulator does not run a pipeline's stages; build the stages and a torch.distributed.pipelining "
+            "schedule (scale_grads=False, a summed loss_fn) and step it with gradaccum.PipelineWindow(schedule, "
+            "optimizer, reduction='sum') (gradaccum.pipeline, docs/guides/pipeline.md)")
 
 
 @pytest.mark.parametrize("module, name", [("torch.distributed.pipelining.stage", "PipelineStage"),

@@ -34,7 +34,8 @@ import pytest
 import torch
 
 GUIDES = Path(__file__).resolve().parent.parent / "docs" / "guides"
-# moe.md, contrastive.md and sentence-transformers.md run in their own tests (test_cached_guide.py, ...)
+# moe.md, contrastive.md and sentence-transformers.md run in their own tests (test_cached_guide.py, ...);
+# pipeline.md's torchrun block in the shared launch (tests/distributed/pipeline_worker.py)
 OWNED = ["accelerate.md", "cli.md", "hf-models.md", "hf-trainer.md", "lightning.md", "own-loop.md",
          "torchrun.md", "train.md", "trl.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)

@@ -62,7 +62,8 @@ def test_every_module_that_launches_scenarios_is_in_the_shared_launch():
     found = torchrun_modules()
     expected = {"tests/distributed/test_distributed.py", "tests/distributed/test_cached.py",
                 "tests/distributed/test_stacks.py", "tests/distributed/test_coupled_trainers.py",
-                "tests/distributed/test_deepspeed.py", "tests/integrations/test_distributed.py",
+                "tests/distributed/test_deepspeed.py", "tests/distributed/test_pipeline.py",
+                "tests/integrations/test_distributed.py",
                 "tests/integrations/test_moe_distributed.py", "tests/integrations/test_grpo_distributed.py"}
     assert found == expected, found ^ expected
     worker_files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*_worker.py")} | {

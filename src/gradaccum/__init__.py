@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read; at run time 
     from .errors import ConfigurationError, GradaccumError, NotExactError, RankAgreementError, ReplayError, SplitError
     from .losses import causal_lm_loss, count_targets, token_cross_entropy
     from .memory import PeakMeter
+    from .pipeline import PipelineWindow
     from .result import StepResult
     from .sampler import WindowSampler
     from .schedule import AccumSchedule, num_steps
@@ -42,7 +43,7 @@ _HOMES = {
     "AccumSchedule": "schedule", "num_steps": "schedule", "GradaccumError": "errors",
     "ConfigurationError": "errors", "NotExactError": "errors", "SplitError": "errors", "RankAgreementError": "errors",
     "ReplayError": "errors",
-    "MoELoss": "moe", "MoEOutput": "moe",
+    "MoELoss": "moe", "MoEOutput": "moe", "PipelineWindow": "pipeline",
 }
 #: importable for code written against earlier versions, but not the API: ``WindowPlan`` is the ranks'
 #: agreement inside a window (``window.setup.plan``), ``AccumSchedule`` how ``train`` and ``num_steps``
@@ -73,6 +74,7 @@ __all__ = [
     "MoEOutput",
     "NotExactError",
     "PeakMeter",
+    "PipelineWindow",
     "RankAgreementError",
     "ReplayError",
     "SplitError",

@@ -38,9 +38,10 @@ __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
            "DATA_PARALLEL", "loaded_type", "full_tensor"]
 
-#: what a pipeline stage is told: no window of gradaccum's drives a pipeline schedule (yet)
-PIPELINE = ("pipeline parallelism (torch.distributed.pipelining) has no exact route in gradaccum yet; train the "
-            "whole model under DDP, FSDP2 (fully_shard) or DeepSpeed ZeRO instead")
+#: what a pipeline stage is told: the Accumulator runs no pipeline schedule; gradaccum.PipelineWindow does
+PIPELINE = ("the Accumulator does not run a pipeline's stages; build the stages and a torch.distributed.pipelining "
+            "schedule (scale_grads=False, a summed loss_fn) and step it with gradaccum.PipelineWindow(schedule, "
+            "optimizer, reduction='sum') (gradaccum.pipeline, docs/guides/pipeline.md)")
 _PIPELINE_TYPES = (("torch.distributed.pipelining._IR", "Pipe"),
                    ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
                    ("torch.distributed.pipelining.schedules", "_PipelineSchedule"))

@@ -1,0 +1,370 @@
+"""gradaccum.PipelineWindow under torchrun, 2 gloo processes on the CPU (#49; see test_pipeline.py).
+
+A float64 MLP over token positions, split in 2 stages (or 4 virtual stages, 2 per rank), against one
+float64 big batch on the *unsplit* model: the padded token loss's sum over the window divided by its N,
+clipped as ``clip_grad_norm_`` clips, one SGD step. Micro-batches hold 23, 3, 9 and 22 target tokens
+(the rest ignore_index -100); the second window is short (2 of the schedule's 4 micro-batches). Beside
+gradaccum the stock schedule (a mean loss, ``scale_grads=True``) and ``scale_grads=False`` with the mean
+loss are measured on the first window's gradient, so the scenario has teeth. Each scenario prints
+``PASS <name>: stock <Δ>, mean <Δ>, gradaccum <Δ>`` (the guide quotes those figures).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+from typing import Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: distributed.launch
+
+from distributed.launch import run_modules  # noqa: E402
+from gradaccum import ConfigurationError, NotExactError, PipelineWindow  # noqa: E402
+
+RANK, WORLD = 0, 1
+D, H, V, SEQ, ROWS, K = 6, 12, 9, 16, 2, 4   # features, hidden, vocabulary, positions, rows per micro-batch, K
+LAYERS = [(0, 2), (2, 4), (4, 6), (6, 7)]    # the 4 virtual stages' slices of the unsplit model
+WINDOWS = [[23, 3, 9, 22], [5, 17]]          # target tokens per micro-batch: a full window, then a short one
+LR, CLIP = 0.5, 0.05                          # CLIP below the first window's norm: clipping engaged
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh(),
+                         nn.Linear(H, V)).double()
+
+
+def token_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The padded token loss as a sum over its targets (what gradaccum's schedule is built with)."""
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=-100, reduction="sum")
+
+
+def token_mean(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The stock schedule's loss: the mean over a micro-batch's targets."""
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=-100)
+
+
+def window(counts: Sequence[int], seed: int):
+    """(inputs, targets) of one window: micro-batch k holds counts[k] targets, the others -100."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(counts) * ROWS, SEQ, D, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (len(counts) * ROWS, SEQ), generator=g)
+    for k, c in enumerate(counts):
+        block = y[k * ROWS:(k + 1) * ROWS].reshape(-1)
+        block[torch.randperm(block.numel(), generator=g)[c:]] = -100
+    return x, y
+
+
+def big_batch(full: nn.Module, windows, clip=CLIP, lr=LR) -> List[float]:
+    """The reference: each window (its parts joined: micro-batches, replicas) one float64 step of the
+    unsplit model on sum_k S_k / N, clipped by clip_grad_norm_. Returns the norms before clipping."""
+    opt, norms = torch.optim.SGD(full.parameters(), lr=lr), []
+    for x, y in windows:
+        n = (y != -100).sum()
+        if n == 0:
+            continue
+        (token_sum(full(x), y) / n).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(full.parameters(), clip if clip else math.inf)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def placement(layout: str, r: int) -> List[int]:
+    """Pipeline rank r's stage indices: 2 stages ("single"), 4 looped ("interleaved") or V-shaped ("v")."""
+    return {"single": [r], "interleaved": [r, r + 2], "v": [r, 3 - r]}[layout]
+
+
+def stage_slice(index: int, layout: str):
+    return (LAYERS[0][0], LAYERS[1][1]) if layout == "single" and index == 0 else \
+        (LAYERS[2][0], LAYERS[3][1]) if layout == "single" else LAYERS[index]
+
+
+def build(full: nn.Module, schedule_cls, layout: str, loss_fn, scale_grads: bool, group=None, wrap=None):
+    """This rank's stages (copies of the unsplit model's slices, each wrapped by ``wrap``) and a schedule."""
+    from torch.distributed.pipelining import PipelineStage
+
+    num_stages = 2 if layout == "single" else 4
+    modules, stages = [], []
+    for index in placement(layout, dist.get_rank(group)):
+        a, b = stage_slice(index, layout)
+        module = copy.deepcopy(full[a:b])
+        modules.append((module, full[a:b]))
+        stages.append(PipelineStage(wrap(module) if wrap else module, index, num_stages, torch.device("cpu"),
+                                    group=group))
+    schedule = schedule_cls(stages[0] if layout == "single" else stages, n_microbatches=K, loss_fn=loss_fn,
+                            scale_grads=scale_grads)
+    return schedule, stages, modules
+
+
+def run_schedule(schedule, stages, x, y, pipe=None):
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    args = (x,) if first else ()
+    if pipe is not None:
+        return pipe.step(*args, target=y if last else None)
+    schedule.step(*args, target=y if last else None, return_outputs=False)
+
+
+def worst(values) -> float:
+    """The largest of this rank's values, over every rank (all ranks then judge the same number)."""
+    t = torch.tensor([max(values, default=0.0)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's global value (fully_shard's DTensor shards gathered)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def grad_delta(modules, reference_grads: Dict[int, torch.Tensor]) -> float:
+    """max |g - g_ref| / max |g_ref| over every stage's parameters (the stock routes' first window)."""
+    num, den = [], []
+    for module, ref in modules:
+        for p, q in zip(module.parameters(), ref.parameters()):
+            num.append(float((whole(p.grad) - reference_grads[id(q)]).abs().max()))
+            den.append(float(reference_grads[id(q)].abs().max()))
+    return worst(num) / worst(den)
+
+
+def param_delta(modules, before: Dict[int, torch.Tensor]) -> float:
+    """max |p - p_ref| / max |p_ref - p_0| over every stage: the distance from the big batch's update."""
+    num, den = [], []
+    for module, ref in modules:
+        for p, q in zip(module.parameters(), ref.parameters()):
+            num.append(float((whole(p.detach()) - q.detach()).abs().max()))
+            den.append(float((q.detach() - before[id(q)]).abs().max()))
+    return worst(num) / worst(den)
+
+
+def stock_deltas(schedule_cls, layout: str, mine, joined, group=None, wrap=None) -> List[float]:
+    """The stock schedule (mean loss, scale_grads=True) and scale_grads=False with the mean loss: each
+    one window's gradient (``mine``: this replica's part) against the big batch's (``joined``: every
+    replica's parts)."""
+    full = model()
+    x, y = torch.cat([x for x, _ in joined]), torch.cat([y for _, y in joined])
+    (token_sum(full(x), y) / (y != -100).sum()).backward()
+    reference = {id(p): p.grad.clone() for p in full.parameters()}
+    deltas = []
+    for scale_grads in (True, False):
+        schedule, stages, modules = build(full, schedule_cls, layout, token_mean, scale_grads, group, wrap)
+        run_schedule(schedule, stages, *mine)
+        deltas.append(grad_delta(modules, reference))
+    return deltas
+
+
+def exact_route(schedule_cls, layout: str, *, reduction="sum", windows=(WINDOWS,), replica=0, pp_group=None,
+                dp_group=None, wrap=None) -> str:
+    """gradaccum over ``schedule_cls`` against the big batch: a full window (clipping engaged), then a
+    short one; the stock routes measured beside it. ``windows``: each replica's target counts per window
+    (the big batch joins the replicas' parts); this rank runs replica ``replica``'s."""
+    data = [[window(c, seed=10 + 100 * r + i) for i, c in enumerate(counts)] for r, counts in enumerate(windows)]
+    joined = [(torch.cat([d[i][0] for d in data]), torch.cat([d[i][1] for d in data])) for i in range(len(data[0]))]
+    stock, mean = stock_deltas(schedule_cls, layout, data[replica][0], [d[0] for d in data], pp_group, wrap)
+    full = model()
+    before = {id(p): p.detach().clone() for p in full.parameters()}
+    schedule, stages, modules = build(full, schedule_cls, layout, token_sum if reduction == "sum" else token_mean,
+                                      False, pp_group, wrap)
+    opt = torch.optim.SGD([p for m, _ in modules for p in m.parameters()], lr=LR)
+    pipe = PipelineWindow(schedule, opt, reduction=reduction, micro_batch_size=ROWS, max_grad_norm=CLIP,
+                          pp_group=pp_group, dp_group=dp_group)
+    results = [run_schedule(schedule, stages, x, y, pipe) for x, y in data[replica]]
+    norms = big_batch(full, joined)
+    delta = param_delta(modules, before)
+    items = [sum(sum(counts[i]) for counts in windows) for i in range(len(windows[0]))]
+    assert results[0].grad_norm > CLIP, f"clipping not engaged: norm {results[0].grad_norm}"
+    assert [r.micro_batches for r in results] == [len(c) for c in windows[replica]], results
+    assert [r.num_items for r in results] == items, ([r.num_items for r in results], items)
+    assert abs(results[0].grad_norm - norms[0]) <= 1e-12 * norms[0], (results[0].grad_norm, norms[0])
+    assert delta <= 1e-12, f"gradaccum {delta:.1e} from the big batch (stock {stock:.1e}, mean {mean:.1e})"
+    assert stock >= 1e-3 and mean >= 1e-3, f"the stock routes are {stock:.1e} and {mean:.1e} off: no teeth"
+    return f"stock {stock:.1e}, mean {mean:.1e}, gradaccum {delta:.1e}"
+
+
+def gpipe():
+    from torch.distributed.pipelining import ScheduleGPipe
+    return exact_route(ScheduleGPipe, "single")
+
+
+def one_f_one_b():
+    from torch.distributed.pipelining import Schedule1F1B
+    return exact_route(Schedule1F1B, "single")
+
+
+def interleaved_1f1b():
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    return exact_route(ScheduleInterleaved1F1B, "interleaved")
+
+
+def looped_bfs():
+    from torch.distributed.pipelining import ScheduleLoopedBFS
+    return exact_route(ScheduleLoopedBFS, "interleaved")
+
+
+def interleaved_zero_bubble():
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    return exact_route(ScheduleInterleavedZeroBubble, "interleaved")
+
+
+def zbv_zero_bubble():
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+    return exact_route(ScheduleZBVZeroBubble, "v")
+
+
+def declared_mean_with_an_empty_micro_batch():
+    """reduction="mean": L_k weighed n_k W / N; a micro-batch of 0 targets (nan mean) brings 0."""
+    from torch.distributed.pipelining import Schedule1F1B
+    return exact_route(Schedule1F1B, "single", reduction="mean", windows=([[23, 0, 9, 22], [5, 17]],))
+
+
+def empty_and_nonfinite_windows_skip_on_every_stage():
+    """A window of no target and a window with a nan input: no optimizer step on any stage, gradients
+    cleared, counted as skipped; the next window is the big batch's step."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    full = model()
+    schedule, stages, modules = build(full, ScheduleGPipe, "single", token_sum, False)
+    opt = torch.optim.SGD([p for m, _ in modules for p in m.parameters()], lr=LR)
+    steps = []
+    opt.register_step_post_hook(lambda *_: steps.append(1))
+    pipe = PipelineWindow(schedule, opt, reduction="sum", max_grad_norm=CLIP)
+    start = [p.detach().clone() for m, _ in modules for p in m.parameters()]
+    empty = window([0, 0, 0, 0], seed=3)
+    nan_x, nan_y = window([5, 6, 7, 8], seed=4)
+    nan_x[1, 3, 0] = math.nan
+    results = [run_schedule(schedule, stages, *empty, pipe), run_schedule(schedule, stages, nan_x, nan_y, pipe)]
+    same = all(torch.equal(p, q) for p, q in zip(start, (p for m, _ in modules for p in m.parameters())))
+    cleared = all(p.grad is None for m, _ in modules for p in m.parameters())
+    assert [r.skipped for r in results] == [True, True] and not steps and same and cleared, (results, steps, same)
+    assert math.isnan(results[1].grad_norm) and (pipe.state.skipped, pipe.state.steps) == (2, 0), results
+    good = window(WINDOWS[0], seed=5)
+    before = {id(p): p.detach().clone() for p in full.parameters()}
+    result = run_schedule(schedule, stages, *good, pipe)
+    big_batch(full, [good])
+    delta = param_delta(modules, before)
+    assert not result.skipped and steps == [1] and delta <= 1e-12, (result, steps, delta)
+    return f"skipped: {results[0].num_items} items, then nan; the next window {delta:.1e} from the big batch"
+
+
+def resume_is_bit_identical():
+    """3 windows straight, against 1 window, a checkpoint (stages, AdamW, scheduler, the window's state)
+    loaded into new objects, and 2 more: equal bit for bit."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    data = [window(c, seed=20 + i) for i, c in enumerate([[23, 3, 9, 22], [1, 30, 4, 2], [5, 17]])]
+
+    def fresh(full):
+        schedule, stages, modules = build(full, Schedule1F1B, "single", token_sum, False)
+        opt = torch.optim.AdamW([p for m, _ in modules for p in m.parameters()], lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        pipe = PipelineWindow(schedule, opt, reduction="sum", micro_batch_size=ROWS, max_grad_norm=CLIP,
+                              lr_scheduler=sched)
+        return schedule, stages, modules, opt, sched, pipe
+
+    schedule, stages, modules, opt, sched, pipe = fresh(model())
+    for x, y in data:
+        run_schedule(schedule, stages, x, y, pipe)
+    straight = [p.detach().clone() for m, _ in modules for p in m.parameters()]
+
+    schedule, stages, modules, opt, sched, pipe = fresh(model())
+    run_schedule(schedule, stages, *data[0], pipe)
+    saved = copy.deepcopy({"stages": [m.state_dict() for m, _ in modules], "opt": opt.state_dict(),
+                           "sched": sched.state_dict(), "window": pipe.state_dict()})
+    schedule, stages, modules, opt, sched, pipe = fresh(model())
+    for (m, _), state in zip(modules, saved["stages"]):
+        m.load_state_dict(state)
+    opt.load_state_dict(saved["opt"])
+    sched.load_state_dict(saved["sched"])
+    pipe.load_state_dict(saved["window"])
+    results = [run_schedule(schedule, stages, x, y, pipe) for x, y in data[1:]]
+    resumed = [p.detach() for m, _ in modules for p in m.parameters()]
+    same = torch.tensor([float(all(torch.equal(a, b) for a, b in zip(straight, resumed)))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    assert same.item() == 1.0 and results[-1].step == 3, (same, results[-1])
+    return f"bit-identical after {results[-1].step} steps"
+
+
+def refusals_name_the_fix():
+    """scale_grads=True, a loss module whose reduction is 'none' or not the declared one, a class-weighted
+    mean, a short window that is not whole micro-batches, stage wrapped for DP without dp_group."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    full = model()
+    said = []
+
+    def refused(kind, make, expect):
+        try:
+            make()
+        except kind as e:
+            assert expect in str(e), f"{expect!r} not in {e}"
+            said.append(expect)
+        else:
+            raise AssertionError(f"not refused: {expect}")
+
+    opt = torch.optim.SGD(full.parameters(), lr=LR)
+    schedule, _, _ = build(full, ScheduleGPipe, "single", token_mean, True)
+    refused(ConfigurationError, lambda: PipelineWindow(schedule, opt, reduction="mean"), "build it with scale_grads=False")
+    for loss, declared, expect in [(nn.CrossEntropyLoss(reduction="none"), "sum", "reduction='none'"),
+                                   (nn.CrossEntropyLoss(reduction="mean"), "sum", "was declared"),
+                                   (nn.CrossEntropyLoss(weight=torch.ones(V, dtype=torch.float64)), "mean",
+                                    "class weights"),
+                                   (token_sum, "none", "per-item terms")]:
+        schedule, _, _ = build(full, ScheduleGPipe, "single", loss, False)
+        refused(NotExactError, lambda: PipelineWindow(schedule, opt, reduction=declared), expect)
+    schedule, stages, _ = build(full, ScheduleGPipe, "single", token_sum, False)
+    pipe = PipelineWindow(schedule, opt, reduction="sum", micro_batch_size=ROWS)
+    x, y = window([3, 4, 5], seed=1)
+    refused(ConfigurationError, lambda: run_schedule(schedule, stages, x[:5], y[:5], pipe), "of micro_batch_size=2 rows")
+    return f"{len(said)} refusals"
+
+
+def guide_example_runs_as_written():
+    """docs/guides/pipeline.md's torchrun block, as written, in this launch (the group already joined:
+    its init_process_group and destroy_process_group stand aside); 3 steps, the last window short."""
+    import re
+    from pathlib import Path
+    from unittest import mock
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "pipeline.md").read_text()
+    code = re.search(r"<!-- run under torchrun -->\n```python\n(.*?)^```", text, re.M | re.S).group(1)
+    namespace = {"__name__": "guide"}
+    with mock.patch.object(dist, "init_process_group"), mock.patch.object(dist, "destroy_process_group"):
+        exec(compile(code, "docs/guides/pipeline.md", "exec"), namespace)  # noqa: S102 - our own guide
+    result = namespace["result"]
+    assert (result.step, result.micro_batches, result.skipped) == (3, 2, False), result
+    return f"3 steps, the last over {result.num_items} tokens"
+
+
+#: the guide's table: its row per scenario (the measured figures are checked against it by the tests)
+GUIDE_ROWS = {"gpipe": "GPipe", "one_f_one_b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+              "looped_bfs": "LoopedBFS", "interleaved_zero_bubble": "InterleavedZeroBubble",
+              "zbv_zero_bubble": "ZBVZeroBubble",
+              "fsdp2_1f1b_uneven_items_across_replicas": "1F1B, 2 stages x 2 replicas (fully_shard), 57 and 43 tokens"}
+
+
+def assert_guide_quotes(line: str, name: str) -> None:
+    """The guide's row for scenario ``name`` quotes the three figures its PASS line printed."""
+    import re
+    from pathlib import Path
+
+    from transcripts import assert_figure
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "pipeline.md").read_text()
+    row = next(r for r in text.splitlines() if r.startswith(f"| {GUIDE_ROWS[name]} |"))
+    quoted = [c.strip() for c in row.strip("|").split("|")[1:]]
+    printed = re.search(r"stock (\S+), mean (\S+), gradaccum (\S+)$", line).groups()
+    for q, p in zip(quoted, printed):
+        assert_figure(q, p, f"docs/guides/pipeline.md's row {GUIDE_ROWS[name]!r}")
+
+
+SCENARIOS = [gpipe, one_f_one_b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv_zero_bubble,
+             declared_mean_with_an_empty_micro_batch, empty_and_nonfinite_windows_skip_on_every_stage,
+             resume_is_bit_identical, refusals_name_the_fix, guide_example_runs_as_written]
+
+if __name__ == "__main__":
+    run_modules([sys.modules[__name__]], sys.argv[1:])
