@@ -25,7 +25,8 @@ windows opened without ``pad=True`` still ask, since a rank there can differ in 
 must know before the first forward.
 
 **R** (see :mod:`gradaccum._maths` for the maths) must be the same on every rank. Where the window's
-N is known before its first backward on every rank (one process: its own count; a sampler's shares),
+N is known before its first backward on every rank (one process: its own count; a sampler's shares; an
+exact ``MoELoss``'s counting pass),
 R = N: the boundary scale is 1 and every backward weighs ``n_k W / N`` as one big batch does. Across
 DDP ranks without a sampler, R is the last window's N (``AccumulatorState.last_window_items``, the
 same on every rank, saved), and the boundary's one all-reduce, which carries this window's N, rescales
@@ -277,7 +278,9 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan]
     if rules.reference_is_count:
         return None if known is None else (known if known > 0 else 1.0)  # 0 items: every weight is 0 anyway
     if rules.shares_windows and not rules.needs_equal_counts and state.last_window_items is not None \
-            and (plan is None or plan.share is None):  # DDP, N not a sampler's: the last window's N, saved
+            and (plan is None or plan.items is None or plan.asked):
+        # DDP, N not known up front (a sampler's, the MoE counting pass's): the last window's N, saved; also
+        # where the ranks were asked (a resumed first window), so that it rounds as the uninterrupted run did
         return state.last_window_items
     if not known:
         return None
