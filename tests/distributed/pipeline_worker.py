@@ -257,6 +257,30 @@ def declared_mean_with_an_empty_micro_batch():
     return exact_route(Schedule1F1B, "single", reduction="mean", windows=([[23, 0, 9, 22], [5, 17]],))
 
 
+def shape_inference_call_is_recognised_after_eval():
+    """The stage's shape inference calls pipe.loss once more on a (re)initializing step: the first, and the
+    first after schedule.eval (which calls it outside step: your loss itself). A mean loss (its weight
+    depends on the micro-batch) over a window, an eval, a second window: both the big batch's steps."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    full = model()
+    stages, modules = build(full, "single")
+    schedule, pipe = window_over(Schedule1F1B, stages, modules, reduction="mean", max_grad_norm=CLIP)
+    data = [window([23, 3, 9, 22], seed=30), window([1, 30, 4, 2], seed=31)]
+    before = {id(p): p.detach().clone() for p in full.parameters()}
+    run_schedule(schedule, stages, *data[0], pipe)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    losses = []
+    schedule.eval(*((data[1][0],) if first else ()), target=data[1][1] if last else None, losses=losses)
+    result = run_schedule(schedule, stages, *data[1], pipe)
+    big_batch(full, data)
+    delta = param_delta(modules, before)
+    if last:
+        assert len(losses) == K and all(torch.isfinite(l) for l in losses), losses
+    assert not result.skipped and result.step == 2 and delta <= 1e-12, (result, delta)
+    return f"2 windows around an eval: {delta:.1e} from the big batch"
+
+
 def empty_and_nonfinite_windows_skip_on_every_stage():
     """A window of no target and a window with a nan input: no optimizer step on any stage, gradients
     cleared, counted as skipped; the next window is the big batch's step."""
@@ -406,7 +430,8 @@ def assert_guide_quotes(line: str, name: str) -> None:
 
 
 SCENARIOS = [gpipe, one_f_one_b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv_zero_bubble,
-             declared_mean_with_an_empty_micro_batch, empty_and_nonfinite_windows_skip_on_every_stage,
+             declared_mean_with_an_empty_micro_batch, shape_inference_call_is_recognised_after_eval,
+             empty_and_nonfinite_windows_skip_on_every_stage,
              resume_is_bit_identical, refusals_name_the_fix, guide_example_runs_as_written]
 
 if __name__ == "__main__":
