@@ -137,6 +137,8 @@ and `acc.step` within 1.05x of the floor.
        {"collectives": ".3g", "host_syncs": ".2f", "time_ratio": ".3f", "ratio_q1": ".3f", "ratio_q3": ".3f",
         "window_ms": ".2f", "distance": ".1e", "extra_latency_us_at_1024": ".0f"})}
 
+{_against_floor(w["rows"])}
+
 Paper projection to W = 1024 ranks: a small collective is latency-bound, about {w['latency_us_per_hop']:g} us
 per log2(W) step of a tree or ring on a cluster (a stated assumption, not measured here), so each one
 per window adds about {w['latency_us_per_hop'] * 10:g} us at W = 1024. gradaccum's boundary collective carries
@@ -144,6 +146,15 @@ the window's loss and item count (the global mean and the exact normalization), 
 can pad, and a stop request; the hand loop reports no global loss and cannot skip a non-finite
 window on every rank alike.
 """
+
+
+def _against_floor(rows: List[Dict[str, Any]]) -> str:
+    """``acc.step``'s time over the floor's, both against the hand loop in the same repeats (the goal: 1.05x)."""
+    ratio = {row["contender"]: row.get("time_ratio") for row in rows}
+    step, floor = ratio.get("gradaccum acc.step"), ratio.get("hand no_sync loop + one async all-reduce (the floor)")
+    if not step or not floor:
+        return ""
+    return f"`acc.step` against the floor in this run: {step / floor:.3f}x (goal: 1.05x)."
 
 
 def _alone(section: Dict[str, Any]) -> str:
@@ -174,6 +185,24 @@ of both ranks' windows, mean over {c['accuracy_windows']} windows, for float32 a
                    "rel_l2_float32", "rel_l2_bfloat16"],
        {"collectives": ".3g", "host_syncs": ".2f", "time_ratio": ".3f", "ratio_q1": ".3f", "ratio_q3": ".3f",
         "window_ms": ".2f", "rel_l2_float32": ".2e", "rel_l2_bfloat16": ".2e"})}
+"""
+
+
+def pipeline_section(r: Results) -> str:
+    p = r.get("pipeline")
+    if not p:
+        return "### Pipeline parallelism\n\nThe torchrun launch failed in this run.\n"
+    rows = [{"schedule": name, "stock_ms": 1e3 * v["stock_s"], "gradaccum_ms": 1e3 * v["gradaccum_s"],
+             "ratio": v["ratio"]} for name, v in p.items() if isinstance(v, dict)]
+    return f"""### Pipeline parallelism (2 gloo processes, an MLP in 2 stages, 4 micro-batches of padded tokens)
+
+`gradaccum.PipelineWindow` against the stock schedule on the same stages (its mean loss, `scale_grads=True`, and
+the same clipping, local to each stage), each window timed in turn: median time per window and the ratio. The
+window adds {p.get("collectives_per_window", float("nan")):.3g} all-reduce(s) per window over the pipeline group
+(the window's N, its micro-batch counts, the global squared norm and the loss, in one), counted. Goal: within
+1.05x of the stock schedule.
+{_alone(p)}
+{table(rows, ["schedule", "stock_ms", "gradaccum_ms", "ratio"], {"stock_ms": ".2f", "gradaccum_ms": ".2f", "ratio": ".3f"})}
 """
 
 
@@ -416,6 +445,7 @@ Sections took: {durations}.
 {distributed_section(r)}
 {window_cost_section(r)}
 {count_first_section(r)}
+{pipeline_section(r)}
 {memory_section(r)}
 {transformer_section(r)}
 {scaling_sections(r)}
