@@ -63,10 +63,10 @@ def _worker() -> None:
             full = nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh(), nn.Linear(H, V))
             module = full[:2] if rank == 0 else full[2:]
             stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-            schedule = cls(stage, n_microbatches=K, loss_fn=loss_sum if route == "gradaccum" else loss_mean,
-                           scale_grads=route == "stock")
             opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-            pipe = PipelineWindow(schedule, opt, reduction="sum", max_grad_norm=1.0) if route == "gradaccum" else None
+            pipe = PipelineWindow(stage, opt, loss_sum, n_microbatches=K, reduction="sum", max_grad_norm=1.0) \
+                if route == "gradaccum" else None
+            schedule = cls(stage, n_microbatches=K, loss_fn=pipe.loss if pipe else loss_mean, scale_grads=pipe is None)
             routes[route] = (stage, schedule, opt, pipe)
 
         def window(route):
@@ -75,7 +75,7 @@ def _worker() -> None:
             dist.barrier()
             t0 = time.perf_counter()
             if pipe is not None:
-                pipe.step(*args, target=target)
+                pipe.step(schedule, *args, target=target)
             else:
                 schedule.step(*args, target=target, return_outputs=False)
                 torch.nn.utils.clip_grad_norm_(stage.submod.parameters(), 1.0)  # the stock loop clips too (locally)

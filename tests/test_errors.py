@@ -304,9 +304,10 @@ def test_a_list_of_micro_batches_with_micro_batch_size_is_refused():
     assert acc.steps == 1
 
 
-PIPELINE = ("the Accumulator does not run a pipeline's stages; build the stages and a torch.distributed.pipelining "
-            "schedule (scale_grads=False, a summed loss_fn) and step it with gradaccum.PipelineWindow(schedule, "
-            "optimizer, reduction='sum') (gradaccum.pipeline, docs/guides/pipeline.md)")
+PIPELINE = ("the Accumulator does not run a pipeline's stages; hand them to gradaccum.PipelineWindow(stages, "
+            "optimizer, loss_fn, n_microbatches=..., reduction='sum'), build the torch.distributed.pipelining "
+            "schedule with loss_fn=pipe.loss and scale_grads=False, and step pipe.step(schedule, ...) "
+            "(gradaccum.pipeline, docs/guides/pipeline.md)")
 
 
 @pytest.mark.parametrize("module, name", [("torch.distributed.pipelining.stage", "PipelineStage"),

@@ -243,7 +243,7 @@ def test_a_samplers_plan_weighs_by_its_own_n_across_ranks():
     ranks were asked for, weighs by the last window's N instead, rescaled at the boundary."""
     state = AccumulatorState(last_window_items=40.0)
     sampled = RankAgreement(GradSync(), torch.device("cpu"), state, DDP).known_plan(2, [2, 2], 20.0)
-    assert sampled == WindowPlan(2, 2, 2, 20.0, sampled=True)
+    assert sampled == WindowPlan(2, 2, 2, 20.0)
     assert window_setup(state, DDP, WindowRequest(2, can_pad=True), sampled).reference == 20.0
     assert window_setup(state, DDP, WindowRequest(2, can_pad=True), WindowPlan(2, 2, 2, 20.0, asked=True)).reference == 40.0
     assert window_setup(state, DDP, WindowRequest(2, can_pad=True), WindowPlan(2, 2, 2, None)).reference == 40.0

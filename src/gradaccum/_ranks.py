@@ -25,7 +25,8 @@ windows opened without ``pad=True`` still ask, since a rank there can differ in 
 must know before the first forward.
 
 **R** (see :mod:`gradaccum._maths` for the maths) must be the same on every rank. Where the window's
-N is known before its first backward on every rank (one process: its own count; a sampler's shares),
+N is known before its first backward on every rank (one process: its own count; a sampler's shares; an
+exact ``MoELoss``'s counting pass),
 R = N: the boundary scale is 1 and every backward weighs ``n_k W / N`` as one big batch does. Across
 DDP ranks without a sampler, R is the last window's N (``AccumulatorState.last_window_items``, the
 same on every rank, saved), and the boundary's one all-reduce, which carries this window's N, rescales
@@ -79,8 +80,6 @@ class WindowPlan(NamedTuple):
         items: the window's global item count when every rank knew its own before the first
             backward (then it is R, and the boundary scale is 1); else None.
         asked: the ranks exchanged counts for this plan (an all-gather), rather than knowing them.
-        sampled: ``items`` are a WindowSampler's shares, known to every rank without asking (then R = N
-            across DDP ranks too, :func:`window_setup`).
     """
 
     micro_batches: int
@@ -88,7 +87,6 @@ class WindowPlan(NamedTuple):
     fewest: int
     items: Optional[float]
     asked: bool = False
-    sampled: bool = False
 
 
 class WindowRequest(NamedTuple):
@@ -208,7 +206,7 @@ def local_plan(state: AccumulatorState, rules: Rules, request: WindowRequest) ->
 
     >>> alone = Rules(shares_windows=False, needs_equal_counts=False)
     >>> local_plan(AccumulatorState(), alone, WindowRequest(3, items=12))
-    WindowPlan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False, sampled=False)
+    WindowPlan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False)
     """
     n = request.micro_batches
     assert n is not None, "a window opened without a size has no plan"
@@ -226,7 +224,7 @@ def window_setup(state: AccumulatorState, rules: Rules, request: WindowRequest,
 
     >>> alone = Rules(shares_windows=False, needs_equal_counts=False)
     >>> window_setup(AccumulatorState(), alone, WindowRequest(2, items=10), WindowPlan(2, 2, 2, 10.0))
-    WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False, sampled=False), reference=10.0, padding=0, counted=None)
+    WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False), reference=10.0, padding=0, counted=None)
     """
     reference = _reference(state, rules, plan, request.items)
     padding = 0
@@ -251,7 +249,9 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan]
     if rules.reference_is_count:
         return None if known is None else (known if known > 0 else 1.0)  # 0 items: every weight is 0 anyway
     if rules.shares_windows and not rules.needs_equal_counts and state.last_window_items is not None \
-            and (plan is None or not plan.sampled):  # DDP, N not a sampler's: the last window's N, saved
+            and (plan is None or plan.items is None or plan.asked):
+        # DDP, N not known up front (a sampler's, the MoE counting pass's): the last window's N, saved; also
+        # where the ranks were asked (a resumed first window), so that it rounds as the uninterrupted run did
         return state.last_window_items
     if not known:
         return None
@@ -324,7 +324,7 @@ class RankAgreement:
         pads = any(padded_count(c, most, self.rules.needs_equal_counts) > c for c in counts)
         if pads and not self.state.peers_can_pad:
             return None
-        return WindowPlan(mine, most, fewest, items, sampled=items is not None)
+        return WindowPlan(mine, most, fewest, items)
 
     def agree(self, micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
         """Every rank's micro-batch count and up-front item count, from one small all-gather."""

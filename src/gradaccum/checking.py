@@ -197,10 +197,8 @@ def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], nu
     and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows)."""
     for p in model.parameters():
         p.grad = None
-    if isinstance(loss_fn, WindowLoss):
-        return (*_window_loss_grads(model, loss_fn, micro_batches), False)
-    if isinstance(loss_fn, MoELoss):
-        return (*_moe_loss_grads(model, loss_fn, micro_batches), False)
+    if isinstance(loss_fn, (WindowLoss, MoELoss)):
+        return (*_coupled_grads(model, loss_fn, micro_batches), False)
     loss_sum, items, bare = 0.0, 0.0, False
     for index, mb in enumerate(micro_batches):
         try:
@@ -217,39 +215,28 @@ def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], nu
     return grads, loss_sum / items, bare
 
 
-def _window_loss_grads(model: nn.Module, window_loss: WindowLoss, micro_batches: List[Batch]
-                       ) -> Tuple[Dict[str, torch.Tensor], float]:
-    """A :class:`~gradaccum.WindowLoss`: on the whole batch, its loss backpropagated as it is (the
-    oracle); on a split, the Accumulator's own cached path, stepped with a zero learning rate and read
-    just before the optimizer step (the model is restored after either way)."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if len(micro_batches) == 1:
-        try:
-            loss = window_loss.loss(model, window_loss.encode(model, micro_batches[0]))
-        except Exception as e:  # noqa: BLE001 - the full batch failed: the user's encode or loss
-            raise _MicroBatchFailed(0, leading_dim(micro_batches[0]), e) from e
-        scalar_loss(loss, subject="WindowLoss's loss must return a scalar loss", where="loss(model, representations)")
-        loss.backward()
-        return {name: p.grad.detach().double() for name, p in named if p.grad is not None}, float(loss.detach())
-    return _accumulated_grads(model, window_loss, micro_batches)
-
-
-def _moe_loss_grads(model: nn.Module, moe: MoELoss, micro_batches: List[Batch]
-                    ) -> Tuple[Dict[str, torch.Tensor], float]:
-    """An :class:`~gradaccum.MoELoss`: on the whole batch, its token loss plus ``coef`` times the
-    load-balancing loss of the whole batch (:func:`_balance_loss`, the oracle); on a split, the
-    Accumulator's own path in the loss's mode."""
+def _coupled_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
+    """A loss over the window (a :class:`~gradaccum.WindowLoss`, an :class:`~gradaccum.MoELoss`): on the
+    whole batch the oracle, its loss backpropagated as it is (an MoELoss: its token loss plus ``coef``
+    times the whole batch's load-balancing loss, :func:`_balance_loss`); on a split, the Accumulator's
+    own path (:func:`_accumulated_grads`)."""
     if len(micro_batches) > 1:
-        return _accumulated_grads(model, moe, micro_batches)
+        return _accumulated_grads(model, loss_fn, micro_batches)
+    batch = micro_batches[0]
     try:
-        out = moe.checked(moe.forward(model, micro_batches[0]))
-        loss = out.loss + moe.coef * _balance_loss(out.router_logits, moe.top_k, out.token_mask)
-    except Exception as e:  # noqa: BLE001 - the full batch failed: the user's forward
-        raise _MicroBatchFailed(0, leading_dim(micro_batches[0]), e) from e
-    scalar_loss(loss, subject="MoELoss's forward must return a scalar mean loss", where="forward(model, batch).loss")
+        if isinstance(loss_fn, WindowLoss):
+            loss = loss_fn.loss(model, loss_fn.encode(model, batch))
+            subject, where = "WindowLoss's loss must return a scalar loss", "loss(model, representations)"
+        else:
+            out = loss_fn.checked(loss_fn.forward(model, batch))
+            loss = out.loss + loss_fn.coef * _balance_loss(out.router_logits, loss_fn.top_k, out.token_mask)
+            subject, where = "MoELoss's forward must return a scalar mean loss", "forward(model, batch).loss"
+    except Exception as e:  # noqa: BLE001 - the full batch failed: the user's encode, loss or forward
+        raise _MicroBatchFailed(0, leading_dim(batch), e) from e
+    scalar_loss(loss, subject=subject, where=where)
     loss.backward()
-    return ({name: p.grad.detach().double() for name, p in model.named_parameters() if p.grad is not None},
-            float(loss.detach()))
+    return ({name: p.grad.detach().double() for name, p in model.named_parameters()
+             if p.requires_grad and p.grad is not None}, float(loss.detach()))
 
 
 def _balance_loss(router_logits: Any, top_k: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -403,32 +390,14 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
                          f"gives one micro-batch, which is only compared with itself; {fix}",
                          micro_batch_size=micro_batch_size, items=items, suggestion=items // 2 or None)
     suspects = _Suspects()
-    modules = dict(model.named_modules())
-    for name in training_batchnorms(model):
-        suspects.add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
-                           "statistics (and updates its running statistics once per micro-batch)")
-    dropouts = [name for name, module in modules.items()
-                if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
-    for name in dropouts:
-        suspects.add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
-                           "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
-                           "to check the rest)")
+    dropouts = suspects.in_model(model)
     full, acc = _both_passes(model, loss_fn, batch, micro_batches, micro_batch_size, num_items)
     max_rel = 0.0
     for name, gf in full.grads.items():
         ga = acc.grads.get(name, torch.zeros_like(gf))
         max_rel = max(max_rel, (ga - gf).norm().item() / max(gf.norm().item(), 1e-30))
     matched = max_rel <= rtol
-    random = full.recorder.random | acc.recorder.random
-    for name in sorted(random - set(dropouts)):
-        suspects.add(name, "draws random numbers in forward, so another split sees other draws")
-    drawn = sorted(set(dropouts) | random)
-    for name in drawn if matched else []:
-        suspects.add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
-                           "item after item, so micro-batches in order draw the full batch's; several layers, or "
-                           "CUDA's generator, draw others")
-    for name in _mixing(full.recorder, acc.recorder, len(micro_batches), rtol) - random:  # draws explain those
-        suspects.add(name, "its output for an item depends on the other items of the micro-batch")
+    drawn = suspects.in_passes(full, acc, dropouts, len(micro_batches), rtol, matched)
     hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items,
                                       bool(suspects.reasons), rtol)
     return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects.listed(),
@@ -460,6 +429,37 @@ class _Suspects:
     def add(self, name: str, reason: str) -> None:
         if reason not in self.reasons.setdefault(name, []):
             self.reasons[name].append(reason)
+
+    def in_model(self, model: nn.Module) -> List[str]:
+        """What the model's modules show before anything runs: BatchNorm and dropout in training mode
+        (the dropouts' names are returned)."""
+        modules = dict(model.named_modules())
+        for name in training_batchnorms(model):
+            self.add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
+                           "statistics (and updates its running statistics once per micro-batch)")
+        dropouts = [name for name, module in modules.items()
+                    if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
+        for name in dropouts:
+            self.add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
+                           "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
+                           "to check the rest)")
+        return dropouts
+
+    def in_passes(self, full: "_Pass", acc: "_Pass", dropouts: List[str], k: int, rtol: float, matched: bool
+                  ) -> List[str]:
+        """What the two passes' recorders show: modules that drew random numbers (returned, with the
+        dropouts) and modules whose output for an item depends on the others."""
+        random = full.recorder.random | acc.recorder.random
+        for name in sorted(random - set(dropouts)):
+            self.add(name, "draws random numbers in forward, so another split sees other draws")
+        drawn = sorted(set(dropouts) | random)
+        for name in drawn if matched else []:
+            self.add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
+                           "item after item, so micro-batches in order draw the full batch's; several layers, or "
+                           "CUDA's generator, draw others")
+        for name in _mixing(full.recorder, acc.recorder, k, rtol) - random:  # draws explain those
+            self.add(name, "its output for an item depends on the other items of the micro-batch")
+        return drawn
 
     def listed(self) -> List[Tuple[str, str]]:
         ordered = sorted(self.reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))

@@ -7,57 +7,77 @@ summed gradient by K: the mean of the micro-batch means, not the window's mean o
 Here the schedule's loss is weighed as every gradaccum window weighs it (:mod:`gradaccum._maths`)::
 
     micro-batch k backpropagates  S_k * W / N     (S_k = n_k L_k, its summed loss; sum_weight)
-    data-parallel reduction        / W            (DDP or fully_shard over the replicas)
+    data-parallel reduction        / W            (fully_shard over the replicas)
     window gradient                sum_k S_k / N  (N: the window's items over every replica)
 
-Build the stages and the schedule as usual, with the per-item loss and ``scale_grads=False``, and step
-the window instead of the schedule::
+The window owns your per-item loss and hands the schedule its weighed version, :meth:`PipelineWindow.loss`;
+build the schedule with it and ``scale_grads=False``, and step the window instead of the schedule::
 
-    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=token_loss_sum, scale_grads=False)
-    pipe = PipelineWindow(schedule, optimizer, reduction="sum", max_grad_norm=1.0)
-    result = pipe.step(inputs, target=targets)     # inputs on the first stage, targets on the last
+    pipe = PipelineWindow(stage, optimizer, token_loss_sum, n_microbatches=4, reduction="sum", max_grad_norm=1.0)
+    schedule = ScheduleGPipe(stage, n_microbatches=pipe.n_microbatches, loss_fn=pipe.loss, scale_grads=False)
+    result = pipe.step(schedule, inputs, target=targets)     # inputs on the first stage, targets on the last
 
 :meth:`PipelineWindow.step`, on every stage, in the order it runs:
 
-1. **count first**: the last stage counts its targets' items n_k (``num_items``) and the first and last
-   stages their micro-batches; one all-reduce over the pipeline group (and one over ``dp_group``) gives
-   every stage N and K. A short last window (K below the schedule's ``n_microbatches``) is padded with
-   repeats of its last micro-batch that weigh 0.
-2. a window of no item is skipped on every stage before the schedule runs;
-3. the schedule runs, its ``loss_fn`` weighed: ``S_k * W / N``, or ``L_k * n_k W / N`` for a mean;
-4. **boundary**: one all-reduce of (squared gradient norm, summed loss) over the pipeline group (and
-   over ``dp_group``): the global norm over every stage's parameters, and the window's loss;
-5. the verdict (:func:`gradaccum._maths.verdict`: no item or not finite skips, on every stage alike),
-   the clip (:func:`gradaccum._maths.clip_coefficient`), one optimizer step, the gradients cleared, and
-   the window recorded in an :class:`~gradaccum.AccumulatorState` (``state_dict``).
+1. **count**: the last stage counts its targets' items n_k (``num_items``), and sums N over the replicas
+   (one all-reduce over ``dp_group``, on the last stage's ranks only); a short last window (K below
+   ``n_microbatches``) is padded with repeats of its last micro-batch that weigh 0;
+2. **schedule**: it runs, each ``pipe.loss`` call weighed ``S_k * W / N`` (``L_k * n_k W / N`` for a
+   mean); a window of no item runs weighing 0 everywhere;
+3. **boundary**: one all-reduce over the pipeline group of (squared gradient norm, summed loss, N, the
+   first stage's K, the last stage's K, the loss calls counted wrong), and one of the first two over
+   ``dp_group``: every stage learns N, the global norm over every stage's parameters and the window's loss;
+4. **step**: the verdict (:func:`gradaccum._maths.verdict`: no item or not finite skips, on every stage
+   alike), the clip (:func:`gradaccum._maths.clip_coefficient`), one optimizer step, the gradients
+   cleared, the window recorded in an :class:`~gradaccum.AccumulatorState` (``state_dict``).
+
+Collectives per window: 1 all-reduce over the pipeline group; with ``dp_group``, 1 more over it on every
+rank and 1 more (the count) on the last stage's ranks.
+
+**Which micro-batch a loss call is.** Only torch's public surface is read: the stages' ``is_first``,
+``is_last``, ``submod`` and ``device``, the schedule's ``scale_grads`` and ``step``. The micro-batch is
+counted from the calls of ``pipe.loss`` within :meth:`~PipelineWindow.step`: the schedule calls its
+``loss_fn`` once per micro-batch, in micro-batch order (torch's own losses list is indexed so), and on a
+step that (re)initializes the stage (its first, and the first after ``schedule.eval``) the stage's shape
+inference calls it once before them, on micro-batch 0's target (a detached view of the same memory),
+its gradient dropped. So a second call whose target is the first call's memory is micro-batch 0 again,
+and the first call was that inference. The boundary checks the count (``n_microbatches`` calls besides
+the inference) on every stage and refuses a window counted otherwise before it steps.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ._checks import positive_int
 from ._maths import clip_coefficient, target_count, tensor_norms
-from ._seam import all_reduce_, loaded_type
+from ._seam import all_reduce_
 from ._state import AccumulatorState
 from ._weights import WindowWeights
 from .errors import ConfigurationError, NotExactError
 from .result import StepResult
+from .sync import sharded_stage
 
 __all__ = ["PipelineWindow"]
 
 REDUCTIONS = ("sum", "mean")
+#: the boundary's all-reduce over the pipeline group, one float64 each; the first two also sum over dp_group
+SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED = range(6)
 
 
-def _stages(schedule: Any) -> List[Any]:
-    """The stages a schedule runs on this rank (``_stages`` of a multi-stage schedule, else ``_stage``)."""
-    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
-    if not hasattr(schedule, "_loss_fn") or any(s is None for s in stages):
-        raise ConfigurationError(f"schedule={type(schedule).__name__} is not a torch.distributed.pipelining schedule; "
-                                 "build one (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B...) over your stages")
-    return stages
+def _stage_list(stages: Any) -> List[Any]:
+    """This rank's stages: one ``PipelineStage`` or a list of them (two or more per rank when interleaved)."""
+    listed = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+    for stage in listed:
+        if not all(hasattr(stage, a) for a in ("is_first", "is_last", "submod", "device")) or not listed:
+            raise ConfigurationError(
+                f"stages={stages!r} is not this rank's torch.distributed.pipelining stages: pass the "
+                "PipelineStage (or the list of them) that the schedule is built over")
+    return listed
 
 
 def _check_loss(loss_fn: Any, reduction: str) -> None:
@@ -91,159 +111,155 @@ def _pad(value: Any, rows: int, pad: int) -> Any:
     return torch.cat([value] + [value[-rows:]] * pad)
 
 
+@dataclass
+class _Tally:
+    """What one window's ``pipe.loss`` calls need and leave (on the last stage; empty elsewhere)."""
+
+    k: int                               #: the window's real micro-batches (the rest of the schedule's pad)
+    counts: List[float]                  #: n_k per real micro-batch
+    weights: Optional[WindowWeights]     #: the window's weights, N known (the last stage)
+    targets: List[int] = field(default_factory=list)   #: each call's target memory (``data_ptr``)
+    inference: int = 0                   #: 1 once the first call is known to be the stage's shape inference
+    summed: Dict[int, torch.Tensor] = field(default_factory=dict)   #: S_k per micro-batch, detached
+
+    def index(self, target: Any) -> int:
+        """Micro-batch k of this call (the module's docstring: calls in order, shape inference first)."""
+        here = target.data_ptr() if isinstance(target, torch.Tensor) else None
+        if len(self.targets) == 1 and here is not None and here == self.targets[0]:
+            self.inference = 1  # micro-batch 0's memory again: the first call was the stage's shape inference
+        self.targets.append(here)  # type: ignore[arg-type]
+        return len(self.targets) - 1 - self.inference
+
+    def calls(self) -> int:
+        """The schedule's loss calls this window, the shape inference aside."""
+        return len(self.targets) - self.inference
+
+
 class PipelineWindow:
     """One optimizer step per window of a ``torch.distributed.pipelining`` schedule, weighed as one big batch.
 
     Args:
-        schedule: a schedule over this rank's stages (``ScheduleGPipe``, ``Schedule1F1B``,
-            ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``,
-            ``ScheduleZBVZeroBubble``), built with ``loss_fn`` (called as ``loss_fn(output, target)`` on the
-            last stage, per micro-batch) and ``scale_grads=False``; gradaccum weighs that ``loss_fn``.
+        stages: this rank's ``PipelineStage`` (or the list of them, for an interleaved or V schedule): the
+            stages the schedule is built over.
         optimizer: the optimizer of this rank's stages' parameters, stepped once per window.
+        loss_fn: your per-item loss, ``loss_fn(output, target)`` on the last stage per micro-batch; build the
+            schedule with ``loss_fn=pipe.loss``, its weighed version, and ``scale_grads=False``.
+        n_microbatches: the schedule's micro-batches per window (build it with ``pipe.n_microbatches``).
         reduction: what ``loss_fn`` returns per micro-batch: ``"sum"`` (S_k, its summed loss; torchtitan's
             token sum) or ``"mean"`` (L_k over the ``num_items`` of its target).
         num_items: ``num_items(target)`` -> n_k, micro-batch k's items (a count, on any device). Default: the
             targets that are not -100 (:func:`gradaccum._maths.target_count`, cross-entropy's ``ignore_index``).
-        micro_batch_size: rows per micro-batch: a window of fewer rows than the schedule's
-            ``n_microbatches * micro_batch_size`` (the short last window) is padded with repeats of its last
-            micro-batch that weigh 0. Default: every window fills the schedule.
+        micro_batch_size: rows per micro-batch: a window of fewer rows than ``n_microbatches *
+            micro_batch_size`` (the short last window) is padded with repeats of its last micro-batch that
+            weigh 0. Default: every window fills the schedule.
         max_grad_norm: clip by the global norm over every stage's parameters (and the replicas' shards).
         pp_group: the pipeline's process group (the stages'); default the world.
         dp_group: the replicas' group, where each stage's module is in ``fully_shard`` over it (FSDP2, as
             torchtitan; ``DistributedDataParallel`` is refused: its reducer fails under a PipelineStage):
             N sums over it and W is its size. Default: no data parallelism, W = 1.
         lr_scheduler: stepped after each optimizer step.
+
+    Collectives per window: one all-reduce over ``pp_group``; with ``dp_group``, one more over it, and on
+    the last stage's ranks one more (N, before the schedule).
     """
 
-    def __init__(self, schedule: Any, optimizer: torch.optim.Optimizer, *, reduction: str,
-                 num_items: Optional[Callable[[torch.Tensor], Any]] = None, micro_batch_size: Optional[int] = None,
-                 max_grad_norm: Optional[float] = None, pp_group: Any = None,
-                 dp_group: Any = None, lr_scheduler: Any = None) -> None:
-        self.stages = _stages(schedule)
-        loss_fn = schedule._loss_fn
-        if loss_fn is None:
-            raise ConfigurationError(f"schedule={type(schedule).__name__} was built without loss_fn, so it runs no "
-                                     "backward: build it with loss_fn=your per-item loss (reduction='sum' or 'mean')")
-        if schedule.scale_grads:
-            raise ConfigurationError(
-                f"schedule={type(schedule).__name__} was built with scale_grads=True: it divides the window's gradient "
-                f"by n_microbatches={schedule._n_microbatches}, the mean of micro-batch means, not one big batch; "
-                "build it with scale_grads=False (gradaccum divides by the window's N)")
+    def __init__(self, stages: Any, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor], *,
+                 n_microbatches: int, reduction: str, num_items: Optional[Callable[[torch.Tensor], Any]] = None,
+                 micro_batch_size: Optional[int] = None, max_grad_norm: Optional[float] = None,
+                 pp_group: Any = None, dp_group: Any = None, lr_scheduler: Any = None) -> None:
+        self.stages = _stage_list(stages)
+        if not callable(loss_fn):
+            raise ConfigurationError(f"loss_fn must be your per-item loss, called as loss_fn(output, target); "
+                                     f"got {loss_fn!r}")
         _check_loss(loss_fn, reduction)
-        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
-            raise ConfigurationError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+        self.n_microbatches = positive_int("n_microbatches", n_microbatches)
+        if micro_batch_size is not None:
+            positive_int("micro_batch_size", micro_batch_size)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigurationError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
-        wrapped = [s for s in self.stages if _data_parallel(s.submod) is not None]
-        if any(_data_parallel(s.submod) == "DistributedDataParallel" for s in wrapped):
-            raise NotExactError(
-                "a stage's module is wrapped in DistributedDataParallel: a PipelineStage's shape inference runs a "
-                "backward outside no_sync, and DDP's reducer then fails its first window (torch 2.13: 'rebuilt "
-                "parameter indices size is not same as original model parameters size'), so no exact window was "
-                "measured over it; wrap each stage's module in fully_shard(module, mesh=mesh['dp']) instead, as "
-                "torchtitan does, and pass dp_group=mesh['dp'].get_group()")
-        if wrapped and dp_group is None:
-            raise ConfigurationError(
-                f"stage {wrapped[0].stage_index}'s module is wrapped in {_data_parallel(wrapped[0].submod)} but "
-                "dp_group=None: pass dp_group= the replicas' group (mesh['dp'].get_group()), over which the window's "
-                "items are summed and the gradient averaged")
-        if dp_group is not None and dp_group.size() > 1 and len(wrapped) < len(self.stages):
-            raise ConfigurationError(
-                "dp_group has several replicas but a stage's module is not in fully_shard: its replicas would step "
-                "on their own gradients; wrap each stage's module in fully_shard(module, mesh=mesh['dp'])")
-        self.schedule, self.optimizer, self.lr_scheduler = schedule, optimizer, lr_scheduler
+        self._check_data_parallel(dp_group)
+        self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
         self.reduction, self.micro_batch_size, self.max_grad_norm = reduction, micro_batch_size, max_grad_norm
         self.num_items = num_items or target_count
         self.pp_group, self.dp_group = pp_group, dp_group
+        self.first, self.last = any(s.is_first for s in self.stages), any(s.is_last for s in self.stages)
+        self.device = self.stages[0].device
         #: W: the replicas the data-parallel reduction averages over (1 without ``dp_group``)
         self.grad_divisor = float(dp_group.size()) if dp_group is not None else 1.0
         #: steps, skipped windows and the last window's N, saved by :meth:`state_dict`
         self.state = AccumulatorState()
-        self._user_loss = loss_fn
-        schedule._loss_fn = self._weighted  # the schedule now backpropagates the window's weight
-        self._window: Dict[str, Any] = {}
+        self._tally: Optional[_Tally] = None  # the window in progress, inside step() only
+
+    def _check_data_parallel(self, dp_group: Any) -> None:
+        """Each stage in fully_shard over ``dp_group``, or none and no replicas (the seam refuses DDP)."""
+        sharded = [s for s in self.stages if sharded_stage(s.submod)]
+        if sharded and dp_group is None:
+            raise ConfigurationError(
+                f"stage {sharded[0].stage_index}'s module is in fully_shard but dp_group=None: pass dp_group= the "
+                "replicas' group (mesh['dp'].get_group()), over which the window's items are summed and the "
+                "gradient averaged")
+        if dp_group is not None and dp_group.size() > 1 and len(sharded) < len(self.stages):
+            raise ConfigurationError(
+                "dp_group has several replicas but a stage's module is not in fully_shard: its replicas would step "
+                "on their own gradients; wrap each stage's module in fully_shard(module, mesh=mesh['dp'])")
 
     # -- one window, in the order it runs ---------------------------------------------------------------
 
-    def step(self, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> StepResult:
-        """Run the schedule over one window and step once on every stage (call it on every rank, the
-        inputs on the first stage, ``target`` on the last, nothing on the others).
+    def step(self, schedule: Any, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> StepResult:
+        """Run ``schedule`` over one window and step once on every stage (call it on every rank, the inputs
+        on the first stage, ``target`` on the last, nothing on the others).
 
         Returns:
-            the window's :class:`~gradaccum.StepResult`, the same on every rank but ``micro_batches``:
-            the loss ``sum_k S_k / N`` and the norm before clipping (over every stage), N, skipped.
+            the window's :class:`~gradaccum.StepResult`, the same on every rank: the loss ``sum_k S_k / N``,
+            N, the window's micro-batches K, the norm before clipping (over every stage), skipped.
         """
-        first, last = any(s.is_first for s in self.stages), any(s.is_last for s in self.stages)
-        if last and target is None:
-            raise ConfigurationError("this rank holds the last stage: pass target= its window's targets")
-        n_mb = self.schedule._n_microbatches
-        k_first = self._micro_batches(next((a for a in args if isinstance(a, torch.Tensor)), None), first, "inputs")
-        k_last = self._micro_batches(target, last, "target")
-        rows = self.micro_batch_size or 0
-        args = tuple(_pad(a, rows, n_mb - k_first) for a in args) if first else args
-        kwargs = {k: _pad(v, rows, n_mb - k_first) for k, v in kwargs.items()} if first else kwargs
-        target = _pad(target, rows, n_mb - k_last) if last else None
-        counts = [self.num_items(t) for t in torch.tensor_split(target, n_mb)[:k_last]] if last else []
-        device = self.stages[0].device
+        self._check_schedule(schedule)
+        args, kwargs, target, k_first = self._count(args, kwargs, target)
+        try:
+            schedule.step(*args, target=target, return_outputs=False, **kwargs)
+            told = self._boundary(k_first)
+        finally:
+            self._tally = None
+        return self._step(told)
 
-        # 1. count first: N over the replicas, K agreed by the first and last stages
-        local = torch.stack([torch.as_tensor(c, dtype=torch.float64).to(device) for c in counts]).sum() \
-            if counts else torch.zeros((), dtype=torch.float64, device=device)
-        told = torch.stack([local, torch.tensor(float(k_first), dtype=torch.float64, device=device),
-                            torch.tensor(float(k_last), dtype=torch.float64, device=device)])
-        all_reduce_(told, group=self.pp_group)
-        n = told[:1].clone()
+    def _check_schedule(self, schedule: Any) -> None:
+        if not callable(getattr(schedule, "step", None)):
+            raise ConfigurationError(f"schedule={schedule!r} is not a torch.distributed.pipelining schedule: build "
+                                     "one (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B...) over the stages")
+        if getattr(schedule, "scale_grads", False):
+            raise ConfigurationError(
+                f"schedule={type(schedule).__name__} was built with scale_grads=True: it divides the window's gradient "
+                f"by n_microbatches={self.n_microbatches}, the mean of micro-batch means, not one big batch; build it "
+                "with scale_grads=False (gradaccum divides by the window's N)")
+
+    def _count(self, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+               target: Optional[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Any, int]:
+        """1. The window's micro-batches on the first stage (its inputs padded to the schedule's), and on the
+        last its targets' n_k and N over the replicas (one all-reduce over ``dp_group``): the tally."""
+        rows, n_mb = self.micro_batch_size or 0, self.n_microbatches
+        k_first = self._micro_batches(next((a for a in args if isinstance(a, torch.Tensor)), None), self.first,
+                                      "inputs")
+        if self.first:
+            args = tuple(_pad(a, rows, n_mb - k_first) for a in args)
+            kwargs = {name: _pad(v, rows, n_mb - k_first) for name, v in kwargs.items()}
+        if not self.last:
+            self._tally = _Tally(0, [], None)
+            return args, kwargs, None, k_first
+        if target is None:
+            raise ConfigurationError("this rank holds the last stage: pass target= its window's targets")
+        k = self._micro_batches(target, True, "target")
+        target = _pad(target, rows, n_mb - k)
+        counts = [self.num_items(t) for t in torch.tensor_split(target, n_mb)[:k]]
+        n = torch.stack([torch.as_tensor(c, dtype=torch.float64).to(self.device) for c in counts]).sum()
         if self.dp_group is not None:
             all_reduce_(n, group=self.dp_group)
-        num_items, k_in, k_out = n.item(), *(int(k) for k in told[1:].tolist())
-        num_items = int(num_items) if num_items.is_integer() else num_items
-        if k_in != k_out:
-            raise ConfigurationError(f"the first stage's inputs hold {k_in} micro-batches but the last stage's target "
-                                     f"{k_out}: pass both stages the same window")
-        weights = WindowWeights(self.state, self.grad_divisor, num_items=num_items)
-        self._window = {"weights": weights, "k": k_out, "summed": {},
-                        "counts": [float(c) for c in counts] if self.reduction == "mean" else None}
-        lr = float(self.optimizer.param_groups[0]["lr"])
-
-        # 2. a window of no item: skipped on every stage, before the schedule runs
-        if weights.empty:
-            closing = weights.close(0.0)
-            self.optimizer.zero_grad(set_to_none=True)
-            weights.record(closing, warn_empty="the pipeline's targets are all ignore_index")
-            return StepResult(math.nan, num_items, k_out, None, True, lr, self.state.steps)
-
-        # 3. the schedule: each micro-batch's loss weighed by self._weighted
-        self.schedule.step(*args, target=target,
-                           return_outputs=False, **kwargs)
-
-        # 4. the boundary: the global squared norm and the window's summed loss, in one all-reduce per group
-        grads = [p.grad for s in self.stages for p in s.submod.parameters() if p.grad is not None]
-        local_grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # fully_shard: this shard
-        square = (tensor_norms(local_grads, torch.float64) ** 2).sum() if grads \
-            else torch.zeros((), dtype=torch.float64, device=device)
-        summed = list(self._window["summed"].values())
-        loss_sum = torch.stack(summed).sum().to(torch.float64) if summed else torch.zeros((), dtype=torch.float64)
-        told = torch.stack([square.to(device), loss_sum.to(device)])
-        for group in (self.pp_group, self.dp_group) if self.dp_group is not None else (self.pp_group,):
-            all_reduce_(told, group=group)
-        square_sum, loss = told.tolist()
-
-        # 5. verdict, clip, step, record
-        closing = weights.close(num_items, loss_sum=loss, raw_norm=math.sqrt(square_sum), nonfinite="skip")
-        if closing.steps:
-            coefficient = clip_coefficient(closing.grad_norm, self.max_grad_norm)
-            if coefficient < 1.0 and grads:
-                torch._foreach_mul_(grads, coefficient)
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        weights.record(closing)
-        return StepResult(loss / num_items, num_items, k_out, closing.grad_norm, not closing.steps, lr, self.state.steps)
+        weights = WindowWeights(self.state, self.grad_divisor, num_items=n.item())
+        self._tally = _Tally(k, [float(c) for c in counts], weights)
+        return args, kwargs, target, k_first
 
     def _micro_batches(self, batch: Optional[torch.Tensor], here: bool, name: str) -> int:
         """K, this window's micro-batches, from the rows of ``batch`` (0 where this rank holds no such stage)."""
-        n_mb = self.schedule._n_microbatches
+        n_mb = self.n_microbatches
         if not here:
             return 0
         if batch is None:
@@ -260,24 +276,75 @@ class PipelineWindow:
                                      f"of micro_batch_size={size} rows")
         return rows // size
 
-    def _weighted(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's ``loss_fn``: micro-batch k's loss times its weight (``W / N`` per summed item); a
-        padding micro-batch, or a mean over no item, backpropagates 0."""
-        window = self._window
-        # k: the schedule's own index of this micro-batch (its losses so far; cleared as each step ends). The
-        # stage's shape inference calls loss_fn once more, on micro-batch 0, before the schedule's first
-        # step: that call's summed loss is overwritten by micro-batch 0's own, and its gradient dropped
-        k = len(self.schedule._internal_losses)
-        weights: WindowWeights = window["weights"]
-        if k >= window["k"] or (window["counts"] is not None and window["counts"][k] == 0):
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's ``loss_fn`` (``loss_fn=pipe.loss``): micro-batch k's loss times its weight (``W / N``
+        per summed item); a padding micro-batch, a mean over no item, or a window of none backpropagates 0.
+        Outside :meth:`step` (``schedule.eval``) it is your ``loss_fn`` itself."""
+        tally = self._tally
+        if tally is None:
+            return self.loss_fn(output, target)
+        k = tally.index(target)
+        weights = tally.weights
+        if weights is None or weights.empty or k >= tally.k or (self.reduction == "mean" and tally.counts[k] == 0):
             return _zero(output)
-        loss = self._user_loss(output, target)
+        loss = self.loss_fn(output, target)
         if self.reduction == "sum":
-            window["summed"][k] = loss.detach()
+            tally.summed[k] = loss.detach()
             return loss * weights.sum_weight()
-        n_k = window["counts"][k]
-        window["summed"][k] = loss.detach() * n_k
-        return loss * weights.mean_weight(n_k)
+        tally.summed[k] = loss.detach() * tally.counts[k]
+        return loss * weights.mean_weight(tally.counts[k])
+
+    def _boundary(self, k_first: int) -> torch.Tensor:
+        """3. One all-reduce over the pipeline group (and the first two numbers over ``dp_group``), laid out as
+        ``SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED``."""
+        tally = self._tally
+        assert tally is not None
+        told = torch.zeros(6, dtype=torch.float64, device=self.device)
+        grads = self._grads()
+        if grads:
+            told[SQUARE] = (tensor_norms([g.to_local() if hasattr(g, "to_local") else g for g in grads],
+                                         torch.float64) ** 2).sum()  # fully_shard: this rank's shard
+        if self.last:
+            assert tally.weights is not None
+            told[LOSS] = sum(s.to(self.device, torch.float64) for s in tally.summed.values()) if tally.summed else 0.0
+            told[ITEMS], told[K_LAST] = float(tally.weights.num_items or 0), float(tally.k)
+            told[MISCOUNTED] = float(tally.calls() != self.n_microbatches)
+        told[K_FIRST] = float(k_first)
+        all_reduce_(told, group=self.pp_group)
+        if self.dp_group is not None:
+            all_reduce_(told[:ITEMS], group=self.dp_group)
+        return told
+
+    def _grads(self) -> List[torch.Tensor]:
+        return [p.grad for s in self.stages for p in s.submod.parameters() if p.grad is not None]
+
+    def _step(self, told: torch.Tensor) -> StepResult:
+        """4. The verdict, the clip, one optimizer step on every stage alike, the gradients cleared, recorded."""
+        square, loss, items, k_first, k_last, miscounted = told.tolist()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if miscounted or k_first != k_last:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise ConfigurationError(_miscounted(k_first, k_last, self.n_microbatches) if not miscounted else
+                                     f"the schedule's loss_fn was not called once per micro-batch of n_microbatches="
+                                     f"{self.n_microbatches}: build the schedule with loss_fn=pipe.loss and "
+                                     "n_microbatches=pipe.n_microbatches (nothing was stepped)")
+        num_items: Union[int, float] = int(items) if items.is_integer() else items
+        weights = WindowWeights(self.state, self.grad_divisor, num_items=num_items)
+        closing = weights.close(num_items, loss_sum=loss, raw_norm=math.sqrt(square), nonfinite="skip")
+        if closing.steps:
+            grads = self._grads()
+            coefficient = clip_coefficient(closing.grad_norm, self.max_grad_norm)
+            if coefficient < 1.0 and grads:
+                torch._foreach_mul_(grads, coefficient)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        weights.record(closing, warn_empty="the pipeline's targets are all ignore_index")
+        if weights.empty:
+            return StepResult(math.nan, num_items, int(k_last), None, True, lr, self.state.steps)
+        return StepResult(loss / num_items, num_items, int(k_last), closing.grad_norm, not closing.steps, lr,
+                          self.state.steps)
 
     # -- resume -----------------------------------------------------------------------------------------
 
@@ -292,11 +359,6 @@ class PipelineWindow:
             setattr(self.state, name, value)
 
 
-def _data_parallel(module: Any) -> Optional[str]:
-    """The data-parallel wrapper of a stage's module, by name: DistributedDataParallel, fully_shard, or None."""
-    for name, homes, kind in (("DistributedDataParallel", ("torch.nn.parallel.distributed",), "DistributedDataParallel"),
-                              ("fully_shard", ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"), "FSDPModule")):
-        wrapper = loaded_type(homes, kind)
-        if wrapper is not None and isinstance(module, wrapper):
-            return name
-    return None
+def _miscounted(k_first: float, k_last: float, n_mb: int) -> str:
+    return (f"the first stage's inputs hold {int(k_first)} micro-batches but the last stage's target {int(k_last)} "
+            f"(of n_microbatches={n_mb}): pass both stages the same window (nothing was stepped)")

@@ -36,12 +36,13 @@ from .errors import ConfigurationError, NotExactError
 
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
-           "DATA_PARALLEL", "loaded_type", "full_tensor"]
+           "DATA_PARALLEL", "loaded_type", "full_tensor", "sharded_stage"]
 
 #: what a pipeline stage is told: the Accumulator runs no pipeline schedule; gradaccum.PipelineWindow does
-PIPELINE = ("the Accumulator does not run a pipeline's stages; build the stages and a torch.distributed.pipelining "
-            "schedule (scale_grads=False, a summed loss_fn) and step it with gradaccum.PipelineWindow(schedule, "
-            "optimizer, reduction='sum') (gradaccum.pipeline, docs/guides/pipeline.md)")
+PIPELINE = ("the Accumulator does not run a pipeline's stages; hand them to gradaccum.PipelineWindow(stages, "
+            "optimizer, loss_fn, n_microbatches=..., reduction='sum'), build the torch.distributed.pipelining "
+            "schedule with loss_fn=pipe.loss and scale_grads=False, and step pipe.step(schedule, ...) "
+            "(gradaccum.pipeline, docs/guides/pipeline.md)")
 _PIPELINE_TYPES = (("torch.distributed.pipelining._IR", "Pipe"),
                    ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
                    ("torch.distributed.pipelining.schedules", "_PipelineSchedule"))
@@ -262,6 +263,21 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
         )
     return GradSync()
 
+
+
+def sharded_stage(module: nn.Module) -> bool:
+    """Whether a pipeline stage's module is in ``fully_shard`` (its replicas reduce its gradient), False for
+    a plain module. ``DistributedDataParallel`` is refused: a ``PipelineStage``'s shape inference runs a
+    backward outside ``no_sync``, and DDP's reducer then fails the first window."""
+    if isinstance(module, DistributedDataParallel):
+        raise NotExactError(
+            "a stage's module is wrapped in DistributedDataParallel: a PipelineStage's shape inference runs a "
+            "backward outside no_sync, and DDP's reducer then fails its first window (torch 2.13: 'rebuilt "
+            "parameter indices size is not same as original model parameters size'), so no exact window was "
+            "measured over it; wrap each stage's module in fully_shard(module, mesh=mesh['dp']) instead, as "
+            "torchtitan does, and pass dp_group=mesh['dp'].get_group()")
+    fsdp_type = _fsdp2_module_type()
+    return fsdp_type is not None and isinstance(module, fsdp_type)
 
 
 def refuse_pipeline(model: Any) -> None:

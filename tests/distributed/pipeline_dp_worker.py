@@ -34,17 +34,16 @@ def fsdp2_1f1b_uneven_items_across_replicas():
 def ddp_stage_is_refused_with_the_fix():
     """DistributedDataParallel under a PipelineStage fails in DDP's reducer (torch 2.13): refused, naming fully_shard."""
     import torch
-    from torch.distributed.pipelining import ScheduleGPipe
     from torch.nn.parallel import DistributedDataParallel
 
     from gradaccum import NotExactError, PipelineWindow
 
     dp, pp = MESH["dp"], MESH["pp"]
     full = model()
-    schedule, _, modules = build(full, ScheduleGPipe, "single", token_sum, False, pp.get_group(),
-                                 lambda m: DistributedDataParallel(m, process_group=dp.get_group()))
+    stages, _ = build(full, "single", pp.get_group(), lambda m: DistributedDataParallel(m, process_group=dp.get_group()))
     try:
-        PipelineWindow(schedule, torch.optim.SGD(full.parameters(), lr=0.1), reduction="sum", dp_group=dp.get_group())
+        PipelineWindow(stages, torch.optim.SGD(full.parameters(), lr=0.1), token_sum, n_microbatches=4, reduction="sum",
+                       dp_group=dp.get_group())
     except NotExactError as e:
         assert "fully_shard(module, mesh=mesh['dp'])" in str(e), e
         return "refused"

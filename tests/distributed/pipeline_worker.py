@@ -85,8 +85,8 @@ def stage_slice(index: int, layout: str):
         (LAYERS[2][0], LAYERS[3][1]) if layout == "single" else LAYERS[index]
 
 
-def build(full: nn.Module, schedule_cls, layout: str, loss_fn, scale_grads: bool, group=None, wrap=None):
-    """This rank's stages (copies of the unsplit model's slices, each wrapped by ``wrap``) and a schedule."""
+def build(full: nn.Module, layout: str, group=None, wrap=None):
+    """This rank's stages (copies of the unsplit model's slices, each wrapped by ``wrap``) and their modules."""
     from torch.distributed.pipelining import PipelineStage
 
     num_stages = 2 if layout == "single" else 4
@@ -97,16 +97,45 @@ def build(full: nn.Module, schedule_cls, layout: str, loss_fn, scale_grads: bool
         modules.append((module, full[a:b]))
         stages.append(PipelineStage(wrap(module) if wrap else module, index, num_stages, torch.device("cpu"),
                                     group=group))
-    schedule = schedule_cls(stages[0] if layout == "single" else stages, n_microbatches=K, loss_fn=loss_fn,
-                            scale_grads=scale_grads)
-    return schedule, stages, modules
+    return stages, modules
+
+
+def schedule_over(schedule_cls, stages, loss_fn, scale_grads: bool):
+    """The schedule over this rank's stages (one stage, or the list of an interleaved or V layout)."""
+    return schedule_cls(stages[0] if len(stages) == 1 else stages, n_microbatches=K, loss_fn=loss_fn,
+                        scale_grads=scale_grads)
+
+
+def window_over(schedule_cls, stages, modules, opt=None, reduction="sum", **options):
+    """gradaccum's window over the stages, and the schedule built with its ``pipe.loss``."""
+    opt = opt or torch.optim.SGD([p for m, _ in modules for p in m.parameters()], lr=LR)
+    pipe = PipelineWindow(stages, opt, token_sum if reduction == "sum" else token_mean, n_microbatches=K,
+                          reduction=reduction, **options)
+    return schedule_over(schedule_cls, stages, pipe.loss, False), pipe
+
+
+class AllReduces:
+    """Counts this rank's ``torch.distributed.all_reduce`` calls while active (as worker.py's CountCalls)."""
+
+    def __enter__(self):
+        self.calls, self._real = 0, dist.all_reduce
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self._real(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._real
 
 
 def run_schedule(schedule, stages, x, y, pipe=None):
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     args = (x,) if first else ()
     if pipe is not None:
-        return pipe.step(*args, target=y if last else None)
+        return pipe.step(schedule, *args, target=y if last else None)
     schedule.step(*args, target=y if last else None, return_outputs=False)
 
 
@@ -152,7 +181,8 @@ def stock_deltas(schedule_cls, layout: str, mine, joined, group=None, wrap=None)
     reference = {id(p): p.grad.clone() for p in full.parameters()}
     deltas = []
     for scale_grads in (True, False):
-        schedule, stages, modules = build(full, schedule_cls, layout, token_mean, scale_grads, group, wrap)
+        stages, modules = build(full, layout, group, wrap)
+        schedule = schedule_over(schedule_cls, stages, token_mean, scale_grads)
         run_schedule(schedule, stages, *mine)
         deltas.append(grad_delta(modules, reference))
     return deltas
@@ -168,15 +198,20 @@ def exact_route(schedule_cls, layout: str, *, reduction="sum", windows=(WINDOWS,
     stock, mean = stock_deltas(schedule_cls, layout, data[replica][0], [d[0] for d in data], pp_group, wrap)
     full = model()
     before = {id(p): p.detach().clone() for p in full.parameters()}
-    schedule, stages, modules = build(full, schedule_cls, layout, token_sum if reduction == "sum" else token_mean,
-                                      False, pp_group, wrap)
-    opt = torch.optim.SGD([p for m, _ in modules for p in m.parameters()], lr=LR)
-    pipe = PipelineWindow(schedule, opt, reduction=reduction, micro_batch_size=ROWS, max_grad_norm=CLIP,
-                          pp_group=pp_group, dp_group=dp_group)
-    results = [run_schedule(schedule, stages, x, y, pipe) for x, y in data[replica]]
+    stages, modules = build(full, layout, pp_group, wrap)
+    schedule, pipe = window_over(schedule_cls, stages, modules, reduction=reduction, micro_batch_size=ROWS,
+                                 max_grad_norm=CLIP, pp_group=pp_group, dp_group=dp_group)
+    results, calls = [], []
+    for x, y in data[replica]:
+        with AllReduces() as counted:
+            results.append(run_schedule(schedule, stages, x, y, pipe))
+        calls.append(counted.calls)
     norms = big_batch(full, joined)
     delta = param_delta(modules, before)
     items = [sum(sum(counts[i]) for counts in windows) for i in range(len(windows[0]))]
+    last = any(s.is_last for s in stages)
+    expected = 1 if dp_group is None else 2 + last   # pp boundary; dp boundary, and N on the last stage
+    assert calls == [expected] * len(calls), f"all_reduce calls per window {calls}, expected {expected}"
     assert results[0].grad_norm > CLIP, f"clipping not engaged: norm {results[0].grad_norm}"
     assert [r.micro_batches for r in results] == [len(c) for c in windows[replica]], results
     assert [r.num_items for r in results] == items, ([r.num_items for r in results], items)
@@ -222,17 +257,41 @@ def declared_mean_with_an_empty_micro_batch():
     return exact_route(Schedule1F1B, "single", reduction="mean", windows=([[23, 0, 9, 22], [5, 17]],))
 
 
+def shape_inference_call_is_recognised_after_eval():
+    """The stage's shape inference calls pipe.loss once more on a (re)initializing step: the first, and the
+    first after schedule.eval (which calls it outside step: your loss itself). A mean loss (its weight
+    depends on the micro-batch) over a window, an eval, a second window: both the big batch's steps."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    full = model()
+    stages, modules = build(full, "single")
+    schedule, pipe = window_over(Schedule1F1B, stages, modules, reduction="mean", max_grad_norm=CLIP)
+    data = [window([23, 3, 9, 22], seed=30), window([1, 30, 4, 2], seed=31)]
+    before = {id(p): p.detach().clone() for p in full.parameters()}
+    run_schedule(schedule, stages, *data[0], pipe)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    losses = []
+    schedule.eval(*((data[1][0],) if first else ()), target=data[1][1] if last else None, losses=losses)
+    result = run_schedule(schedule, stages, *data[1], pipe)
+    big_batch(full, data)
+    delta = param_delta(modules, before)
+    if last:
+        assert len(losses) == K and all(torch.isfinite(l) for l in losses), losses
+    assert not result.skipped and result.step == 2 and delta <= 1e-12, (result, delta)
+    return f"2 windows around an eval: {delta:.1e} from the big batch"
+
+
 def empty_and_nonfinite_windows_skip_on_every_stage():
     """A window of no target and a window with a nan input: no optimizer step on any stage, gradients
     cleared, counted as skipped; the next window is the big batch's step."""
     from torch.distributed.pipelining import ScheduleGPipe
 
     full = model()
-    schedule, stages, modules = build(full, ScheduleGPipe, "single", token_sum, False)
+    stages, modules = build(full, "single")
     opt = torch.optim.SGD([p for m, _ in modules for p in m.parameters()], lr=LR)
     steps = []
     opt.register_step_post_hook(lambda *_: steps.append(1))
-    pipe = PipelineWindow(schedule, opt, reduction="sum", max_grad_norm=CLIP)
+    schedule, pipe = window_over(ScheduleGPipe, stages, modules, opt, max_grad_norm=CLIP)
     start = [p.detach().clone() for m, _ in modules for p in m.parameters()]
     empty = window([0, 0, 0, 0], seed=3)
     nan_x, nan_y = window([5, 6, 7, 8], seed=4)
@@ -259,11 +318,11 @@ def resume_is_bit_identical():
     data = [window(c, seed=20 + i) for i, c in enumerate([[23, 3, 9, 22], [1, 30, 4, 2], [5, 17]])]
 
     def fresh(full):
-        schedule, stages, modules = build(full, Schedule1F1B, "single", token_sum, False)
+        stages, modules = build(full, "single")
         opt = torch.optim.AdamW([p for m, _ in modules for p in m.parameters()], lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        pipe = PipelineWindow(schedule, opt, reduction="sum", micro_batch_size=ROWS, max_grad_norm=CLIP,
-                              lr_scheduler=sched)
+        schedule, pipe = window_over(Schedule1F1B, stages, modules, opt, micro_batch_size=ROWS,
+                                     max_grad_norm=CLIP, lr_scheduler=sched)
         return schedule, stages, modules, opt, sched, pipe
 
     schedule, stages, modules, opt, sched, pipe = fresh(model())
@@ -290,8 +349,9 @@ def resume_is_bit_identical():
 
 
 def refusals_name_the_fix():
-    """scale_grads=True, a loss module whose reduction is 'none' or not the declared one, a class-weighted
-    mean, a short window that is not whole micro-batches, stage wrapped for DP without dp_group."""
+    """a loss module whose reduction is 'none' or not the declared one, a class-weighted mean, a short window
+    that is not whole micro-batches, scale_grads=True, a schedule built without pipe.loss, stages handed
+    different windows."""
     from torch.distributed.pipelining import ScheduleGPipe
 
     full = model()
@@ -306,20 +366,27 @@ def refusals_name_the_fix():
         else:
             raise AssertionError(f"not refused: {expect}")
 
-    opt = torch.optim.SGD(full.parameters(), lr=LR)
-    schedule, _, _ = build(full, ScheduleGPipe, "single", token_mean, True)
-    refused(ConfigurationError, lambda: PipelineWindow(schedule, opt, reduction="mean"), "build it with scale_grads=False")
+    stages, modules = build(full, "single")
+    opt = torch.optim.SGD([p for m, _ in modules for p in m.parameters()], lr=LR)
     for loss, declared, expect in [(nn.CrossEntropyLoss(reduction="none"), "sum", "reduction='none'"),
                                    (nn.CrossEntropyLoss(reduction="mean"), "sum", "was declared"),
                                    (nn.CrossEntropyLoss(weight=torch.ones(V, dtype=torch.float64)), "mean",
                                     "class weights"),
                                    (token_sum, "none", "per-item terms")]:
-        schedule, _, _ = build(full, ScheduleGPipe, "single", loss, False)
-        refused(NotExactError, lambda: PipelineWindow(schedule, opt, reduction=declared), expect)
-    schedule, stages, _ = build(full, ScheduleGPipe, "single", token_sum, False)
-    pipe = PipelineWindow(schedule, opt, reduction="sum", micro_batch_size=ROWS)
-    x, y = window([3, 4, 5], seed=1)
+        refused(NotExactError, lambda: PipelineWindow(stages, opt, loss, n_microbatches=K, reduction=declared), expect)
+    schedule, pipe = window_over(ScheduleGPipe, stages, modules, opt, micro_batch_size=ROWS)
+    x, y = window([3, 4, 5, 6], seed=1)
     refused(ConfigurationError, lambda: run_schedule(schedule, stages, x[:5], y[:5], pipe), "of micro_batch_size=2 rows")
+    stock = schedule_over(ScheduleGPipe, stages, token_mean, True)
+    refused(ConfigurationError, lambda: run_schedule(stock, stages, x, y, pipe), "build it with scale_grads=False")
+    # the schedule's own loss, not pipe.loss: counted on the last stage, refused on every stage before the step
+    own = schedule_over(ScheduleGPipe, stages, token_sum, False)
+    refused(ConfigurationError, lambda: run_schedule(own, stages, x, y, pipe), "build the schedule with loss_fn=pipe.loss")
+    # the first stage given 4 micro-batches, the last 3: refused on both, nothing stepped
+    last = any(s.is_last for s in stages)
+    refused(ConfigurationError, lambda: run_schedule(schedule, stages, x, y[:6] if last else y, pipe),
+            "pass both stages the same window")
+    assert pipe.state.steps == 0 and all(p.grad is None for m, _ in modules for p in m.parameters())
     return f"{len(said)} refusals"
 
 
@@ -363,7 +430,8 @@ def assert_guide_quotes(line: str, name: str) -> None:
 
 
 SCENARIOS = [gpipe, one_f_one_b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv_zero_bubble,
-             declared_mean_with_an_empty_micro_batch, empty_and_nonfinite_windows_skip_on_every_stage,
+             declared_mean_with_an_empty_micro_batch, shape_inference_call_is_recognised_after_eval,
+             empty_and_nonfinite_windows_skip_on_every_stage,
              resume_is_bit_identical, refusals_name_the_fix, guide_example_runs_as_written]
 
 if __name__ == "__main__":

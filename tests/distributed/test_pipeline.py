@@ -23,6 +23,7 @@ SCENARIOS = [
     "interleaved_zero_bubble",
     "zbv_zero_bubble",
     "declared_mean_with_an_empty_micro_batch",
+    "shape_inference_call_is_recognised_after_eval",
     "empty_and_nonfinite_windows_skip_on_every_stage",
     "resume_is_bit_identical",
     "refusals_name_the_fix",
