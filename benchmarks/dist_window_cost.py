@@ -1,7 +1,6 @@
 """What a distributed window costs besides DDP's own gradient reduction (run under torchrun, 2 gloo
-processes): the hand-written ``no_sync`` loop, ``acc.step``, ``acc.train`` over a WindowSampler (also with
-``loss_every``: the windows between exchange nothing) and Accelerate's ``accumulate()``, side by side, the order
-rotated every repeat.
+processes): the hand-written ``no_sync`` loop, ``acc.step``, ``acc.train`` over a WindowSampler and Accelerate's
+``accumulate()``, side by side, the order rotated every repeat.
 
 Per window it reports the collectives issued from Python (``torch.distributed`` functions wrapped
 with a counter; DDP's bucket all-reduces run in C++ and are the same for every contender), the host
@@ -34,7 +33,6 @@ N, M = 4, 8                      # micro-batches per window, items per micro-bat
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 REPEATS = 3 if QUICK else 21     # rotated repeats; the median is reported
 WINDOWS = 6 if QUICK else 24     # windows per timed sample (one epoch of the loaders)
-LOSS_EVERY = 10                  # the loss_every contenders exchange the loss on every 10th window
 LATENCY_US = 50.0                # stated per-collective latency of a small all-reduce on a cluster, per log2(W) hop
 
 
@@ -187,9 +185,6 @@ def main() -> None:
     hand_loader = DataLoader(union, batch_size=M, sampler=DistributedSampler(union, shuffle=False))
     contenders["hand no_sync loop over a DataLoader"] = lambda: hand_loader_loop(model_l, opt_l, hand_loader)
     contenders["gradaccum acc.train (WindowSampler)"] = lambda: gradaccum_train(acc_t, loader)
-    model_e = DDP(net())
-    acc_e = Accumulator(model_e, torch.optim.SGD(model_e.parameters(), lr=1e-3), loss_every=LOSS_EVERY)
-    contenders[f"gradaccum acc.train (WindowSampler), loss_every={LOSS_EVERY}"] = lambda: gradaccum_train(acc_e, loader)
     model_d = DDP(net())
     acc_d = Accumulator(model_d, torch.optim.SGD(model_d.parameters(), lr=1e-3))
     contenders["gradaccum acc.train (the same DataLoader)"] = lambda: gradaccum_train_loader(acc_d, hand_loader)
@@ -246,7 +241,7 @@ def main() -> None:
                  "window_ms": 1e3 * statistics.median(times[name]),
                  "distance": distance.get(name),
                  "extra_latency_us_at_1024": counts[name][0] * LATENCY_US * math.log2(1024)} for name in names]
-        print(json.dumps({"N": N, "micro_batch": M, "repeats": REPEATS, "windows": WINDOWS, "loss_every": LOSS_EVERY,
+        print(json.dumps({"N": N, "micro_batch": M, "repeats": REPEATS, "windows": WINDOWS,
                           "latency_us_per_hop": LATENCY_US, "torch": torch.__version__, "rows": rows}))
     dist.destroy_process_group()
 
@@ -282,17 +277,6 @@ def distances(rank: int, world: int, accelerator=None) -> dict:
     sampler = WindowSampler(len(ux), global_batch_size=N * M * world, micro_batch_size=M, shuffle=False)
     gradaccum_train(acc, DataLoader(TensorDataset(ux, uy), batch_sampler=sampler))
     out["gradaccum acc.train (WindowSampler)"] = gap(model.module)
-    # loss_every: a first epoch at lr 0 (it exchanges, and compares the replicas; SGD moves nothing),
-    # so that the measured window is one that exchanges nothing
-    model = DDP(net(torch.float64))
-    o = torch.optim.SGD(model.parameters(), lr=0.0)
-    acc = Accumulator(model, o, loss_every=LOSS_EVERY)
-    union = DataLoader(TensorDataset(ux, uy), batch_sampler=WindowSampler(len(ux), global_batch_size=N * M * world,
-                                                                         micro_batch_size=M, shuffle=False))
-    gradaccum_train(acc, union)
-    o.param_groups[0]["lr"] = 0.1
-    gradaccum_train(acc, union)  # the next epoch: the same one window, in the same order
-    out[f"gradaccum acc.train (WindowSampler), loss_every={LOSS_EVERY}"] = gap(model.module)
     from torch.utils.data.distributed import DistributedSampler
 
     model = DDP(net(torch.float64))

@@ -115,10 +115,7 @@ against gradaccum's `acc.step`, `acc.train` over a `WindowSampler` and Accelerat
 bucket all-reduces are the same for all), host synchronisations (`Tensor.item/tolist/cpu`; torch's
 SGD makes none), the median over repeats of the time against the hand loop in the same repeat
 (quartiles beside it), and the largest parameter difference from one float64 step on the union of
-both ranks' windows. The `loss_every={w.get('loss_every', 10)}` row exchanges the window's loss on every
-{w.get('loss_every', 10)}th window only (`Accumulator(loss_every=...)`, over a `WindowSampler`, whose windows every rank
-knows before they run): the windows between cost no collective, and its distance is measured on such a
-window. "the same DataLoader" is
+both ranks' windows. "the same DataLoader" is
 `acc.train` over the hand loop's own `DistributedSampler` loader (no agreement per window; its items
 are summed at the boundary). "(the floor)" is the hand loop plus the boundary's all-reduce that
 `acc.step` adds: six numbers (the loss sum, the count, four flags) launched after the last forward, read

@@ -15,9 +15,9 @@ from gradaccum._state import SAVED_KEYS, AccumulatorState
 from gradaccum.sync import GradSync
 from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
 
-ALONE = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: True)
-DDP = Rules(shares_windows=True, needs_equal_counts=False, plain_reduction=lambda: True, loss_every=3)
-FSDP = Rules(shares_windows=True, needs_equal_counts=True, plain_reduction=lambda: False)
+ALONE = Rules(shares_windows=False, needs_equal_counts=False)
+DDP = Rules(shares_windows=True, needs_equal_counts=False)
+FSDP = Rules(shares_windows=True, needs_equal_counts=True)
 
 
 def _distinct_values():
@@ -163,7 +163,7 @@ def test_a_window_learns_r_and_the_count_source_into_the_state():
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     acc.step([regression_batch(3), regression_batch(5, seed=2)], lambda m, b: (mse(m, b), 2 * len(b[0])))
-    assert acc.state.count_ratio == 2.0 and acc.state.windows == 1 and acc.state.steps == 1
+    assert acc.state.count_ratio == 2.0 and acc.state.steps == 1
     with acc.window(1) as w:  # no count up front: R fixed by the first backward, kept in the state
         with w.micro_batch():
             w.backward(mse(model, regression_batch(6)), num_items=6)
@@ -177,7 +177,7 @@ def test_one_process_plans_alone_with_r_its_count():
     state = AccumulatorState()
     plan = local_plan(state, ALONE, WindowRequest(3, items=12))
     setup = window_setup(state, ALONE, WindowRequest(3, items=12), plan)
-    assert plan == WindowPlan(3, 3, 3, 12.0) and setup.reference == 12.0 and setup.exchanges and setup.padding == 0
+    assert plan == WindowPlan(3, 3, 3, 12.0) and setup.reference == 12.0 and setup.padding == 0
     state.count_ratio = 1.5  # loss_fn counted 1.5 tokens per row last time: R follows
     assert window_setup(state, ALONE, WindowRequest(3, items=12), plan).reference == 18.0
     # opened without a size: R is the count given, else fixed at the first backward (None here)
@@ -193,14 +193,14 @@ def test_ddp_plans_alone_only_once_every_rank_can_pad():
     assert local_plan(state, DDP, WindowRequest(2, can_pad=False)) is None
     assert local_plan(state, FSDP, WindowRequest(2, can_pad=True)) is None  # FSDP2 always asks
     setup = window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None))
-    assert setup.reference is None and setup.padding == 1 and setup.exchanges and setup.counted is None
+    assert setup.reference is None and setup.padding == 1 and setup.counted is None
     state.last_window_items = 40.0  # planned alone once a window had items: R is that N, rescaled at the boundary
     assert window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None)).reference == 40.0
 
 
 def test_only_the_first_window_across_ranks_counts_first():
     """Planned alone (or over equal shares) once every rank counted its items up front in the last
-    exchanged window (state.counts_first, the same on every rank), a window with no N before it opens
+    window (state.counts_first, the same on every rank), a window with no N before it opens
     an all-reduce of the counts (a stand-in sync sums one rank's here) and R is that N, times the last
     window's count ratio; a rank without a count this time still takes part (nan: then R runs on every
     rank). Once a window had items, R is its N (the same on every rank), no count is asked, and the
@@ -223,7 +223,7 @@ def test_only_the_first_window_across_ranks_counts_first():
     assert known.counted is None and known.reference == 18.0  # the agreement's N: nothing more to count
     state.last_window_items = 40.0  # a window had items: the next ones weigh by its N and count nothing first
     later = ranks.open(WindowRequest(2, items=7, can_pad=True))
-    assert later.counted is None and later.reference == 40.0 and later.exchanges
+    assert later.counted is None and later.reference == 40.0
     alone = RankAgreement(GradSync(), torch.device("cpu"), AccumulatorState(), ALONE)
     assert alone.open(WindowRequest(2, items=7)).counted is None  # one process: N is its own count
 
@@ -237,18 +237,16 @@ def test_padding_is_what_the_agreement_asks_of_this_rank():
         window_setup(state, FSDP, WindowRequest(1, can_pad=False), WindowPlan(1, 4, 1, None, asked=True))
 
 
-def test_a_window_exchanges_nothing_only_when_every_condition_holds():
-    """A WindowSampler's known shares, a probe chosen, DDP's plain reduction, bare means weighed by
-    those counts, and not a loss_every-th window: each missing condition makes it exchange."""
-    probe = torch.nn.Parameter(torch.zeros(1))
-    known = WindowPlan(2, 2, 2, 20.0, share=10.0)
-    state = AccumulatorState(probe=probe, windows=1)
-    assert not window_setup(state, DDP, WindowRequest(2, can_pad=True), known).exchanges
-    for change in ({"probe": None}, {"count_ratio": 2.0}, {"counts_from_loss_fn": True}, {"windows": 3}):
-        assert window_setup(dataclasses.replace(state, **change), DDP, WindowRequest(2, can_pad=True), known).exchanges, change
-    assert window_setup(state, dataclasses.replace(DDP, plain_reduction=lambda: False), WindowRequest(2), known).exchanges
-    assert window_setup(state, DDP, WindowRequest(2, defer=True), known).exchanges
-    assert window_setup(state, DDP, WindowRequest(2), WindowPlan(2, 2, 2, 20.0)).exchanges  # no share known
+def test_a_samplers_plan_weighs_by_its_own_n_across_ranks():
+    """A WindowSampler's shares give every rank the window's N without asking: R is that N (the
+    boundary scale is 1), also once a window had items; a plan that does not carry N, or one the
+    ranks were asked for, weighs by the last window's N instead, rescaled at the boundary."""
+    state = AccumulatorState(last_window_items=40.0)
+    sampled = RankAgreement(GradSync(), torch.device("cpu"), state, DDP).known_plan(2, [2, 2], 20.0)
+    assert sampled == WindowPlan(2, 2, 2, 20.0)
+    assert window_setup(state, DDP, WindowRequest(2, can_pad=True), sampled).reference == 20.0
+    assert window_setup(state, DDP, WindowRequest(2, can_pad=True), WindowPlan(2, 2, 2, 20.0, asked=True)).reference == 40.0
+    assert window_setup(state, DDP, WindowRequest(2, can_pad=True), WindowPlan(2, 2, 2, None)).reference == 40.0
 
 
 # -- a micro-batch with no item (issue 34, item 5) ---------------------------------------------------

@@ -185,20 +185,16 @@ def test_the_backward_of_a_host_count_of_0_is_skipped(precision):
     assert ran == [0, 2, 0, 2]
 
 
-def test_weighing_nothing_keeps_only_what_it_is_told():
+def test_weighing_nothing_brings_zero_only_where_empty():
     """Under ``weighing_nothing`` a backward brings each parameter 0 where the micro-batch is empty (the
-    nan of 0 / 0 included), ``kept[p]`` for a parameter told what to keep (the loss check's probe), and
-    its gradient unchanged where a device flag says it is not empty."""
+    nan of 0 / 0 included), and its gradient unchanged where a device flag says it is not empty."""
     from gradaccum._window import weighing_nothing
 
     model = regression_model()
     x, y, m = _window()[1]
-    first = next(model.parameters())
-    kept = torch.full_like(first, 0.5)
-    with weighing_nothing(model.parameters(), True, {first: kept}):
+    with weighing_nothing(model.parameters(), True):
         masked_mean(model, (x, y, m)).backward()
-    assert torch.equal(first.grad, kept)
-    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in list(model.parameters())[1:])
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
     model.zero_grad(set_to_none=True)
     ref = copy.deepcopy(model)
     x, y, m = _window()[0]
@@ -218,9 +214,9 @@ def test_an_accelerator_s_tensor_count_is_compared_on_the_device(monkeypatch):
     ran = []
     weighing = window_module.weighing_nothing
 
-    def recorded(params, empty, kept=None):
+    def recorded(params, empty):
         ran.append(empty)
-        return weighing(params, empty, kept)
+        return weighing(params, empty)
 
     monkeypatch.setattr(window_module, "host_count", lambda n: n)
     monkeypatch.setattr(window_module, "weighing_nothing", recorded)

@@ -12,17 +12,6 @@ here and also sums the shards' squared norms); the total norm of the normalized 
 clipping, fp16 or ``compute_grad_norm``); the **verdict** (step, skip or raise, from the loss and that
 norm); the **clip coefficient** folded into the boundary scale, so clipping costs no extra pass; the
 optimizer step; the scheduler step (only on steps taken); gradients cleared.
-
-**Windows that exchange nothing.** Under DDP the reduced gradient is the same on every rank, so a
-verdict read from it alone is the same on every rank too. When every rank also knows the window's
-global N before its first backward (a WindowSampler's shares, or N counted first: one small
-all-reduce as the window opens) and ``loss_fn`` counts those items, the all-reduce above only tells the
-ranks each other's loss (and carries stop requests). ``Accumulator(loss_every=k)`` does
-it on every k-th window only (:func:`gradaccum._ranks.window_setup`); the windows between cost no collective
-besides DDP's own reduction. Their verdict reads the gradient's norm (measured always there), and a
-rank's non-finite loss still reaches every rank, through the gradient: its reducing backward adds
-``nan`` times one element of a parameter (:func:`gradaccum._maths.loss_check_term`), so the reduced
-gradient, and every rank's verdict, are not finite. ``StepResult.loss`` is None there.
 """
 
 from __future__ import annotations
@@ -57,9 +46,6 @@ class WindowTotals(NamedTuple):
             :meth:`~gradaccum._weights.WindowWeights.close` decides, its ``record`` counts.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad_next: whether this rank can pad its next window (has a micro-batch to repeat).
-        items: the window's global N as counted before its first backward
-            (:attr:`gradaccum._ranks.WindowSetup.items`), else None; a window that exchanges nothing at
-            its boundary (:func:`gradaccum._ranks.window_setup`) steps on it.
         counted_first: this rank counted its items before the window's first backward (its request
             had them); exchanged, so that every rank learns whether the next window counts first.
     """
@@ -68,33 +54,31 @@ class WindowTotals(NamedTuple):
     weights: WindowWeights
     ran: bool
     can_pad_next: bool = True
-    items: Optional[float] = None
     counted_first: bool = False
 
 
 class Outcome(NamedTuple):
-    """What the boundary did: the window's global loss sum (None when not exchanged) and item count,
-    the norm, the verdict, and what the ranks told each other on the way (every rank can pad, some
-    rank's loss_fn returned its own counts, every rank counted its items first: None when not
-    exchanged; any rank asked to stop)."""
+    """What the boundary did: the window's global loss sum and item count, the norm, the verdict, and
+    what the ranks told each other on the way (every rank can pad, any rank asked to stop, some rank's
+    loss_fn returned its own counts, every rank counted its items first)."""
 
-    loss_sum: Optional[float]
+    loss_sum: float
     num_items: float
     grad_norm: Optional[float]
     skipped: bool
     lr: float
     step: int
-    peers_can_pad: Optional[bool] = False
+    peers_can_pad: bool = False
     stop_requested: bool = False
-    counts_from_loss_fn: Optional[bool] = None
-    counted_first: Optional[bool] = None
+    counts_from_loss_fn: bool = False
+    counted_first: bool = False
 
 
 class Boundary:
     """Runs a window's boundary (the module docstring's order). What it changes in the
     :class:`~gradaccum._state.AccumulatorState`: the steps and skipped windows it counts (through the window's
     :meth:`~gradaccum._weights.WindowWeights.record`), the scheduler's
-    position, the stop requests carried, and, at the first boundary, the replicas' check and the probe."""
+    position, the stop requests carried, and, at the first boundary, the replicas' check."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, state: AccumulatorState,
                  precision: MixedPrecision, sync: GradSync, grads: WindowGradients, max_grad_norm: Optional[float],
@@ -130,16 +114,15 @@ class Boundary:
                 "given the same scheduler) moves the learning rate twice as fast. Remove your own "
                 "scheduler.step() call, or do not pass scheduler= to the Accumulator")
 
-    def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None, exchange: bool = True) -> Outcome:
+    def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None) -> Outcome:
         """Unscale, (compare the replicas once), read the exchanged numbers, measure, decide, clip,
         step; the window's gradients are cleared after. ``in_flight`` is the all-reduce :meth:`launch`
-        started, if the window started it; without ``exchange`` the ranks exchange nothing
-        (:func:`gradaccum._ranks.window_setup`)."""
+        started, if the window started it."""
         self.grads.close()
         self.precision.unscale_(self.optimizer)
         first_check = self.sync.replicated_grads and not self.state.replicas_checked
         # the gradient's tensors, where something reads them before the step (else _step lists them if it scales)
-        grads = self.grads.tensors() if self.measure or first_check or not exchange else None
+        grads = self.grads.tensors() if self.measure or first_check else None
         if first_check:
             self.state.replicas_checked = True
             try:
@@ -147,14 +130,8 @@ class Boundary:
             except BaseException:
                 self.grads.clear()
                 raise
-            self.state.probe = self.grads.smallest_reduced()  # among the gradients the ranks just found equal
-        if exchange:
-            told = self._exchanged(totals, grads, in_flight)
-        else:
-            assert totals.items is not None, "a window exchanges nothing only when N is known"
-            raw = float(total_norm(grads, self.device).item())  # the window's one host sync
-            told = Exchanged(math.nan, totals.items, raw, True, False, False, True)
-        loss_sum = told.loss_sum if exchange else None
+        told = self._exchanged(totals, grads, in_flight)
+        loss_sum = told.loss_sum
         lr = float(self.optimizer.param_groups[0]["lr"])
         closing = totals.weights.close(told.num_items, loss_sum=loss_sum, raw_norm=told.raw_norm,
                                        nonfinite=self.nonfinite, has_scaler=self.precision.scaler is not None)
@@ -165,16 +142,14 @@ class Boundary:
                 if self.sync.needs_count_first and closing.scale != 1.0:
                     raise not_known_up_front(in_engine=True)  # loss_fn counted other items than those known up front
                 stepped, stepped_norm = self._step(grads, closing.scale * clip_coefficient(grad_norm, self.max_grad_norm),
-                                                   None if loss_sum is None else window_mean(loss_sum, told.num_items),
-                                                   totals.weights, closing)
+                                                   window_mean(loss_sum, told.num_items), totals.weights, closing)
                 grad_norm = grad_norm if stepped_norm is None else stepped_norm
             else:
                 self._skip(closing, loss_sum, totals)
         finally:
             self.grads.clear()
         return Outcome(loss_sum, told.num_items, grad_norm, not stepped, lr, self.state.steps,
-                       told.peers_can_pad if exchange else None, told.stop,
-                       told.counts_from_loss_fn if exchange else None, told.counted_first if exchange else None)
+                       told.peers_can_pad, told.stop, told.counts_from_loss_fn, told.counted_first)
 
     def launch(self, totals: WindowTotals) -> "InFlight":
         """Start the window's one all-reduce (an :class:`~gradaccum._exchange.ExchangeRow`) across ranks
@@ -224,7 +199,7 @@ class Boundary:
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counts_from_loss_fn > 0, told.counted_first >= self.sync.group_size)
 
-    def _step(self, grads: Optional[List[torch.Tensor]], coef: float, loss: Optional[float], weights: WindowWeights,
+    def _step(self, grads: Optional[List[torch.Tensor]], coef: float, loss: float, weights: WindowWeights,
               closing: Closing) -> Tuple[bool, Optional[float]]:
         """Scale, step (the seam's step: the optimizer's, or DeepSpeed's ``engine.step()``), schedule.
         Returns whether the step was taken, and the norm the step itself measured (DeepSpeed), else None."""
@@ -251,12 +226,12 @@ class Boundary:
             self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
         return True, stepped_norm
 
-    def _skip(self, closing: Closing, loss_sum: Optional[float], totals: WindowTotals) -> None:
+    def _skip(self, closing: Closing, loss_sum: float, totals: WindowTotals) -> None:
         decision, grad_norm = closing.verdict, closing.grad_norm
         if decision is Verdict.RAISE:
             raise FloatingPointError(
                 f"the window's {_what(loss_sum)} is not finite "
-                f"(loss sum {'not exchanged' if loss_sum is None else loss_sum}, gradient norm {grad_norm}); "
+                f"(loss sum {loss_sum}, gradient norm {grad_norm}); "
                 "no step was taken and the gradients were cleared. Lower the learning rate, use "
                 "max_grad_norm, or pass nonfinite='skip' to skip such windows"
             )
@@ -279,10 +254,7 @@ class Boundary:
             warnings.warn(message, stacklevel=6)
 
 
-def _what(loss_sum: Optional[float]) -> str:
-    if loss_sum is None:  # a window that exchanged nothing: the gradient carries every rank's loss check
-        return ("gradient (or, on some rank, the loss, or loss_fn counted other items than the window's "
-                "known share)")
+def _what(loss_sum: float) -> str:
     return "gradient" if math.isfinite(loss_sum) else "loss"
 
 

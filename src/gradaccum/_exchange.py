@@ -4,7 +4,7 @@
 so the loss sum does not round with the model's dtype) and the item counts, Python numbers apart from
 device tensors (a count left on the device is never read per micro-batch). A micro-batch only files
 its detached loss and count; the sum is taken where it is read: on the device (:attr:`Tally.loss_sum`,
-for the boundary's all-reduce or a loss check), or on one process in the one copy to the host
+for the boundary's all-reduce), or on one process in the one copy to the host
 (:meth:`Tally.host_loss_sum`), so a window pays no tensor operation per micro-batch for its tally.
 
 :class:`ExchangeRow` is the layout of the boundary's one small all-reduce: each rank packs its row

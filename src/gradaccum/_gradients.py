@@ -63,19 +63,9 @@ class AccumulationBuffers:
 class WindowGradients:
     """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers],
-                 reduced: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
         self.params = list(params)
         self.buffers = buffers
-        self._covered = None if reduced is None else {id(p) for p in reduced}
-
-    def smallest_reduced(self) -> Optional[torch.nn.Parameter]:
-        """The smallest parameter the data-parallel wrapper reduces that got a gradient in this window,
-        or None: after a window whose reduced gradient the ranks compared, the probe that carries a
-        loss check through the gradient (:func:`gradaccum._maths.loss_check_term`)."""
-        candidates = [p for p in self.params if p.grad is not None and p.requires_grad and p.numel() > 0
-                      and (self._covered is None or id(p) in self._covered)]
-        return min(candidates, key=lambda p: p.numel()) if candidates else None
 
     def open(self) -> None:
         """A window opens: stale gradients would leak into it."""

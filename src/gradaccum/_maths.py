@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from .errors import ConfigurationError
 
 __all__ = ["CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "running_reference", "window_mean",
-           "clip_coefficient", "tensor_norms", "Verdict", "verdict", "loss_check_term", "target_count", "token_loss_sum",
+           "clip_coefficient", "tensor_norms", "Verdict", "verdict", "target_count", "token_loss_sum",
            "LOSSES", "loss_items", "summed_loss", "router_statistics", "balance_loss_part"]
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
@@ -164,33 +164,6 @@ def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[flo
     if not finite:
         return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
     return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
-
-
-def loss_check_term(loss_sum: Optional[torch.Tensor], counted: float, device_counted: Optional[torch.Tensor],
-                    share: float, probe: torch.Tensor) -> Optional[torch.Tensor]:
-    """What a window that exchanges nothing adds to its reducing backward: ``0 * probe``, or
-    ``nan * probe`` when this rank's loss sum is not finite or it counted other items (``counted`` on
-    the host plus ``device_counted`` on the device) than its known ``share`` (then the window's global
-    N is not the one every rank assumed); None when there is nothing to check.
-
-    ``probe`` is one element of a trainable parameter, so the nan lands in that parameter's gradient
-    whatever the loss's own gradient is (a micro-batch whose labels are all ignored has a nan mean
-    and a zero gradient), and DDP's reduction carries it to every rank's verdict. Adding ``0`` leaves
-    the gradient as it was. No host synchronisation: device values are compared on the device.
-
-    >>> probe = torch.ones(3, requires_grad=True)[0]
-    >>> loss_check_term(torch.tensor(2.0), 3, None, 3.0, probe).item(), loss_check_term(None, 2, None, 3.0, probe).item()
-    (0.0, nan)
-    >>> loss_check_term(None, 3, None, 3.0, probe) is None
-    True
-    """
-    if device_counted is None and counted != share:
-        return probe * math.nan
-    ok = None if loss_sum is None else torch.isfinite(loss_sum)
-    if device_counted is not None:
-        same = (device_counted + counted) == share
-        ok = same if ok is None else ok & same
-    return None if ok is None else torch.where(ok, 0.0, math.nan).to(probe.dtype) * probe
 
 
 # -- what a language model's items are: next-token targets --------------------------------------------

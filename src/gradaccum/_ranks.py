@@ -3,7 +3,7 @@
 What a window will do is decided in two steps when it opens: its :class:`WindowPlan` (known, made
 alone by :func:`local_plan`, or asked of the ranks: :meth:`RankAgreement.agree`, one all-gather), then
 :func:`window_setup`, a pure function of the plan, the request, the :class:`~gradaccum._state.AccumulatorState`
-and the :class:`Rules` (R, whether the boundary exchanges, the padding), testable without any rank.
+and the :class:`Rules` (R, the padding), testable without any rank.
 After the boundary :meth:`RankAgreement.learn` keeps what the window taught in the state.
 
 **Agreement.** Under data parallelism every rank must run a forward in each window (DDP and FSDP2
@@ -35,8 +35,8 @@ per window. Only a window with no N before it (the first) counts first: :meth:`R
 starts one small all-reduce of the ranks' counts as the window opens, which overlaps its first forward
 and is read at its first backward (:class:`CountedFirst`); DeepSpeed, whose gradient sits in the
 engine's partitions where no rescale reaches it, counts first in every window. Whether a window counts
-first is decided from what every rank shares (every rank counted up front in the last window that
-exchanged: ``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce. Where no
+first is decided from what every rank shares (every rank counted up front in the last window:
+``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce. Where no
 count is known at all (a hand-written window without ``num_items``, before any window had items) R is
 the running one, fixed once at its first use by a max all-reduce of the first count
 (:meth:`gradaccum._weights.WindowWeights.fix_reference`) and kept in ``state_dict``. When ``loss_fn``
@@ -50,16 +50,15 @@ did.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ._checks import Count, as_number
-from ._exchange import Tally, count_dtype
+from ._exchange import count_dtype
 from ._state import AccumulatorState
 from .batching import Batch, leading_dim
 from .errors import RankAgreementError
@@ -81,9 +80,6 @@ class WindowPlan(NamedTuple):
         items: the window's global item count when every rank knew its own before the first
             backward (then it is R, and the boundary scale is 1); else None.
         asked: the ranks exchanged counts for this plan (an all-gather), rather than knowing them.
-        share: this rank's item count as every rank knows it (a WindowSampler's share), when
-            ``items`` is known to all without asking; a window may then exchange nothing at its
-            boundary (see :func:`window_setup`). Else None.
     """
 
     micro_batches: int
@@ -91,7 +87,6 @@ class WindowPlan(NamedTuple):
     fewest: int
     items: Optional[float]
     asked: bool = False
-    share: Optional[float] = None
 
 
 class WindowRequest(NamedTuple):
@@ -104,7 +99,7 @@ class WindowRequest(NamedTuple):
         can_pad: this rank can run zero-weight micro-batches if the agreement asks it to
             (:meth:`RankAgreement.can_pad`).
         defer: the window's gradient reduction waits for its boundary (the out-of-memory back-off:
-            no collective before the ranks agree on an error), so it always exchanges.
+            no collective before the ranks agree on an error).
         plan: the plan, when the caller knows it already (``train()``: a WindowSampler's shares, or an
             agreement it asked for before deciding to open the window).
         flush: zero-weight micro-batches the caller runs first, counted in ``micro_batches`` (the
@@ -127,7 +122,6 @@ class WindowSetup(NamedTuple):
         plan: the micro-batch counts (None for a window opened without a size).
         reference: R when it is known up front, else None (fixed at the first backward,
             :meth:`gradaccum._weights.WindowWeights.fix_reference`).
-        exchanges: the boundary all-reduces the window's totals across ranks.
         padding: zero-weight micro-batches the agreement asks this rank to run on top of its own.
         counted: the ranks' count all-reduce started as the window opened, when the plan does not carry
             N but every rank counted its items up front (:meth:`RankAgreement.open`); R is N, read at
@@ -136,28 +130,16 @@ class WindowSetup(NamedTuple):
 
     plan: Optional[WindowPlan]
     reference: Optional[float]
-    exchanges: bool
     padding: int = 0
     counted: Optional["CountedFirst"] = None
 
     @property
     def items(self) -> Optional[float]:
         """The window's global N as counted before its first backward (by the plan, or by the count
-        all-reduce once read), else None. A window that exchanges nothing at its boundary steps on it."""
+        all-reduce once read), else None."""
         if self.plan is not None and self.plan.items is not None:
             return self.plan.items
         return self.counted.value if self.counted is not None else None
-
-    @property
-    def share(self) -> Optional[float]:
-        """This rank's items, in a window that exchanges nothing: as every rank knows them (a sampler's
-        share), or as this rank counted them first (its part of the N every rank read)."""
-        if self.exchanges or self.plan is None:
-            return None
-        if self.plan.share is not None:
-            return self.plan.share
-        return self.counted.mine if self.counted is not None else None
-
 
 class CountedFirst:
     """The window's global N, counted first: the sum of every rank's up-front count in one small
@@ -170,12 +152,10 @@ class CountedFirst:
     (12.0, None)
     """
 
-    __slots__ = ("tensor", "work", "value", "read", "mine")
+    __slots__ = ("tensor", "work", "value", "read")
 
     def __init__(self, sync: GradSync, device: torch.device, items: Optional[Count]) -> None:
-        #: this rank's own up-front count (its part of N), or None
-        self.mine: Optional[float] = None if items is None else as_number(items)
-        self.tensor = torch.tensor([math.nan if self.mine is None else self.mine], dtype=count_dtype(device),
+        self.tensor = torch.tensor([math.nan if items is None else as_number(items)], dtype=count_dtype(device),
                                    device=device)
         self.work = sync.all_reduce_async(self.tensor)
         #: N once read, the same on every rank; None before :meth:`wait`, or where some rank had no count
@@ -200,19 +180,12 @@ class Rules:
         shares_windows: several ranks train each window together (:attr:`gradaccum.sync.GradSync.shares_windows`).
         needs_equal_counts: every rank runs as many micro-batches as the busiest (FSDP2,
             ``reduce_every_micro_batch``), else at least one (DDP's forward collectives).
-        plain_reduction: asked when it matters, since a comm hook may be registered at any time
-            (:meth:`gradaccum.sync.GradSync.plain_reduction`).
-        loss_every: a window that could exchange nothing still exchanges every ``loss_every``-th time.
-        steps_on_loss: a ReduceLROnPlateau needs every window's loss, so every window exchanges.
         reference_is_count: R must be the window's own N, known up front (the gradient cannot be
             rescaled at the boundary: :attr:`gradaccum.sync.GradSync.needs_count_first`, DeepSpeed).
     """
 
     shares_windows: bool
     needs_equal_counts: bool
-    plain_reduction: Callable[[], bool]
-    loss_every: int = 1
-    steps_on_loss: bool = False
     reference_is_count: bool = False
 
 
@@ -231,9 +204,9 @@ def padded_count(count: int, most: int, equal_counts: bool) -> int:
 def local_plan(state: AccumulatorState, rules: Rules, request: WindowRequest) -> Optional[WindowPlan]:
     """A plan this rank can make alone, or None when the ranks must agree first.
 
-    >>> alone = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: False)
+    >>> alone = Rules(shares_windows=False, needs_equal_counts=False)
     >>> local_plan(AccumulatorState(), alone, WindowRequest(3, items=12))
-    WindowPlan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False, share=None)
+    WindowPlan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False)
     """
     n = request.micro_batches
     assert n is not None, "a window opened without a size has no plan"
@@ -246,22 +219,20 @@ def local_plan(state: AccumulatorState, rules: Rules, request: WindowRequest) ->
 
 def window_setup(state: AccumulatorState, rules: Rules, request: WindowRequest,
                  plan: Optional[WindowPlan]) -> WindowSetup:
-    """What a window will do, from its plan: R, whether its boundary exchanges, its padding. Every
+    """What a window will do, from its plan: R and its padding. Every
     input is the same on every rank, so every rank decides alike; nothing here talks to the ranks.
 
-    >>> alone = Rules(shares_windows=False, needs_equal_counts=False, plain_reduction=lambda: False)
+    >>> alone = Rules(shares_windows=False, needs_equal_counts=False)
     >>> window_setup(AccumulatorState(), alone, WindowRequest(2, items=10), WindowPlan(2, 2, 2, 10.0))
-    WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False, share=None), reference=10.0, exchanges=True, padding=0, counted=None)
+    WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False), reference=10.0, padding=0, counted=None)
     """
     reference = _reference(state, rules, plan, request.items)
-    exchanges = request.defer or _exchanges(state, rules, plan is not None and plan.share is not None
-                                            and plan.items is not None)
     padding = 0
     if plan is not None and request.micro_batches is not None and plan.most != plan.fewest:
         padding = max(0, padded_count(plan.micro_batches, plan.most, rules.needs_equal_counts) - plan.micro_batches)
     # the agreement refused, on every rank alike, any window where a rank that must pad cannot
     assert padding == 0 or request.can_pad, "the agreement lets no rank pad that cannot"
-    return WindowSetup(plan, reference, exchanges, padding)
+    return WindowSetup(plan, reference, padding)
 
 
 def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan],
@@ -285,25 +256,6 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan]
     if not known:
         return None
     return known * state.count_ratio if plan is not None else known  # a window without a size counts as it says
-
-
-def _exchanges(state: AccumulatorState, rules: Rules, every_rank_knows_n: bool) -> bool:
-    """Whether a window's boundary all-reduces its totals across ranks (always, on one process:
-    there it costs nothing). A window may skip it when the reduced gradient carries every rank's loss
-    check (:meth:`gradaccum.sync.GradSync.plain_reduction`: DDP's own average, no
-    ``find_unused_parameters``, no comm hook, which could keep or lose the check,
-    :func:`gradaccum._maths.loss_check_term`) on a trainable parameter the wrapper reduces
-    (``state.probe``: one that had a gradient in the window whose replicas were compared, so never
-    before that window), every rank knows the global N before the first backward (``every_rank_knows_n``: a
-    WindowSampler's shares, or N counted first: :meth:`RankAgreement.open`), in the last exchanged window every rank's ``loss_fn`` returned bare means weighed by
-    those very counts (``state.counts_from_loss_fn`` False, ``state.count_ratio`` 1), no
-    ReduceLROnPlateau needs the loss, and the window is not a ``loss_every``-th one, counted by
-    ``state.windows``."""
-    probe = state.probe
-    if probe is None or not probe.requires_grad or not every_rank_knows_n or state.count_ratio != 1.0 \
-            or state.counts_from_loss_fn or not rules.plain_reduction():
-        return True
-    return rules.steps_on_loss or state.windows % rules.loss_every == 0
 
 
 class RankAgreement:
@@ -341,21 +293,9 @@ class RankAgreement:
             plan = (local_plan(self.state, self.rules, request)
                     or self.agree(request.micro_batches, request.items, request.can_pad))
         setup = window_setup(self.state, self.rules, request, plan)
-        if self.counts_first(plan):
-            # every rank reads N at its first backward, so the window may exchange nothing at its boundary, as
-            # a sampler's window does; where some rank had no count N does not come, and it exchanges after all
-            # (:meth:`after_count`). Decided from what every rank shares, so every rank decides alike
-            quiet = not request.defer and not _exchanges(self.state, self.rules, True)
-            setup = setup._replace(counted=CountedFirst(self.sync, self.device, request.items), exchanges=not quiet)
+        if self.counts_first(plan):  # every rank reads N at its first backward
+            setup = setup._replace(counted=CountedFirst(self.sync, self.device, request.items))
         return setup
-
-    def after_count(self, setup: WindowSetup) -> WindowSetup:
-        """The setup once the window's count first has been read (its first backward): unchanged, unless
-        it was to exchange nothing and some rank had no count (every rank reads the same nan): then R runs,
-        its boundary rescales by the global N, and every rank exchanges it."""
-        if setup.counted is None or setup.exchanges or setup.counted.wait() is not None:
-            return setup
-        return setup._replace(exchanges=True)
 
     def reference(self, setup: WindowSetup) -> Optional[float]:
         """R for a window that has opened: the setup's, or, where the window counts first, N times the
@@ -368,24 +308,23 @@ class RankAgreement:
 
     def counts_first(self, plan: Optional[WindowPlan]) -> bool:
         """Whether the window's N is counted across ranks as it opens: its plan (made alone, over equal
-        shares, or a sampler's without its item shares) does not carry N, and in the last window that
-        exchanged every rank had counted its items up front (``state.counts_first``). Every rank
+        shares, or a sampler's without its item shares) does not carry N, and in the last window
+        every rank had counted its items up front (``state.counts_first``). Every rank
         decides alike, from what every rank shares, so none waits alone in the all-reduce: a rank
         without a count this time sends nan, and the window's R runs on every rank. An asked plan
         already carries N, or says that some rank has no count (then R runs)."""
         return (self.rules.shares_windows and plan is not None and not plan.asked and plan.items is None
                 and self.state.counts_first and (self.rules.reference_is_count or self.state.last_window_items is None))
 
-    def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float],
-                   share: Optional[float] = None) -> Optional[WindowPlan]:
+    def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float]) -> Optional[WindowPlan]:
         """The plan from every rank's micro-batch count, known without asking (a WindowSampler), or
         None when some rank must pad and may not be able to (then the ranks ask, and refuse together).
-        ``items`` and this rank's ``share`` of them, when the items counted are the sampler's."""
+        ``items``, when the items counted are the sampler's."""
         most, fewest = max(counts), min(counts)
         pads = any(padded_count(c, most, self.rules.needs_equal_counts) > c for c in counts)
         if pads and not self.state.peers_can_pad:
             return None
-        return WindowPlan(mine, most, fewest, items, share=share if items is not None else None)
+        return WindowPlan(mine, most, fewest, items)
 
     def agree(self, micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
         """Every rank's micro-batch count and up-front item count, from one small all-gather."""
@@ -438,31 +377,15 @@ class RankAgreement:
             return float(value)
         return float(self.sync.all_reduce_(torch.tensor([float(value)], device=self.device), "max").item())
 
-    def learn(self, setup: WindowSetup, tally: Tally, outcome: Optional["Outcome"]) -> None:
-        """After the boundary, on every rank (``outcome`` is None when the boundary raised: the window
-        still counts): the same global numbers on every rank give the same ratio and R. What the ranks
-        told each other (can pad, counts from loss_fn) is kept from windows that exchanged it."""
+    def learn(self, setup: WindowSetup, outcome: "Outcome") -> None:
+        """After a boundary that did not raise, on every rank: the same global numbers on every rank
+        give the same ratio and R. What the ranks told each other (can pad, counts from loss_fn,
+        counted first) is kept."""
         state = self.state
-        state.windows += 1
-        share = setup.share
-        if share is not None and tally.device_items is None and tally.host_items != share:
-            warnings.warn(  # said now that every rank has left the window's collectives: as an error
-                # before the reducing backward it would have left the other ranks in the reduction
-                f"this rank counted {tally.host_items:g} items in a window where its WindowSampler share (or "
-                f"its count up front) is {share:g} (a collate_fn that drops rows, or a loss_fn that returns its "
-                "own count): the "
-                "window's global item count is not the one every rank assumed, so it is dropped on every "
-                "rank (as a non-finite window). Windows that exchange their loss (Accumulator(loss_every=1)) "
-                "sum the real counts instead", stacklevel=5)
-        if outcome is None:
-            return
         num_items = outcome.num_items
         upfront = setup.items
         if upfront and num_items > 0:
             state.count_ratio = num_items / upfront
-        if outcome.counts_from_loss_fn is not None:
-            state.counts_from_loss_fn = outcome.counts_from_loss_fn
-        if self.rules.shares_windows and outcome.counted_first is not None:
-            state.counts_first = outcome.counted_first
-        if self.rules.shares_windows and outcome.peers_can_pad is not None:
-            state.peers_can_pad = outcome.peers_can_pad
+        state.counts_from_loss_fn = outcome.counts_from_loss_fn
+        if self.rules.shares_windows:
+            state.counts_first, state.peers_can_pad = outcome.counted_first, outcome.peers_can_pad

@@ -142,13 +142,6 @@ class GradSync:
             all_reduce_(tensor, op, self.group)
         return tensor
 
-    def plain_reduction(self) -> bool:
-        """Whether the backward's reduction is, as things stand now, the wrapper's own average of every
-        rank's whole gradient, so that a ``nan`` one rank adds to any parameter's gradient reaches every
-        rank's reduced gradient in that window, and that window only (see
-        :func:`gradaccum._maths.loss_check_term`). Only DDP's can be."""
-        return False
-
     def folds_outside_gradients(self) -> bool:
         """Whether a gradient computed outside the model's forward, the same on every rank (a
         :class:`~gradaccum.WindowLoss`'s own parameters), rides in the backward that reduces, rather
@@ -160,12 +153,6 @@ class GradSync:
     def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """This rank's part of the gradient's squared norm, when summing it across ranks gives the
         whole (each element held by exactly one rank); else None. Only sharded gradients have one."""
-        return None
-
-    def reduced_parameters(self) -> Optional[List[nn.Parameter]]:
-        """The parameters the wrapper may reduce across ranks (DDP's, less those it was told to
-        ignore), or None where that does not apply. One trained since it was built but frozen then
-        is not reduced either: the caller also needs a gradient the ranks found equal."""
         return None
 
     def any_rank(self, flag: bool, device: torch.device) -> bool:

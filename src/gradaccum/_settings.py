@@ -20,7 +20,7 @@ from torch import nn
 
 from ._accum_dtype import AccumDtype, check_accum_dtype
 from ._cached import WindowLoss, check_window_loss
-from ._checks import ROWS, callable_loss_fn, positive_int, positive_number
+from ._checks import ROWS, callable_loss_fn, positive_number
 from ._deepspeed import check_engine_arguments, deepspeed_engine
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
@@ -36,8 +36,7 @@ NONFINITE = ("skip", "raise")
 class Settings:
     """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), checked
     as they are made: ``max_grad_norm`` a positive finite number or None (kept as a float),
-    ``nonfinite`` one of :data:`NONFINITE`, ``accum_dtype`` ``"auto"``/``"param"``/None/a dtype,
-    ``loss_every`` a positive int.
+    ``nonfinite`` one of :data:`NONFINITE`, ``accum_dtype`` ``"auto"``/``"param"``/None/a dtype.
 
     Raises:
         ConfigurationError, TypeError: the first setting that is out of range, naming it and the fix.
@@ -50,7 +49,6 @@ class Settings:
     reduce_every_micro_batch: bool = False
     data_parallel: str = "auto"
     compute_grad_norm: bool = False
-    loss_every: int = 1
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None:
@@ -59,7 +57,6 @@ class Settings:
         if self.nonfinite not in NONFINITE:
             raise ConfigurationError(f"nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         check_accum_dtype(self.accum_dtype)
-        positive_int("loss_every", self.loss_every)
         object.__setattr__(self, "compute_grad_norm", bool(self.compute_grad_norm))
 
 

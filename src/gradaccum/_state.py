@@ -19,8 +19,6 @@ import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-import torch
-
 from .errors import ConfigurationError
 
 __all__ = ["AccumulatorState", "SAVED_KEYS", "READ_KEYS"]
@@ -80,17 +78,16 @@ class AccumulatorState:
         auto_micro_batch_size: the micro-batch size that last worked under ``micro_batch_size="auto"``.
             ``AutoMicroBatch.step``, after the first window and after any that backed off.
         counts_first: across ranks, every rank counted its items before the first backward in the last
-            window that exchanged, so a window whose plan does not carry N counts it first (the same
+            window, so a window whose plan does not carry N counts it first (the same
             on every rank: :meth:`gradaccum._ranks.RankAgreement.counts_first`). ``learn``. Saved, so
             that a resumed process counts (or not) where the uninterrupted one did.
 
     Start afresh in a new process:
 
     Attributes:
-        windows: boundaries reached, the same on every rank (the ``loss_every`` count). ``learn``.
         counts_from_loss_fn: some rank's ``loss_fn`` returned its own counts (a ``(mean, count)`` pair)
-            in the last window that exchanged. ``learn``.
-        peers_can_pad: every rank had a micro-batch to pad with at the last exchange, so a DDP rank may
+            in the last window. ``learn``.
+        peers_can_pad: every rank had a micro-batch to pad with at the last boundary, so a DDP rank may
             plan a window alone. ``learn``.
         padding_batch: the micro-batch this rank repeats with zero weight in a window where it has none:
             the last it ran (across ranks; ``RankAgreement.remember``, as a window runs), or the one
@@ -98,8 +95,6 @@ class AccumulatorState:
         scheduler_at: the scheduler's ``last_epoch`` after the Accumulator last stepped it; None until a
             window opens and reads it (``Boundary.check_scheduler``), and after ``load_state_dict``.
         replicas_checked: the ranks compared their first reduced gradient (DDP). The first boundary.
-        probe: the smallest reduced parameter that had a gradient in that compared window; a window
-            that exchanges nothing carries every rank's loss check in its gradient. The first boundary.
         stop_requests: ``acc.request_stop()`` calls, at any time (a signal handler too).
         stops_carried: requests already carried to the ranks by a boundary's all-reduce. ``Boundary``.
         checked_replays: the :class:`~gradaccum.WindowLoss` objects whose second forward was compared with
@@ -117,13 +112,11 @@ class AccumulatorState:
     auto_micro_batch_size: Optional[int] = _saved(None, _optional(int))
     counts_first: bool = _saved(False, bool)
 
-    windows: int = 0
     counts_from_loss_fn: bool = False
     peers_can_pad: bool = False
     padding_batch: Any = field(default=None, repr=False)
     scheduler_at: Optional[int] = None
     replicas_checked: bool = False
-    probe: Optional[torch.nn.Parameter] = field(default=None, repr=False)
     stop_requests: int = 0
     stops_carried: int = 0
     checked_replays: _Seen = field(default_factory=_Seen, repr=False)

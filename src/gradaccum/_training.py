@@ -169,8 +169,7 @@ def _sampler_windows(ctx: WindowContext, loader: Iterable[Batch], sampler: Windo
                 m = sampler.micro_batch_size
                 shares = sampler.shares(first + offset)
                 rows = spec.num_items in (None, ROWS)  # then the sampler's shares are the items counted
-                plan = ctx.ranks.known_plan(size, [ceil_div(s, m) for s in shares], float(sum(shares)) if rows else None,
-                                            share=float(shares[sampler.rank]) if rows else None)
+                plan = ctx.ranks.known_plan(size, [ceil_div(s, m) for s in shares], float(sum(shares)) if rows else None)
                 result = _step(ctx, pending, spec, plan=plan)
             else:
                 result = _step(ctx, pending, spec)

@@ -9,11 +9,11 @@ it itself (``acc.window``). The weighting, the count's verdict and the skip are 
 :class:`~gradaccum._weights.WindowWeights` every driver uses (ExactTrainer and Lightning's callback too).
 
 In the order a :class:`Window` runs: opening asks the ranks for its :class:`~gradaccum._ranks.WindowSetup`
-(plan, R, exchange, padding; across ranks, where the plan does not carry N but the window's items were
+(plan, R, padding; across ranks, where the plan does not carry N but the window's items were
 counted up front, the all-reduce that counts them first, read at the first backward: R = N); each
 ``backward`` weighs its mean loss by ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`) into the
 :class:`~gradaccum._exchange.Tally`; before the backward that reduces across ranks the boundary's
-all-reduce starts (or the loss check is folded into the gradient: :meth:`Window._before_reduction`); ``step`` hands
+all-reduce starts (:meth:`Window._before_reduction`); ``step`` hands
 the tally to the :class:`~gradaccum._boundary.Boundary` and the ranks learn from it.
 """
 
@@ -23,7 +23,7 @@ import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from ._boundary import Boundary, InFlight, Outcome, WindowTotals
 from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
 from ._exchange import Tally
 from ._gradients import WindowGradients
-from ._maths import loss_check_term, window_mean
+from ._maths import window_mean
 from ._ranks import RankAgreement, WindowRequest, WindowSetup
 from ._state import AccumulatorState
 from ._weights import WindowWeights
@@ -218,7 +218,6 @@ class Window:
             assert self.setup is not None, "the weighting is read inside `with acc.window(...)`"
             self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
                                           reference=self.ctx.ranks.reference(self.setup))
-            self.setup = self.ctx.ranks.after_count(self.setup)
         return self._weights
 
     # -- micro-batches ---------------------------------------------------------------------------
@@ -275,16 +274,14 @@ class Window:
         scale); the tally adds the window's ``loss`` for its ``num_items`` items."""
         _checked(self, None)
         self.tally.add(loss, num_items)
-        term = self._before_reduction()
-        extra = [] if term is None else [term]
+        self._before_reduction()
         with torch.autocast(device_type=self.ctx.device.type, enabled=False):
-            torch.autograd.backward(list(outputs) + extra, list(grads) + [None] * len(extra))  # type: ignore[list-item]
+            torch.autograd.backward(list(outputs), list(grads))
         self.done += 1
 
     def _backprop(self, weighted: torch.Tensor, num_items: Count = 1, *, autocast_off: bool = False) -> None:
         """One micro-batch's backward of its weighted loss, counted as done. On one process in fp32 the
-        seam's backward itself; else through the loss scale, with the loss check the reducing backward adds
-        where the window exchanges nothing. A micro-batch of 0 items: a mean ``sum / count`` over no item
+        seam's backward itself; else through the loss scale. A micro-batch of 0 items: a mean ``sum / count`` over no item
         turns the incoming 0 into ``0 / 0 = nan`` whatever its weight, so a count the host reads as 0 skips
         its backward where that runs no collective, and otherwise (also an accelerator's tensor count,
         compared on the device: no host sync) runs under :func:`weighing_nothing`, which replaces what it
@@ -299,28 +296,20 @@ class Window:
         elif ctx.direct and not autocast_off and empty is None:
             ctx.backward(weighted)
         else:
-            _guarded_backward(ctx, weighted, self._before_reduction() if ctx.switches else None, empty, autocast_off)
+            if ctx.switches:
+                self._before_reduction()
+            _guarded_backward(ctx, weighted, empty, autocast_off)
         self.done += 1
 
-    def _before_reduction(self) -> Optional[torch.Tensor]:
+    def _before_reduction(self) -> None:
         """Before the backward that reduces across ranks every count of the window is known: start the
-        boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`); or, in a
-        window that exchanges nothing, return this rank's loss check for the backward to add
-        (:func:`gradaccum._maths.loss_check_term`, carried by the probe's gradient)."""
-        setup, ctx = self.setup, self.ctx
-        assert self.current is not None and setup is not None
+        boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`)."""
+        assert self.current is not None and self.setup is not None
         if not self.current.reduces:
-            return None
+            return
         self.reduced = True
-        if setup.share is not None:  # the window exchanges nothing
-            probe = ctx.state.probe
-            assert probe is not None, "a window exchanges nothing only with a reduced parameter to carry its check"
-            tally = self.tally
-            return loss_check_term(tally.loss_sum, tally.host_items, tally.device_items, setup.share,
-                                   probe.reshape(-1)[0])
-        if ctx.boundary.launch_before_last_backward:
-            self.in_flight = ctx.boundary.launch(self._totals(ran=True))
-        return None
+        if self.ctx.boundary.launch_before_last_backward:
+            self.in_flight = self.ctx.boundary.launch(self._totals(ran=True))
 
     def fix_reference(self, count: Count) -> float:
         """R for this window: known when it opened, else fixed now (once, the same on every rank) by
@@ -341,24 +330,19 @@ class Window:
         if refused:
             raise RuntimeError(refused)
         totals = self._totals(ran=self.done > 0)  # a window that counts first has read its count by now
-        setup: WindowSetup = self.setup  # type: ignore[assignment]  # as the count left it
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = None  # every rank learns from the window, also when its boundary raised
-        try:
-            out = ctx.boundary.finish(totals, self.in_flight, exchange=setup.exchanges)
-        finally:  # every rank has left the window's collectives
-            ctx.ranks.learn(setup, self.tally, out)
-        assert out is not None
+        out = ctx.boundary.finish(totals, self.in_flight)
+        ctx.ranks.learn(self.setup, out)  # type: ignore[arg-type]
         self.result = _step_result(out, self.done - self.request.flush - self.padding, self.micro_batch_size)
         return self.result
 
     def _totals(self, *, ran: bool) -> WindowTotals:
         """This rank's tally and what the boundary needs with it (the weights read first: a window that
-        counts first reads its count there, and with it whether its boundary exchanges)."""
+        counts first reads its count there)."""
         weights = self.weights
         return WindowTotals(self.tally, weights, ran=ran, can_pad_next=self.ctx.ranks.can_pad(self.request.can_pad),
-                            items=self.setup.items, counted_first=self.request.items is not None)  # type: ignore[union-attr]
+                            counted_first=self.request.items is not None)
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
@@ -384,25 +368,17 @@ class Window:
         return self.setup
 
 
-def _guarded_backward(ctx: WindowContext, weighted: torch.Tensor, term: Optional[torch.Tensor],
-                      empty: Union[None, bool, torch.Tensor], autocast_off: bool) -> None:
-    """The backward of ``weighted`` (plus the loss check ``term``) through the loss scale and the seam; where
-    the micro-batch may hold no item (``empty``), under :func:`weighing_nothing`, the check's own gradient kept."""
-    loss = weighted if term is None else weighted + term
+def _guarded_backward(ctx: WindowContext, weighted: torch.Tensor, empty: Union[None, bool, torch.Tensor],
+                      autocast_off: bool) -> None:
+    """The backward of ``weighted`` through the loss scale and the seam; where the micro-batch may hold
+    no item (``empty``), under :func:`weighing_nothing`."""
     if empty is None:
-        ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.backward)
+        ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.backward)
         return
-    # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded);
-    # a loss check's probe, one of the module's parameters, is then not among them: its term passes
-    sharded = ctx.sync.sharded_grads
-    kept = {}
-    if term is not None and not sharded:  # d term / d probe, scaled as the loss is: what the probe keeps
-        probe = ctx.state.probe
-        assert probe is not None
-        kept[probe] = torch.autograd.grad(ctx.precision.scale(term), probe, retain_graph=True)[0]
-    leaves = graph_leaves(weighted) if sharded else ctx.model.parameters()
-    with weighing_nothing(leaves, empty, kept):
-        ctx.precision.backward(loss, autocast_off=autocast_off, run=ctx.backward)
+    # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded)
+    leaves = graph_leaves(weighted) if ctx.sync.sharded_grads else ctx.model.parameters()
+    with weighing_nothing(leaves, empty):
+        ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.backward)
 
 
 def _checked(window: "Window", loss: Any) -> Any:
@@ -474,18 +450,16 @@ def host_count(num_items: Count) -> Count:
 
 
 @contextlib.contextmanager
-def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Tensor],
-                     kept: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> Iterator[None]:
+def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Tensor]) -> Iterator[None]:
     """Inside: a backward adds exactly nothing to the parameters' gradients where ``empty`` (True, or a 0-d
-    bool tensor compared on the device: no host sync), ``kept[p]`` excepted.
+    bool tensor compared on the device: no host sync).
 
     A micro-batch of 0 items weighs ``0 / N``, but a mean ``sum / count`` divides by 0: its graph turns the
     incoming 0 into ``0 / 0 = nan``, which no weight on the loss can clean. Each parameter's hook runs before
     its gradient is accumulated (and before DDP reduces it), and replaces what this backward brings by 0:
     the micro-batch's exact contribution, ``0 * grad L_k``. Where ``empty`` is False it passes the gradient on
     unchanged."""
-    kept = kept or {}
-    handles = [p.register_hook(_nothing_but(empty, kept.get(p))) for p in params if p.requires_grad]
+    handles = [p.register_hook(_nothing_but(empty)) for p in params if p.requires_grad]
     try:
         yield
     finally:
@@ -512,12 +486,12 @@ def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
     return leaves
 
 
-def _nothing_but(empty: Union[bool, torch.Tensor], kept: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _nothing_but(empty: Union[bool, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if empty is True:
-            return torch.zeros_like(grad) if kept is None else kept.to(grad.dtype)
+            return torch.zeros_like(grad)
         flag = empty if empty.device == grad.device else empty.to(grad.device, non_blocking=True)  # type: ignore[union-attr]
-        return torch.where(flag, 0.0 if kept is None else kept.to(grad.dtype), grad)
+        return torch.where(flag, 0.0, grad)
     return hook
 
 
@@ -553,7 +527,7 @@ def _micro_batches(n: int) -> str:
 def _step_result(out: Outcome, micro_batches: int, micro_batch_size: Any) -> StepResult:
     """What the window reports: the boundary's outcome, with the micro-batches that counted."""
     return StepResult(
-        loss=None if out.loss_sum is None else window_mean(out.loss_sum, out.num_items),
+        loss=window_mean(out.loss_sum, out.num_items),
         num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
         micro_batches=micro_batches, grad_norm=out.grad_norm, skipped=out.skipped, lr=out.lr, step=out.step,
         micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None,

@@ -11,8 +11,8 @@ derived from it (:class:`~gradaccum._resume.Resumable`). One window, in the orde
                                       an exact MoELoss -> moe.run_moe_window
     acc.window                     -> a Window the user's own loop drives; both go through:
          -> RankAgreement.open     once, as the window opens: its plan (known, made alone, or asked
-                                   of the ranks: one all-gather), then window_setup: R, whether its
-                                   boundary exchanges, its padding                    (_ranks.py)
+                                   of the ranks: one all-gather), then window_setup: R and its
+                                   padding                                            (_ranks.py)
          -> per micro-batch        forward and backward of  n_k * W / R * L_k  (_maths.backward_weight),
                                    the reduction skipped before the last (sync.py); the Tally adds
                                    n_k * L_k and n_k                                  (_exchange.py)
@@ -101,13 +101,6 @@ class Accumulator(Resumable):
             (one pass over the gradient). It is always measured with ``max_grad_norm`` or fp16;
             otherwise ``grad_norm`` is None and the non-finite check uses the window's loss, which
             costs nothing.
-        loss_every: under DDP, the ranks exchange the window's loss (``StepResult.loss``) and stop
-            requests every ``loss_every`` windows. A window in between of ``train()`` over a
-            :class:`~gradaccum.WindowSampler` (every rank knows every share) costs no collective
-            besides DDP's own reduction, one that counts its items first (``step()``, ``train()`` over
-            another loader) only its count's: its ``StepResult.loss`` is None, and its non-finite check reads
-            the reduced gradient's norm (one pass), where every rank's loss check arrives too (see
-            :mod:`gradaccum._boundary`). 1 (the default): every window exchanges.
 
     Example:
         >>> model = torch.nn.Linear(3, 1)
@@ -130,10 +123,9 @@ class Accumulator(Resumable):
         reduce_every_micro_batch: bool = False,
         data_parallel: str = "auto",
         compute_grad_norm: bool = False,
-        loss_every: int = 1,
     ) -> None:
         settings = Settings(max_grad_norm, precision, accum_dtype, nonfinite, reduce_every_micro_batch, data_parallel,
-                            compute_grad_norm, loss_every)  # each checked as it is made
+                            compute_grad_norm)  # each checked as it is made
         optimizer, params = check_training_objects(model, optimizer, scheduler, settings)
         device = params[0].device
         #: the checked settings (:class:`~gradaccum._settings.Settings`)
@@ -146,13 +138,11 @@ class Accumulator(Resumable):
         self.buffers = window_buffers(accum_dtype, self.sync, precision, params)
         #: what one window teaches the next (see :class:`~gradaccum._state.AccumulatorState`)
         self.state = state = AccumulatorState()
-        grads = WindowGradients(params, self.buffers, reduced=self.sync.reduced_parameters())
+        grads = WindowGradients(params, self.buffers)
         boundary = Boundary(optimizer, scheduler, state=state, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=settings.compute_grad_norm,
                             nonfinite=nonfinite, device=device)
-        rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts, self.sync.plain_reduction,
-                      loss_every=loss_every, steps_on_loss=boundary.steps_on_loss,
-                      reference_is_count=self.sync.needs_count_first)
+        rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts, reference_is_count=self.sync.needs_count_first)
         self.auto = AutoMicroBatch(self.sync, device, state)
         self.context = WindowContext(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=RankAgreement(self.sync, device, state, rules),

@@ -14,16 +14,15 @@ class StepResult:
 
     Attributes:
         loss: item-weighted mean loss over the whole window (all ranks): sum n_k L_k / sum n_k;
-            nan when the window counted no item (it is then skipped). None in a window whose ranks
-            exchanged nothing (``Accumulator(loss_every=k)``: every k-th window exchanges it).
+            nan when the window counted no item (it is then skipped).
         num_items: items in the window across all ranks (the normalizer); an int, or a float when
             the counts given were fractional weights.
         micro_batches: the micro-batches this rank **ran** in the window and counted (its forward and
             weighted backward; the zero-weight padding and flush are not counted). A short last window
             of ``train()`` runs fewer than ``accum_steps``, and shows here as fewer.
         grad_norm: total gradient norm before clipping (after normalization and unscaling), when
-            measured: with ``max_grad_norm``, fp16, ``Accumulator(compute_grad_norm=True)``, or in a
-            window whose ranks exchanged nothing (its non-finite check reads the norm); None otherwise (measuring is a pass over the whole gradient). inf or nan when the
+            measured: with ``max_grad_norm``, fp16 or ``Accumulator(compute_grad_norm=True)``; None
+            otherwise (measuring is a pass over the whole gradient). inf or nan when the
             gradient was not finite (the window is then skipped).
         skipped: True when no optimizer step was taken (non-finite loss, non-finite measured
             gradient, fp16 overflow, or a window with 0 items).
@@ -40,7 +39,7 @@ class StepResult:
             boundary; every rank sees the same value, so all can stop after this same window.
     """
 
-    loss: Optional[float]
+    loss: float
     num_items: Union[int, float]
     micro_batches: int
     grad_norm: Optional[float]

@@ -93,24 +93,8 @@ class DDPSync(GradSync):
     def group_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def plain_reduction(self) -> bool:
-        """Not under ``find_unused_parameters=True`` (DDP marks a parameter that missed the forward as
-        reduced before the backward, and refuses a gradient reaching it from outside the forward), nor
-        under a communication hook, read at every call since one may be registered at any time:
-        PowerSGD's error feedback would keep a ``nan`` for every later window, a compressing or
-        ``nan``-scrubbing hook could lose it. DDP's logging data names the hook, built-in ones too; a
-        torch whose DDP no longer offers it (a private method) answers False: every window exchanges."""
-        return not any(getattr(ddp, "find_unused_parameters", False) or _has_comm_hook(ddp) for ddp in self.modules)
-
     def folds_outside_gradients(self) -> bool:
         return not any(getattr(ddp, "find_unused_parameters", False) for ddp in self.modules)
-
-    def reduced_parameters(self) -> Optional[List[nn.Parameter]]:
-        reduced = []
-        for ddp in self.modules:
-            ignored: set = getattr(ddp, "parameters_to_ignore", set())
-            reduced += [p for name, p in ddp.module.named_parameters() if name not in ignored and p.requires_grad]
-        return reduced
 
     @contextlib.contextmanager
     def micro_batch(self, *, last: bool) -> Iterator[None]:
@@ -140,14 +124,6 @@ class DDPSync(GradSync):
             return None
         return (f"DistributedDataParallel sums the window's gradient in the parameters' own .grad ({', '.join(low)}); "
                 "keep float32 parameters and run the forward under precision='bf16' (autocast) to sum it in float32")
-
-
-def _has_comm_hook(ddp: DistributedDataParallel) -> bool:
-    """Whether DDP's logging data names a communication hook (True as well when it cannot be read)."""
-    try:
-        return ddp._get_ddp_logging_data().get("comm_hook") is not None
-    except Exception:  # noqa: BLE001 - a private method of DDP: unknown means "assume a hook"
-        return True
 
 
 class FSDP2Sync(GradSync):

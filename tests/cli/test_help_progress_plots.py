@@ -77,18 +77,6 @@ def test_progress_off_a_terminal_is_a_plain_line_every_k_steps_and_every_10_seco
     assert lines[0] == "gradaccum train: step 10/100 (10%), loss 0.5000, 12,800 images/s, ETA 0:00:01"
 
 
-def test_progress_under_loss_every_shows_the_latest_exchanged_loss_and_its_step():
-    """--loss-every K on several ranks: most windows have no loss; a line shows the latest one the
-    ranks exchanged, with its step (a new user's run printed "loss -" on every line, since the lines
-    fell on steps the exchanged windows never did)."""
-    stream = io.StringIO()
-    progress = Progress(12, stream=stream, clock=lambda: 0.0, terminal=False, every=4)
-    for step in range(1, 13):
-        progress.update(step, loss=step / 10 if step % 5 == 1 else None, items=1, seconds=0.01)
-    losses = [line.split("loss ")[1].split(",")[0] for line in stream.getvalue().splitlines()]
-    assert losses == ["0.1000 (step 1)", "0.6000 (step 6)", "1.1000 (step 11)"], losses
-
-
 def test_counts_are_what_the_step_used_and_plots_are_titled_with_markers_for_one_step(tmp_path, capsys, monkeypatch):
     """--micro-batch-size 100000 trains 1 step of the 1438 training images, not "1 steps of 400000";
     its plots name task, model and window, draw the one step as a marker, and compare.png has a

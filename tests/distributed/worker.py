@@ -601,12 +601,12 @@ def ddp_step_costs_one_small_collective_per_window():
     return f"(collectives, syncs, syncs before forward, collectives before forward) per window: {rows[0]}"
 
 
-def ddp_step_with_loss_every_costs_one_collective_per_window():
-    """acc.step under loss_every=3, uneven counts across ranks and windows: N is known on no rank before the
-    boundary (no sampler), so every window exchanges at its boundary, its one small collective, and reports
-    its loss. Exact, replicas bit-equal; a loss only rank 1 finds not finite is skipped on both ranks."""
+def ddp_step_with_a_loss_one_rank_finds_not_finite_costs_one_collective_per_window():
+    """acc.step, uneven counts across ranks and windows: every window exchanges at its boundary, its one
+    small collective. Exact, replicas bit-equal; a loss only rank 1 finds not finite is skipped on both
+    ranks; a rank that opens a window without num_items weighs by the same R as the others."""
     model = DDP(model_fn())
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
+    acc = Accumulator(model, make_opt(model, "sgd"))
     steps, results = [], []
 
     def run(w, on_forward):
@@ -628,9 +628,8 @@ def ddp_step_with_loss_every_costs_one_collective_per_window():
         rows = _steady_counts(run, windows=7)  # windows 2..8: acc's windows 2..8
     assert [r[0] for r in rows] == [1] * 7, rows
     assert [r[3] for r in rows] == [0] * 7, rows  # nothing before the first forward
-    assert not any(results[w].loss is None for w in range(2, 9)), results
     assert [r.skipped for r in results] == [w == 7 for w in range(9)], results
-    run(9, None)  # a 3rd window: it exchanges
+    run(9, None)
     # rank 1 opens window 10 without num_items: R is the last N on every rank all the same, and the
     # boundary's N rescales the gradient
     wins = [[data(r, 400 + k, 3 + r + k) for k in range(2)] for r in range(WORLD)]
@@ -641,7 +640,7 @@ def ddp_step_with_loss_every_costs_one_collective_per_window():
             with window.micro_batch():
                 window.backward(mse(model, mb), len(mb[0]))
         late = window.step()
-    assert late.loss is not None and late.num_items == sum(len(x) for win in wins for x, _ in win), late
+    assert late.num_items == sum(len(x) for win in wins for x, _ in win), late
     close(model.module, reference(steps, "sgd"))
     assert params_equal_on_all_ranks(model.module)
     return f"collectives per window {[r[0] for r in rows]}"
@@ -783,7 +782,9 @@ def ddp_a_resumed_run_counting_first_is_the_uninterrupted_one():
 
 def ddp_train_over_a_window_sampler_costs_one_collective_per_window():
     """acc.train over a WindowSampler: every rank knows every share, so no agreement at all, also in
-    the first window and the short last one; exact against the union of each global window."""
+    the first window and the short last one: one small all-reduce and one host sync per window, the
+    boundary's, which also carries a stop request to every rank; the loss and the steps exact against
+    the union of each global window, the replicas bit-equal."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from gradaccum import WindowSampler
@@ -794,19 +795,24 @@ def ddp_train_over_a_window_sampler_costs_one_collective_per_window():
     loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler)
     model = DDP(model_fn())
     acc = Accumulator(model, make_opt(model, "sgd"))
-    results, per_window, syncs = _train_counted(acc, loader)
+    results, per_window, syncs = _train_counted(  # a stop request made on rank 0 in window 0 reaches both at window 1
+        acc, loader, after=lambda done: acc.request_stop() if len(done) == 1 and RANK == 0 else None)
     # the first window also compares the replicas' gradients once (one more all-gather and sync)
     assert [r.num_items for r in results] == [16, 16, 13] and per_window == [2, 1, 1], (per_window, results)
     # the first window's extra .tolist() calls are the sampler cutting the epoch's order on the host
     assert syncs[1:] == [1, 1], syncs
+    assert [r.stop_requested for r in results] == [False, True, False], results
     ref = model_fn()
     opt = make_opt(ref, "sgd")
-    for w in range(3):
+    for w, result in enumerate(results):
         idx = sampler.window_items(w, epoch=0)
         opt.zero_grad(set_to_none=True)
-        mse(ref, (x[idx], y[idx])).backward()
+        loss = mse(ref, (x[idx], y[idx]))
+        loss.backward()
         opt.step()
+        assert abs(result.loss - loss.item()) <= 1e-12 * abs(loss.item()), (w, result.loss, loss.item())
     close(model.module, ref)
+    assert params_equal_on_all_ranks(model.module)
     return f"collectives per window {per_window}, host syncs {syncs}"
 
 
@@ -828,7 +834,7 @@ def ddp_a_bypassed_wrapper_is_refused_on_every_rank():
     return "refused on both ranks, nothing moved"
 
 
-def _sampler_loader(n: int, global_batch: int, micro: int, collate_fn=None):
+def _sampler_loader(n: int, global_batch: int, micro: int):
     from torch.utils.data import DataLoader, TensorDataset
 
     from gradaccum import WindowSampler
@@ -836,7 +842,7 @@ def _sampler_loader(n: int, global_batch: int, micro: int, collate_fn=None):
     g = torch.Generator().manual_seed(n)
     x, y = torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 3, generator=g, dtype=torch.float64)
     sampler = WindowSampler(n, global_batch_size=global_batch, micro_batch_size=micro, seed=1)
-    return x, y, sampler, DataLoader(TensorDataset(x, y), batch_sampler=sampler, collate_fn=collate_fn)
+    return x, y, sampler, DataLoader(TensorDataset(x, y), batch_sampler=sampler)
 
 
 def _sampler_reference(x, y, sampler, windows):
@@ -851,41 +857,11 @@ def _sampler_reference(x, y, sampler, windows):
     return ref
 
 
-def ddp_train_with_loss_every_exchanges_nothing_between():
-    """acc.train over a WindowSampler with loss_every=3: windows 0, 3 and 6 exchange the loss (and a
-    stop request made in window 1 reaches every rank at window 3); the others cost no collective at
-    all and one host sync (the norm the verdict reads). Exact, and the ranks stay bit-equal."""
-    x, y, sampler, loader = _sampler_loader(77, 12, 3)
-    model = DDP(model_fn())
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
-    results, per_window, syncs = _train_counted(
-        acc, loader, after=lambda done: acc.request_stop() if len(done) == 2 and RANK == 0 else None)
-    assert [r.num_items for r in results] == [12] * 6 + [5], results
-    assert per_window == [2, 0, 0, 1, 0, 0, 1], per_window  # window 0 also compares the replicas once
-    assert syncs[1:] == [1] * 6, syncs
-    assert [r.loss is None for r in results] == [False, True, True, False, True, True, False], results
-    assert [r.stop_requested for r in results] == [False] * 3 + [True] + [False] * 3, results
-    ref = model_fn()
-    opt = make_opt(ref, "sgd")
-    for w, result in enumerate(results):
-        idx = sampler.window_items(w, epoch=0)
-        opt.zero_grad(set_to_none=True)
-        loss = mse(ref, (x[idx], y[idx]))
-        loss.backward()
-        opt.step()
-        if result.loss is not None:
-            assert abs(result.loss - loss.item()) <= 1e-12 * abs(loss.item()), (w, result.loss, loss.item())
-    close(model.module, ref)
-    assert params_equal_on_all_ranks(model.module)
-    return f"collectives per window {per_window}, host syncs {syncs}"
-
-
 def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
-    """In windows that exchange nothing, rank 1's loss is +inf (a constant: its gradient is finite), or
-    nan with a zero gradient (every label ignored), in window 2: every rank skips it (the nan reaches them through the reduced gradient), the replicas stay
-    bit-equal and exact; with nonfinite="raise" every rank raises. A loss_fn that suddenly counts other
-    items than the known share there (a Python or a device count), or a collate_fn that drops a row
-    there, is dropped on every rank the same way."""
+    """Over a WindowSampler, rank 1's loss is +inf (a constant: its gradient is finite), or nan with a
+    zero gradient (every label ignored), in window 2: every rank skips it (the boundary's all-reduce
+    brings every rank the loss sum), the replicas stay bit-equal and exact; with nonfinite="raise"
+    every rank raises."""
     def lossy(bad_window, counts=None):
         seen = []
 
@@ -895,31 +871,15 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
             loss = mse(m, b)
             if window != bad_window or RANK != 1:
                 return loss
-            if counts == "host":  # one item too many, in a window that exchanges nothing
-                return loss, len(b[0]) + 1
-            if counts == "tensor":  # a count left on the device: compared there, no host sync
-                return loss, torch.tensor(len(b[0]) + 1)
             if counts == "ignored":  # every label ignored: the mean is nan (0/0), the gradient exactly 0
                 return nn.functional.cross_entropy(m(b[0]), torch.full((len(b[0]),), -100, dtype=torch.long))
-            return loss + float("inf") if counts is None else loss
+            return loss + float("inf")
         return loss_fn
 
-    from torch.utils.data.dataloader import default_collate
-
-    def collate_dropping_once():  # rank 1 drops a row from its first batch of window 2 only
-        calls = []
-
-        def collate(items):
-            calls.append(1)
-            xb, yb = default_collate(items)
-            return (xb[1:], yb[1:]) if RANK == 1 and len(calls) == 5 else (xb, yb)
-        return collate
-
-    for nonfinite, counts in (("skip", None), ("skip", "host"), ("skip", "tensor"), ("skip", "collate"),
-                              ("skip", "ignored"), ("raise", None), ("raise", "ignored")):
-        x, y, sampler, loader = _sampler_loader(60, 12, 3, collate_dropping_once() if counts == "collate" else None)
+    for nonfinite, counts in (("skip", None), ("skip", "ignored"), ("raise", None), ("raise", "ignored")):
+        x, y, sampler, loader = _sampler_loader(60, 12, 3)
         model = DDP(model_fn())
-        acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100, nonfinite=nonfinite)
+        acc = Accumulator(model, make_opt(model, "sgd"), nonfinite=nonfinite)
         results, raised = [], None
         try:
             with warnings.catch_warnings(record=True):
@@ -936,63 +896,6 @@ def ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank():
         close(model.module, _sampler_reference(x, y, sampler, (0, 1, 3, 4)))
         assert params_equal_on_all_ranks(model.module)
     return "skipped on both ranks, raised on both ranks"
-
-
-def ddp_loss_every_is_decided_from_what_every_rank_shares():
-    """Three ways the ranks could come to decide differently whether a window exchanges, each of which
-    hung or corrupted a run: (1) rank 0 alone restored other counters (acc.steps = 5, a checkpoint
-    loaded on rank 0 only): the windows are counted by the Accumulator itself, so both ranks still
-    exchange at the same windows, exactly; (2) a DDP comm hook (PowerSGD's error feedback would keep
-    the loss check's nan for good): every window exchanges; (3) rank 1 turns warnings into errors and
-    drops a row in a window that exchanges nothing: its warning comes after the window's reduction,
-    so the window ends on both ranks (skipped on both) before rank 1 raises."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    x, y, sampler, loader = _sampler_loader(77, 12, 3)
-    model = DDP(model_fn())
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=2)
-    if RANK == 0:
-        acc.steps = 5
-    results = list(acc.train(loader, mse))
-    assert [r.loss is None for r in results] == [w % 2 == 1 for w in range(7)], results
-    close(model.module, _sampler_reference(x, y, sampler, range(7)))
-    assert params_equal_on_all_ranks(model.module)
-
-    x, y, sampler, loader = _sampler_loader(77, 12, 3)  # epoch 0 again
-    model = DDP(model_fn())
-    model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
-    results = list(acc.train(loader, mse))
-    assert all(r.loss is not None for r in results), results
-    close(model.module, _sampler_reference(x, y, sampler, range(7)))
-    assert params_equal_on_all_ranks(model.module)
-
-    from torch.utils.data.dataloader import default_collate
-
-    def collate(items, calls=[]):  # noqa: B006 - counts this loader's batches
-        calls.append(1)
-        xb, yb = default_collate(items)
-        return (xb[1:], yb[1:]) if RANK == 1 and len(calls) == 5 else (xb, yb)  # window 2, rank 1
-
-    x, y, sampler, loader = _sampler_loader(60, 12, 3, collate)
-    model = DDP(model_fn())
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100)
-    results, raised = [], None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error" if RANK == 1 else "ignore")
-        try:
-            for result in acc.train(loader, mse):
-                results.append(result)
-                if len(results) == 3:
-                    break  # rank 0 stops where rank 1 raises, so that both reach the check below
-        except UserWarning as e:
-            raised = e
-    assert (raised is not None) == (RANK == 1) and len(results) == (3 if RANK == 0 else 2), (results, raised)
-    if RANK == 0:
-        assert results[2].skipped, results
-    close(model.module, _sampler_reference(x, y, sampler, (0, 1)))
-    assert params_equal_on_all_ranks(model.module)
-    return "decided alike: counters set on one rank, a comm hook, a warning filtered into an error"
 
 
 def _gathered_windows(recorded):
@@ -1016,11 +919,11 @@ def _one_big_batch_steps(windows):
     return ref
 
 
-def ddp_counts_other_than_the_shares_keep_every_window_exchanging():
-    """loss_every=3 over a WindowSampler, where the items counted are not the sampler's shares: a
-    loss_fn returning (mean, count) pairs, or a collate_fn dropping rows (on rank 1 only). The first
-    window (it always exchanges) shows it, so every window goes on exchanging its counts: exact against
-    one big batch of the micro-batches really seen, replicas bit-equal."""
+def ddp_counts_other_than_the_shares_are_summed_at_the_boundary():
+    """Over a WindowSampler, where the items counted are not the sampler's shares: a loss_fn returning
+    (mean, count) pairs, or a collate_fn dropping rows (on rank 1 only). Every window's boundary sums
+    the real counts, one collective per window: exact against one big batch of the micro-batches
+    really seen, replicas bit-equal."""
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.dataloader import default_collate
 
@@ -1044,69 +947,14 @@ def ddp_counts_other_than_the_shares_keep_every_window_exchanging():
             recorded.append((window[0], b[0], b[1]))
             return (mse(m, b), len(b[0])) if case == "pairs" else mse(m, b)
         model = DDP(model_fn())
-        acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
+        acc = Accumulator(model, make_opt(model, "sgd"))
         results, per_window, _ = _train_counted(acc, loader, after=lambda done: window.__setitem__(0, len(done)),
                                                 loss_fn=loss_fn)
         assert per_window == [2, 1, 1, 1, 1] and not any(r.skipped for r in results), (case, per_window, results)
-        assert all(r.loss is not None for r in results)
         close(model.module, _one_big_batch_steps(_gathered_windows(recorded)))
         assert params_equal_on_all_ranks(model.module)
         notes.append(f"{case} {per_window}")
     return "collectives per window: " + ", ".join(notes)
-
-
-def ddp_find_unused_parameters_keeps_every_window_exchanging():
-    """DDP(find_unused_parameters=True) marks a parameter that missed the forward as reduced before the
-    backward, so the loss check of a window that exchanges nothing (a gradient from outside the
-    forward) would be refused: with loss_every=3 every window still exchanges, and trains exactly."""
-    class Gated(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = model_fn()
-            self.gate = nn.Parameter(torch.zeros(1, dtype=torch.float64))  # the smallest, and never used
-
-        def forward(self, x):
-            return self.net(x)
-    x, y, sampler, loader = _sampler_loader(60, 12, 3)
-    model = DDP(Gated(), find_unused_parameters=True)
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=3)
-    results, per_window, _ = _train_counted(acc, loader)
-    assert per_window == [2, 1, 1, 1, 1] and not any(r.skipped for r in results), (per_window, results)
-    close(model.module.net, _sampler_reference(x, y, sampler, range(len(results))))
-    return f"collectives per window {per_window}"
-
-
-def ddp_the_loss_check_rides_on_a_parameter_ddp_reduces():
-    """The smallest trainable parameter is one DDP does not reduce (frozen when DDP was built, trained
-    after, used only without a gradient): the loss check of a window that exchanges nothing must ride
-    on a parameter DDP reduces, or rank 1's inf loss would stay on rank 1 (it would skip, rank 0 step:
-    the replicas apart). Both ranks skip window 2."""
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = model_fn()
-            self.scale = nn.Parameter(torch.ones(1, dtype=torch.float64), requires_grad=False)  # the smallest
-
-        def forward(self, x):
-            return self.net(x) * self.scale.detach()
-    module = Scaled()
-    model = DDP(module)  # DDP leaves the frozen scale out of its reduction
-    module.scale.requires_grad_(True)
-    x, y, sampler, loader = _sampler_loader(60, 12, 3)
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=100)
-    calls = []
-
-    def loss_fn(m, b):
-        calls.append(1)
-        loss = mse(m, b)
-        return loss + float("inf") if RANK == 1 and (len(calls) - 1) // 2 == 2 else loss
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        results = list(acc.train(loader, loss_fn))
-    assert [r.skipped for r in results] == [False, False, True, False, False], results
-    assert params_equal_on_all_ranks(model.module)
-    close(model.module.net, _sampler_reference(x, y, sampler, (0, 1, 3, 4)))
-    return "both ranks skipped the window, exact"
 
 
 def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
@@ -1134,14 +982,13 @@ def ddp_train_over_a_distributed_sampler_asks_once_per_epoch():
         recorded.append((window[0], b[0], b[1]))
         return mse(m, b)
     model = DDP(model_fn())
-    acc = Accumulator(model, make_opt(model, "sgd"), loss_every=2)
+    acc = Accumulator(model, make_opt(model, "sgd"))
     results, per_window, _ = _train_counted(acc, loader, after=lambda done: window.__setitem__(0, len(done)),
                                             loss_fn=loss_fn, accum_steps=3, epochs=2)
     # 25 items a rank: batches of 3, 3, ..., 1; rank 1 keeps 2, 2, ..., 1 of them
     assert [r.num_items for r in results] == [15, 15, 12] * 2 and not any(r.skipped for r in results), results
-    # every window: the boundary's exchange (N is known on no rank before it: loss_every has nothing to
-    # save); window 0: the epoch's check, the count first and the replica check too; window 3: the next
-    # epoch's check too
+    # every window: the boundary's exchange; window 0: the epoch's check, the count first and the replica
+    # check too; window 3: the next epoch's check too
     assert per_window == [4, 1, 1, 2, 1, 1], per_window
     close(model.module, _one_big_batch_steps(_gathered_windows(recorded)))
     assert params_equal_on_all_ranks(model.module)
@@ -1273,16 +1120,13 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
              ddp_step_costs_one_small_collective_per_window, ddp_step_with_a_rank_without_data_costs_the_same,
-             ddp_step_with_loss_every_costs_one_collective_per_window,
+             ddp_step_with_a_loss_one_rank_finds_not_finite_costs_one_collective_per_window,
              ddp_step_is_the_plain_loop_bit_for_bit_while_n_repeats, ddp_a_resumed_run_counting_first_is_the_uninterrupted_one,
              ddp_a_rank_without_num_items_weighs_as_the_others,
              ddp_train_over_a_window_sampler_costs_one_collective_per_window,
-             ddp_a_bypassed_wrapper_is_refused_on_every_rank, ddp_train_with_loss_every_exchanges_nothing_between,
+             ddp_a_bypassed_wrapper_is_refused_on_every_rank,
              ddp_a_loss_only_one_rank_finds_not_finite_stops_every_rank,
-             ddp_loss_every_is_decided_from_what_every_rank_shares,
-             ddp_counts_other_than_the_shares_keep_every_window_exchanging,
-             ddp_find_unused_parameters_keeps_every_window_exchanging,
-             ddp_the_loss_check_rides_on_a_parameter_ddp_reduces,
+             ddp_counts_other_than_the_shares_are_summed_at_the_boundary,
              ddp_train_over_a_distributed_sampler_asks_once_per_epoch,
              clipped_train_over_a_window_sampler_costs_one_collective_per_window,
              ddp_a_micro_batch_of_no_item_weighs_nothing, fsdp2_a_micro_batch_of_no_item_weighs_nothing]

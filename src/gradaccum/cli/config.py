@@ -41,7 +41,7 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
 # batch is cut (ranks, micro-batch size, accumulation) changes rounding only, never which items a
 # step sees: a run may move to another world size or micro-batch size with the same --batch-size.
 RESUMABLE_CHANGES = ("out", "checkpoint_every", "epochs", "device", "world_size", "micro_batch_size",
-                     "accum_steps", "loss_every")
+                     "accum_steps")
 
 
 class WindowShape(NamedTuple):
@@ -114,7 +114,6 @@ class TrainConfig:
     seed: int = 0
     out: Optional[str] = None
     checkpoint_every: int = 0
-    loss_every: int = 1
     device: str = "auto"
     dtype: str = "float32"
     shard: bool = False
@@ -161,11 +160,6 @@ class TrainConfig:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise bad("--max-grad-norm", self.max_grad_norm, "a positive number")
         check_int("--checkpoint-every", self.checkpoint_every, 0, extra=" (0: only at the end)")
-        check_int("--loss-every", self.loss_every, extra=" (1: every window's loss)")
-        if self.shard and self.loss_every > 1:
-            raise ConfigurationError(f"--loss-every {self.loss_every} does not work with --shard: FSDP2 holds a shard of the "
-                             "gradient on each rank, so every window exchanges its loss with its norm anyway; "
-                             "drop --loss-every")
         if self.dtype not in DTYPES:
             raise bad("--dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if self.dtype == "float64" and self.precision != "fp32":
@@ -207,7 +201,7 @@ def saved_config(state: Dict[str, Any], *, where: str, fix: str) -> TrainConfig:
     """The settings a checkpoint was trained with (its ``"config"``), validated as the flags are;
     a one-line CLIError, ``{where} holds settings this version cannot read; {fix}``, when they
     are missing or this version refuses them."""
-    try:
-        return TrainConfig(**state["config"])
+    try:  # --loss-every (removed, issue 48 item 4) never changed the trained model: an older run's is dropped
+        return TrainConfig(**{k: v for k, v in dict(state["config"]).items() if k != "loss_every"})
     except (KeyError, TypeError, ValueError):
         raise CLIError(f"{where} holds settings this version cannot read; {fix}") from None

@@ -143,13 +143,9 @@ class RunLifecycle:
         """SIGINT and SIGTERM handled from the folder's preparation to the run's last file."""
         return self.signals.handling_signals()
 
-    def on_stop_signal(self, request_stop: Callable[[], Any], *, loss_every: int = 1) -> None:
-        """What a first SIGINT/SIGTERM calls: ``acc.request_stop``, which the next boundary that
-        exchanges carries (under several ranks with ``--loss-every K``, the next K-th window). A
-        signal that came before (while the run was set up) is passed on now."""
-        if loss_every > 1 and sync.world_size() > 1:
-            self.signals.until = (f"finishing the windows up to the next whose loss the ranks exchange "
-                                  f"(--loss-every {loss_every}), then writing a checkpoint")
+    def on_stop_signal(self, request_stop: Callable[[], Any]) -> None:
+        """What a first SIGINT/SIGTERM calls: ``acc.request_stop``, which the next window's boundary
+        carries to every rank. A signal that came before (while the run was set up) is passed on now."""
         self.signals.set_on_first(request_stop)
 
     def stop_here(self, asked: bool) -> bool:

@@ -185,10 +185,6 @@ def _train_parser(sub: Any) -> None:
     t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="also write last.pt every K optimizer steps; 0: only at the end and when stopped by "
                         "Ctrl-C or SIGTERM (default: 0)")
-    t.add_argument("--loss-every", type=int, default=1, metavar="K",
-                   help="under torchrun, average the loss across ranks every K windows only: the windows between "
-                        "cost no collective besides DDP's gradient reduction, their metrics rows have loss null, "
-                        "and Ctrl-C waits for the next K-th window; not with --shard (default: 1, every window)")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last.pt, with the same flags (only --epochs may grow); "
                         "with no checkpoint yet it says so and starts fresh (default: off)")

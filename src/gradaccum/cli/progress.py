@@ -39,7 +39,6 @@ class Progress:
         self._items = 0.0
         self._seconds = 0.0
         self._steps = 0
-        self._known: Optional[str] = None  # the latest loss the ranks exchanged, with its step
         self._last_line = clock()
         self._bar: Any = None
         if terminal is None:
@@ -52,7 +51,7 @@ class Progress:
             else:
                 self._bar = tqdm(total=total, initial=initial, desc=label, unit="step", leave=False, file=self.stream)
 
-    def update(self, step: int, loss: Optional[float], items: float, seconds: float) -> None:
+    def update(self, step: int, loss: float, items: float, seconds: float) -> None:
         """One optimizer step: ``items`` trained in ``seconds`` (of this process, so rates stay true
         after a resume)."""
         if not self.enabled:
@@ -60,9 +59,7 @@ class Progress:
         self._items += items
         self._seconds += seconds
         self._steps += 1
-        if loss is not None:
-            self._known = f"{_loss_text(loss)} (step {step})"
-        shown = _loss_text(loss) if loss is not None or self._known is None else self._known
+        shown = f"{loss:.4f}"
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=shown)
@@ -81,7 +78,3 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-
-def _loss_text(loss: Optional[float]) -> str:
-    """A window's loss, or "-" while no window's ranks have exchanged one (``loss_every``)."""
-    return "-" if loss is None else f"{loss:.4f}"

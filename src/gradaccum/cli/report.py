@@ -73,8 +73,7 @@ def _loss_label(unit: str) -> str:
 
 def _loss_panel(ax: Any, curves: Dict[str, List[Dict[str, Any]]], unit: str = "items") -> None:
     values: List[float] = []
-    # windows whose ranks did not exchange their loss (--loss-every) have none to draw
-    curves = {label: [r for r in training_rows(rows) if r.get("loss") is not None] for label, rows in curves.items()}
+    curves = {label: training_rows(rows) for label, rows in curves.items()}
     for (label, rows), style in zip(curves.items(), ("-", "--", ":", "-.")):
         steps = [r["step"] for r in rows]
         losses = [r["loss"] for r in rows]

@@ -250,7 +250,7 @@ def build_parts(cfg: TrainConfig, task: Task, device: torch.device, folder: RunF
     wrapped = _wrap(cfg, model, device)
     optimizer = _optimizer(cfg, wrapped if cfg.shard else model)
     acc = Accumulator(wrapped, optimizer, precision=cfg.precision, max_grad_norm=cfg.max_grad_norm,
-                      compute_grad_norm=True, loss_every=cfg.loss_every)
+                      compute_grad_norm=True)
     (batch, m, _) = cfg.window
     sampler = WindowSampler(task.num_train, batch, batch if m == "auto" else int(m), seed=cfg.seed,
                             rank=sync.rank(), world_size=sync.world_size())
@@ -297,7 +297,7 @@ def run_loop(parts: RunParts, life: RunLifecycle, start: Position, history: List
     loader = MicroBatches(sampler, task)
     windows = iter(acc.train(loader, task.loss_fn, epochs=int(cfg.epochs) - acc.epoch,  # type: ignore[arg-type]
                              num_items=task.count, micro_batch_size="auto" if cfg.window[1] == "auto" else None))
-    life.on_stop_signal(acc.request_stop, loss_every=int(cfg.loss_every))
+    life.on_stop_signal(acc.request_stop)
     at, last_eval, skipped_before = start, None, False
     with life.folder.metrics_log(history) as metrics, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SKIP_WARNING)
@@ -445,11 +445,10 @@ def _summary(parts: RunParts, plan: ResumePlan, history: List[Dict[str, Any]], l
     items = min(cfg.window_items, task.num_train)  # as trained: at most the training set
     micro_batch_size = parts.micro_batch_size  # as it ran: at most a full window's share of one rank
     summary: Dict[str, Any] = dict(metrics)
-    reported = [r for r in rows if r["loss"] is not None]  # under --loss-every K, every K-th window
     summary.update(steps=acc.steps, windows=len(rows), skipped=sum(1 for r in rows if r.get("skipped")),
                    skipped_at_end=_trailing(rows, lambda r: bool(r.get("skipped"))),
-                   last_loss=reported[-1]["loss"] if reported else None,
-                   last_loss_step=reported[-1].get("step") if reported else None,
+                   last_loss=rows[-1]["loss"] if rows else None,
+                   last_loss_step=rows[-1].get("step") if rows else None,
                    wall_time_seconds=parts.elapsed,
                    epochs=cfg.epochs, global_batch_size=items, window_items=items, world_size=sync.world_size(),
                    micro_batch_size=micro_batch_size,

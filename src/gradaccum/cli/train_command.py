@@ -76,7 +76,7 @@ def _settings(args: argparse.Namespace) -> Any:
                        micro_batch_size=args.micro_batch_size, accum_steps=args.accum_steps,
                        batch_size=args.batch_size, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr,
                        precision=args.precision, max_grad_norm=args.max_grad_norm, seed=args.seed, out=args.out,
-                       checkpoint_every=args.checkpoint_every, loss_every=args.loss_every, device=args.device,
+                       checkpoint_every=args.checkpoint_every, device=args.device,
                        dtype=args.dtype, shard=args.shard, world_size=launch().world_size)
 
 
