@@ -157,9 +157,9 @@ def test_lightning_a_micro_batch_of_no_item_is_the_big_batch(monkeypatch):
     ref = _big_batch(regression_model())
     for count in ("int", "tensor"):
         assert_params_close(fit([ExactAccumulation(num_items=COUNTS[count])]), ref)
-    import gradaccum._window as window_module
+    import gradaccum._empty as empty_module
 
-    monkeypatch.setattr(window_module, "host_count", lambda n: n)  # the accelerator's path
+    monkeypatch.setattr(empty_module, "host_count", lambda n: n)  # the accelerator's path
     assert_params_close(fit([ExactAccumulation(num_items=COUNTS["tensor"])]), ref)
     stock = fit([])
     assert not all(torch.isfinite(p).all() for p in stock.parameters())
@@ -188,7 +188,7 @@ def test_the_backward_of_a_host_count_of_0_is_skipped(precision):
 def test_weighing_nothing_brings_zero_only_where_empty():
     """Under ``weighing_nothing`` a backward brings each parameter 0 where the micro-batch is empty (the
     nan of 0 / 0 included), and its gradient unchanged where a device flag says it is not empty."""
-    from gradaccum._window import weighing_nothing
+    from gradaccum._empty import weighing_nothing
 
     model = regression_model()
     x, y, m = _window()[1]
@@ -209,6 +209,7 @@ def test_an_accelerator_s_tensor_count_is_compared_on_the_device(monkeypatch):
     micro-batch backpropagates under ``weighing_nothing`` with the comparison on the device. Here CPU
     tensors are made to take that path (``host_count`` leaves them tensors), and the windows, counted up
     front or by ``loss_fn``, and Lightning's, are still the float64 big batch."""
+    import gradaccum._empty as empty_module
     import gradaccum._window as window_module
 
     ran = []
@@ -218,7 +219,7 @@ def test_an_accelerator_s_tensor_count_is_compared_on_the_device(monkeypatch):
         ran.append(empty)
         return weighing(params, empty)
 
-    monkeypatch.setattr(window_module, "host_count", lambda n: n)
+    monkeypatch.setattr(empty_module, "host_count", lambda n: n)
     monkeypatch.setattr(window_module, "weighing_nothing", recorded)
     for loss_fn, num_items in ((masked_mean, COUNTS["tensor"]), (lambda m, b: (masked_mean(m, b), b[2].sum()), None)):
         model = regression_model()

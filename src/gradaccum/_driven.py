@@ -41,7 +41,7 @@ from ._maths import Verdict, verdict
 from ._settings import NONFINITE
 from ._state import AccumulatorState
 from ._weights import Closing, WindowWeights
-from ._window import may_be_empty, weighing_nothing
+from ._empty import may_be_empty, weighing_nothing
 from .errors import ConfigurationError
 
 __all__ = ["DrivenWindow", "nonfinite_choice", "retire_buffers"]
@@ -105,7 +105,7 @@ class DrivenWindow:
         """Micro-batch k's weight ``n_k W / R`` on the gradient of ``loss``, which the framework itself
         backpropagates after dividing it by ``divided_by`` (Lightning: ``accumulate_grad_batches``), and
         ``n_k`` added to the running count. Returns the context its backward runs in: where ``n_k`` may be
-        0 (:func:`~gradaccum._window.may_be_empty`), :func:`~gradaccum._window.weighing_nothing` over
+        0 (:func:`~gradaccum._empty.may_be_empty`), :func:`~gradaccum._empty.weighing_nothing` over
         ``leaves()``, since a mean over no item is ``0 / 0 = nan``, which no weight on the loss cleans."""
         self.count = self.count + num_items
         if not loss.requires_grad:

@@ -32,7 +32,7 @@ from .._driven import DrivenWindow, nonfinite_choice, retire_buffers
 from .._gradients import AccumulationBuffers
 from .._patching import Swaps
 from .._state import AccumulatorState
-from .._window import graph_leaves
+from .._empty import graph_leaves
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
 from ..errors import ConfigurationError, NotExactError

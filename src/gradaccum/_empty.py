@@ -1,0 +1,96 @@
+"""The guard of a micro-batch of 0 items, the same in every driver (the ``Accumulator``'s window, Lightning's
+callback, the Trainer drivers).
+
+A micro-batch of 0 items weighs ``0 / N``, but its mean ``sum / count`` divides by 0: the loss is nan, and
+its graph turns the incoming 0 into ``0 / 0 = nan`` whatever weight multiplies the loss. So the mean is
+cleaned to 0 (:func:`clean_mean`), and the backward runs under :func:`weighing_nothing`, which replaces what it
+brings each parameter by 0, or is skipped where it runs no collective. A count on an accelerator is compared
+on the device (:func:`may_be_empty`): no host synchronisation per micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, List, Union
+
+import torch
+
+from ._checks import Count, item_count
+
+__all__ = ["may_be_empty", "host_count", "weighing_nothing", "graph_leaves", "clean_mean"]
+
+
+def may_be_empty(num_items: Count) -> Union[None, bool, torch.Tensor]:
+    """Whether a micro-batch of ``num_items`` holds no item, as far as the host can tell without waiting
+    for a device: None for a count it reads as > 0 (nothing to guard), True for 0, and for an
+    accelerator's tensor count a 0-d bool compared on the device (no host sync), for
+    :func:`weighing_nothing`. Every driver's guard of a micro-batch of 0 items starts here."""
+    n = host_count(num_items)
+    if isinstance(n, torch.Tensor):
+        return n.reshape(()) == 0
+    return True if n == 0 else None
+
+
+def host_count(num_items: Count) -> Count:
+    """``num_items`` as the host reads it without waiting for a device: a number as it is, a CPU tensor
+    read (free); an accelerator's tensor stays a tensor."""
+    if isinstance(num_items, torch.Tensor) and num_items.device.type == "cpu":
+        return num_items.item()
+    return num_items
+
+
+@contextlib.contextmanager
+def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Tensor]) -> Iterator[None]:
+    """Inside: a backward adds exactly nothing to the parameters' gradients where ``empty`` (True, or a 0-d
+    bool tensor compared on the device: no host sync).
+
+    A micro-batch of 0 items weighs ``0 / N``, but a mean ``sum / count`` divides by 0: its graph turns the
+    incoming 0 into ``0 / 0 = nan``, which no weight on the loss can clean. Each parameter's hook runs before
+    its gradient is accumulated (and before DDP reduces it), and replaces what this backward brings by 0:
+    the micro-batch's exact contribution, ``0 * grad L_k``. Where ``empty`` is False it passes the gradient on
+    unchanged."""
+    handles = [p.register_hook(_nothing_but(empty)) for p in params if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors whose ``.grad`` a backward of ``loss`` accumulates into (its graph's leaves: under FSDP2
+    the unsharded parameters its forward ran on)."""
+    leaves: List[torch.Tensor] = []
+    seen = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            leaves.append(variable)
+        else:
+            stack.extend(child for child, _ in node.next_functions)
+    return leaves
+
+
+def _nothing_but(empty: Union[bool, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if empty is True:
+            return torch.zeros_like(grad)
+        flag = empty if empty.device == grad.device else empty.to(grad.device, non_blocking=True)  # type: ignore[union-attr]
+        return torch.where(flag, 0.0, grad)
+    return hook
+
+
+def clean_mean(loss: torch.Tensor, num_items: Count) -> torch.Tensor:
+    """``loss`` once ``num_items`` is checked: a mean over no item (nan) cleaned to 0, so that nothing of
+    it reaches the gradient (a tensor count is compared on the device: no host sync)."""
+    if type(num_items) is int and num_items > 0:  # the common count: nothing to check or clean
+        return loss
+    item_count("num_items", num_items)
+    if isinstance(num_items, torch.Tensor):
+        return torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)
+    return loss.nan_to_num(0.0) if num_items == 0 else loss
