@@ -1,46 +1,30 @@
 """check_equivalence: is accumulation on *this* model the same as one big batch?
 
-It computes the full-batch gradient ``grad L(batch)`` and the accumulated one
-``sum_k n_k grad L_k / sum_k n_k`` from the same starting state, compares them parameter by
-parameter, and names the modules that break the equivalence:
+It computes the full-batch gradient ``grad L(batch)`` and the accumulated one ``sum_k n_k grad L_k /
+sum_k n_k`` from the same starting state, compares them parameter by parameter, and names the modules
+that break the equivalence: BatchNorm in training mode (statistics per micro-batch); dropout in training
+mode and any module that draws random numbers in forward (the draws depend on the split, so such a model
+is NOT equivalent even where this split's gradients match: one dropout layer on the CPU fills its masks
+item after item, so micro-batches in order draw the full batch's; several layers, or CUDA's Philox
+offsets, do not); and any module whose output for an item depends on the other items (its output differs
+between the full batch and the concatenated micro-batches while its input does not).
 
-* BatchNorm in training mode (statistics per micro-batch);
-* dropout in training mode, and any module that draws random numbers in forward: the draws depend
-  on how the batch is split, so such a model is reported NOT equivalent even when the gradients of
-  this one split happen to match. They do match for a single dropout layer on the CPU: its
-  generator fills the masks item after item, so micro-batches run in order draw exactly the full
-  batch's masks. With several dropout layers the full batch draws layer by layer and the
-  micro-batches micro-batch by micro-batch, so the masks differ; CUDA's generator (Philox) gives
-  each launch an offset, so its masks depend on the split even for one layer;
-* any module whose output differs between the full batch and the concatenated micro-batches
-  while its input does not (its output for one item depends on the other items).
+Its big-batch oracle is its own on purpose: it backpropagates ``n_k * L_k`` per micro-batch and divides
+once by ``sum n_k`` in float64, independently of :mod:`gradaccum._maths`, so that the check does not share
+a mistake with the code it checks. A :class:`~gradaccum.WindowLoss` is compared on the whole batch against
+the Accumulator's cached accumulation of it; an :class:`~gradaccum.MoELoss` as its token loss plus ``coef``
+times the whole batch's load-balancing loss (written here: :func:`balance_loss`).
 
-This module keeps its own big-batch oracle on purpose: it backpropagates ``n_k * L_k`` for each
-micro-batch and divides once by ``sum n_k`` in float64, written here independently of the weights
-of :mod:`gradaccum._maths`, so that the check does not share a mistake with the code it checks.
-
-A split into one micro-batch (compared with itself) is refused, and so is a split the model cannot
-run (BatchNorm in training mode on a micro-batch of one item): :class:`SplitError` names the
-micro-batch size and one that works. When the full batch's loss is the accumulated one times what a
-*summed* loss gives (the number of micro-batches, for equal ones), the report says that ``loss_fn``
-must return the mean.
-
-A loss that couples the batch's items (in-batch negatives: an item's loss depends on the others) is
-recognised when every module gives each item the same output on the whole batch and on its
-micro-batches while the losses differ: the report's hint points to :class:`~gradaccum.WindowLoss`.
-Given a ``WindowLoss``, the whole batch's loss (the oracle) is compared with the Accumulator's own
-cached accumulation of it. Given an :class:`~gradaccum.MoELoss`, the oracle is its token loss plus
-``coef`` times the load-balancing loss of the whole batch (written here, :func:`_balance_loss`),
-compared with the Accumulator's window in the loss's mode.
-
-The model is left exactly as found: parameters, buffers (running statistics), gradients,
-train/eval modes and the RNG state.
+A split into one micro-batch, or one the model cannot run (BatchNorm on one item), is refused with a
+:class:`SplitError` naming a size that works. Where the numbers suggest a cause, the report's hint names
+it: a ``loss_fn`` that returns a sum, a bare mean over padded targets weighed by rows, a partial
+load-balancing term, a loss that couples the items (then :class:`~gradaccum.WindowLoss`). The model is left
+exactly as found: parameters, buffers, gradients, train/eval modes and the RNG state.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -48,10 +32,9 @@ import torch
 from torch import nn
 
 from ._cached import WindowLoss
-from ._checks import (ROWS, holds_ignored_labels, item_count, positive_int, positive_number, scalar_loss,
-                      split_loss_output, training_batchnorms)
-from .accumulator import Accumulator
-from .batching import Batch, concat_batches, first_tensor, leading_dim, split_batch
+from ._checks import ROWS, holds_ignored_labels, positive_int, positive_number, training_batchnorms
+from ._oracle import MicroBatchFailed, window_grads
+from .batching import Batch, first_tensor, leading_dim, split_batch
 from .errors import SplitError
 from .integrations.hf_router import balance_hint
 from .moe import MoELoss
@@ -173,105 +156,6 @@ class _Recorder:
             h.remove()
 
 
-def _checked_loss(out: Any, micro_batch: Batch, num_items: Any) -> Tuple[torch.Tensor, Any]:
-    """``loss_fn``'s output under the Accumulator's contract (a bare loss counts ``num_items(micro_batch)``,
-    else its rows), or an error that says the fix."""
-    rows = num_items is None or num_items == ROWS
-    loss, n = split_loss_output(out, leading_dim(micro_batch) if rows else
-                                item_count("num_items(micro_batch)", num_items(micro_batch)))
-    return scalar_loss(loss, subject="loss_fn must return a scalar loss",
-                       where="loss_fn (check_equivalence compares gradients)"), n
-
-
-class _MicroBatchFailed(Exception):
-    """``loss_fn`` (or the model's forward inside it) raised on micro-batch ``index`` of ``items``."""
-
-    def __init__(self, index: int, items: int, error: BaseException) -> None:
-        super().__init__(index, items, error)
-        self.index, self.items, self.error = index, items, error
-
-
-def _window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any = None
-                  ) -> Tuple[Dict[str, torch.Tensor], float, bool]:
-    """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64;
-    and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows)."""
-    for p in model.parameters():
-        p.grad = None
-    if isinstance(loss_fn, (WindowLoss, MoELoss)):
-        return (*_coupled_grads(model, loss_fn, micro_batches), False)
-    loss_sum, items, bare = 0.0, 0.0, False
-    for index, mb in enumerate(micro_batches):
-        try:
-            out = loss_fn(model, mb)
-        except Exception as e:  # noqa: BLE001 - which micro-batch failed decides whose fault it is
-            raise _MicroBatchFailed(index, leading_dim(mb), e) from e
-        bare = type(out) is torch.Tensor
-        loss, n = _checked_loss(out, mb, num_items)
-        (loss * n).backward()
-        loss_sum += float(loss.detach()) * float(n)
-        items += float(n)
-    grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters()
-             if p.grad is not None}
-    return grads, loss_sum / items, bare
-
-
-def _coupled_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
-    """A loss over the window (a :class:`~gradaccum.WindowLoss`, an :class:`~gradaccum.MoELoss`): on the
-    whole batch the oracle, its loss backpropagated as it is (an MoELoss: its token loss plus ``coef``
-    times the whole batch's load-balancing loss, :func:`_balance_loss`); on a split, the Accumulator's
-    own path (:func:`_accumulated_grads`)."""
-    if len(micro_batches) > 1:
-        return _accumulated_grads(model, loss_fn, micro_batches)
-    batch = micro_batches[0]
-    try:
-        if isinstance(loss_fn, WindowLoss):
-            loss = loss_fn.loss(model, loss_fn.encode(model, batch))
-            subject, where = "WindowLoss's loss must return a scalar loss", "loss(model, representations)"
-        else:
-            out = loss_fn.checked(loss_fn.forward(model, batch))
-            loss = out.loss + loss_fn.coef * _balance_loss(out.router_logits, loss_fn.top_k, out.token_mask)
-            subject, where = "MoELoss's forward must return a scalar mean loss", "forward(model, batch).loss"
-    except Exception as e:  # noqa: BLE001 - the full batch failed: the user's encode, loss or forward
-        raise _MicroBatchFailed(0, leading_dim(batch), e) from e
-    scalar_loss(loss, subject=subject, where=where)
-    loss.backward()
-    return ({name: p.grad.detach().double() for name, p in model.named_parameters()
-             if p.requires_grad and p.grad is not None}, float(loss.detach()))
-
-
-def _balance_loss(router_logits: Any, top_k: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The checker's own load-balancing loss of one batch, in float64, written from transformers'
-    ``load_balancing_loss_func`` and not from :mod:`gradaccum._maths`: ``E * sum_i f_i P_i`` with
-    ``f_i`` the share of the top-k choices that went to expert i and ``P_i`` its mean router
-    probability, over every layer's unmasked tokens."""
-    probs = [torch.softmax(layer.to(torch.float64), dim=-1) for layer in router_logits]
-    experts = probs[0].shape[-1]
-    weight = torch.cat([torch.ones(p.shape[0], dtype=torch.float64, device=p.device) if token_mask is None
-                        else token_mask.reshape(-1).to(p.device, torch.float64) for p in probs])
-    prob = torch.cat(probs)
-    chosen = nn.functional.one_hot(torch.topk(prob.detach(), top_k, dim=-1).indices, experts).sum(dim=1)
-    fraction = (chosen * weight[:, None]).sum(dim=0) / weight.sum()
-    mean_prob = (prob * weight[:, None]).sum(dim=0) / weight.sum()
-    return experts * (fraction * mean_prob).sum()
-
-
-def _accumulated_grads(model: nn.Module, loss: Any, micro_batches: List[Batch]
-                       ) -> Tuple[Dict[str, torch.Tensor], float]:
-    """The Accumulator's own window over ``micro_batches`` (a loss over the window: a WindowLoss, an
-    MoELoss), stepped with a zero learning rate and read just before the optimizer step."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD([p for _, p in named], lr=0.0)
-    read: Dict[str, torch.Tensor] = {}
-    optimizer.register_step_pre_hook(lambda *_: read.update(
-        {name: p.grad.detach().double().clone() for name, p in named if p.grad is not None}))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the Accumulator's BatchNorm warning: the report names BatchNorm
-        # the batch again with the size that split it: a list of bare-tensor micro-batches is ambiguous
-        result = Accumulator(model, optimizer).step(concat_batches(micro_batches), loss,
-                                                    micro_batch_size=leading_dim(micro_batches[0]))
-    return read, math.nan if result.loss is None else result.loss
-
-
 def _runnable_size(items: int, micro_batch_size: int) -> Optional[int]:
     """The largest micro-batch size below ``micro_batch_size`` that splits ``items`` into 2 or more
     micro-batches of 2 items or more, or None."""
@@ -281,7 +165,7 @@ def _runnable_size(items: int, micro_batch_size: int) -> Optional[int]:
     return None
 
 
-def _one_item_error(model: nn.Module, failed: _MicroBatchFailed, micro_batch_size: int, items: int,
+def _one_item_error(model: nn.Module, failed: MicroBatchFailed, micro_batch_size: int, items: int,
                     count: int) -> Optional[SplitError]:
     """A micro-batch of one item that BatchNorm in training mode cannot normalize, in words that
     name BatchNorm and the size (torch says "Expected more than 1 value per channel"), or None."""
@@ -483,25 +367,28 @@ def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: Li
     split's (BatchNorm on one item: :class:`SplitError`)."""
     snapshot = _Snapshot(model)
     try:
-        full_rec = _Recorder(model)
         try:
-            full = _Pass(*_window_grads(model, loss_fn, [batch], num_items), full_rec)
-        except _MicroBatchFailed as failed:
+            full = _pass(model, loss_fn, [batch], num_items)
+        except MicroBatchFailed as failed:
             raise failed.error from None
-        finally:
-            full_rec.remove()
         snapshot.restore_values()
-        acc_rec = _Recorder(model)
         try:
-            acc = _Pass(*_window_grads(model, loss_fn, micro_batches, num_items), acc_rec)
-        except _MicroBatchFailed as failed:
+            acc = _pass(model, loss_fn, micro_batches, num_items)
+        except MicroBatchFailed as failed:
             error = _one_item_error(model, failed, micro_batch_size, leading_dim(batch), len(micro_batches))
             raise (failed.error if error is None else error) from None
-        finally:
-            acc_rec.remove()
     finally:
         snapshot.restore()
     return full, acc
+
+
+def _pass(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any) -> _Pass:
+    """One pass of the oracle over ``micro_batches``, what each module saw recorded."""
+    recorder = _Recorder(model)
+    try:
+        return _Pass(*window_grads(model, loss_fn, micro_batches, num_items), recorder)
+    finally:
+        recorder.remove()
 
 
 def _mixing(full: _Recorder, acc: _Recorder, k: int, rtol: float) -> set:

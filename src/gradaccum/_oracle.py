@@ -1,0 +1,123 @@
+"""The big batch that :func:`gradaccum.check_equivalence` compares with, computed independently of the code
+it checks: per micro-batch ``n_k * L_k`` backpropagated and one division by ``sum n_k`` in float64, not
+:mod:`gradaccum._maths`' weights; for a loss over the window (a :class:`~gradaccum.WindowLoss`, an
+:class:`~gradaccum.MoELoss`) the whole batch's loss backpropagated as it is (an MoE model's load-balancing
+loss written here from transformers' ``load_balancing_loss_func``, :func:`balance_loss`), and the
+Accumulator's own window on the split, read just before its optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ._cached import WindowLoss
+from ._checks import ROWS, item_count, scalar_loss, split_loss_output
+from .accumulator import Accumulator
+from .batching import Batch, concat_batches, leading_dim
+from .moe import MoELoss
+
+__all__ = ["MicroBatchFailed", "window_grads", "balance_loss"]
+
+
+def checked_loss(out: Any, micro_batch: Batch, num_items: Any) -> Tuple[torch.Tensor, Any]:
+    """``loss_fn``'s output under the Accumulator's contract (a bare loss counts ``num_items(micro_batch)``,
+    else its rows), or an error that says the fix."""
+    rows = num_items is None or num_items == ROWS
+    loss, n = split_loss_output(out, leading_dim(micro_batch) if rows else
+                                item_count("num_items(micro_batch)", num_items(micro_batch)))
+    return scalar_loss(loss, subject="loss_fn must return a scalar loss",
+                       where="loss_fn (check_equivalence compares gradients)"), n
+
+
+class MicroBatchFailed(Exception):
+    """``loss_fn`` (or the model's forward inside it) raised on micro-batch ``index`` of ``items``."""
+
+    def __init__(self, index: int, items: int, error: BaseException) -> None:
+        super().__init__(index, items, error)
+        self.index, self.items, self.error = index, items, error
+
+
+def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any = None
+                  ) -> Tuple[Dict[str, torch.Tensor], float, bool]:
+    """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64;
+    and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows)."""
+    for p in model.parameters():
+        p.grad = None
+    if isinstance(loss_fn, (WindowLoss, MoELoss)):
+        return (*coupled_grads(model, loss_fn, micro_batches), False)
+    loss_sum, items, bare = 0.0, 0.0, False
+    for index, mb in enumerate(micro_batches):
+        try:
+            out = loss_fn(model, mb)
+        except Exception as e:  # noqa: BLE001 - which micro-batch failed decides whose fault it is
+            raise MicroBatchFailed(index, leading_dim(mb), e) from e
+        bare = type(out) is torch.Tensor
+        loss, n = checked_loss(out, mb, num_items)
+        (loss * n).backward()
+        loss_sum += float(loss.detach()) * float(n)
+        items += float(n)
+    grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters()
+             if p.grad is not None}
+    return grads, loss_sum / items, bare
+
+
+def coupled_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
+    """A loss over the window (a :class:`~gradaccum.WindowLoss`, an :class:`~gradaccum.MoELoss`): on the
+    whole batch the oracle, its loss backpropagated as it is (an MoELoss: its token loss plus ``coef``
+    times the whole batch's load-balancing loss, :func:`balance_loss`); on a split, the Accumulator's
+    own path (:func:`accumulated_grads`)."""
+    if len(micro_batches) > 1:
+        return accumulated_grads(model, loss_fn, micro_batches)
+    batch = micro_batches[0]
+    try:
+        if isinstance(loss_fn, WindowLoss):
+            loss = loss_fn.loss(model, loss_fn.encode(model, batch))
+            subject, where = "WindowLoss's loss must return a scalar loss", "loss(model, representations)"
+        else:
+            out = loss_fn.checked(loss_fn.forward(model, batch))
+            loss = out.loss + loss_fn.coef * balance_loss(out.router_logits, loss_fn.top_k, out.token_mask)
+            subject, where = "MoELoss's forward must return a scalar mean loss", "forward(model, batch).loss"
+    except Exception as e:  # noqa: BLE001 - the full batch failed: the user's encode, loss or forward
+        raise MicroBatchFailed(0, leading_dim(batch), e) from e
+    scalar_loss(loss, subject=subject, where=where)
+    loss.backward()
+    return ({name: p.grad.detach().double() for name, p in model.named_parameters()
+             if p.requires_grad and p.grad is not None}, float(loss.detach()))
+
+
+def balance_loss(router_logits: Any, top_k: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The checker's own load-balancing loss of one batch, in float64, written from transformers'
+    ``load_balancing_loss_func`` and not from :mod:`gradaccum._maths`: ``E * sum_i f_i P_i`` with
+    ``f_i`` the share of the top-k choices that went to expert i and ``P_i`` its mean router
+    probability, over every layer's unmasked tokens."""
+    probs = [torch.softmax(layer.to(torch.float64), dim=-1) for layer in router_logits]
+    experts = probs[0].shape[-1]
+    weight = torch.cat([torch.ones(p.shape[0], dtype=torch.float64, device=p.device) if token_mask is None
+                        else token_mask.reshape(-1).to(p.device, torch.float64) for p in probs])
+    prob = torch.cat(probs)
+    chosen = nn.functional.one_hot(torch.topk(prob.detach(), top_k, dim=-1).indices, experts).sum(dim=1)
+    fraction = (chosen * weight[:, None]).sum(dim=0) / weight.sum()
+    mean_prob = (prob * weight[:, None]).sum(dim=0) / weight.sum()
+    return experts * (fraction * mean_prob).sum()
+
+
+def accumulated_grads(model: nn.Module, loss: Any, micro_batches: List[Batch]
+                       ) -> Tuple[Dict[str, torch.Tensor], float]:
+    """The Accumulator's own window over ``micro_batches`` (a loss over the window: a WindowLoss, an
+    MoELoss), stepped with a zero learning rate and read just before the optimizer step."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD([p for _, p in named], lr=0.0)
+    read: Dict[str, torch.Tensor] = {}
+    optimizer.register_step_pre_hook(lambda *_: read.update(
+        {name: p.grad.detach().double().clone() for name, p in named if p.grad is not None}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Accumulator's BatchNorm warning: the report names BatchNorm
+        # the batch again with the size that split it: a list of bare-tensor micro-batches is ambiguous
+        result = Accumulator(model, optimizer).step(concat_batches(micro_batches), loss,
+                                                    micro_batch_size=leading_dim(micro_batches[0]))
+    return read, math.nan if result.loss is None else result.loss
