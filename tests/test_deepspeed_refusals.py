@@ -116,12 +116,12 @@ def test_exact_trainer_reads_whether_the_engine_applied_the_window_s_step():
     applied: an fp16 overflow is then recorded as a skipped window, as the Accumulator records it."""
     from types import SimpleNamespace
 
-    from gradaccum.integrations.hf_deepspeed import WindowEngine, step_applied
+    from gradaccum.integrations.hf_deepspeed import EngineWrapper, step_applied
 
     engine = _Stepped(False, True, None)
     engine.backward = lambda loss, scale_wrt_gas: None
     window_steps = [True]
-    wrapped = WindowEngine(engine, steps=lambda: window_steps[0])
+    wrapped = EngineWrapper(engine, steps=lambda: window_steps[0])
     trainer = SimpleNamespace(accelerator=SimpleNamespace(deepspeed_engine_wrapped=wrapped))
     assert step_applied(trainer)  # before any window
     wrapped.backward(torch.zeros(()), sync_gradients=False)
@@ -139,13 +139,13 @@ def test_exact_trainer_s_window_steps_through_the_seam_and_refuses_a_step_on_a_n
     """The Trainer's stand-in steps the engine through the seam's DeepSpeed backend, so a bf16/fp32 engine
     that stepped on a non-finite gradient (ZeRO's norm -1) raises with the fix, as under the Accumulator,
     instead of being logged as a step; an applied step hands the Trainer the engine's norm."""
-    from gradaccum.integrations.hf_deepspeed import WindowEngine
+    from gradaccum.integrations.hf_deepspeed import EngineWrapper
 
     engine = _Stepped(True, False, norm)
     engine.backward = lambda loss, scale_wrt_gas: None
     with pytest.raises(FloatingPointError, match="may now hold inf or nan"):
-        WindowEngine(engine, steps=lambda: True).backward(torch.zeros(()), sync_gradients=True)
-    fine = WindowEngine(_Stepped(True, False, 2.5), steps=lambda: True)
+        EngineWrapper(engine, steps=lambda: True).backward(torch.zeros(()), sync_gradients=True)
+    fine = EngineWrapper(_Stepped(True, False, 2.5), steps=lambda: True)
     fine.engine.backward = lambda loss, scale_wrt_gas: None
     fine.backward(torch.zeros(()), sync_gradients=True)
     assert fine.applied and fine.get_global_grad_norm() == 2.5
@@ -158,12 +158,12 @@ def test_a_step_a_bf16_or_fp32_engine_dropped_is_a_skipped_window_said_once():
     from types import SimpleNamespace
 
     from gradaccum import AccumulatorState
-    from gradaccum.integrations.hf_deepspeed import WindowEngine, step_applied
+    from gradaccum.integrations.hf_deepspeed import EngineWrapper, step_applied
 
     for fp16, warns in ((False, True), (True, False)):
         engine = _Stepped(False, fp16, None)
         engine.backward = lambda loss, scale_wrt_gas: None
-        wrapped = WindowEngine(engine, steps=lambda: True)
+        wrapped = EngineWrapper(engine, steps=lambda: True)
         trainer = SimpleNamespace(accelerator=SimpleNamespace(deepspeed_engine_wrapped=wrapped),
                                   accumulator_state=AccumulatorState())
         wrapped.backward(torch.zeros(()), sync_gradients=True)
@@ -238,7 +238,7 @@ def test_exact_trainer_names_a_bf16_engine_s_sum_once_unless_accum_dtype_is_para
     from types import SimpleNamespace
 
     from gradaccum.accumulator import LowPrecisionWarning
-    from gradaccum.integrations.hf_deepspeed import DeepSpeedWindows, WindowEngine
+    from gradaccum.integrations.hf_deepspeed import DeepSpeedWindows, EngineWrapper
 
     class Bf16Engine:
         communication_data_type = torch.bfloat16
@@ -254,7 +254,7 @@ def test_exact_trainer_names_a_bf16_engine_s_sum_once_unless_accum_dtype_is_para
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         windows.on_train_begin(None, None, "control")
-    assert isinstance(accelerator.deepspeed_engine_wrapped, WindowEngine)
+    assert isinstance(accelerator.deepspeed_engine_wrapped, EngineWrapper)
     named = [str(w.message) for w in said if issubclass(w.category, LowPrecisionWarning)]
     assert len(named) == (1 if warns else 0), named
     if warns:

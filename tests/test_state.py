@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradaccum import Accumulator, ConfigurationError, WindowLoss
-from gradaccum._ranks import RankAgreement, Rules, WindowPlan, WindowRequest, local_plan, padded_count, window_setup
+from gradaccum._ranks import RankAgreement, Rules, Plan, Request, local_plan, padded_count, window_setup
 from gradaccum._state import SAVED_KEYS, AccumulatorState
 from gradaccum.sync import GradSync
 from helpers import assert_params_close, clone_pair, mse, reference_step, regression_batch, regression_model
@@ -175,27 +175,27 @@ def test_a_window_learns_r_and_the_count_source_into_the_state():
 
 def test_one_process_plans_alone_with_r_its_count():
     state = AccumulatorState()
-    plan = local_plan(state, ALONE, WindowRequest(3, items=12))
-    setup = window_setup(state, ALONE, WindowRequest(3, items=12), plan)
-    assert plan == WindowPlan(3, 3, 3, 12.0) and setup.reference == 12.0 and setup.padding == 0
+    plan = local_plan(state, ALONE, Request(3, items=12))
+    setup = window_setup(state, ALONE, Request(3, items=12), plan)
+    assert plan == Plan(3, 3, 3, 12.0) and setup.reference == 12.0 and setup.padding == 0
     state.count_ratio = 1.5  # loss_fn counted 1.5 tokens per row last time: R follows
-    assert window_setup(state, ALONE, WindowRequest(3, items=12), plan).reference == 18.0
+    assert window_setup(state, ALONE, Request(3, items=12), plan).reference == 18.0
     # opened without a size: R is the count given, else fixed at the first backward (None here)
-    assert window_setup(state, ALONE, WindowRequest(None, items=5), None).reference == 5.0
-    assert window_setup(state, ALONE, WindowRequest(None), None).reference is None
+    assert window_setup(state, ALONE, Request(None, items=5), None).reference == 5.0
+    assert window_setup(state, ALONE, Request(None), None).reference is None
 
 
 def test_ddp_plans_alone_only_once_every_rank_can_pad():
     state = AccumulatorState()
-    assert local_plan(state, DDP, WindowRequest(2, can_pad=True)) is None  # the first window asks
+    assert local_plan(state, DDP, Request(2, can_pad=True)) is None  # the first window asks
     state.peers_can_pad = True
-    assert local_plan(state, DDP, WindowRequest(0, can_pad=True)) == WindowPlan(0, 1, 0, None)
-    assert local_plan(state, DDP, WindowRequest(2, can_pad=False)) is None
-    assert local_plan(state, FSDP, WindowRequest(2, can_pad=True)) is None  # FSDP2 always asks
-    setup = window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None))
+    assert local_plan(state, DDP, Request(0, can_pad=True)) == Plan(0, 1, 0, None)
+    assert local_plan(state, DDP, Request(2, can_pad=False)) is None
+    assert local_plan(state, FSDP, Request(2, can_pad=True)) is None  # FSDP2 always asks
+    setup = window_setup(state, DDP, Request(0, can_pad=True), Plan(0, 1, 0, None))
     assert setup.reference is None and setup.padding == 1 and setup.counted is None
     state.last_window_items = 40.0  # planned alone once a window had items: R is that N, rescaled at the boundary
-    assert window_setup(state, DDP, WindowRequest(0, can_pad=True), WindowPlan(0, 1, 0, None)).reference == 40.0
+    assert window_setup(state, DDP, Request(0, can_pad=True), Plan(0, 1, 0, None)).reference == 40.0
 
 
 def test_only_the_first_window_across_ranks_counts_first():
@@ -208,33 +208,33 @@ def test_only_the_first_window_across_ranks_counts_first():
     asked (it carries N or says some rank has none), nothing is counted."""
     state = AccumulatorState(peers_can_pad=True)
     ranks = RankAgreement(GradSync(), torch.device("cpu"), state, DDP)
-    assert ranks.open(WindowRequest(2, items=7, can_pad=True)).counted is None  # not yet known of every rank
+    assert ranks.open(Request(2, items=7, can_pad=True)).counted is None  # not yet known of every rank
     state.counts_first = True
-    setup = ranks.open(WindowRequest(2, items=7, can_pad=True))
+    setup = ranks.open(Request(2, items=7, can_pad=True))
     assert setup.counted is not None and setup.reference is None and setup.items is None
     assert ranks.reference(setup) == 7.0 and setup.items == 7.0  # read at the first backward
     state.count_ratio = 2.0
-    assert ranks.reference(ranks.open(WindowRequest(2, items=7, can_pad=True))) == 14.0
-    without = ranks.open(WindowRequest(2, can_pad=True))  # no count up front here: takes part, R runs
+    assert ranks.reference(ranks.open(Request(2, items=7, can_pad=True))) == 14.0
+    without = ranks.open(Request(2, can_pad=True))  # no count up front here: takes part, R runs
     assert without.counted is not None and ranks.reference(without) is None and without.items is None
-    asked = WindowPlan(2, 2, 2, None, asked=True)
-    assert ranks.open(WindowRequest(2, items=7, can_pad=True, plan=asked)).counted is None
-    known = ranks.open(WindowRequest(2, items=7, can_pad=True, plan=WindowPlan(2, 2, 2, 9.0, asked=True)))
+    asked = Plan(2, 2, 2, None, asked=True)
+    assert ranks.open(Request(2, items=7, can_pad=True, plan=asked)).counted is None
+    known = ranks.open(Request(2, items=7, can_pad=True, plan=Plan(2, 2, 2, 9.0, asked=True)))
     assert known.counted is None and known.reference == 18.0  # the agreement's N: nothing more to count
     state.last_window_items = 40.0  # a window had items: the next ones weigh by its N and count nothing first
-    later = ranks.open(WindowRequest(2, items=7, can_pad=True))
+    later = ranks.open(Request(2, items=7, can_pad=True))
     assert later.counted is None and later.reference == 40.0
     alone = RankAgreement(GradSync(), torch.device("cpu"), AccumulatorState(), ALONE)
-    assert alone.open(WindowRequest(2, items=7)).counted is None  # one process: N is its own count
+    assert alone.open(Request(2, items=7)).counted is None  # one process: N is its own count
 
 
 def test_padding_is_what_the_agreement_asks_of_this_rank():
     state = AccumulatorState()
-    assert window_setup(state, FSDP, WindowRequest(1, can_pad=True), WindowPlan(1, 4, 1, None, asked=True)).padding == 3
-    assert window_setup(state, DDP, WindowRequest(1, can_pad=True), WindowPlan(1, 4, 1, None, asked=True)).padding == 0
+    assert window_setup(state, FSDP, Request(1, can_pad=True), Plan(1, 4, 1, None, asked=True)).padding == 3
+    assert window_setup(state, DDP, Request(1, can_pad=True), Plan(1, 4, 1, None, asked=True)).padding == 0
     assert padded_count(0, 4, equal_counts=False) == 1
     with pytest.raises(AssertionError, match="lets no rank pad that cannot"):
-        window_setup(state, FSDP, WindowRequest(1, can_pad=False), WindowPlan(1, 4, 1, None, asked=True))
+        window_setup(state, FSDP, Request(1, can_pad=False), Plan(1, 4, 1, None, asked=True))
 
 
 def test_a_samplers_plan_weighs_by_its_own_n_across_ranks():
@@ -243,10 +243,10 @@ def test_a_samplers_plan_weighs_by_its_own_n_across_ranks():
     ranks were asked for, weighs by the last window's N instead, rescaled at the boundary."""
     state = AccumulatorState(last_window_items=40.0)
     sampled = RankAgreement(GradSync(), torch.device("cpu"), state, DDP).known_plan(2, [2, 2], 20.0)
-    assert sampled == WindowPlan(2, 2, 2, 20.0)
-    assert window_setup(state, DDP, WindowRequest(2, can_pad=True), sampled).reference == 20.0
-    assert window_setup(state, DDP, WindowRequest(2, can_pad=True), WindowPlan(2, 2, 2, 20.0, asked=True)).reference == 40.0
-    assert window_setup(state, DDP, WindowRequest(2, can_pad=True), WindowPlan(2, 2, 2, None)).reference == 40.0
+    assert sampled == Plan(2, 2, 2, 20.0)
+    assert window_setup(state, DDP, Request(2, can_pad=True), sampled).reference == 20.0
+    assert window_setup(state, DDP, Request(2, can_pad=True), Plan(2, 2, 2, 20.0, asked=True)).reference == 40.0
+    assert window_setup(state, DDP, Request(2, can_pad=True), Plan(2, 2, 2, None)).reference == 40.0
 
 
 # -- a micro-batch with no item (issue 34, item 5) ---------------------------------------------------

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and the API reference read; at run time each is imported on first use
     from ._cached import Constant, WindowLoss
     from .moe import MoELoss, MoEOutput
-    from ._ranks import WindowPlan
     from ._state import AccumulatorState
     from ._run import is_out_of_memory
     from ._window import Window
@@ -36,7 +35,7 @@ __version__ = "0.1.0"
 #: command line (``gradaccum.cli``) is running, and catching a Ctrl-C, before torch's import begins.
 _HOMES = {
     "Accumulator": "accumulator", "AccumulatorState": "_state", "Window": "_window", "Constant": "_cached",
-    "WindowPlan": "_ranks", "WindowLoss": "_cached",
+    "WindowLoss": "_cached",
     "is_out_of_memory": "_run", "split_batch": "batching", "EquivalenceReport": "checking",
     "check_equivalence": "checking", "causal_lm_loss": "losses", "count_targets": "losses",
     "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
@@ -45,10 +44,9 @@ _HOMES = {
     "ReplayError": "errors",
     "MoELoss": "moe", "MoEOutput": "moe", "PipelineWindow": "pipeline",
 }
-#: importable for code written against earlier versions, but not the API: ``WindowPlan`` is the ranks'
-#: agreement inside a window (``window.setup.plan``), ``AccumSchedule`` how ``train`` and ``num_steps``
-#: read the ``accum_steps`` a user passes (an int, ``{epoch: N}`` or a callable); nobody builds either
-_NOT_IN_ALL = ("WindowPlan", "AccumSchedule")
+#: importable for code written against earlier versions, but not the API: ``AccumSchedule`` is how ``train``
+#: and ``num_steps`` read the ``accum_steps`` a user passes (an int, ``{epoch: N}`` or a callable); nobody builds it
+_NOT_IN_ALL = ("AccumSchedule",)
 
 
 def __getattr__(name: str) -> Any:

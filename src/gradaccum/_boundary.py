@@ -24,7 +24,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import torch
 
 from ._exchange import Exchanged, ExchangeRow, Tally, pack_row, read_on_host
-from ._gradients import WindowGradients
+from ._gradients import Gradients
 from ._maths import Verdict, clip_coefficient, tensor_norms, window_mean
 from ._state import AccumulatorState
 from ._weights import Closing, WindowWeights
@@ -33,11 +33,11 @@ from .precision import MixedPrecision
 from ._deepspeed import not_known_up_front
 from .sync import GradSync, full_tensor
 
-__all__ = ["WindowTotals", "Outcome", "Boundary", "InFlight", "total_norm"]
+__all__ = ["Totals", "Outcome", "Boundary", "InFlight", "total_norm"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 
-class WindowTotals(NamedTuple):
+class Totals(NamedTuple):
     """What one rank's window hands the boundary.
 
     Attributes:
@@ -81,7 +81,7 @@ class Boundary:
     position, the stop requests carried, and, at the first boundary, the replicas' check."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, state: AccumulatorState,
-                 precision: MixedPrecision, sync: GradSync, grads: WindowGradients, max_grad_norm: Optional[float],
+                 precision: MixedPrecision, sync: GradSync, grads: Gradients, max_grad_norm: Optional[float],
                  compute_grad_norm: bool, nonfinite: str, device: torch.device) -> None:
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.precision, self.sync, self.grads = precision, sync, grads
@@ -114,7 +114,7 @@ class Boundary:
                 "given the same scheduler) moves the learning rate twice as fast. Remove your own "
                 "scheduler.step() call, or do not pass scheduler= to the Accumulator")
 
-    def finish(self, totals: WindowTotals, in_flight: Optional["InFlight"] = None) -> Outcome:
+    def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None) -> Outcome:
         """Unscale, (compare the replicas once), read the exchanged numbers, measure, decide, clip,
         step; the window's gradients are cleared after. ``in_flight`` is the all-reduce :meth:`launch`
         started, if the window started it."""
@@ -151,7 +151,7 @@ class Boundary:
         return Outcome(loss_sum, told.num_items, grad_norm, not stepped, lr, self.state.steps,
                        told.peers_can_pad, told.stop, told.counts_from_loss_fn, told.counted_first)
 
-    def launch(self, totals: WindowTotals) -> "InFlight":
+    def launch(self, totals: Totals) -> "InFlight":
         """Start the window's one all-reduce (an :class:`~gradaccum._exchange.ExchangeRow`) across ranks
         without waiting: called after the last micro-batch's forward and before its backward, so it
         overlaps that backward and DDP's bucket all-reduce instead of adding a round trip after them.
@@ -165,12 +165,12 @@ class Boundary:
         stop, self.state.stops_carried = requests > self.state.stops_carried, requests
         return stop
 
-    def _row(self, totals: WindowTotals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _row(self, totals: Totals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
         return pack_row(totals.tally, totals.tally.loss_sum_on(self.device), can_pad_next=totals.can_pad_next,
                         counted_first=totals.counted_first,
                         stop=self._stop_now(), square_norm=square_norm)
 
-    def _exchanged(self, totals: WindowTotals, grads: Optional[List[torch.Tensor]], in_flight: Optional["InFlight"]
+    def _exchanged(self, totals: Totals, grads: Optional[List[torch.Tensor]], in_flight: Optional["InFlight"]
                    ) -> Exchanged:
         """The window's global numbers on the host, from one small all-reduce (across ranks, or when
         a count is a tensor; launched early when the window could, see :meth:`launch`) and the
@@ -226,7 +226,7 @@ class Boundary:
             self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
         return True, stepped_norm
 
-    def _skip(self, closing: Closing, loss_sum: float, totals: WindowTotals) -> None:
+    def _skip(self, closing: Closing, loss_sum: float, totals: Totals) -> None:
         decision, grad_norm = closing.verdict, closing.grad_norm
         if decision is Verdict.RAISE:
             raise FloatingPointError(

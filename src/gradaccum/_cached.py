@@ -37,8 +37,8 @@ from torch import nn
 from ._checks import as_number, training_batchnorms
 from ._maths import backward_weight
 from ._random import Replay
-from ._ranks import WindowPlan, WindowRequest
-from ._window import Window, WindowContext
+from ._ranks import Plan, Request
+from ._window import Window, Parts
 from .batching import Batch, rebuild, leaves, leading_dim
 from .result import StepResult
 from .errors import ConfigurationError
@@ -210,15 +210,15 @@ def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
                          "anyway)")
 
 
-def run_cached_window(ctx: WindowContext, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,
-                      micro_batch_size: Any = None, plan: Optional[WindowPlan] = None) -> StepResult:
+def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,
+                      micro_batch_size: Any = None, plan: Optional[Plan] = None) -> StepResult:
     """The Accumulator's driver of :class:`CachedPasses`: one window, in the module docstring's order
     (pass 1, the loss on every rank's representations, pass 2 inside the window's micro-batch blocks,
     the step). Every rank runs as many forwards in each pass as the window's padding asks (DDP's first
     forward and FSDP2's every forward are collectives)."""
     ranks = ctx.ranks
     sizes = [int(as_number(c)) for c in counts.each]
-    request = WindowRequest(len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
+    request = Request(len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         if micro_batches:
             ranks.remember(micro_batches[-1])
@@ -304,7 +304,7 @@ class CachedPasses:
         # the replay is compared in the loss's first window only, to float rounding: pass 2 runs with a graph,
         # pass 1 without (kernels may round otherwise); a comparison reads every representation and costs an
         # all-reduce, and an encode that replays alike once does in every window (an MoE's routing, integer
-        # counts, is compared exactly every window: moe.WindowRouting)
+        # counts, is compared exactly every window: moe.Routing)
         self.check = checked is not None and window_loss not in checked
         self.replay = Replay(device, sync, "WindowLoss", "gave other representations (encode's outputs)", rtol=1e-5)
         self.padding, self.padding_batch = padding, padding_batch

@@ -18,7 +18,7 @@ import torch
 
 from .errors import ConfigurationError
 
-__all__ = ["AccumulationBuffers", "WindowGradients"]
+__all__ = ["AccumulationBuffers", "Gradients"]
 
 
 class AccumulationBuffers:
@@ -60,7 +60,7 @@ class AccumulationBuffers:
         self._buffers.clear()
 
 
-class WindowGradients:
+class Gradients:
     """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:

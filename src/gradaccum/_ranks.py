@@ -1,6 +1,6 @@
 """When ranks talk about a window, and the reference count R: the one owner of both.
 
-What a window will do is decided in two steps when it opens: its :class:`WindowPlan` (known, made
+What a window will do is decided in two steps when it opens: its :class:`Plan` (known, made
 alone by :func:`local_plan`, or asked of the ranks: :meth:`RankAgreement.agree`, one all-gather), then
 :func:`window_setup`, a pure function of the plan, the request, the :class:`~gradaccum._state.AccumulatorState`
 and the :class:`Rules` (R, the padding), testable without any rank.
@@ -67,11 +67,11 @@ from .sync import GradSync
 if TYPE_CHECKING:
     from ._boundary import Outcome
 
-__all__ = ["WindowPlan", "WindowRequest", "WindowSetup", "CountedFirst", "Rules", "RankAgreement", "padded_count",
+__all__ = ["Plan", "Request", "Setup", "CountedFirst", "Rules", "RankAgreement", "padded_count",
            "local_plan", "window_setup"]
 
 
-class WindowPlan(NamedTuple):
+class Plan(NamedTuple):
     """What every rank agreed on when a window opened.
 
     Attributes:
@@ -89,7 +89,7 @@ class WindowPlan(NamedTuple):
     asked: bool = False
 
 
-class WindowRequest(NamedTuple):
+class Request(NamedTuple):
     """What a window asks for when it opens.
 
     Attributes:
@@ -104,18 +104,18 @@ class WindowRequest(NamedTuple):
             agreement it asked for before deciding to open the window).
         flush: zero-weight micro-batches the caller runs first, counted in ``micro_batches`` (the
             out-of-memory back-off's first forward under DDP). Not padding: padding is what the
-            agreement asks of this rank (:attr:`WindowSetup.padding`).
+            agreement asks of this rank (:attr:`Setup.padding`).
     """
 
     micro_batches: Optional[int]
     items: Optional[Count] = None
     can_pad: bool = False
     defer: bool = False
-    plan: Optional[WindowPlan] = None
+    plan: Optional[Plan] = None
     flush: int = 0
 
 
-class WindowSetup(NamedTuple):
+class Setup(NamedTuple):
     """Everything a window needs from the ranks, decided once when it opens (:func:`window_setup`).
 
     Attributes:
@@ -128,7 +128,7 @@ class WindowSetup(NamedTuple):
             the first backward. Else None.
     """
 
-    plan: Optional[WindowPlan]
+    plan: Optional[Plan]
     reference: Optional[float]
     padding: int = 0
     counted: Optional["CountedFirst"] = None
@@ -201,30 +201,30 @@ def padded_count(count: int, most: int, equal_counts: bool) -> int:
     return max(count, 1) if most > 0 else 0
 
 
-def local_plan(state: AccumulatorState, rules: Rules, request: WindowRequest) -> Optional[WindowPlan]:
+def local_plan(state: AccumulatorState, rules: Rules, request: Request) -> Optional[Plan]:
     """A plan this rank can make alone, or None when the ranks must agree first.
 
     >>> alone = Rules(shares_windows=False, needs_equal_counts=False)
-    >>> local_plan(AccumulatorState(), alone, WindowRequest(3, items=12))
-    WindowPlan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False)
+    >>> local_plan(AccumulatorState(), alone, Request(3, items=12))
+    Plan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False)
     """
     n = request.micro_batches
     assert n is not None, "a window opened without a size has no plan"
     if not rules.shares_windows:
-        return WindowPlan(n, n, n, None if request.items is None else as_number(request.items))
+        return Plan(n, n, n, None if request.items is None else as_number(request.items))
     if rules.needs_equal_counts or not request.can_pad or not state.peers_can_pad:
         return None
-    return WindowPlan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
+    return Plan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
 
 
-def window_setup(state: AccumulatorState, rules: Rules, request: WindowRequest,
-                 plan: Optional[WindowPlan]) -> WindowSetup:
+def window_setup(state: AccumulatorState, rules: Rules, request: Request,
+                 plan: Optional[Plan]) -> Setup:
     """What a window will do, from its plan: R and its padding. Every
     input is the same on every rank, so every rank decides alike; nothing here talks to the ranks.
 
     >>> alone = Rules(shares_windows=False, needs_equal_counts=False)
-    >>> window_setup(AccumulatorState(), alone, WindowRequest(2, items=10), WindowPlan(2, 2, 2, 10.0))
-    WindowSetup(plan=WindowPlan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False), reference=10.0, padding=0, counted=None)
+    >>> window_setup(AccumulatorState(), alone, Request(2, items=10), Plan(2, 2, 2, 10.0))
+    Setup(plan=Plan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False), reference=10.0, padding=0, counted=None)
     """
     reference = _reference(state, rules, plan, request.items)
     padding = 0
@@ -232,10 +232,10 @@ def window_setup(state: AccumulatorState, rules: Rules, request: WindowRequest,
         padding = max(0, padded_count(plan.micro_batches, plan.most, rules.needs_equal_counts) - plan.micro_batches)
     # the agreement refused, on every rank alike, any window where a rank that must pad cannot
     assert padding == 0 or request.can_pad, "the agreement lets no rank pad that cannot"
-    return WindowSetup(plan, reference, padding)
+    return Setup(plan, reference, padding)
 
 
-def _reference(state: AccumulatorState, rules: Rules, plan: Optional[WindowPlan],
+def _reference(state: AccumulatorState, rules: Rules, plan: Optional[Plan],
                num_items: Optional[Count]) -> Optional[float]:
     """R for a window when it opens, the same on every rank: N times ``state.count_ratio`` (1 when
     ``loss_fn`` counts the items counted up front: then R = N exactly), where N is known now (the
@@ -285,7 +285,7 @@ class RankAgreement:
         or it holds a micro-batch it ran before or was given (``state.padding_batch``)."""
         return will_pad or self.state.padding_batch is not None
 
-    def open(self, request: WindowRequest) -> WindowSetup:
+    def open(self, request: Request) -> Setup:
         """The one call a window makes when it opens: its plan (known, made alone, or asked of the
         ranks), then :func:`window_setup`."""
         plan = request.plan
@@ -297,7 +297,7 @@ class RankAgreement:
             setup = setup._replace(counted=CountedFirst(self.sync, self.device, request.items))
         return setup
 
-    def reference(self, setup: WindowSetup) -> Optional[float]:
+    def reference(self, setup: Setup) -> Optional[float]:
         """R for a window that has opened: the setup's, or, where the window counts first, N times the
         count ratio, read now (the first backward; :class:`CountedFirst`)."""
         if setup.counted is None:
@@ -306,7 +306,7 @@ class RankAgreement:
         n = setup.counted.wait()
         return None if n is None else _reference(self.state, self.rules, setup.plan._replace(items=n), None)
 
-    def counts_first(self, plan: Optional[WindowPlan]) -> bool:
+    def counts_first(self, plan: Optional[Plan]) -> bool:
         """Whether the window's N is counted across ranks as it opens: its plan (made alone, over equal
         shares, or a sampler's without its item shares) does not carry N, and in the last window
         every rank had counted its items up front (``state.counts_first``). Every rank
@@ -316,7 +316,7 @@ class RankAgreement:
         return (self.rules.shares_windows and plan is not None and not plan.asked and plan.items is None
                 and self.state.counts_first and (self.rules.reference_is_count or self.state.last_window_items is None))
 
-    def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float]) -> Optional[WindowPlan]:
+    def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float]) -> Optional[Plan]:
         """The plan from every rank's micro-batch count, known without asking (a WindowSampler), or
         None when some rank must pad and may not be able to (then the ranks ask, and refuse together).
         ``items``, when the items counted are the sampler's."""
@@ -324,12 +324,12 @@ class RankAgreement:
         pads = any(padded_count(c, most, self.rules.needs_equal_counts) > c for c in counts)
         if pads and not self.state.peers_can_pad:
             return None
-        return WindowPlan(mine, most, fewest, items)
+        return Plan(mine, most, fewest, items)
 
-    def agree(self, micro_batches: int, num_items: Optional[Count], can_pad: bool) -> WindowPlan:
+    def agree(self, micro_batches: int, num_items: Optional[Count], can_pad: bool) -> Plan:
         """Every rank's micro-batch count and up-front item count, from one small all-gather."""
         if not self.rules.shares_windows:
-            plan = local_plan(self.state, self.rules, WindowRequest(micro_batches, num_items))
+            plan = local_plan(self.state, self.rules, Request(micro_batches, num_items))
             assert plan is not None
             return plan
         known = num_items is not None
@@ -338,7 +338,7 @@ class RankAgreement:
                             dtype=count_dtype(self.device), device=self.device)
         rows = self.sync.all_gather(mine).tolist()  # the agreement's one host synchronisation
         counts = [int(r[0]) for r in rows]
-        plan = WindowPlan(micro_batches, max(counts), min(counts),
+        plan = Plan(micro_batches, max(counts), min(counts),
                           sum(r[1] for r in rows) if all(r[2] for r in rows) else None, asked=True)
         stuck = [r for r, row in enumerate(rows)
                  if padded_count(int(row[0]), plan.most, self.rules.needs_equal_counts) > row[0] and not row[3]]
@@ -377,7 +377,7 @@ class RankAgreement:
             return float(value)
         return float(self.sync.all_reduce_(torch.tensor([float(value)], device=self.device), "max").item())
 
-    def learn(self, setup: WindowSetup, outcome: "Outcome") -> None:
+    def learn(self, setup: Setup, outcome: "Outcome") -> None:
         """After a boundary that did not raise, on every rank: the same global numbers on every rank
         give the same ratio and R. What the ranks told each other (can pad, counts from loss_fn,
         counted first) is kept."""

@@ -20,8 +20,8 @@ from torch import nn
 from ._autosize import AutoMicroBatch
 from ._cached import WindowLoss, run_cached_window
 from ._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, padded_rows_refusal, split_loss_output
-from ._ranks import WindowPlan, WindowRequest
-from ._window import Window, WindowContext
+from ._ranks import Plan, Request
+from ._window import Window, Parts
 from .moe import MoELoss, run_moe_window
 from .batching import Batch, leading_dim, split_batch
 from .errors import SplitError
@@ -104,9 +104,9 @@ def _backward_padding(window: Window, loss_fn: Callable[..., Any], micro_batch: 
         window.backward_padding(split_loss_output(loss_fn(window.ctx.model, micro_batch), 0)[0])
 
 
-def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
+def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
                micro_batch_size: Any = None, catch_oom: bool = False,
-               plan: Optional[WindowPlan] = None) -> Optional[StepResult]:
+               plan: Optional[Plan] = None) -> Optional[StepResult]:
     """Forward/backward every micro-batch (and the padding the ranks need), then step. With
     ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank has
     agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
@@ -124,7 +124,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
     flush = ([split_batch(micro_batches[0], 1)[0]]
              if defer and ctx.sync.collectives_in_forward and micro_batches else [])
     ranks = ctx.ranks
-    request = WindowRequest(len(flush) + len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)),
+    request = Request(len(flush) + len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)),
                             defer=defer, plan=plan, flush=len(flush))
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         oom = False
@@ -150,7 +150,7 @@ def run_window(ctx: WindowContext, micro_batches: List[Batch], loss_fn: LossFn, 
         return window.step()
 
 
-def run_auto(ctx: WindowContext, auto: AutoMicroBatch, batch: Batch, loss_fn: LossFn,
+def run_auto(ctx: Parts, auto: AutoMicroBatch, batch: Batch, loss_fn: LossFn,
              count_fn: Optional[CountFn]) -> StepResult:
     """One window of ``micro_batch_size="auto"``: ``batch`` split at the size that last worked and
     re-split at half on an out-of-memory error (:mod:`gradaccum._autosize`), each attempt a

@@ -32,9 +32,9 @@ from typing import Any, Iterable, Iterator, List, Optional
 from ._autosize import AutoMicroBatch
 from ._checks import ROWS, non_negative_int
 from ._maths import ceil_div
-from ._ranks import WindowPlan
+from ._ranks import Plan
 from ._run import CountFn, Counts, LossFn, count_items, run_auto, run_window
-from ._window import WindowContext
+from ._window import Parts
 from .batching import Batch, concat_batches, slice_batch
 from .result import StepResult
 from .sampler import WindowSampler
@@ -76,7 +76,7 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
     return None
 
 
-def train_windows(ctx: WindowContext, loader: Iterable[Batch], spec: TrainSpec) -> Iterator[StepResult]:
+def train_windows(ctx: Parts, loader: Iterable[Batch], spec: TrainSpec) -> Iterator[StepResult]:
     """Validate everything up front (nothing runs before the first ``next()`` otherwise), then loop.
     ``ctx.state.epoch`` advances here, at each epoch's last window."""
     non_negative_int("epochs", spec.epochs, hint=" (0 for a finished run: nothing to train)")
@@ -97,8 +97,8 @@ def train_windows(ctx: WindowContext, loader: Iterable[Batch], spec: TrainSpec) 
     return _grouped_windows(ctx, loader, AccumSchedule(spec.accum_steps), spec)
 
 
-def _step(ctx: WindowContext, pending: List[Batch], spec: TrainSpec, *, counts: Optional[Counts] = None,
-          plan: Optional[WindowPlan] = None) -> StepResult:
+def _step(ctx: Parts, pending: List[Batch], spec: TrainSpec, *, counts: Optional[Counts] = None,
+          plan: Optional[Plan] = None) -> StepResult:
     """One window: through the out-of-memory back-off under "auto", else as it comes (``counts``, when
     the caller counted already, and the ``plan`` the ranks agreed on or know)."""
     if spec.auto is not None:
@@ -123,7 +123,7 @@ def _set_epoch(loader: Any, epoch: int) -> None:
             return
 
 
-def _grouped_windows(ctx: WindowContext, loader: Iterable[Batch], schedule: AccumSchedule,
+def _grouped_windows(ctx: Parts, loader: Iterable[Batch], schedule: AccumSchedule,
                      spec: TrainSpec) -> Iterator[StepResult]:
     start = ctx.state.epoch
     for epoch in range(start, start + spec.epochs):
@@ -137,7 +137,7 @@ def _grouped_windows(ctx: WindowContext, loader: Iterable[Batch], schedule: Accu
             counts = count_items(pending, spec.num_items)  # checks every micro-batch, before any forward
             if known:  # every rank holds as many micro-batches as this one: nothing to ask (the items,
                 k = len(pending)  # which a collate_fn may change, are summed at the boundary)
-                plan = WindowPlan(k, k, k, None)
+                plan = Plan(k, k, k, None)
             else:
                 plan = ctx.ranks.agree(len(pending), counts.total, ctx.ranks.can_pad(bool(pending)))
             if plan.most == 0:
@@ -150,7 +150,7 @@ def _grouped_windows(ctx: WindowContext, loader: Iterable[Batch], schedule: Accu
         ctx.state.epoch = epoch + 1
 
 
-def _sampler_windows(ctx: WindowContext, loader: Iterable[Batch], sampler: WindowSampler,
+def _sampler_windows(ctx: Parts, loader: Iterable[Batch], sampler: WindowSampler,
                      spec: TrainSpec) -> Iterator[StepResult]:
     start = sampler.epoch + (1 if sampler.start_window >= sampler.num_windows else 0)
     for epoch in range(start, start + spec.epochs):

@@ -1,14 +1,14 @@
 """One window: its micro-batches' forward and weighted backward, then one boundary.
 
 :class:`Window` owns what lives for one window only (its setup from the ranks, micro-batches done, the
-running tally of loss and items); :class:`WindowContext` is everything a window needs from its
+running tally of loss and items); :class:`Parts` is everything a window needs from its
 Accumulator, passed explicitly, the :class:`~gradaccum._state.AccumulatorState` (what windows teach
 each other) included. :func:`gradaccum._run.run_window` drives a Window through a ``loss_fn`` for
 ``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off; a hand-written loop drives
 it itself (``acc.window``). The weighting, the count's verdict and the skip are the one
 :class:`~gradaccum._weights.WindowWeights` every driver uses (ExactTrainer and Lightning's callback too).
 
-In the order a :class:`Window` runs: opening asks the ranks for its :class:`~gradaccum._ranks.WindowSetup`
+In the order a :class:`Window` runs: opening asks the ranks for its :class:`~gradaccum._ranks.Setup`
 (plan, R, padding; across ranks, where the plan does not carry N but the window's items were
 counted up front, the all-reduce that counts them first, read at the first backward: R = N); each
 ``backward`` weighs its mean loss by ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`) into the
@@ -28,13 +28,13 @@ from typing import Any, Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from ._boundary import Boundary, InFlight, Outcome, WindowTotals
+from ._boundary import Boundary, InFlight, Outcome, Totals
 from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._exchange import Tally
-from ._gradients import WindowGradients
+from ._gradients import Gradients
 from ._maths import window_mean
-from ._ranks import RankAgreement, WindowRequest, WindowSetup
+from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
 from ._weights import WindowWeights
 from .precision import MixedPrecision
@@ -43,7 +43,7 @@ from .errors import ConfigurationError
 from .sync import GradSync
 from ._deepspeed import not_known_up_front
 
-__all__ = ["Window", "WindowContext", "OpenWindow", "weighing_nothing", "graph_leaves", "host_count"]
+__all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves", "host_count"]
 
 class OpenWindow:
     """At most one window is open per Accumulator; opening one clears stale gradients and warns
@@ -81,7 +81,7 @@ class OpenWindow:
 
 
 @dataclass(frozen=True)
-class WindowContext:
+class Parts:
     """What a window needs from its Accumulator, in one explicit place: the parts it runs through,
     and the :class:`~gradaccum._state.AccumulatorState` it reads and leaves changed."""
 
@@ -89,7 +89,7 @@ class WindowContext:
     device: torch.device
     sync: GradSync
     precision: MixedPrecision
-    grads: WindowGradients
+    grads: Gradients
     ranks: RankAgreement
     boundary: Boundary
     slot: OpenWindow
@@ -155,11 +155,11 @@ class Window:
     micro-batches (``backward_padding``). Leaving the block without ``step()`` drops the window's gradients.
     """
 
-    def __init__(self, ctx: WindowContext, request: WindowRequest, *, micro_batch_size: Optional[Any] = None) -> None:
+    def __init__(self, ctx: Parts, request: Request, *, micro_batch_size: Optional[Any] = None) -> None:
         _check_request(ctx, request)
         self.ctx, self.request, self.micro_batch_size = ctx, request, micro_batch_size
         #: what the ranks decided when the window opened (None before)
-        self.setup: Optional[WindowSetup] = None
+        self.setup: Optional[Setup] = None
         self._weights: Optional[WindowWeights] = None  # see the weights property
         self.done = 0  # micro-batches run, flush and padding included
         self.tally = Tally(ctx.device)
@@ -338,11 +338,11 @@ class Window:
         self.result = _step_result(out, self.done - self.request.flush - self.padding, self.micro_batch_size)
         return self.result
 
-    def _totals(self, *, ran: bool) -> WindowTotals:
+    def _totals(self, *, ran: bool) -> Totals:
         """This rank's tally and what the boundary needs with it (the weights read first: a window that
         counts first reads its count there)."""
         weights = self.weights
-        return WindowTotals(self.tally, weights, ran=ran, can_pad_next=self.ctx.ranks.can_pad(self.request.can_pad),
+        return Totals(self.tally, weights, ran=ran, can_pad_next=self.ctx.ranks.can_pad(self.request.can_pad),
                             counted_first=self.request.items is not None)
 
     def abandon(self) -> None:
@@ -363,13 +363,13 @@ class Window:
         self.ctx.grads.close()
         self._plain = None  # type: ignore[assignment]  # it refers back to the window: no cycle left for the gc
 
-    def _open_setup(self, what: str = "micro_batch") -> WindowSetup:
+    def _open_setup(self, what: str = "micro_batch") -> Setup:
         if self.setup is None or self.ctx.slot.window is not self:
             raise RuntimeError(f"use window.{what}() inside `with acc.window(...) as window:`")
         return self.setup
 
 
-def _guarded_backward(ctx: WindowContext, weighted: torch.Tensor, empty: Union[None, bool, torch.Tensor],
+def _guarded_backward(ctx: Parts, weighted: torch.Tensor, empty: Union[None, bool, torch.Tensor],
                       autocast_off: bool) -> None:
     """The backward of ``weighted`` through the loss scale and the seam; where the micro-batch may hold
     no item (``empty``), under :func:`weighing_nothing`."""
@@ -394,7 +394,7 @@ def _checked(window: "Window", loss: Any) -> Any:
     return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
 
 
-def _step_refused(window: "Window", setup: WindowSetup) -> Optional[str]:
+def _step_refused(window: "Window", setup: Setup) -> Optional[str]:
     """Why ``window.step()`` may not run now (a window steps once, after its micro-batches have all run), or None."""
     if window.result is not None:
         return "step() was already called for this window; open a new one"
@@ -409,7 +409,7 @@ def _step_refused(window: "Window", setup: WindowSetup) -> Optional[str]:
     return None
 
 
-def _check_request(ctx: WindowContext, request: WindowRequest) -> None:
+def _check_request(ctx: Parts, request: Request) -> None:
     n, items = request.micro_batches, request.items
     if n is not None and not (type(n) is int and n > 0) and not (ctx.sync.allows_empty_share and n == 0):
         positive_int("micro_batches", n)

@@ -41,14 +41,14 @@ from ._accum_dtype import LowPrecisionWarning, driver_buffers, warn_low_precisio
 from ._autosize import AutoMicroBatch
 from ._boundary import Boundary
 from ._checks import Count
-from ._gradients import WindowGradients
-from ._ranks import RankAgreement, Rules, WindowRequest
+from ._gradients import Gradients
+from ._ranks import RankAgreement, Rules, Request
 from ._resume import Resumable
 from ._settings import Settings, check_loss_call, check_train_micro_batch_size, check_training_objects
 from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
 from ._run import CountFn, LossFn, count_items, run_auto, run_window
-from ._window import OpenWindow, Window, WindowContext
+from ._window import OpenWindow, Window, Parts
 from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size, leading_dim
 from .precision import MixedPrecision
 from .result import StepResult
@@ -138,13 +138,13 @@ class Accumulator(Resumable):
         self.buffers = window_buffers(accum_dtype, self.sync, precision, params)
         #: what one window teaches the next (see :class:`~gradaccum._state.AccumulatorState`)
         self.state = state = AccumulatorState()
-        grads = WindowGradients(params, self.buffers)
+        grads = Gradients(params, self.buffers)
         boundary = Boundary(optimizer, scheduler, state=state, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=settings.compute_grad_norm,
                             nonfinite=nonfinite, device=device)
         rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts, reference_is_count=self.sync.needs_count_first)
         self.auto = AutoMicroBatch(self.sync, device, state)
-        self.context = WindowContext(model=model, device=device, sync=self.sync, precision=self.precision,
+        self.context = Parts(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=RankAgreement(self.sync, device, state, rules),
                                      boundary=boundary, slot=OpenWindow(model, state), state=state)
 
@@ -200,7 +200,7 @@ class Accumulator(Resumable):
                 Without it such a window is refused on every rank alike.
         """
         self.context.slot.check_idle()
-        return Window(self.context, WindowRequest(micro_batches, num_items, can_pad=pad),
+        return Window(self.context, Request(micro_batches, num_items, can_pad=pad),
                       micro_batch_size=micro_batch_size)
 
     def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,

@@ -15,8 +15,8 @@ differentiated, the gradient splits over micro-batches once the window's counts 
     grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
 
 The exact method, :class:`MoELoss` (``mode="exact"``), in the order a window runs. Its one home is
-:class:`WindowRouting` (open, replay and part per micro-batch, check, finish), which the Accumulator
-(:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.WindowBalance`) drive:
+:class:`Routing` (open, replay and part per micro-batch, check, finish), which the Accumulator
+(:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.TrainerBalance`) drive:
 
 1. Pass 1, without a graph (``route``: the trunk alone where it can): each micro-batch's forward, only
    to count: ``C_k`` (E numbers, pooled over the layers), its rows ``T_k`` and its loss items ``n_k``;
@@ -50,12 +50,12 @@ from torch import nn
 
 from ._maths import balance_loss_part, router_statistics
 from ._random import Replay
-from ._ranks import WindowPlan, WindowRequest
+from ._ranks import Plan, Request
 from ._window import Window
 from .errors import ConfigurationError, NotExactError
 from .sync import GradSync
 
-__all__ = ["MoEOutput", "MoELoss", "MODES", "WindowRouting", "counts_on_every_rank", "run_moe_window",
+__all__ = ["MoEOutput", "MoELoss", "MODES", "Routing", "counts_on_every_rank", "run_moe_window",
            "check_moe_loss"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
@@ -259,10 +259,10 @@ def counts_on_every_rank(sync: GradSync) -> bool:
     return sync.sharded_grads
 
 
-class WindowRouting(Replay):
+class Routing(Replay):
     """One window's load balancing, step by step: the one implementation that every driver calls
     (the Accumulator's :func:`run_moe_window`, ExactTrainer's
-    :class:`~gradaccum.integrations.hf_moe.WindowBalance`), in the order a window runs:
+    :class:`~gradaccum.integrations.hf_moe.TrainerBalance`), in the order a window runs:
 
     1. :meth:`open`: pass 1 without a graph, each micro-batch's expert counts ``C_k`` and rows ``T_k``
        (and its loss items ``n_k`` where the driver counts them there), its random state saved before
@@ -297,7 +297,7 @@ class WindowRouting(Replay):
     @classmethod
     def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
              forward: Callable[[Any], MoEOutput], sync: GradSync, device: torch.device, who: str,
-             padding: Sequence[Any] = (), autocast: Optional[Callable[[], Any]] = None) -> "WindowRouting":
+             padding: Sequence[Any] = (), autocast: Optional[Callable[[], Any]] = None) -> "Routing":
         """Count the window and agree the counts across the ranks.
 
         Args:
@@ -366,19 +366,19 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
                    catch_oom: bool = False, plan: Any = None) -> Any:
     """One window of an :class:`MoELoss` in mode ``"exact"`` (the dispatch of
     :func:`gradaccum._run.run_window`, which runs the cheaper modes as a ``(mean, count)`` ``loss_fn``):
-    the Accumulator's driver of :class:`WindowRouting`, in the module docstring's order."""
+    the Accumulator's driver of :class:`Routing`, in the module docstring's order."""
     assert not catch_oom, "micro_batch_size='auto' with MoELoss(mode='exact') is refused by check_moe_loss"
     ranks, own = ctx.ranks, len(micro_batches)
     if micro_batches:
         ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
     # pass 1 runs before the window opens, on the unwrapped module (DDP's forward runs collectives)
-    routing = WindowRouting.open(
+    routing = Routing.open(
         moe, micro_batches, route=lambda mb: moe.route(_unwrapped(ctx.model), mb),
         forward=lambda mb: moe.forward(ctx.model, mb), sync=ctx.sync, device=ctx.device, who="MoELoss",
         padding=_counting_padding(ctx, own), autocast=ctx.precision.autocast)
     # the window opens knowing its global N (R = N: each backward weighs n_k / N as the big batch does)
-    plan = WindowPlan(own, max(routing.sizes), min(routing.sizes), routing.items)
-    request = WindowRequest(own, routing.local_items, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
+    plan = Plan(own, max(routing.sizes), min(routing.sizes), routing.items)
+    request = Request(own, routing.local_items, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         last = own + window.padding - 1
         for k in range(last + 1):

@@ -180,17 +180,17 @@ def test_router_counts_from_the_micro_batch_are_caught(monkeypatch):
     instead of the step's: the run leaves the reference by more than 1e-6."""
     from gradaccum._maths import router_statistics
     from gradaccum.integrations.trl import ExactGRPOTrainer
-    from gradaccum.moe import WindowRouting
+    from gradaccum.moe import Routing
     from integrations.moe_models import moe_model
 
-    part = WindowRouting.part
+    part = Routing.part
 
     def from_the_micro_batch(self, k, router_logits, token_mask):
         counts, _, rows = router_statistics(router_logits, self.term.top_k, token_mask)
         self.counts, self.rows = counts.detach(), rows.detach()
         return part(self, k, router_logits, token_mask)
 
-    monkeypatch.setattr(WindowRouting, "part", from_the_micro_batch)
+    monkeypatch.setattr(Routing, "part", from_the_micro_batch)
     exact, _ = G.run(ExactGRPOTrainer, moe_model("qwen3_moe"), "grpo", **MOE)
     assert exact > 1e-6, exact
 

@@ -105,14 +105,14 @@ def test_reentrant_checkpointing_is_refused_and_non_reentrant_is_exact():
 
 def test_both_drivers_run_the_one_counting_pass(monkeypatch):
     """#37 items 1 and 5: the Accumulator's MoELoss and ExactTrainer run one implementation of the
-    counting pass, gradaccum.moe.WindowRouting. Both are the big batch (rtol 1e-10); with its part taken
+    counting pass, gradaccum.moe.Routing. Both are the big batch (rtol 1e-10); with its part taken
     from each micro-batch's own counts instead of the window's, both land off it (> 1e-6); with its replay
     skipped, both refuse a jittered router's window (ReplayError) instead of training it."""
     import copy
 
     from gradaccum import Accumulator, MoELoss
     from gradaccum._maths import balance_loss_part, router_statistics
-    from gradaccum.moe import WindowRouting
+    from gradaccum.moe import Routing
 
     def accumulator(model):
         net = copy.deepcopy(model)
@@ -133,7 +133,7 @@ def test_both_drivers_run_the_one_counting_pass(monkeypatch):
         return balance_loss_part(s, c, rows, rows)
 
     with monkeypatch.context() as patch:
-        patch.setattr(WindowRouting, "part", own_counts)
+        patch.setattr(Routing, "part", own_counts)
         for driver, ref in refs.items():
             assert S.max_diff(driver(model), ref) > 1e-6, driver.__name__
 
@@ -145,7 +145,7 @@ def test_both_drivers_run_the_one_counting_pass(monkeypatch):
                       lambda self, h: plain(self, h + 3 * torch.randn(h.shape, dtype=h.dtype)))
         for driver in refs:
             driver(model)  # replayed: trains
-        noisy.setattr(WindowRouting, "replay", lambda self, k: None)
+        noisy.setattr(Routing, "replay", lambda self, k: None)
         for driver in refs:
             with pytest.raises(ReplayError, match="routed its tokens to other experts"):
                 driver(model)

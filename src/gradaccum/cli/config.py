@@ -15,7 +15,7 @@ from ..tasks.models import MODELS
 from ..errors import ConfigurationError
 from .errors import CLIError
 
-__all__ = ["TrainConfig", "WindowShape", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
+__all__ = ["TrainConfig", "Shape", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
            "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "SEED_RANGE_TEXT", "saved_config", "window_shape"]
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -44,7 +44,7 @@ RESUMABLE_CHANGES = ("out", "checkpoint_every", "epochs", "device", "world_size"
                      "accum_steps")
 
 
-class WindowShape(NamedTuple):
+class Shape(NamedTuple):
     """A window resolved from the flags: ``items`` (B) per optimizer step across all ranks, cut into
     micro-batches of ``micro_batch_size`` (M, or ``"auto"``), ``accum_steps_per_rank`` (N) per rank
     (None with ``"auto"``, which picks the split itself)."""
@@ -55,7 +55,7 @@ class WindowShape(NamedTuple):
 
 
 def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, None], accum_steps: Optional[int],
-                 world_size: int = 1) -> WindowShape:
+                 world_size: int = 1) -> Shape:
     """Resolve a window from the flags the user gave (None: not given): ``B = M x N x W``.
 
     Any two of B, M, N give the third; given all three they must agree. One or none given: the
@@ -69,7 +69,7 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, No
             raise ConfigurationError(f"--accum-steps {accum_steps} does not apply with --micro-batch-size auto, which "
                              "picks the split of each window itself; drop --accum-steps and give the window "
                              "with --batch-size")
-        return WindowShape(batch_size if batch_size is not None else DEFAULT_AUTO_BATCH, "auto", None)
+        return Shape(batch_size if batch_size is not None else DEFAULT_AUTO_BATCH, "auto", None)
     if batch_size is not None and accum_steps is not None and micro_batch_size is None:
         m, rest = divmod(batch_size, accum_steps * world_size)
         if rest or m < 1:
@@ -78,20 +78,20 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, No
                 f"{' on each of ' + str(world_size) + ' ranks' if world_size > 1 else ''}; give --micro-batch-size "
                 f"M instead of --accum-steps (the last micro-batch may be smaller), or a --batch-size divisible "
                 f"by {accum_steps * world_size}")
-        return WindowShape(batch_size, m, accum_steps)
+        return Shape(batch_size, m, accum_steps)
     m = DEFAULT_MICRO_BATCH_SIZE if micro_batch_size is None else int(micro_batch_size)
     if batch_size is None:
         n = DEFAULT_ACCUM_STEPS if accum_steps is None else accum_steps
-        return WindowShape(m * n * world_size, m, n)
+        return Shape(m * n * world_size, m, n)
     if accum_steps is None:
-        return WindowShape(batch_size, m, ceil_div(batch_size, m * world_size))
+        return Shape(batch_size, m, ceil_div(batch_size, m * world_size))
     if batch_size != m * accum_steps * world_size:
         raise ConfigurationError(
             f"--batch-size {batch_size}, --micro-batch-size {m} and --accum-steps {accum_steps} contradict each "
             f"other: a window is micro-batch size x accum steps{ranks} = {m} x {accum_steps}"
             f"{f' x {world_size}' if ranks else ''} = {m * accum_steps * world_size} items, not {batch_size}; "
             f"give two of the three (e.g. drop --accum-steps to cut {batch_size} items into micro-batches of {m})")
-    return WindowShape(batch_size, m, accum_steps)
+    return Shape(batch_size, m, accum_steps)
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class TrainConfig:
                 object.__setattr__(self, name, defaults[name])
 
     @property
-    def window(self) -> WindowShape:
+    def window(self) -> Shape:
         """B, M and N as resolved from the flags given (see :func:`window_shape`)."""
         return window_shape(self.batch_size, self.micro_batch_size, self.accum_steps, self.world_size)
 

@@ -1,5 +1,5 @@
 """``ExactTrainer`` under DeepSpeed (ZeRO-1/2/3): the engine owns the reduction, the optimizer and
-clipping; the Trainer's window owns the boundary (:class:`WindowEngine` stands in for Accelerate's
+clipping; the Trainer's window owns the boundary (:class:`EngineWrapper` stands in for Accelerate's
 ``DeepSpeedEngineWrapper``). Set-up and figures: docs/guides/deepspeed.md ("ExactTrainer with
 ``deepspeed=``"); the maths is :mod:`gradaccum._deepspeed`'s.
 """
@@ -18,10 +18,10 @@ from .._deepspeed import DeepSpeedSync, engine_manages_accumulation
 
 KEY = "managed_gradient_accumulation"  # the DeepSpeed config key that hands the boundary to its caller
 
-__all__ = ["WindowEngine", "DeepSpeedWindows", "prepare", "step_applied"]
+__all__ = ["EngineWrapper", "DeepSpeedWindows", "prepare", "step_applied"]
 
 
-class WindowEngine:
+class EngineWrapper:
     """Accelerate's ``DeepSpeedEngineWrapper`` for an engine whose caller owns the boundary: each
     micro-batch's backward and the window's step are the seam's DeepSpeed backend's
     (:class:`~gradaccum._deepspeed.DeepSpeedSync`), as under the ``Accumulator``; the Trainer checks no
@@ -51,7 +51,7 @@ class WindowEngine:
 
 
 class DeepSpeedWindows(TrainerCallback):
-    """Puts :class:`WindowEngine` in place of Accelerate's wrapper once the Trainer has built the engine,
+    """Puts :class:`EngineWrapper` in place of Accelerate's wrapper once the Trainer has built the engine,
     and says once where that engine sums a bf16/fp16 window (the ``Accumulator``'s check, on this engine:
     :func:`gradaccum._accum_dtype.window_buffers`, which ``accum_dtype="param"`` silences)."""
 
@@ -61,8 +61,8 @@ class DeepSpeedWindows(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         accelerator = self.trainer.accelerator
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
-        if wrapped is not None and not isinstance(wrapped, WindowEngine):
-            window_engine = accelerator.deepspeed_engine_wrapped = WindowEngine(wrapped.engine, self.steps)
+        if wrapped is not None and not isinstance(wrapped, EngineWrapper):
+            window_engine = accelerator.deepspeed_engine_wrapped = EngineWrapper(wrapped.engine, self.steps)
             window_buffers(self.accum_dtype, window_engine.sync, "fp32", [])  # None: the engine holds the sum
         return control
 

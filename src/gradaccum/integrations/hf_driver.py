@@ -20,7 +20,7 @@ from .._state import AccumulatorState
 from .._weights import Closing
 from ..errors import ConfigurationError, NotExactError
 from ._versions import require
-from .hf_moe import WindowBalance
+from .hf_moe import TrainerBalance
 
 require("transformers", "gradaccum's Trainer integrations (ExactTrainer, TRL's, sentence-transformers')")
 try:
@@ -204,7 +204,7 @@ class TrainerDriver:
         self.add_callback(self._state)  # type: ignore[attr-defined]
         self._window: Optional[DrivenWindow] = None
         self._closed: Optional[Closing] = None  # a closed window whose verdict waits for the Trainer's norm
-        self._balance: Optional[WindowBalance] = None
+        self._balance: Optional[TrainerBalance] = None
 
     @property
     def accumulator_state(self) -> AccumulatorState:
@@ -239,7 +239,7 @@ class TrainerDriver:
         self._closed = None
         self._balance = None
         if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
-            self._balance = WindowBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
+            self._balance = TrainerBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
                                           self.accelerator.device, self.model_wrapped, who=type(self).__name__)
         return self._window
 

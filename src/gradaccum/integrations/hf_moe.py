@@ -1,4 +1,4 @@
-"""The Trainer drivers' glue to :class:`gradaccum.moe.WindowRouting` (which counts, agrees, replays and
+"""The Trainer drivers' glue to :class:`gradaccum.moe.Routing` (which counts, agrees, replays and
 checks): an MoE model's load-balancing term over the window, opened in ``get_batch_samples`` and applied
 by :meth:`~gradaccum.integrations.hf_driver.TrainerDriver.balanced`. How: docs/guides/moe.md.
 """
@@ -13,11 +13,11 @@ from torch import nn
 
 from .._patching import swapped
 from ..errors import NotExactError
-from ..moe import MoEOutput, WindowRouting
+from ..moe import MoEOutput, Routing
 from ..sync import sync_for
 from .hf_router import BALANCED_FAMILIES, RouterBalance, aux_term, hf_routing, hf_token_mask, router_logits_of
 
-__all__ = ["WindowBalance", "trl_aux_refusal", "trl_router_balance"]
+__all__ = ["TrainerBalance", "trl_aux_refusal", "trl_router_balance"]
 
 
 def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
@@ -52,8 +52,8 @@ def trl_aux_refusal(trainer: Any, why: str, then: str = "") -> NotExactError:
         f"router_aux_loss_coef=0.0) to train without it{then}")
 
 
-class WindowBalance:
-    """One window's :class:`~gradaccum.moe.WindowRouting`, opened and driven from the Trainer's hooks.
+class TrainerBalance:
+    """One window's :class:`~gradaccum.moe.Routing`, opened and driven from the Trainer's hooks.
 
     Args:
         term: the model's :class:`~gradaccum.integrations.hf_router.RouterBalance` (E, top-k, coef).
@@ -74,7 +74,7 @@ class WindowBalance:
         model.train()  # routes as the training forward will (jitter and dropout on)
         try:
             trunk = getattr(model, "base_model", model)
-            self.routing = WindowRouting.open(
+            self.routing = Routing.open(
                 term, batches, route=lambda inputs: MoEOutput(None, None, *hf_routing(trunk, inputs)),
                 forward=lambda inputs: MoEOutput(None, None, *hf_routing(model, inputs)), sync=sync, device=device,
                 who=who)

@@ -2,7 +2,7 @@
 (:func:`aux_term`; a router loss gradaccum does not compute over the window is refused), its router
 logits and the tokens they balance, and the causal LM's loss that :meth:`gradaccum.MoELoss.for_hf_model`
 trains. Only the model's config and outputs are read (transformers is not imported); the window's
-counting pass is :class:`gradaccum.moe.WindowRouting`'s, which this module does not import.
+counting pass is :class:`gradaccum.moe.Routing`'s, which this module does not import.
 """
 from __future__ import annotations
 

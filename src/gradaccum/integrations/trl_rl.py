@@ -249,7 +249,7 @@ class ExactGRPOTrainer(_ExactRL, GRPOTrainer):  # type: ignore[misc]
     ``T`` the step's completion tokens and ``N`` what the loss type averages over
     (:func:`gradaccum.rl.step_items`: the step's sequences, ``dr_grpo``'s sequences times
     ``max_completion_length``, or ``T``), plus ``coef * LBL`` of the step's whole batch for an MoE model
-    (:class:`gradaccum.moe.WindowRouting`). A step of ``N = 0`` is skipped. ``last_step_count`` holds
+    (:class:`gradaccum.moe.Routing`). A step of ``N = 0`` is skipped. ``last_step_count`` holds
     the last step's counts, ``accumulator_state`` the steps taken and skipped.
 
     Raises:
