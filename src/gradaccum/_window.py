@@ -219,6 +219,7 @@ class Window:
             assert self.setup is not None, "the weighting is read inside `with acc.window(...)`"
             self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
                                           reference=self.ctx.ranks.reference(self.setup))
+            self._r = self._weights.reference  # None: fixed by the first backward (fix_reference)
         return self._weights
 
     # -- micro-batches ---------------------------------------------------------------------------
@@ -233,7 +234,9 @@ class Window:
             self._open_setup()  # raises
         if self.current is not None:
             raise RuntimeError(_NESTED.format(k=self.entered_at + 1))
-        last = _is_last(self.done, self._size, last)
+        size = self._size
+        last = self.done == size - 1 if last is None and size is not None and self.done < size \
+            else _is_last(self.done, size, last)  # the common case first
         if not self.ctx.switches:
             return self._plain  # no switch to flip, nothing reduces: one context serves them all
         return _MicroBatch(self, last and self.reduces_last)
@@ -418,9 +421,8 @@ def _check_request(ctx: Parts, request: Request) -> None:
 
 
 def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
-    """Whether the next micro-batch is the window's last (the one that reduces across ranks)."""
-    if last is None and size is not None and done < size:  # the common case first
-        return done == size - 1
+    """Whether the next micro-batch is the window's last (the one that reduces across ranks), where it is not
+    simply micro-batch ``size`` of a window with a size (``micro_batch`` reads that itself)."""
     if size is not None and done >= size:
         raise RuntimeError(f"the window was opened for {_micro_batches(size)} and all have run; "
                            "call window.step(), or open it with the right micro_batches")
