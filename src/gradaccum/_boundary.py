@@ -16,7 +16,6 @@ optimizer step; the scheduler step (only on steps taken); gradients cleared.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from typing import Any, List, NamedTuple, Optional, Tuple
@@ -214,10 +213,10 @@ class Boundary:
             stepped_norm = self.sync.step(self.optimizer, self.precision)
         else:
             self.optimizer.step()
-        if stepped_norm is not None and not math.isfinite(stepped_norm):  # the stepper skipped it (DeepSpeed fp16's
-            weights.record(dataclasses.replace(closing, verdict=Verdict.SKIP_NONFINITE))  # loss scale backed off)
+        applied = stepped_norm is None or math.isfinite(stepped_norm)  # else the stepper skipped it (DeepSpeed fp16)
+        weights.record(closing, applied=applied)  # the step counted before the scheduler, which may raise after it
+        if not applied:
             return False, stepped_norm
-        weights.record(closing)  # the step counted before the scheduler, which may raise after the step
         if self.scheduler is not None:
             if self.steps_on_loss:
                 self.scheduler.step(loss)  # ReduceLROnPlateau: the window's loss is the metric

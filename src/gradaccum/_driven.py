@@ -184,9 +184,7 @@ class DrivenWindow:
         did not apply: an fp16 loss scale that overflowed). ``warn_nonfinite``, when given, is said once
         per state with the warning for a window skipped for a gradient that was not finite (how the
         driver counts them)."""
-        if closing.steps and not applied:
-            closing = dataclasses.replace(closing, verdict=Verdict.SKIP_NONFINITE)
-        self.weights.record(closing, warn_empty=warn_empty, stacklevel=3)
+        closing = self.weights.record(closing, applied=applied, warn_empty=warn_empty, stacklevel=3)
         if closing.verdict is Verdict.SKIP_NONFINITE and warn_nonfinite is not None \
                 and self.weights.state.warn_once("nonfinite"):
             warnings.warn(f"{self.who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was "

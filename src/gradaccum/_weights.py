@@ -30,15 +30,16 @@ count only after its backwards). Each keeps the glue to its own hooks and its st
     (0.75, 0.25)
     >>> closing = w.close(8); closing.verdict, closing.scale
     (<Verdict.STEP: 'step'>, 1.0)
-    >>> w.record(closing); state.steps, state.skipped, state.last_window_items
-    (1, 0, 8.0)
+    >>> w.record(closing).steps, state.steps, state.skipped, state.last_window_items
+    (True, 1, 0, 8.0)
     >>> empty = WindowWeights(state, 1.0, num_items=0)                 # known empty: weighs nothing
-    >>> empty.sum_weight(), empty.record(empty.close(0)), state.skipped
-    (0.0, None, 1)
+    >>> empty.sum_weight(), empty.record(empty.close(0)).verdict, state.skipped
+    (0.0, <Verdict.SKIP_EMPTY: 'skip: no item'>, 1)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -154,12 +155,18 @@ class WindowWeights:
         return Closing(verdict(loss_sum, n, grad_norm, nonfinite=nonfinite, has_scaler=has_scaler), scale, n,
                        grad_norm)
 
-    def record(self, closing: Closing, *, warn_empty: Optional[str] = None, stacklevel: int = 2) -> None:
+    def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None,
+               stacklevel: int = 2) -> Closing:
         """What the state learns at the boundary: one more optimizer step, or one more skipped window
         (``warn_empty``, when given, is said once per state for a window of no item: how the driver
-        counts them), and the window's N as the last window's (windows with items only: it is an R)."""
+        counts them), and the window's N as the last window's (windows with items only: it is an R).
+        A step the stepper did not apply (``applied=False``: an fp16 loss scale that overflowed, a
+        DeepSpeed engine that found the gradient not finite) is a window skipped as not finite. Returns
+        the closing as recorded."""
         state = self.state
         assert closing.verdict is not Verdict.RAISE, "a window that raises is not recorded: the driver raised"
+        if closing.steps and not applied:
+            closing = dataclasses.replace(closing, verdict=Verdict.SKIP_NONFINITE)
         if closing.steps:
             state.steps += 1
         else:
@@ -169,3 +176,4 @@ class WindowWeights:
                               f"step on, so it was skipped; {warn_empty}", UserWarning, stacklevel=stacklevel + 1)
         if closing.num_items > 0:
             state.last_window_items = closing.num_items
+        return closing
