@@ -232,16 +232,20 @@ class TrainerDriver:
             raise RuntimeError(f"{type(self).__name__}: the Trainer's loop stepped a window without measuring its gradient "
                                "norm (Trainer._get_grad_norm), which the window's verdict on a non-finite gradient reads; "
                                "do not override _get_grad_norm or the training loop away")
-        world = self.accelerator.num_processes
-        self._window = DrivenWindow(self.accumulator_state, world, num_items=num_items, micro_batches=micro_batches,
-                                    buffers=buffers, second_items=second_items, nonfinite=self.nonfinite,
-                                    who=type(self).__name__)
+        self._window = DrivenWindow(self.accumulator_state, self.grad_divisor, num_items=num_items,
+                                    micro_batches=micro_batches, buffers=buffers, second_items=second_items,
+                                    nonfinite=self.nonfinite, who=type(self).__name__)
         self._closed = None
         self._balance = None
         if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
             self._balance = TrainerBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
                                           self.accelerator.device, self.model_wrapped, who=type(self).__name__)
         return self._window
+
+    @property
+    def grad_divisor(self) -> float:
+        """W: the ranks the Trainer's gradient reduction averages over (Accelerate's data-parallel processes)."""
+        return float(self.accelerator.num_processes)
 
     def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         """A window's tensor (its counts, its load-balancing sum) summed over the ranks (one reduction;

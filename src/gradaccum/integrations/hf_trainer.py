@@ -329,7 +329,7 @@ class _SourceLoss:
         self.trainer, self.trainer_loss, self.evaluation_mean = trainer, trainer_loss, evaluation
         self.items = trainer.items
         # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
-        self.sft_factor = trainer.accelerator.num_processes if trainer.args.average_tokens_across_devices else 1
+        self.sft_factor = trainer.grad_divisor if trainer.args.average_tokens_across_devices else 1.0
 
     def training(self, window: DrivenWindow, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
         """``S_k * W / N`` (``sum_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
