@@ -5,8 +5,6 @@ import contextlib
 import io
 import re
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +12,6 @@ import pytest
 from transcripts import DOCS, assert_figure
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def run(name: str) -> str:
-    """``python examples/NAME`` as a user runs it, a process of its own: its printed output."""
-    return subprocess.run([sys.executable, str(EXAMPLES / name)], check=True, capture_output=True,
-                          text=True, timeout=120).stdout
 
 
 def run_here(name: str) -> str:
@@ -34,7 +26,8 @@ def run_here(name: str) -> str:
 
 
 def test_accelerate_toy_regression_reaches_2_04_both_ways():
-    out = run("accelerate_toy_regression.py")
+    """Accelerate's toy regression, without Accelerate: plain torch and gradaccum, no process-wide state."""
+    out = run_here("accelerate_toy_regression.py")
     assert "w/ accumulation, the final model weight is 2.04000" in out
     assert "w/o accumulation, the final model weight is 2.04000" in out
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed.launch import run_cli_here
 from gradaccum.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -234,7 +235,7 @@ def test_corrupt_checkpoint_is_refused_and_left_in_place(tmp_path):
     out.mkdir()
     (out / "last.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint")
     before = (out / "last.pt").read_bytes()
-    proc = cli("train", "--out", str(out), "--resume", *FAST)
+    proc = run_cli_here(["train", "--out", str(out), "--resume", *FAST])  # what it says: this process will do
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "is corrupt or unreadable" in proc.stderr and "left in place: restore a good copy, or start over with --overwrite" in proc.stderr
