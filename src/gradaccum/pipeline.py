@@ -250,11 +250,12 @@ class PipelineWindow:
         k = self._micro_batches(target, True, "target")
         target = _pad(target, rows, n_mb - k)
         counts = [self.num_items(t) for t in torch.tensor_split(target, n_mb)[:k]]
-        n = torch.stack([torch.as_tensor(c, dtype=torch.float64).to(self.device) for c in counts]).sum()
+        each = torch.stack([torch.as_tensor(c, dtype=torch.float64).to(self.device) for c in counts])
+        n = each.sum().reshape(1)
         if self.dp_group is not None:
             all_reduce_(n, group=self.dp_group)
-        weights = WindowWeights(self.state, self.grad_divisor, num_items=n.item())
-        self._tally = _Tally(k, [float(c) for c in counts], weights)
+        *each_n, num_items = torch.cat([each, n]).tolist()  # one host read for the window, not one per micro-batch
+        self._tally = _Tally(k, each_n, WindowWeights(self.state, self.grad_divisor, num_items=num_items))
         return args, kwargs, target, k_first
 
     def _micro_batches(self, batch: Optional[torch.Tensor], here: bool, name: str) -> int:
