@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -154,7 +154,7 @@ class Boundary:
                     stepped_norm = self.sync.step(self.optimizer, self.precision)
                 else:
                     self.optimizer.step()
-                stepped = self._stepped(closing, totals.weights, stepped_norm, window_mean(loss_sum, told.num_items))
+                stepped = self._stepped(closing, totals.weights, stepped_norm, (loss_sum, told.num_items))
                 grad_norm = grad_norm if stepped_norm is None else stepped_norm
             else:
                 self._skip(closing, loss_sum, totals)
@@ -211,14 +211,15 @@ class Boundary:
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counts_from_loss_fn > 0, told.counted_first >= self.sync.group_size)
 
-    def _stepped(self, closing: Closing, weights: WindowWeights, stepped_norm: Optional[float], loss: float) -> bool:
+    def _stepped(self, closing: Closing, weights: WindowWeights, stepped_norm: Optional[float],
+                 loss: Tuple[float, float]) -> bool:
         """After the step: counted (a step the stepper did not apply, DeepSpeed's fp16 overflow, counts as
         skipped), then the scheduler, on steps applied only. Returns whether the step was applied."""
         applied = stepped_norm is None or math.isfinite(stepped_norm)
         weights.record(closing, applied=applied)  # the step counted before the scheduler, which may raise after it
         if applied and self.scheduler is not None:
             if self.steps_on_loss:
-                self.scheduler.step(loss)  # ReduceLROnPlateau: the window's loss is the metric
+                self.scheduler.step(window_mean(*loss))  # ReduceLROnPlateau: the window's loss is the metric
             else:
                 self.scheduler.step()
             self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it

@@ -270,8 +270,10 @@ class Window:
             n = self.request.micro_batches
             self._size = None if n is None else n + setup.padding
             if setup.counted is None:  # else at the first backward, when the ranks' count arrives
-                self._weights = WindowWeights(ctx.state, ctx.sync.grad_divisor, reference=setup.reference)
-                self._r = self._weights.reference  # None: fixed by the first backward (fix_reference)
+                weights = self._weights = WindowWeights(ctx.state, ctx.sync.grad_divisor, reference=setup.reference)
+                self._r = weights.reference  # None: fixed by the first backward (fix_reference)
+                if self._r is not None:
+                    self._per_item = weights.sum_weight()
         except BaseException:
             self._close()
             raise
@@ -470,15 +472,16 @@ class Window:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
         out = ctx.boundary.finish(totals, self.in_flight)
         ctx.ranks.learn(self.setup, out)  # type: ignore[arg-type]
-        self.result = _step_result(out, self.done - self.request.flush - self.padding, self.micro_batch_size)
+        self.result = _step_result(out, self.done - self.request.flush - self.setup.padding,  # type: ignore[union-attr]
+                                   self.micro_batch_size)
         return self.result
 
     def _totals(self, *, ran: bool) -> Totals:
         """This rank's tally and what the boundary needs with it (the weights read first: a window that
         counts first reads its count there)."""
-        weights = self.weights
-        return Totals(self.tally, weights, ran=ran, can_pad_next=self.ctx.ranks.can_pad(self.request.can_pad),
-                            counted_first=self.request.items is not None)
+        weights = self._weights if self._weights is not None else self.weights
+        can_pad_next = self.ctx.sync.shares_windows and self.ctx.ranks.can_pad(self.request.can_pad)  # exchanged
+        return Totals(self.tally, weights, ran=ran, can_pad_next=can_pad_next, counted_first=self.request.items is not None)
 
     def abandon(self) -> None:
         """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
@@ -495,7 +498,8 @@ class Window:
 
     def _close(self) -> None:
         self.ctx.slot.leave(self)
-        self.ctx.grads.close()
+        if self.result is None:  # else the boundary closed the buffers
+            self.ctx.grads.close()
         self._plain = None  # type: ignore[assignment]  # it refers back to the window: no cycle left for the gc
 
     def _open_setup(self, what: str = "micro_batch") -> Setup:
@@ -537,7 +541,7 @@ def _step_refused(window: "Window", setup: Setup) -> Optional[str]:
         return ("step() on a window where window.backward() never ran: call window.backward(loss, num_items=...) "
                 "inside `with window.micro_batch():` for each micro-batch (a plain loss.backward() is not "
                 "counted, so the step could not be normalized)")
-    size = window.micro_batches
+    size = window._size
     if size is not None and window.done != size:
         return (f"the window was opened for {_micro_batches(size)} but {window.done} ran; under data parallelism "
                 "the last one is the one that reduces gradients, so the counts must match")

@@ -39,19 +39,20 @@ from torch import nn
 
 from ._accum_dtype import LowPrecisionWarning, driver_buffers, warn_low_precision_grad_sum, window_buffers
 from ._autosize import AutoMicroBatch
-from ._boundary import Boundary
-from ._checks import Count
-from ._boundary import Gradients
+from ._boundary import Boundary, Gradients
 from ._ranks import RankAgreement, Rules, Request
 from ._resume import Resumable
-from ._settings import Settings, check_loss_call, check_train_micro_batch_size, check_training_objects
+from ._settings import Settings, check_training_objects
 from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
-from ._cached import WindowLoss
+from ._cached import WindowLoss, check_window_loss
+from ._checks import ROWS, Count
 from ._run import LossFn, run_auto, run_window
 from ._window import OpenWindow, Window, Parts
-from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items, leading_dim
-from .moe import MoELoss
+from .batching import (Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items,
+                       leading_dim)
+from .errors import ConfigurationError, NotExactError
+from .moe import MoELoss, check_moe_loss
 from .precision import MixedPrecision
 from .result import StepResult
 from .schedule import AccumSteps
@@ -172,8 +173,7 @@ class Accumulator(Resumable):
                 (a Hugging Face model's ``outputs.loss`` on padded batches: a mean over targets) is
                 refused before the first backward, with the fix.
         """
-        ctx = self.context
-        ctx.slot.check_idle()
+        ctx = self.context  # a window still open is refused as this one opens, before anything changes
         check_micro_batch_size(micro_batch_size)
         check_loss_call(self.sync, loss_fn, num_items, micro_batch_size)
         if micro_batch_size == "auto":
@@ -251,3 +251,35 @@ class Accumulator(Resumable):
         on the model as a real micro-batch's does; it adds nothing to the gradient or the counts.
         """
         self.context.ranks.set_padding(micro_batch)
+
+
+def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
+    """``step``/``train``'s ``loss_fn`` with its ``num_items`` and ``micro_batch_size``: a
+    :class:`~gradaccum.WindowLoss` or :class:`~gradaccum.MoELoss` by its own rules, else a callable
+    with a ``num_items`` function or None; neither two-pass loss around a DeepSpeed engine."""
+    if isinstance(loss_fn, WindowLoss):
+        check_window_loss(num_items, micro_batch_size)
+    elif isinstance(loss_fn, MoELoss):
+        check_moe_loss(loss_fn, num_items, micro_batch_size)
+    else:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
+        if num_items is not None and num_items != ROWS and not callable(num_items):
+            raise TypeError(f"num_items must be a function micro_batch -> count or 'rows', got {num_items!r}; "
+                            "pass counts of a hand-written loop to window.backward(loss, num_items=...)")
+    # a WindowLoss's cached passes and an exact MoELoss's counting pass run forwards and backwards of
+    # their own (the unwrapped module, torch.autograd.backward) that a DeepSpeed engine would not see
+    two_pass = isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")
+    if sync.owns_step and two_pass:
+        raise NotExactError(
+            f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
+            "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
+            + ("" if isinstance(loss_fn, WindowLoss) else ", or use MoELoss(mode='micro_batch')"))
+
+
+def check_train_micro_batch_size(micro_batch_size: Any) -> None:
+    """``train(micro_batch_size=...)`` takes ``"auto"`` or None: the loader's batches are the micro-batches."""
+    if micro_batch_size not in (None, "auto"):
+        raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
+                                 "loader's batches are the micro-batches; use 'auto' to re-split each window on "
+                                 "out-of-memory errors")
