@@ -49,8 +49,7 @@ from ._cached import WindowLoss, check_window_loss
 from ._checks import ROWS, Count
 from ._run import LossFn, run_auto, run_window
 from ._window import OpenWindow, Window, Parts
-from .batching import (Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items,
-                       leading_dim)
+from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
 from .precision import MixedPrecision
@@ -178,11 +177,11 @@ class Accumulator(Resumable):
         check_loss_call(self.sync, loss_fn, num_items, micro_batch_size)
         if micro_batch_size == "auto":
             return run_auto(ctx, self.auto, window, loss_fn, num_items)
-        micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
-                                         allow_empty=self.sync.allows_empty_share)
-        if micro_batch_size is not None and micro_batches:  # the size used: the batch's own where it is smaller
-            micro_batch_size = leading_dim(micro_batches[0])
-        counts = count_items(micro_batches, num_items)
+        micro_batches, rows = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
+                                               allow_empty=self.sync.allows_empty_share)
+        if rows:  # the size used: the batch's own where it is smaller
+            micro_batch_size = rows[0]
+        counts = count_items(micro_batches, num_items, rows)
         if isinstance(loss_fn, (WindowLoss, MoELoss)):  # a loss that runs its window its own way
             return run_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size)  # type: ignore
         request = Request(len(micro_batches), counts.total, can_pad=ctx.ranks.can_pad(bool(micro_batches)))
