@@ -73,7 +73,7 @@ def _module(name: str) -> str:
 class _Snapshot:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.tensors = {k: v.detach().clone() for k, v in _state_tensors(model)}
+        self.tensors = [(v, v.detach().clone()) for v in [*model.parameters(), *model.buffers()]]
         self.grads = {n: None if p.grad is None else p.grad.detach().clone()
                       for n, p in model.named_parameters()}
         self.modes = {n: m.training for n, m in model.named_modules()}
@@ -82,8 +82,8 @@ class _Snapshot:
 
     def restore(self, grads: bool = True) -> None:
         with torch.no_grad():
-            for k, v in _state_tensors(self.model):
-                v.copy_(self.tensors[k])
+            for v, saved in self.tensors:
+                v.copy_(saved)
         for n, m in self.model.named_modules():
             m.training = self.modes[n]
         torch.set_rng_state(self.cpu_rng)
@@ -91,11 +91,6 @@ class _Snapshot:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         for n, p in self.model.named_parameters() if grads else []:
             p.grad = self.grads[n]
-
-
-def _state_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    return [("p:" + n, p) for n, p in model.named_parameters()] + \
-           [("b:" + n, b) for n, b in model.named_buffers()]
 
 
 class _Recorder:

@@ -1,10 +1,5 @@
 """Peak memory of a region of code, measured from the allocator rather than estimated.
 
-    from gradaccum.memory import PeakMeter
-    with PeakMeter("cpu") as meter:
-        acc.step(batch, loss_fn, micro_batch_size=8)
-    meter.result.peak_bytes      # the most bytes the step held at once, above the level at entry
-
 What is measured. Let a_1, a_2, ... be the allocations the region makes (sizes s_i) and F(t) the
 ones of them already freed at time t. Then::
 
