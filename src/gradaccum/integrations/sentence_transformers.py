@@ -190,9 +190,8 @@ class _Served(nn.Module):
 
 
 class _ServedLoss:
-    """The WindowLoss made of a sentence-transformers loss: ``encode`` runs the model (and the guides)
-    over a micro-batch's columns; ``loss`` calls the loss on the window's joined embeddings, its models
-    served them."""
+    """The WindowLoss made of a sentence-transformers loss: ``encode`` runs the model (and the guides) over a
+    micro-batch's columns; ``loss`` calls the loss on the window's joined embeddings."""
 
     def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module,
                  guides: Dict[str, nn.Module]) -> None:
@@ -203,14 +202,8 @@ class _ServedLoss:
         """Every layer's sentence embedding, ``(rows, layers, dim)``, the last layer's last: the model's
         forward with the hidden states (as AdaptiveLayerLoss's TransformerDecorator runs it), then the
         modules after the transformer on each earlier layer's token embeddings."""
-        transformer = self.module[0]
-        config = transformer.auto_model.config
-        kept = config.output_hidden_states
-        config.output_hidden_states = True
-        try:
+        with swapped(self.module[0].auto_model.config, "output_hidden_states", True):
             out = model(features)
-        finally:
-            config.output_hidden_states = kept
         layers = []
         for hidden in out["all_layer_embeddings"][:-1]:
             x = {**out, "token_embeddings": hidden}
