@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read; at run time 
     from ._cached import Constant, WindowLoss
     from .moe import MoELoss, MoEOutput
     from ._state import AccumulatorState
-    from ._run import is_out_of_memory
+    from ._autosize import is_out_of_memory
     from ._window import Window
     from .accumulator import Accumulator
     from .batching import split_batch
@@ -35,9 +35,10 @@ __version__ = "0.1.0"
 #: command line (``gradaccum.cli``) is running, and catching a Ctrl-C, before torch's import begins.
 _HOMES = {
     "Accumulator": "accumulator", "AccumulatorState": "_state", "Window": "_window", "Constant": "_cached",
-    "WindowLoss": "_cached", "is_out_of_memory": "_run", "split_batch": "batching", "EquivalenceReport": "checking",
-    "check_equivalence": "checking", "causal_lm_loss": "losses", "count_targets": "losses",
-    "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
+    "WindowLoss": "_cached", "is_out_of_memory": "_autosize", "split_batch": "batching",
+    "EquivalenceReport": "checking", "check_equivalence": "checking", "causal_lm_loss": "losses",
+    "count_targets": "losses", "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result",
+    "WindowSampler": "sampler",
     "AccumSchedule": "schedule", "num_steps": "schedule", "GradaccumError": "errors", "ConfigurationError": "errors",
     "NotExactError": "errors", "SplitError": "errors", "RankAgreementError": "errors", "ReplayError": "errors",
     "MoELoss": "moe", "MoEOutput": "moe", "PipelineWindow": "pipeline",

@@ -12,7 +12,7 @@ In the order a :class:`Window` runs: opening asks the ranks for its :class:`~gra
 (plan, R, padding; across ranks, where the plan does not carry N but the window's items were
 counted up front, the all-reduce that counts them first, read at the first backward: R = N); each
 ``backward`` weighs its mean loss by ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`) into the
-:class:`~gradaccum._exchange.Tally`; before the backward that reduces across ranks the boundary's
+:class:`~gradaccum._window.Tally`; before the backward that reduces across ranks the boundary's
 all-reduce starts (:meth:`Window._before_reduction`); ``step`` hands
 the tally to the :class:`~gradaccum._boundary.Boundary` and the ranks learn from it.
 """
@@ -23,16 +23,14 @@ import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ._boundary import Boundary, InFlight, Outcome, Totals
-from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
+from ._boundary import Boundary, Gradients, InFlight, Outcome, Totals, count_dtype
+from ._checks import Count, item_count, positive_int, scalar_loss, split_loss_output, training_batchnorms
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
-from ._exchange import Tally
-from ._gradients import Gradients
 from ._maths import window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
@@ -42,8 +40,92 @@ from .result import StepResult
 from .errors import ConfigurationError
 from .sync import GradSync
 from ._deepspeed import not_known_up_front
+from ._autosize import is_out_of_memory
 
-__all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves", "host_count"]
+__all__ = ["Window", "Parts", "OpenWindow", "Tally", "weighing_nothing", "graph_leaves"]
+
+class Tally:
+    """One rank's running sums over a window: ``sum n_k L_k`` and the item counts.
+
+    Attributes:
+        losses, counts: each micro-batch's detached mean loss and its count, in the order they ran.
+        host_items: the sum of the counts given as Python numbers.
+        device_items: the sum of the counts given as tensors, on the device (None if none was).
+        counts_from_loss_fn: ``loss_fn`` returned its own count for some micro-batch (a ``(mean, count)`` pair)
+            rather than weighing a bare mean by the count known up front.
+    """
+
+    __slots__ = ("losses", "counts", "host_items", "device_items", "counts_from_loss_fn", "dtype", "_sum", "_summed")
+
+    def __init__(self, device: torch.device) -> None:
+        self.dtype = count_dtype(device)
+        self.losses: List[torch.Tensor] = []
+        self.counts: List[Count] = []
+        self.host_items = 0.0
+        self.device_items: Optional[torch.Tensor] = None
+        self.counts_from_loss_fn = False
+        self._sum: Optional[torch.Tensor] = None  # the device sum of the first _summed micro-batches
+        self._summed = 0
+
+    def add(self, loss: torch.Tensor, count: Count, *, from_loss_fn: bool = False) -> None:
+        """File one micro-batch's mean loss and its count (no tensor operation for a Python count, no host
+        synchronisation). ``from_loss_fn``: ``loss_fn`` returned the count itself."""
+        if from_loss_fn:
+            self.counts_from_loss_fn = True
+        if type(count) is int:
+            self.host_items += count
+        elif isinstance(count, torch.Tensor):
+            count = count.to(self.dtype)
+            self.device_items = count if self.device_items is None else self.device_items + count
+        else:
+            self.host_items += count
+        self.losses.append(loss.detach())
+        self.counts.append(count)
+
+    @property
+    def loss_sum(self) -> Optional[torch.Tensor]:
+        """``sum n_k L_k`` on the device, in float64 (None before the first micro-batch): the micro-batches
+        not summed yet are added in the order they ran, each product in the sum's precision."""
+        for loss, count in zip(self.losses[self._summed:], self.counts[self._summed:]):
+            if isinstance(count, torch.Tensor):
+                part = loss * count
+                self._sum = part.to(self.dtype) if self._sum is None else self._sum.add_(part)
+            elif self._sum is None:  # the first: one op, in the sum's (float64) precision
+                self._sum = loss.to(self.dtype) * count
+            else:
+                self._sum.add_(loss, alpha=count)  # promoted into the float64 sum
+        self._summed = len(self.losses)
+        return self._sum
+
+    def loss_sum_on(self, device: torch.device) -> torch.Tensor:
+        """``sum n_k L_k``, zero for a rank that ran no micro-batch of its own."""
+        total = self.loss_sum
+        return total if total is not None else torch.zeros((), dtype=self.dtype, device=device)
+
+    def host_losses(self) -> Optional[torch.Tensor]:
+        """The micro-batches' losses as one flat tensor, for :meth:`host_loss_sum` to read in the boundary's
+        one copy to the host; None when the sum must be taken on the device (a count is a tensor) or no
+        micro-batch ran."""
+        if self.device_items is not None or not self.losses:
+            return None
+        return torch.stack(self.losses) if len(self.losses) > 1 else self.losses[0].reshape(1)
+
+    def host_loss_sum(self, losses: List[float]) -> float:
+        """``sum n_k L_k`` from the losses :meth:`host_losses` gave, read on the host: the products and
+        the sum in float64, in the order the micro-batches ran (every count is a Python number here).
+
+        >>> t = Tally(torch.device("cpu")); t.add(torch.tensor(0.5), 4); t.add(torch.tensor(0.25), 2)
+        >>> t.host_loss_sum(t.host_losses().tolist()), t.loss_sum.item()
+        (2.5, 2.5)
+        """
+        total = 0.0
+        for loss, count in zip(losses, self.counts):
+            total += loss * count  # type: ignore[operator]
+        return total
+
+
+_NOTHING = contextlib.nullcontext()  # the block of a micro-batch that switches nothing, in Window.run
+
 
 class OpenWindow:
     """At most one window is open per Accumulator; opening one clears stale gradients and warns
@@ -62,7 +144,8 @@ class OpenWindow:
             )
 
     def enter(self, window: "Window") -> None:
-        self.check_idle()  # before anything changes: a nested window would clear the open one
+        if self.window is not None:  # before anything changes: a nested window would clear the open one
+            self.check_idle()
         if self.model.training and "batchnorm" not in self.state.warned and self.state.warn_once("batchnorm"):
             names = training_batchnorms(self.model)
             if names:
@@ -172,6 +255,7 @@ class Window:
         self.reduces_last = ctx.sync.reduces_across_ranks and not request.defer  # the last backward reduces
         self._plain = _MicroBatch(self, False)  # every micro-batch's context where it enters none (until closed)
         self._r: Optional[float] = None  # R once fixed for this window (it does not change after)
+        self._per_item: Optional[float] = None  # W / R, the weight of one item, once R is fixed
         self._size: Optional[int] = None  # micro_batches, once the window has opened
 
     # -- opening ---------------------------------------------------------------------------------
@@ -182,10 +266,12 @@ class Window:
         ctx.grads.open()
         try:
             ctx.boundary.check_scheduler()
-            self.setup = ctx.ranks.open(self.request)
-            self._size = self.micro_batches
-            if self.setup.counted is None:  # else at the first backward, when the ranks' count arrives
-                self.weights  # noqa: B018 - opens the weighting now
+            setup = self.setup = ctx.ranks.open(self.request)
+            n = self.request.micro_batches
+            self._size = None if n is None else n + setup.padding
+            if setup.counted is None:  # else at the first backward, when the ranks' count arrives
+                self._weights = WindowWeights(ctx.state, ctx.sync.grad_divisor, reference=setup.reference)
+                self._r = self._weights.reference  # None: fixed by the first backward (fix_reference)
         except BaseException:
             self._close()
             raise
@@ -255,14 +341,21 @@ class Window:
         if current is None or self.done != self.entered_at or self.reduced or type(loss) is not torch.Tensor \
                 or loss.dim() or not loss.requires_grad:  # the common scalar loss in its block passes straight on
             loss = _checked(self, loss)
-        if not (type(num_items) is int and num_items > 0):  # a mean over no item (nan) cleaned to 0
+        counted = type(num_items) is int and num_items > 0
+        if not counted:  # a mean over no item (nan) cleaned to 0
             loss = clean_mean(loss, num_items)
-        if self._r is None:
+        per_item = self._per_item
+        if per_item is None:  # W / R, once R is fixed (known as the window opened, else by this first backward)
             self.fix_reference(num_items)
-        weights = self._weights if self._weights is not None else self.weights
-        weighted = loss * weights.mean_weight(num_items, loss.dtype)
+            per_item = self._per_item = self.weights.sum_weight()
+        # the mean weight n_k * W / R (WindowWeights.mean_weight), here for a Python count without a call
+        weighted = loss * (num_items * per_item if counted else self.weights.mean_weight(num_items, loss.dtype))
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        self._backprop(weighted, num_items)
+        if counted and self.ctx.direct:  # one process in fp32: the seam's backward, with nothing around it
+            self.ctx.backward(weighted)
+            self.done += 1
+        else:
+            self._backprop(weighted, num_items)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
         """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
@@ -282,6 +375,45 @@ class Window:
         with torch.autocast(device_type=self.ctx.device.type, enabled=False):
             torch.autograd.backward(list(outputs), list(grads))
         self.done += 1
+
+    def run(self, loss_fn: Callable[..., Any], micro_batches: List[Any], counts: Any, *, flush: Sequence[Any] = (),
+            catch_oom: bool = False) -> bool:
+        """Every micro-batch's forward through ``loss_fn(model, micro_batch)`` and its weighted backward, in
+        its block (``flush``: zero-weight micro-batches first, the out-of-memory back-off's), then the
+        zero-weight padding the ranks ask of this rank. ``counts`` (a :class:`~gradaccum.batching.Counts`)
+        holds each micro-batch's items counted up front, by which a bare mean loss is weighed; a
+        ``(mean, count)`` pair brings its own. Returns False where ``catch_oom`` caught an out-of-memory
+        error (the caller drops the window once the ranks agree)."""
+        model, oom, switches = self.ctx.model, False, self.ctx.switches
+        try:
+            for mb in flush:
+                with self.micro_batch():
+                    self.backward_padding(split_loss_output(loss_fn(model, mb), 0)[0])
+            for mb, count in zip(micro_batches, counts.each):
+                if not switches:  # nothing to switch around it: the block is only its bookkeeping, done here
+                    self.current, self.entered_at = self._plain, self.done
+                with self.micro_batch() if switches else _NOTHING:
+                    out = loss_fn(model, mb)
+                    if type(out) is torch.Tensor:  # a bare mean loss, weighed by the count known up front
+                        if counts.unchecked is not None:
+                            counts.weigh_bare_mean()
+                        self.backward(out, count)
+                    else:
+                        loss, counted = split_loss_output(out, count)
+                        self.backward(loss, counted, from_loss_fn=isinstance(out, (tuple, list)))
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error to catch
+            if not (catch_oom and is_out_of_memory(error)):
+                raise
+            oom = True
+        self.current = None
+        if micro_batches and self.ctx.sync.shares_windows:
+            self.ctx.state.padding_batch = micro_batches[-1]  # to pad a later window where this rank has none
+        if oom:
+            return False
+        for _ in range(self.setup.padding):  # type: ignore[union-attr] # what the ranks' counts ask of this rank
+            with self.micro_batch():
+                self.backward_padding(split_loss_output(loss_fn(model, self.ctx.state.padding_batch), 0)[0])
+        return True
 
     def _backprop(self, weighted: torch.Tensor, num_items: Count = 1, *, autocast_off: bool = False) -> None:
         """One micro-batch's backward of its weighted loss, counted as done. On one process in fp32 the

@@ -41,15 +41,17 @@ from ._accum_dtype import LowPrecisionWarning, driver_buffers, warn_low_precisio
 from ._autosize import AutoMicroBatch
 from ._boundary import Boundary
 from ._checks import Count
-from ._gradients import Gradients
+from ._boundary import Gradients
 from ._ranks import RankAgreement, Rules, Request
 from ._resume import Resumable
 from ._settings import Settings, check_loss_call, check_train_micro_batch_size, check_training_objects
 from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
-from ._run import CountFn, LossFn, count_items, run_auto, run_window
+from ._cached import WindowLoss
+from ._run import LossFn, run_auto, run_window
 from ._window import OpenWindow, Window, Parts
-from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size, leading_dim
+from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items, leading_dim
+from .moe import MoELoss
 from .precision import MixedPrecision
 from .result import StepResult
 from .schedule import AccumSteps
@@ -170,19 +172,23 @@ class Accumulator(Resumable):
                 (a Hugging Face model's ``outputs.loss`` on padded batches: a mean over targets) is
                 refused before the first backward, with the fix.
         """
-        self.context.slot.check_idle()
+        ctx = self.context
+        ctx.slot.check_idle()
         check_micro_batch_size(micro_batch_size)
         check_loss_call(self.sync, loss_fn, num_items, micro_batch_size)
         if micro_batch_size == "auto":
-            return run_auto(self.context, self.auto, window, loss_fn, num_items)
+            return run_auto(ctx, self.auto, window, loss_fn, num_items)
         micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
                                          allow_empty=self.sync.allows_empty_share)
         if micro_batch_size is not None and micro_batches:  # the size used: the batch's own where it is smaller
             micro_batch_size = leading_dim(micro_batches[0])
-        result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items),
-                            micro_batch_size=micro_batch_size)
-        assert result is not None
-        return result
+        counts = count_items(micro_batches, num_items)
+        if isinstance(loss_fn, (WindowLoss, MoELoss)):  # a loss that runs its window its own way
+            return run_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size)  # type: ignore
+        request = Request(len(micro_batches), counts.total, can_pad=ctx.ranks.can_pad(bool(micro_batches)))
+        with Window(ctx, request, micro_batch_size=micro_batch_size) as opened:
+            opened.run(loss_fn, micro_batches, counts)
+            return opened.step()
 
     def window(self, micro_batches: Optional[int] = None, *, num_items: Optional[Count] = None,
                micro_batch_size: Optional[Any] = None, pad: bool = False) -> Window:

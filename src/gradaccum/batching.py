@@ -11,10 +11,12 @@ unchanged. Splitting returns views (``torch.split``), so no data is copied.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
+from ._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, padded_rows_refusal
 from ._maths import ceil_div
 from .errors import ConfigurationError, SplitError
 
@@ -22,7 +24,7 @@ from .errors import ConfigurationError, SplitError
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["Batch", "leaves", "rebuild", "tensors", "first_tensor", "leading_dim", "split_batch", "concat_batches",
+__all__ = ["Batch", "CountFn", "Counts", "count_items", "PADDED_ROWS_FIX", "leaves", "rebuild", "tensors", "first_tensor", "leading_dim", "split_batch", "concat_batches",
            "slice_batch", "check_micro_batch_size", "as_micro_batches"]
 
 
@@ -228,3 +230,50 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
     if not micro_batches and not allow_empty:
         raise SplitError("window is empty (0 micro-batches); pass at least one micro-batch")
     return micro_batches  # leading dimensions are checked when the Accumulator counts the items
+
+
+# -- what each micro-batch's mean loss is over, counted before any forward ------------------------------
+
+#: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward; or
+#: ``"rows"``: a bare mean loss is over the micro-batch's rows (dim 0), declared so
+CountFn = Union[Callable[[Batch], Count], str]
+#: what a bare mean loss weighed by rows, undeclared, on padded labels is told to do instead
+PADDED_ROWS_FIX = ("Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a causal LM; "
+                   "shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
+                   "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, "
+                   "say so: num_items='rows'")
+
+
+@dataclass
+class Counts:
+    """Each micro-batch's item count before any forward, and their sum (a tensor count is read once,
+    here: one host synchronisation per tensor). ``unchecked``: micro-batches counted by their rows
+    without ``num_items``, until a bare mean loss meets them (:meth:`weigh_bare_mean`)."""
+
+    each: List[Count]
+    total: float
+    unchecked: Optional[List[Batch]] = None
+
+    def weigh_bare_mean(self) -> None:
+        """Before a bare mean loss is weighed by rows nobody declared: refused where the labels hold
+        -100, whose mean is over targets (checked once per window, before its first backward)."""
+        batches, self.unchecked = self.unchecked, None
+        if batches and holds_ignored_labels(batches):
+            raise padded_rows_refusal("Accumulator", PADDED_ROWS_FIX)
+
+
+def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Counts:
+    """What a bare mean loss is weighted by: the leading dimension (``count_fn`` None or ``"rows"``),
+    or the ``num_items`` counter. Every micro-batch's leading dimensions are checked here, before
+    anything runs."""
+    try:
+        each: List[Count] = [leading_dim(mb) for mb in micro_batches]
+    except SplitError:  # said again naming the micro-batch (the name is built only for the error)
+        for i, mb in enumerate(micro_batches):
+            leading_dim(mb, argument=f"window[{i}]")
+        raise
+    if count_fn is None or count_fn == ROWS:
+        labelled = count_fn is None and any(isinstance(mb, Mapping) and "labels" in mb for mb in micro_batches)
+        return Counts(each, float(sum(each)), micro_batches if labelled else None)  # ints: no count to read
+    each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]  # type: ignore[operator]
+    return Counts(each, float(sum(as_number(c) for c in each)))
