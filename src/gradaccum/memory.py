@@ -69,8 +69,9 @@ class PeakMeter:
     def __init__(self, device: DeviceLike = "cpu") -> None:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
-            raise ConfigurationError(f"PeakMeter measures 'cpu' or 'cuda' devices, got device={str(device)!r}; on other "
-                                     "devices read the backend's own counters (e.g. torch.mps.current_allocated_memory)")
+            raise ConfigurationError(f"PeakMeter measures 'cpu' or 'cuda' devices, got device={str(device)!r}; on "
+                                     "other devices read the backend's own counters (e.g. "
+                                     "torch.mps.current_allocated_memory)")
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigurationError(f"PeakMeter(device={str(device)!r}): CUDA is not available here; use 'cpu'")

@@ -98,8 +98,8 @@ class WindowSampler(Sampler[List[int]]):
         """The epoch's permutation of the dataset, as a list (made once per epoch, so cutting windows
         from it reads no tensor on the host; cached for the last epoch asked)."""
         if self._cached_order[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.dataset_size, generator=g).tolist() if self.shuffle else range(self.dataset_size)
+            n, g = self.dataset_size, torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(n, generator=g).tolist() if self.shuffle else range(n)
             self._cached_order = (epoch, list(order))
         return self._cached_order[1]
 
