@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ._gradients import AccumulationBuffers
-from ._maths import Verdict, clip_coefficient, tensor_norms, window_mean
+from ._maths import Verdict, clip_coefficient, count_dtype, tensor_norms, window_mean
 from ._state import AccumulatorState
 from ._weights import Closing, WindowWeights
 from .errors import ConfigurationError
@@ -31,11 +31,8 @@ from .precision import MixedPrecision
 from ._deepspeed import not_known_up_front
 from .sync import GradSync, full_tensor
 
-if TYPE_CHECKING:
-    from ._window import Tally
-
 __all__ = ["Totals", "Outcome", "Boundary", "InFlight", "Gradients", "ExchangeRow", "Exchanged", "total_norm",
-           "count_dtype", "read_on_host"]
+           "read_on_host"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 
@@ -52,7 +49,7 @@ class Totals(NamedTuple):
             had them); exchanged, so that every rank learns whether the next window counts first.
     """
 
-    tally: "Tally"
+    tally: Any  # this rank's gradaccum._window.Tally
     weights: WindowWeights
     ran: bool
     can_pad_next: bool = True
@@ -178,7 +175,9 @@ class Boundary:
         return stop
 
     def _row(self, totals: Totals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return pack_row(totals.tally, totals.tally.loss_sum_on(self.device), can_pad_next=totals.can_pad_next,
+        total = totals.tally.loss_sum  # zero for a rank that ran no micro-batch of its own
+        total = total if total is not None else torch.zeros((), dtype=totals.tally.dtype, device=self.device)
+        return pack_row(totals.tally, total, can_pad_next=totals.can_pad_next,
                         counted_first=totals.counted_first,
                         stop=self._stop_now(), square_norm=square_norm)
 
@@ -354,12 +353,6 @@ class Gradients:
             self.buffers.clear()
 
 
-def count_dtype(device: torch.device) -> torch.dtype:
-    """The dtype counts and loss sums are added in: float64, so that they do not round with the
-    model's dtype, except on MPS, which has none."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 class ExchangeRow(NamedTuple):
     """The boundary's all-reduce, position by position: what each rank adds; after the sum, what
     every rank reads. Flags are 1.0 or 0.0 per rank, so their sums count ranks."""
@@ -385,7 +378,7 @@ class Exchanged(NamedTuple):
     counted_first: bool  # every rank counted the window's items before its first backward
 
 
-def pack_row(tally: "Tally", loss_sum: torch.Tensor, *, can_pad_next: bool, stop: bool, counted_first: bool,
+def pack_row(tally: Any, loss_sum: torch.Tensor, *, can_pad_next: bool, stop: bool, counted_first: bool,
              square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's :class:`ExchangeRow` as one tensor on the loss sum's device and dtype."""
     items = loss_sum.new_tensor(tally.host_items)

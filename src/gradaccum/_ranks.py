@@ -58,7 +58,7 @@ from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ._checks import Count, as_number
-from ._boundary import count_dtype
+from ._maths import count_dtype
 from ._state import AccumulatorState
 from .batching import Batch, leading_dim
 from .errors import RankAgreementError

@@ -31,6 +31,7 @@ boundary multiplies by ``R / N``) are in :mod:`gradaccum._maths`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -46,9 +47,9 @@ from ._settings import Settings, check_training_objects
 from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
 from ._cached import WindowLoss, check_window_loss
-from ._checks import ROWS, Count
+from ._checks import ROWS, Count, training_batchnorms
 from ._run import LossFn, run_auto, run_window
-from ._window import OpenWindow, Window, Parts
+from ._window import Parts, Window
 from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
@@ -63,6 +64,42 @@ __all__ = ["Accumulator", "LowPrecisionWarning", "driver_buffers", "warn_low_pre
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
 Scheduler = Any
+
+
+class OpenWindow:
+    """At most one window is open per Accumulator; opening one clears stale gradients and warns
+    once about BatchNorm in training mode."""
+
+    def __init__(self, model: nn.Module, state: AccumulatorState) -> None:
+        self.model, self.state = model, state
+        self.window: Optional["Window"] = None
+
+    def check_idle(self) -> None:
+        if self.window is not None:
+            raise RuntimeError(
+                "a window is already open on this Accumulator: finish it with window.step() before "
+                "calling step(), train() or window() again (a nested window would drop the open "
+                "window's gradients)"
+            )
+
+    def enter(self, window: "Window") -> None:
+        if self.window is not None:  # before anything changes: a nested window would clear the open one
+            self.check_idle()
+        if self.model.training and "batchnorm" not in self.state.warned and self.state.warn_once("batchnorm"):
+            names = training_batchnorms(self.model)
+            if names:
+                warnings.warn(
+                    f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"
+                    f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
+                    "accumulation is not equivalent to one big batch. Check with "
+                    "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.",
+                    stacklevel=5,
+                )
+        self.window = window
+
+    def leave(self, window: "Window") -> None:
+        if self.window is window:
+            self.window = None
 
 
 class Accumulator(Resumable):
