@@ -333,7 +333,7 @@ class _SourceLoss:
 
     def training(self, window: DrivenWindow, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
         """``S_k * W / N`` (``sum_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
-        items, weight, part = self.items, window.weights.sum_weight(), None  # W / N (0 in a skipped window)
+        items, weight, part = self.items, window.item_weight, None  # W / N (0 in a skipped window)
         if self.trainer.own_loss is not None:  # a subclass's own mean over the head's items or the rows, declared
             loss, outputs = self.trainer_loss(model, inputs, return_outputs, None)
             loss = loss * window.weights.mean_weight(items.count(inputs) if items.source == "head" else items.rows(inputs))
