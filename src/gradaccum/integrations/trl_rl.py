@@ -205,6 +205,7 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
             self._metrics["train"]["aux_loss"].append(float(total))  # type: ignore[attr-defined]
         if not closing.steps:
             self._restore_entropy_controller()
+        super()._window_ends(closing)
 
 
 def _model_inputs(inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
