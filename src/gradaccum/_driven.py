@@ -74,6 +74,8 @@ class DrivenWindow:
                                                                       num_items=max(as_number(second_items), 1.0))
         #: the boundary's decision, known at the opening where N was counted first
         self.closing: Optional[Closing] = None if num_items is None else self.weights.close(num_items)
+        #: the window is known at its opening to take no step (N = 0)
+        self.skip = self.closing is not None and not self.closing.steps
         #: N, the window's items on every rank (counted first), and W / N, what one item's summed loss weighs
         #: (0 in a skipped window): asked by every micro-batch, computed once
         self.items = int(self.weights.num_items or 0)
@@ -83,11 +85,6 @@ class DrivenWindow:
         if buffers is not None:  # the window's bf16 gradients fold into float32 from here on
             buffers.clear()
             buffers.active = True
-
-    @property
-    def skip(self) -> bool:
-        """The window is known at its opening to take no step (N = 0)."""
-        return self.closing is not None and not self.closing.steps
 
     @property
     def last(self) -> bool:
