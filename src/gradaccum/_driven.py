@@ -6,8 +6,9 @@ The framework calls forward, backward, clipping and the optimizer; the driver (`
 1. **open** the window: the core's :class:`~gradaccum._weights.WindowWeights` (``num_items=N`` when the
    driver counted the window first, the running R otherwise), and the float32 buffers of the bf16/fp16
    parameters' window gradient (:class:`~gradaccum._gradients.AccumulationBuffers`) cleared and folding;
-2. **weigh** each micro-batch (``weights.mean_weight``/``sum_weight``, or :meth:`DrivenWindow.weigh` on
-   the loss the framework backpropagates, with the guard of a micro-batch of 0 items), counting what ran;
+2. **weigh** each micro-batch (``weights.mean_weight``, ``item_weight`` = ``sum_weight``, or
+   :meth:`DrivenWindow.weigh` on the loss the framework backpropagates, with the guard of a micro-batch of
+   0 items), counting what ran;
 3. at the **boundary**, before the framework clips and steps: :meth:`DrivenWindow.close` decides (step,
    or skip a window of no item), stops the buffers folding and, for a step, hands the framework the
    window's gradient at its scale ``R / N``: the buffers multiplied in float32 and rounded once into

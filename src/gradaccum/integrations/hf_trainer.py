@@ -332,7 +332,7 @@ class _SourceLoss:
         self.sft_factor = trainer.grad_divisor if trainer.args.average_tokens_across_devices else 1.0
 
     def training(self, window: DrivenWindow, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
-        """``S_k * W / N`` (``sum_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
+        """``S_k * W / N`` (``item_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
         items, weight, part = self.items, window.item_weight, None  # W / N (0 in a skipped window)
         if self.trainer.own_loss is not None:  # a subclass's own mean over the head's items or the rows, declared
             loss, outputs = self.trainer_loss(model, inputs, return_outputs, None)
