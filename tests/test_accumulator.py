@@ -495,7 +495,7 @@ def test_token_counted_windows_keep_the_backward_near_a_mean_loss():
     assert acc.state.count_ratio == first.num_items / 4  # tokens per sequence in window 1
     weights = []
     with acc.window(2, num_items=4) as w:  # 4 sequences up front, as step() would count them
-        weights.append(w.reference)
+        weights.append(w.weights.reference)
         for mb in windows[1]:
             with w.micro_batch():
                 w.backward(*lm_loss(model, mb))

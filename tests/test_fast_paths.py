@@ -1,7 +1,7 @@
 """The window's fast paths (one process, fp32, int counts, a bare mean loss) give what the general paths give.
 
 Section 1 of ``make bench`` times a window whose micro-batches take the short way through
-:class:`gradaccum._window.Window` and :class:`gradaccum._exchange.Tally`: an int count accepted as it is,
+:class:`gradaccum._window.Window` and :class:`gradaccum._window.Tally`: an int count accepted as it is,
 a plain scalar loss, one shared micro-batch context, the backward through the seam directly, the loss sum
 read on the host. Each test runs the same window down the general path beside it (a float or tensor count,
 a ``(mean, count)`` pair, a hand-written window) and against the float64 big batch.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gradaccum import Accumulator
-from gradaccum._exchange import Tally
+from gradaccum._window import Tally
 from helpers import (RTOL, assert_params_close, clone_pair, concat, make_optimizer, mse, reference_step, regression_batch,
                      regression_model)
 

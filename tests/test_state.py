@@ -167,7 +167,7 @@ def test_a_window_learns_r_and_the_count_source_into_the_state():
     with acc.window(1) as w:  # no count up front: R fixed by the first backward, kept in the state
         with w.micro_batch():
             w.backward(mse(model, regression_batch(6)), num_items=6)
-        assert w.reference == 6.0 == acc.state.reference
+        assert w.weights.reference == 6.0 == acc.state.reference
         w.step()
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read; at run time 
     from ._cached import Constant, WindowLoss
     from .moe import MoELoss, MoEOutput
     from ._state import AccumulatorState
-    from ._run import is_out_of_memory
+    from ._autosize import is_out_of_memory
     from ._window import Window
     from .accumulator import Accumulator
     from .batching import split_batch
@@ -35,13 +35,12 @@ __version__ = "0.1.0"
 #: command line (``gradaccum.cli``) is running, and catching a Ctrl-C, before torch's import begins.
 _HOMES = {
     "Accumulator": "accumulator", "AccumulatorState": "_state", "Window": "_window", "Constant": "_cached",
-    "WindowLoss": "_cached",
-    "is_out_of_memory": "_run", "split_batch": "batching", "EquivalenceReport": "checking",
-    "check_equivalence": "checking", "causal_lm_loss": "losses", "count_targets": "losses",
-    "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result", "WindowSampler": "sampler",
-    "AccumSchedule": "schedule", "num_steps": "schedule", "GradaccumError": "errors",
-    "ConfigurationError": "errors", "NotExactError": "errors", "SplitError": "errors", "RankAgreementError": "errors",
-    "ReplayError": "errors",
+    "WindowLoss": "_cached", "is_out_of_memory": "_autosize", "split_batch": "batching",
+    "EquivalenceReport": "checking", "check_equivalence": "checking", "causal_lm_loss": "losses",
+    "count_targets": "losses", "token_cross_entropy": "losses", "PeakMeter": "memory", "StepResult": "result",
+    "WindowSampler": "sampler",
+    "AccumSchedule": "schedule", "num_steps": "schedule", "GradaccumError": "errors", "ConfigurationError": "errors",
+    "NotExactError": "errors", "SplitError": "errors", "RankAgreementError": "errors", "ReplayError": "errors",
     "MoELoss": "moe", "MoEOutput": "moe", "PipelineWindow": "pipeline",
 }
 #: importable for code written against earlier versions, but not the API: ``AccumSchedule`` is how ``train``
@@ -61,31 +60,5 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list:
     return sorted(set(globals()) | set(_HOMES))
 
-__all__ = [
-    "Accumulator",
-    "AccumulatorState",
-    "ConfigurationError",
-    "Constant",
-    "EquivalenceReport",
-    "GradaccumError",
-    "MoELoss",
-    "MoEOutput",
-    "NotExactError",
-    "PeakMeter",
-    "PipelineWindow",
-    "RankAgreementError",
-    "ReplayError",
-    "SplitError",
-    "StepResult",
-    "Window",
-    "WindowLoss",
-    "WindowSampler",
-    "causal_lm_loss",
-    "check_equivalence",
-    "count_targets",
-    "is_out_of_memory",
-    "num_steps",
-    "split_batch",
-    "token_cross_entropy",
-    "__version__",
-]
+
+__all__ = sorted(name for name in _HOMES if name not in _NOT_IN_ALL) + ["__version__"]

@@ -23,10 +23,17 @@ from .result import StepResult
 from .sync import GradSync
 from .errors import ConfigurationError, SplitError
 
-__all__ = ["AutoMicroBatch"]
+__all__ = ["is_out_of_memory", "AutoMicroBatch"]
 
 #: ``attempt(micro_batches, size)`` -> the step, or None after an out-of-memory error on any rank
 Attempt = Callable[[List[Batch], int], Optional[StepResult]]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for CUDA's ``torch.OutOfMemoryError`` and the CPU allocator's "can't allocate memory"."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
 class AutoMicroBatch:

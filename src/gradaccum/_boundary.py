@@ -4,7 +4,7 @@ The formulas (the backward weight, R, the boundary scale, the clip coefficient, 
 :mod:`gradaccum._maths`; this module runs them in order. The gradient itself is reduced across ranks
 before the boundary, by DDP or FSDP2 inside the last micro-batch's backward (:mod:`gradaccum.sync`
 skips the reduction in the others). The window's all-reduce of ``(sum n_k L_k, N)`` and its flags
-(:class:`~gradaccum._exchange.ExchangeRow`) is launched before that last backward when it can be, so it
+(:class:`~gradaccum._boundary.ExchangeRow`) is launched before that last backward when it can be, so it
 overlaps it. At the boundary, in this order: unscale (fp16, once); on the first window under DDP, a
 check that the replicas' gradients agree (:func:`check_replicas`); the exchanged numbers read on the
 host (the window's one host synchronisation; under FSDP2 with a measured norm the all-reduce starts
@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ._exchange import Exchanged, ExchangeRow, Tally, pack_row, read_on_host
-from ._gradients import Gradients
-from ._maths import Verdict, clip_coefficient, tensor_norms, window_mean
+from ._gradients import AccumulationBuffers
+from ._maths import Verdict, clip_coefficient, count_dtype, tensor_norms, window_mean
 from ._state import AccumulatorState
 from ._weights import Closing, WindowWeights
 from .errors import ConfigurationError
@@ -32,7 +31,8 @@ from .precision import MixedPrecision
 from ._deepspeed import not_known_up_front
 from .sync import GradSync, full_tensor
 
-__all__ = ["Totals", "Outcome", "Boundary", "InFlight", "total_norm"]
+__all__ = ["Totals", "Outcome", "Boundary", "InFlight", "Gradients", "ExchangeRow", "Exchanged", "total_norm",
+           "read_on_host"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 
@@ -49,7 +49,7 @@ class Totals(NamedTuple):
             had them); exchanged, so that every rank learns whether the next window counts first.
     """
 
-    tally: Tally
+    tally: Any  # this rank's gradaccum._window.Tally
     weights: WindowWeights
     ran: bool
     can_pad_next: bool = True
@@ -114,13 +114,15 @@ class Boundary:
                 "scheduler.step() call, or do not pass scheduler= to the Accumulator")
 
     def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None) -> Outcome:
-        """Unscale, (compare the replicas once), read the exchanged numbers, measure, decide, clip,
-        step; the window's gradients are cleared after. ``in_flight`` is the all-reduce :meth:`launch`
-        started, if the window started it."""
+        """Unscale, (compare the replicas once), read the exchanged numbers, measure, decide, then scale
+        and clip in one pass and step (the seam's step: DeepSpeed's ``engine.step()``, the GradScaler's;
+        else the optimizer's), and the scheduler; the window's gradients are cleared after.
+        ``in_flight`` is the all-reduce :meth:`launch` started, if the window started it."""
         self.grads.close()
-        self.precision.unscale_(self.optimizer)
+        if self.precision.scaler is not None:
+            self.precision.unscale_(self.optimizer)
         first_check = self.sync.replicated_grads and not self.state.replicas_checked
-        # the gradient's tensors, where something reads them before the step (else _step lists them if it scales)
+        # the gradient's tensors, where something reads them before the step (else listed below if it scales)
         grads = self.grads.tensors() if self.measure or first_check else None
         if first_check:
             self.state.replicas_checked = True
@@ -130,18 +132,26 @@ class Boundary:
                 self.grads.clear()
                 raise
         told = self._exchanged(totals, grads, in_flight)
-        loss_sum = told.loss_sum
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        loss_sum, lr = told.loss_sum, float(self.optimizer.param_groups[0]["lr"])
         closing = totals.weights.close(told.num_items, loss_sum=loss_sum, raw_norm=told.raw_norm,
                                        nonfinite=self.nonfinite, has_scaler=self.precision.scaler is not None)
-        grad_norm = closing.grad_norm
-        stepped = False
+        grad_norm, stepped = closing.grad_norm, False
         try:
             if closing.steps:
                 if self.sync.needs_count_first and closing.scale != 1.0:
                     raise not_known_up_front(in_engine=True)  # loss_fn counted other items than those known up front
-                stepped, stepped_norm = self._step(grads, closing.scale * clip_coefficient(grad_norm, self.max_grad_norm),
-                                                   window_mean(loss_sum, told.num_items), totals.weights, closing)
+                coef = closing.scale * clip_coefficient(grad_norm, self.max_grad_norm)
+                if coef != 1.0:
+                    grads = self.grads.tensors() if grads is None else grads
+                    if grads:
+                        torch._foreach_mul_(grads, coef)
+                self.grads.write_back()
+                stepped_norm = None  # the norm a stepper measured itself (DeepSpeed), not finite where it skipped
+                if self.wrapped_step:
+                    stepped_norm = self.sync.step(self.optimizer, self.precision)
+                else:
+                    self.optimizer.step()
+                stepped = self._stepped(closing, totals.weights, stepped_norm, (loss_sum, told.num_items))
                 grad_norm = grad_norm if stepped_norm is None else stepped_norm
             else:
                 self._skip(closing, loss_sum, totals)
@@ -151,7 +161,7 @@ class Boundary:
                        told.peers_can_pad, told.stop, told.counts_from_loss_fn, told.counted_first)
 
     def launch(self, totals: Totals) -> "InFlight":
-        """Start the window's one all-reduce (an :class:`~gradaccum._exchange.ExchangeRow`) across ranks
+        """Start the window's one all-reduce (an :class:`~gradaccum._boundary.ExchangeRow`) across ranks
         without waiting: called after the last micro-batch's forward and before its backward, so it
         overlaps that backward and DDP's bucket all-reduce instead of adding a round trip after them.
         Every rank launches it at the same point of the same window, so collectives stay in order."""
@@ -165,7 +175,9 @@ class Boundary:
         return stop
 
     def _row(self, totals: Totals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return pack_row(totals.tally, totals.tally.loss_sum_on(self.device), can_pad_next=totals.can_pad_next,
+        total = totals.tally.loss_sum  # zero for a rank that ran no micro-batch of its own
+        total = total if total is not None else torch.zeros((), dtype=totals.tally.dtype, device=self.device)
+        return pack_row(totals.tally, total, can_pad_next=totals.can_pad_next,
                         counted_first=totals.counted_first,
                         stop=self._stop_now(), square_norm=square_norm)
 
@@ -198,32 +210,19 @@ class Boundary:
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counts_from_loss_fn > 0, told.counted_first >= self.sync.group_size)
 
-    def _step(self, grads: Optional[List[torch.Tensor]], coef: float, loss: float, weights: WindowWeights,
-              closing: Closing) -> Tuple[bool, Optional[float]]:
-        """Scale, step (the seam's step: the optimizer's, or DeepSpeed's ``engine.step()``), schedule.
-        Returns whether the step was taken, and the norm the step itself measured (DeepSpeed), else None."""
-        if coef != 1.0:
-            grads = self.grads.tensors() if grads is None else grads
-            if grads:
-                torch._foreach_mul_(grads, coef)
-        self.grads.write_back()
-        # the seam's step (DeepSpeed's engine.step(), the GradScaler's), or the optimizer's where neither adds one
-        stepped_norm = None
-        if self.wrapped_step:
-            stepped_norm = self.sync.step(self.optimizer, self.precision)
-        else:
-            self.optimizer.step()
-        applied = stepped_norm is None or math.isfinite(stepped_norm)  # else the stepper skipped it (DeepSpeed fp16)
+    def _stepped(self, closing: Closing, weights: WindowWeights, stepped_norm: Optional[float],
+                 loss: Tuple[float, float]) -> bool:
+        """After the step: counted (a step the stepper did not apply, DeepSpeed's fp16 overflow, counts as
+        skipped), then the scheduler, on steps applied only. Returns whether the step was applied."""
+        applied = stepped_norm is None or math.isfinite(stepped_norm)
         weights.record(closing, applied=applied)  # the step counted before the scheduler, which may raise after it
-        if not applied:
-            return False, stepped_norm
-        if self.scheduler is not None:
+        if applied and self.scheduler is not None:
             if self.steps_on_loss:
-                self.scheduler.step(loss)  # ReduceLROnPlateau: the window's loss is the metric
+                self.scheduler.step(window_mean(*loss))  # ReduceLROnPlateau: the window's loss is the metric
             else:
                 self.scheduler.step()
             self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
-        return True, stepped_norm
+        return applied
 
     def _skip(self, closing: Closing, loss_sum: float, totals: Totals) -> None:
         decision, grad_norm = closing.verdict, closing.grad_norm
@@ -308,3 +307,109 @@ def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
         else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     return full_tensor(norm)
+
+
+# -- the window's gradient, and what the ranks exchange at the boundary -------------------------------
+
+class Gradients:
+    """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
+        self.params = list(params)
+        self.buffers = buffers
+
+    def open(self) -> None:
+        """A window opens: stale gradients would leak into it."""
+        self.clear()
+        if self.buffers is not None:
+            self.buffers.active = True
+
+    def close(self) -> None:
+        if self.buffers is not None:
+            self.buffers.active = False
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The tensors holding the window's gradient (the buffers, or the ``.grad`` that exist)."""
+        if self.buffers is not None:
+            return self.buffers.tensors()
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def materialized(self) -> List[torch.Tensor]:
+        """Every parameter's ``.grad``, zeros where none was made (for an explicit reduction)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]  # type: ignore[misc]
+
+    def write_back(self) -> None:
+        """Before the optimizer step: buffers rounded once into ``.grad``."""
+        if self.buffers is not None:
+            self.buffers.write_grads_()
+
+    def clear(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.buffers is not None:
+            self.buffers.clear()
+
+
+class ExchangeRow(NamedTuple):
+    """The boundary's all-reduce, position by position: what each rank adds; after the sum, what
+    every rank reads. Flags are 1.0 or 0.0 per rank, so their sums count ranks."""
+
+    loss_sum: float            #: ``sum n_k L_k``
+    num_items: float           #: N
+    can_pad_next: float        #: ranks that can pad a later window (all of them: the group's size)
+    stop: float                #: ranks that asked to stop since the last boundary
+    counts_from_loss_fn: float  #: ranks whose loss_fn returned its own counts
+    counted_first: float       #: ranks that counted the window's items before its first backward
+    square_norm: float = math.nan  #: FSDP2: the shards' squared gradient norms, when measured
+
+
+class Exchanged(NamedTuple):
+    """What a boundary's all-reduce told every rank (on one process: the rank itself)."""
+
+    loss_sum: float
+    num_items: float
+    raw_norm: Optional[float]  # the reduced gradient's norm before the boundary scale, when measured
+    peers_can_pad: bool  # every rank has a micro-batch to pad a later window with
+    stop: bool  # some rank asked to stop
+    counts_from_loss_fn: bool  # some rank's loss_fn returned its own counts
+    counted_first: bool  # every rank counted the window's items before its first backward
+
+
+def pack_row(tally: Any, loss_sum: torch.Tensor, *, can_pad_next: bool, stop: bool, counted_first: bool,
+             square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's :class:`ExchangeRow` as one tensor on the loss sum's device and dtype."""
+    items = loss_sum.new_tensor(tally.host_items)
+    if tally.device_items is not None:
+        items = items + tally.device_items
+    flags = loss_sum.new_tensor([float(can_pad_next), float(stop), float(tally.counts_from_loss_fn), float(counted_first)])
+    row = torch.cat([torch.stack([loss_sum, items]), flags])
+    if square_norm is not None:
+        row = torch.cat([row, square_norm.to(row).reshape(1)])
+    return row
+
+
+def read_on_host(**parts: Optional[torch.Tensor]) -> Dict[str, List[float]]:
+    """Every tensor given (None ones skipped), as Python numbers by name, in one device-to-host copy.
+
+    >>> read_on_host(row=torch.tensor([1.0, 2.0]), norm=None, extra=torch.tensor(3.0))
+    {'row': [1.0, 2.0], 'extra': [3.0]}
+    >>> read_on_host(norm=None)
+    {}
+    """
+    named = [(name, t.reshape(-1)) for name, t in parts.items() if t is not None]
+    if len(named) == 1:
+        return {named[0][0]: named[0][1].tolist()}
+    if not named:
+        return {}
+    first = named[0][1]
+    dtype = first.dtype
+    for _, t in named[1:]:  # the widest of them (a bf16 loss read with a float32 norm stays float32)
+        dtype = torch.promote_types(dtype, t.dtype)
+    flat = torch.cat([t.to(device=first.device, dtype=dtype) for _, t in named]).tolist()
+    out, at = {}, 0
+    for name, t in named:
+        out[name], at = flat[at:at + t.numel()], at + t.numel()
+    return out

@@ -78,11 +78,6 @@ def as_number(count: Count) -> float:
     return float(count.item()) if isinstance(count, torch.Tensor) else float(count)
 
 
-def callable_loss_fn(loss_fn: Any) -> None:
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
-
-
 def split_loss_output(out: Any, count: Count) -> Tuple[Any, Count]:
     """``loss_fn``'s output -> (mean loss, item count). A bare loss counts ``count``: the micro-batch's
     leading dimension, or what a ``num_items`` counter said. The loss itself is checked by

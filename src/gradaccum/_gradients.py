@@ -12,13 +12,13 @@ parameter's dtype exactly once::
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List
 
 import torch
 
 from .errors import ConfigurationError
 
-__all__ = ["AccumulationBuffers", "Gradients"]
+__all__ = ["AccumulationBuffers"]
 
 
 class AccumulationBuffers:
@@ -58,45 +58,3 @@ class AccumulationBuffers:
 
     def clear(self) -> None:
         self._buffers.clear()
-
-
-class Gradients:
-    """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
-        self.params = list(params)
-        self.buffers = buffers
-
-    def open(self) -> None:
-        """A window opens: stale gradients would leak into it."""
-        self.clear()
-        if self.buffers is not None:
-            self.buffers.active = True
-
-    def close(self) -> None:
-        if self.buffers is not None:
-            self.buffers.active = False
-
-    def tensors(self) -> List[torch.Tensor]:
-        """The tensors holding the window's gradient (the buffers, or the ``.grad`` that exist)."""
-        if self.buffers is not None:
-            return self.buffers.tensors()
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def materialized(self) -> List[torch.Tensor]:
-        """Every parameter's ``.grad``, zeros where none was made (for an explicit reduction)."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]  # type: ignore[misc]
-
-    def write_back(self) -> None:
-        """Before the optimizer step: buffers rounded once into ``.grad``."""
-        if self.buffers is not None:
-            self.buffers.write_grads_()
-
-    def clear(self) -> None:
-        for p in self.params:
-            p.grad = None
-        if self.buffers is not None:
-            self.buffers.clear()

@@ -68,6 +68,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def count_dtype(device: torch.device) -> torch.dtype:
+    """The dtype counts and loss sums are added in: float64, so that they do not round with the
+    model's dtype, except on MPS, which has none."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, grad_divisor: float,
                     loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
     """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
@@ -80,7 +86,7 @@ def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, gr
     """
     if isinstance(num_items, torch.Tensor):
         return num_items.to(torch.promote_types(loss_dtype, torch.float32)) * (grad_divisor / reference)
-    return num_items * grad_divisor / reference
+    return num_items * (grad_divisor / reference)  # n_k times the weight of one item, as a tensor count
 
 
 def boundary_scale(reference: float, num_items: float) -> float:

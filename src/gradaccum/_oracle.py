@@ -1,9 +1,7 @@
 """The big batch that :func:`gradaccum.check_equivalence` compares with, computed independently of the code
 it checks: per micro-batch ``n_k * L_k`` backpropagated and one division by ``sum n_k`` in float64, not
-:mod:`gradaccum._maths`' weights; for a loss over the window (a :class:`~gradaccum.WindowLoss`, an
-:class:`~gradaccum.MoELoss`) the whole batch's loss backpropagated as it is (an MoE model's load-balancing
-loss written here from transformers' ``load_balancing_loss_func``, :func:`balance_loss`), and the
-Accumulator's own window on the split, read just before its optimizer step.
+:mod:`gradaccum._maths`' weights; a loss over the window is backpropagated whole on the batch, and run
+through the Accumulator's own window on the split.
 """
 
 from __future__ import annotations
@@ -22,16 +20,6 @@ from .batching import Batch, concat_batches, leading_dim
 from .moe import MoELoss
 
 __all__ = ["MicroBatchFailed", "window_grads", "balance_loss"]
-
-
-def checked_loss(out: Any, micro_batch: Batch, num_items: Any) -> Tuple[torch.Tensor, Any]:
-    """``loss_fn``'s output under the Accumulator's contract (a bare loss counts ``num_items(micro_batch)``,
-    else its rows), or an error that says the fix."""
-    rows = num_items is None or num_items == ROWS
-    loss, n = split_loss_output(out, leading_dim(micro_batch) if rows else
-                                item_count("num_items(micro_batch)", num_items(micro_batch)))
-    return scalar_loss(loss, subject="loss_fn must return a scalar loss",
-                       where="loss_fn (check_equivalence compares gradients)"), n
 
 
 class MicroBatchFailed(Exception):
@@ -56,8 +44,11 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
             out = loss_fn(model, mb)
         except Exception as e:  # noqa: BLE001 - which micro-batch failed decides whose fault it is
             raise MicroBatchFailed(index, leading_dim(mb), e) from e
-        bare = type(out) is torch.Tensor
-        loss, n = checked_loss(out, mb, num_items)
+        bare = type(out) is torch.Tensor  # under the Accumulator's contract: a bare loss counts num_items(mb), or rows
+        loss, n = split_loss_output(out, leading_dim(mb) if num_items is None or num_items == ROWS else
+                                    item_count("num_items(micro_batch)", num_items(mb)))
+        loss = scalar_loss(loss, subject="loss_fn must return a scalar loss",
+                           where="loss_fn (check_equivalence compares gradients)")
         (loss * n).backward()
         loss_sum += float(loss.detach()) * float(n)
         items += float(n)
@@ -67,10 +58,8 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
 
 
 def coupled_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
-    """A loss over the window (a :class:`~gradaccum.WindowLoss`, an :class:`~gradaccum.MoELoss`): on the
-    whole batch the oracle, its loss backpropagated as it is (an MoELoss: its token loss plus ``coef``
-    times the whole batch's load-balancing loss, :func:`balance_loss`); on a split, the Accumulator's
-    own path (:func:`accumulated_grads`)."""
+    """A loss over the window (WindowLoss, MoELoss): on the whole batch, its loss backpropagated as it is
+    (an MoELoss's token loss plus ``coef`` times :func:`balance_loss`); on a split, :func:`accumulated_grads`."""
     if len(micro_batches) > 1:
         return accumulated_grads(model, loss_fn, micro_batches)
     batch = micro_batches[0]

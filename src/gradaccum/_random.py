@@ -1,11 +1,7 @@
 """The two-pass methods' one replay: a micro-batch's forward run twice, drawing the same random numbers.
 
-:class:`~gradaccum.WindowLoss` (pass 1 caches the representations, pass 2 backpropagates them) and
-:class:`~gradaccum.MoELoss` (a counting forward, then the training forward), in every driver, run each
-micro-batch's forward twice. A :class:`Replay` saves the random state before each first forward
-(dropout, router jitter), restores it before the second, compares what the two forwards gave, refuses
-the window on every rank where they differ (:func:`gradaccum.errors.replay_differs`), and at the end
-puts back the state pass 1 left, so the window draws its random numbers once.
+:class:`~gradaccum.WindowLoss` (cached passes) and :class:`~gradaccum.MoELoss` (a counting forward, then
+the training forward), in every driver, run each micro-batch's forward twice through a :class:`Replay`.
 """
 
 from __future__ import annotations
@@ -59,15 +55,12 @@ class Replay:
         self.differs = torch.zeros((), dtype=torch.bool, device=device)
 
     def save(self) -> None:
-        """Before micro-batch ``len(states)``'s first forward: the random state it starts from."""
         self.states.append(RandomState(self.device))
 
     def saved_all(self) -> None:
-        """After pass 1: the random state the window goes on from."""
         self.end = RandomState(self.device)
 
     def replay(self, k: int) -> None:
-        """Micro-batch k's random state, as its first forward found it."""
         self.states[k].restore()
 
     def compare(self, again: Sequence[torch.Tensor], first: Sequence[torch.Tensor]) -> None:

@@ -58,7 +58,7 @@ from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ._checks import Count, as_number
-from ._exchange import count_dtype
+from ._maths import count_dtype
 from ._state import AccumulatorState
 from .batching import Batch, leading_dim
 from .errors import RankAgreementError
@@ -211,7 +211,7 @@ def local_plan(state: AccumulatorState, rules: Rules, request: Request) -> Optio
     n = request.micro_batches
     assert n is not None, "a window opened without a size has no plan"
     if not rules.shares_windows:
-        return Plan(n, n, n, None if request.items is None else as_number(request.items))
+        return Plan(n, n, n, None if request.items is None else float(request.items))
     if rules.needs_equal_counts or not request.can_pad or not state.peers_can_pad:
         return None
     return Plan(n, max(n, 1), n, None)  # DDP: at least one forward, a repeat where none
@@ -293,7 +293,7 @@ class RankAgreement:
             plan = (local_plan(self.state, self.rules, request)
                     or self.agree(request.micro_batches, request.items, request.can_pad))
         setup = window_setup(self.state, self.rules, request, plan)
-        if self.counts_first(plan):  # every rank reads N at its first backward
+        if self.rules.shares_windows and self.counts_first(plan):  # every rank reads N at its first backward
             setup = setup._replace(counted=CountedFirst(self.sync, self.device, request.items))
         return setup
 

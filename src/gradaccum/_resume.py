@@ -1,7 +1,5 @@
 """Where training stands and what resuming needs: the :class:`~gradaccum.Accumulator`'s views of
-``acc.state`` (:class:`~gradaccum._state.AccumulatorState`, the one owner of every fact one window
-teaches the next) and its ``state_dict`` / ``load_state_dict``, derived from that state and the
-loss scaler. Nothing here keeps a value of its own."""
+``acc.state`` and its ``state_dict`` / ``load_state_dict``. Nothing here keeps a value of its own."""
 
 from __future__ import annotations
 

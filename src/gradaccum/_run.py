@@ -1,17 +1,15 @@
-"""The one entry point that runs a list of micro-batches through a ``loss_fn`` and steps once.
+"""The window of ``Accumulator.train`` and the out-of-memory back-off, and of the losses that run their own.
 
-``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off all call :func:`run_window`:
-it counts the micro-batches' items before any forward, opens a :class:`~gradaccum._window.Window`,
-runs each micro-batch's forward and weighted backward (and the zero-weight padding the ranks need),
-and steps. A :class:`~gradaccum.WindowLoss`, whose loss couples the window's items, runs through
-:func:`gradaccum._cached.run_cached_window` instead, and an exact :class:`~gradaccum.MoELoss` (its
-router's load balancing over the whole window) through :func:`gradaccum.moe.run_moe_window`.
+``Accumulator.step`` opens its :class:`~gradaccum._window.Window` itself and runs it
+(:meth:`~gradaccum._window.Window.run`, then ``step``). :func:`run_window` does the same for
+``Accumulator.train`` and :func:`run_auto` (``micro_batch_size="auto"``), with the out-of-memory back-off's
+deferred reduction and first forward, and hands a :class:`~gradaccum.WindowLoss` (a loss that couples the
+window's items) to :func:`gradaccum._cached.run_cached_window` and an exact :class:`~gradaccum.MoELoss`
+(its router's load balancing over the whole window) to :func:`gradaccum.moe.run_moe_window`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
@@ -19,89 +17,18 @@ from torch import nn
 
 from ._autosize import AutoMicroBatch
 from ._cached import WindowLoss, run_cached_window
-from ._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, padded_rows_refusal, split_loss_output
+from ._checks import Count
 from ._ranks import Plan, Request
-from ._window import Window, Parts
+from ._window import Parts, Window
+from .batching import Batch, CountFn, Counts, count_items, split_batch
 from .moe import MoELoss, run_moe_window
-from .batching import Batch, leading_dim, split_batch
-from .errors import SplitError
 from .result import StepResult
 
-__all__ = ["LossFn", "CountFn", "is_out_of_memory", "Counts", "count_items", "run_window", "run_auto"]
+__all__ = ["LossFn", "run_window", "run_auto"]
 
 #: ``loss_fn(model, micro_batch)`` -> the mean loss over the micro-batch's items, or ``(mean, count)``;
 #: or a :class:`~gradaccum.WindowLoss`, for a loss over the whole window
 LossFn = Union[Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tensor, Count]]], WindowLoss]
-#: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward; or
-#: ``"rows"``: a bare mean loss is over the micro-batch's rows (dim 0), declared so
-CountFn = Union[Callable[[Batch], Count], str]
-#: what a bare mean loss weighed by rows, undeclared, on padded labels is told to do instead
-PADDED_ROWS_FIX = ("Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a causal LM; "
-                   "shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
-                   "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, "
-                   "say so: num_items='rows'")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for CUDA's ``torch.OutOfMemoryError`` and the CPU allocator's "can't allocate memory"."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
-
-
-
-@dataclass
-class Counts:
-    """Each micro-batch's item count before any forward, and their sum (a tensor count is read once,
-    here: one host synchronisation per tensor). ``unchecked``: micro-batches counted by their rows
-    without ``num_items``, until a bare mean loss meets them (:meth:`weigh_bare_mean`)."""
-
-    each: List[Count]
-    total: float
-    unchecked: Optional[List[Batch]] = None
-
-    def weigh_bare_mean(self) -> None:
-        """Before a bare mean loss is weighed by rows nobody declared: refused where the labels hold
-        -100, whose mean is over targets (checked once per window, before its first backward)."""
-        batches, self.unchecked = self.unchecked, None
-        if batches and holds_ignored_labels(batches):
-            raise padded_rows_refusal("Accumulator", PADDED_ROWS_FIX)
-
-
-def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn]) -> Counts:
-    """What a bare mean loss is weighted by: the leading dimension (``count_fn`` None or ``"rows"``),
-    or the ``num_items`` counter. Every micro-batch's leading dimensions are checked here, before
-    anything runs."""
-    try:
-        each: List[Count] = [leading_dim(mb) for mb in micro_batches]
-    except SplitError:  # said again naming the micro-batch (the name is built only for the error)
-        for i, mb in enumerate(micro_batches):
-            leading_dim(mb, argument=f"window[{i}]")
-        raise
-    if count_fn is None or count_fn == ROWS:
-        labelled = count_fn is None and any(isinstance(mb, Mapping) and "labels" in mb for mb in micro_batches)
-        return Counts(each, float(sum(each)), micro_batches if labelled else None)  # ints: no count to read
-    each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]  # type: ignore[operator]
-    return Counts(each, float(sum(as_number(c) for c in each)))
-
-
-def _backward(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch, count: Count, counts: Counts) -> None:
-    """One micro-batch's forward through ``loss_fn`` and its weighted backward, inside its block."""
-    with window.micro_batch():
-        out = loss_fn(window.ctx.model, micro_batch)
-        if type(out) is torch.Tensor:  # a bare mean loss, weighed by the count known up front
-            if counts.unchecked is not None:
-                counts.weigh_bare_mean()
-            window.backward(out, count)
-            return
-        loss, counted = split_loss_output(out, count)
-        window.backward(loss, counted, from_loss_fn=isinstance(out, (tuple, list)))
-
-
-def _backward_padding(window: Window, loss_fn: Callable[..., Any], micro_batch: Batch) -> None:
-    """A zero-weight micro-batch (the flush, or the padding the ranks ask for), inside its block."""
-    with window.micro_batch():
-        window.backward_padding(split_loss_output(loss_fn(window.ctx.model, micro_batch), 0)[0])
 
 
 def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
@@ -110,6 +37,7 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
     """Forward/backward every micro-batch (and the padding the ranks need), then step. With
     ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank has
     agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
+    ctx.slot.check_idle()  # before a two-pass loss's first pass: a window still open is refused first
     if isinstance(loss_fn, WindowLoss):
         return run_cached_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, plan=plan)
     if isinstance(loss_fn, MoELoss):
@@ -123,28 +51,13 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
     # out-of-memory error before a rank's forward cannot leave its peers waiting there
     flush = ([split_batch(micro_batches[0], 1)[0]]
              if defer and ctx.sync.collectives_in_forward and micro_batches else [])
-    ranks = ctx.ranks
-    request = Request(len(flush) + len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)),
-                            defer=defer, plan=plan, flush=len(flush))
+    request = Request(len(flush) + len(micro_batches), counts.total, can_pad=ctx.ranks.can_pad(bool(micro_batches)),
+                      defer=defer, plan=plan, flush=len(flush))
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
-        oom = False
-        try:
-            for mb in flush:
-                _backward_padding(window, loss_fn, mb)
-            for mb, count in zip(micro_batches, counts.each):
-                _backward(window, loss_fn, mb, count, counts)
-        except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM we handle
-            if not (catch_oom and is_out_of_memory(error)):
-                raise
-            oom = True
-        if micro_batches:
-            ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
-        if not oom:
-            for _ in range(window.padding):  # what the ranks' counts ask of this rank
-                _backward_padding(window, loss_fn, ctx.state.padding_batch)
+        ran = window.run(loss_fn, micro_batches, counts, flush=flush, catch_oom=catch_oom)
         if defer:
-            oom = ctx.sync.any_rank(oom, ctx.device)
-        if oom:
+            ran = not ctx.sync.any_rank(not ran, ctx.device)
+        if not ran:
             window.abandon()
             return None
         return window.step()

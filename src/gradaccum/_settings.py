@@ -2,9 +2,9 @@
 
 * :class:`Settings`: its keyword settings, a frozen dataclass checked as it is made;
 * :func:`check_training_objects`: the model, optimizer and scheduler (a DeepSpeed engine's through
-  :func:`gradaccum._deepspeed.check_engine_arguments`), returning the trainable parameters;
-* :func:`check_loss_call`: what ``step``/``train`` are given to run (``loss_fn``, ``num_items``,
-  ``micro_batch_size``), before any forward.
+  :func:`gradaccum._deepspeed.check_engine_arguments`), returning the trainable parameters.
+
+What ``step``/``train`` are given to run is checked by the Accumulator itself, before any forward.
 
 Each refusal names the argument, the value and the fix (``precision`` is checked by
 :class:`~gradaccum.precision.MixedPrecision`, ``data_parallel`` by :func:`gradaccum.sync.sync_for`).
@@ -19,14 +19,12 @@ import torch
 from torch import nn
 
 from ._accum_dtype import AccumDtype, check_accum_dtype
-from ._cached import WindowLoss, check_window_loss
-from ._checks import ROWS, callable_loss_fn, positive_number
+from ._checks import positive_number
 from ._deepspeed import check_engine_arguments, deepspeed_engine
 from .errors import ConfigurationError, NotExactError
-from .moe import MoELoss, check_moe_loss
 from .sync import GradSync, refuse_pipeline
 
-__all__ = ["NONFINITE", "Settings", "check_training_objects", "check_loss_call", "check_train_micro_batch_size"]
+__all__ = ["NONFINITE", "Settings", "check_training_objects"]
 
 #: ``nonfinite=``: skip a window whose loss or gradient is not finite, or raise
 NONFINITE = ("skip", "raise")
@@ -141,33 +139,3 @@ def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
 
 
 # -- each call's loss: before any forward ------------------------------------------------------------
-
-def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
-    """``step``/``train``'s ``loss_fn`` with its ``num_items`` and ``micro_batch_size``: a
-    :class:`~gradaccum.WindowLoss` or :class:`~gradaccum.MoELoss` by its own rules, else a callable
-    with a ``num_items`` function or None; neither two-pass loss around a DeepSpeed engine."""
-    if isinstance(loss_fn, WindowLoss):
-        check_window_loss(num_items, micro_batch_size)
-    elif isinstance(loss_fn, MoELoss):
-        check_moe_loss(loss_fn, num_items, micro_batch_size)
-    else:
-        callable_loss_fn(loss_fn)
-        if num_items is not None and num_items != ROWS and not callable(num_items):
-            raise TypeError(f"num_items must be a function micro_batch -> count or 'rows', got {num_items!r}; "
-                            "pass counts of a hand-written loop to window.backward(loss, num_items=...)")
-    # a WindowLoss's cached passes and an exact MoELoss's counting pass run forwards and backwards of
-    # their own (the unwrapped module, torch.autograd.backward) that a DeepSpeed engine would not see
-    two_pass = isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")
-    if sync.owns_step and two_pass:
-        raise NotExactError(
-            f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
-            "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
-            + ("" if isinstance(loss_fn, WindowLoss) else ", or use MoELoss(mode='micro_batch')"))
-
-
-def check_train_micro_batch_size(micro_batch_size: Any) -> None:
-    """``train(micro_batch_size=...)`` takes ``"auto"`` or None: the loader's batches are the micro-batches."""
-    if micro_batch_size not in (None, "auto"):
-        raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
-                                 "loader's batches are the micro-batches; use 'auto' to re-split each window on "
-                                 "out-of-memory errors")

@@ -1,16 +1,9 @@
 """What one window teaches the next, in one object: :class:`AccumulatorState`.
 
-Every fact that outlives a window lives here (the GradScaler's own state aside, which the scaler
-keeps and ``state_dict`` saves under ``"precision"``): not on the parts the Accumulator builds, not on
-the user's objects (a :class:`~gradaccum.WindowLoss` whose replay was checked is remembered here).
-Each field says which part changes it and when; most change at a window's boundary, a few when it
-opens (the scheduler's position, a warning), at its first backward (R) or at any time
-(``request_stop``).
-
-``Accumulator.state_dict()`` is derived from the fields marked *saved*, each with the converter its
-checkpoint value passes through, so a new field cannot be left out of a checkpoint, nor read back
-unchecked. The others start afresh in a new process (a restarted run learns them again in its first
-window); ``load_state_dict`` leaves them as they are.
+Every fact that outlives a window lives here (the GradScaler's own state aside), not on the parts the
+Accumulator builds nor on the user's objects. ``Accumulator.state_dict()`` is derived from the fields
+marked *saved*, each with the converter its checkpoint value passes through, so a new field cannot be
+left out of a checkpoint, nor read back unchecked; the others start afresh in a new process.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from ._autosize import AutoMicroBatch
 from ._checks import ROWS, non_negative_int
 from ._maths import ceil_div
 from ._ranks import Plan
-from ._run import CountFn, Counts, LossFn, count_items, run_auto, run_window
+from ._run import LossFn, run_auto, run_window
+from .batching import CountFn, Counts, count_items
 from ._window import Parts
 from .batching import Batch, concat_batches, slice_batch
 from .result import StepResult

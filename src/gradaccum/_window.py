@@ -1,39 +1,26 @@
 """One window: its micro-batches' forward and weighted backward, then one boundary.
 
-:class:`Window` owns what lives for one window only (its setup from the ranks, micro-batches done, the
-running tally of loss and items); :class:`Parts` is everything a window needs from its
-Accumulator, passed explicitly, the :class:`~gradaccum._state.AccumulatorState` (what windows teach
-each other) included. :func:`gradaccum._run.run_window` drives a Window through a ``loss_fn`` for
-``Accumulator.step``, ``Accumulator.train`` and the out-of-memory back-off; a hand-written loop drives
-it itself (``acc.window``). The weighting, the count's verdict and the skip are the one
-:class:`~gradaccum._weights.WindowWeights` every driver uses (ExactTrainer and Lightning's callback too).
-
-In the order a :class:`Window` runs: opening asks the ranks for its :class:`~gradaccum._ranks.Setup`
-(plan, R, padding; across ranks, where the plan does not carry N but the window's items were
-counted up front, the all-reduce that counts them first, read at the first backward: R = N); each
-``backward`` weighs its mean loss by ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`) into the
-:class:`~gradaccum._exchange.Tally`; before the backward that reduces across ranks the boundary's
-all-reduce starts (:meth:`Window._before_reduction`); ``step`` hands
-the tally to the :class:`~gradaccum._boundary.Boundary` and the ranks learn from it.
+:class:`Window` is what lives for one window (its setup from the ranks, the micro-batches done, the
+:class:`Tally` of loss and items); :class:`Parts` is what it needs from its Accumulator, passed
+explicitly. ``acc.step`` drives a window through ``loss_fn`` (:meth:`Window.run`), a hand-written loop
+drives it itself (``acc.window``); both end in ``step``, the boundary. docs/architecture.md walks one
+micro-batch through it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ._boundary import Boundary, InFlight, Outcome, Totals
-from ._checks import Count, item_count, positive_int, scalar_loss, training_batchnorms
+from ._boundary import Boundary, Gradients, InFlight, Outcome, Totals
+from ._checks import Count, item_count, positive_int, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
-from ._exchange import Tally
-from ._gradients import Gradients
-from ._maths import window_mean
+from ._maths import count_dtype, window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
 from ._weights import WindowWeights
@@ -42,42 +29,78 @@ from .result import StepResult
 from .errors import ConfigurationError
 from .sync import GradSync
 from ._deepspeed import not_known_up_front
+from ._autosize import is_out_of_memory
 
-__all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves", "host_count"]
+__all__ = ["Window", "Parts", "Tally", "weighing_nothing", "graph_leaves"]
 
-class OpenWindow:
-    """At most one window is open per Accumulator; opening one clears stale gradients and warns
-    once about BatchNorm in training mode."""
+class Tally:
+    """One rank's running sums over a window: each micro-batch's detached mean loss and its count in the
+    order they ran (``losses``, ``counts``), the counts' sum apart for Python numbers (``host_items``) and
+    device tensors (``device_items``, never read per micro-batch), and whether ``loss_fn`` returned its
+    own counts (``counts_from_loss_fn``). ``sum n_k L_k`` is taken where it is read, in float64."""
 
-    def __init__(self, model: nn.Module, state: AccumulatorState) -> None:
-        self.model, self.state = model, state
-        self.window: Optional["Window"] = None
+    __slots__ = ("losses", "counts", "host_items", "device_items", "counts_from_loss_fn", "dtype", "_sum", "_summed")
 
-    def check_idle(self) -> None:
-        if self.window is not None:
-            raise RuntimeError(
-                "a window is already open on this Accumulator: finish it with window.step() before "
-                "calling step(), train() or window() again (a nested window would drop the open "
-                "window's gradients)"
-            )
+    def __init__(self, device: torch.device) -> None:
+        self.dtype = count_dtype(device)
+        self.losses: List[torch.Tensor] = []
+        self.counts: List[Count] = []
+        self.host_items = 0.0
+        self.device_items: Optional[torch.Tensor] = None
+        self.counts_from_loss_fn = False
+        self._sum: Optional[torch.Tensor] = None  # the device sum of the first _summed micro-batches
+        self._summed = 0
 
-    def enter(self, window: "Window") -> None:
-        self.check_idle()  # before anything changes: a nested window would clear the open one
-        if self.model.training and "batchnorm" not in self.state.warned and self.state.warn_once("batchnorm"):
-            names = training_batchnorms(self.model)
-            if names:
-                warnings.warn(
-                    f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"
-                    f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
-                    "accumulation is not equivalent to one big batch. Check with "
-                    "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.",
-                    stacklevel=5,
-                )
-        self.window = window
+    def add(self, loss: torch.Tensor, count: Count, *, from_loss_fn: bool = False) -> None:
+        """File one micro-batch's mean loss and its count (no tensor operation for a Python count, no host
+        synchronisation). ``from_loss_fn``: ``loss_fn`` returned the count itself."""
+        if from_loss_fn:
+            self.counts_from_loss_fn = True
+        if type(count) is int:
+            self.host_items += count
+        elif isinstance(count, torch.Tensor):
+            count = count.to(self.dtype)
+            self.device_items = count if self.device_items is None else self.device_items + count
+        else:
+            self.host_items += count
+        self.losses.append(loss.detach())
+        self.counts.append(count)
 
-    def leave(self, window: "Window") -> None:
-        if self.window is window:
-            self.window = None
+    @property
+    def loss_sum(self) -> Optional[torch.Tensor]:
+        """``sum n_k L_k`` on the device in float64 (None before the first micro-batch), added in order."""
+        for loss, count in zip(self.losses[self._summed:], self.counts[self._summed:]):
+            if isinstance(count, torch.Tensor):
+                part = loss * count
+                self._sum = part.to(self.dtype) if self._sum is None else self._sum.add_(part)
+            elif self._sum is None:  # the first: one op, in the sum's (float64) precision
+                self._sum = loss.to(self.dtype) * count
+            else:
+                self._sum.add_(loss, alpha=count)  # promoted into the float64 sum
+        self._summed = len(self.losses)
+        return self._sum
+
+    def host_losses(self) -> Optional[torch.Tensor]:
+        """The losses as one tensor for the boundary's one copy to the host; None where the sum is taken on
+        the device (a count is a tensor) or no micro-batch ran."""
+        if self.device_items is not None or not self.losses:
+            return None
+        return torch.stack(self.losses) if len(self.losses) > 1 else self.losses[0].reshape(1)
+
+    def host_loss_sum(self, losses: List[float]) -> float:
+        """``sum n_k L_k`` in float64 from the losses :meth:`host_losses` gave, read on the host.
+
+        >>> t = Tally(torch.device("cpu")); t.add(torch.tensor(0.5), 4); t.add(torch.tensor(0.25), 2)
+        >>> t.host_loss_sum(t.host_losses().tolist()), t.loss_sum.item()
+        (2.5, 2.5)
+        """
+        total = 0.0
+        for loss, count in zip(losses, self.counts):
+            total += loss * count  # type: ignore[operator]
+        return total
+
+
+_NOTHING = contextlib.nullcontext()  # the block of a micro-batch that switches nothing, in Window.run
 
 
 @dataclass(frozen=True)
@@ -92,7 +115,7 @@ class Parts:
     grads: Gradients
     ranks: RankAgreement
     boundary: Boundary
-    slot: OpenWindow
+    slot: Any  # the Accumulator's OpenWindow: at most one window open at a time
     state: AccumulatorState
     #: micro-batches enter a context (the sync switch, autocast): across ranks or under autocast
     switches: bool = field(init=False)
@@ -163,18 +186,20 @@ class Window:
         self._weights: Optional[WindowWeights] = None  # see the weights property
         self.done = 0  # micro-batches run, flush and padding included
         self.tally = Tally(ctx.device)
-        self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now
-        self.entered_at = 0  # micro-batches done when that block was entered (its backward makes it one more)
+        self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now, entered when
+        self.entered_at = 0  # this many micro-batches were done (its backward makes it one more)
         self.reduced = False  # the backward that reduces across ranks has run
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
         self.abandoned = False
         self.reduces_last = ctx.sync.reduces_across_ranks and not request.defer  # the last backward reduces
         self._plain = _MicroBatch(self, False)  # every micro-batch's context where it enters none (until closed)
-        self._r: Optional[float] = None  # R once fixed for this window (it does not change after)
-        self._size: Optional[int] = None  # micro_batches, once the window has opened
-
-    # -- opening ---------------------------------------------------------------------------------
+        self._per_item: Optional[float] = None  # W / R, the weight of one item, once R is fixed
+        #: micro-batches this rank runs, padding included (None when opened without a size, or before it opens)
+        self.micro_batches: Optional[int] = None
+        #: zero-weight micro-batches the ranks' counts ask this rank to run on top of its own (DDP: one on
+        #: a rank with none; FSDP2: as many as the busiest runs)
+        self.padding = 0
 
     def __enter__(self) -> "Window":
         ctx = self.ctx
@@ -182,9 +207,10 @@ class Window:
         ctx.grads.open()
         try:
             ctx.boundary.check_scheduler()
-            self.setup = ctx.ranks.open(self.request)
-            self._size = self.micro_batches
-            if self.setup.counted is None:  # else at the first backward, when the ranks' count arrives
+            setup = self.setup = ctx.ranks.open(self.request)
+            n, self.padding = self.request.micro_batches, setup.padding
+            self.micro_batches = None if n is None else n + setup.padding
+            if setup.counted is None:  # else at the first backward, when the ranks' count arrives
                 self.weights  # noqa: B018 - opens the weighting now
         except BaseException:
             self._close()
@@ -192,49 +218,25 @@ class Window:
         return self
 
     @property
-    def micro_batches(self) -> Optional[int]:
-        """Micro-batches this rank runs in the window, padding included (None when opened without a size)."""
-        n = self.request.micro_batches
-        return None if n is None or self.setup is None else n + self.setup.padding
-
-    @property
-    def padding(self) -> int:
-        """Zero-weight micro-batches the ranks' counts ask this rank to run (DDP: one on a rank with
-        none; FSDP2: as many as the busiest runs), on top of its own."""
-        return self.setup.padding if self.setup is not None else 0
-
-    @property
-    def reference(self) -> Optional[float]:
-        """R, the count the backward weights are divided by (see :mod:`gradaccum._maths`): known when
-        the window opened, or fixed at its first backward; None before that."""
-        if self.setup is None:
-            return self.ctx.state.reference
-        return self._weights.reference if self._weights is not None else None
-
-    @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._weights.WindowWeights`, opened with R when first read: as the
+        """The window's :class:`~gradaccum._weights.WindowWeights` (R: ``weights.reference``), opened as the
         window opens, or where it counts first at its first backward, which reads the ranks' count."""
         if self._weights is None:
-            assert self.setup is not None, "the weighting is read inside `with acc.window(...)`"
-            self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
-                                          reference=self.ctx.ranks.reference(self.setup))
-            self._r = self._weights.reference  # None: fixed by the first backward (fix_reference)
+            setup = self._open_setup("backward")
+            weights = self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor, reference=(
+                setup.reference if setup.counted is None else self.ctx.ranks.reference(setup)))
+            if weights.reference is not None:  # else fixed by the first backward (fix_reference)
+                self._per_item = weights.sum_weight()
         return self._weights
 
-    # -- micro-batches ---------------------------------------------------------------------------
-
     def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
-        """Context for one micro-batch's forward and backward.
-
-        ``last`` defaults to "this is micro-batch number ``micro_batches``"; pass it when the
-        window was opened without a size. Only the last micro-batch reduces gradients across ranks.
-        """
+        """Context for one micro-batch's forward and backward. Only the last reduces gradients across ranks:
+        ``last`` says which it is where the window was opened without a size."""
         if self.setup is None or self.ctx.slot.window is not self:
             self._open_setup()  # raises
         if self.current is not None:
             raise RuntimeError(_NESTED.format(k=self.entered_at + 1))
-        size = self._size
+        size = self.micro_batches
         last = self.done == size - 1 if last is None and size is not None and self.done < size \
             else _is_last(self.done, size, last)  # the common case first
         if not self.ctx.switches:
@@ -247,35 +249,39 @@ class Window:
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
             num_items: how many items that mean is over (an int, a float weight, or a tensor left on the
-                device). 0 items weigh nothing, nan mean and backward included (:meth:`_backprop`).
-            from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair), rather
-                than it being the count known up front.
+                device). 0 items weigh nothing, nan mean and backward included.
+            from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair).
         """
         current = self.current
         if current is None or self.done != self.entered_at or self.reduced or type(loss) is not torch.Tensor \
                 or loss.dim() or not loss.requires_grad:  # the common scalar loss in its block passes straight on
             loss = _checked(self, loss)
-        if not (type(num_items) is int and num_items > 0):  # a mean over no item (nan) cleaned to 0
+        counted = type(num_items) is int and num_items > 0
+        if not counted:  # a mean over no item (nan) cleaned to 0
             loss = clean_mean(loss, num_items)
-        if self._r is None:
+        per_item = self._per_item
+        if per_item is None:  # W / R, once R is fixed (known as the window opened, else by this first backward)
             self.fix_reference(num_items)
-        weights = self._weights if self._weights is not None else self.weights
-        weighted = loss * weights.mean_weight(num_items, loss.dtype)
+            per_item = self._per_item
+        # the mean weight n_k * W / R (WindowWeights.mean_weight), here for a Python count without a call
+        weighted = loss * (num_items * per_item if counted else self.weights.mean_weight(num_items, loss.dtype))
         self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
-        self._backprop(weighted, num_items)
+        if counted and self.ctx.direct:  # one process in fp32: the seam's backward, with nothing around it
+            self.ctx.backward(weighted)
+            self.done += 1
+        else:
+            self._backprop(weighted, num_items)
 
     def backward_padding(self, loss: torch.Tensor) -> None:
-        """Backpropagate a zero-weight micro-batch: it adds nothing to the gradient or the counts, but
-        runs the forward and backward collectives that ranks with data run."""
+        """Backpropagate a zero-weight micro-batch: nothing to the gradient or the counts, but the collectives."""
         loss = _checked(self, loss)
         self.fix_reference(0)  # takes part in fixing R, as the ranks with data do
         self._backprop(loss.nan_to_num(0.0) * 0.0, autocast_off=True)
 
     def backward_part(self, outputs: List[torch.Tensor], grads: List[torch.Tensor], loss: torch.Tensor,
                       num_items: Count) -> None:
-        """Backpropagate one micro-batch's part of a window loss (:mod:`gradaccum._cached`): ``outputs``
-        with ``grads`` already weighed (its share of the loss's gradient, times ``N * W / R`` and the loss
-        scale); the tally adds the window's ``loss`` for its ``num_items`` items."""
+        """Backpropagate a window loss's part (:mod:`gradaccum._cached`): ``outputs`` with ``grads`` already
+        weighed; the tally adds the window's ``loss`` for its ``num_items`` items."""
         _checked(self, None)
         self.tally.add(loss, num_items)
         self._before_reduction()
@@ -283,13 +289,46 @@ class Window:
             torch.autograd.backward(list(outputs), list(grads))
         self.done += 1
 
+    def run(self, loss_fn: Callable[..., Any], micro_batches: List[Any], counts: Any, *, flush: Sequence[Any] = (),
+            catch_oom: bool = False) -> bool:
+        """Each micro-batch through ``loss_fn(model, micro_batch)`` and :meth:`backward` (a bare mean weighed
+        by its ``counts`` entry, a ``(mean, count)`` pair by its own), after the zero-weight ``flush`` and
+        before the padding the ranks ask for. False where ``catch_oom`` caught an out-of-memory error."""
+        model, oom, switches = self.ctx.model, False, self.ctx.switches
+        try:
+            for mb in flush:
+                with self.micro_batch():
+                    self.backward_padding(split_loss_output(loss_fn(model, mb), 0)[0])
+            for mb, count in zip(micro_batches, counts.each):
+                if not switches:  # nothing to switch around it: the block is only its bookkeeping, done here
+                    self.current, self.entered_at = self._plain, self.done
+                with self.micro_batch() if switches else _NOTHING:
+                    out = loss_fn(model, mb)
+                    if type(out) is torch.Tensor:  # a bare mean loss, weighed by the count known up front
+                        if counts.unchecked is not None:
+                            counts.weigh_bare_mean()
+                        self.backward(out, count)
+                    else:
+                        loss, counted = split_loss_output(out, count)
+                        self.backward(loss, counted, from_loss_fn=isinstance(out, (tuple, list)))
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error to catch
+            if not (catch_oom and is_out_of_memory(error)):
+                raise
+            oom = True
+        self.current = None
+        if micro_batches and self.ctx.sync.shares_windows:
+            self.ctx.state.padding_batch = micro_batches[-1]  # to pad a later window where this rank has none
+        if oom:
+            return False
+        for _ in range(self.padding):  # what the ranks' counts ask of this rank
+            with self.micro_batch():
+                self.backward_padding(split_loss_output(loss_fn(model, self.ctx.state.padding_batch), 0)[0])
+        return True
+
     def _backprop(self, weighted: torch.Tensor, num_items: Count = 1, *, autocast_off: bool = False) -> None:
-        """One micro-batch's backward of its weighted loss, counted as done. On one process in fp32 the
-        seam's backward itself; else through the loss scale. A micro-batch of 0 items: a mean ``sum / count`` over no item
-        turns the incoming 0 into ``0 / 0 = nan`` whatever its weight, so a count the host reads as 0 skips
-        its backward where that runs no collective, and otherwise (also an accelerator's tensor count,
-        compared on the device: no host sync) runs under :func:`weighing_nothing`, which replaces what it
-        brings each parameter by 0. Not under DeepSpeed, whose engine owns the gradients."""
+        """One micro-batch's backward of its weighted loss, through the loss scale and the seam. A mean over 0
+        items turns the incoming 0 into ``0 / 0 = nan``: its backward is skipped where it runs no collective,
+        else runs under :func:`weighing_nothing` (not under DeepSpeed, whose engine owns the gradients)."""
         ctx = self.ctx
         empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
         if empty is not None and ctx.sync.owns_step:
@@ -306,8 +345,7 @@ class Window:
         self.done += 1
 
     def _before_reduction(self) -> None:
-        """Before the backward that reduces across ranks every count of the window is known: start the
-        boundary's all-reduce now, so that it overlaps the backward (see :meth:`Boundary.launch`)."""
+        """Before the backward that reduces across ranks, start the boundary's all-reduce: it overlaps it."""
         assert self.current is not None and self.setup is not None
         if not self.current.reduces:
             return
@@ -316,19 +354,19 @@ class Window:
             self.in_flight = self.ctx.boundary.launch(self._totals(ran=True))
 
     def fix_reference(self, count: Count) -> float:
-        """R for this window: known when it opened, else fixed now (once, the same on every rank) by
-        this first backward's count, the largest on any rank (:meth:`WindowWeights.fix_reference`)."""
+        """R: known when the window opened, else fixed now by this first backward's count, the largest on any
+        rank (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
-        if self._r is None:
-            if self.weights.reference is None and self.ctx.sync.needs_count_first:
+        weights = self.weights
+        if self._per_item is None:
+            if weights.reference is None and self.ctx.sync.needs_count_first:
                 raise not_known_up_front()  # before any backward: nothing reached the gradient
-            self._r = self.weights.fix_reference(count, self.ctx.ranks.largest)
-        return self._r
+            weights.fix_reference(count, self.ctx.ranks.largest)
+            self._per_item = weights.sum_weight()
+        return weights.reference  # type: ignore[return-value]
 
     def step(self) -> StepResult:
-        """Take (or skip) the window's one optimizer step: the boundary unscales, reads the window's
-        global loss sum and item count (exchanged across ranks), measures the norm, decides, clips and
-        steps (:mod:`gradaccum._boundary`); then the ranks learn from it."""
+        """Take (or skip) the window's one optimizer step (:meth:`Boundary.finish`); the ranks learn from it."""
         ctx = self.ctx
         refused = _step_refused(self, self._open_setup("step"))
         if refused:
@@ -342,16 +380,14 @@ class Window:
         return self.result
 
     def _totals(self, *, ran: bool) -> Totals:
-        """This rank's tally and what the boundary needs with it (the weights read first: a window that
-        counts first reads its count there)."""
-        weights = self.weights
-        return Totals(self.tally, weights, ran=ran, can_pad_next=self.ctx.ranks.can_pad(self.request.can_pad),
-                            counted_first=self.request.items is not None)
+        """This rank's tally and what the boundary needs with it."""
+        weights = self._weights if self._weights is not None else self.weights
+        can_pad_next = self.ctx.sync.shares_windows and self.ctx.ranks.can_pad(self.request.can_pad)  # exchanged
+        return Totals(self.tally, weights, ran=ran, can_pad_next=can_pad_next, counted_first=self.request.items is not None)
 
     def abandon(self) -> None:
-        """Drop this window's gradients and take no step (e.g. after an out-of-memory error)."""
+        """Drop this window's gradients (as the block ends) and take no step (after an out-of-memory error)."""
         self.abandoned = True
-        self.ctx.grads.clear()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._close()
@@ -363,7 +399,8 @@ class Window:
 
     def _close(self) -> None:
         self.ctx.slot.leave(self)
-        self.ctx.grads.close()
+        if self.result is None:  # else the boundary closed the buffers
+            self.ctx.grads.close()
         self._plain = None  # type: ignore[assignment]  # it refers back to the window: no cycle left for the gc
 
     def _open_setup(self, what: str = "micro_batch") -> Setup:

@@ -31,6 +31,7 @@ boundary multiplies by ``R / N``) are in :mod:`gradaccum._maths`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -39,17 +40,19 @@ from torch import nn
 
 from ._accum_dtype import LowPrecisionWarning, driver_buffers, warn_low_precision_grad_sum, window_buffers
 from ._autosize import AutoMicroBatch
-from ._boundary import Boundary
-from ._checks import Count
-from ._gradients import Gradients
+from ._boundary import Boundary, Gradients
 from ._ranks import RankAgreement, Rules, Request
 from ._resume import Resumable
-from ._settings import Settings, check_loss_call, check_train_micro_batch_size, check_training_objects
+from ._settings import Settings, check_training_objects
 from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
-from ._run import CountFn, LossFn, count_items, run_auto, run_window
-from ._window import OpenWindow, Window, Parts
-from .batching import Batch, MicroBatchSize, as_micro_batches, check_micro_batch_size, leading_dim
+from ._cached import WindowLoss, check_window_loss
+from ._checks import ROWS, Count, training_batchnorms
+from ._run import LossFn, run_auto, run_window
+from ._window import Parts, Window
+from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items
+from .errors import ConfigurationError, NotExactError
+from .moe import MoELoss, check_moe_loss
 from .precision import MixedPrecision
 from .result import StepResult
 from .schedule import AccumSteps
@@ -61,6 +64,42 @@ __all__ = ["Accumulator", "LowPrecisionWarning", "driver_buffers", "warn_low_pre
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
 Scheduler = Any
+
+
+class OpenWindow:
+    """At most one window is open per Accumulator; opening one clears stale gradients and warns
+    once about BatchNorm in training mode."""
+
+    def __init__(self, model: nn.Module, state: AccumulatorState) -> None:
+        self.model, self.state = model, state
+        self.window: Optional["Window"] = None
+
+    def check_idle(self) -> None:
+        if self.window is not None:
+            raise RuntimeError(
+                "a window is already open on this Accumulator: finish it with window.step() before "
+                "calling step(), train() or window() again (a nested window would drop the open "
+                "window's gradients)"
+            )
+
+    def enter(self, window: "Window") -> None:
+        if self.window is not None:  # before anything changes: a nested window would clear the open one
+            self.check_idle()
+        if self.model.training and "batchnorm" not in self.state.warned and self.state.warn_once("batchnorm"):
+            names = training_batchnorms(self.model)
+            if names:
+                warnings.warn(
+                    f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"
+                    f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
+                    "accumulation is not equivalent to one big batch. Check with "
+                    "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.",
+                    stacklevel=5,
+                )
+        self.window = window
+
+    def leave(self, window: "Window") -> None:
+        if self.window is window:
+            self.window = None
 
 
 class Accumulator(Resumable):
@@ -170,19 +209,22 @@ class Accumulator(Resumable):
                 (a Hugging Face model's ``outputs.loss`` on padded batches: a mean over targets) is
                 refused before the first backward, with the fix.
         """
-        self.context.slot.check_idle()
+        ctx = self.context  # a window still open is refused as this one opens, before anything changes
         check_micro_batch_size(micro_batch_size)
         check_loss_call(self.sync, loss_fn, num_items, micro_batch_size)
         if micro_batch_size == "auto":
-            return run_auto(self.context, self.auto, window, loss_fn, num_items)
-        micro_batches = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
-                                         allow_empty=self.sync.allows_empty_share)
-        if micro_batch_size is not None and micro_batches:  # the size used: the batch's own where it is smaller
-            micro_batch_size = leading_dim(micro_batches[0])
-        result = run_window(self.context, micro_batches, loss_fn, count_items(micro_batches, num_items),
-                            micro_batch_size=micro_batch_size)
-        assert result is not None
-        return result
+            return run_auto(ctx, self.auto, window, loss_fn, num_items)
+        micro_batches, rows = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
+                                               allow_empty=self.sync.allows_empty_share)
+        if rows:  # the size used: the batch's own where it is smaller
+            micro_batch_size = rows[0]
+        counts = count_items(micro_batches, num_items, rows)
+        if isinstance(loss_fn, (WindowLoss, MoELoss)):  # a loss that runs its window its own way
+            return run_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size)  # type: ignore
+        request = Request(len(micro_batches), counts.total, can_pad=ctx.ranks.can_pad(bool(micro_batches)))
+        with Window(ctx, request, micro_batch_size=micro_batch_size) as opened:
+            opened.run(loss_fn, micro_batches, counts)
+            return opened.step()
 
     def window(self, micro_batches: Optional[int] = None, *, num_items: Optional[Count] = None,
                micro_batch_size: Optional[Any] = None, pad: bool = False) -> Window:
@@ -245,3 +287,35 @@ class Accumulator(Resumable):
         on the model as a real micro-batch's does; it adds nothing to the gradient or the counts.
         """
         self.context.ranks.set_padding(micro_batch)
+
+
+def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
+    """``step``/``train``'s ``loss_fn`` with its ``num_items`` and ``micro_batch_size``: a
+    :class:`~gradaccum.WindowLoss` or :class:`~gradaccum.MoELoss` by its own rules, else a callable
+    with a ``num_items`` function or None; neither two-pass loss around a DeepSpeed engine."""
+    if isinstance(loss_fn, WindowLoss):
+        check_window_loss(num_items, micro_batch_size)
+    elif isinstance(loss_fn, MoELoss):
+        check_moe_loss(loss_fn, num_items, micro_batch_size)
+    else:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
+        if num_items is not None and num_items != ROWS and not callable(num_items):
+            raise TypeError(f"num_items must be a function micro_batch -> count or 'rows', got {num_items!r}; "
+                            "pass counts of a hand-written loop to window.backward(loss, num_items=...)")
+    # a WindowLoss's cached passes and an exact MoELoss's counting pass run forwards and backwards of
+    # their own (the unwrapped module, torch.autograd.backward) that a DeepSpeed engine would not see
+    two_pass = isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")
+    if sync.owns_step and two_pass:
+        raise NotExactError(
+            f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
+            "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
+            + ("" if isinstance(loss_fn, WindowLoss) else ", or use MoELoss(mode='micro_batch')"))
+
+
+def check_train_micro_batch_size(micro_batch_size: Any) -> None:
+    """``train(micro_batch_size=...)`` takes ``"auto"`` or None: the loader's batches are the micro-batches."""
+    if micro_batch_size not in (None, "auto"):
+        raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
+                                 "loader's batches are the micro-batches; use 'auto' to re-split each window on "
+                                 "out-of-memory errors")

@@ -11,18 +11,20 @@ unchanged. Splitting returns views (``torch.split``), so no data is copied.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
-from ._maths import ceil_div
+from ._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, padded_rows_refusal
 from .errors import ConfigurationError, SplitError
 
 #: a Tensor, a tuple/list of batches, or a dict of batches (other values ride along unchanged)
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["Batch", "leaves", "rebuild", "tensors", "first_tensor", "leading_dim", "split_batch", "concat_batches",
+__all__ = ["Batch", "CountFn", "Counts", "count_items", "PADDED_ROWS_FIX", "leaves", "rebuild", "tensors", "first_tensor",
+           "leading_dim", "split_batch", "concat_batches",
            "slice_batch", "check_micro_batch_size", "as_micro_batches"]
 
 
@@ -134,16 +136,21 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     >>> [c.shape[0] for c in split_batch(torch.zeros(10, 3), 4)]
     [4, 4, 2]
     """
+    return _split_rows(batch, micro_batch_size)[0]
+
+
+def _split_rows(batch: Batch, micro_batch_size: int) -> Tuple[List[Batch], List[int]]:
+    """:func:`split_batch`, with each chunk's rows (known from the split: no chunk is measured again)."""
     check_micro_batch_size(micro_batch_size)
     n = leading_dim(batch)
     if n == 0:
         raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
+    rows = [min(micro_batch_size, n - start) for start in range(0, n, micro_batch_size)]
     if type(batch) in (tuple, list) and all(type(t) is torch.Tensor and t.dim() for t in batch):  # (inputs, targets)
-        return [type(batch)(chunk) for chunk in zip(*(torch.split(t, micro_batch_size) for t in batch))]
-    chunks = ceil_div(n, micro_batch_size)
-    parts = [list(torch.split(leaf, micro_batch_size)) if _split(leaf) else [leaf] * chunks
+        return [type(batch)(chunk) for chunk in zip(*(torch.split(t, micro_batch_size) for t in batch))], rows
+    parts = [list(torch.split(leaf, micro_batch_size)) if _split(leaf) else [leaf] * len(rows)
              for _, leaf in leaves(batch)]
-    return [rebuild(batch, (part[i] for part in parts)) for i in range(chunks)]
+    return [rebuild(batch, (part[i] for part in parts)) for i in range(len(rows))], rows
 
 
 def concat_batches(batches: Sequence[Batch]) -> Batch:
@@ -189,8 +196,9 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
 
 
 def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int], *,
-                     allow_empty: bool = False) -> List[Batch]:
-    """Turn ``step()``'s ``window`` argument into a checked list of micro-batches.
+                     allow_empty: bool = False) -> Tuple[List[Batch], Optional[List[int]]]:
+    """Turn ``step()``'s ``window`` argument into a checked list of micro-batches, and their rows where
+    the split made them (else None: :func:`count_items` measures and checks each micro-batch).
 
     With ``micro_batch_size=None`` the window is a list of micro-batches; with an int it is one
     batch to split. A tuple or list holding bare tensors is refused without ``micro_batch_size``:
@@ -206,8 +214,8 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
                 "(inputs, targets) or a dict) to split; a nested batch goes in a tuple, not a list"
             )
         if allow_empty and leading_dim(window) == 0:
-            return []  # a rank whose share is empty: it takes part with zero items
-        return split_batch(window, micro_batch_size)
+            return [], []  # a rank whose share is empty: it takes part with zero items
+        return _split_rows(window, micro_batch_size)
     if isinstance(window, (torch.Tensor, Mapping)) or not isinstance(window, Sequence) or isinstance(window, str):
         raise SplitError(
             f"window must be a list of micro-batches when micro_batch_size is None, got a "
@@ -227,4 +235,52 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
     micro_batches = list(window)
     if not micro_batches and not allow_empty:
         raise SplitError("window is empty (0 micro-batches); pass at least one micro-batch")
-    return micro_batches  # leading dimensions are checked when the Accumulator counts the items
+    return micro_batches, None  # leading dimensions are checked when the Accumulator counts the items
+
+
+# -- what each micro-batch's mean loss is over, counted before any forward ------------------------------
+
+#: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward; or
+#: ``"rows"``: a bare mean loss is over the micro-batch's rows (dim 0), declared so
+CountFn = Union[Callable[[Batch], Count], str]
+#: what a bare mean loss weighed by rows, undeclared, on padded labels is told to do instead
+PADDED_ROWS_FIX = ("Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a causal LM; "
+                   "shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
+                   "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, "
+                   "say so: num_items='rows'")
+
+
+@dataclass
+class Counts:
+    """Each micro-batch's item count before any forward, and their sum (a tensor count is read once,
+    here: one host synchronisation per tensor). ``unchecked``: micro-batches counted by their rows
+    without ``num_items``, until a bare mean loss meets them (:meth:`weigh_bare_mean`)."""
+
+    each: List[Count]
+    total: float
+    unchecked: Optional[List[Batch]] = None
+
+    def weigh_bare_mean(self) -> None:
+        """Before a bare mean loss is weighed by rows nobody declared: refused where the labels hold
+        -100, whose mean is over targets (checked once per window, before its first backward)."""
+        batches, self.unchecked = self.unchecked, None
+        if batches and holds_ignored_labels(batches):
+            raise padded_rows_refusal("Accumulator", PADDED_ROWS_FIX)
+
+
+def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn],
+                rows: Optional[List[int]] = None) -> Counts:
+    """What a bare mean loss is weighted by: the leading dimension (``count_fn`` None or ``"rows"``),
+    or the ``num_items`` counter. Every micro-batch's leading dimensions are checked here, before
+    anything runs, unless a split made them (``rows``)."""
+    try:
+        each: List[Count] = [leading_dim(mb) for mb in micro_batches] if rows is None else list(rows)
+    except SplitError:  # said again naming the micro-batch (the name is built only for the error)
+        for i, mb in enumerate(micro_batches):
+            leading_dim(mb, argument=f"window[{i}]")
+        raise
+    if count_fn is None or count_fn == ROWS:
+        labelled = count_fn is None and any(isinstance(mb, Mapping) and "labels" in mb for mb in micro_batches)
+        return Counts(each, float(sum(each)), micro_batches if labelled else None)  # ints: no count to read
+    each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]  # type: ignore[operator]
+    return Counts(each, float(sum(as_number(c) for c in each)))

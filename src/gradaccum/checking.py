@@ -1,25 +1,11 @@
 """check_equivalence: is accumulation on *this* model the same as one big batch?
 
-It computes the full-batch gradient ``grad L(batch)`` and the accumulated one ``sum_k n_k grad L_k /
-sum_k n_k`` from the same starting state, compares them parameter by parameter, and names the modules
-that break the equivalence: BatchNorm in training mode (statistics per micro-batch); dropout in training
-mode and any module that draws random numbers in forward (the draws depend on the split, so such a model
-is NOT equivalent even where this split's gradients match: one dropout layer on the CPU fills its masks
-item after item, so micro-batches in order draw the full batch's; several layers, or CUDA's Philox
-offsets, do not); and any module whose output for an item depends on the other items (its output differs
-between the full batch and the concatenated micro-batches while its input does not).
-
-Its big-batch oracle is its own on purpose: it backpropagates ``n_k * L_k`` per micro-batch and divides
-once by ``sum n_k`` in float64, independently of :mod:`gradaccum._maths`, so that the check does not share
-a mistake with the code it checks. A :class:`~gradaccum.WindowLoss` is compared on the whole batch against
-the Accumulator's cached accumulation of it; an :class:`~gradaccum.MoELoss` as its token loss plus ``coef``
-times the whole batch's load-balancing loss (written here: :func:`balance_loss`).
-
-A split into one micro-batch, or one the model cannot run (BatchNorm on one item), is refused with a
-:class:`SplitError` naming a size that works. Where the numbers suggest a cause, the report's hint names
-it: a ``loss_fn`` that returns a sum, a bare mean over padded targets weighed by rows, a partial
-load-balancing term, a loss that couples the items (then :class:`~gradaccum.WindowLoss`). The model is left
-exactly as found: parameters, buffers, gradients, train/eval modes and the RNG state.
+It compares the full batch's gradient with the accumulated one ``sum_k n_k grad L_k / sum_k n_k``, from
+the same state, parameter by parameter, against :mod:`gradaccum._oracle`'s big batch (computed independently
+of the code it checks). It names the modules that break the equivalence (BatchNorm or dropout in training
+mode, a module that draws random numbers in forward, one whose output for an item depends on the other
+items) and, in a hint, the likeliest cause in the loss. The model is left exactly as found: parameters,
+buffers, gradients, train/eval modes and the RNG state.
 """
 
 from __future__ import annotations
@@ -85,41 +71,30 @@ def _module(name: str) -> str:
 
 
 class _Snapshot:
-    """Everything check_equivalence may touch, to put back afterwards."""
-
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.tensors = {k: v.detach().clone() for k, v in _state_tensors(model)}
+        self.tensors = [(v, v.detach().clone()) for v in [*model.parameters(), *model.buffers()]]
         self.grads = {n: None if p.grad is None else p.grad.detach().clone()
                       for n, p in model.named_parameters()}
         self.modes = {n: m.training for n, m in model.named_modules()}
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
-    def restore_values(self) -> None:
+    def restore(self, grads: bool = True) -> None:
         with torch.no_grad():
-            for k, v in _state_tensors(self.model):
-                v.copy_(self.tensors[k])
+            for v, saved in self.tensors:
+                v.copy_(saved)
         for n, m in self.model.named_modules():
             m.training = self.modes[n]
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-
-    def restore(self) -> None:
-        self.restore_values()
-        for n, p in self.model.named_parameters():
+        for n, p in self.model.named_parameters() if grads else []:
             p.grad = self.grads[n]
 
 
-def _state_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    return [("p:" + n, p) for n, p in model.named_parameters()] + \
-           [("b:" + n, b) for n, b in model.named_buffers()]
-
-
 class _Recorder:
-    """Forward hooks: each module's first input and output tensor, and which modules draw random
-    numbers *themselves* (a child's draws are credited to the child, not to its parent)."""
+    """Forward hooks: each module's first input and output tensor, and which modules draw random numbers."""
 
     def __init__(self, model: nn.Module) -> None:
         self.io: Dict[str, List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]] = {}
@@ -167,8 +142,7 @@ def _runnable_size(items: int, micro_batch_size: int) -> Optional[int]:
 
 def _one_item_error(model: nn.Module, failed: MicroBatchFailed, micro_batch_size: int, items: int,
                     count: int) -> Optional[SplitError]:
-    """A micro-batch of one item that BatchNorm in training mode cannot normalize, in words that
-    name BatchNorm and the size (torch says "Expected more than 1 value per channel"), or None."""
+    """A micro-batch of one item that BatchNorm in training mode cannot normalize, in words, or None."""
     batchnorms = training_batchnorms(model)
     if failed.items != 1 or not batchnorms:
         return None
@@ -210,8 +184,7 @@ def _padded_rows_hint(full: "_Pass", batch: Batch, num_items: Any) -> Optional[s
 
 
 def _coupled_loss_hint(loss_full: float, loss_acc: float, rtol: float) -> str:
-    """What is left when every module gives each item the same output on the whole batch and on its
-    micro-batches, and the losses still differ: the loss itself couples the items."""
+    """The losses differ while every module's outputs agree: the loss itself couples the items."""
     if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or \
             abs(loss_full - loss_acc) <= rtol * max(abs(loss_full), abs(loss_acc), 1e-30):
         return ""
@@ -290,8 +263,7 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
 
 def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Batch, micro_batches: List[Batch],
           num_items: Any, suspected: bool, rtol: float) -> Optional[str]:
-    """What the numbers suggest where the gradients differ, the likeliest cause first: a bare mean over
-    targets weighed by rows, a summed loss, a partial load-balancing term, a loss that couples the items."""
+    """What the numbers suggest where the gradients differ, the likeliest cause first."""
     hint = (_padded_rows_hint(full, batch, num_items) or
             _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches]))
     if hint is None and isinstance(loss_fn, MoELoss) and loss_fn.mode != "exact":
@@ -315,8 +287,7 @@ class _Suspects:
             self.reasons[name].append(reason)
 
     def in_model(self, model: nn.Module) -> List[str]:
-        """What the model's modules show before anything runs: BatchNorm and dropout in training mode
-        (the dropouts' names are returned)."""
+        """BatchNorm and dropout in training mode (the dropouts' names are returned)."""
         modules = dict(model.named_modules())
         for name in training_batchnorms(model):
             self.add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
@@ -331,8 +302,7 @@ class _Suspects:
 
     def in_passes(self, full: "_Pass", acc: "_Pass", dropouts: List[str], k: int, rtol: float, matched: bool
                   ) -> List[str]:
-        """What the two passes' recorders show: modules that drew random numbers (returned, with the
-        dropouts) and modules whose output for an item depends on the others."""
+        """Modules that drew random numbers (returned, with the dropouts) and ones that mix the items."""
         random = full.recorder.random | acc.recorder.random
         for name in sorted(random - set(dropouts)):
             self.add(name, "draws random numbers in forward, so another split sees other draws")
@@ -362,39 +332,29 @@ class _Pass:
 
 def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: List[Batch],
                  micro_batch_size: int, num_items: Any) -> Tuple[_Pass, _Pass]:
-    """The full batch, then its micro-batches, from the same state; the model left as found. A
-    failure of the full batch is the user's (re-raised); one of a micro-batch alone may be the
-    split's (BatchNorm on one item: :class:`SplitError`)."""
-    snapshot = _Snapshot(model)
+    """The full batch, then its micro-batches, from the same state; the model left as found. Only a
+    micro-batch's failure may be the split's (BatchNorm on one item: :class:`SplitError`)."""
+    snapshot, passes = _Snapshot(model), []
     try:
-        try:
-            full = _pass(model, loss_fn, [batch], num_items)
-        except MicroBatchFailed as failed:
-            raise failed.error from None
-        snapshot.restore_values()
-        try:
-            acc = _pass(model, loss_fn, micro_batches, num_items)
-        except MicroBatchFailed as failed:
-            error = _one_item_error(model, failed, micro_batch_size, leading_dim(batch), len(micro_batches))
-            raise (failed.error if error is None else error) from None
+        for batches in ([batch], micro_batches):
+            snapshot.restore(grads=False)
+            recorder = _Recorder(model)
+            try:
+                passes.append(_Pass(*window_grads(model, loss_fn, batches, num_items), recorder))
+            except MicroBatchFailed as failed:
+                error = None if batches is not micro_batches else _one_item_error(
+                    model, failed, micro_batch_size, leading_dim(batch), len(micro_batches))
+                raise (failed.error if error is None else error) from None
+            finally:
+                recorder.remove()
     finally:
         snapshot.restore()
-    return full, acc
-
-
-def _pass(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any) -> _Pass:
-    """One pass of the oracle over ``micro_batches``, what each module saw recorded."""
-    recorder = _Recorder(model)
-    try:
-        return _Pass(*window_grads(model, loss_fn, micro_batches, num_items), recorder)
-    finally:
-        recorder.remove()
+    return passes[0], passes[1]
 
 
 def _mixing(full: _Recorder, acc: _Recorder, k: int, rtol: float) -> set:
     """The deepest modules whose output for the concatenated micro-batches differs from the full
-    batch's while their input does not: their output for an item depends on the other items (a
-    parent that differs only because its child does is not named)."""
+    batch's while their input does not (a parent that differs only because its child does is not named)."""
     mixing: List[str] = []
     for name, calls in full.io.items():
         acc_calls = acc.io.get(name, [])

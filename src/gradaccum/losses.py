@@ -1,9 +1,8 @@
 """Loss helpers that return ``(mean_loss, num_items)`` so windows are weighted by items, not batches.
 
-For a causal language model the items are the next-token targets that are not ``ignore_index``. A
-micro-batch of sequences padded to different lengths holds a different number of them, which is
-why dividing each micro-batch's mean by N mis-weights the window; the Accumulator instead weights
-each micro-batch's mean by its count and divides by the window's total count::
+For a causal language model the items are the next-token targets that are not ``ignore_index``, which
+padded micro-batches hold different numbers of; the Accumulator weights each micro-batch's mean by its
+count and divides by the window's total count::
 
     window loss = sum_k count_k * mean_k / sum_k count_k
 

@@ -1,42 +1,20 @@
 """Peak memory of a region of code, measured from the allocator rather than estimated.
 
-    from gradaccum.memory import PeakMeter
-    with PeakMeter("cpu") as meter:
-        acc.step(batch, loss_fn, micro_batch_size=8)
-    meter.result.peak_bytes      # the most bytes the step held at once, above the level at entry
-
 What is measured. Let a_1, a_2, ... be the allocations the region makes (sizes s_i) and F(t) the
 ones of them already freed at time t. Then::
 
     peak_bytes     = max_t  sum_{i allocated by t, i not in F(t)} s_i
     retained_bytes = the same sum at the end of the region
 
-Memory held before the region (the model, the data) is not counted, on either device: both figures
-are the rise above the level at entry. A tensor freed inside the region still counts towards the
-peak for as long as it lived. Bytes are those the allocator was asked for (``nbytes`` of the
-storages), not the pages the operating system gave the process.
+Memory held before the region (the model, the data) is not counted: both figures are the rise above
+the level at entry, in the bytes the allocator was asked for (``nbytes`` of the storages).
 
-How. On CUDA the caching allocator keeps its own high-water mark: the meter reads
-``torch.cuda.memory_allocated`` on entry, resets ``torch.cuda.reset_peak_memory_stats`` and reads
-``torch.cuda.max_memory_allocated`` on exit. That costs nothing measurable, but the reset clears
-the process's CUDA peak for everyone else, so CUDA meters must not be nested.
-
-The CPU allocator keeps no peak. The meter turns on the PyTorch profiler with memory events and
-*no operator events* (its record-function scope set to one that eager PyTorch never emits): the
-CPU allocator then reports every allocation and free with its address and size, and the meter
-replays them in time order. Frees of blocks allocated before the region are ignored. This uses the
-profiler's private entry points (``torch.autograd._enable_profiler``), the same ones
-``torch.profiler.profile`` calls; it cannot run inside another profiler.
-
-What it costs on the CPU (``make bench`` measures it, docs/benchmarks.md section 3): about half a
-millisecond to start and stop, plus about 7 microseconds per allocation made in the region (its free
-included) on a quiet core and up to 40 on a busy 2-core machine, nearly all of it in the profiler
-turning the events into its own records when the region ends; the code inside the region runs at
-full speed. That is a fraction
-of a small training window: measure some windows (the first, or one in a hundred), not every one.
-torch 2.13's profiler also prints ``profiler_start``/``profiler_stop`` to stderr for every region
-unless ``KINETO_LOG_LEVEL`` is set when it starts; PeakMeter sets it to 6 for that moment only (a
-value of yours is kept) and leaves the environment as it was.
+How. On CUDA, the caching allocator's own high-water mark (``torch.cuda.reset_peak_memory_stats`` on
+entry, ``max_memory_allocated`` on exit): free, but it resets the process's CUDA peak, so CUDA meters
+must not be nested. On the CPU, the PyTorch profiler's private entry points with memory events and no
+operator events: every allocation and free, replayed in time order (frees of older blocks ignored); it
+cannot run inside another profiler. That costs about half a millisecond per region plus 7 to 40
+microseconds per allocation (docs/benchmarks.md, section 3): measure some windows, not every one.
 """
 
 from __future__ import annotations
@@ -91,10 +69,9 @@ class PeakMeter:
     def __init__(self, device: DeviceLike = "cpu") -> None:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
-            raise ConfigurationError(
-                f"PeakMeter measures 'cpu' or 'cuda' devices, got device={str(device)!r}; on other "
-                "devices read the backend's own counters (e.g. torch.mps.current_allocated_memory)"
-            )
+            raise ConfigurationError(f"PeakMeter measures 'cpu' or 'cuda' devices, got device={str(device)!r}; on "
+                                     "other devices read the backend's own counters (e.g. "
+                                     "torch.mps.current_allocated_memory)")
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigurationError(f"PeakMeter(device={str(device)!r}): CUDA is not available here; use 'cpu'")
@@ -102,8 +79,7 @@ class PeakMeter:
                 dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self._result: Optional[PeakMemory] = None
-        self._cuda_base = 0
-        self._cuda_allocs = 0
+        self._cuda_base = self._cuda_allocs = 0
         self._active = False
 
     @property
@@ -128,18 +104,13 @@ class PeakMeter:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._active = False
         if self.device.type == "cuda":
-            self._result = PeakMemory(
-                peak_bytes=torch.cuda.max_memory_allocated(self.device) - self._cuda_base,
-                retained_bytes=torch.cuda.memory_allocated(self.device) - self._cuda_base,
-                allocations=_cuda_allocation_count(self.device) - self._cuda_allocs,
-                device=str(self.device),
-                source="CUDA caching allocator (max_memory_allocated - memory_allocated at entry)",
-            )
-            return
-        events = _stop_cpu_events()
-        peak, retained, count = replay(events)
-        self._result = PeakMemory(peak_bytes=peak, retained_bytes=retained, allocations=count,
-                                  device="cpu", source="CPU allocator events (PyTorch profiler, memory only)")
+            base, dev = self._cuda_base, self.device
+            figures = (torch.cuda.max_memory_allocated(dev) - base, torch.cuda.memory_allocated(dev) - base,
+                       _cuda_allocation_count(dev) - self._cuda_allocs)
+            source = "CUDA caching allocator (max_memory_allocated - memory_allocated at entry)"
+        else:
+            figures, source = replay(_stop_cpu_events()), "CPU allocator events (PyTorch profiler, memory only)"
+        self._result = PeakMemory(*figures, device=str(self.device), source=source)
 
 
 def replay(events: List[Tuple[int, int, int]]) -> Tuple[int, int, int]:
@@ -155,11 +126,9 @@ def replay(events: List[Tuple[int, int, int]]) -> Tuple[int, int, int]:
             live[ptr] = size
             current += size
             count += 1
-            if current > peak:
-                peak = current
+            peak = max(peak, current)
         elif size < 0:
-            freed = live.pop(ptr, 0)
-            current -= freed
+            current -= live.pop(ptr, 0)
     return peak, current, count
 
 
@@ -169,44 +138,29 @@ def state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     state tensors. No activation is counted: the measured peak (:class:`PeakMeter`) is what has them."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    state = 0
-    if optimizer is not None:
-        state = sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                    for t in s.values() if isinstance(t, torch.Tensor))
+    state = 0 if optimizer is None else sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                                            for t in s.values() if isinstance(t, torch.Tensor))
     return {"parameters": params, "gradients": grads, "optimizer_state": state}
 
-
-# -- CUDA ------------------------------------------------------------------------------------
 
 def _cuda_allocation_count(device: torch.device) -> int:
     return int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
 
 
-# -- CPU: the profiler's memory events, without operator events ------------------------------
-
 def _start_cpu_events() -> None:
-    from torch._C._profiler import (  # private: the entry points torch.profiler.profile uses
-        ProfilerActivity,
-        ProfilerConfig,
-        ProfilerState,
-        RecordScope,
-        _ExperimentalConfig,
-    )
+    # private: the entry points torch.profiler.profile uses
+    from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope, _ExperimentalConfig
 
     if torch.autograd._profiler_enabled():
-        raise RuntimeError(
-            "PeakMeter('cpu') cannot run while a PyTorch profiler is active on this thread: it uses "
-            "the profiler's memory events. Measure outside the profiler, or pass profile_memory=True "
-            "to your own torch.profiler.profile and read its memory events"
-        )
+        raise RuntimeError("PeakMeter('cpu') cannot run while a PyTorch profiler is active on this thread: it uses "
+                           "the profiler's memory events. Measure outside the profiler, or pass profile_memory=True "
+                           "to your own torch.profiler.profile and read its memory events")
     config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
     activities = {ProfilerActivity.CPU}
-    # An empty scope set would record every operator (~40 us each to collect); STATIC_RUNTIME_MODEL
-    # is emitted only by TorchScript's static runtime, so in eager mode no operator is recorded and
-    # only the allocator's memory events remain.
+    # only TorchScript's static runtime emits this scope: in eager mode no operator is recorded (an empty set
+    # would record them all), only the allocator's events. Kineto prints profiler_start/stop per region
+    # unless KINETO_LOG_LEVEL is set when it starts: set for that moment only
     scopes = {RecordScope.STATIC_RUNTIME_MODEL}
-    # Kineto reads KINETO_LOG_LEVEL when it starts (else it prints profiler_start/stop per region):
-    # set for that moment only, the user's environment is left as it was
     before = os.environ.get("KINETO_LOG_LEVEL")
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
@@ -226,9 +180,7 @@ def _stop_cpu_events() -> List[Tuple[int, int, int]]:
     stack = list(reversed(result.experimental_event_tree()))  # depth first, in recorded order
     while stack:  # a few pybind11 attribute reads per event: this loop is a third of the cost
         node = stack.pop()
-        children = node.children
-        if children:
-            stack.extend(reversed(children))
+        stack.extend(reversed(node.children))
         fields = node.extra_fields
         if type(fields) is _ExtraFields_Allocation and fields.device == cpu:
             events.append((node.start_time_ns, fields.ptr, fields.alloc_size))

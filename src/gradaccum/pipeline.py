@@ -1,48 +1,22 @@
 """Exact accumulation over a ``torch.distributed.pipelining`` schedule: :class:`PipelineWindow`.
 
-A pipeline schedule is a window: it runs K micro-batches through the stages, and the optimizer steps
-once. Stock, its ``loss_fn`` returns micro-batch k's mean L_k and ``scale_grads=True`` divides the
-summed gradient by K: the mean of the micro-batch means, not the window's mean over its N items
-(1.45e-2 off one big batch with 23, 3, 9 and 22 target tokens per micro-batch; ``docs/guides/pipeline.md``).
-Here the schedule's loss is weighed as every gradaccum window weighs it (:mod:`gradaccum._maths`)::
+A schedule is a window: K micro-batches through the stages, one optimizer step. Stock, ``scale_grads=True``
+divides the summed gradient by K, the mean of micro-batch means, not the window's mean over its N items.
+Here each micro-batch is weighed as every gradaccum window weighs it (:mod:`gradaccum._maths`)::
 
     micro-batch k backpropagates  S_k * W / N     (S_k = n_k L_k, its summed loss; sum_weight)
     data-parallel reduction        / W            (fully_shard over the replicas)
     window gradient                sum_k S_k / N  (N: the window's items over every replica)
 
-The window owns your per-item loss and hands the schedule its weighed version, :meth:`PipelineWindow.loss`;
-build the schedule with it and ``scale_grads=False``, and step the window instead of the schedule::
-
     pipe = PipelineWindow(stage, optimizer, token_loss_sum, n_microbatches=4, reduction="sum", max_grad_norm=1.0)
     schedule = ScheduleGPipe(stage, n_microbatches=pipe.n_microbatches, loss_fn=pipe.loss, scale_grads=False)
     result = pipe.step(schedule, inputs, target=targets)     # inputs on the first stage, targets on the last
 
-:meth:`PipelineWindow.step`, on every stage, in the order it runs:
-
-1. **count**: the last stage counts its targets' items n_k (``num_items``), and sums N over the replicas
-   (one all-reduce over ``dp_group``, on the last stage's ranks only); a short last window (K below
-   ``n_microbatches``) is padded with repeats of its last micro-batch that weigh 0;
-2. **schedule**: it runs, each ``pipe.loss`` call weighed ``S_k * W / N`` (``L_k * n_k W / N`` for a
-   mean); a window of no item runs weighing 0 everywhere;
-3. **boundary**: one all-reduce over the pipeline group of (squared gradient norm, summed loss, N, the
-   first stage's K, the last stage's K, the loss calls counted wrong), and one of the first two over
-   ``dp_group``: every stage learns N, the global norm over every stage's parameters and the window's loss;
-4. **step**: the verdict (:func:`gradaccum._maths.verdict`: no item or not finite skips, on every stage
-   alike), the clip (:func:`gradaccum._maths.clip_coefficient`), one optimizer step, the gradients
-   cleared, the window recorded in an :class:`~gradaccum.AccumulatorState` (``state_dict``).
-
-Collectives per window: 1 all-reduce over the pipeline group; with ``dp_group``, 1 more over it on every
-rank and 1 more (the count) on the last stage's ranks.
-
-**Which micro-batch a loss call is.** Only torch's public surface is read: the stages' ``is_first``,
-``is_last``, ``submod`` and ``device``, the schedule's ``scale_grads`` and ``step``. The micro-batch is
-counted from the calls of ``pipe.loss`` within :meth:`~PipelineWindow.step`: the schedule calls its
-``loss_fn`` once per micro-batch, in micro-batch order (torch's own losses list is indexed so), and on a
-step that (re)initializes the stage (its first, and the first after ``schedule.eval``) the stage's shape
-inference calls it once before them, on micro-batch 0's target (a detached view of the same memory),
-its gradient dropped. So a second call whose target is the first call's memory is micro-batch 0 again,
-and the first call was that inference. The boundary checks the count (``n_microbatches`` calls besides
-the inference) on every stage and refuses a window counted otherwise before it steps.
+:meth:`PipelineWindow.step` counts (n_k on the last stage, N summed over ``dp_group``; a short window padded
+with micro-batches that weigh 0), runs the schedule, reduces what every stage needs in one all-reduce over
+the pipeline group, then takes the verdict, the clip and one optimizer step on every stage alike. Which
+micro-batch a ``pipe.loss`` call is comes from counting the calls (in micro-batch order; a second call on
+the first call's target memory means the first was the stage's shape inference): docs/guides/pipeline.md.
 """
 
 from __future__ import annotations
@@ -64,7 +38,6 @@ from .sync import sharded_stage
 
 __all__ = ["PipelineWindow"]
 
-REDUCTIONS = ("sum", "mean")
 #: the boundary's all-reduce over the pipeline group, one float64 each; the first two also sum over dp_group
 SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED = range(6)
 
@@ -72,17 +45,15 @@ SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED = range(6)
 def _stage_list(stages: Any) -> List[Any]:
     """This rank's stages: one ``PipelineStage`` or a list of them (two or more per rank when interleaved)."""
     listed = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-    for stage in listed:
-        if not all(hasattr(stage, a) for a in ("is_first", "is_last", "submod", "device")) or not listed:
-            raise ConfigurationError(
-                f"stages={stages!r} is not this rank's torch.distributed.pipelining stages: pass the "
-                "PipelineStage (or the list of them) that the schedule is built over")
+    if not listed or not all(hasattr(s, a) for s in listed for a in ("is_first", "is_last", "submod", "device")):
+        raise ConfigurationError(f"stages={stages!r} is not this rank's torch.distributed.pipelining stages: pass the "
+                                 "PipelineStage (or the list of them) that the schedule is built over")
     return listed
 
 
 def _check_loss(loss_fn: Any, reduction: str) -> None:
     """Refuse a loss that is not a per-item sum or mean, and a module that says another reduction."""
-    if reduction not in REDUCTIONS:
+    if reduction not in ("sum", "mean"):
         raise NotExactError(f"reduction={reduction!r}: a pipeline window is exact for a loss that is the sum "
                             "('sum') or the mean ('mean', with num_items counting what it averages over) of per-item "
                             "terms; return the micro-batch's summed loss and pass reduction='sum'")
@@ -237,17 +208,15 @@ class PipelineWindow:
         """1. The window's micro-batches on the first stage (its inputs padded to the schedule's), and on the
         last its targets' n_k and N over the replicas (one all-reduce over ``dp_group``): the tally."""
         rows, n_mb = self.micro_batch_size or 0, self.n_microbatches
-        k_first = self._micro_batches(next((a for a in args if isinstance(a, torch.Tensor)), None), self.first,
-                                      "inputs")
+        k_first = 0
         if self.first:
+            k_first = self._micro_batches(next((a for a in args if isinstance(a, torch.Tensor)), None), "inputs")
             args = tuple(_pad(a, rows, n_mb - k_first) for a in args)
             kwargs = {name: _pad(v, rows, n_mb - k_first) for name, v in kwargs.items()}
         if not self.last:
             self._tally = _Tally(0, [], None)
             return args, kwargs, None, k_first
-        if target is None:
-            raise ConfigurationError("this rank holds the last stage: pass target= its window's targets")
-        k = self._micro_batches(target, True, "target")
+        k = self._micro_batches(target, "target")
         target = _pad(target, rows, n_mb - k)
         counts = [self.num_items(t) for t in torch.tensor_split(target, n_mb)[:k]]
         each = torch.stack([torch.as_tensor(c, dtype=torch.float64).to(self.device) for c in counts])
@@ -258,11 +227,9 @@ class PipelineWindow:
         self._tally = _Tally(k, each_n, WindowWeights(self.state, self.grad_divisor, num_items=num_items))
         return args, kwargs, target, k_first
 
-    def _micro_batches(self, batch: Optional[torch.Tensor], here: bool, name: str) -> int:
-        """K, this window's micro-batches, from the rows of ``batch`` (0 where this rank holds no such stage)."""
+    def _micro_batches(self, batch: Optional[torch.Tensor], name: str) -> int:
+        """K, this window's micro-batches, from the rows of ``batch``."""
         n_mb = self.n_microbatches
-        if not here:
-            return 0
         if batch is None:
             raise ConfigurationError(f"this rank holds the {'first' if name == 'inputs' else 'last'} stage: pass its "
                                      f"{name}, a tensor of the window's rows")
@@ -288,12 +255,9 @@ class PipelineWindow:
         weights = tally.weights
         if weights is None or weights.empty or k >= tally.k or (self.reduction == "mean" and tally.counts[k] == 0):
             return _zero(output)
-        loss = self.loss_fn(output, target)
-        if self.reduction == "sum":
-            tally.summed[k] = loss.detach()
-            return loss * weights.sum_weight()
-        tally.summed[k] = loss.detach() * tally.counts[k]
-        return loss * weights.mean_weight(tally.counts[k])
+        loss, mean = self.loss_fn(output, target), self.reduction == "mean"
+        tally.summed[k] = loss.detach() * tally.counts[k] if mean else loss.detach()
+        return loss * (weights.mean_weight(tally.counts[k]) if mean else weights.sum_weight())
 
     def _boundary(self, k_first: int) -> torch.Tensor:
         """3. One all-reduce over the pipeline group (and the first two numbers over ``dp_group``), laid out as
@@ -325,10 +289,12 @@ class PipelineWindow:
         lr = float(self.optimizer.param_groups[0]["lr"])
         if miscounted or k_first != k_last:
             self.optimizer.zero_grad(set_to_none=True)
-            raise ConfigurationError(_miscounted(k_first, k_last, self.n_microbatches) if not miscounted else
-                                     f"the schedule's loss_fn was not called once per micro-batch of n_microbatches="
-                                     f"{self.n_microbatches}: build the schedule with loss_fn=pipe.loss and "
-                                     "n_microbatches=pipe.n_microbatches (nothing was stepped)")
+            raise ConfigurationError(
+                f"the schedule's loss_fn was not called once per micro-batch of n_microbatches={self.n_microbatches}: "
+                "build the schedule with loss_fn=pipe.loss and n_microbatches=pipe.n_microbatches (nothing was stepped)"
+                if miscounted else f"the first stage's inputs hold {int(k_first)} micro-batches but the last stage's "
+                f"target {int(k_last)} (of n_microbatches={self.n_microbatches}): pass both stages the same window "
+                "(nothing was stepped)")
         num_items: Union[int, float] = int(items) if items.is_integer() else items
         weights = WindowWeights(self.state, self.grad_divisor, num_items=num_items)
         closing = weights.close(num_items, loss_sum=loss, raw_norm=math.sqrt(square), nonfinite="skip")
@@ -342,10 +308,9 @@ class PipelineWindow:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         weights.record(closing, warn_empty="the pipeline's targets are all ignore_index")
-        if weights.empty:
-            return StepResult(math.nan, num_items, int(k_last), None, True, lr, self.state.steps)
-        return StepResult(loss / num_items, num_items, int(k_last), closing.grad_norm, not closing.steps, lr,
-                          self.state.steps)
+        empty = weights.empty
+        return StepResult(math.nan if empty else loss / num_items, num_items, int(k_last),
+                          None if empty else closing.grad_norm, empty or not closing.steps, lr, self.state.steps)
 
     # -- resume -----------------------------------------------------------------------------------------
 
@@ -356,10 +321,4 @@ class PipelineWindow:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        for name, value in self.state.read_saved(state).items():
-            setattr(self.state, name, value)
-
-
-def _miscounted(k_first: float, k_last: float, n_mb: int) -> str:
-    return (f"the first stage's inputs hold {int(k_first)} micro-batches but the last stage's target {int(k_last)} "
-            f"(of n_microbatches={n_mb}): pass both stages the same window (nothing was stepped)")
+        self.state.load_saved(self.state.read_saved(state))

@@ -1,27 +1,20 @@
 """Data order that depends on the seed alone: global windows, cut into each rank's micro-batches.
 
-The global batch B (the items of one optimizer step, across all ranks) is the invariant. Each epoch
-is a seeded permutation of the dataset, cut into global windows of B items; rank r of W takes a
-contiguous share of every window (sizes differ by at most one item) and cuts it into micro-batches of
-at most m items::
+Each epoch is a seeded permutation of the dataset, cut into global windows of B items (one optimizer
+step across all ranks); rank r of W takes a contiguous share of every window and cuts it into
+micro-batches of at most m items::
 
     window g of epoch e   = perm(seed + e)[g * B : (g + 1) * B]
     rank r's share        = window[r * b // W : (r + 1) * b // W]        (b = len(window))
 
-A window's items do not depend on W, and an accumulated step is exact on the union of the ranks'
-shares, so the same seed and B train the same model on 1, 2 or 8 ranks, and a run checkpointed on W
-ranks continues on W' ranks: the position saved is (epoch, window), never a per-rank offset.
-With B < W some ranks have no item in a window; they contribute zero items to its step.
-
-Used as a DataLoader's ``batch_sampler`` (workers keep working), ``Accumulator.train`` reads where each
-window ends from it and advances its position after every step, so ``state_dict()`` is always the
-position to resume from, even while the DataLoader's workers prefetch ahead.
+A window's items do not depend on W, so the same seed and B train the same model on any number of
+ranks, and a checkpoint (epoch, window) resumes on any (docs/guides/torchrun.md).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import Sampler
@@ -91,6 +84,7 @@ class WindowSampler(Sampler[List[int]]):
         self.epoch = 0
         #: the first window of ``epoch`` that the next iteration yields: windows before it are done
         self.start_window = 0
+        self._cached_order: Tuple[int, List[int]] = (-1, [])
 
     # -- where the windows are ------------------------------------------------------------
 
@@ -103,16 +97,11 @@ class WindowSampler(Sampler[List[int]]):
     def _order(self, epoch: int) -> List[int]:
         """The epoch's permutation of the dataset, as a list (made once per epoch, so cutting windows
         from it reads no tensor on the host; cached for the last epoch asked)."""
-        cached = getattr(self, "_cached_order", None)
-        if cached is not None and cached[0] == epoch:
-            return cached[1]
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            order: List[int] = torch.randperm(self.dataset_size, generator=g).tolist()
-        else:
-            order = list(range(self.dataset_size))
-        self._cached_order = (epoch, order)
-        return order
+        if self._cached_order[0] != epoch:
+            n, g = self.dataset_size, torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(n, generator=g).tolist() if self.shuffle else range(n)
+            self._cached_order = (epoch, list(order))
+        return self._cached_order[1]
 
     def _bounds(self, window: int) -> range:
         """Positions in the epoch's order of this rank's share of ``window``."""

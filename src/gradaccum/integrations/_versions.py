@@ -2,13 +2,7 @@
 
 ``pyproject.toml``'s extras declare exactly these floors (``tests/test_versions.py`` checks it), and
 ``make test-oldest`` installs them pinned (``python src/gradaccum/integrations/_versions.py`` prints the
-pins) and runs the integration tests there. Below a floor the integration's import fails naming the
-installed version and the pip command, never a run that trains something else. Measured below the floors:
-transformers 4.46's Trainer steps across the windows ExactTrainer counted, 4.56's resumes at another
-window, 5.0's fails the WindowLoss, sentence-transformers, MoE and GRPO tests (5.19 is the first whose
-Trainer reads ``loss_is_scaled_for_ga``; TRL 1.16 stands a string in for it before, which SFT then calls);
-pytorch-lightning 2.4 lacks the progress counter the callback advances; sentence-transformers 6.0 and
-6.1 move MegaBatchMarginLoss's float64 step 3e-8 away from the big batch's.
+pins) and runs the integration tests there. What fails below them: docs/index.md.
 
 Standard library only, so that the Makefile can read it before anything is installed.
 """
@@ -49,8 +43,8 @@ def installed(package: str) -> Optional[str]:
 
 
 def require(package: str, who: str) -> None:
-    """Raise ImportError when ``package`` is installed older than its :data:`FLOORS` entry, naming ``who``
-    (the integration), the installed version and the fix (nothing where it is not installed: the import then says so itself)."""
+    """Raise ImportError when ``package`` is installed older than its :data:`FLOORS` entry (nothing where it
+    is not installed: the import then says so itself)."""
     version, floor = installed(package), FLOORS[package]
     if version is not None and release(version) < release(floor):
         raise ImportError(f"{who}: {package} {version} is older than {floor}, the oldest tested with it; "

@@ -1,8 +1,6 @@
-"""A Hugging Face mixture-of-experts model, read: the load-balancing term its config adds to its loss
-(:func:`aux_term`; a router loss gradaccum does not compute over the window is refused), its router
-logits and the tokens they balance, and the causal LM's loss that :meth:`gradaccum.MoELoss.for_hf_model`
-trains. Only the model's config and outputs are read (transformers is not imported); the window's
-counting pass is :class:`gradaccum.moe.Routing`'s, which this module does not import.
+"""A Hugging Face mixture-of-experts model, read from its config and outputs (transformers is not imported):
+the load-balancing term its config adds to its loss (:func:`aux_term`), its router logits and the tokens they
+balance, and the causal LM's loss that :meth:`gradaccum.MoELoss.for_hf_model` trains.
 """
 from __future__ import annotations
 
@@ -54,8 +52,6 @@ def aux_term(config: Any) -> Optional[RouterBalance]:
     >>> Config.router_aux_loss_coef = 0.0; aux_term(Config()) is None
     True
     """
-    if config is None:
-        return None
     text = _text_config(config)
     coef = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
     if not getattr(text, "output_router_logits", False):

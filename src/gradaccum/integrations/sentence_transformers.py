@@ -94,11 +94,11 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
 
     def _window_loss(self, model: nn.Module, batches: List[Any]) -> Tuple[WindowLoss, List[nn.Parameter], Any]:
         """The window's loss (its dataset's), served as a WindowLoss, and the loss's own parameters."""
-        names = {b.get("dataset_name") for b in batches}  # one dataset: refused at __init__ otherwise
-        name = names.pop() if names else None
+        name = batches[0].get("dataset_name") if batches else None  # one dataset: refused at __init__ otherwise
         loss_fn = self.loss[name] if isinstance(self.loss, dict) and name else self.loss
         module = self.accelerator.unwrap_model(model)
-        guides = _guides(loss_fn, module)
+        # models the loss runs besides the trained one (GIST's frozen guide), by key
+        guides = {key: getattr(owner, attr) for owner, attr, key in _held_models(loss_fn, module) if key != "model"}
         served = _ServedLoss(self, loss_fn, module, guides)
         models = {id(p) for m in [module, *guides.values()] for p in m.parameters()}
         return WindowLoss(served.encode, served.loss), [p for p in loss_fn.parameters() if id(p) not in models], None
@@ -151,28 +151,14 @@ def _is_model(child: Any) -> bool:
 
 def _loss_modules(module: nn.Module) -> List[nn.Module]:
     """The loss and the losses it wraps, not the models they hold."""
-    out = [module]
-    for child in module._modules.values():
-        if child is not None and not _is_model(child):
-            out += _loss_modules(child)
-    return out
+    return [module] + [m for child in module.children() if not _is_model(child) for m in _loss_modules(child)]
 
 
 def _held_models(loss: nn.Module, module: nn.Module) -> List[Tuple[nn.Module, str, str]]:
     """Where the loss holds a model: ``(owner, attribute, key)``, key "model" for the trained one (also
     when the Trainer put its DDP wrapper there) and the attribute's name for another (GIST's guide)."""
-    out = []
-    for owner in _loss_modules(loss):
-        for name, child in owner._modules.items():
-            if _is_model(child):
-                trained = child is module or getattr(child, "module", None) is module
-                out.append((owner, name, "model" if trained else name))
-    return out
-
-
-def _guides(loss: nn.Module, module: nn.Module) -> Dict[str, nn.Module]:
-    """Models the loss runs besides the trained one (GIST's frozen guide), by key."""
-    return {key: getattr(owner, name) for owner, name, key in _held_models(loss, module) if key != "model"}
+    return [(owner, name, "model" if child is module or getattr(child, "module", None) is module else name)
+            for owner in _loss_modules(loss) for name, child in owner._modules.items() if _is_model(child)]
 
 
 class _Served(nn.Module):
@@ -204,9 +190,8 @@ class _Served(nn.Module):
 
 
 class _ServedLoss:
-    """The WindowLoss made of a sentence-transformers loss: ``encode`` runs the model (and the guides)
-    over a micro-batch's columns; ``loss`` calls the loss on the window's joined embeddings, its models
-    served them."""
+    """The WindowLoss made of a sentence-transformers loss: ``encode`` runs the model (and the guides) over a
+    micro-batch's columns; ``loss`` calls the loss on the window's joined embeddings."""
 
     def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module,
                  guides: Dict[str, nn.Module]) -> None:
@@ -217,14 +202,8 @@ class _ServedLoss:
         """Every layer's sentence embedding, ``(rows, layers, dim)``, the last layer's last: the model's
         forward with the hidden states (as AdaptiveLayerLoss's TransformerDecorator runs it), then the
         modules after the transformer on each earlier layer's token embeddings."""
-        transformer = self.module[0]
-        config = transformer.auto_model.config
-        kept = config.output_hidden_states
-        config.output_hidden_states = True
-        try:
+        with swapped(self.module[0].auto_model.config, "output_hidden_states", True):
             out = model(features)
-        finally:
-            config.output_hidden_states = kept
         layers = []
         for hidden in out["all_layer_embeddings"][:-1]:
             x = {**out, "token_embeddings": hidden}
@@ -260,24 +239,22 @@ class _ServedLoss:
             for owner in _loss_modules(self.loss_fn):
                 if getattr(owner, "gather_across_devices", False):  # the embeddings are every rank's already
                     stack.enter_context(swapped(owner, "gather_across_devices", False))
-            fn = self.loss_fn
             if self.adaptive is not None:
-                out = self._adaptive_layers(served["model"], features, reps.get("labels"))
-            else:
-                forward = getattr(fn, "forward_non_mini_batched", None) if getattr(fn, "uses_gradient_cache",
-                                                                                  False) else None
-                out = (forward or fn)(features, reps.get("labels"))
+                out = self._adaptive_layers(self.adaptive, served["model"], features, reps.get("labels"))
+            else:  # a loss that caches mini-batches itself has a non-cached forward (refuse_a_loss)
+                fn = self.loss_fn
+                out = (fn.forward_non_mini_batched if getattr(fn, "uses_gradient_cache", False) else fn)(
+                    features, reps.get("labels"))
         if isinstance(out, dict):
             out = torch.stack(list(out.values())).sum()
         return out
 
-    def _adaptive_layers(self, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
+    @staticmethod
+    def _adaptive_layers(ad: Any, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
         """AdaptiveLayerLoss's forward on the served layers: the inner loss on the last layer, on the
         earlier layers it samples (weighted), and the KL divergence of each to the last layer's."""
         import random
 
-        ad = self.adaptive
-        assert ad is not None
         inner, layers = ad.loss, served.table.shape[1]
         served.layer, served.served = layers - 1, []
         loss = inner(features, labels) * ad.last_layer_weight

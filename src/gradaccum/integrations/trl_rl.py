@@ -33,19 +33,14 @@ def _loss_type(trainer: Any) -> str:
 
 
 class _RLResume:
-    """A GRPO/RLOO run resumed from a checkpoint, as docs/guides/trl.md ("GRPO and RLOO") says: the
-    driver's resume, TRL's micro-batch counter at its position, and the checkpoint's random state loaded
-    before the step's generation (the Trainer would load it after)."""
+    """A GRPO/RLOO run resumed from a checkpoint (docs/guides/trl.md, "GRPO and RLOO"): TRL's micro-batch
+    counter at its position, and the checkpoint's random state loaded before the step's generation."""
 
-    #: a resume inside an epoch: the checkpoint whose random state the step's generation draws from
-    #: (loaded before generating; the Trainer's later load is then skipped)
     _resume_rng: Optional[str] = None
     _rng_loaded_early = False
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: Optional[str], trial: Any) -> Tuple[int, int]:
-        """The driver's resume, then TRL's micro-batch counter ``_step`` set to its position and the
-        checkpoint kept for the random state of the step's generation (:meth:`get_batch_samples`)."""
         epochs, batches = super()._init_training_state(  # type: ignore[misc]
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
         self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
@@ -56,10 +51,9 @@ class _RLResume:
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
         """The Trainer's restore of the checkpoint's random state, unless :meth:`get_batch_samples` did it."""
-        if self._rng_loaded_early:
-            self._rng_loaded_early = False
-            return
-        super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        if not self._rng_loaded_early:
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        self._rng_loaded_early = False
 
     def _load_rng_state_before_generating(self) -> None:
         """After a resume inside an epoch: the random state the uninterrupted run generated this step from."""
@@ -70,16 +64,14 @@ class _RLResume:
 
 
 class _RLEntropy:
-    """TRL's entropy bonus as the exact step applies it: its coefficient this step, and TRL's adaptive
-    controller kept over a skipped step (docs/guides/trl.md, "GRPO and RLOO")."""
+    """TRL's entropy bonus: its coefficient this step, and TRL's adaptive controller kept over a skipped step."""
 
     _controller: Optional[Tuple[float, float]] = None  # (coefficient, last entropy) kept over a skipped step
 
     def _entropy_coef_now(self) -> float:
         """The coefficient TRL applies in this step (0 where off; adaptive: the previous step's decision)."""
-        if not getattr(self, "_entropy_bonus_enabled", False):
-            return 0.0
-        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:  # type: ignore[attr-defined]
+        if not getattr(self, "_entropy_bonus_enabled", False) or (  # type: ignore[attr-defined]
+                self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target):
             return 0.0
         return float(self.entropy_coef)  # type: ignore[attr-defined]
 
@@ -88,15 +80,13 @@ class _RLEntropy:
             self._controller = (self.entropy_coef, self._last_world_entropy)  # type: ignore[attr-defined]
 
     def _restore_entropy_controller(self) -> None:
-        """After a skipped step: the controller as the last step taken left it, the step's ``entropy_coef``
-        log gone."""
-        if self._controller is None:
-            return
-        self.entropy_coef, self._last_world_entropy = self._controller  # type: ignore[attr-defined]
-        self._controller = None
-        logged = self._metrics["train"].get("entropy_coef")  # type: ignore[attr-defined]
-        if logged:
-            logged.pop()
+        """After a skipped step: the controller as the last step taken left it, the step's log gone."""
+        if self._controller is not None:
+            self.entropy_coef, self._last_world_entropy = self._controller  # type: ignore[attr-defined]
+            self._controller = None
+            logged = self._metrics["train"].get("entropy_coef")  # type: ignore[attr-defined]
+            if logged:
+                logged.pop()
 
 
 class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
@@ -119,11 +109,8 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
     # -- count first ------------------------------------------------------------------------------
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Tuple[List[Any], None]:
-        """The step's micro-batches, generated (or taken from TRL's buffer) now, before its first
-        backward, in the order TRL would; their completion tokens and sequences summed over the ranks in
-        one all-reduce (one host synchronisation per step). The policy does not change inside a step, so
-        a later generation batch generated at its start is sampled from the same policy (with dropout on,
-        from another point of the random stream than TRL's)."""
+        """The step's micro-batches, generated (or taken from TRL's buffer) before its first backward, in
+        TRL's order; their completion tokens and sequences summed over the ranks in one all-reduce."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
         self._load_rng_state_before_generating()
         self.model.train()  # type: ignore[attr-defined]  # TRL's _prepare_inputs reads the mode
