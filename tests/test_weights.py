@@ -1,4 +1,4 @@
-"""WindowWeights: the one weighting, count, verdict and skip that every loop drives (_weights.py).
+"""WindowWeights: the one weighting, count, verdict and skip that every loop drives (_maths.py).
 
 Unit checks of each step against the formulas written out here (an independent oracle: no call into
 _maths), and that R is fixed once per state, agreed once. Which drivers fail when this one
@@ -13,7 +13,7 @@ import torch
 
 from gradaccum._maths import Verdict
 from gradaccum._state import AccumulatorState
-from gradaccum._weights import WindowWeights
+from gradaccum._maths import WindowWeights
 
 
 def test_counted_first_the_weights_are_the_windows_own_n():

@@ -3,7 +3,7 @@
 The framework calls forward, backward, clipping and the optimizer; the driver (``ExactTrainer``,
 ``ExactAccumulation``) only hooks them. What is the same in every such driver is here, once:
 
-1. **open** the window: the core's :class:`~gradaccum._weights.WindowWeights` (``num_items=N`` when the
+1. **open** the window: the core's :class:`~gradaccum._maths.WindowWeights` (``num_items=N`` when the
    driver counted the window first, the running R otherwise), and the float32 buffers of the bf16/fp16
    parameters' window gradient (:class:`~gradaccum._gradients.AccumulationBuffers`) cleared and folding;
 2. **weigh** each micro-batch (``weights.mean_weight``, ``item_weight`` = ``sum_weight``, or
@@ -41,7 +41,7 @@ from ._gradients import AccumulationBuffers
 from ._maths import Verdict, verdict
 from ._settings import NONFINITE
 from ._state import AccumulatorState
-from ._weights import Closing, WindowWeights
+from ._maths import Closing, WindowWeights
 from ._empty import may_be_empty, weighing_nothing
 from .errors import ConfigurationError
 

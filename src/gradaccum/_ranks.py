@@ -39,7 +39,7 @@ first is decided from what every rank shares (every rank counted up front in the
 ``AccumulatorState.counts_first``), so no rank waits alone in that all-reduce. Where no
 count is known at all (a hand-written window without ``num_items``, before any window had items) R is
 the running one, fixed once at its first use by a max all-reduce of the first count
-(:meth:`gradaccum._weights.WindowWeights.fix_reference`) and kept in ``state_dict``. When ``loss_fn``
+(:meth:`gradaccum._maths.WindowWeights.fix_reference`) and kept in ``state_dict``. When ``loss_fn``
 counts other items than those counted up front (tokens of sequences), an R from an up-front count is N
 times the last window's ratio of the two (``AccumulatorState.count_ratio``, saved), which keeps R near
 the count the backward really divides (what fp16's loss scale needs) and the scale near 1. Every R is a
@@ -121,7 +121,7 @@ class Setup(NamedTuple):
     Attributes:
         plan: the micro-batch counts (None for a window opened without a size).
         reference: R when it is known up front, else None (fixed at the first backward,
-            :meth:`gradaccum._weights.WindowWeights.fix_reference`).
+            :meth:`gradaccum._maths.WindowWeights.fix_reference`).
         padding: zero-weight micro-batches the agreement asks this rank to run on top of its own.
         counted: the ranks' count all-reduce started as the window opened, when the plan does not carry
             N but every rank counted its items up front (:meth:`RankAgreement.open`); R is N, read at
@@ -241,7 +241,7 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[Plan],
     ``loss_fn`` counts the items counted up front: then R = N exactly), where N is known now (the
     plan's, or one process's own count); None where it is not: R is then N counted first
     (:class:`CountedFirst`, read at the first backward) or, without an up-front count, the running R
-    (:meth:`gradaccum._weights.WindowWeights.fix_reference`). Under DeepSpeed (``reference_is_count``)
+    (:meth:`gradaccum._maths.WindowWeights.fix_reference`). Under DeepSpeed (``reference_is_count``)
     R is N itself, or nothing (then the first backward refuses the window)."""
     across = rules.shares_windows
     known = plan.items if plan is not None else (as_number(num_items) if num_items is not None and not across
@@ -372,7 +372,7 @@ class RankAgreement:
 
     def largest(self, value: float) -> float:
         """The largest ``value`` on any rank (one host sync and, across ranks, one max all-reduce): how
-        the running R is agreed when it is fixed (:meth:`gradaccum._weights.WindowWeights.fix_reference`)."""
+        the running R is agreed when it is fixed (:meth:`gradaccum._maths.WindowWeights.fix_reference`)."""
         if not self.rules.shares_windows:
             return float(value)
         return float(self.sync.all_reduce_(torch.tensor([float(value)], device=self.device), "max").item())

@@ -23,7 +23,7 @@ from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._maths import count_dtype, window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
-from ._weights import WindowWeights
+from ._maths import WindowWeights
 from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError
@@ -220,7 +220,7 @@ class Window:
 
     @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._weights.WindowWeights` (R: ``weights.reference``), opened as the
+        """The window's :class:`~gradaccum._maths.WindowWeights` (R: ``weights.reference``), opened as the
         window opens, or where it counts first at its first backward, which reads the ranks' count."""
         if self._weights is None:
             setup = self._open_setup("backward")

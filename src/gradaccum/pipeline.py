@@ -31,7 +31,7 @@ from ._checks import positive_int
 from ._maths import clip_coefficient, target_count, tensor_norms
 from ._seam import all_reduce_
 from ._state import AccumulatorState
-from ._weights import WindowWeights
+from ._maths import WindowWeights
 from .errors import ConfigurationError, NotExactError
 from .result import StepResult
 from .sync import sharded_stage

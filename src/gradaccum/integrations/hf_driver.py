@@ -17,7 +17,7 @@ from .._driven import DrivenWindow, nonfinite_choice
 from .._gradients import AccumulationBuffers
 from .._patching import NoStep, Swaps
 from .._state import AccumulatorState
-from .._weights import Closing
+from .._maths import Closing
 from ..errors import ConfigurationError, NotExactError
 from ._versions import require
 from .hf_moe import TrainerBalance

@@ -12,7 +12,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .._weights import Closing
+from .._maths import Closing
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount, local_counts, trl_divisor, trl_entropy_mean
 from .hf_driver import TrainerDriver, refuse_untested, serves_the_window  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
