@@ -1,7 +1,7 @@
 """The window's fast paths (one process, fp32, int counts, a bare mean loss) give what the general paths give.
 
 Section 1 of ``make bench`` times a window whose micro-batches take the short way through
-:class:`gradaccum._window.Window` and :class:`gradaccum._window.Tally`: an int count accepted as it is,
+:class:`gradaccum._window.Window` and :class:`gradaccum._boundary.Tally`: an int count accepted as it is,
 a plain scalar loss, one shared micro-batch context, the backward through the seam directly, the loss sum
 read on the host. Each test runs the same window down the general path beside it (a float or tensor count,
 a ``(mean, count)`` pair, a hand-written window) and against the float64 big batch.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gradaccum import Accumulator
-from gradaccum._window import Tally
+from gradaccum._boundary import Tally
 from helpers import (RTOL, assert_params_close, clone_pair, concat, make_optimizer, mse, reference_step, regression_batch,
                      regression_model)
 
@@ -42,10 +42,8 @@ def _run(count, windows=2):
 def test_host_loss_sum_is_the_device_sum():
     """The loss sum read on the host (one process) is the float64 sum on the device, bit for bit, and
     the item-weighted sum of the micro-batches' means."""
-    tally = Tally(torch.device("cpu"))
     means = [torch.tensor(v, dtype=torch.float32) for v in (0.3, 1.7, 0.05, 2.2)]
-    for mean, n in zip(means, SIZES):
-        tally.add(mean, n)
+    tally = Tally([(mean, n, False) for mean, n in zip(means, SIZES)], torch.float64)
     host = tally.host_loss_sum(tally.host_losses().tolist())
     assert host == tally.loss_sum.item()
     assert host == pytest.approx(sum(float(m) * n for m, n in zip(means, SIZES)), rel=1e-15)

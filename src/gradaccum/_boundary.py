@@ -31,7 +31,7 @@ from .precision import MixedPrecision
 from ._deepspeed import not_known_up_front
 from .sync import GradSync, full_tensor
 
-__all__ = ["Totals", "Outcome", "Boundary", "InFlight", "Gradients", "ExchangeRow", "Exchanged", "total_norm",
+__all__ = ["Tally", "Totals", "Outcome", "Boundary", "InFlight", "Gradients", "ExchangeRow", "Exchanged", "total_norm",
            "read_on_host"]
 
 # -- the procedure ------------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ class Totals(NamedTuple):
     """What one rank's window hands the boundary.
 
     Attributes:
-        tally: this rank's loss sum and item counts.
+        tally: this rank's micro-batches as the window filed them: ``(mean loss, count, from loss_fn)``.
         weights: the window's weighting (R, the count the backward weights were divided by): its
             :meth:`~gradaccum._maths.WindowWeights.close` decides, its ``record`` counts.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
@@ -49,7 +49,7 @@ class Totals(NamedTuple):
             had them); exchanged, so that every rank learns whether the next window counts first.
     """
 
-    tally: Any  # this rank's gradaccum._window.Tally
+    tally: List[Tuple[torch.Tensor, Any, bool]]
     weights: WindowWeights
     ran: bool
     can_pad_next: bool = True
@@ -73,6 +73,62 @@ class Outcome(NamedTuple):
     counted_first: bool = False
 
 
+class Tally:
+    """One rank's window as its boundary reads it: each micro-batch's detached mean loss and count in the
+    order they ran (the window files ``(loss, count, from_loss_fn)`` and adds nothing up while it runs),
+    the counts' sum apart for Python numbers (``host_items``) and device tensors (``device_items``, read
+    in the boundary's one copy), whether ``loss_fn`` returned its own counts, and ``sum n_k L_k`` in
+    float64 (``count_dtype``)."""
+
+    __slots__ = ("losses", "counts", "host_items", "device_items", "counts_from_loss_fn", "dtype")
+
+    def __init__(self, entries: Sequence[Tuple[torch.Tensor, Any, bool]], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.losses = [loss for loss, _, _ in entries]
+        self.counts = [count for _, count, _ in entries]
+        self.counts_from_loss_fn = any(own for _, _, own in entries)
+        self.host_items, self.device_items = 0.0, None  # type: Tuple[float, Optional[torch.Tensor]]
+        for c in self.counts:
+            if isinstance(c, torch.Tensor):
+                c = c.to(dtype)
+                self.device_items = c if self.device_items is None else self.device_items + c
+            else:
+                self.host_items += c
+
+    @property
+    def loss_sum(self) -> Optional[torch.Tensor]:
+        """``sum n_k L_k`` on the device in float64, added in order (None before the first micro-batch)."""
+        total: Optional[torch.Tensor] = None
+        for loss, count in zip(self.losses, self.counts):
+            if isinstance(count, torch.Tensor):
+                part = loss * count
+                total = part.to(self.dtype) if total is None else total.add_(part)
+            elif total is None:  # the first: one op, in the sum's (float64) precision
+                total = loss.to(self.dtype) * count
+            else:
+                total.add_(loss, alpha=count)  # promoted into the float64 sum
+        return total
+
+    def host_losses(self) -> Optional[torch.Tensor]:
+        """The losses as one tensor for the boundary's one copy to the host; None where the sum is taken on
+        the device (a count is a tensor) or no micro-batch ran."""
+        if self.device_items is not None or not self.losses:
+            return None
+        return torch.stack(self.losses) if len(self.losses) > 1 else self.losses[0].reshape(1)
+
+    def host_loss_sum(self, losses: List[float]) -> float:
+        """``sum n_k L_k`` in float64 from the losses :meth:`host_losses` gave, read on the host.
+
+        >>> t = Tally([(torch.tensor(0.5), 4, False), (torch.tensor(0.25), 2, False)], torch.float64)
+        >>> t.host_loss_sum(t.host_losses().tolist()), t.loss_sum.item()
+        (2.5, 2.5)
+        """
+        total = 0.0
+        for loss, count in zip(losses, self.counts):
+            total += loss * count  # type: ignore[operator]
+        return total
+
+
 class Boundary:
     """Runs a window's boundary (the module docstring's order). What it changes in the
     :class:`~gradaccum._state.AccumulatorState`: the steps and skipped windows it counts (through the window's
@@ -85,6 +141,7 @@ class Boundary:
         self.optimizer, self.scheduler, self.state = optimizer, scheduler, state
         self.precision, self.sync, self.grads = precision, sync, grads
         self.max_grad_norm, self.nonfinite, self.device = max_grad_norm, nonfinite, device
+        self.count_dtype = count_dtype(device)  # what counts and loss sums are added in
         # where the wrapper steps itself (DeepSpeed), it clips and measures the norm too: once, not twice
         self.measure = (max_grad_norm is not None or compute_grad_norm or precision.scaler is not None) \
             and not sync.owns_step
@@ -165,7 +222,7 @@ class Boundary:
         without waiting: called after the last micro-batch's forward and before its backward, so it
         overlaps that backward and DDP's bucket all-reduce instead of adding a round trip after them.
         Every rank launches it at the same point of the same window, so collectives stay in order."""
-        row = self._row(totals)
+        row = self._row(totals, Tally(totals.tally, self.count_dtype))
         return InFlight(row, self.sync.all_reduce_async(row))
 
     def _stop_now(self) -> bool:
@@ -174,10 +231,10 @@ class Boundary:
         stop, self.state.stops_carried = requests > self.state.stops_carried, requests
         return stop
 
-    def _row(self, totals: Totals, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-        total = totals.tally.loss_sum  # zero for a rank that ran no micro-batch of its own
-        total = total if total is not None else torch.zeros((), dtype=totals.tally.dtype, device=self.device)
-        return pack_row(totals.tally, total, can_pad_next=totals.can_pad_next,
+    def _row(self, totals: Totals, tally: Tally, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        total = tally.loss_sum  # zero for a rank that ran no micro-batch of its own
+        total = total if total is not None else torch.zeros((), dtype=tally.dtype, device=self.device)
+        return pack_row(tally, total, can_pad_next=totals.can_pad_next,
                         counted_first=totals.counted_first,
                         stop=self._stop_now(), square_norm=square_norm)
 
@@ -188,13 +245,13 @@ class Boundary:
         window's one host synchronisation. Across ranks the all-reduce also sums the flags, so the
         next window needs no agreement and a stop reaches every rank at the same window; under FSDP2
         it also sums the shards' squared norms."""
-        tally = totals.tally
+        tally = Tally(totals.tally, self.count_dtype)
         square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
         if in_flight is not None:
             row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)
         elif self.sync.reduces_across_ranks or tally.device_items is not None:
             square = self.sync.local_square_sum(grads) if self.measure else None  # type: ignore[arg-type]
-            row = self.sync.all_reduce_(self._row(totals, square)).to(torch.float64)
+            row = self.sync.all_reduce_(self._row(totals, tally, square)).to(torch.float64)
         else:  # one process, counts on the host already: only the loss sum crosses to the host
             row = None
         norm = total_norm(grads, self.device) if self.measure and square is None else None  # type: ignore[arg-type]
@@ -382,7 +439,7 @@ class Exchanged(NamedTuple):
     counted_first: bool  # every rank counted the window's items before its first backward
 
 
-def pack_row(tally: Any, loss_sum: torch.Tensor, *, can_pad_next: bool, stop: bool, counted_first: bool,
+def pack_row(tally: Tally, loss_sum: torch.Tensor, *, can_pad_next: bool, stop: bool, counted_first: bool,
              square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's :class:`ExchangeRow` as one tensor on the loss sum's device and dtype."""
     items = loss_sum.new_tensor(tally.host_items)

@@ -1,7 +1,7 @@
 """One window: its micro-batches' forward and weighted backward, then one boundary.
 
 :class:`Window` is what lives for one window (its setup from the ranks, the micro-batches done, the
-:class:`Tally` of loss and items); :class:`Parts` is what it needs from its Accumulator, passed
+:class:`~gradaccum._boundary.Tally` of loss and items); :class:`Parts` is what it needs from its Accumulator, passed
 explicitly. ``acc.step`` drives a window through ``loss_fn`` (:meth:`Window.run`), a hand-written loop
 drives it itself (``acc.window``); both end in ``step``, the boundary. docs/architecture.md walks one
 micro-batch through it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from torch import nn
 from ._boundary import Boundary, Gradients, InFlight, Outcome, Totals
 from ._checks import Count, item_count, positive_int, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
-from ._maths import count_dtype, window_mean
+from ._maths import window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
 from ._maths import WindowWeights
@@ -31,74 +31,7 @@ from .sync import GradSync
 from ._deepspeed import not_known_up_front
 from ._autosize import is_out_of_memory
 
-__all__ = ["Window", "Parts", "Tally", "weighing_nothing", "graph_leaves"]
-
-class Tally:
-    """One rank's running sums over a window: each micro-batch's detached mean loss and its count in the
-    order they ran (``losses``, ``counts``), the counts' sum apart for Python numbers (``host_items``) and
-    device tensors (``device_items``, never read per micro-batch), and whether ``loss_fn`` returned its
-    own counts (``counts_from_loss_fn``). ``sum n_k L_k`` is taken where it is read, in float64."""
-
-    __slots__ = ("losses", "counts", "host_items", "device_items", "counts_from_loss_fn", "dtype", "_sum", "_summed")
-
-    def __init__(self, device: torch.device) -> None:
-        self.dtype = count_dtype(device)
-        self.losses: List[torch.Tensor] = []
-        self.counts: List[Count] = []
-        self.host_items = 0.0
-        self.device_items: Optional[torch.Tensor] = None
-        self.counts_from_loss_fn = False
-        self._sum: Optional[torch.Tensor] = None  # the device sum of the first _summed micro-batches
-        self._summed = 0
-
-    def add(self, loss: torch.Tensor, count: Count, *, from_loss_fn: bool = False) -> None:
-        """File one micro-batch's mean loss and its count (no tensor operation for a Python count, no host
-        synchronisation). ``from_loss_fn``: ``loss_fn`` returned the count itself."""
-        if from_loss_fn:
-            self.counts_from_loss_fn = True
-        if type(count) is int:
-            self.host_items += count
-        elif isinstance(count, torch.Tensor):
-            count = count.to(self.dtype)
-            self.device_items = count if self.device_items is None else self.device_items + count
-        else:
-            self.host_items += count
-        self.losses.append(loss.detach())
-        self.counts.append(count)
-
-    @property
-    def loss_sum(self) -> Optional[torch.Tensor]:
-        """``sum n_k L_k`` on the device in float64 (None before the first micro-batch), added in order."""
-        for loss, count in zip(self.losses[self._summed:], self.counts[self._summed:]):
-            if isinstance(count, torch.Tensor):
-                part = loss * count
-                self._sum = part.to(self.dtype) if self._sum is None else self._sum.add_(part)
-            elif self._sum is None:  # the first: one op, in the sum's (float64) precision
-                self._sum = loss.to(self.dtype) * count
-            else:
-                self._sum.add_(loss, alpha=count)  # promoted into the float64 sum
-        self._summed = len(self.losses)
-        return self._sum
-
-    def host_losses(self) -> Optional[torch.Tensor]:
-        """The losses as one tensor for the boundary's one copy to the host; None where the sum is taken on
-        the device (a count is a tensor) or no micro-batch ran."""
-        if self.device_items is not None or not self.losses:
-            return None
-        return torch.stack(self.losses) if len(self.losses) > 1 else self.losses[0].reshape(1)
-
-    def host_loss_sum(self, losses: List[float]) -> float:
-        """``sum n_k L_k`` in float64 from the losses :meth:`host_losses` gave, read on the host.
-
-        >>> t = Tally(torch.device("cpu")); t.add(torch.tensor(0.5), 4); t.add(torch.tensor(0.25), 2)
-        >>> t.host_loss_sum(t.host_losses().tolist()), t.loss_sum.item()
-        (2.5, 2.5)
-        """
-        total = 0.0
-        for loss, count in zip(losses, self.counts):
-            total += loss * count  # type: ignore[operator]
-        return total
-
+__all__ = ["Window", "Parts", "weighing_nothing", "graph_leaves"]
 
 _NOTHING = contextlib.nullcontext()  # the block of a micro-batch that switches nothing, in Window.run
 
@@ -185,7 +118,7 @@ class Window:
         self.setup: Optional[Setup] = None
         self._weights: Optional[WindowWeights] = None  # see the weights property
         self.done = 0  # micro-batches run, flush and padding included
-        self.tally = Tally(ctx.device)
+        self.tally: List[Tuple[torch.Tensor, Count, bool]] = []  # per micro-batch: mean loss, count, from loss_fn
         self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now, entered when
         self.entered_at = 0  # this many micro-batches were done (its backward makes it one more)
         self.reduced = False  # the backward that reduces across ranks has run
@@ -245,7 +178,7 @@ class Window:
         return _MicroBatch(self, last and self.reduces_last)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
-        """Backpropagate ``loss`` with the weight ``n_k * W / R``; add its item sum to the tally.
+        """Backpropagate ``loss`` with the weight ``n_k * W / R``; file it and its count in the tally.
 
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
@@ -266,7 +199,7 @@ class Window:
             per_item = self._per_item
         # the mean weight n_k * W / R (WindowWeights.mean_weight), here for a Python count without a call
         weighted = loss * (num_items * per_item if counted else self.weights.mean_weight(num_items, loss.dtype))
-        self.tally.add(loss, num_items, from_loss_fn=from_loss_fn)
+        self.tally.append((loss.detach(), num_items, from_loss_fn))
         if counted and self.ctx.direct:  # one process in fp32: the seam's backward, with nothing around it
             self.ctx.backward(weighted)
             self.done += 1
@@ -284,7 +217,7 @@ class Window:
         """Backpropagate a window loss's part (:mod:`gradaccum._cached`): ``outputs`` with ``grads`` already
         weighed; the tally adds the window's ``loss`` for its ``num_items`` items."""
         _checked(self, None)
-        self.tally.add(loss, num_items)
+        self.tally.append((loss.detach(), num_items, False))
         self._before_reduction()
         with torch.autocast(device_type=self.ctx.device.type, enabled=False):
             torch.autograd.backward(list(outputs), list(grads))
