@@ -198,9 +198,9 @@ def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
                          "items (the representations' rows), so there are no per-micro-batch counts to weigh; "
                          "drop num_items")
     if micro_batch_size == "auto":
-        raise ConfigurationError("micro_batch_size='auto' is not supported with a WindowLoss: pass an int micro_batch_size "
-                         "(the cached representations of a window that ran out of memory would be recomputed "
-                         "anyway)")
+        raise ConfigurationError("micro_batch_size='auto' is not supported with a WindowLoss: pass an int "
+                                 "micro_batch_size (the cached representations of a window that ran out of memory "
+                                 "would be recomputed anyway)")
 
 
 def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,

@@ -47,8 +47,8 @@ def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_g
         raise ConfigurationError(
             "the DeepSpeed PipelineEngine schedules its own micro-batches (engine.train_batch) and cannot leave the "
             "boundary to its caller (DeepSpeed refuses managed_gradient_accumulation=false there): initialize "
-            "DeepSpeed with a plain nn.Module (no PipelineModule) to accumulate exactly with the Accumulator, or split the "
-            "model into torch.distributed.pipelining stages and step their schedule with gradaccum.PipelineWindow "
+            "DeepSpeed with a plain nn.Module (no PipelineModule) to accumulate exactly with the Accumulator, or split "
+            "the model into torch.distributed.pipelining stages and step their schedule with gradaccum.PipelineWindow "
             "(gradaccum.pipeline, docs/guides/pipeline.md)")
     managed = getattr(engine, "managed_gradient_accumulation", None)
     if managed is None:

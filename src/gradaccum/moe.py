@@ -114,7 +114,8 @@ class MoELoss:
     def __init__(self, forward: Callable[[nn.Module, Any], MoEOutput], *, num_experts: int, top_k: int, coef: float,
                  mode: str = "exact", route: Optional[Callable[[nn.Module, Any], MoEOutput]] = None) -> None:
         if not callable(forward):
-            raise TypeError(f"MoELoss(forward={forward!r}) must be callable as forward(model, micro_batch) -> MoEOutput")
+            raise TypeError(f"MoELoss(forward={forward!r}) must be callable as forward(model, micro_batch) -> "
+                            "MoEOutput")
         if mode not in MODES:
             raise ConfigurationError(f"MoELoss(mode={mode!r}): supported are {MODES} ('exact' is the big batch)")
         if not (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts):
@@ -123,7 +124,8 @@ class MoELoss:
         if isinstance(coef, bool) or not isinstance(coef, numbers.Real) or not math.isfinite(coef) or coef < 0:
             raise ConfigurationError(f"MoELoss(coef={coef!r}): coef is the load-balancing weight (transformers' "
                                      "router_aux_loss_coef), a finite number >= 0, e.g. coef=0.02")
-        self.forward, self.num_experts, self.top_k, self.coef, self.mode = forward, num_experts, top_k, float(coef), mode
+        self.forward, self.num_experts, self.top_k, self.mode = forward, num_experts, top_k, mode
+        self.coef = float(coef)
         self.route = route if route is not None else forward
 
     def __repr__(self) -> str:
