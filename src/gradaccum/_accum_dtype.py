@@ -69,13 +69,11 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
         raise ConfigurationError(
             f"accum_dtype is for single-process training (got accum_dtype={accum_dtype}); with DDP or FSDP2 keep "
             "float32 master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "reduce_dtype=torch.float32)) and leave accum_dtype='auto'"
-        )
+            "reduce_dtype=torch.float32)) and leave accum_dtype='auto'")
     if precision == "fp16":
         raise ConfigurationError(
             f"accum_dtype with precision='fp16' is not supported (accum_dtype={accum_dtype}): GradScaler unscales "
-            "float32 gradients only. Use precision='bf16', keep float32 parameters, or pass accum_dtype='param'"
-        )
+            "float32 gradients only. Use precision='bf16', keep float32 parameters, or pass accum_dtype='param'")
     return AccumulationBuffers(params, accum_dtype)  # type: ignore[arg-type]
 
 

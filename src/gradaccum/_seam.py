@@ -189,9 +189,7 @@ class GradSync:
             sent = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool all-gather
             padded = sent.new_zeros((most, *t.shape[1:]))
             padded[:n] = sent
-            parts = [torch.empty_like(padded) for _ in range(self.group_size)]
-            dist.all_gather(parts, padded, group=self.group)
-            whole = torch.cat([part[:c] for part, c in zip(parts, counts)])
+            whole = torch.cat([part[:c] for part, c in zip(self.all_gather(padded), counts)])
             joined.append(whole.to(torch.bool) if t.dtype == torch.bool else whole)
         return joined, sum(counts[:dist.get_rank(self.group)])
 

@@ -57,8 +57,7 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
                 f"the loader's WindowSampler is wrapped in a {type(batch_sampler).__name__}, which shards "
                 "it again (accelerator.prepare does this), so each rank would see only part of its share: "
                 "the WindowSampler already gives every rank its share, so do not pass this DataLoader to "
-                "accelerator.prepare; move each micro-batch to the device in loss_fn instead"
-            )
+                "accelerator.prepare; move each micro-batch to the device in loss_fn instead")
     return None
 
 
@@ -71,8 +70,7 @@ def train_windows(ctx: Parts, loader: Iterable[Batch], spec: TrainSpec) -> Itera
         if spec.accum_steps is not None:
             raise ConfigurationError(
                 f"accum_steps={spec.accum_steps!r} was given, but the loader's WindowSampler already cuts the "
-                "epoch into windows of global_batch_size items: drop accum_steps"
-            )
+                "epoch into windows of global_batch_size items: drop accum_steps")
         if spec.drop_last:
             raise ConfigurationError("drop_last=True was given, but the loader's WindowSampler decides about the "
                              "short last window: construct it with WindowSampler(..., drop_last=True)")

@@ -84,8 +84,7 @@ class DDPSync(_WrapperSync):
                     "DistributedDataParallel(static_graph=True) cannot skip the gradient reduction "
                     "between micro-batches: its graph is recorded from the first iteration, and "
                     "no_sync() iterations break it. Construct DDP with static_graph=False (the default), "
-                    "or pass reduce_every_micro_batch=True to reduce after every micro-batch."
-                )
+                    "or pass reduce_every_micro_batch=True to reduce after every micro-batch.")
         sizes = {dist.get_world_size(getattr(m, "process_group", None)) for m in modules}
         if len(sizes) != 1:
             raise ConfigurationError(f"the model's DistributedDataParallel modules span process groups of "
@@ -182,21 +181,17 @@ def _outermost(modules: List[nn.Module], kind: Any) -> List[nn.Module]:
 
 
 def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_parallel: str = "auto") -> GradSync:
-    """The seam that fits ``model``: the DDP or FSDP2 module found anywhere inside it, or local.
-
-    Raises:
-        ValueError: FSDP1, DDP mixed with FSDP2, or (with ``data_parallel="auto"``) a model that no
-            data-parallel wrapper reduces while ``torch.distributed`` runs several ranks.
-    """
+    """The seam that fits ``model``: its DeepSpeed engine, the DDP or FSDP2 module found anywhere inside it,
+    or local (refused: FSDP1, DDP mixed with FSDP2, or under ``data_parallel="auto"`` a model that no
+    data-parallel wrapper reduces while ``torch.distributed`` runs several ranks)."""
     if data_parallel not in DATA_PARALLEL:
         raise ConfigurationError(f"data_parallel must be 'auto' or 'none', got {data_parallel!r}")
     if deepspeed_engine(model) is not None:
         if data_parallel == "none" or reduce_every_micro_batch:
             given = f"data_parallel={data_parallel!r}" if data_parallel == "none" else "reduce_every_micro_batch=True"
             raise ConfigurationError(
-                f"{given} "
-                "around a DeepSpeed engine: the engine reduces across its data-parallel ranks itself (ZeRO-2/3 in "
-                "every backward already); leave the default")
+                f"{given} around a DeepSpeed engine: the engine reduces across its data-parallel ranks itself "
+                "(ZeRO-2/3 in every backward already); leave the default")
         return DeepSpeedSync(model)
     modules = list(model.modules())
     fsdp1 = loaded_type(("torch.distributed.fsdp",), "FullyShardedDataParallel")
@@ -204,8 +199,7 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
         raise ConfigurationError(
             "FullyShardedDataParallel (FSDP1) is not supported: its no_sync() and gradient "
             "pre/post-division differ from DDP's. Shard the model with FSDP2's fully_shard(model) "
-            "instead (torch.distributed.fsdp.fully_shard), which gradaccum supports"
-        )
+            "instead (torch.distributed.fsdp.fully_shard), which gradaccum supports")
     ddps = [m for m in modules if isinstance(m, DistributedDataParallel)]
     fsdp_type = _fsdp2_module_type()
     fsdps = [m for m in modules if fsdp_type is not None and isinstance(m, fsdp_type)]
@@ -213,8 +207,7 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
         if ddps or fsdps:
             raise ConfigurationError(
                 f"data_parallel='none' but the model holds a {'DistributedDataParallel' if ddps else 'fully_shard'} "
-                "module, which reduces gradients across ranks: leave data_parallel='auto'"
-            )
+                "module, which reduces gradients across ranks: leave data_parallel='auto'")
         return GradSync()
     if ddps and fsdps:
         raise ConfigurationError("the model holds both DistributedDataParallel and fully_shard modules; "
@@ -231,15 +224,13 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
             "on its own gradients and the replicas would drift apart. Wrap the whole model, the same on every "
             "rank (DistributedDataParallel(model) or fully_shard(model); torch.compile(ddp_model) is fine), "
             "or pass data_parallel='none' to train each rank on its own data on purpose. Where each rank holds "
-            f"a stage of a pipeline: {PIPELINE}"
-        )
+            f"a stage of a pipeline: {PIPELINE}")
     return GradSync()
 
 
 def sharded_stage(module: nn.Module) -> bool:
     """Whether a pipeline stage's module is in ``fully_shard`` (its replicas reduce its gradient), False for
-    a plain module. ``DistributedDataParallel`` is refused: a ``PipelineStage``'s shape inference runs a
-    backward outside ``no_sync``, and DDP's reducer then fails the first window."""
+    a plain module; ``DistributedDataParallel`` is refused."""
     if isinstance(module, DistributedDataParallel):
         raise NotExactError(
             "a stage's module is wrapped in DistributedDataParallel: a PipelineStage's shape inference runs a "
