@@ -90,15 +90,9 @@ def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_g
 
 
 class DeepSpeedSync(GradSync):
-    """A ``deepspeed.initialize`` engine with a caller-owned boundary (see the module docstring).
-
-    Args:
-        engine: the engine.
-        checks_loss: the driver refuses a window whose loss is not finite before :meth:`step` (the
-            ``Accumulator``), so a step the engine then drops is a defect to raise; a driver that does
-            not (``ExactTrainer``) gets that step back as a skipped window, as the ``Accumulator``'s
-            ``nonfinite="skip"`` skips a window whose loss is not finite.
-    """
+    """A ``deepspeed.initialize`` engine with a caller-owned boundary. ``checks_loss``: the driver refuses
+    a window whose loss is not finite before :meth:`step` (the ``Accumulator``), so a step the engine then
+    drops is a defect to raise; a driver that does not (``ExactTrainer``) gets it back as a skipped window."""
 
     shares_windows = reduces_across_ranks = allows_empty_share = True
     can_reduce_later = False
@@ -146,9 +140,6 @@ class DeepSpeedSync(GradSync):
                 f"parameters may now hold inf or nan: restore the last checkpoint ({resume}), and set {clip} or lower "
                 "the learning rate. The window is not counted as a step")
         return norm
-
-    def reduce_gradients_(self, grads: Any) -> None:
-        raise NotImplementedError("DeepSpeed reduces gradients only inside engine.backward / engine.step")
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         """DeepSpeed sums the window in ``data_types.grad_accum_dtype`` (default: the model's dtype) and, under

@@ -86,7 +86,8 @@ class GradSync:
     reduces_across_ranks: bool = False
     #: a rank may hold no micro-batch in a window its peers have data for (it runs zero-weight padding)
     allows_empty_share: bool = False
-    #: whether reduce_gradients_ works (after backward passes that all skipped their reduction)
+    #: whether reduce_gradients_ works (after backward passes that all skipped their reduction); False:
+    #: the wrapper reduces only inside its backward (FSDP2, DeepSpeed), and nothing calls it
     can_reduce_later: bool = True
     #: whether every rank must run the same number of micro-batches per window (a collective in every
     #: forward or every backward)

@@ -138,9 +138,6 @@ class FSDP2Sync(_WrapperSync):
             module.set_requires_gradient_sync(False, recurse=True)  # type: ignore[operator]
             stack.callback(module.set_requires_gradient_sync, True, recurse=True)  # type: ignore[operator]
 
-    def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
-        raise NotImplementedError("FSDP2 reduces gradients only inside its backward pass")
-
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         """FSDP2 keeps the unsharded gradient between micro-batches in ``MixedPrecisionPolicy.reduce_dtype``
         (None: the ``param_dtype``, else the sharded parameters' dtype) and reduce-scatters in it."""
