@@ -365,3 +365,38 @@ def test_a_skipped_window_leaves_the_drivers_buffers_empty(tmp_path):
     with pytest.warns(UserWarning, match="no optimizer or scheduler step"):
         fit.fit(LM(), torch.utils.data.DataLoader(empty, batch_size=None, shuffle=False))
     assert callback.skipped == 1 and held["lightning"][-1] == 0 and min(held["lightning"][:-1]) > 0, held
+
+
+class _TwoDtypes(nn.Module):
+    """A float32 layer (summed in the float64 buffers) then a float64 one (already of the buffers' dtype:
+    its gradient sums in ``.grad``), as a bf16 model with float32 layers is under ``accum_dtype="auto"``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low, self.high = nn.Linear(4, 8), nn.Linear(8, 1).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.high(torch.tanh(self.low(x.float())).double())
+
+
+@pytest.mark.parametrize("counted", ["rows", "by loss_fn"])
+def test_a_model_of_two_dtypes_is_measured_clipped_and_rescaled_whole(counted):
+    """Buffers hold only the parameters of another dtype than theirs: the boundary's norm, clip and rescale
+    R / N must reach the others' ``.grad`` too. Clipping engaged; "by loss_fn": the loss counts each row
+    twice, so the items counted up front are half of N and the boundary rescales by 1/2 (R != N)."""
+    torch.manual_seed(0)
+    model = _TwoDtypes()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(10, 4), 50 * torch.randn(10, 1, dtype=torch.float64)
+    loss = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    loss_fn = loss if counted == "rows" else (lambda m, b: (loss(m, b), 2 * len(b[0])))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=0.5,
+                      accum_dtype=torch.float64)
+    assert len(acc.buffers.params) == 2  # the float32 layer's weight and bias
+    acc.step([(x[:3], y[:3]), (x[3:4], y[3:4]), (x[4:], y[4:])], loss_fn)  # uneven micro-batches
+    loss(ref, (x, y)).backward()  # the big batch: one mean over the 10 rows
+    norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.5)
+    assert norm > 5  # the clip is engaged
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -3,7 +3,7 @@ model head whose loss is computed from the logits (next-token targets, labels, l
 trainer's mean over preference pairs or rows. Framework-independent (a batch is a dict with
 ``labels``, ``shift_labels``, ``input_ids``); the formulas themselves are :mod:`gradaccum._maths`'.
 Its driver is :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`, for training (``count``,
-``head_loss_sum``) and for ``eval_loss`` (:class:`SetMean`).
+``loss_sum``) and for ``eval_loss`` (:class:`SetMean`).
 """
 from __future__ import annotations
 
@@ -45,40 +45,35 @@ class BatchItems:
     config: Any
     device: torch.device
 
-    def loss_of(self, batch: Dict[str, Any]) -> str:
-        """The :data:`gradaccum._maths.LOSSES` entry of this batch under the model's head."""
-        loss = HEADS[self.head]
+    def targets(self, batch: Dict[str, Any]) -> Tuple[torch.Tensor, str]:
+        """The labels the loss is over (a causal LM's ``shift_labels`` if the collator gave them, else its
+        ``labels[:, 1:]``; every other head's ``labels``) and the :data:`gradaccum._maths.LOSSES` entry of
+        the loss over them (the model's head's; a next-token cross-entropy for the ``"tokens"`` source)."""
+        shifted = self.head in (None, "causal_lm")
+        if shifted and "shift_labels" in batch:
+            targets = batch["shift_labels"]
+        else:
+            labels = batch.get("labels")
+            if labels is None:
+                raise ConfigurationError("ExactTrainer: a training batch has no 'labels'; it needs them to count the "
+                                         "items and compute the loss (use a collator such as "
+                                         "DataCollatorForLanguageModeling(mlm=False))")
+            targets = labels[..., 1:] if shifted else labels
+        loss = "cross_entropy" if self.source == "tokens" else HEADS[self.head]
         if loss is not None:
-            return loss
+            return targets, loss
         problem = getattr(self.config, "problem_type", None)
         if problem is None:  # as the model resolves it on its first batch with labels
-            labels = self.labels(batch)
             if getattr(self.config, "num_labels", None) == 1:
                 problem = "regression"
-            elif labels.dtype in (torch.long, torch.int):
+            elif targets.dtype in (torch.long, torch.int):
                 problem = "single_label_classification"
             else:
                 problem = "multi_label_classification"
         if problem not in _PROBLEM_LOSS:
             raise ConfigurationError(f"ExactTrainer: problem_type={problem!r} is not supported; supported are "
-                             f"{', '.join(_PROBLEM_LOSS)}")
-        return _PROBLEM_LOSS[problem]
-
-    @staticmethod
-    def labels(batch: Dict[str, Any]) -> torch.Tensor:
-        labels = batch.get("labels")
-        if labels is None:
-            raise ConfigurationError("ExactTrainer: a training batch has no 'labels'; it needs them to count the items "
-                             "and compute the loss (use a collator such as DataCollatorForLanguageModeling(mlm=False))")
-        return labels
-
-    def targets(self, batch: Dict[str, Any]) -> torch.Tensor:
-        """The labels the loss is over: a causal LM's ``shift_labels`` if the collator gave them, else
-        its ``labels[:, 1:]``; every other head's ``labels``."""
-        if self.head in (None, "causal_lm") and "shift_labels" in batch:
-            return batch["shift_labels"]
-        labels = self.labels(batch)
-        return labels[..., 1:] if self.head in (None, "causal_lm") else labels
+                                     f"{', '.join(_PROBLEM_LOSS)}")
+        return targets, _PROBLEM_LOSS[problem]
 
     def rows(self, batch: Dict[str, Any]) -> int:
         """The items of a batch whose trainer returns a mean over pairs or rows: its preference pairs
@@ -89,27 +84,28 @@ class BatchItems:
         """Items per row (a pair's two rows count as one): what evaluation gathers."""
         if self.source in ("pairs", "rows"):
             return torch.ones(self.rows(batch), dtype=torch.long, device=self.device)
-        targets = self.targets(batch)
-        loss = "cross_entropy" if self.source == "tokens" else self.loss_of(batch)
+        targets, loss = self.targets(batch)
         return torch.stack([_maths.loss_items(t, loss=loss, ignore_index=self.ignore_index) for t in targets])
 
-    def count(self, batch: Dict[str, Any]) -> torch.Tensor:
-        """The batch's items, on the device (no host synchronisation)."""
+    def count(self, batches: Sequence[Dict[str, Any]], device: Optional[torch.device] = None) -> torch.Tensor:
+        """The items of ``batches`` (a window's micro-batches) on this rank, summed on ``device`` (default:
+        where counts are made) as a long scalar, with no host synchronisation."""
+        device = self.device if device is None else device
         if self.source in ("pairs", "rows"):
-            return torch.tensor(self.rows(batch), device=self.device)
-        targets = self.targets(batch)
-        loss = "cross_entropy" if self.source == "tokens" else self.loss_of(batch)
-        return _maths.loss_items(targets, loss=loss, ignore_index=self.ignore_index)
-
-    def window_count(self, batches: Sequence[Dict[str, Any]], device: torch.device) -> torch.Tensor:
-        """The items of a window's micro-batches on this rank, summed on ``device`` (a long scalar)."""
-        return sum((self.count(b).to(device) for b in batches), torch.zeros((), dtype=torch.long, device=device))
+            return torch.tensor(sum(self.rows(b) for b in batches), device=device)
+        total = torch.zeros((), dtype=torch.long, device=device)
+        for batch in batches:
+            targets, loss = self.targets(batch)
+            total = total + _maths.loss_items(targets, loss=loss, ignore_index=self.ignore_index).to(device)
+        return total
 
     def model_inputs(self, inputs: Dict[str, Any]) -> Dict[str, Any]:
         return {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
 
-    @staticmethod
-    def logits(outputs: Any) -> torch.Tensor:
+    def loss_sum(self, outputs: Any, batch: Dict[str, Any], per_row: bool = False) -> torch.Tensor:
+        """The head's loss summed over the batch's items (``per_row``: over each row's, one value per row,
+        for ``eval_loss``), from the model's ``logits``: a causal LM's drop their last position unless the
+        collator gave ``shift_labels``, which align with every position."""
         if isinstance(outputs, torch.Tensor):
             logits: Optional[torch.Tensor] = outputs  # a bare tensor from forward is taken as the logits
         elif isinstance(outputs, dict):
@@ -119,26 +115,14 @@ class BatchItems:
         else:
             logits = getattr(outputs, "logits", None)
         if logits is None:
-            raise ConfigurationError("ExactTrainer: the model returned no 'logits'; ExactTrainer computes the loss from them "
-                             f"(got {type(outputs).__name__}). Return logits from forward when no labels are given")
-        return logits
-
-    def aligned(self, logits: torch.Tensor, batch: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Logits and the targets they predict (a causal LM's logits drop their last position unless the
-        collator gave ``shift_labels``, which align with every position)."""
-        targets = self.targets(batch)
+            raise ConfigurationError("ExactTrainer: the model returned no 'logits'; ExactTrainer computes the loss from "
+                                     f"them (got {type(outputs).__name__}). Return logits from forward when no labels "
+                                     "are given")
+        targets, loss = self.targets(batch)
         if self.head == "causal_lm" and "shift_labels" not in batch:
             logits = logits[..., :-1, :]
-        return logits, targets
-
-    def head_loss_sum(self, outputs: Any, batch: Dict[str, Any]) -> torch.Tensor:
-        logits, targets = self.aligned(self.logits(outputs), batch)
-        return _maths.summed_loss(logits, targets, loss=self.loss_of(batch), ignore_index=self.ignore_index)
-
-    def rows_loss_sums(self, outputs: Any, batch: Dict[str, Any]) -> torch.Tensor:
-        """The head's loss summed over each row's items, one value per row (for ``eval_loss``)."""
-        logits, targets = self.aligned(self.logits(outputs), batch)
-        loss = self.loss_of(batch)
+        if not per_row:
+            return _maths.summed_loss(logits, targets, loss=loss, ignore_index=self.ignore_index)
         return torch.stack([_maths.summed_loss(lg, t, loss=loss, ignore_index=self.ignore_index)
                             for lg, t in zip(logits, targets)])
 
@@ -158,7 +142,7 @@ class SetMean:
 
     def head_mean(self, outputs: Any, batch: Dict[str, Any]) -> torch.Tensor:
         """The head's mean loss over the batch's items (what evaluation returns); its sums kept."""
-        rows_items, rows_sums = self.items.rows_items(batch), self.items.rows_loss_sums(outputs, batch)
+        rows_items, rows_sums = self.items.rows_items(batch), self.items.loss_sum(outputs, batch, per_row=True)
         self._keep(rows_sums, rows_items)
         return rows_sums.sum() / rows_items.sum().clamp(min=1).to(rows_sums.dtype)
 

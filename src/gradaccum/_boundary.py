@@ -317,6 +317,10 @@ class Gradients:
     def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
         self.params = list(params)
         self.buffers = buffers
+        folded = set() if buffers is None else {id(p) for p in buffers.params}
+        #: the parameters whose gradient sums in ``.grad`` (all of them without buffers; with buffers, those
+        #: already of the buffers' dtype: the float32 layers of a bf16 model)
+        self.unbuffered = [p for p in self.params if id(p) not in folded]
 
     def open(self) -> None:
         """A window opens: stale gradients would leak into it."""
@@ -329,10 +333,10 @@ class Gradients:
             self.buffers.active = False
 
     def tensors(self) -> List[torch.Tensor]:
-        """The tensors holding the window's gradient (the buffers, or the ``.grad`` that exist)."""
-        if self.buffers is not None:
-            return self.buffers.tensors()
-        return [p.grad for p in self.params if p.grad is not None]
+        """The tensors holding the window's gradient: the ``.grad`` that exist, and the buffers' (every one
+        of them is measured, clipped and rescaled at the boundary)."""
+        grads = [p.grad for p in self.unbuffered if p.grad is not None]
+        return grads if self.buffers is None else grads + self.buffers.tensors()
 
     def materialized(self) -> List[torch.Tensor]:
         """Every parameter's ``.grad``, zeros where none was made (for an explicit reduction)."""

@@ -6,8 +6,9 @@ The framework calls forward, backward, clipping and the optimizer; the driver (`
 1. **open** the window: the core's :class:`~gradaccum._weights.WindowWeights` (``num_items=N`` when the
    driver counted the window first, the running R otherwise), and the float32 buffers of the bf16/fp16
    parameters' window gradient (:class:`~gradaccum._gradients.AccumulationBuffers`) cleared and folding;
-2. **weigh** each micro-batch (``weights.mean_weight``/``sum_weight``, or :meth:`DrivenWindow.weigh` on
-   the loss the framework backpropagates, with the guard of a micro-batch of 0 items), counting what ran;
+2. **weigh** each micro-batch (``weights.mean_weight``, ``item_weight`` = ``sum_weight``, or
+   :meth:`DrivenWindow.weigh` on the loss the framework backpropagates, with the guard of a micro-batch of
+   0 items), counting what ran;
 3. at the **boundary**, before the framework clips and steps: :meth:`DrivenWindow.close` decides (step,
    or skip a window of no item), stops the buffers folding and, for a step, hands the framework the
    window's gradient at its scale ``R / N``: the buffers multiplied in float32 and rounded once into
@@ -30,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 
@@ -74,21 +75,17 @@ class DrivenWindow:
                                                                       num_items=max(as_number(second_items), 1.0))
         #: the boundary's decision, known at the opening where N was counted first
         self.closing: Optional[Closing] = None if num_items is None else self.weights.close(num_items)
+        #: the window is known at its opening to take no step (N = 0)
+        self.skip = self.closing is not None and not self.closing.steps
+        #: N, the window's items on every rank (counted first), and W / N, what one item's summed loss weighs
+        #: (0 in a skipped window): asked by every micro-batch, computed once
+        self.items = int(self.weights.num_items or 0)
+        self.item_weight = None if num_items is None else self.weights.sum_weight()
         self.micro_batches, self.ran, self.count = micro_batches, 0, 0  # count: sum of n_k weighed here
         self.buffers = buffers
         if buffers is not None:  # the window's bf16 gradients fold into float32 from here on
             buffers.clear()
             buffers.active = True
-
-    @property
-    def items(self) -> int:
-        """N, the window's items on every rank (counted first)."""
-        return int(self.weights.num_items or 0)
-
-    @property
-    def skip(self) -> bool:
-        """The window is known at its opening to take no step (N = 0)."""
-        return self.closing is not None and not self.closing.steps
 
     @property
     def last(self) -> bool:
@@ -112,7 +109,7 @@ class DrivenWindow:
             return contextlib.nullcontext()
         c = divided_by * self.weights.mean_weight(num_items, loss.dtype)
         loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
-        empty = may_be_empty(num_items)
+        empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
         return contextlib.nullcontext() if empty is None else weighing_nothing(leaves(), empty)
 
     def close(self, num_items: Optional[Count] = None, params: Iterable[torch.nn.Parameter] = ()) -> Closing:
@@ -132,11 +129,14 @@ class DrivenWindow:
             for p in params:
                 p.grad = None
             return closing
-        if buffers is not None:
-            _scale(buffers.tensors(), closing.scale)
-            buffers.write_grads_()  # now .grad, already at the scale
         low = set() if buffers is None else {id(p) for p in buffers.params}
-        _scale([p.grad for p in params if p.grad is not None and id(p) not in low], closing.scale)
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in low]
+        grads += [] if buffers is None else buffers.tensors()
+        if grads and closing.scale != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, closing.scale)
+        if buffers is not None:
+            buffers.write_grads_()  # now .grad, already at the scale
         return closing
 
     def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),
@@ -214,9 +214,3 @@ def retire_buffers(buffers: Optional[AccumulationBuffers]) -> None:
     if buffers is not None:
         buffers.active = False
         buffers.clear()
-
-
-def _scale(tensors: Sequence[torch.Tensor], scale: float) -> None:
-    if tensors and scale != 1.0:
-        with torch.no_grad():
-            torch._foreach_mul_(list(tensors), scale)

@@ -46,7 +46,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ._checks import Count, as_number
+from ._checks import Count
 from ._maths import Verdict, backward_weight, boundary_scale, running_reference, verdict
 from ._state import AccumulatorState
 
@@ -63,10 +63,10 @@ class Closing:
     scale: float
     num_items: float
     grad_norm: Optional[float] = None
+    steps: bool = dataclasses.field(init=False)  #: the verdict is STEP (set once: every driver asks it often)
 
-    @property
-    def steps(self) -> bool:
-        return self.verdict is Verdict.STEP
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", self.verdict is Verdict.STEP)
 
 
 class WindowWeights:
@@ -82,21 +82,17 @@ class WindowWeights:
             items). Default: ``num_items``, else the running R.
     """
 
-    __slots__ = ("state", "grad_divisor", "num_items", "_reference")
+    __slots__ = ("state", "grad_divisor", "num_items", "reference")
 
     def __init__(self, state: AccumulatorState, grad_divisor: float, *, num_items: Optional[Count] = None,
                  reference: Optional[float] = None) -> None:
         self.state, self.grad_divisor = state, float(grad_divisor)
         #: the window's global N, when known before the first backward; else None
-        self.num_items: Optional[float] = None if num_items is None else as_number(num_items)
-        if reference is None and self.num_items is not None and self.num_items > 0:
-            reference = self.num_items
-        self._reference = reference
-
-    @property
-    def reference(self) -> Optional[float]:
-        """R: known when the window opened, else the running R (None until its first backward fixes it)."""
-        return self._reference if self._reference is not None else self.state.reference
+        self.num_items: Optional[float] = None if num_items is None else float(num_items)
+        if reference is None:
+            reference = self.num_items if self.num_items is not None and self.num_items > 0 else state.reference
+        #: R: known when the window opened, else the running R (None until its first backward fixes it)
+        self.reference: Optional[float] = reference
 
     @property
     def empty(self) -> bool:
@@ -108,18 +104,19 @@ class WindowWeights:
         driver's guess at a window's N from its first backward, :func:`gradaccum._maths.running_reference`)
         made the same on every rank by ``agree`` (a max across ranks; the identity where the estimate is
         already agreed)."""
-        known = self.reference
-        if known is not None:
-            return known
-        self.state.reference = float(agree(running_reference(as_number(estimate))))
-        return self.state.reference
+        if self.reference is None:
+            if self.state.reference is None:
+                self.state.reference = float(agree(running_reference(float(estimate))))
+            self.reference = self.state.reference
+        return self.reference
 
     def _r(self) -> float:
-        r = self.reference
-        if r is None:
-            raise RuntimeError("WindowWeights: a weight asked for before R was fixed; call fix_reference(count) at "
-                               "the window's first backward")
-        return r
+        if self.reference is None:
+            self.reference = self.state.reference  # fixed since this window opened, if at all
+            if self.reference is None:
+                raise RuntimeError("WindowWeights: a weight asked for before R was fixed; call fix_reference(count) "
+                                   "at the window's first backward")
+        return self.reference
 
     def mean_weight(self, num_items: Union[Count, torch.Tensor], loss_dtype: torch.dtype = torch.float64
                     ) -> Union[float, torch.Tensor]:
@@ -127,7 +124,7 @@ class WindowWeights:
         ``n_k * W / R`` (:func:`gradaccum._maths.backward_weight`); 0 in a window known to be empty."""
         if self.num_items == 0:  # known empty
             return 0.0
-        r = self._reference if self._reference is not None else self._r()
+        r = self.reference if self.reference is not None else self._r()
         return backward_weight(num_items, r, self.grad_divisor, loss_dtype)
 
     def window_loss_weight(self, num_items: Count) -> float:
@@ -135,12 +132,15 @@ class WindowWeights:
         window's ``num_items`` = N rows, the cached two passes) is multiplied by: ``N / R``
         (:func:`gradaccum._maths.backward_weight` with ``W`` = 1: the ranks' divisor rides in the
         representations' gradient slices), 1 where N was counted first."""
-        return 0.0 if self.empty else float(backward_weight(as_number(num_items), self._r(), 1.0))
+        return 0.0 if self.empty else float(backward_weight(float(num_items), self._r(), 1.0))
 
     def sum_weight(self) -> float:
         """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R`` (the mean
         weight of one item); 0 in a window known to be empty."""
-        return 0.0 if self.empty else float(backward_weight(1, self._r(), self.grad_divisor))
+        if self.num_items == 0:  # known empty
+            return 0.0
+        r = self.reference if self.reference is not None else self._r()
+        return float(backward_weight(1, r, self.grad_divisor))
 
     def close(self, num_items: Count, *, loss_sum: Optional[float] = None, raw_norm: Optional[float] = None,
               nonfinite: str = "raise", has_scaler: bool = False) -> Closing:
@@ -148,7 +148,7 @@ class WindowWeights:
         and where the driver measured them its global loss sum and the reduced gradient's norm before
         the scale (:func:`gradaccum._maths.verdict`, :func:`gradaccum._maths.boundary_scale`). Changes
         nothing: :meth:`record` does, once the driver has stepped or skipped."""
-        n = as_number(num_items)
+        n = float(num_items)
         r = self.reference  # None only where no weighted backward ran: then any R scales a zero gradient
         scale = boundary_scale(r if r is not None else 1.0, n)
         grad_norm = raw_norm * scale if raw_norm is not None else None

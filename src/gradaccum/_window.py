@@ -206,7 +206,8 @@ class Window:
         ctx.slot.enter(self)
         ctx.grads.open()
         try:
-            ctx.boundary.check_scheduler()
+            if ctx.boundary.scheduler is not None:
+                ctx.boundary.check_scheduler()
             setup = self.setup = ctx.ranks.open(self.request)
             n, self.padding = self.request.micro_batches, setup.padding
             self.micro_batches = None if n is None else n + setup.padding

@@ -35,12 +35,12 @@ __all__ = ["TrainerDriver", "TrainerWindowState", "calls_next", "refuse_untested
 class TrainerWindowState(TrainerCallback, ExportableState):
     """Owns a Trainer driver's :class:`~gradaccum.AccumulatorState` (steps, skipped windows, the last
     window's N), saved in the Trainer's checkpoints (``TrainerState.stateful_callbacks``) and read back
-    on resume; at the end of a skipped window it gives the Trainer back its optimizer and scheduler and
-    keeps its flow from logging, evaluating or saving a step that was not taken."""
+    on resume; at the end of a skipped window (``on_step_end``) it keeps the Trainer's flow from logging,
+    evaluating or saving a step that was not taken, and gives it back its optimizer and scheduler."""
 
     def __init__(self) -> None:
         self.accumulator_state = AccumulatorState()
-        self.held = Swaps()  # the stand-ins, while a skipped window ends
+        self.held: Optional[Swaps] = None  # the stand-ins, while a skipped window ends
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
@@ -49,12 +49,16 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         """After a skipped window's last micro-batch: the optimizer and the scheduler the Trainer is about
         to step are stood in for, and ``global_step`` is taken back by the one the Trainer adds, so that
         the window leaves no trace but its consumed data."""
+        if self.held is None:
+            self.held = Swaps()
         for name in ("optimizer", "lr_scheduler"):
             self.held.wrap(trainer, name, NoStep)
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
 
     def release(self) -> None:
-        self.held.restore()
+        held, self.held = self.held, None
+        if held is not None:
+            held.restore()
 
     def resume(self, trainer: Any, epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
         """The state the checkpoint saved, and the Trainer's resume position (``epochs`` done, ``batches``
@@ -82,8 +86,9 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         state.load_saved(state.read_saved(saved["attributes"]["saved"] if isinstance(saved, dict) else {}))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.held:
+        if self.held is not None:  # the skipped window's step is over: the Trainer's own objects come back
             control.should_log = control.should_evaluate = control.should_save = False
+            self.release()
         return control
 
 
@@ -200,16 +205,15 @@ class TrainerDriver:
     def __init__(self, *args: Any, nonfinite: Optional[str] = None, **kwargs: Any) -> None:
         self.nonfinite = nonfinite_choice(type(self).__name__, type(self).nonfinite if nonfinite is None else nonfinite)
         super().__init__(*args, **kwargs)
-        self._state = TrainerWindowState()  # what windows teach each other, in the Trainer's checkpoints
+        self._state = TrainerWindowState()
         self.add_callback(self._state)  # type: ignore[attr-defined]
+        #: what windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints
+        self.accumulator_state: AccumulatorState = self._state.accumulator_state
+        #: W: the ranks the Trainer's gradient reduction averages over (Accelerate's data-parallel processes)
+        self.grad_divisor = float(self.accelerator.num_processes)
         self._window: Optional[DrivenWindow] = None
         self._closed: Optional[Closing] = None  # a closed window whose verdict waits for the Trainer's norm
         self._balance: Optional[TrainerBalance] = None
-
-    @property
-    def accumulator_state(self) -> AccumulatorState:
-        """What windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints."""
-        return self._state.accumulator_state
 
     @property
     def skipped(self) -> int:
@@ -241,11 +245,6 @@ class TrainerDriver:
             self._balance = TrainerBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
                                           self.accelerator.device, self.model_wrapped, who=type(self).__name__)
         return self._window
-
-    @property
-    def grad_divisor(self) -> float:
-        """W: the ranks the Trainer's gradient reduction averages over (Accelerate's data-parallel processes)."""
-        return float(self.accelerator.num_processes)
 
     def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         """A window's tensor (its counts, its load-balancing sum) summed over the ranks (one reduction;
@@ -284,22 +283,19 @@ class TrainerDriver:
             if self._balance is not None:
                 self._balance.routing.finish()  # the random state as the counting pass left it
             closing = window.close()
-            if closing.steps and self._judges_the_norm():
-                self._closed = closing  # judged on the norm the Trainer measures before it steps
+            # judged on the norm the Trainer measures before it steps; not under DeepSpeed (the engine judges
+            # it, hf_deepspeed.step_applied), nor with an fp16 loss scaler (an overflow is how it learns to back
+            # off: it skips that step and lowers its scale itself)
+            if closing.steps and not self.is_deepspeed_enabled and getattr(self.accelerator, "scaler", None) is None:
+                self._closed = closing
                 return loss
             applied = True
             if self.is_deepspeed_enabled:
                 from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step
 
                 applied = step_applied(self)
-            self._window_recorded(window.record(closing, applied=applied, warn_empty=self.empty_window_note))
+            self._window_ends(window.record(closing, applied=applied, warn_empty=self.empty_window_note))
         return loss
-
-    def _judges_the_norm(self) -> bool:
-        """The window's gradient is judged on its norm here: not under DeepSpeed (the engine judges it,
-        ``hf_deepspeed.step_applied``), nor with an fp16 loss scaler (an overflow is how it learns to back
-        off: it skips that step and lowers its scale itself)."""
-        return not self.is_deepspeed_enabled and getattr(self.accelerator, "scaler", None) is None
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         """The Trainer's norm of the window's gradient, which it measures before every optimizer step (for
@@ -309,23 +305,18 @@ class TrainerDriver:
         closing, window, self._closed = self._closed, self._window, None
         if closing is not None and window is not None:
             closing = window.judge(closing, grad_norm=norm)  # the Trainer's zero_grad drops a skipped gradient
-            self._window_recorded(window.record(closing, warn_nonfinite=(
+            self._window_ends(window.record(closing, warn_nonfinite=(
                 f"{type(self).__name__}.skipped counts them, global_step is not advanced")))
         return norm
 
-    def _window_recorded(self, closing: Closing) -> None:
-        self._window_ends(closing)
+    def _window_ends(self, closing: Closing) -> None:
+        """The window is recorded: a skipped window's optimizer and scheduler step are stood in for
+        (:meth:`TrainerWindowState.hold`). A subclass adds what it does then (its logs, its own state over
+        a skip) and calls this last."""
         if not closing.steps:
             self._state.hold(self)
 
-    def _window_ends(self, closing: Closing) -> None:
-        """What the subclass does once its window is recorded (its logs, its own state over a skip)."""
-
     # -- the Trainer's flow around a skipped window, and the state across a resume ----------------
-
-    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._state.release()  # the skipped window's step is over: the Trainer's own objects come back
-        super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
 
     def training_context(self) -> ContextManager[Any]:
         """What holds while ``train()`` runs (ExactTrainer: its DeepSpeed engine's configuration)."""

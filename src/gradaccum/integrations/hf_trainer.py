@@ -270,7 +270,7 @@ class ExactTrainer(TrainerDriver, Trainer):
             self._windows.begin(batch_samples)
             return batch_samples, None
         device = device if device is not None else self.args.device
-        local = self.items.window_count(batch_samples, device)
+        local = self.items.count(batch_samples, device)
         total = self.summed_over_ranks(local)
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
@@ -332,15 +332,15 @@ class _SourceLoss:
         self.sft_factor = trainer.grad_divisor if trainer.args.average_tokens_across_devices else 1.0
 
     def training(self, window: DrivenWindow, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
-        """``S_k * W / N`` (``sum_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
-        items, weight, part = self.items, window.weights.sum_weight(), None  # W / N (0 in a skipped window)
+        """``S_k * W / N`` (``item_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
+        items, weight, part = self.items, window.item_weight, None  # W / N (0 in a skipped window)
         if self.trainer.own_loss is not None:  # a subclass's own mean over the head's items or the rows, declared
             loss, outputs = self.trainer_loss(model, inputs, return_outputs, None)
-            loss = loss * window.weights.mean_weight(items.count(inputs) if items.source == "head" else items.rows(inputs))
+            loss = loss * window.weights.mean_weight(items.count([inputs]) if items.source == "head" else items.rows(inputs))
         elif items.source == "head":
             moe = {} if self.trainer.router_balance is None else {"output_router_logits": False}  # hooks read them
             outputs, part = self.trainer.balanced(model, inputs, lambda: model(**items.model_inputs(inputs), **moe))
-            loss = items.head_loss_sum(outputs, inputs) * weight
+            loss = items.loss_sum(outputs, inputs) * weight
         elif items.source == "tokens":
             n = max(window.items, 1)
             (loss, outputs), part = self.trainer.balanced(

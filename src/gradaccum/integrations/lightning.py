@@ -27,6 +27,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         f"(or pip install 'pytorch-lightning>={FLOORS['pytorch-lightning']}')"
     ) from exc
 
+from .._cached import WindowLoss
 from .._checks import Count, as_number, item_count
 from .._driven import DrivenWindow, nonfinite_choice, retire_buffers
 from .._gradients import AccumulationBuffers
@@ -168,19 +169,22 @@ class ExactAccumulation(Callback):
             self.pending = None  # the leading dimension, unless training_step returns a count
         self._batch = batch
 
-    def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                            optimizer: torch.optim.Optimizer) -> None:
-        self._open(trainer)  # a new window: the gradients are zeroed before its first backward
-
     def _open(self, trainer: "pl.Trainer") -> DrivenWindow:
-        """The window with the running R (its count is known only at its end)."""
+        """The window with the running R (its count is known only at its end), opened at its first backward."""
         self._window = DrivenWindow(self.state, trainer.world_size, buffers=self.buffers, nonfinite=self.nonfinite,
                                     who="ExactAccumulation")
         return self._window
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            loss: torch.Tensor) -> None:
-        n = self.pending if self.pending is not None else _leading_dim(self._batch)
+        n = self.pending
+        if n is None:
+            try:
+                n = leading_dim(self._batch)
+            except ValueError as exc:
+                raise ConfigurationError(f"ExactAccumulation counts a batch's items by its leading dimension, but the "
+                                         f"{exc} Or pass num_items=lambda batch: <its item count>, or return "
+                                         "(mean_loss, count) from training_step") from None
         self.pending, self._batch = None, None
         window = self._window if self._window is not None else self._open(trainer)
         if window.weights.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
@@ -202,8 +206,8 @@ class ExactAccumulation(Callback):
         finite) reaches the optimizer with no gradient, and its step is not counted."""
         window = self._window if self._window is not None else self._open(trainer)
         self._window = None
-        total = as_number(item_count("ExactAccumulation: the window's item count (its counts summed over the window "
-                                     "and the ranks)", _all_reduce(trainer, window.count)))
+        total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and the "
+                           "ranks)", _all_reduce(trainer, window.count))
         params = [p for group in optimizer.param_groups for p in group["params"]]
         closing = window.close(total, params=params)
         if getattr(trainer.precision_plugin, "scaler", None) is None:
@@ -234,7 +238,7 @@ def _fit_buffers(trainer: "pl.Trainer", pl_module: "pl.LightningModule", accum_d
 def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
     """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact)."""
     if trainer.world_size == 1:
-        return as_number(count)
+        return float(count)
     device = trainer.strategy.root_device
     t = (count.detach().to(device, torch.float64, copy=True).reshape(()) if isinstance(count, torch.Tensor)
          else torch.tensor(float(count), dtype=torch.float64, device=device))
@@ -261,7 +265,12 @@ def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        _refuse_a_window_loss(out)
+        if isinstance(out, WindowLoss):
+            raise ConfigurationError(
+                "ExactAccumulation: training_step returned a WindowLoss; a loss that couples the window's items "
+                "(in-batch negatives, CLIP) is not a mean per micro-batch, so no weighting makes Lightning's "
+                "accumulation exact. Use manual optimization with gradaccum.Accumulator in training_step "
+                "(docs/guides/lightning.md, 'A loss that couples the batch'): acc.step(batch, window_loss)")
         if isinstance(out, tuple):
             if len(out) != 2:
                 raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
@@ -294,17 +303,6 @@ def _refuse_what_is_not_exact(trainer: "pl.Trainer", pl_module: "pl.LightningMod
                         "gradaccum.MoELoss, which computes it over the window")
 
 
-def _refuse_a_window_loss(out: Any) -> None:
-    from .._cached import WindowLoss
-
-    if isinstance(out, WindowLoss):
-        raise ConfigurationError(
-            "ExactAccumulation: training_step returned a WindowLoss; a loss that couples the window's items "
-            "(in-batch negatives, CLIP) is not a mean per micro-batch, so no weighting makes Lightning's "
-            "accumulation exact. Use manual optimization with gradaccum.Accumulator in training_step "
-            "(docs/guides/lightning.md, 'A loss that couples the batch'): acc.step(batch, window_loss)")
-
-
 def strategy_model(pl_module: "pl.LightningModule") -> torch.nn.Module:
     """The model to give an :class:`~gradaccum.Accumulator` inside ``training_step`` under manual
     optimization: Lightning's DDP wrapper of ``pl_module`` (whose ``forward`` it calls, and whose
@@ -324,15 +322,6 @@ def count_step(pl_module: "pl.LightningModule", result: Any) -> None:
     optimizer = optimizer[0] if isinstance(optimizer, list) else optimizer
     optimizer._on_before_step()
     optimizer._on_after_step()
-
-
-def _leading_dim(batch: Any) -> int:
-    try:
-        return leading_dim(batch)
-    except ValueError as exc:
-        raise ConfigurationError(f"ExactAccumulation counts a batch's items by its leading dimension, but the {exc} Or pass "
-                         "num_items=lambda batch: <its item count>, or return (mean_loss, count) from "
-                         "training_step") from None
 
 
 def _refuse_a_second_callback(trainer: "pl.Trainer") -> None:

@@ -180,7 +180,7 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         divisor = trl_divisor(_loss_type(self), mask, accumulation=k, steps_per_generation=self.args.steps_per_generation,
                               max_completion_length=getattr(self, "max_completion_length", None),
                               generation_tokens=inputs.get("num_items_in_batch"), world=self.accelerator.num_processes)
-        loss = loss * divisor * window.weights.sum_weight()  # W / N: TRL's division undone (gradaccum.rl.trl_divisor)
+        loss = loss * divisor * window.item_weight  # W / N: TRL's division undone (gradaccum.rl.trl_divisor)
         loss = loss if bonus is None else loss + bonus
         return loss if part is None else loss + part  # coef * this micro-batch's part of the step's LBL, times W
 
@@ -192,6 +192,7 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
             self._metrics["train"]["aux_loss"].append(float(total))  # type: ignore[attr-defined]
         if not closing.steps:
             self._restore_entropy_controller()
+        super()._window_ends(closing)
 
 
 def _model_inputs(inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
