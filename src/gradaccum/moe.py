@@ -44,8 +44,7 @@ from ._window import Window
 from .errors import ConfigurationError, NotExactError
 from .sync import GradSync
 
-__all__ = ["MoEOutput", "MoELoss", "MODES", "Routing", "counts_on_every_rank", "run_moe_window",
-           "check_moe_loss"]
+__all__ = ["MoEOutput", "MoELoss", "MODES", "Routing", "run_moe_window", "check_moe_loss"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
 MODES = ("exact", "micro_batch", "prefix")
