@@ -4,11 +4,9 @@ A bf16 ``.grad`` that every micro-batch's backward adds into rounds to 8 bits of
 add, so its error grows with the window (bf16 GPT-2 over 64 micro-batches: about twice a float32
 sum's). Where gradaccum owns the window's sum (one process, no scaler unscaling ``.grad`` before the
 boundary) it sums in float32 :class:`~gradaccum._gradients.AccumulationBuffers` and rounds once, at
-the boundary; where a framework owns it (a data-parallel wrapper, DeepSpeed, a loss scaler) it says
-so once, in a :class:`LowPrecisionWarning` that names the setting that sums in float32.
-
-* :func:`window_buffers`: the :class:`~gradaccum.Accumulator`'s buffers (``accum_dtype`` may also be a dtype);
-* :func:`driver_buffers`: a trainer driver's (ExactTrainer, Lightning's ExactAccumulation): ``"auto"`` or ``"param"``.
+the boundary (:func:`window_buffers` for the Accumulator, :func:`driver_buffers` for a trainer driver);
+where a framework owns it (a data-parallel wrapper, DeepSpeed, a loss scaler) it says so once, in a
+:class:`LowPrecisionWarning` that names the setting that sums in float32.
 """
 
 from __future__ import annotations
@@ -38,11 +36,7 @@ class LowPrecisionWarning(UserWarning):
 
 
 def check_accum_dtype(accum_dtype: Any) -> None:
-    """Refuse an ``accum_dtype`` that is none of ``"auto"``, ``"param"``, None or a ``torch.dtype``.
-
-    Raises:
-        TypeError: anything else, naming the three kinds it takes.
-    """
+    """Refuse (TypeError) an ``accum_dtype`` that is none of ``"auto"``, ``"param"``, None or a ``torch.dtype``."""
     if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(f"accum_dtype must be 'auto' (float32 buffers for bf16/fp16 parameters), 'param' (the "
                         f"parameter's own dtype) or a torch.dtype such as torch.float32, got {accum_dtype!r}")
@@ -50,29 +44,20 @@ def check_accum_dtype(accum_dtype: Any) -> None:
 
 def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
                    params: Sequence[torch.nn.Parameter]) -> Optional[AccumulationBuffers]:
-    """The Accumulator's window buffers, or None where the sum stays in ``.grad``.
-
-    ``"auto"``: float32 buffers for a single process's bf16/fp16 parameters; under a wrapper that
-    reduces across ranks (which owns the sum) or ``precision="fp16"`` (GradScaler unscales float32
-    gradients only) none, with a :class:`LowPrecisionWarning` where that sum is in bf16/fp16. A
-    dtype: buffers of that dtype for every trainable parameter (single process, no fp16 scaler).
-    ``"param"`` or None: no buffers.
-
-    Raises:
-        ConfigurationError: a dtype under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``.
-    """
+    """The Accumulator's window buffers, or None where the sum stays in ``.grad`` (``"param"``, None).
+    ``"auto"``: float32 buffers for a single process's bf16/fp16 parameters; none under a wrapper that
+    reduces across ranks or with ``precision="fp16"`` (GradScaler unscales float32 gradients only), with a
+    :class:`LowPrecisionWarning` where that sum is in bf16/fp16. A dtype: buffers of that dtype (refused
+    under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``)."""
     if accum_dtype is None or accum_dtype == "param":
         return None
     if accum_dtype == "auto":
-        cost = None
-        if sync.reduces_across_ranks:  # the wrapper owns the sum: it is summed in float32 or named here
-            cost = sync.low_precision_sum(params)
-        elif not any(p.dtype in LOW_PRECISION for p in params):
+        if not sync.reduces_across_ranks and not any(p.dtype in LOW_PRECISION for p in params):
             return None
-        elif precision == "fp16":
-            cost = ("precision='fp16' with bf16/fp16 parameters: GradScaler unscales float32 gradients only, so "
-                    "the window's gradient is summed in the parameters' own dtype")
-        if sync.reduces_across_ranks or precision == "fp16":
+        if sync.reduces_across_ranks or precision == "fp16":  # the wrapper, or the scaler, owns the sum
+            cost = sync.low_precision_sum(params) if sync.reduces_across_ranks else (
+                "precision='fp16' with bf16/fp16 parameters: GradScaler unscales float32 gradients only, so the "
+                "window's gradient is summed in the parameters' own dtype")
             if cost is not None:
                 warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the "
                               "window (bf16 GPT-2, 64 micro-batches: about 2x the error of a float32 sum). "
@@ -84,24 +69,18 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
         raise ConfigurationError(
             f"accum_dtype is for single-process training (got accum_dtype={accum_dtype}); with DDP or FSDP2 keep "
             "float32 master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "reduce_dtype=torch.float32)) and leave accum_dtype='auto'"
-        )
+            "reduce_dtype=torch.float32)) and leave accum_dtype='auto'")
     if precision == "fp16":
         raise ConfigurationError(
             f"accum_dtype with precision='fp16' is not supported (accum_dtype={accum_dtype}): GradScaler unscales "
-            "float32 gradients only. Use precision='bf16', keep float32 parameters, or pass accum_dtype='param'"
-        )
+            "float32 gradients only. Use precision='bf16', keep float32 parameters, or pass accum_dtype='param'")
     return AccumulationBuffers(params, accum_dtype)  # type: ignore[arg-type]
 
 
 def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
-    """Said once, loudly, through :func:`driver_buffers` (``stacklevel``: the driver's caller), where a
-    driver's framework sums the window's gradient into each parameter's own ``.grad`` and gradaccum
-    cannot sum it in float32 (a data-parallel wrapper owns the sum, or a loss scaler unscales ``.grad``
-    before the driver's boundary): with bf16/fp16 trainable parameters
-    that sum rounds after every micro-batch, so its error grows with the window (a bf16 GPT-2 over 64
-    micro-batches: about twice the float32 sum's, docs/guides/deepspeed.md's precision table). ``fix``
-    names the framework's setting that sums in float32."""
+    """The :class:`LowPrecisionWarning` of a driver whose framework sums the window's gradient of bf16/fp16
+    trainable parameters in their own ``.grad`` (``stacklevel``: the driver's caller); ``fix`` names the
+    framework's setting that sums in float32."""
     low = sorted({str(p.dtype) for p in params if p.requires_grad and p.dtype in LOW_PRECISION})
     if low:
         warnings.warn(f"{who}: the trainable parameters are {', '.join(low)}, so each window's gradient is summed in "
@@ -111,19 +90,10 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
 
 def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,
                    fix: str) -> Optional[AccumulationBuffers]:
-    """The float32 :class:`~gradaccum._gradients.AccumulationBuffers` a trainer driver (ExactTrainer,
-    Lightning's ExactAccumulation) opens with each window and writes back, rounded once to the
-    parameter's dtype, after the window's last backward and before the framework clips and steps.
-
-    ``accum_dtype="auto"``: buffers for the bf16/fp16 trainable parameters where the driver owns the
-    window's sum (``owns_the_sum``: one process, no data-parallel wrapper, no scaler unscaling ``.grad``
-    before the boundary); elsewhere the sum stays in ``.grad`` and :func:`warn_low_precision_grad_sum`
-    says so with ``fix``. ``"param"``: the opt-out, the sum in the parameters' own dtype (rounded after
-    every micro-batch), silently. None (no buffers, no hooks) where no trainable parameter is bf16/fp16.
-
-    Raises:
-        ConfigurationError: ``accum_dtype`` is neither ``"auto"`` nor ``"param"``.
-    """
+    """The float32 buffers a trainer driver (ExactTrainer, Lightning's ExactAccumulation) opens with each
+    window, for its bf16/fp16 trainable parameters, under ``"auto"`` where it ``owns_the_sum`` (one process,
+    no data-parallel wrapper, no scaler unscaling ``.grad`` before the boundary; elsewhere
+    :func:`warn_low_precision_grad_sum` with ``fix``); None under ``"param"`` or without such parameters."""
     if accum_dtype not in ACCUM_DTYPES:
         raise ConfigurationError(f"{who}(accum_dtype={accum_dtype!r}): accum_dtype must be 'auto' (float32 buffers for "
                                  "bf16/fp16 parameters, rounded once per window) or 'param' (the sum in the "

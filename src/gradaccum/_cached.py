@@ -1,29 +1,22 @@
-"""Losses that couple the window's items (contrastive, in-batch negatives, CLIP), made exact.
-
-A :class:`WindowLoss` maps each micro-batch to its representations (``encode``) and the whole window's
-representations, every rank's included, to one loss (``loss``). Accumulating per micro-batch losses
-would optimize another objective (each item would see only its micro-batch's negatives); this
-computes the big batch's gradient exactly, by caching the representations (GradCache):
+"""Losses that couple the window's items (contrastive, in-batch negatives, CLIP), made exact by caching
+the representations (GradCache): per micro-batch losses would optimize another objective (each item
+seeing only its micro-batch's negatives), so the big batch's gradient is computed as
 
     z_k = encode(model, x_k)  for every micro-batch k on every rank,  z = (z_1, ..., z_K)
     grad L(z) = sum_k J_k^T g_k,   g_k = dL/dz_k,   J_k = dz_k/dtheta
 
 1. Pass 1, without a graph: ``z_k`` for each micro-batch, the random state saved before each.
 2. The ranks gather ``z`` (rank 0's items first); every rank computes the same ``L(z)`` from detached
-   leaves and its gradient with respect to them, and to the loss's own parameters (a learned
-   temperature, a head applied inside the loss).
-3. Pass 2: each micro-batch's forward again, its random state replayed so that it draws what pass 1
-   drew, and backpropagated with its slice of ``g`` (``J_k^T g_k``, a vector-Jacobian product).
+   leaves and its gradient with respect to them and to the loss's own parameters (a learned temperature).
+3. Pass 2: each micro-batch's forward again, its random state replayed, backpropagated with its slice
+   of ``g`` (``J_k^T g_k``, a vector-Jacobian product).
 
-In the core's terms (:mod:`gradaccum._maths`) the window's loss is one mean over its N items: it is
-backpropagated with the backward weight of N items, ``N / R`` for the loss itself (whose own
-parameters' gradient is the same on every rank) and ``N * W / R`` for each slice (the data-parallel
-average divides by W), so that after the boundary scale ``R / N`` the step's gradient is ``grad L``:
-the big batch's, never off by the world size. ``StepResult.loss`` is L; ``num_items`` is N.
+In the core's terms (:mod:`gradaccum._maths`) the window's loss is one mean over its N items: weighed
+``N / R`` for the loss's own parameters and ``N * W / R`` for each slice (the data-parallel average
+divides by W), so that after the boundary scale ``R / N`` the step's gradient is ``grad L``.
 
-Costs: one more forward per micro-batch (pass 1), one all-gather of the counts and one per
-representation tensor across ranks. Peak memory: one micro-batch's activations, plus the window's
-representations and the loss's own activations.
+Costs: one more forward per micro-batch, one all-gather of the counts and one per representation
+tensor. Peak memory: one micro-batch's activations, plus the window's representations and the loss's.
 """
 
 from __future__ import annotations
@@ -44,7 +37,7 @@ from .result import StepResult
 from .errors import ConfigurationError
 
 __all__ = ["WindowLoss", "Constant", "CachedPasses", "run_cached_window", "graphs_to_keep", "check_window_loss",
-           "window_loss_of_batch", "rows_of"]
+           "window_loss_of_batch"]
 
 #: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
 Encode = Callable[[nn.Module, Batch], Any]
@@ -106,9 +99,7 @@ class WindowLoss:
         self.encode, self.loss, self.keep_graphs = encode, loss, keep_graphs
 
     def __call__(self, model: nn.Module, micro_batch: Any) -> Any:
-        """A WindowLoss is a loss over the window: a caller that runs it one micro-batch at a time, not
-        through a driver of the window, would train another objective (each item seeing only its
-        micro-batch's negatives); refused, as :class:`~gradaccum.MoELoss` is."""
+        """Refused: run one micro-batch at a time, a WindowLoss would train another objective."""
         raise ConfigurationError(
             "WindowLoss was called as a loss_fn on one micro-batch; its loss couples the whole window's items, so "
             "pass it to acc.step(...) or acc.train(...), or ExactTrainer(compute_loss_func=...), which run the "
@@ -139,8 +130,9 @@ class Constant:
         return f"Constant({tuple(self.tensor.shape)}, {self.tensor.dtype})"
 
 
-def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
-    """The representations' tensors, depth first, after checking each holds the micro-batch's items."""
+def _flat(out: Any, count: Optional[int], k: int) -> List[torch.Tensor]:
+    """The representations' tensors, depth first, after checking each holds the micro-batch's ``count``
+    items (None: as many as the first tensor's rows)."""
     flat = []
     for path, leaf in leaves(out):
         if isinstance(leaf, Constant):
@@ -151,6 +143,7 @@ def _flat(out: Any, count: int, k: int) -> List[torch.Tensor]:
                 f"WindowLoss: encode(model, micro_batch) returned {what} at representations{path}; every "
                 "representation must be a tensor with the micro-batch's items along dim 0 (a tensor, or a "
                 "tuple/list/dict of them)")
+        count = leaf.shape[0] if count is None else count
         if leaf.shape[0] != count:
             raise ConfigurationError(
                 f"WindowLoss: representations{path} of micro-batch {k} have leading size {leaf.shape[0]}, but "
@@ -205,17 +198,15 @@ def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
                          "items (the representations' rows), so there are no per-micro-batch counts to weigh; "
                          "drop num_items")
     if micro_batch_size == "auto":
-        raise ConfigurationError("micro_batch_size='auto' is not supported with a WindowLoss: pass an int micro_batch_size "
-                         "(the cached representations of a window that ran out of memory would be recomputed "
-                         "anyway)")
+        raise ConfigurationError("micro_batch_size='auto' is not supported with a WindowLoss: pass an int "
+                                 "micro_batch_size (the cached representations of a window that ran out of memory "
+                                 "would be recomputed anyway)")
 
 
 def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,
                       micro_batch_size: Any = None, plan: Optional[Plan] = None) -> StepResult:
-    """The Accumulator's driver of :class:`CachedPasses`: one window, in the module docstring's order
-    (pass 1, the loss on every rank's representations, pass 2 inside the window's micro-batch blocks,
-    the step). Every rank runs as many forwards in each pass as the window's padding asks (DDP's first
-    forward and FSDP2's every forward are collectives)."""
+    """The Accumulator's driver of :class:`CachedPasses`: one window, in the module docstring's order;
+    every rank runs as many forwards in each pass as the window's padding asks."""
     ranks = ctx.ranks
     sizes = [int(as_number(c)) for c in counts.each]
     request = Request(len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
@@ -241,18 +232,11 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
 
 def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: int, device: torch.device) -> int:
     """How many of the window's first micro-batches keep their pass-1 graph: ``keep_graphs``, but none
-    under FSDP2 (its forwards and backwards gather and free shards in order) or with BatchNorm in
-    training mode (pass 1 leaves its statistics as it found them), and, where the last backward reduces
-    across ranks (DDP), all but the last micro-batch (that backward's forward must run under the
-    wrapper's sync) and the same on every rank (a kept forward is a wrapper's forward, a collective).
-
-    Why the first: every driver runs pass 2 in order, and a framework's loop (the Trainer) calls
-    micro-batch 0 first and runs pass 1 inside that call; the kept graphs are then backpropagated before
-    any replayed forward allocates activations (in pass 2 the kept micro-batches' activations *or* one
-    replayed micro-batch's, never both; in pass 1 a kept graph is held while the other forwards run, one
-    forward's passing tensors more), and the last micro-batch, whose backward reduces across ranks, is a
-    forward run again under the wrapper's sync (the Trainer's last call runs outside ``no_sync``, so its
-    graph cannot be kept from pass 1)."""
+    under FSDP2 (its forwards gather and free shards in order) or with BatchNorm in training mode (pass 1
+    leaves its statistics as it found them); where the last backward reduces across ranks (DDP), all but
+    the last (its forward runs under the wrapper's sync), the same on every rank (a kept forward is a
+    collective). The first ones, because pass 2 runs in order: their graphs are freed before any replayed
+    forward allocates activations."""
     if window_loss.keep_graphs == 0 or sync.sharded_grads or training_batchnorms(model):
         return 0  # alike on every rank
     keep = min(window_loss.keep_graphs, own)
@@ -262,38 +246,16 @@ def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: in
 
 
 class CachedPasses:
-    """One window of a :class:`WindowLoss`, step by step: the one implementation of the cached two
-    passes, which a driver calls from its own loop (the Accumulator's :func:`run_cached_window`; the
-    Trainers' ``compute_loss`` through :mod:`gradaccum.integrations.hf_window_loss`).
+    """One window of a :class:`WindowLoss`, step by step, which every driver calls from its own loop
+    (the Accumulator's :func:`run_cached_window`, the Trainers' :mod:`gradaccum.integrations.hf_window_loss`):
+    :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or :meth:`surrogate`) for
+    ``k`` in ``range(parts)`` (the micro-batches, then the zero-weight padding), :meth:`finish`.
 
-    In the order a driver calls it (the module docstring has the maths):
-
-    1. :meth:`first_pass`: each micro-batch's representations without a graph, its random state saved
-       before it; the first ``keep`` micro-batches keep their graph (why the first: :func:`graphs_to_keep`).
-    2. :meth:`gather` then :meth:`loss_gradient`: every rank's representations joined (rank 0's first),
-       the window's loss ``L`` and, by ``autograd.grad`` (which writes nothing), the gradient of
-       ``scale(weight * L)`` with respect to this rank's representations and the loss's own parameters.
-    3. :meth:`part` for ``k`` in ``range(parts)``: micro-batch k's representations (its forward again
-       from its random state, or pass 1's kept graph) and their gradients, for the driver to
-       backpropagate (or :meth:`surrogate`'s scalar); then the zero-weight padding the ranks need.
-    4. :meth:`finish`: the random state as after pass 1 and, in a checked window, pass 2's
-       representations compared with pass 1's on every rank (:class:`gradaccum._random.Replay`).
-
-    **Half precision, one treatment:** the loss is taken in float32 at least before its gradient, and
-    multiplied by the driver's loss scale (``scale``: the Accumulator's GradScaler; a Trainer, whose own
-    scaler multiplies the surrogate at its backward, passes none).
-
-    Args:
-        window_loss, micro_batches: the loss (``encode``, ``loss``); this rank's micro-batches of the window.
-        sync, device: the data-parallel seam (:mod:`gradaccum.sync`: the gather, the ranks' divisor and
-            agreements); where the random states, flags and counts live.
-        sizes: each micro-batch's items (checked against the representations' rows), or None: read them.
-        padding, padding_batch: zero-weight micro-batches the ranks ask this rank to run, and the batch
-            it runs for them.
-        checked: the driver's state's ``checked_replays``: where the loss is not in it yet (its first
-            window), pass 2's representations are compared with pass 1's, and it is added once they
-            matched (a window whose replay differed leaves it unchecked). None: no comparison.
-        autocast: the forward's and the loss's autocast context (none by default).
+    The loss is taken in float32 at least before its gradient, times the driver's loss ``scale`` (the
+    Accumulator's GradScaler; a Trainer's scaler multiplies the surrogate itself). ``sizes``: each
+    micro-batch's items, or None (read from the representations). ``checked``: the driver's
+    ``checked_replays``; in a loss's first window pass 2's representations are compared with pass 1's
+    (to float rounding: pass 2 runs with a graph, pass 1 without), then it is added (None: never).
     """
 
     def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,
@@ -301,24 +263,17 @@ class CachedPasses:
                  autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.window_loss, self.micro_batches = window_loss, list(micro_batches)
         self.sync, self.device, self.sizes, self.autocast, self.checked = sync, device, sizes, autocast, checked
-        # the replay is compared in the loss's first window only, to float rounding: pass 2 runs with a graph,
-        # pass 1 without (kernels may round otherwise); a comparison reads every representation and costs an
-        # all-reduce, and an encode that replays alike once does in every window (an MoE's routing, integer
-        # counts, is compared exactly every window: moe.Routing)
         self.check = checked is not None and window_loss not in checked
         self.replay = Replay(device, sync, "WindowLoss", "gave other representations (encode's outputs)", rtol=1e-5)
         self.padding, self.padding_batch = padding, padding_batch
         self.cached: List[List[torch.Tensor]] = []
         self.spec: Any = None
         self.empty: List[torch.Tensor] = []
-        #: micro-batch index -> its representations with their graph (pass 1 kept it)
-        self.graphs: Dict[int, List[torch.Tensor]] = {}
+        self.graphs: Dict[int, List[torch.Tensor]] = {}  # micro-batch -> its representations with their graph
         self.differentiable: List[bool] = []
         self.joined: List[torch.Tensor] = []
-        self.offset = 0
-        #: the window's loss L, detached (after :meth:`loss_gradient`)
-        self.loss: Optional[torch.Tensor] = None
-        self.total = 0
+        self.offset = self.total = 0
+        self.loss: Optional[torch.Tensor] = None  # the window's loss L, detached (after loss_gradient)
         self.slices: List[Optional[torch.Tensor]] = []
         self.carried: List[Tuple[Any, Any]] = []
         self.ran = 0
@@ -328,14 +283,10 @@ class CachedPasses:
         """Backward parts this rank runs in pass 2: its micro-batches, then its padding."""
         return len(self.micro_batches) + self.padding
 
-    # -- pass 1 ------------------------------------------------------------------------------------
-
     def first_pass(self, model: nn.Module, *, keep: int = 0, graph_model: Optional[nn.Module] = None) -> None:
         """Each micro-batch's representations on ``model`` without a graph, the random state before each;
-        the first ``keep`` on ``graph_model`` (``model`` by default: a Trainer runs pass 1 on the
-        unwrapped model and the kept forwards on its data-parallel wrapper) with their graph, under the
-        wrapper's "do not reduce"; then the padding's forwards (their collectives, as the ranks with data
-        run them). BatchNorm's running statistics are left as pass 1 found them."""
+        the first ``keep`` with their graph on ``graph_model`` (a Trainer's data-parallel wrapper; default
+        ``model``), not reducing; then the padding's forwards. BatchNorm's statistics are left unchanged."""
         with torch.no_grad(), _batchnorm_stats_kept(model), self.autocast():
             for k, mb in enumerate(self.micro_batches):
                 self.replay.save()
@@ -344,7 +295,7 @@ class CachedPasses:
                         out = self.window_loss.encode(graph_model if graph_model is not None else model, mb)
                 else:
                     out = self.window_loss.encode(model, mb)
-                outs = _flat(out, rows_of(out) if self.sizes is None else self.sizes[k], k)
+                outs = _flat(out, None if self.sizes is None else self.sizes[k], k)
                 if k < keep:
                     self.graphs[k] = outs
                 self.cached.append([o.detach() for o in outs])
@@ -358,29 +309,21 @@ class CachedPasses:
         # per tensor, in _flat's order: whether the loss is differentiated by it (a float, not a Constant)
         self.differentiable = [isinstance(t, torch.Tensor) and t.is_floating_point() for _, t in leaves(self.spec)]
 
-    def _local(self) -> List[torch.Tensor]:
-        """This rank's representations joined along dim 0, one tensor per position in the structure."""
-        if self.cached:
-            return [torch.cat(column) for column in zip(*self.cached)]
-        if not self.empty:
-            raise ConfigurationError("WindowLoss: this rank has no micro-batch in the window and none to pad with: "
-                                     "give it one with acc.set_padding(micro_batch)")
-        return self.empty
-
-    # -- the loss and its gradient -----------------------------------------------------------------
-
     def gather(self) -> int:
         """Every rank's representations, joined (rank 0's first); returns the window's N, every rank's."""
-        self.joined, self.offset = self.sync.gather_items(self._local())
+        if not self.cached and not self.empty:
+            raise ConfigurationError("WindowLoss: this rank has no micro-batch in the window and none to pad with: "
+                                     "give it one with acc.set_padding(micro_batch)")
+        local = [torch.cat(column) for column in zip(*self.cached)] if self.cached else self.empty
+        self.joined, self.offset = self.sync.gather_items(local)
         self.total = int(self.joined[0].shape[0])
         return self.total
 
     def loss_gradient(self, loss_model: Any, params: Sequence[torch.Tensor], *, weight: float = 1.0,
                       scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
-        """The window's loss ``L`` (the same on every rank) on ``loss_model``, and the gradient of
-        ``scale(weight * L)``: this rank's slices with respect to the representations (times ``W``, the
-        ranks' divisor), the loss's own parameters' (put in ``.grad`` now, or carried by the last part,
-        the one that reduces: :meth:`gradaccum.sync.GradSync.folds_outside_gradients`). Returns ``L``."""
+        """The window's loss ``L`` (the same on every rank), returned, and the gradient of ``scale(weight * L)``:
+        this rank's slices of the representations' (times ``W``), the loss's own parameters' (in ``.grad``
+        now, or carried by the last part: :meth:`gradaccum.sync.GradSync.folds_outside_gradients`)."""
         inputs = [t.detach().requires_grad_(d) for t, d in zip(self.joined, self.differentiable)]
         with self.autocast():
             loss = _checked_loss(self.window_loss.loss(loss_model, rebuild(self.spec, iter(inputs))))
@@ -408,14 +351,10 @@ class CachedPasses:
         self.loss = loss.detach()
         return self.loss
 
-    # -- pass 2 ------------------------------------------------------------------------------------
-
     def part(self, k: int, model: nn.Module) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
-        """Part ``k`` of pass 2: micro-batch k's representations (pass 1's kept graph, or its forward on
-        ``model`` again from its saved random state) and their gradients, with its item count; past the
-        micro-batches, a padding forward with zero gradients and no item. The last part also carries the
-        loss's own parameters and their gradient. Runs inside the driver's micro-batch context (the
-        wrapper's sync and autocast)."""
+        """Part ``k`` of pass 2, inside the driver's micro-batch context: micro-batch k's representations
+        (pass 1's kept graph, or its forward replayed) and their gradients, with its item count; past the
+        micro-batches, a padding forward with zero gradients. The last part carries the loss's own."""
         if self.loss is None or k != self.ran or k >= self.parts:
             raise RuntimeError(f"CachedPasses.part({k}) out of order: after loss_gradient(), parts 0 to "
                                f"{self.parts - 1} one by one ({self.ran} ran)")
@@ -430,8 +369,11 @@ class CachedPasses:
                          k if own else 0)
             if own and self.check:
                 self.replay.compare(outs, self.cached[k])
-        if k == 0 and self.check:
-            _agree_outputs_require_grad(self.sync, self.device, outs, self.differentiable)
+        detached = [o for o, d in zip(outs, self.differentiable) if d and not o.requires_grad]
+        if k == 0 and self.check and self.sync.any_rank(bool(detached), self.device):  # every rank refuses alike
+            raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this "
+                                     "rank or another): it ran under torch.no_grad() or was detached. Return the "
+                                     "model's outputs as they are")
         if own:
             at = sum(self.sizes[:k])
             pairs = [(o, g[at:at + self.sizes[k]]) for o, g in zip(outs, self.slices) if g is not None]
@@ -462,29 +404,9 @@ class CachedPasses:
             self.checked.add(self.window_loss)
 
 
-def _agree_outputs_require_grad(sync: Any, device: torch.device, outs: List[torch.Tensor],
-                                differentiable: List[bool]) -> None:
-    """In a checked window, before any backward: every float representation requires grad, on every
-    rank (one rank raising alone would leave the others waiting in the reduction)."""
-    detached = [o for o, d in zip(outs, differentiable) if d and not o.requires_grad]
-    if sync.any_rank(bool(detached), device):
-        raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this rank "
-                                 "or another): it ran under torch.no_grad() or was detached. Return the model's "
-                                 "outputs as they are")
-
-
 def window_loss_of_batch(window_loss: WindowLoss, model: nn.Module, loss_model: Any, batch: Batch) -> torch.Tensor:
     """The loss of one batch alone (evaluation): ``loss(loss_model, encode(model, batch))``, checked."""
     out = window_loss.encode(model, batch)
-    return _checked_loss(window_loss.loss(loss_model, rebuild(out, iter(_flat(out, rows_of(out), 0)))),
+    return _checked_loss(window_loss.loss(loss_model, rebuild(out, iter(_flat(out, None, 0)))),
                          needs_grad=torch.is_grad_enabled())
 
-
-def rows_of(out: Any) -> int:
-    """The micro-batch's items: the leading size of the first tensor of the representations."""
-    for _, leaf in leaves(out):
-        leaf = leaf.tensor if isinstance(leaf, Constant) else leaf
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise ConfigurationError("WindowLoss: encode(model, micro_batch) returned no tensor with a leading dimension; "
-                             "return the micro-batch's representations (a tensor, or a tuple/list/dict of tensors)")

@@ -15,7 +15,7 @@ from torch import nn
 
 from .errors import ConfigurationError, NotExactError
 
-__all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count", "callable_loss_fn",
+__all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count",
            "scalar_loss", "split_loss_output", "as_number", "training_batchnorms", "ROWS", "holds_ignored_labels",
            "padded_rows_refusal"]
 
@@ -31,10 +31,7 @@ def _is_int_from(value: Any, minimum: int) -> bool:
 
 def check_int(flag: str, value: Any, minimum: int = 1, *, maximum: Optional[int] = None, extra: str = "") -> None:
     """The command line's integer flags: ``--accum-steps must be an integer >= 1, got 0``."""
-    bad = not _is_int_from(value, minimum)
-    if not bad and maximum is not None and value > maximum:
-        raise ConfigurationError(f"{flag} must be an integer from {minimum} to {maximum}, got {value!r}{extra}")
-    if bad:
+    if not _is_int_from(value, minimum) or (maximum is not None and value > maximum):
         want = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
         raise ConfigurationError(f"{flag} must be an integer {want}{extra}, got {value!r}")
 
@@ -53,9 +50,13 @@ def non_negative_int(name: str, value: Any, *, hint: str = "") -> int:
     return value
 
 
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def positive_number(name: str, value: Any, *, what: str = "a positive finite number", hint: str = "") -> float:
     """``value`` as a float if it is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _finite(value) or value <= 0:
         raise ConfigurationError(f"{name} must be {what}, got {value!r}{hint}")
     return float(value)
 
@@ -67,9 +68,9 @@ def item_count(name: str, value: Any) -> Count:
         if value.numel() != 1:
             raise ConfigurationError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if not _finite(value) or value < 0:
         raise ConfigurationError(f"{name} must be a finite number >= 0 (how many items the loss is a mean over), "
-                         f"got {value!r}")
+                                 f"got {value!r}")
     return value
 
 
@@ -79,17 +80,14 @@ def as_number(count: Count) -> float:
 
 
 def split_loss_output(out: Any, count: Count) -> Tuple[Any, Count]:
-    """``loss_fn``'s output -> (mean loss, item count). A bare loss counts ``count``: the micro-batch's
-    leading dimension, or what a ``num_items`` counter said. The loss itself is checked by
-    :func:`scalar_loss`."""
+    """``loss_fn``'s output -> (mean loss, item count); a bare loss counts ``count`` (its rows, or
+    ``num_items``'s count). The loss itself is checked by :func:`scalar_loss`."""
     if isinstance(out, (tuple, list)) and len(out) == 2:
         return out[0], item_count("the count returned by loss_fn", out[1])
     if isinstance(out, torch.Tensor):
         return out, count
-    raise TypeError(
-        f"loss_fn must return a scalar tensor (the mean loss over the micro-batch) or a pair "
-        f"(mean_loss, num_items), got {type(out).__name__}"
-    )
+    raise TypeError(f"loss_fn must return a scalar tensor (the mean loss over the micro-batch) or a pair "
+                    f"(mean_loss, num_items), got {type(out).__name__}")
 
 
 def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", where: str) -> torch.Tensor:
@@ -98,16 +96,13 @@ def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", whe
     inside, for the fix (``"window.micro_batch()"``)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ConfigurationError(
-            f"{subject} (the mean over the micro-batch's items), got {shape}; "
-            "reduce it with .mean() or return (mean_loss, num_items)"
-        )
+        raise ConfigurationError(f"{subject} (the mean over the micro-batch's items), got {shape}; "
+                                 "reduce it with .mean() or return (mean_loss, num_items)")
     if not loss.requires_grad:
         raise ConfigurationError(
             "loss does not require grad: it was computed under torch.no_grad(), detached, or from "
             f"a model with no trainable parameter. Compute it from the model's output inside {where}, "
-            "without .detach() or .item()"
-        )
+            "without .detach() or .item()")
     return loss
 
 

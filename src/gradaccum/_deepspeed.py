@@ -2,35 +2,23 @@
 :class:`~gradaccum._seam.GradSync`, which :func:`gradaccum.sync.sync_for` builds for an engine): the
 engine owns the reduction, the optimizer, clipping and its scheduler; gradaccum owns the window.
 
-A ``deepspeed.initialize`` engine built with ``"managed_gradient_accumulation": false`` lets its caller
-own the boundary: ``engine.backward`` only accumulates (ZeRO-2/3 reduce-scatter each backward into the
-partitions, ZeRO-0/1 keep ``.grad``), and every ``engine.step()`` finalises the window and steps once.
-The weights are the data-parallel ones (see :mod:`gradaccum._maths`): the window's global item count N
-is counted before the first backward (one all-gather when the window opens) and every micro-batch
-backpropagates ``n_k * W / N`` times its mean loss, ``engine.backward(loss, scale_wrt_gas=False)``,
-because DeepSpeed *averages* over the W ranks of its data-parallel group (``average_tensor`` in stage
-1/2, the pre-divide of stage 3's reduce-scatter)::
+An engine built with ``"managed_gradient_accumulation": false`` lets its caller own the boundary:
+``engine.backward`` only accumulates and every ``engine.step()`` steps once. The window's global N is
+counted before the first backward, and each micro-batch backpropagates ``n_k * W / N`` times its mean
+loss (``scale_wrt_gas=False``), because DeepSpeed *averages* over its W data-parallel ranks::
 
     engine gradient = (1 / W) * sum_ranks sum_k n_k * W / N * grad L_k  =  grad L
 
-So the boundary scale is 1: the gradient inside the engine is already the window's, and the engine's
-own clipping (``"gradient_clipping"`` in its config) and norm (``engine.get_global_grad_norm()``, the
-``StepResult.grad_norm``) see the true window gradient, once. A window with no item is skipped by not
-calling ``engine.step()``: every backward of it weighed 0, so the engine's accumulated gradient is
-still zero. ZeRO-2/3 communicate in every backward (and ZeRO-3 in every forward), so every rank runs
-as many micro-batches as the busiest, padding with zero-weight ones (:mod:`gradaccum._ranks`).
-
-Refused with the fix: an engine that manages accumulation itself (its config lacks the key above, or
-a DeepSpeed too old to have it), the pipeline engine, DeepCompile, and the Accumulator arguments the
-engine owns (``max_grad_norm``, ``scheduler``, ``precision``, an ``accum_dtype``).
+So the boundary scale is 1, and the engine's own clipping and norm (``StepResult.grad_norm``) see the
+window's gradient. A window with no item skips ``engine.step()`` (its gradient is still zero); every
+rank runs as many micro-batches as the busiest (ZeRO-2/3 communicate in every backward).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +31,7 @@ __all__ = ["DeepSpeedSync", "deepspeed_engine", "check_engine_arguments", "engin
 #: the DeepSpeed release gradaccum is tested with (it has the caller-owned boundary; older ones may not)
 WORKS_WITH = "0.19.8"
 
+
 def deepspeed_engine(model: Any) -> Any:
     """``model`` itself when it is a ``deepspeed.initialize`` engine (DeepSpeed imported), else None."""
     engine_type = loaded_type(("deepspeed.runtime.engine", "deepspeed"), "DeepSpeedEngine")
@@ -52,14 +41,14 @@ def deepspeed_engine(model: Any) -> Any:
 def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_grad_norm: Any, precision: str,
                            accum_dtype: Any) -> Any:
     """The engine's optimizer, after every check of the engine and of the Accumulator's arguments that
-    the engine owns. Nothing is changed before this returns."""
+    the engine owns (its pipeline engine, DeepCompile, an engine that manages accumulation: refused)."""
     pipe = loaded_type(("deepspeed.runtime.pipe.engine",), "PipelineEngine")
     if pipe is not None and isinstance(engine, pipe):
         raise ConfigurationError(
             "the DeepSpeed PipelineEngine schedules its own micro-batches (engine.train_batch) and cannot leave the "
             "boundary to its caller (DeepSpeed refuses managed_gradient_accumulation=false there): initialize "
-            "DeepSpeed with a plain nn.Module (no PipelineModule) to accumulate exactly with the Accumulator, or split the "
-            "model into torch.distributed.pipelining stages and step their schedule with gradaccum.PipelineWindow "
+            "DeepSpeed with a plain nn.Module (no PipelineModule) to accumulate exactly with the Accumulator, or split "
+            "the model into torch.distributed.pipelining stages and step their schedule with gradaccum.PipelineWindow "
             "(gradaccum.pipeline, docs/guides/pipeline.md)")
     managed = getattr(engine, "managed_gradient_accumulation", None)
     if managed is None:
@@ -101,15 +90,9 @@ def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_g
 
 
 class DeepSpeedSync(GradSync):
-    """A ``deepspeed.initialize`` engine with a caller-owned boundary (see the module docstring).
-
-    Args:
-        engine: the engine.
-        checks_loss: the driver refuses a window whose loss is not finite before :meth:`step` (the
-            ``Accumulator``), so a step the engine then drops is a defect to raise; a driver that does
-            not (``ExactTrainer``) gets that step back as a skipped window, as the ``Accumulator``'s
-            ``nonfinite="skip"`` skips a window whose loss is not finite.
-    """
+    """A ``deepspeed.initialize`` engine with a caller-owned boundary. ``checks_loss``: the driver refuses
+    a window whose loss is not finite before :meth:`step` (the ``Accumulator``), so a step the engine then
+    drops is a defect to raise; a driver that does not (``ExactTrainer``) gets it back as a skipped window."""
 
     shares_windows = reduces_across_ranks = allows_empty_share = True
     can_reduce_later = False
@@ -128,21 +111,14 @@ class DeepSpeedSync(GradSync):
     def group_size(self) -> int:
         return self._size
 
-    def micro_batch(self, *, last: bool) -> ContextManager[Any]:
-        """Nothing to switch: with a caller-owned boundary ``engine.backward`` never steps."""
-        return contextlib.nullcontext()
-
     def backward(self, loss: torch.Tensor) -> None:
         """``engine.backward(loss, scale_wrt_gas=False)``: the weight is gradaccum's, not ``1 / gas``."""
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self, optimizer: Any, precision: Any) -> Optional[float]:
-        """``engine.step()``: finalise the window's gradient, clip (the config's ``gradient_clipping``),
-        step the optimizer and the engine's scheduler. Returns the window gradient's norm as the engine
-        measured it (before clipping), or None where it measures none; inf where the engine found the
-        gradient not finite and took no step, its gradient dropped (the driver counts the window skipped):
-        an fp16 loss scale that overflowed and backed off, or, for a driver that does not check the loss
-        (``checks_loss=False``), any dtype's. A step applied on a non-finite gradient always raises."""
+        """``engine.step()`` (clip, step the optimizer and the engine's scheduler): the window gradient's
+        norm as the engine measured it, or None; inf where the engine took no step on a gradient not finite
+        (an fp16 overflow, or any dtype's with ``checks_loss=False``). A step on a non-finite gradient raises."""
         self.engine.step()
         if not self.engine.was_step_applied():
             if self.engine.fp16_enabled() or not self.checks_loss:
@@ -164,9 +140,6 @@ class DeepSpeedSync(GradSync):
                 f"parameters may now hold inf or nan: restore the last checkpoint ({resume}), and set {clip} or lower "
                 "the learning rate. The window is not counted as a step")
         return norm
-
-    def reduce_gradients_(self, grads: Any) -> None:
-        raise NotImplementedError("DeepSpeed reduces gradients only inside engine.backward / engine.step")
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         """DeepSpeed sums the window in ``data_types.grad_accum_dtype`` (default: the model's dtype) and, under

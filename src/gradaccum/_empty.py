@@ -1,11 +1,10 @@
-"""The guard of a micro-batch of 0 items, the same in every driver (the ``Accumulator``'s window, Lightning's
-callback, the Trainer drivers).
+"""The guard of a micro-batch of 0 items, the same in every driver.
 
 A micro-batch of 0 items weighs ``0 / N``, but its mean ``sum / count`` divides by 0: the loss is nan, and
 its graph turns the incoming 0 into ``0 / 0 = nan`` whatever weight multiplies the loss. So the mean is
 cleaned to 0 (:func:`clean_mean`), and the backward runs under :func:`weighing_nothing`, which replaces what it
-brings each parameter by 0, or is skipped where it runs no collective. A count on an accelerator is compared
-on the device (:func:`may_be_empty`): no host synchronisation per micro-batch.
+brings each parameter by 0 (its exact contribution, ``0 * grad L_k``), or is skipped where it runs no
+collective. A count on an accelerator is compared on the device: no host synchronisation per micro-batch.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ __all__ = ["may_be_empty", "host_count", "weighing_nothing", "graph_leaves", "cl
 
 
 def may_be_empty(num_items: Count) -> Union[None, bool, torch.Tensor]:
-    """Whether a micro-batch of ``num_items`` holds no item, as far as the host can tell without waiting
-    for a device: None for a count it reads as > 0 (nothing to guard), True for 0, and for an
-    accelerator's tensor count a 0-d bool compared on the device (no host sync), for
-    :func:`weighing_nothing`. Every driver's guard of a micro-batch of 0 items starts here."""
+    """Whether a micro-batch of ``num_items`` holds no item, without waiting for a device: None for a count
+    read as > 0 (nothing to guard), True for 0, a 0-d bool on the device for an accelerator's tensor."""
     n = host_count(num_items)
     if isinstance(n, torch.Tensor):
         return n.reshape(()) == 0
@@ -42,13 +39,7 @@ def host_count(num_items: Count) -> Count:
 @contextlib.contextmanager
 def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Tensor]) -> Iterator[None]:
     """Inside: a backward adds exactly nothing to the parameters' gradients where ``empty`` (True, or a 0-d
-    bool tensor compared on the device: no host sync).
-
-    A micro-batch of 0 items weighs ``0 / N``, but a mean ``sum / count`` divides by 0: its graph turns the
-    incoming 0 into ``0 / 0 = nan``, which no weight on the loss can clean. Each parameter's hook runs before
-    its gradient is accumulated (and before DDP reduces it), and replaces what this backward brings by 0:
-    the micro-batch's exact contribution, ``0 * grad L_k``. Where ``empty`` is False it passes the gradient on
-    unchanged."""
+    bool tensor), by a hook on each parameter, which runs before its gradient is accumulated (and reduced)."""
     handles = [p.register_hook(_nothing_but(empty)) for p in params if p.requires_grad]
     try:
         yield
@@ -80,7 +71,7 @@ def _nothing_but(empty: Union[bool, torch.Tensor]) -> Callable[[torch.Tensor], t
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if empty is True:
             return torch.zeros_like(grad)
-        flag = empty if empty.device == grad.device else empty.to(grad.device, non_blocking=True)  # type: ignore[union-attr]
+        flag = empty.to(grad.device, non_blocking=True)  # type: ignore[union-attr]  # a no-op on its own device
         return torch.where(flag, 0.0, grad)
     return hook
 

@@ -33,20 +33,11 @@ class RandomState:
 
 
 class Replay:
-    """One window's replay, in the order a driver calls it:
-
-    1. pass 1: :meth:`save` before each micro-batch's first forward, :meth:`saved_all` after the last;
-    2. pass 2: :meth:`replay` ``k`` before micro-batch k's second forward, :meth:`compare` what it gave
-       with what the first gave (on the device: no host synchronisation per micro-batch);
-    3. :meth:`check`, on every rank alike: :class:`~gradaccum.ReplayError` where a forward differed;
-    4. :meth:`finish`: the random state as pass 1 left it.
-
-    Args:
-        device: where the random states and the comparison's flag live.
-        sync: the distributed seam, whose ``any_rank`` makes every rank refuse alike.
-        who, what: who ran the forward and what differed, for the refusal.
-        rtol: how far a second forward may be from the first, relative (0: exactly equal).
-    """
+    """One window's replay, in the order a driver calls it: :meth:`save` before each micro-batch's first
+    forward and :meth:`saved_all` after the last; :meth:`replay` ``k`` before its second forward and
+    :meth:`compare` (on the device); :meth:`check` on every rank alike (through ``sync``); :meth:`finish`.
+    ``who`` and ``what`` name the forward and what differed in the refusal; ``rtol`` how far a second
+    forward may be from the first (0: exactly equal)."""
 
     def __init__(self, device: torch.device, sync: Any, who: str, what: str, *, rtol: float = 0.0) -> None:
         self.device, self.sync, self.who, self.what, self.rtol = device, sync, who, what, rtol

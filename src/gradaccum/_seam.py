@@ -1,12 +1,7 @@
 """The distributed seam's interface: :class:`GradSync`, what every backend answers, with the local
-answers as its defaults and the collectives every backend shares (the window's small all-reduces and
-all-gathers over its ``group``); the rank helpers the command line uses.
-
-The backends subclass it: DDP and FSDP2 in :mod:`gradaccum.sync`, DeepSpeed in
-:mod:`gradaccum._deepspeed`; :func:`gradaccum.sync.sync_for`, the seam's one factory, picks one. This
-module imports no backend, so each backend's module imports it and the factory imports them all,
-without a cycle. This module and :mod:`gradaccum.sync` are the library's only modules importing
-``torch.distributed``.
+answers as its defaults and the collectives every backend shares; the rank helpers the command line
+uses. It imports no backend (:mod:`gradaccum.sync`, :mod:`gradaccum._deepspeed`), so that they import it
+without a cycle. With :mod:`gradaccum.sync` the library's only module importing ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -31,9 +26,8 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def loaded_type(modules: Sequence[str], name: str) -> Any:
-    """``name`` from the first of ``modules`` already imported, else None. A model can only have
-    been wrapped by a class whose module was imported, and importing FSDP here would cost every
-    user about a second."""
+    """``name`` from the first of ``modules`` already imported, else None (a model can only have been
+    wrapped by a class whose module was imported; importing FSDP would cost every user a second)."""
     for module_name in modules:
         module = sys.modules.get(module_name)
         if module is not None and hasattr(module, name):
@@ -84,25 +78,22 @@ class GradSync:
 
     #: the backward reduction divides the gradient sum by this many ranks
     grad_divisor: float = 1.0
-    #: several ranks train each window together: their counts are summed and they agree on the window
-    #: (the rank agreement, :mod:`gradaccum._ranks`, asks this; other modules ask the two questions
-    #: below). False on one process, and on several under ``data_parallel="none"`` (each rank alone).
-    #: A question about the window's *counts*; :attr:`reduces_across_ranks` is one about its *gradient*.
-    #: Both wrappers here do both; a sync that summed counts but reduced gradients itself would not
+    #: several ranks train each window together: their *counts* are summed and they agree on the window
+    #: (False on one process, and on several under ``data_parallel="none"``)
     shares_windows: bool = False
-    #: the last micro-batch's backward reduces the window's gradient across ranks (DDP, FSDP2): its
-    #: ``micro_batch()`` switches the wrapper's sync, the boundary's all-reduce can start before that
-    #: backward, and an out-of-memory agreement must come before it
+    #: the last micro-batch's backward reduces the window's *gradient* across ranks (DDP, FSDP2): the
+    #: boundary's all-reduce can start before that backward, and an out-of-memory agreement must come before it
     reduces_across_ranks: bool = False
     #: a rank may hold no micro-batch in a window its peers have data for (it runs zero-weight padding)
     allows_empty_share: bool = False
-    #: whether reduce_gradients_ works (after backward passes that all skipped their reduction)
+    #: whether reduce_gradients_ works (after backward passes that all skipped their reduction); False:
+    #: the wrapper reduces only inside its backward (FSDP2, DeepSpeed), and nothing calls it
     can_reduce_later: bool = True
-    #: whether every rank must run the same number of micro-batches per window (a collective in
-    #: every forward or every backward)
+    #: whether every rank must run the same number of micro-batches per window (a collective in every
+    #: forward or every backward)
     needs_equal_counts: bool = False
-    #: whether the wrapper runs collectives in a window's first forward (DDP's buffer broadcast and
-    #: bucket rebuild), so every rank must reach that forward
+    #: whether the wrapper runs collectives in a window's first forward (DDP's buffer broadcast), which
+    #: every rank must then reach
     collectives_in_forward: bool = False
     #: whether every rank holds the whole reduced gradient (DDP), so replicas can be compared
     replicated_grads: bool = False
@@ -144,10 +135,9 @@ class GradSync:
 
     def folds_outside_gradients(self) -> bool:
         """Whether a gradient computed outside the model's forward, the same on every rank (a
-        :class:`~gradaccum.WindowLoss`'s own parameters), rides in the backward that reduces, rather
-        than being put in ``.grad`` before any backward. It rides there except under
-        ``DistributedDataParallel(find_unused_parameters=True)``, whose reducer marks a parameter the
-        forward did not use as ready before that backward (and refuses it there), and reads its ``.grad``."""
+        :class:`~gradaccum.WindowLoss`'s own parameters), rides in the backward that reduces rather than
+        in ``.grad`` before any backward: not under ``DistributedDataParallel(find_unused_parameters=True)``,
+        whose reducer reads the ``.grad`` of a parameter the forward did not use."""
         return True
 
     def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -156,17 +146,14 @@ class GradSync:
         return None
 
     def any_rank(self, flag: bool, device: torch.device) -> bool:
-        """True on every rank when ``flag`` is True on any (one max all-reduce of a tensor on ``device``
-        and one host sync across ranks; the flag itself on one process)."""
-        if not self.shares_windows:
-            return flag
-        return bool(self.all_reduce_(torch.tensor([1.0 if flag else 0.0], device=device), "max").item())
+        """True on every rank when ``flag`` is True on any (one all-reduce on ``device``, one host sync)."""
+        return flag if not self.shares_windows else self.min_across(not flag, device) == 0
 
     def min_across(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` of any rank, on every rank (``value`` itself on one process)."""
         if not self.shares_windows:
             return value
-        return int(self.all_reduce_(torch.tensor([value], device=device), "min").item())
+        return int(self.all_reduce_(torch.tensor([int(value)], device=device), "min").item())
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
         """Start an in-place sum all-reduce and return its work handle (``.wait()``), or None locally."""
@@ -183,12 +170,9 @@ class GradSync:
         return torch.stack(parts)
 
     def gather_items(self, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], int]:
-        """Every rank's ``tensors`` (which share their leading dimension: this rank's items) joined along
-        dim 0 in rank order, and where this rank's items start in them. Each rank may hold any number of
-        items, none included: one all-gather of the counts, then one per tensor, padded to the most
-        items. On one process, the tensors themselves. Nothing is differentiable: this is data. The
-        first all-gather also carries each rank's layout (how many tensors, their shapes past dim 0 and
-        dtypes): ranks whose layouts differ would send mismatched all-gathers, so every rank refuses alike."""
+        """Every rank's ``tensors`` (their leading dimension: this rank's items, any number) joined along dim
+        0 in rank order, not differentiable, and where this rank's items start: one all-gather of the counts
+        and layouts (ranks whose layouts differ refuse alike), then one per tensor, padded to the most items."""
         if not self.shares_windows:
             return list(tensors), 0
         n = tensors[0].shape[0]
@@ -206,9 +190,7 @@ class GradSync:
             sent = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool all-gather
             padded = sent.new_zeros((most, *t.shape[1:]))
             padded[:n] = sent
-            parts = [torch.empty_like(padded) for _ in range(self.group_size)]
-            dist.all_gather(parts, padded, group=self.group)
-            whole = torch.cat([part[:c] for part, c in zip(parts, counts)])
+            whole = torch.cat([part[:c] for part, c in zip(self.all_gather(padded), counts)])
             joined.append(whole.to(torch.bool) if t.dtype == torch.bool else whole)
         return joined, sum(counts[:dist.get_rank(self.group)])
 

@@ -1,25 +1,12 @@
 """``Accumulator.train``: a loader's micro-batches -> windows -> one step each, epoch after epoch.
 
-Windows come from the loader's :class:`~gradaccum.WindowSampler` (it knows where every global window
-ends and which micro-batches are this rank's) or from ``accum_steps`` consecutive micro-batches.
-``epochs=E`` trains E epochs from where training stands: the sampler's position (a finished epoch
-moves on to the next; a resumed one is finished first), else the epoch counter, so calling ``train``
-once per epoch trains one new epoch each time (and tells the sampler which). ``acc.epoch`` counts the
-finished epochs (saved in ``acc.state_dict()``): a run of E epochs resumed from a checkpoint goes on
-with ``epochs=E - acc.epoch``, which is 0 for a finished run: then nothing is trained.
-
-Over a WindowSampler no rank asks anything: every rank knows every share. Nor over a loader whose
-``DistributedSampler`` gives every rank as many batches (:meth:`gradaccum._ranks.RankAgreement.equal_shares`, confirmed once per
-epoch; the items are summed at the boundary). Over another loader,
-whose ranks may run out at different windows, the ranks agree at every window (one small
-all-gather; under ``micro_batch_size="auto"`` the back-off asks once more): while any rank has
-micro-batches left, every rank opens the window, a rank whose data ran out
-repeating its last micro-batch with zero weight and so contributing no items. Every rank takes the
-same steps and each step is exact on the items that exist; when no rank has any left, the epoch ends
-on all of them together.
-
-Every window runs through :func:`gradaccum._run.run_window`, the entry point ``Accumulator.step``
-uses; with ``micro_batch_size="auto"`` through the same out-of-memory back-off as ``step``.
+Windows come from the loader's :class:`~gradaccum.WindowSampler` (which knows every rank's share: no
+rank asks anything) or from ``accum_steps`` consecutive micro-batches. ``epochs=E`` trains E epochs
+from where training stands (the sampler's position, else ``acc.epoch``, the finished epochs a
+checkpoint saves). Over a loader whose ranks may run out at different windows the ranks agree at
+every window (one small all-gather, unless a ``DistributedSampler`` gives every rank as many batches):
+a rank whose data ran out pads with zero weight, and the epoch ends when no rank has any left. Every
+window runs through :func:`gradaccum._run.run_window` (or ``run_auto``), as ``Accumulator.step``'s.
 """
 
 from __future__ import annotations
@@ -28,15 +15,13 @@ from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any, Iterable, Iterator, List, Optional
 
-
 from ._autosize import AutoMicroBatch
 from ._checks import ROWS, non_negative_int
 from ._maths import ceil_div
 from ._ranks import Plan
 from ._run import LossFn, run_auto, run_window
-from .batching import CountFn, Counts, count_items
 from ._window import Parts
-from .batching import Batch, concat_batches, slice_batch
+from .batching import Batch, CountFn, Counts, concat_batches, count_items, slice_batch
 from .result import StepResult
 from .sampler import WindowSampler
 from .schedule import AccumSchedule, AccumSteps
@@ -72,8 +57,7 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
                 f"the loader's WindowSampler is wrapped in a {type(batch_sampler).__name__}, which shards "
                 "it again (accelerator.prepare does this), so each rank would see only part of its share: "
                 "the WindowSampler already gives every rank its share, so do not pass this DataLoader to "
-                "accelerator.prepare; move each micro-batch to the device in loss_fn instead"
-            )
+                "accelerator.prepare; move each micro-batch to the device in loss_fn instead")
     return None
 
 
@@ -86,8 +70,7 @@ def train_windows(ctx: Parts, loader: Iterable[Batch], spec: TrainSpec) -> Itera
         if spec.accum_steps is not None:
             raise ConfigurationError(
                 f"accum_steps={spec.accum_steps!r} was given, but the loader's WindowSampler already cuts the "
-                "epoch into windows of global_batch_size items: drop accum_steps"
-            )
+                "epoch into windows of global_batch_size items: drop accum_steps")
         if spec.drop_last:
             raise ConfigurationError("drop_last=True was given, but the loader's WindowSampler decides about the "
                              "short last window: construct it with WindowSampler(..., drop_last=True)")
@@ -100,8 +83,8 @@ def train_windows(ctx: Parts, loader: Iterable[Batch], spec: TrainSpec) -> Itera
 
 def _step(ctx: Parts, pending: List[Batch], spec: TrainSpec, *, counts: Optional[Counts] = None,
           plan: Optional[Plan] = None) -> StepResult:
-    """One window: through the out-of-memory back-off under "auto", else as it comes (``counts``, when
-    the caller counted already, and the ``plan`` the ranks agreed on or know)."""
+    """One window: through the out-of-memory back-off under "auto", else as it comes (with the
+    ``counts`` and the ``plan`` the caller has)."""
     if spec.auto is not None:
         if pending:
             batch = concat_batches(pending)
@@ -170,7 +153,8 @@ def _sampler_windows(ctx: Parts, loader: Iterable[Batch], sampler: WindowSampler
                 m = sampler.micro_batch_size
                 shares = sampler.shares(first + offset)
                 rows = spec.num_items in (None, ROWS)  # then the sampler's shares are the items counted
-                plan = ctx.ranks.known_plan(size, [ceil_div(s, m) for s in shares], float(sum(shares)) if rows else None)
+                plan = ctx.ranks.known_plan(size, [ceil_div(s, m) for s in shares],
+                                            float(sum(shares)) if rows else None)
                 result = _step(ctx, pending, spec, plan=plan)
             else:
                 result = _step(ctx, pending, spec)

@@ -14,29 +14,18 @@ differentiated, the gradient splits over micro-batches once the window's counts 
 
     grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
 
-The exact method, :class:`MoELoss` (``mode="exact"``), in the order a window runs. Its one home is
-:class:`Routing` (open, replay and part per micro-batch, check, finish), which the Accumulator
+The exact method, :class:`MoELoss` (``mode="exact"``), is :class:`Routing`, which the Accumulator
 (:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.TrainerBalance`) drive:
-
-1. Pass 1, without a graph (``route``: the trunk alone where it can): each micro-batch's forward, only
-   to count: ``C_k`` (E numbers, pooled over the layers), its rows ``T_k`` and its loss items ``n_k``;
-   the random state saved before each. Under FSDP2 (every forward all-gathers the shards) every rank
-   runs as many as the busiest.
-2. One all-gather of every rank's ``(C, T, N, micro-batches)`` before the window opens: it opens
-   knowing its global N (so R = N: each backward weighs ``n_k / N`` exactly, as the big batch does,
-   float32 islands included) and its plan.
-3. Pass 2: each micro-batch's forward again from its saved random state (router jitter, dropout: it
-   routes as pass 1 did, which is checked on every rank before the last backward), backpropagating its
-   token loss plus ``coef * N / n_k * balance_loss_part(S_k, C, T, T)`` as a mean over its ``n_k`` items
-   (the core's weight ``n_k / N`` leaves ``coef * balance_loss_part``).
+a counting pass without a graph (``C_k``, ``T_k``, ``n_k``, the random state saved before each
+micro-batch), one all-gather of every rank's counts before the window opens (so R = N), then each
+micro-batch's forward replayed (routing as it was counted, checked before the last backward),
+backpropagating its token loss plus ``coef * N / n_k * balance_loss_part(S_k, C, T, T)`` as a mean over
+its ``n_k`` items (the core's weight ``n_k / N`` leaves ``coef * balance_loss_part``).
 
 The cheaper modes run no pass 1 and no collective of their own, each measured against the big batch
 in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the
 window's items, so the objective does not change with the accumulation steps or the world size) and
 ``"prefix"`` (expert fractions from this rank's micro-batches so far, Megatron's running average).
-
-Each micro-batch's two forwards are one :class:`gradaccum._random.Replay` (what a Hugging Face model's
-config and router give: :mod:`gradaccum.integrations.hf_router`).
 """
 from __future__ import annotations
 
@@ -55,8 +44,7 @@ from ._window import Window
 from .errors import ConfigurationError, NotExactError
 from .sync import GradSync
 
-__all__ = ["MoEOutput", "MoELoss", "MODES", "Routing", "counts_on_every_rank", "run_moe_window",
-           "check_moe_loss"]
+__all__ = ["MoEOutput", "MoELoss", "MODES", "Routing", "run_moe_window", "check_moe_loss"]
 
 #: how the load-balancing term is computed under accumulation (see the module docstring)
 MODES = ("exact", "micro_batch", "prefix")
@@ -125,7 +113,8 @@ class MoELoss:
     def __init__(self, forward: Callable[[nn.Module, Any], MoEOutput], *, num_experts: int, top_k: int, coef: float,
                  mode: str = "exact", route: Optional[Callable[[nn.Module, Any], MoEOutput]] = None) -> None:
         if not callable(forward):
-            raise TypeError(f"MoELoss(forward={forward!r}) must be callable as forward(model, micro_batch) -> MoEOutput")
+            raise TypeError(f"MoELoss(forward={forward!r}) must be callable as forward(model, micro_batch) -> "
+                            "MoEOutput")
         if mode not in MODES:
             raise ConfigurationError(f"MoELoss(mode={mode!r}): supported are {MODES} ('exact' is the big batch)")
         if not (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts):
@@ -134,7 +123,8 @@ class MoELoss:
         if isinstance(coef, bool) or not isinstance(coef, numbers.Real) or not math.isfinite(coef) or coef < 0:
             raise ConfigurationError(f"MoELoss(coef={coef!r}): coef is the load-balancing weight (transformers' "
                                      "router_aux_loss_coef), a finite number >= 0, e.g. coef=0.02")
-        self.forward, self.num_experts, self.top_k, self.coef, self.mode = forward, num_experts, top_k, float(coef), mode
+        self.forward, self.num_experts, self.top_k, self.mode = forward, num_experts, top_k, mode
+        self.coef = float(coef)
         self.route = route if route is not None else forward
 
     def __repr__(self) -> str:
@@ -142,8 +132,7 @@ class MoELoss:
                 f"coef={self.coef}, mode={self.mode!r})")
 
     def __call__(self, model: nn.Module, micro_batch: Any) -> Any:
-        """An MoELoss is a loss over the window: a caller that runs it one micro-batch at a time, not
-        through ``acc.step`` / ``acc.train``, would train another objective; refused."""
+        """Refused: run one micro-batch at a time, an MoELoss would train another objective."""
         raise NotExactError("MoELoss was called as a loss_fn on one micro-batch; its load-balancing term is over the "
                             "whole window, so pass it to acc.step(...) or acc.train(...), which run the window")
 
@@ -210,14 +199,12 @@ def _checked(out: Any) -> MoEOutput:
 
 
 def _statistics(out: MoEOutput, term: Any, who: str) -> Any:
-    """``router_statistics`` of a forward's output, after :func:`_check_routing`."""
     _check_routing(out, term, who)
     return router_statistics(list(out.router_logits), term.top_k, out.token_mask)
 
 
 def _check_routing(out: MoEOutput, term: Any, who: str) -> None:
-    """The checks every mode makes alike: router logits there are, and each layer's have
-    ``term.num_experts`` experts."""
+    """The checks every mode makes alike: router logits, each layer's of ``term.num_experts`` experts."""
     logits = list(out.router_logits) if out.router_logits is not None else []
     if not logits:
         raise ConfigurationError(
@@ -242,44 +229,11 @@ def check_moe_loss(moe: MoELoss, num_items: Any, micro_batch_size: Any) -> None:
                                  "micro_batch_size")
 
 
-def require_router_grad(router_logits: Sequence[torch.Tensor], where: str) -> None:
-    """In a forward that builds a graph, every layer's router logits must be in it: a detached copy,
-    or a reentrant activation checkpoint (which runs the forward without a graph first), would drop
-    the load-balancing gradient silently."""
-    if torch.is_grad_enabled() and not all(t.requires_grad for t in router_logits):
-        raise NotExactError(f"{where}: the router logits of a training forward do not require grad, so the "
-                            "load-balancing term would add no gradient: do not detach them, and use non-reentrant "
-                            "activation checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False})")
-
-
-def counts_on_every_rank(sync: GradSync) -> bool:
-    """Whether every forward is a collective (FSDP2 all-gathers the shards in each), so that the
-    counting pass runs the whole model on every rank, as many times as the busiest rank; else it runs
-    the unwrapped module (the trunk where it can), which runs no collective."""
-    return sync.sharded_grads
-
-
 class Routing(Replay):
-    """One window's load balancing, step by step: the one implementation that every driver calls
-    (the Accumulator's :func:`run_moe_window`, ExactTrainer's
-    :class:`~gradaccum.integrations.hf_moe.TrainerBalance`), in the order a window runs:
-
-    1. :meth:`open`: pass 1 without a graph, each micro-batch's expert counts ``C_k`` and rows ``T_k``
-       (and its loss items ``n_k`` where the driver counts them there), its random state saved before
-       it; then one all-gather of every rank's ``(C, T, N, itemless, micro-batches)``, before any
-       backward: the window's ``C`` and ``T``.
-    2. :meth:`replay` then :meth:`part` per micro-batch: its forward from its saved random state, and its
-       part ``balance_loss_part(S_k, C, T, T)`` of the window's load-balancing loss (the parts of every
-       micro-batch on every rank sum to ``LBL``; the driver weighs it by ``coef`` and its own weight).
-    3. :meth:`check` before the window's last backward, on every rank: the training forwards routed as
-       they were counted (:func:`gradaccum.errors.replay_differs` where one did not).
-    4. :meth:`finish` after the window: the random state as pass 1 left it (the window drew once).
-
-    The replay is a :class:`~gradaccum._random.Replay` compared exactly, in every window: the counts
-    are integers, so any difference is a token routed to another expert, which changes ``C`` for the
-    whole window; a comparison is E numbers per micro-batch, and a near-tie in the router's top-k can
-    flip in any window under non-deterministic kernels (a :class:`~gradaccum.WindowLoss` compares its
-    float representations once, to rounding).
+    """One window's load balancing, which every driver calls in the order a window runs
+    (docs/architecture.md): :meth:`open` (count and agree), :meth:`replay` then :meth:`part` per
+    micro-batch, :meth:`check` before the last backward, :meth:`finish`. The replay is compared exactly,
+    in every window: the counts are integers, and a near-tie in the router's top-k can flip in any window.
 
     Attributes (after :meth:`open`): ``term`` (E, top-k and coef: the :class:`MoELoss`, or a config's
     ``RouterBalance``), ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``, every rank's;
@@ -298,22 +252,12 @@ class Routing(Replay):
     def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
              forward: Callable[[Any], MoEOutput], sync: GradSync, device: torch.device, who: str,
              padding: Sequence[Any] = (), autocast: Optional[Callable[[], Any]] = None) -> "Routing":
-        """Count the window and agree the counts across the ranks.
-
-        Args:
-            term: E, top-k and coef.
-            micro_batches: this rank's micro-batches.
-            route: ``route(micro_batch) -> MoEOutput`` without collectives (the unwrapped trunk);
-                forward: the whole model's, run instead where every forward is a collective
-                (:func:`counts_on_every_rank`). ``num_items`` None: the driver counts items itself.
-            sync: the distributed seam (its ``all_gather`` and ``any_rank``).
-            who: who runs the window, for the refusals (``"MoELoss"``, ``"ExactTrainer"``).
-            padding: batches to run first, counting nothing (FSDP2: a rank with fewer micro-batches
-                runs as many forwards as the busiest).
-            autocast: the context the training forwards run under (the same routing needs the same dtype).
-        """
+        """Count this rank's micro-batches with ``route`` (no collectives: the unwrapped trunk), or with
+        ``forward`` where every forward is a collective (FSDP2), after the ``padding`` batches (counting
+        nothing), under the training forwards' ``autocast``; then agree the counts across the ranks.
+        ``num_items`` None: the driver counts items itself. ``who`` names the driver in the refusals."""
         routing = cls(term, sync, device, who)
-        sharded = counts_on_every_rank(sync)
+        sharded = sync.sharded_grads
         run = forward if sharded else route
         totals = torch.zeros(term.num_experts + 3, dtype=torch.float64, device=device)
         # under FSDP2 no_grad (inference tensors must not reach its unsharded parameters)
@@ -347,7 +291,11 @@ class Routing(Replay):
         """``balance_loss_part(S_k, C, T, T)``: micro-batch k's part of the window's load-balancing loss
         (without ``coef``), from its training forward's (differentiable) router logits; its counts are
         kept for :meth:`check`."""
-        require_router_grad(router_logits, self.who)
+        if torch.is_grad_enabled() and not all(t.requires_grad for t in router_logits):  # a detached copy, or a
+            raise NotExactError(  # reentrant checkpoint, would drop the load-balancing gradient silently
+                f"{self.who}: the router logits of a training forward do not require grad, so the load-balancing "
+                "term would add no gradient: do not detach them, and use non-reentrant activation checkpointing "
+                "(gradient_checkpointing_kwargs={'use_reentrant': False})")
         c, s, _ = _statistics(MoEOutput(None, None, router_logits, token_mask), self.term, self.who)
         self.compare([c], [self.first[k]])
         return balance_loss_part(s, self.counts, self.rows, self.rows)
@@ -364,9 +312,8 @@ class Routing(Replay):
 
 def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any, *, micro_batch_size: Any = None,
                    catch_oom: bool = False, plan: Any = None) -> Any:
-    """One window of an :class:`MoELoss` in mode ``"exact"`` (the dispatch of
-    :func:`gradaccum._run.run_window`, which runs the cheaper modes as a ``(mean, count)`` ``loss_fn``):
-    the Accumulator's driver of :class:`Routing`, in the module docstring's order."""
+    """One window of an :class:`MoELoss` in mode ``"exact"``: the Accumulator's driver of :class:`Routing`
+    (:func:`gradaccum._run.run_window` runs the cheaper modes as a ``(mean, count)`` ``loss_fn``)."""
     assert not catch_oom, "micro_batch_size='auto' with MoELoss(mode='exact') is refused by check_moe_loss"
     ranks, own = ctx.ranks, len(micro_batches)
     if micro_batches:
@@ -400,7 +347,7 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
 def _counting_padding(ctx: Any, own: int) -> List[Any]:
     """The counting forwards this rank runs first, for nothing: under FSDP2 every forward all-gathers the
     shards, so every rank runs as many as the busiest, padding with its padding batch (zero weight)."""
-    if not counts_on_every_rank(ctx.sync):
+    if not ctx.sync.sharded_grads:
         return []
     padding = int(ctx.sync.all_gather(torch.tensor([own], device=ctx.device)).max()) - own
     if ctx.sync.any_rank(padding > 0 and ctx.state.padding_batch is None, ctx.device):

@@ -26,14 +26,10 @@ class MixedPrecision:
 
     def __init__(self, precision: str, device: torch.device) -> None:
         if precision not in PRECISIONS:
-            raise ConfigurationError(
-                f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
-            )
+            raise ConfigurationError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
         self.precision = precision
         self.device_type = device.type
-        self.scaler: Optional[torch.amp.GradScaler] = (
-            torch.amp.GradScaler(device.type) if precision == "fp16" else None
-        )
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         #: the autocast dtype, or None for fp32
         self.dtype: Optional[torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
@@ -50,12 +46,9 @@ class MixedPrecision:
                  run: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
         """``run(scale(loss))`` (``.backward()``, or the distributed seam's: DeepSpeed's ``engine.backward``),
         outside autocast when the forward ran under it (or when asked: a zero-weight padding micro-batch)."""
-        scaled = self.scale(loss)
-        if self.dtype is None and not autocast_off:
-            run(scaled)
-        else:  # the forward ran under autocast; its backward must not
-            with torch.autocast(device_type=self.device_type, enabled=False):
-                run(scaled)
+        outside = self.dtype is not None or autocast_off  # the forward ran under autocast; its backward must not
+        with torch.autocast(device_type=self.device_type, enabled=False) if outside else contextlib.nullcontext():
+            run(self.scale(loss))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the accumulated gradients by the loss scale, once per window."""
@@ -80,9 +73,8 @@ class MixedPrecision:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("precision") != self.precision:
-            raise ConfigurationError(
-                f"checkpoint was written with precision={state.get('precision')!r} but this "
-                f"Accumulator uses precision={self.precision!r}; construct it with the same precision"
-            )
+            raise ConfigurationError(f"checkpoint was written with precision={state.get('precision')!r} but this "
+                                     f"Accumulator uses precision={self.precision!r}; construct it with the same "
+                                     "precision")
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

@@ -1,21 +1,10 @@
-"""The distributed seam: :func:`sync_for`, its one factory, and its DDP and FSDP2 backends.
+"""The distributed seam: :func:`sync_for`, its one factory, and its DDP and FSDP2 backends (the
+interface and local default: :mod:`gradaccum._seam`; DeepSpeed: :mod:`gradaccum._deepspeed`).
 
-A :class:`GradSync` (its interface and local default: :mod:`gradaccum._seam`) decides, per
-micro-batch, whether the backward pass reduces gradients across ranks, and does the window's small
-collectives: the agreement when a window opens (how many micro-batches and items each rank holds) and
-the all-reduce of the item count and loss sum at its end. The local default does nothing.
-Data-parallel wrappers *average* the gradient over ``group_size`` ranks while reducing, which the
-backward weights make up for with the factor W (``grad_divisor``; the maths is in
-:mod:`gradaccum._maths`). The backends: :class:`DDPSync` and :class:`FSDP2Sync` here,
-:class:`~gradaccum._deepspeed.DeepSpeedSync` in :mod:`gradaccum._deepspeed`.
-
-The wrapper is found anywhere in the model: ``torch.compile(DDP(model))`` (``OptimizedModule``),
-Accelerate's wrappers and user modules that hold a DDP or FSDP2 module all reduce through it. A model
-that no data-parallel wrapper reduces is refused in a process group of several ranks: each rank would
-step on its own gradients and the replicas would drift apart in silence.
-
-Every switch a context flips is restored on the way out, also when an exception leaves it. This
-module and :mod:`gradaccum._seam` are the library's only modules importing ``torch.distributed``.
+The wrapper is found anywhere in the model (``torch.compile(DDP(model))``, Accelerate's wrappers, user
+modules holding one). A model that no data-parallel wrapper reduces is refused in a process group of
+several ranks: each rank would step on its own gradients and the replicas would drift apart in silence.
+Every switch a context flips is restored on the way out, also when an exception leaves it.
 """
 
 from __future__ import annotations
@@ -55,18 +44,36 @@ def _fsdp2_module_type() -> Any:
     return loaded_type(("torch.distributed.fsdp", "torch.distributed._composable.fsdp"), "FSDPModule")
 
 
-def _fsdp1_type() -> Any:
-    return loaded_type(("torch.distributed.fsdp",), "FullyShardedDataParallel")
-
-
-class DDPSync(GradSync):
-    """``DistributedDataParallel``: ``no_sync()`` around every micro-batch but the last.
-
-    DDP reads ``require_backward_grad_sync`` in *forward*, so the context covers forward and backward.
-    Every DDP module of the model (usually one) is switched.
-    """
+class _WrapperSync(GradSync):
+    """A wrapper's modules that reduce in the last micro-batch's backward (or, asked, in every one's),
+    their switch (:meth:`_skip_sync`) flipped around every other micro-batch's forward and backward."""
 
     shares_windows = reduces_across_ranks = allows_empty_share = True
+
+    def __init__(self, modules: Sequence[nn.Module], *, reduce_every_micro_batch: bool = False) -> None:
+        self.modules = list(modules)
+        self.reduce_every_micro_batch = reduce_every_micro_batch
+        self.grad_divisor = float(self.group_size)
+
+    @property
+    def group_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @contextlib.contextmanager
+    def micro_batch(self, *, last: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if not (last or self.reduce_every_micro_batch):
+                self._skip_sync(stack)
+            yield
+
+    def _skip_sync(self, stack: contextlib.ExitStack) -> None:
+        raise NotImplementedError
+
+
+class DDPSync(_WrapperSync):
+    """``DistributedDataParallel``: ``no_sync()`` around every micro-batch but the last, on every DDP module
+    of the model (DDP reads ``require_backward_grad_sync`` in *forward*)."""
+
     collectives_in_forward = True
     replicated_grads = True
 
@@ -77,34 +84,21 @@ class DDPSync(GradSync):
                     "DistributedDataParallel(static_graph=True) cannot skip the gradient reduction "
                     "between micro-batches: its graph is recorded from the first iteration, and "
                     "no_sync() iterations break it. Construct DDP with static_graph=False (the default), "
-                    "or pass reduce_every_micro_batch=True to reduce after every micro-batch."
-                )
-        self.modules = list(modules)
-        self.reduce_every_micro_batch = reduce_every_micro_batch
-        self.needs_equal_counts = reduce_every_micro_batch
-        self.group = getattr(modules[0], "process_group", None)
+                    "or pass reduce_every_micro_batch=True to reduce after every micro-batch.")
         sizes = {dist.get_world_size(getattr(m, "process_group", None)) for m in modules}
         if len(sizes) != 1:
             raise ConfigurationError(f"the model's DistributedDataParallel modules span process groups of "
                              f"different sizes {sorted(sizes)}; use one process group for data parallelism")
-        self.grad_divisor = float(self.group_size)
-
-    @property
-    def group_size(self) -> int:
-        return dist.get_world_size(self.group)
+        self.group = getattr(modules[0], "process_group", None)
+        self.needs_equal_counts = reduce_every_micro_batch
+        super().__init__(modules, reduce_every_micro_batch=reduce_every_micro_batch)
 
     def folds_outside_gradients(self) -> bool:
         return not any(getattr(ddp, "find_unused_parameters", False) for ddp in self.modules)
 
-    @contextlib.contextmanager
-    def micro_batch(self, *, last: bool) -> Iterator[None]:
-        if last or self.reduce_every_micro_batch:
-            yield
-            return
-        with contextlib.ExitStack() as stack:
-            for ddp in self.modules:
-                stack.enter_context(ddp.no_sync())  # restores require_backward_grad_sync on any exit
-            yield
+    def _skip_sync(self, stack: contextlib.ExitStack) -> None:
+        for ddp in self.modules:
+            stack.enter_context(ddp.no_sync())  # restores require_backward_grad_sync on any exit
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         if not grads:
@@ -117,7 +111,6 @@ class DDPSync(GradSync):
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         low = sorted({str(p.dtype) for p in params if p.dtype in LOW_PRECISION})
         if not low:
@@ -126,7 +119,7 @@ class DDPSync(GradSync):
                 "keep float32 parameters and run the forward under precision='bf16' (autocast) to sum it in float32")
 
 
-class FSDP2Sync(GradSync):
+class FSDP2Sync(_WrapperSync):
     """FSDP2 (``fully_shard``): ``set_requires_gradient_sync(False)`` until the last micro-batch.
 
     Skipping keeps each rank's *unsharded* gradient between micro-batches: about
@@ -136,37 +129,14 @@ class FSDP2Sync(GradSync):
     of micro-batches; ``Accumulator.step``/``train`` pad a rank that has fewer with zero-weight ones.
     """
 
-    shares_windows = reduces_across_ranks = allows_empty_share = True
     can_reduce_later = False
     needs_equal_counts = True
     sharded_grads = True
 
-    def __init__(self, modules: Sequence[nn.Module], *, reduce_every_micro_batch: bool = False) -> None:
-        self.modules = list(modules)  # the outermost fully_shard-ed modules
-        self.reduce_every_micro_batch = reduce_every_micro_batch
-        self.grad_divisor = float(self.group_size)
-
-    @property
-    def group_size(self) -> int:
-        return dist.get_world_size()
-
-    def _set_sync(self, enabled: bool) -> None:
+    def _skip_sync(self, stack: contextlib.ExitStack) -> None:
         for module in self.modules:
-            module.set_requires_gradient_sync(enabled, recurse=True)  # type: ignore[operator]
-
-    @contextlib.contextmanager
-    def micro_batch(self, *, last: bool) -> Iterator[None]:
-        if last or self.reduce_every_micro_batch:
-            yield
-            return
-        self._set_sync(False)
-        try:
-            yield
-        finally:
-            self._set_sync(True)
-
-    def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
-        raise NotImplementedError("FSDP2 reduces gradients only inside its backward pass")
+            module.set_requires_gradient_sync(False, recurse=True)  # type: ignore[operator]
+            stack.callback(module.set_requires_gradient_sync, True, recurse=True)  # type: ignore[operator]
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         """FSDP2 keeps the unsharded gradient between micro-batches in ``MixedPrecisionPolicy.reduce_dtype``
@@ -176,10 +146,8 @@ class FSDP2Sync(GradSync):
                 policy = module._get_fsdp_state()._mp_policy  # type: ignore[operator]  # torch's private state
             except Exception:  # noqa: BLE001 - a torch without it: the parameters' dtype decides alone
                 policy = None
-            param_dtype = getattr(policy, "param_dtype", None)
-            reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
-            sums_in = reduce_dtype or next((p.dtype for p in module.parameters()), None)
-            asked = getattr(policy, "reduce_dtype", None)
+            param_dtype, asked = getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None)
+            sums_in = asked or param_dtype or next((p.dtype for p in module.parameters()), None)
             if sums_in in LOW_PRECISION:
                 return (f"FSDP2 sums the window's unsharded gradient and reduce-scatters it in {sums_in} "
                         f"(MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype={asked}) "
@@ -210,30 +178,25 @@ def _outermost(modules: List[nn.Module], kind: Any) -> List[nn.Module]:
 
 
 def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_parallel: str = "auto") -> GradSync:
-    """The seam that fits ``model``: the DDP or FSDP2 module found anywhere inside it, or local.
-
-    Raises:
-        ValueError: FSDP1, DDP mixed with FSDP2, or (with ``data_parallel="auto"``) a model that no
-            data-parallel wrapper reduces while ``torch.distributed`` runs several ranks.
-    """
+    """The seam that fits ``model``: its DeepSpeed engine, the DDP or FSDP2 module found anywhere inside it,
+    or local (refused: FSDP1, DDP mixed with FSDP2, or under ``data_parallel="auto"`` a model that no
+    data-parallel wrapper reduces while ``torch.distributed`` runs several ranks)."""
     if data_parallel not in DATA_PARALLEL:
         raise ConfigurationError(f"data_parallel must be 'auto' or 'none', got {data_parallel!r}")
     if deepspeed_engine(model) is not None:
         if data_parallel == "none" or reduce_every_micro_batch:
             given = f"data_parallel={data_parallel!r}" if data_parallel == "none" else "reduce_every_micro_batch=True"
             raise ConfigurationError(
-                f"{given} "
-                "around a DeepSpeed engine: the engine reduces across its data-parallel ranks itself (ZeRO-2/3 in "
-                "every backward already); leave the default")
+                f"{given} around a DeepSpeed engine: the engine reduces across its data-parallel ranks itself "
+                "(ZeRO-2/3 in every backward already); leave the default")
         return DeepSpeedSync(model)
     modules = list(model.modules())
-    fsdp1 = _fsdp1_type()
+    fsdp1 = loaded_type(("torch.distributed.fsdp",), "FullyShardedDataParallel")
     if fsdp1 is not None and any(isinstance(m, fsdp1) for m in modules):
         raise ConfigurationError(
             "FullyShardedDataParallel (FSDP1) is not supported: its no_sync() and gradient "
             "pre/post-division differ from DDP's. Shard the model with FSDP2's fully_shard(model) "
-            "instead (torch.distributed.fsdp.fully_shard), which gradaccum supports"
-        )
+            "instead (torch.distributed.fsdp.fully_shard), which gradaccum supports")
     ddps = [m for m in modules if isinstance(m, DistributedDataParallel)]
     fsdp_type = _fsdp2_module_type()
     fsdps = [m for m in modules if fsdp_type is not None and isinstance(m, fsdp_type)]
@@ -241,8 +204,7 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
         if ddps or fsdps:
             raise ConfigurationError(
                 f"data_parallel='none' but the model holds a {'DistributedDataParallel' if ddps else 'fully_shard'} "
-                "module, which reduces gradients across ranks: leave data_parallel='auto'"
-            )
+                "module, which reduces gradients across ranks: leave data_parallel='auto'")
         return GradSync()
     if ddps and fsdps:
         raise ConfigurationError("the model holds both DistributedDataParallel and fully_shard modules; "
@@ -259,16 +221,13 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
             "on its own gradients and the replicas would drift apart. Wrap the whole model, the same on every "
             "rank (DistributedDataParallel(model) or fully_shard(model); torch.compile(ddp_model) is fine), "
             "or pass data_parallel='none' to train each rank on its own data on purpose. Where each rank holds "
-            f"a stage of a pipeline: {PIPELINE}"
-        )
+            f"a stage of a pipeline: {PIPELINE}")
     return GradSync()
-
 
 
 def sharded_stage(module: nn.Module) -> bool:
     """Whether a pipeline stage's module is in ``fully_shard`` (its replicas reduce its gradient), False for
-    a plain module. ``DistributedDataParallel`` is refused: a ``PipelineStage``'s shape inference runs a
-    backward outside ``no_sync``, and DDP's reducer then fails the first window."""
+    a plain module; ``DistributedDataParallel`` is refused."""
     if isinstance(module, DistributedDataParallel):
         raise NotExactError(
             "a stage's module is wrapped in DistributedDataParallel: a PipelineStage's shape inference runs a "
