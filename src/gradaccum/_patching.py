@@ -1,7 +1,5 @@
-"""An attribute of an object replaced for a while and put back after, also on an exception: how a
-driver serves a framework's object something else for one call (a loss its cached embeddings), for one
-fit (a LightningModule's hooks, wrapped) or for one skipped window's end (the Trainer's optimizer and
-scheduler, by stand-ins whose ``step()`` does nothing)."""
+"""An attribute of an object replaced for a while and put back after, also on an exception (a loss's
+cached embeddings for one call, a LightningModule's hooks for one fit, a skipped window's optimizer)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,9 +12,8 @@ __all__ = ["NoStep", "Swaps", "swapped"]
 
 @contextlib.contextmanager
 def swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.name = value`` for the block; after it, what was there before: the old value, or, where
-    the attribute came from the class (a method), none of the instance's own, so the class's shows
-    through again. A module's child is read from its registry, not through an attribute of the same name."""
+    """``owner.name = value`` for the block, then what was there before (an attribute that came from the
+    class is deleted, so the class's shows through). A module's child is read from its registry."""
     children = owner._modules if isinstance(owner, nn.Module) else {}
     own = name in children or name in vars(owner)
     old = children[name] if name in children else getattr(owner, name)
@@ -31,10 +28,7 @@ def swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 class Swaps:
-    """Attributes :func:`swapped` until :meth:`restore` rather than for a block: a framework's objects
-    served something else across its own calls (a LightningModule's hooks for one fit, the Trainer's
-    optimizer and scheduler while a skipped window ends). Each attribute is wrapped once; :meth:`restore`
-    puts every one back, in reverse, and may be called again."""
+    """Attributes :func:`swapped` until :meth:`restore` (which may be called again), each wrapped once."""
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
@@ -58,8 +52,7 @@ class Swaps:
 
 
 class NoStep:
-    """Stands in for an optimizer or a scheduler whose step must not happen (a skipped window's):
-    ``step()`` does nothing, everything else is the real object's."""
+    """An optimizer or scheduler whose ``step()`` does nothing; everything else is the real object's."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner

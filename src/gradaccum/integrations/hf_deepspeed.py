@@ -1,7 +1,5 @@
-"""``ExactTrainer`` under DeepSpeed (ZeRO-1/2/3): the engine owns the reduction, the optimizer and
-clipping; the Trainer's window owns the boundary (:class:`EngineWrapper` stands in for Accelerate's
-``DeepSpeedEngineWrapper``). Set-up and figures: docs/guides/deepspeed.md ("ExactTrainer with
-``deepspeed=``"); the maths is :mod:`gradaccum._deepspeed`'s.
+"""``ExactTrainer`` under DeepSpeed: the engine owns the reduction, the optimizer and clipping, the window
+the boundary (docs/guides/deepspeed.md, "ExactTrainer with ``deepspeed=``").
 """
 
 from __future__ import annotations
@@ -22,26 +20,20 @@ __all__ = ["EngineWrapper", "DeepSpeedWindows", "prepare", "step_applied"]
 
 
 class EngineWrapper:
-    """Accelerate's ``DeepSpeedEngineWrapper`` for an engine whose caller owns the boundary: each
-    micro-batch's backward and the window's step are the seam's DeepSpeed backend's
-    (:class:`~gradaccum._deepspeed.DeepSpeedSync`), as under the ``Accumulator``; the Trainer checks no
-    loss, so a step the engine drops on a gradient that is not finite is a skipped window."""
+    """Accelerate's ``DeepSpeedEngineWrapper`` for an engine whose caller owns the boundary: backward and
+    step through :class:`~gradaccum._deepspeed.DeepSpeedSync`, as under the ``Accumulator``."""
 
     def __init__(self, engine: Any, steps: Callable[[], bool]) -> None:
         self.engine, self.steps = engine, steps
         self.sync = DeepSpeedSync(engine, checks_loss=False)
-        #: the last window's gradient norm as the engine measured it (inf: the gradient was not finite and
-        #: the engine took no step; None: it measured none, or no window stepped yet)
         self.norm: Optional[float] = None
 
     @property
     def applied(self) -> bool:
-        """The engine applied the last window's step (False: it found the gradient not finite and dropped it)."""
+        """The engine applied the last window's step (False: its norm was not finite)."""
         return self.norm is None or math.isfinite(self.norm)
 
     def backward(self, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> None:
-        """The micro-batch's weighted loss into the engine; its step after the window's last one, unless
-        the window holds no item (a step the engine applied on a non-finite gradient raises, with the fix)."""
         self.sync.backward(loss)
         if sync_gradients:  # the window's last micro-batch: a window without items takes no step, measures nothing
             self.norm = self.sync.step(None, None) if self.steps() else None
@@ -51,9 +43,8 @@ class EngineWrapper:
 
 
 class DeepSpeedWindows(TrainerCallback):
-    """Puts :class:`EngineWrapper` in place of Accelerate's wrapper once the Trainer has built the engine,
-    and says once where that engine sums a bf16/fp16 window (the ``Accumulator``'s check, on this engine:
-    :func:`gradaccum._accum_dtype.window_buffers`, which ``accum_dtype="param"`` silences)."""
+    """Puts :class:`EngineWrapper` in place of Accelerate's once the engine is built, and says once where it
+    sums a bf16/fp16 window (unless ``accum_dtype="param"``)."""
 
     def __init__(self, trainer: Any, steps: Callable[[], bool], accum_dtype: str = "auto") -> None:
         self.trainer, self.steps, self.accum_dtype = trainer, steps, accum_dtype
@@ -67,15 +58,15 @@ class DeepSpeedWindows(TrainerCallback):
         return control
 
 
+def _config(trainer: Any) -> Any:
+    return getattr(getattr(trainer.accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None)
+
+
 def prepare(trainer: Any, steps: Callable[[], bool], accum_dtype: str = "auto") -> None:
-    """Check the DeepSpeed config (every loss source alike: the model's head, TRL's SFT tokens and DPO
-    pairs are tested), then hand the boundary to the window (``steps()``: whether the window being
-    trained takes a step). A config without ``"managed_gradient_accumulation"`` (or with ``"auto"``) is
-    taken, said once: the engine is built with it false while the trainer trains (:func:`accumulation_off`).
-    Any other value is refused before anything changes."""
+    """Check the DeepSpeed config and hand the boundary to the window (``steps()``: whether the window
+    being trained steps). Without ``KEY`` (or ``"auto"``): said once, set false by :func:`accumulation_off`."""
     who = type(trainer).__name__
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    config = getattr(plugin, "deepspeed_config", None)
+    config = _config(trainer)
     if not isinstance(config, dict):  # no config to fill in: the engine would manage accumulation
         raise engine_manages_accumulation(who)
     value = config.get(KEY, "auto")  # absent, or "auto" as the Trainer's other keys: ExactTrainer's to set
@@ -91,12 +82,8 @@ def prepare(trainer: Any, steps: Callable[[], bool], accum_dtype: str = "auto") 
 
 @contextlib.contextmanager
 def accumulation_off(trainer: Any) -> Iterator[None]:
-    """While ``trainer`` trains: ``"managed_gradient_accumulation": false`` in the DeepSpeed config its engine
-    is built from, where the user left it unset or ``"auto"``; as it was afterwards. That config is the
-    TrainingArguments' (Accelerate's plugin holds the same dict), which a stock Trainer built from the same
-    arguments would read too."""
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    config = getattr(plugin, "deepspeed_config", None)
+    """While ``trainer`` trains: ``KEY`` false in the DeepSpeed config where it was unset or ``"auto"``."""
+    config = _config(trainer)
     if not isinstance(config, dict) or config.get(KEY, "auto") != "auto":
         yield
         return
@@ -112,9 +99,8 @@ def accumulation_off(trainer: Any) -> Iterator[None]:
 
 
 def step_applied(trainer: Any) -> bool:
-    """Whether the engine applied the window's step; True off DeepSpeed. A step it dropped is recorded as a
-    skipped window, as the ``Accumulator`` records one: silently for fp16, whose loss scale backs off so,
-    else with a warning, once per run (a loss or gradient that was not finite)."""
+    """Whether the engine applied the window's step (True off DeepSpeed); a dropped step of a non-fp16 engine
+    is said once per run."""
     wrapped = getattr(trainer.accelerator, "deepspeed_engine_wrapped", None)
     applied = getattr(wrapped, "applied", True)
     if not applied and not wrapped.engine.fp16_enabled() and trainer.accumulator_state.warn_once("nonfinite"):

@@ -1,13 +1,10 @@
-"""The one window lifecycle of the Hugging Face Trainer drivers (``ExactTrainer``, TRL's GRPO/RLOO drivers,
-``ExactSentenceTransformerTrainer``), driven from the Trainer's hooks, and its state in the checkpoints.
-"""
+"""The Hugging Face Trainer drivers' one window lifecycle, from the Trainer's hooks, and its saved state."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import types
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -29,14 +26,14 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("gradaccum.integrations.hf_driver needs transformers: pip install 'gradaccum[hf]'") from exc
 
+from .hf_deepspeed import accumulation_off, step_applied  # noqa: E402
+
 __all__ = ["TrainerDriver", "TrainerWindowState", "calls_next", "refuse_untested", "serves_the_window"]
 
 
 class TrainerWindowState(TrainerCallback, ExportableState):
-    """Owns a Trainer driver's :class:`~gradaccum.AccumulatorState` (steps, skipped windows, the last
-    window's N), saved in the Trainer's checkpoints (``TrainerState.stateful_callbacks``) and read back
-    on resume; at the end of a skipped window (``on_step_end``) it keeps the Trainer's flow from logging,
-    evaluating or saving a step that was not taken, and gives it back its optimizer and scheduler."""
+    """Owns a Trainer driver's :class:`~gradaccum.AccumulatorState`, saved in the Trainer's checkpoints; at
+    a skipped window's end it stands in for the optimizer and scheduler and stops the log, eval and save."""
 
     def __init__(self) -> None:
         self.accumulator_state = AccumulatorState()
@@ -46,11 +43,8 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
 
     def hold(self, trainer: Any) -> None:
-        """After a skipped window's last micro-batch: the optimizer and the scheduler the Trainer is about
-        to step are stood in for, and ``global_step`` is taken back by the one the Trainer adds, so that
-        the window leaves no trace but its consumed data."""
-        if self.held is None:
-            self.held = Swaps()
+        """A skipped window: the Trainer's optimizer and scheduler step stood in for, ``global_step`` kept."""
+        self.held = self.held or Swaps()
         for name in ("optimizer", "lr_scheduler"):
             self.held.wrap(trainer, name, NoStep)
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
@@ -61,8 +55,7 @@ class TrainerWindowState(TrainerCallback, ExportableState):
             held.restore()
 
     def resume(self, trainer: Any, epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
-        """The state the checkpoint saved, and the Trainer's resume position (``epochs`` done, ``batches``
-        of the next to skip, counted from its optimizer steps) moved past the skipped windows' data too."""
+        """The saved state, and the Trainer's resume position moved past the skipped windows' data too."""
         self.load(trainer.state.stateful_callbacks)
         skipped = self.accumulator_state.skipped
         if skipped and not trainer.args.ignore_data_skip:
@@ -72,9 +65,7 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         return epochs, batches
 
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
-        """The state a checkpoint's ``stateful_callbacks`` saved (a fresh one if none). A checkpoint of a
-        pre-release gradaccum (its state under ``_StateCallback`` or ``_Skips``) is refused: read as fresh, its
-        skipped windows would move the resumed data position, silently."""
+        """The state a checkpoint saved (fresh if none); a pre-release gradaccum's is refused."""
         old = sorted({"_StateCallback", "_Skips"} & set(stateful_callbacks))
         if old:
             raise ConfigurationError(f"this checkpoint's TrainerState.stateful_callbacks holds {old}, the state of a "
@@ -93,8 +84,7 @@ class TrainerWindowState(TrainerCallback, ExportableState):
 
 
 def calls_next(function: Any, name: str) -> bool:
-    """Whether ``function`` (its nested functions included) looks ``name`` up as an attribute, as
-    ``super().compute_loss(...)`` does: read from its code, when its class is made."""
+    """Whether ``function``'s code (nested functions included) looks ``name`` up, as ``super().name(...)`` does."""
     codes = [getattr(inspect.unwrap(function), "__code__", None)]
     while codes:
         code = codes.pop()
@@ -106,8 +96,7 @@ def calls_next(function: Any, name: str) -> bool:
 
 
 def serves_the_window(compute_loss: Callable[..., Any]) -> Callable[..., Any]:
-    """A driver's ``compute_loss``: the loss it returns in training is kept, so that a subclass's
-    override that calls it can be checked to return that loss unchanged (:meth:`TrainerDriver.__init_subclass__`)."""
+    """A driver's ``compute_loss``, its loss kept for :func:`_override_checked`."""
     @functools.wraps(compute_loss)
     def serve(self: Any, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         out = compute_loss(self, model, inputs, *args, **kwargs)
@@ -118,8 +107,7 @@ def serves_the_window(compute_loss: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _override_checked(own: Callable[..., Any], cls: type) -> Callable[..., Any]:
-    """A subclass's ``compute_loss`` that calls the driver's: in training it must return the driver's
-    loss (micro-batch k's share of the window's mean) unchanged, or it raises before that backward."""
+    """A subclass's ``compute_loss`` that must return the driver's loss unchanged in training, or raise."""
     @functools.wraps(own)
     def compute_loss(self: Any, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         self._served = None
@@ -138,31 +126,10 @@ def _override_checked(own: Callable[..., Any], cls: type) -> Callable[..., Any]:
     return compute_loss
 
 
-def _driver_of(cls: type) -> str:
-    """The first of gradaccum's classes in ``cls``'s MRO (the driver a user's subclass extends)."""
-    return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("gradaccum."))
-
-
 class TrainerDriver:
-    """Mixin before the Trainer class in the MRO: the window's lifecycle, written once.
-
-    1. The subclass counts its window (``get_batch_samples``) and calls :meth:`open_window` with N:
-       the core's :class:`~gradaccum._driven.DrivenWindow` (weights ``W / N``, ``W`` processes), and,
-       for an MoE model (``router_balance``), the window's routing counted before any backward.
-    2. Its ``compute_loss`` weighs micro-batch k by ``window.weights`` (:meth:`balanced` adds an MoE
-       model's part of the window's load-balancing loss).
-    3. After the last micro-batch, before the Trainer clips: the window closes (its gradient handed
-       over). Then, once the Trainer has measured the gradient's norm (``_get_grad_norm``, which it calls
-       before its optimizer step whether it clips or not), the verdict on that norm (``nonfinite``: a
-       window whose gradient is not finite is skipped, or raises); under DeepSpeed the engine's, and
-       with an fp16 loss scaler the scaler's (it skips an overflowing step and backs off itself). The
-       state records a step or a skip (under DeepSpeed, a step the engine did not apply is a skip),
-       :meth:`_window_ends` runs, and a skipped window's optimizer and scheduler step are stood in for.
-       A micro-batch that raises drops the window's buffers.
-
-    ``nonfinite``: ``"skip"`` (default) or ``"raise"``, as the ``Accumulator``'s; a class attribute, or the
-    argument ``nonfinite=`` of every driver (``ExactTrainer(..., nonfinite="raise")``).
-    """
+    """Mixin before the Trainer class in the MRO: the window's lifecycle, written once (the steps:
+    docs/architecture.md, "The Hugging Face Trainer drivers"). ``nonfinite``: ``"skip"`` or ``"raise"``, a
+    class attribute or every driver's ``nonfinite=`` argument."""
 
     accelerator: Any  # the Trainer's (annotations only: the Trainer sets them)
     model: Any
@@ -176,14 +143,12 @@ class TrainerDriver:
     nonfinite = "skip"  # a window whose gradient is not finite: "skip" it (no step, counted, a warning) or "raise"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A user's subclass that overrides ``compute_loss`` or ``training_step`` (extra logging, a tweaked
-        loss): the override must call the driver's (``super()``), which weighs the micro-batch and closes
-        the window, or the class is refused here, where it is written; a ``compute_loss`` that calls it is
-        checked in training to return its loss unchanged."""
+        """A user's ``compute_loss`` or ``training_step`` must call the driver's (``super()``), or the class is
+        refused here; a ``compute_loss`` that calls it is checked in training to return its loss unchanged."""
         super().__init_subclass__(**kwargs)
         if cls.__module__.startswith("gradaccum."):
             return
-        driver = _driver_of(cls)
+        driver = next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("gradaccum."))  # the one extended
         for name, does in (("compute_loss", "weighs each micro-batch by its share of the window's items"),
                            ("training_step", "closes the window after its last micro-batch")):
             owner = next(c for c in cls.__mro__ if name in vars(c))  # the class whose method runs: a mixin's too
@@ -217,8 +182,7 @@ class TrainerDriver:
 
     @property
     def skipped(self) -> int:
-        """Windows skipped since the run began (resumed runs included): of no item, or whose gradient was not
-        finite (``nonfinite="skip"``); the state's ``skipped``."""
+        """Windows skipped since the run began (resumed runs included): of no item, or not finite."""
         return self.accumulator_state.skipped
 
     @property
@@ -230,8 +194,8 @@ class TrainerDriver:
     def open_window(self, num_items: Count, micro_batches: int, *, buffers: Optional[AccumulationBuffers] = None,
                     routed: Optional[Callable[[], List[Dict[str, Any]]]] = None,
                     second_items: Optional[Count] = None) -> DrivenWindow:
-        """The window of ``micro_batches`` micro-batches and ``num_items`` = N, every rank's, counted first;
-        ``routed()`` gives its micro-batches as the model routes them (called for an MoE model only)."""
+        """The window of N = ``num_items``, every rank's, counted first; ``routed()``: its micro-batches as an
+        MoE model routes them."""
         if self._closed is not None:  # the last window stepped without its verdict: a loop that skips _get_grad_norm
             raise RuntimeError(f"{type(self).__name__}: the Trainer's loop stepped a window without measuring its gradient "
                                "norm (Trainer._get_grad_norm), which the window's verdict on a non-finite gradient reads; "
@@ -239,7 +203,6 @@ class TrainerDriver:
         self._window = DrivenWindow(self.accumulator_state, self.grad_divisor, num_items=num_items,
                                     micro_batches=micro_batches, buffers=buffers, second_items=second_items,
                                     nonfinite=self.nonfinite, who=type(self).__name__)
-        self._closed = None
         self._balance = None
         if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
             self._balance = TrainerBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
@@ -247,31 +210,25 @@ class TrainerDriver:
         return self._window
 
     def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """A window's tensor (its counts, its load-balancing sum) summed over the ranks (one reduction;
-        ``local`` itself on one process)."""
+        """``local`` summed over the ranks (one reduction; itself on one process)."""
         return self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
 
     def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
                  aux_owner: Any = None) -> Tuple[Any, Optional[torch.Tensor]]:
-        """``forward()`` and, for an MoE model, ``coef`` times this micro-batch's part of the window's
-        load-balancing loss times ``W`` (0 in a skipped window): the forward replayed as counted, its router
-        logits read by hooks (``aux_owner``: a TRL trainer whose own aux term is off meanwhile). Before the
-        window's last backward every rank checks it routed as counted. None for another model."""
+        """``forward()`` and, for an MoE model, ``coef * W`` times this micro-batch's part of the window's
+        load-balancing loss (``aux_owner``: a TRL trainer whose own aux term is off meanwhile); else None."""
         balance, window = self._balance, self._window
         if balance is None or window is None:
             return forward(), None
         out, part = balance.run(window.ran, model, inputs, forward, aux_owner)
         if window.last:
             balance.routing.check()  # every rank: the training forwards routed as counted
-        # the part is this micro-batch's share of a mean over the window's N items: weighed as that mean is
-        # (N W / R = W; 0 in a skipped window), as moe.run_moe_window weighs it
+        # a share of a mean over the window's N items, weighed as that mean is (0 in a skipped window)
         return out, part * window.weights.mean_weight(window.items)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window
-        closes (its float32 buffers rounded once into ``.grad``). A window that steps is judged on the
-        Trainer's norm next (:meth:`_get_grad_norm`); else the state records its step or its skip now
-        (then the Trainer's step is stood in for: :meth:`TrainerWindowState.hold`)."""
+        """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window closes,
+        to be judged on the Trainer's norm (:meth:`_get_grad_norm`) or recorded now."""
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         except BaseException:
@@ -283,24 +240,17 @@ class TrainerDriver:
             if self._balance is not None:
                 self._balance.routing.finish()  # the random state as the counting pass left it
             closing = window.close()
-            # judged on the norm the Trainer measures before it steps; not under DeepSpeed (the engine judges
-            # it, hf_deepspeed.step_applied), nor with an fp16 loss scaler (an overflow is how it learns to back
-            # off: it skips that step and lowers its scale itself)
+            # the engine (DeepSpeed) or an fp16 loss scaler judges a non-finite gradient itself
             if closing.steps and not self.is_deepspeed_enabled and getattr(self.accelerator, "scaler", None) is None:
                 self._closed = closing
                 return loss
-            applied = True
-            if self.is_deepspeed_enabled:
-                from .hf_deepspeed import step_applied  # an fp16 engine whose loss scale overflowed took no step
-
-                applied = step_applied(self)
+            applied = step_applied(self)  # False: the DeepSpeed engine found the gradient not finite
             self._window_ends(window.record(closing, applied=applied, warn_empty=self.empty_window_note))
         return loss
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        """The Trainer's norm of the window's gradient, which it measures before every optimizer step (for
-        clipping, else for its log): the closed window's verdict on it (:meth:`DrivenWindow.judge`, one host
-        read), then its record; a window skipped for a gradient that is not finite is not stepped."""
+        """The Trainer's norm of the window's gradient (measured before every step): the closed window's
+        verdict on it (:meth:`DrivenWindow.judge`), then its record."""
         norm = super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
         closing, window, self._closed = self._closed, self._window, None
         if closing is not None and window is not None:
@@ -310,21 +260,13 @@ class TrainerDriver:
         return norm
 
     def _window_ends(self, closing: Closing) -> None:
-        """The window is recorded: a skipped window's optimizer and scheduler step are stood in for
-        (:meth:`TrainerWindowState.hold`). A subclass adds what it does then (its logs, its own state over
-        a skip) and calls this last."""
+        """The window is recorded (a subclass extends it and calls this last): a skipped one is held."""
         if not closing.steps:
             self._state.hold(self)
 
-    # -- the Trainer's flow around a skipped window, and the state across a resume ----------------
-
-    def training_context(self) -> ContextManager[Any]:
-        """What holds while ``train()`` runs (ExactTrainer: its DeepSpeed engine's configuration)."""
-        return contextlib.nullcontext()
-
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            with self.training_context():
+            with accumulation_off(self):  # DeepSpeed's engine built to leave the boundary to the window
                 return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._state.release()
@@ -338,11 +280,8 @@ class TrainerDriver:
 
 
 def refuse_untested(trainer: Any, path: str, *, deepspeed: bool = True, fsdp: bool = True) -> None:
-    """Refuse, before training, a stack that ``path`` (``"training with GRPO and RLOO"``, ``"training with a WindowLoss"``) is not
-    tested under here: DataParallel in one process and tensor, context or sequence parallelism always (the
-    first splits each batch without telling the loss; the others hold one batch on several processes,
-    which the window's count and the ranks' divisor W, read over every process, would count again),
-    DeepSpeed and FSDP where asked. The fix is DDP."""
+    """Refuse, before training, a stack ``path`` is not tested under: DataParallel in one process, tensor,
+    context or sequence parallelism, and DeepSpeed and FSDP where asked. The fix is DDP."""
     n_gpu = trainer.args.n_gpu
     stacks = [f"n_gpu={n_gpu} (DataParallel in one process: it splits each batch without telling the loss)"
               ] if n_gpu > 1 else []

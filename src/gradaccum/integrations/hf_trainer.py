@@ -1,20 +1,16 @@
 """Hugging Face ``Trainer``: :class:`ExactTrainer`, every optimizer step one big batch, for every head and
 for the trainers built on it (``class ExactSFT(ExactTrainer, SFTTrainer)``, ExactTrainer first). This
-module says what a batch's items are (:func:`loss_source`, :func:`head_of`); the window is the one
-:class:`~gradaccum.integrations.hf_driver.TrainerDriver` drives. Guide: docs/guides/hf-trainer.md.
+module says what a batch's items are; the window is :class:`~gradaccum.integrations.hf_driver.TrainerDriver`'s.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from .._batch_items import HEADS, BatchItems, SetMean, check_head
-from .._driven import DrivenWindow
-from .._gradients import AccumulationBuffers
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
 from .hf_router import aux_term, refuse_aux_term
@@ -29,9 +25,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         f"(or pip install 'transformers>={FLOORS['transformers']}')"
     ) from exc
 
+from . import hf_deepspeed
 from .hf_moe import trl_aux_refusal, trl_router_balance
-from .hf_driver import (TrainerDriver, TrainerWindowState, calls_next, refuse_untested,  # noqa: E402  (the window's
-                        serves_the_window)  # lifecycle and saved state)
+from .hf_driver import TrainerDriver, TrainerWindowState, calls_next, refuse_untested, serves_the_window
 
 __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", "loss_source"]
 
@@ -41,14 +37,11 @@ __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", 
 #: the batch's preference pairs (chosen rows then rejected rows) or its rows along dim 0)
 SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
            "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
-#: what a subclass may declare for a compute_loss of its own, ``exact_items = "head"``: the mean over the items the
-#: model's head counts (``model(**inputs).loss``), or over the batch's rows along dim 0
+#: what a subclass may declare for a compute_loss of its own (``exact_items = "head"``)
 _DECLARABLE = ("head", "rows")
 _GENERATES = (" generates its micro-batches inside training_step (a batch is a list of prompts until then), so "
               "ExactTrainer cannot count them")
-#: the Trainers ExactTrainer cannot weigh (by the qualified name of the class whose compute_loss runs, or its
-#: package), why, and the drop-in to use instead (exact_items = 'rows' would fail in train() or train plain
-#: accumulation)
+#: the Trainers ExactTrainer cannot weigh (by the compute_loss owner's qualified name, or its package): why, the drop-in
 _DROP_INS = {"trl.trainer.grpo_trainer.GRPOTrainer": (_GENERATES, "gradaccum.integrations.trl import ExactGRPOTrainer"),
              "trl.trainer.rloo_trainer.RLOOTrainer": (_GENERATES, "gradaccum.integrations.trl import ExactRLOOTrainer"),
              "sentence_transformers.": ("'s losses couple the batch's rows (in-batch negatives, CoSENT, triplet mining), so "
@@ -57,24 +50,14 @@ _DROP_INS = {"trl.trainer.grpo_trainer.GRPOTrainer": (_GENERATES, "gradaccum.int
 _NOT_PER_PAIR = ("sft", "aot", "aot_unpaired")  # DPO loss types over the whole micro-batch, not per pair
 
 
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def loss_source(cls: type) -> str:
-    """How ``cls`` (a subclass of :class:`ExactTrainer`) gets its loss: the :data:`SOURCES` entry of
-    the first class after ExactTrainer in its MRO that defines ``compute_loss``, or what ``cls``
-    declares in ``exact_items`` for a ``compute_loss`` of its own (one written in ``cls`` that does not
-    call ``super().compute_loss``, or one after ExactTrainer in the MRO): ExactTrainer then calls it and
-    weighs the mean it returns by the micro-batch's items.
-
-    What each source weighs: docs/guides/hf-trainer.md ("What it computes") and docs/guides/trl.md; a
-    ``WindowLoss`` (CLIP's, SigLIP's) runs over the whole window instead (:mod:`.hf_window_loss`).
+    """How ``cls`` (a subclass of :class:`ExactTrainer`) gets its loss: the :data:`SOURCES` entry of the first
+    class after ExactTrainer in its MRO that defines ``compute_loss``, or what ``cls`` declares in ``exact_items``
+    for a ``compute_loss`` of its own, whose mean ExactTrainer weighs (docs/guides/hf-trainer.md, "What it computes").
 
     Raises:
-        TypeError: a Trainer subclass comes before ExactTrainer in the MRO (its ``compute_loss`` or
-            window would run instead of ExactTrainer's: a loss 1/W or 1/K off, silently), or the
-            ``compute_loss`` that runs is one whose reduction is not known and not declared.
+        TypeError: a Trainer subclass comes before ExactTrainer in the MRO, or the ``compute_loss`` that runs
+            is one whose reduction is not known and not declared.
     """
     mro = cls.__mro__
     here = mro.index(ExactTrainer)
@@ -86,23 +69,24 @@ def loss_source(cls: type) -> str:
             f"{wrong[0].__name__} (whose compute_loss would otherwise run with ExactTrainer's window count: a step "
             f"1/W or W times off). Write class {cls.__name__}(ExactTrainer, {wrong[0].__name__})")
     owner = next(c for c in mro[here + 1:] if "compute_loss" in vars(c))
+    qualname = f"{owner.__module__}.{owner.__qualname__}"
     declared = getattr(cls, "exact_items", None)
     for name, (why, drop_in) in _DROP_INS.items():
-        if _qualname(owner) == name or (name.endswith(".") and _qualname(owner).startswith(name)):
+        if name in (qualname, owner.__module__.split(".")[0] + "."):
             raise TypeError(f"class {cls.__name__}: {owner.__name__}{why}, and "
                             f"exact_items = 'rows' would not make it exact. Use the drop-in: from {drop_in}")
     if declared is not None:
-        if cls.own_loss is None and _qualname(owner) in SOURCES:
+        if cls.own_loss is None and qualname in SOURCES:
             raise TypeError(
                 f"{cls.__name__}.exact_items={declared!r} declares a compute_loss of its own, but the compute_loss that "
-                f"runs is {owner.__name__}'s, whose items ExactTrainer knows ({SOURCES[_qualname(owner)]}): weighed "
+                f"runs is {owner.__name__}'s, whose items ExactTrainer knows ({SOURCES[qualname]}): weighed "
                 f"as {declared!r} they would be weighed wrong. Drop exact_items, or define the compute_loss it declares")
         if declared not in _DECLARABLE:
             raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported are 'head' (compute_loss returns the "
                             "mean over the items the model's head counts, as model(**inputs).loss) and 'rows' (the "
                             "mean over the batch's rows along dim 0)")
         return declared
-    source = SOURCES.get(_qualname(owner))
+    source = SOURCES.get(qualname)
     if source is None:
         known = ", ".join(name.rsplit(".", 1)[1] for name in SOURCES)
         raise TypeError(
@@ -122,15 +106,11 @@ def head_of(model: nn.Module) -> str:
         ConfigurationError: the class is none of the Auto mappings' causal-LM, masked-LM, token- or
             sequence-classification classes (pass ``head=`` to ExactTrainer).
     """
-    name, heads = _class_heads(model)
-    if heads:
-        return heads[0]
-    raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
-                     "(ExactTrainer computes that head's loss from the model's logits)")
+    return _fitting_head(model, None)
 
 
-def _class_heads(model: nn.Module) -> Tuple[str, List[str]]:
-    """The model's class name (PEFT and compile unwrapped) and the :data:`HEADS` whose Auto mapping names it."""
+def _fitting_head(model: nn.Module, head: Optional[str]) -> str:
+    """``head=``, once it fits the head the Auto mappings give the model's class (that head where None)."""
     from transformers.models.auto import modeling_auto as auto
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
@@ -140,23 +120,16 @@ def _class_heads(model: nn.Module) -> Tuple[str, List[str]]:
     def names(mapping: Dict[str, Any]) -> set:
         return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
 
-    return name, [head for head, mapping in (
+    heads = [known for known, mapping in (
         ("causal_lm", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         ("sequence_classification", auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
         ("token_classification", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
         ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)) if name in names(mapping)]
-
-
-def _fitting_head(model: nn.Module, head: Optional[str]) -> str:
-    """``head=`` as ExactTrainer was given it, once it fits the model (read from the model's class where None).
-
-    Raises:
-        ConfigurationError: ``head`` is not a head the Auto mappings give the model's class (a model of a
-            class they do not name passes: its head cannot be told from its class).
-    """
+    if head is None and not heads:
+        raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
+                                 "(ExactTrainer computes that head's loss from the model's logits)")
     if head is None:
-        return head_of(model)
-    name, heads = _class_heads(model)
+        return heads[0]
     if heads and head not in heads:
         raise ConfigurationError(
             f"ExactTrainer(head={head!r}) does not fit the model, a {name}, whose head is {heads[0]} (its logits "
@@ -189,8 +162,8 @@ class ExactTrainer(TrainerDriver, Trainer):
             micro-batch, read from the gradient norm the Trainer measures before it steps): no optimizer
             or scheduler step, ``global_step`` not advanced, ``skipped`` counts it, a warning once; or
             ``"raise"`` ``FloatingPointError`` at that window. None: the class attribute ``nonfinite``
-            (``"skip"``). With an fp16 loss
-            scaler the scaler skips an overflowing step itself; under DeepSpeed the engine.
+            (``"skip"``). With an fp16 loss scaler the scaler skips an overflowing step itself; under DeepSpeed
+            the engine.
         **kwargs: As for the Trainer; ``compute_loss_func`` only as a :class:`~gradaccum.WindowLoss`
             (``CLIPModel`` and ``SiglipModel`` get theirs without it: docs/guides/hf-trainer.md, "CLIP,
             SigLIP and other losses that couple the batch").
@@ -236,9 +209,15 @@ class ExactTrainer(TrainerDriver, Trainer):
         driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
         self.source, self.accum_dtype = source, accum_dtype
         super().__init__(*args, nonfinite=nonfinite, **kwargs)
-        _refuse_what_is_not_exact(self)
-        self.buffers = _window_buffers(self, accum_dtype)  # float32 sums of bf16/fp16 gradients, or None
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        _refuse_what_is_not_exact(self, config)
+        # float32 sums of bf16/fp16 gradients where ExactTrainer owns the sum (one process), not under DeepSpeed
+        owns = (self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.args.n_gpu <= 1
+                and self.window_loss is None)
+        self.buffers = None if self.is_deepspeed_enabled else driver_buffers(
+            type(self).__name__, self.model.parameters(), accum_dtype, owns_the_sum=owns,
+            fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under DDP/FSDP2 the "
+                "wrapper owns the sum), or pass accum_dtype='param' to accept it without this warning")
         counted_head = source == "head" and self.window_loss is None
         self.items = BatchItems(source, _fitting_head(self.model, head) if counted_head else head, ignore_index, config,
                                 self.args.device)
@@ -247,7 +226,6 @@ class ExactTrainer(TrainerDriver, Trainer):
         self.router_balance = (trl_router_balance(self) if source == "tokens" else
                                aux_term(config) if self.items.head == "causal_lm" and self.own_loss is None else None)
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
-        self._loss = _SourceLoss(self, self._trainer_loss, self._evaluation)
         self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(self, self._prepare_inputs)
 
     @property
@@ -259,19 +237,15 @@ class ExactTrainer(TrainerDriver, Trainer):
         """Whether the window being trained takes an optimizer step (it holds items; True before any window)."""
         return not (self._window is not None and self._window.skip)
 
-    # -- the window: counted first, weighed per micro-batch, recorded at its end -----------------
-
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: Optional[torch.device] = None) -> Tuple[List[Any], Optional[torch.Tensor]]:
-        """The window's micro-batches (fewer at an epoch's end) and ``N``, their items summed over every
-        rank: the window opens counted first, its verdict known (one host synchronisation per window)."""
+        """The window's micro-batches and ``N``, their items summed over every rank: the window opens counted."""
         batch_samples = list(itertools.islice(epoch_iterator, num_batches))
         if self._windows is not None:  # a WindowLoss: one mean over the window's rows, no count to hand over
             self._windows.begin(batch_samples)
             return batch_samples, None
         device = device if device is not None else self.args.device
-        local = self.items.count(batch_samples, device)
-        total = self.summed_over_ranks(local)
+        total = self.summed_over_ranks(self.items.count(batch_samples, device))
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
         return batch_samples, total
@@ -279,115 +253,64 @@ class ExactTrainer(TrainerDriver, Trainer):
     @serves_the_window
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
-        """Training: micro-batch k's share ``S_k * W / N`` of the window's mean (0 in a skipped
-        window). Evaluation: the batch's mean, its rows' sums and items kept for ``eval_loss``."""
+        """Training: micro-batch k's share ``S_k * W / N`` of the window's mean (0 in a skipped window), with an
+        MoE model's part of the window's load balancing. Evaluation: the batch's mean, kept for ``eval_loss``."""
         if self._windows is not None:
             return self._windows.compute_loss(self.window_loss, model, inputs, return_outputs)
+        items, window = self.items, self._window
         if not model.training:
-            return self._loss.evaluation(model, inputs, return_outputs)
-        if self._window is None:
+            if items.source == "head" and self.own_loss is None:
+                outputs = model(**items.model_inputs(inputs))
+                loss = self._evaluation.head_mean(outputs, inputs)
+            else:  # the trainer's own batch mean, shared out over its rows by their items
+                loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
+                self._evaluation.keep_mean(loss, inputs)
+            return (loss, outputs) if return_outputs else loss
+        if window is None:
             raise RuntimeError("ExactTrainer.compute_loss in training before get_batch_samples counted the window "
                                "(do not override get_batch_samples away)")
-        return self._loss.training(self._window, model, inputs, return_outputs)
+        part = None
+        if self.own_loss is not None or items.source in ("pairs", "rows"):  # a mean over the head's items, pairs, rows
+            loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
+            loss = loss * window.weights.mean_weight(items.count([inputs]) if items.source == "head" else
+                                                     items.rows(inputs))
+        elif items.source == "head":
+            moe = {} if self.router_balance is None else {"output_router_logits": False}  # hooks read them
+            outputs, part = self.balanced(model, inputs, lambda: model(**items.model_inputs(inputs), **moe))
+            loss = items.loss_sum(outputs, inputs) * window.item_weight  # W / N
+        else:  # SFT's tokens: S_k / num_items_in_batch, times W where it averages tokens across devices itself
+            n = max(window.items, 1)
+            (loss, outputs), part = self.balanced(
+                model, inputs, lambda: self._trainer_loss(model, inputs, return_outputs, n), self)
+            loss = loss * (window.item_weight * n / (self.grad_divisor if self.args.average_tokens_across_devices
+                                                     else 1.0))
+        if part is not None:  # coef * this micro-batch's part of the window's load balancing, times W
+            loss = loss + part
+        return (loss, outputs) if return_outputs else loss
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
-        """The next class's ``compute_loss`` (SFT's, DPO's, ...), with its metrics and logs; or the subclass's
-        own, declared in ``exact_items``."""
+        """The next class's ``compute_loss`` (SFT's, DPO's, ...), or the subclass's own declared one."""
         loss = super().compute_loss if self.own_loss is None else self.own_loss
         out = loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
         return out if return_outputs else (out, None)  # type: ignore[return-value]
 
-    def training_context(self) -> ContextManager[Any]:
-        """Under DeepSpeed, the engine built with ``"managed_gradient_accumulation": false`` while ``train()``
-        runs, where the config leaves it unset (the arguments' config as it was after)."""
-        if not self.is_deepspeed_enabled:
-            return contextlib.nullcontext()
-        from .hf_deepspeed import accumulation_off
-
-        return accumulation_off(self)
-
-    # -- evaluation: the item-weighted mean over the whole set -----------------------------------
-
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's loop, with ``{prefix}_loss`` the item-weighted mean over the whole set
-        (the Trainer's is a mean of batch means weighted by the batch size)."""
+        """The Trainer's loop, with ``{prefix}_loss`` the item-weighted mean over the whole set."""
         output = super().evaluation_loop(*args, **kwargs)
         self._evaluation.report(output.metrics, kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval"))
         return output
 
 
-class _SourceLoss:
-    """What ExactTrainer's ``compute_loss`` returns, by loss source (:func:`loss_source`): in training
-    micro-batch k's share of the window's mean loss (with an MoE model's part of the window's load
-    balancing, :mod:`gradaccum.integrations.hf_moe`), in evaluation the batch's mean, its rows' sums
-    and items kept in the set's :class:`~gradaccum._batch_items.SetMean`. ``trainer_loss`` is the next
-    class's ``compute_loss`` (SFT's, DPO's, ...), handed over by the trainer."""
-
-    def __init__(self, trainer: ExactTrainer, trainer_loss: Callable[..., Tuple[torch.Tensor, Any]],
-                 evaluation: SetMean) -> None:
-        self.trainer, self.trainer_loss, self.evaluation_mean = trainer, trainer_loss, evaluation
-        self.items = trainer.items
-        # SFT returns S_k / num_items_in_batch, times W when average_tokens_across_devices (its own factor)
-        self.sft_factor = trainer.grad_divisor if trainer.args.average_tokens_across_devices else 1.0
-
-    def training(self, window: DrivenWindow, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
-        """``S_k * W / N`` (``item_weight``), or a trainer's mean over pairs or rows times ``mean_weight``."""
-        items, weight, part = self.items, window.item_weight, None  # W / N (0 in a skipped window)
-        if self.trainer.own_loss is not None:  # a subclass's own mean over the head's items or the rows, declared
-            loss, outputs = self.trainer_loss(model, inputs, return_outputs, None)
-            loss = loss * window.weights.mean_weight(items.count([inputs]) if items.source == "head" else items.rows(inputs))
-        elif items.source == "head":
-            moe = {} if self.trainer.router_balance is None else {"output_router_logits": False}  # hooks read them
-            outputs, part = self.trainer.balanced(model, inputs, lambda: model(**items.model_inputs(inputs), **moe))
-            loss = items.loss_sum(outputs, inputs) * weight
-        elif items.source == "tokens":
-            n = max(window.items, 1)
-            (loss, outputs), part = self.trainer.balanced(
-                model, inputs, lambda: self.trainer_loss(model, inputs, return_outputs, n), self.trainer)
-            loss = loss * (weight * n / self.sft_factor)
-        else:  # a mean over the micro-batch's pairs or rows: weigh it by their count
-            loss, outputs = self.trainer_loss(model, inputs, return_outputs, None)
-            loss = loss * window.weights.mean_weight(items.rows(inputs))  # rows * W / N
-        if part is not None:  # coef * this micro-batch's part of the window's load balancing, times W
-            loss = loss + part
-        return (loss, outputs) if return_outputs else loss
-
-    def evaluation(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool) -> Any:
-        if self.items.source == "head" and self.trainer.own_loss is None:
-            outputs = model(**self.items.model_inputs(inputs))
-            mean = self.evaluation_mean.head_mean(outputs, inputs)
-        else:  # the trainer's own batch mean, shared out over its rows by their items
-            mean, outputs = self.trainer_loss(model, inputs, return_outputs, None)
-            self.evaluation_mean.keep_mean(mean, inputs)
-        return (mean, outputs) if return_outputs else mean
-
-
-def _window_buffers(trainer: ExactTrainer, accum_dtype: str) -> Optional[AccumulationBuffers]:
-    """bf16/fp16 parameters: the window summed in float32 buffers where ExactTrainer owns the sum (one
-    process, its counted window); under DDP/FSDP2 the wrapper owns it (a warning says so), under
-    DeepSpeed the engine (its dtypes are checked by hf_deepspeed)."""
-    if trainer.is_deepspeed_enabled:
-        return None
-    owns = (trainer.accelerator.num_processes == 1 and not trainer.is_fsdp_enabled and trainer.args.n_gpu <= 1
-            and trainer.window_loss is None)
-    return driver_buffers(type(trainer).__name__, trainer.model.parameters(), accum_dtype, owns_the_sum=owns,
-                          fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under "
-                              "DDP/FSDP2 the wrapper owns the sum), or pass accum_dtype='param' to accept it without "
-                              "this warning")
-
-
-def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
-    """After the Trainer is built (its arguments and Accelerator read): what would not be one big batch,
-    or is not tested here, refused in one line that says the fix."""
-    if trainer.source == "head" and trainer.own_loss is None and getattr(trainer.args, "label_smoothing_factor", None):
+def _refuse_what_is_not_exact(trainer: "ExactTrainer", config: Any) -> None:
+    """After the Trainer is built: what would not be one big batch, or is not tested here, refused with the fix."""
+    own_loss = trainer.source != "head" or trainer.own_loss is not None  # a trainer's compute_loss runs
+    if not own_loss and getattr(trainer.args, "label_smoothing_factor", None):
         raise ConfigurationError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
-                         "supported where ExactTrainer computes the model's loss; set it to 0")
+                                 "supported where ExactTrainer computes the model's loss; set it to 0")
     refuse_untested(trainer, "training", deepspeed=False, fsdp=False)  # DeepSpeed and FSDP2: below
     if trainer.is_deepspeed_enabled:  # the engine steps once per window with items (integrations/hf_deepspeed.py)
-        from . import hf_deepspeed
-
-        if aux_term(getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)) is not None:
+        if aux_term(config) is not None:
             raise NotExactError(
                 f"{type(trainer).__name__} under DeepSpeed: the model's config turns on its MoE router's load-balancing "
                 "loss, which ExactTrainer computes over the window with DDP or FSDP2 only (its counting pass is not "
@@ -397,25 +320,18 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer") -> None:
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
     if version not in (None, 2):
         raise ConfigurationError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
-                         "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
-    if version == 2 and (trainer.source != "head" or trainer.own_loss is not None):
-        raise ConfigurationError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not under "
-                         f"{type(trainer).__name__}'s own compute_loss (items: {trainer.source}); train it with DDP "
-                         "(one process per device under torchrun)")
+                                 "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
+    if version == 2 and own_loss:
+        raise ConfigurationError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not "
+                                 f"under {type(trainer).__name__}'s own compute_loss (items: {trainer.source}); train "
+                                 "it with DDP (one process per device under torchrun)")
     batch_level = sorted(set(getattr(trainer, "loss_types", ())) & set(_NOT_PER_PAIR))
     if trainer.source == "pairs" and batch_level:
         raise ConfigurationError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
-                         "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
-                         "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
-    _refuse_moe_aux_term(trainer)
-
-
-def _refuse_moe_aux_term(trainer: "ExactTrainer") -> None:
-    """An MoE model whose loss adds the router's load-balancing term: refused where it is not computed
-    over the window (:mod:`gradaccum.moe`). TRL rewrites the config from its own argument, so the fix is
-    that argument (SFT's term is computed over the window, or refused so, by ``hf_moe.trl_router_balance``)."""
-    config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
-    if trainer.source == "rows" or trainer.own_loss is not None:  # a compute_loss of its own, which may call the model's loss
+                                 "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
+                                 "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
+    # an MoE model's router term where it is not computed over the window (SFT's: hf_moe.trl_router_balance)
+    if trainer.source == "rows" or trainer.own_loss is not None:  # a compute_loss of its own may call the model's
         refuse_aux_term(config, type(trainer).__name__,
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
