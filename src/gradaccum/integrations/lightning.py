@@ -1,11 +1,5 @@
-"""PyTorch Lightning: exact gradient accumulation with one callback.
-
-    trainer = Trainer(accumulate_grad_batches=4, callbacks=[ExactAccumulation(num_items=count)])
-
-:class:`ExactAccumulation` drives the core's one window (:class:`gradaccum._driven.DrivenWindow`,
-with the running R: Lightning shows a window's count only after its backwards) from Lightning's hooks;
-this module is that glue and the refusals. How it is driven, step by step: docs/guides/lightning.md
-("What it changes").
+"""PyTorch Lightning: exact gradient accumulation with one callback, :class:`ExactAccumulation`, which drives
+:class:`gradaccum._driven.DrivenWindow` (on the running R) from Lightning's hooks (docs/guides/lightning.md).
 """
 from __future__ import annotations
 
@@ -90,10 +84,8 @@ class ExactAccumulation(Callback):
         driver_buffers("ExactAccumulation", (), accum_dtype, owns_the_sum=True, fix="")  # refuses a bad name now
         self.num_items = num_items
         self.accum_dtype = accum_dtype
-        #: the float32 buffers of the bf16/fp16 parameters' window gradient (None: the sum is in ``.grad``)
-        self.buffers: Optional[AccumulationBuffers] = None
-        #: what the fit's windows teach each other (R, steps, skipped windows, the last window's N, the
-        #: warning given): fresh for each fit, saved in Lightning's checkpoint (:meth:`on_save_checkpoint`)
+        self.buffers: Optional[AccumulationBuffers] = None  # float32 sums of bf16/fp16 gradients (None: in .grad)
+        #: what the fit's windows teach each other: fresh for each fit, saved in Lightning's checkpoint
         self.state = AccumulatorState()
         self.pending: Optional[Count] = None      #:  n_k of the micro-batch about to be backpropagated
         self._window: Optional[DrivenWindow] = None  # the open window (running R)
@@ -104,8 +96,7 @@ class ExactAccumulation(Callback):
 
     @property
     def skipped(self) -> int:
-        """Windows skipped in this fit (a resumed fit included), of 0 items or whose gradient was not finite:
-        ``state.skipped``."""
+        """Windows skipped in this fit (a resumed fit included), of 0 items or whose gradient was not finite."""
         return self.state.skipped
 
     @property
@@ -117,15 +108,13 @@ class ExactAccumulation(Callback):
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: Dict[str, Any]) -> None:
-        """The :attr:`state`'s saved fields go into Lightning's checkpoint (under :attr:`CHECKPOINT_KEY`;
-        not through ``state_dict``, which would have Lightning refuse two callbacks with its own message
-        before :func:`_refuse_a_second_callback` names both and the fix)."""
+        """The :attr:`state`'s saved fields, under :attr:`CHECKPOINT_KEY` (a ``state_dict`` would have Lightning
+        refuse two callbacks before :func:`_refuse_a_second_callback` names both and the fix)."""
         checkpoint[self.CHECKPOINT_KEY] = self.state.saved()
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: Dict[str, Any]) -> None:
-        """On resume (after ``setup``): the fit continues with the saved R, steps and skipped windows. A
-        checkpoint written before the state was saved leaves the fresh state."""
+        """On resume (after ``setup``): the saved state, if the checkpoint holds one."""
         saved = checkpoint.get(self.CHECKPOINT_KEY)
         if isinstance(saved, dict):
             self.state.load_saved(self.state.read_saved(saved))
@@ -133,14 +122,19 @@ class ExactAccumulation(Callback):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_items={self.num_items!r})"
 
-    # -- set-up ------------------------------------------------------------------------------------
-
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
         _refuse_what_is_not_exact(trainer, pl_module)
         retire_buffers(self.buffers)  # a previous fit's
-        self.buffers = _fit_buffers(trainer, pl_module, self.accum_dtype)
+        # one device without a loss scaler (which unscales .grad before on_before_optimizer_step): the sum is ours
+        owns = isinstance(trainer.strategy, SingleDeviceStrategy) and getattr(trainer.precision_plugin, "scaler",
+                                                                              None) is None
+        self.buffers = driver_buffers(
+            "ExactAccumulation", pl_module.parameters(), self.accum_dtype, owns_the_sum=owns,
+            fix="Keep float32 parameters and train with precision='bf16-mixed' (autocast) to sum in float32 (under "
+                "DDP/FSDP2 the wrapper owns the sum; with a 16-mixed scaler Lightning unscales .grad first), or pass "
+                "ExactAccumulation(accum_dtype='param') to accept it without this warning")
         self.state, self._window = AccumulatorState(), None  # a checkpoint's is loaded after setup
         self._hooks.wrap(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
 
@@ -158,16 +152,12 @@ class ExactAccumulation(Callback):
         self._nothing.close()
         retire_buffers(self.buffers)
 
-    # -- per micro-batch ---------------------------------------------------------------------------
-
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         self.skipping = False
-        if self.num_items is not None:
-            self.pending = item_count("num_items(batch)", self.num_items(batch))
-        else:
-            self.pending = None  # the leading dimension, unless training_step returns a count
         self._batch = batch
+        # None: the leading dimension, unless training_step returns a count
+        self.pending = None if self.num_items is None else item_count("num_items(batch)", self.num_items(batch))
 
     def _open(self, trainer: "pl.Trainer") -> DrivenWindow:
         """The window with the running R (its count is known only at its end), opened at its first backward."""
@@ -196,14 +186,10 @@ class ExactAccumulation(Callback):
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._nothing.close()  # the hooks of a micro-batch that may hold no item
 
-    # -- per window --------------------------------------------------------------------------------
-
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        """The boundary, before Lightning clips: N all-reduced, the verdict, the gradients at ``R / N``,
-        then the verdict on their norm (``nonfinite``; with a ``16-mixed`` scaler the scaler's own, which
-        skips an overflowing step and backs off). A skipped window (no item, or a gradient that is not
-        finite) reaches the optimizer with no gradient, and its step is not counted."""
+        """The boundary, before Lightning clips: N all-reduced, the gradients at ``R / N``, the verdict on their
+        norm (a ``16-mixed`` scaler's own otherwise); a skipped window's step is not counted."""
         window = self._window if self._window is not None else self._open(trainer)
         self._window = None
         total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and the "
@@ -222,19 +208,6 @@ class ExactAccumulation(Callback):
             "global_step not advanced; ExactAccumulation.skipped counts them"))
 
 
-def _fit_buffers(trainer: "pl.Trainer", pl_module: "pl.LightningModule", accum_dtype: str
-                 ) -> Optional[AccumulationBuffers]:
-    """On one device without a loss scaler (which unscales ``.grad`` before ``on_before_optimizer_step``)
-    the callback owns the window's sum: bf16/fp16 parameters sum in float32 buffers, written back there."""
-    owns = isinstance(trainer.strategy, SingleDeviceStrategy) and getattr(trainer.precision_plugin, "scaler",
-                                                                          None) is None
-    return driver_buffers("ExactAccumulation", pl_module.parameters(), accum_dtype, owns_the_sum=owns,
-                          fix="Keep float32 parameters and train with precision='bf16-mixed' (autocast) to sum in "
-                              "float32 (under DDP/FSDP2 the wrapper owns the sum; with a 16-mixed scaler Lightning "
-                              "unscales .grad first), or pass ExactAccumulation(accum_dtype='param') to accept it "
-                              "without this warning")
-
-
 def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
     """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact)."""
     if trainer.world_size == 1:
@@ -247,8 +220,7 @@ def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
 
 def _unless_skipped(callback: ExactAccumulation, trainer: "pl.Trainer", original: Callable[..., Any]
                     ) -> Callable[..., Any]:
-    """A scheduler with ``interval="step"`` steps once per optimizer step taken, never after a
-    skipped window (as the core's); epoch schedulers step at an epoch's end as before."""
+    """A scheduler with ``interval="step"`` does not step after a skipped window."""
 
     def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
         if callback.skipping and any(config.scheduler is scheduler and config.interval == "step"
@@ -260,8 +232,7 @@ def _unless_skipped(callback: ExactAccumulation, trainer: "pl.Trainer", original
 
 
 def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]) -> Callable[..., Any]:
-    """Accept ``(mean, count)`` from ``training_step``: Lightning itself refuses tuples, so no valid
-    return value changes meaning."""
+    """Accept ``(mean, count)`` from ``training_step`` (a tuple Lightning itself would refuse)."""
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
@@ -274,10 +245,11 @@ def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]
         if isinstance(out, tuple):
             if len(out) != 2:
                 raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
-                                 "return the mean loss, or (mean_loss, item_count)")
+                                         "return the mean loss, or (mean_loss, item_count)")
             if callback.num_items is not None:
-                raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is set "
-                                 "too; keep one source of the count (drop num_items=... or return the mean)")
+                raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is "
+                                         "set too; keep one source of the count (drop num_items=... or return the "
+                                         "mean)")
             callback.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
             return out[0]
         return out
@@ -325,8 +297,7 @@ def count_step(pl_module: "pl.LightningModule", result: Any) -> None:
 
 
 def _refuse_a_second_callback(trainer: "pl.Trainer") -> None:
-    """Two callbacks would each weigh every micro-batch and rescale every step: refused before the
-    first step (Lightning merges ``configure_callbacks()`` into ``trainer.callbacks`` before setup)."""
+    """Two callbacks would each weigh every micro-batch (``configure_callbacks()``'s are merged by setup)."""
     mine = [f"trainer.callbacks[{i}] = {cb!r}" for i, cb in enumerate(trainer.callbacks)  # type: ignore[attr-defined]
             if isinstance(cb, ExactAccumulation)]
     if len(mine) > 1:
