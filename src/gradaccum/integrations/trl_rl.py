@@ -1,8 +1,6 @@
-"""TRL's GRPO and RLOO with every optimizer step one big batch of the chosen ``loss_type``: drop-ins
-for ``GRPOTrainer`` and ``RLOOTrainer`` (:class:`ExactGRPOTrainer`, :class:`ExactRLOOTrainer`) that
+"""TRL's GRPO and RLOO with every optimizer step one big batch of the chosen ``loss_type``: drop-ins that
 generate and count each step's micro-batches first (:mod:`gradaccum.rl`), then drive the Trainer's one
-window (:class:`~gradaccum.integrations.hf_driver.TrainerDriver`). What each loss type becomes, the
-skipped empty step, the MoE router loss, the resume and the figures: docs/guides/trl.md ("GRPO and RLOO").
+window (docs/guides/trl.md, "GRPO and RLOO").
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from torch import nn
 from .._maths import Closing
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount, local_counts, trl_divisor, trl_entropy_mean
-from .hf_driver import TrainerDriver, refuse_untested, serves_the_window  # the window's lifecycle, its skip and its saved state, as in ExactTrainer
+from .hf_driver import TrainerDriver, refuse_untested, serves_the_window
 from ._versions import require
 from .hf_moe import trl_router_balance
 
@@ -32,16 +30,30 @@ def _loss_type(trainer: Any) -> str:
     return "rloo" if isinstance(trainer, RLOOTrainer) else trainer.loss_type
 
 
-class _RLResume:
-    """A GRPO/RLOO run resumed from a checkpoint (docs/guides/trl.md, "GRPO and RLOO"): TRL's micro-batch
-    counter at its position, and the checkpoint's random state loaded before the step's generation."""
+class _ExactRL(TrainerDriver):
+    """The driver shared by :class:`ExactGRPOTrainer` and :class:`ExactRLOOTrainer`: count the step
+    first, then weigh each micro-batch's summed terms by ``W / N`` (skip the step where N = 0)."""
 
-    _resume_rng: Optional[str] = None
+    empty_window_note = ("here: an optimizer step whose completions hold no token on any rank (every completion "
+                         "mask 0, e.g. every completion truncated under mask_truncated_completions); the step's "
+                         "data is consumed")
+    _resume_rng: Optional[str] = None  # a checkpoint whose random state this step generates from (a resume)
     _rng_loaded_early = False
+    _controller: Optional[Tuple[float, float]] = None  # TRL's entropy controller, kept over a skipped step
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_what_is_not_exact(self)
+        self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
+        self._prepared: Deque[Dict[str, Any]] = collections.deque()
+        self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
+        #: an MoE model's load-balancing term (TRL's router_aux_loss_coef), over the step's window
+        self.router_balance = trl_router_balance(self)
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: Optional[str], trial: Any) -> Tuple[int, int]:
-        epochs, batches = super()._init_training_state(  # type: ignore[misc]
+        """On a resume, TRL's micro-batch counter at its position (docs/guides/trl.md, "GRPO and RLOO")."""
+        epochs, batches = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
         self._resume_rng, self._rng_loaded_early = None, False  # nothing left from an earlier train()
         if resume_from_checkpoint is not None and not self.args.ignore_data_skip:  # type: ignore[attr-defined]
@@ -55,64 +67,14 @@ class _RLResume:
             super()._load_rng_state(checkpoint)  # type: ignore[misc]
         self._rng_loaded_early = False
 
-    def _load_rng_state_before_generating(self) -> None:
-        """After a resume inside an epoch: the random state the uninterrupted run generated this step from."""
-        if self._resume_rng is not None:
-            checkpoint, self._resume_rng = self._resume_rng, None
-            self._load_rng_state(checkpoint)
-            self._rng_loaded_early = True
-
-
-class _RLEntropy:
-    """TRL's entropy bonus: its coefficient this step, and TRL's adaptive controller kept over a skipped step."""
-
-    _controller: Optional[Tuple[float, float]] = None  # (coefficient, last entropy) kept over a skipped step
-
-    def _entropy_coef_now(self) -> float:
-        """The coefficient TRL applies in this step (0 where off; adaptive: the previous step's decision)."""
-        if not getattr(self, "_entropy_bonus_enabled", False) or (  # type: ignore[attr-defined]
-                self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target):
-            return 0.0
-        return float(self.entropy_coef)  # type: ignore[attr-defined]
-
-    def _keep_entropy_controller(self) -> None:
-        if getattr(self, "use_adaptive_entropy", False):
-            self._controller = (self.entropy_coef, self._last_world_entropy)  # type: ignore[attr-defined]
-
-    def _restore_entropy_controller(self) -> None:
-        """After a skipped step: the controller as the last step taken left it, the step's log gone."""
-        if self._controller is not None:
-            self.entropy_coef, self._last_world_entropy = self._controller  # type: ignore[attr-defined]
-            self._controller = None
-            logged = self._metrics["train"].get("entropy_coef")  # type: ignore[attr-defined]
-            if logged:
-                logged.pop()
-
-
-class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
-    """The driver shared by :class:`ExactGRPOTrainer` and :class:`ExactRLOOTrainer`: count the step
-    first, then weigh each micro-batch's summed terms by ``W / N`` (skip the step where N = 0)."""
-
-    empty_window_note = ("here: an optimizer step whose completions hold no token on any rank (every completion "
-                         "mask 0, e.g. every completion truncated under mask_truncated_completions); the step's "
-                         "data is consumed")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _refuse_what_is_not_exact(self)
-        self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
-        self._prepared: Deque[Dict[str, Any]] = collections.deque()
-        self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
-        #: an MoE model's load-balancing term (TRL's router_aux_loss_coef), over the step's window
-        self.router_balance = trl_router_balance(self)
-
-    # -- count first ------------------------------------------------------------------------------
-
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Tuple[List[Any], None]:
         """The step's micro-batches, generated (or taken from TRL's buffer) before its first backward, in
         TRL's order; their completion tokens and sequences summed over the ranks in one all-reduce."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
-        self._load_rng_state_before_generating()
+        if self._resume_rng is not None:  # resumed inside an epoch: the random state the step generated from
+            checkpoint, self._resume_rng = self._resume_rng, None
+            self._load_rng_state(checkpoint)
+            self._rng_loaded_early = True
         self.model.train()  # type: ignore[attr-defined]  # TRL's _prepare_inputs reads the mode
         first = self._step  # type: ignore[attr-defined]  # TRL's micro-batch counter picks the buffered slice
         prepared = []
@@ -128,8 +90,8 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         self.last_step_count = StepCount.of(_loss_type(self), tokens, rows, getattr(self, "max_completion_length", None))
         window = self.open_window(self.last_step_count.items, len(prepared), second_items=tokens,
                                   routed=lambda: [_model_inputs(b) for b in prepared])
-        if window.skip:  # a step of N = 0: TRL's entropy controller keeps the last step's decision
-            self._keep_entropy_controller()
+        if window.skip and getattr(self, "use_adaptive_entropy", False):  # N = 0: the controller kept as it is
+            self._controller = (self.entropy_coef, self._last_world_entropy)  # type: ignore[attr-defined]
         return batch_samples, None
 
     def _prepare_inputs(self, generation_batch: Any) -> Dict[str, Any]:
@@ -147,7 +109,12 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
             self._captured.append(out[1])
         return out
 
-    # -- the loss ---------------------------------------------------------------------------------
+    def _entropy_coef_now(self) -> float:
+        """The coefficient TRL applies in this step (0 where off; adaptive: the previous step's decision)."""
+        if not getattr(self, "_entropy_bonus_enabled", False) or (  # type: ignore[attr-defined]
+                self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target):
+            return 0.0
+        return float(self.entropy_coef)  # type: ignore[attr-defined]
 
     @serves_the_window
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
@@ -185,13 +152,16 @@ class _ExactRL(_RLResume, _RLEntropy, TrainerDriver):
         return loss if part is None else loss + part  # coef * this micro-batch's part of the step's LBL, times W
 
     def _window_ends(self, closing: Closing) -> None:
-        """The step's LBL over every rank logged as TRL logs its ``aux_loss``; a skipped step leaves TRL's
-        entropy controller where the last step taken left it."""
+        """The step's LBL over every rank logged as TRL's ``aux_loss``; a skipped step's entropy controller undone."""
         if self._balance is not None:
             total = self.summed_over_ranks(self._balance.total)
             self._metrics["train"]["aux_loss"].append(float(total))  # type: ignore[attr-defined]
-        if not closing.steps:
-            self._restore_entropy_controller()
+        if not closing.steps and self._controller is not None:  # as the last step taken left it, its log gone
+            self.entropy_coef, self._last_world_entropy = self._controller  # type: ignore[attr-defined]
+            self._controller = None
+            logged = self._metrics["train"].get("entropy_coef")  # type: ignore[attr-defined]
+            if logged:
+                logged.pop()
         super()._window_ends(closing)
 
 
