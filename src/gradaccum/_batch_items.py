@@ -1,9 +1,5 @@
-"""What a labelled batch's items are, and its loss summed over them, by where the loss comes from: a
-model head whose loss is computed from the logits (next-token targets, labels, label elements), or a
-trainer's mean over preference pairs or rows. Framework-independent (a batch is a dict with
-``labels``, ``shift_labels``, ``input_ids``); the formulas themselves are :mod:`gradaccum._maths`'.
-Its driver is :class:`~gradaccum.integrations.hf_trainer.ExactTrainer`, for training (``count``,
-``loss_sum``) and for ``eval_loss`` (:class:`SetMean`).
+"""What a labelled batch's items are, and its loss summed over them, by where the loss comes from (a model
+head, or a trainer's mean over pairs or rows), for ExactTrainer's training and ``eval_loss`` (:class:`SetMean`).
 """
 from __future__ import annotations
 
@@ -34,10 +30,8 @@ def check_head(head: Optional[str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class BatchItems:
-    """The items of a batch under one loss source (:data:`~gradaccum.integrations.hf_trainer.SOURCES`):
-    ``"head"`` (the model's head, ``head``), ``"tokens"`` (next-token targets), ``"pairs"`` or
-    ``"rows"``. ``config`` is the model's (its ``problem_type`` and ``num_labels``), ``device`` where
-    counts are made."""
+    """The items of a batch under one loss source (``"head"``, ``"tokens"``, ``"pairs"`` or ``"rows"``);
+    ``config`` is the model's, ``device`` where counts are made."""
 
     source: str
     head: Any  # one of HEADS, or None where the trainer computes the loss
@@ -46,9 +40,8 @@ class BatchItems:
     device: torch.device
 
     def targets(self, batch: Dict[str, Any]) -> Tuple[torch.Tensor, str]:
-        """The labels the loss is over (a causal LM's ``shift_labels`` if the collator gave them, else its
-        ``labels[:, 1:]``; every other head's ``labels``) and the :data:`gradaccum._maths.LOSSES` entry of
-        the loss over them (the model's head's; a next-token cross-entropy for the ``"tokens"`` source)."""
+        """The labels the loss is over (a causal LM's shifted) and the :data:`gradaccum._maths.LOSSES` entry of
+        the loss over them."""
         shifted = self.head in (None, "causal_lm")
         if shifted and "shift_labels" in batch:
             targets = batch["shift_labels"]
@@ -76,8 +69,7 @@ class BatchItems:
         return targets, _PROBLEM_LOSS[problem]
 
     def rows(self, batch: Dict[str, Any]) -> int:
-        """The items of a batch whose trainer returns a mean over pairs or rows: its preference pairs
-        (``input_ids`` holds the chosen rows, then the rejected ones) or its rows along dim 0."""
+        """A batch's preference pairs (``input_ids``: the chosen rows, then the rejected) or its rows."""
         return leading_dim(batch["input_ids"]) // 2 if self.source == "pairs" else leading_dim(batch)
 
     def rows_items(self, batch: Dict[str, Any]) -> torch.Tensor:
@@ -88,8 +80,7 @@ class BatchItems:
         return torch.stack([_maths.loss_items(t, loss=loss, ignore_index=self.ignore_index) for t in targets])
 
     def count(self, batches: Sequence[Dict[str, Any]], device: Optional[torch.device] = None) -> torch.Tensor:
-        """The items of ``batches`` (a window's micro-batches) on this rank, summed on ``device`` (default:
-        where counts are made) as a long scalar, with no host synchronisation."""
+        """The items of ``batches`` on this rank, a long scalar on ``device``, with no host synchronisation."""
         device = self.device if device is None else device
         if self.source in ("pairs", "rows"):
             return torch.tensor(sum(self.rows(b) for b in batches), device=device)
@@ -103,9 +94,7 @@ class BatchItems:
         return {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
 
     def loss_sum(self, outputs: Any, batch: Dict[str, Any], per_row: bool = False) -> torch.Tensor:
-        """The head's loss summed over the batch's items (``per_row``: over each row's, one value per row,
-        for ``eval_loss``), from the model's ``logits``: a causal LM's drop their last position unless the
-        collator gave ``shift_labels``, which align with every position."""
+        """The head's loss summed over the batch's items (``per_row``: one sum per row), from the ``logits``."""
         if isinstance(outputs, torch.Tensor):
             logits: Optional[torch.Tensor] = outputs  # a bare tensor from forward is taken as the logits
         elif isinstance(outputs, dict):
@@ -128,10 +117,8 @@ class BatchItems:
 
 
 class SetMean:
-    """The item-weighted mean loss over a whole evaluation set (a mean of batch means weighted by the
-    batch size is not it): per batch its rows' loss sums and items, gathered by ``gather`` (the
-    Trainer's ``gather_for_metrics``, which drops the rows a distributed sampler repeated), summed
-    in float64 at the end::
+    """The item-weighted mean loss over a whole evaluation set: per batch its rows' loss sums and items,
+    gathered by ``gather`` (``gather_for_metrics``), summed in float64 at the end::
 
         loss = sum_{batches, rows} S_row / sum_{batches, rows} n_row
     """

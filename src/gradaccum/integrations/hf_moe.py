@@ -1,6 +1,5 @@
-"""The Trainer drivers' glue to :class:`gradaccum.moe.Routing` (which counts, agrees, replays and
-checks): an MoE model's load-balancing term over the window, opened in ``get_batch_samples`` and applied
-by :meth:`~gradaccum.integrations.hf_driver.TrainerDriver.balanced`. How: docs/guides/moe.md.
+"""The Trainer drivers' glue to :class:`gradaccum.moe.Routing`: an MoE model's load-balancing term over the
+window (docs/guides/moe.md).
 """
 from __future__ import annotations
 
@@ -21,14 +20,8 @@ __all__ = ["TrainerBalance", "trl_aux_refusal", "trl_router_balance"]
 
 
 def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
-    """The load-balancing term a TRL RL trainer (GRPO, RLOO) turned on (``aux_loss_enabled``), or None:
-    TRL asks every forward for the router logits and weighs them by its own ``router_aux_loss_coef``, so
-    :func:`gradaccum.integrations.hf_router.aux_term` of the model's config with those two set.
-
-    Raises:
-        NotExactError: a family whose router loss gradaccum does not compute over the step (TRL would add
-            it per micro-batch); the fix is TRL's ``router_aux_loss_coef=0.0``.
-    """
+    """The load-balancing term a TRL trainer turned on (``aux_loss_enabled``, its ``router_aux_loss_coef``), or
+    None; a family gradaccum does not compute over the step is refused."""
     coef = trainer.router_aux_loss_coef if getattr(trainer, "aux_loss_enabled", False) else 0.0
     if not coef:
         return None
@@ -44,8 +37,7 @@ def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
 
 
 def trl_aux_refusal(trainer: Any, why: str, then: str = "") -> NotExactError:
-    """The refusal of a TRL trainer's router loss (TRL's ``router_aux_loss_coef``, which rewrites the
-    model's config) where gradaccum does not compute it over the window: ``why``, and TRL's argument as the fix."""
+    """The refusal of a TRL trainer's router loss: ``why``, and TRL's ``router_aux_loss_coef=0.0`` as the fix."""
     return NotExactError(
         f"{type(trainer).__name__}: router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', None)} turns on "
         f"the MoE router's load-balancing loss, {why}. Pass {type(trainer.args).__name__}(..., "
@@ -53,17 +45,8 @@ def trl_aux_refusal(trainer: Any, why: str, then: str = "") -> NotExactError:
 
 
 class TrainerBalance:
-    """One window's :class:`~gradaccum.moe.Routing`, opened and driven from the Trainer's hooks.
-
-    Args:
-        term: the model's :class:`~gradaccum.integrations.hf_router.RouterBalance` (E, top-k, coef).
-        model: the unwrapped model (the counting pass runs no collective but FSDP2's).
-        batches: the window's micro-batches, already on the device, as the model takes them.
-        device: where counts are made.
-        wrapped: the Trainer's wrapped model (``model_wrapped``: DDP, FSDP2 or the model), whose
-            :func:`gradaccum.sync.sync_for` seam runs the window's collectives.
-        who: the driver, named in the refusals.
-    """
+    """One window's :class:`~gradaccum.moe.Routing` over ``batches`` (on the device), driven from the Trainer's
+    hooks; ``model`` unwrapped, ``wrapped`` the Trainer's ``model_wrapped``, whose seam runs the collectives."""
 
     def __init__(self, term: RouterBalance, model: nn.Module, batches: List[Dict[str, Any]], device: torch.device,
                  wrapped: nn.Module, who: str = "ExactTrainer") -> None:
@@ -85,10 +68,8 @@ class TrainerBalance:
 
     def run(self, k: int, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
             trainer: Any = None) -> Tuple[Any, torch.Tensor]:
-        """Micro-batch k's training forward (``forward()``, from its replayed random state, its router
-        logits read by hooks) and ``coef`` times its part of the window's load-balancing loss. With a
-        TRL ``trainer``, its own per-micro-batch aux term is off for the forward (the window's part
-        replaces it)."""
+        """Micro-batch k's replayed forward and ``coef`` times its part of the window's load-balancing loss (a TRL
+        ``trainer``'s own aux term off meanwhile)."""
         self.routing.replay(k)
         own_term_off = (swapped(trainer, "aux_loss_enabled", False) if hasattr(trainer, "aux_loss_enabled")
                         else contextlib.nullcontext())

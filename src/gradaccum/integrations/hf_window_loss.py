@@ -1,7 +1,5 @@
-"""A :class:`~gradaccum.WindowLoss` inside a Hugging Face ``Trainer``'s window: the glue that drives the
-one implementation of the cached two passes, :class:`gradaccum._cached.CachedPasses`, from the
-Trainer's hooks (pass 1, the gather and the loss's gradient in micro-batch 0's ``compute_loss``, each
-call's surrogate the scalar the Trainer backpropagates). How: docs/guides/contrastive.md.
+"""A :class:`~gradaccum.WindowLoss` inside a Hugging Face ``Trainer``'s window: the cached two passes
+(:class:`gradaccum._cached.CachedPasses`) driven from the Trainer's ``compute_loss`` (docs/guides/contrastive.md).
 """
 from __future__ import annotations
 
@@ -22,21 +20,16 @@ MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any
 
 
 class TrainerWindows:
-    """A Trainer's windows, one after the other: the micro-batches ``get_batch_samples`` hands over and
-    the window's :class:`~gradaccum._cached.CachedPasses`. The trainer is a
-    :class:`~gradaccum.integrations.hf_driver.TrainerDriver`: once pass 1 has counted the window's rows N,
-    its window opens (``open_window``) and the driver records it at the boundary; its
-    ``accumulator_state`` remembers whether the replay was compared yet (``checked_replays``, the run's
-    first window). ``prepare`` is the trainer's own ``_prepare_inputs`` (a micro-batch onto the device)."""
+    """A Trainer driver's windows, one after the other: the micro-batches ``get_batch_samples`` hands over
+    and their :class:`~gradaccum._cached.CachedPasses`, the window opened once pass 1 counted its rows N.
+    ``prepare`` is the trainer's ``_prepare_inputs``."""
 
     def __init__(self, trainer: Any, prepare: Callable[[Any], Any]) -> None:
         refuse_what_a_window_loss_cannot_run(trainer)
         self.trainer, self.prepare = trainer, prepare
         self.pending: List[Any] = []
         self.passes: Optional[CachedPasses] = None
-        # evaluation: the loss is encode's and loss's, which need no label column; without this the
-        # Trainer computes no loss for a batch without labels (CLIP without return_loss: no eval_loss)
-        trainer.can_return_loss = True
+        trainer.can_return_loss = True  # an eval_loss for a batch without labels (CLIP without return_loss)
 
     def begin(self, batch_samples: List[Any]) -> None:
         self.pending, self.passes = list(batch_samples), None
@@ -67,8 +60,7 @@ class TrainerWindows:
         return loss
 
     def compute_loss(self, window_loss: WindowLoss, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:
-        """ExactTrainer's ``compute_loss`` with a WindowLoss: in training micro-batch k's surrogate, in
-        evaluation the loss of the evaluation batch alone."""
+        """ExactTrainer's ``compute_loss`` with a WindowLoss: micro-batch k's surrogate, or the eval batch's loss."""
         module = self.trainer.accelerator.unwrap_model(model)
         if model.training:
             loss = self.surrogate(model, inputs, lambda batches: (window_loss, list(module.parameters()), module))
@@ -77,14 +69,9 @@ class TrainerWindows:
         return (loss, {"loss": loss}) if return_outputs else loss
 
 
-# -- ExactTrainer's hooks (gradaccum.integrations.hf_trainer calls these when it holds a WindowLoss) ------
-
-
 def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLoss]:
     """The WindowLoss an ExactTrainer trains with: ``compute_loss_func=WindowLoss(...)`` (taken out of
-    the Trainer's arguments), or, without ``compute_loss_func``, a contrastive model's own loss
-    (:func:`contrastive_window_loss`); None for every other model, and where a trainer's own
-    ``compute_loss`` runs (``source`` is not "head"). Any other ``compute_loss_func`` is refused."""
+    ``kwargs``), else a contrastive model's own where ExactTrainer computes the loss; else None."""
     given = kwargs.get("compute_loss_func")
     if isinstance(given, WindowLoss):
         if source != "head":

@@ -1,7 +1,5 @@
-"""sentence-transformers: :class:`ExactSentenceTransformerTrainer`, whose ``gradient_accumulation_steps`` is
-one big batch for any of its losses, by the cached two passes (:mod:`.hf_window_loss`); this module serves
-the loss the cached embeddings (:class:`_ServedLoss`) and refuses what it cannot serve. What each loss
-gets, the figures and the cost: docs/guides/sentence-transformers.md.
+"""sentence-transformers: :class:`ExactSentenceTransformerTrainer`, one big batch for any of its losses by the
+cached two passes, its loss served the cached embeddings (docs/guides/sentence-transformers.md).
 """
 from __future__ import annotations
 
@@ -72,8 +70,6 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
             refuse_a_loss(loss)
         self._windows = TrainerWindows(self, self._prepare_inputs)  # refuses what a cached window cannot run
 
-    # -- the window ------------------------------------------------------------------------------
-
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: Optional[torch.device] = None) -> Tuple[List[Any], Any]:
         """The Trainer's micro-batches of one window, kept for pass 1."""
@@ -84,8 +80,7 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
     @serves_the_window
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        """Training: micro-batch k's surrogate (see :mod:`gradaccum.integrations.hf_window_loss`);
-        evaluation: the stock per-batch loss."""
+        """Training: micro-batch k's surrogate; evaluation: the stock per-batch loss."""
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
@@ -96,18 +91,13 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
         """The window's loss (its dataset's), served as a WindowLoss, and the loss's own parameters."""
         name = batches[0].get("dataset_name") if batches else None  # one dataset: refused at __init__ otherwise
         loss_fn = self.loss[name] if isinstance(self.loss, dict) and name else self.loss
-        module = self.accelerator.unwrap_model(model)
-        # models the loss runs besides the trained one (GIST's frozen guide), by key
-        guides = {key: getattr(owner, attr) for owner, attr, key in _held_models(loss_fn, module) if key != "model"}
-        served = _ServedLoss(self, loss_fn, module, guides)
-        models = {id(p) for m in [module, *guides.values()] for p in m.parameters()}
+        served = _ServedLoss(self, loss_fn, self.accelerator.unwrap_model(model))
+        models = {id(p) for m in [served.module, *served.guides.values()] for p in m.parameters()}
         return WindowLoss(served.encode, served.loss), [p for p in loss_fn.parameters() if id(p) not in models], None
 
 
 def refuse_windows_mixing_datasets(train_dataset: Any, accumulation: int, world: int, sampler: Any) -> None:
-    """Several training datasets and a window of more than one batch, refused before training: a window
-    would be one big batch over several datasets (docs/guides/sentence-transformers.md, "What each loss
-    gets")."""
+    """Several training datasets and a window of more than one batch: refused (one batch over several datasets)."""
     if not isinstance(train_dataset, dict) or len(train_dataset) < 2 or accumulation * world == 1:
         return
     names = ", ".join(repr(str(name)) for name in train_dataset)
@@ -155,17 +145,15 @@ def _loss_modules(module: nn.Module) -> List[nn.Module]:
 
 
 def _held_models(loss: nn.Module, module: nn.Module) -> List[Tuple[nn.Module, str, str]]:
-    """Where the loss holds a model: ``(owner, attribute, key)``, key "model" for the trained one (also
-    when the Trainer put its DDP wrapper there) and the attribute's name for another (GIST's guide)."""
+    """Where the loss holds a model: ``(owner, attribute, key)``, key "model" for the trained one (or its DDP
+    wrapper), else the attribute's name (GIST's guide)."""
     return [(owner, name, "model" if child is module or getattr(child, "module", None) is module else name)
             for owner in _loss_modules(loss) for name, child in owner._modules.items() if _is_model(child)]
 
 
 class _Served(nn.Module):
-    """Stands in for a model inside the loss: ``model(features)`` returns the cached embeddings of the
-    rows ``features`` names (a column index and row indices, sliced as any feature is). For
-    ``AdaptiveLayerLoss`` the cache holds every layer's embeddings, ``(rows, layers, dim)``, and
-    ``layer`` picks one; every embedding served is recorded (its KL term reads them)."""
+    """A model inside the loss: ``model(features)`` returns the cached embeddings of the rows ``features``
+    names (AdaptiveLayerLoss: of the ``layer``, every one served recorded for its KL term)."""
 
     def __init__(self, columns: Sequence[torch.Tensor]) -> None:
         super().__init__()
@@ -190,18 +178,17 @@ class _Served(nn.Module):
 
 
 class _ServedLoss:
-    """The WindowLoss made of a sentence-transformers loss: ``encode`` runs the model (and the guides) over a
-    micro-batch's columns; ``loss`` calls the loss on the window's joined embeddings."""
+    """A sentence-transformers loss as a WindowLoss's ``encode`` and ``loss``."""
 
-    def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module,
-                 guides: Dict[str, nn.Module]) -> None:
-        self.trainer, self.loss_fn, self.module, self.guides = trainer, loss_fn, module, guides
+    def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module) -> None:
+        self.trainer, self.loss_fn, self.module = trainer, loss_fn, module
+        # models the loss runs besides the trained one (GIST's frozen guide), by key
+        self.guides = {key: getattr(owner, attr) for owner, attr, key in _held_models(loss_fn, module)
+                       if key != "model"}
         self.adaptive = loss_fn if isinstance(loss_fn, AdaptiveLayerLoss) else None
 
     def _every_layer(self, model: nn.Module, features: Dict[str, Any]) -> torch.Tensor:
-        """Every layer's sentence embedding, ``(rows, layers, dim)``, the last layer's last: the model's
-        forward with the hidden states (as AdaptiveLayerLoss's TransformerDecorator runs it), then the
-        modules after the transformer on each earlier layer's token embeddings."""
+        """Every layer's sentence embedding, ``(rows, layers, dim)``, as AdaptiveLayerLoss computes them."""
         with swapped(self.module[0].auto_model.config, "output_hidden_states", True):
             out = model(features)
         layers = []
@@ -251,8 +238,7 @@ class _ServedLoss:
 
     @staticmethod
     def _adaptive_layers(ad: Any, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
-        """AdaptiveLayerLoss's forward on the served layers: the inner loss on the last layer, on the
-        earlier layers it samples (weighted), and the KL divergence of each to the last layer's."""
+        """AdaptiveLayerLoss's forward on the served layers."""
         import random
 
         inner, layers = ad.loss, served.table.shape[1]
