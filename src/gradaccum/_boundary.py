@@ -197,12 +197,7 @@ class Boundary:
             if closing.steps:
                 if self.sync.needs_count_first and closing.scale != 1.0:
                     raise not_known_up_front(in_engine=True)  # loss_fn counted other items than those known up front
-                coef = closing.scale * clip_coefficient(grad_norm, self.max_grad_norm)
-                if coef != 1.0:
-                    grads = self.grads.tensors() if grads is None else grads
-                    if grads:
-                        torch._foreach_mul_(grads, coef)
-                self.grads.write_back()
+                self.grads.hand_over(closing.scale * clip_coefficient(grad_norm, self.max_grad_norm), grads)
                 stepped_norm = None  # the norm a stepper measured itself (DeepSpeed), not finite where it skipped
                 if self.wrapped_step:
                     stepped_norm = self.sync.step(self.optimizer, self.precision)
@@ -404,10 +399,23 @@ class Gradients:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]  # type: ignore[misc]
 
-    def write_back(self) -> None:
-        """Before the optimizer step: buffers rounded once into ``.grad``."""
+    def hand_over(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
+        """The window's gradient for the step: every tensor of it (``grads``, where the caller listed them)
+        multiplied once by ``coef`` (the scale ``R / N``, with the Accumulator's clip folded in), the
+        buffers then rounded once into ``.grad``. Every driver's one float32-buffer rule."""
+        self.close()
+        if coef != 1.0:
+            grads = self.tensors() if grads is None else grads
+            if grads:
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, coef)
         if self.buffers is not None:
             self.buffers.write_grads_()
+
+    def drop(self) -> None:
+        """A skipped window: its buffers fold nothing more, and its gradient goes."""
+        self.close()
+        self.clear()
 
     def clear(self) -> None:
         for p in self.params:

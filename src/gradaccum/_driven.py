@@ -36,7 +36,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from ._checks import Count, as_number
-from ._boundary import total_norm
+from ._boundary import Gradients, total_norm
 from ._gradients import AccumulationBuffers
 from ._maths import Verdict, verdict
 from ._settings import NONFINITE
@@ -119,24 +119,11 @@ class DrivenWindow:
         the ``.grad`` of ``params`` are dropped."""
         closing = self.closing if self.closing is not None else self.weights.close(num_items if num_items is not None
                                                                                      else self.count)
-        params = list(params)
-        buffers = self.buffers
-        if buffers is not None:
-            buffers.active = False
-        if not closing.steps:
-            if buffers is not None:
-                buffers.clear()
-            for p in params:
-                p.grad = None
-            return closing
-        low = set() if buffers is None else {id(p) for p in buffers.params}
-        grads = [p.grad for p in params if p.grad is not None and id(p) not in low]
-        grads += [] if buffers is None else buffers.tensors()
-        if grads and closing.scale != 1.0:
-            with torch.no_grad():
-                torch._foreach_mul_(grads, closing.scale)
-        if buffers is not None:
-            buffers.write_grads_()  # now .grad, already at the scale
+        gradients = Gradients(list(params), self.buffers)  # the Accumulator's boundary's rule for the buffers
+        if closing.steps:
+            gradients.hand_over(closing.scale)
+        else:
+            gradients.drop()
         return closing
 
     def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),
