@@ -403,7 +403,8 @@ class Gradients:
         """The window's gradient for the step: every tensor of it (``grads``, where the caller listed them)
         multiplied once by ``coef`` (the scale ``R / N``, with the Accumulator's clip folded in), the
         buffers then rounded once into ``.grad``. Every driver's one float32-buffer rule."""
-        self.close()
+        if self.buffers is not None:
+            self.buffers.active = False
         if coef != 1.0:
             grads = self.tensors() if grads is None else grads
             if grads:

@@ -107,7 +107,12 @@ class DrivenWindow:
         self.count = self.count + num_items
         if not loss.requires_grad:
             return contextlib.nullcontext()
-        c = divided_by * self.weights.mean_weight(num_items, loss.dtype)
+        per_item = self.item_weight
+        if per_item is None:  # W / R once the driver has fixed the running R, at the window's first backward
+            per_item = self.item_weight = self.weights.sum_weight()
+        # n_k * W / R (WindowWeights.mean_weight), for a Python count without a call
+        c = divided_by * (num_items * per_item if type(num_items) is int else self.weights.mean_weight(num_items,
+                                                                                                        loss.dtype))
         loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
         empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
         return contextlib.nullcontext() if empty is None else weighing_nothing(leaves(), empty)
@@ -119,11 +124,10 @@ class DrivenWindow:
         the ``.grad`` of ``params`` are dropped."""
         closing = self.closing if self.closing is not None else self.weights.close(num_items if num_items is not None
                                                                                      else self.count)
-        gradients = Gradients(list(params), self.buffers)  # the Accumulator's boundary's rule for the buffers
-        if closing.steps:
-            gradients.hand_over(closing.scale)
-        else:
-            gradients.drop()
+        if not closing.steps:  # the Accumulator's boundary's rules for the gradient and its buffers
+            Gradients(list(params), self.buffers).drop()
+        elif closing.scale != 1.0 or self.buffers is not None:  # else nothing to scale or write back
+            Gradients(list(params), self.buffers).hand_over(closing.scale)
         return closing
 
     def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),
