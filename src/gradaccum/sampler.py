@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Sampler
 
 from . import sync
-from ._checks import positive_int
+from ._checks import non_negative_int, positive_int
 from ._maths import ceil_div
 from .errors import ConfigurationError
 
@@ -148,9 +148,7 @@ class WindowSampler(Sampler[List[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Move to ``epoch``; a new epoch starts at its first window, the current one stays put."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigurationError(f"epoch must be an int >= 0, got {epoch!r}")
-        if epoch != self.epoch:
+        if non_negative_int("epoch", epoch) != self.epoch:
             self.epoch, self.start_window = epoch, 0
 
     def advance(self, windows: int = 1) -> None:
