@@ -100,10 +100,9 @@ class _Recorder:
         self.io: Dict[str, List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]] = {}
         self.random: set = set()
         self._stack: List[List[Any]] = []  # [name, RNG state when last seen]
-        self._handles = []
-        for name, module in model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self._handles.append(module.register_forward_hook(self._post(name)))
+        self._handles = [hook for name, module in model.named_modules()
+                         for hook in (module.register_forward_pre_hook(self._pre(name)),
+                                      module.register_forward_hook(self._post(name)))]
 
     def _pre(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
