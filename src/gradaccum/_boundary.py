@@ -380,9 +380,11 @@ class Gradients:
         self.unbuffered = [p for p in self.params if id(p) not in folded]
 
     def open(self) -> None:
-        """A window opens: stale gradients would leak into it."""
-        self.clear()
+        """A window opens: stale gradients would leak into it; the buffers fold from here on."""
+        for p in self.params:
+            p.grad = None
         if self.buffers is not None:
+            self.buffers.clear()
             self.buffers.active = True
 
     def close(self) -> None:
