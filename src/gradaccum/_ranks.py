@@ -156,7 +156,7 @@ def window_setup(state: AccumulatorState, rules: Rules, request: Request, plan: 
     Setup(plan=Plan(micro_batches=2, most=2, fewest=2, items=10.0, asked=False), reference=10.0, padding=0, counted=None)
     """
     padding = 0
-    if plan is not None:
+    if plan is not None and plan.most != plan.fewest:  # else every rank runs as many: nobody pads
         padding = padded_count(plan.micro_batches, plan.most, rules.needs_equal_counts) - plan.micro_batches
     # the agreement refused, on every rank alike, any window where a rank that must pad cannot
     assert padding == 0 or request.can_pad, "the agreement lets no rank pad that cannot"
@@ -211,7 +211,7 @@ class RankAgreement:
             plan = (local_plan(self.state, self.rules, request)
                     or self.agree(request.micro_batches, request.items, request.can_pad))
         setup = window_setup(self.state, self.rules, request, plan)
-        if self.counts_first(plan):  # every rank reads N at its first backward
+        if self.rules.shares_windows and self.counts_first(plan):  # every rank reads N at its first backward
             setup = setup._replace(counted=CountedFirst(self.sync, self.device, request.items))
         return setup
 
@@ -285,8 +285,9 @@ class RankAgreement:
 
     def learn(self, setup: Setup, outcome: "Outcome") -> None:
         """After a boundary that did not raise: the count ratio, and what the ranks told each other."""
-        if setup.items and outcome.num_items > 0:
-            self.state.count_ratio = outcome.num_items / setup.items
+        upfront = setup.items
+        if upfront and outcome.num_items > 0:
+            self.state.count_ratio = outcome.num_items / upfront
         self.state.counts_from_loss_fn = outcome.counts_from_loss_fn
         if self.rules.shares_windows:
             self.state.counts_first, self.state.peers_can_pad = outcome.counted_first, outcome.peers_can_pad
