@@ -1,17 +1,11 @@
 """The boundary of a window: from the accumulated gradient to one optimizer step.
 
-The formulas (the backward weight, R, the boundary scale, the clip coefficient, the verdict) are in
-:mod:`gradaccum._maths`; this module runs them in order. The gradient itself is reduced across ranks
-before the boundary, by DDP or FSDP2 inside the last micro-batch's backward (:mod:`gradaccum.sync`
-skips the reduction in the others). The window's all-reduce of ``(sum n_k L_k, N)`` and its flags
-(:class:`~gradaccum._boundary.ExchangeRow`) is launched before that last backward when it can be, so it
-overlaps it. At the boundary, in this order: unscale (fp16, once); on the first window under DDP, a
-check that the replicas' gradients agree (:func:`check_replicas`); the exchanged numbers read on the
-host (the window's one host synchronisation; under FSDP2 with a measured norm the all-reduce starts
-here and also sums the shards' squared norms); the total norm of the normalized gradient (with
-clipping, fp16 or ``compute_grad_norm``); the **verdict** (step, skip or raise, from the loss and that
-norm); the **clip coefficient** folded into the boundary scale, so clipping costs no extra pass; the
-optimizer step; the scheduler step (only on steps taken); gradients cleared.
+:meth:`Boundary.finish` runs the formulas of :mod:`gradaccum._maths` in this order: unscale (fp16,
+once); on the first window under DDP, the replicas compared (:func:`check_replicas`); the exchanged
+numbers read on the host (the window's one host synchronisation: :class:`ExchangeRow`, all-reduced
+across ranks, launched before the last backward where it can be, so that it overlaps it); the norm;
+the verdict; the scale ``R / N`` and the clip in one pass (:meth:`Gradients.hand_over`); the optimizer
+step; the scheduler (on steps taken); the gradients cleared.
 """
 
 from __future__ import annotations

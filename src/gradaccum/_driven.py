@@ -1,30 +1,12 @@
 """One window of a loop a framework owns (the Hugging Face Trainer's, Lightning's), driven from its hooks.
 
 The framework calls forward, backward, clipping and the optimizer; the driver (``ExactTrainer``,
-``ExactAccumulation``) only hooks them. What is the same in every such driver is here, once:
-
-1. **open** the window: the core's :class:`~gradaccum._maths.WindowWeights` (``num_items=N`` when the
-   driver counted the window first, the running R otherwise), and the float32 buffers of the bf16/fp16
-   parameters' window gradient (:class:`~gradaccum._gradients.AccumulationBuffers`) cleared and folding;
-2. **weigh** each micro-batch (``weights.mean_weight``, ``item_weight`` = ``sum_weight``, or
-   :meth:`DrivenWindow.weigh` on the loss the framework backpropagates, with the guard of a micro-batch of
-   0 items), counting what ran;
-3. at the **boundary**, before the framework clips and steps: :meth:`DrivenWindow.close` decides (step,
-   or skip a window of no item), stops the buffers folding and, for a step, hands the framework the
-   window's gradient at its scale ``R / N``: the buffers multiplied in float32 and rounded once into
-   ``.grad``, every other gradient multiplied in place; for a skip, every gradient dropped.
-   :meth:`DrivenWindow.judge` gives the rest of the verdict on the gradient handed over, with the
-   ``Accumulator``'s rule (:func:`~gradaccum._maths.verdict`) and its ``nonfinite=`` choice: a norm
-   that is not finite (a nan or inf loss or gradient in any micro-batch, on any rank) skips the window
-   (``"skip"``: its gradient dropped; the driver keeps its framework's optimizer and scheduler from
-   stepping) or raises (``"raise"``). The norm is the one the framework measures anyway where it does
-   (the Hugging Face Trainer's, for clipping and its log), else one fused pass here; either way one
-   host read per window, and the same on every rank, since every rank holds the same reduced gradient
-   (under FSDP2 the norm is of the whole gradient). Then :meth:`DrivenWindow.record` writes what the
-   window taught into the driver's :class:`~gradaccum.AccumulatorState` (one step more, or one skip).
-
-A window that fails part-way drops its buffers (:meth:`DrivenWindow.abort`): their hooks stay on the
-parameters, so nothing of it may fold into the next window.
+``ExactAccumulation``) only hooks them. :class:`DrivenWindow` is what is the same in every such driver:
+it opens the core's :class:`~gradaccum._maths.WindowWeights` (N counted first, or the running R) and the
+float32 buffers, weighs each micro-batch, and at the boundary, before the framework clips, hands the
+gradient over at ``R / N`` or drops it (the Accumulator's :class:`~gradaccum._boundary.Gradients` rule),
+judges its norm (the Accumulator's :func:`~gradaccum._maths.verdict` and ``nonfinite=``) and records.
+docs/architecture.md walks each driver's hooks through it.
 """
 from __future__ import annotations
 
