@@ -1,14 +1,7 @@
-"""``micro_batch_size="auto"``: find the largest micro-batch that fits, by halving on out-of-memory.
-
-A window starts from the whole batch (or the last size that worked), and on an out-of-memory error
-drops the attempt's partial gradients and retries the same window with half the size. The failed
-attempt leaves nothing behind, so the step equals one made with the final size from the start. A
-short window (fewer items than the size that works) does not shrink the remembered size.
-
-Under data parallelism every rank starts from the same size (a min all-reduce), and the ranks agree
-on an error after the window, before any gradient is reduced (:func:`gradaccum._run.run_window`
-with ``catch_oom``), so one rank's error backs every rank off and none waits.
-"""
+"""``micro_batch_size="auto"``: the largest micro-batch that fits, found by halving on out-of-memory. A failed
+attempt's partial gradients are dropped and the same window retried, so the step is the one the final size
+gives; every rank starts from the same size, and one rank's error backs every rank off
+(:func:`gradaccum._run.run_window` with ``catch_oom``)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """The boundary of a window: from the accumulated gradient to one optimizer step.
 
-The formulas (the backward weight, R, the boundary scale, the clip coefficient, the verdict) are in
-:mod:`gradaccum._maths`; this module runs them in order. The gradient itself is reduced across ranks
-before the boundary, by DDP or FSDP2 inside the last micro-batch's backward (:mod:`gradaccum.sync`
-skips the reduction in the others). The window's all-reduce of ``(sum n_k L_k, N)`` and its flags
-(:class:`~gradaccum._boundary.ExchangeRow`) is launched before that last backward when it can be, so it
-overlaps it. At the boundary, in this order: unscale (fp16, once); on the first window under DDP, a
-check that the replicas' gradients agree (:func:`check_replicas`); the exchanged numbers read on the
-host (the window's one host synchronisation; under FSDP2 with a measured norm the all-reduce starts
-here and also sums the shards' squared norms); the total norm of the normalized gradient (with
-clipping, fp16 or ``compute_grad_norm``); the **verdict** (step, skip or raise, from the loss and that
-norm); the **clip coefficient** folded into the boundary scale, so clipping costs no extra pass; the
-optimizer step; the scheduler step (only on steps taken); gradients cleared.
+:meth:`Boundary.finish` runs the formulas of :mod:`gradaccum._maths` in this order: unscale (fp16,
+once); on the first window under DDP, the replicas compared (:func:`check_replicas`); the exchanged
+numbers read on the host (the window's one host synchronisation: :class:`ExchangeRow`, all-reduced
+across ranks, launched before the last backward where it can be, so that it overlaps it); the norm;
+the verdict; the scale ``R / N`` and the clip in one pass (:meth:`Gradients.hand_over`); the optimizer
+step; the scheduler (on steps taken); the gradients cleared.
 """
 
 from __future__ import annotations
@@ -197,12 +191,7 @@ class Boundary:
             if closing.steps:
                 if self.sync.needs_count_first and closing.scale != 1.0:
                     raise not_known_up_front(in_engine=True)  # loss_fn counted other items than those known up front
-                coef = closing.scale * clip_coefficient(grad_norm, self.max_grad_norm)
-                if coef != 1.0:
-                    grads = self.grads.tensors() if grads is None else grads
-                    if grads:
-                        torch._foreach_mul_(grads, coef)
-                self.grads.write_back()
+                self.grads.hand_over(closing.scale * clip_coefficient(grad_norm, self.max_grad_norm), grads)
                 stepped_norm = None  # the norm a stepper measured itself (DeepSpeed), not finite where it skipped
                 if self.wrapped_step:
                     stepped_norm = self.sync.step(self.optimizer, self.precision)
@@ -380,9 +369,11 @@ class Gradients:
         self.unbuffered = [p for p in self.params if id(p) not in folded]
 
     def open(self) -> None:
-        """A window opens: stale gradients would leak into it."""
-        self.clear()
+        """A window opens: stale gradients would leak into it; the buffers fold from here on."""
+        for p in self.params:
+            p.grad = None
         if self.buffers is not None:
+            self.buffers.clear()
             self.buffers.active = True
 
     def close(self) -> None:
@@ -402,10 +393,24 @@ class Gradients:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]  # type: ignore[misc]
 
-    def write_back(self) -> None:
-        """Before the optimizer step: buffers rounded once into ``.grad``."""
+    def hand_over(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
+        """The window's gradient for the step: every tensor of it (``grads``, where the caller listed them)
+        multiplied once by ``coef`` (the scale ``R / N``, with the Accumulator's clip folded in), the
+        buffers then rounded once into ``.grad``. Every driver's one float32-buffer rule."""
+        if self.buffers is not None:
+            self.buffers.active = False
+        if coef != 1.0:
+            grads = self.tensors() if grads is None else grads
+            if grads:
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, coef)
         if self.buffers is not None:
             self.buffers.write_grads_()
+
+    def drop(self) -> None:
+        """A skipped window: its buffers fold nothing more, and its gradient goes."""
+        self.close()
+        self.clear()
 
     def clear(self) -> None:
         for p in self.params:

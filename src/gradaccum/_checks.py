@@ -68,7 +68,7 @@ def item_count(name: str, value: Any) -> Count:
         if value.numel() != 1:
             raise ConfigurationError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
         return value
-    if not _finite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ConfigurationError(f"{name} must be a finite number >= 0 (how many items the loss is a mean over), "
                                  f"got {value!r}")
     return value

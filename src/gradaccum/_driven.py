@@ -1,30 +1,12 @@
 """One window of a loop a framework owns (the Hugging Face Trainer's, Lightning's), driven from its hooks.
 
 The framework calls forward, backward, clipping and the optimizer; the driver (``ExactTrainer``,
-``ExactAccumulation``) only hooks them. What is the same in every such driver is here, once:
-
-1. **open** the window: the core's :class:`~gradaccum._maths.WindowWeights` (``num_items=N`` when the
-   driver counted the window first, the running R otherwise), and the float32 buffers of the bf16/fp16
-   parameters' window gradient (:class:`~gradaccum._gradients.AccumulationBuffers`) cleared and folding;
-2. **weigh** each micro-batch (``weights.mean_weight``, ``item_weight`` = ``sum_weight``, or
-   :meth:`DrivenWindow.weigh` on the loss the framework backpropagates, with the guard of a micro-batch of
-   0 items), counting what ran;
-3. at the **boundary**, before the framework clips and steps: :meth:`DrivenWindow.close` decides (step,
-   or skip a window of no item), stops the buffers folding and, for a step, hands the framework the
-   window's gradient at its scale ``R / N``: the buffers multiplied in float32 and rounded once into
-   ``.grad``, every other gradient multiplied in place; for a skip, every gradient dropped.
-   :meth:`DrivenWindow.judge` gives the rest of the verdict on the gradient handed over, with the
-   ``Accumulator``'s rule (:func:`~gradaccum._maths.verdict`) and its ``nonfinite=`` choice: a norm
-   that is not finite (a nan or inf loss or gradient in any micro-batch, on any rank) skips the window
-   (``"skip"``: its gradient dropped; the driver keeps its framework's optimizer and scheduler from
-   stepping) or raises (``"raise"``). The norm is the one the framework measures anyway where it does
-   (the Hugging Face Trainer's, for clipping and its log), else one fused pass here; either way one
-   host read per window, and the same on every rank, since every rank holds the same reduced gradient
-   (under FSDP2 the norm is of the whole gradient). Then :meth:`DrivenWindow.record` writes what the
-   window taught into the driver's :class:`~gradaccum.AccumulatorState` (one step more, or one skip).
-
-A window that fails part-way drops its buffers (:meth:`DrivenWindow.abort`): their hooks stay on the
-parameters, so nothing of it may fold into the next window.
+``ExactAccumulation``) only hooks them. :class:`DrivenWindow` is what is the same in every such driver:
+it opens the core's :class:`~gradaccum._maths.WindowWeights` (N counted first, or the running R) and the
+float32 buffers, weighs each micro-batch, and at the boundary, before the framework clips, hands the
+gradient over at ``R / N`` or drops it (the Accumulator's :class:`~gradaccum._boundary.Gradients` rule),
+judges its norm (the Accumulator's :func:`~gradaccum._maths.verdict` and ``nonfinite=``) and records.
+docs/architecture.md walks each driver's hooks through it.
 """
 from __future__ import annotations
 
@@ -36,7 +18,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from ._checks import Count, as_number
-from ._boundary import total_norm
+from ._boundary import Gradients, total_norm
 from ._gradients import AccumulationBuffers
 from ._maths import Verdict, verdict
 from ._settings import NONFINITE
@@ -107,7 +89,12 @@ class DrivenWindow:
         self.count = self.count + num_items
         if not loss.requires_grad:
             return contextlib.nullcontext()
-        c = divided_by * self.weights.mean_weight(num_items, loss.dtype)
+        per_item = self.item_weight
+        if per_item is None:  # W / R once the driver has fixed the running R, at the window's first backward
+            per_item = self.item_weight = self.weights.sum_weight()
+        # n_k * W / R (WindowWeights.mean_weight), for a Python count without a call
+        c = divided_by * (num_items * per_item if type(num_items) is int else self.weights.mean_weight(num_items,
+                                                                                                        loss.dtype))
         loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
         empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
         return contextlib.nullcontext() if empty is None else weighing_nothing(leaves(), empty)
@@ -119,24 +106,10 @@ class DrivenWindow:
         the ``.grad`` of ``params`` are dropped."""
         closing = self.closing if self.closing is not None else self.weights.close(num_items if num_items is not None
                                                                                      else self.count)
-        params = list(params)
-        buffers = self.buffers
-        if buffers is not None:
-            buffers.active = False
-        if not closing.steps:
-            if buffers is not None:
-                buffers.clear()
-            for p in params:
-                p.grad = None
-            return closing
-        low = set() if buffers is None else {id(p) for p in buffers.params}
-        grads = [p.grad for p in params if p.grad is not None and id(p) not in low]
-        grads += [] if buffers is None else buffers.tensors()
-        if grads and closing.scale != 1.0:
-            with torch.no_grad():
-                torch._foreach_mul_(grads, closing.scale)
-        if buffers is not None:
-            buffers.write_grads_()  # now .grad, already at the scale
+        if not closing.steps:  # the Accumulator's boundary's rules for the gradient and its buffers
+            Gradients(list(params), self.buffers).drop()
+        elif closing.scale != 1.0 or self.buffers is not None:  # else nothing to scale or write back
+            Gradients(list(params), self.buffers).hand_over(closing.scale)
         return closing
 
     def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),

@@ -1,10 +1,6 @@
-"""What one window teaches the next, in one object: :class:`AccumulatorState`.
-
-Every fact that outlives a window lives here (the GradScaler's own state aside), not on the parts the
-Accumulator builds nor on the user's objects. ``Accumulator.state_dict()`` is derived from the fields
-marked *saved*, each with the converter its checkpoint value passes through, so a new field cannot be
-left out of a checkpoint, nor read back unchecked; the others start afresh in a new process.
-"""
+"""What one window teaches the next, in one object: :class:`AccumulatorState`. ``state_dict()`` is derived
+from the fields marked *saved*, each with its converter, so no field is left out of a checkpoint or read
+back unchecked; the others start afresh in a new process."""
 
 from __future__ import annotations
 
@@ -58,11 +54,9 @@ class AccumulatorState:
         epoch: epochs ``train()`` finished: set when an epoch's loop ends (over a WindowSampler, already
             at its last window, so that a checkpoint taken there says the epoch is done).
         reference: the running R, for windows whose item count is not known before their first backward
-            (a hand-written window without ``num_items``, Lightning's automatic loop): the first such
-            backward's count (:func:`gradaccum._maths.running_reference`; Lightning's callback: the
-            accumulation times the ranks' first counts), fixed once by ``WindowWeights.fix_reference`` and
-            kept. Windows that count first weigh by their own N instead. (Saved as ``reference_items``
-            before.)
+            (a hand-written window without ``num_items``, Lightning's automatic loop), fixed once by
+            ``WindowWeights.fix_reference`` (:func:`gradaccum._maths.running_reference`) and kept. (Saved as
+            ``reference_items`` before.)
         count_ratio: items ``loss_fn`` counted per item counted up front, in the last window with an
             up-front count (1.0 when they are the same items). ``RankAgreement.learn``, at the boundary.
         last_window_items: the previous window with items' global count N (the same on every rank), for
@@ -70,10 +64,9 @@ class AccumulatorState:
             ``last_items`` before.)
         auto_micro_batch_size: the micro-batch size that last worked under ``micro_batch_size="auto"``.
             ``AutoMicroBatch.step``, after the first window and after any that backed off.
-        counts_first: across ranks, every rank counted its items before the first backward in the last
-            window, so a window whose plan does not carry N counts it first (the same
-            on every rank: :meth:`gradaccum._ranks.RankAgreement.counts_first`). ``learn``. Saved, so
-            that a resumed process counts (or not) where the uninterrupted one did.
+        counts_first: across ranks, every rank counted its items up front in the last window, so the next
+            counts first (:meth:`gradaccum._ranks.RankAgreement.counts_first`); saved, so that a resumed
+            process counts where the uninterrupted one did.
 
     Start afresh in a new process:
 

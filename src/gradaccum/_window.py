@@ -31,7 +31,7 @@ from .sync import GradSync
 from ._deepspeed import not_known_up_front
 from ._autosize import is_out_of_memory
 
-__all__ = ["Window", "Parts", "weighing_nothing", "graph_leaves"]
+__all__ = ["Window", "Parts", "check_request", "weighing_nothing", "graph_leaves"]
 
 _NOTHING = contextlib.nullcontext()  # the block of a micro-batch that switches nothing, in Window.run
 
@@ -112,7 +112,6 @@ class Window:
     """
 
     def __init__(self, ctx: Parts, request: Request, *, micro_batch_size: Optional[Any] = None) -> None:
-        _check_request(ctx, request)
         self.ctx, self.request, self.micro_batch_size = ctx, request, micro_batch_size
         #: what the ranks decided when the window opened (None before)
         self.setup: Optional[Setup] = None
@@ -156,7 +155,8 @@ class Window:
         """The window's :class:`~gradaccum._maths.WindowWeights` (R: ``weights.reference``), opened as the
         window opens, or where it counts first at its first backward, which reads the ranks' count."""
         if self._weights is None:
-            setup = self._open_setup("backward")
+            setup = self.setup
+            assert setup is not None, "the weighting is read inside `with acc.window(...)`"
             weights = self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor, reference=(
                 setup.reference if setup.counted is None else self.ctx.ranks.reference(setup)))
             if weights.reference is not None:  # else fixed by the first backward (fix_reference)
@@ -383,7 +383,8 @@ def _step_refused(window: "Window", setup: Setup) -> Optional[str]:
     return None
 
 
-def _check_request(ctx: Parts, request: Request) -> None:
+def check_request(ctx: Parts, request: Request) -> None:
+    """A hand-written window's request (``acc.window``'s arguments); the Accumulator's own are made checked."""
     n, items = request.micro_batches, request.items
     if n is not None and not (type(n) is int and n > 0) and not (ctx.sync.allows_empty_share and n == 0):
         positive_int("micro_batches", n)

@@ -49,7 +49,7 @@ from ._training import TrainSpec, train_windows
 from ._cached import WindowLoss, check_window_loss
 from ._checks import ROWS, Count, training_batchnorms
 from ._run import LossFn, run_auto, run_window
-from ._window import Parts, Window
+from ._window import Parts, Window, check_request
 from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
@@ -242,8 +242,9 @@ class Accumulator(Resumable):
                 Without it such a window is refused on every rank alike.
         """
         self.context.slot.check_idle()
-        return Window(self.context, Request(micro_batches, num_items, can_pad=pad),
-                      micro_batch_size=micro_batch_size)
+        request = Request(micro_batches, num_items, can_pad=pad)
+        check_request(self.context, request)
+        return Window(self.context, request, micro_batch_size=micro_batch_size)
 
     def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,
               epochs: int = 1, drop_last: bool = False, num_items: Optional[CountFn] = None,

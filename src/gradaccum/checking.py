@@ -100,10 +100,9 @@ class _Recorder:
         self.io: Dict[str, List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]] = {}
         self.random: set = set()
         self._stack: List[List[Any]] = []  # [name, RNG state when last seen]
-        self._handles = []
-        for name, module in model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self._handles.append(module.register_forward_hook(self._post(name)))
+        self._handles = [hook for name, module in model.named_modules()
+                         for hook in (module.register_forward_pre_hook(self._pre(name)),
+                                      module.register_forward_hook(self._post(name)))]
 
     def _pre(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -183,11 +182,11 @@ def _padded_rows_hint(full: "_Pass", batch: Batch, num_items: Any) -> Optional[s
             "(mean, count) from loss_fn (gradaccum.causal_lm_loss)")
 
 
-def _coupled_loss_hint(loss_full: float, loss_acc: float, rtol: float) -> str:
+def _coupled_loss_hint(loss_full: float, loss_acc: float, rtol: float) -> Optional[str]:
     """The losses differ while every module's outputs agree: the loss itself couples the items."""
     if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or \
             abs(loss_full - loss_acc) <= rtol * max(abs(loss_full), abs(loss_acc), 1e-30):
-        return ""
+        return None
     return (f"the loss couples the batch's items: {loss_full:.6g} on the whole batch, {loss_acc:.6g} as the "
             "item-weighted mean of its values on the micro-batches, while every module gives each item the same "
             "output on both, so an item's loss depends on the other items of its batch (in-batch negatives, a "
@@ -249,10 +248,8 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     suspects = _Suspects()
     dropouts = suspects.in_model(model)
     full, acc = _both_passes(model, loss_fn, batch, micro_batches, micro_batch_size, num_items)
-    max_rel = 0.0
-    for name, gf in full.grads.items():
-        ga = acc.grads.get(name, torch.zeros_like(gf))
-        max_rel = max(max_rel, (ga - gf).norm().item() / max(gf.norm().item(), 1e-30))
+    max_rel = max(((acc.grads.get(name, torch.zeros_like(gf)) - gf).norm().item() / max(gf.norm().item(), 1e-30)
+                   for name, gf in full.grads.items()), default=0.0)
     matched = max_rel <= rtol
     drawn = suspects.in_passes(full, acc, dropouts, len(micro_batches), rtol, matched)
     hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items,
@@ -272,7 +269,7 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
     elif hint is None and not isinstance(loss_fn, MoELoss):  # the term over the batch (moe)
         hint = balance_hint(model)
     if hint is None and not suspected and not isinstance(loss_fn, WindowLoss):
-        hint = _coupled_loss_hint(full.loss, acc.loss, rtol) or None
+        hint = _coupled_loss_hint(full.loss, acc.loss, rtol)
     return hint
 
 

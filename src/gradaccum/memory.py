@@ -1,20 +1,14 @@
-"""Peak memory of a region of code, measured from the allocator rather than estimated.
-
-What is measured. Let a_1, a_2, ... be the allocations the region makes (sizes s_i) and F(t) the
-ones of them already freed at time t. Then::
+"""Peak memory of a region of code, measured from the allocator rather than estimated. With s_i the sizes of
+the region's allocations and F(t) those of them freed by time t::
 
     peak_bytes     = max_t  sum_{i allocated by t, i not in F(t)} s_i
     retained_bytes = the same sum at the end of the region
 
-Memory held before the region (the model, the data) is not counted: both figures are the rise above
-the level at entry, in the bytes the allocator was asked for (``nbytes`` of the storages).
-
-How. On CUDA, the caching allocator's own high-water mark (``torch.cuda.reset_peak_memory_stats`` on
-entry, ``max_memory_allocated`` on exit): free, but it resets the process's CUDA peak, so CUDA meters
-must not be nested. On the CPU, the PyTorch profiler's private entry points with memory events and no
-operator events: every allocation and free, replayed in time order (frees of older blocks ignored); it
-cannot run inside another profiler. That costs about half a millisecond per region plus 7 to 40
-microseconds per allocation (docs/benchmarks.md, section 3): measure some windows, not every one.
+in the bytes asked of the allocator; memory held at entry is not counted. On CUDA: the caching allocator's
+high-water mark (free, but it resets the process's CUDA peak: CUDA meters must not be nested). On the CPU:
+the PyTorch profiler's memory events, replayed in time order (not inside another profiler; about half a
+millisecond per region plus 7 to 40 microseconds per allocation, docs/benchmarks.md section 3: measure some
+windows, not every one).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""Exact accumulation over a ``torch.distributed.pipelining`` schedule: :class:`PipelineWindow`.
-
-A schedule is a window: K micro-batches through the stages, one optimizer step. Stock, ``scale_grads=True``
-divides the summed gradient by K, the mean of micro-batch means, not the window's mean over its N items.
-Here each micro-batch is weighed as every gradaccum window weighs it (:mod:`gradaccum._maths`)::
+"""Exact accumulation over a ``torch.distributed.pipelining`` schedule: :class:`PipelineWindow` weighs each
+micro-batch as every gradaccum window does (:mod:`gradaccum._maths`), where the stock ``scale_grads=True``
+divides the summed gradient by K, the mean of micro-batch means::
 
     micro-batch k backpropagates  S_k * W / N     (S_k = n_k L_k, its summed loss; sum_weight)
     data-parallel reduction        / W            (fully_shard over the replicas)
     window gradient                sum_k S_k / N  (N: the window's items over every replica)
 
-    pipe = PipelineWindow(stage, optimizer, token_loss_sum, n_microbatches=4, reduction="sum", max_grad_norm=1.0)
-    schedule = ScheduleGPipe(stage, n_microbatches=pipe.n_microbatches, loss_fn=pipe.loss, scale_grads=False)
-    result = pipe.step(schedule, inputs, target=targets)     # inputs on the first stage, targets on the last
-
-:meth:`PipelineWindow.step` counts (n_k on the last stage, N summed over ``dp_group``; a short window padded
-with micro-batches that weigh 0), runs the schedule, reduces what every stage needs in one all-reduce over
-the pipeline group, then takes the verdict, the clip and one optimizer step on every stage alike. Which
-micro-batch a ``pipe.loss`` call is comes from counting the calls (in micro-batch order; a second call on
-the first call's target memory means the first was the stage's shape inference): docs/guides/pipeline.md.
+How a window is counted, run and stepped: docs/guides/pipeline.md.
 """
 
 from __future__ import annotations
@@ -28,10 +18,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ._checks import positive_int
-from ._maths import clip_coefficient, target_count, tensor_norms
+from ._maths import WindowWeights, clip_coefficient, target_count, tensor_norms
 from ._seam import all_reduce_
 from ._state import AccumulatorState
-from ._maths import WindowWeights
 from .errors import ConfigurationError, NotExactError
 from .result import StepResult
 from .sync import sharded_stage
@@ -94,7 +83,7 @@ class _Tally:
     summed: Dict[int, torch.Tensor] = field(default_factory=dict)   #: S_k per micro-batch, detached
 
     def index(self, target: Any) -> int:
-        """Micro-batch k of this call (the module's docstring: calls in order, shape inference first)."""
+        """Micro-batch k of this call: the calls come in micro-batch order, the stage's shape inference first."""
         here = target.data_ptr() if isinstance(target, torch.Tensor) else None
         if len(self.targets) == 1 and here is not None and here == self.targets[0]:
             self.inference = 1  # micro-batch 0's memory again: the first call was the stage's shape inference

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Sampler
 
 from . import sync
-from ._checks import positive_int
+from ._checks import non_negative_int, positive_int
 from ._maths import ceil_div
 from .errors import ConfigurationError
 
@@ -103,19 +103,17 @@ class WindowSampler(Sampler[List[int]]):
             self._cached_order = (epoch, list(order))
         return self._cached_order[1]
 
-    def _bounds(self, window: int) -> range:
-        """Positions in the epoch's order of this rank's share of ``window``."""
+    def _bounds(self, window: int, rank: Optional[int] = None) -> range:
+        """Positions in the epoch's order of ``rank``'s (default: this rank's) share of ``window``."""
         start = window * self.global_batch_size
         b = min(self.global_batch_size, self.dataset_size - start)
-        w, r = self.world_size, self.rank
+        w, r = self.world_size, self.rank if rank is None else rank
         return range(start + r * b // w, start + (r + 1) * b // w)
 
     def shares(self, window: int) -> List[int]:
         """How many items every rank (in rank order) has in global window ``window`` of this epoch:
         what each rank knows of the others without asking (``Accumulator.train`` needs no agreement)."""
-        b = min(self.global_batch_size, self.dataset_size - window * self.global_batch_size)
-        w = self.world_size
-        return [(r + 1) * b // w - r * b // w for r in range(w)]
+        return [len(self._bounds(window, r)) for r in range(self.world_size)]
 
     def window_items(self, window: int, *, epoch: Optional[int] = None) -> List[int]:
         """The dataset indices of global window ``window`` (all ranks' items)."""
@@ -150,9 +148,7 @@ class WindowSampler(Sampler[List[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Move to ``epoch``; a new epoch starts at its first window, the current one stays put."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigurationError(f"epoch must be an int >= 0, got {epoch!r}")
-        if epoch != self.epoch:
+        if non_negative_int("epoch", epoch) != self.epoch:
             self.epoch, self.start_window = epoch, 0
 
     def advance(self, windows: int = 1) -> None:
