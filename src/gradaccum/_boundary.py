@@ -11,7 +11,6 @@ step; the scheduler (on steps taken); the gradients cleared.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -286,16 +285,12 @@ class Boundary:
                 "must not reach the next step. Restore the last checkpoint (engine.load_checkpoint and "
                 "acc.load_state_dict), and lower the learning rate or set \"gradient_clipping\" in the DeepSpeed "
                 "config")
-        totals.weights.record(closing, warn_empty="its StepResult.loss is nan" if totals.ran else None, stacklevel=5)
-        if decision is Verdict.SKIP_NONFINITE and self.precision.scaler is None:
-            self._warn_once("nonfinite", f"a window's {_what(loss_sum)} was not "
-                            "finite, so it was skipped (no step; StepResult.skipped is True, acc.skipped counts "
-                            "them). Lower the learning rate, use max_grad_norm, or pass nonfinite='raise' to stop")
+        said = None if decision is not Verdict.SKIP_NONFINITE or self.precision.scaler is not None else (
+            f"a window's {_what(loss_sum)} was not finite, so it was skipped (no step; StepResult.skipped is True, "
+            "acc.skipped counts them). Lower the learning rate, use max_grad_norm, or pass nonfinite='raise' to stop")
+        totals.weights.record(closing, warn_empty="its StepResult.loss is nan" if totals.ran else None,
+                              warn_nonfinite=said, stacklevel=5)
         self.precision.skip()
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if self.state.warn_once(key):
-            warnings.warn(message, stacklevel=6)
 
 
 def _what(loss_sum: float) -> str:
@@ -450,7 +445,8 @@ def pack_row(tally: Tally, loss_sum: torch.Tensor, *, can_pad_next: bool, stop: 
     items = loss_sum.new_tensor(tally.host_items)
     if tally.device_items is not None:
         items = items + tally.device_items
-    flags = loss_sum.new_tensor([float(can_pad_next), float(stop), float(tally.counts_from_loss_fn), float(counted_first)])
+    flags = loss_sum.new_tensor([float(can_pad_next), float(stop), float(tally.counts_from_loss_fn),
+                                 float(counted_first)])
     row = torch.cat([torch.stack([loss_sum, items]), flags])
     if square_norm is not None:
         row = torch.cat([row, square_norm.to(row).reshape(1)])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
 import torch
@@ -157,14 +156,11 @@ class DrivenWindow:
         did not apply: an fp16 loss scale that overflowed). ``warn_nonfinite``, when given, is said once
         per state with the warning for a window skipped for a gradient that was not finite (how the
         driver counts them)."""
-        closing = self.weights.record(closing, applied=applied, warn_empty=warn_empty, stacklevel=3)
-        if closing.verdict is Verdict.SKIP_NONFINITE and warn_nonfinite is not None \
-                and self.weights.state.warn_once("nonfinite"):
-            warnings.warn(f"{self.who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was "
-                          f"skipped: its gradient dropped, no optimizer or scheduler step; {warn_nonfinite}. Lower "
-                          f"the learning rate, or pass {self.who}(nonfinite='raise') to stop at such a window",
-                          UserWarning, stacklevel=3)
-        return closing
+        said = None if warn_nonfinite is None or closing.verdict is not Verdict.SKIP_NONFINITE else (
+            f"{self.who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was skipped: its "
+            f"gradient dropped, no optimizer or scheduler step; {warn_nonfinite}. Lower the learning rate, or pass "
+            f"{self.who}(nonfinite='raise') to stop at such a window")
+        return self.weights.record(closing, applied=applied, warn_empty=warn_empty, warn_nonfinite=said, stacklevel=3)
 
     def abort(self) -> None:
         """The window failed part-way: its buffers fold nothing more and keep nothing."""

@@ -25,8 +25,8 @@ weighs exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 
 RMSNorm, round as in one big batch). When ``loss_fn`` counts other items (a ``(mean, count)`` pair),
 R is the up-front N times the last window's ratio of the two; when nothing is counted up front, the
 running R (:func:`running_reference`, fixed once); either way the scale ``R / N`` corrects it exactly,
-at the cost of one more rounding of every gradient element (:mod:`gradaccum._ranks`). Dividing each micro-batch by K instead is exact only when every n_k
-is equal, which uneven micro-batches, padded sequences and a short last window are not.
+at the cost of one more rounding of every gradient element (:mod:`gradaccum._ranks`). Dividing each
+micro-batch by K instead is exact only when every n_k is equal, which uneven micro-batches, padded sequences and a short last window are not.
 
 A window with N = 0 (every label ignored) has no loss to step on: its scale is 0 and the
 :func:`verdict` skips it (no optimizer step, so no weight decay and no step counted), in the core and
@@ -80,7 +80,8 @@ from ._checks import Count
 from ._state import AccumulatorState
 from .errors import ConfigurationError
 
-__all__ = ["WindowWeights", "Closing", "CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "running_reference", "window_mean",
+__all__ = ["WindowWeights", "Closing", "CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "running_reference",
+           "window_mean",
            "clip_coefficient", "tensor_norms", "Verdict", "verdict", "target_count", "token_loss_sum",
            "LOSSES", "loss_items", "summed_loss", "router_statistics", "balance_loss_part"]
 
@@ -440,10 +441,11 @@ class WindowWeights:
                        grad_norm)
 
     def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None,
-               stacklevel: int = 2) -> Closing:
+               warn_nonfinite: Optional[str] = None, stacklevel: int = 2) -> Closing:
         """What the state learns at the boundary: one more optimizer step, or one more skipped window
         (``warn_empty``, when given, is said once per state for a window of no item: how the driver
-        counts them), and the window's N as the last window's (windows with items only: it is an R).
+        counts them; ``warn_nonfinite``, the driver's whole warning, once per state for a window skipped
+        as not finite), and the window's N as the last window's (windows with items only: it is an R).
         A step the stepper did not apply (``applied=False``: an fp16 loss scale that overflowed, a
         DeepSpeed engine that found the gradient not finite) is a window skipped as not finite. Returns
         the closing as recorded."""
@@ -458,6 +460,9 @@ class WindowWeights:
             if closing.verdict is Verdict.SKIP_EMPTY and warn_empty is not None and state.warn_once("no_items"):
                 warnings.warn("a window counted 0 items (e.g. every label is the ignore_index): it has no loss to "
                               f"step on, so it was skipped; {warn_empty}", UserWarning, stacklevel=stacklevel + 1)
+            if closing.verdict is Verdict.SKIP_NONFINITE and warn_nonfinite is not None \
+                    and state.warn_once("nonfinite"):
+                warnings.warn(warn_nonfinite, UserWarning, stacklevel=stacklevel + 1)
         if closing.num_items > 0:
             state.last_window_items = closing.num_items
         return closing

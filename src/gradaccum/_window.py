@@ -315,9 +315,9 @@ class Window:
 
     def _totals(self, *, ran: bool) -> Totals:
         """This rank's tally and what the boundary needs with it."""
-        weights = self._weights if self._weights is not None else self.weights
         can_pad_next = self.ctx.sync.shares_windows and self.ctx.ranks.can_pad(self.request.can_pad)  # exchanged
-        return Totals(self.tally, weights, ran=ran, can_pad_next=can_pad_next, counted_first=self.request.items is not None)
+        return Totals(self.tally, self._weights or self.weights, ran=ran, can_pad_next=can_pad_next,
+                      counted_first=self.request.items is not None)
 
     def abandon(self) -> None:
         """Drop this window's gradients (as the block ends) and take no step (after an out-of-memory error)."""

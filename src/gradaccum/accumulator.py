@@ -181,7 +181,8 @@ class Accumulator(Resumable):
         boundary = Boundary(optimizer, scheduler, state=state, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=settings.compute_grad_norm,
                             nonfinite=nonfinite, device=device)
-        rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts, reference_is_count=self.sync.needs_count_first)
+        rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts,
+                      reference_is_count=self.sync.needs_count_first)
         self.auto = AutoMicroBatch(self.sync, device, state)
         self.context = Parts(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=RankAgreement(self.sync, device, state, rules),

@@ -23,9 +23,8 @@ from .errors import ConfigurationError, SplitError
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["Batch", "CountFn", "Counts", "count_items", "PADDED_ROWS_FIX", "leaves", "rebuild", "tensors", "first_tensor",
-           "leading_dim", "split_batch", "concat_batches",
-           "slice_batch", "check_micro_batch_size", "as_micro_batches"]
+__all__ = ["Batch", "CountFn", "Counts", "count_items", "PADDED_ROWS_FIX", "leaves", "rebuild", "tensors",
+           "first_tensor", "leading_dim", "split_batch", "concat_batches", "slice_batch", "check_micro_batch_size", "as_micro_batches"]
 
 
 def leaves(batch: Batch, path: str = "") -> Iterator[Tuple[str, Any]]:
