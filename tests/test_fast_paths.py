@@ -147,3 +147,21 @@ def test_a_window_leaves_nothing_for_the_garbage_collector():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_a_tensor_count_is_summed_in_float64_whatever_the_losss_dtype():
+    """``(mean, count)`` with a half-precision mean and a tensor count: ``n_k L_k`` is summed in float64 (the count
+    converted as it is filed), not in the loss's dtype, where 5000 * 900 overflows fp16 and the window would be
+    skipped as not finite."""
+    model = torch.nn.Linear(4, 1)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    x, y = torch.randn(8, 4), 30 + torch.randn(8, 1)
+    means = []
+
+    def loss_fn(m, mb):
+        mean = ((m(mb[0]) - mb[1]) ** 2).mean().half()
+        means.append(mean.item())
+        return mean, torch.tensor(5000)
+
+    result = acc.step((x, y), loss_fn, micro_batch_size=4)
+    assert not result.skipped and result.loss == (means[0] + means[1]) / 2

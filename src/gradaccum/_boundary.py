@@ -78,12 +78,12 @@ class Tally:
     def __init__(self, entries: Sequence[Tuple[torch.Tensor, Any, bool]], dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.losses = [loss for loss, _, _ in entries]
-        self.counts = [count for _, count, _ in entries]
+        # a tensor count in the sum's dtype (float64), so that n_k L_k is not rounded (nor overflows) in the loss's
+        self.counts = [count.to(dtype) if isinstance(count, torch.Tensor) else count for _, count, _ in entries]
         self.counts_from_loss_fn = any(own for _, _, own in entries)
         self.host_items, self.device_items = 0.0, None  # type: Tuple[float, Optional[torch.Tensor]]
         for c in self.counts:
             if isinstance(c, torch.Tensor):
-                c = c.to(dtype)
                 self.device_items = c if self.device_items is None else self.device_items + c
             else:
                 self.host_items += c
@@ -233,17 +233,17 @@ class Boundary:
         window's one host synchronisation. Across ranks the all-reduce also sums the flags, so the
         next window needs no agreement and a stop reaches every rank at the same window; under FSDP2
         it also sums the shards' squared norms."""
-        tally = Tally(totals.tally, self.count_dtype)
         square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
-        if in_flight is not None:
-            row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)
+        tally = None if in_flight is not None else Tally(totals.tally, self.count_dtype)  # else summed at launch
+        if tally is None:
+            row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)  # type: ignore[union-attr]
         elif self.sync.reduces_across_ranks or tally.device_items is not None:
             square = self.sync.local_square_sum(grads) if self.measure else None  # type: ignore[arg-type]
             row = self.sync.all_reduce_(self._row(totals, tally, square)).to(torch.float64)
         else:  # one process, counts on the host already: only the loss sum crosses to the host
             row = None
         norm = total_norm(grads, self.device) if self.measure and square is None else None  # type: ignore[arg-type]
-        losses = tally.host_losses() if row is None else None  # one process: summed on the host
+        losses = tally.host_losses() if row is None else None  # type: ignore[union-attr] # one process: on the host
         host = read_on_host(row=row, losses=losses, norm=norm)  # the window's one host sync
         if row is None:
             raw = host["norm"][0] if norm is not None else None

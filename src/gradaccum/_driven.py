@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Iterable, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, Iterable, Optional, Union
 
 import torch
 
@@ -62,6 +62,7 @@ class DrivenWindow:
         #: (0 in a skipped window): asked by every micro-batch, computed once
         self.items = int(self.weights.num_items or 0)
         self.item_weight = None if num_items is None else self.weights.sum_weight()
+        self._weight_of: Dict[int, float] = {}  # n_k * W / R by Python count, once R is fixed (weigh)
         self.micro_batches, self.ran, self.count = micro_batches, 0, 0  # count: sum of n_k weighed here
         self.buffers = buffers
         if buffers is not None:  # the window's bf16 gradients fold into float32 from here on
@@ -88,12 +89,12 @@ class DrivenWindow:
         self.count = self.count + num_items
         if not loss.requires_grad:
             return contextlib.nullcontext()
-        per_item = self.item_weight
-        if per_item is None:  # W / R once the driver has fixed the running R, at the window's first backward
-            per_item = self.item_weight = self.weights.sum_weight()
-        # n_k * W / R (WindowWeights.mean_weight), for a Python count without a call
-        c = divided_by * (num_items * per_item if type(num_items) is int else self.weights.mean_weight(num_items,
-                                                                                                        loss.dtype))
+        weight = self._weight_of.get(num_items) if type(num_items) is int else None
+        if weight is None:  # n_k * W / R, asked once per window and Python count (or each time for another count)
+            weight = self.weights.mean_weight(num_items, loss.dtype)
+            if type(num_items) is int:
+                self._weight_of[num_items] = weight
+        c = divided_by * weight
         loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
         empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
         return contextlib.nullcontext() if empty is None else weighing_nothing(leaves(), empty)

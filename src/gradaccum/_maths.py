@@ -118,7 +118,7 @@ def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, gr
     """
     if isinstance(num_items, torch.Tensor):
         return num_items.to(torch.promote_types(loss_dtype, torch.float32)) * (grad_divisor / reference)
-    return num_items * (grad_divisor / reference)  # n_k times the weight of one item, as a tensor count
+    return num_items * grad_divisor / reference
 
 
 def boundary_scale(reference: float, num_items: float) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -124,14 +124,12 @@ class Window:
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
         self.abandoned = False
-        self.reduces_last = ctx.sync.reduces_across_ranks and not request.defer  # the last backward reduces
         self._plain = _MicroBatch(self, False)  # every micro-batch's context where it enters none (until closed)
-        self._per_item: Optional[float] = None  # W / R, the weight of one item, once R is fixed
+        self._weight_of: Optional[Dict[int, float]] = None  # n_k * W / R by Python count n_k, once R is fixed
         #: micro-batches this rank runs, padding included (None when opened without a size, or before it opens)
         self.micro_batches: Optional[int] = None
-        #: zero-weight micro-batches the ranks' counts ask this rank to run on top of its own (DDP: one on
-        #: a rank with none; FSDP2: as many as the busiest runs)
-        self.padding = 0
+        #: zero-weight micro-batches the ranks' counts ask this rank to run on top of its own (DDP: one on a
+        self.padding = 0  # rank with none; FSDP2: as many as the busiest runs)
 
     def __enter__(self) -> "Window":
         ctx = self.ctx
@@ -151,16 +149,20 @@ class Window:
         return self
 
     @property
+    def reference(self) -> Optional[float]:
+        """R, which divides the backward weights: known as the window opened, else fixed at its first backward."""
+        return self.ctx.state.reference if self.setup is None else self._weights and self._weights.reference
+
+    @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._maths.WindowWeights` (R: ``weights.reference``), opened as the
-        window opens, or where it counts first at its first backward, which reads the ranks' count."""
+        """The window's :class:`~gradaccum._maths.WindowWeights`: as it opens, or at the first backward's count."""
         if self._weights is None:
             setup = self.setup
             assert setup is not None, "the weighting is read inside `with acc.window(...)`"
             weights = self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor, reference=(
                 setup.reference if setup.counted is None else self.ctx.ranks.reference(setup)))
             if weights.reference is not None:  # else fixed by the first backward (fix_reference)
-                self._per_item = weights.sum_weight()
+                self._weight_of = {}
         return self._weights
 
     def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
@@ -175,7 +177,7 @@ class Window:
             else _is_last(self.done, size, last)  # the common case first
         if not self.ctx.switches:
             return self._plain  # no switch to flip, nothing reduces: one context serves them all
-        return _MicroBatch(self, last and self.reduces_last)
+        return _MicroBatch(self, last and self.ctx.sync.reduces_across_ranks and not self.request.defer)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
         """Backpropagate ``loss`` with the weight ``n_k * W / R``; file it and its count in the tally.
@@ -193,12 +195,16 @@ class Window:
         counted = type(num_items) is int and num_items > 0
         if not counted:  # a mean over no item (nan) cleaned to 0
             loss = clean_mean(loss, num_items)
-        per_item = self._per_item
-        if per_item is None:  # W / R, once R is fixed (known as the window opened, else by this first backward)
+        weight_of = self._weight_of
+        if weight_of is None:  # R fixed by this first backward, where the window did not know it
             self.fix_reference(num_items)
-            per_item = self._per_item
-        # the mean weight n_k * W / R (WindowWeights.mean_weight), here for a Python count without a call
-        weighted = loss * (num_items * per_item if counted else self.weights.mean_weight(num_items, loss.dtype))
+            weight_of = self._weight_of
+        weight = weight_of.get(num_items) if counted else None  # type: ignore[union-attr]
+        if weight is None:  # n_k * W / R, asked once per window and Python count (or each time for another count)
+            weight = self.weights.mean_weight(num_items, loss.dtype)
+            if counted:
+                weight_of[num_items] = weight  # type: ignore[index]
+        weighted = loss * weight
         self.tally.append((loss.detach(), num_items, from_loss_fn))
         if counted and self.ctx.direct:  # one process in fp32: the seam's backward, with nothing around it
             self.ctx.backward(weighted)
@@ -214,8 +220,7 @@ class Window:
 
     def backward_part(self, outputs: List[torch.Tensor], grads: List[torch.Tensor], loss: torch.Tensor,
                       num_items: Count) -> None:
-        """Backpropagate a window loss's part (:mod:`gradaccum._cached`): ``outputs`` with ``grads`` already
-        weighed; the tally adds the window's ``loss`` for its ``num_items`` items."""
+        """A window loss's part (:mod:`gradaccum._cached`): ``outputs`` backpropagated with ``grads``, weighed."""
         _checked(self, None)
         self.tally.append((loss.detach(), num_items, False))
         self._before_reduction()
@@ -249,7 +254,8 @@ class Window:
             if not (catch_oom and is_out_of_memory(error)):
                 raise
             oom = True
-        self.current = None
+        finally:
+            self.current = None  # also where loss_fn raised: no block is left open (nor a cycle through it)
         if micro_batches and self.ctx.sync.shares_windows:
             self.ctx.state.padding_batch = micro_batches[-1]  # to pad a later window where this rank has none
         if oom:
@@ -280,31 +286,27 @@ class Window:
 
     def _before_reduction(self) -> None:
         """Before the backward that reduces across ranks, start the boundary's all-reduce: it overlaps it."""
-        assert self.current is not None and self.setup is not None
-        if not self.current.reduces:
+        if not self.current.reduces:  # type: ignore[union-attr]
             return
         self.reduced = True
         if self.ctx.boundary.launch_before_last_backward:
             self.in_flight = self.ctx.boundary.launch(self._totals(ran=True))
 
     def fix_reference(self, count: Count) -> float:
-        """R: known when the window opened, else fixed now by this first backward's count, the largest on any
-        rank (:meth:`WindowWeights.fix_reference`)."""
+        """R: known as the window opened, else fixed now (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
         weights = self.weights
-        if self._per_item is None:
+        if self._weight_of is None:
             if weights.reference is None and self.ctx.sync.needs_count_first:
                 raise not_known_up_front()  # before any backward: nothing reached the gradient
             weights.fix_reference(count, self.ctx.ranks.largest)
-            self._per_item = weights.sum_weight()
+            self._weight_of = {}
         return weights.reference  # type: ignore[return-value]
 
     def step(self) -> StepResult:
         """Take (or skip) the window's one optimizer step (:meth:`Boundary.finish`); the ranks learn from it."""
         ctx = self.ctx
-        refused = _step_refused(self, self._open_setup("step"))
-        if refused:
-            raise RuntimeError(refused)
+        _check_step(self, self._open_setup("step"))
         totals = self._totals(ran=self.done > 0)  # a window that counts first has read its count by now
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
@@ -314,7 +316,6 @@ class Window:
         return self.result
 
     def _totals(self, *, ran: bool) -> Totals:
-        """This rank's tally and what the boundary needs with it."""
         can_pad_next = self.ctx.sync.shares_windows and self.ctx.ranks.can_pad(self.request.can_pad)  # exchanged
         return Totals(self.tally, self._weights or self.weights, ran=ran, can_pad_next=can_pad_next,
                       counted_first=self.request.items is not None)
@@ -328,8 +329,7 @@ class Window:
         if self.result is None:
             self.ctx.grads.clear()
             if exc_type is None and not self.abandoned:
-                raise RuntimeError("the window was closed without step(); call window.step() inside the "
-                                   "`with acc.window(...)` block to take its optimizer step")
+                raise RuntimeError(_NO_STEP)
 
     def _close(self) -> None:
         self.ctx.slot.leave(self)
@@ -368,19 +368,18 @@ def _checked(window: "Window", loss: Any) -> Any:
     return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
 
 
-def _step_refused(window: "Window", setup: Setup) -> Optional[str]:
-    """Why ``window.step()`` may not run now (a window steps once, after its micro-batches have all run), or None."""
+def _check_step(window: "Window", setup: Setup) -> None:
+    """Refuses ``window.step()`` where it may not run now (a window steps once, after its micro-batches)."""
     if window.result is not None:
-        return "step() was already called for this window; open a new one"
+        raise RuntimeError("step() was already called for this window; open a new one")
     if window.done == 0 and not (setup.plan is not None and window.ctx.sync.allows_empty_share):
-        return ("step() on a window where window.backward() never ran: call window.backward(loss, num_items=...) "
-                "inside `with window.micro_batch():` for each micro-batch (a plain loss.backward() is not "
-                "counted, so the step could not be normalized)")
+        raise RuntimeError("step() on a window where window.backward() never ran: call window.backward(loss, "
+                           "num_items=...) inside `with window.micro_batch():` for each micro-batch (a plain "
+                           "loss.backward() is not counted, so the step could not be normalized)")
     size = window.micro_batches
     if size is not None and window.done != size:
-        return (f"the window was opened for {_micro_batches(size)} but {window.done} ran; under data parallelism "
-                "the last one is the one that reduces gradients, so the counts must match")
-    return None
+        raise RuntimeError(f"the window was opened for {_micro_batches(size)} but {window.done} ran; under data "
+                           "parallelism the last one is the one that reduces gradients, so the counts must match")
 
 
 def check_request(ctx: Parts, request: Request) -> None:
@@ -405,6 +404,8 @@ def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
     return bool(last)
 
 
+_NO_STEP = ("the window was closed without step(); call window.step() inside the `with acc.window(...)` block to "
+            "take its optimizer step")
 _NESTED = ("window.micro_batch() opened inside another micro_batch() (micro-batch {k} of the window is still "
            "open): each micro-batch is one block, one after the other; close the open block before opening the "
            "next, and run one window.backward in each")

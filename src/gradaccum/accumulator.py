@@ -1,32 +1,14 @@
 """``Accumulator``: a window of micro-batches -> weighted backward -> one reduction -> one optimizer step.
 
-The facade: it has its arguments checked before anything moves (:mod:`gradaccum._settings`), builds
-the parts (the seam, the precision, the window's buffers: :mod:`gradaccum._accum_dtype`), and hands
-each call to the part that owns it. What one window teaches the next lives in one object, ``acc.state``
-(:class:`~gradaccum._state.AccumulatorState`); the counters a loop reads and ``state_dict()`` are
-derived from it (:class:`~gradaccum._resume.Resumable`). One window, in the order it runs::
-
-    acc.step / acc.train           -> _run.run_window: the micro-batches through loss_fn (step, train,
-                                      the out-of-memory back-off); a WindowLoss -> _cached.run_cached_window,
-                                      an exact MoELoss -> moe.run_moe_window
-    acc.window                     -> a Window the user's own loop drives; both go through:
-         -> RankAgreement.open     once, as the window opens: its plan (known, made alone, or asked
-                                   of the ranks: one all-gather), then window_setup: R and its
-                                   padding                                            (_ranks.py)
-         -> per micro-batch        forward and backward of  n_k * W / R * L_k  (_maths.backward_weight),
-                                   the reduction skipped before the last (sync.py); the Tally adds
-                                   n_k * L_k and n_k                                  (_exchange.py)
-         -> before the last backward: the boundary's all-reduce of the ExchangeRow starts, and
-                                   DDP/FSDP2 reduce the gradient inside that backward
-         -> Boundary.finish        unscale, replicas compared (first window), the exchanged numbers
-                                   on the host (the one host sync), norm, verdict, clip,
-                                   optimizer step, scheduler step                     (_boundary.py)
-         -> RankAgreement.learn    what the next window needs to know, kept in acc.state
-                                   (R, the count ratio, can-pad, counts from loss_fn)
-      -> StepResult
-
-The formulas (why each micro-batch backpropagates ``n_k * W / R`` times its mean loss, and why the
-boundary multiplies by ``R / N``) are in :mod:`gradaccum._maths`.
+The facade: it has its arguments checked before anything moves, builds the parts (the seam, the precision,
+the window's buffers) and runs each window. What one window teaches the next lives in one object,
+``acc.state`` (:class:`~gradaccum._state.AccumulatorState`). ``acc.step`` reads top to bottom in the order a
+window runs: the call checked, the batch split and counted, a :class:`~gradaccum._window.Window` opened
+(its plan and R from :mod:`gradaccum._ranks`), ``window.run`` (each micro-batch's forward and backward of
+``n_k * W / R * L_k``), ``window.step`` (the boundary, :mod:`gradaccum._boundary`). ``acc.train`` and the
+losses that run their own window go through :func:`gradaccum._run.run_window`; ``acc.window`` hands the
+user the same ``Window``. docs/architecture.md walks one micro-batch through it; the formulas are
+:mod:`gradaccum._maths`'.
 """
 
 from __future__ import annotations
@@ -93,7 +75,7 @@ class OpenWindow:
                     f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
                     "accumulation is not equivalent to one big batch. Check with "
                     "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.",
-                    stacklevel=5,
+                    stacklevel=4,  # acc.step's line (acc.window's block: one frame fewer)
                 )
         self.window = window
 

@@ -48,7 +48,7 @@ def test_the_accumulator_drives_it(calls):
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for seed in (1, 2):
         acc.step([regression_batch(3, seed=seed), regression_batch(5, seed=seed + 10)], mse)
-    assert calls["sum_weight"] == 2 and calls["record"] == 2 and calls["close"] == 2  # W / R once per window
+    assert calls["mean_weight"] == 4 and calls["record"] == 2 and calls["close"] == 2  # once per count and window
     assert calls.states == {id(acc.state)} and acc.state.steps == 2
 
 
