@@ -16,9 +16,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ._gradients import AccumulationBuffers
-from ._maths import Verdict, clip_coefficient, count_dtype, tensor_norms, window_mean
+from ._maths import Closing, Verdict, WindowWeights, clip_coefficient, count_dtype, tensor_norms, window_mean
 from ._state import AccumulatorState
-from ._maths import Closing, WindowWeights
 from .errors import ConfigurationError
 from .precision import MixedPrecision
 from ._deepspeed import not_known_up_front

@@ -157,7 +157,8 @@ class DrivenWindow:
         did not apply: an fp16 loss scale that overflowed). ``warn_nonfinite``, when given, is said once
         per state with the warning for a window skipped for a gradient that was not finite (how the
         driver counts them)."""
-        said = None if warn_nonfinite is None or closing.verdict is not Verdict.SKIP_NONFINITE else (
+        nonfinite = closing.verdict is Verdict.SKIP_NONFINITE or (closing.steps and not applied)
+        said = None if warn_nonfinite is None or not nonfinite else (
             f"{self.who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was skipped: its "
             f"gradient dropped, no optimizer or scheduler step; {warn_nonfinite}. Lower the learning rate, or pass "
             f"{self.who}(nonfinite='raise') to stop at such a window")

@@ -20,10 +20,9 @@ from torch import nn
 from ._boundary import Boundary, Gradients, InFlight, Outcome, Totals
 from ._checks import Count, item_count, positive_int, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
-from ._maths import window_mean
+from ._maths import WindowWeights, window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
-from ._maths import WindowWeights
 from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError

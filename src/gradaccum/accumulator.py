@@ -192,7 +192,8 @@ class Accumulator(Resumable):
                 (a Hugging Face model's ``outputs.loss`` on padded batches: a mean over targets) is
                 refused before the first backward, with the fix.
         """
-        ctx = self.context  # a window still open is refused as this one opens, before anything changes
+        ctx = self.context
+        ctx.slot.check_idle()  # a window still open is refused before anything runs
         check_micro_batch_size(micro_batch_size)
         check_loss_call(self.sync, loss_fn, num_items, micro_batch_size)
         if micro_batch_size == "auto":
