@@ -200,7 +200,7 @@ class Window:
             weight_of = self._weight_of
         weight = weight_of.get(num_items) if counted else None  # type: ignore[union-attr]
         if weight is None:  # n_k * W / R, asked once per window and Python count (or each time for another count)
-            weight = self.weights.mean_weight(num_items, loss.dtype)
+            weight = self._weights.mean_weight(num_items, loss.dtype)  # type: ignore[union-attr]  # R is fixed
             if counted:
                 weight_of[num_items] = weight  # type: ignore[index]
         weighted = loss * weight
