@@ -26,7 +26,7 @@ from ._maths import Closing, WindowWeights
 from ._empty import may_be_empty, weighing_nothing
 from .errors import ConfigurationError
 
-__all__ = ["DrivenWindow", "nonfinite_choice", "retire_buffers"]
+__all__ = ["DrivenWindow", "nonfinite_choice"]
 
 
 class DrivenWindow:
@@ -166,7 +166,8 @@ class DrivenWindow:
 
     def abort(self) -> None:
         """The window failed part-way: its buffers fold nothing more and keep nothing."""
-        retire_buffers(self.buffers)
+        if self.buffers is not None:
+            self.buffers.retire()
 
 
 def nonfinite_choice(who: str, value: Any) -> str:
@@ -178,10 +179,3 @@ def nonfinite_choice(who: str, value: Any) -> str:
             f"stops with FloatingPointError at that window); pass {who}(nonfinite='skip') or nonfinite='raise'")
     return value
 
-
-def retire_buffers(buffers: Optional[AccumulationBuffers]) -> None:
-    """Buffers whose window failed or whose fit ended: their hooks stay on the parameters, so they stop
-    folding and keep nothing."""
-    if buffers is not None:
-        buffers.active = False
-        buffers.clear()

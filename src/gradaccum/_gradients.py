@@ -58,3 +58,9 @@ class AccumulationBuffers:
 
     def clear(self) -> None:
         self._buffers.clear()
+
+    def retire(self) -> None:
+        """A window failed or a fit ended: the hooks stay on the parameters, so the buffers stop folding and
+        keep nothing."""
+        self.active = False
+        self._buffers.clear()

@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from .._cached import WindowLoss
 from .._checks import Count, as_number, item_count
-from .._driven import DrivenWindow, nonfinite_choice, retire_buffers
+from .._driven import DrivenWindow, nonfinite_choice
 from .._gradients import AccumulationBuffers
 from .._patching import Swaps
 from .._state import AccumulatorState
@@ -126,7 +126,8 @@ class ExactAccumulation(Callback):
         if stage != "fit":
             return
         _refuse_what_is_not_exact(trainer, pl_module)
-        retire_buffers(self.buffers)  # a previous fit's
+        if self.buffers is not None:
+            self.buffers.retire()  # a previous fit's
         # one device without a loss scaler (which unscales .grad before on_before_optimizer_step): the sum is ours
         owns = isinstance(trainer.strategy, SingleDeviceStrategy) and getattr(trainer.precision_plugin, "scaler",
                                                                               None) is None
@@ -136,7 +137,7 @@ class ExactAccumulation(Callback):
                 "DDP/FSDP2 the wrapper owns the sum; with a 16-mixed scaler Lightning unscales .grad first), or pass "
                 "ExactAccumulation(accum_dtype='param') to accept it without this warning")
         self.state, self._window = AccumulatorState(), None  # a checkpoint's is loaded after setup
-        self._hooks.wrap(pl_module, "training_step", lambda hook: _returning_a_count(self, hook))
+        self._hooks.wrap(pl_module, "training_step", self._returning_a_count)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # after Lightning has validated the schedulers (an overridden hook would pass any scheduler)
@@ -145,12 +146,14 @@ class ExactAccumulation(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             self._hooks.restore()
-            retire_buffers(self.buffers)
+            if self.buffers is not None:
+                self.buffers.retire()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._hooks.restore()  # Lightning skips teardown after an exception
         self._nothing.close()
-        retire_buffers(self.buffers)
+        if self.buffers is not None:
+            self.buffers.retire()
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -207,6 +210,31 @@ class ExactAccumulation(Callback):
         window.record(closing, warn_empty=said, warn_nonfinite=said and (
             "global_step not advanced; ExactAccumulation.skipped counts them"))
 
+    def _returning_a_count(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Accept ``(mean, count)`` from ``training_step`` (a tuple Lightning itself would refuse)."""
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if isinstance(out, WindowLoss):
+                raise ConfigurationError(
+                    "ExactAccumulation: training_step returned a WindowLoss; a loss that couples the window's items "
+                    "(in-batch negatives, CLIP) is not a mean per micro-batch, so no weighting makes Lightning's "
+                    "accumulation exact. Use manual optimization with gradaccum.Accumulator in training_step "
+                    "(docs/guides/lightning.md, 'A loss that couples the batch'): acc.step(batch, window_loss)")
+            if isinstance(out, tuple):
+                if len(out) != 2:
+                    raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
+                                             "return the mean loss, or (mean_loss, item_count)")
+                if self.num_items is not None:
+                    raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is "
+                                             "set too; keep one source of the count (drop num_items=... or return the "
+                                             "mean)")
+                self.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
+                return out[0]
+            return out
+
+        return training_step
+
 
 def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
     """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact)."""
@@ -229,32 +257,6 @@ def _unless_skipped(callback: ExactAccumulation, trainer: "pl.Trainer", original
         return original(scheduler, metric)
 
     return lr_scheduler_step
-
-
-def _returning_a_count(callback: ExactAccumulation, original: Callable[..., Any]) -> Callable[..., Any]:
-    """Accept ``(mean, count)`` from ``training_step`` (a tuple Lightning itself would refuse)."""
-
-    def training_step(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        if isinstance(out, WindowLoss):
-            raise ConfigurationError(
-                "ExactAccumulation: training_step returned a WindowLoss; a loss that couples the window's items "
-                "(in-batch negatives, CLIP) is not a mean per micro-batch, so no weighting makes Lightning's "
-                "accumulation exact. Use manual optimization with gradaccum.Accumulator in training_step "
-                "(docs/guides/lightning.md, 'A loss that couples the batch'): acc.step(batch, window_loss)")
-        if isinstance(out, tuple):
-            if len(out) != 2:
-                raise ConfigurationError(f"ExactAccumulation: training_step returned a tuple of {len(out)} values; "
-                                         "return the mean loss, or (mean_loss, item_count)")
-            if callback.num_items is not None:
-                raise ConfigurationError("ExactAccumulation: training_step returned (mean, count) and num_items is "
-                                         "set too; keep one source of the count (drop num_items=... or return the "
-                                         "mean)")
-            callback.pending = item_count("the count in training_step's (mean_loss, count)", out[1])
-            return out[0]
-        return out
-
-    return training_step
 
 
 def _refuse_what_is_not_exact(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
