@@ -255,8 +255,8 @@ class Window:
             oom = True
         finally:
             self.current = None  # also where loss_fn raised: no block is left open (nor a cycle through it)
-        if micro_batches and self.ctx.sync.shares_windows:
-            self.ctx.state.padding_batch = micro_batches[-1]  # to pad a later window where this rank has none
+        if micro_batches:
+            self.ctx.ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
         if oom:
             return False
         for _ in range(self.padding):  # what the ranks' counts ask of this rank
