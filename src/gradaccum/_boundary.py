@@ -101,24 +101,23 @@ class Tally:
                 total.add_(loss, alpha=count)  # promoted into the float64 sum
         return total
 
-    def host_losses(self) -> Optional[torch.Tensor]:
-        """The losses as one tensor for the boundary's one copy to the host; None where the sum is taken on
-        the device (a count is a tensor) or no micro-batch ran."""
-        if self.device_items is not None or not self.losses:
-            return None
-        return torch.stack(self.losses) if len(self.losses) > 1 else self.losses[0].reshape(1)
-
-    def host_loss_sum(self, losses: List[float]) -> float:
-        """``sum n_k L_k`` in float64 from the losses :meth:`host_losses` gave, read on the host.
+    def read(self, norm: Optional[torch.Tensor] = None) -> Tuple[float, Optional[float]]:
+        """One process with its counts on the host: ``sum n_k L_k`` in float64 and ``norm`` (when given),
+        read in one device-to-host copy (the window's one host synchronisation), the losses added on the
+        host in the order they ran.
 
         >>> t = Tally([(torch.tensor(0.5), 4, False), (torch.tensor(0.25), 2, False)], torch.float64)
-        >>> t.host_loss_sum(t.host_losses().tolist()), t.loss_sum.item()
-        (2.5, 2.5)
+        >>> t.read(), t.loss_sum.item()
+        ((2.5, None), 2.5)
         """
+        assert self.device_items is None, "a tensor count is summed on the device, in the boundary's all-reduce"
+        losses = self.losses
+        stacked = (torch.stack(losses) if len(losses) > 1 else losses[0].reshape(1)) if losses else None
+        host = read_on_host(losses=stacked, norm=norm)
         total = 0.0
-        for loss, count in zip(losses, self.counts):
+        for loss, count in zip(host.get("losses", ()), self.counts):
             total += loss * count  # type: ignore[operator]
-        return total
+        return total, host["norm"][0] if norm is not None else None
 
 
 class Boundary:
@@ -167,7 +166,6 @@ class Boundary:
         and clip in one pass and step (the seam's step: DeepSpeed's ``engine.step()``, the GradScaler's;
         else the optimizer's), and the scheduler; the window's gradients are cleared after.
         ``in_flight`` is the all-reduce :meth:`launch` started, if the window started it."""
-        self.grads.close()
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.sync.replicated_grads and not self.state.replicas_checked
@@ -178,7 +176,7 @@ class Boundary:
             try:
                 check_replicas(grads, self.sync, self.device)  # type: ignore[arg-type]
             except BaseException:
-                self.grads.clear()
+                self.grads.drop()
                 raise
         told = self._exchanged(totals, grads, in_flight)
         loss_sum, lr = told.loss_sum, float(self.optimizer.param_groups[0]["lr"])
@@ -200,7 +198,7 @@ class Boundary:
             else:
                 self._skip(closing, loss_sum, totals)
         finally:
-            self.grads.clear()
+            self.grads.drop()
         return Outcome(loss_sum, told.num_items, grad_norm, not stepped, lr, self.state.steps,
                        told.peers_can_pad, told.stop, told.counts_from_loss_fn, told.counted_first)
 
@@ -242,13 +240,11 @@ class Boundary:
         else:  # one process, counts on the host already: only the loss sum crosses to the host
             row = None
         norm = total_norm(grads, self.device) if self.measure and square is None else None  # type: ignore[arg-type]
-        losses = tally.host_losses() if row is None else None  # type: ignore[union-attr] # one process: on the host
-        host = read_on_host(row=row, losses=losses, norm=norm)  # the window's one host sync
-        if row is None:
-            raw = host["norm"][0] if norm is not None else None
-            loss_sum = tally.host_loss_sum(host["losses"]) if losses is not None else 0.0
-            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
-                             totals.counted_first)
+        if row is None:  # one process: the losses and the norm read in the window's one host sync
+            loss_sum, raw = tally.read(norm)  # type: ignore[union-attr]
+            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(),  # type: ignore[union-attr]
+                             tally.counts_from_loss_fn, totals.counted_first)  # type: ignore[union-attr]
+        host = read_on_host(row=row, norm=norm)  # the window's one host sync
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
@@ -343,7 +339,7 @@ def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), device=device)
     if all(type(g) is torch.Tensor and g.device == device for g in grads):
-        return torch.linalg.vector_norm(tensor_norms(grads))
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     norm = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
         else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     return full_tensor(norm)
@@ -369,10 +365,6 @@ class Gradients:
         if self.buffers is not None:
             self.buffers.clear()
             self.buffers.active = True
-
-    def close(self) -> None:
-        if self.buffers is not None:
-            self.buffers.active = False
 
     def tensors(self) -> List[torch.Tensor]:
         """The tensors holding the window's gradient: the ``.grad`` that exist, and the buffers' (every one
@@ -402,14 +394,12 @@ class Gradients:
             self.buffers.write_grads_()
 
     def drop(self) -> None:
-        """A skipped window: its buffers fold nothing more, and its gradient goes."""
-        self.close()
-        self.clear()
-
-    def clear(self) -> None:
+        """The window's gradient goes (after its step, or skipped, or left without a step); its buffers fold
+        nothing more until the next window opens."""
         for p in self.params:
             p.grad = None
         if self.buffers is not None:
+            self.buffers.active = False
             self.buffers.clear()
 
 

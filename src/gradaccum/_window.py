@@ -10,15 +10,14 @@ micro-batch through it.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from ._boundary import Boundary, Gradients, InFlight, Outcome, Totals
-from ._checks import Count, item_count, positive_int, scalar_loss, split_loss_output
+from ._boundary import Boundary, Gradients, InFlight, Totals
+from ._checks import Count, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._maths import WindowWeights, window_mean
 from ._ranks import RankAgreement, Request, Setup
@@ -30,7 +29,7 @@ from .sync import GradSync
 from ._deepspeed import not_known_up_front
 from ._autosize import is_out_of_memory
 
-__all__ = ["Window", "Parts", "check_request", "weighing_nothing", "graph_leaves"]
+__all__ = ["Window", "Parts", "weighing_nothing", "graph_leaves"]
 
 _NOTHING = contextlib.nullcontext()  # the block of a micro-batch that switches nothing, in Window.run
 
@@ -55,6 +54,8 @@ class Parts:
     direct: bool = field(init=False)
     #: the seam's backward: ``torch.Tensor.backward`` itself where the seam adds nothing to it
     backward: Callable[[torch.Tensor], None] = field(init=False)
+    #: every micro-batch's block where it enters no context: one serves every window of this Accumulator
+    plain: "_MicroBatch" = field(init=False)
 
     def __post_init__(self) -> None:
         switches = self.sync.reduces_across_ranks or self.precision.dtype is not None
@@ -62,30 +63,33 @@ class Parts:
         object.__setattr__(self, "direct", not switches and self.precision.precision == "fp32")
         plain = type(self.sync).backward is GradSync.backward
         object.__setattr__(self, "backward", torch.Tensor.backward if plain else self.sync.backward)
+        object.__setattr__(self, "plain", _MicroBatch(self.slot, False))
 
 
 class _MicroBatch:
     """One micro-batch's context: the sync switch (skip the reduction unless ``reduces``) and autocast,
     each entered only where it does something (a local fp32 window pays for neither)."""
 
-    __slots__ = ("window", "reduces", "stack")
+    __slots__ = ("slot", "reduces", "stack")
 
-    def __init__(self, window: "Window", reduces: bool) -> None:
+    def __init__(self, slot: Any, reduces: bool) -> None:
+        #: the Accumulator's OpenWindow: its open window is the one this block is a micro-batch of
+        self.slot = slot
         #: this micro-batch's backward reduces the window's gradient across ranks
-        self.window, self.reduces = window, reduces
+        self.reduces = reduces
         self.stack: Optional[contextlib.ExitStack] = None
 
     def __enter__(self) -> None:
-        if self.window.ctx.switches:
-            ctx = self.window.ctx
+        window = self.slot.window
+        if window.ctx.switches:
+            ctx = window.ctx
             stack = self.stack = contextlib.ExitStack()
             stack.enter_context(ctx.sync.micro_batch(last=self.reduces))
             stack.enter_context(ctx.precision.autocast())
-        self.window.current = self
-        self.window.entered_at = self.window.done
+        window.current, window.entered_at = self, window.done
 
     def __exit__(self, *exc: Any) -> None:
-        self.window.current = None
+        self.slot.window.current = None
         if self.stack is not None:
             self.stack.close()  # restores every switch, also when an exception leaves the block
 
@@ -123,7 +127,6 @@ class Window:
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
         self.abandoned = False
-        self._plain = _MicroBatch(self, False)  # every micro-batch's context where it enters none (until closed)
         self._weight_of: Optional[Dict[int, float]] = None  # n_k * W / R by Python count n_k, once R is fixed
         #: micro-batches this rank runs, padding included (None when opened without a size, or before it opens)
         self.micro_batches: Optional[int] = None
@@ -175,8 +178,8 @@ class Window:
         last = self.done == size - 1 if last is None and size is not None and self.done < size \
             else _is_last(self.done, size, last)  # the common case first
         if not self.ctx.switches:
-            return self._plain  # no switch to flip, nothing reduces: one context serves them all
-        return _MicroBatch(self, last and self.ctx.sync.reduces_across_ranks and not self.request.defer)
+            return self.ctx.plain  # no switch to flip, nothing reduces: one context serves them all
+        return _MicroBatch(self.ctx.slot, last and self.ctx.sync.reduces_across_ranks and not self.request.defer)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
         """Backpropagate ``loss`` with the weight ``n_k * W / R``; file it and its count in the tally.
@@ -239,7 +242,7 @@ class Window:
                     self.backward_padding(split_loss_output(loss_fn(model, mb), 0)[0])
             for mb, count in zip(micro_batches, counts.each):
                 if not switches:  # nothing to switch around it: the block is only its bookkeeping, done here
-                    self.current, self.entered_at = self._plain, self.done
+                    self.current, self.entered_at = self.ctx.plain, self.done
                 with self.micro_batch() if switches else _NOTHING:
                     out = loss_fn(model, mb)
                     if type(out) is torch.Tensor:  # a bare mean loss, weighed by the count known up front
@@ -304,15 +307,36 @@ class Window:
 
     def step(self) -> StepResult:
         """Take (or skip) the window's one optimizer step (:meth:`Boundary.finish`); the ranks learn from it."""
-        ctx = self.ctx
-        _check_step(self, self._open_setup("step"))
+        ctx, size = self.ctx, self.micro_batch_size
+        self._check_step()
         totals = self._totals(ran=self.done > 0)  # a window that counts first has read its count by now
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
         out = ctx.boundary.finish(totals, self.in_flight)
         ctx.ranks.learn(self.setup, out)  # type: ignore[arg-type]
-        self.result = _step_result(out, self.done - self.request.flush - self.padding, self.micro_batch_size)
+        self.result = StepResult(  # the boundary's outcome, with the micro-batches that counted
+            loss=window_mean(out.loss_sum, out.num_items),
+            num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
+            micro_batches=self.done - self.request.flush - self.padding, grad_norm=out.grad_norm,
+            skipped=out.skipped, lr=out.lr, step=out.step, micro_batch_size=size if isinstance(size, int) else None,
+            stop_requested=out.stop_requested)
         return self.result
+
+    def _check_step(self) -> None:
+        """Refuses ``step()`` where it may not run now (a window steps once, after its micro-batches)."""
+        setup = self.setup
+        if setup is None or self.ctx.slot.window is not self:
+            self._open_setup("step")  # raises
+        if self.result is not None:
+            raise RuntimeError("step() was already called for this window; open a new one")
+        if self.done == 0 and not (setup.plan is not None and self.ctx.sync.allows_empty_share):
+            raise RuntimeError("step() on a window where window.backward() never ran: call window.backward(loss, "
+                               "num_items=...) inside `with window.micro_batch():` for each micro-batch (a plain "
+                               "loss.backward() is not counted, so the step could not be normalized)")
+        size = self.micro_batches
+        if size is not None and self.done != size:
+            raise RuntimeError(f"the window was opened for {_micro_batches(size)} but {self.done} ran; under data "
+                               "parallelism the last one is the one that reduces gradients, so the counts must match")
 
     def _totals(self, *, ran: bool) -> Totals:
         can_pad_next = self.ctx.sync.shares_windows and self.ctx.ranks.can_pad(self.request.can_pad)  # exchanged
@@ -325,16 +349,16 @@ class Window:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._close()
-        if self.result is None:
-            self.ctx.grads.clear()
-            if exc_type is None and not self.abandoned:
-                raise RuntimeError(_NO_STEP)
+        if self.result is None and exc_type is None and not self.abandoned:
+            raise RuntimeError(_NO_STEP)
 
     def _close(self) -> None:
-        self.ctx.slot.leave(self)
-        if self.result is None:  # else the boundary closed the buffers
-            self.ctx.grads.close()
-        self._plain = None  # type: ignore[assignment]  # it refers back to the window: no cycle left for the gc
+        """The window leaves its Accumulator; without a step its gradient goes (the boundary handed it over)."""
+        slot = self.ctx.slot
+        if slot.window is self:  # else the open window is another one, refused as this one opened
+            slot.window = None
+        if self.result is None:
+            self.ctx.grads.drop()
 
     def _open_setup(self, what: str = "micro_batch") -> Setup:
         if self.setup is None or self.ctx.slot.window is not self:
@@ -365,29 +389,6 @@ def _checked(window: "Window", loss: Any) -> Any:
     if window.current is None:
         raise RuntimeError(_OUTSIDE)
     return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
-
-
-def _check_step(window: "Window", setup: Setup) -> None:
-    """Refuses ``window.step()`` where it may not run now (a window steps once, after its micro-batches)."""
-    if window.result is not None:
-        raise RuntimeError("step() was already called for this window; open a new one")
-    if window.done == 0 and not (setup.plan is not None and window.ctx.sync.allows_empty_share):
-        raise RuntimeError("step() on a window where window.backward() never ran: call window.backward(loss, "
-                           "num_items=...) inside `with window.micro_batch():` for each micro-batch (a plain "
-                           "loss.backward() is not counted, so the step could not be normalized)")
-    size = window.micro_batches
-    if size is not None and window.done != size:
-        raise RuntimeError(f"the window was opened for {_micro_batches(size)} but {window.done} ran; under data "
-                           "parallelism the last one is the one that reduces gradients, so the counts must match")
-
-
-def check_request(ctx: Parts, request: Request) -> None:
-    """A hand-written window's request (``acc.window``'s arguments); the Accumulator's own are made checked."""
-    n, items = request.micro_batches, request.items
-    if n is not None and not (type(n) is int and n > 0) and not (ctx.sync.allows_empty_share and n == 0):
-        positive_int("micro_batches", n)
-    if items is not None and not (type(items) is float and 0.0 <= items < math.inf):  # a summed count passes
-        item_count("num_items", items)
 
 
 def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
@@ -421,14 +422,3 @@ _AFTER_REDUCTION = ("window.backward() after the backward of the micro-batch tha
 
 def _micro_batches(n: int) -> str:
     return f"{n} micro-batch" if n == 1 else f"{n} micro-batches"
-
-
-def _step_result(out: Outcome, micro_batches: int, micro_batch_size: Any) -> StepResult:
-    """What the window reports: the boundary's outcome, with the micro-batches that counted."""
-    return StepResult(
-        loss=window_mean(out.loss_sum, out.num_items),
-        num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
-        micro_batches=micro_batches, grad_norm=out.grad_norm, skipped=out.skipped, lr=out.lr, step=out.step,
-        micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None,
-        stop_requested=out.stop_requested,
-    )

@@ -13,6 +13,7 @@ user the same ``Window``. docs/architecture.md walks one micro-batch through it;
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
@@ -29,9 +30,9 @@ from ._settings import Settings, check_training_objects
 from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
 from ._cached import WindowLoss, check_window_loss
-from ._checks import ROWS, Count, training_batchnorms
+from ._checks import ROWS, Count, item_count, positive_int, training_batchnorms
 from ._run import LossFn, run_auto, run_window
-from ._window import Parts, Window, check_request
+from ._window import Parts, Window
 from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
@@ -78,10 +79,6 @@ class OpenWindow:
                     stacklevel=4,  # acc.step's line (acc.window's block: one frame fewer)
                 )
         self.window = window
-
-    def leave(self, window: "Window") -> None:
-        if self.window is window:
-            self.window = None
 
 
 class Accumulator(Resumable):
@@ -225,10 +222,14 @@ class Accumulator(Resumable):
                 call for it (DDP: a rank with none runs one; FSDP2: every rank as many as the most).
                 Without it such a window is refused on every rank alike.
         """
-        self.context.slot.check_idle()
-        request = Request(micro_batches, num_items, can_pad=pad)
-        check_request(self.context, request)
-        return Window(self.context, request, micro_batch_size=micro_batch_size)
+        ctx, n = self.context, micro_batches
+        if ctx.slot.window is not None:
+            ctx.slot.check_idle()  # raises: a window is open
+        if n is not None and not (type(n) is int and n > 0) and not (self.sync.allows_empty_share and n == 0):
+            positive_int("micro_batches", n)
+        if num_items is not None and not (type(num_items) is float and 0.0 <= num_items < math.inf):
+            item_count("num_items", num_items)  # a summed count (a float) passes
+        return Window(ctx, Request(n, num_items, can_pad=pad), micro_batch_size=micro_batch_size)
 
     def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,
               epochs: int = 1, drop_last: bool = False, num_items: Optional[CountFn] = None,
