@@ -193,7 +193,16 @@ class Boundary:
                     stepped_norm = self.sync.step(self.optimizer, self.precision)
                 else:
                     self.optimizer.step()
-                stepped = self._stepped(closing, totals.weights, stepped_norm, (loss_sum, told.num_items))
+                # counted (a step the stepper did not apply, DeepSpeed's fp16 overflow, is a skip) before the
+                # scheduler, which may raise after it, and which steps on steps applied only
+                stepped = stepped_norm is None or math.isfinite(stepped_norm)
+                totals.weights.record(closing, applied=stepped)
+                if stepped and self.scheduler is not None:
+                    if self.steps_on_loss:  # ReduceLROnPlateau: the window's loss is the metric
+                        self.scheduler.step(window_mean(loss_sum, told.num_items))
+                    else:
+                        self.scheduler.step()
+                    self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # see check_scheduler
                 grad_norm = grad_norm if stepped_norm is None else stepped_norm
             else:
                 self._skip(closing, loss_sum, totals)
@@ -249,20 +258,6 @@ class Boundary:
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counts_from_loss_fn > 0, told.counted_first >= self.sync.group_size)
-
-    def _stepped(self, closing: Closing, weights: WindowWeights, stepped_norm: Optional[float],
-                 loss: Tuple[float, float]) -> bool:
-        """After the step: counted (a step the stepper did not apply, DeepSpeed's fp16 overflow, counts as
-        skipped), then the scheduler, on steps applied only. Returns whether the step was applied."""
-        applied = stepped_norm is None or math.isfinite(stepped_norm)
-        weights.record(closing, applied=applied)  # the step counted before the scheduler, which may raise after it
-        if applied and self.scheduler is not None:
-            if self.steps_on_loss:
-                self.scheduler.step(window_mean(*loss))  # ReduceLROnPlateau: the window's loss is the metric
-            else:
-                self.scheduler.step()
-            self.state.scheduler_at = getattr(self.scheduler, "last_epoch", None)  # where check_scheduler expects it
-        return applied
 
     def _skip(self, closing: Closing, loss_sum: float, totals: Totals) -> None:
         decision, grad_norm = closing.verdict, closing.grad_norm

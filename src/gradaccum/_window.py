@@ -145,8 +145,8 @@ class Window:
             self.micro_batches = None if n is None else n + setup.padding
             if setup.counted is None:  # else at the first backward, when the ranks' count arrives
                 self.weights  # noqa: B018 - opens the weighting now
-        except BaseException:
-            self._close()
+        except BaseException as error:  # the window leaves as a block an exception left
+            self.__exit__(type(error), error, error.__traceback__)
             raise
         return self
 
@@ -308,35 +308,18 @@ class Window:
     def step(self) -> StepResult:
         """Take (or skip) the window's one optimizer step (:meth:`Boundary.finish`); the ranks learn from it."""
         ctx, size = self.ctx, self.micro_batch_size
-        self._check_step()
+        _check_step(self)
         totals = self._totals(ran=self.done > 0)  # a window that counts first has read its count by now
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
         out = ctx.boundary.finish(totals, self.in_flight)
         ctx.ranks.learn(self.setup, out)  # type: ignore[arg-type]
         self.result = StepResult(  # the boundary's outcome, with the micro-batches that counted
-            loss=window_mean(out.loss_sum, out.num_items),
-            num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items,
-            micro_batches=self.done - self.request.flush - self.padding, grad_norm=out.grad_norm,
-            skipped=out.skipped, lr=out.lr, step=out.step, micro_batch_size=size if isinstance(size, int) else None,
-            stop_requested=out.stop_requested)
+            loss=window_mean(out.loss_sum, out.num_items), micro_batches=self.done - self.request.flush - self.padding,
+            num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items, lr=out.lr,
+            grad_norm=out.grad_norm, skipped=out.skipped, step=out.step, stop_requested=out.stop_requested,
+            micro_batch_size=size if isinstance(size, int) else None)
         return self.result
-
-    def _check_step(self) -> None:
-        """Refuses ``step()`` where it may not run now (a window steps once, after its micro-batches)."""
-        setup = self.setup
-        if setup is None or self.ctx.slot.window is not self:
-            self._open_setup("step")  # raises
-        if self.result is not None:
-            raise RuntimeError("step() was already called for this window; open a new one")
-        if self.done == 0 and not (setup.plan is not None and self.ctx.sync.allows_empty_share):
-            raise RuntimeError("step() on a window where window.backward() never ran: call window.backward(loss, "
-                               "num_items=...) inside `with window.micro_batch():` for each micro-batch (a plain "
-                               "loss.backward() is not counted, so the step could not be normalized)")
-        size = self.micro_batches
-        if size is not None and self.done != size:
-            raise RuntimeError(f"the window was opened for {_micro_batches(size)} but {self.done} ran; under data "
-                               "parallelism the last one is the one that reduces gradients, so the counts must match")
 
     def _totals(self, *, ran: bool) -> Totals:
         can_pad_next = self.ctx.sync.shares_windows and self.ctx.ranks.can_pad(self.request.can_pad)  # exchanged
@@ -348,22 +331,36 @@ class Window:
         self.abandoned = True
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._close()
-        if self.result is None and exc_type is None and not self.abandoned:
-            raise RuntimeError(_NO_STEP)
-
-    def _close(self) -> None:
         """The window leaves its Accumulator; without a step its gradient goes (the boundary handed it over)."""
         slot = self.ctx.slot
         if slot.window is self:  # else the open window is another one, refused as this one opened
             slot.window = None
         if self.result is None:
             self.ctx.grads.drop()
+            if exc_type is None and not self.abandoned:
+                raise RuntimeError(_NO_STEP)
 
     def _open_setup(self, what: str = "micro_batch") -> Setup:
         if self.setup is None or self.ctx.slot.window is not self:
-            raise RuntimeError(f"use window.{what}() inside `with acc.window(...) as window:`")
+            raise RuntimeError(_NOT_OPEN.format(what=what))
         return self.setup
+
+
+def _check_step(window: "Window") -> None:
+    """Refuses ``step()`` where it may not run now (a window steps once, after its micro-batches)."""
+    setup = window.setup
+    if setup is None or window.ctx.slot.window is not window:
+        raise RuntimeError(_NOT_OPEN.format(what="step"))
+    if window.result is not None:
+        raise RuntimeError("step() was already called for this window; open a new one")
+    if window.done == 0 and not (setup.plan is not None and window.ctx.sync.allows_empty_share):
+        raise RuntimeError("step() on a window where window.backward() never ran: call window.backward(loss, "
+                           "num_items=...) inside `with window.micro_batch():` for each micro-batch (a plain "
+                           "loss.backward() is not counted, so the step could not be normalized)")
+    size = window.micro_batches
+    if size is not None and window.done != size:
+        raise RuntimeError(f"the window was opened for {_micro_batches(size)} but {window.done} ran; under data "
+                           "parallelism the last one is the one that reduces gradients, so the counts must match")
 
 
 def _guarded_backward(ctx: Parts, weighted: torch.Tensor, empty: Union[None, bool, torch.Tensor],
@@ -404,6 +401,7 @@ def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
     return bool(last)
 
 
+_NOT_OPEN = "use window.{what}() inside `with acc.window(...) as window:`"
 _NO_STEP = ("the window was closed without step(); call window.step() inside the `with acc.window(...)` block to "
             "take its optimizer step")
 _NESTED = ("window.micro_batch() opened inside another micro_batch() (micro-batch {k} of the window is still "
