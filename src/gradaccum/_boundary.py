@@ -140,7 +140,7 @@ class Boundary:
         #: not when it carries the squared norm of a sharded (FSDP2) gradient, which exists only after
         self.launch_before_last_backward = sync.reduces_across_ranks and not (self.measure and sync.sharded_grads)
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        self.wrapped_step = type(sync).step is not GradSync.step or precision.scaler is not None
+        self.wrapped_step = sync.owns_step or precision.scaler is not None  # else the optimizer's own step()
 
     def check_scheduler(self) -> None:
         """Before a window opens: the scheduler must stand where this boundary's last step left it.

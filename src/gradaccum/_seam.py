@@ -118,9 +118,9 @@ class GradSync:
         """Wraps one micro-batch's forward *and* backward; reduces gradients only when ``last``."""
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch's backward of its weighted (and loss-scaled) loss."""
-        loss.backward()
+    #: one micro-batch's backward of its weighted (and loss-scaled) loss: ``loss.backward()`` itself, with no
+    #: frame of ours around it; a wrapper that owns the backward (DeepSpeed's ``engine.backward``) overrides it
+    backward = staticmethod(torch.Tensor.backward)
 
     def step(self, optimizer: Any, precision: Any) -> Optional[float]:
         """The window's optimizer step (through the GradScaler under fp16); the norm of the gradient it

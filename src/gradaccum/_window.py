@@ -52,8 +52,6 @@ class Parts:
     switches: bool = field(init=False)
     #: one process in fp32: a micro-batch's backward is the seam's own, with nothing around it
     direct: bool = field(init=False)
-    #: the seam's backward: ``torch.Tensor.backward`` itself where the seam adds nothing to it
-    backward: Callable[[torch.Tensor], None] = field(init=False)
     #: every micro-batch's block where it enters no context: one serves every window of this Accumulator
     plain: "_MicroBatch" = field(init=False)
 
@@ -61,8 +59,6 @@ class Parts:
         switches = self.sync.reduces_across_ranks or self.precision.dtype is not None
         object.__setattr__(self, "switches", switches)
         object.__setattr__(self, "direct", not switches and self.precision.precision == "fp32")
-        plain = type(self.sync).backward is GradSync.backward
-        object.__setattr__(self, "backward", torch.Tensor.backward if plain else self.sync.backward)
         object.__setattr__(self, "plain", _MicroBatch(self.slot, False))
 
 
@@ -209,7 +205,7 @@ class Window:
         weighted = loss * weight
         self.tally.append((loss.detach(), num_items, from_loss_fn))
         if counted and self.ctx.direct:  # one process in fp32: the seam's backward, with nothing around it
-            self.ctx.backward(weighted)
+            self.ctx.sync.backward(weighted)
             self.done += 1
         else:
             self._backprop(weighted, num_items)
@@ -279,7 +275,7 @@ class Window:
                 and not ctx.sync.needs_equal_counts:
             pass  # skipped: it adds exactly nothing and runs no collective (its graph goes with it)
         elif ctx.direct and not autocast_off and empty is None:
-            ctx.backward(weighted)
+            ctx.sync.backward(weighted)
         else:
             if ctx.switches:
                 self._before_reduction()
@@ -368,12 +364,12 @@ def _guarded_backward(ctx: Parts, weighted: torch.Tensor, empty: Union[None, boo
     """The backward of ``weighted`` through the loss scale and the seam; where the micro-batch may hold
     no item (``empty``), under :func:`weighing_nothing`."""
     if empty is None:
-        ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.backward)
+        ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.sync.backward)
         return
     # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded)
     leaves = graph_leaves(weighted) if ctx.sync.sharded_grads else ctx.model.parameters()
     with weighing_nothing(leaves, empty):
-        ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.backward)
+        ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.sync.backward)
 
 
 def _checked(window: "Window", loss: Any) -> Any:
