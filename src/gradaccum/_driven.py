@@ -4,7 +4,7 @@ The framework calls forward, backward, clipping and the optimizer; the driver (`
 ``ExactAccumulation``) only hooks them. :class:`DrivenWindow` is what is the same in every such driver:
 it opens the core's :class:`~gradaccum._maths.WindowWeights` (N counted first, or the running R) and the
 float32 buffers, weighs each micro-batch, and at the boundary, before the framework clips, hands the
-gradient over at ``R / N`` or drops it (the Accumulator's :class:`~gradaccum._boundary.Gradients` rule),
+gradient over at ``R / N`` or drops it (the Accumulator's :class:`~gradaccum._gradients.Gradients` rule),
 judges its norm (the Accumulator's :func:`~gradaccum._maths.verdict` and ``nonfinite=``) and records.
 docs/architecture.md walks each driver's hooks through it.
 """
@@ -17,8 +17,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterable, Optional, Unio
 import torch
 
 from ._checks import Count, as_number
-from ._boundary import Gradients, total_norm
-from ._gradients import AccumulationBuffers
+from ._gradients import AccumulationBuffers, Gradients, total_norm
 from ._maths import Verdict, verdict
 from ._settings import NONFINITE
 from ._state import AccumulatorState

@@ -16,9 +16,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ._boundary import Boundary, Gradients, InFlight, Totals
+from ._boundary import Boundary, InFlight, Totals
 from ._checks import Count, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
+from ._gradients import Gradients
 from ._maths import WindowWeights, window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState

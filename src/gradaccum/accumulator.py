@@ -23,7 +23,8 @@ from torch import nn
 
 from ._accum_dtype import LowPrecisionWarning, driver_buffers, warn_low_precision_grad_sum, window_buffers
 from ._autosize import AutoMicroBatch
-from ._boundary import Boundary, Gradients
+from ._boundary import Boundary
+from ._gradients import Gradients
 from ._ranks import RankAgreement, Rules, Request
 from ._resume import Resumable
 from ._settings import Settings, check_training_objects
