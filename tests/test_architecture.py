@@ -98,6 +98,6 @@ def test_the_user_pages_name_public_api_only():
 
 def test_the_check_finds_an_internal_name():
     private = private_names()
-    text = "`window.weights` (`gradaccum._maths.WindowWeights`), `TrainerWindowState.hold`, `acc.step`"
-    assert internal_mentions(text, private) == ["gradaccum._maths", "WindowWeights", "TrainerWindowState"]
+    text = "`window.weights` (`gradaccum._weights.WindowWeights`), `TrainerWindowState.hold`, `acc.step`"
+    assert internal_mentions(text, private) == ["gradaccum._weights", "WindowWeights", "TrainerWindowState"]
     assert internal_mentions("`acc.window`, `ExactTrainer`, `WindowSampler`, `accelerator.prepare`", private) == []

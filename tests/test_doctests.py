@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-MODULES = ["gradaccum._maths", "gradaccum._ranks", "gradaccum._boundary", "gradaccum.batching",
+MODULES = ["gradaccum._maths", "gradaccum._weights", "gradaccum._ranks", "gradaccum._boundary", "gradaccum.batching",
            "gradaccum.losses", "gradaccum.schedule", "gradaccum.accumulator", "gradaccum.checking",
            "gradaccum.rl"]
 

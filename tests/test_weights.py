@@ -1,8 +1,10 @@
-"""WindowWeights: the one weighting, count, verdict and skip that every loop drives (_maths.py).
+"""WindowWeights: the one weighting, count, verdict and skip that every loop drives (_weights.py).
 
 Unit checks of each step against the formulas written out here (an independent oracle: no call into
-_maths), and that R is fixed once per state, agreed once. Which drivers fail when this one
-implementation is broken is pinned in tests/integrations/test_one_window.py and the exactness tests."""
+_maths), that R is fixed once per state, agreed once, and that the weight of each count is kept in one
+place. The steps a framework's hooks add (buffers, hand over, judge): tests/test_driven.py. Which
+drivers fail when this one implementation is broken is pinned in tests/integrations/test_one_window.py and
+the exactness tests."""
 from __future__ import annotations
 
 import math
@@ -11,9 +13,11 @@ import warnings
 import pytest
 import torch
 
+from gradaccum import Accumulator
 from gradaccum._maths import Verdict
 from gradaccum._state import AccumulatorState
-from gradaccum._maths import WindowWeights
+from gradaccum._weights import WindowWeights
+from helpers import mse, regression_batch, regression_model
 
 
 def test_counted_first_the_weights_are_the_windows_own_n():
@@ -75,3 +79,20 @@ def test_record_counts_the_step_and_keeps_the_last_n_with_items():
     assert (state.steps, state.skipped, state.last_window_items) == (1, 1, 6.0)
     with pytest.raises(AssertionError, match="a window that raises is not recorded"):
         w.record(w.close(6, loss_sum=math.inf))
+
+
+def test_the_weight_of_each_python_count_is_kept_in_one_place():
+    """mean_weight keeps n_k W / R by Python count in weight_of (a tensor count stays on its device, not
+    kept); the Accumulator's window reads and fills the same dict, not a copy of the rule."""
+    w = WindowWeights(AccumulatorState(), 2.0, num_items=8)
+    w.mean_weight(3)
+    w.mean_weight(torch.tensor(5))
+    assert w.weight_of == {3: 3 * 2 / 8}
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with acc.window(3, num_items=7) as window:  # counted first: R = N = 7
+        for n in (3, 3, 1):
+            with window.micro_batch():
+                window.backward(mse(model, regression_batch(n)), num_items=n)
+        assert window.weights.weight_of == {3: 3 / 7, 1: 1 / 7}
+        window.step()

@@ -16,12 +16,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ._gradients import Gradients, total_norm
-from ._maths import Closing, Verdict, WindowWeights, clip_coefficient, count_dtype, tensor_norms, window_mean
+from ._maths import Closing, Verdict, clip_coefficient, count_dtype, tensor_norms, window_mean
 from ._state import AccumulatorState
 from .errors import ConfigurationError
 from .precision import MixedPrecision
 from ._deepspeed import not_known_up_front
 from .sync import GradSync
+from ._weights import WindowWeights
 
 __all__ = ["Tally", "Totals", "Outcome", "Boundary", "InFlight", "ExchangeRow", "Exchanged", "read_on_host"]
 
@@ -33,7 +34,7 @@ class Totals(NamedTuple):
     Attributes:
         tally: this rank's micro-batches as the window filed them: ``(mean loss, count, from loss_fn)``.
         weights: the window's weighting (R, the count the backward weights were divided by): its
-            :meth:`~gradaccum._maths.WindowWeights.close` decides, its ``record`` counts.
+            :meth:`~gradaccum._weights.WindowWeights.close` decides, its ``record`` counts.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad_next: whether this rank can pad its next window (has a micro-batch to repeat).
         counted_first: this rank counted its items before the window's first backward (its request
@@ -122,7 +123,7 @@ class Tally:
 class Boundary:
     """Runs a window's boundary (the module docstring's order). What it changes in the
     :class:`~gradaccum._state.AccumulatorState`: the steps and skipped windows it counts (through the window's
-    :meth:`~gradaccum._maths.WindowWeights.record`), the scheduler's
+    :meth:`~gradaccum._weights.WindowWeights.record`), the scheduler's
     position, the stop requests carried, and, at the first boundary, the replicas' check."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, state: AccumulatorState,

@@ -2,7 +2,7 @@
 
 The framework calls forward, backward, clipping and the optimizer; the driver (``ExactTrainer``,
 ``ExactAccumulation``) only hooks them. :class:`DrivenWindow` is what is the same in every such driver:
-it opens the core's :class:`~gradaccum._maths.WindowWeights` (N counted first, or the running R) and the
+it opens the core's :class:`~gradaccum._weights.WindowWeights` (N counted first, or the running R) and the
 float32 buffers, weighs each micro-batch, and at the boundary, before the framework clips, hands the
 gradient over at ``R / N`` or drops it (the Accumulator's :class:`~gradaccum._gradients.Gradients` rule),
 judges its norm (the Accumulator's :func:`~gradaccum._maths.verdict` and ``nonfinite=``) and records.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Dict, Iterable, Optional, Union
+from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 
@@ -21,7 +21,8 @@ from ._gradients import AccumulationBuffers, Gradients, total_norm
 from ._maths import Verdict, verdict
 from ._settings import NONFINITE
 from ._state import AccumulatorState
-from ._maths import Closing, WindowWeights
+from ._maths import Closing
+from ._weights import WindowWeights
 from ._empty import may_be_empty, weighing_nothing
 from .errors import ConfigurationError
 
@@ -61,7 +62,6 @@ class DrivenWindow:
         #: (0 in a skipped window): asked by every micro-batch, computed once
         self.items = int(self.weights.num_items or 0)
         self.item_weight = None if num_items is None else self.weights.sum_weight()
-        self._weight_of: Dict[int, float] = {}  # n_k * W / R by Python count, once R is fixed (weigh)
         self.micro_batches, self.ran, self.count = micro_batches, 0, 0  # count: sum of n_k weighed here
         self.buffers = buffers
         if buffers is not None:  # the window's bf16 gradients fold into float32 from here on
@@ -88,11 +88,9 @@ class DrivenWindow:
         self.count = self.count + num_items
         if not loss.requires_grad:
             return contextlib.nullcontext()
-        weight = self._weight_of.get(num_items) if type(num_items) is int else None
-        if weight is None:  # n_k * W / R, asked once per window and Python count (or each time for another count)
+        weight = self.weights.weight_of.get(num_items) if type(num_items) is int else None
+        if weight is None:  # n_k * W / R, once per window and Python count (mean_weight keeps it in weight_of)
             weight = self.weights.mean_weight(num_items, loss.dtype)
-            if type(num_items) is int:
-                self._weight_of[num_items] = weight
         c = divided_by * weight
         loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
         empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)

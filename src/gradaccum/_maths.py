@@ -36,32 +36,9 @@ For a language model the items are next-token targets: :func:`target_count` coun
 labels before any forward pass and :func:`token_loss_sum` sums their cross-entropy, so that a
 micro-batch's mean is ``token_loss_sum / target_count``.
 
-:class:`WindowWeights` composes these formulas into the window every driver runs (the Accumulator's
-window and boundary, the Hugging Face Trainer, the Lightning callback), step by step:
-
-1. **open** it: ``WindowWeights(state, W, num_items=N)`` when the window's global N is known before the
-   first backward (count first: R = N, the boundary scale is 1; N = 0 is known to be skipped), else
-   ``WindowWeights(state, W)`` with the running R of ``state.reference``, fixed once by the first
-   backward (:meth:`fix_reference`) and kept in the state (a driver that cannot see the window ahead);
-2. **weigh** micro-batch k: a mean loss over n_k items by :meth:`mean_weight` (``n_k * W / R``), a
-   summed loss by :meth:`sum_weight` (``W / R``); W is the number of ranks the reduction averages over;
-3. at the **boundary**: :meth:`close` gives the :class:`Closing` (the verdict, from N and, where the
-   driver measured them, the loss and the norm; the scale ``R / N``), and :meth:`record` writes what the
-   window taught into the :class:`~gradaccum._state.AccumulatorState`: one more step, or one more
-   skipped window (with a one-time warning for an empty one), and N as the last window's count.
-
-    >>> from gradaccum._state import AccumulatorState
-    >>> state = AccumulatorState()
-    >>> w = WindowWeights(state, grad_divisor=2.0, num_items=8)      # N known first: R = N
-    >>> w.mean_weight(3), w.sum_weight()                              # 3 * 2 / 8, 2 / 8
-    (0.75, 0.25)
-    >>> closing = w.close(8); closing.verdict, closing.scale
-    (<Verdict.STEP: 'step'>, 1.0)
-    >>> w.record(closing).steps, state.steps, state.skipped, state.last_window_items
-    (True, 1, 0, 8.0)
-    >>> empty = WindowWeights(state, 1.0, num_items=0)                 # known empty: weighs nothing
-    >>> empty.sum_weight(), empty.record(empty.close(0)).verdict, state.skipped
-    (0.0, <Verdict.SKIP_EMPTY: 'skip: no item'>, 1)
+:class:`~gradaccum._weights.WindowWeights` composes these formulas into the window every driver runs (the
+Accumulator's window and boundary, the pipeline, the Hugging Face Trainer drivers, the Lightning callback),
+step by step: open, weigh each micro-batch, close (the :class:`Closing`), record.
 """
 
 from __future__ import annotations
@@ -69,18 +46,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from ._checks import Count
-from ._state import AccumulatorState
 from .errors import ConfigurationError
 
-__all__ = ["WindowWeights", "Closing", "CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "running_reference",
+__all__ = ["Closing", "CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "running_reference",
            "window_mean",
            "clip_coefficient", "tensor_norms", "Verdict", "verdict", "target_count", "token_loss_sum",
            "LOSSES", "loss_items", "summed_loss", "router_statistics", "balance_loss_part"]
@@ -352,117 +326,3 @@ class Closing:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", self.verdict is Verdict.STEP)
-
-
-class WindowWeights:
-    """One window's weighting from its opening to its boundary (the module docstring's order).
-
-    Args:
-        state: the driver's :class:`~gradaccum._state.AccumulatorState`: the running R is read from it
-            and fixed into it, and :meth:`record` writes the window's lesson into it.
-        grad_divisor: W, the ranks the gradient reduction averages over (1 on one process).
-        num_items: the window's global N, when known before its first backward (count first).
-        reference: R, when the driver knows it up front (the Accumulator's: N times the last window's
-            ratio of the items ``loss_fn`` counted to those counted up front, 1 when they are the same
-            items). Default: ``num_items``, else the running R.
-    """
-
-    __slots__ = ("state", "grad_divisor", "num_items", "reference")
-
-    def __init__(self, state: AccumulatorState, grad_divisor: float, *, num_items: Optional[Count] = None,
-                 reference: Optional[float] = None) -> None:
-        self.state, self.grad_divisor = state, float(grad_divisor)
-        #: the window's global N, when known before the first backward; else None
-        self.num_items: Optional[float] = None if num_items is None else float(num_items)
-        if reference is None:
-            reference = self.num_items if self.num_items is not None and self.num_items > 0 else state.reference
-        #: R: known when the window opened, else the running R (None until its first backward fixes it)
-        self.reference: Optional[float] = reference
-
-    @property
-    def empty(self) -> bool:
-        """The window is known before its first backward to hold no item: it weighs nothing, is skipped."""
-        return self.num_items == 0
-
-    def fix_reference(self, estimate: Count, agree: Callable[[float], float] = float) -> float:
-        """R for this window: known, or the running R; fixed now, once per state, from ``estimate`` (the
-        driver's guess at a window's N from its first backward, :func:`running_reference`)
-        made the same on every rank by ``agree`` (a max across ranks; the identity where the estimate is
-        already agreed)."""
-        if self.reference is None:
-            if self.state.reference is None:
-                self.state.reference = float(agree(running_reference(float(estimate))))
-            self.reference = self.state.reference
-        return self.reference
-
-    def _r(self) -> float:
-        if self.reference is None:
-            self.reference = self.state.reference  # fixed since this window opened, if at all
-            if self.reference is None:
-                raise RuntimeError("WindowWeights: a weight asked for before R was fixed; call fix_reference(count) "
-                                   "at the window's first backward")
-        return self.reference
-
-    def mean_weight(self, num_items: Union[Count, torch.Tensor], loss_dtype: torch.dtype = torch.float64
-                    ) -> Union[float, torch.Tensor]:
-        """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by:
-        ``n_k * W / R`` (:func:`backward_weight`); 0 in a window known to be empty."""
-        if self.num_items == 0:  # known empty
-            return 0.0
-        r = self.reference if self.reference is not None else self._r()
-        return backward_weight(num_items, r, self.grad_divisor, loss_dtype)
-
-    def window_loss_weight(self, num_items: Count) -> float:
-        """What the gradient of a loss over the **whole window** (a ``WindowLoss``: one mean over the
-        window's ``num_items`` = N rows, the cached two passes) is multiplied by: ``N / R``
-        (:func:`backward_weight` with ``W`` = 1: the ranks' divisor rides in the
-        representations' gradient slices), 1 where N was counted first."""
-        return 0.0 if self.empty else float(backward_weight(float(num_items), self._r(), 1.0))
-
-    def sum_weight(self) -> float:
-        """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R`` (the mean
-        weight of one item); 0 in a window known to be empty."""
-        if self.num_items == 0:  # known empty
-            return 0.0
-        r = self.reference if self.reference is not None else self._r()
-        return float(backward_weight(1, r, self.grad_divisor))
-
-    def close(self, num_items: Count, *, loss_sum: Optional[float] = None, raw_norm: Optional[float] = None,
-              nonfinite: str = "raise", has_scaler: bool = False) -> Closing:
-        """The boundary's decision from the window's global N (summed over its micro-batches and ranks),
-        and where the driver measured them its global loss sum and the reduced gradient's norm before
-        the scale (:func:`verdict`, :func:`boundary_scale`). Changes
-        nothing: :meth:`record` does, once the driver has stepped or skipped."""
-        n = float(num_items)
-        r = self.reference  # None only where no weighted backward ran: then any R scales a zero gradient
-        scale = boundary_scale(r if r is not None else 1.0, n)
-        grad_norm = raw_norm * scale if raw_norm is not None else None
-        return Closing(verdict(loss_sum, n, grad_norm, nonfinite=nonfinite, has_scaler=has_scaler), scale, n,
-                       grad_norm)
-
-    def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None,
-               warn_nonfinite: Optional[str] = None, stacklevel: int = 2) -> Closing:
-        """What the state learns at the boundary: one more optimizer step, or one more skipped window
-        (``warn_empty``, when given, is said once per state for a window of no item: how the driver
-        counts them; ``warn_nonfinite``, the driver's whole warning, once per state for a window skipped
-        as not finite), and the window's N as the last window's (windows with items only: it is an R).
-        A step the stepper did not apply (``applied=False``: an fp16 loss scale that overflowed, a
-        DeepSpeed engine that found the gradient not finite) is a window skipped as not finite. Returns
-        the closing as recorded."""
-        state = self.state
-        assert closing.verdict is not Verdict.RAISE, "a window that raises is not recorded: the driver raised"
-        if closing.steps and not applied:
-            closing = dataclasses.replace(closing, verdict=Verdict.SKIP_NONFINITE)
-        if closing.steps:
-            state.steps += 1
-        else:
-            state.skipped += 1
-            if closing.verdict is Verdict.SKIP_EMPTY and warn_empty is not None and state.warn_once("no_items"):
-                warnings.warn("a window counted 0 items (e.g. every label is the ignore_index): it has no loss to "
-                              f"step on, so it was skipped; {warn_empty}", UserWarning, stacklevel=stacklevel + 1)
-            if closing.verdict is Verdict.SKIP_NONFINITE and warn_nonfinite is not None \
-                    and state.warn_once("nonfinite"):
-                warnings.warn(warn_nonfinite, UserWarning, stacklevel=stacklevel + 1)
-        if closing.num_items > 0:
-            state.last_window_items = closing.num_items
-        return closing

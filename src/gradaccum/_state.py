@@ -44,7 +44,7 @@ class AccumulatorState:
     to each window (``Parts.state``); ``ExactTrainer`` and Lightning's ``ExactAccumulation`` keep
     theirs in one too (``trainer.accumulator_state``, ``callback.state``), saved with their framework's
     checkpoint. The fields a window's weighting changes (steps, skipped, reference,
-    last_window_items) are written by :class:`~gradaccum._maths.WindowWeights`, whoever drives it.
+    last_window_items) are written by :class:`~gradaccum._weights.WindowWeights`, whoever drives it.
 
     Saved in ``state_dict`` (a resumed run continues bit-identically):
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -20,9 +20,10 @@ from ._boundary import Boundary, InFlight, Totals
 from ._checks import Count, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._gradients import Gradients
-from ._maths import WindowWeights, window_mean
+from ._maths import window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
+from ._weights import WindowWeights
 from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError
@@ -124,7 +125,6 @@ class Window:
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
         self.abandoned = False
-        self._weight_of: Optional[Dict[int, float]] = None  # n_k * W / R by Python count n_k, once R is fixed
         #: micro-batches this rank runs, padding included (None when opened without a size, or before it opens)
         self.micro_batches: Optional[int] = None
         #: zero-weight micro-batches the ranks' counts ask this rank to run on top of its own (DDP: one on a
@@ -154,14 +154,12 @@ class Window:
 
     @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._maths.WindowWeights`: as it opens, or at the first backward's count."""
+        """The window's :class:`~gradaccum._weights.WindowWeights`: as it opens, or at the first backward's count."""
         if self._weights is None:
             setup = self.setup
             assert setup is not None, "the weighting is read inside `with acc.window(...)`"
-            weights = self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor, reference=(
+            self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor, reference=(
                 setup.reference if setup.counted is None else self.ctx.ranks.reference(setup)))
-            if weights.reference is not None:  # else fixed by the first backward (fix_reference)
-                self._weight_of = {}
         return self._weights
 
     def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
@@ -194,15 +192,13 @@ class Window:
         counted = type(num_items) is int and num_items > 0
         if not counted:  # a mean over no item (nan) cleaned to 0
             loss = clean_mean(loss, num_items)
-        weight_of = self._weight_of
-        if weight_of is None:  # R fixed by this first backward, where the window did not know it
+        weights = self._weights
+        if weights is None or weights.reference is None:  # R not known as the window opened: fixed now
             self.fix_reference(num_items)
-            weight_of = self._weight_of
-        weight = weight_of.get(num_items) if counted else None  # type: ignore[union-attr]
-        if weight is None:  # n_k * W / R, asked once per window and Python count (or each time for another count)
-            weight = self._weights.mean_weight(num_items, loss.dtype)  # type: ignore[union-attr]  # R is fixed
-            if counted:
-                weight_of[num_items] = weight  # type: ignore[index]
+            weights = self._weights
+        weight = weights.weight_of.get(num_items) if counted else None  # type: ignore[union-attr]
+        if weight is None:  # n_k * W / R, once per window and Python count (mean_weight keeps it in weight_of)
+            weight = weights.mean_weight(num_items, loss.dtype)  # type: ignore[union-attr]  # R is fixed
         weighted = loss * weight
         self.tally.append((loss.detach(), num_items, from_loss_fn))
         if counted and self.ctx.direct:  # one process in fp32: the seam's backward, with nothing around it
@@ -295,11 +291,10 @@ class Window:
         """R: known as the window opened, else fixed now (:meth:`WindowWeights.fix_reference`)."""
         self._open_setup("backward")
         weights = self.weights
-        if self._weight_of is None:
-            if weights.reference is None and self.ctx.sync.needs_count_first:
+        if weights.reference is None:
+            if self.ctx.sync.needs_count_first:
                 raise not_known_up_front()  # before any backward: nothing reached the gradient
             weights.fix_reference(count, self.ctx.ranks.largest)
-            self._weight_of = {}
         return weights.reference  # type: ignore[return-value]
 
     def step(self) -> StepResult:

@@ -18,9 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ._checks import positive_int
-from ._maths import WindowWeights, clip_coefficient, target_count, tensor_norms
+from ._maths import clip_coefficient, target_count, tensor_norms
 from ._seam import all_reduce_
 from ._state import AccumulatorState
+from ._weights import WindowWeights
 from .errors import ConfigurationError, NotExactError
 from .result import StepResult
 from .sync import sharded_stage

@@ -1,5 +1,5 @@
 """Every loop drives the one window: the Accumulator, ExactTrainer and Lightning's ExactAccumulation
-each weigh, decide and count through :class:`gradaccum._maths.WindowWeights` (issue 37), once per
+each weigh, decide and count through :class:`gradaccum._weights.WindowWeights` (issue 37), once per
 window, and each keeps what it learned in an AccumulatorState. A driver that derived a weight or a
 verdict again would pass its own exactness tests and fail here.
 
@@ -18,7 +18,7 @@ pytest.importorskip("pytorch_lightning")
 
 from integrations import scenarios as S  # noqa: E402
 from gradaccum import Accumulator  # noqa: E402
-from gradaccum._maths import WindowWeights  # noqa: E402
+from gradaccum._weights import WindowWeights  # noqa: E402
 from hf_helpers import gpt2  # noqa: E402
 from helpers import mse, regression_batch, regression_model  # noqa: E402
 
