@@ -2,7 +2,7 @@
 
 Unit checks of each step against the formulas written out here (an independent oracle: no call into
 _maths), that R is fixed once per state, agreed once, and that the weight of each count is kept in one
-place. The steps a framework's hooks add (buffers, hand over, judge): tests/test_driven.py. Which
+place. The steps a framework's hooks add (buffers, hand over, judge): tests/test_window_lifecycle.py. Which
 drivers fail when this one implementation is broken is pinned in tests/integrations/test_one_window.py and
 the exactness tests."""
 from __future__ import annotations

@@ -12,7 +12,7 @@ parameter's dtype exactly once::
 :class:`Gradients` is the window's gradient wherever it lives: opened with the window, measured
 (:func:`total_norm`), handed over at the boundary at its scale (the buffers rounded once) or dropped.
 Every driver's boundary goes through it: the Accumulator's (:mod:`gradaccum._boundary`) and a
-framework-driven window's (:meth:`gradaccum._driven.DrivenWindow.close`).
+framework-driven window's (:meth:`gradaccum._weights.WindowWeights.hand_over`).
 """
 
 from __future__ import annotations

@@ -24,10 +24,21 @@ from ._deepspeed import check_engine_arguments, deepspeed_engine
 from .errors import ConfigurationError, NotExactError
 from .sync import GradSync, refuse_pipeline
 
-__all__ = ["NONFINITE", "Settings", "check_training_objects"]
+__all__ = ["NONFINITE", "Settings", "check_training_objects", "nonfinite_choice"]
 
 #: ``nonfinite=``: skip a window whose loss or gradient is not finite, or raise
 NONFINITE = ("skip", "raise")
+
+
+def nonfinite_choice(who: str, value: Any) -> str:
+    """``nonfinite=`` as a framework's driver (``ExactTrainer``, ``ExactAccumulation``) was given it, once it
+    is one of :data:`NONFINITE`."""
+    if not isinstance(value, str) or value not in NONFINITE:
+        raise ConfigurationError(
+            f"{who}(nonfinite={value!r}): nonfinite must be 'skip' (a window whose loss or gradient is not finite "
+            "takes no optimizer or scheduler step, is counted in skipped, with a warning) or 'raise' (training "
+            f"stops with FloatingPointError at that window); pass {who}(nonfinite='skip') or nonfinite='raise'")
+    return value
 
 
 @dataclass(frozen=True)

@@ -3,21 +3,28 @@
 :class:`WindowWeights` composes the formulas of :mod:`gradaccum._maths` into the window every loop runs:
 the Accumulator's (:class:`~gradaccum._window.Window` and :class:`~gradaccum._boundary.Boundary`), the
 pipeline's, and the windows a framework's loop runs from its hooks (``ExactTrainer`` and the other Trainer
-drivers, Lightning's ``ExactAccumulation``, through :class:`~gradaccum._driven.DrivenWindow`), step by step:
+drivers, Lightning's ``ExactAccumulation``), step by step:
 
 1. **open** it: ``WindowWeights(state, W, num_items=N)`` when the window's global N is known before the
    first backward (count first: R = N, the boundary scale is 1; N = 0 is known to be skipped,
    :attr:`~WindowWeights.empty`), else ``WindowWeights(state, W)`` with the running R of
    ``state.reference``, fixed once by the first backward (:meth:`~WindowWeights.fix_reference`) and kept
-   in the state (a driver that cannot see the window ahead);
+   in the state (a driver that cannot see the window ahead). A framework-driven window opens its float32
+   buffers with it (``buffers=``);
 2. **weigh** micro-batch k: a mean loss over n_k items by :meth:`~WindowWeights.mean_weight`
    (``n_k * W / R``, kept per Python count in :attr:`~WindowWeights.weight_of`), a summed loss by
-   :meth:`~WindowWeights.sum_weight` (``W / R``); W is the number of ranks the reduction averages over;
+   :meth:`~WindowWeights.sum_weight` (``W / R``); W is the number of ranks the reduction averages over. A
+   framework that runs the backward itself has the weight put on the loss's gradient by
+   :meth:`~WindowWeights.weigh`;
 3. at the **boundary**: :meth:`~WindowWeights.close` gives the :class:`~gradaccum._maths.Closing` (the
-   verdict, from N and, where the driver measured them, the loss and the norm; the scale ``R / N``);
+   verdict, from N and, where the driver measured them, the loss and the norm; the scale ``R / N``). A
+   framework-driven window then :meth:`~WindowWeights.hand_over` its gradient at that scale (or drops
+   it) before the framework clips, and :meth:`~WindowWeights.judge` gives the verdict on the norm the
+   framework measured;
 4. :meth:`~WindowWeights.record` writes what the window taught into the
    :class:`~gradaccum._state.AccumulatorState`: one more step, or one more skipped window (with a one-time
-   warning), and N as the last window's count.
+   warning), and N as the last window's count. A window that failed part-way is
+   :meth:`~WindowWeights.abort`-ed.
 
     >>> from gradaccum._state import AccumulatorState
     >>> state = AccumulatorState()
@@ -38,13 +45,16 @@ docs/architecture.md ("One window, whoever runs the loop") walks each driver's h
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, ContextManager, Dict, Iterable, Optional, Union
 
 import torch
 
 from ._checks import Count
+from ._empty import may_be_empty, weighing_nothing
+from ._gradients import AccumulationBuffers, Gradients, total_norm
 from ._maths import Closing, Verdict, backward_weight, boundary_scale, running_reference, verdict
 from ._state import AccumulatorState
 
@@ -62,12 +72,14 @@ class WindowWeights:
         reference: R, when the driver knows it up front (the Accumulator's: N times the last window's
             ratio of the items ``loss_fn`` counted to those counted up front, 1 when they are the same
             items). Default: ``num_items``, else the running R.
+        buffers: the float32 buffers a framework-driven window's bf16/fp16 gradients fold into, opened
+            now (None: the sum is in ``.grad``, or the Accumulator's boundary owns the buffers).
     """
 
-    __slots__ = ("state", "grad_divisor", "num_items", "reference", "weight_of")
+    __slots__ = ("state", "grad_divisor", "num_items", "reference", "weight_of", "buffers")
 
     def __init__(self, state: AccumulatorState, grad_divisor: float, *, num_items: Optional[Count] = None,
-                 reference: Optional[float] = None) -> None:
+                 reference: Optional[float] = None, buffers: Optional[AccumulationBuffers] = None) -> None:
         self.state, self.grad_divisor = state, float(grad_divisor)
         #: the window's global N, when known before the first backward; else None
         self.num_items: Optional[float] = None if num_items is None else float(num_items)
@@ -78,6 +90,10 @@ class WindowWeights:
         #: ``n_k * W / R`` by Python count n_k, as :meth:`mean_weight` gave it: a micro-batch's caller reads
         #: ``weight_of.get(n_k)`` first, so that the weight of each count is computed once per window
         self.weight_of: Dict[int, float] = {}
+        self.buffers = buffers
+        if buffers is not None:  # the window's bf16 gradients fold into float32 from here on
+            buffers.clear()
+            buffers.active = True
 
     @property
     def empty(self) -> bool:
@@ -134,6 +150,23 @@ class WindowWeights:
         representations' gradient slices), 1 where N was counted first."""
         return 0.0 if self.empty else float(backward_weight(float(num_items), self._r(), 1.0))
 
+    def weigh(self, loss: torch.Tensor, num_items: Count, leaves: Callable[[], Iterable[torch.Tensor]], *,
+              divided_by: float = 1.0) -> ContextManager[None]:
+        """Micro-batch k's weight ``n_k W / R`` put on the gradient of ``loss``, which the framework itself
+        backpropagates after dividing it by ``divided_by`` (Lightning: ``accumulate_grad_batches``).
+        Returns the context its backward runs in: where ``n_k`` may be 0
+        (:func:`~gradaccum._empty.may_be_empty`), :func:`~gradaccum._empty.weighing_nothing` over
+        ``leaves()``, since a mean over no item is ``0 / 0 = nan``, which no weight on the loss cleans."""
+        if not loss.requires_grad:
+            return contextlib.nullcontext()
+        weight = self.weight_of.get(num_items) if type(num_items) is int else None
+        if weight is None:  # n_k * W / R, once per window and Python count (or each time for another count)
+            weight = self.mean_weight(num_items, loss.dtype)
+        c = divided_by * weight
+        loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
+        empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
+        return contextlib.nullcontext() if empty is None else weighing_nothing(leaves(), empty)
+
     # -- the boundary ---------------------------------------------------------------------------------------
 
     def close(self, num_items: Count, *, loss_sum: Optional[float] = None, raw_norm: Optional[float] = None,
@@ -149,14 +182,68 @@ class WindowWeights:
         return Closing(verdict(loss_sum, n, grad_norm, nonfinite=nonfinite, has_scaler=has_scaler), scale, n,
                        grad_norm)
 
+    def hand_over(self, params: Iterable[torch.nn.Parameter] = (), num_items: Optional[Count] = None) -> Closing:
+        """The boundary of a window a framework steps, before it clips: :meth:`close` on ``num_items``
+        (the window's global N, where it was not counted first) and the window's gradient handed over at
+        its scale ``R / N``, the buffers rounded once into ``.grad``; for a skipped window the buffers and
+        the ``.grad`` of ``params`` are dropped (:class:`~gradaccum._gradients.Gradients`' rules, the
+        Accumulator's boundary's)."""
+        closing = self.close(self.num_items if num_items is None else num_items)  # type: ignore[arg-type]
+        if not closing.steps:
+            Gradients(list(params), self.buffers).drop()
+        elif closing.scale != 1.0 or self.buffers is not None:  # else nothing to scale or write back
+            Gradients(list(params), self.buffers).hand_over(closing.scale)
+        return closing
+
+    def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),
+              grad_norm: Union[None, float, torch.Tensor] = None, *, nonfinite: str, who: str) -> Closing:
+        """The verdict on the gradient :meth:`hand_over` handed over, before the framework's optimizer steps:
+        from ``grad_norm``, its norm where the framework measured it anyway (the Hugging Face Trainer's,
+        for clipping and its log; a tensor), else measured here over the ``.grad`` of ``params`` (one
+        fused pass). Read on the host once. The rule is the ``Accumulator``'s
+        (:func:`~gradaccum._maths.verdict`): a norm that is not finite (nan or inf in a loss or a gradient
+        of any micro-batch: every rank holds the same reduced gradient, so every rank decides the same)
+        skips the window under ``nonfinite="skip"``, its ``.grad`` of ``params`` dropped (the driver
+        ``who`` keeps the optimizer and the scheduler from stepping, and :meth:`record` counts the skip),
+        and raises ``FloatingPointError`` under ``"raise"``, naming the window and the fix. A window that
+        already takes no step is returned as it was."""
+        if not closing.steps:
+            return closing
+        params = list(params)
+        if grad_norm is None:
+            grads = [p.grad for p in params if p.grad is not None]
+            if any(g.dtype == torch.float16 for g in grads):  # finite fp16 elements whose norm passes 65504
+                grads = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]  # norm of the norms
+            grad_norm = total_norm(grads, grads[0].device if grads else torch.device("cpu"))
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP2: the whole gradient's
+        norm = float(grad_norm)  # the window's one host read of its norm
+        decision = verdict(None, closing.num_items, norm, nonfinite=nonfinite, has_scaler=False)
+        closing = dataclasses.replace(closing, verdict=decision, grad_norm=norm)
+        if decision is Verdict.STEP:
+            return closing
+        for p in params:
+            p.grad = None
+        if decision is Verdict.RAISE:
+            state = self.state
+            raise FloatingPointError(
+                f"{who}: the gradient of window {state.steps + state.skipped + 1} of this run (after "
+                f"{state.steps} optimizer steps and {state.skipped} skipped windows) has the norm {norm}, not "
+                "finite: a loss or a gradient of one of its micro-batches was nan or inf. No optimizer step was "
+                "taken. Lower the learning rate, or look for the batch that overflows; or pass "
+                f"{who}(nonfinite='skip') to skip such windows (skipped counts them)")
+        return closing
+
     # -- what the state learns ------------------------------------------------------------------------------
 
     def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None,
-               warn_nonfinite: Optional[str] = None, stacklevel: int = 2) -> Closing:
+               warn_nonfinite: Optional[str] = None, who: Optional[str] = None, stacklevel: int = 2) -> Closing:
         """What the state learns at the boundary: one more optimizer step, or one more skipped window
         (``warn_empty``, when given, is said once per state for a window of no item: how the driver
-        counts them; ``warn_nonfinite``, the driver's whole warning, once per state for a window skipped
-        as not finite), and the window's N as the last window's (windows with items only: it is an R). A step the stepper did not apply (``applied=False``: an fp16 loss scale
+        counts them; ``warn_nonfinite``, once per state for a window skipped as not finite: the driver's
+        whole warning, or with ``who``, the driver whose :meth:`judge` skipped it, how it counts them,
+        inside the judged window's warning), and the window's N as the last window's (windows with
+        items only: it is an R). A step the stepper did not apply (``applied=False``: an fp16 loss scale
         that overflowed, a DeepSpeed engine that found the gradient not finite) is a window skipped as
         not finite. Returns the closing as recorded."""
         state = self.state
@@ -172,7 +259,16 @@ class WindowWeights:
                               f"step on, so it was skipped; {warn_empty}", UserWarning, stacklevel=stacklevel + 1)
             if closing.verdict is Verdict.SKIP_NONFINITE and warn_nonfinite is not None \
                     and state.warn_once("nonfinite"):
-                warnings.warn(warn_nonfinite, UserWarning, stacklevel=stacklevel + 1)
+                warnings.warn(warn_nonfinite if who is None else (
+                    f"{who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was skipped: its "
+                    f"gradient dropped, no optimizer or scheduler step; {warn_nonfinite}. Lower the learning rate, "
+                    f"or pass {who}(nonfinite='raise') to stop at such a window"), UserWarning,
+                    stacklevel=stacklevel + 1)
         if closing.num_items > 0:
             state.last_window_items = closing.num_items
         return closing
+
+    def abort(self) -> None:
+        """The window failed part-way: its buffers fold nothing more and keep nothing."""
+        if self.buffers is not None:
+            self.buffers.retire()

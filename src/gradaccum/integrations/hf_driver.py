@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from .._checks import Count
-from .._driven import DrivenWindow, nonfinite_choice
 from .._gradients import AccumulationBuffers
 from .._patching import NoStep, Swaps
+from .._settings import nonfinite_choice
 from .._state import AccumulatorState
 from .._maths import Closing
+from .._weights import WindowWeights
 from ..errors import ConfigurationError, NotExactError
 from ._versions import require
 from .hf_moe import TrainerBalance
@@ -176,7 +177,10 @@ class TrainerDriver:
         self.accumulator_state: AccumulatorState = self._state.accumulator_state
         #: W: the ranks the Trainer's gradient reduction averages over (Accelerate's data-parallel processes)
         self.grad_divisor = float(self.accelerator.num_processes)
-        self._window: Optional[DrivenWindow] = None
+        self._window: Optional[WindowWeights] = None  # the window being trained (counted first: R = N)
+        #: W / N, the open window's sum_weight(), taken once as it opens: what one item's summed loss weighs
+        self._sum_weight = 0.0
+        self._micro_batches, self._ran = 0, 0  # the open window's micro-batches: how many, how many have run
         self._closed: Optional[Closing] = None  # a closed window whose verdict waits for the Trainer's norm
         self._balance: Optional[TrainerBalance] = None
 
@@ -192,22 +196,21 @@ class TrainerDriver:
         return None if n is None else int(n)
 
     def open_window(self, num_items: Count, micro_batches: int, *, buffers: Optional[AccumulationBuffers] = None,
-                    routed: Optional[Callable[[], List[Dict[str, Any]]]] = None,
-                    second_items: Optional[Count] = None) -> DrivenWindow:
-        """The window of N = ``num_items``, every rank's, counted first; ``routed()``: its micro-batches as an
-        MoE model routes them."""
+                    routed: Optional[Callable[[], List[Dict[str, Any]]]] = None) -> WindowWeights:
+        """The window of N = ``num_items``, every rank's, counted first, and its float32 ``buffers``;
+        ``routed()``: its micro-batches as an MoE model routes them."""
         if self._closed is not None:  # the last window stepped without its verdict: a loop that skips _get_grad_norm
             raise RuntimeError(f"{type(self).__name__}: the Trainer's loop stepped a window without measuring its gradient "
                                "norm (Trainer._get_grad_norm), which the window's verdict on a non-finite gradient reads; "
                                "do not override _get_grad_norm or the training loop away")
-        self._window = DrivenWindow(self.accumulator_state, self.grad_divisor, num_items=num_items,
-                                    micro_batches=micro_batches, buffers=buffers, second_items=second_items,
-                                    nonfinite=self.nonfinite, who=type(self).__name__)
+        window = self._window = WindowWeights(self.accumulator_state, self.grad_divisor, num_items=num_items,
+                                              buffers=buffers)
+        self._sum_weight, self._micro_batches, self._ran = window.sum_weight(), micro_batches, 0
         self._balance = None
         if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
             self._balance = TrainerBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
                                           self.accelerator.device, self.model_wrapped, who=type(self).__name__)
-        return self._window
+        return window
 
     def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` summed over the ranks (one reduction; itself on one process)."""
@@ -220,11 +223,11 @@ class TrainerDriver:
         balance, window = self._balance, self._window
         if balance is None or window is None:
             return forward(), None
-        out, part = balance.run(window.ran, model, inputs, forward, aux_owner)
-        if window.last:
+        out, part = balance.run(self._ran, model, inputs, forward, aux_owner)
+        if self._ran == self._micro_batches - 1:  # the window's last micro-batch
             balance.routing.check()  # every rank: the training forwards routed as counted
         # a share of a mean over the window's N items, weighed as that mean is (0 in a skipped window)
-        return out, part * window.weights.mean_weight(window.items)
+        return out, part * window.mean_weight(window.num_items)  # type: ignore[arg-type]  # counted first
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window closes,
@@ -236,10 +239,13 @@ class TrainerDriver:
                 self._window.abort()
             raise
         window = self._window
-        if window is not None and window.ran_one():
+        if window is None:
+            return loss
+        self._ran += 1
+        if self._ran == self._micro_batches:  # the window's last micro-batch has run
             if self._balance is not None:
                 self._balance.routing.finish()  # the random state as the counting pass left it
-            closing = window.close()
+            closing = window.hand_over()
             # the engine (DeepSpeed) or an fp16 loss scaler judges a non-finite gradient itself
             if closing.steps and not self.is_deepspeed_enabled and getattr(self.accelerator, "scaler", None) is None:
                 self._closed = closing
@@ -250,13 +256,14 @@ class TrainerDriver:
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         """The Trainer's norm of the window's gradient (measured before every step): the closed window's
-        verdict on it (:meth:`DrivenWindow.judge`), then its record."""
+        verdict on it (:meth:`~gradaccum._weights.WindowWeights.judge`), then its record."""
         norm = super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
         closing, window, self._closed = self._closed, self._window, None
         if closing is not None and window is not None:
-            closing = window.judge(closing, grad_norm=norm)  # the Trainer's zero_grad drops a skipped gradient
-            self._window_ends(window.record(closing, warn_nonfinite=(
-                f"{type(self).__name__}.skipped counts them, global_step is not advanced")))
+            who = type(self).__name__  # judged without params: the Trainer's zero_grad drops a skipped gradient
+            closing = window.judge(closing, grad_norm=norm, nonfinite=self.nonfinite, who=who)
+            self._window_ends(window.record(closing, warn_nonfinite=f"{who}.skipped counts them, global_step is not "
+                                            "advanced", who=who))
         return norm
 
     def _window_ends(self, closing: Closing) -> None:

@@ -235,7 +235,7 @@ class ExactTrainer(TrainerDriver, Trainer):
 
     def window_steps(self) -> bool:
         """Whether the window being trained takes an optimizer step (it holds items; True before any window)."""
-        return not (self._window is not None and self._window.skip)
+        return not (self._window is not None and self._window.empty)
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: Optional[torch.device] = None) -> Tuple[List[Any], Optional[torch.Tensor]]:
@@ -272,18 +272,17 @@ class ExactTrainer(TrainerDriver, Trainer):
         part = None
         if self.own_loss is not None or items.source in ("pairs", "rows"):  # a mean over the head's items, pairs, rows
             loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
-            loss = loss * window.weights.mean_weight(items.count([inputs]) if items.source == "head" else
-                                                     items.rows(inputs))
+            loss = loss * window.mean_weight(items.count([inputs]) if items.source == "head" else items.rows(inputs))
         elif items.source == "head":
             moe = {} if self.router_balance is None else {"output_router_logits": False}  # hooks read them
             outputs, part = self.balanced(model, inputs, lambda: model(**items.model_inputs(inputs), **moe))
-            loss = items.loss_sum(outputs, inputs) * window.item_weight  # W / N
+            loss = items.loss_sum(outputs, inputs) * self._sum_weight  # W / N
         else:  # SFT's tokens: S_k / num_items_in_batch, times W where it averages tokens across devices itself
-            n = max(window.items, 1)
+            n = max(int(window.num_items or 0), 1)
             (loss, outputs), part = self.balanced(
                 model, inputs, lambda: self._trainer_loss(model, inputs, return_outputs, n), self)
-            loss = loss * (window.item_weight * n / (self.grad_divisor if self.args.average_tokens_across_devices
-                                                     else 1.0))
+            loss = loss * (self._sum_weight * n / (self.grad_divisor if self.args.average_tokens_across_devices
+                                                   else 1.0))
         if part is not None:  # coef * this micro-batch's part of the window's load balancing, times W
             loss = loss + part
         return (loss, outputs) if return_outputs else loss

@@ -53,7 +53,7 @@ class TrainerWindows:
                               graph_model=model)
             passes.gather()  # N: the window's rows, every rank's
             window = trainer.open_window(passes.total, passes.parts)  # the driver records it after the last micro-batch
-            passes.loss_gradient(loss_model, params, weight=window.weights.window_loss_weight(passes.total))
+            passes.loss_gradient(loss_model, params, weight=window.window_loss_weight(passes.total))
         loss = passes.surrogate(passes.ran, model)
         if passes.ran == passes.parts:
             passes.finish()

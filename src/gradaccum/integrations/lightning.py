@@ -1,5 +1,6 @@
 """PyTorch Lightning: exact gradient accumulation with one callback, :class:`ExactAccumulation`, which drives
-:class:`gradaccum._driven.DrivenWindow` (on the running R) from Lightning's hooks (docs/guides/lightning.md).
+the window core :class:`gradaccum._weights.WindowWeights` (on the running R) from Lightning's hooks
+(docs/guides/lightning.md).
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from .._cached import WindowLoss
 from .._checks import Count, as_number, item_count
-from .._driven import DrivenWindow, nonfinite_choice
 from .._gradients import AccumulationBuffers
 from .._patching import Swaps
+from .._settings import nonfinite_choice
 from .._state import AccumulatorState
+from .._weights import WindowWeights
 from .._empty import graph_leaves
 from ..accumulator import driver_buffers
 from ..batching import leading_dim
@@ -88,7 +90,8 @@ class ExactAccumulation(Callback):
         #: what the fit's windows teach each other: fresh for each fit, saved in Lightning's checkpoint
         self.state = AccumulatorState()
         self.pending: Optional[Count] = None      #:  n_k of the micro-batch about to be backpropagated
-        self._window: Optional[DrivenWindow] = None  # the open window (running R)
+        self._window: Optional[WindowWeights] = None  # the open window (running R)
+        self._count: Count = 0                    # the items the open window has weighed on this rank (its n_k summed)
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
         self.skipping = False                     #: the window that just closed takes no step
         self._hooks = Swaps()                     # the module's hooks wrapped for this fit
@@ -162,10 +165,9 @@ class ExactAccumulation(Callback):
         # None: the leading dimension, unless training_step returns a count
         self.pending = None if self.num_items is None else item_count("num_items(batch)", self.num_items(batch))
 
-    def _open(self, trainer: "pl.Trainer") -> DrivenWindow:
+    def _open(self, trainer: "pl.Trainer") -> WindowWeights:
         """The window with the running R (its count is known only at its end), opened at its first backward."""
-        self._window = DrivenWindow(self.state, trainer.world_size, buffers=self.buffers, nonfinite=self.nonfinite,
-                                    who="ExactAccumulation")
+        self._window, self._count = WindowWeights(self.state, trainer.world_size, buffers=self.buffers), 0
         return self._window
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
@@ -180,10 +182,11 @@ class ExactAccumulation(Callback):
                                          "(mean_loss, count) from training_step") from None
         self.pending, self._batch = None, None
         window = self._window if self._window is not None else self._open(trainer)
-        if window.weights.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
-            window.weights.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n))
+        if window.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
+            window.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n))
         leaves = (pl_module.parameters if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
                   else lambda: graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
+        self._count = self._count + n
         self._nothing.enter_context(window.weigh(loss, n, leaves, divided_by=trainer.accumulate_grad_batches))
 
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -196,11 +199,11 @@ class ExactAccumulation(Callback):
         window = self._window if self._window is not None else self._open(trainer)
         self._window = None
         total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and the "
-                           "ranks)", _all_reduce(trainer, window.count))
+                           "ranks)", _all_reduce(trainer, self._count))
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        closing = window.close(total, params=params)
-        if getattr(trainer.precision_plugin, "scaler", None) is None:
-            closing = window.judge(closing, params)  # every rank holds the same reduced gradient: one verdict
+        closing = window.hand_over(params, total)
+        if getattr(trainer.precision_plugin, "scaler", None) is None:  # every rank holds the same reduced gradient
+            closing = window.judge(closing, params, nonfinite=self.nonfinite, who="ExactAccumulation")  # one verdict
         said = None
         if not closing.steps:  # Lightning counts the step after this hook returns
             trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
@@ -208,7 +211,7 @@ class ExactAccumulation(Callback):
             said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
                     "ExactAccumulation.skipped counts them") if trainer.is_global_zero else None
         window.record(closing, warn_empty=said, warn_nonfinite=said and (
-            "global_step not advanced; ExactAccumulation.skipped counts them"))
+            "global_step not advanced; ExactAccumulation.skipped counts them"), who="ExactAccumulation")
 
     def _returning_a_count(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Accept ``(mean, count)`` from ``training_step`` (a tuple Lightning itself would refuse)."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .._maths import Closing
+from .._weights import WindowWeights
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount, local_counts, trl_divisor, trl_entropy_mean
 from .hf_driver import TrainerDriver, refuse_untested, serves_the_window
@@ -47,6 +48,9 @@ class _ExactRL(TrainerDriver):
         self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
         self._prepared: Deque[Dict[str, Any]] = collections.deque()
         self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
+        #: the step's second mean, the entropy bonus's over its completion tokens T (the loss may average over
+        #: sequences): weighed ``W / max(T, 1)`` (a mean over no token weighs a zero sum)
+        self._bonus: Optional[WindowWeights] = None
         #: an MoE model's load-balancing term (TRL's router_aux_loss_coef), over the step's window
         self.router_balance = trl_router_balance(self)
 
@@ -88,9 +92,10 @@ class _ExactRL(TrainerDriver):
         counts = local_counts([_loss_mask(b) for b in prepared], self.accelerator.device)  # type: ignore[attr-defined]
         tokens, rows = (int(c) for c in self.summed_over_ranks(counts).tolist())  # [completion tokens, sequences]
         self.last_step_count = StepCount.of(_loss_type(self), tokens, rows, getattr(self, "max_completion_length", None))
-        window = self.open_window(self.last_step_count.items, len(prepared), second_items=tokens,
+        window = self.open_window(self.last_step_count.items, len(prepared),
                                   routed=lambda: [_model_inputs(b) for b in prepared])
-        if window.skip and getattr(self, "use_adaptive_entropy", False):  # N = 0: the controller kept as it is
+        self._bonus = WindowWeights(self.accumulator_state, self.grad_divisor, num_items=max(tokens, 1))
+        if window.empty and getattr(self, "use_adaptive_entropy", False):  # N = 0: the controller kept as it is
             self._controller = (self.entropy_coef, self._last_world_entropy)  # type: ignore[attr-defined]
         return batch_samples, None
 
@@ -123,8 +128,7 @@ class _ExactRL(TrainerDriver):
         ``W / T``), with TRL's loss, metrics and logs computed as TRL computes them. Evaluation: TRL's."""
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
-        window = self._window
-        if window is None:
+        if self._window is None or self._bonus is None:
             raise RuntimeError(f"{type(self).__name__}.compute_loss in training before get_batch_samples counted "
                                "the step")
         coef = self._entropy_coef_now()
@@ -143,11 +147,11 @@ class _ExactRL(TrainerDriver):
         if coef != 0.0:  # TRL subtracted coef times its entropy mean: taken back out, as TRL computed it
             entropy_sum, trl_mean = trl_entropy_mean(captured[0], mask, accumulation=k)
             loss = loss + coef * trl_mean
-            bonus = -coef * entropy_sum * window.second.sum_weight()  # type: ignore[union-attr]  # W / T
+            bonus = -coef * entropy_sum * self._bonus.sum_weight()  # W / T
         divisor = trl_divisor(_loss_type(self), mask, accumulation=k, steps_per_generation=self.args.steps_per_generation,
                               max_completion_length=getattr(self, "max_completion_length", None),
                               generation_tokens=inputs.get("num_items_in_batch"), world=self.accelerator.num_processes)
-        loss = loss * divisor * window.item_weight  # W / N: TRL's division undone (gradaccum.rl.trl_divisor)
+        loss = loss * divisor * self._sum_weight  # W / N: TRL's division undone (gradaccum.rl.trl_divisor)
         loss = loss if bonus is None else loss + bonus
         return loss if part is None else loss + part  # coef * this micro-batch's part of the step's LBL, times W
 

@@ -1,6 +1,7 @@
-"""The window a framework's loop drives (_driven.DrivenWindow), the one home of what ExactTrainer and
-Lightning's ExactAccumulation both did around WindowWeights: open the float32 buffers, hand the window's
-gradient over at its scale R / N (buffers rounded once), drop a skipped window's gradient, record.
+"""The window core's lifecycle as a framework's loop drives it (_weights.WindowWeights), the one home of what
+ExactTrainer and Lightning's ExactAccumulation both do from their hooks: open the float32 buffers, hand the
+window's gradient over at its scale R / N (buffers rounded once), drop a skipped window's gradient, judge
+the norm the framework measured, record.
 
 The oracle is written out here: the window's float64 gradient of sum_k S_k / N, and its float32 sum
 rounded once to bf16. The drivers' own exactness tests (test_precision.py's trainer-driver tests,
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 from gradaccum._batch_items import BatchItems, SetMean
-from gradaccum._driven import DrivenWindow
 from gradaccum._gradients import AccumulationBuffers
 from gradaccum._maths import Verdict
 from gradaccum._patching import NoStep, Swaps, swapped
 from gradaccum._state import AccumulatorState
+from gradaccum._weights import WindowWeights
 
 
 def _micro_batches(seed: int = 0):
@@ -44,18 +45,38 @@ def test_the_window_hands_over_the_big_batchs_gradient(counted_first):
     n = sum(len(y) for _, y in batches)
     state = AccumulatorState()
     p = torch.nn.Parameter(torch.linspace(-1, 1, 4, dtype=torch.float64))
-    window = DrivenWindow(state, 1, num_items=n if counted_first else None, micro_batches=len(batches))
+    window = WindowWeights(state, 1, num_items=n if counted_first else None)
+    count = 0  # the driver's running count (Lightning's)
     for x, y in batches:
-        if window.weights.reference is None:
-            window.weights.fix_reference(2 * len(y))  # a driver's first guess at N (Lightning's: A * n_0)
-        window.count += len(y)
-        (_summed(p, x, y) / len(y) * window.weights.mean_weight(len(y))).backward()
-        assert window.ran_one() is (window.ran == len(batches))
-    closing = window.close(None if counted_first else n, params=[p])
+        if window.reference is None:
+            window.fix_reference(2 * len(y))  # a driver's first guess at N (Lightning's: A * n_0)
+        count += len(y)
+        (_summed(p, x, y) / len(y) * window.mean_weight(len(y))).backward()
+    closing = window.hand_over([p], None if counted_first else count)
     assert closing.steps and (closing.scale == 1.0) is counted_first
     torch.testing.assert_close(p.grad, _big_batch_grad(batches, n), rtol=1e-12, atol=0)
     window.record(closing)
     assert (state.steps, state.skipped, state.last_window_items) == (1, 0, float(n))
+
+
+def test_weigh_puts_the_weight_on_the_gradient_and_computes_each_counts_weight_once(monkeypatch):
+    """Lightning's micro-batch: the framework backpropagates its loss divided by A itself; the hook weigh puts
+    on it multiplies the gradient by A n_k W / R, so that the window's gradient is the big batch's (float64
+    to rounding). The weight of a Python count is computed once per window and kept in weight_of (the one
+    cache the Accumulator's window reads too): a second micro-batch of 3 items asks for no weight."""
+    batches = _micro_batches() + _micro_batches(1)[:1]  # 3, 1, 5 and 3 items
+    n = sum(len(y) for _, y in batches)
+    asked = []
+    real = WindowWeights.mean_weight
+    monkeypatch.setattr(WindowWeights, "mean_weight", lambda self, k, *a: asked.append(k) or real(self, k, *a))
+    window = WindowWeights(AccumulatorState(), 1, num_items=n)
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 4, dtype=torch.float64))
+    for x, y in batches:
+        loss = _summed(p, x, y) / len(y)
+        with window.weigh(loss, len(y), lambda: [p], divided_by=4):
+            (loss / 4).backward()
+    assert asked == [3, 1, 5] and window.weight_of == {3: 3 / n, 1: 1 / n, 5: 5 / n}
+    torch.testing.assert_close(p.grad, _big_batch_grad(batches, n), rtol=1e-12, atol=0)
 
 
 def test_bf16_gradients_sum_in_float32_and_round_once():
@@ -66,12 +87,11 @@ def test_bf16_gradients_sum_in_float32_and_round_once():
     grads = [torch.full((64,), 1.0 + k / 256, dtype=torch.bfloat16) * (1 + torch.arange(64) / 64).bfloat16()
              for k in range(16)]
     state = AccumulatorState()
-    window = DrivenWindow(state, 1, buffers=buffers)
-    window.weights.fix_reference(8.0)
+    window = WindowWeights(state, 1, buffers=buffers)
+    window.fix_reference(8.0)
     for g in grads:
         (p * g).sum().backward()
-        window.count += 1
-    closing = window.close(16)  # R = 8, N = 16: scale 1/2
+    closing = window.hand_over(num_items=16)  # R = 8, N = 16: scale 1/2
     assert closing.scale == 0.5 and not buffers.active
     want = (torch.stack([g.float() for g in grads]).sum(0) * 0.5).bfloat16()
     assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, want)
@@ -86,10 +106,10 @@ def test_a_skipped_window_leaves_no_gradient_and_counts_a_skip():
     q = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     buffers = AccumulationBuffers([q], torch.float32)
     state = AccumulatorState()
-    window = DrivenWindow(state, 1, num_items=0, micro_batches=1, buffers=buffers)
-    assert window.skip and window.weights.sum_weight() == 0.0
+    window = WindowWeights(state, 1, num_items=0, buffers=buffers)
+    assert window.empty and window.sum_weight() == 0.0
     (p.sum() + q.float().sum()).backward()
-    closing = window.close(params=[p, q])
+    closing = window.hand_over([p, q])
     assert closing.verdict is Verdict.SKIP_EMPTY
     assert p.grad is None and q.grad is None and buffers.tensors() == []
     window.record(closing)
@@ -99,8 +119,8 @@ def test_a_skipped_window_leaves_no_gradient_and_counts_a_skip():
 def test_a_step_the_framework_did_not_apply_is_recorded_skipped():
     """An fp16 engine whose loss scale overflowed took no step: recorded as a non-finite skip."""
     state = AccumulatorState()
-    window = DrivenWindow(state, 1, num_items=4, micro_batches=1)
-    closing = window.record(window.close(), applied=False)
+    window = WindowWeights(state, 1, num_items=4)
+    closing = window.record(window.hand_over(), applied=False)
     assert closing.verdict is Verdict.SKIP_NONFINITE and (state.steps, state.skipped) == (0, 1)
 
 
@@ -111,46 +131,48 @@ def test_a_gradient_that_is_not_finite_is_skipped_or_raises(bad):
     'raise' naming the window and the fix; a finite one steps and keeps its norm."""
     p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     state = AccumulatorState()
-    window = DrivenWindow(state, 1, num_items=4, micro_batches=1, who="ExactTrainer")
+    window = WindowWeights(state, 1, num_items=4)
+    skip = dict(nonfinite="skip", who="ExactTrainer")
     p.grad = torch.tensor([3.0, 4.0, 0.0], dtype=torch.float64)
-    closing = window.judge(window.close(params=[p]), [p])
+    closing = window.judge(window.hand_over([p]), [p], **skip)
     assert closing.verdict is Verdict.STEP and closing.grad_norm == 5.0 and p.grad is not None
     p.grad = torch.tensor([1.0, bad, 0.0], dtype=torch.float64)
-    closing = window.judge(window.close(params=[p]), [p])
+    closing = window.judge(window.hand_over([p]), [p], **skip)
     assert closing.verdict is Verdict.SKIP_NONFINITE and p.grad is None
     with pytest.warns(UserWarning, match=r"ExactTrainer: a window's gradient was not finite"):
-        window.record(closing, warn_nonfinite="skipped counts them")
+        window.record(closing, warn_nonfinite="skipped counts them", who="ExactTrainer")
     assert (state.steps, state.skipped) == (0, 1)
-    raising = DrivenWindow(state, 1, num_items=4, micro_batches=1, nonfinite="raise", who="ExactTrainer")
+    raising = WindowWeights(state, 1, num_items=4)
     with pytest.raises(FloatingPointError, match=r"window 2 of this run .*ExactTrainer\(nonfinite='skip'\)"):
-        raising.judge(raising.close(), grad_norm=torch.tensor(bad))
+        raising.judge(raising.hand_over(), grad_norm=torch.tensor(bad), nonfinite="raise", who="ExactTrainer")
     half = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
     half.grad = torch.full((2,), 60000.0, dtype=torch.float16)  # finite, with a norm past float16's range
-    assert window.judge(window.close(params=[half]), [half]).grad_norm == pytest.approx(60000.0 * 2 ** 0.5)
-    empty = DrivenWindow(state, 1, num_items=0, micro_batches=1)
-    assert empty.judge(empty.close(), grad_norm=bad).verdict is Verdict.SKIP_EMPTY  # no item: nothing to judge
+    assert window.judge(window.hand_over([half]), [half], **skip).grad_norm == pytest.approx(60000.0 * 2 ** 0.5)
+    empty = WindowWeights(state, 1, num_items=0)
+    assert empty.judge(empty.hand_over(), grad_norm=bad, **skip).verdict is Verdict.SKIP_EMPTY  # nothing to judge
 
 
 @pytest.mark.parametrize("rows, tokens", [(4, 7), (4, 0)])
 def test_a_second_mean_is_weighed_over_its_own_count(rows, tokens):
     """GRPO's entropy bonus (a token mean) in a step whose loss averages over its sequences: the summed
-    terms of each mean times W / its own count, over two ranks (float64 against the two means written out);
-    a mean over no token weighs a zero sum (W / 1), the window still steps on its rows."""
+    terms of each mean times W / its own count, over two ranks (float64 against the two means written out),
+    the bonus's a second WindowWeights as ExactGRPOTrainer holds it; a mean over no token weighs a zero sum
+    (W / 1), the window still steps on its rows."""
     g = torch.Generator().manual_seed(0)
     loss_terms, bonus_terms = torch.randn(rows, dtype=torch.float64, generator=g), torch.randn(
         tokens, dtype=torch.float64, generator=g)
-    window = DrivenWindow(AccumulatorState(), 2, num_items=rows, micro_batches=1, second_items=tokens)
-    got = (loss_terms.sum() * window.weights.sum_weight() + bonus_terms.sum() * window.second.sum_weight()) / 2
+    state = AccumulatorState()
+    window, bonus = WindowWeights(state, 2, num_items=rows), WindowWeights(state, 2, num_items=max(tokens, 1))
+    got = (loss_terms.sum() * window.sum_weight() + bonus_terms.sum() * bonus.sum_weight()) / 2
     want = loss_terms.mean() + (bonus_terms.mean() if tokens else 0.0)
     assert torch.allclose(got, torch.as_tensor(want, dtype=torch.float64), rtol=1e-15, atol=0)
-    assert window.second.sum_weight() == 2 / max(tokens, 1) and window.record(window.close()).steps
-    assert DrivenWindow(AccumulatorState(), 1, num_items=rows).second is None
+    assert bonus.sum_weight() == 2 / max(tokens, 1) and window.record(window.hand_over()).steps
 
 
 def test_a_failed_window_folds_nothing_into_the_next():
     q = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     buffers = AccumulationBuffers([q], torch.float32)
-    window = DrivenWindow(AccumulatorState(), 1, num_items=2, micro_batches=2, buffers=buffers)
+    window = WindowWeights(AccumulatorState(), 1, num_items=2, buffers=buffers)
     q.float().sum().backward()
     assert buffers.tensors()
     window.abort()
