@@ -15,14 +15,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ._gradients import Gradients, total_norm
 from ._maths import Closing, Verdict, clip_coefficient, count_dtype, tensor_norms, window_mean
 from ._state import AccumulatorState
 from .errors import ConfigurationError
 from .precision import MixedPrecision
 from ._deepspeed import not_known_up_front
 from .sync import GradSync
-from ._weights import WindowWeights
+from ._weights import Gradients, WindowWeights, total_norm
 
 __all__ = ["Tally", "Totals", "Outcome", "Boundary", "InFlight", "ExchangeRow", "Exchanged", "read_on_host"]
 

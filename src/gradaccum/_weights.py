@@ -48,17 +48,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Callable, ContextManager, Dict, Iterable, Optional, Union
+from typing import Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from ._checks import Count
 from ._empty import may_be_empty, weighing_nothing
-from ._gradients import AccumulationBuffers, Gradients, total_norm
+from ._gradients import AccumulationBuffers
 from ._maths import Closing, Verdict, backward_weight, boundary_scale, running_reference, verdict
 from ._state import AccumulatorState
+from .sync import full_tensor
 
-__all__ = ["WindowWeights"]
+__all__ = ["WindowWeights", "Gradients", "total_norm"]
 
 
 class WindowWeights:
@@ -186,7 +187,7 @@ class WindowWeights:
         """The boundary of a window a framework steps, before it clips: :meth:`close` on ``num_items``
         (the window's global N, where it was not counted first) and the window's gradient handed over at
         its scale ``R / N``, the buffers rounded once into ``.grad``; for a skipped window the buffers and
-        the ``.grad`` of ``params`` are dropped (:class:`~gradaccum._gradients.Gradients`' rules, the
+        the ``.grad`` of ``params`` are dropped (:class:`Gradients`' rules, the
         Accumulator's boundary's)."""
         closing = self.close(self.num_items if num_items is None else num_items)  # type: ignore[arg-type]
         if not closing.steps:
@@ -272,3 +273,73 @@ class WindowWeights:
         """The window failed part-way: its buffers fold nothing more and keep nothing."""
         if self.buffers is not None:
             self.buffers.retire()
+
+
+# -- the window's gradient, wherever it lives -------------------------------------------------------------
+
+class Gradients:
+    """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
+        self.params = list(params)
+        self.buffers = buffers
+        folded = set() if buffers is None else {id(p) for p in buffers.params}
+        #: the parameters whose gradient sums in ``.grad`` (all of them without buffers; with buffers, those
+        #: already of the buffers' dtype: the float32 layers of a bf16 model)
+        self.unbuffered = [p for p in self.params if id(p) not in folded]
+
+    def open(self) -> None:
+        """A window opens: stale gradients would leak into it; the buffers fold from here on."""
+        for p in self.params:
+            p.grad = None
+        if self.buffers is not None:
+            self.buffers.clear()
+            self.buffers.active = True
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The tensors holding the window's gradient: the ``.grad`` that exist, and the buffers' (every one
+        of them is measured, clipped and rescaled at the boundary)."""
+        grads = [p.grad for p in self.unbuffered if p.grad is not None]
+        return grads if self.buffers is None else grads + self.buffers.tensors()
+
+    def materialized(self) -> List[torch.Tensor]:
+        """Every parameter's ``.grad``, zeros where none was made (for an explicit reduction)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]  # type: ignore[misc]
+
+    def hand_over(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
+        """The window's gradient for the step: every tensor of it (``grads``, where the caller listed them)
+        multiplied once by ``coef`` (the scale ``R / N``, with the Accumulator's clip folded in), the
+        buffers then rounded once into ``.grad``. Every driver's one float32-buffer rule."""
+        if self.buffers is not None:
+            self.buffers.active = False
+        if coef != 1.0:
+            grads = self.tensors() if grads is None else grads
+            if grads:
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, coef)
+        if self.buffers is not None:
+            self.buffers.write_grads_()
+
+    def drop(self) -> None:
+        """The window's gradient goes (after its step, or skipped, or left without a step); its buffers fold
+        nothing more until the next window opens."""
+        for p in self.params:
+            p.grad = None
+        if self.buffers is not None:
+            self.buffers.active = False
+            self.buffers.clear()
+
+
+def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The gradient's total 2-norm: one fused pass for plain tensors on one device (the common case,
+    without get_total_norm's per-call grouping); DTensors and mixed devices take the general path."""
+    if not grads:
+        return torch.zeros((), device=device)
+    if all(type(g) is torch.Tensor and g.device == device for g in grads):
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    norm = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
+        else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return full_tensor(norm)

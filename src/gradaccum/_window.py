@@ -10,6 +10,7 @@ micro-batch through it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -17,13 +18,12 @@ import torch
 from torch import nn
 
 from ._boundary import Boundary, InFlight, Totals
-from ._checks import Count, scalar_loss, split_loss_output
+from ._checks import Count, scalar_loss, split_loss_output, training_batchnorms
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
-from ._gradients import Gradients
 from ._maths import window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
-from ._weights import WindowWeights
+from ._weights import Gradients, WindowWeights
 from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError
@@ -31,9 +31,41 @@ from .sync import GradSync
 from ._deepspeed import not_known_up_front
 from ._autosize import is_out_of_memory
 
-__all__ = ["Window", "Parts", "weighing_nothing", "graph_leaves"]
+__all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves"]
 
 _NOTHING = contextlib.nullcontext()  # the block of a micro-batch that switches nothing, in Window.run
+
+
+class OpenWindow:
+    """At most one window is open per Accumulator; opening one clears stale gradients and warns
+    once about BatchNorm in training mode."""
+
+    def __init__(self, model: nn.Module, state: AccumulatorState) -> None:
+        self.model, self.state = model, state
+        self.window: Optional["Window"] = None
+
+    def check_idle(self) -> None:
+        if self.window is not None:
+            raise RuntimeError(
+                "a window is already open on this Accumulator: finish it with window.step() before "
+                "calling step(), train() or window() again (a nested window would drop the open "
+                "window's gradients)"
+            )
+
+    def enter(self, window: "Window") -> None:
+        if self.window is not None:  # before anything changes: a nested window would clear the open one
+            self.check_idle()
+        if self.model.training and "batchnorm" not in self.state.warned and self.state.warn_once("batchnorm"):
+            names = training_batchnorms(self.model)
+            if names:
+                warnings.warn(
+                    f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"
+                    f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
+                    "accumulation is not equivalent to one big batch. Check with "
+                    "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.",
+                    stacklevel=4,  # acc.step's line (acc.window's block: one frame fewer)
+                )
+        self.window = window
 
 
 @dataclass(frozen=True)
@@ -48,7 +80,7 @@ class Parts:
     grads: Gradients
     ranks: RankAgreement
     boundary: Boundary
-    slot: Any  # the Accumulator's OpenWindow: at most one window open at a time
+    slot: "OpenWindow"  # at most one window open at a time
     state: AccumulatorState
     #: micro-batches enter a context (the sync switch, autocast): across ranks or under autocast
     switches: bool = field(init=False)

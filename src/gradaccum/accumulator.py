@@ -14,7 +14,6 @@ user the same ``Window``. docs/architecture.md walks one micro-batch through it;
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -24,16 +23,16 @@ from torch import nn
 from ._accum_dtype import LowPrecisionWarning, driver_buffers, warn_low_precision_grad_sum, window_buffers
 from ._autosize import AutoMicroBatch
 from ._boundary import Boundary
-from ._gradients import Gradients
+from ._weights import Gradients
 from ._ranks import RankAgreement, Rules, Request
 from ._resume import Resumable
 from ._settings import Settings, check_training_objects
 from ._state import AccumulatorState
 from ._training import TrainSpec, train_windows
 from ._cached import WindowLoss, check_window_loss
-from ._checks import ROWS, Count, item_count, positive_int, training_batchnorms
+from ._checks import ROWS, Count, item_count, positive_int
 from ._run import LossFn, run_auto, run_window
-from ._window import Parts, Window
+from ._window import OpenWindow, Parts, Window
 from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
@@ -48,38 +47,6 @@ __all__ = ["Accumulator", "LowPrecisionWarning", "driver_buffers", "warn_low_pre
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
 Scheduler = Any
-
-
-class OpenWindow:
-    """At most one window is open per Accumulator; opening one clears stale gradients and warns
-    once about BatchNorm in training mode."""
-
-    def __init__(self, model: nn.Module, state: AccumulatorState) -> None:
-        self.model, self.state = model, state
-        self.window: Optional["Window"] = None
-
-    def check_idle(self) -> None:
-        if self.window is not None:
-            raise RuntimeError(
-                "a window is already open on this Accumulator: finish it with window.step() before "
-                "calling step(), train() or window() again (a nested window would drop the open "
-                "window's gradients)"
-            )
-
-    def enter(self, window: "Window") -> None:
-        if self.window is not None:  # before anything changes: a nested window would clear the open one
-            self.check_idle()
-        if self.model.training and "batchnorm" not in self.state.warned and self.state.warn_once("batchnorm"):
-            names = training_batchnorms(self.model)
-            if names:
-                warnings.warn(
-                    f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"
-                    f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
-                    "accumulation is not equivalent to one big batch. Check with "
-                    "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.",
-                    stacklevel=4,  # acc.step's line (acc.window's block: one frame fewer)
-                )
-        self.window = window
 
 
 class Accumulator(Resumable):
@@ -191,7 +158,8 @@ class Accumulator(Resumable):
                 refused before the first backward, with the fix.
         """
         ctx = self.context
-        ctx.slot.check_idle()  # a window still open is refused before anything runs
+        if ctx.slot.window is not None:
+            ctx.slot.check_idle()  # raises: a window still open is refused before anything runs
         check_micro_batch_size(micro_batch_size)
         check_loss_call(self.sync, loss_fn, num_items, micro_batch_size)
         if micro_batch_size == "auto":
@@ -203,7 +171,8 @@ class Accumulator(Resumable):
         counts = count_items(micro_batches, num_items, rows)
         if isinstance(loss_fn, (WindowLoss, MoELoss)):  # a loss that runs its window its own way
             return run_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size)  # type: ignore
-        request = Request(len(micro_batches), counts.total, can_pad=ctx.ranks.can_pad(bool(micro_batches)))
+        can_pad = ctx.sync.shares_windows and ctx.ranks.can_pad(bool(micro_batches))  # padding is across ranks
+        request = Request(len(micro_batches), counts.total, can_pad=can_pad)
         with Window(ctx, request, micro_batch_size=micro_batch_size) as opened:
             opened.run(loss_fn, micro_batches, counts)
             return opened.step()
