@@ -211,12 +211,12 @@ def test_only_the_first_window_across_ranks_counts_first():
     assert ranks.open(Request(2, items=7, can_pad=True)).counted is None  # not yet known of every rank
     state.counts_first = True
     setup = ranks.open(Request(2, items=7, can_pad=True))
-    assert setup.counted is not None and setup.reference is None and setup.items is None
-    assert ranks.reference(setup) == 7.0 and setup.items == 7.0  # read at the first backward
+    assert setup.counted is not None and setup.reference is None and setup.counted.value is None
+    assert ranks.reference(setup) == 7.0 and setup.counted.value == 7.0  # read at the first backward
     state.count_ratio = 2.0
     assert ranks.reference(ranks.open(Request(2, items=7, can_pad=True))) == 14.0
     without = ranks.open(Request(2, can_pad=True))  # no count up front here: takes part, R runs
-    assert without.counted is not None and ranks.reference(without) is None and without.items is None
+    assert without.counted is not None and ranks.reference(without) is None and without.counted.value is None
     asked = Plan(2, 2, 2, None, asked=True)
     assert ranks.open(Request(2, items=7, can_pad=True, plan=asked)).counted is None
     known = ranks.open(Request(2, items=7, can_pad=True, plan=Plan(2, 2, 2, 9.0, asked=True)))

@@ -73,14 +73,6 @@ class Setup(NamedTuple):
     padding: int = 0
     counted: Optional["CountedFirst"] = None
 
-    @property
-    def items(self) -> Optional[float]:
-        """The window's N as counted before its first backward (by the plan, or by the count all-reduce once
-        read), else None."""
-        if self.plan is not None and self.plan.items is not None:
-            return self.plan.items
-        return self.counted.value if self.counted is not None else None
-
 
 class CountedFirst:
     """The window's N, counted first: every rank's up-front count summed in one all-reduce started as the
@@ -285,7 +277,8 @@ class RankAgreement:
 
     def learn(self, setup: Setup, outcome: "Outcome") -> None:
         """After a boundary that did not raise: the count ratio, and what the ranks told each other."""
-        upfront = setup.items
+        plan, counted = setup.plan, setup.counted  # N as counted before the first backward, where it was
+        upfront = plan.items if plan is not None and plan.items is not None else counted and counted.value
         if upfront and outcome.num_items > 0:
             self.state.count_ratio = outcome.num_items / upfront
         self.state.counts_from_loss_fn = outcome.counts_from_loss_fn

@@ -172,8 +172,8 @@ class Window:
             setup = self.setup = ctx.ranks.open(self.request)
             n, self.padding = self.request.micro_batches, setup.padding
             self.micro_batches = None if n is None else n + setup.padding
-            if setup.counted is None:  # else at the first backward, when the ranks' count arrives
-                self.weights  # noqa: B018 - opens the weighting now
+            if setup.counted is None:  # R known now; else at the first backward, when the ranks' count arrives
+                self._weights = WindowWeights(ctx.state, ctx.sync.grad_divisor, reference=setup.reference)
         except BaseException as error:  # the window leaves as a block an exception left
             self.__exit__(type(error), error, error.__traceback__)
             raise
@@ -186,7 +186,8 @@ class Window:
 
     @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._weights.WindowWeights`: as it opens, or at the first backward's count."""
+        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or where it counts first,
+        from the ranks' count read at the first backward."""
         if self._weights is None:
             setup = self.setup
             assert setup is not None, "the weighting is read inside `with acc.window(...)`"
