@@ -132,10 +132,6 @@ class TrainerDriver:
     docs/architecture.md, "The Hugging Face Trainer drivers"). ``nonfinite``: ``"skip"`` or ``"raise"``, a
     class attribute or every driver's ``nonfinite=`` argument."""
 
-    accelerator: Any  # the Trainer's (annotations only: the Trainer sets them)
-    model: Any
-    model_wrapped: Any
-    is_deepspeed_enabled: bool
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass
     empty_window_note: Optional[str] = None  # said once with the warning for a window of no item (None: no warning)
