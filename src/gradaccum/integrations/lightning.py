@@ -204,10 +204,9 @@ class ExactAccumulation(Callback):
         if not closing.steps:  # Lightning counts the step after this hook returns
             trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
             self.skipping = True
-            said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
-                    "ExactAccumulation.skipped counts them") if trainer.is_global_zero else None
-        window.record(closing, warn_empty=said, warn_nonfinite=said and (
-            "global_step not advanced; ExactAccumulation.skipped counts them"), who="ExactAccumulation")
+            said = "global_step not advanced; ExactAccumulation.skipped counts them" if trainer.is_global_zero else None
+        window.record(closing, warn_empty=said and f"ExactAccumulation: no optimizer or scheduler step, {said}",
+                      warn_nonfinite=said, who="ExactAccumulation")
 
     def _returning_a_count(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Accept ``(mean, count)`` from ``training_step`` (a tuple Lightning itself would refuse)."""
