@@ -4,6 +4,7 @@ cached two passes, its loss served the cached embeddings (docs/guides/sentence-t
 from __future__ import annotations
 
 import contextlib
+import random
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -238,14 +239,11 @@ class _ServedLoss:
     @staticmethod
     def _adaptive_layers(ad: Any, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
         """AdaptiveLayerLoss's forward on the served layers."""
-        import random
-
         inner, layers = ad.loss, served.table.shape[1]
         served.layer, served.served = layers - 1, []
         loss = inner(features, labels) * ad.last_layer_weight
-        final = None
-        if ad.kl_temperature > 0:
-            final = nn.functional.softmax(torch.cat(served.served) / ad.kl_temperature, dim=-1).detach()
+        final = (nn.functional.softmax(torch.cat(served.served) / ad.kl_temperature, dim=-1).detach()
+                 if ad.kl_temperature > 0 else None)
         indices = list(range(layers - 1))
         if 0 < ad.n_layers_per_step < layers - 1:
             indices = random.sample(indices, ad.n_layers_per_step)
