@@ -13,6 +13,7 @@ when one of these names is used, so ``import gradaccum`` never needs them.
 """
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
 
 __all__ = ["ExactAccumulation", "ExactTrainer"]
@@ -22,7 +23,5 @@ _WHERE = {"ExactAccumulation": "lightning", "ExactTrainer": "hf_trainer"}
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        from importlib import import_module
-
         return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

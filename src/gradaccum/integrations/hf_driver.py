@@ -132,10 +132,6 @@ class TrainerDriver:
     docs/architecture.md, "The Hugging Face Trainer drivers"). ``nonfinite``: ``"skip"`` or ``"raise"``, a
     class attribute or every driver's ``nonfinite=`` argument."""
 
-    accelerator: Any  # the Trainer's (annotations only: the Trainer sets them)
-    model: Any
-    model_wrapped: Any
-    is_deepspeed_enabled: bool
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass
     empty_window_note: Optional[str] = None  # said once with the warning for a window of no item (None: no warning)
@@ -220,8 +216,8 @@ class TrainerDriver:
                  aux_owner: Any = None) -> Tuple[Any, Optional[torch.Tensor]]:
         """``forward()`` and, for an MoE model, ``coef * W`` times this micro-batch's part of the window's
         load-balancing loss (``aux_owner``: a TRL trainer whose own aux term is off meanwhile); else None."""
-        balance, window = self._balance, self._window
-        if balance is None or window is None:
+        balance, window = self._balance, self._window  # a balance is opened with its window
+        if balance is None:
             return forward(), None
         out, part = balance.run(self._ran, model, inputs, forward, aux_owner)
         if self._ran == self._micro_batches - 1:  # the window's last micro-batch
@@ -258,8 +254,8 @@ class TrainerDriver:
         """The Trainer's norm of the window's gradient (measured before every step): the closed window's
         verdict on it (:meth:`~gradaccum._weights.WindowWeights.judge`), then its record."""
         norm = super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
-        closing, window, self._closed = self._closed, self._window, None
-        if closing is not None and window is not None:
+        closing, window, self._closed = self._closed, self._window, None  # a closing comes from its window
+        if closing is not None:
             who = type(self).__name__  # judged without params: the Trainer's zero_grad drops a skipped gradient
             closing = window.judge(closing, grad_norm=norm, nonfinite=self.nonfinite, who=who)
             self._window_ends(window.record(closing, warn_nonfinite=f"{who}.skipped counts them, global_step is not "

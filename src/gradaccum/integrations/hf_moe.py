@@ -14,7 +14,8 @@ from .._patching import swapped
 from ..errors import NotExactError
 from ..moe import MoEOutput, Routing
 from ..sync import sync_for
-from .hf_router import BALANCED_FAMILIES, RouterBalance, aux_term, hf_routing, hf_token_mask, router_logits_of
+from .hf_router import (BALANCED_FAMILIES, RouterBalance, aux_term, hf_routing, hf_token_mask, router_logits_of,
+                        text_config)
 
 __all__ = ["TrainerBalance", "trl_aux_refusal", "trl_router_balance"]
 
@@ -26,7 +27,7 @@ def trl_router_balance(trainer: Any) -> Optional[RouterBalance]:
     if not coef:
         return None
     config = trainer.accelerator.unwrap_model(trainer.model).config
-    view = copy.copy(config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config)
+    view = copy.copy(text_config(config))
     view.output_router_logits, view.router_aux_loss_coef = True, float(coef)
     try:
         return aux_term(view)

@@ -36,7 +36,8 @@ class RouterBalance:
     coef: float
 
 
-def _text_config(config: Any) -> Any:
+def text_config(config: Any) -> Any:
+    """A multimodal config's text config (the one its MoE layers read), else ``config``."""
     getter = getattr(config, "get_text_config", None)
     return getter() if callable(getter) else config
 
@@ -52,7 +53,7 @@ def aux_term(config: Any) -> Optional[RouterBalance]:
     >>> Config.router_aux_loss_coef = 0.0; aux_term(Config()) is None
     True
     """
-    text = _text_config(config)
+    text = text_config(config)
     coef = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
     if not getattr(text, "output_router_logits", False):
         return None
@@ -68,9 +69,10 @@ def _refuse_an_unknown_term(text: Any, coef: float) -> None:
     family's formula, or a weight under another name): refused, never trained without it in silence."""
     family = getattr(text, "model_type", None)
     others = {name: getattr(text, name) for name in _OTHER_WEIGHTS if getattr(text, name, 0)}
-    ffn = getattr(text, "ffn_config", None)
-    if getattr(ffn, "moe_loss_weight", 0) or (isinstance(ffn, dict) and ffn.get("moe_loss_weight")):
-        others["ffn_config.moe_loss_weight"] = getattr(ffn, "moe_loss_weight", None) or ffn.get("moe_loss_weight")
+    ffn = getattr(text, "ffn_config", None)  # DBRX's: an object, or a dict
+    ffn_weight = ffn.get("moe_loss_weight") if isinstance(ffn, dict) else getattr(ffn, "moe_loss_weight", 0)
+    if ffn_weight:
+        others["ffn_config.moe_loss_weight"] = ffn_weight
     if others or (coef and family is not None and family not in BALANCED_FAMILIES):
         weights = ", ".join(f"{k}={v}" for k, v in {**({"router_aux_loss_coef": coef} if coef else {}), **others}.items())
         raise NotExactError(
@@ -164,7 +166,7 @@ def causal_lm_parts(model: nn.Module, ignore_index: int) -> Tuple[RouterBalance,
             "LM; for a model of your own write MoELoss(forward, num_experts=..., top_k=..., coef=...)")
     term = aux_term(config)
     if term is None:
-        text = _text_config(config)
+        text = text_config(config)
         raise ConfigurationError(
             f"MoELoss.for_hf_model({name}): its config has no load-balancing term (output_router_logits="
             f"{getattr(text, 'output_router_logits', None)}, router_aux_loss_coef="

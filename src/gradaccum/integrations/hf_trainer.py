@@ -13,21 +13,12 @@ from torch import nn
 from .._batch_items import HEADS, BatchItems, SetMean, check_head
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
-from .hf_router import aux_term, refuse_aux_term
-from . import hf_window_loss
-from ._versions import FLOORS
-
-try:
-    from transformers import Trainer
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "gradaccum.integrations.hf_trainer needs transformers: pip install 'gradaccum[hf]' "
-        f"(or pip install 'transformers>={FLOORS['transformers']}')"
-    ) from exc
-
-from . import hf_deepspeed
-from .hf_moe import trl_aux_refusal, trl_router_balance
 from .hf_driver import TrainerDriver, TrainerWindowState, calls_next, refuse_untested, serves_the_window
+from transformers import Trainer  # after hf_driver, which refuses a transformers too old or missing with the fix
+
+from . import hf_deepspeed, hf_window_loss
+from .hf_moe import trl_aux_refusal, trl_router_balance
+from .hf_router import aux_term, refuse_aux_term
 
 __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", "loss_source"]
 
@@ -117,14 +108,12 @@ def _fitting_head(model: nn.Module, head: Optional[str]) -> str:
     base = getattr(base, "_orig_mod", base)
     name = type(base).__name__
 
-    def names(mapping: Dict[str, Any]) -> set:
-        return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
-
     heads = [known for known, mapping in (
         ("causal_lm", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         ("sequence_classification", auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
         ("token_classification", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
-        ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)) if name in names(mapping)]
+        ("masked_lm", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES))
+        if any(name in ((v,) if isinstance(v, str) else v) for v in mapping.values())]
     if head is None and not heads:
         raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
                                  "(ExactTrainer computes that head's loss from the model's logits)")

@@ -11,12 +11,10 @@ from torch import nn
 from .._cached import CachedPasses, WindowLoss, graphs_to_keep, window_loss_of_batch
 from ..errors import ConfigurationError
 from ..losses import contrastive_window_loss
+from ..sync import sync_for
 from .hf_driver import refuse_untested
 
 __all__ = ["TrainerWindows", "refuse_what_a_window_loss_cannot_run", "window_loss_of"]
-
-#: ``make(micro_batches) -> (window_loss, params, loss_model)`` for one window
-MakeWindow = Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]
 
 
 class TrainerWindows:
@@ -34,12 +32,11 @@ class TrainerWindows:
     def begin(self, batch_samples: List[Any]) -> None:
         self.pending, self.passes = list(batch_samples), None
 
-    def surrogate(self, model: nn.Module, inputs: Any, make: MakeWindow) -> torch.Tensor:
-        """Micro-batch k's surrogate; pass 1 and the loss's gradient in the window's first call."""
-        from ..sync import sync_for
-
-        trainer = self.trainer
-        passes = self.passes
+    def surrogate(self, model: nn.Module, inputs: Any,
+                  make: Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]) -> torch.Tensor:
+        """Micro-batch k's surrogate; pass 1 and the loss's gradient in the window's first call, from
+        ``make(micro_batches) -> (window_loss, params, loss_model)``."""
+        trainer, passes = self.trainer, self.passes
         if passes is None or passes.ran == passes.parts:
             batches = [self.prepare(b) for b in self.pending]
             window_loss, params, loss_model = make(batches)

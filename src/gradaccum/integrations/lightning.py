@@ -37,8 +37,6 @@ from .hf_router import refuse_aux_term
 
 __all__ = ["ExactAccumulation", "strategy_model", "count_step"]
 
-NumItems = Callable[[Any], Count]
-
 
 class ExactAccumulation(Callback):
     """Make Lightning's gradient accumulation exactly one big batch, on one process, under DDP or
@@ -77,15 +75,15 @@ class ExactAccumulation(Callback):
         >>> trainer = pl.Trainer(accumulate_grad_batches=4, gradient_clip_val=1.0, callbacks=[cb])  # doctest: +SKIP
     """
 
-    def __init__(self, num_items: Optional[NumItems] = None, accum_dtype: str = "auto", nonfinite: str = "skip") -> None:
+    def __init__(self, num_items: Optional[Callable[[Any], Count]] = None, accum_dtype: str = "auto",
+                 nonfinite: str = "skip") -> None:
         self.nonfinite = nonfinite_choice("ExactAccumulation", nonfinite)
         if num_items is not None and not callable(num_items):
             raise TypeError(f"ExactAccumulation(num_items={num_items!r}): num_items must be None (count the "
                             "batch's leading dimension) or a callable batch -> item count, e.g. "
                             "num_items=lambda batch: count_targets(batch['labels'])")
         driver_buffers("ExactAccumulation", (), accum_dtype, owns_the_sum=True, fix="")  # refuses a bad name now
-        self.num_items = num_items
-        self.accum_dtype = accum_dtype
+        self.num_items, self.accum_dtype = num_items, accum_dtype
         self.buffers: Optional[AccumulationBuffers] = None  # float32 sums of bf16/fp16 gradients (None: in .grad)
         #: what the fit's windows teach each other: fresh for each fit, saved in Lightning's checkpoint
         self.state = AccumulatorState()
@@ -153,10 +151,8 @@ class ExactAccumulation(Callback):
                 self.buffers.retire()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._hooks.restore()  # Lightning skips teardown after an exception
         self._nothing.close()
-        if self.buffers is not None:
-            self.buffers.retire()
+        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown after an exception
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -208,10 +204,9 @@ class ExactAccumulation(Callback):
         if not closing.steps:  # Lightning counts the step after this hook returns
             trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
             self.skipping = True
-            said = ("ExactAccumulation: no optimizer or scheduler step, global_step not advanced; "
-                    "ExactAccumulation.skipped counts them") if trainer.is_global_zero else None
-        window.record(closing, warn_empty=said, warn_nonfinite=said and (
-            "global_step not advanced; ExactAccumulation.skipped counts them"), who="ExactAccumulation")
+            said = "global_step not advanced; ExactAccumulation.skipped counts them" if trainer.is_global_zero else None
+        window.record(closing, warn_empty=said and f"ExactAccumulation: no optimizer or scheduler step, {said}",
+                      warn_nonfinite=said, who="ExactAccumulation")
 
     def _returning_a_count(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Accept ``(mean, count)`` from ``training_step`` (a tuple Lightning itself would refuse)."""

@@ -4,6 +4,7 @@ cached two passes, its loss served the cached embeddings (docs/guides/sentence-t
 from __future__ import annotations
 
 import contextlib
+import random
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -182,9 +183,9 @@ class _ServedLoss:
 
     def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module) -> None:
         self.trainer, self.loss_fn, self.module = trainer, loss_fn, module
+        self.held = _held_models(loss_fn, module)
         # models the loss runs besides the trained one (GIST's frozen guide), by key
-        self.guides = {key: getattr(owner, attr) for owner, attr, key in _held_models(loss_fn, module)
-                       if key != "model"}
+        self.guides = {key: getattr(owner, attr) for owner, attr, key in self.held if key != "model"}
         self.adaptive = loss_fn if isinstance(loss_fn, AdaptiveLayerLoss) else None
 
     def _every_layer(self, model: nn.Module, features: Dict[str, Any]) -> torch.Tensor:
@@ -217,11 +218,10 @@ class _ServedLoss:
         n = columns[0].shape[0]
         features = [{"gradaccum_column": torch.full((n,), c, dtype=torch.long, device=columns[0].device),
                      "gradaccum_row": torch.arange(n, device=columns[0].device)} for c in range(len(columns))]
-        served = {"model": _Served(columns)}
-        served.update({name: _Served(cols) for name, cols in reps.get("guides", {}).items()})
+        served = {key: _Served(cols) for key, cols in {"model": columns, **reps.get("guides", {})}.items()}
         with contextlib.ExitStack() as stack:
             stack.enter_context(column_merging_disabled())
-            for owner, name, key in _held_models(self.loss_fn, self.module):
+            for owner, name, key in self.held:
                 stack.enter_context(swapped(owner, name, served[key]))
             for owner in _loss_modules(self.loss_fn):
                 if getattr(owner, "gather_across_devices", False):  # the embeddings are every rank's already
@@ -239,14 +239,11 @@ class _ServedLoss:
     @staticmethod
     def _adaptive_layers(ad: Any, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
         """AdaptiveLayerLoss's forward on the served layers."""
-        import random
-
         inner, layers = ad.loss, served.table.shape[1]
         served.layer, served.served = layers - 1, []
         loss = inner(features, labels) * ad.last_layer_weight
-        final = None
-        if ad.kl_temperature > 0:
-            final = nn.functional.softmax(torch.cat(served.served) / ad.kl_temperature, dim=-1).detach()
+        final = (nn.functional.softmax(torch.cat(served.served) / ad.kl_temperature, dim=-1).detach()
+                 if ad.kl_temperature > 0 else None)
         indices = list(range(layers - 1))
         if 0 < ad.n_layers_per_step < layers - 1:
             indices = random.sample(indices, ad.n_layers_per_step)

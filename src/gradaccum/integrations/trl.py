@@ -5,16 +5,11 @@ micro-batches inside the step, so their drop-ins count each step's completions f
 """
 from __future__ import annotations
 
-from ._versions import require
-
-require("trl", "gradaccum.integrations.trl")
-try:
-    from trl import DPOTrainer, SFTTrainer
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("gradaccum.integrations.trl needs TRL: pip install 'gradaccum[hf]' (or pip install trl)") from exc
+# first: RL has its own driver (count the step's completions first), and trl_rl refuses a TRL too old or missing
+from .trl_rl import ExactGRPOTrainer, ExactRLOOTrainer
+from trl import DPOTrainer, SFTTrainer
 
 from .hf_trainer import ExactTrainer
-from .trl_rl import ExactGRPOTrainer, ExactRLOOTrainer  # RL: their own driver (count the step's completions first)
 
 __all__ = ["ExactSFTTrainer", "ExactDPOTrainer", "ExactGRPOTrainer", "ExactRLOOTrainer"]
 

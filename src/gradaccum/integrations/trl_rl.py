@@ -114,13 +114,6 @@ class _ExactRL(TrainerDriver):
             self._captured.append(out[1])
         return out
 
-    def _entropy_coef_now(self) -> float:
-        """The coefficient TRL applies in this step (0 where off; adaptive: the previous step's decision)."""
-        if not getattr(self, "_entropy_bonus_enabled", False) or (  # type: ignore[attr-defined]
-                self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target):
-            return 0.0
-        return float(self.entropy_coef)  # type: ignore[attr-defined]
-
     @serves_the_window
     def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
@@ -131,28 +124,28 @@ class _ExactRL(TrainerDriver):
         if self._window is None or self._bonus is None:
             raise RuntimeError(f"{type(self).__name__}.compute_loss in training before get_batch_samples counted "
                                "the step")
-        coef = self._entropy_coef_now()
-        def trl() -> torch.Tensor:  # TRL's loss, metrics and logs
-            trl_loss = super(_ExactRL, self).compute_loss  # type: ignore[misc]
-            return trl_loss(model, inputs, return_outputs, num_items_in_batch)
+        # the entropy coefficient TRL applies in this step (0 where off; adaptive: the previous step's decision)
+        off = not getattr(self, "_entropy_bonus_enabled", False) or (
+            self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target)
+        coef = 0.0 if off else float(self.entropy_coef)
+        trl_loss = super().compute_loss  # type: ignore[misc]  # TRL's loss, metrics and logs
         self._captured = []
         try:  # an MoE model: the forward replayed as counted, its router logits read, TRL's own aux term off
-            loss, part = self.balanced(model, _model_inputs(inputs) if self._balance is not None else inputs, trl,
-                                       self)
+            loss, part = self.balanced(model, _model_inputs(inputs) if self._balance is not None else inputs,
+                                       lambda: trl_loss(model, inputs, return_outputs, num_items_in_batch), self)
         finally:
             captured, self._captured = self._captured, None
         mask = _loss_mask(inputs)
-        bonus = None
         k = self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
         if coef != 0.0:  # TRL subtracted coef times its entropy mean: taken back out, as TRL computed it
             entropy_sum, trl_mean = trl_entropy_mean(captured[0], mask, accumulation=k)
             loss = loss + coef * trl_mean
-            bonus = -coef * entropy_sum * self._bonus.sum_weight()  # W / T
         divisor = trl_divisor(_loss_type(self), mask, accumulation=k, steps_per_generation=self.args.steps_per_generation,
                               max_completion_length=getattr(self, "max_completion_length", None),
                               generation_tokens=inputs.get("num_items_in_batch"), world=self.accelerator.num_processes)
         loss = loss * divisor * self._sum_weight  # W / N: TRL's division undone (gradaccum.rl.trl_divisor)
-        loss = loss if bonus is None else loss + bonus
+        if coef != 0.0:  # the entropy bonus, weighed over the step's tokens: W / T
+            loss = loss - coef * entropy_sum * self._bonus.sum_weight()
         return loss if part is None else loss + part  # coef * this micro-batch's part of the step's LBL, times W
 
     def _window_ends(self, closing: Closing) -> None:
