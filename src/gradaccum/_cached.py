@@ -39,12 +39,6 @@ from .errors import ConfigurationError
 __all__ = ["WindowLoss", "Constant", "CachedPasses", "run_cached_window", "graphs_to_keep", "check_window_loss",
            "window_loss_of_batch"]
 
-#: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
-Encode = Callable[[nn.Module, Batch], Any]
-#: ``loss(model, representations)`` -> the window's scalar loss, over every rank's representations
-Loss = Callable[[nn.Module, Any], torch.Tensor]
-
-
 class WindowLoss:
     """A loss over the whole window, for losses whose items depend on each other (in-batch negatives,
     contrastive and CLIP losses): ``acc.step`` and ``acc.train`` take one instead of a ``loss_fn`` and
@@ -85,7 +79,8 @@ class WindowLoss:
         10
     """
 
-    def __init__(self, encode: Encode, loss: Loss, *, keep_graphs: int = 1) -> None:
+    def __init__(self, encode: Callable[[nn.Module, Batch], Any], loss: Callable[[nn.Module, Any], torch.Tensor], *,
+                 keep_graphs: int = 1) -> None:
         if not isinstance(keep_graphs, int) or isinstance(keep_graphs, bool) or keep_graphs < 0:
             raise ConfigurationError(f"WindowLoss(keep_graphs={keep_graphs!r}): how many micro-batches' graphs pass 1 "
                                      "keeps (their forward is not run again) is an int >= 0; 0 keeps none (the least "
@@ -231,12 +226,10 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
 
 
 def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: int, device: torch.device) -> int:
-    """How many of the window's first micro-batches keep their pass-1 graph: ``keep_graphs``, but none
-    under FSDP2 (its forwards gather and free shards in order) or with BatchNorm in training mode (pass 1
-    leaves its statistics as it found them); where the last backward reduces across ranks (DDP), all but
-    the last (its forward runs under the wrapper's sync), the same on every rank (a kept forward is a
-    collective). The first ones, because pass 2 runs in order: their graphs are freed before any replayed
-    forward allocates activations."""
+    """How many of the window's first micro-batches keep their pass-1 graph (``keep_graphs``): none under
+    FSDP2 (its forwards gather and free shards in order) or with BatchNorm in training mode; under DDP all
+    but the last (its forward runs under the wrapper's sync), the same on every rank (a kept forward is a
+    collective)."""
     if window_loss.keep_graphs == 0 or sync.sharded_grads or training_batchnorms(model):
         return 0  # alike on every rank
     keep = min(window_loss.keep_graphs, own)
@@ -246,17 +239,11 @@ def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: in
 
 
 class CachedPasses:
-    """One window of a :class:`WindowLoss`, step by step, which every driver calls from its own loop
-    (the Accumulator's :func:`run_cached_window`, the Trainers' :mod:`gradaccum.integrations.hf_window_loss`):
-    :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or :meth:`surrogate`) for
-    ``k`` in ``range(parts)`` (the micro-batches, then the zero-weight padding), :meth:`finish`.
-
-    The loss is taken in float32 at least before its gradient, times the driver's loss ``scale`` (the
-    Accumulator's GradScaler; a Trainer's scaler multiplies the surrogate itself). ``sizes``: each
-    micro-batch's items, or None (read from the representations). ``checked``: the driver's
-    ``checked_replays``; in a loss's first window pass 2's representations are compared with pass 1's
-    (to float rounding: pass 2 runs with a graph, pass 1 without), then it is added (None: never).
-    """
+    """One window of a :class:`WindowLoss`, step by step, in the order every driver calls it
+    (docs/architecture.md): :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or
+    :meth:`surrogate`) for ``k`` in ``range(parts)``, :meth:`finish`. ``sizes``: each micro-batch's items,
+    or None (read from the representations). ``checked``: the driver's ``checked_replays``; in a loss's
+    first window pass 2 is compared with pass 1 (to float rounding: one runs with a graph, one without)."""
 
     def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,
                  sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None, checked: Any = None,
@@ -321,7 +308,8 @@ class CachedPasses:
 
     def loss_gradient(self, loss_model: Any, params: Sequence[torch.Tensor], *, weight: float = 1.0,
                       scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
-        """The window's loss ``L`` (the same on every rank), returned, and the gradient of ``scale(weight * L)``:
+        """The window's loss ``L`` (the same on every rank), returned, and the gradient of ``scale(weight * L)``
+        (``L`` in float32 at least; ``scale``: the Accumulator's GradScaler, a Trainer's scales the surrogate):
         this rank's slices of the representations' (times ``W``), the loss's own parameters' (in ``.grad``
         now, or carried by the last part: :meth:`gradaccum.sync.GradSync.folds_outside_gradients`)."""
         inputs = [t.detach().requires_grad_(d) for t, d in zip(self.joined, self.differentiable)]
@@ -355,9 +343,6 @@ class CachedPasses:
         """Part ``k`` of pass 2, inside the driver's micro-batch context: micro-batch k's representations
         (pass 1's kept graph, or its forward replayed) and their gradients, with its item count; past the
         micro-batches, a padding forward with zero gradients. The last part carries the loss's own."""
-        if self.loss is None or k != self.ran or k >= self.parts:
-            raise RuntimeError(f"CachedPasses.part({k}) out of order: after loss_gradient(), parts 0 to "
-                               f"{self.parts - 1} one by one ({self.ran} ran)")
         own = k < len(self.micro_batches)
         if own and k in self.graphs:
             outs = self.graphs.pop(k)
