@@ -14,13 +14,9 @@ differentiated, the gradient splits over micro-batches once the window's counts 
 
     grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
 
-The exact method, :class:`MoELoss` (``mode="exact"``), is :class:`Routing`, which the Accumulator
-(:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.TrainerBalance`) drive:
-a counting pass without a graph (``C_k``, ``T_k``, ``n_k``, the random state saved before each
-micro-batch), one all-gather of every rank's counts before the window opens (so R = N), then each
-micro-batch's forward replayed (routing as it was counted, checked before the last backward),
-backpropagating its token loss plus ``coef * N / n_k * balance_loss_part(S_k, C, T, T)`` as a mean over
-its ``n_k`` items (the core's weight ``n_k / N`` leaves ``coef * balance_loss_part``).
+The exact method, :class:`MoELoss` (``mode="exact"``), is :class:`Routing`: the guide's count, agree and
+train steps (docs/guides/moe.md), which the Accumulator (:func:`run_moe_window`) and ExactTrainer
+(:class:`gradaccum.integrations.hf_moe.TrainerBalance`) drive.
 
 The cheaper modes run no pass 1 and no collective of their own, each measured against the big batch
 in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the
@@ -230,23 +226,17 @@ def check_moe_loss(moe: MoELoss, num_items: Any, micro_batch_size: Any) -> None:
 
 
 class Routing(Replay):
-    """One window's load balancing, which every driver calls in the order a window runs
-    (docs/architecture.md): :meth:`open` (count and agree), :meth:`replay` then :meth:`part` per
-    micro-batch, :meth:`check` before the last backward, :meth:`finish`. The replay is compared exactly,
-    in every window: the counts are integers, and a near-tie in the router's top-k can flip in any window.
-
-    Attributes (after :meth:`open`): ``term`` (E, top-k and coef: the :class:`MoELoss`, or a config's
-    ``RouterBalance``), ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``, every rank's;
-    ``local_items`` this rank's), ``sizes`` (each rank's micro-batches).
+    """One window's load balancing, in the order every driver calls it (docs/architecture.md). The replay
+    is compared exactly, in every window: the counts are integers, and a near-tie in the router's top-k can
+    flip in any window. Attributes (set by :meth:`open`): ``term`` (E, top-k and coef: the :class:`MoELoss`,
+    or a config's ``RouterBalance``), ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``,
+    every rank's; ``local_items`` this rank's), ``sizes`` (each rank's micro-batches).
     """
 
     def __init__(self, term: Any, sync: GradSync, device: torch.device, who: str) -> None:
         super().__init__(device, sync, who, "routed its tokens to other experts")
         self.term = term
-        self.first: List[torch.Tensor] = []
-        self.counts = torch.zeros(term.num_experts, dtype=torch.float64, device=device)
-        self.rows = self.items = self.local_items = 0.0
-        self.sizes: List[int] = []
+        self.first: List[torch.Tensor] = []  # each micro-batch's counts C_k in the counting pass
 
     @classmethod
     def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
