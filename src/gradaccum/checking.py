@@ -130,22 +130,14 @@ class _Recorder:
             h.remove()
 
 
-def _runnable_size(items: int, micro_batch_size: int) -> Optional[int]:
-    """The largest micro-batch size below ``micro_batch_size`` that splits ``items`` into 2 or more
-    micro-batches of 2 items or more, or None."""
-    for m in range(min(micro_batch_size, items // 2), 1, -1):
-        if items % m != 1:
-            return m
-    return None
-
-
 def _one_item_error(model: nn.Module, failed: MicroBatchFailed, micro_batch_size: int, items: int,
                     count: int) -> Optional[SplitError]:
     """A micro-batch of one item that BatchNorm in training mode cannot normalize, in words, or None."""
     batchnorms = training_batchnorms(model)
     if failed.items != 1 or not batchnorms:
         return None
-    size = _runnable_size(items, micro_batch_size)
+    # the largest size below micro_batch_size that splits the items into 2 or more micro-batches of 2 or more
+    size = next((m for m in range(min(micro_batch_size, items // 2), 1, -1) if items % m != 1), None)
     fix = f"pass micro_batch_size={size}, which leaves 2 or more in each" if size else "give a larger batch"
     return SplitError(
         f"micro_batch_size={micro_batch_size} on a batch of {items} items leaves micro-batch {failed.index + 1} "
