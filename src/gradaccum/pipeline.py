@@ -91,10 +91,6 @@ class _Tally:
         self.targets.append(here)  # type: ignore[arg-type]
         return len(self.targets) - 1 - self.inference
 
-    def calls(self) -> int:
-        """The schedule's loss calls this window, the shape inference aside."""
-        return len(self.targets) - self.inference
-
 
 class PipelineWindow:
     """One optimizer step per window of a ``torch.distributed.pipelining`` schedule, weighed as one big batch.
@@ -263,7 +259,7 @@ class PipelineWindow:
             assert tally.weights is not None
             told[LOSS] = sum(s.to(self.device, torch.float64) for s in tally.summed.values()) if tally.summed else 0.0
             told[ITEMS], told[K_LAST] = float(tally.weights.num_items or 0), float(tally.k)
-            told[MISCOUNTED] = float(tally.calls() != self.n_microbatches)
+            told[MISCOUNTED] = float(len(tally.targets) - tally.inference != self.n_microbatches)  # loss calls
         told[K_FIRST] = float(k_first)
         all_reduce_(told, group=self.pp_group)
         if self.dp_group is not None:
