@@ -156,16 +156,13 @@ def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
     """Pass 1 leaves BatchNorm's running statistics as it found them: they move once per micro-batch
     (in pass 2), as under plain accumulation, not twice."""
     names = set(training_batchnorms(model))
-    kept = {f"{m}.{b}": t.clone() for m, mod in model.named_modules() if m in names
-            for b, t in mod.named_buffers(recurse=False)}
+    kept = [(t, t.clone()) for m, mod in model.named_modules() if m in names for t in mod.buffers(recurse=False)]
     try:
         yield
     finally:
-        if kept:
-            buffers = dict(model.named_buffers())
-            with torch.no_grad():
-                for name, value in kept.items():
-                    buffers[name].copy_(value)
+        with torch.no_grad():
+            for buffer, value in kept:  # BatchNorm updates its statistics in place
+                buffer.copy_(value)
 
 
 def _checked_loss(out: Any, *, needs_grad: bool = True) -> torch.Tensor:
