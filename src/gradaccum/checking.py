@@ -52,14 +52,10 @@ class EquivalenceReport:
 
     def __str__(self) -> str:
         difference = f"max relative gradient difference {self.max_rel_diff:.3e} (rtol {self.rtol:.1e})"
-        if self.equivalent:
-            verdict = f"equivalent: {difference}"
-        elif self.max_rel_diff <= self.rtol:  # not equivalent although this split matched: random draws
-            verdict = (f"NOT equivalent (the model draws random numbers in forward, which differ with the split; "
-                       f"this split matched): {difference}")
-        else:
-            verdict = f"NOT equivalent: {difference}"
-        lines = [f"{verdict}; loss {self.loss_full:.6g} full vs {self.loss_accumulated:.6g} accumulated"]
+        verdict = "equivalent" if self.equivalent else "NOT equivalent"
+        if not self.equivalent and self.max_rel_diff <= self.rtol:  # although this split matched: random draws
+            verdict += " (the model draws random numbers in forward, which differ with the split; this split matched)"
+        lines = [f"{verdict}: {difference}; loss {self.loss_full:.6g} full vs {self.loss_accumulated:.6g} accumulated"]
         lines += [f"  suspect {_module(name)}: {reason}" for name, reason in self.suspects]
         lines += [f"  hint: {hint}" for hint in self.hints]
         return "\n".join(lines)
@@ -152,8 +148,7 @@ def _summed_loss_hint(loss_full: float, loss_acc: float, sizes: List[int]) -> Op
     ``N^2 / sum n_k^2`` times the accumulated one (the number of micro-batches, for equal ones)."""
     if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or loss_acc == 0:
         return None
-    total = sum(sizes)
-    expected = total * total / sum(n * n for n in sizes)
+    expected = sum(sizes) ** 2 / sum(n * n for n in sizes)
     ratio = loss_full / loss_acc
     if abs(ratio / expected - 1) > 0.05:
         return None
