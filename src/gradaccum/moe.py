@@ -166,15 +166,14 @@ class MoELoss:
         ``"prefix"``: the token loss plus ``coef`` times the micro-batch's balance term, weighted by its
         share ``n_k / N`` of the window's items like its token loss; ``"prefix"`` takes the expert
         fractions from this rank's micro-batches of the window so far (this one included)."""
-        seen: List[torch.Tensor] = []  # counts and rows of this rank's micro-batches so far
+        seen: List[Any] = [0, 0]  # counts and rows of this rank's micro-batches so far
 
         def loss_fn(model: nn.Module, batch: Any) -> Any:
             out = _checked(self.forward(model, batch))
             counts, probs, rows = _statistics(out, self, "MoELoss")
-            fractions_of, over = (counts, rows)
             if self.mode == "prefix":
-                seen[:] = [counts, rows] if not seen else [seen[0] + counts, seen[1] + rows]
-                fractions_of, over = seen[0], seen[1]
+                seen[:] = [seen[0] + counts, seen[1] + rows]
+            fractions_of, over = seen if self.mode == "prefix" else (counts, rows)
             return out.loss + self.coef * balance_loss_part(probs, fractions_of, over, rows), out.num_items
 
         return loss_fn
