@@ -68,11 +68,9 @@ def _module(name: str) -> str:
 
 class _Snapshot:
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         self.tensors = [(v, v.detach().clone()) for v in [*model.parameters(), *model.buffers()]]
-        self.grads = {n: None if p.grad is None else p.grad.detach().clone()
-                      for n, p in model.named_parameters()}
-        self.modes = {n: m.training for n, m in model.named_modules()}
+        self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
+        self.modes = [(m, m.training) for m in model.modules()]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
@@ -80,13 +78,13 @@ class _Snapshot:
         with torch.no_grad():
             for v, saved in self.tensors:
                 v.copy_(saved)
-        for n, m in self.model.named_modules():
-            m.training = self.modes[n]
+        for m, training in self.modes:
+            m.training = training
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        for n, p in self.model.named_parameters() if grads else []:
-            p.grad = self.grads[n]
+        for p, grad in self.grads if grads else []:
+            p.grad = grad
 
 
 class _Recorder:
