@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -257,7 +257,7 @@ class PipelineWindow:
                                          torch.float64) ** 2).sum()  # fully_shard: this rank's shard
         if self.last:
             assert tally.weights is not None
-            told[LOSS] = sum(s.to(self.device, torch.float64) for s in tally.summed.values()) if tally.summed else 0.0
+            told[LOSS] = sum(s.to(self.device, torch.float64) for s in tally.summed.values())
             told[ITEMS], told[K_LAST] = float(tally.weights.num_items or 0), float(tally.k)
             told[MISCOUNTED] = float(len(tally.targets) - tally.inference != self.n_microbatches)  # loss calls
         told[K_FIRST] = float(k_first)
@@ -281,7 +281,7 @@ class PipelineWindow:
                 if miscounted else f"the first stage's inputs hold {int(k_first)} micro-batches but the last stage's "
                 f"target {int(k_last)} (of n_microbatches={self.n_microbatches}): pass both stages the same window "
                 "(nothing was stepped)")
-        num_items: Union[int, float] = int(items) if items.is_integer() else items
+        num_items = int(items) if items.is_integer() else items
         weights = WindowWeights(self.state, self.grad_divisor, num_items=num_items)
         closing = weights.close(num_items, loss_sum=loss, raw_norm=math.sqrt(square), nonfinite="skip")
         if closing.steps:
