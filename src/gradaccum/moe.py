@@ -156,8 +156,7 @@ class MoELoss:
     def checked(self, out: Any) -> MoEOutput:
         """``forward``'s output after the checks every mode makes (an :class:`MoEOutput`, router logits
         of ``num_experts`` experts), or a :class:`~gradaccum.ConfigurationError` that says the fix."""
-        _check_routing(_checked(out), self, "MoELoss")
-        return out  # type: ignore[no-any-return]
+        return _check_routing(_checked(out), self, "MoELoss")
 
     # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
 
@@ -198,8 +197,8 @@ def _statistics(out: MoEOutput, term: Any, who: str) -> Any:
     return router_statistics(list(out.router_logits), term.top_k, out.token_mask)
 
 
-def _check_routing(out: MoEOutput, term: Any, who: str) -> None:
-    """The checks every mode makes alike: router logits, each layer's of ``term.num_experts`` experts."""
+def _check_routing(out: MoEOutput, term: Any, who: str) -> MoEOutput:
+    """``out`` after the checks every mode makes alike: router logits, each layer's of ``term.num_experts`` experts."""
     logits = list(out.router_logits) if out.router_logits is not None else []
     if not logits:
         raise ConfigurationError(
@@ -212,6 +211,7 @@ def _check_routing(out: MoEOutput, term: Any, who: str) -> None:
         raise ConfigurationError(f"{who}(num_experts={term.num_experts}): the router logits have "
                                  f"{', '.join(map(str, sorted(experts)))} experts (their last dimension); pass "
                                  f"num_experts={min(experts)} (the router's), or return that router's logits")
+    return out
 
 
 def check_moe_loss(moe: MoELoss, num_items: Any, micro_batch_size: Any) -> None:
