@@ -1,22 +1,14 @@
 """Losses that couple the window's items (contrastive, in-batch negatives, CLIP), made exact by caching
 the representations (GradCache): per micro-batch losses would optimize another objective (each item
-seeing only its micro-batch's negatives), so the big batch's gradient is computed as
+seeing only its micro-batch's negatives), so the big batch's gradient is computed in two passes
+(docs/guides/contrastive.md: the steps, and what they cost)::
 
     z_k = encode(model, x_k)  for every micro-batch k on every rank,  z = (z_1, ..., z_K)
     grad L(z) = sum_k J_k^T g_k,   g_k = dL/dz_k,   J_k = dz_k/dtheta
 
-1. Pass 1, without a graph: ``z_k`` for each micro-batch, the random state saved before each.
-2. The ranks gather ``z`` (rank 0's items first); every rank computes the same ``L(z)`` from detached
-   leaves and its gradient with respect to them and to the loss's own parameters (a learned temperature).
-3. Pass 2: each micro-batch's forward again, its random state replayed, backpropagated with its slice
-   of ``g`` (``J_k^T g_k``, a vector-Jacobian product).
-
 In the core's terms (:mod:`gradaccum._maths`) the window's loss is one mean over its N items: weighed
 ``N / R`` for the loss's own parameters and ``N * W / R`` for each slice (the data-parallel average
 divides by W), so that after the boundary scale ``R / N`` the step's gradient is ``grad L``.
-
-Costs: one more forward per micro-batch, one all-gather of the counts and one per representation
-tensor. Peak memory: one micro-batch's activations, plus the window's representations and the loss's.
 """
 
 from __future__ import annotations
@@ -62,7 +54,7 @@ class WindowLoss:
 
     The step equals one optimizer step on ``loss(model, encode(model, whole_window))`` whatever the
     micro-batch size, over any number of ranks; the random draws of each micro-batch's forward
-    (dropout) are replayed, so its second forward equals its first. See :mod:`gradaccum._cached` for
+    (dropout) are replayed, so its second forward equals its first. See docs/guides/contrastive.md for
     the maths and what it costs (one more forward per micro-batch).
 
     Example:
