@@ -189,8 +189,8 @@ def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
 
 def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,
                       micro_batch_size: Any = None, plan: Optional[Plan] = None) -> StepResult:
-    """The Accumulator's driver of :class:`CachedPasses`: one window, in the module docstring's order;
-    every rank runs as many forwards in each pass as the window's padding asks."""
+    """The Accumulator's driver of :class:`CachedPasses`: one window, in its order; every rank runs as many
+    forwards in each pass as the window's padding asks."""
     ranks = ctx.ranks
     sizes = [int(as_number(c)) for c in counts.each]
     request = Request(len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
