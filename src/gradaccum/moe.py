@@ -32,6 +32,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ._maths import balance_loss_part, router_statistics
 from ._random import Replay
@@ -180,8 +181,6 @@ class MoELoss:
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The module inside DistributedDataParallel (whose forward runs collectives); any other as it is."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
