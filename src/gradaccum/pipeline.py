@@ -79,7 +79,7 @@ class _Tally:
     k: int                               #: the window's real micro-batches (the rest of the schedule's pad)
     counts: List[float]                  #: n_k per real micro-batch
     weights: Optional[WindowWeights]     #: the window's weights, N known (the last stage)
-    targets: List[int] = field(default_factory=list)   #: each call's target memory (``data_ptr``)
+    targets: List[Optional[int]] = field(default_factory=list)   #: each call's target memory (``data_ptr``)
     inference: int = 0                   #: 1 once the first call is known to be the stage's shape inference
     summed: Dict[int, torch.Tensor] = field(default_factory=dict)   #: S_k per micro-batch, detached
 
@@ -88,7 +88,7 @@ class _Tally:
         here = target.data_ptr() if isinstance(target, torch.Tensor) else None
         if len(self.targets) == 1 and here is not None and here == self.targets[0]:
             self.inference = 1  # micro-batch 0's memory again: the first call was the stage's shape inference
-        self.targets.append(here)  # type: ignore[arg-type]
+        self.targets.append(here)
         return len(self.targets) - 1 - self.inference
 
 
