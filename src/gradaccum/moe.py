@@ -239,7 +239,7 @@ class Routing(Replay):
     @classmethod
     def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
              forward: Callable[[Any], MoEOutput], sync: GradSync, device: torch.device, who: str,
-             padding: Sequence[Any] = (), autocast: Optional[Callable[[], Any]] = None) -> "Routing":
+             padding: Sequence[Any] = (), autocast: Callable[[], Any] = contextlib.nullcontext) -> "Routing":
         """Count this rank's micro-batches with ``route`` (no collectives: the unwrapped trunk), or with
         ``forward`` where every forward is a collective (FSDP2), after the ``padding`` batches (counting
         nothing), under the training forwards' ``autocast``; then agree the counts across the ranks.
@@ -249,7 +249,7 @@ class Routing(Replay):
         run = forward if sharded else route
         totals = torch.zeros(term.num_experts + 3, dtype=torch.float64, device=device)
         # under FSDP2 no_grad (inference tensors must not reach its unsharded parameters)
-        with torch.no_grad() if sharded else torch.inference_mode(), (autocast or contextlib.nullcontext)():
+        with torch.no_grad() if sharded else torch.inference_mode(), autocast():
             for batch in padding:  # first: whatever they draw, the micro-batches' replays start after it
                 run(batch)
             for batch in micro_batches:
