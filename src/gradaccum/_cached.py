@@ -216,9 +216,9 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
 
 def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: int, device: torch.device) -> int:
     """How many of the window's first micro-batches keep their pass-1 graph (``keep_graphs``): none under
-    FSDP2 (its forwards gather and free shards in order) or with BatchNorm in training mode; under DDP all
-    but the last (its forward runs under the wrapper's sync), the same on every rank (a kept forward is a
-    collective)."""
+    FSDP2 (its forwards gather and free shards in order) or with BatchNorm in training mode (pass 1 leaves
+    its statistics as it found them); under DDP all but the last (its forward runs under the wrapper's
+    sync), the same on every rank (a kept forward is a collective)."""
     if window_loss.keep_graphs == 0 or sync.sharded_grads or training_batchnorms(model):
         return 0  # alike on every rank
     keep = min(window_loss.keep_graphs, own)
@@ -231,8 +231,8 @@ class CachedPasses:
     """One window of a :class:`WindowLoss`, step by step, in the order every driver calls it
     (docs/architecture.md): :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or
     :meth:`surrogate`) for ``k`` in ``range(parts)``, :meth:`finish`. ``sizes``: each micro-batch's items,
-    or None (read from the representations). ``checked``: the driver's ``checked_replays``; in a loss's
-    first window pass 2 is compared with pass 1 (to float rounding: one runs with a graph, one without)."""
+    or None (read from the representations). ``checked``: the driver's ``checked_replays`` (None: never
+    check); in a loss's first window pass 2 is compared with pass 1 (to float rounding: one has a graph)."""
 
     def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,
                  sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None, checked: Any = None,
