@@ -1,22 +1,14 @@
 """Losses that couple the window's items (contrastive, in-batch negatives, CLIP), made exact by caching
 the representations (GradCache): per micro-batch losses would optimize another objective (each item
-seeing only its micro-batch's negatives), so the big batch's gradient is computed as
+seeing only its micro-batch's negatives), so the big batch's gradient is computed in two passes
+(docs/guides/contrastive.md: the steps, and what they cost)::
 
     z_k = encode(model, x_k)  for every micro-batch k on every rank,  z = (z_1, ..., z_K)
     grad L(z) = sum_k J_k^T g_k,   g_k = dL/dz_k,   J_k = dz_k/dtheta
 
-1. Pass 1, without a graph: ``z_k`` for each micro-batch, the random state saved before each.
-2. The ranks gather ``z`` (rank 0's items first); every rank computes the same ``L(z)`` from detached
-   leaves and its gradient with respect to them and to the loss's own parameters (a learned temperature).
-3. Pass 2: each micro-batch's forward again, its random state replayed, backpropagated with its slice
-   of ``g`` (``J_k^T g_k``, a vector-Jacobian product).
-
 In the core's terms (:mod:`gradaccum._maths`) the window's loss is one mean over its N items: weighed
 ``N / R`` for the loss's own parameters and ``N * W / R`` for each slice (the data-parallel average
 divides by W), so that after the boundary scale ``R / N`` the step's gradient is ``grad L``.
-
-Costs: one more forward per micro-batch, one all-gather of the counts and one per representation
-tensor. Peak memory: one micro-batch's activations, plus the window's representations and the loss's.
 """
 
 from __future__ import annotations
@@ -38,12 +30,6 @@ from .errors import ConfigurationError
 
 __all__ = ["WindowLoss", "Constant", "CachedPasses", "run_cached_window", "graphs_to_keep", "check_window_loss",
            "window_loss_of_batch"]
-
-#: ``encode(model, micro_batch)`` -> representations: a tensor, or a tuple/list/dict of tensors
-Encode = Callable[[nn.Module, Batch], Any]
-#: ``loss(model, representations)`` -> the window's scalar loss, over every rank's representations
-Loss = Callable[[nn.Module, Any], torch.Tensor]
-
 
 class WindowLoss:
     """A loss over the whole window, for losses whose items depend on each other (in-batch negatives,
@@ -68,7 +54,7 @@ class WindowLoss:
 
     The step equals one optimizer step on ``loss(model, encode(model, whole_window))`` whatever the
     micro-batch size, over any number of ranks; the random draws of each micro-batch's forward
-    (dropout) are replayed, so its second forward equals its first. See :mod:`gradaccum._cached` for
+    (dropout) are replayed, so its second forward equals its first. See docs/guides/contrastive.md for
     the maths and what it costs (one more forward per micro-batch).
 
     Example:
@@ -85,7 +71,8 @@ class WindowLoss:
         10
     """
 
-    def __init__(self, encode: Encode, loss: Loss, *, keep_graphs: int = 1) -> None:
+    def __init__(self, encode: Callable[[nn.Module, Batch], Any], loss: Callable[[nn.Module, Any], torch.Tensor], *,
+                 keep_graphs: int = 1) -> None:
         if not isinstance(keep_graphs, int) or isinstance(keep_graphs, bool) or keep_graphs < 0:
             raise ConfigurationError(f"WindowLoss(keep_graphs={keep_graphs!r}): how many micro-batches' graphs pass 1 "
                                      "keeps (their forward is not run again) is an int >= 0; 0 keeps none (the least "
@@ -161,16 +148,13 @@ def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
     """Pass 1 leaves BatchNorm's running statistics as it found them: they move once per micro-batch
     (in pass 2), as under plain accumulation, not twice."""
     names = set(training_batchnorms(model))
-    kept = {f"{m}.{b}": t.clone() for m, mod in model.named_modules() if m in names
-            for b, t in mod.named_buffers(recurse=False)}
+    kept = [(t, t.clone()) for m, mod in model.named_modules() if m in names for t in mod.buffers(recurse=False)]
     try:
         yield
     finally:
-        if kept:
-            buffers = dict(model.named_buffers())
-            with torch.no_grad():
-                for name, value in kept.items():
-                    buffers[name].copy_(value)
+        with torch.no_grad():
+            for buffer, value in kept:  # BatchNorm updates its statistics in place
+                buffer.copy_(value)
 
 
 def _checked_loss(out: Any, *, needs_grad: bool = True) -> torch.Tensor:
@@ -205,8 +189,8 @@ def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
 
 def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,
                       micro_batch_size: Any = None, plan: Optional[Plan] = None) -> StepResult:
-    """The Accumulator's driver of :class:`CachedPasses`: one window, in the module docstring's order;
-    every rank runs as many forwards in each pass as the window's padding asks."""
+    """The Accumulator's driver of :class:`CachedPasses`: one window, in its order; every rank runs as many
+    forwards in each pass as the window's padding asks."""
     ranks = ctx.ranks
     sizes = [int(as_number(c)) for c in counts.each]
     request = Request(len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
@@ -231,12 +215,10 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
 
 
 def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: int, device: torch.device) -> int:
-    """How many of the window's first micro-batches keep their pass-1 graph: ``keep_graphs``, but none
-    under FSDP2 (its forwards gather and free shards in order) or with BatchNorm in training mode (pass 1
-    leaves its statistics as it found them); where the last backward reduces across ranks (DDP), all but
-    the last (its forward runs under the wrapper's sync), the same on every rank (a kept forward is a
-    collective). The first ones, because pass 2 runs in order: their graphs are freed before any replayed
-    forward allocates activations."""
+    """How many of the window's first micro-batches keep their pass-1 graph (``keep_graphs``): none under
+    FSDP2 (its forwards gather and free shards in order) or with BatchNorm in training mode (pass 1 leaves
+    its statistics as it found them); under DDP all but the last (its forward runs under the wrapper's
+    sync), the same on every rank (a kept forward is a collective)."""
     if window_loss.keep_graphs == 0 or sync.sharded_grads or training_batchnorms(model):
         return 0  # alike on every rank
     keep = min(window_loss.keep_graphs, own)
@@ -246,17 +228,11 @@ def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: in
 
 
 class CachedPasses:
-    """One window of a :class:`WindowLoss`, step by step, which every driver calls from its own loop
-    (the Accumulator's :func:`run_cached_window`, the Trainers' :mod:`gradaccum.integrations.hf_window_loss`):
-    :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or :meth:`surrogate`) for
-    ``k`` in ``range(parts)`` (the micro-batches, then the zero-weight padding), :meth:`finish`.
-
-    The loss is taken in float32 at least before its gradient, times the driver's loss ``scale`` (the
-    Accumulator's GradScaler; a Trainer's scaler multiplies the surrogate itself). ``sizes``: each
-    micro-batch's items, or None (read from the representations). ``checked``: the driver's
-    ``checked_replays``; in a loss's first window pass 2's representations are compared with pass 1's
-    (to float rounding: pass 2 runs with a graph, pass 1 without), then it is added (None: never).
-    """
+    """One window of a :class:`WindowLoss`, step by step, in the order every driver calls it
+    (docs/architecture.md): :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or
+    :meth:`surrogate`) for ``k`` in ``range(parts)``, :meth:`finish`. ``sizes``: each micro-batch's items,
+    or None (read from the representations). ``checked``: the driver's ``checked_replays`` (None: never
+    check); in a loss's first window pass 2 is compared with pass 1 (to float rounding: one has a graph)."""
 
     def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,
                  sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None, checked: Any = None,
@@ -321,7 +297,8 @@ class CachedPasses:
 
     def loss_gradient(self, loss_model: Any, params: Sequence[torch.Tensor], *, weight: float = 1.0,
                       scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
-        """The window's loss ``L`` (the same on every rank), returned, and the gradient of ``scale(weight * L)``:
+        """The window's loss ``L`` (the same on every rank), returned, and the gradient of ``scale(weight * L)``
+        (``L`` in float32 at least; ``scale``: the Accumulator's GradScaler, a Trainer's scales the surrogate):
         this rank's slices of the representations' (times ``W``), the loss's own parameters' (in ``.grad``
         now, or carried by the last part: :meth:`gradaccum.sync.GradSync.folds_outside_gradients`)."""
         inputs = [t.detach().requires_grad_(d) for t, d in zip(self.joined, self.differentiable)]
@@ -355,9 +332,6 @@ class CachedPasses:
         """Part ``k`` of pass 2, inside the driver's micro-batch context: micro-batch k's representations
         (pass 1's kept graph, or its forward replayed) and their gradients, with its item count; past the
         micro-batches, a padding forward with zero gradients. The last part carries the loss's own."""
-        if self.loss is None or k != self.ran or k >= self.parts:
-            raise RuntimeError(f"CachedPasses.part({k}) out of order: after loss_gradient(), parts 0 to "
-                               f"{self.parts - 1} one by one ({self.ran} ran)")
         own = k < len(self.micro_batches)
         if own and k in self.graphs:
             outs = self.graphs.pop(k)

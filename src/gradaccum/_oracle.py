@@ -75,8 +75,8 @@ def coupled_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) ->
         raise MicroBatchFailed(0, leading_dim(batch), e) from e
     scalar_loss(loss, subject=subject, where=where)
     loss.backward()
-    return ({name: p.grad.detach().double() for name, p in model.named_parameters()
-             if p.requires_grad and p.grad is not None}, float(loss.detach()))
+    grads = {name: p.grad.detach().double() for name, p in model.named_parameters() if p.grad is not None}
+    return grads, float(loss.detach())
 
 
 def balance_loss(router_logits: Any, top_k: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:

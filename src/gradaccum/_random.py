@@ -1,8 +1,5 @@
-"""The two-pass methods' one replay: a micro-batch's forward run twice, drawing the same random numbers.
-
-:class:`~gradaccum.WindowLoss` (cached passes) and :class:`~gradaccum.MoELoss` (a counting forward, then
-the training forward), in every driver, run each micro-batch's forward twice through a :class:`Replay`.
-"""
+"""The two-pass methods' one replay (:class:`~gradaccum.WindowLoss`'s cached passes, :class:`~gradaccum.MoELoss`'s
+counting forward): a micro-batch's forward run twice, drawing the same random numbers."""
 
 from __future__ import annotations
 

@@ -52,14 +52,10 @@ class EquivalenceReport:
 
     def __str__(self) -> str:
         difference = f"max relative gradient difference {self.max_rel_diff:.3e} (rtol {self.rtol:.1e})"
-        if self.equivalent:
-            verdict = f"equivalent: {difference}"
-        elif self.max_rel_diff <= self.rtol:  # not equivalent although this split matched: random draws
-            verdict = (f"NOT equivalent (the model draws random numbers in forward, which differ with the split; "
-                       f"this split matched): {difference}")
-        else:
-            verdict = f"NOT equivalent: {difference}"
-        lines = [f"{verdict}; loss {self.loss_full:.6g} full vs {self.loss_accumulated:.6g} accumulated"]
+        verdict = "equivalent" if self.equivalent else "NOT equivalent"
+        if not self.equivalent and self.max_rel_diff <= self.rtol:  # although this split matched: random draws
+            verdict += " (the model draws random numbers in forward, which differ with the split; this split matched)"
+        lines = [f"{verdict}: {difference}; loss {self.loss_full:.6g} full vs {self.loss_accumulated:.6g} accumulated"]
         lines += [f"  suspect {_module(name)}: {reason}" for name, reason in self.suspects]
         lines += [f"  hint: {hint}" for hint in self.hints]
         return "\n".join(lines)
@@ -72,11 +68,9 @@ def _module(name: str) -> str:
 
 class _Snapshot:
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         self.tensors = [(v, v.detach().clone()) for v in [*model.parameters(), *model.buffers()]]
-        self.grads = {n: None if p.grad is None else p.grad.detach().clone()
-                      for n, p in model.named_parameters()}
-        self.modes = {n: m.training for n, m in model.named_modules()}
+        self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
+        self.modes = [(m, m.training) for m in model.modules()]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
@@ -84,13 +78,13 @@ class _Snapshot:
         with torch.no_grad():
             for v, saved in self.tensors:
                 v.copy_(saved)
-        for n, m in self.model.named_modules():
-            m.training = self.modes[n]
+        for m, training in self.modes:
+            m.training = training
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        for n, p in self.model.named_parameters() if grads else []:
-            p.grad = self.grads[n]
+        for p, grad in self.grads if grads else []:
+            p.grad = grad
 
 
 class _Recorder:
@@ -130,22 +124,14 @@ class _Recorder:
             h.remove()
 
 
-def _runnable_size(items: int, micro_batch_size: int) -> Optional[int]:
-    """The largest micro-batch size below ``micro_batch_size`` that splits ``items`` into 2 or more
-    micro-batches of 2 items or more, or None."""
-    for m in range(min(micro_batch_size, items // 2), 1, -1):
-        if items % m != 1:
-            return m
-    return None
-
-
 def _one_item_error(model: nn.Module, failed: MicroBatchFailed, micro_batch_size: int, items: int,
                     count: int) -> Optional[SplitError]:
     """A micro-batch of one item that BatchNorm in training mode cannot normalize, in words, or None."""
     batchnorms = training_batchnorms(model)
     if failed.items != 1 or not batchnorms:
         return None
-    size = _runnable_size(items, micro_batch_size)
+    # the largest size below micro_batch_size that splits the items into 2 or more micro-batches of 2 or more
+    size = next((m for m in range(min(micro_batch_size, items // 2), 1, -1) if items % m != 1), None)
     fix = f"pass micro_batch_size={size}, which leaves 2 or more in each" if size else "give a larger batch"
     return SplitError(
         f"micro_batch_size={micro_batch_size} on a batch of {items} items leaves micro-batch {failed.index + 1} "
@@ -160,8 +146,7 @@ def _summed_loss_hint(loss_full: float, loss_acc: float, sizes: List[int]) -> Op
     ``N^2 / sum n_k^2`` times the accumulated one (the number of micro-batches, for equal ones)."""
     if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or loss_acc == 0:
         return None
-    total = sum(sizes)
-    expected = total * total / sum(n * n for n in sizes)
+    expected = sum(sizes) ** 2 / sum(n * n for n in sizes)
     ratio = loss_full / loss_acc
     if abs(ratio / expected - 1) > 0.05:
         return None

@@ -26,9 +26,8 @@ if TYPE_CHECKING:  # the window's machinery is imported where a contrastive loss
 __all__ = ["causal_lm_loss", "contrastive_window_loss", "count_targets", "token_cross_entropy"]
 
 
-def token_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over targets that are not ``ignore_index``, and their count.
 
     ``logits`` is ``(..., vocab)``, ``targets`` the matching ``(...)``. The count stays a tensor on
@@ -41,9 +40,8 @@ def token_cross_entropy(
     return total / count.clamp(min=1).to(total.dtype), count
 
 
-def causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Next-token loss of a causal LM: position t predicts ``labels[:, t + 1]``.
 
     Args:
@@ -61,10 +59,8 @@ def causal_lm_loss(
         3
     """
     if logits.dim() != 3 or labels.dim() != 2:
-        raise ConfigurationError(
-            f"causal_lm_loss expects logits (batch, seq, vocab) and labels (batch, seq), got "
-            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
-        )
+        raise ConfigurationError(f"causal_lm_loss expects logits (batch, seq, vocab) and labels (batch, seq), got "
+                                 f"{tuple(logits.shape)} and {tuple(labels.shape)}")
     return token_cross_entropy(logits[:, :-1, :], labels[:, 1:], ignore_index=ignore_index)
 
 

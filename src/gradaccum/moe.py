@@ -14,13 +14,9 @@ differentiated, the gradient splits over micro-batches once the window's counts 
 
     grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
 
-The exact method, :class:`MoELoss` (``mode="exact"``), is :class:`Routing`, which the Accumulator
-(:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.TrainerBalance`) drive:
-a counting pass without a graph (``C_k``, ``T_k``, ``n_k``, the random state saved before each
-micro-batch), one all-gather of every rank's counts before the window opens (so R = N), then each
-micro-batch's forward replayed (routing as it was counted, checked before the last backward),
-backpropagating its token loss plus ``coef * N / n_k * balance_loss_part(S_k, C, T, T)`` as a mean over
-its ``n_k`` items (the core's weight ``n_k / N`` leaves ``coef * balance_loss_part``).
+The exact method, :class:`MoELoss` (``mode="exact"``), is :class:`Routing`: the guide's count, agree and
+train steps (docs/guides/moe.md), which the Accumulator (:func:`run_moe_window`) and ExactTrainer
+(:class:`gradaccum.integrations.hf_moe.TrainerBalance`) drive.
 
 The cheaper modes run no pass 1 and no collective of their own, each measured against the big batch
 in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the
@@ -36,6 +32,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ._maths import balance_loss_part, router_statistics
 from ._random import Replay
@@ -160,8 +157,7 @@ class MoELoss:
     def checked(self, out: Any) -> MoEOutput:
         """``forward``'s output after the checks every mode makes (an :class:`MoEOutput`, router logits
         of ``num_experts`` experts), or a :class:`~gradaccum.ConfigurationError` that says the fix."""
-        _check_routing(_checked(out), self, "MoELoss")
-        return out  # type: ignore[no-any-return]
+        return _check_routing(_checked(out), self, "MoELoss")
 
     # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
 
@@ -170,15 +166,14 @@ class MoELoss:
         ``"prefix"``: the token loss plus ``coef`` times the micro-batch's balance term, weighted by its
         share ``n_k / N`` of the window's items like its token loss; ``"prefix"`` takes the expert
         fractions from this rank's micro-batches of the window so far (this one included)."""
-        seen: List[torch.Tensor] = []  # counts and rows of this rank's micro-batches so far
+        seen: List[Any] = [0, 0]  # counts and rows of this rank's micro-batches so far
 
         def loss_fn(model: nn.Module, batch: Any) -> Any:
             out = _checked(self.forward(model, batch))
             counts, probs, rows = _statistics(out, self, "MoELoss")
-            fractions_of, over = (counts, rows)
             if self.mode == "prefix":
-                seen[:] = [counts, rows] if not seen else [seen[0] + counts, seen[1] + rows]
-                fractions_of, over = seen[0], seen[1]
+                seen[:] = [seen[0] + counts, seen[1] + rows]
+            fractions_of, over = seen if self.mode == "prefix" else (counts, rows)
             return out.loss + self.coef * balance_loss_part(probs, fractions_of, over, rows), out.num_items
 
         return loss_fn
@@ -186,8 +181,6 @@ class MoELoss:
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The module inside DistributedDataParallel (whose forward runs collectives); any other as it is."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
@@ -203,8 +196,8 @@ def _statistics(out: MoEOutput, term: Any, who: str) -> Any:
     return router_statistics(list(out.router_logits), term.top_k, out.token_mask)
 
 
-def _check_routing(out: MoEOutput, term: Any, who: str) -> None:
-    """The checks every mode makes alike: router logits, each layer's of ``term.num_experts`` experts."""
+def _check_routing(out: MoEOutput, term: Any, who: str) -> MoEOutput:
+    """``out`` after the checks every mode makes alike: router logits, each layer's of ``term.num_experts`` experts."""
     logits = list(out.router_logits) if out.router_logits is not None else []
     if not logits:
         raise ConfigurationError(
@@ -217,6 +210,7 @@ def _check_routing(out: MoEOutput, term: Any, who: str) -> None:
         raise ConfigurationError(f"{who}(num_experts={term.num_experts}): the router logits have "
                                  f"{', '.join(map(str, sorted(experts)))} experts (their last dimension); pass "
                                  f"num_experts={min(experts)} (the router's), or return that router's logits")
+    return out
 
 
 def check_moe_loss(moe: MoELoss, num_items: Any, micro_batch_size: Any) -> None:
@@ -230,28 +224,22 @@ def check_moe_loss(moe: MoELoss, num_items: Any, micro_batch_size: Any) -> None:
 
 
 class Routing(Replay):
-    """One window's load balancing, which every driver calls in the order a window runs
-    (docs/architecture.md): :meth:`open` (count and agree), :meth:`replay` then :meth:`part` per
-    micro-batch, :meth:`check` before the last backward, :meth:`finish`. The replay is compared exactly,
-    in every window: the counts are integers, and a near-tie in the router's top-k can flip in any window.
-
-    Attributes (after :meth:`open`): ``term`` (E, top-k and coef: the :class:`MoELoss`, or a config's
-    ``RouterBalance``), ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``, every rank's;
-    ``local_items`` this rank's), ``sizes`` (each rank's micro-batches).
+    """One window's load balancing, in the order every driver calls it (docs/architecture.md). The replay
+    is compared exactly, in every window: the counts are integers, and a near-tie in the router's top-k can
+    flip in any window. Attributes (set by :meth:`open`): ``term`` (E, top-k and coef: the :class:`MoELoss`,
+    or a config's ``RouterBalance``), ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``,
+    every rank's; ``local_items`` this rank's), ``sizes`` (each rank's micro-batches).
     """
 
     def __init__(self, term: Any, sync: GradSync, device: torch.device, who: str) -> None:
         super().__init__(device, sync, who, "routed its tokens to other experts")
         self.term = term
-        self.first: List[torch.Tensor] = []
-        self.counts = torch.zeros(term.num_experts, dtype=torch.float64, device=device)
-        self.rows = self.items = self.local_items = 0.0
-        self.sizes: List[int] = []
+        self.first: List[torch.Tensor] = []  # each micro-batch's counts C_k in the counting pass
 
     @classmethod
     def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
              forward: Callable[[Any], MoEOutput], sync: GradSync, device: torch.device, who: str,
-             padding: Sequence[Any] = (), autocast: Optional[Callable[[], Any]] = None) -> "Routing":
+             padding: Sequence[Any] = (), autocast: Callable[[], Any] = contextlib.nullcontext) -> "Routing":
         """Count this rank's micro-batches with ``route`` (no collectives: the unwrapped trunk), or with
         ``forward`` where every forward is a collective (FSDP2), after the ``padding`` batches (counting
         nothing), under the training forwards' ``autocast``; then agree the counts across the ranks.
@@ -261,7 +249,7 @@ class Routing(Replay):
         run = forward if sharded else route
         totals = torch.zeros(term.num_experts + 3, dtype=torch.float64, device=device)
         # under FSDP2 no_grad (inference tensors must not reach its unsharded parameters)
-        with torch.no_grad() if sharded else torch.inference_mode(), (autocast or contextlib.nullcontext)():
+        with torch.no_grad() if sharded else torch.inference_mode(), autocast():
             for batch in padding:  # first: whatever they draw, the micro-batches' replays start after it
                 run(batch)
             for batch in micro_batches:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -79,7 +79,7 @@ class _Tally:
     k: int                               #: the window's real micro-batches (the rest of the schedule's pad)
     counts: List[float]                  #: n_k per real micro-batch
     weights: Optional[WindowWeights]     #: the window's weights, N known (the last stage)
-    targets: List[int] = field(default_factory=list)   #: each call's target memory (``data_ptr``)
+    targets: List[Optional[int]] = field(default_factory=list)   #: each call's target memory (``data_ptr``)
     inference: int = 0                   #: 1 once the first call is known to be the stage's shape inference
     summed: Dict[int, torch.Tensor] = field(default_factory=dict)   #: S_k per micro-batch, detached
 
@@ -88,12 +88,8 @@ class _Tally:
         here = target.data_ptr() if isinstance(target, torch.Tensor) else None
         if len(self.targets) == 1 and here is not None and here == self.targets[0]:
             self.inference = 1  # micro-batch 0's memory again: the first call was the stage's shape inference
-        self.targets.append(here)  # type: ignore[arg-type]
+        self.targets.append(here)
         return len(self.targets) - 1 - self.inference
-
-    def calls(self) -> int:
-        """The schedule's loss calls this window, the shape inference aside."""
-        return len(self.targets) - self.inference
 
 
 class PipelineWindow:
@@ -261,9 +257,9 @@ class PipelineWindow:
                                          torch.float64) ** 2).sum()  # fully_shard: this rank's shard
         if self.last:
             assert tally.weights is not None
-            told[LOSS] = sum(s.to(self.device, torch.float64) for s in tally.summed.values()) if tally.summed else 0.0
+            told[LOSS] = sum(s.to(self.device, torch.float64) for s in tally.summed.values())
             told[ITEMS], told[K_LAST] = float(tally.weights.num_items or 0), float(tally.k)
-            told[MISCOUNTED] = float(tally.calls() != self.n_microbatches)
+            told[MISCOUNTED] = float(len(tally.targets) - tally.inference != self.n_microbatches)  # loss calls
         told[K_FIRST] = float(k_first)
         all_reduce_(told, group=self.pp_group)
         if self.dp_group is not None:
@@ -285,7 +281,7 @@ class PipelineWindow:
                 if miscounted else f"the first stage's inputs hold {int(k_first)} micro-batches but the last stage's "
                 f"target {int(k_last)} (of n_microbatches={self.n_microbatches}): pass both stages the same window "
                 "(nothing was stepped)")
-        num_items: Union[int, float] = int(items) if items.is_integer() else items
+        num_items = int(items) if items.is_integer() else items
         weights = WindowWeights(self.state, self.grad_divisor, num_items=num_items)
         closing = weights.close(num_items, loss_sum=loss, raw_norm=math.sqrt(square), nonfinite="skip")
         if closing.steps:

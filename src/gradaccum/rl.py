@@ -40,8 +40,7 @@ def step_items(loss_type: str, tokens: int, rows: int, max_completion_length: Op
     (0, 8)
     """
     kind = ITEMS[loss_type]
-    count = tokens if kind == "tokens" else rows * (max_completion_length or 0) if kind == "row slots" else rows
-    return int(count)
+    return int(tokens if kind == "tokens" else rows * (max_completion_length or 0) if kind == "row slots" else rows)
 
 
 @dataclasses.dataclass(frozen=True)
