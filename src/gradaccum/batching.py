@@ -160,16 +160,14 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     >>> concat_batches([torch.zeros(2, 3), torch.zeros(1, 3)]).shape[0]
     3
     """
-    columns = list(zip(*(list(leaves(b)) for b in batches)))
     joined = []
-    for column in columns:
+    for column in zip(*(list(leaves(b)) for b in batches)):
         path, first = column[0]
         if _split(first):
             joined.append(torch.cat([leaf for _, leaf in column]) if len(column) > 1 else first)
             continue
         for i, (_, leaf) in enumerate(column[1:], start=1):
-            same = _same_leaf(leaf, first)
-            if not same:
+            if not _same_leaf(leaf, first):
                 raise SplitError(
                     f"micro-batches 0 and {i} carry different values at {path or 'the top'} ({first!r} and "
                     f"{leaf!r}), a value without a leading dimension that one joined batch can hold only once "

@@ -106,10 +106,8 @@ class DDPSync(_WrapperSync):
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.group_size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         low = sorted({str(p.dtype) for p in params if p.dtype in LOW_PRECISION})
