@@ -1,10 +1,6 @@
-"""When ranks talk about a window, and the reference count R: the one owner of both.
-
-A window's :class:`Plan` is known, made alone (:func:`local_plan`) or asked of the ranks
-(:meth:`RankAgreement.agree`, one all-gather); :func:`window_setup`, a pure function of it, gives R and the
-padding; after the boundary :meth:`RankAgreement.learn` keeps what the window taught in the state. When the
-ranks must ask, and which R a window weighs by: docs/architecture.md, "The ranks' agreement and R".
-"""
+"""When ranks talk about a window, and the reference count R: a window's :class:`Plan` (known, made alone or
+asked in one all-gather), then R and the padding from it (:func:`window_setup`), then what the boundary taught
+(:meth:`RankAgreement.learn`). When they ask and which R: docs/architecture.md, "The ranks' agreement and R"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The window of ``Accumulator.train`` and the out-of-memory back-off, and of the losses that run their own.
-
-``Accumulator.step`` opens its :class:`~gradaccum._window.Window` itself and runs it
-(:meth:`~gradaccum._window.Window.run`, then ``step``). :func:`run_window` does the same for
-``Accumulator.train`` and :func:`run_auto` (``micro_batch_size="auto"``), with the out-of-memory back-off's
-deferred reduction and first forward, and hands a :class:`~gradaccum.WindowLoss` (a loss that couples the
-window's items) to :func:`gradaccum._cached.run_cached_window` and an exact :class:`~gradaccum.MoELoss`
-(its router's load balancing over the whole window) to :func:`gradaccum.moe.run_moe_window`.
-"""
+"""The window of ``Accumulator.train`` and of ``micro_batch_size="auto"`` (:func:`run_window`, :func:`run_auto`),
+run as ``Accumulator.step`` runs its own (``Window.run``, then ``step``), or handed to the loops of a
+:class:`~gradaccum.WindowLoss` and an exact :class:`~gradaccum.MoELoss`, which run their own passes."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The Accumulator's arguments, every one checked before anything is built or called.
-
-* :class:`Settings`: its keyword settings, a frozen dataclass checked as it is made;
-* :func:`check_training_objects`: the model, optimizer and scheduler (a DeepSpeed engine's through
-  :func:`gradaccum._deepspeed.check_engine_arguments`), returning the trainable parameters.
-
-What ``step``/``train`` are given to run is checked by the Accumulator itself, before any forward.
-
-Each refusal names the argument, the value and the fix (``precision`` is checked by
-:class:`~gradaccum.precision.MixedPrecision`, ``data_parallel`` by :func:`gradaccum.sync.sync_for`).
-"""
+"""The Accumulator's arguments, every one checked before anything is built or called: :class:`Settings`, its
+keyword settings (``precision`` is checked by :class:`~gradaccum.precision.MixedPrecision`, ``data_parallel``
+by :func:`gradaccum.sync.sync_for`), and :func:`check_training_objects`, the model, optimizer and scheduler.
+Each refusal names the argument, the value and the fix."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""``Accumulator.train``: a loader's micro-batches -> windows -> one step each, epoch after epoch.
+"""``Accumulator.train``: a loader's micro-batches -> windows -> one step each (:func:`gradaccum._run.run_window`),
+``epochs`` epochs from where training stands (the sampler's position, else ``acc.epoch``).
 
-Windows come from the loader's :class:`~gradaccum.WindowSampler` (which knows every rank's share: no
-rank asks anything) or from ``accum_steps`` consecutive micro-batches. ``epochs=E`` trains E epochs
-from where training stands (the sampler's position, else ``acc.epoch``, the finished epochs a
-checkpoint saves). Over a loader whose ranks may run out at different windows the ranks agree at
-every window (one small all-gather, unless a ``DistributedSampler`` gives every rank as many batches):
-a rank whose data ran out pads with zero weight, and the epoch ends when no rank has any left. Every
-window runs through :func:`gradaccum._run.run_window` (or ``run_auto``), as ``Accumulator.step``'s.
+Windows come from the loader's :class:`~gradaccum.WindowSampler` (which knows every rank's share: no rank
+asks) or from ``accum_steps`` consecutive micro-batches, where the ranks agree at every window (one small
+all-gather, unless a ``DistributedSampler`` gives every rank as many): a rank whose data ran out pads with
+zero weight, and the epoch ends when no rank has any left.
 """
 
 from __future__ import annotations
