@@ -23,7 +23,7 @@ from .errors import ConfigurationError, SplitError
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["Batch", "CountFn", "Counts", "count_items", "PADDED_ROWS_FIX", "leaves", "rebuild", "tensors",
+__all__ = ["Batch", "CountFn", "Counts", "count_items", "leaves", "rebuild", "tensors",
            "first_tensor", "leading_dim", "split_batch", "concat_batches", "slice_batch", "check_micro_batch_size", "as_micro_batches"]
 
 
@@ -240,11 +240,6 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
 #: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward; or
 #: ``"rows"``: a bare mean loss is over the micro-batch's rows (dim 0), declared so
 CountFn = Union[Callable[[Batch], Count], str]
-#: what a bare mean loss weighed by rows, undeclared, on padded labels is told to do instead
-PADDED_ROWS_FIX = ("Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a causal LM; "
-                   "shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
-                   "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, "
-                   "say so: num_items='rows'")
 
 
 @dataclass
@@ -262,7 +257,11 @@ class Counts:
         -100, whose mean is over targets (checked once per window, before its first backward)."""
         batches, self.unchecked = self.unchecked, None
         if batches and holds_ignored_labels(batches):
-            raise padded_rows_refusal("Accumulator", PADDED_ROWS_FIX)
+            raise padded_rows_refusal(
+                "Accumulator", "Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a "
+                "causal LM; shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
+                "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, say "
+                "so: num_items='rows'")
 
 
 def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn],
