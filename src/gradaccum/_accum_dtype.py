@@ -44,11 +44,9 @@ def check_accum_dtype(accum_dtype: Any) -> None:
 
 def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
                    params: Sequence[torch.nn.Parameter]) -> Optional[AccumulationBuffers]:
-    """The Accumulator's window buffers, or None where the sum stays in ``.grad`` (``"param"``, None).
-    ``"auto"``: float32 buffers for a single process's bf16/fp16 parameters; none under a wrapper that
-    reduces across ranks or with ``precision="fp16"`` (GradScaler unscales float32 gradients only), with a
-    :class:`LowPrecisionWarning` where that sum is in bf16/fp16. A dtype: buffers of that dtype (refused
-    under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``)."""
+    """The Accumulator's window buffers: ``"auto"``, float32 ones for a single process's bf16/fp16 parameters
+    (none, with a :class:`LowPrecisionWarning`, where a wrapper or GradScaler owns the sum); a dtype, its own
+    (refused under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``); ``"param"`` or None: none."""
     if accum_dtype is None or accum_dtype == "param":
         return None
     if accum_dtype == "auto":

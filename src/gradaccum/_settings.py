@@ -64,18 +64,11 @@ class Settings:
 
 def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
                            settings: Settings) -> Tuple[Any, List[nn.Parameter]]:
-    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable
-    parameters, after the model, the optimizer and the scheduler are checked; around a DeepSpeed
-    engine, also the settings the engine owns (:func:`gradaccum._deepspeed.check_engine_arguments`).
-
-    Raises:
-        TypeError: ``model`` is no ``nn.Module``, ``optimizer`` no ``torch.optim.Optimizer``,
-            ``scheduler`` has no ``step()``.
-        ConfigurationError: no trainable parameter; an optimizer over none of them, or carrying its own
-            enabled GradScaler; a scheduler over another optimizer; an engine that cannot leave the
-            boundary to gradaccum, or a setting the engine owns; a ``torch.distributed.pipelining`` object
-            (``NotExactError``).
-    """
+    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable parameters, once
+    the model, optimizer and scheduler are checked (a DeepSpeed engine, and the settings it owns, by
+    :func:`gradaccum._deepspeed.check_engine_arguments`). Refused: an object of the wrong type (TypeError); no
+    trainable parameter, an optimizer over none of them or with its own enabled GradScaler, a scheduler over
+    another optimizer, a ``torch.distributed.pipelining`` object (NotExactError)."""
     refuse_pipeline(model)
     engine = deepspeed_engine(model)
     if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed
