@@ -27,6 +27,9 @@ __all__ = ["LowPrecisionWarning", "ACCUM_DTYPES", "LOW_PRECISION", "AccumDtype",
 ACCUM_DTYPES = ("auto", "param")
 #: what ``accum_dtype=`` takes: ``"auto"``, ``"param"`` (or None, the same), or a dtype for the buffers
 AccumDtype = Union[None, str, torch.dtype]
+#: what a sum in bf16/fp16 costs, said by both warnings
+_ROUNDS = ("rounds after every micro-batch, so its error grows with the window (bf16 GPT-2, 64 micro-batches: about "
+           "2x the error of a float32 sum)")
 
 
 class LowPrecisionWarning(UserWarning):
@@ -57,10 +60,8 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
                 "precision='fp16' with bf16/fp16 parameters: GradScaler unscales float32 gradients only, so the "
                 "window's gradient is summed in the parameters' own dtype")
             if cost is not None:
-                warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the "
-                              "window (bf16 GPT-2, 64 micro-batches: about 2x the error of a float32 sum). "
-                              "Pass accum_dtype='param' to accept it without this warning", LowPrecisionWarning,
-                              stacklevel=3)  # the line that built the Accumulator
+                warnings.warn(f"{cost}. That sum {_ROUNDS}. Pass accum_dtype='param' to accept it without this "
+                              "warning", LowPrecisionWarning, stacklevel=3)  # the line that built the Accumulator
             return None
         accum_dtype = torch.float32
     if sync.reduces_across_ranks:
@@ -82,8 +83,7 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
     low = sorted({str(p.dtype) for p in params if p.requires_grad and p.dtype in LOW_PRECISION})
     if low:
         warnings.warn(f"{who}: the trainable parameters are {', '.join(low)}, so each window's gradient is summed in "
-                      "their own .grad and rounds after every micro-batch (its error grows with the window: about "
-                      f"2x a float32 sum's over 64 micro-batches). {fix}", LowPrecisionWarning, stacklevel=4)
+                      f"their own .grad and {_ROUNDS}. {fix}", LowPrecisionWarning, stacklevel=4)
 
 
 def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,
