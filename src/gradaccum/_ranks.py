@@ -146,7 +146,6 @@ def window_setup(state: AccumulatorState, rules: Rules, request: Request, plan: 
     padding = 0
     if plan is not None and plan.most != plan.fewest:  # else every rank runs as many: nobody pads
         padding = padded_count(plan.micro_batches, plan.most, rules.needs_equal_counts) - plan.micro_batches
-    # the agreement refused, on every rank alike, any window where a rank that must pad cannot
     assert padding == 0 or request.can_pad, "the agreement lets no rank pad that cannot"
     return Setup(plan, _reference(state, rules, plan, request.items), padding)
 

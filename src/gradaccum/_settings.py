@@ -133,6 +133,3 @@ def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
             "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
             "precision='fp16' to Accumulator, which owns the scaler"
         )
-
-
-# -- each call's loss: before any forward ------------------------------------------------------------
