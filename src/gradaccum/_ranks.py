@@ -128,7 +128,6 @@ def local_plan(state: AccumulatorState, rules: Rules, request: Request) -> Optio
     Plan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False)
     """
     n = request.micro_batches
-    assert n is not None, "a window opened without a size has no plan"
     if not rules.shares_windows:
         return Plan(n, n, n, None if request.items is None else float(request.items))
     if rules.needs_equal_counts or not request.can_pad or not state.peers_can_pad:
@@ -206,7 +205,6 @@ class RankAgreement:
         """R for a window that has opened: the setup's, or, where it counts first, from N read now."""
         if setup.counted is None:
             return setup.reference
-        assert setup.plan is not None, "only a window with a plan counts first"
         n = setup.counted.wait()
         return None if n is None else _reference(self.state, self.rules, setup.plan._replace(items=n), None)
 
