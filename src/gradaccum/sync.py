@@ -2,9 +2,7 @@
 interface and local default: :mod:`gradaccum._seam`; DeepSpeed: :mod:`gradaccum._deepspeed`).
 
 The wrapper is found anywhere in the model (``torch.compile(DDP(model))``, Accelerate's wrappers, user
-modules holding one). A model that no data-parallel wrapper reduces is refused in a process group of
-several ranks: each rank would step on its own gradients and the replicas would drift apart in silence.
-Every switch a context flips is restored on the way out, also when an exception leaves it.
+modules holding one). Every switch a context flips is restored on the way out, also on an exception.
 """
 
 from __future__ import annotations
