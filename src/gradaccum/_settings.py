@@ -98,17 +98,16 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     own = getattr(scheduler, "optimizer", None)
     if own is None:
         return
-    ours: Any = optimizer
-    seen: List[Any] = []
-    while ours is not None and len(seen) < 4:  # Accelerate's AcceleratedOptimizer holds the raw one
-        seen.append(ours)
+    ours = optimizer
+    for _ in range(4):  # Accelerate's AcceleratedOptimizer holds the raw one
+        if ours is own:
+            return
         ours = getattr(ours, "optimizer", None)
-    if not any(own is o for o in seen):
-        raise ConfigurationError(
-            f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the Accumulator's "
-            f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
-            "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
-        )
+    raise ConfigurationError(
+        f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the Accumulator's "
+        f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
+        "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
+    )
 
 
 def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], model: nn.Module) -> None:

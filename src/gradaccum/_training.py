@@ -47,9 +47,9 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, WindowSampler):
         return batch_sampler
-    inner, depth = batch_sampler, 0
-    while inner is not None and depth < 4:
-        inner, depth = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler", None), depth + 1
+    inner = batch_sampler
+    for _ in range(4):  # a few wrappers deep
+        inner = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler", None)
         if isinstance(inner, WindowSampler):
             raise ConfigurationError(
                 f"the loader's WindowSampler is wrapped in a {type(batch_sampler).__name__}, which shards "
