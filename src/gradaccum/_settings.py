@@ -24,7 +24,7 @@ NONFINITE = ("skip", "raise")
 
 
 def nonfinite_choice(who: str, value: Any) -> str:
-    """``nonfinite=`` as a framework's driver (``ExactTrainer``, ``ExactAccumulation``) was given it, once it
+    """``nonfinite=`` as ``who`` (the Accumulator, ``ExactTrainer``, ``ExactAccumulation``) was given it, once it
     is one of :data:`NONFINITE`."""
     if not isinstance(value, str) or value not in NONFINITE:
         raise ConfigurationError(
@@ -56,8 +56,7 @@ class Settings:
         if self.max_grad_norm is not None:
             positive_number("max_grad_norm", self.max_grad_norm, what="a positive finite number or None")
             object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
-        if self.nonfinite not in NONFINITE:
-            raise ConfigurationError(f"nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        nonfinite_choice("Accumulator", self.nonfinite)
         check_accum_dtype(self.accum_dtype)
         object.__setattr__(self, "compute_grad_norm", bool(self.compute_grad_norm))
 
