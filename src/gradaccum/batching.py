@@ -135,12 +135,12 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     >>> [c.shape[0] for c in split_batch(torch.zeros(10, 3), 4)]
     [4, 4, 2]
     """
+    check_micro_batch_size(micro_batch_size)
     return _split_rows(batch, micro_batch_size)[0]
 
 
 def _split_rows(batch: Batch, micro_batch_size: int) -> Tuple[List[Batch], List[int]]:
-    """:func:`split_batch`, with each chunk's rows (known from the split: no chunk is measured again)."""
-    check_micro_batch_size(micro_batch_size)
+    """:func:`split_batch` at a checked size, with each chunk's rows (no chunk is measured again)."""
     n = leading_dim(batch)
     if n == 0:
         raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
@@ -194,8 +194,9 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
 
 def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int], *,
                      allow_empty: bool = False) -> Tuple[List[Batch], Optional[List[int]]]:
-    """Turn ``step()``'s ``window`` argument into a checked list of micro-batches, and their rows where
-    the split made them (else None: :func:`count_items` measures and checks each micro-batch).
+    """Turn ``step()``'s ``window`` argument (and its ``micro_batch_size``, which ``step()`` has checked) into a
+    checked list of micro-batches, and their rows where the split made them (else None: :func:`count_items`
+    measures and checks each micro-batch).
 
     With ``micro_batch_size=None`` the window is a list of micro-batches; with an int it is one
     batch to split. A tuple or list holding bare tensors is refused without ``micro_batch_size``:
