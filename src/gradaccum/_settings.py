@@ -36,13 +36,10 @@ def nonfinite_choice(who: str, value: Any) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), checked
-    as they are made: ``max_grad_norm`` a positive finite number or None (kept as a float),
-    ``nonfinite`` one of :data:`NONFINITE`, ``accum_dtype`` ``"auto"``/``"param"``/None/a dtype.
-
-    Raises:
-        ConfigurationError, TypeError: the first setting that is out of range, naming it and the fix.
-    """
+    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), checked as they are
+    made, the first out of range refused (ConfigurationError, TypeError) with the fix: ``max_grad_norm`` a positive
+    finite number or None (kept as a float), ``nonfinite`` one of :data:`NONFINITE`, ``accum_dtype`` ``"auto"``,
+    ``"param"``, None or a dtype."""
 
     max_grad_norm: Optional[float] = None
     precision: str = "fp32"
