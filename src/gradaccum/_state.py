@@ -27,15 +27,13 @@ class _Seen:
     """Objects seen, held weakly and by identity (a user's object need be neither hashable nor kept alive)."""
 
     def __init__(self) -> None:
-        self._refs: Dict[int, "weakref.ref[Any]"] = {}
+        self._refs: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
     def add(self, obj: Any) -> None:
-        key = id(obj)
-        self._refs[key] = weakref.ref(obj, lambda _, key=key: self._refs.pop(key, None))
+        self._refs[id(obj)] = obj
 
     def __contains__(self, obj: Any) -> bool:
-        ref = self._refs.get(id(obj))
-        return ref is not None and ref() is obj
+        return self._refs.get(id(obj)) is obj
 
 
 @dataclass(eq=False)
