@@ -47,7 +47,7 @@ def rebuild(template: Batch, values: Iterator[Any]) -> Batch:
     (namedtuples, tuples, lists and dicts keep their types)."""
     if isinstance(template, Mapping):
         return {k: rebuild(v, values) for k, v in template.items()}
-    if isinstance(template, (tuple, list)) and not isinstance(template, torch.Tensor):
+    if isinstance(template, (tuple, list)):
         parts = [rebuild(v, values) for v in template]
         if isinstance(template, tuple):
             make = getattr(type(template), "_make", None)  # namedtuple
