@@ -59,8 +59,7 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
 
 def run_auto(ctx: Parts, auto: AutoMicroBatch, batch: Batch, loss_fn: LossFn,
              count_fn: Optional[CountFn]) -> StepResult:
-    """One window of ``micro_batch_size="auto"``: ``batch`` split at the size that last worked and
-    re-split at half on an out-of-memory error (:mod:`gradaccum._autosize`), each attempt a
+    """One window of ``micro_batch_size="auto"`` (:mod:`gradaccum._autosize`'s back-off), each attempt a
     :func:`run_window` that drops itself on every rank alike."""
     return auto.step(batch, lambda mbs, size: run_window(ctx, mbs, loss_fn, count_items(mbs, count_fn),
                                                          micro_batch_size=size, catch_oom=True))
