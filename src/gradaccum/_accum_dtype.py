@@ -1,12 +1,11 @@
 """``accum_dtype``: where a window's gradient of bf16/fp16 parameters is summed, for every driver.
 
-A bf16 ``.grad`` that every micro-batch's backward adds into rounds to 8 bits of mantissa after each
-add, so its error grows with the window (bf16 GPT-2 over 64 micro-batches: about twice a float32
-sum's). Where gradaccum owns the window's sum (one process, no scaler unscaling ``.grad`` before the
-boundary) it sums in float32 :class:`~gradaccum._gradients.AccumulationBuffers` and rounds once, at
-the boundary (:func:`window_buffers` for the Accumulator, :func:`driver_buffers` for a trainer driver);
-where a framework owns it (a data-parallel wrapper, DeepSpeed, a loss scaler) it says so once, in a
-:class:`LowPrecisionWarning` that names the setting that sums in float32.
+A bf16 ``.grad`` that every micro-batch's backward adds into rounds to 8 bits of mantissa after each add, so its
+error grows with the window (:data:`_ROUNDS`). Where gradaccum owns the window's sum (one process, no scaler
+unscaling ``.grad`` before the boundary) it sums in float32 :class:`~gradaccum._gradients.AccumulationBuffers`,
+rounded once at the boundary (:func:`window_buffers`, :func:`driver_buffers`); where a framework owns it (a
+data-parallel wrapper, DeepSpeed, a loss scaler) a :class:`LowPrecisionWarning` names the setting that sums in
+float32.
 """
 
 from __future__ import annotations
@@ -27,6 +26,9 @@ __all__ = ["LowPrecisionWarning", "ACCUM_DTYPES", "LOW_PRECISION", "AccumDtype",
 ACCUM_DTYPES = ("auto", "param")
 #: what ``accum_dtype=`` takes: ``"auto"``, ``"param"`` (or None, the same), or a dtype for the buffers
 AccumDtype = Union[None, str, torch.dtype]
+#: what a sum in bf16/fp16 costs, said by both warnings
+_ROUNDS = ("rounds after every micro-batch, so its error grows with the window (bf16 GPT-2, 64 micro-batches: about "
+           "2x the error of a float32 sum)")
 
 
 class LowPrecisionWarning(UserWarning):
@@ -44,11 +46,9 @@ def check_accum_dtype(accum_dtype: Any) -> None:
 
 def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
                    params: Sequence[torch.nn.Parameter]) -> Optional[AccumulationBuffers]:
-    """The Accumulator's window buffers, or None where the sum stays in ``.grad`` (``"param"``, None).
-    ``"auto"``: float32 buffers for a single process's bf16/fp16 parameters; none under a wrapper that
-    reduces across ranks or with ``precision="fp16"`` (GradScaler unscales float32 gradients only), with a
-    :class:`LowPrecisionWarning` where that sum is in bf16/fp16. A dtype: buffers of that dtype (refused
-    under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``)."""
+    """The Accumulator's window buffers: ``"auto"``, float32 ones for a single process's bf16/fp16 parameters
+    (none, with a :class:`LowPrecisionWarning`, where a wrapper or GradScaler owns the sum); a dtype, its own
+    (refused under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``); ``"param"`` or None: none."""
     if accum_dtype is None or accum_dtype == "param":
         return None
     if accum_dtype == "auto":
@@ -59,10 +59,8 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
                 "precision='fp16' with bf16/fp16 parameters: GradScaler unscales float32 gradients only, so the "
                 "window's gradient is summed in the parameters' own dtype")
             if cost is not None:
-                warnings.warn(f"{cost}. That sum rounds after every micro-batch, so its error grows with the "
-                              "window (bf16 GPT-2, 64 micro-batches: about 2x the error of a float32 sum). "
-                              "Pass accum_dtype='param' to accept it without this warning", LowPrecisionWarning,
-                              stacklevel=3)  # the line that built the Accumulator
+                warnings.warn(f"{cost}. That sum {_ROUNDS}. Pass accum_dtype='param' to accept it without this "
+                              "warning", LowPrecisionWarning, stacklevel=3)  # the line that built the Accumulator
             return None
         accum_dtype = torch.float32
     if sync.reduces_across_ranks:
@@ -84,8 +82,7 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
     low = sorted({str(p.dtype) for p in params if p.requires_grad and p.dtype in LOW_PRECISION})
     if low:
         warnings.warn(f"{who}: the trainable parameters are {', '.join(low)}, so each window's gradient is summed in "
-                      "their own .grad and rounds after every micro-batch (its error grows with the window: about "
-                      f"2x a float32 sum's over 64 micro-batches). {fix}", LowPrecisionWarning, stacklevel=4)
+                      f"their own .grad and {_ROUNDS}. {fix}", LowPrecisionWarning, stacklevel=4)
 
 
 def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,

@@ -59,16 +59,12 @@ class AutoMicroBatch:
                     self.state.auto_micro_batch_size = size
                 return result
             backed_off = True
-            _free_memory(self.device)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
             if size == 1:
                 raise torch.OutOfMemoryError(
                     "micro_batch_size='auto' ran out of memory with micro-batches of 1 item; "
                     "the model does not fit: reduce its size, use precision='bf16', or shard it"
                 )
             size = max(1, size // 2)
-
-
-def _free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

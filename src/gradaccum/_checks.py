@@ -50,13 +50,9 @@ def non_negative_int(name: str, value: Any, *, hint: str = "") -> int:
     return value
 
 
-def _finite(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def positive_number(name: str, value: Any, *, what: str = "a positive finite number", hint: str = "") -> float:
     """``value`` as a float if it is a finite number > 0."""
-    if not _finite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigurationError(f"{name} must be {what}, got {value!r}{hint}")
     return float(value)
 

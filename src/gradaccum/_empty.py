@@ -10,7 +10,7 @@ collective. A count on an accelerator is compared on the device: no host synchro
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, List, Union
+from typing import Iterable, Iterator, List, Union
 
 import torch
 
@@ -40,7 +40,12 @@ def host_count(num_items: Count) -> Count:
 def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Tensor]) -> Iterator[None]:
     """Inside: a backward adds exactly nothing to the parameters' gradients where ``empty`` (True, or a 0-d
     bool tensor), by a hook on each parameter, which runs before its gradient is accumulated (and reduced)."""
-    handles = [p.register_hook(_nothing_but(empty)) for p in params if p.requires_grad]
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if empty is True:
+            return torch.zeros_like(grad)
+        return torch.where(empty.to(grad.device, non_blocking=True), 0.0, grad)  # type: ignore[union-attr]
+
+    handles = [p.register_hook(hook) for p in params if p.requires_grad]
     try:
         yield
     finally:
@@ -65,15 +70,6 @@ def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
         else:
             stack.extend(child for child, _ in node.next_functions)
     return leaves
-
-
-def _nothing_but(empty: Union[bool, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        if empty is True:
-            return torch.zeros_like(grad)
-        flag = empty.to(grad.device, non_blocking=True)  # type: ignore[union-attr]  # a no-op on its own device
-        return torch.where(flag, 0.0, grad)
-    return hook
 
 
 def clean_mean(loss: torch.Tensor, num_items: Count) -> torch.Tensor:

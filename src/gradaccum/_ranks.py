@@ -1,10 +1,6 @@
-"""When ranks talk about a window, and the reference count R: the one owner of both.
-
-A window's :class:`Plan` is known, made alone (:func:`local_plan`) or asked of the ranks
-(:meth:`RankAgreement.agree`, one all-gather); :func:`window_setup`, a pure function of it, gives R and the
-padding; after the boundary :meth:`RankAgreement.learn` keeps what the window taught in the state. When the
-ranks must ask, and which R a window weighs by: docs/architecture.md, "The ranks' agreement and R".
-"""
+"""When ranks talk about a window, and the reference count R: a window's :class:`Plan` (known, made alone or
+asked in one all-gather), then R and the padding from it (:func:`window_setup`), then what the boundary taught
+(:meth:`RankAgreement.learn`). When they ask and which R: docs/architecture.md, "The ranks' agreement and R"."""
 
 from __future__ import annotations
 
@@ -132,7 +128,6 @@ def local_plan(state: AccumulatorState, rules: Rules, request: Request) -> Optio
     Plan(micro_batches=3, most=3, fewest=3, items=12.0, asked=False)
     """
     n = request.micro_batches
-    assert n is not None, "a window opened without a size has no plan"
     if not rules.shares_windows:
         return Plan(n, n, n, None if request.items is None else float(request.items))
     if rules.needs_equal_counts or not request.can_pad or not state.peers_can_pad:
@@ -150,7 +145,6 @@ def window_setup(state: AccumulatorState, rules: Rules, request: Request, plan: 
     padding = 0
     if plan is not None and plan.most != plan.fewest:  # else every rank runs as many: nobody pads
         padding = padded_count(plan.micro_batches, plan.most, rules.needs_equal_counts) - plan.micro_batches
-    # the agreement refused, on every rank alike, any window where a rank that must pad cannot
     assert padding == 0 or request.can_pad, "the agreement lets no rank pad that cannot"
     return Setup(plan, _reference(state, rules, plan, request.items), padding)
 
@@ -211,7 +205,6 @@ class RankAgreement:
         """R for a window that has opened: the setup's, or, where it counts first, from N read now."""
         if setup.counted is None:
             return setup.reference
-        assert setup.plan is not None, "only a window with a plan counts first"
         n = setup.counted.wait()
         return None if n is None else _reference(self.state, self.rules, setup.plan._replace(items=n), None)
 

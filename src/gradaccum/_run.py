@@ -1,12 +1,6 @@
-"""The window of ``Accumulator.train`` and the out-of-memory back-off, and of the losses that run their own.
-
-``Accumulator.step`` opens its :class:`~gradaccum._window.Window` itself and runs it
-(:meth:`~gradaccum._window.Window.run`, then ``step``). :func:`run_window` does the same for
-``Accumulator.train`` and :func:`run_auto` (``micro_batch_size="auto"``), with the out-of-memory back-off's
-deferred reduction and first forward, and hands a :class:`~gradaccum.WindowLoss` (a loss that couples the
-window's items) to :func:`gradaccum._cached.run_cached_window` and an exact :class:`~gradaccum.MoELoss`
-(its router's load balancing over the whole window) to :func:`gradaccum.moe.run_moe_window`.
-"""
+"""The window of ``Accumulator.train`` and of ``micro_batch_size="auto"`` (:func:`run_window`, :func:`run_auto`),
+run as ``Accumulator.step`` runs its own (``Window.run``, then ``step``), or handed to the loops of a
+:class:`~gradaccum.WindowLoss` and an exact :class:`~gradaccum.MoELoss`, which run their own passes."""
 
 from __future__ import annotations
 
@@ -65,8 +59,7 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
 
 def run_auto(ctx: Parts, auto: AutoMicroBatch, batch: Batch, loss_fn: LossFn,
              count_fn: Optional[CountFn]) -> StepResult:
-    """One window of ``micro_batch_size="auto"``: ``batch`` split at the size that last worked and
-    re-split at half on an out-of-memory error (:mod:`gradaccum._autosize`), each attempt a
+    """One window of ``micro_batch_size="auto"`` (:mod:`gradaccum._autosize`'s back-off), each attempt a
     :func:`run_window` that drops itself on every rank alike."""
     return auto.step(batch, lambda mbs, size: run_window(ctx, mbs, loss_fn, count_items(mbs, count_fn),
                                                          micro_batch_size=size, catch_oom=True))

@@ -1,14 +1,7 @@
-"""The Accumulator's arguments, every one checked before anything is built or called.
-
-* :class:`Settings`: its keyword settings, a frozen dataclass checked as it is made;
-* :func:`check_training_objects`: the model, optimizer and scheduler (a DeepSpeed engine's through
-  :func:`gradaccum._deepspeed.check_engine_arguments`), returning the trainable parameters.
-
-What ``step``/``train`` are given to run is checked by the Accumulator itself, before any forward.
-
-Each refusal names the argument, the value and the fix (``precision`` is checked by
-:class:`~gradaccum.precision.MixedPrecision`, ``data_parallel`` by :func:`gradaccum.sync.sync_for`).
-"""
+"""The Accumulator's arguments, every one checked before anything is built or called: :class:`Settings`, its
+keyword settings (``precision`` is checked by :class:`~gradaccum.precision.MixedPrecision`, ``data_parallel``
+by :func:`gradaccum.sync.sync_for`), and :func:`check_training_objects`, the model, optimizer and scheduler.
+Each refusal names the argument, the value and the fix."""
 
 from __future__ import annotations
 
@@ -31,7 +24,7 @@ NONFINITE = ("skip", "raise")
 
 
 def nonfinite_choice(who: str, value: Any) -> str:
-    """``nonfinite=`` as a framework's driver (``ExactTrainer``, ``ExactAccumulation``) was given it, once it
+    """``nonfinite=`` as ``who`` (the Accumulator, ``ExactTrainer``, ``ExactAccumulation``) was given it, once it
     is one of :data:`NONFINITE`."""
     if not isinstance(value, str) or value not in NONFINITE:
         raise ConfigurationError(
@@ -43,13 +36,10 @@ def nonfinite_choice(who: str, value: Any) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), checked
-    as they are made: ``max_grad_norm`` a positive finite number or None (kept as a float),
-    ``nonfinite`` one of :data:`NONFINITE`, ``accum_dtype`` ``"auto"``/``"param"``/None/a dtype.
-
-    Raises:
-        ConfigurationError, TypeError: the first setting that is out of range, naming it and the fix.
-    """
+    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), checked as they are
+    made, the first out of range refused (ConfigurationError, TypeError) with the fix: ``max_grad_norm`` a positive
+    finite number or None (kept as a float), ``nonfinite`` one of :data:`NONFINITE`, ``accum_dtype`` ``"auto"``,
+    ``"param"``, None or a dtype."""
 
     max_grad_norm: Optional[float] = None
     precision: str = "fp32"
@@ -63,26 +53,18 @@ class Settings:
         if self.max_grad_norm is not None:
             positive_number("max_grad_norm", self.max_grad_norm, what="a positive finite number or None")
             object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
-        if self.nonfinite not in NONFINITE:
-            raise ConfigurationError(f"nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        nonfinite_choice("Accumulator", self.nonfinite)
         check_accum_dtype(self.accum_dtype)
         object.__setattr__(self, "compute_grad_norm", bool(self.compute_grad_norm))
 
 
 def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
                            settings: Settings) -> Tuple[Any, List[nn.Parameter]]:
-    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable
-    parameters, after the model, the optimizer and the scheduler are checked; around a DeepSpeed
-    engine, also the settings the engine owns (:func:`gradaccum._deepspeed.check_engine_arguments`).
-
-    Raises:
-        TypeError: ``model`` is no ``nn.Module``, ``optimizer`` no ``torch.optim.Optimizer``,
-            ``scheduler`` has no ``step()``.
-        ConfigurationError: no trainable parameter; an optimizer over none of them, or carrying its own
-            enabled GradScaler; a scheduler over another optimizer; an engine that cannot leave the
-            boundary to gradaccum, or a setting the engine owns; a ``torch.distributed.pipelining`` object
-            (``NotExactError``).
-    """
+    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable parameters, once
+    the model, optimizer and scheduler are checked (a DeepSpeed engine, and the settings it owns, by
+    :func:`gradaccum._deepspeed.check_engine_arguments`). Refused: an object of the wrong type (TypeError); no
+    trainable parameter, an optimizer over none of them or with its own enabled GradScaler, a scheduler over
+    another optimizer, a ``torch.distributed.pipelining`` object (NotExactError)."""
     refuse_pipeline(model)
     engine = deepspeed_engine(model)
     if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed
@@ -112,17 +94,16 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     own = getattr(scheduler, "optimizer", None)
     if own is None:
         return
-    ours: Any = optimizer
-    seen: List[Any] = []
-    while ours is not None and len(seen) < 4:  # Accelerate's AcceleratedOptimizer holds the raw one
-        seen.append(ours)
+    ours = optimizer
+    for _ in range(4):  # Accelerate's AcceleratedOptimizer holds the raw one
+        if ours is own:
+            return
         ours = getattr(ours, "optimizer", None)
-    if not any(own is o for o in seen):
-        raise ConfigurationError(
-            f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the Accumulator's "
-            f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
-            "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
-        )
+    raise ConfigurationError(
+        f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the Accumulator's "
+        f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
+        "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
+    )
 
 
 def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], model: nn.Module) -> None:
@@ -147,6 +128,3 @@ def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
             "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
             "precision='fp16' to Accumulator, which owns the scaler"
         )
-
-
-# -- each call's loss: before any forward ------------------------------------------------------------

@@ -27,15 +27,13 @@ class _Seen:
     """Objects seen, held weakly and by identity (a user's object need be neither hashable nor kept alive)."""
 
     def __init__(self) -> None:
-        self._refs: Dict[int, "weakref.ref[Any]"] = {}
+        self._refs: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
     def add(self, obj: Any) -> None:
-        key = id(obj)
-        self._refs[key] = weakref.ref(obj, lambda _, key=key: self._refs.pop(key, None))
+        self._refs[id(obj)] = obj
 
     def __contains__(self, obj: Any) -> bool:
-        ref = self._refs.get(id(obj))
-        return ref is not None and ref() is obj
+        return self._refs.get(id(obj)) is obj
 
 
 @dataclass(eq=False)
@@ -110,21 +108,20 @@ class AccumulatorState:
 
     def saved(self) -> Dict[str, Any]:
         """The saved fields, by their ``state_dict`` key (the field's name)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("saved")}
+        return {name: getattr(self, name) for name in SAVED_KEYS}
 
     def read_saved(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """The saved fields' values from a ``state_dict`` (one written by an earlier gradaccum too: a key
         it did not write gives the default), each checked; nothing is set."""
         values = {}
-        for f in fields(self):
-            if f.metadata.get("saved"):
-                key = next((k for k in (f.name, *f.metadata["old"]) if k in state), f.name)
-                raw = state.get(key, f.default)
-                try:
-                    values[f.name] = f.metadata["convert"](raw)
-                except (TypeError, ValueError):
-                    raise ConfigurationError(f"Accumulator.load_state_dict: {key}={raw!r} is not a number; pass "
-                                             "what Accumulator.state_dict() returned") from None
+        for f in _SAVED_FIELDS:
+            key = next((k for k in (f.name, *f.metadata["old"]) if k in state), f.name)
+            raw = state.get(key, f.default)
+            try:
+                values[f.name] = f.metadata["convert"](raw)
+            except (TypeError, ValueError):
+                raise ConfigurationError(f"Accumulator.load_state_dict: {key}={raw!r} is not a number; pass "
+                                         "what Accumulator.state_dict() returned") from None
         return values
 
     def load_saved(self, values: Dict[str, Any]) -> None:
@@ -140,8 +137,8 @@ class AccumulatorState:
         return first
 
 
+_SAVED_FIELDS = [f for f in fields(AccumulatorState) if f.metadata.get("saved")]
 #: the keys ``state_dict`` writes for the state (the saved fields' names), in field order
-SAVED_KEYS: List[str] = [f.name for f in fields(AccumulatorState) if f.metadata.get("saved")]
+SAVED_KEYS: List[str] = [f.name for f in _SAVED_FIELDS]
 #: the keys a ``state_dict`` may hold for the state: :data:`SAVED_KEYS` and the names earlier gradaccums wrote
-READ_KEYS: List[str] = SAVED_KEYS + [old for f in fields(AccumulatorState) if f.metadata.get("saved")
-                                     for old in f.metadata["old"]]
+READ_KEYS: List[str] = SAVED_KEYS + [old for f in _SAVED_FIELDS for old in f.metadata["old"]]

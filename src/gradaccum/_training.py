@@ -1,18 +1,16 @@
-"""``Accumulator.train``: a loader's micro-batches -> windows -> one step each, epoch after epoch.
+"""``Accumulator.train``: a loader's micro-batches -> windows -> one step each (:func:`gradaccum._run.run_window`),
+``epochs`` epochs from where training stands (the sampler's position, else ``acc.epoch``).
 
-Windows come from the loader's :class:`~gradaccum.WindowSampler` (which knows every rank's share: no
-rank asks anything) or from ``accum_steps`` consecutive micro-batches. ``epochs=E`` trains E epochs
-from where training stands (the sampler's position, else ``acc.epoch``, the finished epochs a
-checkpoint saves). Over a loader whose ranks may run out at different windows the ranks agree at
-every window (one small all-gather, unless a ``DistributedSampler`` gives every rank as many batches):
-a rank whose data ran out pads with zero weight, and the epoch ends when no rank has any left. Every
-window runs through :func:`gradaccum._run.run_window` (or ``run_auto``), as ``Accumulator.step``'s.
+Windows come from the loader's :class:`~gradaccum.WindowSampler` (which knows every rank's share: no rank
+asks) or from ``accum_steps`` consecutive micro-batches, where the ranks agree at every window (one small
+all-gather, unless a ``DistributedSampler`` gives every rank as many): a rank whose data ran out pads with
+zero weight, and the epoch ends when no rank has any left.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from itertools import islice
+from itertools import count, islice
 from typing import Any, Iterable, Iterator, List, Optional
 
 from ._autosize import AutoMicroBatch
@@ -49,9 +47,9 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, WindowSampler):
         return batch_sampler
-    inner, depth = batch_sampler, 0
-    while inner is not None and depth < 4:
-        inner, depth = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler", None), depth + 1
+    inner = batch_sampler
+    for _ in range(4):  # a few wrappers deep
+        inner = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler", None)
         if isinstance(inner, WindowSampler):
             raise ConfigurationError(
                 f"the loader's WindowSampler is wrapped in a {type(batch_sampler).__name__}, which shards "
@@ -115,8 +113,7 @@ def _grouped_windows(ctx: Parts, loader: Iterable[Batch], schedule: AccumSchedul
         n = schedule(epoch)
         known = ctx.ranks.equal_shares(loader)
         batches = iter(loader)
-        window = 0
-        while True:
+        for window in count():
             pending: List[Batch] = list(islice(batches, n))
             counts = count_items(pending, spec.num_items)  # checks every micro-batch, before any forward
             if known:  # every rank holds as many micro-batches as this one: nothing to ask (the items,
@@ -124,13 +121,9 @@ def _grouped_windows(ctx: Parts, loader: Iterable[Batch], schedule: AccumSchedul
                 plan = Plan(k, k, k, None)
             else:
                 plan = ctx.ranks.agree(len(pending), counts.total, ctx.ranks.can_pad(bool(pending)))
-            if plan.most == 0:
-                break  # no rank has any micro-batch left
-            if spec.drop_last and plan.fewest < n:
-                break  # the short last window (on some rank) is dropped on every rank
-            result = _step(ctx, pending, spec, counts=counts, plan=plan)
-            yield replace(result, epoch=epoch, window=window)
-            window += 1
+            if plan.most == 0 or (spec.drop_last and plan.fewest < n):
+                break  # no rank has any micro-batch left, or the short last window (on some rank) is dropped
+            yield replace(_step(ctx, pending, spec, counts=counts, plan=plan), epoch=epoch, window=window)
         ctx.state.epoch = epoch + 1
 
 
@@ -149,15 +142,13 @@ def _sampler_windows(ctx: Parts, loader: Iterable[Batch], sampler: WindowSampler
                     f"the loader yielded {len(pending)} micro-batches for window {first + offset} of epoch {epoch}, "
                     f"its WindowSampler planned {size}: pass the sampler as the loader's batch_sampler "
                     "(DataLoader(dataset, batch_sampler=sampler)), with no other sampler or batch_size")
+            plan = None
             if spec.auto is None:  # every rank's share is known: no agreement to ask for
-                m = sampler.micro_batch_size
                 shares = sampler.shares(first + offset)
                 rows = spec.num_items in (None, ROWS)  # then the sampler's shares are the items counted
-                plan = ctx.ranks.known_plan(size, [ceil_div(s, m) for s in shares],
+                plan = ctx.ranks.known_plan(size, [ceil_div(s, sampler.micro_batch_size) for s in shares],
                                             float(sum(shares)) if rows else None)
-                result = _step(ctx, pending, spec, plan=plan)
-            else:
-                result = _step(ctx, pending, spec)
+            result = _step(ctx, pending, spec, plan=plan)
             sampler.advance()  # the position a checkpoint saves: this window is done
             if offset == len(sizes) - 1:
                 ctx.state.epoch = epoch + 1  # finished, also in a checkpoint taken at this step

@@ -23,7 +23,7 @@ from .errors import ConfigurationError, SplitError
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["Batch", "CountFn", "Counts", "count_items", "PADDED_ROWS_FIX", "leaves", "rebuild", "tensors",
+__all__ = ["Batch", "CountFn", "Counts", "count_items", "leaves", "rebuild", "tensors",
            "first_tensor", "leading_dim", "split_batch", "concat_batches", "slice_batch", "check_micro_batch_size", "as_micro_batches"]
 
 
@@ -47,7 +47,7 @@ def rebuild(template: Batch, values: Iterator[Any]) -> Batch:
     (namedtuples, tuples, lists and dicts keep their types)."""
     if isinstance(template, Mapping):
         return {k: rebuild(v, values) for k, v in template.items()}
-    if isinstance(template, (tuple, list)) and not isinstance(template, torch.Tensor):
+    if isinstance(template, (tuple, list)):
         parts = [rebuild(v, values) for v in template]
         if isinstance(template, tuple):
             make = getattr(type(template), "_make", None)  # namedtuple
@@ -135,12 +135,12 @@ def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
     >>> [c.shape[0] for c in split_batch(torch.zeros(10, 3), 4)]
     [4, 4, 2]
     """
+    check_micro_batch_size(micro_batch_size)
     return _split_rows(batch, micro_batch_size)[0]
 
 
 def _split_rows(batch: Batch, micro_batch_size: int) -> Tuple[List[Batch], List[int]]:
-    """:func:`split_batch`, with each chunk's rows (known from the split: no chunk is measured again)."""
-    check_micro_batch_size(micro_batch_size)
+    """:func:`split_batch` at a checked size, with each chunk's rows (no chunk is measured again)."""
     n = leading_dim(batch)
     if n == 0:
         raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
@@ -160,16 +160,14 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     >>> concat_batches([torch.zeros(2, 3), torch.zeros(1, 3)]).shape[0]
     3
     """
-    columns = list(zip(*(list(leaves(b)) for b in batches)))
     joined = []
-    for column in columns:
+    for column in zip(*(list(leaves(b)) for b in batches)):
         path, first = column[0]
         if _split(first):
             joined.append(torch.cat([leaf for _, leaf in column]) if len(column) > 1 else first)
             continue
         for i, (_, leaf) in enumerate(column[1:], start=1):
-            same = _same_leaf(leaf, first)
-            if not same:
+            if not _same_leaf(leaf, first):
                 raise SplitError(
                     f"micro-batches 0 and {i} carry different values at {path or 'the top'} ({first!r} and "
                     f"{leaf!r}), a value without a leading dimension that one joined batch can hold only once "
@@ -196,8 +194,9 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
 
 def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int], *,
                      allow_empty: bool = False) -> Tuple[List[Batch], Optional[List[int]]]:
-    """Turn ``step()``'s ``window`` argument into a checked list of micro-batches, and their rows where
-    the split made them (else None: :func:`count_items` measures and checks each micro-batch).
+    """Turn ``step()``'s ``window`` argument (and its ``micro_batch_size``, which ``step()`` has checked) into a
+    checked list of micro-batches, and their rows where the split made them (else None: :func:`count_items`
+    measures and checks each micro-batch).
 
     With ``micro_batch_size=None`` the window is a list of micro-batches; with an int it is one
     batch to split. A tuple or list holding bare tensors is refused without ``micro_batch_size``:
@@ -242,11 +241,6 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
 #: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any forward; or
 #: ``"rows"``: a bare mean loss is over the micro-batch's rows (dim 0), declared so
 CountFn = Union[Callable[[Batch], Count], str]
-#: what a bare mean loss weighed by rows, undeclared, on padded labels is told to do instead
-PADDED_ROWS_FIX = ("Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a causal LM; "
-                   "shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
-                   "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, "
-                   "say so: num_items='rows'")
 
 
 @dataclass
@@ -264,7 +258,11 @@ class Counts:
         -100, whose mean is over targets (checked once per window, before its first backward)."""
         batches, self.unchecked = self.unchecked, None
         if batches and holds_ignored_labels(batches):
-            raise padded_rows_refusal("Accumulator", PADDED_ROWS_FIX)
+            raise padded_rows_refusal(
+                "Accumulator", "Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a "
+                "causal LM; shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
+                "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, say "
+                "so: num_items='rows'")
 
 
 def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn],

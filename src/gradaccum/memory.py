@@ -23,8 +23,6 @@ from .errors import ConfigurationError
 
 __all__ = ["PeakMeter", "PeakMemory", "state_bytes"]
 
-DeviceLike = Union[str, torch.device]
-
 
 @dataclass(frozen=True)
 class PeakMemory:
@@ -60,7 +58,7 @@ class PeakMeter:
         True
     """
 
-    def __init__(self, device: DeviceLike = "cpu") -> None:
+    def __init__(self, device: Union[str, torch.device] = "cpu") -> None:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise ConfigurationError(f"PeakMeter measures 'cpu' or 'cuda' devices, got device={str(device)!r}; on "

@@ -26,6 +26,9 @@ from .errors import ConfigurationError
 
 __all__ = ["WindowSampler"]
 
+#: what fixes the data order: a state saved under other values is for another run
+_ORDER = ("seed", "global_batch_size", "dataset_size", "shuffle", "drop_last")
+
 
 class WindowSampler(Sampler[List[int]]):
     """A batch sampler over global windows of ``global_batch_size`` items.
@@ -158,9 +161,7 @@ class WindowSampler(Sampler[List[int]]):
 
     def state_dict(self) -> Dict[str, Any]:
         """The position to resume from and what fixes the data order; no rank or world size."""
-        return {"epoch": self.epoch, "window": self.start_window, "seed": self.seed,
-                "global_batch_size": self.global_batch_size, "dataset_size": self.dataset_size,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return {"epoch": self.epoch, "window": self.start_window, **{k: getattr(self, k) for k in _ORDER}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume at ``state``'s position, on any rank of any world size and micro-batch size.
@@ -173,8 +174,7 @@ class WindowSampler(Sampler[List[int]]):
         if missing:
             raise ConfigurationError(f"WindowSampler.load_state_dict: the state lacks {', '.join(missing)}; "
                              "pass what WindowSampler.state_dict() returned")
-        differs = [f"{k}={state[k]!r} (here {getattr(self, k)!r})"
-                   for k in ("seed", "global_batch_size", "dataset_size", "shuffle", "drop_last")
+        differs = [f"{k}={state[k]!r} (here {getattr(self, k)!r})" for k in _ORDER
                    if k in state and state[k] != getattr(self, k)]
         if differs:
             raise ConfigurationError("the saved sampler state is for another data order: " + ", ".join(differs)

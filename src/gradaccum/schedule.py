@@ -1,12 +1,5 @@
-"""How many micro-batches make a window, epoch by epoch, and how many optimizer steps that makes.
-
-``Accumulator.train`` groups a loader's micro-batches into windows of ``accum_steps``; a shorter last
-window per epoch is stepped unless ``drop_last``. :func:`num_steps` counts the steps that takes, so a
-learning-rate schedule can be sized before training::
-
-    steps = num_steps(len(loader), accum_steps=4, epochs=3)
-    scheduler = OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps)
-"""
+"""How many micro-batches make a window, epoch by epoch, and how many optimizer steps that makes
+(:func:`num_steps`: a learning-rate schedule sized before training, docs/guides/train.md)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,7 @@
 interface and local default: :mod:`gradaccum._seam`; DeepSpeed: :mod:`gradaccum._deepspeed`).
 
 The wrapper is found anywhere in the model (``torch.compile(DDP(model))``, Accelerate's wrappers, user
-modules holding one). A model that no data-parallel wrapper reduces is refused in a process group of
-several ranks: each rank would step on its own gradients and the replicas would drift apart in silence.
-Every switch a context flips is restored on the way out, also when an exception leaves it.
+modules holding one). Every switch a context flips is restored on the way out, also on an exception.
 """
 
 from __future__ import annotations
@@ -106,10 +104,8 @@ class DDPSync(_WrapperSync):
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.group_size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         low = sorted({str(p.dtype) for p in params if p.dtype in LOW_PRECISION})
