@@ -197,6 +197,22 @@ def test_a_window_of_single_tensor_micro_batches_goes_in_tuples():
     assert result.num_items == 6 and result.micro_batches == 2
 
 
+def test_a_micro_batch_block_kept_after_its_window_closed_is_refused():
+    """The block ``window.micro_batch()`` returns belongs to its window: entered after the window closed, it
+    says where it must run (on one process in fp32 the block switches nothing, and is one object per
+    Accumulator)."""
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with acc.window(1) as w:
+        block = w.micro_batch()
+        with block:
+            w.backward(mse(model, regression_batch(3, seed=1)), 3)
+        w.step()
+    with pytest.raises(RuntimeError, match=r"use window.micro_batch\(\) inside `with acc.window"):
+        with block:
+            pass
+
+
 def test_a_window_inside_an_open_window_is_refused_and_the_outer_one_survives():
     from helpers import clone_pair, reference_step, assert_params_close
 

@@ -78,3 +78,27 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _backends(cls: type) -> List[type]:
+    return [cls] + [b for sub in cls.__subclasses__() for b in _backends(sub)]
+
+
+def test_a_backend_that_steps_or_backpropagates_itself_says_so():
+    """The window and the boundary read what a seam declares, not which methods it overrides: a backend with
+    its own step() must declare owns_step (else the boundary would call the optimizer's step and skip it),
+    and one with its own backward() is the only kind that does (the base's is torch.Tensor.backward itself)."""
+    import torch
+
+    from gradaccum import sync  # noqa: F401 - registers DDPSync, FSDP2Sync
+    from gradaccum._deepspeed import DeepSpeedSync
+    from gradaccum._seam import GradSync
+
+    backends = _backends(GradSync)
+    assert DeepSpeedSync in backends and len(backends) >= 4, backends
+    assert GradSync.backward is torch.Tensor.backward
+    for backend in backends:
+        own_step = backend.step is not GradSync.step
+        own_backward = backend.backward is not GradSync.backward
+        assert own_step == backend.owns_step, f"{backend.__name__}: step() overridden {own_step}, owns_step {backend.owns_step}"
+        assert not own_backward or backend.owns_step, f"{backend.__name__} backpropagates itself without owning the step"

@@ -15,7 +15,7 @@ import torch
 
 from gradaccum._batch_items import BatchItems, SetMean
 from gradaccum._gradients import AccumulationBuffers
-from gradaccum._maths import Verdict
+from gradaccum._maths import Verdict, backward_weight
 from gradaccum._patching import NoStep, Swaps, swapped
 from gradaccum._state import AccumulatorState
 from gradaccum._weights import WindowWeights
@@ -156,17 +156,17 @@ def test_a_gradient_that_is_not_finite_is_skipped_or_raises(bad):
 def test_a_second_mean_is_weighed_over_its_own_count(rows, tokens):
     """GRPO's entropy bonus (a token mean) in a step whose loss averages over its sequences: the summed
     terms of each mean times W / its own count, over two ranks (float64 against the two means written out),
-    the bonus's a second WindowWeights as ExactGRPOTrainer holds it; a mean over no token weighs a zero sum
-    (W / 1), the window still steps on its rows."""
+    the bonus's weight as ExactGRPOTrainer takes it (``backward_weight(1, max(T, 1), W)``); a mean over no
+    token weighs a zero sum (W / 1), the window still steps on its rows."""
     g = torch.Generator().manual_seed(0)
     loss_terms, bonus_terms = torch.randn(rows, dtype=torch.float64, generator=g), torch.randn(
         tokens, dtype=torch.float64, generator=g)
     state = AccumulatorState()
-    window, bonus = WindowWeights(state, 2, num_items=rows), WindowWeights(state, 2, num_items=max(tokens, 1))
-    got = (loss_terms.sum() * window.sum_weight() + bonus_terms.sum() * bonus.sum_weight()) / 2
+    window, bonus_weight = WindowWeights(state, 2, num_items=rows), backward_weight(1, max(tokens, 1), 2)
+    got = (loss_terms.sum() * window.sum_weight() + bonus_terms.sum() * bonus_weight) / 2
     want = loss_terms.mean() + (bonus_terms.mean() if tokens else 0.0)
     assert torch.allclose(got, torch.as_tensor(want, dtype=torch.float64), rtol=1e-15, atol=0)
-    assert bonus.sum_weight() == 2 / max(tokens, 1) and window.record(window.hand_over()).steps
+    assert bonus_weight == 2 / max(tokens, 1) and window.record(window.hand_over()).steps
 
 
 def test_a_failed_window_folds_nothing_into_the_next():

@@ -52,10 +52,10 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
     if accum_dtype is None or accum_dtype == "param":
         return None
     if accum_dtype == "auto":
-        if not sync.reduces_across_ranks and not any(p.dtype in LOW_PRECISION for p in params):
+        if not sync.shares_windows and not any(p.dtype in LOW_PRECISION for p in params):
             return None
-        if sync.reduces_across_ranks or precision == "fp16":  # the wrapper, or the scaler, owns the sum
-            cost = sync.low_precision_sum(params) if sync.reduces_across_ranks else (
+        if sync.shares_windows or precision == "fp16":  # the wrapper, or the scaler, owns the sum
+            cost = sync.low_precision_sum(params) if sync.shares_windows else (
                 "precision='fp16' with bf16/fp16 parameters: GradScaler unscales float32 gradients only, so the "
                 "window's gradient is summed in the parameters' own dtype")
             if cost is not None:
@@ -63,7 +63,7 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
                               "warning", LowPrecisionWarning, stacklevel=3)  # the line that built the Accumulator
             return None
         accum_dtype = torch.float32
-    if sync.reduces_across_ranks:
+    if sync.shares_windows:
         raise ConfigurationError(
             f"accum_dtype is for single-process training (got accum_dtype={accum_dtype}); with DDP or FSDP2 keep "
             "float32 master parameters (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "

@@ -47,7 +47,7 @@ class AutoMicroBatch:
         """Step on ``batch``, halving the micro-batch size on out-of-memory until an attempt succeeds."""
         self.check_supported()
         n = leading_dim(batch)
-        if n == 0 and not self.sync.allows_empty_share:
+        if n == 0 and not self.sync.shares_windows:
             raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
         size = min(self.state.auto_micro_batch_size or n, n) if n else 2 ** 62  # an empty share follows the others
         size = self.sync.min_across(size, self.device)  # every rank starts from the same size

@@ -4,7 +4,7 @@
 once); on the first window under DDP, the replicas compared (:func:`check_replicas`); the exchanged
 numbers read on the host (the window's one host synchronisation: :class:`ExchangeRow`, all-reduced
 across ranks, launched before the last backward where it can be, so that it overlaps it); the norm;
-the verdict; the scale ``R / N`` and the clip in one pass (:meth:`Gradients.hand_over`); the optimizer
+the verdict; the scale ``R / N`` and the clip in one pass (:meth:`~gradaccum._weights.Gradients.hand_over`); the optimizer
 step; the scheduler (on steps taken); the gradients cleared.
 """
 
@@ -137,7 +137,7 @@ class Boundary:
             and not sync.owns_step
         #: whether the all-reduce may start before the last backward (:meth:`launch`): across ranks, and
         #: not when it carries the squared norm of a sharded (FSDP2) gradient, which exists only after
-        self.launch_before_last_backward = sync.reduces_across_ranks and not (self.measure and sync.sharded_grads)
+        self.launch_before_last_backward = sync.shares_windows and not (self.measure and sync.sharded_grads)
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         self.wrapped_step = sync.owns_step or precision.scaler is not None  # else the optimizer's own step()
 
@@ -242,7 +242,7 @@ class Boundary:
         tally = None if in_flight is not None else Tally(totals.tally, self.count_dtype)  # else summed at launch
         if tally is None:
             row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)  # type: ignore[union-attr]
-        elif self.sync.reduces_across_ranks or tally.device_items is not None:
+        elif self.sync.shares_windows or tally.device_items is not None:
             square = self.sync.local_square_sum(grads) if self.measure else None  # type: ignore[arg-type]
             row = self.sync.all_reduce_(self._row(totals, tally, square)).to(torch.float64)
         else:  # one process, counts on the host already: only the loss sum crosses to the host

@@ -222,7 +222,7 @@ def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: in
     if window_loss.keep_graphs == 0 or sync.sharded_grads or training_batchnorms(model):
         return 0  # alike on every rank
     keep = min(window_loss.keep_graphs, own)
-    if sync.reduces_across_ranks:  # every rank asks, one without micro-batches too
+    if sync.shares_windows:  # every rank asks, one without micro-batches too
         keep = sync.min_across(min(keep, own - 1), device)
     return max(keep, 0)
 

@@ -94,7 +94,7 @@ class DeepSpeedSync(GradSync):
     a window whose loss is not finite before :meth:`step` (the ``Accumulator``), so a step the engine then
     drops is a defect to raise; a driver that does not (``ExactTrainer``) gets it back as a skipped window."""
 
-    shares_windows = reduces_across_ranks = allows_empty_share = True
+    shares_windows = True
     can_reduce_later = False
     needs_equal_counts = True
     owns_step = True

@@ -39,7 +39,7 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
             return run_moe_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size,
                                   catch_oom=catch_oom, plan=plan)
         loss_fn = loss_fn.per_micro_batch()  # the cheaper modes: a (mean, count) loss_fn like any other
-    defer = catch_oom and ctx.sync.reduces_across_ranks  # no collective before the ranks agree
+    defer = catch_oom and ctx.sync.shares_windows  # no collective before the ranks agree
     # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):
     # under "auto", every rank first runs that forward on one item with zero weight, so that an
     # out-of-memory error before a rank's forward cannot leave its peers waiting there

@@ -78,14 +78,12 @@ class GradSync:
 
     #: the backward reduction divides the gradient sum by this many ranks
     grad_divisor: float = 1.0
-    #: several ranks train each window together: their *counts* are summed and they agree on the window
-    #: (False on one process, and on several under ``data_parallel="none"``)
+    #: several ranks train each window together (DDP, FSDP2, DeepSpeed; False on one process, and on several
+    #: under ``data_parallel="none"``): their *counts* are summed and they agree on the window; the last
+    #: micro-batch's backward reduces the window's *gradient* across them (the boundary's all-reduce can start
+    #: before that backward, an out-of-memory agreement must come before it); and a rank may hold no
+    #: micro-batch in a window its peers have data for (it runs zero-weight padding)
     shares_windows: bool = False
-    #: the last micro-batch's backward reduces the window's *gradient* across ranks (DDP, FSDP2): the
-    #: boundary's all-reduce can start before that backward, and an out-of-memory agreement must come before it
-    reduces_across_ranks: bool = False
-    #: a rank may hold no micro-batch in a window its peers have data for (it runs zero-weight padding)
-    allows_empty_share: bool = False
     #: whether reduce_gradients_ works (after backward passes that all skipped their reduction); False:
     #: the wrapper reduces only inside its backward (FSDP2, DeepSpeed), and nothing calls it
     can_reduce_later: bool = True

@@ -90,7 +90,7 @@ class Parts:
     plain: "_MicroBatch" = field(init=False)
 
     def __post_init__(self) -> None:
-        switches = self.sync.reduces_across_ranks or self.precision.dtype is not None
+        switches = self.sync.shares_windows or self.precision.dtype is not None
         object.__setattr__(self, "switches", switches)
         object.__setattr__(self, "direct", not switches and self.precision.precision == "fp32")
         object.__setattr__(self, "plain", _MicroBatch(self.slot, False))
@@ -111,6 +111,8 @@ class _MicroBatch:
 
     def __enter__(self) -> None:
         window = self.slot.window
+        if window is None:  # a block kept after its window closed
+            raise RuntimeError(_NOT_OPEN.format(what="micro_batch"))
         if window.ctx.switches:
             ctx = window.ctx
             stack = self.stack = contextlib.ExitStack()
@@ -207,7 +209,7 @@ class Window:
             else _is_last(self.done, size, last)  # the common case first
         if not self.ctx.switches:
             return self.ctx.plain  # no switch to flip, nothing reduces: one context serves them all
-        return _MicroBatch(self.ctx.slot, last and self.ctx.sync.reduces_across_ranks and not self.request.defer)
+        return _MicroBatch(self.ctx.slot, last and self.ctx.sync.shares_windows and not self.request.defer)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
         """Backpropagate ``loss`` with the weight ``n_k * W / R``; file it and its count in the tally.
@@ -348,17 +350,18 @@ class Window:
 
     def _totals(self, *, ran: bool) -> Totals:
         can_pad_next = self.ctx.sync.shares_windows and self.ctx.ranks.can_pad(self.request.can_pad)  # exchanged
-        return Totals(self.tally, self._weights or self.weights, ran=ran, can_pad_next=can_pad_next,
-                      counted_first=self.request.items is not None)
+        weights = self._weights or self.weights  # the property only where none was made (no backward ran)
+        return Totals(self.tally, weights, ran=ran, can_pad_next=can_pad_next, counted_first=self.request.items is not None)
 
     def abandon(self) -> None:
         """Drop this window's gradients (as the block ends) and take no step (after an out-of-memory error)."""
         self.abandoned = True
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """The window leaves its Accumulator; without a step its gradient goes (the boundary handed it over)."""
+        """Leaves the Accumulator's slot. Without a step (an exception, ``abandon()``, or a forgotten
+        ``step()``) the window's gradient and buffers are dropped; a forgotten ``step()`` raises."""
         slot = self.ctx.slot
-        if slot.window is self:  # else the open window is another one, refused as this one opened
+        if slot.window is self:  # defensive: a window refused as it opened never reaches __exit__
             slot.window = None
         if self.result is None:
             self.ctx.grads.drop()
@@ -378,7 +381,7 @@ def _check_step(window: "Window") -> None:
         raise RuntimeError(_NOT_OPEN.format(what="step"))
     if window.result is not None:
         raise RuntimeError("step() was already called for this window; open a new one")
-    if window.done == 0 and not (setup.plan is not None and window.ctx.sync.allows_empty_share):
+    if window.done == 0 and not (setup.plan is not None and window.ctx.sync.shares_windows):
         raise RuntimeError("step() on a window where window.backward() never ran: call window.backward(loss, "
                            "num_items=...) inside `with window.micro_batch():` for each micro-batch (a plain "
                            "loss.backward() is not counted, so the step could not be normalized)")

@@ -165,7 +165,7 @@ class Accumulator(Resumable):
         if micro_batch_size == "auto":
             return run_auto(ctx, self.auto, window, loss_fn, num_items)
         micro_batches, rows = as_micro_batches(window, micro_batch_size,  # type: ignore[arg-type]
-                                               allow_empty=self.sync.allows_empty_share)
+                                               allow_empty=self.sync.shares_windows)
         if rows:  # the size used: the batch's own where it is smaller
             micro_batch_size = rows[0]
         counts = count_items(micro_batches, num_items, rows)
@@ -195,7 +195,7 @@ class Accumulator(Resumable):
         ctx, n = self.context, micro_batches
         if ctx.slot.window is not None:
             ctx.slot.check_idle()  # raises: a window is open
-        if n is not None and not (type(n) is int and n > 0) and not (self.sync.allows_empty_share and n == 0):
+        if n is not None and not (type(n) is int and n > 0) and not (self.sync.shares_windows and n == 0):
             positive_int("micro_batches", n)
         if num_items is not None and not (type(num_items) is float and 0.0 <= num_items < math.inf):
             item_count("num_items", num_items)  # a summed count (a float) passes

@@ -46,7 +46,7 @@ class _WrapperSync(GradSync):
     """A wrapper's modules that reduce in the last micro-batch's backward (or, asked, in every one's),
     their switch (:meth:`_skip_sync`) flipped around every other micro-batch's forward and backward."""
 
-    shares_windows = reduces_across_ranks = allows_empty_share = True
+    shares_windows = True
 
     def __init__(self, modules: Sequence[nn.Module], *, reduce_every_micro_batch: bool = False) -> None:
         self.modules = list(modules)

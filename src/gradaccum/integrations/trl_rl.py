@@ -10,8 +10,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .._maths import Closing
-from .._weights import WindowWeights
+from .._maths import Closing, backward_weight
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount, local_counts, trl_divisor, trl_entropy_mean
 from .hf_driver import TrainerDriver, refuse_untested, serves_the_window
@@ -48,9 +47,9 @@ class _ExactRL(TrainerDriver):
         self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
         self._prepared: Deque[Dict[str, Any]] = collections.deque()
         self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
-        #: the step's second mean, the entropy bonus's over its completion tokens T (the loss may average over
-        #: sequences): weighed ``W / max(T, 1)`` (a mean over no token weighs a zero sum)
-        self._bonus: Optional[WindowWeights] = None
+        #: the weight of the step's second mean, the entropy bonus's over its completion tokens T (the loss may
+        #: average over sequences): ``W / max(T, 1)`` (a mean over no token weighs a zero sum)
+        self._bonus_weight: Optional[float] = None
         #: an MoE model's load-balancing term (TRL's router_aux_loss_coef), over the step's window
         self.router_balance = trl_router_balance(self)
 
@@ -94,7 +93,7 @@ class _ExactRL(TrainerDriver):
         self.last_step_count = StepCount.of(_loss_type(self), tokens, rows, getattr(self, "max_completion_length", None))
         window = self.open_window(self.last_step_count.items, len(prepared),
                                   routed=lambda: [_model_inputs(b) for b in prepared])
-        self._bonus = WindowWeights(self.accumulator_state, self.grad_divisor, num_items=max(tokens, 1))
+        self._bonus_weight = float(backward_weight(1, max(tokens, 1), self.grad_divisor))  # W / T
         if window.empty and getattr(self, "use_adaptive_entropy", False):  # N = 0: the controller kept as it is
             self._controller = (self.entropy_coef, self._last_world_entropy)  # type: ignore[attr-defined]
         return batch_samples, None
@@ -121,7 +120,7 @@ class _ExactRL(TrainerDriver):
         ``W / T``), with TRL's loss, metrics and logs computed as TRL computes them. Evaluation: TRL's."""
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
-        if self._window is None or self._bonus is None:
+        if self._window is None or self._bonus_weight is None:
             raise RuntimeError(f"{type(self).__name__}.compute_loss in training before get_batch_samples counted "
                                "the step")
         # the entropy coefficient TRL applies in this step (0 where off; adaptive: the previous step's decision)
@@ -145,7 +144,7 @@ class _ExactRL(TrainerDriver):
                               generation_tokens=inputs.get("num_items_in_batch"), world=self.accelerator.num_processes)
         loss = loss * divisor * self._sum_weight  # W / N: TRL's division undone (gradaccum.rl.trl_divisor)
         if coef != 0.0:  # the entropy bonus, weighed over the step's tokens: W / T
-            loss = loss - coef * entropy_sum * self._bonus.sum_weight()
+            loss = loss - coef * entropy_sum * self._bonus_weight
         return loss if part is None else loss + part  # coef * this micro-batch's part of the step's LBL, times W
 
     def _window_ends(self, closing: Closing) -> None:
