@@ -213,6 +213,26 @@ def test_a_micro_batch_block_kept_after_its_window_closed_is_refused():
             pass
 
 
+def test_a_switching_micro_batch_block_kept_for_a_later_window_is_refused():
+    """Under autocast (or across ranks) a block carries its window's switches (which micro-batch reduces):
+    entered inside a later window it would switch that window wrongly, so it says where it must run."""
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    batch = regression_batch(3, seed=1)
+    with acc.window(1) as w:
+        block = w.micro_batch()
+        with block:
+            w.backward(mse(model, batch), 3)
+        w.step()
+    with acc.window(1) as later:
+        with pytest.raises(RuntimeError, match=r"use window.micro_batch\(\) inside `with acc.window"):
+            with block:
+                pass
+        with later.micro_batch():
+            later.backward(mse(model, batch), 3)
+        later.step()
+
+
 def test_a_window_inside_an_open_window_is_refused_and_the_outer_one_survives():
     from helpers import clone_pair, reference_step, assert_params_close
 

@@ -400,3 +400,20 @@ def test_a_model_of_two_dtypes_is_measured_clipped_and_rescaled_whole(counted):
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
     for got, want in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("skipped", [False, True])
+def test_a_backward_between_windows_keeps_its_grad(skipped):
+    """After a window's boundary (stepped, or skipped as not finite) the float32 buffers fold nothing more: a
+    backward the user runs between windows (a probe, a gradient of their own) keeps its bf16 ``.grad``."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).to(torch.bfloat16)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))  # accum_dtype="auto": float32 buffers
+    x = torch.randn(8, 4, dtype=torch.bfloat16)
+    scale = float("nan") if skipped else 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = acc.step(x, lambda m, b: m(b).float().pow(2).mean() * scale, micro_batch_size=4)
+    assert result.skipped == skipped
+    model(x).float().sum().backward()
+    assert model.weight.grad is not None and model.weight.grad.dtype == torch.bfloat16

@@ -81,18 +81,22 @@ def test_record_counts_the_step_and_keeps_the_last_n_with_items():
         w.record(w.close(6, loss_sum=math.inf))
 
 
-def test_the_weight_of_each_python_count_is_kept_in_one_place():
+def test_the_weight_of_each_python_count_is_kept_in_one_place(monkeypatch):
     """mean_weight keeps n_k W / R by Python count in weight_of (a tensor count stays on its device, not
-    kept); the Accumulator's window reads and fills the same dict, not a copy of the rule."""
+    kept); the Accumulator's window reads and fills the same dict, not a copy of the rule: each count's
+    weight is computed once per window."""
     w = WindowWeights(AccumulatorState(), 2.0, num_items=8)
     w.mean_weight(3)
     w.mean_weight(torch.tensor(5))
     assert w.weight_of == {3: 3 * 2 / 8}
+    asked = []
+    mean_weight = WindowWeights.mean_weight
+    monkeypatch.setattr(WindowWeights, "mean_weight", lambda self, n, *a: asked.append(n) or mean_weight(self, n, *a))
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with acc.window(3, num_items=7) as window:  # counted first: R = N = 7
         for n in (3, 3, 1):
             with window.micro_batch():
                 window.backward(mse(model, regression_batch(n)), num_items=n)
-        assert window.weights.weight_of == {3: 3 / 7, 1: 1 / 7}
+        assert window.weights.weight_of == {3: 3 / 7, 1: 1 / 7} and asked == [3, 1]
         window.step()

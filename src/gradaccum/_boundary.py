@@ -4,8 +4,8 @@
 once); on the first window under DDP, the replicas compared (:func:`check_replicas`); the exchanged
 numbers read on the host (the window's one host synchronisation: :class:`ExchangeRow`, all-reduced
 across ranks, launched before the last backward where it can be, so that it overlaps it); the norm;
-the verdict; the scale ``R / N`` and the clip in one pass (:meth:`~gradaccum._weights.Gradients.hand_over`); the optimizer
-step; the scheduler (on steps taken); the gradients cleared.
+the verdict; the scale ``R / N`` and the clip in one pass (:meth:`~gradaccum._weights.Gradients.hand_over`);
+the optimizer step; the scheduler (on steps taken); the gradients cleared.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ _NOTHING = contextlib.nullcontext()  # the block of a micro-batch that switches 
 
 
 class OpenWindow:
-    """At most one window is open per Accumulator; opening one clears stale gradients and warns
-    once about BatchNorm in training mode."""
+    """The slot a window enters and leaves: at most one window is open per Accumulator. Entering refuses a
+    second and warns once about BatchNorm layers in training mode."""
 
     def __init__(self, model: nn.Module, state: AccumulatorState) -> None:
         self.model, self.state = model, state
@@ -100,18 +100,20 @@ class _MicroBatch:
     """One micro-batch's context: the sync switch (skip the reduction unless ``reduces``) and autocast,
     each entered only where it does something (a local fp32 window pays for neither)."""
 
-    __slots__ = ("slot", "reduces", "stack")
+    __slots__ = ("slot", "owner", "reduces", "stack")
 
-    def __init__(self, slot: Any, reduces: bool) -> None:
+    def __init__(self, slot: OpenWindow, reduces: bool, owner: Optional["Window"] = None) -> None:
         #: the Accumulator's OpenWindow: its open window is the one this block is a micro-batch of
         self.slot = slot
+        #: the window a block that switches was made for (None: the plain block every window shares)
+        self.owner = owner
         #: this micro-batch's backward reduces the window's gradient across ranks
         self.reduces = reduces
         self.stack: Optional[contextlib.ExitStack] = None
 
     def __enter__(self) -> None:
         window = self.slot.window
-        if window is None:  # a block kept after its window closed
+        if window is None or (self.owner is not None and self.owner is not window):  # a block kept past its window
             raise RuntimeError(_NOT_OPEN.format(what="micro_batch"))
         if window.ctx.switches:
             ctx = window.ctx
@@ -209,7 +211,7 @@ class Window:
             else _is_last(self.done, size, last)  # the common case first
         if not self.ctx.switches:
             return self.ctx.plain  # no switch to flip, nothing reduces: one context serves them all
-        return _MicroBatch(self.ctx.slot, last and self.ctx.sync.shares_windows and not self.request.defer)
+        return _MicroBatch(self.ctx.slot, last and self.ctx.sync.shares_windows and not self.request.defer, self)
 
     def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
         """Backpropagate ``loss`` with the weight ``n_k * W / R``; file it and its count in the tally.
@@ -351,7 +353,8 @@ class Window:
     def _totals(self, *, ran: bool) -> Totals:
         can_pad_next = self.ctx.sync.shares_windows and self.ctx.ranks.can_pad(self.request.can_pad)  # exchanged
         weights = self._weights or self.weights  # the property only where none was made (no backward ran)
-        return Totals(self.tally, weights, ran=ran, can_pad_next=can_pad_next, counted_first=self.request.items is not None)
+        return Totals(self.tally, weights, ran=ran, can_pad_next=can_pad_next,
+                      counted_first=self.request.items is not None)
 
     def abandon(self) -> None:
         """Drop this window's gradients (as the block ends) and take no step (after an out-of-memory error)."""
