@@ -1,5 +1,5 @@
 """The boundary's maths on plain numbers: the backward weight, the boundary scale, the clip
-coefficient and the verdict, each alone (see gradaccum._maths for the derivation)."""
+coefficient and the verdict, each alone (see gradaccum._weights for the derivation)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradaccum._maths import Verdict, backward_weight, boundary_scale, clip_coefficient, verdict
+from gradaccum._weights import Verdict, backward_weight, boundary_scale, clip_coefficient, verdict
 
 
 @pytest.mark.parametrize("counts, world", [([4, 4, 3], 1), ([5, 1], 2), ([1, 2, 3, 4, 5], 4)])

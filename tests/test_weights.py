@@ -1,7 +1,7 @@
 """WindowWeights: the one weighting, count, verdict and skip that every loop drives (_weights.py).
 
 Unit checks of each step against the formulas written out here (an independent oracle: no call into
-_maths), that R is fixed once per state, agreed once, and that the weight of each count is kept in one
+the formulas), that R is fixed once per state, agreed once, and that the weight of each count is kept in one
 place. The steps a framework's hooks add (buffers, hand over, judge): tests/test_window_lifecycle.py. Which
 drivers fail when this one implementation is broken is pinned in tests/integrations/test_one_window.py and
 the exactness tests."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gradaccum import Accumulator
-from gradaccum._maths import Verdict
+from gradaccum._weights import Verdict
 from gradaccum._state import AccumulatorState
 from gradaccum._weights import WindowWeights
 from helpers import mse, regression_batch, regression_model

@@ -15,7 +15,7 @@ import torch
 
 from gradaccum._batch_items import BatchItems, SetMean
 from gradaccum._gradients import AccumulationBuffers
-from gradaccum._maths import Verdict, backward_weight
+from gradaccum._weights import Verdict, backward_weight
 from gradaccum._patching import NoStep, Swaps, swapped
 from gradaccum._state import AccumulatorState
 from gradaccum._weights import WindowWeights

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _maths
+from ._weights import window_mean
 from .batching import leading_dim
 from .errors import ConfigurationError
 
@@ -146,5 +147,5 @@ class SetMean:
         """``{prefix}_loss`` in ``metrics``: the set's item-weighted mean (when a batch was evaluated)."""
         if self.tally:
             loss_sum, items = torch.stack(self.tally).sum(dim=0).tolist()
-            metrics[f"{prefix}_loss"] = _maths.window_mean(loss_sum, items)
+            metrics[f"{prefix}_loss"] = window_mean(loss_sum, items)
         self.tally = []

@@ -1,6 +1,6 @@
 """The boundary of a window: from the accumulated gradient to one optimizer step.
 
-:meth:`Boundary.finish` runs the formulas of :mod:`gradaccum._maths` in this order: unscale (fp16,
+:meth:`Boundary.finish` runs the formulas of :mod:`gradaccum._weights` in this order: unscale (fp16,
 once); on the first window under DDP, the replicas compared (:func:`check_replicas`); the exchanged
 numbers read on the host (the window's one host synchronisation: :class:`ExchangeRow`, all-reduced
 across ranks, launched before the last backward where it can be, so that it overlaps it); the norm;
@@ -15,13 +15,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ._maths import Closing, Verdict, clip_coefficient, count_dtype, tensor_norms, window_mean
+from ._maths import count_dtype, tensor_norms
 from ._state import AccumulatorState
 from .errors import ConfigurationError
 from .precision import MixedPrecision
 from ._deepspeed import not_known_up_front
 from .sync import GradSync
-from ._weights import Gradients, WindowWeights, total_norm
+from ._weights import Closing, Gradients, Verdict, WindowWeights, clip_coefficient, total_norm, window_mean
 
 __all__ = ["Tally", "Totals", "Outcome", "Boundary", "InFlight", "ExchangeRow", "Exchanged", "read_on_host"]
 

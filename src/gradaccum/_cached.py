@@ -6,7 +6,7 @@ seeing only its micro-batch's negatives), so the big batch's gradient is compute
     z_k = encode(model, x_k)  for every micro-batch k on every rank,  z = (z_1, ..., z_K)
     grad L(z) = sum_k J_k^T g_k,   g_k = dL/dz_k,   J_k = dz_k/dtheta
 
-In the core's terms (:mod:`gradaccum._maths`) the window's loss is one mean over its N items: weighed
+In the core's terms (:mod:`gradaccum._weights`) the window's loss is one mean over its N items: weighed
 ``N / R`` for the loss's own parameters and ``N * W / R`` for each slice (the data-parallel average
 divides by W), so that after the boundary scale ``R / N`` the step's gradient is ``grad L``.
 """
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ._checks import as_number, training_batchnorms
-from ._maths import backward_weight
+from ._weights import backward_weight
 from ._random import Replay
 from ._ranks import Plan, Request
 from ._window import Window, Parts

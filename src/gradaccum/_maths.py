@@ -1,52 +1,15 @@
-"""The maths of exact accumulation, as pure functions: the one place each formula is written.
+"""What a loss's items are and its sum over them, as pure functions; and the numeric helpers.
 
-No driver derives a weight, a normalization or a count again (:func:`gradaccum.check_equivalence` keeps an
-independent big-batch oracle on purpose).
-
-A window holds micro-batches k (on every rank r) with n_k items and mean loss L_k. One step on the
-whole window is a step on its item-weighted mean loss::
-
-    L = sum_k n_k L_k / N,        grad L = sum_k n_k grad L_k / N,        N = sum_{r,k} n_k
-
-Each micro-batch backpropagates ``w_k * L_k`` with the **backward weight** ``w_k = n_k * W / R``
-(:func:`backward_weight`); gradients add up in ``.grad``. W is the number of ranks the data-parallel
-reduction averages over (1 locally), so after the reduction the gradient is ``sum n_k grad L_k / R``.
-At the boundary it is multiplied once by the **boundary scale** ``R / N`` (:func:`boundary_scale`)::
-
-    backward weight  = n_k * W / R
-    reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad L_k  =  sum n_k grad L_k / R
-    window grad      = reduced grad * R / N  =  grad L
-
-R is a reference count, the same on every rank. When the window's global item count is known before
-the first backward (the micro-batches' leading dimensions for a bare mean loss, or a ``num_items=``
-counter; across ranks summed by one small all-reduce as the window opens: **count first**) and
-``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and each backward
-weighs exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model, such as a Llama
-RMSNorm, round as in one big batch). When ``loss_fn`` counts other items (a ``(mean, count)`` pair),
-R is the up-front N times the last window's ratio of the two; when nothing is counted up front, the
-running R (:func:`running_reference`, fixed once); either way the scale ``R / N`` corrects it exactly,
-at the cost of one more rounding of every gradient element (:mod:`gradaccum._ranks`). Dividing each
-micro-batch by K instead is exact only when every n_k is equal, which uneven micro-batches, padded sequences and a short last window are not.
-
-A window with N = 0 (every label ignored) has no loss to step on: its scale is 0 and the
-:func:`verdict` skips it (no optimizer step, so no weight decay and no step counted), in the core and
-in every integration alike.
-
-For a language model the items are next-token targets: :func:`target_count` counts them from the
-labels before any forward pass and :func:`token_loss_sum` sums their cross-entropy, so that a
-micro-batch's mean is ``token_loss_sum / target_count``.
-
-:class:`~gradaccum._weights.WindowWeights` composes these formulas into the window every driver runs (the
-Accumulator's window and boundary, the pipeline, the Hugging Face Trainer drivers, the Lightning callback),
-step by step: open, weigh each micro-batch, close (the :class:`Closing`), record.
+A micro-batch's mean loss is weighed by its items n_k (the window's maths, and the window that runs it:
+:mod:`gradaccum._weights`). Here is what those items are, counted before any forward pass where it can
+be, and the summed loss whose mean they make: a language model's next-token targets
+(:func:`target_count`, :func:`token_loss_sum`), a Hugging Face head's targets (:func:`loss_items`,
+:func:`summed_loss`), and a mixture-of-experts router's load-balancing statistics over the window
+(:func:`router_statistics`, :func:`balance_loss_part`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import math
-from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -54,15 +17,8 @@ import torch.nn.functional as F
 
 from .errors import ConfigurationError
 
-__all__ = ["Closing", "CLIP_EPS", "ceil_div", "backward_weight", "boundary_scale", "running_reference",
-           "window_mean",
-           "clip_coefficient", "tensor_norms", "Verdict", "verdict", "target_count", "token_loss_sum",
-           "LOSSES", "loss_items", "summed_loss", "router_statistics", "balance_loss_part"]
-
-#: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
-CLIP_EPS = 1e-6
-
-Number = Union[int, float]
+__all__ = ["ceil_div", "count_dtype", "tensor_norms", "target_count", "token_loss_sum", "LOSSES", "loss_items",
+           "summed_loss", "router_statistics", "balance_loss_part"]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -80,52 +36,6 @@ def count_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, grad_divisor: float,
-                    loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
-    """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
-
-    A Python count gives a Python float (no device tensor per micro-batch); a tensor count stays on
-    its device, in the loss's precision (an int64 count divided by a float would round to float32).
-
-    >>> backward_weight(3, reference=12.0, grad_divisor=2.0)
-    0.5
-    """
-    if isinstance(num_items, torch.Tensor):
-        return num_items.to(torch.promote_types(loss_dtype, torch.float32)) * (grad_divisor / reference)
-    return num_items * grad_divisor / reference
-
-
-def boundary_scale(reference: float, num_items: float) -> float:
-    """``R / N``, the factor that turns the reduced gradient into the window's mean gradient (0 for a
-    window that counted no item: it takes no step).
-
-    >>> boundary_scale(12.0, 12.0), boundary_scale(12.0, 8.0), boundary_scale(12.0, 0.0)
-    (1.0, 1.5, 0.0)
-    """
-    return reference / num_items if num_items > 0 else 0.0
-
-
-def running_reference(count: float) -> float:
-    """The running R, for windows whose item count is not known before the first backward: the first count seen
-    (across ranks, the largest of them), never below 1 so that a first micro-batch of 0 items still
-    gives finite weights. Any positive R is exact (the boundary scale corrects it); one near N keeps
-    the gradients near their final size, which fp16's loss scale expects.
-
-    >>> running_reference(0.0), running_reference(37.0)
-    (1.0, 37.0)
-    """
-    return max(float(count), 1.0)
-
-
-def window_mean(loss_sum: float, num_items: float) -> float:
-    """The window's item-weighted mean loss ``sum n_k L_k / N``; nan for a window of 0 items.
-
-    >>> window_mean(6.0, 4.0), math.isnan(window_mean(0.0, 0.0))
-    (1.5, True)
-    """
-    return loss_sum / num_items if num_items > 0 else math.nan
-
-
 def tensor_norms(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Each tensor's 2-norm, stacked (in ``dtype``, else the tensors' own): one fused pass over plain
     tensors on one device. The total norm is the 2-norm of these; a fingerprint their weighted sum.
@@ -138,44 +48,6 @@ def tensor_norms(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] =
     else:
         norms = torch.stack([torch.linalg.vector_norm(t).to(tensors[0].device) for t in tensors])
     return norms if dtype is None else norms.to(dtype)
-
-
-def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float]) -> float:
-    """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales; 1 without clipping.
-
-    >>> clip_coefficient(4.0, 1.0) < 0.25 < clip_coefficient(4.0, None)
-    True
-    """
-    if max_grad_norm is None:
-        return 1.0
-    assert grad_norm is not None, "the norm is measured whenever clipping"
-    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
-
-
-class Verdict(enum.Enum):
-    """What the boundary does with a window."""
-
-    STEP = "step"
-    SKIP_EMPTY = "skip: no item"          # every label ignored: no loss to step on
-    SKIP_NONFINITE = "skip: not finite"   # or fp16 overflow: the scaler backs off
-    RAISE = "raise"
-
-
-def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[float], *, nonfinite: str,
-            has_scaler: bool) -> Verdict:
-    """Step, skip or raise, from the window's global loss sum (None when the ranks did not exchange
-    it: then the norm, always measured, carries it), item count and (measured) norm.
-
-    A non-finite loss or norm skips (``nonfinite="skip"``) or raises; under fp16 it always skips,
-    since an overflow is how the loss scaler learns to back off. A window of 0 items is skipped.
-
-    >>> verdict(1.0, 4, None, nonfinite="raise", has_scaler=False), verdict(1.0, 0, None, nonfinite="raise", has_scaler=False)
-    (<Verdict.STEP: 'step'>, <Verdict.SKIP_EMPTY: 'skip: no item'>)
-    """
-    finite = (loss_sum is None or math.isfinite(loss_sum)) and (grad_norm is None or math.isfinite(grad_norm))
-    if not finite:
-        return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
-    return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
 
 
 # -- what a language model's items are: next-token targets --------------------------------------------
@@ -308,21 +180,3 @@ def balance_loss_part(prob_sums: torch.Tensor, counts: torch.Tensor, count_rows:
     """
     experts = prob_sums.shape[-1]
     return experts * (counts.to(prob_sums.dtype) / count_rows * prob_sums).sum() / rows
-
-
-# -- the window, step by step: every driver's one weighting, verdict and record --------------------------
-
-@dataclass(frozen=True)
-class Closing:
-    """What a window's boundary decides: the verdict, the scale ``R / N`` that turns the reduced
-    gradient into the window's mean gradient (0 for a window of no item), the norm after that scale
-    (when measured), and the window's global item count N."""
-
-    verdict: Verdict
-    scale: float
-    num_items: float
-    grad_norm: Optional[float] = None
-    steps: bool = dataclasses.field(init=False)  #: the verdict is STEP (set once: every driver asks it often)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "steps", self.verdict is Verdict.STEP)

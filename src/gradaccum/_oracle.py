@@ -1,6 +1,6 @@
 """The big batch that :func:`gradaccum.check_equivalence` compares with, computed independently of the code
 it checks: per micro-batch ``n_k * L_k`` backpropagated and one division by ``sum n_k`` in float64, not
-:mod:`gradaccum._maths`' weights; a loss over the window is backpropagated whole on the batch, and run
+:mod:`gradaccum._weights`' weights; a loss over the window is backpropagated whole on the batch, and run
 through the Accumulator's own window on the split.
 """
 

@@ -53,7 +53,7 @@ class AccumulatorState:
             at its last window, so that a checkpoint taken there says the epoch is done).
         reference: the running R, for windows whose item count is not known before their first backward
             (a hand-written window without ``num_items``, Lightning's automatic loop), fixed once by
-            ``WindowWeights.fix_reference`` (:func:`gradaccum._maths.running_reference`) and kept. (Saved as
+            ``WindowWeights.fix_reference`` (:func:`gradaccum._weights.running_reference`) and kept. (Saved as
             ``reference_items`` before.)
         count_ratio: items ``loss_fn`` counted per item counted up front, in the last window with an
             up-front count (1.0 when they are the same items). ``RankAgreement.learn``, at the boundary.

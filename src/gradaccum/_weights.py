@@ -1,30 +1,49 @@
-"""One window's weighting, from its opening to its record: the one window core every driver holds.
+"""The maths of exact accumulation, and the one window core every driver holds.
 
-:class:`WindowWeights` composes the formulas of :mod:`gradaccum._maths` into the window every loop runs:
-the Accumulator's (:class:`~gradaccum._window.Window` and :class:`~gradaccum._boundary.Boundary`), the
-pipeline's, and the windows a framework's loop runs from its hooks (``ExactTrainer`` and the other Trainer
-drivers, Lightning's ``ExactAccumulation``), step by step:
+The formulas are written here once, as pure functions, and :class:`WindowWeights` composes them into
+the window every loop runs: the Accumulator's (:class:`~gradaccum._window.Window` and
+:class:`~gradaccum._boundary.Boundary`), the pipeline's, and the windows a framework runs from its hooks
+(``ExactTrainer`` and the other Trainer drivers, Lightning's ``ExactAccumulation``). No driver derives a
+weight, a normalization or a verdict again (:func:`gradaccum.check_equivalence` keeps an independent
+big-batch oracle on purpose). What a loss's items are (next-token targets, a head's targets, a router's
+statistics) is :mod:`gradaccum._maths`'.
 
-1. **open** it: ``WindowWeights(state, W, num_items=N)`` when the window's global N is known before the
-   first backward (count first: R = N, the boundary scale is 1; N = 0 is known to be skipped,
-   :attr:`~WindowWeights.empty`), else ``WindowWeights(state, W)`` with the running R of
-   ``state.reference``, fixed once by the first backward (:meth:`~WindowWeights.fix_reference`) and kept
-   in the state (a driver that cannot see the window ahead). A framework-driven window opens its float32
-   buffers with it (``buffers=``);
-2. **weigh** micro-batch k: a mean loss over n_k items by :meth:`~WindowWeights.mean_weight`
-   (``n_k * W / R``, kept per Python count in :attr:`~WindowWeights.weight_of`), a summed loss by
-   :meth:`~WindowWeights.sum_weight` (``W / R``); W is the number of ranks the reduction averages over. A
-   framework that runs the backward itself has the weight put on the loss's gradient by
-   :meth:`~WindowWeights.weigh`;
-3. at the **boundary**: :meth:`~WindowWeights.close` gives the :class:`~gradaccum._maths.Closing` (the
-   verdict, from N and, where the driver measured them, the loss and the norm; the scale ``R / N``). A
-   framework-driven window then :meth:`~WindowWeights.hand_over` its gradient at that scale (or drops
-   it) before the framework clips, and :meth:`~WindowWeights.judge` gives the verdict on the norm the
-   framework measured;
-4. :meth:`~WindowWeights.record` writes what the window taught into the
-   :class:`~gradaccum._state.AccumulatorState`: one more step, or one more skipped window (with a one-time
-   warning), and N as the last window's count. A window that failed part-way is
-   :meth:`~WindowWeights.abort`-ed.
+A window holds micro-batches k (on every rank r) with n_k items and mean loss L_k. One step on the
+whole window is a step on its item-weighted mean loss::
+
+    L = sum_k n_k L_k / N,        grad L = sum_k n_k grad L_k / N,        N = sum_{r,k} n_k
+
+Each micro-batch backpropagates ``w_k * L_k`` with the **backward weight** ``w_k = n_k * W / R``
+(:func:`backward_weight`); gradients add up in ``.grad``. W is the number of ranks the data-parallel
+reduction averages over (1 locally), so after the reduction the gradient is ``sum n_k grad L_k / R``.
+At the boundary it is multiplied once by the **boundary scale** ``R / N`` (:func:`boundary_scale`)::
+
+    backward weight  = n_k * W / R
+    reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad L_k  =  sum n_k grad L_k / R
+    window grad      = reduced grad * R / N  =  grad L
+
+R is a reference count, the same on every rank. When the window's global item count is known before
+the first backward (the micro-batches' leading dimensions for a bare mean loss, or a ``num_items=``
+counter; across ranks summed by one small all-reduce as the window opens: **count first**) and
+``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and each backward
+weighs exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model, such as a Llama
+RMSNorm, round as in one big batch). When ``loss_fn`` counts other items (a ``(mean, count)`` pair),
+R is the up-front N times the last window's ratio of the two; when nothing is counted up front, the
+running R (:func:`running_reference`, fixed once); either way the scale ``R / N`` corrects it exactly,
+at the cost of one more rounding of every gradient element (:mod:`gradaccum._ranks`). Dividing each
+micro-batch by K instead is exact only when every n_k is equal, which uneven micro-batches, padded
+sequences and a short last window are not.
+
+A window with N = 0 (every label ignored) has no loss to step on: its scale is 0 and the
+:func:`verdict` skips it (no optimizer step, so no weight decay and no step counted), in the core and
+in every integration alike.
+
+The window, step by step (:class:`WindowWeights`): **open** it with N where it is known before the first
+backward (R = N), else with the running R, fixed by the first backward; **weigh** each micro-batch
+(``n_k * W / R`` for a mean loss, ``W / R`` for a summed one); **close** it at the boundary (the
+:class:`Closing`: verdict and scale), where a framework-driven window also **hands over** its gradient at
+that scale and has the framework's norm **judged**; **record** what the window taught the
+:class:`~gradaccum._state.AccumulatorState`.
 
     >>> from gradaccum._state import AccumulatorState
     >>> state = AccumulatorState()
@@ -47,7 +66,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import math
 import warnings
+from dataclasses import dataclass
 from typing import Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -55,12 +77,128 @@ import torch
 from ._checks import Count
 from ._empty import may_be_empty, weighing_nothing
 from ._gradients import AccumulationBuffers
-from ._maths import Closing, Verdict, backward_weight, boundary_scale, running_reference, verdict
 from ._state import AccumulatorState
 from .sync import full_tensor
 
-__all__ = ["WindowWeights", "Gradients", "total_norm"]
+__all__ = ["CLIP_EPS", "backward_weight", "boundary_scale", "running_reference", "window_mean", "clip_coefficient",
+           "Verdict", "verdict", "Closing", "WindowWeights", "Gradients", "total_norm"]
 
+
+# -- the formulas ---------------------------------------------------------------------------------------
+
+#: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
+CLIP_EPS = 1e-6
+
+Number = Union[int, float]
+
+
+def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, grad_divisor: float,
+                    loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
+    """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
+
+    A Python count gives a Python float (no device tensor per micro-batch); a tensor count stays on
+    its device, in the loss's precision (an int64 count divided by a float would round to float32).
+
+    >>> backward_weight(3, reference=12.0, grad_divisor=2.0)
+    0.5
+    """
+    if isinstance(num_items, torch.Tensor):
+        return num_items.to(torch.promote_types(loss_dtype, torch.float32)) * (grad_divisor / reference)
+    return num_items * grad_divisor / reference
+
+
+
+def boundary_scale(reference: float, num_items: float) -> float:
+    """``R / N``, the factor that turns the reduced gradient into the window's mean gradient (0 for a
+    window that counted no item: it takes no step).
+
+    >>> boundary_scale(12.0, 12.0), boundary_scale(12.0, 8.0), boundary_scale(12.0, 0.0)
+    (1.0, 1.5, 0.0)
+    """
+    return reference / num_items if num_items > 0 else 0.0
+
+
+
+def running_reference(count: float) -> float:
+    """The running R, for windows whose item count is not known before the first backward: the first count seen
+    (across ranks, the largest of them), never below 1 so that a first micro-batch of 0 items still
+    gives finite weights. Any positive R is exact (the boundary scale corrects it); one near N keeps
+    the gradients near their final size, which fp16's loss scale expects.
+
+    >>> running_reference(0.0), running_reference(37.0)
+    (1.0, 37.0)
+    """
+    return max(float(count), 1.0)
+
+
+
+def window_mean(loss_sum: float, num_items: float) -> float:
+    """The window's item-weighted mean loss ``sum n_k L_k / N``; nan for a window of 0 items.
+
+    >>> window_mean(6.0, 4.0), math.isnan(window_mean(0.0, 0.0))
+    (1.5, True)
+    """
+    return loss_sum / num_items if num_items > 0 else math.nan
+
+
+
+def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float]) -> float:
+    """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales; 1 without clipping.
+
+    >>> clip_coefficient(4.0, 1.0) < 0.25 < clip_coefficient(4.0, None)
+    True
+    """
+    if max_grad_norm is None:
+        return 1.0
+    assert grad_norm is not None, "the norm is measured whenever clipping"
+    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
+
+
+
+class Verdict(enum.Enum):
+    """What the boundary does with a window."""
+
+    STEP = "step"
+    SKIP_EMPTY = "skip: no item"          # every label ignored: no loss to step on
+    SKIP_NONFINITE = "skip: not finite"   # or fp16 overflow: the scaler backs off
+    RAISE = "raise"
+
+
+def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[float], *, nonfinite: str,
+            has_scaler: bool) -> Verdict:
+    """Step, skip or raise, from the window's global loss sum (None when the ranks did not exchange
+    it: then the norm, always measured, carries it), item count and (measured) norm.
+
+    A non-finite loss or norm skips (``nonfinite="skip"``) or raises; under fp16 it always skips,
+    since an overflow is how the loss scaler learns to back off. A window of 0 items is skipped.
+
+    >>> verdict(1.0, 4, None, nonfinite="raise", has_scaler=False), verdict(1.0, 0, None, nonfinite="raise", has_scaler=False)
+    (<Verdict.STEP: 'step'>, <Verdict.SKIP_EMPTY: 'skip: no item'>)
+    """
+    finite = (loss_sum is None or math.isfinite(loss_sum)) and (grad_norm is None or math.isfinite(grad_norm))
+    if not finite:
+        return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
+    return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
+
+
+
+@dataclass(frozen=True)
+class Closing:
+    """What a window's boundary decides: the verdict, the scale ``R / N`` that turns the reduced
+    gradient into the window's mean gradient (0 for a window of no item), the norm after that scale
+    (when measured), and the window's global item count N."""
+
+    verdict: Verdict
+    scale: float
+    num_items: float
+    grad_norm: Optional[float] = None
+    steps: bool = dataclasses.field(init=False)  #: the verdict is STEP (set once: every driver asks it often)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", self.verdict is Verdict.STEP)
+
+
+# -- the window core ------------------------------------------------------------------------------------
 
 class WindowWeights:
     """One window's weighting from its opening to its record (the module docstring's order).

@@ -20,10 +20,9 @@ from torch import nn
 from ._boundary import Boundary, InFlight, Totals
 from ._checks import Count, scalar_loss, split_loss_output, training_batchnorms
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
-from ._maths import window_mean
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
-from ._weights import Gradients, WindowWeights
+from ._weights import Gradients, WindowWeights, window_mean
 from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError

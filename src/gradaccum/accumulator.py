@@ -8,7 +8,7 @@ window runs: the call checked, the batch split and counted, a :class:`~gradaccum
 ``n_k * W / R * L_k``), ``window.step`` (the boundary, :mod:`gradaccum._boundary`). ``acc.train`` and the
 losses that run their own window go through :func:`gradaccum._run.run_window`; ``acc.window`` hands the
 user the same ``Window``. docs/architecture.md walks one micro-batch through it; the formulas are
-:mod:`gradaccum._maths`'.
+:mod:`gradaccum._weights`'.
 """
 
 from __future__ import annotations

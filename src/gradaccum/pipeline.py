@@ -1,5 +1,5 @@
 """Exact accumulation over a ``torch.distributed.pipelining`` schedule: :class:`PipelineWindow` weighs each
-micro-batch as every gradaccum window does (:mod:`gradaccum._maths`), where the stock ``scale_grads=True``
+micro-batch as every gradaccum window does (:mod:`gradaccum._weights`), where the stock ``scale_grads=True``
 divides the summed gradient by K, the mean of micro-batch means::
 
     micro-batch k backpropagates  S_k * W / N     (S_k = n_k L_k, its summed loss; sum_weight)
@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ._checks import positive_int
-from ._maths import clip_coefficient, target_count, tensor_norms
+from ._maths import target_count, tensor_norms
+from ._weights import clip_coefficient
 from ._seam import all_reduce_
 from ._state import AccumulatorState
 from ._weights import WindowWeights

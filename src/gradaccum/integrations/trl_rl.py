@@ -10,7 +10,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .._maths import Closing, backward_weight
+from .._weights import Closing, backward_weight
 from ..errors import ConfigurationError, NotExactError
 from ..rl import ITEMS, StepCount, local_counts, trl_divisor, trl_entropy_mean
 from .hf_driver import TrainerDriver, refuse_untested, serves_the_window
