@@ -57,12 +57,9 @@ class BatchItems:
             return targets, loss
         problem = getattr(self.config, "problem_type", None)
         if problem is None:  # as the model resolves it on its first batch with labels
-            if getattr(self.config, "num_labels", None) == 1:
-                problem = "regression"
-            elif targets.dtype in (torch.long, torch.int):
-                problem = "single_label_classification"
-            else:
-                problem = "multi_label_classification"
+            problem = ("regression" if getattr(self.config, "num_labels", None) == 1 else
+                       "single_label_classification" if targets.dtype in (torch.long, torch.int) else
+                       "multi_label_classification")
         if problem not in _PROBLEM_LOSS:
             raise ConfigurationError(f"ExactTrainer: problem_type={problem!r} is not supported; supported are "
                                      f"{', '.join(_PROBLEM_LOSS)}")

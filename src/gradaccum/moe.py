@@ -1,8 +1,6 @@
 """Mixture-of-experts load balancing under accumulation: the router's auxiliary loss over the window.
 
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE train on the token loss plus ``coef`` times a load-balancing
-loss over the batch's routed tokens (transformers' ``load_balancing_loss_func``: every layer's router
-pooled, top-k, padding masked by the ``attention_mask``)::
+:class:`MoELoss`'s term is transformers' ``load_balancing_loss_func`` over the batch's routed tokens::
 
     LBL = E * sum_i f_i P_i,    f_i = C_i / T,    P_i = S_i / T
 
@@ -14,14 +12,12 @@ differentiated, the gradient splits over micro-batches once the window's counts 
 
     grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
 
-The exact method, :class:`MoELoss` (``mode="exact"``), is :class:`Routing`: the guide's count, agree and
-train steps (docs/guides/moe.md), which the Accumulator (:func:`run_moe_window`) and ExactTrainer
-(:class:`gradaccum.integrations.hf_moe.TrainerBalance`) drive.
-
-The cheaper modes run no pass 1 and no collective of their own, each measured against the big batch
-in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the
-window's items, so the objective does not change with the accumulation steps or the world size) and
-``"prefix"`` (expert fractions from this rank's micro-batches so far, Megatron's running average).
+``mode="exact"`` is :class:`Routing`, the guide's count, agree and train steps (docs/guides/moe.md), driven
+by the Accumulator (:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.TrainerBalance`).
+The cheaper modes run no pass 1 and no collective of their own (each measured against the big batch in the
+guide): ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the window's items, so the
+objective does not change with the accumulation steps or the world size) and ``"prefix"`` (expert fractions
+from this rank's micro-batches so far, Megatron's running average).
 """
 from __future__ import annotations
 
@@ -158,8 +154,6 @@ class MoELoss:
         """``forward``'s output after the checks every mode makes (an :class:`MoEOutput`, router logits
         of ``num_experts`` experts), or a :class:`~gradaccum.ConfigurationError` that says the fix."""
         return _check_routing(_checked(out), self, "MoELoss")
-
-    # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
 
     def per_micro_batch(self) -> Callable[[nn.Module, Any], Any]:
         """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or

@@ -249,14 +249,12 @@ class PipelineWindow:
         """3. One all-reduce over the pipeline group (and the first two numbers over ``dp_group``), laid out as
         ``SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED``."""
         tally = self._tally
-        assert tally is not None
         told = torch.zeros(6, dtype=torch.float64, device=self.device)
         grads = self._grads()
         if grads:
             told[SQUARE] = (tensor_norms([g.to_local() if hasattr(g, "to_local") else g for g in grads],
                                          torch.float64) ** 2).sum()  # fully_shard: this rank's shard
         if self.last:
-            assert tally.weights is not None
             told[LOSS] = sum(s.to(self.device, torch.float64) for s in tally.summed.values())
             told[ITEMS], told[K_LAST] = float(tally.weights.num_items or 0), float(tally.k)
             told[MISCOUNTED] = float(len(tally.targets) - tally.inference != self.n_microbatches)  # loss calls
@@ -297,8 +295,6 @@ class PipelineWindow:
         empty = weights.empty
         return StepResult(math.nan if empty else loss / num_items, num_items, int(k_last),
                           None if empty else closing.grad_norm, empty or not closing.steps, lr, self.state.steps)
-
-    # -- resume -----------------------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
         """The window's counters (steps, skipped, the last window's N); save them beside the stages'
