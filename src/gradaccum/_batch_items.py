@@ -82,8 +82,7 @@ class BatchItems:
         if self.source in ("pairs", "rows"):
             return torch.tensor(sum(self.rows(b) for b in batches), device=device)
         total = torch.zeros((), dtype=torch.long, device=device)
-        for batch in batches:
-            targets, loss = self.targets(batch)
+        for targets, loss in map(self.targets, batches):
             total = total + _maths.loss_items(targets, loss=loss, ignore_index=self.ignore_index).to(device)
         return total
 

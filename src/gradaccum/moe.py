@@ -225,11 +225,6 @@ class Routing(Replay):
     every rank's; ``local_items`` this rank's), ``sizes`` (each rank's micro-batches).
     """
 
-    def __init__(self, term: Any, sync: GradSync, device: torch.device, who: str) -> None:
-        super().__init__(device, sync, who, "routed its tokens to other experts")
-        self.term = term
-        self.first: List[torch.Tensor] = []  # each micro-batch's counts C_k in the counting pass
-
     @classmethod
     def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
              forward: Callable[[Any], MoEOutput], sync: GradSync, device: torch.device, who: str,
@@ -238,7 +233,8 @@ class Routing(Replay):
         ``forward`` where every forward is a collective (FSDP2), after the ``padding`` batches (counting
         nothing), under the training forwards' ``autocast``; then agree the counts across the ranks.
         ``num_items`` None: the driver counts items itself. ``who`` names the driver in the refusals."""
-        routing = cls(term, sync, device, who)
+        routing = cls(device, sync, who, "routed its tokens to other experts")
+        routing.term, routing.first = term, []  # first: each micro-batch's counts C_k in the counting pass
         sharded = sync.sharded_grads
         run = forward if sharded else route
         totals = torch.zeros(term.num_experts + 3, dtype=torch.float64, device=device)
