@@ -312,9 +312,8 @@ class CachedPasses:
                 "own parameters (a temperature). Compute the loss from the representations it is given; reaching "
                 "model outputs another way (model.logit_scale alone, a closure over earlier outputs) is not it. "
                 "No step was taken")
-        mine = sum(self.sizes)
-        self.slices = [None if g is None else g[self.offset:self.offset + mine] * self.sync.grad_divisor
-                       for g in of_inputs]
+        end = self.offset + sum(self.sizes)  # this rank's rows
+        self.slices = [None if g is None else g[self.offset:end] * self.sync.grad_divisor for g in of_inputs]
         own = [(p, g) for p, g in zip(outside, found) if g is not None]
         if own and not self.sync.folds_outside_gradients():  # in .grad before any backward (DDP reads it there)
             torch.autograd.backward([p for p, _ in own], [g for _, g in own])

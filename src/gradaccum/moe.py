@@ -117,8 +117,7 @@ class MoELoss:
             raise ConfigurationError(f"MoELoss(coef={coef!r}): coef is the load-balancing weight (transformers' "
                                      "router_aux_loss_coef), a finite number >= 0, e.g. coef=0.02")
         self.forward, self.num_experts, self.top_k, self.mode = forward, num_experts, top_k, mode
-        self.coef = float(coef)
-        self.route = route if route is not None else forward
+        self.coef, self.route = float(coef), route if route is not None else forward
 
     def __repr__(self) -> str:
         return (f"MoELoss(forward={self.forward!r}, num_experts={self.num_experts}, top_k={self.top_k}, "
@@ -191,7 +190,6 @@ def _statistics(out: MoEOutput, term: Any, who: str) -> Any:
 
 
 def _check_routing(out: MoEOutput, term: Any, who: str) -> MoEOutput:
-    """``out`` after the checks every mode makes alike: router logits, each layer's of ``term.num_experts`` experts."""
     logits = list(out.router_logits) if out.router_logits is not None else []
     if not logits:
         raise ConfigurationError(

@@ -66,7 +66,6 @@ def _zero(output: Any) -> torch.Tensor:
 
 
 def _pad(value: Any, rows: int, pad: int) -> Any:
-    """``value`` with ``pad`` repeats of its last ``rows`` rows (a tensor; anything else as it is)."""
     if not isinstance(value, torch.Tensor) or pad == 0:
         return value
     return torch.cat([value] + [value[-rows:]] * pad)
@@ -237,11 +236,10 @@ class PipelineWindow:
         tally = self._tally
         if tally is None:
             return self.loss_fn(output, target)
-        k = tally.index(target)
-        weights = tally.weights
-        if weights is None or weights.empty or k >= tally.k or (self.reduction == "mean" and tally.counts[k] == 0):
+        k, weights, mean = tally.index(target), tally.weights, self.reduction == "mean"
+        if weights is None or weights.empty or k >= tally.k or (mean and tally.counts[k] == 0):
             return _zero(output)
-        loss, mean = self.loss_fn(output, target), self.reduction == "mean"
+        loss = self.loss_fn(output, target)
         tally.summed[k] = loss.detach() * tally.counts[k] if mean else loss.detach()
         return loss * (weights.mean_weight(tally.counts[k]) if mean else weights.sum_weight())
 
