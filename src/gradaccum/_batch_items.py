@@ -58,12 +58,9 @@ class BatchItems:
             return targets, loss
         problem = getattr(self.config, "problem_type", None)
         if problem is None:  # as the model resolves it on its first batch with labels
-            if getattr(self.config, "num_labels", None) == 1:
-                problem = "regression"
-            elif targets.dtype in (torch.long, torch.int):
-                problem = "single_label_classification"
-            else:
-                problem = "multi_label_classification"
+            problem = ("regression" if getattr(self.config, "num_labels", None) == 1 else
+                       "single_label_classification" if targets.dtype in (torch.long, torch.int) else
+                       "multi_label_classification")
         if problem not in _PROBLEM_LOSS:
             raise ConfigurationError(f"ExactTrainer: problem_type={problem!r} is not supported; supported are "
                                      f"{', '.join(_PROBLEM_LOSS)}")
@@ -86,8 +83,7 @@ class BatchItems:
         if self.source in ("pairs", "rows"):
             return torch.tensor(sum(self.rows(b) for b in batches), device=device)
         total = torch.zeros((), dtype=torch.long, device=device)
-        for batch in batches:
-            targets, loss = self.targets(batch)
+        for targets, loss in map(self.targets, batches):
             total = total + _maths.loss_items(targets, loss=loss, ignore_index=self.ignore_index).to(device)
         return total
 

@@ -1,7 +1,5 @@
-"""Losses that couple the window's items (contrastive, in-batch negatives, CLIP), made exact by caching
-the representations (GradCache): per micro-batch losses would optimize another objective (each item
-seeing only its micro-batch's negatives), so the big batch's gradient is computed in two passes
-(docs/guides/contrastive.md: the steps, and what they cost)::
+"""A :class:`WindowLoss`'s big-batch gradient in two passes, the representations cached (GradCache;
+docs/guides/contrastive.md: the steps, and what they cost)::
 
     z_k = encode(model, x_k)  for every micro-batch k on every rank,  z = (z_1, ..., z_K)
     grad L(z) = sum_k J_k^T g_k,   g_k = dL/dz_k,   J_k = dz_k/dtheta
@@ -191,12 +189,11 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
                       micro_batch_size: Any = None, plan: Optional[Plan] = None) -> StepResult:
     """The Accumulator's driver of :class:`CachedPasses`: one window, in its order; every rank runs as many
     forwards in each pass as the window's padding asks."""
-    ranks = ctx.ranks
     sizes = [int(as_number(c)) for c in counts.each]
-    request = Request(len(micro_batches), counts.total, can_pad=ranks.can_pad(bool(micro_batches)), plan=plan)
+    request = Request(len(micro_batches), counts.total, can_pad=ctx.ranks.can_pad(bool(micro_batches)), plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
         if micro_batches:
-            ranks.remember(micro_batches[-1])
+            ctx.ranks.remember(micro_batches[-1])
         passes = CachedPasses(window_loss, micro_batches, sync=ctx.sync, device=ctx.device, sizes=sizes,
                               padding=window.padding, padding_batch=ctx.state.padding_batch,
                               checked=ctx.state.checked_replays, autocast=ctx.precision.autocast)
@@ -215,12 +212,11 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
 
 
 def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: int, device: torch.device) -> int:
-    """How many of the window's first micro-batches keep their pass-1 graph (``keep_graphs``): none under
-    FSDP2 (its forwards gather and free shards in order) or with BatchNorm in training mode (pass 1 leaves
-    its statistics as it found them); under DDP all but the last (its forward runs under the wrapper's
-    sync), the same on every rank (a kept forward is a collective)."""
+    """``keep_graphs`` as this window can keep them (:class:`WindowLoss`): none under FSDP2 (its forwards gather
+    and free shards in order) or training BatchNorm (pass 1 restores its statistics); under DDP all but the last
+    (its forward runs under the wrapper's sync), the same on every rank (a kept forward is a collective)."""
     if window_loss.keep_graphs == 0 or sync.sharded_grads or training_batchnorms(model):
-        return 0  # alike on every rank
+        return 0
     keep = min(window_loss.keep_graphs, own)
     if sync.shares_windows:  # every rank asks, one without micro-batches too
         keep = sync.min_across(min(keep, own - 1), device)
@@ -248,11 +244,10 @@ class CachedPasses:
         self.graphs: Dict[int, List[torch.Tensor]] = {}  # micro-batch -> its representations with their graph
         self.differentiable: List[bool] = []
         self.joined: List[torch.Tensor] = []
-        self.offset = self.total = 0
+        self.offset = self.total = self.ran = 0
         self.loss: Optional[torch.Tensor] = None  # the window's loss L, detached (after loss_gradient)
         self.slices: List[Optional[torch.Tensor]] = []
         self.carried: List[Tuple[Any, Any]] = []
-        self.ran = 0
 
     @property
     def parts(self) -> int:
@@ -317,9 +312,8 @@ class CachedPasses:
                 "own parameters (a temperature). Compute the loss from the representations it is given; reaching "
                 "model outputs another way (model.logit_scale alone, a closure over earlier outputs) is not it. "
                 "No step was taken")
-        mine = sum(self.sizes)
-        self.slices = [None if g is None else g[self.offset:self.offset + mine] * self.sync.grad_divisor
-                       for g in of_inputs]
+        end = self.offset + sum(self.sizes)  # this rank's rows
+        self.slices = [None if g is None else g[self.offset:end] * self.sync.grad_divisor for g in of_inputs]
         own = [(p, g) for p, g in zip(outside, found) if g is not None]
         if own and not self.sync.folds_outside_gradients():  # in .grad before any backward (DDP reads it there)
             torch.autograd.backward([p for p, _ in own], [g for _, g in own])
@@ -362,7 +356,6 @@ class CachedPasses:
         :meth:`part`'s (``sum <z, g>``, half-precision terms summed in float32), its value ``L * n_k * W / N``
         (summed over the window and averaged over the ranks: ``L``, which the framework logs)."""
         outs, grads, items = self.part(k, model)
-        assert self.loss is not None
         dtype = torch.promote_types(self.loss.dtype, torch.float32)
         terms = [(o * g.to(o.dtype)).sum().to(dtype) for o, g in zip(outs, grads)]
         total = torch.stack(terms).sum() if terms else self.loss.to(dtype) * 0

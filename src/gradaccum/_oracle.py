@@ -52,8 +52,7 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
         (loss * n).backward()
         loss_sum += float(loss.detach()) * float(n)
         items += float(n)
-    grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters()
-             if p.grad is not None}
+    grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters() if p.grad is not None}
     return grads, loss_sum / items, bare
 
 

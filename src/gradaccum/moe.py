@@ -1,8 +1,6 @@
 """Mixture-of-experts load balancing under accumulation: the router's auxiliary loss over the window.
 
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE train on the token loss plus ``coef`` times a load-balancing
-loss over the batch's routed tokens (transformers' ``load_balancing_loss_func``: every layer's router
-pooled, top-k, padding masked by the ``attention_mask``)::
+:class:`MoELoss`'s term is transformers' ``load_balancing_loss_func`` over the batch's routed tokens::
 
     LBL = E * sum_i f_i P_i,    f_i = C_i / T,    P_i = S_i / T
 
@@ -14,14 +12,12 @@ differentiated, the gradient splits over micro-batches once the window's counts 
 
     grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
 
-The exact method, :class:`MoELoss` (``mode="exact"``), is :class:`Routing`: the guide's count, agree and
-train steps (docs/guides/moe.md), which the Accumulator (:func:`run_moe_window`) and ExactTrainer
-(:class:`gradaccum.integrations.hf_moe.TrainerBalance`) drive.
-
-The cheaper modes run no pass 1 and no collective of their own, each measured against the big batch
-in ``docs/guides/moe.md``: ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the
-window's items, so the objective does not change with the accumulation steps or the world size) and
-``"prefix"`` (expert fractions from this rank's micro-batches so far, Megatron's running average).
+``mode="exact"`` is :class:`Routing`, the guide's count, agree and train steps (docs/guides/moe.md), driven
+by the Accumulator (:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.TrainerBalance`).
+The cheaper modes run no pass 1 and no collective of their own (each measured against the big batch in the
+guide): ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the window's items, so the
+objective does not change with the accumulation steps or the world size) and ``"prefix"`` (expert fractions
+from this rank's micro-batches so far, Megatron's running average).
 """
 from __future__ import annotations
 
@@ -121,8 +117,7 @@ class MoELoss:
             raise ConfigurationError(f"MoELoss(coef={coef!r}): coef is the load-balancing weight (transformers' "
                                      "router_aux_loss_coef), a finite number >= 0, e.g. coef=0.02")
         self.forward, self.num_experts, self.top_k, self.mode = forward, num_experts, top_k, mode
-        self.coef = float(coef)
-        self.route = route if route is not None else forward
+        self.coef, self.route = float(coef), route if route is not None else forward
 
     def __repr__(self) -> str:
         return (f"MoELoss(forward={self.forward!r}, num_experts={self.num_experts}, top_k={self.top_k}, "
@@ -158,8 +153,6 @@ class MoELoss:
         """``forward``'s output after the checks every mode makes (an :class:`MoEOutput`, router logits
         of ``num_experts`` experts), or a :class:`~gradaccum.ConfigurationError` that says the fix."""
         return _check_routing(_checked(out), self, "MoELoss")
-
-    # -- the cheaper modes: a loss_fn returning (mean, count) ------------------------------------
 
     def per_micro_batch(self) -> Callable[[nn.Module, Any], Any]:
         """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or
@@ -197,7 +190,6 @@ def _statistics(out: MoEOutput, term: Any, who: str) -> Any:
 
 
 def _check_routing(out: MoEOutput, term: Any, who: str) -> MoEOutput:
-    """``out`` after the checks every mode makes alike: router logits, each layer's of ``term.num_experts`` experts."""
     logits = list(out.router_logits) if out.router_logits is not None else []
     if not logits:
         raise ConfigurationError(
@@ -231,11 +223,6 @@ class Routing(Replay):
     every rank's; ``local_items`` this rank's), ``sizes`` (each rank's micro-batches).
     """
 
-    def __init__(self, term: Any, sync: GradSync, device: torch.device, who: str) -> None:
-        super().__init__(device, sync, who, "routed its tokens to other experts")
-        self.term = term
-        self.first: List[torch.Tensor] = []  # each micro-batch's counts C_k in the counting pass
-
     @classmethod
     def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
              forward: Callable[[Any], MoEOutput], sync: GradSync, device: torch.device, who: str,
@@ -244,7 +231,8 @@ class Routing(Replay):
         ``forward`` where every forward is a collective (FSDP2), after the ``padding`` batches (counting
         nothing), under the training forwards' ``autocast``; then agree the counts across the ranks.
         ``num_items`` None: the driver counts items itself. ``who`` names the driver in the refusals."""
-        routing = cls(term, sync, device, who)
+        routing = cls(device, sync, who, "routed its tokens to other experts")
+        routing.term, routing.first = term, []  # first: each micro-batch's counts C_k in the counting pass
         sharded = sync.sharded_grads
         run = forward if sharded else route
         totals = torch.zeros(term.num_experts + 3, dtype=torch.float64, device=device)

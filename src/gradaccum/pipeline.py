@@ -67,7 +67,6 @@ def _zero(output: Any) -> torch.Tensor:
 
 
 def _pad(value: Any, rows: int, pad: int) -> Any:
-    """``value`` with ``pad`` repeats of its last ``rows`` rows (a tensor; anything else as it is)."""
     if not isinstance(value, torch.Tensor) or pad == 0:
         return value
     return torch.cat([value] + [value[-rows:]] * pad)
@@ -238,11 +237,10 @@ class PipelineWindow:
         tally = self._tally
         if tally is None:
             return self.loss_fn(output, target)
-        k = tally.index(target)
-        weights = tally.weights
-        if weights is None or weights.empty or k >= tally.k or (self.reduction == "mean" and tally.counts[k] == 0):
+        k, weights, mean = tally.index(target), tally.weights, self.reduction == "mean"
+        if weights is None or weights.empty or k >= tally.k or (mean and tally.counts[k] == 0):
             return _zero(output)
-        loss, mean = self.loss_fn(output, target), self.reduction == "mean"
+        loss = self.loss_fn(output, target)
         tally.summed[k] = loss.detach() * tally.counts[k] if mean else loss.detach()
         return loss * (weights.mean_weight(tally.counts[k]) if mean else weights.sum_weight())
 
@@ -250,14 +248,12 @@ class PipelineWindow:
         """3. One all-reduce over the pipeline group (and the first two numbers over ``dp_group``), laid out as
         ``SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED``."""
         tally = self._tally
-        assert tally is not None
         told = torch.zeros(6, dtype=torch.float64, device=self.device)
         grads = self._grads()
         if grads:
             told[SQUARE] = (tensor_norms([g.to_local() if hasattr(g, "to_local") else g for g in grads],
                                          torch.float64) ** 2).sum()  # fully_shard: this rank's shard
         if self.last:
-            assert tally.weights is not None
             told[LOSS] = sum(s.to(self.device, torch.float64) for s in tally.summed.values())
             told[ITEMS], told[K_LAST] = float(tally.weights.num_items or 0), float(tally.k)
             told[MISCOUNTED] = float(len(tally.targets) - tally.inference != self.n_microbatches)  # loss calls
@@ -298,8 +294,6 @@ class PipelineWindow:
         empty = weights.empty
         return StepResult(math.nan if empty else loss / num_items, num_items, int(k_last),
                           None if empty else closing.grad_norm, empty or not closing.steps, lr, self.state.steps)
-
-    # -- resume -----------------------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
         """The window's counters (steps, skipped, the last window's N); save them beside the stages'
