@@ -1,11 +1,9 @@
 """``accum_dtype``: where a window's gradient of bf16/fp16 parameters is summed, for every driver.
 
 A bf16 ``.grad`` that every micro-batch's backward adds into rounds to 8 bits of mantissa after each add, so its
-error grows with the window (:data:`_ROUNDS`). Where gradaccum owns the window's sum (one process, no scaler
-unscaling ``.grad`` before the boundary) it sums in float32 :class:`~gradaccum._gradients.AccumulationBuffers`,
-rounded once at the boundary (:func:`window_buffers`, :func:`driver_buffers`); where a framework owns it (a
-data-parallel wrapper, DeepSpeed, a loss scaler) a :class:`LowPrecisionWarning` names the setting that sums in
-float32.
+error grows with the window (:data:`_ROUNDS`). Where gradaccum owns the window's sum it sums in float32
+:class:`~gradaccum._gradients.AccumulationBuffers`, rounded once at the boundary; where a framework owns it, a
+:class:`LowPrecisionWarning` names the setting that sums in float32.
 """
 
 from __future__ import annotations

@@ -67,4 +67,4 @@ class AutoMicroBatch:
                     "micro_batch_size='auto' ran out of memory with micro-batches of 1 item; "
                     "the model does not fit: reduce its size, use precision='bf16', or shard it"
                 )
-            size = max(1, size // 2)
+            size //= 2  # >= 1: a size of 1 raised above

@@ -36,10 +36,10 @@ def check_int(flag: str, value: Any, minimum: int = 1, *, maximum: Optional[int]
         raise ConfigurationError(f"{flag} must be an integer {want}{extra}, got {value!r}")
 
 
-def positive_int(name: str, value: Any, *, hint: str = "") -> int:
+def positive_int(name: str, value: Any) -> int:
     """``value`` if it is an int >= 1 (the library's arguments: ``epochs must be a positive int``)."""
     if not _is_int_from(value, 1):
-        raise ConfigurationError(f"{name} must be a positive int, got {value!r}{hint}")
+        raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
@@ -50,10 +50,10 @@ def non_negative_int(name: str, value: Any, *, hint: str = "") -> int:
     return value
 
 
-def positive_number(name: str, value: Any, *, what: str = "a positive finite number", hint: str = "") -> float:
+def positive_number(name: str, value: Any, *, what: str = "a positive finite number") -> float:
     """``value`` as a float if it is a finite number > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(f"{name} must be {what}, got {value!r}{hint}")
+        raise ConfigurationError(f"{name} must be {what}, got {value!r}")
     return float(value)
 
 

@@ -9,8 +9,7 @@ parameter's dtype exactly once::
     buffer  = sum_k float32(grad_k)          (one rounding per micro-batch at most, in float32)
     p.grad  = dtype(buffer * scale)          (one rounding to bf16, for the optimizer)
 
-The window's gradient wherever it lives (``.grad`` and these buffers), opened, measured, handed over at
-its scale or dropped, is :class:`gradaccum._weights.Gradients`, beside the window core that hands it over.
+The window's gradient wherever it lives (``.grad`` and these buffers) is :class:`gradaccum._weights.Gradients`.
 """
 
 from __future__ import annotations

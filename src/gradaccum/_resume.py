@@ -1,5 +1,4 @@
-"""Where training stands and what resuming needs: the :class:`~gradaccum.Accumulator`'s views of
-``acc.state`` and its ``state_dict`` / ``load_state_dict``. Nothing here keeps a value of its own."""
+"""Where training stands and what resuming needs, read from ``acc.state``: nothing here keeps a value of its own."""
 
 from __future__ import annotations
 

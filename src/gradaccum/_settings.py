@@ -1,7 +1,5 @@
-"""The Accumulator's arguments, every one checked before anything is built or called: :class:`Settings`, its
-keyword settings (``precision`` is checked by :class:`~gradaccum.precision.MixedPrecision`, ``data_parallel``
-by :func:`gradaccum.sync.sync_for`), and :func:`check_training_objects`, the model, optimizer and scheduler.
-Each refusal names the argument, the value and the fix."""
+"""The Accumulator's arguments, every one checked before anything is built or called (``precision`` by
+:class:`~gradaccum.precision.MixedPrecision`, ``data_parallel`` by :func:`gradaccum.sync.sync_for`)."""
 
 from __future__ import annotations
 
@@ -36,10 +34,8 @@ def nonfinite_choice(who: str, value: Any) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), checked as they are
-    made, the first out of range refused (ConfigurationError, TypeError) with the fix: ``max_grad_norm`` a positive
-    finite number or None (kept as a float), ``nonfinite`` one of :data:`NONFINITE`, ``accum_dtype`` ``"auto"``,
-    ``"param"``, None or a dtype."""
+    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), each checked as
+    it is made (``max_grad_norm`` kept as a float)."""
 
     max_grad_norm: Optional[float] = None
     precision: str = "fp32"
@@ -51,8 +47,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None:
-            positive_number("max_grad_norm", self.max_grad_norm, what="a positive finite number or None")
-            object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
+            object.__setattr__(self, "max_grad_norm", positive_number("max_grad_norm", self.max_grad_norm,
+                                                                      what="a positive finite number or None"))
         nonfinite_choice("Accumulator", self.nonfinite)
         check_accum_dtype(self.accum_dtype)
         object.__setattr__(self, "compute_grad_norm", bool(self.compute_grad_norm))
@@ -62,9 +58,7 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
                            settings: Settings) -> Tuple[Any, List[nn.Parameter]]:
     """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable parameters, once
     the model, optimizer and scheduler are checked (a DeepSpeed engine, and the settings it owns, by
-    :func:`gradaccum._deepspeed.check_engine_arguments`). Refused: an object of the wrong type (TypeError); no
-    trainable parameter, an optimizer over none of them or with its own enabled GradScaler, a scheduler over
-    another optimizer, a ``torch.distributed.pipelining`` object (NotExactError)."""
+    :func:`gradaccum._deepspeed.check_engine_arguments`)."""
     refuse_pipeline(model)
     engine = deepspeed_engine(model)
     if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed

@@ -153,4 +153,3 @@ def _sampler_windows(ctx: Parts, loader: Iterable[Batch], sampler: WindowSampler
             if offset == len(sizes) - 1:
                 ctx.state.epoch = epoch + 1  # finished, also in a checkpoint taken at this step
             yield replace(result, epoch=epoch, window=first + offset)
-        ctx.state.epoch = epoch + 1

@@ -23,8 +23,8 @@ from .errors import ConfigurationError, SplitError
 Batch = Any
 MicroBatchSize = Union[int, str, None]
 
-__all__ = ["Batch", "CountFn", "Counts", "count_items", "leaves", "rebuild", "tensors",
-           "first_tensor", "leading_dim", "split_batch", "concat_batches", "slice_batch", "check_micro_batch_size", "as_micro_batches"]
+__all__ = ["Batch", "CountFn", "Counts", "count_items", "leaves", "rebuild", "first_tensor", "leading_dim",
+           "split_batch", "concat_batches", "slice_batch", "check_micro_batch_size", "as_micro_batches"]
 
 
 def leaves(batch: Batch, path: str = "") -> Iterator[Tuple[str, Any]]:
@@ -61,14 +61,9 @@ def _split(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
 
 
-def tensors(batch: Batch) -> Iterator[Tuple[str, torch.Tensor]]:
-    """``(path, tensor)`` for every tensor in ``batch`` (0-d ones too), depth first."""
-    return ((path, leaf) for path, leaf in leaves(batch) if isinstance(leaf, torch.Tensor))
-
-
 def first_tensor(batch: Batch) -> Optional[torch.Tensor]:
-    """The first tensor in ``batch``, depth first, or None."""
-    return next((t for _, t in tensors(batch)), None)
+    """The first tensor in ``batch`` (0-d ones too), depth first, or None."""
+    return next((leaf for _, leaf in leaves(batch) if isinstance(leaf, torch.Tensor)), None)
 
 
 def leading_dim(batch: Batch, *, argument: str = "batch") -> int:

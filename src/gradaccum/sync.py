@@ -76,13 +76,12 @@ class DDPSync(_WrapperSync):
     replicated_grads = True
 
     def __init__(self, modules: Sequence[DistributedDataParallel], *, reduce_every_micro_batch: bool = False) -> None:
-        for ddp in modules:
-            if getattr(ddp, "static_graph", False) and not reduce_every_micro_batch:
-                raise ConfigurationError(
-                    "DistributedDataParallel(static_graph=True) cannot skip the gradient reduction "
-                    "between micro-batches: its graph is recorded from the first iteration, and "
-                    "no_sync() iterations break it. Construct DDP with static_graph=False (the default), "
-                    "or pass reduce_every_micro_batch=True to reduce after every micro-batch.")
+        if not reduce_every_micro_batch and any(getattr(ddp, "static_graph", False) for ddp in modules):
+            raise ConfigurationError(
+                "DistributedDataParallel(static_graph=True) cannot skip the gradient reduction "
+                "between micro-batches: its graph is recorded from the first iteration, and "
+                "no_sync() iterations break it. Construct DDP with static_graph=False (the default), "
+                "or pass reduce_every_micro_batch=True to reduce after every micro-batch.")
         sizes = {dist.get_world_size(getattr(m, "process_group", None)) for m in modules}
         if len(sizes) != 1:
             raise ConfigurationError(f"the model's DistributedDataParallel modules span process groups of "
