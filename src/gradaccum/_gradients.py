@@ -58,8 +58,10 @@ class AccumulationBuffers:
                 p.grad = buf.to(p.dtype)
         self._buffers.clear()
 
-    def clear(self) -> None:
+    def open(self) -> None:
+        """A window opens: the buffers fold its gradients from now on, from nothing."""
         self._buffers.clear()
+        self.active = True
 
     def retire(self) -> None:
         """A window failed or a fit ended: the hooks stay on the parameters, so the buffers stop folding and

@@ -231,8 +231,7 @@ class WindowWeights:
         self.weight_of: Dict[int, float] = {}
         self.buffers = buffers
         if buffers is not None:  # the window's bf16 gradients fold into float32 from here on
-            buffers.clear()
-            buffers.active = True
+            buffers.open()
 
     @property
     def empty(self) -> bool:
@@ -431,8 +430,7 @@ class Gradients:
         for p in self.params:
             p.grad = None
         if self.buffers is not None:
-            self.buffers.clear()
-            self.buffers.active = True
+            self.buffers.open()
 
     def tensors(self) -> List[torch.Tensor]:
         """The tensors holding the window's gradient: the ``.grad`` that exist, and the buffers' (every one
@@ -467,8 +465,7 @@ class Gradients:
         for p in self.params:
             p.grad = None
         if self.buffers is not None:
-            self.buffers.active = False
-            self.buffers.clear()
+            self.buffers.retire()
 
 
 def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
