@@ -90,18 +90,14 @@ def loss_source(cls: type) -> str:
     return source
 
 
-def head_of(model: nn.Module) -> str:
-    """The :data:`HEADS` entry of a Hugging Face model, from its class (PEFT and compile unwrapped).
+def head_of(model: nn.Module, head: Optional[str] = None) -> str:
+    """The :data:`HEADS` entry of a Hugging Face model, from its class (PEFT and compile unwrapped); ``head``
+    where given, once it fits that entry.
 
     Raises:
         ConfigurationError: the class is none of the Auto mappings' causal-LM, masked-LM, token- or
-            sequence-classification classes (pass ``head=`` to ExactTrainer).
+            sequence-classification classes (pass ``head=`` to ExactTrainer), or ``head`` does not fit it.
     """
-    return _fitting_head(model, None)
-
-
-def _fitting_head(model: nn.Module, head: Optional[str]) -> str:
-    """``head=``, once it fits the head the Auto mappings give the model's class (that head where None)."""
     from transformers.models.auto import modeling_auto as auto
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
@@ -208,7 +204,7 @@ class ExactTrainer(TrainerDriver, Trainer):
             fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under DDP/FSDP2 the "
                 "wrapper owns the sum), or pass accum_dtype='param' to accept it without this warning")
         counted_head = source == "head" and self.window_loss is None
-        self.items = BatchItems(source, _fitting_head(self.model, head) if counted_head else head, ignore_index, config,
+        self.items = BatchItems(source, head_of(self.model, head) if counted_head else head, ignore_index, config,
                                 self.args.device)
         # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it; SFT's as TRL
         # turns it on (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
