@@ -50,8 +50,7 @@ def loss_source(cls: type) -> str:
         TypeError: a Trainer subclass comes before ExactTrainer in the MRO, or the ``compute_loss`` that runs
             is one whose reduction is not known and not declared.
     """
-    mro = cls.__mro__
-    here = mro.index(ExactTrainer)
+    mro, here = cls.__mro__, cls.__mro__.index(ExactTrainer)
     wrong = [c for c in mro[:here] if issubclass(c, Trainer) and not issubclass(c, ExactTrainer)]
     if wrong:
         bases = ", ".join(b.__name__ for b in cls.__bases__)
