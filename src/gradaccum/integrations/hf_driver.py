@@ -44,7 +44,6 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
 
     def hold(self, trainer: Any) -> None:
-        """A skipped window: the Trainer's optimizer and scheduler step stood in for, ``global_step`` kept."""
         for name in ("optimizer", "lr_scheduler"):
             self.held.wrap(trainer, name, NoStep)
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
@@ -54,9 +53,8 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         self.load(trainer.state.stateful_callbacks)
         skipped = self.accumulator_state.skipped
         if skipped and not trainer.args.ignore_data_skip:
-            windows = trainer.state.global_step + skipped
-            epochs = windows // windows_per_epoch
-            batches = (windows % windows_per_epoch) * trainer.args.gradient_accumulation_steps
+            epochs, windows = divmod(trainer.state.global_step + skipped, windows_per_epoch)
+            batches = windows * trainer.args.gradient_accumulation_steps
         return epochs, batches
 
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
