@@ -191,10 +191,9 @@ class ExactTrainer(TrainerDriver, Trainer):
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, source)  # CLIP's, SigLIP's, a WindowLoss
         check_head(head)
         driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
-        self.source, self.accum_dtype = source, accum_dtype
         super().__init__(*args, nonfinite=nonfinite, **kwargs)
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        _refuse_what_is_not_exact(self, config)
+        _refuse_what_is_not_exact(self, config, source, accum_dtype)
         # float32 sums of bf16/fp16 gradients where ExactTrainer owns the sum (one process), not under DeepSpeed
         owns = (self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.args.n_gpu <= 1
                 and self.window_loss is None)
@@ -285,9 +284,9 @@ class ExactTrainer(TrainerDriver, Trainer):
         return output
 
 
-def _refuse_what_is_not_exact(trainer: "ExactTrainer", config: Any) -> None:
+def _refuse_what_is_not_exact(trainer: "ExactTrainer", config: Any, source: str, accum_dtype: str) -> None:
     """After the Trainer is built: what would not be one big batch, or is not tested here, refused with the fix."""
-    own_loss = trainer.source != "head" or trainer.own_loss is not None  # a trainer's compute_loss runs
+    own_loss = source != "head" or trainer.own_loss is not None  # a trainer's compute_loss runs
     if not own_loss and getattr(trainer.args, "label_smoothing_factor", None):
         raise ConfigurationError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
                                  "supported where ExactTrainer computes the model's loss; set it to 0")
@@ -299,26 +298,26 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer", config: Any) -> None:
                 "loss, which ExactTrainer computes over the window with DDP or FSDP2 only (its counting pass is not "
                 "tested inside a DeepSpeed engine). Train it with DDP or FSDP2 (fsdp_config={'fsdp_version': 2}), or "
                 "set model.config.router_aux_loss_coef = 0.0 to train without the term")
-        hf_deepspeed.prepare(trainer, trainer.window_steps, trainer.accum_dtype)
+        hf_deepspeed.prepare(trainer, trainer.window_steps, accum_dtype)
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
     if version not in (None, 2):
         raise ConfigurationError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
                                  "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
     if version == 2 and own_loss:
         raise ConfigurationError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not "
-                                 f"under {type(trainer).__name__}'s own compute_loss (items: {trainer.source}); train "
+                                 f"under {type(trainer).__name__}'s own compute_loss (items: {source}); train "
                                  "it with DDP (one process per device under torchrun)")
     batch_level = sorted(set(getattr(trainer, "loss_types", ())) & set(_NOT_PER_PAIR))
-    if trainer.source == "pairs" and batch_level:
+    if source == "pairs" and batch_level:
         raise ConfigurationError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
                                  "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
                                  "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
     # an MoE model's router term where it is not computed over the window (SFT's: hf_moe.trl_router_balance)
-    if trainer.source == "rows" or trainer.own_loss is not None:  # a compute_loss of its own may call the model's
+    if source == "rows" or trainer.own_loss is not None:  # a compute_loss of its own may call the model's
         refuse_aux_term(config, type(trainer).__name__,
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
-    elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
+    elif source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
         raise trl_aux_refusal(trainer, "which TRL computes per micro-batch (its expert fractions are statistics of the "
                               "whole batch), so the step would not be the big batch's", then=(
                                   " (TRL then sets the model's output_router_logits=False itself; setting "
