@@ -193,15 +193,13 @@ class TrainerDriver:
                                "do not override _get_grad_norm or the training loop away")
         window = self._window = WindowWeights(self.accumulator_state, self.grad_divisor, num_items=num_items,
                                               buffers=buffers)
-        self._sum_weight, self._micro_batches, self._ran = window.sum_weight(), micro_batches, 0
-        self._balance = None
+        self._sum_weight, self._micro_batches, self._ran, self._balance = window.sum_weight(), micro_batches, 0, None
         if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
             self._balance = TrainerBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
                                           self.accelerator.device, self.model_wrapped, who=type(self).__name__)
         return window
 
     def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` summed over the ranks (one reduction; itself on one process)."""
         return self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
 
     def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
