@@ -1,6 +1,5 @@
-"""PyTorch Lightning: exact gradient accumulation with one callback, :class:`ExactAccumulation`, which drives
-the window core :class:`gradaccum._weights.WindowWeights` (on the running R) from Lightning's hooks
-(docs/guides/lightning.md).
+"""PyTorch Lightning: exact gradient accumulation with one callback, :class:`ExactAccumulation`, which drives the
+window core :class:`gradaccum._weights.WindowWeights` (the running R) from Lightning's hooks (docs/guides/lightning.md).
 """
 from __future__ import annotations
 
