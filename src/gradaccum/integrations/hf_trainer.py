@@ -227,8 +227,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         if self._windows is not None:  # a WindowLoss: one mean over the window's rows, no count to hand over
             self._windows.begin(batch_samples)
             return batch_samples, None
-        device = device if device is not None else self.args.device
-        total = self.summed_over_ranks(self.items.count(batch_samples, device))
+        total = self.summed_over_ranks(self.items.count(batch_samples, device or self.args.device))
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
         return batch_samples, total
