@@ -228,9 +228,7 @@ class _ServedLoss:
                 fn = self.loss_fn
                 out = (fn.forward_non_mini_batched if getattr(fn, "uses_gradient_cache", False) else fn)(
                     features, reps.get("labels"))
-        if isinstance(out, dict):
-            out = torch.stack(list(out.values())).sum()
-        return out
+        return torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
 
     @staticmethod
     def _adaptive_layers(ad: Any, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:
