@@ -149,10 +149,9 @@ class TrainerDriver:
                     if name == "compute_loss" else "model, inputs, num_items_in_batch"
                 raise TypeError(
                     f"class {cls.__name__}: {owner.__name__ + '.' if owner is not cls else 'its '}{name} replaces "
-                    f"{driver}'s, which {does}; without it each "
-                    f"micro-batch would be stepped as plain accumulation (a mean loss per micro-batch: a step "
-                    f"gradient_accumulation_steps times too large). Call super().{name}({args}) and return what it "
-                    f"returns{cls.own_loss_fix if name == 'compute_loss' else ''}")
+                    f"{driver}'s, which {does}; without it each micro-batch would be stepped as plain accumulation (a "
+                    f"mean loss per micro-batch: a step gradient_accumulation_steps times too large). Call super()."
+                    f"{name}({args}) and return what it returns{cls.own_loss_fix if name == 'compute_loss' else ''}")
             if name == "compute_loss":
                 setattr(cls, name, _override_checked(own, cls))
 
