@@ -235,8 +235,7 @@ class TrainerDriver:
             if closing.steps and not self.is_deepspeed_enabled and getattr(self.accelerator, "scaler", None) is None:
                 self._closed = closing
                 return loss
-            applied = step_applied(self)  # False: the DeepSpeed engine found the gradient not finite
-            self._window_ends(window.record(closing, applied=applied, warn_empty=self.empty_window_note))
+            self._window_ends(window.record(closing, applied=step_applied(self), warn_empty=self.empty_window_note))
         return loss
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
