@@ -1,7 +1,6 @@
 """``ExactTrainer`` under DeepSpeed: the engine owns the reduction, the optimizer and clipping, the window
 the boundary (docs/guides/deepspeed.md, "ExactTrainer with ``deepspeed=``").
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -87,15 +86,13 @@ def accumulation_off(trainer: Any) -> Iterator[None]:
     if not isinstance(config, dict) or config.get(KEY, "auto") != "auto":
         yield
         return
-    had, value = KEY in config, config.get(KEY)
+    old = {KEY: config[KEY]} if KEY in config else {}
     config[KEY] = False
     try:
         yield
     finally:
-        if had:
-            config[KEY] = value
-        else:
-            del config[KEY]
+        del config[KEY]
+        config.update(old)
 
 
 def step_applied(trainer: Any) -> bool:

@@ -38,31 +38,23 @@ class TrainerWindowState(TrainerCallback, ExportableState):
 
     def __init__(self) -> None:
         self.accumulator_state = AccumulatorState()
-        self.held: Optional[Swaps] = None  # the stand-ins, while a skipped window ends
+        self.held = Swaps()  # the stand-ins, while a skipped window ends
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
 
     def hold(self, trainer: Any) -> None:
-        """A skipped window: the Trainer's optimizer and scheduler step stood in for, ``global_step`` kept."""
-        self.held = self.held or Swaps()
         for name in ("optimizer", "lr_scheduler"):
             self.held.wrap(trainer, name, NoStep)
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
-
-    def release(self) -> None:
-        held, self.held = self.held, None
-        if held is not None:
-            held.restore()
 
     def resume(self, trainer: Any, epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
         """The saved state, and the Trainer's resume position moved past the skipped windows' data too."""
         self.load(trainer.state.stateful_callbacks)
         skipped = self.accumulator_state.skipped
         if skipped and not trainer.args.ignore_data_skip:
-            windows = trainer.state.global_step + skipped
-            epochs = windows // windows_per_epoch
-            batches = (windows % windows_per_epoch) * trainer.args.gradient_accumulation_steps
+            epochs, windows = divmod(trainer.state.global_step + skipped, windows_per_epoch)
+            batches = windows * trainer.args.gradient_accumulation_steps
         return epochs, batches
 
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
@@ -78,9 +70,9 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         state.load_saved(state.read_saved(saved["attributes"]["saved"] if isinstance(saved, dict) else {}))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.held is not None:  # the skipped window's step is over: the Trainer's own objects come back
+        if self.held:  # the skipped window's step is over: the Trainer's own objects come back
             control.should_log = control.should_evaluate = control.should_save = False
-            self.release()
+            self.held.restore()
         return control
 
 
@@ -157,10 +149,9 @@ class TrainerDriver:
                     if name == "compute_loss" else "model, inputs, num_items_in_batch"
                 raise TypeError(
                     f"class {cls.__name__}: {owner.__name__ + '.' if owner is not cls else 'its '}{name} replaces "
-                    f"{driver}'s, which {does}; without it each "
-                    f"micro-batch would be stepped as plain accumulation (a mean loss per micro-batch: a step "
-                    f"gradient_accumulation_steps times too large). Call super().{name}({args}) and return what it "
-                    f"returns{cls.own_loss_fix if name == 'compute_loss' else ''}")
+                    f"{driver}'s, which {does}; without it each micro-batch would be stepped as plain accumulation (a "
+                    f"mean loss per micro-batch: a step gradient_accumulation_steps times too large). Call super()."
+                    f"{name}({args}) and return what it returns{cls.own_loss_fix if name == 'compute_loss' else ''}")
             if name == "compute_loss":
                 setattr(cls, name, _override_checked(own, cls))
 
@@ -201,15 +192,13 @@ class TrainerDriver:
                                "do not override _get_grad_norm or the training loop away")
         window = self._window = WindowWeights(self.accumulator_state, self.grad_divisor, num_items=num_items,
                                               buffers=buffers)
-        self._sum_weight, self._micro_batches, self._ran = window.sum_weight(), micro_batches, 0
-        self._balance = None
+        self._sum_weight, self._micro_batches, self._ran, self._balance = window.sum_weight(), micro_batches, 0, None
         if self.router_balance is not None and routed is not None:  # expert counts, every rank's, before a backward
             self._balance = TrainerBalance(self.router_balance, self.accelerator.unwrap_model(self.model), routed(),
                                           self.accelerator.device, self.model_wrapped, who=type(self).__name__)
         return window
 
     def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` summed over the ranks (one reduction; itself on one process)."""
         return self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
 
     def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
@@ -246,8 +235,7 @@ class TrainerDriver:
             if closing.steps and not self.is_deepspeed_enabled and getattr(self.accelerator, "scaler", None) is None:
                 self._closed = closing
                 return loss
-            applied = step_applied(self)  # False: the DeepSpeed engine found the gradient not finite
-            self._window_ends(window.record(closing, applied=applied, warn_empty=self.empty_window_note))
+            self._window_ends(window.record(closing, applied=step_applied(self), warn_empty=self.empty_window_note))
         return loss
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
@@ -272,7 +260,7 @@ class TrainerDriver:
             with accumulation_off(self):  # DeepSpeed's engine built to leave the boundary to the window
                 return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
-            self._state.release()
+            self._state.held.restore()
             if self._window is not None:  # the last window opened may not have run
                 self._window.abort()
 

@@ -50,8 +50,7 @@ def loss_source(cls: type) -> str:
         TypeError: a Trainer subclass comes before ExactTrainer in the MRO, or the ``compute_loss`` that runs
             is one whose reduction is not known and not declared.
     """
-    mro = cls.__mro__
-    here = mro.index(ExactTrainer)
+    mro, here = cls.__mro__, cls.__mro__.index(ExactTrainer)
     wrong = [c for c in mro[:here] if issubclass(c, Trainer) and not issubclass(c, ExactTrainer)]
     if wrong:
         bases = ", ".join(b.__name__ for b in cls.__bases__)
@@ -90,18 +89,14 @@ def loss_source(cls: type) -> str:
     return source
 
 
-def head_of(model: nn.Module) -> str:
-    """The :data:`HEADS` entry of a Hugging Face model, from its class (PEFT and compile unwrapped).
+def head_of(model: nn.Module, head: Optional[str] = None) -> str:
+    """The :data:`HEADS` entry of a Hugging Face model, from its class (PEFT and compile unwrapped); ``head``
+    where given, once it fits that entry.
 
     Raises:
         ConfigurationError: the class is none of the Auto mappings' causal-LM, masked-LM, token- or
-            sequence-classification classes (pass ``head=`` to ExactTrainer).
+            sequence-classification classes (pass ``head=`` to ExactTrainer), or ``head`` does not fit it.
     """
-    return _fitting_head(model, None)
-
-
-def _fitting_head(model: nn.Module, head: Optional[str]) -> str:
-    """``head=``, once it fits the head the Auto mappings give the model's class (that head where None)."""
     from transformers.models.auto import modeling_auto as auto
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
@@ -196,10 +191,9 @@ class ExactTrainer(TrainerDriver, Trainer):
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, source)  # CLIP's, SigLIP's, a WindowLoss
         check_head(head)
         driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
-        self.source, self.accum_dtype = source, accum_dtype
         super().__init__(*args, nonfinite=nonfinite, **kwargs)
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        _refuse_what_is_not_exact(self, config)
+        _refuse_what_is_not_exact(self, config, source, accum_dtype)
         # float32 sums of bf16/fp16 gradients where ExactTrainer owns the sum (one process), not under DeepSpeed
         owns = (self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.args.n_gpu <= 1
                 and self.window_loss is None)
@@ -208,7 +202,7 @@ class ExactTrainer(TrainerDriver, Trainer):
             fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under DDP/FSDP2 the "
                 "wrapper owns the sum), or pass accum_dtype='param' to accept it without this warning")
         counted_head = source == "head" and self.window_loss is None
-        self.items = BatchItems(source, _fitting_head(self.model, head) if counted_head else head, ignore_index, config,
+        self.items = BatchItems(source, head_of(self.model, head) if counted_head else head, ignore_index, config,
                                 self.args.device)
         # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it; SFT's as TRL
         # turns it on (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
@@ -233,8 +227,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         if self._windows is not None:  # a WindowLoss: one mean over the window's rows, no count to hand over
             self._windows.begin(batch_samples)
             return batch_samples, None
-        device = device if device is not None else self.args.device
-        total = self.summed_over_ranks(self.items.count(batch_samples, device))
+        total = self.summed_over_ranks(self.items.count(batch_samples, device or self.args.device))
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
         return batch_samples, total
@@ -290,9 +283,9 @@ class ExactTrainer(TrainerDriver, Trainer):
         return output
 
 
-def _refuse_what_is_not_exact(trainer: "ExactTrainer", config: Any) -> None:
+def _refuse_what_is_not_exact(trainer: "ExactTrainer", config: Any, source: str, accum_dtype: str) -> None:
     """After the Trainer is built: what would not be one big batch, or is not tested here, refused with the fix."""
-    own_loss = trainer.source != "head" or trainer.own_loss is not None  # a trainer's compute_loss runs
+    own_loss = source != "head" or trainer.own_loss is not None  # a trainer's compute_loss runs
     if not own_loss and getattr(trainer.args, "label_smoothing_factor", None):
         raise ConfigurationError(f"ExactTrainer: label_smoothing_factor={trainer.args.label_smoothing_factor} is not "
                                  "supported where ExactTrainer computes the model's loss; set it to 0")
@@ -304,26 +297,26 @@ def _refuse_what_is_not_exact(trainer: "ExactTrainer", config: Any) -> None:
                 "loss, which ExactTrainer computes over the window with DDP or FSDP2 only (its counting pass is not "
                 "tested inside a DeepSpeed engine). Train it with DDP or FSDP2 (fsdp_config={'fsdp_version': 2}), or "
                 "set model.config.router_aux_loss_coef = 0.0 to train without the term")
-        hf_deepspeed.prepare(trainer, trainer.window_steps, trainer.accum_dtype)
+        hf_deepspeed.prepare(trainer, trainer.window_steps, accum_dtype)
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
     if version not in (None, 2):
         raise ConfigurationError(f"ExactTrainer: FSDP with fsdp_version={version} is not supported (untested here, and "
                                  "deprecated in transformers); use fsdp_version=2: fsdp_config={'fsdp_version': 2}")
     if version == 2 and own_loss:
         raise ConfigurationError(f"ExactTrainer: FSDP2 is tested where ExactTrainer computes the model's loss, not "
-                                 f"under {type(trainer).__name__}'s own compute_loss (items: {trainer.source}); train "
+                                 f"under {type(trainer).__name__}'s own compute_loss (items: {source}); train "
                                  "it with DDP (one process per device under torchrun)")
     batch_level = sorted(set(getattr(trainer, "loss_types", ())) & set(_NOT_PER_PAIR))
-    if trainer.source == "pairs" and batch_level:
+    if source == "pairs" and batch_level:
         raise ConfigurationError(f"ExactTrainer: loss_type {batch_level} is not a mean of per-pair terms ({_NOT_PER_PAIR} "
                                  "compare pairs across the micro-batch), so no weighting makes it one big batch; use "
                                  "per-pair loss types such as 'sigmoid', 'ipo', 'hinge'")
     # an MoE model's router term where it is not computed over the window (SFT's: hf_moe.trl_router_balance)
-    if trainer.source == "rows" or trainer.own_loss is not None:  # a compute_loss of its own may call the model's
+    if source == "rows" or trainer.own_loss is not None:  # a compute_loss of its own may call the model's
         refuse_aux_term(config, type(trainer).__name__,
                         "Set model.config.router_aux_loss_coef = 0.0 to train without it, or train with "
                         "ExactTrainer's own loss, which computes the term over the window")
-    elif trainer.source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
+    elif source == "pairs" and getattr(trainer, "aux_loss_enabled", False):  # DPO: per micro-batch
         raise trl_aux_refusal(trainer, "which TRL computes per micro-batch (its expert fractions are statistics of the "
                               "whole batch), so the step would not be the big batch's", then=(
                                   " (TRL then sets the model's output_router_logits=False itself; setting "

@@ -1,6 +1,5 @@
-"""PyTorch Lightning: exact gradient accumulation with one callback, :class:`ExactAccumulation`, which drives
-the window core :class:`gradaccum._weights.WindowWeights` (on the running R) from Lightning's hooks
-(docs/guides/lightning.md).
+"""PyTorch Lightning: exact gradient accumulation with one callback, :class:`ExactAccumulation`, which drives the
+window core :class:`gradaccum._weights.WindowWeights` (the running R) from Lightning's hooks (docs/guides/lightning.md).
 """
 from __future__ import annotations
 
@@ -127,8 +126,6 @@ class ExactAccumulation(Callback):
         if stage != "fit":
             return
         _refuse_what_is_not_exact(trainer, pl_module)
-        if self.buffers is not None:
-            self.buffers.retire()  # a previous fit's
         # one device without a loss scaler (which unscales .grad before on_before_optimizer_step): the sum is ours
         owns = isinstance(trainer.strategy, SingleDeviceStrategy) and getattr(trainer.precision_plugin, "scaler",
                                                                               None) is None
@@ -156,8 +153,7 @@ class ExactAccumulation(Callback):
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
-        self.skipping = False
-        self._batch = batch
+        self.skipping, self._batch = False, batch
         # None: the leading dimension, unless training_step returns a count
         self.pending = None if self.num_items is None else item_count("num_items(batch)", self.num_items(batch))
 

@@ -145,13 +145,6 @@ def _loss_modules(module: nn.Module) -> List[nn.Module]:
     return [module] + [m for child in module.children() if not _is_model(child) for m in _loss_modules(child)]
 
 
-def _held_models(loss: nn.Module, module: nn.Module) -> List[Tuple[nn.Module, str, str]]:
-    """Where the loss holds a model: ``(owner, attribute, key)``, key "model" for the trained one (or its DDP
-    wrapper), else the attribute's name (GIST's guide)."""
-    return [(owner, name, "model" if child is module or getattr(child, "module", None) is module else name)
-            for owner in _loss_modules(loss) for name, child in owner._modules.items() if _is_model(child)]
-
-
 class _Served(nn.Module):
     """A model inside the loss: ``model(features)`` returns the cached embeddings of the rows ``features``
     names (AdaptiveLayerLoss: of the ``layer``, every one served recorded for its KL term)."""
@@ -183,7 +176,10 @@ class _ServedLoss:
 
     def __init__(self, trainer: ExactSentenceTransformerTrainer, loss_fn: nn.Module, module: nn.Module) -> None:
         self.trainer, self.loss_fn, self.module = trainer, loss_fn, module
-        self.held = _held_models(loss_fn, module)
+        #: where the loss holds a model: ``(owner, attribute, key)``, key "model" for the trained one (or its DDP
+        #: wrapper), else the attribute's name (GIST's guide)
+        self.held = [(owner, name, "model" if child is module or getattr(child, "module", None) is module else name)
+                     for owner in _loss_modules(loss_fn) for name, child in owner._modules.items() if _is_model(child)]
         # models the loss runs besides the trained one (GIST's frozen guide), by key
         self.guides = {key: getattr(owner, attr) for owner, attr, key in self.held if key != "model"}
         self.adaptive = loss_fn if isinstance(loss_fn, AdaptiveLayerLoss) else None
@@ -232,9 +228,7 @@ class _ServedLoss:
                 fn = self.loss_fn
                 out = (fn.forward_non_mini_batched if getattr(fn, "uses_gradient_cache", False) else fn)(
                     features, reps.get("labels"))
-        if isinstance(out, dict):
-            out = torch.stack(list(out.values())).sum()
-        return out
+        return torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
 
     @staticmethod
     def _adaptive_layers(ad: Any, served: _Served, features: List[Dict[str, Any]], labels: Any) -> torch.Tensor:

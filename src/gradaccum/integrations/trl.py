@@ -22,8 +22,7 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):  # type: ignore[misc]
 
 
 class ExactDPOTrainer(ExactTrainer, DPOTrainer):  # type: ignore[misc]
-    """``DPOTrainer`` whose window weighs every preference pair the same, across micro-batches, ranks
-    and a short last window: each micro-batch's mean over its pairs is weighted by its share of the
-    window's pairs. Loss types that are not a mean of per-pair terms (``"sft"``, ``"aot"``,
-    ``"aot_unpaired"``) are refused."""
+    """``DPOTrainer`` whose window weighs every preference pair the same, across micro-batches, ranks and a short
+    last window: each micro-batch's mean over its pairs is weighted by its share of the window's pairs. Loss types
+    that are not a mean of per-pair terms (``"sft"``, ``"aot"``, ``"aot_unpaired"``) are refused."""
 
