@@ -86,13 +86,15 @@ def accumulation_off(trainer: Any) -> Iterator[None]:
     if not isinstance(config, dict) or config.get(KEY, "auto") != "auto":
         yield
         return
-    old = {KEY: config[KEY]} if KEY in config else {}
+    had, value = KEY in config, config.get(KEY)
     config[KEY] = False
     try:
         yield
     finally:
-        del config[KEY]
-        config.update(old)
+        if had:
+            config[KEY] = value
+        else:
+            del config[KEY]
 
 
 def step_applied(trainer: Any) -> bool:
