@@ -126,6 +126,8 @@ class ExactAccumulation(Callback):
         if stage != "fit":
             return
         _refuse_what_is_not_exact(trainer, pl_module)
+        if self.buffers is not None:
+            self.buffers.retire()  # a previous fit's
         # one device without a loss scaler (which unscales .grad before on_before_optimizer_step): the sum is ours
         owns = isinstance(trainer.strategy, SingleDeviceStrategy) and getattr(trainer.precision_plugin, "scaler",
                                                                               None) is None
