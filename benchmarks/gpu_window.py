@@ -4,15 +4,21 @@ On a GPU, ``python benchmarks/gpu_window.py`` (a few minutes) builds GPT-2 small
 parameters, no download), its parameters in bf16, and trains windows of 4 micro-batches of 8 padded
 sequences of up to 512 tokens through four loops:
 
-- the hand loop: each micro-batch's ``loss / N`` backpropagated, one optimizer step (the baseline);
+- the hand loop: each micro-batch's ``loss / N`` backpropagated, ``clip_grad_norm_``, one optimizer step (the
+  baseline);
 - ``acc.step(window, loss_fn, micro_batch_size=8, num_items=...)`` as docs/guides/hf-models.md writes it
   (``causal_lm_loss``, ``count_targets``), the gradient summed in float32 buffers (the default);
 - the Hugging Face ``Trainer`` with ``gradient_accumulation_steps=4``, and ``ExactTrainer`` with the same.
 
-For each it counts the host synchronisations of one steady-state window twice: as CUDA sees them
+Each clips at a norm of 1.0 (the Trainer's default), with AdamW. One GPU: the script makes only device 0 visible
+(else the Trainer would wrap the model in DataParallel).
+
+For each it counts the host synchronisations of a steady-state window twice: as CUDA sees them
 (``torch.cuda.set_sync_debug_mode("warn")`` warns at every call that waits for the device) and as Python
-asks for them (``Tensor.item``, ``tolist``, ``cpu`` of a tensor on the device); and it times the windows
-(the median, relative to the hand loop). It prints one JSON line, then the table docs/measurements.md
+asks for them (``item``, ``tolist``, ``cpu``, ``float``, ``int``, ``bool`` of a tensor on the device): for the
+two loops in one window after a warm-up one, for the Trainers the mean over ``windows - 1`` windows (the
+difference from a one-window run, whose start-up both share). It times the windows (synchronized, the median,
+relative to the hand loop). It prints one JSON line, then the table docs/measurements.md
 quotes.
 
 ``--device cpu --tiny`` runs the same code on a tiny GPT-2 on the CPU in seconds
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -33,9 +40,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transformer import _Clock  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from gradaccum import Accumulator, causal_lm_loss, count_targets  # noqa: E402
 
 N, M = 4, 8  # micro-batches per window, sequences per micro-batch
@@ -43,9 +48,9 @@ N, M = 4, 8  # micro-batches per window, sequences per micro-batch
 
 class Syncs:
     """Host synchronisations while active: CUDA's own count (sync debug mode; None off CUDA), and the reads
-    Python asks of a tensor on an accelerator (``Tensor.item``, ``tolist``, ``cpu``; a CPU tensor's are free)."""
+    Python asks of a tensor on an accelerator (a CPU tensor's are free)."""
 
-    READS = ("item", "tolist", "cpu")
+    READS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -108,7 +113,7 @@ def loop_runner(name: str, model: torch.nn.Module) -> Callable[[Dict[str, torch.
     """One window of the hand loop or of ``acc.step``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if name == "acc.step":
-        acc = Accumulator(model, opt)
+        acc = Accumulator(model, opt, max_grad_norm=1.0)
         return lambda batch: acc.step(batch, lm_loss, micro_batch_size=M,
                                       num_items=lambda mb: count_targets(mb["labels"]))
 
@@ -116,6 +121,7 @@ def loop_runner(name: str, model: torch.nn.Module) -> Callable[[Dict[str, torch.
         for k in range(N):
             mb = {key: v[k * M:(k + 1) * M] for key, v in batch.items()}
             (model(**mb).loss / N).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return hand
@@ -141,9 +147,9 @@ def measure_loop(name: str, device: torch.device, tiny: bool, windows: int) -> D
 
 def measure_trainer(exact: bool, device: torch.device, tiny: bool, windows: int) -> Dict[str, Optional[float]]:
     """The Trainer over the same windows: syncs per window from the difference between ``windows`` and one
-    window's training (the start is in both), time from its step ends."""
+    window's training (the start is in both), time from its step ends (synchronized)."""
     import transformers
-    from transformers import PrinterCallback, Trainer, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from gradaccum.integrations import ExactTrainer
 
@@ -151,29 +157,35 @@ def measure_trainer(exact: bool, device: torch.device, tiny: bool, windows: int)
     model, data = model_and_data(device, tiny, windows)
     rows = [{key: v[i] for key, v in batch.items()} for batch in data for i in range(N * M)]
     args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="gradaccum-gpu-"), per_device_train_batch_size=M,
-                             gradient_accumulation_steps=N, max_steps=1, max_grad_norm=0.0, report_to="none",
+                             gradient_accumulation_steps=N, max_steps=1, max_grad_norm=1.0, report_to="none",
                              save_strategy="no", logging_strategy="no", eval_strategy="no", disable_tqdm=True,
-                             use_cpu=device.type == "cpu", dataloader_num_workers=0,
+                             use_cpu=device.type == "cpu", dataloader_num_workers=0, dataloader_pin_memory=False,
                              train_sampling_strategy="sequential", remove_unused_columns=False, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    clock = _Clock()
+    ends: List[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
     trainer = (ExactTrainer if exact else Trainer)(
         model=model, args=args, train_dataset=rows,
         optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1)),
         data_collator=lambda items: {key: torch.stack([it[key] for it in items]) for key in items[0]},
-        callbacks=[clock.callback])
+        callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)
     counts = []
     for steps in (1, windows):
         trainer.args.max_steps = steps
-        clock.ends.clear()
+        ends.clear()
         with Syncs(device) as syncs:
             trainer.train()
         counts.append(syncs)
     per = windows - 1
     device_syncs = None if counts[0].device_syncs is None else (counts[1].device_syncs - counts[0].device_syncs) / per
     return {"device_syncs": device_syncs, "host_reads": (counts[1].host_reads - counts[0].host_reads) / per,
-            "seconds": statistics.median(b - a for a, b in zip(clock.ends, clock.ends[1:]))}
+            "seconds": statistics.median(b - a for a, b in zip(ends, ends[1:]))}
 
 
 def table(results: Dict[str, Dict[str, Optional[float]]]) -> str:
@@ -196,6 +208,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, Optional[float
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     windows = args.windows or (3 if args.tiny else 20)
+    if windows < 2:
+        parser.error(f"--windows {windows}: the Trainers' figures are differences over windows - 1; pass 2 or more")
+    if device.type == "cuda":
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(device.index or 0))  # before CUDA starts: one GPU
+        device = torch.device("cuda", 0)
     results = {"hand loop": measure_loop("hand", device, args.tiny, windows),
                "acc.step": measure_loop("acc.step", device, args.tiny, windows),
                "Trainer, GA 4": measure_trainer(False, device, args.tiny, windows),

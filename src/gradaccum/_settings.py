@@ -12,8 +12,8 @@ from torch import nn
 from ._accum_dtype import AccumDtype, check_accum_dtype
 from ._checks import positive_number
 from ._deepspeed import check_engine_arguments, deepspeed_engine
-from .errors import ConfigurationError, NotExactError
-from .sync import GradSync, refuse_pipeline
+from .errors import ConfigurationError
+from .sync import refuse_pipeline
 
 __all__ = ["NONFINITE", "Settings", "check_training_objects", "nonfinite_choice"]
 

@@ -38,12 +38,20 @@ A window with N = 0 (every label ignored) has no loss to step on: its scale is 0
 :func:`verdict` skips it (no optimizer step, so no weight decay and no step counted), in the core and
 in every integration alike.
 
-The window, step by step (:class:`WindowWeights`): **open** it with N where it is known before the first
-backward (R = N), else with the running R, fixed by the first backward; **weigh** each micro-batch
-(``n_k * W / R`` for a mean loss, ``W / R`` for a summed one); **close** it at the boundary (the
-:class:`Closing`: verdict and scale), where a framework-driven window also **hands over** its gradient at
-that scale and has the framework's norm **judged**; **record** what the window taught the
-:class:`~gradaccum._state.AccumulatorState`.
+The window, step by step (:class:`WindowWeights`):
+
+1. **open** it: ``WindowWeights(state, W, num_items=N)`` where N is known before the first backward (R = N;
+   N = 0 is known to be skipped, :attr:`~WindowWeights.empty`), else ``WindowWeights(state, W)`` on the running
+   R, fixed once by the first backward (:meth:`~WindowWeights.fix_reference`); ``buffers=`` opens the float32
+   buffers of a framework-driven window;
+2. **weigh** micro-batch k: :meth:`~WindowWeights.mean_weight` (``n_k * W / R``, kept per Python count in
+   :attr:`~WindowWeights.weight_of`), :meth:`~WindowWeights.sum_weight` (``W / R``), or, where the framework
+   runs the backward, :meth:`~WindowWeights.weigh` (a hook on the loss);
+3. at the **boundary**: :meth:`~WindowWeights.close` gives the :class:`Closing` (verdict and scale); a
+   framework-driven window :meth:`~WindowWeights.hand_over` its gradient at that scale before the framework
+   clips, and has the framework's norm :meth:`~WindowWeights.judge`-d;
+4. :meth:`~WindowWeights.record` what the window taught the :class:`~gradaccum._state.AccumulatorState`; a
+   window that failed part-way is :meth:`~WindowWeights.abort`-ed.
 
     >>> from gradaccum._state import AccumulatorState
     >>> state = AccumulatorState()
@@ -107,7 +115,6 @@ def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, gr
     return num_items * grad_divisor / reference
 
 
-
 def boundary_scale(reference: float, num_items: float) -> float:
     """``R / N``, the factor that turns the reduced gradient into the window's mean gradient (0 for a
     window that counted no item: it takes no step).
@@ -116,7 +123,6 @@ def boundary_scale(reference: float, num_items: float) -> float:
     (1.0, 1.5, 0.0)
     """
     return reference / num_items if num_items > 0 else 0.0
-
 
 
 def running_reference(count: float) -> float:
@@ -131,7 +137,6 @@ def running_reference(count: float) -> float:
     return max(float(count), 1.0)
 
 
-
 def window_mean(loss_sum: float, num_items: float) -> float:
     """The window's item-weighted mean loss ``sum n_k L_k / N``; nan for a window of 0 items.
 
@@ -139,7 +144,6 @@ def window_mean(loss_sum: float, num_items: float) -> float:
     (1.5, True)
     """
     return loss_sum / num_items if num_items > 0 else math.nan
-
 
 
 def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float]) -> float:
@@ -152,7 +156,6 @@ def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float])
         return 1.0
     assert grad_norm is not None, "the norm is measured whenever clipping"
     return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
-
 
 
 class Verdict(enum.Enum):
@@ -179,7 +182,6 @@ def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[flo
     if not finite:
         return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
     return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
-
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ class WindowWeights:
 
     def fix_reference(self, estimate: Count, agree: Callable[[float], float] = float) -> float:
         """R for this window: known, or the running R; fixed now, once per state, from ``estimate`` (the
-        driver's guess at a window's N from its first backward, :func:`~gradaccum._maths.running_reference`)
+        driver's guess at a window's N from its first backward, :func:`running_reference`)
         made the same on every rank by ``agree`` (a max across ranks; the identity where the estimate is
         already agreed)."""
         if self.reference is None:
@@ -262,7 +264,7 @@ class WindowWeights:
     def mean_weight(self, num_items: Union[Count, torch.Tensor], loss_dtype: torch.dtype = torch.float64
                     ) -> Union[float, torch.Tensor]:
         """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by:
-        ``n_k * W / R`` (:func:`~gradaccum._maths.backward_weight`); 0 in a window known to be empty. The
+        ``n_k * W / R`` (:func:`backward_weight`); 0 in a window known to be empty. The
         weight of a Python count is kept in :attr:`weight_of` (the same for any ``loss_dtype``)."""
         if self.num_items == 0:  # known empty
             weight: Union[float, torch.Tensor] = 0.0
@@ -284,7 +286,7 @@ class WindowWeights:
     def window_loss_weight(self, num_items: Count) -> float:
         """What the gradient of a loss over the **whole window** (a ``WindowLoss``: one mean over the
         window's ``num_items`` = N rows, the cached two passes) is multiplied by: ``N / R``
-        (:func:`~gradaccum._maths.backward_weight` with ``W`` = 1: the ranks' divisor rides in the
+        (:func:`backward_weight` with ``W`` = 1: the ranks' divisor rides in the
         representations' gradient slices), 1 where N was counted first."""
         return 0.0 if self.empty else float(backward_weight(float(num_items), self._r(), 1.0))
 
@@ -311,7 +313,7 @@ class WindowWeights:
               nonfinite: str = "raise", has_scaler: bool = False) -> Closing:
         """The boundary's decision from the window's global N (summed over its micro-batches and ranks),
         and where the driver measured them its global loss sum and the reduced gradient's norm before
-        the scale (:func:`~gradaccum._maths.verdict`, :func:`~gradaccum._maths.boundary_scale`). Changes
+        the scale (:func:`verdict`, :func:`boundary_scale`). Changes
         nothing: :meth:`record` does, once the driver has stepped or skipped."""
         n = float(num_items)
         r = self.reference  # None only where no weighted backward ran: then any R scales a zero gradient
@@ -339,7 +341,7 @@ class WindowWeights:
         from ``grad_norm``, its norm where the framework measured it anyway (the Hugging Face Trainer's,
         for clipping and its log; a tensor), else measured here over the ``.grad`` of ``params`` (one
         fused pass). Read on the host once. The rule is the ``Accumulator``'s
-        (:func:`~gradaccum._maths.verdict`): a norm that is not finite (nan or inf in a loss or a gradient
+        (:func:`verdict`): a norm that is not finite (nan or inf in a loss or a gradient
         of any micro-batch: every rank holds the same reduced gradient, so every rank decides the same)
         skips the window under ``nonfinite="skip"``, its ``.grad`` of ``params`` dropped (the driver
         ``who`` keeps the optimizer and the scheduler from stepping, and :meth:`record` counts the skip),

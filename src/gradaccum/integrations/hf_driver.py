@@ -14,8 +14,7 @@ from .._gradients import AccumulationBuffers
 from .._patching import NoStep, Swaps
 from .._settings import nonfinite_choice
 from .._state import AccumulatorState
-from .._weights import Closing
-from .._weights import WindowWeights
+from .._weights import Closing, WindowWeights
 from ..errors import ConfigurationError, NotExactError
 from ._versions import require
 from .hf_moe import TrainerBalance
