@@ -367,6 +367,31 @@ def test_a_skipped_window_leaves_the_drivers_buffers_empty(tmp_path):
     assert callback.skipped == 1 and held["lightning"][-1] == 0 and min(held["lightning"][:-1]) > 0, held
 
 
+def test_a_second_fit_is_not_summed_into_buffers_a_first_fit_left_open():
+    """Lightning may not reach ExactAccumulation's teardown (another callback's on_exception raising first
+    stops the hooks): the first fit's float32 buffers, still folding, would take the second fit's gradients
+    in silence. A second fit with the callback ends as one whose first fit was torn down."""
+    import pytorch_lightning as pl
+
+    from gradaccum.integrations.lightning import ExactAccumulation
+
+    data = window(4, 2)
+    models = []
+    for torn_down in (True, False):
+        LM = lightning_lm(gpt2(0).to(torch.bfloat16), lambda params: torch.optim.SGD(params, lr=1.0))
+        module, callback = LM(), ExactAccumulation()
+        for fit_number in range(2):
+            fit = pl.Trainer(accumulate_grad_batches=2, max_epochs=1, callbacks=[callback], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             accelerator="cpu", devices=1)
+            fit.fit(module, torch.utils.data.DataLoader(data, batch_size=None, shuffle=False))
+            if fit_number == 0 and not torn_down:
+                callback.buffers.open()  # as the fit left them where its teardown never ran
+        models.append(module)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+
+
 class _TwoDtypes(nn.Module):
     """A float32 layer (summed in the float64 buffers) then a float64 one (already of the buffers' dtype:
     its gradient sums in ``.grad``), as a bf16 model with float32 layers is under ``accum_dtype="auto"``."""
