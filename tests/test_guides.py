@@ -6,8 +6,10 @@ here says so, and why, in an HTML comment on the line right before its fence (in
 
 * ``<!-- not run: REASON -->``: a fragment (a signature, a line that needs the reader's own model),
   or a block that needs a GPU. The reason is required.
-* ``<!-- run under torchrun -->``: a script for ``torchrun --nproc_per_node=2``; it is written to a
-  file and launched so, on 2 gloo processes (tests/distributed/launch.py).
+* ``<!-- run under torchrun -->``: a script for ``torchrun --nproc_per_node=2``; it runs as written on
+  the 2 gloo processes of the suite's one torchrun launch, in a scenario :data:`TORCHRUN_SCENARIOS`
+  names (tests/distributed/launch.py, ``run_guide_torchrun_blocks``: the group is joined already, so
+  its ``init_process_group`` and ``destroy_process_group`` stand aside).
 * ``<!-- run after: GUIDE.md -->``: the block uses names the first block of another guide defines
   (the Lightning recipe uses the contrastive guide's ``TwoTowers`` and ``clip_loss``); that block runs
   first, in the same namespace.
@@ -34,12 +36,14 @@ import pytest
 import torch
 
 GUIDES = Path(__file__).resolve().parent.parent / "docs" / "guides"
-# moe.md, contrastive.md and sentence-transformers.md run in their own tests (test_cached_guide.py, ...);
-# pipeline.md's torchrun block in the shared launch (tests/distributed/pipeline_worker.py)
+# moe.md, contrastive.md and sentence-transformers.md run in their own tests (test_cached_guide.py, ...)
 OWNED = ["accelerate.md", "cli.md", "hf-models.md", "hf-trainer.md", "lightning.md", "own-loop.md",
          "torchrun.md", "train.md", "trl.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 MARKER = re.compile(r"<!--\s*(.*?)\s*-->")
+#: the scenario of the shared torchrun launch that runs a guide's torchrun blocks: (its test module, its name)
+TORCHRUN_SCENARIOS = {"torchrun.md": ("tests/distributed/test_distributed.py", "torchrun_guide_runs_as_written"),
+                      "pipeline.md": ("tests/distributed/test_pipeline.py", "guide_example_runs_as_written")}
 
 
 @dataclass
@@ -96,8 +100,6 @@ def _exec(block: Block, namespace: Dict) -> None:
 
 def run_guide(guide: str, tmp_path, monkeypatch) -> Dict:
     """Run the guide's blocks that run in this process, in order, in one namespace; return it."""
-    from distributed.launch import torchrun
-
     monkeypatch.chdir(tmp_path)
     namespace: Dict = {"__name__": "guide"}
     with warnings.catch_warnings():
@@ -112,12 +114,6 @@ def run_guide(guide: str, tmp_path, monkeypatch) -> Dict:
                 namespace.update(getattr(guide_setups, block.marker.split(": ", 1)[1])(tmp_path))
             if k in ("run", "after", "with"):
                 _exec(block, namespace)
-            elif k == "torchrun":
-                script = tmp_path / f"block_{block.line}.py"
-                script.write_text(block.code)
-                proc = torchrun([str(script)], cwd=tmp_path, timeout=240)
-                assert proc.returncode == 0, f"{block.where} under torchrun: exit {proc.returncode}\n" \
-                                             f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return namespace
 
 
@@ -139,16 +135,30 @@ def fresh_accelerate():
 # the guides with a block that runs here (the Lightning guide's run in the recipe's test below), and the
 # package each needs beyond torch
 RUNNABLE = {"accelerate.md": "accelerate", "hf-models.md": "transformers", "hf-trainer.md": "transformers",
-            "own-loop.md": None, "torchrun.md": None, "train.md": None}
+            "own-loop.md": None, "train.md": None}
 
 
 def test_the_runnable_guides_are_listed():
-    runnable = {g for g in OWNED for b in blocks(g) if kind(b) != "not run"}
+    runnable = {g for g in OWNED for b in blocks(g) if kind(b) not in ("not run", "torchrun")}
     assert runnable == set(RUNNABLE) | {"lightning.md"}
 
 
-@pytest.mark.parametrize("guide", [pytest.param(g, marks=pytest.mark.distributed) if g == "torchrun.md" else g
-                                   for g in sorted(RUNNABLE)])
+def test_every_torchrun_block_is_run_by_a_scenario_of_the_shared_launch():
+    """A guide's torchrun blocks run in the suite's one torchrun launch (tests/distributed/launch.py,
+    ``run_guide_torchrun_blocks``), in the scenario :data:`TORCHRUN_SCENARIOS` names for the guide: the
+    scenario is one its test module lists, and its worker runs that guide's blocks."""
+    with_torchrun = {p.name for p in GUIDES.glob("*.md") if any(kind(b) == "torchrun" for b in blocks(p.name))}
+    assert with_torchrun == set(TORCHRUN_SCENARIOS)
+    root = GUIDES.parents[1]
+    for guide, (module, scenario) in TORCHRUN_SCENARIOS.items():
+        test_module = (root / module).read_text()
+        assert f'"{scenario}"' in test_module, (guide, module, scenario)
+        worker = re.search(r'^WORKER = "(.+)"', test_module, re.M).group(1)
+        body = (root / worker).read_text().split(f"def {scenario}(", 1)[1].split("\ndef ", 1)[0]
+        assert f'run_guide_torchrun_blocks("{guide}")' in body, (guide, worker, scenario)
+
+
+@pytest.mark.parametrize("guide", sorted(RUNNABLE))
 def test_guide_runs(guide, tmp_path, monkeypatch, fresh_accelerate):
     if RUNNABLE[guide]:
         pytest.importorskip(RUNNABLE[guide])

@@ -157,8 +157,7 @@ def test_ctrl_c_then_kill_9_then_resume_is_bit_identical(tmp_path, uninterrupted
     the uninterrupted model (both sides are subprocesses with one thread, so float32 agrees to the
     bit), and its progress (stderr is a pipe) is a plain line every tenth of the run. float32, the
     default and the dtype whose rounding a difference between the two sides would show; a float64
-    resume is held to the bit under torchrun (tests/distributed: test_cli_under_torchrun_...,
-    test_global_batch.py)."""
+    resume is held to the bit under torchrun (tests/distributed/test_global_batch.py)."""
     dtype = "float32"
     args = [a for a in KILL_ARGS if a not in ("--checkpoint-every", "2")] + ["--dtype", dtype]
     out = tmp_path / "ctrl-c"

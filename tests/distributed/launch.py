@@ -278,6 +278,35 @@ def run_workers(paths: Sequence[str]) -> NoReturn:
     run_modules(modules)
 
 
+GUIDE_TORCHRUN = "<!-- run under torchrun -->"
+
+
+def run_guide_torchrun_blocks(guide: str) -> List[Tuple[Dict[str, Any], str]]:
+    """A guide's ``<!-- run under torchrun -->`` blocks (docs/guides/GUIDE), as written, on this rank of a
+    launch, each in a namespace of its own: each block's namespace and what it printed. The group is already joined, so the
+    block's ``init_process_group`` and ``destroy_process_group`` stand aside; everything between runs
+    as a reader's ``torchrun --nproc_per_node=2`` runs it (tests/test_guides.py checks that every
+    such block of a guide is run by a scenario)."""
+    import contextlib
+    import io
+    import re
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    text = (ROOT / "docs" / "guides" / guide).read_text()
+    said = []
+    for m in re.finditer(re.escape(GUIDE_TORCHRUN) + r"\n```python\n(.*?)^```", text, re.M | re.S):
+        where = f"docs/guides/{guide}:{text.count(chr(10), 0, m.start(1))}"
+        namespace: Dict[str, Any] = {"__name__": "guide"}
+        printed = io.StringIO()
+        with mock.patch.object(dist, "init_process_group"), mock.patch.object(dist, "destroy_process_group"), \
+                contextlib.redirect_stdout(printed):
+            exec(compile(m.group(1), where, "exec"), namespace)  # noqa: S102 - our own guide
+        said.append((namespace, printed.getvalue()))
+    return said
+
+
 def _agent_args(node_rank: int, port: int) -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=2",
             f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]

@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: distributed.launch
 
-from distributed.launch import run_modules  # noqa: E402
+from distributed.launch import run_guide_torchrun_blocks, run_modules  # noqa: E402
 from gradaccum import ConfigurationError, NotExactError, PipelineWindow  # noqa: E402
 
 RANK, WORLD = 0, 1
@@ -393,15 +393,7 @@ def refusals_name_the_fix():
 def guide_example_runs_as_written():
     """docs/guides/pipeline.md's torchrun block, as written, in this launch (the group already joined:
     its init_process_group and destroy_process_group stand aside); 3 steps, the last window short."""
-    import re
-    from pathlib import Path
-    from unittest import mock
-
-    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "pipeline.md").read_text()
-    code = re.search(r"<!-- run under torchrun -->\n```python\n(.*?)^```", text, re.M | re.S).group(1)
-    namespace = {"__name__": "guide"}
-    with mock.patch.object(dist, "init_process_group"), mock.patch.object(dist, "destroy_process_group"):
-        exec(compile(code, "docs/guides/pipeline.md", "exec"), namespace)  # noqa: S102 - our own guide
+    [(namespace, _)] = run_guide_torchrun_blocks("pipeline.md")
     result = namespace["result"]
     assert (result.step, result.micro_batches, result.skipped) == (3, 2, False), result
     return f"3 steps, the last over {result.num_items} tokens"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.launch import scenario_tests, torchrun, two_agents
+from distributed.launch import scenario_tests, two_agents
 
 pytestmark = pytest.mark.distributed
 
@@ -43,6 +43,7 @@ SCENARIOS = [
     "clipped_train_over_a_window_sampler_costs_one_collective_per_window",
     "ddp_a_micro_batch_of_no_item_weighs_nothing",
     "fsdp2_a_micro_batch_of_no_item_weighs_nothing",
+    "torchrun_guide_runs_as_written",
 ]
 
 
@@ -56,36 +57,3 @@ def test_two_torchrun_agents_nnodes_2():
     joined = "\n".join(outs)
     assert "PASS ddp_uneven_exact" in joined and "PASS ddp_one_reduction_per_window" in joined, joined[-3000:]
 
-
-def test_cli_under_torchrun_rank0_writes_and_resume_extends(tmp_path):
-    """`torchrun --nproc_per_node=2 -m gradaccum train` unchanged: DistributedSampler shares, one
-    writer, and a run resumed for a second epoch equals a two-epoch run, to the bit (three launches:
-    the resumed side's two and that run; each launch costs 3 processes' imports). No rank prints the profiler's C++ warning about memory allocated before it
-    started (the memory meter's own noise)."""
-    import json
-
-    import torch
-
-    args = ["-m", "gradaccum", "train", "--model", "mlp", "--device", "cpu", "--micro-batch-size", "16",
-            "--accum-steps", "2", "--dtype", "float64"]
-    for extra, out in ((["--epochs", "1"], "resumed"), (["--epochs", "2", "--resume"], "resumed"),
-                       (["--epochs", "2"], "whole")):
-        proc = torchrun([*args, *extra, "--out", str(tmp_path / out)])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "Memory block of unknown size" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
-    assert summary["world_size"] == 2
-    rows = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows if r.get("kind", "train") == "train"]  # eval rows: one per epoch end
-    assert [r["epoch"] for r in rows if r.get("kind") == "eval"] == [0, 1]
-    assert steps == list(range(1, summary["steps"] + 1)), "duplicate or missing metric lines"
-    assert summary["steps"] == 2 * 23  # 1438 items over 2 ranks: 719 each, windows of 32
-    a = torch.load(tmp_path / "whole" / "last.pt", weights_only=True)["model"]
-    b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run changed the training"  # a resume that lost anything
-    whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in whole if r.get("kind", "train") == "train"]
-    assert summary["last_loss"] == losses[-1], losses[-3:]
-    names = sorted(p.name for p in (tmp_path / "whole").iterdir() if not p.name.startswith("events.out.tfevents"))
-    assert names == ["last.pt", "loss.png", "metrics.csv", "metrics.jsonl", "summary.json"], names
-    assert sum(p.name.startswith("events.out.tfevents") for p in (tmp_path / "whole").iterdir()) == 1  # rank 0's

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: distributed.launch
 
-from distributed.launch import run_modules  # noqa: E402
+from distributed.launch import run_guide_torchrun_blocks, run_modules  # noqa: E402
 from gradaccum import Accumulator, ConfigurationError  # noqa: E402
 
 RANK, WORLD = 0, 1
@@ -1110,6 +1110,19 @@ def fsdp2_a_micro_batch_of_no_item_weighs_nothing():
     return "exact (int, tensor counts)"
 
 
+def torchrun_guide_runs_as_written():
+    """docs/guides/torchrun.md's two scripts (DDP, FSDP2), as written, in this launch: 3 epochs of 1,000
+    items in windows of 256 over the 2 ranks, 12 steps each, rank 0 printing them."""
+    (_, ddp), (_, fsdp2) = run_guide_torchrun_blocks("torchrun.md")
+    if RANK != 0:
+        assert ddp == fsdp2 == "", (ddp, fsdp2)
+        return "rank 1 printed nothing"
+    items = [int(line.rsplit(" over ", 1)[1].split()[0]) for line in ddp.splitlines()]
+    assert items == [256, 256, 256, 232] * 3, ddp
+    assert fsdp2.startswith("12 steps, loss "), fsdp2
+    return f"DDP: {len(items)} steps; FSDP2: {fsdp2.strip()}"
+
+
 SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
@@ -1129,7 +1142,8 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_counts_other_than_the_shares_are_summed_at_the_boundary,
              ddp_train_over_a_distributed_sampler_asks_once_per_epoch,
              clipped_train_over_a_window_sampler_costs_one_collective_per_window,
-             ddp_a_micro_batch_of_no_item_weighs_nothing, fsdp2_a_micro_batch_of_no_item_weighs_nothing]
+             ddp_a_micro_batch_of_no_item_weighs_nothing, fsdp2_a_micro_batch_of_no_item_weighs_nothing,
+             torchrun_guide_runs_as_written]
 
 
 if __name__ == "__main__":
