@@ -1,9 +1,7 @@
 """The command line under torchrun (2 gloo processes on the CPU) where issue #26 found it wrong: a
-damaged --shard checkpoint, and --compare's record of the two runs' windows on 2 ranks."""
+damaged --shard checkpoint (--compare's record of the two runs' windows on 2 ranks: in
+tests/distributed/test_global_batch.py, whose one launch runs it)."""
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -49,21 +47,3 @@ def test_a_damaged_shard_is_refused_in_one_line_on_every_rank_and_left_in_place(
     assert shown.returncode == 2 and shown.stderr.count("\n") == 1, shown.stderr
     assert "__0_0.distcp does not match the checksum" in shown.stderr and "evaluate another checkpoint" in shown.stderr
 
-
-def test_compare_on_2_ranks_records_each_runs_window_as_its_summary_does(tmp_path):
-    """compare.json gave the one-batch run's micro-batch size as 64 (the global batch), the
-    accumulated run's as 8 (per rank) and baseline/summary.json as 32: each side now carries the
-    global batch, the ranks and the per-rank split, read from its own summary.json."""
-    out = tmp_path / "cmp"
-    proc = torchrun(["-m", "gradaccum", "train", "--model", "mlp", "--device", "cpu", "--epochs", "1",
-                     "--micro-batch-size", "8", "--accum-steps", "4", "--compare", "--out", str(out)])
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    report = json.loads((out / "compare.json").read_text())
-    for side, summary in (("accumulated", out / "summary.json"), ("one_batch", out / "baseline" / "summary.json")):
-        summary = json.loads(Path(summary).read_text())
-        for key in ("global_batch_size", "world_size", "micro_batch_size", "accum_steps"):
-            assert report[side].get(key) == summary[key], (side, key, report[side], summary)
-    assert [report["accumulated"][k] for k in ("global_batch_size", "world_size", "micro_batch_size", "accum_steps")] \
-        == [64, 2, 8, 4]
-    assert [report["one_batch"][k] for k in ("global_batch_size", "world_size", "micro_batch_size", "accum_steps")] \
-        == [64, 2, 32, 1]

@@ -8,6 +8,7 @@ another order) and "the same run" to the bit (same world size).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 46  # digits: 1438 training images, windows of 64: 23 per epoch, 2 epochs
 # the MLP, not LeNet-5: what is asserted (one global batch whatever the world size, a resume to the bit)
 # is about the sharding, the weighting and the checkpoint, not the model, and the MLP trains the 46
-# steps in about 40% of LeNet-5's CPU time, in each of this module's eight launches
+# steps in about 40% of LeNet-5's CPU time, in each of this module's six launches
 COMMON = ["train", "--model", "mlp", "--dtype", "float64", "--batch-size", "64", "--epochs", "2",
           "--optimizer", "adamw", "--lr", "0.001", "--device", "cpu"]
 # a last window of one item: 1438 images in windows of 1437
@@ -59,22 +60,51 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def on_2_ranks(tmp_path_factory):
+def on_2_ranks(tmp_path_factory, ctrl_c_on_2_ranks):
     """The 2-rank runs whose point is what they train and write, one after the other in one launch
     (distributed/cli_runs.py: each rank's ``gradaccum.cli.main``; a launch costs 3 processes' imports):
-    the uninterrupted run, a one-epoch run and its resume for a second epoch, and a last window smaller
-    than the ranks. Returns their folder and what the launch said. The runs that stop, restart or
-    resume across launchers are launched each as a user would."""
+    the uninterrupted run (``ranks2``), a one-epoch run and its resume for a second epoch (``resumed``),
+    a last window smaller than the ranks (``last-window``), a run stopped by Ctrl-C on 1 rank and
+    continued here (``grown``), a copy of the 2-rank run stopped by Ctrl-C, resumed here (``stopped``),
+    and ``--compare`` (``compare``). What stops a run (a signal to a process or to torchrun's group) and
+    what restarts one is a process of its own, as a user's is. Returns the folder, what the launch
+    said, and the stopped runs' exit code, log and checkpointed step as they were before their resumes."""
     made = tmp_path_factory.mktemp("on-2-ranks")
+    grown, grown_log = made / "grown", made / "grown.log"
+    proc = start_cli(train(grown), log=grown_log)
+    try:
+        wait_for_rows(grown, proc, 5, grown_log)
+        proc.send_signal(signal.SIGINT)
+        grown_code = proc.wait(timeout=120)
+    finally:
+        kill_tree(proc)
+    stopped, stopped_log = ctrl_c_on_2_ranks(made / "stopped")
+    held = {"grown": steps_held(grown), "stopped": steps_held(stopped)}
     runs = [train(made / "ranks2"), train(made / "resumed", "--epochs", "1"), train(made / "resumed", "--resume"),
-            [*LAST_WINDOW, "--out", str(made / "last-window")]]
+            [*LAST_WINDOW, "--out", str(made / "last-window")], train(grown, "--resume"), train(stopped, "--resume"),
+            ["train", "--model", "mlp", "--device", "cpu", "--epochs", "1", "--micro-batch-size", "8",
+             "--accum-steps", "4", "--compare", "--out", str(made / "compare")]]
     (made / "runs.json").write_text(json.dumps(runs))
     proc = torchrun([str(Path(__file__).with_name("cli_runs.py")), str(made / "runs.json")])
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-3000:]
     assert [line for line in proc.stdout.splitlines() if line.startswith("RAN ")] == \
         [f"RAN {i} [0, 0]" for i in range(len(runs))], said[-3000:]
-    return made, said
+    return Runs(made, said, grown_code, grown_log.read_text(), stopped_log.read_text(), held)
+
+
+@dataclasses.dataclass
+class Runs:
+    folder: Path
+    said: str  # the launch's output, every rank's
+    grown_code: int  # the 1-rank run's exit code at Ctrl-C
+    grown_log: str
+    stopped_log: str  # torchrun's log of the 2-rank run stopped by Ctrl-C
+    held: dict  # the step each stopped run's checkpoint held before its resume
+
+
+def steps_held(out: Path) -> int:
+    return torch.load(out / "last.pt", weights_only=True)["accumulator"]["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +115,7 @@ def runs(tmp_path_factory, request):
 
     def run(world: int) -> Path:
         if world == 2:
-            return request.getfixturevalue("on_2_ranks")[0] / "ranks2"
+            return request.getfixturevalue("on_2_ranks").folder / "ranks2"
         if world not in made:
             out = tmp_path_factory.mktemp(f"ranks{world}")
             proc = run_cli_here(train(out)) if world == 1 else torchrun(module(train(out)), nproc=world)
@@ -161,9 +191,8 @@ def test_on_2_ranks_rank_0_writes_and_a_resume_for_a_second_epoch_is_the_two_epo
     epoch's end, and a one-epoch run resumed for a second epoch equals the uninterrupted two-epoch run,
     to the bit. No rank of any run in the launch prints the profiler's C++ warning about memory allocated
     before it started (the memory meter's own noise)."""
-    made, said = on_2_ranks
-    whole, out = runs(2), made / "resumed"
-    assert "Memory block of unknown size" not in said, said[-3000:]
+    whole, out = runs(2), on_2_ranks.folder / "resumed"
+    assert "Memory block of unknown size" not in on_2_ranks.said, on_2_ranks.said[-3000:]
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == STEPS
     every = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -175,6 +204,7 @@ def test_on_2_ranks_rank_0_writes_and_a_resume_for_a_second_epoch_is_the_two_epo
     names = sorted(p.name for p in whole.iterdir() if not p.name.startswith("events.out.tfevents"))
     assert names == ["last.pt", "loss.png", "metrics.csv", "metrics.jsonl", "summary.json"], names
     assert sum(p.name.startswith("events.out.tfevents") for p in whole.iterdir()) == 1  # rank 0's
+
 
 def test_stopped_on_2_ranks_by_ctrl_c_continues_on_1_rank(runs, ctrl_c_on_2_ranks, tmp_path):
     """Ctrl-C to torchrun's process group, as a terminal sends it (torchrun forwards it to its workers,
@@ -200,16 +230,12 @@ def test_stopped_on_2_ranks_by_ctrl_c_continues_on_1_rank(runs, ctrl_c_on_2_rank
     assert max_diff(model_of(runs(1)), model_of(out)) < 1e-9
 
 
-def test_ctrl_c_on_2_ranks_resumes_under_the_same_launcher_to_the_bit(runs, ctrl_c_on_2_ranks, tmp_path):
+def test_ctrl_c_on_2_ranks_resumes_on_2_ranks_to_the_bit(runs, on_2_ranks):
     """Ctrl-C on 2 ranks: the stop request rides in the next window's boundary (the first line says
-    so); the run resumed under the same launcher ends with the model of the uninterrupted run, to the bit."""
-    out, log = ctrl_c_on_2_ranks(tmp_path / "stopped")
-    said = log.read_text()
+    so); the run resumed on 2 ranks ends with the model of the uninterrupted run, to the bit."""
+    said, held, out = on_2_ranks.stopped_log, on_2_ranks.held["stopped"], on_2_ranks.folder / "stopped"
     assert "SIGINT received: finishing this window, then writing a checkpoint" in said, said[-3000:]
-    held = torch.load(out / "last.pt", weights_only=True)["accumulator"]["steps"]
     assert 5 <= held < STEPS, (held, said[-3000:])
-    resumed = torchrun(module(train(out, "--resume")))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in rows(out)] == list(range(1, STEPS + 1))
     whole, after = model_of(runs(2)), model_of(out)
     assert all(torch.equal(whole[k], after[k]) for k in whole)
@@ -234,15 +260,12 @@ def test_a_signal_to_one_worker_stops_every_rank_after_the_same_window(tmp_path,
     assert said.count(f"SIGTERM: stopped after step {held} of {STEPS}") == 1, said[-3000:]
 
 
-def test_stopped_on_1_rank_continues_on_2_ranks(runs, tmp_path, started):
-    out, log = tmp_path / "grown", tmp_path / "cli.log"
-    proc = start_cli(train(out), log=log)
-    started.append(proc)
-    wait_for_rows(out, proc, 5, log)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
-    resumed = torchrun(module(train(out, "--resume")))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+def test_stopped_on_1_rank_continues_on_2_ranks(runs, on_2_ranks):
+    """Ctrl-C to one process: it exits 130 after a checkpoint, mid-epoch; continued on 2 ranks, the run
+    ends with the model of the uninterrupted runs."""
+    out = on_2_ranks.folder / "grown"
+    assert on_2_ranks.grown_code == 130, on_2_ranks.grown_log[-3000:]
+    assert 5 <= on_2_ranks.held["grown"] < STEPS, on_2_ranks.grown_log[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == STEPS
     assert [r["step"] for r in rows(out)] == list(range(1, STEPS + 1))
@@ -305,7 +328,7 @@ def test_a_last_window_smaller_than_the_ranks_leaves_one_rank_without_data_and_n
     """1438 images in windows of 1437: the last window holds one item, on rank 1 alone. Rank 0 still
     runs a zero-weight forward (DDP's forward collectives), both ranks step, and the model is the
     one-process model."""
-    one, two = tmp_path / "one", on_2_ranks[0] / "last-window"
+    one, two = tmp_path / "one", on_2_ranks.folder / "last-window"
     proc = run_cli_here([*LAST_WINDOW, "--out", str(one)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["num_items"] for r in rows(two)] == [r["num_items"] for r in rows(one)] == [1437, 1]
@@ -315,3 +338,18 @@ def test_a_last_window_smaller_than_the_ranks_leaves_one_rank_without_data_and_n
     memory = json.loads((two / "summary.json").read_text())
     assert memory["peak_memory_bytes"] is None and "DDP rebuilds its gradient buckets" in memory["peak_memory_source"]
     assert json.loads((one / "summary.json").read_text())["peak_memory_bytes"] > 0  # one process: its last window
+
+
+def test_compare_on_2_ranks_records_each_runs_window_as_its_summary_does(on_2_ranks):
+    """compare.json gave the one-batch run's micro-batch size as 64 (the global batch), the
+    accumulated run's as 8 (per rank) and baseline/summary.json as 32: each side now carries the
+    global batch, the ranks and the per-rank split, read from its own summary.json (issue #26)."""
+    out = on_2_ranks.folder / "compare"
+    report = json.loads((out / "compare.json").read_text())
+    keys = ("global_batch_size", "world_size", "micro_batch_size", "accum_steps")
+    for side, summary in (("accumulated", out / "summary.json"), ("one_batch", out / "baseline" / "summary.json")):
+        summary = json.loads(summary.read_text())
+        for key in keys:
+            assert report[side].get(key) == summary[key], (side, key, report[side], summary)
+    assert [report["accumulated"][k] for k in keys] == [64, 2, 8, 4]
+    assert [report["one_batch"][k] for k in keys] == [64, 2, 32, 1]
