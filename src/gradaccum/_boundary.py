@@ -4,7 +4,7 @@
 once); on the first window under DDP, the replicas compared (:func:`check_replicas`); the exchanged
 numbers read on the host (the window's one host synchronisation: :class:`ExchangeRow`, all-reduced
 across ranks, launched before the last backward where it can be, so that it overlaps it); the norm;
-the verdict; the scale ``R / N`` and the clip in one pass (:meth:`~gradaccum._weights.Gradients.hand_over`);
+the verdict; the scale ``R / N`` and the clip in one pass (:meth:`~gradaccum._weights.Gradients.finalize`);
 the optimizer step; the scheduler (on steps taken); the gradients cleared.
 """
 
@@ -186,7 +186,7 @@ class Boundary:
             if closing.steps:
                 if self.sync.needs_count_first and closing.scale != 1.0:
                     raise not_known_up_front(in_engine=True)  # loss_fn counted other items than those known up front
-                self.grads.hand_over(closing.scale * clip_coefficient(grad_norm, self.max_grad_norm), grads)
+                self.grads.finalize(closing.scale * clip_coefficient(grad_norm, self.max_grad_norm), grads)
                 stepped_norm = None  # the norm a stepper measured itself (DeepSpeed), not finite where it skipped
                 if self.wrapped_step:
                     stepped_norm = self.sync.step(self.optimizer, self.precision)

@@ -332,7 +332,7 @@ class WindowWeights:
         if not closing.steps:
             Gradients(list(params), self.buffers).drop()
         elif closing.scale != 1.0 or self.buffers is not None:  # else nothing to scale or write back
-            Gradients(list(params), self.buffers).hand_over(closing.scale)
+            Gradients(list(params), self.buffers).finalize(closing.scale)
         return closing
 
     def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),
@@ -374,16 +374,23 @@ class WindowWeights:
                 f"{who}(nonfinite='skip') to skip such windows (skipped counts them)")
         return closing
 
+    @staticmethod
+    def judged_skip_warning(who: str, closing: Closing, counted: str) -> str:
+        """The warning for a window :meth:`judge` skipped as not finite (:meth:`record`'s ``warn_nonfinite``):
+        ``who``, the driver; ``counted``, how it counts such windows."""
+        return (f"{who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was skipped: its "
+                f"gradient dropped, no optimizer or scheduler step; {counted}. Lower the learning rate, or pass "
+                f"{who}(nonfinite='raise') to stop at such a window")
+
     # -- what the state learns ------------------------------------------------------------------------------
 
     def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None,
-               warn_nonfinite: Optional[str] = None, who: Optional[str] = None, stacklevel: int = 2) -> Closing:
+               warn_nonfinite: Optional[str] = None, stacklevel: int = 2) -> Closing:
         """What the state learns at the boundary: one more optimizer step, or one more skipped window
         (``warn_empty``, when given, is said once per state for a window of no item: how the driver
-        counts them; ``warn_nonfinite``, once per state for a window skipped as not finite: the driver's
-        whole warning, or with ``who``, the driver whose :meth:`judge` skipped it, how it counts them,
-        inside the judged window's warning), and the window's N as the last window's (windows with
-        items only: it is an R). A step the stepper did not apply (``applied=False``: an fp16 loss scale
+        counts them; ``warn_nonfinite``, the warning said once per state for a window skipped as not
+        finite: a judged window's is :meth:`judged_skip_warning`), and the window's N as the last
+        window's (windows with items only: it is an R). A step the stepper did not apply (``applied=False``: an fp16 loss scale
         that overflowed, a DeepSpeed engine that found the gradient not finite) is a window skipped as
         not finite. Returns the closing as recorded."""
         state = self.state
@@ -399,11 +406,7 @@ class WindowWeights:
                               f"step on, so it was skipped; {warn_empty}", UserWarning, stacklevel=stacklevel + 1)
             if closing.verdict is Verdict.SKIP_NONFINITE and warn_nonfinite is not None \
                     and state.warn_once("nonfinite"):
-                warnings.warn(warn_nonfinite if who is None else (
-                    f"{who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was skipped: its "
-                    f"gradient dropped, no optimizer or scheduler step; {warn_nonfinite}. Lower the learning rate, "
-                    f"or pass {who}(nonfinite='raise') to stop at such a window"), UserWarning,
-                    stacklevel=stacklevel + 1)
+                warnings.warn(warn_nonfinite, UserWarning, stacklevel=stacklevel + 1)
         if closing.num_items > 0:
             state.last_window_items = closing.num_items
         return closing
@@ -447,8 +450,8 @@ class Gradients:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]  # type: ignore[misc]
 
-    def hand_over(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
-        """The window's gradient for the step: every tensor of it (``grads``, where the caller listed them)
+    def finalize(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
+        """The window's gradient, final for the step: every tensor of it (``grads``, where the caller listed them)
         multiplied once by ``coef`` (the scale ``R / N``, with the Accumulator's clip folded in), the
         buffers then rounded once into ``.grad``. Every driver's one float32-buffer rule."""
         if self.buffers is not None:

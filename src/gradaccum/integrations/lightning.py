@@ -204,7 +204,7 @@ class ExactAccumulation(Callback):
             self.skipping = True
             said = "global_step not advanced; ExactAccumulation.skipped counts them" if trainer.is_global_zero else None
         window.record(closing, warn_empty=said and f"ExactAccumulation: no optimizer or scheduler step, {said}",
-                      warn_nonfinite=said, who="ExactAccumulation")
+                      warn_nonfinite=said and window.judged_skip_warning("ExactAccumulation", closing, said))
 
     def _returning_a_count(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Accept ``(mean, count)`` from ``training_step`` (a tuple Lightning itself would refuse)."""
