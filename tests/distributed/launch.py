@@ -299,10 +299,17 @@ def run_guide_torchrun_blocks(guide: str) -> List[Tuple[Dict[str, Any], str]]:
     for m in re.finditer(re.escape(GUIDE_TORCHRUN) + r"\n```python\n(.*?)^```", text, re.M | re.S):
         where = f"docs/guides/{guide}:{text.count(chr(10), 0, m.start(1))}"
         namespace: Dict[str, Any] = {"__name__": "guide"}
-        printed = io.StringIO()
-        with mock.patch.object(dist, "init_process_group"), mock.patch.object(dist, "destroy_process_group"), \
-                contextlib.redirect_stdout(printed):
-            exec(compile(m.group(1), where, "exec"), namespace)  # noqa: S102 - our own guide
+        printed, here = io.StringIO(), os.getcwd()
+        with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(printed), \
+                mock.patch.object(dist, "init_process_group", autospec=True), \
+                mock.patch.object(dist, "destroy_process_group", autospec=True):
+            os.chdir(folder)  # as a reader runs it: in a folder of its own
+            try:
+                exec(compile(m.group(1), where, "exec"), namespace)  # noqa: S102 - our own guide
+            except Exception as e:
+                raise AssertionError(f"{where} raised {e!r}; it printed:\n{printed.getvalue()[-2000:]}") from e
+            finally:
+                os.chdir(here)
         said.append((namespace, printed.getvalue()))
     return said
 

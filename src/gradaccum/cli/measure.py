@@ -3,8 +3,8 @@
 CUDA: the allocator's peak over the whole run. CPU: the allocator's events of one window (the third
 this process runs: optimizer state exists and DDP has rebuilt its buckets; the last, in a shorter run
 of one process), measured by :class:`~gradaccum.memory.PeakMeter`, plus the parameters and optimizer
-state held before it (a shorter run under DDP is not measured: the profiler cannot attribute the
-frees of DDP's rebuild, and said so in a C++ warning). On the
+state held before it (a shorter run under DDP is not measured: the profiler cannot attribute what
+DDP's first two windows free, and said so in a C++ warning). On the
 CPU rank 0 alone measures: the ranks run the same windows, and the profiler on the other ranks of a
 gloo group printed a C++ warning per rank (``CPUAllocator.cpp ... Memory block of unknown size``).
 Measuring never stops a run: where the profiler fails, the summary says it was not measured, and why.
@@ -39,9 +39,10 @@ class RunMemory:
         if sharded and device.type == "cpu":  # its frees of earlier windows' buffers are unattributable
             self.failure = ("FSDP2 frees buffers of earlier windows inside each window, which the CPU "
                             "profiler cannot attribute; run without --shard to measure")
-        elif measure_at < 2 and device.type == "cpu" and isinstance(model, nn.parallel.DistributedDataParallel):
-            self.failure = ("DDP rebuilds its gradient buckets in a process's second window, freeing blocks the "
-                            "CPU profiler cannot attribute; runs of 3 windows or more are measured")
+        elif 0 <= measure_at < 2 and device.type == "cpu" and isinstance(model, nn.parallel.DistributedDataParallel):
+            self.failure = ("under DDP a process's first two windows free blocks allocated before them (DDP's first "
+                            "iteration, its bucket rebuild), which the CPU profiler cannot attribute; a process that "
+                            "runs 3 windows or more measures its third")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 

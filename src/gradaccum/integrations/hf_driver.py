@@ -251,9 +251,9 @@ class TrainerDriver:
         if closing is not None:
             who = type(self).__name__  # judged without params: the Trainer's zero_grad drops a skipped gradient
             closing = window.judge(closing, grad_norm=norm, nonfinite=self.nonfinite, who=who)
-            said = None if closing.steps else window.judged_skip_warning(
+            warning = None if closing.steps else window.judged_skip_warning(
                 who, closing, f"{who}.skipped counts them, global_step is not advanced")
-            self._window_ends(window.record(closing, warn_nonfinite=said))
+            self._window_ends(window.record(closing, warn_nonfinite=warning))
         return norm
 
     def _window_ends(self, closing: Closing) -> None:
