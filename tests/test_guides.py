@@ -35,6 +35,8 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
+from distributed.launch import GUIDE_TORCHRUN
+
 GUIDES = Path(__file__).resolve().parent.parent / "docs" / "guides"
 # moe.md, contrastive.md and sentence-transformers.md run in their own tests (test_cached_guide.py, ...)
 OWNED = ["accelerate.md", "cli.md", "hf-models.md", "hf-trainer.md", "lightning.md", "own-loop.md",
@@ -73,7 +75,7 @@ def kind(block: Block) -> str:
     """"run", "torchrun", "after" or "not run"; anything else is a mistake in the guide."""
     if block.marker is None:
         return "run"
-    if block.marker == "run under torchrun":
+    if block.marker == GUIDE_TORCHRUN:
         return "torchrun"
     if re.fullmatch(r"run after: [\w.-]+\.md", block.marker):
         return "after"

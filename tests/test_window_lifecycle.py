@@ -140,7 +140,8 @@ def test_a_gradient_that_is_not_finite_is_skipped_or_raises(bad):
     closing = window.judge(window.hand_over([p]), [p], **skip)
     assert closing.verdict is Verdict.SKIP_NONFINITE and p.grad is None
     with pytest.warns(UserWarning, match=r"ExactTrainer: a window's gradient was not finite"):
-        window.record(closing, warn_nonfinite=window.judged_skip_warning("ExactTrainer", closing, "skipped counts them"))
+        window.record(closing, warn_nonfinite=window.judged_skip_warning("ExactTrainer", closing,
+                                                                         "skipped counts them"))
     assert (state.steps, state.skipped) == (0, 1)
     raising = WindowWeights(state, 1, num_items=4)
     with pytest.raises(FloatingPointError, match=r"window 2 of this run .*ExactTrainer\(nonfinite='skip'\)"):

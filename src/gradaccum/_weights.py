@@ -390,9 +390,9 @@ class WindowWeights:
         (``warn_empty``, when given, is said once per state for a window of no item: how the driver
         counts them; ``warn_nonfinite``, the warning said once per state for a window skipped as not
         finite: a judged window's is :meth:`judged_skip_warning`), and the window's N as the last
-        window's (windows with items only: it is an R). A step the stepper did not apply (``applied=False``: an fp16 loss scale
-        that overflowed, a DeepSpeed engine that found the gradient not finite) is a window skipped as
-        not finite. Returns the closing as recorded."""
+        window's (windows with items only: it is an R). A step the stepper did not apply
+        (``applied=False``: an fp16 loss scale that overflowed, a DeepSpeed engine that found the
+        gradient not finite) is a window skipped as not finite. Returns the closing as recorded."""
         state = self.state
         assert closing.verdict is not Verdict.RAISE, "a window that raises is not recorded: the driver raised"
         if closing.steps and not applied:

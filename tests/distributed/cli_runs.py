@@ -1,6 +1,7 @@
 """Several ``gradaccum train`` commands, one after the other, on the ranks of one torchrun launch:
 ``torchrun --standalone --nproc_per_node=2 tests/distributed/cli_runs.py RUNS.json`` (a JSON object:
-a name for each run, its argument list), each run as every rank's ``gradaccum.cli.main(argv)``.
+a name for each run, its argument list), each run as every rank's ``gradaccum.cli.main(argv)`` (distributed.launch's ``run_cli_here``: what it prints is
+kept, and said where the run fails; the C++ side's warnings reach the launch's stderr as they would).
 
 A launch costs every process its imports (torch, its compiler, matplotlib: about 6 CPU-seconds a
 process, 3 processes a launch): the runs whose point is what they train and write, not how a process
@@ -21,17 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: distributed.launch
 
-from distributed.launch import finish_worker  # noqa: E402
-
-
-def run(argv: list) -> int:
-    """One command's exit code, as ``python -m gradaccum`` would exit (argparse's refusals included)."""
-    from gradaccum.cli import main
-
-    try:
-        return main(list(argv))
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
+from distributed.launch import finish_worker, run_cli_here  # noqa: E402
 
 
 def run_all(runs_file: str) -> None:
@@ -40,10 +31,12 @@ def run_all(runs_file: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for name, argv in json.loads(Path(runs_file).read_text()).items():
-        code = run(argv)
+        done = run_cli_here(argv)
         gc.collect()
+        code = done.returncode
         if code:  # ends the launch now: a peer may be waiting in one of the run's collectives (torchrun stops it)
             print(f"RAN {name} [rank {rank}: {code}]", flush=True)
+            sys.stderr.write(done.stderr[-3000:])
             sys.stderr.flush()
             os._exit(code)
         codes = [None] * dist.get_world_size()

@@ -278,15 +278,16 @@ def run_workers(paths: Sequence[str]) -> NoReturn:
     run_modules(modules)
 
 
-GUIDE_TORCHRUN = "<!-- run under torchrun -->"
+#: the HTML comment before a guide's block that runs under torchrun (tests/test_guides.py reads it too)
+GUIDE_TORCHRUN = "run under torchrun"
 
 
 def run_guide_torchrun_blocks(guide: str) -> List[Tuple[Dict[str, Any], str]]:
     """A guide's ``<!-- run under torchrun -->`` blocks (docs/guides/GUIDE), as written, on this rank of a
-    launch, each in a namespace of its own: each block's namespace and what it printed. The group is already joined, so the
-    block's ``init_process_group`` and ``destroy_process_group`` stand aside; everything between runs
-    as a reader's ``torchrun --nproc_per_node=2`` runs it (tests/test_guides.py checks that every
-    such block of a guide is run by a scenario)."""
+    launch, each in a namespace of its own: each block's namespace and what it printed. The group is
+    already joined, so the block's ``init_process_group`` and ``destroy_process_group`` stand aside;
+    everything between runs as a reader's ``torchrun --nproc_per_node=2`` runs it (tests/test_guides.py
+    checks that every such block of a guide is run by a scenario)."""
     import contextlib
     import io
     import re
@@ -296,7 +297,7 @@ def run_guide_torchrun_blocks(guide: str) -> List[Tuple[Dict[str, Any], str]]:
 
     text = (ROOT / "docs" / "guides" / guide).read_text()
     said = []
-    for m in re.finditer(re.escape(GUIDE_TORCHRUN) + r"\n```python\n(.*?)^```", text, re.M | re.S):
+    for m in re.finditer(rf"<!-- {GUIDE_TORCHRUN} -->\n```python\n(.*?)^```", text, re.M | re.S):
         where = f"docs/guides/{guide}:{text.count(chr(10), 0, m.start(1))}"
         namespace: Dict[str, Any] = {"__name__": "guide"}
         printed, here = io.StringIO(), os.getcwd()
@@ -406,8 +407,8 @@ def run_cli(cli_args: Sequence[str], *, timeout: int = 300, cwd: Path = ROOT) ->
 
 
 def run_cli_here(cli_args: Sequence[str], *, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """``gradaccum ...`` in this process (world size 1, rank 0), returned as :func:`run_cli` returns the
-    finished process: exit code, stdout, stderr. For a run whose process is not what a test is about
+    """``gradaccum ...`` in this process (world size 1, rank 0; or this rank of a launch: cli_runs.py),
+    returned as :func:`run_cli` returns the finished process: exit code, stdout, stderr. For a run whose process is not what a test is about
     (what it says, records, writes, trains); it saves a process's imports (torch, and torch._dynamo,
     which the optimizer's constructor pulls in: about 4 CPU seconds). Tests about the process itself
     (signals, exit status, a closed pipe, torchrun) run :func:`run_cli` or :func:`start_cli`.

@@ -113,7 +113,7 @@ class TwoRankRuns:
     exit_code: Optional[int] = None
     codes: dict = dataclasses.field(default_factory=dict)  # run name: "0, 0]", or "rank R: CODE]" where it failed
     failed: dict = dataclasses.field(default_factory=dict)  # run name: why it was not run
-    held: dict = dataclasses.field(default_factory=dict)  # the step each stopped run's checkpoint held before its resume
+    held: dict = dataclasses.field(default_factory=dict)  # each stopped run's checkpointed step, before its resume
     grown_code: Optional[int] = None  # the 1-rank run's exit code at Ctrl-C
     grown_log: str = ""
     stopped_log: str = ""  # torchrun's log of the 2-rank run stopped by Ctrl-C
