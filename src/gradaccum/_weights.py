@@ -1,57 +1,25 @@
 """The maths of exact accumulation, and the one window core every driver holds.
 
-The formulas are written here once, as pure functions, and :class:`WindowWeights` composes them into
-the window every loop runs: the Accumulator's (:class:`~gradaccum._window.Window` and
-:class:`~gradaccum._boundary.Boundary`), the pipeline's, and the windows a framework runs from its hooks
-(``ExactTrainer`` and the other Trainer drivers, Lightning's ``ExactAccumulation``). No driver derives a
-weight, a normalization or a verdict again (:func:`gradaccum.check_equivalence` keeps an independent
-big-batch oracle on purpose). What a loss's items are (next-token targets, a head's targets, a router's
-statistics) is :mod:`gradaccum._maths`'.
+The formulas are written here once, as pure functions; :class:`WindowWeights` composes them into the window
+every loop runs (the Accumulator's :class:`~gradaccum._window.Window`, the pipeline's, and the windows
+``ExactTrainer`` and Lightning's ``ExactAccumulation`` run from their hooks), so that no driver derives a
+weight, a scale or a verdict again. What a loss's items are is :mod:`gradaccum._maths`'.
 
-A window holds micro-batches k (on every rank r) with n_k items and mean loss L_k. One step on the
-whole window is a step on its item-weighted mean loss::
+Micro-batch k (on every rank) holds n_k items and the mean loss L_k; one step on the window is a step on
+``L = sum_k n_k L_k / N`` with ``N = sum_{ranks, k} n_k``. W is the ranks the data-parallel reduction
+averages over (1 locally) and R a reference count, the same on every rank::
 
-    L = sum_k n_k L_k / N,        grad L = sum_k n_k grad L_k / N,        N = sum_{r,k} n_k
-
-Each micro-batch backpropagates ``w_k * L_k`` with the **backward weight** ``w_k = n_k * W / R``
-(:func:`backward_weight`); gradients add up in ``.grad``. W is the number of ranks the data-parallel
-reduction averages over (1 locally), so after the reduction the gradient is ``sum n_k grad L_k / R``.
-At the boundary it is multiplied once by the **boundary scale** ``R / N`` (:func:`boundary_scale`)::
-
-    backward weight  = n_k * W / R
+    backward weight  = n_k * W / R                                          (backward_weight)
     reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad L_k  =  sum n_k grad L_k / R
-    window grad      = reduced grad * R / N  =  grad L
+    window grad      = reduced grad * R / N  =  grad L                      (boundary_scale)
 
-R is a reference count, the same on every rank. When the window's global item count is known before
-the first backward (the micro-batches' leading dimensions for a bare mean loss, or a ``num_items=``
-counter; across ranks summed by one small all-reduce as the window opens: **count first**) and
-``loss_fn`` counts the same items, R = N: the scale is 1, there is no scaling pass, and each backward
-weighs exactly ``n_k / N`` as one big batch does (so float32 parts of a float64 model, such as a Llama
-RMSNorm, round as in one big batch). When ``loss_fn`` counts other items (a ``(mean, count)`` pair),
-R is the up-front N times the last window's ratio of the two; when nothing is counted up front, the
-running R (:func:`running_reference`, fixed once); either way the scale ``R / N`` corrects it exactly,
-at the cost of one more rounding of every gradient element (:mod:`gradaccum._ranks`). Dividing each
-micro-batch by K instead is exact only when every n_k is equal, which uneven micro-batches, padded
-sequences and a short last window are not.
+Where N is counted before the first backward, R = N: the scale is 1 and each backward weighs exactly
+``n_k / N``, as one big batch does. Otherwise R is the running one (:func:`running_reference`) or the last
+window's N, and the scale corrects it exactly. A window of N = 0 is skipped (:func:`verdict`). Which R, when:
+docs/architecture.md ("The ranks' agreement and R").
 
-A window with N = 0 (every label ignored) has no loss to step on: its scale is 0 and the
-:func:`verdict` skips it (no optimizer step, so no weight decay and no step counted), in the core and
-in every integration alike.
-
-The window, step by step (:class:`WindowWeights`):
-
-1. **open** it: ``WindowWeights(state, W, num_items=N)`` where N is known before the first backward (R = N;
-   N = 0 is known to be skipped, :attr:`~WindowWeights.empty`), else ``WindowWeights(state, W)`` on the running
-   R, fixed once by the first backward (:meth:`~WindowWeights.fix_reference`); ``buffers=`` opens the float32
-   buffers of a framework-driven window;
-2. **weigh** micro-batch k: :meth:`~WindowWeights.mean_weight` (``n_k * W / R``, kept per Python count in
-   :attr:`~WindowWeights.weight_of`), :meth:`~WindowWeights.sum_weight` (``W / R``), or, where the framework
-   runs the backward, :meth:`~WindowWeights.weigh` (a hook on the loss);
-3. at the **boundary**: :meth:`~WindowWeights.close` gives the :class:`Closing` (verdict and scale); a
-   framework-driven window :meth:`~WindowWeights.hand_over` its gradient at that scale before the framework
-   clips, and has the framework's norm :meth:`~WindowWeights.judge`-d;
-4. :meth:`~WindowWeights.record` what the window taught the :class:`~gradaccum._state.AccumulatorState`; a
-   window that failed part-way is :meth:`~WindowWeights.abort`-ed.
+:class:`WindowWeights` is the window step by step: open, weigh each micro-batch, close at the boundary (in a
+framework's loop: hand over the gradient, judge the framework's norm), record what the state learns:
 
     >>> from gradaccum._state import AccumulatorState
     >>> state = AccumulatorState()
@@ -203,16 +171,15 @@ class Closing:
 # -- the window core ------------------------------------------------------------------------------------
 
 class WindowWeights:
-    """One window's weighting from its opening to its record (the module docstring's order).
+    """One window's weighting from its opening to its record.
 
     Args:
         state: the driver's :class:`~gradaccum._state.AccumulatorState`: the running R is read from it
             and fixed into it, and :meth:`record` writes the window's lesson into it.
         grad_divisor: W, the ranks the gradient reduction averages over (1 on one process).
         num_items: the window's global N, when known before its first backward (count first).
-        reference: R, when the driver knows it up front (the Accumulator's: N times the last window's
-            ratio of the items ``loss_fn`` counted to those counted up front, 1 when they are the same
-            items). Default: ``num_items``, else the running R.
+        reference: R, when the driver knows it up front (the Accumulator's, from its plan). Default:
+            ``num_items``, else the running R (None until :meth:`fix_reference`).
         buffers: the float32 buffers a framework-driven window's bf16/fp16 gradients fold into, opened
             now (None: the sum is in ``.grad``, or the Accumulator's boundary owns the buffers).
     """
@@ -222,14 +189,11 @@ class WindowWeights:
     def __init__(self, state: AccumulatorState, grad_divisor: float, *, num_items: Optional[Count] = None,
                  reference: Optional[float] = None, buffers: Optional[AccumulationBuffers] = None) -> None:
         self.state, self.grad_divisor = state, float(grad_divisor)
-        #: the window's global N, when known before the first backward; else None
         self.num_items: Optional[float] = None if num_items is None else float(num_items)
         if reference is None:
             reference = self.num_items if self.num_items is not None and self.num_items > 0 else state.reference
-        #: R: known when the window opened, else the running R (None until its first backward fixes it)
         self.reference: Optional[float] = reference
-        #: ``n_k * W / R`` by Python count n_k, as :meth:`mean_weight` gave it: a micro-batch's caller reads
-        #: ``weight_of.get(n_k)`` first, so that the weight of each count is computed once per window
+        #: ``n_k * W / R`` by Python count n_k (:meth:`mean_weight`), read first by each micro-batch's caller
         self.weight_of: Dict[int, float] = {}
         self.buffers = buffers
         if buffers is not None:  # the window's bf16 gradients fold into float32 from here on
@@ -241,10 +205,8 @@ class WindowWeights:
         return self.num_items == 0
 
     def fix_reference(self, estimate: Count, agree: Callable[[float], float] = float) -> float:
-        """R for this window: known, or the running R; fixed now, once per state, from ``estimate`` (the
-        driver's guess at a window's N from its first backward, :func:`running_reference`)
-        made the same on every rank by ``agree`` (a max across ranks; the identity where the estimate is
-        already agreed)."""
+        """R for this window: known, or the running R, fixed now once per state from ``estimate`` (the
+        driver's guess at N from its first backward) made the same on every rank by ``agree`` (a max)."""
         if self.reference is None:
             if self.state.reference is None:
                 self.state.reference = float(agree(running_reference(float(estimate))))
@@ -263,9 +225,8 @@ class WindowWeights:
 
     def mean_weight(self, num_items: Union[Count, torch.Tensor], loss_dtype: torch.dtype = torch.float64
                     ) -> Union[float, torch.Tensor]:
-        """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by:
-        ``n_k * W / R`` (:func:`backward_weight`); 0 in a window known to be empty. The
-        weight of a Python count is kept in :attr:`weight_of` (the same for any ``loss_dtype``)."""
+        """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by: ``n_k * W / R``
+        (:func:`backward_weight`), kept in :attr:`weight_of` for a Python count; 0 in a window known empty."""
         if self.num_items == 0:  # known empty
             weight: Union[float, torch.Tensor] = 0.0
         else:
@@ -276,31 +237,29 @@ class WindowWeights:
         return weight
 
     def sum_weight(self) -> float:
-        """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R`` (the mean
-        weight of one item; where N was counted first, ``W / N``); 0 in a window known to be empty."""
+        """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R``; 0 in a window
+        known to be empty."""
         if self.num_items == 0:  # known empty
             return 0.0
         r = self.reference if self.reference is not None else self._r()
         return float(backward_weight(1, r, self.grad_divisor))
 
     def window_loss_weight(self, num_items: Count) -> float:
-        """What the gradient of a loss over the **whole window** (a ``WindowLoss``: one mean over the
-        window's ``num_items`` = N rows, the cached two passes) is multiplied by: ``N / R``
-        (:func:`backward_weight` with ``W`` = 1: the ranks' divisor rides in the
-        representations' gradient slices), 1 where N was counted first."""
+        """What the gradient of a loss over the **whole window** (a ``WindowLoss`` over its ``num_items`` = N)
+        is multiplied by: ``N / R`` (:func:`backward_weight` with ``W`` = 1: the ranks' divisor rides in the
+        representations' gradient slices)."""
         return 0.0 if self.empty else float(backward_weight(float(num_items), self._r(), 1.0))
 
     def weigh(self, loss: torch.Tensor, num_items: Count, leaves: Callable[[], Iterable[torch.Tensor]], *,
               divided_by: float = 1.0) -> ContextManager[None]:
         """Micro-batch k's weight ``n_k W / R`` put on the gradient of ``loss``, which the framework itself
-        backpropagates after dividing it by ``divided_by`` (Lightning: ``accumulate_grad_batches``).
-        Returns the context its backward runs in: where ``n_k`` may be 0
-        (:func:`~gradaccum._empty.may_be_empty`), :func:`~gradaccum._empty.weighing_nothing` over
-        ``leaves()``, since a mean over no item is ``0 / 0 = nan``, which no weight on the loss cleans."""
+        backpropagates after dividing it by ``divided_by`` (Lightning: ``accumulate_grad_batches``). Returns
+        the context its backward runs in: :func:`~gradaccum._empty.weighing_nothing` over ``leaves()`` where
+        ``n_k`` may be 0 (a mean over no item is nan, which no weight on the loss cleans)."""
         if not loss.requires_grad:
             return contextlib.nullcontext()
         weight = self.weight_of.get(num_items) if type(num_items) is int else None
-        if weight is None:  # n_k * W / R, once per window and Python count (or each time for another count)
+        if weight is None:
             weight = self.mean_weight(num_items, loss.dtype)
         c = divided_by * weight
         loss.register_hook(lambda grad: (grad * c).to(grad.dtype))
@@ -311,10 +270,8 @@ class WindowWeights:
 
     def close(self, num_items: Count, *, loss_sum: Optional[float] = None, raw_norm: Optional[float] = None,
               nonfinite: str = "raise", has_scaler: bool = False) -> Closing:
-        """The boundary's decision from the window's global N (summed over its micro-batches and ranks),
-        and where the driver measured them its global loss sum and the reduced gradient's norm before
-        the scale (:func:`verdict`, :func:`boundary_scale`). Changes
-        nothing: :meth:`record` does, once the driver has stepped or skipped."""
+        """The boundary's decision from the window's global N and, where the driver measured them, its global
+        loss sum and the reduced gradient's norm before the scale. Changes nothing: :meth:`record` does."""
         n = float(num_items)
         r = self.reference  # None only where no weighted backward ran: then any R scales a zero gradient
         scale = boundary_scale(r if r is not None else 1.0, n)
@@ -323,11 +280,9 @@ class WindowWeights:
                        grad_norm)
 
     def hand_over(self, params: Iterable[torch.nn.Parameter] = (), num_items: Optional[Count] = None) -> Closing:
-        """The boundary of a window a framework steps, before it clips: :meth:`close` on ``num_items``
-        (the window's global N, where it was not counted first) and the window's gradient handed over at
-        its scale ``R / N``, the buffers rounded once into ``.grad``; for a skipped window the buffers and
-        the ``.grad`` of ``params`` are dropped (:class:`Gradients`' rules, the
-        Accumulator's boundary's)."""
+        """The boundary of a window a framework steps, before it clips: :meth:`close` on ``num_items`` (N,
+        where it was not counted first), then the gradient at its scale ``R / N``, the buffers rounded once
+        into ``.grad`` (:meth:`Gradients.finalize`); a skipped window's buffers and ``.grad`` dropped."""
         closing = self.close(self.num_items if num_items is None else num_items)  # type: ignore[arg-type]
         if not closing.steps:
             Gradients(list(params), self.buffers).drop()
@@ -337,16 +292,12 @@ class WindowWeights:
 
     def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),
               grad_norm: Union[None, float, torch.Tensor] = None, *, nonfinite: str, who: str) -> Closing:
-        """The verdict on the gradient :meth:`hand_over` handed over, before the framework's optimizer steps:
-        from ``grad_norm``, its norm where the framework measured it anyway (the Hugging Face Trainer's,
-        for clipping and its log; a tensor), else measured here over the ``.grad`` of ``params`` (one
-        fused pass). Read on the host once. The rule is the ``Accumulator``'s
-        (:func:`verdict`): a norm that is not finite (nan or inf in a loss or a gradient
-        of any micro-batch: every rank holds the same reduced gradient, so every rank decides the same)
-        skips the window under ``nonfinite="skip"``, its ``.grad`` of ``params`` dropped (the driver
-        ``who`` keeps the optimizer and the scheduler from stepping, and :meth:`record` counts the skip),
-        and raises ``FloatingPointError`` under ``"raise"``, naming the window and the fix. A window that
-        already takes no step is returned as it was."""
+        """The verdict (:func:`verdict`) on the gradient :meth:`hand_over` handed over, before the framework's
+        optimizer steps, from ``grad_norm`` where the framework measured it (a tensor), else measured over the
+        ``.grad`` of ``params``. A norm that is not finite (the same on every rank) drops that ``.grad`` and
+        skips the window under ``nonfinite="skip"`` (the driver ``who`` holds the optimizer and scheduler
+        back), or raises ``FloatingPointError`` under ``"raise"``. A window that takes no step is returned
+        as it was."""
         if not closing.steps:
             return closing
         params = list(params)
@@ -376,8 +327,8 @@ class WindowWeights:
 
     @staticmethod
     def judged_skip_warning(who: str, closing: Closing, counted: str) -> str:
-        """The warning for a window :meth:`judge` skipped as not finite (:meth:`record`'s ``warn_nonfinite``):
-        ``who``, the driver; ``counted``, how it counts such windows."""
+        """:meth:`record`'s ``warn_nonfinite`` for a window :meth:`judge` skipped: ``who``, the driver;
+        ``counted``, how it counts such windows."""
         return (f"{who}: a window's gradient was not finite (norm {closing.grad_norm}), so it was skipped: its "
                 f"gradient dropped, no optimizer or scheduler step; {counted}. Lower the learning rate, or pass "
                 f"{who}(nonfinite='raise') to stop at such a window")
@@ -386,13 +337,10 @@ class WindowWeights:
 
     def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None,
                warn_nonfinite: Optional[str] = None, stacklevel: int = 2) -> Closing:
-        """What the state learns at the boundary: one more optimizer step, or one more skipped window
-        (``warn_empty``, when given, is said once per state for a window of no item: how the driver
-        counts them; ``warn_nonfinite``, the warning said once per state for a window skipped as not
-        finite: a judged window's is :meth:`judged_skip_warning`), and the window's N as the last
-        window's (windows with items only: it is an R). A step the stepper did not apply
-        (``applied=False``: an fp16 loss scale that overflowed, a DeepSpeed engine that found the
-        gradient not finite) is a window skipped as not finite. Returns the closing as recorded."""
+        """What the state learns at the boundary: one more step or skipped window, and N as the last
+        window's (if it had items). ``warn_empty`` (how the driver counts a window of no item) and
+        ``warn_nonfinite`` are each said once per state. A step the stepper did not apply
+        (``applied=False``: an fp16 overflow, DeepSpeed's) counts as skipped. Returns the closing as recorded."""
         state = self.state
         assert closing.verdict is not Verdict.RAISE, "a window that raises is not recorded: the driver raised"
         if closing.steps and not applied:
@@ -426,8 +374,7 @@ class Gradients:
         self.params = list(params)
         self.buffers = buffers
         folded = set() if buffers is None else {id(p) for p in buffers.params}
-        #: the parameters whose gradient sums in ``.grad`` (all of them without buffers; with buffers, those
-        #: already of the buffers' dtype: the float32 layers of a bf16 model)
+        #: the parameters whose gradient sums in ``.grad`` (with buffers: those already of the buffers' dtype)
         self.unbuffered = [p for p in self.params if id(p) not in folded]
 
     def open(self) -> None:
@@ -438,8 +385,7 @@ class Gradients:
             self.buffers.open()
 
     def tensors(self) -> List[torch.Tensor]:
-        """The tensors holding the window's gradient: the ``.grad`` that exist, and the buffers' (every one
-        of them is measured, clipped and rescaled at the boundary)."""
+        """The tensors holding the window's gradient: the ``.grad`` that exist, and the buffers'."""
         grads = [p.grad for p in self.unbuffered if p.grad is not None]
         return grads if self.buffers is None else grads + self.buffers.tensors()
 
@@ -451,9 +397,8 @@ class Gradients:
         return [p.grad for p in self.params]  # type: ignore[misc]
 
     def finalize(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
-        """The window's gradient, final for the step: every tensor of it (``grads``, where the caller listed them)
-        multiplied once by ``coef`` (the scale ``R / N``, with the Accumulator's clip folded in), the
-        buffers then rounded once into ``.grad``. Every driver's one float32-buffer rule."""
+        """The window's gradient (``grads``, where the caller listed them) multiplied once by ``coef`` (the
+        scale ``R / N``, any clip folded in), then the buffers rounded once into ``.grad``: every driver's rule."""
         if self.buffers is not None:
             self.buffers.active = False
         if coef != 1.0:
@@ -465,8 +410,7 @@ class Gradients:
             self.buffers.write_grads_()
 
     def drop(self) -> None:
-        """The window's gradient goes (after its step, or skipped, or left without a step); its buffers fold
-        nothing more until the next window opens."""
+        """The window's gradient goes (stepped, skipped or abandoned); the buffers fold nothing until the next opens."""
         for p in self.params:
             p.grad = None
         if self.buffers is not None:
@@ -474,8 +418,8 @@ class Gradients:
 
 
 def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The gradient's total 2-norm: one fused pass for plain tensors on one device (the common case,
-    without get_total_norm's per-call grouping); DTensors and mixed devices take the general path."""
+    """The gradient's total 2-norm: one fused pass for plain tensors on one device; DTensors and mixed
+    devices take the general path."""
     if not grads:
         return torch.zeros((), device=device)
     if all(type(g) is torch.Tensor and g.device == device for g in grads):
