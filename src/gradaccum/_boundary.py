@@ -1,11 +1,6 @@
-"""The boundary of a window: from the accumulated gradient to one optimizer step.
-
-:meth:`Boundary.finish` runs the formulas of :mod:`gradaccum._weights` in this order: unscale (fp16,
-once); on the first window under DDP, the replicas compared (:func:`check_replicas`); the exchanged
-numbers read on the host (the window's one host synchronisation: :class:`ExchangeRow`, all-reduced
-across ranks, launched before the last backward where it can be, so that it overlaps it); the norm;
-the verdict; the scale ``R / N`` and the clip in one pass (:meth:`~gradaccum._weights.Gradients.finalize`);
-the optimizer step; the scheduler (on steps taken); the gradients cleared.
+"""The boundary of a window: from the accumulated gradient to one optimizer step (:meth:`Boundary.finish`,
+through :mod:`gradaccum._weights`' formulas), with the window's one all-reduce (:class:`ExchangeRow`) and its
+one host synchronisation. The order of its steps: docs/architecture.md ("One micro-batch's trip", step 5).
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ class Totals(NamedTuple):
 
     Attributes:
         tally: this rank's micro-batches as the window filed them: ``(mean loss, count, from loss_fn)``.
-        weights: the window's weighting (R, the count the backward weights were divided by): its
-            :meth:`~gradaccum._weights.WindowWeights.close` decides, its ``record`` counts.
+        weights: the window's :class:`~gradaccum._weights.WindowWeights`, which closes and records it.
         ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
         can_pad_next: whether this rank can pad its next window (has a micro-batch to repeat).
         counted_first: this rank counted its items before the window's first backward (its request
@@ -65,11 +59,9 @@ class Outcome(NamedTuple):
 
 
 class Tally:
-    """One rank's window as its boundary reads it: each micro-batch's detached mean loss and count in the
-    order they ran (the window files ``(loss, count, from_loss_fn)`` and adds nothing up while it runs),
-    the counts' sum apart for Python numbers (``host_items``) and device tensors (``device_items``, read
-    in the boundary's one copy), whether ``loss_fn`` returned its own counts, and ``sum n_k L_k`` in
-    float64 (``count_dtype``)."""
+    """One rank's window as its boundary reads it (nothing is added up while the window runs): each
+    micro-batch's mean loss and count in order, the counts' sum apart for Python numbers (``host_items``) and
+    device tensors (``device_items``), and ``sum n_k L_k`` in ``dtype`` (float64, :func:`count_dtype`)."""
 
     __slots__ = ("losses", "counts", "host_items", "device_items", "counts_from_loss_fn", "dtype")
 
@@ -101,9 +93,8 @@ class Tally:
         return total
 
     def read(self, norm: Optional[torch.Tensor] = None) -> Tuple[float, Optional[float]]:
-        """One process with its counts on the host: ``sum n_k L_k`` in float64 and ``norm`` (when given),
-        read in one device-to-host copy (the window's one host synchronisation), the losses added on the
-        host in the order they ran.
+        """One process with its counts on the host: ``sum n_k L_k`` (added on the host in float64, in order)
+        and ``norm`` (when given), read in one device-to-host copy.
 
         >>> t = Tally([(torch.tensor(0.5), 4, False), (torch.tensor(0.25), 2, False)], torch.float64)
         >>> t.read(), t.loss_sum.item()
@@ -120,10 +111,9 @@ class Tally:
 
 
 class Boundary:
-    """Runs a window's boundary (the module docstring's order). What it changes in the
-    :class:`~gradaccum._state.AccumulatorState`: the steps and skipped windows it counts (through the window's
-    :meth:`~gradaccum._weights.WindowWeights.record`), the scheduler's
-    position, the stop requests carried, and, at the first boundary, the replicas' check."""
+    """Runs a window's boundary. In the :class:`~gradaccum._state.AccumulatorState` it changes the steps and
+    skipped windows (through ``WindowWeights.record``), the scheduler's position, the stops carried, and
+    whether the replicas were checked."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, state: AccumulatorState,
                  precision: MixedPrecision, sync: GradSync, grads: Gradients, max_grad_norm: Optional[float],
@@ -161,10 +151,9 @@ class Boundary:
                 "scheduler.step() call, or do not pass scheduler= to the Accumulator")
 
     def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None) -> Outcome:
-        """Unscale, (compare the replicas once), read the exchanged numbers, measure, decide, then scale
-        and clip in one pass and step (the seam's step: DeepSpeed's ``engine.step()``, the GradScaler's;
-        else the optimizer's), and the scheduler; the window's gradients are cleared after.
-        ``in_flight`` is the all-reduce :meth:`launch` started, if the window started it."""
+        """Unscale, compare the replicas (once), read the exchanged numbers, measure, decide, scale and clip in
+        one pass, step (the seam's, else the optimizer's) and the scheduler; clear the gradients.
+        ``in_flight``: the all-reduce :meth:`launch` started, if any."""
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.sync.replicated_grads and not self.state.replicas_checked
@@ -211,10 +200,8 @@ class Boundary:
                        told.peers_can_pad, told.stop, told.counts_from_loss_fn, told.counted_first)
 
     def launch(self, totals: Totals) -> "InFlight":
-        """Start the window's one all-reduce (an :class:`~gradaccum._boundary.ExchangeRow`) across ranks
-        without waiting: called after the last micro-batch's forward and before its backward, so it
-        overlaps that backward and DDP's bucket all-reduce instead of adding a round trip after them.
-        Every rank launches it at the same point of the same window, so collectives stay in order."""
+        """Start the window's one all-reduce (an :class:`ExchangeRow`) without waiting, before the last
+        micro-batch's backward (on every rank alike), so that it overlaps that backward and DDP's reduction."""
         row = self._row(totals, Tally(totals.tally, self.count_dtype))
         return InFlight(row, self.sync.all_reduce_async(row))
 
@@ -225,19 +212,24 @@ class Boundary:
         return stop
 
     def _row(self, totals: Totals, tally: Tally, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's :class:`ExchangeRow` as one tensor, in the sum's dtype."""
         total = tally.loss_sum  # zero for a rank that ran no micro-batch of its own
         total = total if total is not None else torch.zeros((), dtype=tally.dtype, device=self.device)
-        return pack_row(tally, total, can_pad_next=totals.can_pad_next,
-                        counted_first=totals.counted_first,
-                        stop=self._stop_now(), square_norm=square_norm)
+        items = total.new_tensor(tally.host_items)
+        if tally.device_items is not None:
+            items = items + tally.device_items
+        flags = total.new_tensor([float(totals.can_pad_next), float(self._stop_now()),
+                                  float(tally.counts_from_loss_fn), float(totals.counted_first)])
+        row = torch.cat([torch.stack([total, items]), flags])
+        if square_norm is not None:
+            row = torch.cat([row, square_norm.to(row).reshape(1)])
+        return row
 
     def _exchanged(self, totals: Totals, grads: Optional[List[torch.Tensor]], in_flight: Optional["InFlight"]
                    ) -> Exchanged:
-        """The window's global numbers on the host, from one small all-reduce (across ranks, or when
-        a count is a tensor; launched early when the window could, see :meth:`launch`) and the
-        window's one host synchronisation. Across ranks the all-reduce also sums the flags, so the
-        next window needs no agreement and a stop reaches every rank at the same window; under FSDP2
-        it also sums the shards' squared norms."""
+        """The window's global numbers on the host, from one small all-reduce (across ranks, or for a tensor
+        count), which also sums the flags (a stop reaches every rank at the same window) and, under FSDP2,
+        the shards' squared norms."""
         square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
         tally = None if in_flight is not None else Tally(totals.tally, self.count_dtype)  # else summed at launch
         if tally is None:
@@ -300,14 +292,9 @@ class InFlight:
 
 def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.device) -> None:
     """After the first window's reduction, the ranks' gradients must be equal: compare a fingerprint
-    (the sum of the per-parameter norms, and a position-weighted sum) across ranks, once.
-
-    A ``loss_fn`` that runs the inner module (``ddp.module``, or Lightning's ``self.net`` under
-    manual optimization) bypasses DDP's forward, which is where DDP prepares its reduction: the
-    backward then reduces nothing, each rank steps on its own gradient, and the replicas drift apart
-    without a word. Every rank sees every fingerprint, so every rank raises alike. The cost: one
-    pass over the gradient, one all-gather of two numbers and one host synchronisation, once.
-    """
+    (the sum of the per-parameter norms, and a position-weighted sum) across ranks, once. A ``loss_fn``
+    that runs the inner module (``ddp.module``) bypasses DDP's forward, so nothing is reduced and the
+    replicas drift apart in silence. Every rank sees every fingerprint, so every rank raises alike."""
     if grads:
         norms = tensor_norms(grads, torch.float64)
         weights = torch.arange(1, len(grads) + 1, dtype=torch.float64, device=norms.device)
@@ -352,20 +339,6 @@ class Exchanged(NamedTuple):
     stop: bool  # some rank asked to stop
     counts_from_loss_fn: bool  # some rank's loss_fn returned its own counts
     counted_first: bool  # every rank counted the window's items before its first backward
-
-
-def pack_row(tally: Tally, loss_sum: torch.Tensor, *, can_pad_next: bool, stop: bool, counted_first: bool,
-             square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """This rank's :class:`ExchangeRow` as one tensor on the loss sum's device and dtype."""
-    items = loss_sum.new_tensor(tally.host_items)
-    if tally.device_items is not None:
-        items = items + tally.device_items
-    flags = loss_sum.new_tensor([float(can_pad_next), float(stop), float(tally.counts_from_loss_fn),
-                                 float(counted_first)])
-    row = torch.cat([torch.stack([loss_sum, items]), flags])
-    if square_norm is not None:
-        row = torch.cat([row, square_norm.to(row).reshape(1)])
-    return row
 
 
 def read_on_host(**parts: Optional[torch.Tensor]) -> Dict[str, List[float]]:
