@@ -1,10 +1,6 @@
-"""One window: its micro-batches' forward and weighted backward, then one boundary.
-
-:class:`Window` is what lives for one window (its setup from the ranks, the micro-batches done, the
-:class:`~gradaccum._boundary.Tally` of loss and items); :class:`Parts` is what it needs from its Accumulator, passed
-explicitly. ``acc.step`` drives a window through ``loss_fn`` (:meth:`Window.run`), a hand-written loop
-drives it itself (``acc.window``); both end in ``step``, the boundary. docs/architecture.md walks one
-micro-batch through it.
+"""One window: its micro-batches' forward and weighted backward, then one boundary (:class:`Window`), and
+what it needs from its Accumulator (:class:`Parts`). docs/architecture.md ("One micro-batch's trip") walks
+one micro-batch through it.
 """
 
 from __future__ import annotations
@@ -12,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -162,8 +158,7 @@ class Window:
         self.abandoned = False
         #: micro-batches this rank runs, padding included (None when opened without a size, or before it opens)
         self.micro_batches: Optional[int] = None
-        #: zero-weight micro-batches the ranks' counts ask this rank to run on top of its own (DDP: one on a
-        self.padding = 0  # rank with none; FSDP2: as many as the busiest runs)
+        self.padding = 0  # zero-weight micro-batches the ranks ask this rank to run on top of its own
 
     def __enter__(self) -> "Window":
         ctx = self.ctx
@@ -189,8 +184,7 @@ class Window:
 
     @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or where it counts first,
-        from the ranks' count read at the first backward."""
+        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or from the ranks' count."""
         if self._weights is None:
             setup = self.setup
             assert setup is not None, "the weighting is read inside `with acc.window(...)`"
@@ -298,12 +292,9 @@ class Window:
 
     def _backprop(self, weighted: torch.Tensor, num_items: Count = 1, *, autocast_off: bool = False) -> None:
         """One micro-batch's backward of its weighted loss, through the loss scale and the seam. A mean over 0
-        items turns the incoming 0 into ``0 / 0 = nan``: its backward is skipped where it runs no collective,
-        else runs under :func:`weighing_nothing` (not under DeepSpeed, whose engine owns the gradients)."""
+        items is skipped where it runs no collective, else guarded (:func:`weighing_nothing`; not DeepSpeed's)."""
         ctx = self.ctx
-        empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
-        if empty is not None and ctx.sync.owns_step:
-            empty = None
+        empty = None if (type(num_items) is int and num_items > 0) or ctx.sync.owns_step else may_be_empty(num_items)
         if empty is True and self.current is not None and not self.current.reduces \
                 and not ctx.sync.needs_equal_counts:
             pass  # skipped: it adds exactly nothing and runs no collective (its graph goes with it)
@@ -312,7 +303,12 @@ class Window:
         else:
             if ctx.switches:
                 self._before_reduction()
-            _guarded_backward(ctx, weighted, empty, autocast_off)
+            if empty is None:
+                ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.sync.backward)
+            else:  # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's
+                leaves = graph_leaves(weighted) if ctx.sync.sharded_grads else ctx.model.parameters()
+                with weighing_nothing(leaves, empty):
+                    ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.sync.backward)
         self.done += 1
 
     def _before_reduction(self) -> None:
@@ -391,19 +387,6 @@ def _check_step(window: "Window") -> None:
     if size is not None and window.done != size:
         raise RuntimeError(f"the window was opened for {_micro_batches(size)} but {window.done} ran; under data "
                            "parallelism the last one is the one that reduces gradients, so the counts must match")
-
-
-def _guarded_backward(ctx: Parts, weighted: torch.Tensor, empty: Union[None, bool, torch.Tensor],
-                      autocast_off: bool) -> None:
-    """The backward of ``weighted`` through the loss scale and the seam; where the micro-batch may hold
-    no item (``empty``), under :func:`weighing_nothing`."""
-    if empty is None:
-        ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.sync.backward)
-        return
-    # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's (sharded)
-    leaves = graph_leaves(weighted) if ctx.sync.sharded_grads else ctx.model.parameters()
-    with weighing_nothing(leaves, empty):
-        ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.sync.backward)
 
 
 def _checked(window: "Window", loss: Any) -> Any:
