@@ -1,9 +1,8 @@
 """``accum_dtype``: where a window's gradient of bf16/fp16 parameters is summed, for every driver.
 
-A bf16 ``.grad`` that every micro-batch's backward adds into rounds to 8 bits of mantissa after each add, so its
-error grows with the window (:data:`_ROUNDS`). Where gradaccum owns the window's sum it sums in float32
-:class:`~gradaccum._gradients.AccumulationBuffers`, rounded once at the boundary; where a framework owns it, a
-:class:`LowPrecisionWarning` names the setting that sums in float32.
+A bf16 ``.grad`` rounds to 8 bits of mantissa after each micro-batch adds into it, so its error grows with the
+window. Where gradaccum owns the sum it sums in float32 :class:`~gradaccum._gradients.AccumulationBuffers`;
+where a framework owns it, a :class:`LowPrecisionWarning` names the setting that sums in float32.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Argument checks shared by the library and the command line.
-
-Each check raises before anything changes, with a message that names the argument, the value and
-the fix. The command line passes its flag names (``--accum-steps``) as ``name``.
+"""Argument checks shared by the library and the command line (which passes its flag names as ``name``):
+each raises before anything changes, naming the argument, the value and the fix.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The guard of a micro-batch of 0 items, the same in every driver.
 
-A micro-batch of 0 items weighs ``0 / N``, but its mean ``sum / count`` divides by 0: the loss is nan, and
-its graph turns the incoming 0 into ``0 / 0 = nan`` whatever weight multiplies the loss. So the mean is
-cleaned to 0 (:func:`clean_mean`), and the backward runs under :func:`weighing_nothing`, which replaces what it
-brings each parameter by 0 (its exact contribution, ``0 * grad L_k``), or is skipped where it runs no
-collective. A count on an accelerator is compared on the device: no host synchronisation per micro-batch.
+Its mean ``sum / count`` is ``0 / 0 = nan``, and so is its graph's gradient whatever weight multiplies the
+loss: the mean is cleaned to 0 (:func:`clean_mean`) and its backward brings each parameter exactly 0
+(:func:`weighing_nothing`). A count on an accelerator is compared on the device, with no host sync.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Where a window's gradient lives: the parameters' ``.grad``, or float32 accumulation buffers.
+"""Float32 accumulation buffers for a window's bf16/fp16 gradient (why: :mod:`gradaccum._accum_dtype`).
 
-Summing N bf16 gradients in bf16 rounds N times to 8 bits of mantissa, so the error of the window's
-gradient grows with N. With buffers (``Accumulator(accum_dtype=torch.float32)``), each micro-batch's
-gradient is folded into a float32 tensor right after its backward (a post-accumulate-grad hook), the
-bf16 ``.grad`` is dropped at once, and at the boundary the normalized float32 sum is rounded to the
-parameter's dtype exactly once::
+Each micro-batch's gradient is folded into float32 right after its backward (a post-accumulate-grad hook) and
+its ``.grad`` dropped; at the boundary the scaled sum is rounded to the parameter's dtype once::
 
     buffer  = sum_k float32(grad_k)          (one rounding per micro-batch at most, in float32)
     p.grad  = dtype(buffer * scale)          (one rounding to bf16, for the optimizer)
-
-The window's gradient wherever it lives (``.grad`` and these buffers) is :class:`gradaccum._weights.Gradients`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""What a loss's items are and its sum over them, as pure functions; and the numeric helpers.
-
-A micro-batch's mean loss is weighed by its items n_k (the window's maths, and the window that runs it:
-:mod:`gradaccum._weights`). Here is what those items are, counted before any forward pass where it can
-be, and the summed loss whose mean they make: a language model's next-token targets
-(:func:`target_count`, :func:`token_loss_sum`), a Hugging Face head's targets (:func:`loss_items`,
-:func:`summed_loss`), and a mixture-of-experts router's load-balancing statistics over the window
-(:func:`router_statistics`, :func:`balance_loss_part`).
+"""What a loss's items n_k are (the weights they make: :mod:`gradaccum._weights`) and its sum over them, as
+pure functions: next-token targets, a Hugging Face head's targets, a mixture-of-experts router's statistics;
+and the numeric helpers.
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ __all__ = ["Plan", "Request", "Setup", "CountedFirst", "Rules", "RankAgreement",
 
 
 class Plan(NamedTuple):
-    """What every rank agreed on when a window opened: this rank's micro-batches, the most and fewest on any
-    rank, the window's N where every rank knew its count before the first backward (else None), and
-    ``asked``: the ranks exchanged counts (an all-gather) rather than knowing them."""
+    """What the ranks agreed on as a window opened: this rank's micro-batches, the most and fewest on any rank,
+    N where every rank counted up front (else None), and whether they ``asked`` (an all-gather)."""
 
     micro_batches: int
     most: int
@@ -60,9 +59,8 @@ class Request(NamedTuple):
 
 
 class Setup(NamedTuple):
-    """What a window needs from the ranks, decided when it opens: its plan, R when known up front (else
-    None), the zero-weight micro-batches this rank runs on top of its own, and the count all-reduce started
-    where the window counts first (:meth:`RankAgreement.open`)."""
+    """What a window needs from the ranks as it opens: its plan, R when known up front (else None), this rank's
+    zero-weight micro-batches on top of its own, and the count all-reduce where it counts first."""
 
     plan: Optional[Plan]
     reference: Optional[float]
@@ -72,8 +70,7 @@ class Setup(NamedTuple):
 
 class CountedFirst:
     """The window's N, counted first: every rank's up-front count summed in one all-reduce started as the
-    window opens and read at the first backward (:meth:`wait`). A rank without a count sends nan: then no
-    rank has N.
+    window opens and read at the first backward. A rank without a count sends nan: then no rank has N.
 
     >>> CountedFirst(GradSync(), torch.device("cpu"), 12).wait(), CountedFirst(GradSync(), torch.device("cpu"), None).wait()
     (12.0, None)
@@ -100,9 +97,8 @@ class CountedFirst:
 
 @dataclass(frozen=True)
 class Rules:
-    """What the configuration says about every window: several ranks train each window together; every rank
-    runs as many micro-batches as the busiest (FSDP2, ``reduce_every_micro_batch``; else at least one); R
-    must be the window's own N, known up front (DeepSpeed: no rescale at the boundary)."""
+    """What the configuration says about every window: ranks share it; every rank runs as many micro-batches
+    as the busiest (FSDP2, ``reduce_every_micro_batch``); R must be N, known up front (DeepSpeed)."""
 
     shares_windows: bool
     needs_equal_counts: bool
@@ -169,8 +165,8 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[Plan],
 
 
 class RankAgreement:
-    """When ranks talk about a window: the agreement as it opens, R's first fixing, and what the ranks told
-    each other at its boundary, kept in ``state`` (which is read and changed here)."""
+    """When ranks talk about a window: as it opens, to fix the running R, and what its boundary told them
+    (kept in ``state``)."""
 
     def __init__(self, sync: GradSync, device: torch.device, state: AccumulatorState, rules: Rules) -> None:
         self.sync, self.device, self.state, self.rules = sync, device, state, rules
@@ -190,8 +186,7 @@ class RankAgreement:
         return will_pad or self.state.padding_batch is not None
 
     def open(self, request: Request) -> Setup:
-        """The one call a window makes when it opens: its plan (known, made alone or asked), then
-        :func:`window_setup`, and the count all-reduce where it counts first."""
+        """The one call a window makes as it opens: its plan (known, made alone or asked), then its setup."""
         plan = request.plan
         if plan is None and request.micro_batches is not None:
             plan = (local_plan(self.state, self.rules, request)
@@ -209,8 +204,8 @@ class RankAgreement:
         return None if n is None else _reference(self.state, self.rules, setup.plan._replace(items=n), None)
 
     def counts_first(self, plan: Optional[Plan]) -> bool:
-        """Whether the window's N is summed across ranks as it opens: its plan does not carry N, and every
-        rank counted up front in the last window (``state.counts_first``, the same on every rank)."""
+        """Whether the window's N is summed across ranks as it opens: its plan lacks N, and every rank counted
+        up front in the last window."""
         return (self.rules.shares_windows and plan is not None and not plan.asked and plan.items is None
                 and self.state.counts_first and (self.rules.reference_is_count or self.state.last_window_items is None))
 
@@ -249,9 +244,8 @@ class RankAgreement:
         return plan
 
     def equal_shares(self, loader: Any) -> bool:
-        """Whether every rank's loader yields as many batches this epoch (a ``DistributedSampler`` over all
-        the ranks under torch's own ``BatchSampler``), confirmed by one small all-gather; the items are still
-        summed at the boundary (a collate_fn may drop rows)."""
+        """Whether every rank's loader yields as many batches this epoch (a ``DistributedSampler`` under torch's
+        own ``BatchSampler``), confirmed by one small all-gather."""
         if not self.rules.shares_windows:
             return False
         sampler, batch_sampler = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)

@@ -38,11 +38,9 @@ class _Seen:
 
 @dataclass(eq=False)
 class AccumulatorState:
-    """Everything a window learns for the next, owned by the ``Accumulator`` (``acc.state``) and handed
-    to each window (``Parts.state``); ``ExactTrainer`` and Lightning's ``ExactAccumulation`` keep
-    theirs in one too (``trainer.accumulator_state``, ``callback.state``), saved with their framework's
-    checkpoint. The fields a window's weighting changes (steps, skipped, reference,
-    last_window_items) are written by :class:`~gradaccum._weights.WindowWeights`, whoever drives it.
+    """Everything a window learns for the next, owned by the ``Accumulator`` (``acc.state``) and handed to each
+    window (``Parts.state``); ``ExactTrainer`` and Lightning's ``ExactAccumulation`` keep theirs in one too
+    (``trainer.accumulator_state``, ``callback.state``), saved with their framework's checkpoint.
 
     Saved in ``state_dict`` (a resumed run continues bit-identically):
 
