@@ -42,20 +42,14 @@ class Totals(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What the boundary did: the window's global loss sum and item count, the norm, the verdict, and
-    what the ranks told each other on the way (every rank can pad, any rank asked to stop, some rank's
-    loss_fn returned its own counts, every rank counted its items first)."""
+    """What the boundary did: what the ranks told each other (the window's global loss sum and N, and the
+    flags), the norm after the step's scale, whether it skipped, the learning rate and the steps taken."""
 
-    loss_sum: float
-    num_items: float
+    told: "Exchanged"
     grad_norm: Optional[float]
     skipped: bool
     lr: float
     step: int
-    peers_can_pad: bool = False
-    stop_requested: bool = False
-    counts_from_loss_fn: bool = False
-    counted_first: bool = False
 
 
 class Tally:
@@ -196,8 +190,7 @@ class Boundary:
                 self._skip(closing, loss_sum, totals)
         finally:
             self.grads.drop()
-        return Outcome(loss_sum, told.num_items, grad_norm, not stepped, lr, self.state.steps,
-                       told.peers_can_pad, told.stop, told.counts_from_loss_fn, told.counted_first)
+        return Outcome(told, grad_norm, not stepped, lr, self.state.steps)
 
     def launch(self, totals: Totals) -> "InFlight":
         """Start the window's one all-reduce (an :class:`ExchangeRow`) without waiting, before the last

@@ -20,7 +20,7 @@ from .errors import RankAgreementError
 from .sync import GradSync
 
 if TYPE_CHECKING:
-    from ._boundary import Outcome
+    from ._boundary import Exchanged
 
 __all__ = ["Plan", "Request", "Setup", "CountedFirst", "Rules", "RankAgreement", "padded_count",
            "local_plan", "window_setup"]
@@ -262,12 +262,12 @@ class RankAgreement:
             return float(value)
         return float(self.sync.all_reduce_(torch.tensor([float(value)], device=self.device), "max").item())
 
-    def learn(self, setup: Setup, outcome: "Outcome") -> None:
+    def learn(self, setup: Setup, told: "Exchanged") -> None:
         """After a boundary that did not raise: the count ratio, and what the ranks told each other."""
         plan, counted = setup.plan, setup.counted  # N as counted before the first backward, where it was
         upfront = plan.items if plan is not None and plan.items is not None else counted and counted.value
-        if upfront and outcome.num_items > 0:
-            self.state.count_ratio = outcome.num_items / upfront
-        self.state.counts_from_loss_fn = outcome.counts_from_loss_fn
+        if upfront and told.num_items > 0:
+            self.state.count_ratio = told.num_items / upfront
+        self.state.counts_from_loss_fn = told.counts_from_loss_fn
         if self.rules.shares_windows:
-            self.state.counts_first, self.state.peers_can_pad = outcome.counted_first, outcome.peers_can_pad
+            self.state.counts_first, self.state.peers_can_pad = told.counted_first, told.peers_can_pad

@@ -188,8 +188,8 @@ class Window:
         if self._weights is None:
             setup = self.setup
             assert setup is not None, "the weighting is read inside `with acc.window(...)`"
-            self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor, reference=(
-                setup.reference if setup.counted is None else self.ctx.ranks.reference(setup)))
+            self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
+                                          reference=self.ctx.ranks.reference(setup))
         return self._weights
 
     def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
@@ -336,12 +336,12 @@ class Window:
         totals = self._totals(ran=self.done > 0)  # a window that counts first has read its count by now
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = ctx.boundary.finish(totals, self.in_flight)
-        ctx.ranks.learn(self.setup, out)  # type: ignore[arg-type]
+        told, grad_norm, skipped, lr, step = ctx.boundary.finish(totals, self.in_flight)
+        ctx.ranks.learn(self.setup, told)  # type: ignore[arg-type]
         self.result = StepResult(  # the boundary's outcome, with the micro-batches that counted
-            loss=window_mean(out.loss_sum, out.num_items), micro_batches=self.done - self.request.flush - self.padding,
-            num_items=int(out.num_items) if float(out.num_items).is_integer() else out.num_items, lr=out.lr,
-            grad_norm=out.grad_norm, skipped=out.skipped, step=out.step, stop_requested=out.stop_requested,
+            loss=window_mean(told.loss_sum, told.num_items), lr=lr, grad_norm=grad_norm, skipped=skipped, step=step,
+            num_items=int(told.num_items) if float(told.num_items).is_integer() else told.num_items,
+            micro_batches=self.done - self.request.flush - self.padding, stop_requested=told.stop,
             micro_batch_size=size if isinstance(size, int) else None)
         return self.result
 
