@@ -23,21 +23,14 @@ __all__ = ["Tally", "Totals", "Outcome", "Boundary", "InFlight", "ExchangeRow", 
 # -- the procedure ------------------------------------------------------------------------------------
 
 class Totals(NamedTuple):
-    """What one rank's window hands the boundary.
+    """What one rank's window hands the boundary."""
 
-    Attributes:
-        tally: this rank's micro-batches as the window filed them: ``(mean loss, count, from loss_fn)``.
-        weights: the window's :class:`~gradaccum._weights.WindowWeights`, which closes and records it.
-        ran: whether this rank ran any micro-batch, padding included (for the empty-window warning).
-        can_pad_next: whether this rank can pad its next window (has a micro-batch to repeat).
-        counted_first: this rank counted its items before the window's first backward (its request
-            had them); exchanged, so that every rank learns whether the next window counts first.
-    """
-
-    tally: List[Tuple[torch.Tensor, Any, bool]]
-    weights: WindowWeights
-    ran: bool
-    can_pad_next: bool = True
+    tally: List[Tuple[torch.Tensor, Any, bool]]  #: this rank's micro-batches: ``(mean loss, count, from loss_fn)``
+    weights: WindowWeights  #: the window's weighting, which closes and records it
+    ran: bool  #: this rank ran any micro-batch, padding included (for the empty-window warning)
+    can_pad_next: bool = True  #: this rank has a micro-batch to pad its next window with
+    #: this rank counted its items before the first backward; exchanged, so that every rank learns whether
+    #: the next window counts first
     counted_first: bool = False
 
 

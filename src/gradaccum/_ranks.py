@@ -38,23 +38,15 @@ class Plan(NamedTuple):
 
 
 class Request(NamedTuple):
-    """What a window asks for when it opens.
+    """What a window asks for when it opens."""
 
-    Attributes:
-        micro_batches: this rank's micro-batches, flush included (None: a hand-written window without a size).
-        items: this rank's items, when known before the first backward.
-        can_pad: this rank can run zero-weight micro-batches (:meth:`RankAgreement.can_pad`).
-        defer: the gradient reduction waits for the boundary (the out-of-memory back-off).
-        plan: the plan, when the caller knows it already (``train()``).
-        flush: zero-weight micro-batches the caller runs first, counted in ``micro_batches`` (the
-            out-of-memory back-off's first forward under DDP); not the padding the agreement asks for.
-    """
-
-    micro_batches: Optional[int]
-    items: Optional[Count] = None
-    can_pad: bool = False
-    defer: bool = False
-    plan: Optional[Plan] = None
+    micro_batches: Optional[int]  #: this rank's, flush included (None: a hand-written window without a size)
+    items: Optional[Count] = None  #: this rank's items, when known before the first backward
+    can_pad: bool = False  #: this rank can run zero-weight micro-batches (:meth:`RankAgreement.can_pad`)
+    defer: bool = False  #: the gradient reduction waits for the boundary (the out-of-memory back-off)
+    plan: Optional[Plan] = None  #: the plan, when the caller knows it already (``train()``)
+    #: zero-weight micro-batches the caller runs first, counted in ``micro_batches`` (the out-of-memory
+    #: back-off's first forward under DDP); not the padding the agreement asks for
     flush: int = 0
 
 
