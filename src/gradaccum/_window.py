@@ -402,15 +402,13 @@ def _checked(window: "Window", loss: Any) -> Any:
 
 
 def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
-    """Whether the next micro-batch is the window's last (the one that reduces across ranks), where it is not
-    simply micro-batch ``size`` of a window with a size (``micro_batch`` reads that itself)."""
+    """Whether the next micro-batch is the window's last (the one that reduces across ranks), where ``last``
+    says it or nothing can (``micro_batch`` reads the common case, ``last=None`` within ``size``, itself)."""
     if size is not None and done >= size:
         raise RuntimeError(f"the window was opened for {_micro_batches(size)} and all have run; "
                            "call window.step(), or open it with the right micro_batches")
-    if last is None:
-        if size is None:
-            raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")
-        return done == size - 1
+    if last is None:  # and no size: micro_batch read any other case
+        raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")
     return bool(last)
 
 
