@@ -85,9 +85,8 @@ def split_loss_output(out: Any, count: Count) -> Tuple[Any, Count]:
 
 
 def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", where: str) -> torch.Tensor:
-    """A scalar loss that requires grad, or an error that says how to get one. ``subject`` opens the
-    message (``"loss_fn must return a scalar loss"``); ``where`` names what the loss is computed
-    inside, for the fix (``"window.micro_batch()"``)."""
+    """A scalar loss that requires grad, or an error that says how to get one: ``subject`` opens it,
+    ``where`` names what the loss is computed inside (``"window.micro_batch()"``)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigurationError(f"{subject} (the mean over the micro-batch's items), got {shape}; "
@@ -108,9 +107,8 @@ def training_batchnorms(model: nn.Module) -> List[str]:
 
 
 def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> bool:
-    """Whether a mapping micro-batch's integer ``labels`` hold ``ignore_index`` (padding, a prompt
-    masked out): a mean over its targets is then not a mean over its rows. One host synchronisation
-    for all of them; False, with none, where no micro-batch has such labels."""
+    """Whether a mapping micro-batch's integer ``labels`` hold ``ignore_index`` (then a mean over its targets
+    is not one over its rows), in one host synchronisation for all of them."""
     labels = [mb.get("labels") for mb in micro_batches if isinstance(mb, Mapping)]
     found = [(t == ignore_index).any() for t in labels
              if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
@@ -118,8 +116,7 @@ def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> 
 
 
 def padded_rows_refusal(where: str, fix: str) -> NotExactError:
-    """A bare mean loss on micro-batches whose ``labels`` hold -100, with nothing said of its items:
-    weighed by rows it would not be the big batch's mean over targets. ``where`` names the call,
+    """The refusal of a bare mean loss on micro-batches whose ``labels`` hold -100: ``where`` names the call,
     ``fix`` how that call takes a count."""
     return NotExactError(
         f"{where}: loss_fn returned a bare mean loss on micro-batches whose 'labels' hold the ignore index -100 "
