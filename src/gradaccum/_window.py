@@ -156,8 +156,7 @@ class Window:
         self.in_flight: Optional[InFlight] = None  # the boundary's all-reduce, launched before that backward
         self.result: Optional[StepResult] = None
         self.abandoned = False
-        #: micro-batches this rank runs, padding included (None when opened without a size, or before it opens)
-        self.micro_batches: Optional[int] = None
+        self.micro_batches: Optional[int] = None  # this rank's, padding included (None: opened without a size)
         self.padding = 0  # zero-weight micro-batches the ranks ask this rank to run on top of its own
 
     def __enter__(self) -> "Window":
@@ -184,7 +183,8 @@ class Window:
 
     @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or from the ranks' count."""
+        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or from the ranks' count at
+        its first backward."""
         if self._weights is None:
             setup = self.setup
             assert setup is not None, "the weighting is read inside `with acc.window(...)`"
@@ -292,7 +292,7 @@ class Window:
 
     def _backprop(self, weighted: torch.Tensor, num_items: Count = 1, *, autocast_off: bool = False) -> None:
         """One micro-batch's backward of its weighted loss, through the loss scale and the seam. A mean over 0
-        items is skipped where it runs no collective, else guarded (:func:`weighing_nothing`; not DeepSpeed's)."""
+        items is skipped where it runs no collective, else runs under :func:`weighing_nothing` (not under DeepSpeed)."""
         ctx = self.ctx
         empty = None if (type(num_items) is int and num_items > 0) or ctx.sync.owns_step else may_be_empty(num_items)
         if empty is True and self.current is not None and not self.current.reduces \
