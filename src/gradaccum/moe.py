@@ -286,7 +286,6 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
     ranks, own = ctx.ranks, len(micro_batches)
     if micro_batches:
         ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
-    # pass 1 runs before the window opens, on the unwrapped module (DDP's forward runs collectives)
     routing = Routing.open(
         moe, micro_batches, route=lambda mb: moe.route(_unwrapped(ctx.model), mb),
         forward=lambda mb: moe.forward(ctx.model, mb), sync=ctx.sync, device=ctx.device, who="MoELoss",
