@@ -1,13 +1,6 @@
-"""A :class:`WindowLoss`'s big-batch gradient in two passes, the representations cached (GradCache;
-docs/guides/contrastive.md: the steps, and what they cost)::
-
-    z_k = encode(model, x_k)  for every micro-batch k on every rank,  z = (z_1, ..., z_K)
-    grad L(z) = sum_k J_k^T g_k,   g_k = dL/dz_k,   J_k = dz_k/dtheta
-
-In the core's terms (:mod:`gradaccum._weights`) the window's loss is one mean over its N items: weighed
-``N / R`` for the loss's own parameters and ``N * W / R`` for each slice (the data-parallel average
-divides by W), so that after the boundary scale ``R / N`` the step's gradient is ``grad L``.
-"""
+"""A :class:`WindowLoss`'s big-batch gradient in two passes, the representations cached (GradCache): the
+steps and their cost are docs/guides/contrastive.md's, the weights docs/architecture.md's ("The cached two
+passes")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The big batch that :func:`gradaccum.check_equivalence` compares with, computed independently of the code
-it checks: per micro-batch ``n_k * L_k`` backpropagated and one division by ``sum n_k`` in float64, not
-:mod:`gradaccum._weights`' weights; a loss over the window is backpropagated whole on the batch, and run
-through the Accumulator's own window on the split.
-"""
+it checks (:func:`window_grads`, not :mod:`gradaccum._weights`' weights); a loss over the window is
+backpropagated whole on the batch, and run through the Accumulator's own window on the split."""
 
 from __future__ import annotations
 
@@ -79,10 +77,8 @@ def coupled_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) ->
 
 
 def balance_loss(router_logits: Any, top_k: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The checker's own load-balancing loss of one batch, in float64, written from transformers'
-    ``load_balancing_loss_func`` and not from :mod:`gradaccum._maths`: ``E * sum_i f_i P_i`` with
-    ``f_i`` the share of the top-k choices that went to expert i and ``P_i`` its mean router
-    probability, over every layer's unmasked tokens."""
+    """The checker's own load-balancing loss of one batch (``E * sum_i f_i P_i`` over every layer's unmasked
+    tokens), in float64, written from transformers' ``load_balancing_loss_func``, not from :mod:`gradaccum._maths`."""
     probs = [torch.softmax(layer.to(torch.float64), dim=-1) for layer in router_logits]
     experts = probs[0].shape[-1]
     weight = torch.cat([torch.ones(p.shape[0], dtype=torch.float64, device=p.device) if token_mask is None

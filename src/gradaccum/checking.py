@@ -1,12 +1,5 @@
-"""check_equivalence: is accumulation on *this* model the same as one big batch?
-
-It compares the full batch's gradient with the accumulated one ``sum_k n_k grad L_k / sum_k n_k``, from
-the same state, parameter by parameter, against :mod:`gradaccum._oracle`'s big batch (computed independently
-of the code it checks). It names the modules that break the equivalence (BatchNorm or dropout in training
-mode, a module that draws random numbers in forward, one whose output for an item depends on the other
-items) and, in a hint, the likeliest cause in the loss. The model is left exactly as found: parameters,
-buffers, gradients, train/eval modes and the RNG state.
-"""
+"""check_equivalence: is accumulation on *this* model the same as one big batch? The big batch is
+:mod:`gradaccum._oracle`'s, computed independently of the code it checks."""
 
 from __future__ import annotations
 
@@ -191,7 +184,11 @@ def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], rtol: float) -> 
 
 def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_size: int, *,
                       rtol: float = 1e-5, num_items: Any = None) -> EquivalenceReport:
-    """Compare one big batch's gradient with the accumulated gradient over micro-batches.
+    """Compare one big batch's gradient with the accumulated one, ``sum_k n_k grad L_k / sum_k n_k``,
+    from the same state, parameter by parameter. The report names the modules that break the equivalence
+    (BatchNorm or dropout in training mode, a module that draws random numbers in forward, one whose
+    output for an item depends on the other items) and, in a hint, the likeliest cause in the loss. The
+    model is left exactly as found: parameters, buffers, gradients, train/eval modes and the RNG state.
 
     Args:
         model: the model, in the mode you train it in (training mode, usually).

@@ -1,23 +1,10 @@
 """Mixture-of-experts load balancing under accumulation: the router's auxiliary loss over the window.
 
-:class:`MoELoss`'s term is transformers' ``load_balancing_loss_func`` over the batch's routed tokens::
-
-    LBL = E * sum_i f_i P_i,    f_i = C_i / T,    P_i = S_i / T
-
-with ``C_i`` the tokens routed to expert i (top-k choices, every layer, not differentiated), ``S_i``
-the summed router probability of expert i and ``T`` the routed rows (tokens times layers). Both are
-statistics of the whole batch, so per micro-batch the loss is another objective. Because ``C`` is not
-differentiated, the gradient splits over micro-batches once the window's counts are known
-(:func:`gradaccum._maths.balance_loss_part`)::
-
-    grad LBL = E / T^2 * sum_i C_i * sum_k grad S_{k,i}
-
-``mode="exact"`` is :class:`Routing`, the guide's count, agree and train steps (docs/guides/moe.md), driven
-by the Accumulator (:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.TrainerBalance`).
-The cheaper modes run no pass 1 and no collective of their own (each measured against the big batch in the
-guide): ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the window's items, so the
-objective does not change with the accumulation steps or the world size) and ``"prefix"`` (expert fractions
-from this rank's micro-batches so far, Megatron's running average).
+:class:`MoELoss` is the loss one passes to ``acc.step`` / ``acc.train``. Its ``mode="exact"`` is
+:class:`Routing`, the MoE guide's count, agree and train steps (docs/guides/moe.md, "The exact method"),
+driven by the Accumulator (:func:`run_moe_window`) and ExactTrainer
+(:class:`gradaccum.integrations.hf_moe.TrainerBalance`); the maths is
+:func:`gradaccum._maths.router_statistics` and :func:`gradaccum._maths.balance_loss_part`.
 """
 from __future__ import annotations
 
@@ -39,7 +26,7 @@ from .sync import GradSync
 
 __all__ = ["MoEOutput", "MoELoss", "MODES", "Routing", "run_moe_window", "check_moe_loss"]
 
-#: how the load-balancing term is computed under accumulation (see the module docstring)
+#: how the load-balancing term is computed under accumulation (see :class:`MoELoss`'s ``mode``)
 MODES = ("exact", "micro_batch", "prefix")
 
 
@@ -70,6 +57,9 @@ class MoELoss:
 
         L = sum_k n_k L_k / N + coef * E * sum_i f_i P_i,   f_i = C_i / T,  P_i = S_i / T  (window-wide)
 
+    with ``C_i`` the tokens routed to expert i (top-k choices, every layer), ``S_i`` the summed router
+    probability of expert i and ``T`` the routed rows (tokens times layers).
+
     Args:
         forward: ``forward(model, micro_batch) -> MoEOutput``: the micro-batch's mean loss, its item
             count, its router logits per layer and its token mask. In ``mode="exact"`` each
@@ -77,8 +67,11 @@ class MoELoss:
         num_experts: E; top_k: the experts chosen per token; coef: the load-balancing weight
             (transformers' ``router_aux_loss_coef``).
         mode: ``"exact"`` (default: one more forward per micro-batch without a graph, one all-gather
-            of E + 4 numbers per rank per window), or ``"micro_batch"`` / ``"prefix"`` (cheaper, not the
-            big batch: see :mod:`gradaccum.moe`).
+            of E + 4 numbers per rank per window), or a cheaper one, not the big batch, that runs no counting
+            pass and no collective of its own (each measured against the big batch in the guide):
+            ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the window's items, so
+            the objective does not change with the accumulation steps or the world size) or ``"prefix"``
+            (expert fractions from this rank's micro-batches so far, Megatron's running average).
         route: optional ``route(model, micro_batch) -> MoEOutput`` for the counting pass: the same
             routing and item count as ``forward`` gives, from a cheaper forward (the trunk without the
             head, ``loss=None``). Default: ``forward``.
@@ -155,10 +148,9 @@ class MoELoss:
         return _check_routing(_checked(out), self, "MoELoss")
 
     def per_micro_batch(self) -> Callable[[nn.Module, Any], Any]:
-        """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or
-        ``"prefix"``: the token loss plus ``coef`` times the micro-batch's balance term, weighted by its
-        share ``n_k / N`` of the window's items like its token loss; ``"prefix"`` takes the expert
-        fractions from this rank's micro-batches of the window so far (this one included)."""
+        """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or ``"prefix"``
+        (see ``mode``): the token loss plus ``coef`` times the micro-batch's balance term, weighted by its
+        share ``n_k / N`` of the window's items like its token loss (``"prefix"``: this one included)."""
         seen: List[Any] = [0, 0]  # counts and rows of this rank's micro-batches so far
 
         def loss_fn(model: nn.Module, batch: Any) -> Any:
@@ -294,7 +286,6 @@ def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any
     ranks, own = ctx.ranks, len(micro_batches)
     if micro_batches:
         ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
-    # pass 1 runs before the window opens, on the unwrapped module (DDP's forward runs collectives)
     routing = Routing.open(
         moe, micro_batches, route=lambda mb: moe.route(_unwrapped(ctx.model), mb),
         forward=lambda mb: moe.forward(ctx.model, mb), sync=ctx.sync, device=ctx.device, who="MoELoss",

@@ -9,7 +9,7 @@ docs/guides/trl.md ("GRPO and RLOO").
 
     >>> import torch
     >>> masks = [torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.tensor([[1, 1, 1]])]   # completion masks
-    >>> tokens, rows = sum(int(m.sum()) for m in masks), sum(m.shape[0] for m in masks)
+    >>> tokens, rows = local_counts(masks, torch.device("cpu")).tolist()             # then summed over the ranks
     >>> StepCount.of("dapo", tokens, rows, max_completion_length=3)                 # a token mean: N = T
     StepCount(tokens=6, rows=3, items=6)
     >>> StepCount.of("grpo", tokens, rows, 3).items, StepCount.of("dr_grpo", tokens, rows, 3).items
@@ -34,8 +34,6 @@ def step_items(loss_type: str, tokens: int, rows: int, max_completion_length: Op
     """N, the step's count that ``loss_type``'s big batch divides its summed terms by; 0 (a token mean
     over a step without tokens) is a step with nothing to average, skipped.
 
-    >>> step_items("dapo", tokens=37, rows=8, max_completion_length=16), step_items("dr_grpo", 37, 8, 16)
-    (37, 128)
     >>> step_items("dapo", tokens=0, rows=8, max_completion_length=16), step_items("grpo", 0, 8, 16)
     (0, 8)
     """
@@ -60,11 +58,8 @@ class StepCount:
 
 def local_counts(masks: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """This rank's ``[completion tokens, sequences]`` over a step's micro-batches (their loss masks), a
-    long tensor on ``device`` to sum over the ranks in one reduction, before :meth:`StepCount.of`.
-
-    >>> local_counts([torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.tensor([[1, 1, 1]])], torch.device("cpu"))
-    tensor([6, 3])
-    """
+    long tensor on ``device`` to sum over the ranks in one reduction, before :meth:`StepCount.of` (the
+    module's example)."""
     counts = torch.zeros(2, dtype=torch.long, device=device)
     for mask in masks:
         counts += torch.stack([mask.sum().long(), torch.tensor(mask.shape[0], device=mask.device)]).to(device)
