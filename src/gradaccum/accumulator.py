@@ -262,4 +262,3 @@ def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_si
             f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
             "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
             + ("" if isinstance(loss_fn, WindowLoss) else ", or use MoELoss(mode='micro_batch')"))
-

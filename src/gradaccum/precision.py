@@ -3,8 +3,7 @@
 ``"fp32"`` does nothing. ``"bf16"`` runs forward passes under autocast. ``"fp16"`` adds a dynamic
 loss scale S: every micro-batch's backward sees ``S * loss``; at the window boundary the summed
 gradient is unscaled once (divided by S), before normalization, clipping and the step; a window whose
-scaled gradient overflowed takes no step and S backs off. The autocast device follows the model's
-parameters, so one code path serves the CPU and CUDA.
+scaled gradient overflowed takes no step and S backs off.
 """
 
 from __future__ import annotations
@@ -39,16 +38,13 @@ class MixedPrecision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) if self.scaler is not None else loss
-
     def backward(self, loss: torch.Tensor, *, autocast_off: bool = False,
                  run: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
-        """``run(scale(loss))`` (``.backward()``, or the distributed seam's: DeepSpeed's ``engine.backward``),
+        """``run(loss)``, times S under fp16 (``.backward()``, or the seam's: DeepSpeed's ``engine.backward``),
         outside autocast when the forward ran under it (or when asked: a zero-weight padding micro-batch)."""
         outside = self.dtype is not None or autocast_off  # the forward ran under autocast; its backward must not
         with torch.autocast(device_type=self.device_type, enabled=False) if outside else contextlib.nullcontext():
-            run(self.scale(loss))
+            run(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the accumulated gradients by the loss scale, once per window."""
