@@ -241,9 +241,8 @@ class Accumulator(Resumable):
 
 
 def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
-    """``step``/``train``'s ``loss_fn`` with its ``num_items`` and ``micro_batch_size``: a
-    :class:`~gradaccum.WindowLoss` or :class:`~gradaccum.MoELoss` by its own rules, else a callable
-    with a ``num_items`` function or None; neither two-pass loss around a DeepSpeed engine."""
+    """``step``/``train``'s ``loss_fn``, ``num_items`` and ``micro_batch_size``: a WindowLoss or MoELoss by its own
+    rules, else a callable with a ``num_items`` function or None; neither two-pass loss around a DeepSpeed engine."""
     if isinstance(loss_fn, WindowLoss):
         check_window_loss(num_items, micro_batch_size)
     elif isinstance(loss_fn, MoELoss):
