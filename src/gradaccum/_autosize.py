@@ -1,5 +1,5 @@
-"""``micro_batch_size="auto"``: the largest micro-batch that fits, found by halving on out-of-memory. A failed
-attempt is dropped on every rank alike and the same window retried (:func:`gradaccum._run.run_window`'s ``catch_oom``)."""
+"""``micro_batch_size="auto"``: the largest micro-batch that fits, found by halving on out-of-memory. A failed attempt
+is dropped on every rank alike and the same window retried (:func:`gradaccum._run.run_window`'s ``catch_oom``)."""
 
 from __future__ import annotations
 

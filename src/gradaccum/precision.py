@@ -38,13 +38,16 @@ class MixedPrecision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
     def backward(self, loss: torch.Tensor, *, autocast_off: bool = False,
                  run: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
-        """``run(loss)``, times S under fp16 (``.backward()``, or the seam's: DeepSpeed's ``engine.backward``),
+        """``run(scale(loss))`` (``.backward()``, or the distributed seam's: DeepSpeed's ``engine.backward``),
         outside autocast when the forward ran under it (or when asked: a zero-weight padding micro-batch)."""
         outside = self.dtype is not None or autocast_off  # the forward ran under autocast; its backward must not
         with torch.autocast(device_type=self.device_type, enabled=False) if outside else contextlib.nullcontext():
-            run(self.scaler.scale(loss) if self.scaler is not None else loss)
+            run(self.scale(loss))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the accumulated gradients by the loss scale, once per window."""
