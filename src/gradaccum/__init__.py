@@ -43,8 +43,7 @@ _HOMES = {
     "NotExactError": "errors", "SplitError": "errors", "RankAgreementError": "errors", "ReplayError": "errors",
     "MoELoss": "moe", "MoEOutput": "moe", "PipelineWindow": "pipeline",
 }
-#: importable for code written against earlier versions, but not the API: ``AccumSchedule`` is how ``train``
-#: and ``num_steps`` read the ``accum_steps`` a user passes (an int, ``{epoch: N}`` or a callable); nobody builds it
+#: importable for code written against earlier versions, not the API: how ``train``/``num_steps`` read ``accum_steps``
 _NOT_IN_ALL = ("AccumSchedule",)
 
 

@@ -1,7 +1,5 @@
-"""``micro_batch_size="auto"``: the largest micro-batch that fits, found by halving on out-of-memory. A failed
-attempt's partial gradients are dropped and the same window retried, so the step is the one the final size
-gives; every rank starts from the same size, and one rank's error backs every rank off
-(:func:`gradaccum._run.run_window` with ``catch_oom``)."""
+"""``micro_batch_size="auto"``: the largest micro-batch that fits, found by halving on out-of-memory. A failed attempt
+is dropped on every rank alike and the same window retried (:func:`gradaccum._run.run_window`'s ``catch_oom``)."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ Attempt = Callable[[List[Batch], int], Optional[StepResult]]
 
 def is_out_of_memory(error: BaseException) -> bool:
     """True for CUDA's ``torch.OutOfMemoryError`` and the CPU allocator's "can't allocate memory"."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError)
+                                                         and "can't allocate memory" in str(error))
 
 
 class AutoMicroBatch:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -73,9 +73,23 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigurationError("model has no parameter that requires grad; there is nothing to accumulate")
-    if engine is None:
-        _check_optimizer_covers(optimizer, params, model)
-        _check_no_foreign_scaler(optimizer)
+    if engine is not None:
+        return optimizer, params
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in held for p in params):
+        raise ConfigurationError(
+            f"the optimizer holds none of the {type(model).__name__}'s {len(params)} trainable "
+            "parameters, so its steps would never move the model: build it over this model's "
+            "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
+        )
+    scaler = getattr(optimizer, "scaler", None)  # Accelerate's prepared optimizer under fp16 carries one
+    if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
+        raise ConfigurationError(
+            f"the optimizer ({type(optimizer).__name__}) carries its own enabled GradScaler, so its step() "
+            "would unscale gradients gradaccum never scaled (Accelerate's prepared optimizer under "
+            "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
+            "precision='fp16' to Accumulator, which owns the scaler"
+        )
     return optimizer, params
 
 
@@ -98,27 +112,3 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
         "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
     )
-
-
-def _check_optimizer_covers(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], model: nn.Module) -> None:
-    """An optimizer over none of the model's trainable parameters would 'step' and move nothing."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not any(id(p) in held for p in params):
-        raise ConfigurationError(
-            f"the optimizer holds none of the {type(model).__name__}'s {len(params)} trainable "
-            "parameters, so its steps would never move the model: build it over this model's "
-            "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
-        )
-
-
-def _check_no_foreign_scaler(optimizer: torch.optim.Optimizer) -> None:
-    """Accelerate's prepared optimizer under ``mixed_precision="fp16"`` carries a GradScaler and runs
-    ``scaler.step()`` in its own ``step()``: it would unscale gradients gradaccum never scaled."""
-    scaler = getattr(optimizer, "scaler", None)
-    if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
-        raise ConfigurationError(
-            f"the optimizer ({type(optimizer).__name__}) carries its own enabled GradScaler, so its step() "
-            "would unscale gradients gradaccum never scaled (Accelerate's prepared optimizer under "
-            "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
-            "precision='fp16' to Accumulator, which owns the scaler"
-        )

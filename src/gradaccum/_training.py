@@ -1,11 +1,5 @@
-"""``Accumulator.train``: a loader's micro-batches -> windows -> one step each (:func:`gradaccum._run.run_window`),
-``epochs`` epochs from where training stands (the sampler's position, else ``acc.epoch``).
-
-Windows come from the loader's :class:`~gradaccum.WindowSampler` (which knows every rank's share: no rank
-asks) or from ``accum_steps`` consecutive micro-batches, where the ranks agree at every window (one small
-all-gather, unless a ``DistributedSampler`` gives every rank as many): a rank whose data ran out pads with
-zero weight, and the epoch ends when no rank has any left.
-"""
+"""``Accumulator.train``: a loader's micro-batches cut into windows, by its :class:`~gradaccum.WindowSampler` or
+``accum_steps`` at a time (the ranks agreeing at each window), each run by :func:`gradaccum._run.run_window`."""
 
 from __future__ import annotations
 
@@ -41,9 +35,7 @@ class TrainSpec:
 
 
 def window_sampler(loader: Any) -> Optional[WindowSampler]:
-    """The loader's WindowSampler, or None. One wrapped in another batch sampler is refused: the
-    wrapper (Accelerate's BatchSamplerShard from ``accelerator.prepare``) would shard each rank's
-    share again, and part of the data would never be seen."""
+    """The loader's WindowSampler, or None; one wrapped in another batch sampler (which shards it again) is refused."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, WindowSampler):
         return batch_sampler
@@ -81,8 +73,7 @@ def train_windows(ctx: Parts, loader: Iterable[Batch], spec: TrainSpec) -> Itera
 
 def _step(ctx: Parts, pending: List[Batch], spec: TrainSpec, *, counts: Optional[Counts] = None,
           plan: Optional[Plan] = None) -> StepResult:
-    """One window: through the out-of-memory back-off under "auto", else as it comes (with the
-    ``counts`` and the ``plan`` the caller has)."""
+    """One window: through the out-of-memory back-off under "auto", else with the caller's ``counts`` and ``plan``."""
     if spec.auto is not None:
         if pending:
             batch = concat_batches(pending)

@@ -1,14 +1,7 @@
 """``Accumulator``: a window of micro-batches -> weighted backward -> one reduction -> one optimizer step.
 
-The facade: it has its arguments checked before anything moves, builds the parts (the seam, the precision,
-the window's buffers) and runs each window. What one window teaches the next lives in one object,
-``acc.state`` (:class:`~gradaccum._state.AccumulatorState`). ``acc.step`` reads top to bottom in the order a
-window runs: the call checked, the batch split and counted, a :class:`~gradaccum._window.Window` opened
-(its plan and R from :mod:`gradaccum._ranks`), ``window.run`` (each micro-batch's forward and backward of
-``n_k * W / R * L_k``), ``window.step`` (the boundary, :mod:`gradaccum._boundary`). ``acc.train`` and the
-losses that run their own window go through :func:`gradaccum._run.run_window`; ``acc.window`` hands the
-user the same ``Window``. docs/architecture.md walks one micro-batch through it; the formulas are
-:mod:`gradaccum._weights`'.
+The facade: it checks its arguments, builds the parts (the seam, the precision, the window's buffers) and runs
+each window; docs/architecture.md ("One micro-batch's trip") walks ``acc.step`` through them in order.
 """
 
 from __future__ import annotations
@@ -41,8 +34,7 @@ from .result import StepResult
 from .schedule import AccumSteps
 from .sync import GradSync, sync_for
 
-#: ``driver_buffers`` and ``warn_low_precision_grad_sum`` live in :mod:`gradaccum._accum_dtype`; importable
-#: from here as before (the trainer drivers import them from here)
+#: from :mod:`gradaccum._accum_dtype`, importable here (the trainer drivers import them from here)
 __all__ = ["Accumulator", "LowPrecisionWarning", "driver_buffers", "warn_low_precision_grad_sum"]
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
@@ -220,7 +212,10 @@ class Accumulator(Resumable):
         """
         self.context.slot.check_idle()
         check_loss_call(self.sync, loss_fn, num_items, micro_batch_size)
-        check_train_micro_batch_size(micro_batch_size)
+        if micro_batch_size not in (None, "auto"):
+            raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
+                                     "loader's batches are the micro-batches; use 'auto' to re-split each window on "
+                                     "out-of-memory errors")
         if micro_batch_size == "auto":
             self.auto.check_supported()
         spec = TrainSpec(loss_fn, accum_steps, epochs, drop_last, num_items,
@@ -246,9 +241,8 @@ class Accumulator(Resumable):
 
 
 def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
-    """``step``/``train``'s ``loss_fn`` with its ``num_items`` and ``micro_batch_size``: a
-    :class:`~gradaccum.WindowLoss` or :class:`~gradaccum.MoELoss` by its own rules, else a callable
-    with a ``num_items`` function or None; neither two-pass loss around a DeepSpeed engine."""
+    """``step``/``train``'s ``loss_fn``, ``num_items`` and ``micro_batch_size``: a WindowLoss or MoELoss by its own
+    rules, else a callable with a ``num_items`` function or None; neither two-pass loss around a DeepSpeed engine."""
     if isinstance(loss_fn, WindowLoss):
         check_window_loss(num_items, micro_batch_size)
     elif isinstance(loss_fn, MoELoss):
@@ -267,11 +261,3 @@ def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_si
             f"{type(loss_fn).__name__} around a DeepSpeed engine is not supported yet: its extra passes bypass "
             "engine.backward (and ZeRO-3's gathered forward). Train it under DDP or FSDP2"
             + ("" if isinstance(loss_fn, WindowLoss) else ", or use MoELoss(mode='micro_batch')"))
-
-
-def check_train_micro_batch_size(micro_batch_size: Any) -> None:
-    """``train(micro_batch_size=...)`` takes ``"auto"`` or None: the loader's batches are the micro-batches."""
-    if micro_batch_size not in (None, "auto"):
-        raise ConfigurationError(f"train(micro_batch_size=...) takes 'auto' or None, got {micro_batch_size!r}: the "
-                                 "loader's batches are the micro-batches; use 'auto' to re-split each window on "
-                                 "out-of-memory errors")

@@ -106,11 +106,8 @@ class PeakMeter:
 
 
 def replay(events: List[Tuple[int, int, int]]) -> Tuple[int, int, int]:
-    """``(time, address, signed size)`` events -> ``(peak, retained, allocations)``.
-
-    A positive size allocates at the address, a negative one frees it. A free of an address the
-    events never allocated (a block from before the region) is ignored.
-    """
+    """``(time, address, signed size)`` events -> ``(peak, retained, allocations)``: a positive size allocates at
+    the address, a negative one frees it (a free of a block from before the region is ignored)."""
     live: Dict[int, int] = {}
     current = peak = count = 0
     for _, ptr, size in sorted(events, key=lambda e: e[0]):  # stable: ties keep their order
