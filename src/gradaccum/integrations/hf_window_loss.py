@@ -18,9 +18,8 @@ __all__ = ["TrainerWindows", "refuse_what_a_window_loss_cannot_run", "window_los
 
 
 class TrainerWindows:
-    """A Trainer driver's windows, one after the other: the micro-batches ``get_batch_samples`` hands over
-    and their :class:`~gradaccum._cached.CachedPasses`, the window opened once pass 1 counted its rows N.
-    ``prepare`` is the trainer's ``_prepare_inputs``."""
+    """A Trainer driver's windows (docs/architecture.md, "The cached two passes"): the micro-batches
+    ``get_batch_samples`` hands over and their CachedPasses; ``prepare`` is the trainer's ``_prepare_inputs``."""
 
     def __init__(self, trainer: Any, prepare: Callable[[Any], Any]) -> None:
         refuse_what_a_window_loss_cannot_run(trainer)
