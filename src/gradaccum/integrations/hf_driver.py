@@ -37,21 +37,15 @@ class TrainerWindowState(TrainerCallback, ExportableState):
 
     def __init__(self) -> None:
         self.accumulator_state = AccumulatorState()
-        self.held: Optional[Swaps] = None  # the stand-ins, while a skipped window ends
+        self.held = Swaps()  # the stand-ins, while a skipped window ends
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
 
     def hold(self, trainer: Any) -> None:
-        self.held = self.held or Swaps()
         for name in ("optimizer", "lr_scheduler"):
             self.held.wrap(trainer, name, NoStep)
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
-
-    def release(self) -> None:
-        held, self.held = self.held, None
-        if held is not None:
-            held.restore()
 
     def resume(self, trainer: Any, epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
         """The saved state, and the Trainer's resume position moved past the skipped windows' data too."""
@@ -75,9 +69,9 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         state.load_saved(state.read_saved(saved["attributes"]["saved"] if isinstance(saved, dict) else {}))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.held is not None:  # the skipped window's step is over: the Trainer's own objects come back
+        if self.held:  # the skipped window's step is over: the Trainer's own objects come back
             control.should_log = control.should_evaluate = control.should_save = False
-            self.release()
+            self.held.restore()
         return control
 
 
@@ -125,9 +119,8 @@ def _override_checked(own: Callable[..., Any], cls: type) -> Callable[..., Any]:
 
 
 class TrainerDriver:
-    """Mixin before the Trainer class in the MRO: the window's lifecycle, written once (the steps:
-    docs/architecture.md, "The Hugging Face Trainer drivers"). ``nonfinite``: ``"skip"`` or ``"raise"``, a
-    class attribute or every driver's ``nonfinite=`` argument."""
+    """Mixin before the Trainer class in the MRO: the window's lifecycle, written once (docs/architecture.md,
+    "The Hugging Face Trainer drivers"). ``nonfinite``: a class attribute or every driver's argument."""
 
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass
@@ -165,13 +158,10 @@ class TrainerDriver:
         super().__init__(*args, **kwargs)
         self._state = TrainerWindowState()
         self.add_callback(self._state)  # type: ignore[attr-defined]
-        #: what windows teach each other (steps, skipped windows, last N), in the Trainer's checkpoints
-        self.accumulator_state: AccumulatorState = self._state.accumulator_state
-        #: W: the ranks the Trainer's gradient reduction averages over (Accelerate's data-parallel processes)
-        self.grad_divisor = float(self.accelerator.num_processes)
+        self.accumulator_state: AccumulatorState = self._state.accumulator_state  #: saved in the checkpoints
+        self.grad_divisor = float(self.accelerator.num_processes)  #: W, the ranks the Trainer's reduction averages
         self._window: Optional[WindowWeights] = None  # the window being trained (counted first: R = N)
-        #: W / N, the open window's sum_weight(), taken once as it opens: what one item's summed loss weighs
-        self._sum_weight = 0.0
+        self._sum_weight = 0.0  # W / N, the open window's sum_weight(), taken once as it opens
         self._micro_batches, self._ran = 0, 0  # the open window's micro-batches: how many, how many have run
         self._closed: Optional[Closing] = None  # a closed window whose verdict waits for the Trainer's norm
         self._balance: Optional[TrainerBalance] = None
@@ -220,8 +210,7 @@ class TrainerDriver:
         return out, part * window.mean_weight(window.num_items)  # type: ignore[arg-type]  # counted first
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """The Trainer's step; after a window's last micro-batch, before the Trainer clips, the window closes,
-        to be judged on the Trainer's norm (:meth:`_get_grad_norm`) or recorded now."""
+        """The Trainer's step; the window closes after its last micro-batch, before the Trainer clips."""
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         except BaseException:
@@ -244,8 +233,7 @@ class TrainerDriver:
         return loss
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        """The Trainer's norm of the window's gradient (measured before every step): the closed window's
-        verdict on it (:meth:`~gradaccum._weights.WindowWeights.judge`), then its record."""
+        """The Trainer's norm of the window's gradient: the closed window's verdict on it, then its record."""
         norm = super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
         closing, window, self._closed = self._closed, self._window, None  # a closing comes from its window
         if closing is not None:
@@ -266,7 +254,7 @@ class TrainerDriver:
             with accumulation_off(self):  # DeepSpeed's engine built to leave the boundary to the window
                 return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
-            self._state.release()
+            self._state.held.restore()
             if self._window is not None:  # the last window opened may not have run
                 self._window.abort()
 

@@ -65,8 +65,7 @@ def aux_term(config: Any) -> Optional[RouterBalance]:
 
 
 def _refuse_an_unknown_term(text: Any, coef: float) -> None:
-    """A config whose loss adds a router term gradaccum cannot compute over the window (another
-    family's formula, or a weight under another name): refused, never trained without it in silence."""
+    """A router term gradaccum cannot compute over the window: refused, never trained without it in silence."""
     family = getattr(text, "model_type", None)
     others = {name: getattr(text, name) for name in _OTHER_WEIGHTS if getattr(text, name, 0)}
     ffn = getattr(text, "ffn_config", None)  # DBRX's: an object, or a dict

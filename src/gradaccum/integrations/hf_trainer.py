@@ -194,7 +194,6 @@ class ExactTrainer(TrainerDriver, Trainer):
         super().__init__(*args, nonfinite=nonfinite, **kwargs)
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         _refuse_what_is_not_exact(self, config, source, accum_dtype)
-        # float32 sums of bf16/fp16 gradients where ExactTrainer owns the sum (one process), not under DeepSpeed
         owns = (self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.args.n_gpu <= 1
                 and self.window_loss is None)
         self.buffers = None if self.is_deepspeed_enabled else driver_buffers(
@@ -204,8 +203,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         counted_head = source == "head" and self.window_loss is None
         self.items = BatchItems(source, head_of(self.model, head) if counted_head else head, ignore_index, config,
                                 self.args.device)
-        # an MoE model's load-balancing term over the window (hf_moe): a causal LM's own loss adds it; SFT's as TRL
-        # turns it on (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
+        # an MoE model's load-balancing term over the window: a causal LM's own loss adds it; SFT's as TRL turns it on
         self.router_balance = (trl_router_balance(self) if source == "tokens" else
                                aux_term(config) if self.items.head == "causal_lm" and self.own_loss is None else None)
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)

@@ -14,16 +14,29 @@ from ..losses import contrastive_window_loss
 from ..sync import sync_for
 from .hf_driver import refuse_untested
 
-__all__ = ["TrainerWindows", "refuse_what_a_window_loss_cannot_run", "window_loss_of"]
+__all__ = ["TrainerWindows", "window_loss_of"]
 
 
 class TrainerWindows:
-    """A Trainer driver's windows, one after the other: the micro-batches ``get_batch_samples`` hands over
-    and their :class:`~gradaccum._cached.CachedPasses`, the window opened once pass 1 counted its rows N.
-    ``prepare`` is the trainer's ``_prepare_inputs``."""
+    """A Trainer driver's windows (docs/architecture.md, "The cached two passes"): the micro-batches
+    ``get_batch_samples`` hands over and their CachedPasses; ``prepare`` is the trainer's ``_prepare_inputs``.
+    A set-up under which the cached window is not tested is refused with the fix."""
 
     def __init__(self, trainer: Any, prepare: Callable[[Any], Any]) -> None:
-        refuse_what_a_window_loss_cannot_run(trainer)
+        refuse_untested(trainer, "training with a WindowLoss")
+        if getattr(trainer, "window_loss", None) is not None:  # ExactTrainer: the loss may read the model's parameters
+            if trainer.args.ddp_find_unused_parameters:
+                raise ConfigurationError(
+                    "ExactTrainer with a WindowLoss: ddp_find_unused_parameters=True makes DDP reduce a parameter the "
+                    "forward did not use before the backward, and refuse the gradient the window's loss gives it (a "
+                    "temperature read in the loss) there; leave ddp_find_unused_parameters unset or False")
+            # the loss's parameters ride in the reducing backward
+            handler = getattr(trainer.accelerator, "ddp_handler", None)
+            if handler is not None:
+                handler.find_unused_parameters = False
+        if trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+            raise ConfigurationError("gradient_accumulation_kwargs={'sync_each_batch': True} reduces every "
+                                     "micro-batch's surrogate: drop sync_each_batch")
         self.trainer, self.prepare = trainer, prepare
         self.pending: List[Any] = []
         self.passes: Optional[CachedPasses] = None
@@ -87,20 +100,3 @@ def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLos
         return None
     model = kwargs.get("model", args[0] if args else None)
     return contrastive_window_loss(model) if isinstance(model, nn.Module) else None
-
-
-def refuse_what_a_window_loss_cannot_run(trainer: Any) -> None:
-    """A Trainer set-up under which the cached window is not tested: refused with the fix."""
-    refuse_untested(trainer, "training with a WindowLoss")
-    if getattr(trainer, "window_loss", None) is not None:  # ExactTrainer: the loss may read the model's parameters
-        if trainer.args.ddp_find_unused_parameters:
-            raise ConfigurationError(
-                "ExactTrainer with a WindowLoss: ddp_find_unused_parameters=True makes DDP reduce a parameter the "
-                "forward did not use before the backward, and refuse the gradient the window's loss gives it (a "
-                "temperature read in the loss) there; leave ddp_find_unused_parameters unset or False")
-        handler = getattr(trainer.accelerator, "ddp_handler", None)  # the loss's parameters ride in the reducing backward
-        if handler is not None:
-            handler.find_unused_parameters = False
-    if trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
-        raise ConfigurationError("gradient_accumulation_kwargs={'sync_each_batch': True} reduces every micro-batch's "
-                                 "surrogate: drop sync_each_batch")

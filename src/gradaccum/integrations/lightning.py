@@ -156,7 +156,6 @@ class ExactAccumulation(Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         self.skipping, self._batch = False, batch
-        # None: the leading dimension, unless training_step returns a count
         self.pending = None if self.num_items is None else item_count("num_items(batch)", self.num_items(batch))
 
     def _open(self, trainer: "pl.Trainer") -> WindowWeights:
@@ -188,8 +187,7 @@ class ExactAccumulation(Callback):
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        """The boundary, before Lightning clips: N all-reduced, the gradients at ``R / N``, the verdict on their
-        norm (a ``16-mixed`` scaler's own otherwise); a skipped window's step is not counted."""
+        """The boundary, before Lightning clips (docs/architecture.md, "Lightning's ``ExactAccumulation``")."""
         window = self._window if self._window is not None else self._open(trainer)
         self._window = None
         total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and the "

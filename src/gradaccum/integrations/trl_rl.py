@@ -47,10 +47,8 @@ class _ExactRL(TrainerDriver):
         self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
         self._prepared: Deque[Dict[str, Any]] = collections.deque()
         self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
-        #: the weight of the step's second mean, the entropy bonus's over its completion tokens T (the loss may
-        #: average over sequences): ``W / max(T, 1)`` (a mean over no token weighs a zero sum)
+        #: ``W / max(T, 1)``: the entropy bonus is a second mean, over the step's T completion tokens
         self._bonus_weight: Optional[float] = None
-        #: an MoE model's load-balancing term (TRL's router_aux_loss_coef), over the step's window
         self.router_balance = trl_router_balance(self)
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
