@@ -1,17 +1,9 @@
 """DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam (a
 :class:`~gradaccum._seam.GradSync`, which :func:`gradaccum.sync.sync_for` builds for an engine): the
-engine owns the reduction, the optimizer, clipping and its scheduler; gradaccum owns the window.
-
-An engine built with ``"managed_gradient_accumulation": false`` lets its caller own the boundary:
-``engine.backward`` only accumulates and every ``engine.step()`` steps once. The window's global N is
-counted before the first backward, and each micro-batch backpropagates ``n_k * W / N`` times its mean
-loss (``scale_wrt_gas=False``), because DeepSpeed *averages* over its W data-parallel ranks::
-
-    engine gradient = (1 / W) * sum_ranks sum_k n_k * W / N * grad L_k  =  grad L
-
-So the boundary scale is 1, and the engine's own clipping and norm (``StepResult.grad_norm``) see the
-window's gradient. A window with no item skips ``engine.step()`` (its gradient is still zero); every
-rank runs as many micro-batches as the busiest (ZeRO-2/3 communicate in every backward).
+engine owns the reduction, the optimizer, clipping and its scheduler; gradaccum owns the window. An engine
+built with ``"managed_gradient_accumulation": false`` leaves the boundary to its caller; the window's N is
+counted before its first backward, so the boundary scale is 1 and the engine's clipping and norm see the
+window's gradient (why and how: docs/guides/deepspeed.md, "What gradaccum does").
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The distributed seam's interface: :class:`GradSync`, what every backend answers, with the local
-answers as its defaults and the collectives every backend shares; the rank helpers the command line
-uses. It imports no backend (:mod:`gradaccum.sync`, :mod:`gradaccum._deepspeed`), so that they import it
-without a cycle. With :mod:`gradaccum.sync` the library's only module importing ``torch.distributed``.
-"""
+"""The distributed seam's interface, :class:`GradSync` (the local answers as its defaults, the collectives
+every backend shares), and the rank helpers the command line uses. It imports no backend, so that they import
+it without a cycle (docs/architecture.md, "The map")."""
 
 from __future__ import annotations
 

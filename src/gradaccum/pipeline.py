@@ -19,10 +19,9 @@ import torch
 
 from ._checks import positive_int
 from ._maths import target_count, tensor_norms
-from ._weights import clip_coefficient
 from ._seam import all_reduce_
 from ._state import AccumulatorState
-from ._weights import WindowWeights
+from ._weights import WindowWeights, clip_coefficient
 from .errors import ConfigurationError, NotExactError
 from .result import StepResult
 from .sync import sharded_stage
