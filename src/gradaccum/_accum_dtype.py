@@ -83,9 +83,10 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
 
 def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,
                    fix: str) -> Optional[AccumulationBuffers]:
-    """The float32 buffers a trainer driver opens with each window for its bf16/fp16 trainable parameters,
-    under ``"auto"`` where it ``owns_the_sum`` (elsewhere :func:`warn_low_precision_grad_sum` with ``fix``);
-    None under ``"param"`` or without such parameters."""
+    """The float32 buffers a trainer driver (ExactTrainer, Lightning's ExactAccumulation) opens with each
+    window, for its bf16/fp16 trainable parameters, under ``"auto"`` where it ``owns_the_sum`` (one process,
+    no data-parallel wrapper, no scaler unscaling ``.grad`` before the boundary; elsewhere
+    :func:`warn_low_precision_grad_sum` with ``fix``); None under ``"param"`` or without such parameters."""
     if accum_dtype not in ACCUM_DTYPES:
         raise ConfigurationError(f"{who}(accum_dtype={accum_dtype!r}): accum_dtype must be 'auto' (float32 buffers for "
                                  "bf16/fp16 parameters, rounded once per window) or 'param' (the sum in the "

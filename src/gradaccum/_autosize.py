@@ -22,8 +22,8 @@ Attempt = Callable[[List[Batch], int], Optional[StepResult]]
 
 def is_out_of_memory(error: BaseException) -> bool:
     """True for CUDA's ``torch.OutOfMemoryError`` and the CPU allocator's "can't allocate memory"."""
-    return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError)
-                                                         and "can't allocate memory" in str(error))
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
 
 
 class AutoMicroBatch:

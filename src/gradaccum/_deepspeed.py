@@ -3,7 +3,8 @@
 engine owns the reduction, the optimizer, clipping and its scheduler; gradaccum owns the window. An engine
 built with ``"managed_gradient_accumulation": false`` leaves the boundary to its caller; the window's N is
 counted before its first backward, so the boundary scale is 1 and the engine's clipping and norm see the
-window's gradient (why and how: docs/guides/deepspeed.md, "What gradaccum does").
+window's gradient (why and how: docs/guides/deepspeed.md, "DeepSpeed ZeRO-1, ZeRO-2, ZeRO-3 with the
+Accumulator").
 """
 
 from __future__ import annotations

@@ -13,10 +13,13 @@ averages over (1 locally) and R a reference count, the same on every rank::
     reduced grad     = (1 / W) * sum_ranks sum_k n_k * W / R * grad L_k  =  sum n_k grad L_k / R
     window grad      = reduced grad * R / N  =  grad L                      (boundary_scale)
 
-Where N is counted before the first backward, R = N: the scale is 1 and each backward weighs exactly
-``n_k / N``, as one big batch does. Otherwise R is the running one (:func:`running_reference`) or the last
-window's N, and the scale corrects it exactly. A window of N = 0 is skipped (:func:`verdict`). Which R, when:
-docs/architecture.md ("The ranks' agreement and R").
+Where N is counted before the first backward and ``loss_fn`` counts the same items, R = N: the scale is 1
+and each backward weighs exactly ``n_k / N``, as one big batch does. Where ``loss_fn`` counts other items (a
+``(mean, count)`` pair), R is the up-front N times the last window's ratio of the two; where nothing is
+counted up front, the running R (:func:`running_reference`). Either way the scale corrects it exactly.
+Dividing each micro-batch by K instead is exact only when every n_k is equal, which uneven micro-batches,
+padded sequences and a short last window are not. A window of N = 0 is skipped (:func:`verdict`). Which R,
+when: docs/architecture.md ("The ranks' agreement and R").
 
 :class:`WindowWeights` is the window step by step: open, weigh each micro-batch, close at the boundary (in a
 framework's loop: hand over the gradient, judge the framework's norm), record what the state learns:
@@ -178,8 +181,9 @@ class WindowWeights:
             and fixed into it, and :meth:`record` writes the window's lesson into it.
         grad_divisor: W, the ranks the gradient reduction averages over (1 on one process).
         num_items: the window's global N, when known before its first backward (count first).
-        reference: R, when the driver knows it up front (the Accumulator's, from its plan). Default:
-            ``num_items``, else the running R (None until :meth:`fix_reference`).
+        reference: R, when the driver knows it up front (the Accumulator's: N times the last window's
+            ratio of the items ``loss_fn`` counted to those counted up front). Default: ``num_items``, else
+            the running R (None until :meth:`fix_reference`).
         buffers: the float32 buffers a framework-driven window's bf16/fp16 gradients fold into, opened
             now (None: the sum is in ``.grad``, or the Accumulator's boundary owns the buffers).
     """
@@ -340,7 +344,7 @@ class WindowWeights:
         """What the state learns at the boundary: one more step or skipped window, and N as the last
         window's (if it had items). ``warn_empty`` (how the driver counts a window of no item) and
         ``warn_nonfinite`` are each said once per state. A step the stepper did not apply
-        (``applied=False``: an fp16 overflow, DeepSpeed's) counts as skipped. Returns the closing as recorded."""
+        (``applied=False``: a DeepSpeed engine that found the gradient not finite) counts as skipped. Returns the closing as recorded."""
         state = self.state
         assert closing.verdict is not Verdict.RAISE, "a window that raises is not recorded: the driver raised"
         if closing.steps and not applied:

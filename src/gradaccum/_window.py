@@ -336,10 +336,12 @@ class Window:
         totals = self._totals(ran=self.done > 0)  # a window that counts first has read its count by now
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        told, grad_norm, skipped, lr, step = ctx.boundary.finish(totals, self.in_flight)
+        out = ctx.boundary.finish(totals, self.in_flight)
+        told = out.told
         ctx.ranks.learn(self.setup, told)  # type: ignore[arg-type]
         self.result = StepResult(  # the boundary's outcome, with the micro-batches that counted
-            loss=window_mean(told.loss_sum, told.num_items), lr=lr, grad_norm=grad_norm, skipped=skipped, step=step,
+            loss=window_mean(told.loss_sum, told.num_items), lr=out.lr, grad_norm=out.grad_norm,
+            skipped=out.skipped, step=out.step,
             num_items=int(told.num_items) if float(told.num_items).is_integer() else told.num_items,
             micro_batches=self.done - self.request.flush - self.padding, stop_requested=told.stop,
             micro_batch_size=size if isinstance(size, int) else None)
@@ -402,12 +404,13 @@ def _checked(window: "Window", loss: Any) -> Any:
 
 
 def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
-    """Whether the next micro-batch is the window's last (the one that reduces across ranks), where ``last``
-    says it or nothing can (``micro_batch`` reads the common case, ``last=None`` within ``size``, itself)."""
+    """Whether the next micro-batch is the window's last (the one that reduces across ranks), from ``last``;
+    refuses a micro-batch past ``size``, and ``last=None`` without a size (``micro_batch`` reads the common
+    case, ``last=None`` within ``size``, itself)."""
     if size is not None and done >= size:
         raise RuntimeError(f"the window was opened for {_micro_batches(size)} and all have run; "
                            "call window.step(), or open it with the right micro_batches")
-    if last is None:  # and no size: micro_batch read any other case
+    if last is None:  # and no size: micro_batch reads any other case
         raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")
     return bool(last)
 

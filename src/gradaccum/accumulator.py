@@ -34,7 +34,8 @@ from .result import StepResult
 from .schedule import AccumSteps
 from .sync import GradSync, sync_for
 
-#: from :mod:`gradaccum._accum_dtype`, importable here (the trainer drivers import them from here)
+#: ``driver_buffers`` and ``warn_low_precision_grad_sum`` are :mod:`gradaccum._accum_dtype`'s, importable
+#: here (the trainer drivers import them from here)
 __all__ = ["Accumulator", "LowPrecisionWarning", "driver_buffers", "warn_low_precision_grad_sum"]
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer

@@ -189,9 +189,15 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
 
 def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Optional[int], *,
                      allow_empty: bool = False) -> Tuple[List[Batch], Optional[List[int]]]:
-    """``step()``'s ``window`` as a list of micro-batches (a list as given, or one batch split at the checked
-    ``micro_batch_size``), with each chunk's rows where the split made them (else None: :func:`count_items`
-    checks each micro-batch). A window that could be read either way, such as ``(inputs, targets)``, is refused."""
+    """Turn ``step()``'s ``window`` argument (and its ``micro_batch_size``, which ``step()`` has checked) into a
+    checked list of micro-batches, and their rows where the split made them (else None: :func:`count_items`
+    measures and checks each micro-batch).
+
+    With ``micro_batch_size=None`` the window is a list of micro-batches; with an int it is one
+    batch to split. A tuple or list holding bare tensors is refused without ``micro_batch_size``:
+    ``(inputs, targets)`` would otherwise be read as two micro-batches, ``inputs`` and then
+    ``targets``; a list of micro-batches together with ``micro_batch_size`` is refused too.
+    """
     if micro_batch_size is not None:
         if isinstance(window, list) and window and all(isinstance(mb, (tuple, list, Mapping)) for mb in window):
             raise SplitError(

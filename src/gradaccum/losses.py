@@ -1,6 +1,11 @@
-"""Loss helpers that return ``(mean_loss, num_items)``, so that the Accumulator weighs each micro-batch's
-mean by its items, not by batches (docs/architecture.md, "The maths"): for a causal language model the
-next-token targets that are not ``ignore_index``, which padded micro-batches hold different numbers of.
+"""Loss helpers that return ``(mean_loss, num_items)`` so windows are weighted by items, not batches.
+
+For a causal language model the items are the next-token targets that are not ``ignore_index``, which
+padded micro-batches hold different numbers of; the Accumulator weights each micro-batch's mean by its
+count and divides by the window's total count::
+
+    window loss = sum_k count_k * mean_k / sum_k count_k
+
 A contrastive model's loss couples the batch's rows instead: :func:`contrastive_window_loss` is CLIP's and
 SigLIP's as a :class:`~gradaccum.WindowLoss`, computed once over the whole window.
 """

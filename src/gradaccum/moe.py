@@ -150,7 +150,8 @@ class MoELoss:
     def per_micro_batch(self) -> Callable[[nn.Module, Any], Any]:
         """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or ``"prefix"``
         (see ``mode``): the token loss plus ``coef`` times the micro-batch's balance term, weighted by its
-        share ``n_k / N`` of the window's items like its token loss (``"prefix"``: this one included)."""
+        share ``n_k / N`` of the window's items like its token loss (``"prefix"``: the expert fractions of this
+        rank's micro-batches so far, this one included)."""
         seen: List[Any] = [0, 0]  # counts and rows of this rank's micro-batches so far
 
         def loss_fn(model: nn.Module, batch: Any) -> Any:

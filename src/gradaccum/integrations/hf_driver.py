@@ -120,7 +120,8 @@ def _override_checked(own: Callable[..., Any], cls: type) -> Callable[..., Any]:
 
 class TrainerDriver:
     """Mixin before the Trainer class in the MRO: the window's lifecycle, written once (docs/architecture.md,
-    "The Hugging Face Trainer drivers"). ``nonfinite``: a class attribute or every driver's argument."""
+    "The Hugging Face Trainer drivers"). ``nonfinite``: ``"skip"`` or ``"raise"``, a class
+    attribute or every driver's ``nonfinite=`` argument."""
 
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass

@@ -204,6 +204,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         self.items = BatchItems(source, head_of(self.model, head) if counted_head else head, ignore_index, config,
                                 self.args.device)
         # an MoE model's load-balancing term over the window: a causal LM's own loss adds it; SFT's as TRL turns it on
+        # (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
         self.router_balance = (trl_router_balance(self) if source == "tokens" else
                                aux_term(config) if self.items.head == "causal_lm" and self.own_loss is None else None)
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)

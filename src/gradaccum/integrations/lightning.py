@@ -156,6 +156,7 @@ class ExactAccumulation(Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         self.skipping, self._batch = False, batch
+        # None: the leading dimension, unless training_step returns a count
         self.pending = None if self.num_items is None else item_count("num_items(batch)", self.num_items(batch))
 
     def _open(self, trainer: "pl.Trainer") -> WindowWeights:

@@ -47,7 +47,8 @@ class _ExactRL(TrainerDriver):
         self.last_step_count: Optional[StepCount] = None  # the last step's counts, all ranks: for logs and tests
         self._prepared: Deque[Dict[str, Any]] = collections.deque()
         self._captured: Optional[List[Any]] = None  # the entropies TRL's loss saw, while compute_loss runs
-        #: ``W / max(T, 1)``: the entropy bonus is a second mean, over the step's T completion tokens
+        #: ``W / max(T, 1)``: the entropy bonus is a second mean, over the step's T completion tokens (a mean
+        #: over no token weighs a zero sum)
         self._bonus_weight: Optional[float] = None
         self.router_balance = trl_router_balance(self)
 
