@@ -36,8 +36,8 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
         return run_cached_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, plan=plan)
     if isinstance(loss_fn, MoELoss):
         if loss_fn.mode == "exact":
-            return run_moe_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size,
-                                  catch_oom=catch_oom, plan=plan)
+            # num_items and micro_batch_size="auto" are refused with it (check_moe_loss)
+            return run_moe_window(ctx, micro_batches, loss_fn, micro_batch_size=micro_batch_size, plan=plan)
         loss_fn = loss_fn.per_micro_batch()  # the cheaper modes: a (mean, count) loss_fn like any other
     defer = catch_oom and ctx.sync.shares_windows  # no collective before the ranks agree
     # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):

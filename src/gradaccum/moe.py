@@ -279,11 +279,10 @@ class Routing(Replay):
         return out.loss + coef * self.items / n * part if n > 0 else out.loss
 
 
-def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, counts: Any, *, micro_batch_size: Any = None,
-                   catch_oom: bool = False, plan: Any = None) -> Any:
+def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, *, micro_batch_size: Any = None,
+                   plan: Any = None) -> Any:
     """One window of an :class:`MoELoss` in mode ``"exact"``: the Accumulator's driver of :class:`Routing`
     (:func:`gradaccum._run.run_window` runs the cheaper modes as a ``(mean, count)`` ``loss_fn``)."""
-    assert not catch_oom, "micro_batch_size='auto' with MoELoss(mode='exact') is refused by check_moe_loss"
     ranks, own = ctx.ranks, len(micro_batches)
     if micro_batches:
         ranks.remember(micro_batches[-1])  # to pad a later window where this rank has none
