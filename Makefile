@@ -15,9 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[cli,test]"
-	# DeepSpeed's CPU communication op, compiled once per machine (into ~/.cache/torch_extensions) here
-	# rather than inside the first DeepSpeed test: a minute or more on 2 cores
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
+	# DeepSpeed's CPU communication op, compiled here rather than inside the first DeepSpeed test (a minute or
+	# more on 2 cores), into the environment, where tests/conftest.py points the tests' builds too
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 	touch $@
 
 install: $(VENV)/.installed

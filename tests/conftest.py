@@ -4,6 +4,9 @@
   reduction rounds differently with a different thread count, so both sides of a comparison must run
   with the same one. The variables are set before torch is imported and inherited by subprocesses.
 * Every test starts from the same seeds (torch, random): nothing depends on the order tests run in.
+* DeepSpeed's CPU communication op is built into this virtual environment (``TORCH_EXTENSIONS_DIR``, as
+  the Makefile's install builds it): torch's default, ``~/.cache/torch_extensions``, is one folder per
+  machine, where each checkout's build replaces another's and is built again inside the next one's run.
 """
 import os
 import random
@@ -15,6 +18,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_var] = "1"  # forced, not defaulted: the in-process side must equal the subprocesses
 os.environ.setdefault("PYTHONHASHSEED", "0")
 os.environ.pop("GRADACCUM_DEBUG", None)
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -81,6 +85,24 @@ else:
 # git), by the process that prints the summary (under pytest-xdist the controller, not the workers).
 FAILURES_LOG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
                             "gradaccum-failures.log")
+
+
+def pytest_configure(config):
+    """Refuse to start where a build of DeepSpeed's op was killed part-way: torch's build waits, without a
+    timeout, for the lock file it left, and every DeepSpeed test with it."""
+    import time
+
+    lock = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "deepspeed_shm_comm", "lock")
+    if os.environ.get("PYTEST_XDIST_WORKER") or not os.path.exists(lock):
+        return
+    minutes = (time.time() - os.path.getmtime(lock)) / 60
+    if minutes > STALE_BUILD_MINUTES:
+        raise pytest.UsageError(f"{lock} is {minutes:.0f} minutes old: a build of DeepSpeed's CPU op was stopped "
+                                f"part-way and the DeepSpeed tests would wait on it for ever; remove it (rm {lock})")
+
+
+#: a build of the op takes a minute on 2 idle cores; a lock older than this was left by a build that was stopped
+STALE_BUILD_MINUTES = 10
 
 
 def pytest_runtest_logreport(report):
