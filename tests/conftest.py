@@ -7,6 +7,10 @@
 * DeepSpeed's CPU communication op is built into this virtual environment (``TORCH_EXTENSIONS_DIR``, as
   the Makefile's install builds it): torch's default, ``~/.cache/torch_extensions``, is one folder per
   machine, where each checkout's build replaces another's and is built again inside the next one's run.
+* What the tests and their subprocesses write with ``tempfile`` (a Trainer's ``output_dir``, a torchrun
+  worker's folder) goes into one folder per run, removed when the run ends: the workers end with
+  ``os._exit`` and leave their folders behind, tens of thousands of them in ``/tmp`` over many runs.
+  pytest's own ``tmp_path`` folders stay where pytest keeps them (its last three runs, to look into).
 """
 import os
 import random
@@ -88,10 +92,17 @@ FAILURES_LOG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def pytest_configure(config):
-    """Refuse to start where a build of DeepSpeed's op was killed part-way: torch's build waits, without a
+    """One scratch folder for the run's temporary files (see the module's docstring), made by the process
+    that starts the run and inherited by every process below it. Then refuse to start where a build of DeepSpeed's op was killed part-way: torch's build waits, without a
     timeout, for the lock file it left, and every DeepSpeed test with it."""
+    import tempfile
     import time
 
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get(SCRATCH):
+        os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())  # tmp_path: where pytest keeps it
+        os.environ[SCRATCH] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="gradaccum-tests-")
+        tempfile.tempdir = None  # read TMPDIR again
+        config.stash[_MADE] = os.environ[SCRATCH]
     lock = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "deepspeed_shm_comm", "lock")
     if os.environ.get("PYTEST_XDIST_WORKER") or not os.path.exists(lock):
         return
@@ -101,6 +112,16 @@ def pytest_configure(config):
                                 f"part-way and the DeepSpeed tests would wait on it for ever; remove it (rm {lock})")
 
 
+def pytest_unconfigure(config):
+    if _MADE in config.stash:  # this process made it (not a pytest that a test started below the run)
+        import shutil
+
+        shutil.rmtree(config.stash[_MADE], ignore_errors=True)
+
+
+#: names the run's scratch folder, the ``TMPDIR`` of every process of the run (set by the process that starts it)
+SCRATCH = "GRADACCUM_TESTS_TMPDIR"
+_MADE = pytest.StashKey[str]()
 #: a build of the op takes a minute on 2 idle cores; a lock older than this was left by a build that was stopped
 STALE_BUILD_MINUTES = 10
 
