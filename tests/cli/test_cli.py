@@ -354,6 +354,24 @@ def test_version():
     assert proc.returncode == 0 and proc.stdout.startswith("gradaccum ")
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["check", "--help"], ["--version"],
+                                  ["train", "--epoch", "2"], ["check", "--micro-batch-size", "auto"], []])
+def test_help_version_and_a_mistyped_flag_answer_without_importing_torch(argv):
+    """What the parser answers alone (help, the version, a flag it refuses) imports no torch: a few
+    hundredths of a second, not the seconds torch's import takes."""
+    code = ("import sys\nfrom gradaccum.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)" % argv)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert proc.stderr.rstrip().endswith("no torch"), proc.stderr[-2000:]
+
+
+def test_the_command_lines_precisions_are_mixed_precisions():
+    from gradaccum.cli.config import PRECISIONS
+    from gradaccum.precision import PRECISIONS as LIBRARY
+
+    assert PRECISIONS == LIBRARY
+
+
 def test_auto_micro_batch_size_from_the_command_line(tmp_path):
     out = tmp_path / "auto"
     assert main(["train", "--micro-batch-size", "auto", "--batch-size", "64", "--model", "mlp",

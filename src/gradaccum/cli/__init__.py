@@ -51,7 +51,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _main(argv: List[str]) -> int:
     from .parser import build_parser, unknown_flags_message
-    from .sharding import teardown_distributed
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -63,6 +62,8 @@ def _main(argv: List[str]) -> int:
         sub.error(unknown_flags_message(sub, args.command, unknown))
     command_argv = argv[argv.index(args.command):] if args.command in argv else [args.command]
     code = _run(args, command_argv)
+    from .sharding import teardown_distributed  # torch: a bad flag or --help is answered before its import
+
     # only now: the command's frames (and an exception's traceback) are gone, so nothing holds the
     # model, DDP's reducer, the optimizer or the Accumulator, which hold the process group; a group
     # destroyed while they live is torn down again at interpreter exit, where gloo can abort

@@ -20,15 +20,11 @@ import sys
 from typing import Any, Callable, Sequence, Tuple
 
 from .._maths import ceil_div
+from .config import CHECK_ACCUM_STEPS, CHECK_MICRO_BATCH_SIZE
 from .errors import CLIError
 from ..errors import ConfigurationError
 
-__all__ = ["check_command", "import_object", "CHECK_MICRO_BATCH_SIZE", "CHECK_ACCUM_STEPS"]
-
-#: check's split of a built-in task's batch when the flags give none: 4 micro-batches of 8 (train's
-#: defaults, 32 x 4, are cli/config.py's)
-CHECK_MICRO_BATCH_SIZE = 8
-CHECK_ACCUM_STEPS = 4
+__all__ = ["check_command", "import_object"]
 
 
 def import_object(flag: str, path: str) -> Any:
@@ -131,7 +127,7 @@ def _builtin(args: argparse.Namespace) -> Tuple[Any, Any, Any, str, int]:
     from .config import TrainConfig
     from .run import build
 
-    from ..tasks.models import MODELS
+    from ..tasks import MODELS
 
     if args.model is not None and args.model not in MODELS:
         given = f" (your --batch and --loss name functions as MODULE:FUNCTION: so must --model, e.g. {args.model}:build)" \

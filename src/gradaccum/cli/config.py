@@ -7,22 +7,24 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, NamedTuple, Optional, Union
 
-from .._checks import check_int
-from .._maths import ceil_div
-from ..precision import PRECISIONS
-from ..tasks.data import SHIPPED, TASKS
-from ..tasks.models import MODELS
 from ..errors import ConfigurationError
+from ..tasks import MODELS, SHIPPED, TASKS
 from .errors import CLIError
 
 __all__ = ["TrainConfig", "Shape", "OPTIMIZERS", "DEVICES", "DTYPES", "DEFAULTS", "DEFAULT_ACCUM_STEPS",
-           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "SEED_RANGE", "SEED_RANGE_TEXT", "saved_config", "window_shape"]
+           "DEFAULT_AUTO_BATCH", "DEFAULT_MICRO_BATCH_SIZE", "CHECK_ACCUM_STEPS", "CHECK_MICRO_BATCH_SIZE", "PRECISIONS",
+           "SEED_RANGE", "SEED_RANGE_TEXT", "saved_config", "window_shape"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float64")
-DEFAULT_MICRO_BATCH_SIZE = 32  # train's M and N when the flags give neither (check has its own: cli/check.py)
+#: MixedPrecision's choices (gradaccum.precision.PRECISIONS, which imports torch: --help does not)
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEFAULT_MICRO_BATCH_SIZE = 32  # train's M and N when the flags give neither
 DEFAULT_ACCUM_STEPS = 4
+#: check's split of a built-in task's batch when the flags give none: 4 micro-batches of 8
+CHECK_MICRO_BATCH_SIZE = 8
+CHECK_ACCUM_STEPS = 4
 DEFAULT_AUTO_BATCH = 128  # the window with --micro-batch-size auto and no --batch-size
 #: seeds torch's generators take, with room for one more per epoch (seed + epoch, each epoch's order: torch
 #: takes seeds up to 2**64-1)
@@ -63,6 +65,8 @@ def window_shape(batch_size: Optional[int], micro_batch_size: Union[int, str, No
     micro-batch may be smaller (an exact item-weighted step); with B and N alone, M = B / (N x W),
     which must come out whole.
     """
+    from .._maths import ceil_div  # torch: the parser imports this module, and --help imports no torch
+
     ranks = f" x {world_size} ranks" if world_size > 1 else ""
     if micro_batch_size == "auto":
         if accum_steps is not None:
@@ -120,6 +124,8 @@ class TrainConfig:
     world_size: int = 1  # the ranks this launch runs on (torchrun's WORLD_SIZE); may change on --resume
 
     def __post_init__(self) -> None:
+        from .._checks import check_int  # torch, as in window_shape
+
         def bad(flag: str, value: Any, want: str) -> ValueError:
             return ValueError(f"{flag} must be {want}, got {value!r}")
 

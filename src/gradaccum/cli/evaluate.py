@@ -33,7 +33,7 @@ def find_checkpoint(text: str) -> Tuple[Path, bool]:
 
 
 def _settings(state: Dict[str, Any], path: Path, data_path: Any) -> Any:
-    from ..tasks.data import SHIPPED
+    from ..tasks import SHIPPED
     from .config import saved_config
 
     cfg = saved_config(state, where=f"--checkpoint {path}", fix="evaluate it with the gradaccum that wrote it")

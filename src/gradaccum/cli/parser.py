@@ -120,11 +120,9 @@ def build_parser() -> "_Parser":
 
 
 def _train_parser(sub: Any) -> None:
-    from ..precision import PRECISIONS
-    from ..tasks.data import TASKS
-    from ..tasks.models import MODELS
+    from ..tasks import MODELS, TASKS
     from .config import (DEFAULT_ACCUM_STEPS, DEFAULT_AUTO_BATCH, DEFAULT_MICRO_BATCH_SIZE, DEVICES, DTYPES,
-                         OPTIMIZERS, SEED_RANGE_TEXT)
+                         OPTIMIZERS, PRECISIONS, SEED_RANGE_TEXT)
 
     raw = RAW
     t = sub.add_parser(
@@ -227,9 +225,8 @@ def _eval_parser(sub: Any) -> None:
 
 
 def _check_parser(sub: Any) -> None:
-    from ..tasks.data import TASKS
-    from ..tasks.models import MODELS
-    from .check import CHECK_ACCUM_STEPS, CHECK_MICRO_BATCH_SIZE
+    from ..tasks import MODELS, TASKS
+    from .config import CHECK_ACCUM_STEPS, CHECK_MICRO_BATCH_SIZE
 
     raw = RAW
     c = sub.add_parser("check", help="is accumulation equivalent to one big batch on this model?",

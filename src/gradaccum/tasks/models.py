@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigurationError
+from . import MODELS
 
 __all__ = ["MODELS", "build_model", "LeNet5", "MLP", "TinyTransformer"]
 
-MODELS = ("lenet5", "mlp", "transformer")
 
 
 class LeNet5(nn.Module):
