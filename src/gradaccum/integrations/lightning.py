@@ -125,9 +125,7 @@ class ExactAccumulation(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        _refuse_what_is_not_exact(trainer, pl_module)
-        if self.buffers is not None:
-            self.buffers.retire()  # a previous fit's
+        _refuse_what_is_not_exact(trainer, pl_module)  # a previous fit's buffers: retired by teardown
         # one device without a loss scaler (which unscales .grad before on_before_optimizer_step): the sum is ours
         owns = isinstance(trainer.strategy, SingleDeviceStrategy) and getattr(trainer.precision_plugin, "scaler",
                                                                               None) is None
@@ -156,13 +154,10 @@ class ExactAccumulation(Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         self.skipping, self._batch = False, batch
+        if self._window is None:  # the window's first micro-batch: the running R (its count is known at its end)
+            self._window, self._count = WindowWeights(self.state, trainer.world_size, buffers=self.buffers), 0
         # None: the leading dimension, unless training_step returns a count
         self.pending = None if self.num_items is None else item_count("num_items(batch)", self.num_items(batch))
-
-    def _open(self, trainer: "pl.Trainer") -> WindowWeights:
-        """The window with the running R (its count is known only at its end), opened at its first backward."""
-        self._window, self._count = WindowWeights(self.state, trainer.world_size, buffers=self.buffers), 0
-        return self._window
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            loss: torch.Tensor) -> None:
@@ -174,8 +169,7 @@ class ExactAccumulation(Callback):
                 raise ConfigurationError(f"ExactAccumulation counts a batch's items by its leading dimension, but the "
                                          f"{exc} Or pass num_items=lambda batch: <its item count>, or return "
                                          "(mean_loss, count) from training_step") from None
-        self.pending, self._batch = None, None
-        window = self._window if self._window is not None else self._open(trainer)
+        self.pending, self._batch, window = None, None, self._window
         if window.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
             window.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n))
         leaves = (pl_module.parameters if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
@@ -189,19 +183,18 @@ class ExactAccumulation(Callback):
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         """The boundary, before Lightning clips (docs/architecture.md, "Lightning's ``ExactAccumulation``")."""
-        window = self._window if self._window is not None else self._open(trainer)
-        self._window = None
+        window, self._window = self._window, None  # opened by on_train_batch_start
         total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and the "
                            "ranks)", _all_reduce(trainer, self._count))
         params = [p for group in optimizer.param_groups for p in group["params"]]
         closing = window.hand_over(params, total)
         if getattr(trainer.precision_plugin, "scaler", None) is None:  # every rank holds the same reduced gradient
             closing = window.judge(closing, params, nonfinite=self.nonfinite, who="ExactAccumulation")  # one verdict
-        said = None
-        if not closing.steps:  # Lightning counts the step after this hook returns
+        self.skipping = not closing.steps
+        if self.skipping:  # Lightning counts the step after this hook returns
             trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
-            self.skipping = True
-            said = "global_step not advanced; ExactAccumulation.skipped counts them" if trainer.is_global_zero else None
+        said = "global_step not advanced; ExactAccumulation.skipped counts them" if self.skipping and \
+            trainer.is_global_zero else None
         window.record(closing, warn_empty=said and f"ExactAccumulation: no optimizer or scheduler step, {said}",
                       warn_nonfinite=said and window.judged_skip_warning("ExactAccumulation", closing, said))
 
@@ -235,10 +228,8 @@ def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
     """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact)."""
     if trainer.world_size == 1:
         return float(count)
-    device = trainer.strategy.root_device
-    t = (count.detach().to(device, torch.float64, copy=True).reshape(()) if isinstance(count, torch.Tensor)
-         else torch.tensor(float(count), dtype=torch.float64, device=device))
-    return as_number(trainer.strategy.reduce(t, reduce_op="sum"))
+    local = torch.as_tensor(count, dtype=torch.float64).detach().to(trainer.strategy.root_device, copy=True).reshape(())
+    return as_number(trainer.strategy.reduce(local, reduce_op="sum"))
 
 
 def _unless_skipped(callback: ExactAccumulation, trainer: "pl.Trainer", original: Callable[..., Any]

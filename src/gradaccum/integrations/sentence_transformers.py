@@ -152,17 +152,15 @@ class _Served(nn.Module):
     def __init__(self, columns: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.table = torch.cat(list(columns))
-        self.rows = columns[0].shape[0]
         self.layer: Optional[int] = None
         self.served: List[torch.Tensor] = []
 
     def forward(self, features: Dict[str, Any]) -> Dict[str, torch.Tensor]:
         try:
-            index = features["gradaccum_column"] * self.rows + features["gradaccum_row"]
+            rows = self.table[features["gradaccum_rows"]]
         except KeyError:
             raise ConfigurationError("ExactSentenceTransformerTrainer: the loss runs the model on features of its "
                                      "own making (not the batch's), which cached embeddings cannot serve") from None
-        rows = self.table[index]
         embedding = rows if self.layer is None else rows[:, self.layer]
         self.served.append(embedding)
         return {"sentence_embedding": embedding}
@@ -211,9 +209,9 @@ class _ServedLoss:
 
     def loss(self, _: Any, reps: Dict[str, Any]) -> torch.Tensor:
         columns = reps["model"]
-        n = columns[0].shape[0]
-        features = [{"gradaccum_column": torch.full((n,), c, dtype=torch.long, device=columns[0].device),
-                     "gradaccum_row": torch.arange(n, device=columns[0].device)} for c in range(len(columns))]
+        n = columns[0].shape[0]  # column c's rows in the joined table: c * n to (c + 1) * n
+        features = [{"gradaccum_rows": torch.arange(c * n, (c + 1) * n, device=columns[0].device)}
+                    for c in range(len(columns))]
         served = {key: _Served(cols) for key, cols in {"model": columns, **reps.get("guides", {})}.items()}
         with contextlib.ExitStack() as stack:
             stack.enter_context(column_merging_disabled())
