@@ -46,7 +46,8 @@ class AccumulationBuffers:
         return [self._buffers[p] for p in self.params if p in self._buffers]
 
     def write_grads_(self) -> None:
-        """Hand the optimizer each buffer rounded once to its parameter's dtype."""
+        """Hand the optimizer each buffer rounded once to its parameter's dtype; fold nothing more this window."""
+        self.active = False
         for p in self.params:
             buf = self._buffers.get(p)
             if buf is not None:
