@@ -23,17 +23,14 @@ def _saved(default: Any, convert: Callable[[Any], Any], old: Tuple[str, ...] = (
     return field(default=default, metadata={"saved": True, "old": old, "convert": convert})
 
 
-class _Seen:
-    """Objects seen, held weakly and by identity (a user's object need be neither hashable nor kept alive)."""
-
-    def __init__(self) -> None:
-        self._refs: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+class _Seen(weakref.WeakValueDictionary):  # type: ignore[type-arg]
+    """Objects seen, held weakly by their id (a user's object need be neither hashable nor kept alive)."""
 
     def add(self, obj: Any) -> None:
-        self._refs[id(obj)] = obj
+        self[id(obj)] = obj
 
     def __contains__(self, obj: Any) -> bool:
-        return self._refs.get(id(obj)) is obj
+        return self.get(id(obj)) is obj
 
 
 @dataclass(eq=False)
