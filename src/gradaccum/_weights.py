@@ -68,10 +68,8 @@ __all__ = ["CLIP_EPS", "backward_weight", "boundary_scale", "running_reference",
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
 
-Number = Union[int, float]
 
-
-def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, grad_divisor: float,
+def backward_weight(num_items: Count, reference: float, grad_divisor: float,
                     loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
     """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
 
@@ -225,7 +223,7 @@ class WindowWeights:
 
     # -- weigh each micro-batch ---------------------------------------------------------------------------
 
-    def mean_weight(self, num_items: Union[Count, torch.Tensor], loss_dtype: torch.dtype = torch.float64
+    def mean_weight(self, num_items: Count, loss_dtype: torch.dtype = torch.float64
                     ) -> Union[float, torch.Tensor]:
         """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by: ``n_k * W / R``
         (:func:`backward_weight`), kept in :attr:`weight_of` for a Python count; 0 in a window known empty."""
@@ -305,7 +303,8 @@ class WindowWeights:
                 grads = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]  # norm of the norms
             grad_norm = total_norm(grads, grads[0].device if grads else torch.device("cpu"))
         if isinstance(grad_norm, torch.Tensor):
-            grad_norm = full_tensor(grad_norm)  # FSDP2: the whole gradient's
+            # FSDP2: the whole gradient's (not sync.full_tensor: a call into one more file in every window)
+            grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()
         norm = float(grad_norm)  # the window's one host read of its norm
         decision = verdict(None, closing.num_items, norm, nonfinite=nonfinite, has_scaler=False)
         closing = dataclasses.replace(closing, verdict=decision, grad_norm=norm)
