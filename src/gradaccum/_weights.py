@@ -303,8 +303,7 @@ class WindowWeights:
                 grads = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]  # norm of the norms
             grad_norm = total_norm(grads, grads[0].device if grads else torch.device("cpu"))
         if isinstance(grad_norm, torch.Tensor):
-            # FSDP2: the whole gradient's (not sync.full_tensor: a call into one more file in every window)
-            grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()
+            grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP2 (not sync's: one file more)
         norm = float(grad_norm)  # the window's one host read of its norm
         decision = verdict(None, closing.num_items, norm, nonfinite=nonfinite, has_scaler=False)
         closing = dataclasses.replace(closing, verdict=decision, grad_norm=norm)
