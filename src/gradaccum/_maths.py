@@ -38,7 +38,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] =
     >>> tensor_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()
     [5.0, 1.0]
     """
-    if hasattr(torch, "_foreach_norm") and len({t.device for t in tensors}) == 1:
+    if len({t.device for t in tensors}) == 1:
         norms = torch.stack(torch._foreach_norm(list(tensors)))
     else:
         norms = torch.stack([torch.linalg.vector_norm(t).to(tensors[0].device) for t in tensors])
