@@ -227,7 +227,7 @@ class WindowWeights:
                     ) -> Union[float, torch.Tensor]:
         """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by: ``n_k * W / R``
         (:func:`backward_weight`), kept in :attr:`weight_of` for a Python count; 0 in a window known empty."""
-        weight = 0.0 if self.num_items == 0 else backward_weight(  # known empty: 0
+        weight = 0.0 if self.num_items == 0 else backward_weight(  # 0 in a window known empty
             num_items, self.reference if self.reference is not None else self._r(), self.grad_divisor, loss_dtype)
         if type(num_items) is int:
             self.weight_of[num_items] = weight  # type: ignore[assignment]  # a Python count: a Python float
@@ -303,7 +303,7 @@ class WindowWeights:
                 grads = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]  # norm of the norms
             grad_norm = total_norm(grads, grads[0].device if grads else torch.device("cpu"))
         if isinstance(grad_norm, torch.Tensor):
-            grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP2 (not sync's: one file more)
+            grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP2: the whole gradient's
         norm = float(grad_norm)  # the window's one host read of its norm
         decision = verdict(None, closing.num_items, norm, nonfinite=nonfinite, has_scaler=False)
         closing = dataclasses.replace(closing, verdict=decision, grad_norm=norm)
