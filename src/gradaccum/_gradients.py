@@ -46,11 +46,10 @@ class AccumulationBuffers:
         return [self._buffers[p] for p in self.params if p in self._buffers]
 
     def write_grads_(self) -> None:
-        """Hand the optimizer each buffer rounded once to its parameter's dtype."""
-        for p in self.params:
-            buf = self._buffers.get(p)
-            if buf is not None:
-                p.grad = buf.to(p.dtype)
+        """Hand the optimizer each buffer rounded once to its parameter's dtype; fold nothing more this window."""
+        self.active = False
+        for p, buf in self._buffers.items():  # the parameters whose hook folded a gradient
+            p.grad = buf.to(p.dtype)
         self._buffers.clear()
 
     def open(self) -> None:

@@ -38,7 +38,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] =
     >>> tensor_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()
     [5.0, 1.0]
     """
-    if hasattr(torch, "_foreach_norm") and len({t.device for t in tensors}) == 1:
+    if len({t.device for t in tensors}) == 1:
         norms = torch.stack(torch._foreach_norm(list(tensors)))
     else:
         norms = torch.stack([torch.linalg.vector_norm(t).to(tensors[0].device) for t in tensors])
@@ -139,7 +139,10 @@ def router_statistics(router_logits: "Sequence[torch.Tensor]", top_k: int, mask:
     >>> C.tolist(), T.item(), round(S.sum().item(), 6)
     ([1.0, 1.0, 0.0], 2.0, 2.0)
     """
-    counts = probs = rows = None
+    if len(router_logits) == 0:
+        raise ConfigurationError("router_statistics: router_logits is empty; pass one (tokens, experts) tensor per "
+                                 "MoE layer")
+    counts = probs = rows = 0.0  # each layer's added in (0.0 + x is x, in x's dtype)
     for layer in router_logits:
         logits = layer.float() if layer.dtype in (torch.float16, torch.bfloat16) else layer
         p = torch.softmax(logits, dim=-1)
@@ -149,11 +152,7 @@ def router_statistics(router_logits: "Sequence[torch.Tensor]", top_k: int, mask:
         c = torch.zeros(p.shape[-1], dtype=p.dtype, device=p.device).scatter_add_(
             0, chosen.reshape(-1), weight.repeat_interleave(top_k))
         s = (p * weight[:, None]).sum(dim=0)
-        counts, probs, rows = ((c, s, weight.sum()) if counts is None else
-                               (counts + c, probs + s, rows + weight.sum()))  # type: ignore[operator]
-    if counts is None:
-        raise ConfigurationError("router_statistics: router_logits is empty; pass one (tokens, experts) tensor per "
-                                 "MoE layer")
+        counts, probs, rows = counts + c, probs + s, rows + weight.sum()
     return counts, probs, rows  # type: ignore[return-value]
 
 

@@ -99,12 +99,9 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         return
     if not callable(getattr(scheduler, "step", None)):
         raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
-    own = getattr(scheduler, "optimizer", None)
-    if own is None:
-        return
-    ours = optimizer
+    own, ours = getattr(scheduler, "optimizer", None), optimizer
     for _ in range(4):  # Accelerate's AcceleratedOptimizer holds the raw one
-        if ours is own:
+        if own is None or ours is own:  # a scheduler without an optimizer of its own is not compared
             return
         ours = getattr(ours, "optimizer", None)
     raise ConfigurationError(

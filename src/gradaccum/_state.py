@@ -13,27 +13,20 @@ from .errors import ConfigurationError
 __all__ = ["AccumulatorState", "SAVED_KEYS", "READ_KEYS"]
 
 
-def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    return lambda value: None if value is None else convert(value)
-
-
 def _saved(default: Any, convert: Callable[[Any], Any], old: Tuple[str, ...] = ()) -> Any:
-    """A field kept in ``state_dict`` under its own name, read back through ``convert``; ``old``: the
-    keys earlier gradaccum versions wrote it under, still read from their checkpoints."""
+    """A field kept in ``state_dict`` under its own name, read back through ``convert`` (a None kept where it is
+    the default); ``old``: the keys earlier gradaccum versions wrote it under, still read from their checkpoints."""
     return field(default=default, metadata={"saved": True, "old": old, "convert": convert})
 
 
-class _Seen:
-    """Objects seen, held weakly and by identity (a user's object need be neither hashable nor kept alive)."""
-
-    def __init__(self) -> None:
-        self._refs: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+class _Seen(weakref.WeakValueDictionary):  # type: ignore[type-arg]
+    """Objects seen, held weakly by their id (a user's object need be neither hashable nor kept alive)."""
 
     def add(self, obj: Any) -> None:
-        self._refs[id(obj)] = obj
+        self[id(obj)] = obj
 
     def __contains__(self, obj: Any) -> bool:
-        return self._refs.get(id(obj)) is obj
+        return self.get(id(obj)) is obj
 
 
 @dataclass(eq=False)
@@ -88,10 +81,10 @@ class AccumulatorState:
     steps: int = _saved(0, int)
     skipped: int = _saved(0, int)
     epoch: int = _saved(0, int)
-    reference: Optional[float] = _saved(None, _optional(float), old=("reference_items",))
+    reference: Optional[float] = _saved(None, float, old=("reference_items",))
     count_ratio: float = _saved(1.0, float)
-    last_window_items: Optional[float] = _saved(None, _optional(float), old=("last_items",))
-    auto_micro_batch_size: Optional[int] = _saved(None, _optional(int))
+    last_window_items: Optional[float] = _saved(None, float, old=("last_items",))
+    auto_micro_batch_size: Optional[int] = _saved(None, int)
     counts_first: bool = _saved(False, bool)
 
     counts_from_loss_fn: bool = False
@@ -116,7 +109,7 @@ class AccumulatorState:
             key = next((k for k in (f.name, *f.metadata["old"]) if k in state), f.name)
             raw = state.get(key, f.default)
             try:
-                values[f.name] = f.metadata["convert"](raw)
+                values[f.name] = None if raw is None and f.default is None else f.metadata["convert"](raw)
             except (TypeError, ValueError):
                 raise ConfigurationError(f"Accumulator.load_state_dict: {key}={raw!r} is not a number; pass "
                                          "what Accumulator.state_dict() returned") from None

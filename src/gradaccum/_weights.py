@@ -68,10 +68,8 @@ __all__ = ["CLIP_EPS", "backward_weight", "boundary_scale", "running_reference",
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
 
-Number = Union[int, float]
 
-
-def backward_weight(num_items: Union[Number, torch.Tensor], reference: float, grad_divisor: float,
+def backward_weight(num_items: Count, reference: float, grad_divisor: float,
                     loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
     """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
 
@@ -218,24 +216,19 @@ class WindowWeights:
         return self.reference
 
     def _r(self) -> float:
-        if self.reference is None:
-            self.reference = self.state.reference  # fixed since this window opened, if at all
-            if self.reference is None:
-                raise RuntimeError("WindowWeights: a weight asked for before R was fixed; call fix_reference(count) "
-                                   "at the window's first backward")
+        if self.reference is None:  # R is read from the state as the window opens, fixed here only
+            raise RuntimeError("WindowWeights: a weight asked for before R was fixed; call fix_reference(count) "
+                               "at the window's first backward")
         return self.reference
 
     # -- weigh each micro-batch ---------------------------------------------------------------------------
 
-    def mean_weight(self, num_items: Union[Count, torch.Tensor], loss_dtype: torch.dtype = torch.float64
+    def mean_weight(self, num_items: Count, loss_dtype: torch.dtype = torch.float64
                     ) -> Union[float, torch.Tensor]:
         """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by: ``n_k * W / R``
         (:func:`backward_weight`), kept in :attr:`weight_of` for a Python count; 0 in a window known empty."""
-        if self.num_items == 0:  # known empty
-            weight: Union[float, torch.Tensor] = 0.0
-        else:
-            weight = backward_weight(num_items, self.reference if self.reference is not None else self._r(),
-                                     self.grad_divisor, loss_dtype)
+        weight = 0.0 if self.num_items == 0 else backward_weight(  # 0 in a window known empty
+            num_items, self.reference if self.reference is not None else self._r(), self.grad_divisor, loss_dtype)
         if type(num_items) is int:
             self.weight_of[num_items] = weight  # type: ignore[assignment]  # a Python count: a Python float
         return weight
@@ -245,8 +238,7 @@ class WindowWeights:
         known to be empty."""
         if self.num_items == 0:  # known empty
             return 0.0
-        r = self.reference if self.reference is not None else self._r()
-        return float(backward_weight(1, r, self.grad_divisor))
+        return float(backward_weight(1, self.reference if self.reference is not None else self._r(), self.grad_divisor))
 
     def window_loss_weight(self, num_items: Count) -> float:
         """What the gradient of a loss over the **whole window** (a ``WindowLoss`` over its ``num_items`` = N)
@@ -315,10 +307,8 @@ class WindowWeights:
         norm = float(grad_norm)  # the window's one host read of its norm
         decision = verdict(None, closing.num_items, norm, nonfinite=nonfinite, has_scaler=False)
         closing = dataclasses.replace(closing, verdict=decision, grad_norm=norm)
-        if decision is Verdict.STEP:
-            return closing
-        for p in params:
-            p.grad = None
+        if decision is not Verdict.STEP:
+            Gradients(params, None).drop()
         if decision is Verdict.RAISE:
             state = self.state
             raise FloatingPointError(
@@ -403,8 +393,6 @@ class Gradients:
     def finalize(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
         """The window's gradient (``grads``, where the caller listed them) multiplied once by ``coef`` (the
         scale ``R / N``, any clip folded in), then the buffers rounded once into ``.grad``: every driver's rule."""
-        if self.buffers is not None:
-            self.buffers.active = False
         if coef != 1.0:
             grads = self.tensors() if grads is None else grads
             if grads:
