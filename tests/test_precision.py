@@ -427,6 +427,25 @@ def test_a_model_of_two_dtypes_is_measured_clipped_and_rescaled_whole(counted):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_auto_buffers_no_parameter_in_a_dtype_finer_than_float32():
+    """``accum_dtype="auto"`` sums bf16/fp16 gradients in float32, and leaves a float64 parameter's gradient
+    in its own ``.grad``: a float32 buffer would round each of its micro-batches' gradients to float32
+    (about 1e-8 off, where float64 is 1e-16 off)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"high": nn.Linear(16, 1).double(), "low": nn.Linear(1, 1).to(torch.bfloat16)})
+    ref = copy.deepcopy(model)
+    forward = lambda m, x: m["high"](x) + m["low"](x[:, :1].bfloat16()).double()  # noqa: E731
+    loss = lambda m, b: nn.functional.mse_loss(forward(m, b[0]), b[1])  # noqa: E731
+    x, y = torch.randn(11, 16, dtype=torch.float64), torch.randn(11, 1, dtype=torch.float64)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    assert [id(p) for p in acc.buffers.params] == [id(p) for p in model["low"].parameters()]
+    acc.step([(x[:2], y[:2]), (x[2:9], y[2:9]), (x[9:], y[9:])], loss)  # uneven micro-batches
+    loss(ref, (x, y)).backward()  # the big batch
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    for got, want in zip(model["high"].parameters(), ref["high"].parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+
+
 @pytest.mark.parametrize("skipped", [False, True])
 def test_a_backward_between_windows_keeps_its_grad(skipped):
     """After a window's boundary (stepped, or skipped as not finite) the float32 buffers fold nothing more: a

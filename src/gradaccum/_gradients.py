@@ -25,7 +25,8 @@ class AccumulationBuffers:
         if not dtype.is_floating_point:
             raise ConfigurationError(f"accum_dtype must be a floating dtype such as torch.float32, got {dtype}")
         self.dtype = dtype
-        self.params = [p for p in params if p.dtype != dtype]
+        bits = torch.finfo(dtype).bits  # a buffer never holds a gradient coarser than its parameter's own dtype
+        self.params = [p for p in params if p.dtype.is_floating_point and torch.finfo(p.dtype).bits < bits]
         self._buffers: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self.active = False
         for p in self.params:

@@ -125,7 +125,9 @@ class ExactAccumulation(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        _refuse_what_is_not_exact(trainer, pl_module)  # a previous fit's buffers: retired by teardown
+        _refuse_what_is_not_exact(trainer, pl_module)
+        if self.buffers is not None:
+            self.buffers.retire()  # a previous fit's, where its teardown never ran
         # one device without a loss scaler (which unscales .grad before on_before_optimizer_step): the sum is ours
         owns = isinstance(trainer.strategy, SingleDeviceStrategy) and getattr(trainer.precision_plugin, "scaler",
                                                                               None) is None
