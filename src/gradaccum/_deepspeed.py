@@ -96,13 +96,9 @@ class DeepSpeedSync(GradSync):
     def __init__(self, engine: Any, *, checks_loss: bool = True) -> None:
         self.engine, self.checks_loss = engine, checks_loss
         self.group = getattr(engine, "seq_data_parallel_group", None)
-        self._size = int(getattr(engine, "seq_dp_world_size", None) or getattr(engine, "dp_world_size", 1) or 1)
-        self.grad_divisor = float(self._size)  # DeepSpeed averages the gradient over its data-parallel ranks
+        self.group_size = int(getattr(engine, "seq_dp_world_size", None) or getattr(engine, "dp_world_size", 1) or 1)
+        self.grad_divisor = float(self.group_size)  # DeepSpeed averages the gradient over its data-parallel ranks
         self.collectives_in_forward = engine.zero_optimization_stage() == 3  # ZeRO-3 all-gathers in forward
-
-    @property
-    def group_size(self) -> int:
-        return self._size
 
     def backward(self, loss: torch.Tensor) -> None:
         """``engine.backward(loss, scale_wrt_gas=False)``: the weight is gradaccum's, not ``1 / gas``."""
