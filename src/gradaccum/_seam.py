@@ -66,8 +66,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def all_reduce_(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
     """In-place all-reduce (``"sum"``, ``"max"`` or ``"min"``); identity when not distributed."""
     if is_distributed():
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                    "min": dist.ReduceOp.MIN}[op], group=group)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group)
     return tensor
 
 

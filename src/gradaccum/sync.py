@@ -95,8 +95,6 @@ class DDPSync(_WrapperSync):
             stack.enter_context(ddp.no_sync())  # restores require_backward_grad_sync on any exit
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
-        if not grads:
-            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.group_size)
