@@ -62,7 +62,7 @@ def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_g
             "the DeepSpeed engine has no optimizer, so engine.step() would move nothing: pass optimizer= (or an "
             "\"optimizer\" section in the config) to deepspeed.initialize")
     ours = (engine.optimizer, getattr(engine, "client_optimizer", None), getattr(engine, "basic_optimizer", None))
-    if optimizer is not None and not any(optimizer is o for o in ours if o is not None):
+    if optimizer is not None and all(optimizer is not o for o in ours):
         raise ConfigurationError(
             f"the optimizer ({type(optimizer).__name__}) is not the DeepSpeed engine's: the engine steps its own. "
             "Pass Accumulator(engine) (optimizer=None) or the optimizer deepspeed.initialize returned")
