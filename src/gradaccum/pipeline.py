@@ -129,13 +129,12 @@ class PipelineWindow:
                                      f"got {loss_fn!r}")
         _check_loss(loss_fn, reduction)
         self.n_microbatches = positive_int("n_microbatches", n_microbatches)
-        if micro_batch_size is not None:
-            positive_int("micro_batch_size", micro_batch_size)
+        self.micro_batch_size = None if micro_batch_size is None else positive_int("micro_batch_size", micro_batch_size)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigurationError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
         self._check_data_parallel(dp_group)
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
-        self.reduction, self.micro_batch_size, self.max_grad_norm = reduction, micro_batch_size, max_grad_norm
+        self.reduction, self.max_grad_norm = reduction, max_grad_norm
         self.num_items = num_items or target_count
         self.pp_group, self.dp_group = pp_group, dp_group
         self.first, self.last = any(s.is_first for s in self.stages), any(s.is_last for s in self.stages)
