@@ -227,16 +227,14 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         raise SplitError(f"micro_batch_size={micro_batch_size} on a batch of {items} item{'s' if items != 1 else ''} "
                          f"gives one micro-batch, which is only compared with itself; {fix}",
                          micro_batch_size=micro_batch_size, items=items, suggestion=items // 2 or None)
-    suspects = _Suspects()
-    dropouts = suspects.in_model(model)
     full, acc = _both_passes(model, loss_fn, batch, micro_batches, micro_batch_size, num_items)
     max_rel = max(((acc.grads.get(name, torch.zeros_like(gf)) - gf).norm().item() / max(gf.norm().item(), 1e-30)
                    for name, gf in full.grads.items()), default=0.0)
     matched = max_rel <= rtol
-    drawn = suspects.in_passes(full, acc, dropouts, len(micro_batches), rtol, matched)
-    hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items,
-                                      bool(suspects.reasons), rtol)
-    return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects.listed(),
+    suspects, drawn = _suspects(model, full, acc, len(micro_batches), rtol, matched)
+    hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items, bool(suspects),
+                                      rtol)
+    return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects,
                              loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
 
 
@@ -255,48 +253,39 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
     return hint
 
 
-class _Suspects:
-    """Each module's reasons, in the order found, each once; listed by name, the model itself last."""
+def _suspects(model: nn.Module, full: "_Pass", acc: "_Pass", k: int, rtol: float, matched: bool
+              ) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """Each suspect module's reasons, in the order found, each once, listed by name, the model itself last:
+    BatchNorm and dropout in training mode (the model is as found again), modules that drew random numbers
+    and ones that mix the items; and the modules that drew (the dropouts with them)."""
+    reasons: Dict[str, List[str]] = {}
 
-    def __init__(self) -> None:
-        self.reasons: Dict[str, List[str]] = {}
+    def add(name: str, reason: str) -> None:
+        if reason not in reasons.setdefault(name, []):
+            reasons[name].append(reason)
 
-    def add(self, name: str, reason: str) -> None:
-        if reason not in self.reasons.setdefault(name, []):
-            self.reasons[name].append(reason)
-
-    def in_model(self, model: nn.Module) -> List[str]:
-        """BatchNorm and dropout in training mode (the dropouts' names are returned)."""
-        modules = dict(model.named_modules())
-        for name in training_batchnorms(model):
-            self.add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
-                           "statistics (and updates its running statistics once per micro-batch)")
-        dropouts = [name for name, module in modules.items()
-                    if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
-        for name in dropouts:
-            self.add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
-                           "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
-                           "to check the rest)")
-        return dropouts
-
-    def in_passes(self, full: "_Pass", acc: "_Pass", dropouts: List[str], k: int, rtol: float, matched: bool
-                  ) -> List[str]:
-        """Modules that drew random numbers (returned, with the dropouts) and ones that mix the items."""
-        random = full.recorder.random | acc.recorder.random
-        for name in sorted(random - set(dropouts)):
-            self.add(name, "draws random numbers in forward, so another split sees other draws")
-        drawn = sorted(set(dropouts) | random)
-        for name in drawn if matched else []:
-            self.add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
-                           "item after item, so micro-batches in order draw the full batch's; several layers, or "
-                           "CUDA's generator, draw others")
-        for name in _mixing(full.recorder, acc.recorder, k, rtol) - random:  # draws explain those
-            self.add(name, "its output for an item depends on the other items of the micro-batch")
-        return drawn
-
-    def listed(self) -> List[Tuple[str, str]]:
-        ordered = sorted(self.reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))
-        return [(name, "; ".join(reasons)) for name, reasons in ordered]
+    modules = dict(model.named_modules())
+    for name in training_batchnorms(model):
+        add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
+                  "statistics (and updates its running statistics once per micro-batch)")
+    dropouts = [name for name, module in modules.items()
+                if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
+    for name in dropouts:
+        add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
+                  "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
+                  "to check the rest)")
+    random = full.recorder.random | acc.recorder.random
+    for name in sorted(random - set(dropouts)):
+        add(name, "draws random numbers in forward, so another split sees other draws")
+    drawn = sorted(set(dropouts) | random)
+    for name in drawn if matched else []:
+        add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
+                  "item after item, so micro-batches in order draw the full batch's; several layers, or "
+                  "CUDA's generator, draw others")
+    for name in _mixing(full.recorder, acc.recorder, k, rtol) - random:  # draws explain those
+        add(name, "its output for an item depends on the other items of the micro-batch")
+    ordered = sorted(reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))
+    return [(name, "; ".join(said)) for name, said in ordered], drawn
 
 
 @dataclass
