@@ -134,46 +134,6 @@ def _one_item_error(model: nn.Module, failed: MicroBatchFailed, micro_batch_size
         "GroupNorm/LayerNorm", micro_batch_size=micro_batch_size, items=items, suggestion=size)
 
 
-def _summed_loss_hint(loss_full: float, loss_acc: float, sizes: List[int]) -> Optional[str]:
-    """A ``loss_fn`` that returns the sum over its items: the full batch's loss is then about
-    ``N^2 / sum n_k^2`` times the accumulated one (the number of micro-batches, for equal ones)."""
-    if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or loss_acc == 0:
-        return None
-    expected = sum(sizes) ** 2 / sum(n * n for n in sizes)
-    ratio = loss_full / loss_acc
-    if abs(ratio / expected - 1) > 0.05:
-        return None
-    return (f"the full batch's loss is {ratio:.3g} times the accumulated one, as a sum over the items gives on "
-            f"{len(sizes)} micro-batches: loss_fn must return the mean over the micro-batch's items (e.g. "
-            "reduction='mean'), or (sum / count, count)")
-
-
-def _padded_rows_hint(full: "_Pass", batch: Batch, num_items: Any) -> Optional[str]:
-    """A bare mean loss weighed by rows on a batch whose ``labels`` hold -100: the mean is over its
-    targets (a Hugging Face model's ``outputs.loss``), which the rows do not count."""
-    if num_items not in (None, ROWS) or not full.bare or not holds_ignored_labels([batch]):
-        return None
-    return ("loss_fn returns a bare mean loss and the batch's 'labels' hold the ignore index -100, so the mean is "
-            "likely over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are weighed "
-            "by their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
-            "gradaccum.count_targets(mb['labels'])) and the same num_items= to Accumulator.step/train, or return "
-            "(mean, count) from loss_fn (gradaccum.causal_lm_loss)")
-
-
-def _coupled_loss_hint(loss_full: float, loss_acc: float, rtol: float) -> Optional[str]:
-    """The losses differ while every module's outputs agree: the loss itself couples the items."""
-    if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or \
-            abs(loss_full - loss_acc) <= rtol * max(abs(loss_full), abs(loss_acc), 1e-30):
-        return None
-    return (f"the loss couples the batch's items: {loss_full:.6g} on the whole batch, {loss_acc:.6g} as the "
-            "item-weighted mean of its values on the micro-batches, while every module gives each item the same "
-            "output on both, so an item's loss depends on the other items of its batch (in-batch negatives, a "
-            "contrastive or ranking loss) and accumulating micro-batch losses optimizes another objective. "
-            "gradaccum.WindowLoss(encode, loss) is exact for such a loss: check it with "
-            "check_equivalence(model, WindowLoss(encode, loss), batch, micro_batch_size) (gradaccum check "
-            "--encode MODULE:FUNCTION --window-loss MODULE:FUNCTION)")
-
-
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], rtol: float) -> bool:
     if a is None or b is None or a.shape != b.shape:
         return True  # nothing comparable: not evidence against the module
@@ -241,16 +201,39 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
 def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Batch, micro_batches: List[Batch],
           num_items: Any, suspected: bool, rtol: float) -> Optional[str]:
     """What the numbers suggest where the gradients differ, the likeliest cause first."""
-    hint = (_padded_rows_hint(full, batch, num_items) or
-            _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches]))
-    if hint is None and isinstance(loss_fn, MoELoss) and loss_fn.mode != "exact":
-        hint = (f"MoELoss(mode={loss_fn.mode!r}) computes the load-balancing term from part of the window, which is "
+    if num_items in (None, ROWS) and full.bare and holds_ignored_labels([batch]):
+        # a bare mean loss weighed by rows whose labels hold -100: the mean is likely over the targets
+        return ("loss_fn returns a bare mean loss and the batch's 'labels' hold the ignore index -100, so the mean is "
+                "likely over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are "
+                "weighed by their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
+                "gradaccum.count_targets(mb['labels'])) and the same num_items= to Accumulator.step/train, or return "
+                "(mean, count) from loss_fn (gradaccum.causal_lm_loss)")
+    finite = math.isfinite(full.loss) and math.isfinite(acc.loss)
+    sizes = [leading_dim(mb) for mb in micro_batches]
+    # a loss_fn that returns the sum over its items: the full batch's loss is then about N^2 / sum n_k^2 times the
+    # accumulated one (the number of micro-batches, for equal ones)
+    expected = sum(sizes) ** 2 / sum(n * n for n in sizes)
+    if finite and acc.loss != 0 and abs(full.loss / acc.loss / expected - 1) <= 0.05:
+        return (f"the full batch's loss is {full.loss / acc.loss:.3g} times the accumulated one, as a sum over the "
+                f"items gives on {len(sizes)} micro-batches: loss_fn must return the mean over the micro-batch's "
+                "items (e.g. reduction='mean'), or (sum / count, count)")
+    if isinstance(loss_fn, MoELoss) and loss_fn.mode != "exact":
+        return (f"MoELoss(mode={loss_fn.mode!r}) computes the load-balancing term from part of the window, which is "
                 "another objective than the big batch's: mode='exact' computes it over the whole window")
-    elif hint is None and not isinstance(loss_fn, MoELoss):  # the term over the batch (moe)
-        hint = balance_hint(model)
-    if hint is None and not suspected and not isinstance(loss_fn, WindowLoss):
-        hint = _coupled_loss_hint(full.loss, acc.loss, rtol)
-    return hint
+    balance = None if isinstance(loss_fn, MoELoss) else balance_hint(model)  # the term over the batch (moe)
+    if balance is not None:
+        return balance
+    if suspected or isinstance(loss_fn, WindowLoss) or not finite or \
+            abs(full.loss - acc.loss) <= rtol * max(abs(full.loss), abs(acc.loss), 1e-30):
+        return None
+    # the losses differ while every module's outputs agree: the loss itself couples the items
+    return (f"the loss couples the batch's items: {full.loss:.6g} on the whole batch, {acc.loss:.6g} as the "
+            "item-weighted mean of its values on the micro-batches, while every module gives each item the same "
+            "output on both, so an item's loss depends on the other items of its batch (in-batch negatives, a "
+            "contrastive or ranking loss) and accumulating micro-batch losses optimizes another objective. "
+            "gradaccum.WindowLoss(encode, loss) is exact for such a loss: check it with "
+            "check_equivalence(model, WindowLoss(encode, loss), batch, micro_batch_size) (gradaccum check "
+            "--encode MODULE:FUNCTION --window-loss MODULE:FUNCTION)")
 
 
 def _suspects(model: nn.Module, full: "_Pass", acc: "_Pass", k: int, rtol: float, matched: bool
