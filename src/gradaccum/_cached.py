@@ -330,8 +330,8 @@ class CachedPasses:
                          k if own else 0)
             if own and self.check:
                 self.replay.compare(outs, self.cached[k])
-        detached = [o for o, d in zip(outs, self.differentiable) if d and not o.requires_grad]
-        if k == 0 and self.check and self.sync.any_rank(bool(detached), self.device):  # every rank refuses alike
+        detached = any(d and not o.requires_grad for o, d in zip(outs, self.differentiable))
+        if k == 0 and self.check and self.sync.any_rank(detached, self.device):  # every rank refuses alike
             raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this "
                                      "rank or another): it ran under torch.no_grad() or was detached. Return the "
                                      "model's outputs as they are")

@@ -67,7 +67,7 @@ class _Snapshot:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
-    def restore(self, grads: bool = True) -> None:
+    def restore(self) -> None:
         with torch.no_grad():
             for v, saved in self.tensors:
                 v.copy_(saved)
@@ -76,7 +76,7 @@ class _Snapshot:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        for p, grad in self.grads if grads else []:
+        for p, grad in self.grads:  # before a pass too: window_grads clears them first
             p.grad = grad
 
 
@@ -288,7 +288,7 @@ def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: Li
     snapshot, passes = _Snapshot(model), []
     try:
         for batches in ([batch], micro_batches):
-            snapshot.restore(grads=False)
+            snapshot.restore()
             recorder = _Recorder(model)
             try:
                 passes.append(_Pass(*window_grads(model, loss_fn, batches, num_items), recorder))
