@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -88,29 +89,24 @@ class _Recorder:
         self.random: set = set()
         self._stack: List[List[Any]] = []  # [name, RNG state when last seen]
         self._handles = [hook for name, module in model.named_modules()
-                         for hook in (module.register_forward_pre_hook(self._pre(name)),
-                                      module.register_forward_hook(self._post(name)))]
+                         for hook in (module.register_forward_pre_hook(functools.partial(self._pre, name)),
+                                      module.register_forward_hook(functools.partial(self._post, name)))]
 
-    def _pre(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            state = torch.get_rng_state()
-            if self._stack and not torch.equal(self._stack[-1][1], state):
-                self.random.add(self._stack[-1][0])  # the parent drew before calling this child
-            self._stack.append([name, state])
-        return hook
+    def _pre(self, name: str, module: nn.Module, args: Any) -> None:
+        state = torch.get_rng_state()
+        if self._stack and not torch.equal(self._stack[-1][1], state):
+            self.random.add(self._stack[-1][0])  # the parent drew before calling this child
+        self._stack.append([name, state])
 
-    def _post(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            _, before = self._stack.pop()
-            now = torch.get_rng_state()
-            if not torch.equal(before, now):
-                self.random.add(name)
-            if self._stack:
-                self._stack[-1][1] = now  # the child's draws are not the parent's
-            inp, out = first_tensor(args), first_tensor(output)
-            self.io.setdefault(name, []).append(
-                (None if inp is None else inp.detach().clone(), None if out is None else out.detach().clone()))
-        return hook
+    def _post(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        _, before = self._stack.pop()
+        now = torch.get_rng_state()
+        if not torch.equal(before, now):
+            self.random.add(name)
+        if self._stack:
+            self._stack[-1][1] = now  # the child's draws are not the parent's
+        self.io.setdefault(name, []).append(
+            tuple(None if t is None else t.detach().clone() for t in (first_tensor(args), first_tensor(output))))
 
     def remove(self) -> None:
         for h in self._handles:
