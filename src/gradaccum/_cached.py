@@ -322,16 +322,15 @@ class CachedPasses:
         own = k < len(self.micro_batches)
         if own and k in self.graphs:
             outs = self.graphs.pop(k)
-        else:
-            if own:
-                self.replay.replay(k)
-            batch = self.micro_batches[k] if own else self.padding_batch
-            outs = _flat(self.window_loss.encode(model, batch), self.sizes[k] if own else leading_dim(batch),
-                         k if own else 0)
-            if own and self.check:
+        elif own:
+            self.replay.replay(k)
+            outs = _flat(self.window_loss.encode(model, self.micro_batches[k]), self.sizes[k], k)
+            if self.check:
                 self.replay.compare(outs, self.cached[k])
-        detached = [o for o, d in zip(outs, self.differentiable) if d and not o.requires_grad]
-        if k == 0 and self.check and self.sync.any_rank(bool(detached), self.device):  # every rank refuses alike
+        else:
+            outs = _flat(self.window_loss.encode(model, self.padding_batch), leading_dim(self.padding_batch), 0)
+        detached = any(d and not o.requires_grad for o, d in zip(outs, self.differentiable))
+        if k == 0 and self.check and self.sync.any_rank(detached, self.device):  # every rank refuses alike
             raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this "
                                      "rank or another): it ran under torch.no_grad() or was detached. Return the "
                                      "model's outputs as they are")

@@ -62,7 +62,7 @@ def check_engine_arguments(engine: Any, optimizer: Any, *, scheduler: Any, max_g
             "the DeepSpeed engine has no optimizer, so engine.step() would move nothing: pass optimizer= (or an "
             "\"optimizer\" section in the config) to deepspeed.initialize")
     ours = (engine.optimizer, getattr(engine, "client_optimizer", None), getattr(engine, "basic_optimizer", None))
-    if optimizer is not None and not any(optimizer is o for o in ours if o is not None):
+    if optimizer is not None and all(optimizer is not o for o in ours):
         raise ConfigurationError(
             f"the optimizer ({type(optimizer).__name__}) is not the DeepSpeed engine's: the engine steps its own. "
             "Pass Accumulator(engine) (optimizer=None) or the optimizer deepspeed.initialize returned")
@@ -96,13 +96,9 @@ class DeepSpeedSync(GradSync):
     def __init__(self, engine: Any, *, checks_loss: bool = True) -> None:
         self.engine, self.checks_loss = engine, checks_loss
         self.group = getattr(engine, "seq_data_parallel_group", None)
-        self._size = int(getattr(engine, "seq_dp_world_size", None) or getattr(engine, "dp_world_size", 1) or 1)
-        self.grad_divisor = float(self._size)  # DeepSpeed averages the gradient over its data-parallel ranks
+        self.group_size = int(getattr(engine, "seq_dp_world_size", None) or getattr(engine, "dp_world_size", 1) or 1)
+        self.grad_divisor = float(self.group_size)  # DeepSpeed averages the gradient over its data-parallel ranks
         self.collectives_in_forward = engine.zero_optimization_stage() == 3  # ZeRO-3 all-gathers in forward
-
-    @property
-    def group_size(self) -> int:
-        return self._size
 
     def backward(self, loss: torch.Tensor) -> None:
         """``engine.backward(loss, scale_wrt_gas=False)``: the weight is gradaccum's, not ``1 / gas``."""

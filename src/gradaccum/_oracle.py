@@ -31,15 +31,18 @@ class MicroBatchFailed(Exception):
 def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any = None
                   ) -> Tuple[Dict[str, torch.Tensor], float, bool]:
     """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64;
-    and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows)."""
+    and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows). A loss
+    over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch, :func:`accumulated_grads`
+    on a split."""
     for p in model.parameters():
         p.grad = None
-    if isinstance(loss_fn, (WindowLoss, MoELoss)):
-        return (*coupled_grads(model, loss_fn, micro_batches), False)
+    coupled = isinstance(loss_fn, (WindowLoss, MoELoss))
+    if coupled and len(micro_batches) > 1:
+        return (*accumulated_grads(model, loss_fn, micro_batches), False)
     loss_sum, items, bare = 0.0, 0.0, False
     for index, mb in enumerate(micro_batches):
         try:
-            out = loss_fn(model, mb)
+            out = whole_batch_loss(model, loss_fn, mb) if coupled else loss_fn(model, mb)
         except Exception as e:  # noqa: BLE001 - which micro-batch failed decides whose fault it is
             raise MicroBatchFailed(index, leading_dim(mb), e) from e
         bare = type(out) is torch.Tensor  # under the Accumulator's contract: a bare loss counts num_items(mb), or rows
@@ -54,26 +57,17 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
     return grads, loss_sum / items, bare
 
 
-def coupled_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch]) -> Tuple[Dict[str, torch.Tensor], float]:
-    """A loss over the window (WindowLoss, MoELoss): on the whole batch, its loss backpropagated as it is
-    (an MoELoss's token loss plus ``coef`` times :func:`balance_loss`); on a split, :func:`accumulated_grads`."""
-    if len(micro_batches) > 1:
-        return accumulated_grads(model, loss_fn, micro_batches)
-    batch = micro_batches[0]
-    try:
-        if isinstance(loss_fn, WindowLoss):
-            loss = loss_fn.loss(model, loss_fn.encode(model, batch))
-            subject, where = "WindowLoss's loss must return a scalar loss", "loss(model, representations)"
-        else:
-            out = loss_fn.checked(loss_fn.forward(model, batch))
-            loss = out.loss + loss_fn.coef * balance_loss(out.router_logits, loss_fn.top_k, out.token_mask)
-            subject, where = "MoELoss's forward must return a scalar mean loss", "forward(model, batch).loss"
-    except Exception as e:  # noqa: BLE001 - the full batch failed: the user's encode, loss or forward
-        raise MicroBatchFailed(0, leading_dim(batch), e) from e
-    scalar_loss(loss, subject=subject, where=where)
-    loss.backward()
-    grads = {name: p.grad.detach().double() for name, p in model.named_parameters() if p.grad is not None}
-    return grads, float(loss.detach())
+def whole_batch_loss(model: nn.Module, loss_fn: Any, batch: Batch) -> Tuple[torch.Tensor, int]:
+    """A loss over the window on the whole batch, as it is (an MoELoss's token loss plus ``coef`` times
+    :func:`balance_loss`), checked, as one item."""
+    if isinstance(loss_fn, WindowLoss):
+        loss = loss_fn.loss(model, loss_fn.encode(model, batch))
+        subject, where = "WindowLoss's loss must return a scalar loss", "loss(model, representations)"
+    else:
+        out = loss_fn.checked(loss_fn.forward(model, batch))
+        loss = out.loss + loss_fn.coef * balance_loss(out.router_logits, loss_fn.top_k, out.token_mask)
+        subject, where = "MoELoss's forward must return a scalar mean loss", "forward(model, batch).loss"
+    return scalar_loss(loss, subject=subject, where=where), 1
 
 
 def balance_loss(router_logits: Any, top_k: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:

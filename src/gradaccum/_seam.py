@@ -66,8 +66,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def all_reduce_(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
     """In-place all-reduce (``"sum"``, ``"max"`` or ``"min"``); identity when not distributed."""
     if is_distributed():
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                    "min": dist.ReduceOp.MIN}[op], group=group)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group)
     return tensor
 
 
@@ -103,12 +102,9 @@ class GradSync:
     #: window's item count must be known before its first backward, so that R = N and the scale is 1
     needs_count_first: bool = False
     group: Any = None
-
-    @property
-    def group_size(self) -> int:
-        """Ranks in the data-parallel group that reduces the gradient (1 on one process); the global
-        world is :func:`world_size`."""
-        return 1
+    #: ranks in the data-parallel group that reduces the gradient (1 on one process); the global world is
+    #: :func:`world_size`
+    group_size: int = 1
 
     def micro_batch(self, *, last: bool) -> ContextManager[Any]:
         """Wraps one micro-batch's forward *and* backward; reduces gradients only when ``last``."""
@@ -191,11 +187,9 @@ class GradSync:
         return joined, sum(counts[:dist.get_rank(self.group)])
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
-        """Average already-accumulated local gradients across ranks now (used when every backward
-        of the window skipped its reduction: a rank without data, or the micro-batch size search).
-        Nothing to do on one process; a wrapper that reduces only inside its backward refuses."""
-        if not self.can_reduce_later:
-            raise NotImplementedError(f"{type(self).__name__} reduces the gradient only inside its backward")
+        """Average already-accumulated local gradients across ranks now (used when every backward of the window
+        skipped its reduction: the micro-batch size search, which refuses a wrapper without
+        :attr:`can_reduce_later` first, ``AutoMicroBatch.check_supported``). Nothing to do on one process."""
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         """Where the wrapper sums the window's gradient in bf16/fp16 (its own accumulation, which

@@ -76,37 +76,28 @@ def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
     """
     if isinstance(batch, torch.Tensor) and batch.dim() > 0:
         return batch.shape[0]
-    if type(batch) in (tuple, list) and batch:  # the common (inputs, targets) case, without the general walk
-        n = -1
-        for t in batch:
-            if type(t) is not torch.Tensor or not t.dim() or (n >= 0 and t.shape[0] != n):
-                break  # the general walk below says what is wrong, if anything
-            n = t.shape[0]
-        else:
-            return n
-    first: Optional[Tuple[str, int]] = None
-    scalars = []
-    for path, leaf in leaves(batch):
-        if not _split(leaf):
-            if isinstance(leaf, torch.Tensor):
-                scalars.append(path)
-            continue
-        if first is None:
-            first = (path, leaf.shape[0])
-        elif leaf.shape[0] != first[1]:
+    if type(batch) in (tuple, list) and batch and all(type(t) is torch.Tensor and t.dim() for t in batch):
+        rows = {t.shape[0] for t in batch}  # the common (inputs, targets) case, without the general walk
+        if len(rows) == 1:
+            return rows.pop()
+    found = list(leaves(batch))
+    split = [(path, leaf.shape[0]) for path, leaf in found if _split(leaf)]
+    for path, n in split[1:]:
+        if n != split[0][1]:
             raise SplitError(
                 f"tensors in {argument} disagree on their leading dimension: "
-                f"{argument}{first[0] or ''} has {first[1]} items but {argument}{path} has "
-                f"{leaf.shape[0]}. Every tensor of one batch must hold the same items along dim 0."
+                f"{argument}{split[0][0]} has {split[0][1]} items but {argument}{path} has "
+                f"{n}. Every tensor of one batch must hold the same items along dim 0."
             )
-    if first is None:
+    if not split:
+        scalars = [path for path, leaf in found if isinstance(leaf, torch.Tensor)]  # 0-d: carried, not split
         held = (f"only 0-d tensors ({', '.join(argument + p for p in scalars[:3])}), which are carried to every "
                 "micro-batch, not split" if scalars else f"no tensor (got {type(batch).__name__})")
         raise SplitError(
             f"{argument} holds {held}; a batch needs at least one tensor with a leading (item) dimension "
             "to split and count: a Tensor, a tuple/list of Tensors, or a dict of Tensors of shape (n, ...)."
         )
-    return first[1]
+    return split[0][1]
 
 
 def check_micro_batch_size(micro_batch_size: MicroBatchSize) -> None:

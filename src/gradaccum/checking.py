@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -67,7 +68,7 @@ class _Snapshot:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
-    def restore(self, grads: bool = True) -> None:
+    def restore(self) -> None:
         with torch.no_grad():
             for v, saved in self.tensors:
                 v.copy_(saved)
@@ -76,7 +77,7 @@ class _Snapshot:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        for p, grad in self.grads if grads else []:
+        for p, grad in self.grads:  # before a pass too: window_grads clears them first
             p.grad = grad
 
 
@@ -88,29 +89,24 @@ class _Recorder:
         self.random: set = set()
         self._stack: List[List[Any]] = []  # [name, RNG state when last seen]
         self._handles = [hook for name, module in model.named_modules()
-                         for hook in (module.register_forward_pre_hook(self._pre(name)),
-                                      module.register_forward_hook(self._post(name)))]
+                         for hook in (module.register_forward_pre_hook(functools.partial(self._pre, name)),
+                                      module.register_forward_hook(functools.partial(self._post, name)))]
 
-    def _pre(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            state = torch.get_rng_state()
-            if self._stack and not torch.equal(self._stack[-1][1], state):
-                self.random.add(self._stack[-1][0])  # the parent drew before calling this child
-            self._stack.append([name, state])
-        return hook
+    def _pre(self, name: str, module: nn.Module, args: Any) -> None:
+        state = torch.get_rng_state()
+        if self._stack and not torch.equal(self._stack[-1][1], state):
+            self.random.add(self._stack[-1][0])  # the parent drew before calling this child
+        self._stack.append([name, state])
 
-    def _post(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            _, before = self._stack.pop()
-            now = torch.get_rng_state()
-            if not torch.equal(before, now):
-                self.random.add(name)
-            if self._stack:
-                self._stack[-1][1] = now  # the child's draws are not the parent's
-            inp, out = first_tensor(args), first_tensor(output)
-            self.io.setdefault(name, []).append(
-                (None if inp is None else inp.detach().clone(), None if out is None else out.detach().clone()))
-        return hook
+    def _post(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        _, before = self._stack.pop()
+        now = torch.get_rng_state()
+        if not torch.equal(before, now):
+            self.random.add(name)
+        if self._stack:
+            self._stack[-1][1] = now  # the child's draws are not the parent's
+        self.io.setdefault(name, []).append(
+            tuple(None if t is None else t.detach().clone() for t in (first_tensor(args), first_tensor(output))))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -132,46 +128,6 @@ def _one_item_error(model: nn.Module, failed: MicroBatchFailed, micro_batch_size
         f"cannot normalize (torch: {failed.error}); {fix}. BatchNorm in training mode makes accumulation NOT "
         "equivalent to one big batch anyway (its statistics are per micro-batch): eval() it, or use "
         "GroupNorm/LayerNorm", micro_batch_size=micro_batch_size, items=items, suggestion=size)
-
-
-def _summed_loss_hint(loss_full: float, loss_acc: float, sizes: List[int]) -> Optional[str]:
-    """A ``loss_fn`` that returns the sum over its items: the full batch's loss is then about
-    ``N^2 / sum n_k^2`` times the accumulated one (the number of micro-batches, for equal ones)."""
-    if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or loss_acc == 0:
-        return None
-    expected = sum(sizes) ** 2 / sum(n * n for n in sizes)
-    ratio = loss_full / loss_acc
-    if abs(ratio / expected - 1) > 0.05:
-        return None
-    return (f"the full batch's loss is {ratio:.3g} times the accumulated one, as a sum over the items gives on "
-            f"{len(sizes)} micro-batches: loss_fn must return the mean over the micro-batch's items (e.g. "
-            "reduction='mean'), or (sum / count, count)")
-
-
-def _padded_rows_hint(full: "_Pass", batch: Batch, num_items: Any) -> Optional[str]:
-    """A bare mean loss weighed by rows on a batch whose ``labels`` hold -100: the mean is over its
-    targets (a Hugging Face model's ``outputs.loss``), which the rows do not count."""
-    if num_items not in (None, ROWS) or not full.bare or not holds_ignored_labels([batch]):
-        return None
-    return ("loss_fn returns a bare mean loss and the batch's 'labels' hold the ignore index -100, so the mean is "
-            "likely over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are weighed "
-            "by their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
-            "gradaccum.count_targets(mb['labels'])) and the same num_items= to Accumulator.step/train, or return "
-            "(mean, count) from loss_fn (gradaccum.causal_lm_loss)")
-
-
-def _coupled_loss_hint(loss_full: float, loss_acc: float, rtol: float) -> Optional[str]:
-    """The losses differ while every module's outputs agree: the loss itself couples the items."""
-    if not (math.isfinite(loss_full) and math.isfinite(loss_acc)) or \
-            abs(loss_full - loss_acc) <= rtol * max(abs(loss_full), abs(loss_acc), 1e-30):
-        return None
-    return (f"the loss couples the batch's items: {loss_full:.6g} on the whole batch, {loss_acc:.6g} as the "
-            "item-weighted mean of its values on the micro-batches, while every module gives each item the same "
-            "output on both, so an item's loss depends on the other items of its batch (in-batch negatives, a "
-            "contrastive or ranking loss) and accumulating micro-batch losses optimizes another objective. "
-            "gradaccum.WindowLoss(encode, loss) is exact for such a loss: check it with "
-            "check_equivalence(model, WindowLoss(encode, loss), batch, micro_batch_size) (gradaccum check "
-            "--encode MODULE:FUNCTION --window-loss MODULE:FUNCTION)")
 
 
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], rtol: float) -> bool:
@@ -227,76 +183,88 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
         raise SplitError(f"micro_batch_size={micro_batch_size} on a batch of {items} item{'s' if items != 1 else ''} "
                          f"gives one micro-batch, which is only compared with itself; {fix}",
                          micro_batch_size=micro_batch_size, items=items, suggestion=items // 2 or None)
-    suspects = _Suspects()
-    dropouts = suspects.in_model(model)
     full, acc = _both_passes(model, loss_fn, batch, micro_batches, micro_batch_size, num_items)
     max_rel = max(((acc.grads.get(name, torch.zeros_like(gf)) - gf).norm().item() / max(gf.norm().item(), 1e-30)
                    for name, gf in full.grads.items()), default=0.0)
     matched = max_rel <= rtol
-    drawn = suspects.in_passes(full, acc, dropouts, len(micro_batches), rtol, matched)
-    hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items,
-                                      bool(suspects.reasons), rtol)
-    return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects.listed(),
+    suspects, drawn = _suspects(model, full, acc, len(micro_batches), rtol, matched)
+    hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items, bool(suspects),
+                                      rtol)
+    return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects,
                              loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
 
 
 def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Batch, micro_batches: List[Batch],
           num_items: Any, suspected: bool, rtol: float) -> Optional[str]:
     """What the numbers suggest where the gradients differ, the likeliest cause first."""
-    hint = (_padded_rows_hint(full, batch, num_items) or
-            _summed_loss_hint(full.loss, acc.loss, [leading_dim(mb) for mb in micro_batches]))
-    if hint is None and isinstance(loss_fn, MoELoss) and loss_fn.mode != "exact":
-        hint = (f"MoELoss(mode={loss_fn.mode!r}) computes the load-balancing term from part of the window, which is "
+    if num_items in (None, ROWS) and full.bare and holds_ignored_labels([batch]):
+        # a bare mean loss weighed by rows whose labels hold -100: the mean is likely over the targets
+        return ("loss_fn returns a bare mean loss and the batch's 'labels' hold the ignore index -100, so the mean is "
+                "likely over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are "
+                "weighed by their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
+                "gradaccum.count_targets(mb['labels'])) and the same num_items= to Accumulator.step/train, or return "
+                "(mean, count) from loss_fn (gradaccum.causal_lm_loss)")
+    finite = math.isfinite(full.loss) and math.isfinite(acc.loss)
+    sizes = [leading_dim(mb) for mb in micro_batches]
+    # a loss_fn that returns the sum over its items: the full batch's loss is then about N^2 / sum n_k^2 times the
+    # accumulated one (the number of micro-batches, for equal ones)
+    expected = sum(sizes) ** 2 / sum(n * n for n in sizes)
+    if finite and acc.loss != 0 and abs(full.loss / acc.loss / expected - 1) <= 0.05:
+        return (f"the full batch's loss is {full.loss / acc.loss:.3g} times the accumulated one, as a sum over the "
+                f"items gives on {len(sizes)} micro-batches: loss_fn must return the mean over the micro-batch's "
+                "items (e.g. reduction='mean'), or (sum / count, count)")
+    if isinstance(loss_fn, MoELoss) and loss_fn.mode != "exact":
+        return (f"MoELoss(mode={loss_fn.mode!r}) computes the load-balancing term from part of the window, which is "
                 "another objective than the big batch's: mode='exact' computes it over the whole window")
-    elif hint is None and not isinstance(loss_fn, MoELoss):  # the term over the batch (moe)
-        hint = balance_hint(model)
-    if hint is None and not suspected and not isinstance(loss_fn, WindowLoss):
-        hint = _coupled_loss_hint(full.loss, acc.loss, rtol)
-    return hint
+    balance = None if isinstance(loss_fn, MoELoss) else balance_hint(model)  # the term over the batch (moe)
+    if balance is not None:
+        return balance
+    if suspected or isinstance(loss_fn, WindowLoss) or not finite or \
+            abs(full.loss - acc.loss) <= rtol * max(abs(full.loss), abs(acc.loss), 1e-30):
+        return None
+    # the losses differ while every module's outputs agree: the loss itself couples the items
+    return (f"the loss couples the batch's items: {full.loss:.6g} on the whole batch, {acc.loss:.6g} as the "
+            "item-weighted mean of its values on the micro-batches, while every module gives each item the same "
+            "output on both, so an item's loss depends on the other items of its batch (in-batch negatives, a "
+            "contrastive or ranking loss) and accumulating micro-batch losses optimizes another objective. "
+            "gradaccum.WindowLoss(encode, loss) is exact for such a loss: check it with "
+            "check_equivalence(model, WindowLoss(encode, loss), batch, micro_batch_size) (gradaccum check "
+            "--encode MODULE:FUNCTION --window-loss MODULE:FUNCTION)")
 
 
-class _Suspects:
-    """Each module's reasons, in the order found, each once; listed by name, the model itself last."""
+def _suspects(model: nn.Module, full: "_Pass", acc: "_Pass", k: int, rtol: float, matched: bool
+              ) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """Each suspect module's reasons, in the order found, each once, listed by name, the model itself last:
+    BatchNorm and dropout in training mode (the model is as found again), modules that drew random numbers
+    and ones that mix the items; and the modules that drew (the dropouts with them)."""
+    reasons: Dict[str, List[str]] = {}
 
-    def __init__(self) -> None:
-        self.reasons: Dict[str, List[str]] = {}
+    def add(name: str, reason: str) -> None:
+        if reason not in reasons.setdefault(name, []):
+            reasons[name].append(reason)
 
-    def add(self, name: str, reason: str) -> None:
-        if reason not in self.reasons.setdefault(name, []):
-            self.reasons[name].append(reason)
-
-    def in_model(self, model: nn.Module) -> List[str]:
-        """BatchNorm and dropout in training mode (the dropouts' names are returned)."""
-        modules = dict(model.named_modules())
-        for name in training_batchnorms(model):
-            self.add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
-                           "statistics (and updates its running statistics once per micro-batch)")
-        dropouts = [name for name, module in modules.items()
-                    if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
-        for name in dropouts:
-            self.add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
-                           "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
-                           "to check the rest)")
-        return dropouts
-
-    def in_passes(self, full: "_Pass", acc: "_Pass", dropouts: List[str], k: int, rtol: float, matched: bool
-                  ) -> List[str]:
-        """Modules that drew random numbers (returned, with the dropouts) and ones that mix the items."""
-        random = full.recorder.random | acc.recorder.random
-        for name in sorted(random - set(dropouts)):
-            self.add(name, "draws random numbers in forward, so another split sees other draws")
-        drawn = sorted(set(dropouts) | random)
-        for name in drawn if matched else []:
-            self.add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
-                           "item after item, so micro-batches in order draw the full batch's; several layers, or "
-                           "CUDA's generator, draw others")
-        for name in _mixing(full.recorder, acc.recorder, k, rtol) - random:  # draws explain those
-            self.add(name, "its output for an item depends on the other items of the micro-batch")
-        return drawn
-
-    def listed(self) -> List[Tuple[str, str]]:
-        ordered = sorted(self.reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))
-        return [(name, "; ".join(reasons)) for name, reasons in ordered]
+    modules = dict(model.named_modules())
+    for name in training_batchnorms(model):
+        add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
+                  "statistics (and updates its running statistics once per micro-batch)")
+    dropouts = [name for name, module in modules.items()
+                if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
+    for name in dropouts:
+        add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
+                  "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
+                  "to check the rest)")
+    random = full.recorder.random | acc.recorder.random
+    for name in sorted(random - set(dropouts)):
+        add(name, "draws random numbers in forward, so another split sees other draws")
+    drawn = sorted(set(dropouts) | random)
+    for name in drawn if matched else []:
+        add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
+                  "item after item, so micro-batches in order draw the full batch's; several layers, or "
+                  "CUDA's generator, draw others")
+    for name in _mixing(full.recorder, acc.recorder, k, rtol) - random:  # draws explain those
+        add(name, "its output for an item depends on the other items of the micro-batch")
+    ordered = sorted(reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))
+    return [(name, "; ".join(said)) for name, said in ordered], drawn
 
 
 @dataclass
@@ -316,7 +284,7 @@ def _both_passes(model: nn.Module, loss_fn: Any, batch: Batch, micro_batches: Li
     snapshot, passes = _Snapshot(model), []
     try:
         for batches in ([batch], micro_batches):
-            snapshot.restore(grads=False)
+            snapshot.restore()
             recorder = _Recorder(model)
             try:
                 passes.append(_Pass(*window_grads(model, loss_fn, batches, num_items), recorder))

@@ -71,7 +71,7 @@ class PeakMeter:
                 dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self._result: Optional[PeakMemory] = None
-        self._cuda_base = self._cuda_allocs = 0
+        self._cuda_entry = (0, 0)  # bytes allocated and allocations made at entry
         self._active = False
 
     @property
@@ -85,8 +85,7 @@ class PeakMeter:
         if self._active:
             raise RuntimeError("this PeakMeter is already measuring; use a second meter for a nested region")
         if self.device.type == "cuda":
-            self._cuda_base = torch.cuda.memory_allocated(self.device)
-            self._cuda_allocs = _cuda_allocation_count(self.device)
+            self._cuda_entry = _cuda_counters(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             _start_cpu_events()
@@ -96,9 +95,8 @@ class PeakMeter:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._active = False
         if self.device.type == "cuda":
-            base, dev = self._cuda_base, self.device
-            figures = (torch.cuda.max_memory_allocated(dev) - base, torch.cuda.memory_allocated(dev) - base,
-                       _cuda_allocation_count(dev) - self._cuda_allocs)
+            (base, count), (now, count_now) = self._cuda_entry, _cuda_counters(self.device)
+            figures = (torch.cuda.max_memory_allocated(self.device) - base, now - base, count_now - count)
             source = "CUDA caching allocator (max_memory_allocated - memory_allocated at entry)"
         else:
             figures, source = replay(_stop_cpu_events()), "CPU allocator events (PyTorch profiler, memory only)"
@@ -132,8 +130,8 @@ def state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     return {"parameters": params, "gradients": grads, "optimizer_state": state}
 
 
-def _cuda_allocation_count(device: torch.device) -> int:
-    return int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
+def _cuda_counters(device: torch.device) -> Tuple[int, int]:
+    return torch.cuda.memory_allocated(device), int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
 
 
 def _start_cpu_events() -> None:

@@ -21,7 +21,7 @@ from ._checks import positive_int
 from ._maths import target_count, tensor_norms
 from ._seam import all_reduce_
 from ._state import AccumulatorState
-from ._weights import WindowWeights, clip_coefficient
+from ._weights import Gradients, WindowWeights, clip_coefficient, window_mean
 from .errors import ConfigurationError, NotExactError
 from .result import StepResult
 from .sync import sharded_stage
@@ -129,13 +129,12 @@ class PipelineWindow:
                                      f"got {loss_fn!r}")
         _check_loss(loss_fn, reduction)
         self.n_microbatches = positive_int("n_microbatches", n_microbatches)
-        if micro_batch_size is not None:
-            positive_int("micro_batch_size", micro_batch_size)
+        self.micro_batch_size = None if micro_batch_size is None else positive_int("micro_batch_size", micro_batch_size)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigurationError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
         self._check_data_parallel(dp_group)
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
-        self.reduction, self.micro_batch_size, self.max_grad_norm = reduction, micro_batch_size, max_grad_norm
+        self.reduction, self.max_grad_norm = reduction, max_grad_norm
         self.num_items = num_items or target_count
         self.pp_group, self.dp_group = pp_group, dp_group
         self.first, self.last = any(s.is_first for s in self.stages), any(s.is_last for s in self.stages)
@@ -248,7 +247,7 @@ class PipelineWindow:
         ``SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED``."""
         tally = self._tally
         told = torch.zeros(6, dtype=torch.float64, device=self.device)
-        grads = self._grads()
+        grads = self._gradients().tensors()
         if grads:
             told[SQUARE] = (tensor_norms([g.to_local() if hasattr(g, "to_local") else g for g in grads],
                                          torch.float64) ** 2).sum()  # fully_shard: this rank's shard
@@ -262,8 +261,8 @@ class PipelineWindow:
             all_reduce_(told[:ITEMS], group=self.dp_group)
         return told
 
-    def _grads(self) -> List[torch.Tensor]:
-        return [p.grad for s in self.stages for p in s.submod.parameters() if p.grad is not None]
+    def _gradients(self) -> Gradients:
+        return Gradients([p for s in self.stages for p in s.submod.parameters()], None)
 
     def _step(self, told: torch.Tensor) -> StepResult:
         """4. The verdict, the clip, one optimizer step on every stage alike, the gradients cleared, recorded."""
@@ -281,18 +280,14 @@ class PipelineWindow:
         weights = WindowWeights(self.state, self.grad_divisor, num_items=num_items)
         closing = weights.close(num_items, loss_sum=loss, raw_norm=math.sqrt(square), nonfinite="skip")
         if closing.steps:
-            grads = self._grads()
-            coefficient = clip_coefficient(closing.grad_norm, self.max_grad_norm)
-            if coefficient < 1.0 and grads:
-                torch._foreach_mul_(grads, coefficient)
+            self._gradients().finalize(clip_coefficient(closing.grad_norm, self.max_grad_norm))
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         weights.record(closing, warn_empty="the pipeline's targets are all ignore_index")
-        empty = weights.empty
-        return StepResult(math.nan if empty else loss / num_items, num_items, int(k_last),
-                          None if empty else closing.grad_norm, empty or not closing.steps, lr, self.state.steps)
+        return StepResult(window_mean(loss, num_items), num_items, int(k_last),
+                          None if weights.empty else closing.grad_norm, not closing.steps, lr, self.state.steps)
 
     def state_dict(self) -> Dict[str, Any]:
         """The window's counters (steps, skipped, the last window's N); save them beside the stages'

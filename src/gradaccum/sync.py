@@ -51,11 +51,8 @@ class _WrapperSync(GradSync):
     def __init__(self, modules: Sequence[nn.Module], *, reduce_every_micro_batch: bool = False) -> None:
         self.modules = list(modules)
         self.reduce_every_micro_batch = reduce_every_micro_batch
+        self.group_size = dist.get_world_size(self.group)
         self.grad_divisor = float(self.group_size)
-
-    @property
-    def group_size(self) -> int:
-        return dist.get_world_size(self.group)
 
     @contextlib.contextmanager
     def micro_batch(self, *, last: bool) -> Iterator[None]:
@@ -98,8 +95,6 @@ class DDPSync(_WrapperSync):
             stack.enter_context(ddp.no_sync())  # restores require_backward_grad_sync on any exit
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
-        if not grads:
-            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.group_size)
@@ -167,8 +162,9 @@ class FSDP2Sync(_WrapperSync):
         return (norms * norms).sum()
 
 
-def _outermost(modules: List[nn.Module], kind: Any) -> List[nn.Module]:
-    inner = {id(child) for m in modules for child in m.modules() if child is not m and isinstance(child, kind)}
+def _outermost(modules: List[nn.Module]) -> List[nn.Module]:
+    """The ``modules`` that no other of them holds (a wrapper inside a wrapper switches with the outer one)."""
+    inner = {id(child) for m in modules for child in m.modules() if child is not m}
     return [m for m in modules if id(m) not in inner]
 
 
@@ -195,21 +191,18 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
     ddps = [m for m in modules if isinstance(m, DistributedDataParallel)]
     fsdp_type = _fsdp2_module_type()
     fsdps = [m for m in modules if fsdp_type is not None and isinstance(m, fsdp_type)]
-    if data_parallel == "none":
-        if ddps or fsdps:
-            raise ConfigurationError(
-                f"data_parallel='none' but the model holds a {'DistributedDataParallel' if ddps else 'fully_shard'} "
-                "module, which reduces gradients across ranks: leave data_parallel='auto'")
-        return GradSync()
+    if data_parallel == "none" and (ddps or fsdps):
+        raise ConfigurationError(
+            f"data_parallel='none' but the model holds a {'DistributedDataParallel' if ddps else 'fully_shard'} "
+            "module, which reduces gradients across ranks: leave data_parallel='auto'")
     if ddps and fsdps:
         raise ConfigurationError("the model holds both DistributedDataParallel and fully_shard modules; "
-                         "use one data-parallel wrapper")
+                                 "use one data-parallel wrapper")
     if ddps:
-        return DDPSync(_outermost(ddps, DistributedDataParallel),  # type: ignore[arg-type]
-                       reduce_every_micro_batch=reduce_every_micro_batch)
+        return DDPSync(_outermost(ddps), reduce_every_micro_batch=reduce_every_micro_batch)  # type: ignore[arg-type]
     if fsdps:
-        return FSDP2Sync(_outermost(fsdps, fsdp_type), reduce_every_micro_batch=reduce_every_micro_batch)
-    if is_distributed() and dist.get_world_size() > 1:
+        return FSDP2Sync(_outermost(fsdps), reduce_every_micro_batch=reduce_every_micro_batch)
+    if data_parallel == "auto" and is_distributed() and dist.get_world_size() > 1:
         raise ConfigurationError(
             f"torch.distributed runs {dist.get_world_size()} ranks but no DistributedDataParallel or "
             f"fully_shard module reduces this {type(model).__name__}'s gradients: every rank would step "
