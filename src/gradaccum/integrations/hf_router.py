@@ -117,13 +117,11 @@ def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
                                  "_can_record_outputs['router_logits']); pass router_logits_of a model whose router is "
                                  "named so, or write MoELoss(forward=...) yourself")
     seen: List[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
-             for m in model.modules() if isinstance(m, spec.target_class)]
-    try:
+    with contextlib.ExitStack() as hooks:  # each hook removed on leaving
+        for m in model.modules():
+            if isinstance(m, spec.target_class):
+                hooks.enter_context(m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index])))
         yield seen
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def hf_token_mask(inputs: Mapping[str, Any]) -> Optional[torch.Tensor]:
