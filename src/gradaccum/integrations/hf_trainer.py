@@ -189,8 +189,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         super().__init__(*args, nonfinite=nonfinite, **kwargs)
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         _refuse_what_is_not_exact(self, config, source, accum_dtype)
-        owns = (self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.args.n_gpu <= 1
-                and self.window_loss is None)
+        owns = self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.window_loss is None
         self.buffers = None if self.is_deepspeed_enabled else driver_buffers(
             type(self).__name__, self.model.parameters(), accum_dtype, owns_the_sum=owns,
             fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under DDP/FSDP2 the "
