@@ -86,15 +86,13 @@ def accumulation_off(trainer: Any) -> Iterator[None]:
     if not isinstance(config, dict) or config.get(KEY, "auto") != "auto":
         yield
         return
-    had, value = KEY in config, config.get(KEY)
+    kept = {KEY: config[KEY]} if KEY in config else {}  # "auto", or nothing
     config[KEY] = False
     try:
         yield
     finally:
-        if had:
-            config[KEY] = value
-        else:
-            del config[KEY]
+        config.pop(KEY, None)
+        config.update(kept)
 
 
 def step_applied(trainer: Any) -> bool:

@@ -53,15 +53,6 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         if held is not None:
             held.restore()
 
-    def resume(self, trainer: Any, epochs: int, batches: int, windows_per_epoch: int) -> Tuple[int, int]:
-        """The saved state, and the Trainer's resume position moved past the skipped windows' data too."""
-        self.load(trainer.state.stateful_callbacks)
-        skipped = self.accumulator_state.skipped
-        if skipped and not trainer.args.ignore_data_skip:
-            epochs, windows = divmod(trainer.state.global_step + skipped, windows_per_epoch)
-            batches = windows * trainer.args.gradient_accumulation_steps
-        return epochs, batches
-
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
         """The state a checkpoint saved (fresh if none); a pre-release gradaccum's is refused."""
         old = sorted({"_StateCallback", "_Skips"} & set(stateful_callbacks))
@@ -93,35 +84,27 @@ def calls_next(function: Any, name: str) -> bool:
     return False
 
 
-def serves_the_window(compute_loss: Callable[..., Any]) -> Callable[..., Any]:
-    """A driver's ``compute_loss``, its loss kept for :func:`_override_checked`."""
+def serves_the_window(compute_loss: Callable[..., Any], checked: Optional[type] = None) -> Callable[..., Any]:
+    """A driver's ``compute_loss``, its loss kept in ``self._served``; with ``checked``, that subclass's own
+    ``compute_loss``, which must return the driver's kept loss unchanged in training, or raise."""
     @functools.wraps(compute_loss)
     def serve(self: Any, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        out = compute_loss(self, model, inputs, *args, **kwargs)
-        self._served = out[0] if isinstance(out, tuple) else out
-        return out
-    serve.gradaccum_driver = True  # type: ignore[attr-defined]
-    return serve
-
-
-def _override_checked(own: Callable[..., Any], cls: type) -> Callable[..., Any]:
-    """A subclass's ``compute_loss`` that must return the driver's loss unchanged in training, or raise."""
-    @functools.wraps(own)
-    def compute_loss(self: Any, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         self._served = None
-        out = own(self, model, inputs, *args, **kwargs)
+        out = compute_loss(self, model, inputs, *args, **kwargs)
         loss = out[0] if isinstance(out, tuple) else out
-        if model.training and (self._served is None or loss is not self._served):
+        if checked is None:
+            self._served = loss
+        elif model.training and (self._served is None or loss is not self._served):
             did = ("returned without calling super().compute_loss" if self._served is None else
                    "returned another loss than the one super().compute_loss returned")
             raise NotExactError(
-                f"{cls.__name__}.compute_loss {did} in training: the driver's loss is this micro-batch's share of the "
-                "window's mean, and anything else would be stepped as plain accumulation (a term changed or added "
+                f"{checked.__name__}.compute_loss {did} in training: the driver's loss is this micro-batch's share of "
+                "the window's mean, and anything else would be stepped as plain accumulation (a term changed or added "
                 "per micro-batch is not weighed as one big batch's). Return super().compute_loss(...)'s loss "
-                f"unchanged{cls.own_loss_fix}")
+                f"unchanged{checked.own_loss_fix}")
         return out
-    compute_loss.gradaccum_driver = True  # type: ignore[attr-defined]
-    return compute_loss
+    serve.gradaccum_driver = True  # type: ignore[attr-defined]
+    return serve
 
 
 class TrainerDriver:
@@ -132,7 +115,6 @@ class TrainerDriver:
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass
     empty_window_note: Optional[str] = None  # said once with the warning for a window of no item (None: no warning)
-    _served: Any = None  # the loss the driver's compute_loss last returned in training (serves_the_window)
     own_loss_fix = ""  # what a subclass may do instead with a compute_loss of its own (ExactTrainer: declare it)
     nonfinite = "skip"  # a window whose gradient is not finite: "skip" it (no step, counted, a warning) or "raise"
 
@@ -158,7 +140,7 @@ class TrainerDriver:
                     f"mean loss per micro-batch: a step gradient_accumulation_steps times too large). Call super()."
                     f"{name}({args}) and return what it returns{cls.own_loss_fix if name == 'compute_loss' else ''}")
             if name == "compute_loss":
-                setattr(cls, name, _override_checked(own, cls))
+                setattr(cls, name, serves_the_window(own, checked=cls))
 
     def __init__(self, *args: Any, nonfinite: Optional[str] = None, **kwargs: Any) -> None:
         self.nonfinite = nonfinite_choice(type(self).__name__, type(self).nonfinite if nonfinite is None else nonfinite)
@@ -268,7 +250,11 @@ class TrainerDriver:
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> Tuple[int, int]:
         """The Trainer's resume position counts optimizer steps; skipped windows consumed data too."""
         epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, *args)  # type: ignore[misc]
-        return self._state.resume(self, epochs, batches, num_update_steps_per_epoch)
+        self._state.load(self.state.stateful_callbacks)
+        if self.skipped and not self.args.ignore_data_skip:
+            epochs, windows = divmod(self.state.global_step + self.skipped, num_update_steps_per_epoch)
+            batches = windows * self.args.gradient_accumulation_steps
+        return epochs, batches
 
 
 def refuse_untested(trainer: Any, path: str, *, deepspeed: bool = True, fsdp: bool = True) -> None:

@@ -57,15 +57,7 @@ def aux_term(config: Any) -> Optional[RouterBalance]:
     coef = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
     if not getattr(text, "output_router_logits", False):
         return None
-    _refuse_an_unknown_term(text, coef)
-    if not coef:
-        return None
-    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
-    return RouterBalance(int(experts or 0), int(getattr(text, "num_experts_per_tok", 0) or 0), float(coef))
-
-
-def _refuse_an_unknown_term(text: Any, coef: float) -> None:
-    """A router term gradaccum cannot compute over the window: refused, never trained without it in silence."""
+    # a router term gradaccum cannot compute over the window: refused, never trained without it in silence
     family = getattr(text, "model_type", None)
     others = {name: getattr(text, name) for name in _OTHER_WEIGHTS if getattr(text, name, 0)}
     ffn = getattr(text, "ffn_config", None)  # DBRX's: an object, or a dict
@@ -79,19 +71,22 @@ def _refuse_an_unknown_term(text: Any, coef: float) -> None:
             f"term gradaccum does not compute over the window (supported: {', '.join(BALANCED_FAMILIES)}), so it "
             "would be dropped or computed per micro-batch. Set output_router_logits=False (or that weight to 0) to "
             "train without it")
+    if not coef:
+        return None
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    return RouterBalance(int(experts or 0), int(getattr(text, "num_experts_per_tok", 0) or 0), float(coef))
 
 
 def refuse_aux_term(config: Any, where: str, fix: str) -> None:
     """Raise :class:`~gradaccum.NotExactError` when ``config`` adds a load-balancing term that ``where``
     would compute per micro-batch (or drop), naming the config's values and ``fix``."""
     term = aux_term(config)
-    if term is None:
-        return
-    raise NotExactError(
-        f"{where}: the model's config has output_router_logits=True and router_aux_loss_coef={term.coef}, so its "
-        f"loss adds a load-balancing term (E={term.num_experts} experts, top-{term.top_k}) whose expert fractions "
-        f"are statistics of the whole batch; {where} would compute it per micro-batch, so the step would not be "
-        f"the big batch's. {fix}")
+    if term is not None:
+        raise NotExactError(
+            f"{where}: the model's config has output_router_logits=True and router_aux_loss_coef={term.coef}, so its "
+            f"loss adds a load-balancing term (E={term.num_experts} experts, top-{term.top_k}) whose expert fractions "
+            f"are statistics of the whole batch; {where} would compute it per micro-batch, so the step would not be "
+            f"the big batch's. {fix}")
 
 
 def balance_hint(model: nn.Module) -> Optional[str]:
@@ -122,13 +117,11 @@ def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
                                  "_can_record_outputs['router_logits']); pass router_logits_of a model whose router is "
                                  "named so, or write MoELoss(forward=...) yourself")
     seen: List[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index]))
-             for m in model.modules() if isinstance(m, spec.target_class)]
-    try:
+    with contextlib.ExitStack() as hooks:  # each hook removed on leaving
+        for m in model.modules():
+            if isinstance(m, spec.target_class):
+                hooks.enter_context(m.register_forward_hook(lambda _m, _i, out: seen.append(out[spec.index])))
         yield seen
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def hf_token_mask(inputs: Mapping[str, Any]) -> Optional[torch.Tensor]:

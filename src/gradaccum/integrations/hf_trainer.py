@@ -28,8 +28,6 @@ __all__ = ["ExactTrainer", "HEADS", "SOURCES", "TrainerWindowState", "head_of", 
 #: the batch's preference pairs (chosen rows then rejected rows) or its rows along dim 0)
 SOURCES = {"transformers.trainer.Trainer": "head", "trl.trainer.sft_trainer.SFTTrainer": "tokens",
            "trl.trainer.dpo_trainer.DPOTrainer": "pairs"}
-#: what a subclass may declare for a compute_loss of its own (``exact_items = "head"``)
-_DECLARABLE = ("head", "rows")
 _GENERATES = (" generates its micro-batches inside training_step (a batch is a list of prompts until then), so "
               "ExactTrainer cannot count them")
 #: the Trainers ExactTrainer cannot weigh (by the compute_loss owner's qualified name, or its package): why, the drop-in
@@ -61,17 +59,17 @@ def loss_source(cls: type) -> str:
     owner = next(c for c in mro[here + 1:] if "compute_loss" in vars(c))
     qualname = f"{owner.__module__}.{owner.__qualname__}"
     declared = getattr(cls, "exact_items", None)
-    for name, (why, drop_in) in _DROP_INS.items():
-        if name in (qualname, owner.__module__.split(".")[0] + "."):
-            raise TypeError(f"class {cls.__name__}: {owner.__name__}{why}, and "
-                            f"exact_items = 'rows' would not make it exact. Use the drop-in: from {drop_in}")
+    drop_in = _DROP_INS.get(qualname) or _DROP_INS.get(owner.__module__.split(".")[0] + ".")
+    if drop_in:
+        raise TypeError(f"class {cls.__name__}: {owner.__name__}{drop_in[0]}, and "
+                        f"exact_items = 'rows' would not make it exact. Use the drop-in: from {drop_in[1]}")
     if declared is not None:
         if cls.own_loss is None and qualname in SOURCES:
             raise TypeError(
                 f"{cls.__name__}.exact_items={declared!r} declares a compute_loss of its own, but the compute_loss that "
                 f"runs is {owner.__name__}'s, whose items ExactTrainer knows ({SOURCES[qualname]}): weighed "
                 f"as {declared!r} they would be weighed wrong. Drop exact_items, or define the compute_loss it declares")
-        if declared not in _DECLARABLE:
+        if declared not in ("head", "rows"):  # what a subclass may declare
             raise TypeError(f"{cls.__name__}.exact_items={declared!r}: supported are 'head' (compute_loss returns the "
                             "mean over the items the model's head counts, as model(**inputs).loss) and 'rows' (the "
                             "mean over the batch's rows along dim 0)")
@@ -112,14 +110,12 @@ def head_of(model: nn.Module, head: Optional[str] = None) -> str:
     if head is None and not heads:
         raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
                                  "(ExactTrainer computes that head's loss from the model's logits)")
-    if head is None:
-        return heads[0]
-    if heads and head not in heads:
+    if head is not None and heads and head not in heads:
         raise ConfigurationError(
             f"ExactTrainer(head={head!r}) does not fit the model, a {name}, whose head is {heads[0]} (its logits "
             f"and labels are shaped for that head, not for {head}): pass head={heads[0]!r}, or leave head= out "
             "(ExactTrainer reads it from the model's class)")
-    return head
+    return heads[0] if head is None else head
 
 
 class ExactTrainer(TrainerDriver, Trainer):
@@ -171,8 +167,7 @@ class ExactTrainer(TrainerDriver, Trainer):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         owner = next(c for c in cls.__mro__ if "compute_loss" in vars(c))  # the class whose compute_loss runs
         own = vars(owner)["compute_loss"]
-        if cls.exact_items is not None and not owner.__module__.startswith("gradaccum.") \
-                and not getattr(own, "gradaccum_driver", False):
+        if cls.exact_items is not None and not getattr(own, "gradaccum_driver", False):  # not a driver's
             if calls_next(own, "compute_loss"):
                 raise TypeError(
                     f"class {cls.__name__} declares exact_items = {cls.exact_items!r} and {owner.__name__}.compute_loss "
@@ -194,8 +189,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         super().__init__(*args, nonfinite=nonfinite, **kwargs)
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         _refuse_what_is_not_exact(self, config, source, accum_dtype)
-        owns = (self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.args.n_gpu <= 1
-                and self.window_loss is None)
+        owns = self.accelerator.num_processes == 1 and not self.is_fsdp_enabled and self.window_loss is None
         self.buffers = None if self.is_deepspeed_enabled else driver_buffers(
             type(self).__name__, self.model.parameters(), accum_dtype, owns_the_sum=owns,
             fix="Keep float32 parameters and train with bf16=True (autocast) to sum in float32 (under DDP/FSDP2 the "
