@@ -89,9 +89,9 @@ class Tally:
         """
         assert self.device_items is None, "a tensor count is summed on the device, in the boundary's all-reduce"
         losses = self.losses
-        stacked = (torch.stack(losses) if len(losses) > 1 else losses[0].reshape(1)) if losses else None
+        stacked = (torch.stack(losses) if len(losses) > 1 else losses[0]) if losses else None
         host = read_on_host(losses=stacked, norm=norm)
-        total = 0.0
+        total = 0.0  # added in order: sum() compensates from Python 3.12 on
         for loss, count in zip(host.get("losses", ()), self.counts):
             total += loss * count  # type: ignore[operator]
         return total, host["norm"][0] if norm is not None else None
@@ -264,11 +264,11 @@ def _what(loss_sum: float) -> str:
     return "gradient" if math.isfinite(loss_sum) else "loss"
 
 
-class InFlight:
+class InFlight(NamedTuple):
     """The window's all-reduce, launched before the last backward; ``wait()`` gives the summed tensor."""
 
-    def __init__(self, tensor: torch.Tensor, work: Any) -> None:
-        self.tensor, self.work = tensor, work
+    tensor: torch.Tensor
+    work: Any
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -336,10 +336,8 @@ def read_on_host(**parts: Optional[torch.Tensor]) -> Dict[str, List[float]]:
     {}
     """
     named = [(name, t.reshape(-1)) for name, t in parts.items() if t is not None]
-    if len(named) == 1:
-        return {named[0][0]: named[0][1].tolist()}
-    if not named:
-        return {}
+    if len(named) < 2:
+        return {name: t.tolist() for name, t in named}
     first = named[0][1]
     dtype = first.dtype
     for _, t in named[1:]:  # the widest of them (a bf16 loss read with a float32 norm stays float32)

@@ -15,7 +15,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ._checks import Count, as_number
 from ._maths import count_dtype
 from ._state import AccumulatorState
-from .batching import Batch, leading_dim
+from .batching import Batch
 from .errors import RankAgreementError
 from .sync import GradSync
 
@@ -162,10 +162,6 @@ class RankAgreement:
 
     def __init__(self, sync: GradSync, device: torch.device, state: AccumulatorState, rules: Rules) -> None:
         self.sync, self.device, self.state, self.rules = sync, device, state, rules
-
-    def set_padding(self, micro_batch: Batch) -> None:
-        leading_dim(micro_batch, argument="micro_batch")
-        self.state.padding_batch = micro_batch
 
     def remember(self, micro_batch: Batch) -> None:
         """The last micro-batch this rank ran, kept (across ranks only) to pad a later window with."""
