@@ -14,11 +14,12 @@ from ._maths import count_dtype, tensor_norms
 from ._state import AccumulatorState
 from .errors import ConfigurationError
 from .precision import MixedPrecision
+from .result import StepResult
 from ._deepspeed import not_known_up_front
 from .sync import GradSync
 from ._weights import Closing, Gradients, Verdict, WindowWeights, clip_coefficient, total_norm, window_mean
 
-__all__ = ["Tally", "Totals", "Outcome", "Boundary", "InFlight", "ExchangeRow", "Exchanged", "read_on_host"]
+__all__ = ["Tally", "Totals", "Boundary", "InFlight", "ExchangeRow", "Exchanged", "read_on_host"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 
@@ -32,17 +33,6 @@ class Totals(NamedTuple):
     #: this rank counted its items before the first backward; exchanged, so that every rank learns whether
     #: the next window counts first
     counted_first: bool = False
-
-
-class Outcome(NamedTuple):
-    """What the boundary did: what the ranks told each other (the window's global loss sum and N, and the
-    flags), the norm after the step's scale, whether it skipped, the learning rate and the steps taken."""
-
-    told: "Exchanged"
-    grad_norm: Optional[float]
-    skipped: bool
-    lr: float
-    step: int
 
 
 class Tally:
@@ -137,10 +127,12 @@ class Boundary:
                 "given the same scheduler) moves the learning rate twice as fast. Remove your own "
                 "scheduler.step() call, or do not pass scheduler= to the Accumulator")
 
-    def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None) -> Outcome:
+    def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None, *, micro_batches: int = 0,
+               micro_batch_size: Any = None) -> Tuple["Exchanged", StepResult]:
         """Unscale, compare the replicas (once), read the exchanged numbers, measure, decide, scale and clip in
         one pass, step (the seam's, else the optimizer's) and the scheduler; clear the gradients.
-        ``in_flight``: the all-reduce :meth:`launch` started, if any."""
+        ``in_flight``: the all-reduce :meth:`launch` started, if any. Returns what the ranks told each other
+        and the window's result (``micro_batches``: those this rank counted; ``micro_batch_size``: an int)."""
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.sync.replicated_grads and not self.state.replicas_checked
@@ -183,7 +175,11 @@ class Boundary:
                 self._skip(closing, loss_sum, totals)
         finally:
             self.grads.drop()
-        return Outcome(told, grad_norm, not stepped, lr, self.state.steps)
+        n = told.num_items
+        return told, StepResult(loss=window_mean(loss_sum, n), lr=lr, grad_norm=grad_norm, skipped=not stepped,
+                                step=self.state.steps, num_items=int(n) if float(n).is_integer() else n,
+                                micro_batches=micro_batches, stop_requested=told.stop,
+                                micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None)
 
     def launch(self, totals: Totals) -> "InFlight":
         """Start the window's one all-reduce (an :class:`ExchangeRow`) without waiting, before the last
