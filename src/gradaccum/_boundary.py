@@ -212,21 +212,19 @@ class Boundary:
         """The window's global numbers on the host, from one small all-reduce (across ranks, or for a tensor
         count), which also sums the flags (a stop reaches every rank at the same window) and, under FSDP2,
         the shards' squared norms."""
-        square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
         tally = None if in_flight is not None else Tally(totals.tally, self.count_dtype)  # else summed at launch
+        if tally is not None and not self.sync.shares_windows and tally.device_items is None:
+            # one process, counts on the host already: the losses and the norm read in the window's one host sync
+            loss_sum, raw = tally.read(total_norm(grads, self.device) if self.measure else None)  # type: ignore
+            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
+                             totals.counted_first)
         if tally is None:
-            row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)  # type: ignore[union-attr]
-        elif self.sync.shares_windows or tally.device_items is not None:
+            row, square = in_flight.wait(), None  # type: ignore[union-attr]
+        else:  # with this rank's part of the squared norm, summed in the all-reduce (FSDP2)
             square = self.sync.local_square_sum(grads) if self.measure else None  # type: ignore[arg-type]
-            row = self.sync.all_reduce_(self._row(totals, tally, square)).to(torch.float64)
-        else:  # one process, counts on the host already: only the loss sum crosses to the host
-            row = None
+            row = self.sync.all_reduce_(self._row(totals, tally, square))
         norm = total_norm(grads, self.device) if self.measure and square is None else None  # type: ignore[arg-type]
-        if row is None:  # one process: the losses and the norm read in the window's one host sync
-            loss_sum, raw = tally.read(norm)  # type: ignore[union-attr]
-            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(),  # type: ignore[union-attr]
-                             tally.counts_from_loss_fn, totals.counted_first)  # type: ignore[union-attr]
-        host = read_on_host(row=row, norm=norm)  # the window's one host sync
+        host = read_on_host(row=row.to(torch.float64), norm=norm)  # the window's one host sync
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
