@@ -5,6 +5,8 @@ one host synchronisation. The order of its steps: docs/architecture.md ("One mic
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -332,12 +334,7 @@ def read_on_host(**parts: Optional[torch.Tensor]) -> Dict[str, List[float]]:
     named = [(name, t.reshape(-1)) for name, t in parts.items() if t is not None]
     if len(named) < 2:
         return {name: t.tolist() for name, t in named}
-    first = named[0][1]
-    dtype = first.dtype
-    for _, t in named[1:]:  # the widest of them (a bf16 loss read with a float32 norm stays float32)
-        dtype = torch.promote_types(dtype, t.dtype)
-    flat = torch.cat([t.to(device=first.device, dtype=dtype) for _, t in named]).tolist()
-    out, at = {}, 0
-    for name, t in named:
-        out[name], at = flat[at:at + t.numel()], at + t.numel()
-    return out
+    # in the widest of their dtypes (a bf16 loss read with a float32 norm stays float32)
+    dtype, device = functools.reduce(torch.promote_types, (t.dtype for _, t in named)), named[0][1].device
+    flat = iter(torch.cat([t.to(device=device, dtype=dtype) for _, t in named]).tolist())
+    return {name: list(itertools.islice(flat, t.numel())) for name, t in named}
