@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -50,12 +51,10 @@ class Tally:
         # a tensor count in the sum's dtype (float64), so that n_k L_k is not rounded (nor overflows) in the loss's
         self.counts = [count.to(dtype) if isinstance(count, torch.Tensor) else count for _, count, _ in entries]
         self.counts_from_loss_fn = any(own for _, _, own in entries)
-        self.host_items, self.device_items = 0.0, None  # type: Tuple[float, Optional[torch.Tensor]]
-        for c in self.counts:
-            if isinstance(c, torch.Tensor):
-                self.device_items = c if self.device_items is None else self.device_items + c
-            else:
-                self.host_items += c
+        numbers = [c for c in self.counts if not isinstance(c, torch.Tensor)]
+        tensors = [c for c in self.counts if isinstance(c, torch.Tensor)]
+        self.host_items = functools.reduce(operator.add, numbers, 0.0)  # in order: sum() compensates from Python 3.12
+        self.device_items = functools.reduce(operator.add, tensors) if tensors else None
 
     @property
     def loss_sum(self) -> Optional[torch.Tensor]:
@@ -83,7 +82,7 @@ class Tally:
         losses = self.losses
         stacked = (torch.stack(losses) if len(losses) > 1 else losses[0]) if losses else None
         host = read_on_host(losses=stacked, norm=norm)
-        total = 0.0  # added in order: sum() compensates from Python 3.12 on
+        total = 0.0  # added in order, as host_items
         for loss, count in zip(host.get("losses", ()), self.counts):
             total += loss * count  # type: ignore[operator]
         return total, host["norm"][0] if norm is not None else None
