@@ -65,19 +65,18 @@ class CountedFirst:
     (12.0, None)
     """
 
-    __slots__ = ("sum", "value", "read")
+    __slots__ = ("sum", "value")
 
     def __init__(self, sync: GradSync, device: torch.device, items: Optional[Count]) -> None:
         mine = torch.tensor([math.nan if items is None else as_number(items)], dtype=count_dtype(device), device=device)
-        self.sum = InFlight(mine, sync.all_reduce_async(mine))
+        self.sum: Optional[InFlight] = InFlight(mine, sync.all_reduce_async(mine))  # None once read
         self.value: Optional[float] = None  # N once read; None before, or where some rank had no count
-        self.read = False
 
     def wait(self) -> Optional[float]:
         """N (the first call waits for the all-reduce: one host sync), or None where a rank had no count."""
-        if not self.read:
+        if self.sum is not None:
             n = float(self.sum.wait().item())
-            self.value, self.read = (None if math.isnan(n) else n), True
+            self.value, self.sum = (None if math.isnan(n) else n), None
         return self.value
 
 
