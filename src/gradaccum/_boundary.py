@@ -283,8 +283,7 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
     else:
         mine = torch.zeros(2, dtype=torch.float64, device=device)
     rows = sync.all_gather(mine.to(device)).tolist()
-    first = rows[0]
-    if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(first, row)):
+    if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(rows[0], row)):
         raise ConfigurationError(
             "the ranks' gradients differ after the window's reduction (gradient fingerprints per rank: "
             f"{[round(r[0], 8) for r in rows]}), so DistributedDataParallel never reduced them: each rank "
