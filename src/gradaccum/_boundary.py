@@ -5,7 +5,10 @@ one host synchronisation. The order of its steps: docs/architecture.md ("One mic
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -14,11 +17,12 @@ from ._maths import count_dtype, tensor_norms
 from ._state import AccumulatorState
 from .errors import ConfigurationError
 from .precision import MixedPrecision
+from .result import StepResult
 from ._deepspeed import not_known_up_front
 from .sync import GradSync
 from ._weights import Closing, Gradients, Verdict, WindowWeights, clip_coefficient, total_norm, window_mean
 
-__all__ = ["Tally", "Totals", "Outcome", "Boundary", "InFlight", "ExchangeRow", "Exchanged", "read_on_host"]
+__all__ = ["Tally", "Totals", "Boundary", "InFlight", "ExchangeRow", "Exchanged", "read_on_host"]
 
 # -- the procedure ------------------------------------------------------------------------------------
 
@@ -34,17 +38,6 @@ class Totals(NamedTuple):
     counted_first: bool = False
 
 
-class Outcome(NamedTuple):
-    """What the boundary did: what the ranks told each other (the window's global loss sum and N, and the
-    flags), the norm after the step's scale, whether it skipped, the learning rate and the steps taken."""
-
-    told: "Exchanged"
-    grad_norm: Optional[float]
-    skipped: bool
-    lr: float
-    step: int
-
-
 class Tally:
     """One rank's window as its boundary reads it (nothing is added up while the window runs): each
     micro-batch's mean loss and count in order, the counts' sum apart for Python numbers (``host_items``) and
@@ -58,12 +51,10 @@ class Tally:
         # a tensor count in the sum's dtype (float64), so that n_k L_k is not rounded (nor overflows) in the loss's
         self.counts = [count.to(dtype) if isinstance(count, torch.Tensor) else count for _, count, _ in entries]
         self.counts_from_loss_fn = any(own for _, _, own in entries)
-        self.host_items, self.device_items = 0.0, None  # type: Tuple[float, Optional[torch.Tensor]]
-        for c in self.counts:
-            if isinstance(c, torch.Tensor):
-                self.device_items = c if self.device_items is None else self.device_items + c
-            else:
-                self.host_items += c
+        numbers = [c for c in self.counts if not isinstance(c, torch.Tensor)]
+        tensors = [c for c in self.counts if isinstance(c, torch.Tensor)]
+        self.host_items = functools.reduce(operator.add, numbers, 0.0)  # in order: sum() compensates from Python 3.12
+        self.device_items = functools.reduce(operator.add, tensors) if tensors else None
 
     @property
     def loss_sum(self) -> Optional[torch.Tensor]:
@@ -89,9 +80,9 @@ class Tally:
         """
         assert self.device_items is None, "a tensor count is summed on the device, in the boundary's all-reduce"
         losses = self.losses
-        stacked = (torch.stack(losses) if len(losses) > 1 else losses[0].reshape(1)) if losses else None
+        stacked = (torch.stack(losses) if len(losses) > 1 else losses[0]) if losses else None
         host = read_on_host(losses=stacked, norm=norm)
-        total = 0.0
+        total = 0.0  # added in order, as host_items
         for loss, count in zip(host.get("losses", ()), self.counts):
             total += loss * count  # type: ignore[operator]
         return total, host["norm"][0] if norm is not None else None
@@ -137,10 +128,12 @@ class Boundary:
                 "given the same scheduler) moves the learning rate twice as fast. Remove your own "
                 "scheduler.step() call, or do not pass scheduler= to the Accumulator")
 
-    def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None) -> Outcome:
+    def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None, *, micro_batches: int = 0,
+               micro_batch_size: Any = None) -> Tuple["Exchanged", StepResult]:
         """Unscale, compare the replicas (once), read the exchanged numbers, measure, decide, scale and clip in
         one pass, step (the seam's, else the optimizer's) and the scheduler; clear the gradients.
-        ``in_flight``: the all-reduce :meth:`launch` started, if any."""
+        ``in_flight``: the all-reduce :meth:`launch` started, if any. Returns what the ranks told each other
+        and the window's result (``micro_batches``: those this rank counted; ``micro_batch_size``: an int)."""
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.sync.replicated_grads and not self.state.replicas_checked
@@ -183,7 +176,11 @@ class Boundary:
                 self._skip(closing, loss_sum, totals)
         finally:
             self.grads.drop()
-        return Outcome(told, grad_norm, not stepped, lr, self.state.steps)
+        n = told.num_items
+        return told, StepResult(loss=window_mean(loss_sum, n), lr=lr, grad_norm=grad_norm, skipped=not stepped,
+                                step=self.state.steps, num_items=int(n) if float(n).is_integer() else n,
+                                micro_batches=micro_batches, stop_requested=told.stop,
+                                micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None)
 
     def launch(self, totals: Totals) -> "InFlight":
         """Start the window's one all-reduce (an :class:`ExchangeRow`) without waiting, before the last
@@ -216,21 +213,19 @@ class Boundary:
         """The window's global numbers on the host, from one small all-reduce (across ranks, or for a tensor
         count), which also sums the flags (a stop reaches every rank at the same window) and, under FSDP2,
         the shards' squared norms."""
-        square = None  # this rank's part of the squared norm, summed in the all-reduce (FSDP2)
         tally = None if in_flight is not None else Tally(totals.tally, self.count_dtype)  # else summed at launch
+        if tally is not None and not self.sync.shares_windows and tally.device_items is None:
+            # one process, counts on the host already: the losses and the norm read in the window's one host sync
+            loss_sum, raw = tally.read(total_norm(grads, self.device) if self.measure else None)  # type: ignore
+            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
+                             totals.counted_first)
         if tally is None:
-            row: Optional[torch.Tensor] = in_flight.wait().to(torch.float64)  # type: ignore[union-attr]
-        elif self.sync.shares_windows or tally.device_items is not None:
+            row, square = in_flight.wait(), None  # type: ignore[union-attr]
+        else:  # with this rank's part of the squared norm, summed in the all-reduce (FSDP2)
             square = self.sync.local_square_sum(grads) if self.measure else None  # type: ignore[arg-type]
-            row = self.sync.all_reduce_(self._row(totals, tally, square)).to(torch.float64)
-        else:  # one process, counts on the host already: only the loss sum crosses to the host
-            row = None
+            row = self.sync.all_reduce_(self._row(totals, tally, square))
         norm = total_norm(grads, self.device) if self.measure and square is None else None  # type: ignore[arg-type]
-        if row is None:  # one process: the losses and the norm read in the window's one host sync
-            loss_sum, raw = tally.read(norm)  # type: ignore[union-attr]
-            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(),  # type: ignore[union-attr]
-                             tally.counts_from_loss_fn, totals.counted_first)  # type: ignore[union-attr]
-        host = read_on_host(row=row, norm=norm)  # the window's one host sync
+        host = read_on_host(row=row.to(torch.float64), norm=norm)  # the window's one host sync
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
@@ -264,11 +259,11 @@ def _what(loss_sum: float) -> str:
     return "gradient" if math.isfinite(loss_sum) else "loss"
 
 
-class InFlight:
+class InFlight(NamedTuple):
     """The window's all-reduce, launched before the last backward; ``wait()`` gives the summed tensor."""
 
-    def __init__(self, tensor: torch.Tensor, work: Any) -> None:
-        self.tensor, self.work = tensor, work
+    tensor: torch.Tensor
+    work: Any
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -288,8 +283,7 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
     else:
         mine = torch.zeros(2, dtype=torch.float64, device=device)
     rows = sync.all_gather(mine.to(device)).tolist()
-    first = rows[0]
-    if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(first, row)):
+    if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(rows[0], row)):
         raise ConfigurationError(
             "the ranks' gradients differ after the window's reduction (gradient fingerprints per rank: "
             f"{[round(r[0], 8) for r in rows]}), so DistributedDataParallel never reduced them: each rank "
@@ -336,16 +330,9 @@ def read_on_host(**parts: Optional[torch.Tensor]) -> Dict[str, List[float]]:
     {}
     """
     named = [(name, t.reshape(-1)) for name, t in parts.items() if t is not None]
-    if len(named) == 1:
-        return {named[0][0]: named[0][1].tolist()}
-    if not named:
-        return {}
-    first = named[0][1]
-    dtype = first.dtype
-    for _, t in named[1:]:  # the widest of them (a bf16 loss read with a float32 norm stays float32)
-        dtype = torch.promote_types(dtype, t.dtype)
-    flat = torch.cat([t.to(device=first.device, dtype=dtype) for _, t in named]).tolist()
-    out, at = {}, 0
-    for name, t in named:
-        out[name], at = flat[at:at + t.numel()], at + t.numel()
-    return out
+    if len(named) < 2:
+        return {name: t.tolist() for name, t in named}
+    # in the widest of their dtypes (a bf16 loss read with a float32 norm stays float32)
+    dtype, device = functools.reduce(torch.promote_types, (t.dtype for _, t in named)), named[0][1].device
+    flat = iter(torch.cat([t.to(device=device, dtype=dtype) for _, t in named]).tolist())
+    return {name: list(itertools.islice(flat, t.numel())) for name, t in named}

@@ -5,22 +5,19 @@ asked in one all-gather), then R and the padding from it (:func:`window_setup`),
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from ._boundary import Exchanged, InFlight
 from ._checks import Count, as_number
 from ._maths import count_dtype
 from ._state import AccumulatorState
-from .batching import Batch, leading_dim
+from .batching import Batch
 from .errors import RankAgreementError
 from .sync import GradSync
-
-if TYPE_CHECKING:
-    from ._boundary import Exchanged
 
 __all__ = ["Plan", "Request", "Setup", "CountedFirst", "Rules", "RankAgreement", "padded_count",
            "local_plan", "window_setup"]
@@ -68,27 +65,22 @@ class CountedFirst:
     (12.0, None)
     """
 
-    __slots__ = ("tensor", "work", "value", "read")
+    __slots__ = ("sum", "value")
 
     def __init__(self, sync: GradSync, device: torch.device, items: Optional[Count]) -> None:
-        self.tensor = torch.tensor([math.nan if items is None else as_number(items)], dtype=count_dtype(device),
-                                   device=device)
-        self.work = sync.all_reduce_async(self.tensor)
+        mine = torch.tensor([math.nan if items is None else as_number(items)], dtype=count_dtype(device), device=device)
+        self.sum: Optional[InFlight] = InFlight(mine, sync.all_reduce_async(mine))  # None once read
         self.value: Optional[float] = None  # N once read; None before, or where some rank had no count
-        self.read = False
 
     def wait(self) -> Optional[float]:
         """N (the first call waits for the all-reduce: one host sync), or None where a rank had no count."""
-        if not self.read:
-            if self.work is not None:
-                self.work.wait()
-            n = float(self.tensor.item())
-            self.value, self.read = (None if math.isnan(n) else n), True
+        if self.sum is not None:
+            n = float(self.sum.wait().item())
+            self.value, self.sum = (None if math.isnan(n) else n), None
         return self.value
 
 
-@dataclass(frozen=True)
-class Rules:
+class Rules(NamedTuple):
     """What the configuration says about every window: ranks share it; every rank runs as many micro-batches
     as the busiest (FSDP2, ``reduce_every_micro_batch``); R must be N, known up front (DeepSpeed)."""
 
@@ -162,10 +154,6 @@ class RankAgreement:
 
     def __init__(self, sync: GradSync, device: torch.device, state: AccumulatorState, rules: Rules) -> None:
         self.sync, self.device, self.state, self.rules = sync, device, state, rules
-
-    def set_padding(self, micro_batch: Batch) -> None:
-        leading_dim(micro_batch, argument="micro_batch")
-        self.state.padding_batch = micro_batch
 
     def remember(self, micro_batch: Batch) -> None:
         """The last micro-batch this rank ran, kept (across ranks only) to pad a later window with."""
@@ -254,7 +242,7 @@ class RankAgreement:
             return float(value)
         return float(self.sync.all_reduce_(torch.tensor([float(value)], device=self.device), "max").item())
 
-    def learn(self, setup: Setup, told: "Exchanged") -> None:
+    def learn(self, setup: Setup, told: Exchanged) -> None:
         """After a boundary that did not raise: the count ratio, and what the ranks told each other."""
         plan, counted = setup.plan, setup.counted  # N as counted before the first backward, where it was
         upfront = plan.items if plan is not None and plan.items is not None else counted and counted.value

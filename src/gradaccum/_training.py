@@ -88,19 +88,14 @@ def _step(ctx: Parts, pending: List[Batch], spec: TrainSpec, *, counts: Optional
     return result
 
 
-def _set_epoch(loader: Any, epoch: int) -> None:
-    for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
-        set_epoch = getattr(holder, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-            return
-
-
 def _grouped_windows(ctx: Parts, loader: Iterable[Batch], schedule: AccumSchedule,
                      spec: TrainSpec) -> Iterator[StepResult]:
     start = ctx.state.epoch
     for epoch in range(start, start + spec.epochs):
-        _set_epoch(loader, epoch)
+        for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):  # told the epoch
+            if callable(getattr(holder, "set_epoch", None)):
+                holder.set_epoch(epoch)  # type: ignore[union-attr]
+                break
         n = schedule(epoch)
         known = ctx.ranks.equal_shares(loader)
         batches = iter(loader)

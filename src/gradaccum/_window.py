@@ -18,7 +18,7 @@ from ._checks import Count, scalar_loss, split_loss_output, training_batchnorms
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
-from ._weights import Gradients, WindowWeights, window_mean
+from ._weights import Gradients, WindowWeights
 from .precision import MixedPrecision
 from .result import StepResult
 from .errors import ConfigurationError
@@ -196,12 +196,16 @@ class Window:
         """Context for one micro-batch's forward and backward. Only the last reduces gradients across ranks:
         ``last`` says which it is where the window was opened without a size."""
         if self.setup is None or self.ctx.slot.window is not self:
-            self._open_setup()  # raises
+            raise RuntimeError(_NOT_OPEN.format(what="micro_batch"))
         if self.current is not None:
             raise RuntimeError(_NESTED.format(k=self.entered_at + 1))
         size = self.micro_batches
-        last = self.done == size - 1 if last is None and size is not None and self.done < size \
-            else _is_last(self.done, size, last)  # the common case first
+        if size is not None and self.done >= size:
+            raise RuntimeError(_ALL_RAN.format(opened=_micro_batches(size)))
+        if last is None:
+            if size is None:
+                raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")
+            last = self.done == size - 1
         if not self.ctx.switches:
             return self.ctx.plain  # no switch to flip, nothing reduces: one context serves them all
         return _MicroBatch(self.ctx.slot, last and self.ctx.sync.shares_windows and not self.request.defer, self)
@@ -313,15 +317,15 @@ class Window:
 
     def _before_reduction(self) -> None:
         """Before the backward that reduces across ranks, start the boundary's all-reduce: it overlaps it."""
-        if not self.current.reduces:  # type: ignore[union-attr]
-            return
-        self.reduced = True
-        if self.ctx.boundary.launch_before_last_backward:
-            self.in_flight = self.ctx.boundary.launch(self._totals(ran=True))
+        if self.current.reduces:  # type: ignore[union-attr]
+            self.reduced = True
+            if self.ctx.boundary.launch_before_last_backward:
+                self.in_flight = self.ctx.boundary.launch(self._totals(ran=True))
 
     def fix_reference(self, count: Count) -> float:
         """R: known as the window opened, else fixed now (:meth:`WindowWeights.fix_reference`)."""
-        self._open_setup("backward")
+        if self.setup is None or self.ctx.slot.window is not self:
+            raise RuntimeError(_NOT_OPEN.format(what="backward"))
         weights = self.weights
         if weights.reference is None:
             if self.ctx.sync.needs_count_first:
@@ -331,20 +335,21 @@ class Window:
 
     def step(self) -> StepResult:
         """Take (or skip) the window's one optimizer step (:meth:`Boundary.finish`); the ranks learn from it."""
-        ctx, size = self.ctx, self.micro_batch_size
-        _check_step(self)
-        totals = self._totals(ran=self.done > 0)  # a window that counts first has read its count by now
+        ctx, done = self.ctx, self.done
+        if self.setup is None or ctx.slot.window is not self:
+            raise RuntimeError(_NOT_OPEN.format(what="step"))
+        if self.result is not None:
+            raise RuntimeError("step() was already called for this window; open a new one")
+        if done == 0 and not (self.setup.plan is not None and ctx.sync.shares_windows):
+            raise RuntimeError(_NO_BACKWARD)
+        if self.micro_batches is not None and done != self.micro_batches:
+            raise RuntimeError(_MISCOUNTED.format(opened=_micro_batches(self.micro_batches), ran=done))
+        totals = self._totals(ran=done > 0)  # a window that counts first has read its count by now
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        out = ctx.boundary.finish(totals, self.in_flight)
-        told = out.told
+        told, self.result = ctx.boundary.finish(totals, self.in_flight, micro_batch_size=self.micro_batch_size,
+                                                micro_batches=done - self.request.flush - self.padding)
         ctx.ranks.learn(self.setup, told)  # type: ignore[arg-type]
-        self.result = StepResult(  # the boundary's outcome, with the micro-batches that counted
-            loss=window_mean(told.loss_sum, told.num_items), lr=out.lr, grad_norm=out.grad_norm,
-            skipped=out.skipped, step=out.step,
-            num_items=int(told.num_items) if float(told.num_items).is_integer() else told.num_items,
-            micro_batches=self.done - self.request.flush - self.padding, stop_requested=told.stop,
-            micro_batch_size=size if isinstance(size, int) else None)
         return self.result
 
     def _totals(self, *, ran: bool) -> Totals:
@@ -368,28 +373,6 @@ class Window:
             if exc_type is None and not self.abandoned:
                 raise RuntimeError(_NO_STEP)
 
-    def _open_setup(self, what: str = "micro_batch") -> Setup:
-        if self.setup is None or self.ctx.slot.window is not self:
-            raise RuntimeError(_NOT_OPEN.format(what=what))
-        return self.setup
-
-
-def _check_step(window: "Window") -> None:
-    """Refuses ``step()`` where it may not run now (a window steps once, after its micro-batches)."""
-    setup = window.setup
-    if setup is None or window.ctx.slot.window is not window:
-        raise RuntimeError(_NOT_OPEN.format(what="step"))
-    if window.result is not None:
-        raise RuntimeError("step() was already called for this window; open a new one")
-    if window.done == 0 and not (setup.plan is not None and window.ctx.sync.shares_windows):
-        raise RuntimeError("step() on a window where window.backward() never ran: call window.backward(loss, "
-                           "num_items=...) inside `with window.micro_batch():` for each micro-batch (a plain "
-                           "loss.backward() is not counted, so the step could not be normalized)")
-    size = window.micro_batches
-    if size is not None and window.done != size:
-        raise RuntimeError(f"the window was opened for {_micro_batches(size)} but {window.done} ran; under data "
-                           "parallelism the last one is the one that reduces gradients, so the counts must match")
-
 
 def _checked(window: "Window", loss: Any) -> Any:
     """``loss`` checked as a scalar that requires grad (when given), after checking that ``window`` is inside a
@@ -403,21 +386,16 @@ def _checked(window: "Window", loss: Any) -> Any:
     return None if loss is None else scalar_loss(loss, where="window.micro_batch()")
 
 
-def _is_last(done: int, size: Optional[int], last: Optional[bool]) -> bool:
-    """Whether the next micro-batch is the window's last (the one that reduces across ranks), from ``last``;
-    refuses a micro-batch past ``size``, and ``last=None`` without a size (``micro_batch`` reads the common
-    case, ``last=None`` within ``size``, itself)."""
-    if size is not None and done >= size:
-        raise RuntimeError(f"the window was opened for {_micro_batches(size)} and all have run; "
-                           "call window.step(), or open it with the right micro_batches")
-    if last is None:  # and no size: micro_batch reads any other case
-        raise ConfigurationError("pass micro_batch(last=...) when the window was opened without a size")
-    return bool(last)
-
-
 _NOT_OPEN = "use window.{what}() inside `with acc.window(...) as window:`"
 _NO_STEP = ("the window was closed without step(); call window.step() inside the `with acc.window(...)` block to "
             "take its optimizer step")
+_NO_BACKWARD = ("step() on a window where window.backward() never ran: call window.backward(loss, num_items=...) "
+                "inside `with window.micro_batch():` for each micro-batch (a plain loss.backward() is not counted, so "
+                "the step could not be normalized)")
+_MISCOUNTED = ("the window was opened for {opened} but {ran} ran; under data parallelism the last one is the one that "
+               "reduces gradients, so the counts must match")
+_ALL_RAN = ("the window was opened for {opened} and all have run; call window.step(), or open it with the right "
+            "micro_batches")
 _NESTED = ("window.micro_batch() opened inside another micro_batch() (micro-batch {k} of the window is still "
            "open): each micro-batch is one block, one after the other; close the open block before opening the "
            "next, and run one window.backward in each")

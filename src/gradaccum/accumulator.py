@@ -26,7 +26,7 @@ from ._cached import WindowLoss, check_window_loss
 from ._checks import ROWS, Count, item_count, positive_int
 from ._run import LossFn, run_auto, run_window
 from ._window import OpenWindow, Parts, Window
-from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items
+from .batching import Batch, CountFn, MicroBatchSize, as_micro_batches, check_micro_batch_size, count_items, leading_dim
 from .errors import ConfigurationError, NotExactError
 from .moe import MoELoss, check_moe_loss
 from .precision import MixedPrecision
@@ -238,7 +238,8 @@ class Accumulator(Resumable):
         process resumed at a window where its share is empty) needs this one. Its loss must depend
         on the model as a real micro-batch's does; it adds nothing to the gradient or the counts.
         """
-        self.context.ranks.set_padding(micro_batch)
+        leading_dim(micro_batch, argument="micro_batch")
+        self.state.padding_batch = micro_batch
 
 
 def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_size: Any) -> None:
