@@ -213,3 +213,20 @@ def test_a_window_loss_on_a_batch_that_is_one_tensor_is_checked():
     assert report.equivalent and report.max_rel_diff < 1e-12, report
     plain = check_equivalence(model, lambda m, b: spread(m, m(b)), x, 5, rtol=1e-10)
     assert not plain.equivalent and plain.max_rel_diff > 1e-3
+
+
+def test_a_window_loss_is_checked_without_asking_num_items_of_the_whole_batch():
+    """A loss over the window is one item on the whole batch: ``num_items``, which a WindowLoss never
+    reads, is not called there either (a count that fails on that batch raises nothing)."""
+    from gradaccum import WindowLoss
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x = torch.randn(12, 4, dtype=torch.float64)
+    spread = lambda m, z: (z - z.mean(0)).pow(2).mean() + z.mean(0).pow(2).sum()  # noqa: E731
+
+    def never(batch):
+        raise KeyError("labels")
+
+    report = check_equivalence(model, WindowLoss(lambda m, b: m(b), spread), x, 5, rtol=1e-10, num_items=never)
+    assert report.equivalent, report

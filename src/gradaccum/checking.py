@@ -219,8 +219,8 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
     balance = None if isinstance(loss_fn, MoELoss) else balance_hint(model)  # the term over the batch (moe)
     if balance is not None:
         return balance
-    if suspected or isinstance(loss_fn, WindowLoss) or not finite or \
-            abs(full.loss - acc.loss) <= rtol * max(abs(full.loss), abs(acc.loss), 1e-30):
+    agree = abs(full.loss - acc.loss) <= rtol * max(abs(full.loss), abs(acc.loss), 1e-30)
+    if suspected or isinstance(loss_fn, WindowLoss) or not finite or agree:
         return None
     # the losses differ while every module's outputs agree: the loss itself couples the items
     return (f"the loss couples the batch's items: {full.loss:.6g} on the whole batch, {acc.loss:.6g} as the "

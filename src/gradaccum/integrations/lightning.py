@@ -171,7 +171,8 @@ class ExactAccumulation(Callback):
                 raise ConfigurationError(f"ExactAccumulation counts a batch's items by its leading dimension, but the "
                                          f"{exc} Or pass num_items=lambda batch: <its item count>, or return "
                                          "(mean_loss, count) from training_step") from None
-        self.pending, self._batch, window = None, None, self._window
+        self.pending, self._batch = None, None
+        window = self._window
         if window.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
             window.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n))
         leaves = (pl_module.parameters if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
@@ -192,11 +193,11 @@ class ExactAccumulation(Callback):
         closing = window.hand_over(params, total)
         if getattr(trainer.precision_plugin, "scaler", None) is None:  # every rank holds the same reduced gradient
             closing = window.judge(closing, params, nonfinite=self.nonfinite, who="ExactAccumulation")  # one verdict
-        self.skipping = not closing.steps
+        self.skipping, said = not closing.steps, None
         if self.skipping:  # Lightning counts the step after this hook returns
             trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(-1)
-        said = "global_step not advanced; ExactAccumulation.skipped counts them" if self.skipping and \
-            trainer.is_global_zero else None
+            if trainer.is_global_zero:
+                said = "global_step not advanced; ExactAccumulation.skipped counts them"
         window.record(closing, warn_empty=said and f"ExactAccumulation: no optimizer or scheduler step, {said}",
                       warn_nonfinite=said and window.judged_skip_warning("ExactAccumulation", closing, said))
 

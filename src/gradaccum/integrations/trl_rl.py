@@ -79,13 +79,14 @@ class _ExactRL(TrainerDriver):
             self._rng_loaded_early = True
         self.model.train()  # type: ignore[attr-defined]  # TRL's _prepare_inputs reads the mode
         first = self._step  # type: ignore[attr-defined]  # TRL's micro-batch counter picks the buffered slice
-        prepared = self._prepared = collections.deque()
+        prepared: List[Dict[str, Any]] = []
         try:
             for i, raw in enumerate(batch_samples):
                 self._step = first + i
                 prepared.append(super()._prepare_inputs(raw))  # type: ignore[misc]
         finally:
             self._step = first
+        self._prepared = collections.deque(prepared)  # whole, or not at all where _prepare_inputs raised
         counts = local_counts([_loss_mask(b) for b in prepared], self.accelerator.device)  # type: ignore[attr-defined]
         tokens, rows = self.summed_over_ranks(counts).tolist()  # [completion tokens, sequences], ints
         self.last_step_count = StepCount.of(_loss_type(self), tokens, rows, getattr(self, "max_completion_length", None))

@@ -26,7 +26,6 @@ from . import SHIPPED, TASKS
 __all__ = ["Task", "TaskError", "load_task", "TASKS", "SHIPPED"]
 
 
-
 class TaskError(ConfigurationError):
     """A data problem the user can fix (missing or corrupt file); the CLI prints it as one line."""
 

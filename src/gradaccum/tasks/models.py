@@ -15,7 +15,6 @@ from . import MODELS
 __all__ = ["MODELS", "build_model", "LeNet5", "MLP", "TinyTransformer"]
 
 
-
 class LeNet5(nn.Module):
     """Seed 000's LeNet-5 on 32x32 inputs; other sizes are resized to 32x32 first."""
 
