@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from typing import Any, Dict, List, NoReturn, Sequence, Union
+import signal
+import sys
+import time
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Union
 
 __all__ = ["build_parser", "unknown_flags_message", "FLOAT64_AGREEMENT"]
 
 #: how closely --compare's two runs agree in float64 (measured: docs/measurements.md)
 FLOAT64_AGREEMENT = "~1e-14"
 RAW = argparse.RawDescriptionHelpFormatter
+#: seconds a worker other than rank 0 waits after a usage error for torchrun to stop it (:meth:`_Parser.exit`)
+USAGE_ERROR_WAIT = 60
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,6 +35,21 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def exit(self, status: int = 0, message: Optional[str] = None) -> NoReturn:
+        """Say ``message`` (rank 0) and exit. Under torchrun a worker other than rank 0 refusing the flags first
+        waits to be stopped: the parser answers before torch is imported, in a fraction of a second, and a
+        worker that exited first would have torchrun stop rank 0 before it said the line. Rank 0's exit stops
+        it (exit code 2 on every worker); so does ``USAGE_ERROR_WAIT`` without one."""
+        from .launch import launch
+
+        if message:
+            self._print_message(message, sys.stderr)
+        here = launch()
+        if status and here.elastic and here.rank != 0:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(status))  # torchrun's stop, once rank 0 has exited
+            time.sleep(USAGE_ERROR_WAIT)
+        sys.exit(status)
 
     def _print_message(self, message: str, file: Any = None) -> None:
         """Every message argparse prints (an error, usage, --help, --version): from rank 0 only."""
