@@ -430,7 +430,7 @@ def test_a_model_of_two_dtypes_is_measured_clipped_and_rescaled_whole(counted):
 def test_auto_buffers_no_parameter_in_a_dtype_finer_than_float32():
     """``accum_dtype="auto"`` sums bf16/fp16 gradients in float32, and leaves a float64 parameter's gradient
     in its own ``.grad``: a float32 buffer would round each of its micro-batches' gradients to float32
-    (about 1e-8 off, where float64 is 1e-16 off)."""
+    (measured 1e-7 off after one step, where float64 is 1e-16 off)."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"high": nn.Linear(16, 1).double(), "low": nn.Linear(1, 1).to(torch.bfloat16)})
     ref = copy.deepcopy(model)

@@ -46,10 +46,10 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
         except Exception as e:  # noqa: BLE001 - which micro-batch failed decides whose fault it is
             raise MicroBatchFailed(index, leading_dim(mb), e) from e
         bare = type(out) is torch.Tensor  # under the Accumulator's contract: a bare loss counts num_items(mb), or rows
-        counted = None if coupled else (  # a loss over the window is one item: num_items is not asked
+        count = None if coupled else (  # a loss over the window is one item: num_items is not asked
             leading_dim(mb) if num_items is None or num_items == ROWS else
             item_count("num_items(micro_batch)", num_items(mb)))
-        loss, n = split_loss_output(out, counted)
+        loss, n = split_loss_output(out, count)
         loss = scalar_loss(loss, subject="loss_fn must return a scalar loss",
                            where="loss_fn (check_equivalence compares gradients)")
         (loss * n).backward()
