@@ -139,19 +139,15 @@ class Boundary:
         first_check = self.sync.replicated_grads and not self.state.replicas_checked
         # the gradient's tensors, where something reads them before the step (else listed below if it scales)
         grads = self.grads.tensors() if self.measure or first_check else None
-        if first_check:
-            self.state.replicas_checked = True
-            try:
+        try:  # the gradient goes whatever happens here: stepped, skipped, or refused
+            if first_check:
+                self.state.replicas_checked = True
                 check_replicas(grads, self.sync, self.device)  # type: ignore[arg-type]
-            except BaseException:
-                self.grads.drop()
-                raise
-        told = self._exchanged(totals, grads, in_flight)
-        loss_sum, lr = told.loss_sum, float(self.optimizer.param_groups[0]["lr"])
-        closing = totals.weights.close(told.num_items, loss_sum=loss_sum, raw_norm=told.raw_norm,
-                                       nonfinite=self.nonfinite, has_scaler=self.precision.scaler is not None)
-        grad_norm, stepped = closing.grad_norm, False
-        try:
+            told = self._exchanged(totals, grads, in_flight)
+            loss_sum, lr = told.loss_sum, float(self.optimizer.param_groups[0]["lr"])
+            closing = totals.weights.close(told.num_items, loss_sum=loss_sum, raw_norm=told.raw_norm,
+                                           nonfinite=self.nonfinite, has_scaler=self.precision.scaler is not None)
+            grad_norm, stepped = closing.grad_norm, False
             if closing.steps:
                 if self.sync.needs_count_first and closing.scale != 1.0:
                     raise not_known_up_front(in_engine=True)  # loss_fn counted other items than those known up front

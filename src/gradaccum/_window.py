@@ -28,7 +28,7 @@ from ._autosize import is_out_of_memory
 
 __all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves"]
 
-_NOTHING = contextlib.nullcontext()  # the block of a micro-batch that switches nothing, in Window.run
+_NOTHING = contextlib.nullcontext()  # a block that switches nothing, a backward that guards nothing
 
 
 class OpenWindow:
@@ -299,20 +299,17 @@ class Window:
         items is skipped where it runs no collective, else runs under :func:`weighing_nothing` (not under DeepSpeed)."""
         ctx = self.ctx
         empty = None if (type(num_items) is int and num_items > 0) or ctx.sync.owns_step else may_be_empty(num_items)
-        if empty is True and self.current is not None and not self.current.reduces \
-                and not ctx.sync.needs_equal_counts:
+        if empty is True and not self.current.reduces and not ctx.sync.needs_equal_counts:
             pass  # skipped: it adds exactly nothing and runs no collective (its graph goes with it)
         elif ctx.direct and not autocast_off and empty is None:
             ctx.sync.backward(weighted)
         else:
             if ctx.switches:
                 self._before_reduction()
-            if empty is None:
+            # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's
+            with _NOTHING if empty is None else weighing_nothing(
+                    graph_leaves(weighted) if ctx.sync.sharded_grads else ctx.model.parameters(), empty):
                 ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.sync.backward)
-            else:  # FSDP2's forward ran on unsharded parameters, leaves of the graph but not the module's
-                leaves = graph_leaves(weighted) if ctx.sync.sharded_grads else ctx.model.parameters()
-                with weighing_nothing(leaves, empty):
-                    ctx.precision.backward(weighted, autocast_off=autocast_off, run=ctx.sync.backward)
         self.done += 1
 
     def _before_reduction(self) -> None:
@@ -365,9 +362,7 @@ class Window:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Leaves the Accumulator's slot. Without a step (an exception, ``abandon()``, or a forgotten
         ``step()``) the window's gradient and buffers are dropped; a forgotten ``step()`` raises."""
-        slot = self.ctx.slot
-        if slot.window is self:  # defensive: a window refused as it opened never reaches __exit__
-            slot.window = None
+        self.ctx.slot.window = None  # a window refused as it opened (a second one) never reaches __exit__
         if self.result is None:
             self.ctx.grads.drop()
             if exc_type is None and not self.abandoned:
