@@ -31,13 +31,12 @@ __all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves"]
 _NOTHING = contextlib.nullcontext()  # a block that switches nothing, a backward that guards nothing
 
 
+@dataclass
 class OpenWindow:
     """The slot a window enters and leaves: at most one window is open per Accumulator. Entering refuses a
     second and warns once about BatchNorm layers in training mode."""
 
-    def __init__(self, model: nn.Module, state: AccumulatorState) -> None:
-        self.model, self.state = model, state
-        self.window: Optional["Window"] = None
+    window: Optional["Window"] = None
 
     def check_idle(self) -> None:
         if self.window is not None:
@@ -50,8 +49,9 @@ class OpenWindow:
     def enter(self, window: "Window") -> None:
         if self.window is not None:  # before anything changes: a nested window would clear the open one
             self.check_idle()
-        if self.model.training and "batchnorm" not in self.state.warned and self.state.warn_once("batchnorm"):
-            names = training_batchnorms(self.model)
+        model, state = window.ctx.model, window.ctx.state
+        if model.training and "batchnorm" not in state.warned and state.warn_once("batchnorm"):
+            names = training_batchnorms(model)
             if names:
                 warnings.warn(
                     f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"

@@ -126,7 +126,7 @@ class Accumulator(Resumable):
         self.auto = AutoMicroBatch(self.sync, device, state)
         self.context = Parts(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=RankAgreement(self.sync, device, state, rules),
-                                     boundary=boundary, slot=OpenWindow(model, state), state=state)
+                                     boundary=boundary, slot=OpenWindow(), state=state)
 
     # -- the three ways in ----------------------------------------------------------------------
 
