@@ -130,10 +130,9 @@ class Boundary:
 
     def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None, *, micro_batches: int = 0,
                micro_batch_size: Any = None) -> Tuple["Exchanged", StepResult]:
-        """Unscale, compare the replicas (once), read the exchanged numbers, measure, decide, scale and clip in
-        one pass, step (the seam's, else the optimizer's) and the scheduler; clear the gradients.
-        ``in_flight``: the all-reduce :meth:`launch` started, if any. Returns what the ranks told each other
-        and the window's result (``micro_batches``: those this rank counted; ``micro_batch_size``: an int)."""
+        """Take or skip the window's step. ``in_flight``: the all-reduce :meth:`launch` started, if any. Returns what
+        the ranks told each other and the window's result (``micro_batches``: those this rank counted;
+        ``micro_batch_size``: an int)."""
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.sync.replicated_grads and not self.state.replicas_checked

@@ -31,7 +31,7 @@ __all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves"]
 _NOTHING = contextlib.nullcontext()  # a block that switches nothing, a backward that guards nothing
 
 
-@dataclass
+@dataclass(eq=False)
 class OpenWindow:
     """The slot a window enters and leaves: at most one window is open per Accumulator. Entering refuses a
     second and warns once about BatchNorm layers in training mode."""
@@ -91,20 +91,18 @@ class Parts:
         object.__setattr__(self, "plain", _MicroBatch(self.slot, False))
 
 
+@dataclass(eq=False)
 class _MicroBatch:
     """One micro-batch's context: the sync switch (skip the reduction unless ``reduces``) and autocast,
     each entered only where it does something (a local fp32 window pays for neither)."""
 
-    __slots__ = ("slot", "owner", "reduces", "stack")
-
-    def __init__(self, slot: OpenWindow, reduces: bool, owner: Optional["Window"] = None) -> None:
-        #: the Accumulator's OpenWindow: its open window is the one this block is a micro-batch of
-        self.slot = slot
-        #: the window a block that switches was made for (None: the plain block every window shares)
-        self.owner = owner
-        #: this micro-batch's backward reduces the window's gradient across ranks
-        self.reduces = reduces
-        self.stack: Optional[contextlib.ExitStack] = None
+    #: the Accumulator's OpenWindow: its open window is the one this block is a micro-batch of
+    slot: OpenWindow
+    #: this micro-batch's backward reduces the window's gradient across ranks
+    reduces: bool
+    #: the window a block that switches was made for (None: the plain block every window shares)
+    owner: Optional["Window"] = None
+    stack: Optional[contextlib.ExitStack] = field(default=None, init=False)
 
     def __enter__(self) -> None:
         window = self.slot.window
@@ -219,8 +217,7 @@ class Window:
                 device). 0 items weigh nothing, nan mean and backward included.
             from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair).
         """
-        current = self.current
-        if current is None or self.done != self.entered_at or self.reduced or type(loss) is not torch.Tensor \
+        if self.current is None or self.done != self.entered_at or self.reduced or type(loss) is not torch.Tensor \
                 or loss.dim() or not loss.requires_grad:  # the common scalar loss in its block passes straight on
             loss = _checked(self, loss)
         counted = type(num_items) is int and num_items > 0

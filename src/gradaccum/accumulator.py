@@ -6,7 +6,6 @@ each window; docs/architecture.md ("One micro-batch's trip") walks ``acc.step`` 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -115,7 +114,6 @@ class Accumulator(Resumable):
         self.sync: GradSync = sync_for(model, reduce_every_micro_batch=reduce_every_micro_batch,
                                        data_parallel=data_parallel)
         self.buffers = window_buffers(accum_dtype, self.sync, precision, params)
-        #: what one window teaches the next (see :class:`~gradaccum._state.AccumulatorState`)
         self.state = state = AccumulatorState()
         grads = Gradients(params, self.buffers)
         boundary = Boundary(optimizer, scheduler, state=state, precision=self.precision, sync=self.sync, grads=grads,
@@ -190,8 +188,8 @@ class Accumulator(Resumable):
             ctx.slot.check_idle()  # raises: a window is open
         if n is not None and not (type(n) is int and n > 0) and not (self.sync.shares_windows and n == 0):
             positive_int("micro_batches", n)
-        if num_items is not None and not (type(num_items) is float and 0.0 <= num_items < math.inf):
-            item_count("num_items", num_items)  # a summed count (a float) passes
+        if num_items is not None:
+            item_count("num_items", num_items)
         return Window(ctx, Request(n, num_items, can_pad=pad), micro_batch_size=micro_batch_size)
 
     def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,
