@@ -73,8 +73,6 @@ def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
 def clean_mean(loss: torch.Tensor, num_items: Count) -> torch.Tensor:
     """``loss`` once ``num_items`` is checked: a mean over no item (nan) cleaned to 0, so that nothing of
     it reaches the gradient (a tensor count is compared on the device: no host sync)."""
-    if type(num_items) is int and num_items > 0:  # the common count: nothing to check or clean
-        return loss
     item_count("num_items", num_items)
     if isinstance(num_items, torch.Tensor):
         return torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)
