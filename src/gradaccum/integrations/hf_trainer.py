@@ -258,8 +258,8 @@ class ExactTrainer(TrainerDriver, Trainer):
             loss = items.loss_sum(outputs, inputs) * self._sum_weight  # W / N
         else:  # SFT's tokens: S_k / num_items_in_batch, times W where it averages tokens across devices itself
             n = max(int(window.num_items or 0), 1)
-            (loss, outputs), part = self.balanced(
-                model, inputs, lambda: self._trainer_loss(model, inputs, return_outputs, n), self)
+            (loss, outputs), part = self.balanced(model, inputs,
+                                                  lambda: self._trainer_loss(model, inputs, return_outputs, n))
             loss = loss * (self._sum_weight * n / (self.grad_divisor if self.args.average_tokens_across_devices
                                                    else 1.0))
         if part is not None:  # coef * this micro-batch's part of the window's load balancing, times W
