@@ -37,15 +37,21 @@ class TrainerWindowState(TrainerCallback, ExportableState):
 
     def __init__(self) -> None:
         self.accumulator_state = AccumulatorState()
-        self.held = Swaps()  # the stand-ins, while a skipped window ends
+        self.held: Optional[Swaps] = None  # the stand-ins, while a skipped window ends
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"saved": self.accumulator_state.saved()}}
 
     def hold(self, trainer: Any) -> None:
+        self.held = self.held or Swaps()
         for name in ("optimizer", "lr_scheduler"):
             self.held.wrap(trainer, name, NoStep)
         trainer.state.global_step -= 1  # the Trainer adds 1 after the (skipped) step
+
+    def release(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            held.restore()
 
     def load(self, stateful_callbacks: Dict[str, Any]) -> None:
         """The state a checkpoint saved (fresh if none); a pre-release gradaccum's is refused."""
@@ -60,9 +66,9 @@ class TrainerWindowState(TrainerCallback, ExportableState):
         state.load_saved(state.read_saved(saved["attributes"]["saved"] if isinstance(saved, dict) else {}))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.held:  # the skipped window's step is over: the Trainer's own objects come back
+        if self.held is not None:  # the skipped window's step is over: the Trainer's own objects come back
             control.should_log = control.should_evaluate = control.should_save = False
-            self.held.restore()
+            self.release()
         return control
 
 
@@ -237,7 +243,7 @@ class TrainerDriver:
             with accumulation_off(self):  # DeepSpeed's engine built to leave the boundary to the window
                 return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
-            self._state.held.restore()
+            self._state.release()
             if self._window is not None:  # the last window opened may not have run
                 self._window.abort()
 
