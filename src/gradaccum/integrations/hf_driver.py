@@ -185,14 +185,14 @@ class TrainerDriver:
     def summed_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
 
-    def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
-                 aux_owner: Any = None) -> Tuple[Any, Optional[torch.Tensor]]:
+    def balanced(self, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any]
+                 ) -> Tuple[Any, Optional[torch.Tensor]]:
         """``forward()`` and, for an MoE model, ``coef * W`` times this micro-batch's part of the window's
-        load-balancing loss (``aux_owner``: a TRL trainer whose own aux term is off meanwhile); else None."""
+        load-balancing loss (a TRL trainer's own aux term off meanwhile); else None."""
         balance, window = self._balance, self._window  # a balance is opened with its window
         if balance is None:
             return forward(), None
-        out, part = balance.run(self._ran, model, inputs, forward, aux_owner)
+        out, part = balance.run(self._ran, model, inputs, forward, self)
         if self._ran == self._micro_batches - 1:  # the window's last micro-batch
             balance.routing.check()  # every rank: the training forwards routed as counted
         # a share of a mean over the window's N items, weighed as that mean is (0 in a skipped window)

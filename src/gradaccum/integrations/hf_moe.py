@@ -68,7 +68,7 @@ class TrainerBalance:
         self.total = torch.zeros((), dtype=torch.float64, device=device)
 
     def run(self, k: int, model: nn.Module, inputs: Dict[str, Any], forward: Callable[[], Any],
-            trainer: Any = None) -> Tuple[Any, torch.Tensor]:
+            trainer: Any) -> Tuple[Any, torch.Tensor]:
         """Micro-batch k's replayed forward and ``coef`` times its part of the window's load-balancing loss (a TRL
         ``trainer``'s own aux term off meanwhile)."""
         self.routing.replay(k)

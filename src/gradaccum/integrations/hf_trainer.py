@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .._batch_items import HEADS, BatchItems, SetMean, check_head
+from .._cached import window_loss_of_batch
 from ..accumulator import driver_buffers
 from ..errors import ConfigurationError, NotExactError
 from .hf_driver import TrainerDriver, TrainerWindowState, calls_next, refuse_untested, serves_the_window
@@ -202,7 +203,8 @@ class ExactTrainer(TrainerDriver, Trainer):
         self.router_balance = (trl_router_balance(self) if source == "tokens" else
                                aux_term(config) if self.items.head == "causal_lm" and self.own_loss is None else None)
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
-        self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(self, self._prepare_inputs)
+        self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(
+            self, self._prepare_inputs, lambda module, batches: (self.window_loss, list(module.parameters()), module))
 
     @property
     def head(self) -> Any:
@@ -230,8 +232,10 @@ class ExactTrainer(TrainerDriver, Trainer):
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
         """Training: micro-batch k's share ``S_k * W / N`` of the window's mean (0 in a skipped window), with an
         MoE model's part of the window's load balancing. Evaluation: the batch's mean, kept for ``eval_loss``."""
-        if self._windows is not None:
-            return self._windows.compute_loss(self.window_loss, model, inputs, return_outputs)
+        if self._windows is not None:  # a WindowLoss: micro-batch k's surrogate, or the eval batch's loss
+            loss = self._windows.surrogate(model) if model.training else window_loss_of_batch(
+                self.window_loss, model, self.accelerator.unwrap_model(model), inputs)
+            return (loss, {"loss": loss}) if return_outputs else loss
         items, window = self.items, self._window
         if not model.training:
             if items.source == "head" and self.own_loss is None:
@@ -254,8 +258,8 @@ class ExactTrainer(TrainerDriver, Trainer):
             loss = items.loss_sum(outputs, inputs) * self._sum_weight  # W / N
         else:  # SFT's tokens: S_k / num_items_in_batch, times W where it averages tokens across devices itself
             n = max(int(window.num_items or 0), 1)
-            (loss, outputs), part = self.balanced(
-                model, inputs, lambda: self._trainer_loss(model, inputs, return_outputs, n), self)
+            (loss, outputs), part = self.balanced(model, inputs,
+                                                  lambda: self._trainer_loss(model, inputs, return_outputs, n))
             loss = loss * (self._sum_weight * n / (self.grad_divisor if self.args.average_tokens_across_devices
                                                    else 1.0))
         if part is not None:  # coef * this micro-batch's part of the window's load balancing, times W

@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .._cached import CachedPasses, WindowLoss, graphs_to_keep, window_loss_of_batch
+from .._cached import CachedPasses, WindowLoss, graphs_to_keep
 from ..errors import ConfigurationError
 from ..losses import contrastive_window_loss
 from ..sync import sync_for
@@ -19,10 +19,12 @@ __all__ = ["TrainerWindows", "window_loss_of"]
 
 class TrainerWindows:
     """A Trainer driver's windows (docs/architecture.md, "The cached two passes"): the micro-batches
-    ``get_batch_samples`` hands over and their CachedPasses; ``prepare`` is the trainer's ``_prepare_inputs``.
-    A set-up under which the cached window is not tested is refused with the fix."""
+    ``get_batch_samples`` hands over and their CachedPasses; ``prepare`` is the trainer's ``_prepare_inputs``,
+    ``make(module, micro_batches) -> (window_loss, params, loss_model)`` the window's loss (``module``: the
+    unwrapped model). A set-up under which the cached window is not tested is refused with the fix."""
 
-    def __init__(self, trainer: Any, prepare: Callable[[Any], Any]) -> None:
+    def __init__(self, trainer: Any, prepare: Callable[[Any], Any],
+                 make: Callable[[nn.Module, List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]) -> None:
         refuse_untested(trainer, "training with a WindowLoss")
         if getattr(trainer, "window_loss", None) is not None:  # ExactTrainer: the loss may read the model's parameters
             if trainer.args.ddp_find_unused_parameters:
@@ -37,7 +39,7 @@ class TrainerWindows:
         if trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
             raise ConfigurationError("gradient_accumulation_kwargs={'sync_each_batch': True} reduces every "
                                      "micro-batch's surrogate: drop sync_each_batch")
-        self.trainer, self.prepare = trainer, prepare
+        self.trainer, self.prepare, self.make = trainer, prepare, make
         self.pending: List[Any] = []
         self.passes: Optional[CachedPasses] = None
         trainer.can_return_loss = True  # an eval_loss for a batch without labels (CLIP without return_loss)
@@ -45,15 +47,13 @@ class TrainerWindows:
     def begin(self, batch_samples: List[Any]) -> None:
         self.pending, self.passes = list(batch_samples), None
 
-    def surrogate(self, model: nn.Module, inputs: Any,
-                  make: Callable[[List[Any]], Tuple[WindowLoss, Sequence[nn.Parameter], Any]]) -> torch.Tensor:
-        """Micro-batch k's surrogate; pass 1 and the loss's gradient in the window's first call, from
-        ``make(micro_batches) -> (window_loss, params, loss_model)``."""
+    def surrogate(self, model: nn.Module) -> torch.Tensor:
+        """Micro-batch k's surrogate; pass 1 and the loss's gradient in the window's first call."""
         trainer, passes = self.trainer, self.passes
         if passes is None or passes.ran == passes.parts:
             batches = [self.prepare(b) for b in self.pending]
-            window_loss, params, loss_model = make(batches)
             module = trainer.accelerator.unwrap_model(model)
+            window_loss, params, loss_model = self.make(module, batches)
             sync, device = sync_for(trainer.model_wrapped), trainer.args.device
             passes = self.passes = CachedPasses(window_loss, batches, sync=sync, device=device,
                                                 checked=trainer.accumulator_state.checked_replays)
@@ -68,15 +68,6 @@ class TrainerWindows:
         if passes.ran == passes.parts:
             passes.finish()
         return loss
-
-    def compute_loss(self, window_loss: WindowLoss, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:
-        """ExactTrainer's ``compute_loss`` with a WindowLoss: micro-batch k's surrogate, or the eval batch's loss."""
-        module = self.trainer.accelerator.unwrap_model(model)
-        if model.training:
-            loss = self.surrogate(model, inputs, lambda batches: (window_loss, list(module.parameters()), module))
-        else:
-            loss = window_loss_of_batch(window_loss, model, module, inputs)
-        return (loss, {"loss": loss}) if return_outputs else loss
 
 
 def window_loss_of(kwargs: dict, args: tuple, source: str) -> Optional[WindowLoss]:

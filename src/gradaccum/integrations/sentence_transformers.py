@@ -69,7 +69,7 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
                                        self.accelerator.num_processes, self.args.multi_dataset_batch_sampler)
         for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss]):
             refuse_a_loss(loss)
-        self._windows = TrainerWindows(self, self._prepare_inputs)  # refuses what a cached window cannot run
+        self._windows = TrainerWindows(self, self._prepare_inputs, self._window_loss)  # refuses what it cannot run
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: Optional[torch.device] = None) -> Tuple[List[Any], Any]:
@@ -85,14 +85,14 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        loss = self._windows.surrogate(model, inputs, lambda batches: self._window_loss(model, batches))
+        loss = self._windows.surrogate(model)
         return (loss, {}) if return_outputs else loss
 
-    def _window_loss(self, model: nn.Module, batches: List[Any]) -> Tuple[WindowLoss, List[nn.Parameter], Any]:
+    def _window_loss(self, module: nn.Module, batches: List[Any]) -> Tuple[WindowLoss, List[nn.Parameter], Any]:
         """The window's loss (its dataset's), served as a WindowLoss, and the loss's own parameters."""
         name = batches[0].get("dataset_name") if batches else None  # one dataset: refused at __init__ otherwise
         loss_fn = self.loss[name] if isinstance(self.loss, dict) and name else self.loss
-        served = _ServedLoss(self, loss_fn, self.accelerator.unwrap_model(model))
+        served = _ServedLoss(self, loss_fn, module)
         models = {id(p) for m in [served.module, *served.guides.values()] for p in m.parameters()}
         return WindowLoss(served.encode, served.loss), [p for p in loss_fn.parameters() if id(p) not in models], None
 

@@ -130,7 +130,7 @@ class _ExactRL(TrainerDriver):
         self._captured = []
         try:  # an MoE model: the forward replayed as counted, its router logits read, TRL's own aux term off
             loss, part = self.balanced(model, _model_inputs(inputs) if self._balance is not None else inputs,
-                                       lambda: trl_loss(model, inputs, return_outputs, num_items_in_batch), self)
+                                       lambda: trl_loss(model, inputs, return_outputs, num_items_in_batch))
         finally:
             captured, self._captured = self._captured, None
         mask = _loss_mask(inputs)
