@@ -186,8 +186,10 @@ class GradSync:
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         """Average already-accumulated local gradients across ranks now (used when every backward of the window
-        skipped its reduction: the micro-batch size search). Nothing to do on one process; never called where
-        ``can_reduce_later`` is False (``AutoMicroBatch.check_supported`` refuses those first)."""
+        skipped its reduction: the micro-batch size search). Nothing to do on one process; a wrapper that
+        reduces only inside its backward refuses (``AutoMicroBatch.check_supported`` refuses it first)."""
+        if not self.can_reduce_later:  # never step on gradients that were not averaged across ranks
+            raise NotImplementedError(f"{type(self).__name__} reduces the gradient only inside its backward")
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         """Where the wrapper sums the window's gradient in bf16/fp16 (its own accumulation, which
