@@ -288,7 +288,7 @@ class CachedPasses:
         """The window's loss ``L`` (the same on every rank), returned, and the gradient of ``scale(weight * L)``
         (``L`` in float32 at least; ``scale``: the Accumulator's GradScaler, a Trainer's scales the surrogate):
         this rank's slices of the representations' (times ``W``), the loss's own parameters' (in ``.grad``
-        now, or carried by the last part: :meth:`gradaccum.sync.GradSync.folds_outside_gradients`)."""
+        now, or carried by the last part: :attr:`gradaccum.sync.GradSync.folds_outside_gradients`)."""
         inputs = [t.detach().requires_grad_(d) for t, d in zip(self.joined, self.differentiable)]
         with self.autocast():
             loss = _checked_loss(self.window_loss.loss(loss_model, rebuild(self.spec, iter(inputs))))
@@ -308,7 +308,7 @@ class CachedPasses:
         end = self.offset + sum(self.sizes)  # this rank's rows
         self.slices = [None if g is None else g[self.offset:end] * self.sync.grad_divisor for g in of_inputs]
         own = [(p, g) for p, g in zip(outside, found) if g is not None]
-        if own and not self.sync.folds_outside_gradients():  # in .grad before any backward (DDP reads it there)
+        if own and not self.sync.folds_outside_gradients:  # in .grad before any backward (DDP reads it there)
             torch.autograd.backward([p for p, _ in own], [g for _, g in own])
         else:
             self.carried = own

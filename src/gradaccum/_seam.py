@@ -101,6 +101,11 @@ class GradSync:
     #: the gradient lives where it cannot be rescaled at the boundary (DeepSpeed's partitions): every
     #: window's item count must be known before its first backward, so that R = N and the scale is 1
     needs_count_first: bool = False
+    #: whether a gradient computed outside the model's forward, the same on every rank (a
+    #: :class:`~gradaccum.WindowLoss`'s own parameters), rides in the backward that reduces rather than in
+    #: ``.grad`` before any backward: not under ``DistributedDataParallel(find_unused_parameters=True)``,
+    #: whose reducer reads the ``.grad`` of a parameter the forward did not use
+    folds_outside_gradients: bool = True
     group: Any = None
     #: ranks in the data-parallel group that reduces the gradient (1 on one process); the global world is
     #: :func:`world_size`
@@ -124,13 +129,6 @@ class GradSync:
         if self.shares_windows:
             all_reduce_(tensor, op, self.group)
         return tensor
-
-    def folds_outside_gradients(self) -> bool:
-        """Whether a gradient computed outside the model's forward, the same on every rank (a
-        :class:`~gradaccum.WindowLoss`'s own parameters), rides in the backward that reduces rather than
-        in ``.grad`` before any backward: not under ``DistributedDataParallel(find_unused_parameters=True)``,
-        whose reducer reads the ``.grad`` of a parameter the forward did not use."""
-        return True
 
     def local_square_sum(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """This rank's part of the gradient's squared norm, when summing it across ranks gives the

@@ -32,15 +32,6 @@ __all__ = ["PipelineWindow"]
 SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED = range(6)
 
 
-def _stage_list(stages: Any) -> List[Any]:
-    """This rank's stages: one ``PipelineStage`` or a list of them (two or more per rank when interleaved)."""
-    listed = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-    if not listed or not all(hasattr(s, a) for s in listed for a in ("is_first", "is_last", "submod", "device")):
-        raise ConfigurationError(f"stages={stages!r} is not this rank's torch.distributed.pipelining stages: pass the "
-                                 "PipelineStage (or the list of them) that the schedule is built over")
-    return listed
-
-
 def _check_loss(loss_fn: Any, reduction: str) -> None:
     """Refuse a loss that is not a per-item sum or mean, and a module that says another reduction."""
     if reduction not in ("sum", "mean"):
@@ -73,11 +64,11 @@ def _pad(value: Any, rows: int, pad: int) -> Any:
 
 @dataclass
 class _Tally:
-    """What one window's ``pipe.loss`` calls need and leave (on the last stage; empty elsewhere)."""
+    """What one window's ``pipe.loss`` calls need and leave (on the last stage only)."""
 
     k: int                               #: the window's real micro-batches (the rest of the schedule's pad)
     counts: List[float]                  #: n_k per real micro-batch
-    weights: Optional[WindowWeights]     #: the window's weights, N known (the last stage)
+    weights: WindowWeights               #: the window's weights, N known
     targets: List[Optional[int]] = field(default_factory=list)   #: each call's target memory (``data_ptr``)
     inference: int = 0                   #: 1 once the first call is known to be the stage's shape inference
     summed: Dict[int, torch.Tensor] = field(default_factory=dict)   #: S_k per micro-batch, detached
@@ -123,7 +114,11 @@ class PipelineWindow:
                  n_microbatches: int, reduction: str, num_items: Optional[Callable[[torch.Tensor], Any]] = None,
                  micro_batch_size: Optional[int] = None, max_grad_norm: Optional[float] = None,
                  pp_group: Any = None, dp_group: Any = None, lr_scheduler: Any = None) -> None:
-        self.stages = _stage_list(stages)
+        self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]  # a list when interleaved
+        needed = ("is_first", "is_last", "submod", "device")
+        if not self.stages or not all(hasattr(s, a) for s in self.stages for a in needed):
+            raise ConfigurationError(f"stages={stages!r} is not this rank's torch.distributed.pipelining stages: pass "
+                                     "the PipelineStage (or the list of them) that the schedule is built over")
         if not callable(loss_fn):
             raise ConfigurationError(f"loss_fn must be your per-item loss, called as loss_fn(output, target); "
                                      f"got {loss_fn!r}")
@@ -168,16 +163,6 @@ class PipelineWindow:
             the window's :class:`~gradaccum.StepResult`, the same on every rank: the loss ``sum_k S_k / N``,
             N, the window's micro-batches K, the norm before clipping (over every stage), skipped.
         """
-        self._check_schedule(schedule)
-        args, kwargs, target, k_first = self._count(args, kwargs, target)
-        try:
-            schedule.step(*args, target=target, return_outputs=False, **kwargs)
-            told = self._boundary(k_first)
-        finally:
-            self._tally = None
-        return self._step(told)
-
-    def _check_schedule(self, schedule: Any) -> None:
         if not callable(getattr(schedule, "step", None)):
             raise ConfigurationError(f"schedule={schedule!r} is not a torch.distributed.pipelining schedule: build "
                                      "one (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B...) over the stages")
@@ -186,6 +171,13 @@ class PipelineWindow:
                 f"schedule={type(schedule).__name__} was built with scale_grads=True: it divides the window's gradient "
                 f"by n_microbatches={self.n_microbatches}, the mean of micro-batch means, not one big batch; build it "
                 "with scale_grads=False (gradaccum divides by the window's N)")
+        args, kwargs, target, k_first = self._count(args, kwargs, target)
+        try:
+            schedule.step(*args, target=target, return_outputs=False, **kwargs)
+            told = self._boundary(k_first)
+        finally:
+            self._tally = None
+        return self._step(told)
 
     def _count(self, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                target: Optional[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Any, int]:
@@ -197,8 +189,7 @@ class PipelineWindow:
             k_first = self._micro_batches(next((a for a in args if isinstance(a, torch.Tensor)), None), "inputs")
             args = tuple(_pad(a, rows, n_mb - k_first) for a in args)
             kwargs = {name: _pad(v, rows, n_mb - k_first) for name, v in kwargs.items()}
-        if not self.last:
-            self._tally = _Tally(0, [], None)
+        if not self.last:  # no pipe.loss call here: no tally
             return args, kwargs, None, k_first
         k = self._micro_batches(target, "target")
         target = _pad(target, rows, n_mb - k)
@@ -236,7 +227,7 @@ class PipelineWindow:
         if tally is None:
             return self.loss_fn(output, target)
         k, weights, mean = tally.index(target), tally.weights, self.reduction == "mean"
-        if weights is None or weights.empty or k >= tally.k or (mean and tally.counts[k] == 0):
+        if weights.empty or k >= tally.k or (mean and tally.counts[k] == 0):
             return _zero(output)
         loss = self.loss_fn(output, target)
         tally.summed[k] = loss.detach() * tally.counts[k] if mean else loss.detach()

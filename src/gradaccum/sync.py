@@ -23,7 +23,7 @@ from .errors import ConfigurationError, NotExactError
 
 __all__ = ["GradSync", "DDPSync", "FSDP2Sync", "sync_for", "is_distributed",
            "rank", "world_size", "is_rank_zero", "barrier", "broadcast_object", "all_reduce_",
-           "DATA_PARALLEL", "loaded_type", "full_tensor", "sharded_stage"]
+           "loaded_type", "full_tensor", "sharded_stage"]
 
 #: what a pipeline stage is told: the Accumulator runs no pipeline schedule; gradaccum.PipelineWindow does
 PIPELINE = ("the Accumulator does not run a pipeline's stages; hand them to gradaccum.PipelineWindow(stages, "
@@ -33,9 +33,6 @@ PIPELINE = ("the Accumulator does not run a pipeline's stages; hand them to grad
 _PIPELINE_TYPES = (("torch.distributed.pipelining._IR", "Pipe"),
                    ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
                    ("torch.distributed.pipelining.schedules", "_PipelineSchedule"))
-
-#: ``data_parallel=`` values: find the wrapper (and refuse none under several ranks), or train per rank
-DATA_PARALLEL = ("auto", "none")
 
 
 def _fsdp2_module_type() -> Any:
@@ -85,10 +82,8 @@ class DDPSync(_WrapperSync):
                              f"different sizes {sorted(sizes)}; use one process group for data parallelism")
         self.group = getattr(modules[0], "process_group", None)
         self.needs_equal_counts = reduce_every_micro_batch
+        self.folds_outside_gradients = not any(getattr(ddp, "find_unused_parameters", False) for ddp in modules)
         super().__init__(modules, reduce_every_micro_batch=reduce_every_micro_batch)
-
-    def folds_outside_gradients(self) -> bool:
-        return not any(getattr(ddp, "find_unused_parameters", False) for ddp in self.modules)
 
     def _skip_sync(self, stack: contextlib.ExitStack) -> None:
         for ddp in self.modules:
@@ -172,7 +167,7 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
     """The seam that fits ``model``: its DeepSpeed engine, the DDP or FSDP2 module found anywhere inside it,
     or local (refused: FSDP1, DDP mixed with FSDP2, or under ``data_parallel="auto"`` a model that no
     data-parallel wrapper reduces while ``torch.distributed`` runs several ranks)."""
-    if data_parallel not in DATA_PARALLEL:
+    if data_parallel not in ("auto", "none"):
         raise ConfigurationError(f"data_parallel must be 'auto' or 'none', got {data_parallel!r}")
     if deepspeed_engine(model) is not None:
         if data_parallel == "none" or reduce_every_micro_batch:
