@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -234,35 +235,30 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
 
 def _suspects(model: nn.Module, full: "_Pass", acc: "_Pass", k: int, rtol: float, matched: bool
               ) -> Tuple[List[Tuple[str, str]], List[str]]:
-    """Each suspect module's reasons, in the order found, each once, listed by name, the model itself last:
+    """Each suspect module's reasons, in the order found, listed by name, the model itself last:
     BatchNorm and dropout in training mode (the model is as found again), modules that drew random numbers
     and ones that mix the items; and the modules that drew (the dropouts with them)."""
-    reasons: Dict[str, List[str]] = {}
-
-    def add(name: str, reason: str) -> None:
-        if reason not in reasons.setdefault(name, []):
-            reasons[name].append(reason)
-
+    reasons: Dict[str, List[str]] = defaultdict(list)  # each (module, reason) is found once
     modules = dict(model.named_modules())
     for name in training_batchnorms(model):
-        add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
-                  "statistics (and updates its running statistics once per micro-batch)")
+        reasons[name].append(f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
+                             "statistics (and updates its running statistics once per micro-batch)")
     dropouts = [name for name, module in modules.items()
                 if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
     for name in dropouts:
-        add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
-                  "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
-                  "to check the rest)")
+        reasons[name].append(f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its "
+                             "masks per forward, so they depend on how the batch is split (turn it off, with eval() "
+                             "or p=0, to check the rest)")
     random = full.recorder.random | acc.recorder.random
     for name in sorted(random - set(dropouts)):
-        add(name, "draws random numbers in forward, so another split sees other draws")
+        reasons[name].append("draws random numbers in forward, so another split sees other draws")
     drawn = sorted(set(dropouts) | random)
     for name in drawn if matched else []:
-        add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
-                  "item after item, so micro-batches in order draw the full batch's; several layers, or "
-                  "CUDA's generator, draw others")
+        reasons[name].append("its draws matched on this split by chance: one dropout layer on the CPU draws its "
+                             "masks item after item, so micro-batches in order draw the full batch's; several "
+                             "layers, or CUDA's generator, draw others")
     for name in _mixing(full.recorder, acc.recorder, k, rtol) - random:  # draws explain those
-        add(name, "its output for an item depends on the other items of the micro-batch")
+        reasons[name].append("its output for an item depends on the other items of the micro-batch")
     ordered = sorted(reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))
     return [(name, "; ".join(said)) for name, said in ordered], drawn
 
