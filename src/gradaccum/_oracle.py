@@ -34,8 +34,7 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
     and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows). A loss
     over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch, :func:`accumulated_grads`
     on a split."""
-    for p in model.parameters():
-        p.grad = None
+    model.zero_grad(set_to_none=True)
     coupled = isinstance(loss_fn, (WindowLoss, MoELoss))
     if coupled and len(micro_batches) > 1:
         return (*accumulated_grads(model, loss_fn, micro_batches), False)

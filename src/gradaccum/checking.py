@@ -235,9 +235,8 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
 
 def _suspects(model: nn.Module, full: "_Pass", acc: "_Pass", k: int, rtol: float, matched: bool
               ) -> Tuple[List[Tuple[str, str]], List[str]]:
-    """Each suspect module's reasons, in the order found, listed by name, the model itself last:
-    BatchNorm and dropout in training mode (the model is as found again), modules that drew random numbers
-    and ones that mix the items; and the modules that drew (the dropouts with them)."""
+    """The suspect modules with their reasons (modes read on the model as found again), by name, the model
+    itself last; and the modules that drew random numbers (the dropouts with them)."""
     reasons: Dict[str, List[str]] = defaultdict(list)  # each (module, reason) is found once
     modules = dict(model.named_modules())
     for name in training_batchnorms(model):
