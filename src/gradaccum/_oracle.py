@@ -4,7 +4,6 @@ backpropagated whole on the batch, and run through the Accumulator's own window 
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -99,4 +98,4 @@ def accumulated_grads(model: nn.Module, loss: Any, micro_batches: List[Batch]
         # the batch again with the size that split it: a list of bare-tensor micro-batches is ambiguous
         result = Accumulator(model, optimizer).step(concat_batches(micro_batches), loss,
                                                     micro_batch_size=leading_dim(micro_batches[0]))
-    return read, math.nan if result.loss is None else result.loss
+    return read, result.loss
