@@ -199,7 +199,6 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
           num_items: Any, suspected: bool, rtol: float) -> Optional[str]:
     """What the numbers suggest where the gradients differ, the likeliest cause first."""
     if num_items in (None, ROWS) and full.bare and holds_ignored_labels([batch]):
-        # a bare mean loss weighed by rows whose labels hold -100: the mean is likely over the targets
         return ("loss_fn returns a bare mean loss and the batch's 'labels' hold the ignore index -100, so the mean is "
                 "likely over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are "
                 "weighed by their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
@@ -223,7 +222,6 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
     agree = abs(full.loss - acc.loss) <= rtol * max(abs(full.loss), abs(acc.loss), 1e-30)
     if suspected or isinstance(loss_fn, WindowLoss) or not finite or agree:
         return None
-    # the losses differ while every module's outputs agree: the loss itself couples the items
     return (f"the loss couples the batch's items: {full.loss:.6g} on the whole batch, {acc.loss:.6g} as the "
             "item-weighted mean of its values on the micro-batches, while every module gives each item the same "
             "output on both, so an item's loss depends on the other items of its batch (in-batch negatives, a "
