@@ -47,15 +47,13 @@ class AutoMicroBatch:
         if n == 0 and not self.sync.shares_windows:
             raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
         size = min(self.state.auto_micro_batch_size or n, n) if n else 2 ** 62  # an empty share follows the others
-        size = self.sync.min_across(size, self.device)  # every rank starts from the same size
-        backed_off = False
+        size = first = self.sync.min_across(size, self.device)  # every rank starts from the same size
         while True:
             result = attempt(split_batch(batch, size) if n else [], size)
             if result is not None:
-                if n and (backed_off or self.state.auto_micro_batch_size is None):
+                if n and (size < first or self.state.auto_micro_batch_size is None):  # backed off, or the first
                     self.state.auto_micro_batch_size = size
                 return result
-            backed_off = True
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -4,7 +4,6 @@ backpropagated whole on the batch, and run through the Accumulator's own window 
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -34,8 +33,7 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
     and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows). A loss
     over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch, :func:`accumulated_grads`
     on a split."""
-    for p in model.parameters():
-        p.grad = None
+    model.zero_grad(set_to_none=True)
     coupled = isinstance(loss_fn, (WindowLoss, MoELoss))
     if coupled and len(micro_batches) > 1:
         return (*accumulated_grads(model, loss_fn, micro_batches), False)
@@ -100,4 +98,4 @@ def accumulated_grads(model: nn.Module, loss: Any, micro_batches: List[Batch]
         # the batch again with the size that split it: a list of bare-tensor micro-batches is ambiguous
         result = Accumulator(model, optimizer).step(concat_batches(micro_batches), loss,
                                                     micro_batch_size=leading_dim(micro_batches[0]))
-    return read, math.nan if result.loss is None else result.loss
+    return read, result.loss

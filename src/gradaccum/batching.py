@@ -5,7 +5,7 @@ else it holds, and one walker (:func:`leaves` and :func:`rebuild`) serves every 
 A leaf that is a tensor with at least one dimension is *split*: every such tensor of one batch shares
 its leading dimension, which is what gets split and what counts as items by default. Every other leaf
 (a 0-d tensor such as an index or a flag, a string, a number, ``None``) is *carried* to every chunk
-unchanged. Splitting returns views (``torch.split``), so no data is copied.
+unchanged. Splitting returns views (slices), so no data is copied.
 """
 
 from __future__ import annotations
@@ -130,12 +130,11 @@ def _split_rows(batch: Batch, micro_batch_size: int) -> Tuple[List[Batch], List[
     n = leading_dim(batch)
     if n == 0:
         raise SplitError("batch has 0 items along dim 0; there is nothing to step on")
-    rows = [min(micro_batch_size, n - start) for start in range(0, n, micro_batch_size)]
+    starts = range(0, n, micro_batch_size)
+    rows = [min(micro_batch_size, n - start) for start in starts]
     if type(batch) in (tuple, list) and all(type(t) is torch.Tensor and t.dim() for t in batch):  # (inputs, targets)
         return [type(batch)(chunk) for chunk in zip(*(torch.split(t, micro_batch_size) for t in batch))], rows
-    parts = [list(torch.split(leaf, micro_batch_size)) if _split(leaf) else [leaf] * len(rows)
-             for _, leaf in leaves(batch)]
-    return [rebuild(batch, (part[i] for part in parts)) for i in range(len(rows))], rows
+    return [slice_batch(batch, start, start + micro_batch_size) for start in starts], rows
 
 
 def concat_batches(batches: Sequence[Batch]) -> Batch:
@@ -256,12 +255,8 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn],
     """What a bare mean loss is weighted by: the leading dimension (``count_fn`` None or ``"rows"``),
     or the ``num_items`` counter. Every micro-batch's leading dimensions are checked here, before
     anything runs, unless a split made them (``rows``)."""
-    try:
-        each: List[Count] = [leading_dim(mb) for mb in micro_batches] if rows is None else list(rows)
-    except SplitError:  # said again naming the micro-batch (the name is built only for the error)
-        for i, mb in enumerate(micro_batches):
-            leading_dim(mb, argument=f"window[{i}]")
-        raise
+    each: List[Count] = list(rows) if rows is not None else [
+        leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
     if count_fn is None or count_fn == ROWS:
         labelled = count_fn is None and any(isinstance(mb, Mapping) and "labels" in mb for mb in micro_batches)
         return Counts(each, float(sum(each)), micro_batches if labelled else None)  # ints: no count to read

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -198,7 +199,6 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
           num_items: Any, suspected: bool, rtol: float) -> Optional[str]:
     """What the numbers suggest where the gradients differ, the likeliest cause first."""
     if num_items in (None, ROWS) and full.bare and holds_ignored_labels([batch]):
-        # a bare mean loss weighed by rows whose labels hold -100: the mean is likely over the targets
         return ("loss_fn returns a bare mean loss and the batch's 'labels' hold the ignore index -100, so the mean is "
                 "likely over the targets (as a Hugging Face model's outputs.loss is), while the micro-batches are "
                 "weighed by their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
@@ -222,7 +222,6 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
     agree = abs(full.loss - acc.loss) <= rtol * max(abs(full.loss), abs(acc.loss), 1e-30)
     if suspected or isinstance(loss_fn, WindowLoss) or not finite or agree:
         return None
-    # the losses differ while every module's outputs agree: the loss itself couples the items
     return (f"the loss couples the batch's items: {full.loss:.6g} on the whole batch, {acc.loss:.6g} as the "
             "item-weighted mean of its values on the micro-batches, while every module gives each item the same "
             "output on both, so an item's loss depends on the other items of its batch (in-batch negatives, a "
@@ -234,35 +233,29 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
 
 def _suspects(model: nn.Module, full: "_Pass", acc: "_Pass", k: int, rtol: float, matched: bool
               ) -> Tuple[List[Tuple[str, str]], List[str]]:
-    """Each suspect module's reasons, in the order found, each once, listed by name, the model itself last:
-    BatchNorm and dropout in training mode (the model is as found again), modules that drew random numbers
-    and ones that mix the items; and the modules that drew (the dropouts with them)."""
-    reasons: Dict[str, List[str]] = {}
-
-    def add(name: str, reason: str) -> None:
-        if reason not in reasons.setdefault(name, []):
-            reasons[name].append(reason)
-
+    """The suspect modules with their reasons (modes read on the model as found again), by name, the model
+    itself last; and the modules that drew random numbers (the dropouts with them)."""
+    reasons: Dict[str, List[str]] = defaultdict(list)  # each (module, reason) is found once
     modules = dict(model.named_modules())
     for name in training_batchnorms(model):
-        add(name, f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
-                  "statistics (and updates its running statistics once per micro-batch)")
+        reasons[name].append(f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
+                             "statistics (and updates its running statistics once per micro-batch)")
     dropouts = [name for name, module in modules.items()
                 if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
     for name in dropouts:
-        add(name, f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its masks "
-                  "per forward, so they depend on how the batch is split (turn it off, with eval() or p=0, "
-                  "to check the rest)")
+        reasons[name].append(f"{type(modules[name]).__name__} (p={modules[name].p}) in training mode draws its "
+                             "masks per forward, so they depend on how the batch is split (turn it off, with eval() "
+                             "or p=0, to check the rest)")
     random = full.recorder.random | acc.recorder.random
     for name in sorted(random - set(dropouts)):
-        add(name, "draws random numbers in forward, so another split sees other draws")
+        reasons[name].append("draws random numbers in forward, so another split sees other draws")
     drawn = sorted(set(dropouts) | random)
     for name in drawn if matched else []:
-        add(name, "its draws matched on this split by chance: one dropout layer on the CPU draws its masks "
-                  "item after item, so micro-batches in order draw the full batch's; several layers, or "
-                  "CUDA's generator, draw others")
+        reasons[name].append("its draws matched on this split by chance: one dropout layer on the CPU draws its "
+                             "masks item after item, so micro-batches in order draw the full batch's; several "
+                             "layers, or CUDA's generator, draw others")
     for name in _mixing(full.recorder, acc.recorder, k, rtol) - random:  # draws explain those
-        add(name, "its output for an item depends on the other items of the micro-batch")
+        reasons[name].append("its output for an item depends on the other items of the micro-batch")
     ordered = sorted(reasons.items(), key=lambda kv: (kv[0] == "", kv[0]))
     return [(name, "; ".join(said)) for name, said in ordered], drawn
 
