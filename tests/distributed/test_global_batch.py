@@ -1,6 +1,6 @@
 """The global batch is the invariant (#11), end to end through `gradaccum train` under torchrun.
 
-The same seed and --batch-size train the same model on 1, 2 and 4 ranks; a run stopped by Ctrl-C on
+The same seed and --batch-size train the same model on 1, 2 and 3 ranks; a run stopped by Ctrl-C on
 W ranks continues on W' ranks; a worker killed with SIGKILL under `torchrun --max-restarts` is
 restarted and the run ends as if nothing happened; --shard's DCP checkpoint resumes on another world
 size. float64 throughout, so that "the same model" is asserted to 1e-9 (different world sizes add in
@@ -211,15 +211,15 @@ def wait_for_rows(out: Path, proc, n: int, log: Path, *, checkpoint: bool = Fals
     raise AssertionError(f"no {n} steps before the run ended or 180 s passed:\n{log.read_text()[-3000:]}")
 
 
-def test_the_same_seed_and_global_batch_train_the_same_model_on_1_2_and_4_ranks(runs):
+def test_the_same_seed_and_global_batch_train_the_same_model_on_1_2_and_3_ranks(runs):
     one = runs(1)
     counts = [r["num_items"] for r in rows(one)]
     assert len(counts) == STEPS and counts[0] == 64 and counts[22] == 1438 - 22 * 64
-    for world in (2, 4):
+    for world in (2, 3):
         out = runs(world)
         summary = json.loads((out / "summary.json").read_text())
         assert (summary["world_size"], summary["global_batch_size"], summary["steps"]) == (world, 64, STEPS)
-        assert summary["accum_steps"] == -(-64 // (8 * world))  # per rank: 4 on 2 ranks, 2 on 4
+        assert summary["accum_steps"] == -(-64 // (8 * world))  # per rank: 4 on 2 ranks, 3 on 3 (shares of 21, 21 and 22: uneven)
         assert [r["num_items"] for r in rows(out)] == counts  # every step saw the same global items
         assert max_diff(model_of(one), model_of(out)) < 1e-9
 
