@@ -37,7 +37,8 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
     if isinstance(loss_fn, MoELoss):
         if loss_fn.mode == "exact":
             # num_items and micro_batch_size="auto" are refused with it (check_moe_loss)
-            return run_moe_window(ctx, micro_batches, loss_fn, micro_batch_size=micro_batch_size, plan=plan)
+            # its plan is the routing's: Routing.open all-gathers every rank's micro-batches and items
+            return run_moe_window(ctx, micro_batches, loss_fn, micro_batch_size=micro_batch_size)
         loss_fn = loss_fn.per_micro_batch()  # the cheaper modes: a (mean, count) loss_fn like any other
     defer = catch_oom and ctx.sync.shares_windows  # no collective before the ranks agree
     # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):

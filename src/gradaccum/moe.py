@@ -279,8 +279,7 @@ class Routing(Replay):
         return out.loss + coef * self.items / n * part if n > 0 else out.loss
 
 
-def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, *, micro_batch_size: Any = None,
-                   plan: Any = None) -> Any:
+def run_moe_window(ctx: Any, micro_batches: List[Any], moe: MoELoss, *, micro_batch_size: Any = None) -> Any:
     """One window of an :class:`MoELoss` in mode ``"exact"``: the Accumulator's driver of :class:`Routing`
     (:func:`gradaccum._run.run_window` runs the cheaper modes as a ``(mean, count)`` ``loss_fn``)."""
     ranks, own = ctx.ranks, len(micro_batches)
