@@ -84,7 +84,8 @@ def render(r: Dict[str, Any]) -> str:
            "`gradient_accumulation_steps`, spg = `steps_per_generation`):", "",
            table(cells, columns, headers={c: f"`{c}`" for c in columns if c != "setting"}), ""]
     if r["two_processes"]:
-        out += ["Two processes (DDP, gloo; `spg 4, GA 2` with `beta=0.04`, `entropy_coef=0.05`, or GA 3, spg 2 "
+        out += ["Two processes (DDP, gloo; one loss type per divisor TRL writes, `sapo` and `luspo` sharing `grpo`'s, "
+                "`cispo` and `vespo` `dapo`'s; `spg 4, GA 2` with `beta=0.04`, `entropy_coef=0.05`, or GA 3, spg 2 "
                 "with a short last step; `moe`: a tiny Qwen3-MoE with its router loss, `spg 4, GA 2` with "
                 "`entropy_coef=0.05`, or RLOO with a short last step), as `tests/integrations/grpo_worker.py` "
                 "prints them:", "", "```"]

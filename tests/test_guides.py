@@ -219,3 +219,33 @@ if __name__ == "__main__":  # list each block and what the suite does with it
     for g in OWNED:
         for b in blocks(g):
             print(f"{b.where:40s} {kind(b)}", file=sys.stdout)
+
+
+def test_the_trl_guides_grpo_table_is_what_the_benchmark_renders():
+    """docs/guides/trl.md's GRPO table and DDP lines are ``benchmarks/grpo.py``'s rendering of the recorded run
+    (docs/benchmarks.json): a number or a scenario edited by hand, or a scenario the worker no longer runs
+    left in the record, fails here."""
+    import ast
+    import importlib.util
+    import json
+
+    benchmarks = GUIDES.parent.parent / "benchmarks"
+    sys.path.insert(0, str(benchmarks))
+    try:
+        spec = importlib.util.spec_from_file_location("grpo_bench", benchmarks / "grpo.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    finally:
+        sys.path.remove(str(benchmarks))
+    recorded = json.loads((GUIDES.parent / "benchmarks.json").read_text())["grpo"]
+    section = (GUIDES / "trl.md").read_text().split(bench.START)[1].split(bench.END)[0]
+    assert section == "\n" + bench.render(recorded)
+    # the DDP lines are the scenarios test_grpo_distributed.py asserts, no more (read from its source: importing
+    # it imports TRL)
+    tree = ast.parse((GUIDES.parent.parent / "tests" / "integrations" / "test_grpo_distributed.py").read_text())
+    values = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name) and t.id == "LOSS_TYPES"}
+    named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and re.fullmatch(r"(grpo|rloo)_ddp_\w+", n.value)}
+    listed = named | {f"grpo_ddp_{lt}_kl_entropy" for lt in values["LOSS_TYPES"]}
+    assert {line.split(":")[0].split()[1] for line in recorded["two_processes"]} == listed
