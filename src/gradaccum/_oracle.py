@@ -33,7 +33,8 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
     and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows). A loss
     over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch, :func:`accumulated_grads`
     on a split."""
-    model.zero_grad(set_to_none=True)
+    for p in model.parameters():  # not model.zero_grad(): the oracle runs no override of the model's own
+        p.grad = None
     coupled = isinstance(loss_fn, (WindowLoss, MoELoss))
     if coupled and len(micro_batches) > 1:
         return (*accumulated_grads(model, loss_fn, micro_batches), False)

@@ -71,7 +71,7 @@ def on_2_ranks(tmp_path_factory, request):
     rank and continued here (``grown``), and a copy of the 2-rank run stopped by Ctrl-C
     (``ctrl_c_on_2_ranks``), resumed here (``stopped``). What
     stops a run (a signal to a process or to torchrun's group) and what restarts one stays a process of
-    its own, as a user's is; so does a plain launch to its exit (the 4-rank run, the restarted group of
+    its own, as a user's is; so does a plain launch to its exit (the 3-rank run, the restarted group of
     the max-restarts test). Each test asserts its own runs (:meth:`TwoRankRuns.ran`): a stop that went
     wrong, or a run that failed, fails the tests that read it, and says why."""
     made = tmp_path_factory.mktemp("on-2-ranks")
