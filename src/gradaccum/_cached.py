@@ -19,7 +19,7 @@ from .batching import Batch, rebuild, leaves, leading_dim
 from .result import StepResult
 from .errors import ConfigurationError
 
-__all__ = ["WindowLoss", "Constant", "CachedPasses", "run_cached_window", "graphs_to_keep", "check_window_loss",
+__all__ = ["WindowLoss", "Constant", "CachedPasses", "run_cached_window", "check_window_loss",
            "window_loss_of_batch"]
 
 class WindowLoss:
@@ -190,8 +190,7 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
         passes = CachedPasses(window_loss, micro_batches, sync=ctx.sync, device=ctx.device, sizes=sizes,
                               padding=window.padding, padding_batch=ctx.state.padding_batch,
                               checked=ctx.state.checked_replays, autocast=ctx.precision.autocast)
-        passes.first_pass(ctx.model, keep=graphs_to_keep(window_loss, ctx.sync, ctx.model, len(micro_batches),
-                                                         ctx.device))
+        passes.first_pass(ctx.model)
         total = passes.gather()
         window.fix_reference(total)
         passes.loss_gradient(ctx.model, ctx.grads.params, weight=window.weights.window_loss_weight(total),
@@ -202,18 +201,6 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
                 window.backward_part(outputs, grads, passes.loss, items)
         passes.finish()  # in the first window a WindowLoss runs, its replay compared (then marked checked)
         return window.step()
-
-
-def graphs_to_keep(window_loss: WindowLoss, sync: Any, model: nn.Module, own: int, device: torch.device) -> int:
-    """``keep_graphs`` as this window can keep them (:class:`WindowLoss`): none under FSDP2 (its forwards gather
-    and free shards in order) or training BatchNorm (pass 1 restores its statistics); under DDP all but the last
-    (its forward runs under the wrapper's sync), the same on every rank (a kept forward is a collective)."""
-    if window_loss.keep_graphs == 0 or sync.sharded_grads or training_batchnorms(model):
-        return 0
-    keep = min(window_loss.keep_graphs, own)
-    if sync.shares_windows:  # every rank asks, one without micro-batches too
-        keep = sync.min_across(min(keep, own - 1), device)
-    return max(keep, 0)
 
 
 class CachedPasses:
@@ -247,10 +234,23 @@ class CachedPasses:
         """Backward parts this rank runs in pass 2: its micro-batches, then its padding."""
         return len(self.micro_batches) + self.padding
 
-    def first_pass(self, model: nn.Module, *, keep: int = 0, graph_model: Optional[nn.Module] = None) -> None:
+    def graphs_to_keep(self, model: nn.Module) -> int:
+        """``keep_graphs`` as this window can keep them (:class:`WindowLoss`): none under FSDP2 (its forwards gather
+        and free shards in order) or training BatchNorm (pass 1 restores its statistics); under DDP all but the last
+        (its forward runs under the wrapper's sync), the same on every rank (a kept forward is a collective)."""
+        own = len(self.micro_batches)
+        if self.window_loss.keep_graphs == 0 or self.sync.sharded_grads or training_batchnorms(model):
+            return 0
+        keep = min(self.window_loss.keep_graphs, own)
+        if self.sync.shares_windows:  # every rank asks, one without micro-batches too
+            keep = self.sync.min_across(min(keep, own - 1), self.device)
+        return max(keep, 0)
+
+    def first_pass(self, model: nn.Module, *, graph_model: Optional[nn.Module] = None) -> None:
         """Each micro-batch's representations on ``model`` without a graph, the random state before each;
-        the first ``keep`` with their graph on ``graph_model`` (a Trainer's data-parallel wrapper; default
-        ``model``), not reducing; then the padding's forwards. BatchNorm's statistics are left unchanged."""
+        the first :meth:`graphs_to_keep` with their graph on ``graph_model`` (a Trainer's data-parallel wrapper;
+        default ``model``), not reducing; then the padding's forwards. BatchNorm's statistics are left unchanged."""
+        keep = self.graphs_to_keep(model)
         with torch.no_grad(), _batchnorm_stats_kept(model), self.autocast():
             for k, mb in enumerate(self.micro_batches):
                 self.replay.save()

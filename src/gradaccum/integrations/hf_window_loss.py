@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .._cached import CachedPasses, WindowLoss, graphs_to_keep
+from .._cached import CachedPasses, WindowLoss
 from ..errors import ConfigurationError
 from ..losses import contrastive_window_loss
 from ..sync import sync_for
@@ -59,8 +59,7 @@ class TrainerWindows:
                                                 checked=trainer.accumulator_state.checked_replays)
             if not batches:
                 raise ConfigurationError("ExactTrainer: a window without micro-batches on this rank")
-            passes.first_pass(module, keep=graphs_to_keep(window_loss, sync, module, len(batches), device),
-                              graph_model=model)
+            passes.first_pass(module, graph_model=model)
             passes.gather()  # N: the window's rows, every rank's
             window = trainer.open_window(passes.total, passes.parts)  # the driver records it after the last micro-batch
             passes.loss_gradient(loss_model, params, weight=window.window_loss_weight(passes.total))
