@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from common import QUICK, median, paired_ratio, side_by_side
+from common import QUICK, between_markers, median, paired_ratio, side_by_side
 
 from gradaccum import Accumulator, WindowLoss
 from gradaccum.memory import PeakMeter
@@ -162,6 +162,46 @@ def _at(hidden: int) -> Dict[str, Any]:
                        peak_mib=peaks[name] / 2**20, memory_ratio=peaks[name] / peaks["big batch"])
         rows.append(row)
     return {"pairs": PAIRS, "micro_batch": MICRO, "repeats": REPEATS, "hidden": hidden, "rows": rows}
+
+
+# -- the WindowLoss table of docs/guides/contrastive.md ---------------------------------------------------
+
+GUIDE = ("<!-- bench:contrastive: written by make bench (benchmarks/contrastive.py), do not edit -->",
+         "<!-- /bench:contrastive -->")
+
+
+def render_guide(sizes: List[Dict[str, Any]]) -> str:
+    """The contrastive guide's table (the wider model first) and the figures its text compares, from a run of
+    :func:`contrastive` (one record per width)."""
+    def label(contender: str, window: int) -> str:
+        if contender == "CachedMNRL":
+            return "sentence-transformers' `CachedMultipleNegativesRankingLoss`"
+        keep = int(contender.rsplit(" ", 1)[1])
+        note = {0: " (caching alone)", 1: " (the default)", window // 2: " (half)"}.get(keep, "")
+        return f"`keep_graphs={keep}`{note}"
+
+    lines = ["| width | per window | time / big batch | peak memory / big batch |", "|---|---|---|---|"]
+    by_width = {}
+    for c in sorted(sizes, key=lambda c: -c["hidden"]):
+        rows = {r["contender"]: r for r in c["rows"] if "time_ratio" in r and r["contender"] != "big batch"}
+        by_width[c["hidden"]] = rows
+        lines += [f"| {c['hidden']} | {label(name, c['pairs'] // c['micro_batch'])} | {r['time_ratio']:.2f} | "
+                  f"{r['memory_ratio']:.2f} |" for name, r in rows.items()]
+    wide, narrow = (by_width[w] for w in sorted(by_width, reverse=True)[:2])
+    half = f"WindowLoss keep {(sizes[0]['pairs'] // sizes[0]['micro_batch']) // 2}"
+    distance = max(r["distance"] for c in sizes for r in c["rows"] if r["contender"].startswith("WindowLoss"))
+    lines += ["", f"Keeping 1 graph peaks at {narrow['WindowLoss keep 1']['memory_ratio']:.2f} of the big batch against "
+              f"caching alone's {narrow['WindowLoss keep 0']['memory_ratio']:.2f} at the narrow width "
+              f"({wide['WindowLoss keep 1']['memory_ratio']:.2f} and {wide['WindowLoss keep 0']['memory_ratio']:.2f} at "
+              f"the wide one); half the graphs kept comes to {wide[half]['time_ratio']:.2f}x at about half the big "
+              f"batch's memory at the wide width, {narrow[half]['time_ratio']:.2f}x at the narrow one. Every "
+              f"`WindowLoss` row is the big batch's step to float64 rounding (distance at most {distance:.0e})."]
+    return "\n".join(lines) + "\n"
+
+
+def write_guide(sizes: List[Dict[str, Any]], path: Path) -> None:
+    """The guide's table between its markers, from this run (a path without the markers gets it alone)."""
+    path.write_text(between_markers(path.read_text() if path.exists() else "", *GUIDE, render_guide(sizes)))
 
 
 # -- sentence-transformers' trainer, per loss: the table of docs/guides/sentence-transformers.md ---------

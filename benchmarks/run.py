@@ -53,6 +53,7 @@ def main() -> None:
     where = ROOT / "runs" / "bench-quick" if QUICK else DOCS
     where.mkdir(parents=True, exist_ok=True)
     from contrastive import contrastive, st_losses, write_st_table
+    from contrastive import write_guide as write_contrastive_guide
     from distributed import count_first, distributed, window_cost
     from grpo import grpo
     from grpo import write_guide as write_grpo_guide
@@ -100,6 +101,8 @@ def main() -> None:
     (where / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
     # the MoE section's table lives in its guide (a quick run writes it beside the other figures)
     write_guide(results["moe"], where / "moe.md" if QUICK else ROOT / "docs" / "guides" / "moe.md")
+    # WindowLoss's time and memory per kept graph: the contrastive guide's table
+    write_contrastive_guide(results["contrastive"], where / "contrastive.md" if QUICK else ROOT / "docs" / "guides" / "contrastive.md")
     # GRPO/RLOO's stock-vs-exact tables live in the TRL guide
     write_grpo_guide(results["grpo"], where / "trl.md" if QUICK else ROOT / "docs" / "guides" / "trl.md")
     # bf16 accumulation and DeepSpeed per ZeRO stage: the tables of the DeepSpeed guide
