@@ -169,6 +169,27 @@ def test_llama_exact_when_token_counts_are_known_up_front(split):
     assert_params_close(model, ref)
 
 
+def test_the_hf_models_guides_table_is_what_a_llama_measures_with_and_without_counts_up_front():
+    """docs/guides/hf-models.md's table: a tiny float64 Llama (RMSNorm in float32) stepped with and without
+    ``num_items=count_targets``, under SGD and AdamW. With the counts up front the step is the big batch's;
+    without them the boundary's rescale lets the float32 part round otherwise, which AdamW amplifies. Each
+    cell of the guide is this measurement to the digits it quotes (at float64 rounding, below 1e-14, both
+    only need to be rounding: tests/transcripts.py)."""
+    from transcripts import DOCS, same_number
+
+    measured = {}
+    for row, num_items in (("with `num_items=count_targets`", count), ("without `num_items`", None)):
+        for opt_name in ("sgd", "adamw"):
+            model, ref, start = run_pair(llama, "2-2-2-1", opt_name, num_items=num_items, loss_rel=1e-6)
+            measured[row, opt_name] = update_error(model, ref, start)
+    assert max(measured["with `num_items=count_targets`", o] for o in ("sgd", "adamw")) < RTOL, measured
+    assert measured["without `num_items`", "adamw"] > 1e-7 and measured["without `num_items`", "sgd"] > 1e-9, measured
+    lines = (DOCS / "guides" / "hf-models.md").read_text().splitlines()
+    for row in ("with `num_items=count_targets`", "without `num_items`"):
+        cells = next(line for line in lines if line.startswith(f"| {row} |")).strip("| ").split(" | ")[1:]
+        assert all(same_number(q, f"{measured[row, o]:.1e}") for q, o in zip(cells, ("sgd", "adamw"))), (row, cells, measured)
+
+
 def test_hf_outputs_loss_is_float32_while_causal_lm_loss_on_the_logits_is_exact():
     """Issue item 8, still so in transformers 5.23: in a float64 model ``outputs.loss`` comes back
     float32 (its loss upcasts logits with ``.float()``, which *down*casts float64), so a ``loss_fn``
