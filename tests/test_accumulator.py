@@ -667,3 +667,48 @@ def test_a_scheduler_resumed_from_a_checkpoint_is_not_taken_for_a_second_stepper
     acc2 = Accumulator(model2, opt2, scheduler=sched2)
     sched2.load_state_dict(saved)  # a fresh process: loaded after the Accumulator was built
     assert acc2.step(batch, mse, micro_batch_size=4).step == 1 and sched2.last_epoch == 2
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_a_layer_unfrozen_after_the_accumulator_was_built_steps_as_one_big_batch(opt_name):
+    """Gradual unfreezing: the first layer frozen when the Accumulator is built, unfrozen after one window.
+    Its gradient is cleared, weighed and clipped with the window's (it was not: the parameters were taken
+    once, the trainable ones, so its gradient carried over into the next window and escaped the clip)."""
+    model = regression_model()
+    model[0].requires_grad_(False)
+    ref, opt, ref_opt = clone_pair(model, opt_name)
+    acc = Accumulator(model, opt, max_grad_norm=0.05)
+    for window, micro_batch_size in enumerate((4, 3, 4)):  # 10 items: 4+4+2 and 3+3+3+1
+        if window == 1:
+            for m in (model, ref):
+                m[0].requires_grad_(True)
+        batch = regression_batch(10, seed=window + 1)
+        result = acc.step(batch, mse, micro_batch_size=micro_batch_size)
+        reference_step(ref, ref_opt, lambda: mse(ref, batch), max_grad_norm=0.05)
+        assert result.grad_norm > 0.05  # the clip engages
+        assert_params_close(model, ref)
+        assert all(p.grad is None for p in model.parameters())  # nothing left to leak into the next window
+
+
+def test_an_optimizer_over_parameters_outside_the_model_is_refused_with_the_fix():
+    """An optimizer over a head the Accumulator's model does not hold: the head's gradient would be neither
+    cleared, weighed nor clipped with the window's (two windows were 0.57 off one big batch each, clipped 18x).
+    Refused as the Accumulator is built, naming the fix; a module holding both is exact."""
+    body, head = nn.Linear(5, 8).double(), nn.Linear(8, 3).double()
+    opt = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.1)
+    with pytest.raises(ConfigurationError, match=r"optimizer holds 2 trainable parameter\(s\) that are not the "
+                                                 r"Linear's.*nn.ModuleDict.*model.parameters\(\)"):
+        Accumulator(body, opt)
+    head.requires_grad_(False)  # a frozen one takes no step: nothing to refuse
+    Accumulator(body, opt)
+    head.requires_grad_(True)
+    both = nn.ModuleDict({"body": body, "head": head})
+    ref = copy.deepcopy(both)
+    acc = Accumulator(both, opt)
+    ref_opt = torch.optim.SGD([*ref["body"].parameters(), *ref["head"].parameters()], lr=0.1)
+    loss_fn = lambda m, b: mse(lambda x: m["head"](torch.tanh(m["body"](x))), b)  # noqa: E731
+    for seed in (1, 2):
+        batch = regression_batch(10, seed=seed)
+        acc.step(batch, loss_fn, micro_batch_size=3)
+        reference_step(ref, ref_opt, lambda: loss_fn(ref, batch))
+        assert_params_close(both, ref)

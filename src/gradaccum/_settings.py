@@ -75,12 +75,22 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
         raise ConfigurationError("model has no parameter that requires grad; there is nothing to accumulate")
     if engine is not None:
         return optimizer, params
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not any(id(p) in held for p in params):
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if not {id(p) for p in held} & {id(p) for p in params}:
         raise ConfigurationError(
             f"the optimizer holds none of the {type(model).__name__}'s {len(params)} trainable "
             "parameters, so its steps would never move the model: build it over this model's "
             "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
+        )
+    own = {id(p) for p in model.parameters()}
+    outside = [p for p in held if p.requires_grad and id(p) not in own]
+    if outside:
+        raise ConfigurationError(
+            f"the optimizer holds {len(outside)} trainable parameter(s) that are not the {type(model).__name__}'s "
+            f"(shapes {[tuple(p.shape) for p in outside][:4]}): the Accumulator clears, weighs and clips the "
+            "gradients of the model it is given, so theirs would carry over from window to window, unscaled "
+            "and unclipped. Give the Accumulator a module that holds them all (e.g. nn.ModuleDict({'body': "
+            "body, 'head': head}), the loss_fn calling its parts), or build the optimizer over model.parameters()"
         )
     scaler = getattr(optimizer, "scaler", None)  # Accelerate's prepared optimizer under fp16 carries one
     if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():

@@ -384,11 +384,13 @@ class Gradients:
         return grads if self.buffers is None else grads + self.buffers.tensors()
 
     def materialized(self) -> List[torch.Tensor]:
-        """Every parameter's ``.grad``, zeros where none was made (for an explicit reduction)."""
-        for p in self.params:
+        """Every trainable parameter's ``.grad``, zeros where none was made (for an explicit reduction; a frozen
+        one is given none, which the optimizer would step, weight decay and all)."""
+        trainable = [p for p in self.params if p.requires_grad]
+        for p in trainable:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]  # type: ignore[misc]
+        return [p.grad for p in trainable]  # type: ignore[misc]
 
     def finalize(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
         """The window's gradient (``grads``, where the caller listed them) multiplied once by ``coef`` (the

@@ -115,7 +115,9 @@ class Accumulator(Resumable):
                                        data_parallel=data_parallel)
         self.buffers = window_buffers(accum_dtype, self.sync, precision, params)
         self.state = state = AccumulatorState()
-        grads = Gradients(params, self.buffers)
+        # every parameter, not only those trainable now: one unfrozen later has its gradient cleared, weighed
+        # and clipped with the window's (a frozen one never holds a gradient the window reads)
+        grads = Gradients(list(model.parameters()), self.buffers)
         boundary = Boundary(optimizer, scheduler, state=state, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=settings.compute_grad_norm,
                             nonfinite=nonfinite, device=device)
