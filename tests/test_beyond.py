@@ -175,6 +175,20 @@ def test_accumulator_warns_once_about_batchnorm_in_training_mode():
     Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1)).step(regression_batch(8), mse, micro_batch_size=4)
 
 
+def test_a_batchnorm_held_in_eval_mode_for_a_warm_up_is_warned_about_when_it_trains():
+    """A BatchNorm frozen (eval) while the rest trains, for a first window, then trained: the warning comes at
+    the window where it trains (the first window used the warning up, so the second, 0.5 off one big batch,
+    ran without a word)."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model[1].eval()
+    acc.step(regression_batch(8), mse, micro_batch_size=4)  # nothing to warn about (warnings are errors here)
+    model[1].train()
+    with pytest.warns(UserWarning, match=r"BatchNorm layers in training mode \(1\)"):
+        acc.step(regression_batch(8), mse, micro_batch_size=4)
+    acc.step(regression_batch(8), mse, micro_batch_size=4)  # once
+
+
 def test_a_short_window_does_not_shrink_the_remembered_size():
     model = regression_model()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -12,9 +12,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._boundary import Boundary, InFlight, Totals
-from ._checks import Count, scalar_loss, split_loss_output, training_batchnorms
+from ._checks import Count, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
@@ -34,9 +35,11 @@ _NOTHING = contextlib.nullcontext()  # a block that switches nothing, a backward
 @dataclass(eq=False)
 class OpenWindow:
     """The slot a window enters and leaves: at most one window is open per Accumulator. Entering refuses a
-    second and warns once about BatchNorm layers in training mode."""
+    second and warns once about BatchNorm layers in training mode, at the first window that has one."""
 
     window: Optional["Window"] = None
+    #: the model's BatchNorm layers by name, found at the first window in training mode (none: nothing to watch)
+    batchnorms: Optional[List[Tuple[str, nn.Module]]] = None
 
     def check_idle(self) -> None:
         if self.window is not None:
@@ -50,9 +53,11 @@ class OpenWindow:
         if self.window is not None:  # before anything changes: a nested window would clear the open one
             self.check_idle()
         model, state = window.ctx.model, window.ctx.state
-        if model.training and "batchnorm" not in state.warned and state.warn_once("batchnorm"):
-            names = training_batchnorms(model)
-            if names:
+        if model.training and "batchnorm" not in state.warned:
+            if self.batchnorms is None:
+                self.batchnorms = [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+            names = [n for n, m in self.batchnorms if m.training]
+            if names and state.warn_once("batchnorm"):
                 warnings.warn(
                     f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"
                     f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
