@@ -221,22 +221,28 @@ if __name__ == "__main__":  # list each block and what the suite does with it
             print(f"{b.where:40s} {kind(b)}", file=sys.stdout)
 
 
+def benchmark(section: str):
+    """``benchmarks/<section>.py`` as a module (its imports found beside it), and the section's record in
+    docs/benchmarks.json: what a guide's table, written by ``make bench``, is held to."""
+    import importlib.util
+    import json
+
+    folder = GUIDES.parent.parent / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(f"{section}_bench", folder / f"{section}.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    finally:
+        sys.path.remove(str(folder))
+    return bench, json.loads((GUIDES.parent / "benchmarks.json").read_text())[section]
+
+
 def test_the_contrastive_guides_table_is_what_the_benchmark_renders():
     """docs/guides/contrastive.md's WindowLoss table, and the figures its text compares, are
     ``benchmarks/contrastive.py``'s rendering of the recorded run (docs/benchmarks.json): a ratio edited by hand,
     or a record the guide was not rewritten from, fails here."""
-    import importlib.util
-    import json
-
-    benchmarks = GUIDES.parent.parent / "benchmarks"
-    sys.path.insert(0, str(benchmarks))
-    try:
-        spec = importlib.util.spec_from_file_location("contrastive_bench", benchmarks / "contrastive.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    finally:
-        sys.path.remove(str(benchmarks))
-    recorded = json.loads((GUIDES.parent / "benchmarks.json").read_text())["contrastive"]
+    bench, recorded = benchmark("contrastive")
     section = (GUIDES / "contrastive.md").read_text().split(bench.GUIDE[0])[1].split(bench.GUIDE[1])[0]
     assert section == "\n" + bench.render_guide(recorded)
     assert "| 64 | `keep_graphs=1` (the default) |" in section  # both widths, each keep setting named
@@ -247,18 +253,8 @@ def test_the_trl_guides_grpo_table_is_what_the_benchmark_renders():
     (docs/benchmarks.json): a number or a scenario edited by hand, or a scenario the worker no longer runs
     left in the record, fails here."""
     import ast
-    import importlib.util
-    import json
 
-    benchmarks = GUIDES.parent.parent / "benchmarks"
-    sys.path.insert(0, str(benchmarks))
-    try:
-        spec = importlib.util.spec_from_file_location("grpo_bench", benchmarks / "grpo.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    finally:
-        sys.path.remove(str(benchmarks))
-    recorded = json.loads((GUIDES.parent / "benchmarks.json").read_text())["grpo"]
+    bench, recorded = benchmark("grpo")
     section = (GUIDES / "trl.md").read_text().split(bench.START)[1].split(bench.END)[0]
     assert section == "\n" + bench.render(recorded)
     # the DDP lines are the scenarios test_grpo_distributed.py asserts, no more (read from its source: importing
