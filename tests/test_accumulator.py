@@ -278,6 +278,27 @@ def test_window_with_zero_items_takes_no_step_and_says_so_once():
     assert acc.step([mb], lm_loss).skipped  # no second warning (warnings are errors in this suite)
 
 
+@pytest.mark.parametrize("first", ["empty", "nonfinite"])
+def test_a_skipped_window_of_each_kind_is_said_once_on_its_own(first):
+    """A window of no item and a window whose loss is not finite are two warnings, each given once: the
+    one given first (either) does not use up the other's, so a run whose labels once were all ignored
+    still hears that a later window's loss overflowed and was skipped."""
+    model = regression_model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = regression_batch(4)
+    windows = {"empty": ((x, y), dict(num_items=lambda mb: 0), "counted 0 items"),
+               "nonfinite": ((x, y * float("nan")), {}, "loss was not finite, so it was skipped")}
+    order = [first, "nonfinite" if first == "empty" else "empty"]
+    for kind in order:
+        batch, kw, said = windows[kind]
+        with pytest.warns(UserWarning, match=said):
+            assert acc.step(batch, mse, micro_batch_size=2, **kw).skipped
+    for kind in order:  # each said once (warnings are errors in this suite)
+        batch, kw, _ = windows[kind]
+        assert acc.step(batch, mse, micro_batch_size=2, **kw).skipped
+    assert acc.skipped == 4 and acc.steps == 0
+
+
 def test_bf16_autocast_runs_and_matches_fp32_roughly():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))

@@ -159,6 +159,30 @@ def test_fp32_buffers_hand_the_optimizer_a_rounded_gradient_and_clear_themselves
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
 
 
+def test_the_norm_of_a_bf16_models_window_is_read_in_float32_beside_its_bf16_losses():
+    """A bf16 model whose loss_fn returns a bf16 mean: the window's norm, measured on the float32 buffers'
+    sum, is read from the device in float32 with its bf16 losses (one copy, in the wider of their dtypes),
+    not rounded to bf16 (8 bits: up to 0.4% off, which StepResult.grad_norm and the clip coefficient would
+    carry). Small integers make every micro-batch's bf16 gradient exact, so the float64 big batch's norm is
+    the oracle to float32's rounding (1e-6); its bf16 rounding, measured beside, is over 100 times that off."""
+    g = torch.Generator().manual_seed(2)
+    model = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.copy_(torch.randint(-1, 2, (8, 8), generator=g).to(torch.bfloat16))
+    x = torch.randint(-1, 2, (16, 8), generator=g).to(torch.bfloat16)
+    y = torch.randint(-8, 9, (16, 8), generator=g).to(torch.bfloat16)
+    ref = model.weight.detach().double().clone().requires_grad_()
+    nn.functional.mse_loss(x.double() @ ref.T, y.double()).backward()
+    exact = ref.grad.norm().item()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), compute_grad_norm=True)
+    bf16_mean = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    result = acc.step((x, y), bf16_mean, micro_batch_size=4)
+    assert bf16_mean(model, (x, y)).dtype == torch.bfloat16
+    assert result.grad_norm == pytest.approx(exact, rel=1e-6)
+    rounded = torch.tensor(exact).bfloat16().item()
+    assert abs(rounded - exact) > 1e-4 * exact  # the test has teeth: a norm read in bf16 is this far off
+
+
 def test_fp32_buffers_are_refused_where_they_cannot_work():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="accum_dtype with precision='fp16'"):
@@ -197,3 +221,50 @@ def test_a_short_window_does_not_shrink_the_remembered_size():
     acc.step(regression_batch(5), oom_above(100, "cpu", log), micro_batch_size="auto")
     acc.step(regression_batch(16), oom_above(100, "cpu", log), micro_batch_size="auto")
     assert log == [16, 5, 16] and acc.auto_micro_batch_size == 16
+
+
+def _kept_mean_oom_above(limit: int, log: list):
+    """A bare mean over the rows a mask keeps (their count is given as ``num_items``, not returned), out of
+    memory on micro-batches above ``limit`` rows."""
+    def loss_fn(model, batch):
+        x, y, keep = batch
+        log.append(len(x))
+        if len(x) > limit:
+            raise OOM_ERRORS["cuda"]()
+        return ((model(x) - y).pow(2).mean(dim=1) * keep).sum() / keep.sum()
+    return loss_fn
+
+
+@pytest.mark.parametrize("via", ["step", "train"])
+def test_auto_weighs_a_bare_mean_by_num_items_after_backing_off(via):
+    """micro_batch_size="auto" with num_items=: each re-split micro-batch's bare mean weighs by the items
+    num_items counts in it (here 5, 1, 4 and 2 kept rows of 5), not by its rows; the window is the big
+    batch's mean over its 12 kept rows. Weighing by rows (what num_items=None does) moves the weights
+    elsewhere, which the test measures beside."""
+    x, y = regression_batch(20)
+    keep = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 1, 1, 0, 1, 0, 0, 1], dtype=torch.float64)
+    batch, count = (x, y, keep), (lambda mb: int(mb[2].sum()))
+
+    def run(num_items):
+        model = regression_model()
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        log: list = []
+        if via == "step":
+            result = acc.step(batch, _kept_mean_oom_above(6, log), micro_batch_size="auto", num_items=num_items)
+        else:  # one window of four loader micro-batches, joined and re-split
+            loader = [(x[i:i + 5], y[i:i + 5], keep[i:i + 5]) for i in range(0, 20, 5)]
+            [result] = acc.train(loader, _kept_mean_oom_above(6, log), accum_steps=4, micro_batch_size="auto",
+                                 num_items=num_items)
+        assert log[:2] == [20, 10] and acc.auto_micro_batch_size == 5  # it backed off twice
+        return model, result
+
+    model, result = run(count)
+    ref = regression_model()
+    big_batch = _kept_mean_oom_above(20, [])  # one mean over the 12 kept rows of 20
+    ref_loss = reference_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), lambda: big_batch(ref, batch))
+    assert result.num_items == 12 and result.loss == pytest.approx(ref_loss, rel=1e-10)
+    assert_params_close(model, ref)
+    by_rows, rows_result = run(None)
+    assert rows_result.num_items == 20
+    with pytest.raises(AssertionError):  # the test has teeth: weighing by rows is not the big batch
+        assert_params_close(by_rows, ref, rtol=1e-4, atol=1e-6)

@@ -174,6 +174,49 @@ def test_train_resumes_mid_epoch_from_the_sampler_state(resume_micro, stop_at):
         assert_params_close(model, whole_model)
 
 
+def test_a_window_that_raised_is_not_counted_done_and_a_resume_trains_it():
+    """A window whose step raised (a preemption inside loss_fn, nonfinite="raise") took no step: the sampler's
+    position, which a checkpoint saves, still points at it, so a resume from the checkpoint taken after the
+    error trains it, and the run is the uninterrupted one bit for bit. A position counted as done would skip
+    the window's items."""
+    dataset, _, _ = data()
+    kw = dict(dataset_size=29, global_batch_size=8, micro_batch_size=3, seed=2, rank=0, world_size=1)
+
+    def fresh():
+        model = regression_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        sampler = WindowSampler(**kw)
+        return model, opt, Accumulator(model, opt), sampler, DataLoader(dataset, batch_sampler=sampler)
+
+    whole_model, _, whole_acc, _, whole_loader = fresh()
+    list(whole_acc.train(whole_loader, mse))
+    calls = []
+
+    class Preempted(Exception):
+        pass
+
+    def preempted(model, mb):
+        calls.append(1)
+        if len(calls) == 5:  # window 1's second micro-batch (3 per window of 8)
+            raise Preempted
+        return mse(model, mb)
+
+    model, opt, acc, sampler, loader = fresh()
+    with pytest.raises(Preempted):
+        list(acc.train(loader, preempted))
+    assert acc.steps == 1 and sampler.state_dict()["window"] == 1  # window 1 is still to do
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "acc": acc.state_dict(),
+                           "sampler": sampler.state_dict()})
+    model, opt, acc, sampler, loader = fresh()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    acc.load_state_dict(saved["acc"])
+    sampler.load_state_dict(saved["sampler"])
+    rest = list(acc.train(loader, mse, epochs=1 - acc.epoch))
+    assert [(r.window, r.step) for r in rest] == [(1, 2), (2, 3), (3, 4)]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole_model.parameters()))
+
+
 def test_train_refuses_accum_steps_or_drop_last_beside_a_window_sampler():
     dataset, _, _ = data()
     loader = DataLoader(dataset, batch_sampler=WindowSampler(29, 8, 3, rank=0, world_size=1))
