@@ -118,7 +118,7 @@ SGD makes none), the median over repeats of the time against the hand loop in th
 both ranks' windows. "the same DataLoader" is
 `acc.train` over the hand loop's own `DistributedSampler` loader (no agreement per window; its items
 are summed at the boundary). "(the floor)" is the hand loop plus the boundary's all-reduce that
-`acc.step` adds: six numbers (the loss sum, the count, four flags) launched after the last forward, read
+`acc.step` adds: five numbers (the loss sum, the count, three flags) launched after the last forward, read
 on the host after the last backward. No design that learns the window's global item count at its end can
 cost less, so the gap between it and the hand loop is what that knowledge costs on this machine: `acc.step`
 weighs by the last window's N and rescales by `R / N` at the boundary (next section), so that this one

@@ -43,7 +43,7 @@ def test_host_loss_sum_is_the_device_sum():
     """The loss sum read on the host (one process) is the float64 sum on the device, bit for bit, and
     the item-weighted sum of the micro-batches' means."""
     means = [torch.tensor(v, dtype=torch.float32) for v in (0.3, 1.7, 0.05, 2.2)]
-    tally = Tally([(mean, n, False) for mean, n in zip(means, SIZES)], torch.float64)
+    tally = Tally(list(zip(means, SIZES)), torch.float64)
     host, _ = tally.read()
     assert host == tally.loss_sum.item()
     assert host == pytest.approx(sum(float(m) * n for m, n in zip(means, SIZES)), rel=1e-15)

@@ -29,7 +29,7 @@ __all__ = ["Tally", "Totals", "Boundary", "InFlight", "ExchangeRow", "Exchanged"
 class Totals(NamedTuple):
     """What one rank's window hands the boundary."""
 
-    tally: List[Tuple[torch.Tensor, Any, bool]]  #: this rank's micro-batches: ``(mean loss, count, from loss_fn)``
+    tally: List[Tuple[torch.Tensor, Any]]  #: this rank's micro-batches: ``(mean loss, count)``
     weights: WindowWeights  #: the window's weighting, which closes and records it
     ran: bool  #: this rank ran any micro-batch, padding included (for the empty-window warning)
     can_pad_next: bool = True  #: this rank has a micro-batch to pad its next window with
@@ -43,14 +43,13 @@ class Tally:
     micro-batch's mean loss and count in order, the counts' sum apart for Python numbers (``host_items``) and
     device tensors (``device_items``), and ``sum n_k L_k`` in ``dtype`` (float64, :func:`count_dtype`)."""
 
-    __slots__ = ("losses", "counts", "host_items", "device_items", "counts_from_loss_fn", "dtype")
+    __slots__ = ("losses", "counts", "host_items", "device_items", "dtype")
 
-    def __init__(self, entries: Sequence[Tuple[torch.Tensor, Any, bool]], dtype: torch.dtype) -> None:
+    def __init__(self, entries: Sequence[Tuple[torch.Tensor, Any]], dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.losses = [loss for loss, _, _ in entries]
+        self.losses = [loss for loss, _ in entries]
         # a tensor count in the sum's dtype (float64), so that n_k L_k is not rounded (nor overflows) in the loss's
-        self.counts = [count.to(dtype) if isinstance(count, torch.Tensor) else count for _, count, _ in entries]
-        self.counts_from_loss_fn = any(own for _, _, own in entries)
+        self.counts = [count.to(dtype) if isinstance(count, torch.Tensor) else count for _, count in entries]
         numbers = [c for c in self.counts if not isinstance(c, torch.Tensor)]
         tensors = [c for c in self.counts if isinstance(c, torch.Tensor)]
         self.host_items = functools.reduce(operator.add, numbers, 0.0)  # in order: sum() compensates from Python 3.12
@@ -74,7 +73,7 @@ class Tally:
         """One process with its counts on the host: ``sum n_k L_k`` (added on the host in float64, in order)
         and ``norm`` (when given), read in one device-to-host copy.
 
-        >>> t = Tally([(torch.tensor(0.5), 4, False), (torch.tensor(0.25), 2, False)], torch.float64)
+        >>> t = Tally([(torch.tensor(0.5), 4), (torch.tensor(0.25), 2)], torch.float64)
         >>> t.read(), t.loss_sum.item()
         ((2.5, None), 2.5)
         """
@@ -196,8 +195,7 @@ class Boundary:
         items = total.new_tensor(tally.host_items)
         if tally.device_items is not None:
             items = items + tally.device_items
-        flags = total.new_tensor([float(totals.can_pad_next), float(self._stop_now()),
-                                  float(tally.counts_from_loss_fn), float(totals.counted_first)])
+        flags = total.new_tensor([float(totals.can_pad_next), float(self._stop_now()), float(totals.counted_first)])
         row = torch.cat([torch.stack([total, items]), flags])
         if square_norm is not None:
             row = torch.cat([row, square_norm.to(row).reshape(1)])
@@ -212,8 +210,7 @@ class Boundary:
         if tally is not None and not self.sync.shares_windows and tally.device_items is None:
             # one process, counts on the host already: the losses and the norm read in the window's one host sync
             loss_sum, raw = tally.read(total_norm(grads, self.device) if self.measure else None)  # type: ignore
-            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(), tally.counts_from_loss_fn,
-                             totals.counted_first)
+            return Exchanged(loss_sum, tally.host_items, raw, True, self._stop_now(), totals.counted_first)
         if tally is None:
             row, square = in_flight.wait(), None  # type: ignore[union-attr]
         else:  # with this rank's part of the squared norm, summed in the all-reduce (FSDP2)
@@ -224,7 +221,7 @@ class Boundary:
         told = ExchangeRow(*host["row"])
         raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
-                         told.counts_from_loss_fn > 0, told.counted_first >= self.sync.group_size)
+                         told.counted_first >= self.sync.group_size)
 
     def _skip(self, closing: Closing, loss_sum: float, totals: Totals) -> None:
         decision, grad_norm = closing.verdict, closing.grad_norm
@@ -299,7 +296,6 @@ class ExchangeRow(NamedTuple):
     num_items: float           #: N
     can_pad_next: float        #: ranks that can pad a later window (all of them: the group's size)
     stop: float                #: ranks that asked to stop since the last boundary
-    counts_from_loss_fn: float  #: ranks whose loss_fn returned its own counts
     counted_first: float       #: ranks that counted the window's items before its first backward
     square_norm: float = math.nan  #: FSDP2: the shards' squared gradient norms, when measured
 
@@ -312,7 +308,6 @@ class Exchanged(NamedTuple):
     raw_norm: Optional[float]  # the reduced gradient's norm before the boundary scale, when measured
     peers_can_pad: bool  # every rank has a micro-batch to pad a later window with
     stop: bool  # some rank asked to stop
-    counts_from_loss_fn: bool  # some rank's loss_fn returned its own counts
     counted_first: bool  # every rank counted the window's items before its first backward
 
 

@@ -248,6 +248,5 @@ class RankAgreement:
         upfront = plan.items if plan is not None and plan.items is not None else counted and counted.value
         if upfront and told.num_items > 0:
             self.state.count_ratio = told.num_items / upfront
-        self.state.counts_from_loss_fn = told.counts_from_loss_fn
         if self.rules.shares_windows:
             self.state.counts_first, self.state.peers_can_pad = told.counted_first, told.peers_can_pad

@@ -60,8 +60,6 @@ class AccumulatorState:
     Start afresh in a new process:
 
     Attributes:
-        counts_from_loss_fn: some rank's ``loss_fn`` returned its own counts (a ``(mean, count)`` pair)
-            in the last window. ``learn``.
         peers_can_pad: every rank had a micro-batch to pad with at the last boundary, so a DDP rank may
             plan a window alone. ``learn``.
         padding_batch: the micro-batch this rank repeats with zero weight in a window where it has none:
@@ -87,7 +85,6 @@ class AccumulatorState:
     auto_micro_batch_size: Optional[int] = _saved(None, int)
     counts_first: bool = _saved(False, bool)
 
-    counts_from_loss_fn: bool = False
     peers_can_pad: bool = False
     padding_batch: Any = field(default=None, repr=False)
     scheduler_at: Optional[int] = None

@@ -152,7 +152,7 @@ class Window:
         self.setup: Optional[Setup] = None
         self._weights: Optional[WindowWeights] = None  # see the weights property
         self.done = 0  # micro-batches run, flush and padding included
-        self.tally: List[Tuple[torch.Tensor, Count, bool]] = []  # per micro-batch: mean loss, count, from loss_fn
+        self.tally: List[Tuple[torch.Tensor, Count]] = []  # per micro-batch: mean loss, count
         self.current: Optional[_MicroBatch] = None  # the micro_batch() block running now, entered when
         self.entered_at = 0  # this many micro-batches were done (its backward makes it one more)
         self.reduced = False  # the backward that reduces across ranks has run
@@ -213,14 +213,13 @@ class Window:
             return self.ctx.plain  # no switch to flip, nothing reduces: one context serves them all
         return _MicroBatch(self.ctx.slot, last and self.ctx.sync.shares_windows and not self.request.defer, self)
 
-    def backward(self, loss: torch.Tensor, num_items: Count, *, from_loss_fn: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, num_items: Count) -> None:
         """Backpropagate ``loss`` with the weight ``n_k * W / R``; file it and its count in the tally.
 
         Args:
             loss: the **mean** loss over the micro-batch's items, a scalar tensor.
             num_items: how many items that mean is over (an int, a float weight, or a tensor left on the
                 device). 0 items weigh nothing, nan mean and backward included.
-            from_loss_fn: ``loss_fn`` counted ``num_items`` itself (a ``(mean, count)`` pair).
         """
         if self.current is None or self.done != self.entered_at or self.reduced or type(loss) is not torch.Tensor \
                 or loss.dim() or not loss.requires_grad:  # the common scalar loss in its block passes straight on
@@ -236,7 +235,7 @@ class Window:
         if weight is None:  # n_k * W / R, once per window and Python count (mean_weight keeps it in weight_of)
             weight = weights.mean_weight(num_items, loss.dtype)  # type: ignore[union-attr]  # R is fixed
         weighted = loss * weight
-        self.tally.append((loss.detach(), num_items, from_loss_fn))
+        self.tally.append((loss.detach(), num_items))
         if counted and self.ctx.direct:  # one process in fp32: the seam's backward, with nothing around it
             self.ctx.sync.backward(weighted)
             self.done += 1
@@ -253,7 +252,7 @@ class Window:
                       num_items: Count) -> None:
         """A window loss's part (:mod:`gradaccum._cached`): ``outputs`` backpropagated with ``grads``, weighed."""
         _checked(self, None)
-        self.tally.append((loss.detach(), num_items, False))
+        self.tally.append((loss.detach(), num_items))
         self._before_reduction()
         with torch.autocast(device_type=self.ctx.device.type, enabled=False):
             torch.autograd.backward(list(outputs), list(grads))
@@ -280,7 +279,7 @@ class Window:
                         self.backward(out, count)
                     else:
                         loss, counted = split_loss_output(out, count)
-                        self.backward(loss, counted, from_loss_fn=isinstance(out, (tuple, list)))
+                        self.backward(loss, counted)
         except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error to catch
             if not (catch_oom and is_out_of_memory(error)):
                 raise
