@@ -717,11 +717,12 @@ def test_an_optimizer_over_parameters_outside_the_model_is_refused_with_the_fix(
     Refused as the Accumulator is built, naming the fix; a module holding both is exact."""
     body, head = nn.Linear(5, 8).double(), nn.Linear(8, 3).double()
     opt = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.1)
-    with pytest.raises(ConfigurationError, match=r"optimizer holds 2 trainable parameter\(s\) that are not the "
+    with pytest.raises(ConfigurationError, match=r"optimizer holds 2 parameter\(s\) that are not the "
                                                  r"Linear's.*nn.ModuleDict.*model.parameters\(\)"):
         Accumulator(body, opt)
-    head.requires_grad_(False)  # a frozen one takes no step: nothing to refuse
-    Accumulator(body, opt)
+    head.requires_grad_(False)  # frozen now, it may be unfrozen later: refused too
+    with pytest.raises(ConfigurationError, match="not the Linear's"):
+        Accumulator(body, opt)
     head.requires_grad_(True)
     both = nn.ModuleDict({"body": body, "head": head})
     ref = copy.deepcopy(both)

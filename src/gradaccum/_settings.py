@@ -83,14 +83,16 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
             "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
         )
     own = {id(p) for p in model.parameters()}
-    outside = [p for p in held if p.requires_grad and id(p) not in own]
+    outside = [p for p in held if id(p) not in own]  # a frozen one too: it may be unfrozen later
     if outside:
         raise ConfigurationError(
-            f"the optimizer holds {len(outside)} trainable parameter(s) that are not the {type(model).__name__}'s "
+            f"the optimizer holds {len(outside)} parameter(s) that are not the {type(model).__name__}'s "
             f"(shapes {[tuple(p.shape) for p in outside][:4]}): the Accumulator clears, weighs and clips the "
             "gradients of the model it is given, so theirs would carry over from window to window, unscaled "
             "and unclipped. Give the Accumulator a module that holds them all (e.g. nn.ModuleDict({'body': "
-            "body, 'head': head}), the loss_fn calling its parts), or build the optimizer over model.parameters()"
+            "body, 'head': head}), the loss_fn calling its parts), or build the optimizer over model.parameters() "
+            "(under FSDP2 after model.reshard(), where a forward ran since fully_shard and left the root's "
+            "parameters unsharded)"
         )
     scaler = getattr(optimizer, "scaler", None)  # Accelerate's prepared optimizer under fp16 carries one
     if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():

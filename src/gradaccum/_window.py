@@ -6,6 +6,7 @@ one micro-batch through it.
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -30,6 +31,7 @@ from ._autosize import is_out_of_memory
 __all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves"]
 
 _NOTHING = contextlib.nullcontext()  # a block that switches nothing, a backward that guards nothing
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass(eq=False)
@@ -52,7 +54,15 @@ class OpenWindow:
     def enter(self, window: "Window") -> None:
         if self.window is not None:  # before anything changes: a nested window would clear the open one
             self.check_idle()
-        model, state = window.ctx.model, window.ctx.state
+        model, state, grads = window.ctx.model, window.ctx.state, window.ctx.grads
+        if tuple(map(_REQUIRES_GRAD, grads.params)) != grads.trainable:  # frozen or unfrozen since the last window
+            if window.ctx.sync.replicated_grads:
+                raise ConfigurationError(
+                    "a parameter's requires_grad changed since the Accumulator was built: DDP reduces the parameters "
+                    "that required grad when it wrapped the model, so the replicas would drift apart without a "
+                    "word. After freezing or unfreezing, wrap the model in DDP again and build a new Accumulator "
+                    "over it (acc.state_dict() carries the Accumulator's state over)")
+            grads.trainable = tuple(map(_REQUIRES_GRAD, grads.params))
         if model.training and "batchnorm" not in state.warned:
             if self.batchnorms is None:
                 self.batchnorms = [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]

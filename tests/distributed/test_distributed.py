@@ -43,6 +43,7 @@ SCENARIOS = [
     "clipped_train_over_a_window_sampler_costs_one_collective_per_window",
     "ddp_a_micro_batch_of_no_item_weighs_nothing",
     "fsdp2_a_micro_batch_of_no_item_weighs_nothing",
+    "ddp_a_layer_unfrozen_after_wrapping_is_refused_on_every_rank",
     "torchrun_guide_runs_as_written",
 ]
 

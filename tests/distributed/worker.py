@@ -1035,6 +1035,29 @@ def clipped_train_over_a_window_sampler_costs_one_collective_per_window():
     return "collectives per window: " + ", ".join(notes)
 
 
+def ddp_a_layer_unfrozen_after_wrapping_is_refused_on_every_rank():
+    """DDP reduces the parameters that required grad when it wrapped the model: a layer unfrozen later is never
+    reduced, and the replicas drift apart (0.042 after three windows). Refused at the next window on every
+    rank, before anything changes; freezing it again is the state DDP was built for, and trains on."""
+    model = DDP(model_fn())  # its `extra` branch frozen
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    acc.step(window_of(RANK), mse)
+    model.module.extra.requires_grad_(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        acc.step(window_of(RANK, 10), mse)
+    except ConfigurationError as e:
+        assert "wrap the model in DDP again" in str(e), e
+    else:
+        raise AssertionError("a layer unfrozen under DDP was trained without a word")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and acc.steps == 1
+    model.module.extra.requires_grad_(False)
+    acc.step(window_of(RANK, 10), mse)
+    close(model.module, reference([[window_of(r) for r in range(WORLD)], [window_of(r, 10) for r in range(WORLD)]],
+                                  "sgd"))
+    return "refused on every rank, nothing changed; frozen again, exact"
+
+
 def _masked_window(rank: int):
     """Rank 0: 3 micro-batches, the middle one of 0 items; rank 1: 2, the last (the reducing one) of 0."""
     masks = {0: [[1, 0, 1], [0, 0], [1, 1, 0, 1]], 1: [[1, 1, 0, 1], [0, 0, 0]]}[rank]
@@ -1143,7 +1166,7 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              ddp_train_over_a_distributed_sampler_asks_once_per_epoch,
              clipped_train_over_a_window_sampler_costs_one_collective_per_window,
              ddp_a_micro_batch_of_no_item_weighs_nothing, fsdp2_a_micro_batch_of_no_item_weighs_nothing,
-             torchrun_guide_runs_as_written]
+             ddp_a_layer_unfrozen_after_wrapping_is_refused_on_every_rank, torchrun_guide_runs_as_written]
 
 
 if __name__ == "__main__":
