@@ -14,7 +14,7 @@ from torch import nn
 from .errors import ConfigurationError, NotExactError
 
 __all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count",
-           "scalar_loss", "split_loss_output", "as_number", "training_batchnorms", "ROWS", "holds_ignored_labels",
+           "scalar_loss", "split_loss_output", "as_number", "batchnorms", "training_batchnorms", "ROWS", "holds_ignored_labels",
            "padded_rows_refusal"]
 
 #: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
@@ -99,11 +99,15 @@ def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", whe
     return loss
 
 
-def training_batchnorms(model: nn.Module) -> List[str]:
-    """Names of the BatchNorm layers in training mode: their statistics are per micro-batch, so
+def batchnorms(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The model's BatchNorm layers by name: in training mode their statistics are per micro-batch, so
     accumulation over them is not one big batch."""
-    return [name for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def training_batchnorms(model: nn.Module) -> List[str]:
+    """Names of the BatchNorm layers in training mode (:func:`batchnorms`)."""
+    return [name for name, m in batchnorms(model) if m.training]
 
 
 def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> bool:

@@ -74,6 +74,10 @@ class AccumulatorState:
             the first, held weakly by identity. The end of their first window (``_cached``).
         warned: the one-time warnings already given (BatchNorm in training when a window opens; an empty
             or non-finite window at the boundary).
+        trainable: each model parameter's ``requires_grad`` when the last window opened (the Accumulator's
+            construction before the first): a change under DDP is refused. ``OpenWindow.enter``.
+        batchnorms: the model's BatchNorm layers by name, found at the first window in training mode and
+            watched until one trains (none: nothing to watch). ``OpenWindow.enter``.
     """
 
     steps: int = _saved(0, int)
@@ -93,6 +97,8 @@ class AccumulatorState:
     stops_carried: int = 0
     checked_replays: _Seen = field(default_factory=_Seen, repr=False)
     warned: Set[str] = field(default_factory=set)
+    trainable: Tuple[bool, ...] = ()
+    batchnorms: Optional[List[Tuple[str, Any]]] = field(default=None, repr=False)
 
     def saved(self) -> Dict[str, Any]:
         """The saved fields, by their ``state_dict`` key (the field's name)."""

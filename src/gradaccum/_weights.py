@@ -367,8 +367,6 @@ class Gradients:
     def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
         self.params = list(params)
         self.buffers = buffers
-        #: which parameters required grad at the last window's start (a change under DDP is refused)
-        self.trainable = tuple(p.requires_grad for p in self.params)
         folded = set() if buffers is None else {id(p) for p in buffers.params}
         #: the parameters whose gradient sums in ``.grad`` (with buffers: those already of the buffers' dtype)
         self.unbuffered = [p for p in self.params if id(p) not in folded]

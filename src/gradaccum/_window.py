@@ -13,10 +13,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._boundary import Boundary, InFlight, Totals
-from ._checks import Count, scalar_loss, split_loss_output
+from ._checks import Count, batchnorms, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._ranks import RankAgreement, Request, Setup
 from ._state import AccumulatorState
@@ -40,8 +39,6 @@ class OpenWindow:
     second and warns once about BatchNorm layers in training mode, at the first window that has one."""
 
     window: Optional["Window"] = None
-    #: the model's BatchNorm layers by name, found at the first window in training mode (none: nothing to watch)
-    batchnorms: Optional[List[Tuple[str, nn.Module]]] = None
 
     def check_idle(self) -> None:
         if self.window is not None:
@@ -54,19 +51,20 @@ class OpenWindow:
     def enter(self, window: "Window") -> None:
         if self.window is not None:  # before anything changes: a nested window would clear the open one
             self.check_idle()
-        model, state, grads = window.ctx.model, window.ctx.state, window.ctx.grads
-        if tuple(map(_REQUIRES_GRAD, grads.params)) != grads.trainable:  # frozen or unfrozen since the last window
+        model, state, params = window.ctx.model, window.ctx.state, window.ctx.grads.params
+        trainable = tuple(map(_REQUIRES_GRAD, params))
+        if trainable != state.trainable:  # frozen or unfrozen since the last window
             if window.ctx.sync.replicated_grads:
                 raise ConfigurationError(
                     "a parameter's requires_grad changed since the Accumulator was built: DDP reduces the parameters "
                     "that required grad when it wrapped the model, so the replicas would drift apart without a "
                     "word. After freezing or unfreezing, wrap the model in DDP again and build a new Accumulator "
                     "over it (acc.state_dict() carries the Accumulator's state over)")
-            grads.trainable = tuple(map(_REQUIRES_GRAD, grads.params))
+            state.trainable = trainable
         if model.training and "batchnorm" not in state.warned:
-            if self.batchnorms is None:
-                self.batchnorms = [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
-            names = [n for n, m in self.batchnorms if m.training]
+            if state.batchnorms is None:
+                state.batchnorms = batchnorms(model)
+            names = [n for n, m in state.batchnorms if m.training]
             if names and state.warn_once("batchnorm"):
                 warnings.warn(
                     f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"

@@ -118,6 +118,7 @@ class Accumulator(Resumable):
         # every parameter, not only those trainable now: one unfrozen later has its gradient cleared, weighed
         # and clipped with the window's (a frozen one never holds a gradient the window reads)
         grads = Gradients(list(model.parameters()), self.buffers)
+        state.trainable = tuple(p.requires_grad for p in grads.params)
         boundary = Boundary(optimizer, scheduler, state=state, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=settings.compute_grad_norm,
                             nonfinite=nonfinite, device=device)
