@@ -139,6 +139,53 @@ def test_the_opt_out_sums_in_bf16_and_drifts_with_the_window(errors):
     assert e["param"] > 1.5 * e["floor"], e
 
 
+def unfreezing_error(frozen_at_first: bool, **kwargs) -> float:
+    """The relative error from the float64 big batch of the gradient handed over in a bf16 GPT-2's second
+    window (16 micro-batches), its blocks ``frozen_at_first`` (when the Accumulator is built and through a
+    first window of 2 micro-batches, then unfrozen) or trainable throughout; ``kwargs`` go to the Accumulator."""
+    with torch.random.fork_rng():
+        torch.set_num_threads(1)  # the same bf16 kernels on every side
+        torch.manual_seed(0)
+        model, mbs = gpt2(0).to(torch.bfloat16), window(16, 0)
+        blocks = list(model.transformer.h.parameters())
+        for p in blocks:
+            p.requires_grad_(not frozen_at_first)
+        sink: List[torch.Tensor] = []
+        acc = Accumulator(model, Capture(model.parameters(), sink), **kwargs)
+        acc.step(mbs[:2], lm_loss)
+        for p in blocks:
+            p.requires_grad_(True)
+        acc.step(mbs, lm_loss)
+        exact = big_batch_gradient(gpt2(0).to(torch.bfloat16), mbs)
+    return ((sink[-1] - exact).norm() / exact.norm()).item()
+
+
+def test_a_bf16_layer_unfrozen_after_the_accumulator_was_built_sums_in_float32_too():
+    """Gradual unfreezing: the blocks are frozen when the Accumulator is built and through a first window,
+    then unfrozen. Their gradient in the next window is summed in the float32 buffers, to the bit as if they
+    had been trainable throughout, not in their bf16 ``.grad`` (the opt-out's error, measured beside it)."""
+    got = unfreezing_error(True)
+    assert got == unfreezing_error(False), got
+    assert unfreezing_error(True, accum_dtype="param") > 1.1 * got, got
+
+
+def test_the_drivers_buffers_take_a_bf16_parameter_frozen_when_they_are_built():
+    """ExactTrainer's and ExactAccumulation's buffers are built once, before a callback may unfreeze a layer
+    (Lightning's BaseFinetuning): a frozen bf16 parameter is hooked as the first window after its unfreezing
+    opens, and folds into float32 from then on."""
+    from gradaccum.accumulator import driver_buffers
+
+    p = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+    buffers = driver_buffers("ExactAccumulation", [p], "auto", owns_the_sum=True, fix="")
+    assert buffers is not None and buffers.params == [p]
+    p.requires_grad_(True)
+    buffers.open()
+    (p.float() * 3).sum().backward()
+    assert p.grad is None and buffers.tensors()[0].dtype == torch.float32  # folded by its hook
+    buffers.write_grads_()
+    assert torch.equal(p.grad, torch.full((4,), 3.0, dtype=torch.bfloat16))
+
+
 def test_float32_buffers_cost_the_bf16_gradients_bytes_again():
     """Measured by PeakMeter: the default holds float32 buffers (4 bytes a parameter) where the opt-out
     holds the bf16 ``.grad`` (2 bytes): the net cost is 2 bytes a parameter, the bf16 parameters' own

@@ -45,16 +45,19 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
                    params: Sequence[torch.nn.Parameter]) -> Optional[AccumulationBuffers]:
     """The Accumulator's window buffers: ``"auto"``, float32 ones for a single process's bf16/fp16 parameters
     (none, with a :class:`LowPrecisionWarning`, where a wrapper or GradScaler owns the sum); a dtype, its own
-    (refused under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``); ``"param"`` or None: none."""
+    (refused under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``); ``"param"`` or None: none. ``params``:
+    every parameter of the model, a frozen one too (unfrozen later, it sums in the buffers)."""
     if accum_dtype is None or accum_dtype == "param":
         return None
     if accum_dtype == "auto":
         if not sync.shares_windows and not any(p.dtype in LOW_PRECISION for p in params):
             return None
         if sync.shares_windows or precision == "fp16":  # the wrapper, or the scaler, owns the sum
-            cost = sync.low_precision_sum(params) if sync.shares_windows else (
+            trainable = [p for p in params if p.requires_grad]
+            cost = sync.low_precision_sum(trainable) if sync.shares_windows else (
                 "precision='fp16' with bf16/fp16 parameters: GradScaler unscales float32 gradients only, so the "
-                "window's gradient is summed in the parameters' own dtype")
+                "window's gradient is summed in the parameters' own dtype"
+            ) if any(p.dtype in LOW_PRECISION for p in trainable) else None
             if cost is not None:
                 warnings.warn(f"{cost}. That sum {_ROUNDS}. Pass accum_dtype='param' to accept it without this "
                               "warning", LowPrecisionWarning, stacklevel=3)  # the line that built the Accumulator
@@ -84,14 +87,15 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
 def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,
                    fix: str) -> Optional[AccumulationBuffers]:
     """The float32 buffers a trainer driver (ExactTrainer, Lightning's ExactAccumulation) opens with each
-    window, for its bf16/fp16 trainable parameters, under ``"auto"`` where it ``owns_the_sum`` (one process,
-    no data-parallel wrapper, no scaler unscaling ``.grad`` before the boundary; elsewhere
-    :func:`warn_low_precision_grad_sum` with ``fix``); None under ``"param"`` or without such parameters."""
+    window, for its bf16/fp16 parameters (a frozen one too, summed there once unfrozen), under ``"auto"`` where
+    it ``owns_the_sum`` (one process, no data-parallel wrapper, no scaler unscaling ``.grad`` before the
+    boundary; elsewhere :func:`warn_low_precision_grad_sum` with ``fix``); None under ``"param"`` or without
+    such parameters."""
     if accum_dtype not in ACCUM_DTYPES:
         raise ConfigurationError(f"{who}(accum_dtype={accum_dtype!r}): accum_dtype must be 'auto' (float32 buffers for "
                                  "bf16/fp16 parameters, rounded once per window) or 'param' (the sum in the "
                                  "parameters' own .grad, rounded after every micro-batch)")
-    low = [p for p in params if p.requires_grad and p.dtype in LOW_PRECISION]
+    low = [p for p in params if p.dtype in LOW_PRECISION]
     if not low or accum_dtype == "param":
         return None
     if not owns_the_sum:

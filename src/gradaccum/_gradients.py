@@ -29,8 +29,19 @@ class AccumulationBuffers:
         self.params = [p for p in params if p.dtype.is_floating_point and torch.finfo(p.dtype).bits < bits]
         self._buffers: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self.active = False
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._fold)
+        self._unhooked = list(self.params)
+        self._hook_trainable()
+
+    def _hook_trainable(self) -> None:
+        """Hook each parameter that requires grad (torch hooks no other): a frozen one as the first window
+        after it is unfrozen opens, so that gradual unfreezing sums in float32 too."""
+        unhooked = []
+        for p in self._unhooked:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._fold)
+            else:
+                unhooked.append(p)
+        self._unhooked = unhooked
 
     def _fold(self, p: torch.Tensor) -> None:
         if not self.active or p.grad is None:
@@ -57,6 +68,8 @@ class AccumulationBuffers:
         """A window opens: the buffers fold its gradients from now on, from nothing."""
         self._buffers.clear()
         self.active = True
+        if self._unhooked:
+            self._hook_trainable()
 
     def retire(self) -> None:
         """A window failed or a fit ended: the hooks stay on the parameters, so the buffers stop folding and

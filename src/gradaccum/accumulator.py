@@ -113,11 +113,12 @@ class Accumulator(Resumable):
         self.precision = MixedPrecision(precision, device)
         self.sync: GradSync = sync_for(model, reduce_every_micro_batch=reduce_every_micro_batch,
                                        data_parallel=data_parallel)
-        self.buffers = window_buffers(accum_dtype, self.sync, precision, params)
+        # every parameter, not only those trainable now: one unfrozen later has its gradient summed in float32,
+        # cleared, weighed and clipped with the window's (a frozen one never holds a gradient the window reads)
+        everything = list(model.parameters())
+        self.buffers = window_buffers(accum_dtype, self.sync, precision, everything)
         self.state = state = AccumulatorState()
-        # every parameter, not only those trainable now: one unfrozen later has its gradient cleared, weighed
-        # and clipped with the window's (a frozen one never holds a gradient the window reads)
-        grads = Gradients(list(model.parameters()), self.buffers)
+        grads = Gradients(everything, self.buffers)
         state.trainable = tuple(p.requires_grad for p in grads.params)
         boundary = Boundary(optimizer, scheduler, state=state, precision=self.precision, sync=self.sync, grads=grads,
                             max_grad_norm=self.max_grad_norm, compute_grad_norm=settings.compute_grad_norm,
