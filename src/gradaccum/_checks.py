@@ -120,10 +120,10 @@ def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> 
 
 
 def padded_rows_refusal(where: str, fix: str) -> NotExactError:
-    """The refusal of a bare mean loss on micro-batches whose ``labels`` hold -100: ``where`` names the call,
-    ``fix`` how that call takes a count."""
+    """The refusal of a bare mean loss on micro-batches whose ``labels`` hold -100: ``where`` names the call and
+    the function that returned it, ``fix`` how that call takes a count."""
     return NotExactError(
-        f"{where}: loss_fn returned a bare mean loss on micro-batches whose 'labels' hold the ignore index -100 "
+        f"{where} returned a bare mean loss on micro-batches whose 'labels' hold the ignore index -100 "
         "(padding, masked prompts), and no num_items says what that mean is over, so each micro-batch would be "
         "weighed by its rows, not by its targets, and the step would not be one big batch's (a Hugging Face "
         f"model's outputs.loss is a mean over the targets). {fix}")

@@ -244,7 +244,7 @@ class Counts:
         batches, self.unchecked = self.unchecked, None
         if batches and holds_ignored_labels(batches):
             raise padded_rows_refusal(
-                "Accumulator", "Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a "
+                "Accumulator: loss_fn", "Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a "
                 "causal LM; shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
                 "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, say "
                 "so: num_items='rows'")

@@ -74,6 +74,21 @@ def test_llama_float32_norm_is_exact_to_its_float32_rounding():
     assert S.max_diff(native.model, ref) > 1e3 * S.max_diff(lit.model, ref)
 
 
+def test_a_bare_mean_on_padded_labels_is_refused_and_rows_is_the_declared_opt_out():
+    """``training_step`` returning a bare mean (a Hugging Face model's ``outputs.loss``: over the targets) on
+    batches whose labels hold -100, with ``ExactAccumulation()`` counting rows: refused at the first backward,
+    before any step, naming ``count_targets`` and ``num_items='rows'``. Declared with ``num_items="rows"``, the
+    fit runs, weighing rows as declared (the last window's N is its rows)."""
+    from gradaccum import NotExactError
+
+    model = MODELS["gpt2"]()
+    with pytest.raises(NotExactError, match=r"ExactAccumulation: training_step returned a bare mean loss .*"
+                                            r"count_targets.*num_items='rows'"):
+        S.lightning_fit(model, MICRO, exact=False, callbacks=[ExactAccumulation()])
+    _, trainer, _ = S.lightning_fit(model, MICRO, exact=False, callbacks=[rows := ExactAccumulation(num_items="rows")])
+    assert trainer.global_step == len(WINDOWS) and rows.last_window_items == len(WINDOWS[-1])
+
+
 def test_count_returned_from_training_step_is_the_same_run():
     """``training_step`` returning ``(mean, count)`` instead of ``num_items=``: bit-identical parameters.
     Both counts are device tensors here (a tensor count's weight is rounded on its device, an int's on

@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .._cached import WindowLoss
-from .._checks import Count, as_number, item_count
+from .._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, padded_rows_refusal
 from .._gradients import AccumulationBuffers
 from .._patching import Swaps
 from .._settings import nonfinite_choice
@@ -55,7 +55,9 @@ class ExactAccumulation(Callback):
         num_items: A callable ``batch -> int | Tensor``, the micro-batch's item count (e.g.
             ``lambda batch: count_targets(batch["labels"])``). ``None`` (default): the batch's leading
             dimension, or the count ``training_step`` returns as ``(mean_loss, count)``
-            (docs/guides/lightning.md, "The one line").
+            (docs/guides/lightning.md, "The one line"); a bare mean on a dict batch whose ``labels`` hold
+            -100 (padding: a mean over its targets, not its rows) is refused, naming the fix. ``"rows"``:
+            the leading dimension, declared (no such refusal).
         accum_dtype: ``"auto"`` (default) or ``"param"``: where bf16/fp16 parameters sum the window
             (docs/guides/deepspeed.md, "bf16 and fp16 parameters").
         nonfinite: ``"skip"`` (default) a window whose loss or gradient is not finite (a nan or inf in any
@@ -77,9 +79,9 @@ class ExactAccumulation(Callback):
     def __init__(self, num_items: Optional[Callable[[Any], Count]] = None, accum_dtype: str = "auto",
                  nonfinite: str = "skip") -> None:
         self.nonfinite = nonfinite_choice("ExactAccumulation", nonfinite)
-        if num_items is not None and not callable(num_items):
-            raise TypeError(f"ExactAccumulation(num_items={num_items!r}): num_items must be None (count the "
-                            "batch's leading dimension) or a callable batch -> item count, e.g. "
+        if num_items not in (None, ROWS) and not callable(num_items):
+            raise TypeError(f"ExactAccumulation(num_items={num_items!r}): num_items must be None or 'rows' (count "
+                            "the batch's leading dimension) or a callable batch -> item count, e.g. "
                             "num_items=lambda batch: count_targets(batch['labels'])")
         driver_buffers("ExactAccumulation", (), accum_dtype, owns_the_sum=True, fix="")  # refuses a bad name now
         self.num_items, self.accum_dtype = num_items, accum_dtype
@@ -90,6 +92,7 @@ class ExactAccumulation(Callback):
         self._window: Optional[WindowWeights] = None  # the open window (running R)
         self._count: Count = 0                    # the items the open window has weighed on this rank (its n_k summed)
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
+        self._rows_unchecked = False              # the open window's labels not yet checked for -100
         self.skipping = False                     #: the window that just closed takes no step
         self._hooks = Swaps()                     # the module's hooks wrapped for this fit
         self._nothing = contextlib.ExitStack()    # during a backward of a micro-batch that may hold no item
@@ -158,8 +161,9 @@ class ExactAccumulation(Callback):
         self.skipping, self._batch = False, batch
         if self._window is None:  # the window's first micro-batch: the running R (its count is known at its end)
             self._window, self._count = WindowWeights(self.state, trainer.world_size, buffers=self.buffers), 0
+            self._rows_unchecked = self.num_items is None  # a bare mean's labels: checked once per window
         # None: the leading dimension, unless training_step returns a count
-        self.pending = None if self.num_items is None else item_count("num_items(batch)", self.num_items(batch))
+        self.pending = None if self.num_items in (None, ROWS) else item_count("num_items(batch)", self.num_items(batch))
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            loss: torch.Tensor) -> None:
@@ -171,6 +175,12 @@ class ExactAccumulation(Callback):
                 raise ConfigurationError(f"ExactAccumulation counts a batch's items by its leading dimension, but the "
                                          f"{exc} Or pass num_items=lambda batch: <its item count>, or return "
                                          "(mean_loss, count) from training_step") from None
+            if self._rows_unchecked and holds_ignored_labels([self._batch]):  # a mean over targets, not rows
+                raise padded_rows_refusal(
+                    "ExactAccumulation: training_step", "Pass ExactAccumulation(num_items=lambda batch: gradaccum.count_targets("
+                    "batch['labels'])) (the targets of a causal LM; shift=False for other heads), or return (mean, "
+                    "count) from training_step; if the mean really is over the rows, say so: num_items='rows'")
+            self._rows_unchecked = False
         self.pending, self._batch = None, None
         window = self._window
         if window.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
