@@ -711,6 +711,28 @@ def test_a_layer_unfrozen_after_the_accumulator_was_built_steps_as_one_big_batch
         assert all(p.grad is None for p in model.parameters())  # nothing left to leak into the next window
 
 
+def test_fp16_with_trainable_parameters_outside_the_optimizer_is_refused_with_the_fix():
+    """``precision="fp16"`` with an optimizer over the head while the body still requires grad: GradScaler
+    unscales only the optimizer's gradients, so the body's entered the window's norm times the loss scale
+    (a probe: the norm read 44,571 for 1.22, the clipped step 4.8e-2 off one big batch). Refused as the
+    Accumulator is built, naming the fix; with the body frozen, the clipped windows are one big batch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    with pytest.raises(ConfigurationError, match=r"precision='fp16' with 2 trainable parameter\(s\) the optimizer "
+                                                 r"does not hold.*requires_grad_\(False\).*all of them"):
+        Accumulator(model, torch.optim.SGD(model[2].parameters(), lr=0.1), precision="fp16")
+    model[0].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    acc = Accumulator(model, torch.optim.SGD(model[2].parameters(), lr=0.1), precision="fp16", max_grad_norm=0.05)
+    ref_opt = torch.optim.SGD(ref[2].parameters(), lr=0.1)
+    for seed in (1, 2):
+        batch = regression_batch(10, seed=seed)
+        result = acc.step(batch, mse, micro_batch_size=3)
+        reference_step(ref, ref_opt, lambda: mse(ref, batch), max_grad_norm=0.05)
+        assert result.grad_norm > 0.05
+        assert_params_close(model, ref)
+
+
 def test_an_optimizer_over_parameters_outside_the_model_is_refused_with_the_fix():
     """An optimizer over a head the Accumulator's model does not hold: the head's gradient would be neither
     cleared, weighed nor clipped with the window's (two windows were 0.57 off one big batch each, clipped 18x).

@@ -94,6 +94,15 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
             "(under FSDP2 after model.reshard(), where a forward ran since fully_shard and left the root's "
             "parameters unsharded)"
         )
+    stepped = {id(p) for p in held}
+    unstepped = [p for p in params if id(p) not in stepped]
+    if settings.precision == "fp16" and unstepped:
+        raise ConfigurationError(
+            f"precision='fp16' with {len(unstepped)} trainable parameter(s) the optimizer does not hold (shapes "
+            f"{[tuple(p.shape) for p in unstepped][:4]}): GradScaler unscales only the optimizer's gradients, so "
+            "theirs would enter the window's norm and its clip still multiplied by the loss scale. Freeze them "
+            "(requires_grad_(False)) or build the optimizer over all of them"
+        )
     scaler = getattr(optimizer, "scaler", None)  # Accelerate's prepared optimizer under fp16 carries one
     if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
         raise ConfigurationError(
