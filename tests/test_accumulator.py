@@ -711,6 +711,29 @@ def test_a_layer_unfrozen_after_the_accumulator_was_built_steps_as_one_big_batch
         assert all(p.grad is None for p in model.parameters())  # nothing left to leak into the next window
 
 
+def test_an_optimizer_step_of_the_callers_own_inside_a_window_is_refused_and_the_next_window_is_exact():
+    """A stock loop's ``optimizer.step()`` carried into a hand-written window stepped on a partial gradient,
+    weighed by the running R and unclipped, and the window stepped again (a probe: 0.235 off one big batch,
+    the result still reporting one clean step). Refused before it moves anything; the window's gradient is
+    dropped as the block leaves, and the next window is one big batch's."""
+    model = regression_model()
+    ref, opt, ref_opt = clone_pair(model, "sgd")
+    acc = Accumulator(model, opt, max_grad_norm=0.05)
+    x, y = batch = regression_batch(10, seed=1)
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) was called while a window is open.*window.step\(\)"):
+        with acc.window(3) as window:
+            for i in range(0, 10, 4):
+                with window.micro_batch():
+                    window.backward(mse(model, (x[i:i + 4], y[i:i + 4])), len(x[i:i + 4]))
+                opt.step()
+    assert_params_close(model, ref)
+    assert all(p.grad is None for p in model.parameters())
+    acc.step(batch, mse, micro_batch_size=4)
+    reference_step(ref, ref_opt, lambda: mse(ref, batch), max_grad_norm=0.05)
+    assert_params_close(model, ref)
+    opt.step()  # between windows the optimizer is the caller's (no gradient is left to step on)
+
+
 def test_fp16_with_trainable_parameters_outside_the_optimizer_is_refused_with_the_fix():
     """``precision="fp16"`` with an optimizer over the head while the body still requires grad: GradScaler
     unscales only the optimizer's gradients, so the body's entered the window's norm times the loss scale

@@ -39,6 +39,16 @@ class OpenWindow:
     second and warns once about BatchNorm layers in training mode, at the first window that has one."""
 
     window: Optional["Window"] = None
+    stepping: bool = False  # the window's own optimizer step is under way
+
+    def refuse_a_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook: a step of the caller's own while a window is open would step on a
+        partial gradient, weighed by R rather than N and unclipped, and the window would step again."""
+        if self.window is not None and not self.stepping:
+            raise RuntimeError(
+                "optimizer.step() was called while a window is open: the window takes the optimizer step itself, "
+                "on the whole window's gradient, at window.step() (acc.step and acc.train call it for you). "
+                "Remove your own optimizer.step() (and optimizer.zero_grad(): the window clears the gradients)")
 
     def check_idle(self) -> None:
         if self.window is not None:
@@ -353,8 +363,12 @@ class Window:
         totals = self._totals(ran=done > 0)  # a window that counts first has read its count by now
         if self.request.defer:
             ctx.sync.reduce_gradients_(ctx.grads.materialized())
-        told, self.result = ctx.boundary.finish(totals, self.in_flight, micro_batch_size=self.micro_batch_size,
-                                                micro_batches=done - self.request.flush - self.padding)
+        ctx.slot.stepping = True
+        try:
+            told, self.result = ctx.boundary.finish(totals, self.in_flight, micro_batch_size=self.micro_batch_size,
+                                                    micro_batches=done - self.request.flush - self.padding)
+        finally:
+            ctx.slot.stepping = False
         ctx.ranks.learn(self.setup, told)  # type: ignore[arg-type]
         return self.result
 

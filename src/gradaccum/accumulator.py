@@ -129,6 +129,9 @@ class Accumulator(Resumable):
         self.context = Parts(model=model, device=device, sync=self.sync, precision=self.precision,
                                      grads=grads, ranks=RankAgreement(self.sync, device, state, rules),
                                      boundary=boundary, slot=OpenWindow(), state=state)
+        stepped = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer a wrapper (Accelerate's) holds
+        if isinstance(stepped, torch.optim.Optimizer):  # a step of the caller's own inside a window: refused
+            stepped.register_step_pre_hook(self.context.slot.refuse_a_step)
 
     # -- the three ways in ----------------------------------------------------------------------
 
