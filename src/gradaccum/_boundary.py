@@ -6,10 +6,9 @@ one host synchronisation. The order of its steps: docs/architecture.md ("One mic
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import operator
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,11 +79,11 @@ class Tally:
         assert self.device_items is None, "a tensor count is summed on the device, in the boundary's all-reduce"
         losses = self.losses
         stacked = (torch.stack(losses) if len(losses) > 1 else losses[0]) if losses else None
-        host = read_on_host(losses=stacked, norm=norm)
+        losses_read, norm_read = read_on_host(stacked, norm)
         total = 0.0  # added in order, as host_items
-        for loss, count in zip(host.get("losses", ()), self.counts):
+        for loss, count in zip(losses_read, self.counts):
             total += loss * count  # type: ignore[operator]
-        return total, host["norm"][0] if norm is not None else None
+        return total, norm_read
 
 
 class Boundary:
@@ -217,9 +216,9 @@ class Boundary:
             square = self.sync.local_square_sum(grads) if self.measure else None  # type: ignore[arg-type]
             row = self.sync.all_reduce_(self._row(totals, tally, square))
         norm = total_norm(grads, self.device) if self.measure and square is None else None  # type: ignore[arg-type]
-        host = read_on_host(row=row.to(torch.float64), norm=norm)  # the window's one host sync
-        told = ExchangeRow(*host["row"])
-        raw = math.sqrt(told.square_norm) if square is not None else host["norm"][0] if norm is not None else None
+        read, norm_read = read_on_host(row.to(torch.float64), norm)  # the window's one host sync
+        told = ExchangeRow(*read)
+        raw = math.sqrt(told.square_norm) if square is not None else norm_read
         return Exchanged(told.loss_sum, told.num_items, raw, told.can_pad_next >= self.sync.group_size, told.stop > 0,
                          told.counted_first >= self.sync.group_size)
 
@@ -311,18 +310,15 @@ class Exchanged(NamedTuple):
     counted_first: bool  # every rank counted the window's items before its first backward
 
 
-def read_on_host(**parts: Optional[torch.Tensor]) -> Dict[str, List[float]]:
-    """Every tensor given (None ones skipped), as Python numbers by name, in one device-to-host copy.
+def read_on_host(values: Optional[torch.Tensor], norm: Optional[torch.Tensor]) -> Tuple[List[float], Optional[float]]:
+    """``values`` (flattened) and ``norm`` as Python numbers, in one device-to-host copy, in the wider of their
+    dtypes (a bf16 loss read with a float32 norm stays float32).
 
-    >>> read_on_host(row=torch.tensor([1.0, 2.0]), norm=None, extra=torch.tensor(3.0))
-    {'row': [1.0, 2.0], 'extra': [3.0]}
-    >>> read_on_host(norm=None)
-    {}
+    >>> read_on_host(torch.tensor([1.0, 2.0]), torch.tensor(3.0)), read_on_host(None, None)
+    (([1.0, 2.0], 3.0), ([], None))
     """
-    named = [(name, t.reshape(-1)) for name, t in parts.items() if t is not None]
-    if len(named) < 2:
-        return {name: t.tolist() for name, t in named}
-    # in the widest of their dtypes (a bf16 loss read with a float32 norm stays float32)
-    dtype, device = functools.reduce(torch.promote_types, (t.dtype for _, t in named)), named[0][1].device
-    flat = iter(torch.cat([t.to(device=device, dtype=dtype) for _, t in named]).tolist())
-    return {name: list(itertools.islice(flat, t.numel())) for name, t in named}
+    if values is None or norm is None:
+        return ([] if values is None else values.reshape(-1).tolist()), None if norm is None else norm.item()
+    dtype = torch.promote_types(values.dtype, norm.dtype)
+    *read, n = torch.cat([values.reshape(-1).to(dtype), norm.reshape(1).to(values.device, dtype)]).tolist()
+    return read, n
