@@ -10,7 +10,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from ._checks import as_number, training_batchnorms
+from ._checks import as_number, batchnorms, training_batchnorms
 from ._weights import backward_weight
 from ._random import Replay
 from ._ranks import Plan, Request
@@ -138,8 +138,7 @@ def _flat(out: Any, count: Optional[int], k: int) -> List[torch.Tensor]:
 def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
     """Pass 1 leaves BatchNorm's running statistics as it found them: they move once per micro-batch
     (in pass 2), as under plain accumulation, not twice."""
-    names = set(training_batchnorms(model))
-    kept = [(t, t.clone()) for m, mod in model.named_modules() if m in names for t in mod.buffers(recurse=False)]
+    kept = [(t, t.clone()) for _, m in batchnorms(model) if m.training for t in m.buffers(recurse=False)]
     try:
         yield
     finally:
