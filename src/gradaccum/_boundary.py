@@ -38,9 +38,8 @@ class Totals(NamedTuple):
 
 
 class Tally:
-    """One rank's window as its boundary reads it (nothing is added up while the window runs): each
-    micro-batch's mean loss and count in order, the counts' sum apart for Python numbers (``host_items``) and
-    device tensors (``device_items``), and ``sum n_k L_k`` in ``dtype`` (float64, :func:`count_dtype`)."""
+    """One rank's window as its boundary reads it (nothing is added up while the window runs), summed in
+    ``dtype`` (float64, :func:`count_dtype`)."""
 
     __slots__ = ("losses", "counts", "host_items", "device_items", "dtype")
 
@@ -69,8 +68,7 @@ class Tally:
         return total
 
     def read(self, norm: Optional[torch.Tensor] = None) -> Tuple[float, Optional[float]]:
-        """One process with its counts on the host: ``sum n_k L_k`` (added on the host in float64, in order)
-        and ``norm`` (when given), read in one device-to-host copy.
+        """One process with host counts: ``sum n_k L_k`` added on the host, and ``norm``, in one copy.
 
         >>> t = Tally([(torch.tensor(0.5), 4), (torch.tensor(0.25), 2)], torch.float64)
         >>> t.read(), t.loss_sum.item()
@@ -128,9 +126,8 @@ class Boundary:
 
     def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None, *, micro_batches: int = 0,
                micro_batch_size: Any = None) -> Tuple["Exchanged", StepResult]:
-        """Take or skip the window's step. ``in_flight``: the all-reduce :meth:`launch` started, if any. Returns what
-        the ranks told each other and the window's result (``micro_batches``: those this rank counted;
-        ``micro_batch_size``: an int)."""
+        """Take or skip the window's step (``in_flight``: :meth:`launch`'s all-reduce); returns what the ranks
+        told each other and the window's result."""
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.sync.replicated_grads and not self.state.replicas_checked
@@ -176,8 +173,7 @@ class Boundary:
                                 micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None)
 
     def launch(self, totals: Totals) -> "InFlight":
-        """Start the window's one all-reduce (an :class:`ExchangeRow`) without waiting, before the last
-        micro-batch's backward (on every rank alike), so that it overlaps that backward and DDP's reduction."""
+        """Start the window's one all-reduce before the last micro-batch's backward, which it overlaps."""
         row = self._row(totals, Tally(totals.tally, self.count_dtype))
         return InFlight(row, self.sync.all_reduce_async(row))
 
@@ -188,7 +184,6 @@ class Boundary:
         return stop
 
     def _row(self, totals: Totals, tally: Tally, square_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """This rank's :class:`ExchangeRow` as one tensor, in the sum's dtype."""
         total = tally.loss_sum  # zero for a rank that ran no micro-batch of its own
         total = total if total is not None else torch.zeros((), dtype=tally.dtype, device=self.device)
         items = total.new_tensor(tally.host_items)
@@ -203,8 +198,7 @@ class Boundary:
     def _exchanged(self, totals: Totals, grads: Optional[List[torch.Tensor]], in_flight: Optional["InFlight"]
                    ) -> Exchanged:
         """The window's global numbers on the host, from one small all-reduce (across ranks, or for a tensor
-        count), which also sums the flags (a stop reaches every rank at the same window) and, under FSDP2,
-        the shards' squared norms."""
+        count) that also sums the flags and, under FSDP2, the shards' squared norms."""
         tally = None if in_flight is not None else Tally(totals.tally, self.count_dtype)  # else summed at launch
         if tally is not None and not self.sync.shares_windows and tally.device_items is None:
             # one process, counts on the host already: the losses and the norm read in the window's one host sync
@@ -251,7 +245,7 @@ def _what(loss_sum: float) -> str:
 
 
 class InFlight(NamedTuple):
-    """The window's all-reduce, launched before the last backward; ``wait()`` gives the summed tensor."""
+    """An all-reduce started; ``wait()`` gives the summed tensor."""
 
     tensor: torch.Tensor
     work: Any
