@@ -75,14 +75,11 @@ class GradSync:
 
     #: the backward reduction divides the gradient sum by this many ranks
     grad_divisor: float = 1.0
-    #: several ranks train each window together (DDP, FSDP2, DeepSpeed; False on one process, and on several
-    #: under ``data_parallel="none"``): their *counts* are summed and they agree on the window; the last
-    #: micro-batch's backward reduces the window's *gradient* across them (the boundary's all-reduce can start
-    #: before that backward, an out-of-memory agreement must come before it); and a rank may hold no
-    #: micro-batch in a window its peers have data for (it runs zero-weight padding)
+    #: several ranks train each window together (DDP, FSDP2, DeepSpeed; not under ``data_parallel="none"``):
+    #: their counts are summed, they agree on the window, the last micro-batch's backward reduces its
+    #: gradient, and a rank without a micro-batch runs zero-weight padding
     shares_windows: bool = False
-    #: whether reduce_gradients_ works (after backward passes that all skipped their reduction); False:
-    #: the wrapper reduces only inside its backward (FSDP2, DeepSpeed), and nothing calls it
+    #: whether reduce_gradients_ works; False: the wrapper reduces only inside its backward (FSDP2, DeepSpeed)
     can_reduce_later: bool = True
     #: whether every rank must run the same number of micro-batches per window (a collective in every
     #: forward or every backward)
@@ -107,8 +104,7 @@ class GradSync:
     #: whose reducer reads the ``.grad`` of a parameter the forward did not use
     folds_outside_gradients: bool = True
     group: Any = None
-    #: ranks in the data-parallel group that reduces the gradient (1 on one process); the global world is
-    #: :func:`world_size`
+    #: ranks in the data-parallel group that reduces the gradient (1 on one process)
     group_size: int = 1
 
     def micro_batch(self, *, last: bool) -> ContextManager[Any]:
@@ -185,9 +181,8 @@ class GradSync:
         return joined, sum(counts[:dist.get_rank(self.group)])
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
-        """Average already-accumulated local gradients across ranks now (used when every backward of the window
-        skipped its reduction: the micro-batch size search). Nothing to do on one process; a wrapper that
-        reduces only inside its backward refuses (``AutoMicroBatch.check_supported`` refuses it first)."""
+        """Average already-accumulated local gradients across ranks now (every backward of the window skipped
+        its reduction: the micro-batch size search). Nothing to do on one process."""
         if not self.can_reduce_later:  # never step on gradients that were not averaged across ranks
             raise NotImplementedError(f"{type(self).__name__} reduces the gradient only inside its backward")
 
