@@ -379,7 +379,6 @@ class Gradients:
             self.buffers.open()
 
     def tensors(self) -> List[torch.Tensor]:
-        """The tensors holding the window's gradient: the ``.grad`` that exist, and the buffers'."""
         grads = [p.grad for p in self.unbuffered if p.grad is not None]
         return grads if self.buffers is None else grads + self.buffers.tensors()
 
@@ -394,7 +393,7 @@ class Gradients:
 
     def finalize(self, coef: float, grads: Optional[List[torch.Tensor]] = None) -> None:
         """The window's gradient (``grads``, where the caller listed them) multiplied once by ``coef`` (the
-        scale ``R / N``, any clip folded in), then the buffers rounded once into ``.grad``: every driver's rule."""
+        scale ``R / N``, any clip folded in), then the buffers rounded once into ``.grad``."""
         if coef != 1.0:
             grads = self.tensors() if grads is None else grads
             if grads:
