@@ -119,9 +119,7 @@ class _MicroBatch:
     """One micro-batch's context: the sync switch (skip the reduction unless ``reduces``) and autocast,
     each entered only where it does something (a local fp32 window pays for neither)."""
 
-    #: the Accumulator's OpenWindow: its open window is the one this block is a micro-batch of
     slot: OpenWindow
-    #: this micro-batch's backward reduces the window's gradient across ranks
     reduces: bool
     #: the window a block that switches was made for (None: the plain block every window shares)
     owner: Optional["Window"] = None
@@ -393,8 +391,7 @@ class Window:
 
 
 def _checked(window: "Window", loss: Any) -> Any:
-    """``loss`` checked as a scalar that requires grad (when given), after checking that ``window`` is inside a
-    ``micro_batch()`` block and before its reducing backward."""
+    """``loss`` (when given) checked, once ``window`` is inside a block and before its reducing backward."""
     if window.current is not None and window.done != window.entered_at:
         raise RuntimeError(_TWICE.format(k=window.entered_at + 1))
     if window.reduced:
