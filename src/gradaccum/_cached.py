@@ -179,8 +179,7 @@ def check_window_loss(num_items: Any, micro_batch_size: Any) -> None:
 
 def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: WindowLoss, counts: Any, *,
                       micro_batch_size: Any = None, plan: Optional[Plan] = None) -> StepResult:
-    """The Accumulator's driver of :class:`CachedPasses`: one window, in its order; every rank runs as many
-    forwards in each pass as the window's padding asks."""
+    """The Accumulator's driver of :class:`CachedPasses`: one window, in its order."""
     sizes = [int(as_number(c)) for c in counts.each]
     request = Request(len(micro_batches), counts.total, can_pad=ctx.ranks.can_pad(bool(micro_batches)), plan=plan)
     with Window(ctx, request, micro_batch_size=micro_batch_size) as window:
@@ -230,7 +229,7 @@ class CachedPasses:
 
     @property
     def parts(self) -> int:
-        """Backward parts this rank runs in pass 2: its micro-batches, then its padding."""
+        """Backward parts this rank runs in pass 2."""
         return len(self.micro_batches) + self.padding
 
     def graphs_to_keep(self, model: nn.Module) -> int:
@@ -246,9 +245,8 @@ class CachedPasses:
         return max(keep, 0)
 
     def first_pass(self, model: nn.Module, *, graph_model: Optional[nn.Module] = None) -> None:
-        """Each micro-batch's representations on ``model`` without a graph, the random state before each;
-        the first :meth:`graphs_to_keep` with their graph on ``graph_model`` (a Trainer's data-parallel wrapper;
-        default ``model``), not reducing; then the padding's forwards. BatchNorm's statistics are left unchanged."""
+        """Each micro-batch's representations on ``model`` without a graph, the random state before each; the
+        first :meth:`graphs_to_keep` with their graph on ``graph_model`` (a Trainer's data-parallel wrapper)."""
         keep = self.graphs_to_keep(model)
         with torch.no_grad(), _batchnorm_stats_kept(model), self.autocast():
             for k, mb in enumerate(self.micro_batches):
