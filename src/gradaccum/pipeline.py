@@ -49,13 +49,6 @@ def _check_loss(loss_fn: Any, reduction: str) -> None:
                             "with reduction='sum' and declare reduction='sum'")
 
 
-def _zero(output: Any) -> torch.Tensor:
-    """A zero joined to the stage's output, for a micro-batch that weighs 0 (padding, no item): its
-    backward brings every parameter 0 where ``0 * nan`` (a mean over 0 items) would bring nan."""
-    tensors = [output] if isinstance(output, torch.Tensor) else [o for o in output if isinstance(o, torch.Tensor)]
-    return sum(t.sum() for t in tensors) * 0.0
-
-
 def _pad(value: Any, rows: int, pad: int) -> Any:
     if not isinstance(value, torch.Tensor) or pad == 0:
         return value
@@ -227,8 +220,10 @@ class PipelineWindow:
         if tally is None:
             return self.loss_fn(output, target)
         k, weights, mean = tally.index(target), tally.weights, self.reduction == "mean"
-        if weights.empty or k >= tally.k or (mean and tally.counts[k] == 0):
-            return _zero(output)
+        if weights.empty or k >= tally.k or (mean and tally.counts[k] == 0):  # weighs 0: a zero joined to the
+            # output, whose backward brings every parameter 0 where 0 * nan (a mean over 0 items) would bring nan
+            outputs = [output] if isinstance(output, torch.Tensor) else output
+            return sum(t.sum() for t in outputs if isinstance(t, torch.Tensor)) * 0.0
         loss = self.loss_fn(output, target)
         tally.summed[k] = loss.detach() * tally.counts[k] if mean else loss.detach()
         return loss * (weights.mean_weight(tally.counts[k]) if mean else weights.sum_weight())
