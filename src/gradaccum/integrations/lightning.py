@@ -143,8 +143,18 @@ class ExactAccumulation(Callback):
         self._hooks.wrap(pl_module, "training_step", self._returning_a_count)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # after Lightning has validated the schedulers (an overridden hook would pass any scheduler)
-        self._hooks.wrap(pl_module, "lr_scheduler_step", lambda hook: _unless_skipped(self, trainer, hook))
+        """A scheduler with ``interval="step"`` does not step after a skipped window (wrapped after Lightning
+        has validated the schedulers: an overridden hook would pass any scheduler)."""
+
+        def unless_skipped(original: Callable[..., Any]) -> Callable[..., Any]:
+            def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+                if self.skipping and any(config.scheduler is scheduler and config.interval == "step"
+                                         for config in trainer.lr_scheduler_configs):
+                    return None
+                return original(scheduler, metric)
+            return lr_scheduler_step
+
+        self._hooks.wrap(pl_module, "lr_scheduler_step", unless_skipped)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
@@ -243,19 +253,6 @@ def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
         return float(count)
     local = torch.as_tensor(count, dtype=torch.float64).detach().to(trainer.strategy.root_device, copy=True).reshape(())
     return as_number(trainer.strategy.reduce(local, reduce_op="sum"))
-
-
-def _unless_skipped(callback: ExactAccumulation, trainer: "pl.Trainer", original: Callable[..., Any]
-                    ) -> Callable[..., Any]:
-    """A scheduler with ``interval="step"`` does not step after a skipped window."""
-
-    def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-        if callback.skipping and any(config.scheduler is scheduler and config.interval == "step"
-                                     for config in trainer.lr_scheduler_configs):
-            return None
-        return original(scheduler, metric)
-
-    return lr_scheduler_step
 
 
 def _refuse_what_is_not_exact(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
