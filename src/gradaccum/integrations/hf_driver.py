@@ -206,9 +206,7 @@ class TrainerDriver:
             if self._window is not None:
                 self._window.abort()
             raise
-        window = self._window
-        if window is None:
-            return loss
+        window = self._window  # opened by every driver's compute_loss in training, or it raised
         self._ran += 1
         if self._ran == self._micro_batches:  # the window's last micro-batch has run
             if self._balance is not None:
