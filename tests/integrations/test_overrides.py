@@ -156,3 +156,44 @@ def test_the_trl_and_sentence_transformers_drivers_refuse_an_own_compute_loss_to
 
     with pytest.raises(TypeError, match=r"replaces ExactSentenceTransformerTrainer's"):
         own_loss(ExactSentenceTransformerTrainer)
+
+
+def test_a_class_weighted_mean_is_one_big_batch_as_the_window_loss_the_refusals_name():
+    """``cross_entropy(weight=class_weights)`` divides by the batch's summed weights, not its rows: declared
+    ``exact_items = "rows"`` it trains away from one big batch (a probe: 0.18 after one window), so the
+    refusals name a ``WindowLoss`` for it, and ``ExactTrainer(compute_loss_func=WindowLoss(...))`` is one big
+    batch's at rtol 1e-10 (BERT, windows of 3, 3 and 1 micro-batches of 1 to 3 rows)."""
+    import copy
+    import functools
+
+    from gradaccum import WindowLoss
+    from integrations import heads as H
+
+    weights = torch.tensor([1.0, 5.0, 0.2], dtype=torch.float64)
+    logits = lambda m, b: m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # noqa: E731
+    weighted = lambda z, y: torch.nn.functional.cross_entropy(z, y, weight=weights)  # noqa: E731
+    model, mbs = H.bert("single_label"), H.micro_batches("single_label", S.SIZES[0], seed=1)
+    g = torch.Generator().manual_seed(3)
+    for mb in mbs:
+        mb["labels"] = torch.randint(0, 3, mb["labels"].shape, generator=g)
+    ref = copy.deepcopy(model)
+    opt, sched = S.make_optimizer(ref.parameters())
+    for w in range(0, len(mbs), S.ACCUM):
+        opt.zero_grad(set_to_none=True)
+        whole = H.join(mbs[w:w + S.ACCUM])
+        weighted(logits(ref, whole), whole["labels"]).backward()
+        opt.step()
+        sched.step()
+    window_loss = WindowLoss(lambda m, b: {"logits": logits(m, b), "labels": b["labels"]},
+                             lambda m, r: weighted(r["logits"], r["labels"]))
+    exact, _ = S.hf_fit(model, [mbs], exact=True, trainer_cls=functools.partial(ExactTrainer,
+                                                                               compute_loss_func=window_loss))
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return weighted(logits(model, inputs), inputs["labels"])
+
+    with pytest.raises(TypeError, match=r"'rows' \(the batch's rows; not for a class-weighted mean.*WindowLoss"):
+        type("Weighted", (ExactTrainer,), {"compute_loss": compute_loss})  # undeclared: refused, naming both
+    rows = type("Weighted", (ExactTrainer,), {"exact_items": "rows", "compute_loss": compute_loss})
+    declared, _ = S.hf_fit(model, [mbs], exact=True, trainer_cls=rows)
+    assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
+    assert S.max_diff(declared, ref) > 1e-3

@@ -82,8 +82,10 @@ def loss_source(cls: type) -> str:
             f"ExactTrainer cannot tell how {owner.__name__}.compute_loss reduces its loss, so it cannot weigh "
             f"micro-batches by their items. Supported: {known}. Where compute_loss returns the mean of one term per "
             f"row (dim 0), each row's term independent of the other rows, declare it: class {cls.__name__}(...): "
-            "exact_items = 'rows' ('head' for the mean over the items the model's head counts). A loss that couples the rows (in-batch negatives, CLIP, CoSENT, triplet mining) "
-            "is not a mean of independent terms: no weighting makes it exact; pass it as a gradaccum.WindowLoss, "
+            "exact_items = 'rows' ('head' for the mean over the items the model's head counts). A weighted mean "
+            "(cross_entropy(weight=class_weights) divides by the batch's summed weights) and a loss that couples the "
+            "rows (in-batch negatives, CLIP, CoSENT, triplet mining) are not means of independent terms per row: "
+            "weighed by rows they are not one big batch; pass such a loss as a gradaccum.WindowLoss, "
             "ExactTrainer(compute_loss_func=WindowLoss(...)) (see docs/guides/contrastive.md)")
     return source
 
@@ -164,7 +166,8 @@ class ExactTrainer(TrainerDriver, Trainer):
     own_loss: Optional[Callable[..., Any]] = None  # a subclass's compute_loss that it declared, called by ExactTrainer
     own_loss_fix = (", or compute the whole loss yourself without super() and declare what it is a mean over: "
                     "exact_items = 'head' (the items the model's head counts, as model(**inputs).loss does) or "
-                    "'rows' (the batch's rows)")
+                    "'rows' (the batch's rows; not for a class-weighted mean, which divides by the summed weights: "
+                    "pass that loss as a gradaccum.WindowLoss)")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         owner = next(c for c in cls.__mro__ if "compute_loss" in vars(c))  # the class whose compute_loss runs
