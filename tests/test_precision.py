@@ -169,6 +169,34 @@ def test_a_bf16_layer_unfrozen_after_the_accumulator_was_built_sums_in_float32_t
     assert unfreezing_error(True, accum_dtype="param") > 1.1 * got, got
 
 
+def test_a_bf16_layer_unfrozen_while_a_window_is_open_is_scaled_with_the_window():
+    """Unfrozen after the window opened (a LightningModule's own on_train_batch_start runs after the callback's):
+    its hook comes with the next window, so this window sums its gradient in its own ``.grad``, which is scaled by
+    R / N with the rest (R = 1 from a first window of one item, N = 16 here: before, it was handed over 16x too
+    large). Each parameter's gradient against the float64 big batch's, to bf16's rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).to(torch.bfloat16)
+    model[0].requires_grad_(False)
+    sink: List[torch.Tensor] = []
+    acc = Accumulator(model, Capture(model.parameters(), sink))
+    g = torch.Generator().manual_seed(1)
+    mbs = [(torch.randn(n, 4, generator=g).bfloat16(), torch.randn(n, 1, generator=g).bfloat16()) for n in (1, 6, 9)]
+    mse = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    acc.step(mbs[:1], mse)
+    with acc.window(3) as window:
+        model[0].requires_grad_(True)
+        for mb in mbs:
+            with window.micro_batch():
+                window.backward(mse(model, mb), len(mb[0]))
+        window.step()
+    ref = copy.deepcopy(model).double()
+    x, y = (torch.cat(parts).double() for parts in zip(*mbs))
+    nn.functional.mse_loss(ref(x), y).backward()
+    got = sink[-1].split([p.numel() for p in ref.parameters()])
+    for (name, p), q in zip(ref.named_parameters(), got):
+        assert ((q - p.grad.flatten()).norm() / p.grad.norm()).item() < 0.05, name
+
+
 def test_the_drivers_buffers_take_a_bf16_parameter_frozen_when_they_are_built():
     """ExactTrainer's and ExactAccumulation's buffers are built once, before a callback may unfreeze a layer
     (Lightning's BaseFinetuning): a frozen bf16 parameter is hooked as the first window after its unfreezing

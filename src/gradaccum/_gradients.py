@@ -54,8 +54,11 @@ class AccumulationBuffers:
         p.grad = None  # the low-precision gradient lives only until its hook
 
     def tensors(self) -> List[torch.Tensor]:
-        """The buffers holding gradient, in parameter order."""
-        return [self._buffers[p] for p in self.params if p in self._buffers]
+        """The buffers holding gradient, in parameter order, then the ``.grad`` of a parameter unfrozen while the
+        window was open (summed in its own dtype this window, scaled and clipped with the rest; hooked as the
+        next window opens)."""
+        return [self._buffers[p] for p in self.params if p in self._buffers] + [
+            p.grad for p in self._unhooked if p.grad is not None]
 
     def write_grads_(self) -> None:
         """Hand the optimizer each buffer rounded once to its parameter's dtype; fold nothing more this window."""
