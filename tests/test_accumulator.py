@@ -742,8 +742,13 @@ def test_fp16_with_trainable_parameters_outside_the_optimizer_is_refused_with_th
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     with pytest.raises(ConfigurationError, match=r"precision='fp16' with 2 trainable parameter\(s\) the optimizer "
-                                                 r"does not hold.*requires_grad_\(False\).*all of them"):
+                                                 r"does not hold \(0.weight, 0.bias\).*requires_grad_\(False\)"):
         Accumulator(model, torch.optim.SGD(model[2].parameters(), lr=0.1), precision="fp16")
+    model[0].requires_grad_(False)
+    later = Accumulator(model, torch.optim.SGD(model[2].parameters(), lr=0.1), precision="fp16")
+    model[0].requires_grad_(True)  # unfrozen without add_param_group: refused as the next window opens
+    with pytest.raises(ConfigurationError, match=r"does not hold \(0.weight, 0.bias\).*add_param_group"):
+        later.step(regression_batch(10, seed=1), mse, micro_batch_size=3)
     model[0].requires_grad_(False)
     ref = copy.deepcopy(model)
     acc = Accumulator(model, torch.optim.SGD(model[2].parameters(), lr=0.1), precision="fp16", max_grad_norm=0.05)

@@ -94,15 +94,7 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
             "(under FSDP2 after model.reshard(), where a forward ran since fully_shard and left the root's "
             "parameters unsharded)"
         )
-    stepped = {id(p) for p in held}
-    unstepped = [p for p in params if id(p) not in stepped]
-    if settings.precision == "fp16" and unstepped:
-        raise ConfigurationError(
-            f"precision='fp16' with {len(unstepped)} trainable parameter(s) the optimizer does not hold (shapes "
-            f"{[tuple(p.shape) for p in unstepped][:4]}): GradScaler unscales only the optimizer's gradients, so "
-            "theirs would enter the window's norm and its clip still multiplied by the loss scale. Freeze them "
-            "(requires_grad_(False)) or build the optimizer over all of them"
-        )
+    refuse_unscaled_fp16(model, optimizer, settings.precision)
     scaler = getattr(optimizer, "scaler", None)  # Accelerate's prepared optimizer under fp16 carries one
     if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
         raise ConfigurationError(
@@ -112,6 +104,21 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
             "precision='fp16' to Accumulator, which owns the scaler"
         )
     return optimizer, params
+
+
+def refuse_unscaled_fp16(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str) -> None:
+    """``precision="fp16"`` with trainable parameters the optimizer does not hold: refused as the Accumulator is
+    built, and as a window opens after a ``requires_grad`` change (an unfreezing without ``add_param_group``)."""
+    if precision != "fp16":
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    unstepped = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if unstepped:
+        raise ConfigurationError(
+            f"precision='fp16' with {len(unstepped)} trainable parameter(s) the optimizer does not hold "
+            f"({', '.join(unstepped[:4])}{', ...' if len(unstepped) > 4 else ''}): GradScaler unscales only the "
+            "optimizer's gradients, so theirs would enter the window's norm and its clip still multiplied by the loss "
+            "scale. Freeze them (requires_grad_(False)) or give the optimizer all of them (optimizer.add_param_group)")
 
 
 def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

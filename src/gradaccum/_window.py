@@ -18,6 +18,7 @@ from ._boundary import Boundary, InFlight, Totals
 from ._checks import Count, batchnorms, scalar_loss, split_loss_output
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._ranks import RankAgreement, Request, Setup
+from ._settings import refuse_unscaled_fp16
 from ._state import AccumulatorState
 from ._weights import Gradients, WindowWeights
 from .precision import MixedPrecision
@@ -70,6 +71,7 @@ class OpenWindow:
                     "that required grad when it wrapped the model, so the replicas would drift apart without a "
                     "word. After freezing or unfreezing, wrap the model in DDP again and build a new Accumulator "
                     "over it (acc.state_dict() carries the Accumulator's state over)")
+            refuse_unscaled_fp16(model, window.ctx.boundary.optimizer, window.ctx.precision.precision)
             state.trainable = trainable
         if model.training and "batchnorm" not in state.warned:
             if state.batchnorms is None:
