@@ -14,8 +14,8 @@ from torch import nn
 from .errors import ConfigurationError, NotExactError
 
 __all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count",
-           "scalar_loss", "split_loss_output", "as_number", "batchnorms", "training_batchnorms", "ROWS", "holds_ignored_labels",
-           "padded_rows_refusal"]
+           "scalar_loss", "split_loss_output", "as_number", "batchnorms", "training_batchnorms", "ROWS",
+           "holds_ignored_labels", "ignored_labels", "padded_rows_refusal"]
 
 #: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
 Count = Union[int, float, torch.Tensor]
@@ -110,13 +110,19 @@ def training_batchnorms(model: nn.Module) -> List[str]:
     return [name for name, m in batchnorms(model) if m.training]
 
 
-def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> bool:
+def ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> Optional[torch.Tensor]:
     """Whether a mapping micro-batch's integer ``labels`` hold ``ignore_index`` (then a mean over its targets
-    is not one over its rows), in one host synchronisation for all of them."""
+    is not one over its rows), as a flag on the labels' device, read by nobody yet (None: no such labels)."""
     labels = [mb.get("labels") for mb in micro_batches if isinstance(mb, Mapping)]
     found = [(t == ignore_index).any() for t in labels
              if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
-    return bool(torch.stack([f.to(found[0].device) for f in found]).any()) if found else False
+    return torch.stack([f.to(found[0].device) for f in found]).any() if found else None
+
+
+def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> bool:
+    """:func:`ignored_labels`, read in one host synchronisation for all of them."""
+    flag = ignored_labels(micro_batches, ignore_index)
+    return flag is not None and bool(flag)
 
 
 def padded_rows_refusal(where: str, fix: str) -> NotExactError:

@@ -76,15 +76,19 @@ def test_llama_float32_norm_is_exact_to_its_float32_rounding():
 
 def test_a_bare_mean_on_padded_labels_is_refused_and_rows_is_the_declared_opt_out():
     """``training_step`` returning a bare mean (a Hugging Face model's ``outputs.loss``: over the targets) on
-    batches whose labels hold -100, with ``ExactAccumulation()`` counting rows: refused at the first backward,
-    before any step, naming ``count_targets`` and ``num_items='rows'``. Declared with ``num_items="rows"``, the
-    fit runs, weighing rows as declared (the last window's N is its rows)."""
+    batches whose labels hold -100, with ``ExactAccumulation()`` counting rows: refused at the first window's
+    boundary, before its step, naming ``count_targets`` and ``num_items='rows'``, also where only a later
+    micro-batch of the window is padded. Declared with ``num_items="rows"``, the fit runs, weighing rows as
+    declared (the last window's N is its rows)."""
     from gradaccum import NotExactError
 
     model = MODELS["gpt2"]()
-    with pytest.raises(NotExactError, match=r"ExactAccumulation: training_step returned a bare mean loss .*"
-                                            r"count_targets.*num_items='rows'"):
-        S.lightning_fit(model, MICRO, exact=False, callbacks=[ExactAccumulation()])
+    unpadded_first = [MICRO[2], MICRO[0], MICRO[1]]  # one sequence, no -100; then two padded micro-batches
+    assert not (MICRO[2]["labels"] == -100).any() and (MICRO[0]["labels"] == -100).any()
+    for micro_batches in (MICRO, unpadded_first):
+        with pytest.raises(NotExactError, match=r"ExactAccumulation: training_step returned a bare mean loss .*"
+                                                r"count_targets.*num_items='rows'"):
+            S.lightning_fit(model, micro_batches, exact=False, callbacks=[ExactAccumulation()])
     _, trainer, _ = S.lightning_fit(model, MICRO, exact=False, callbacks=[rows := ExactAccumulation(num_items="rows")])
     assert trainer.global_step == len(WINDOWS) and rows.last_window_items == len(WINDOWS[-1])
 

@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .._cached import WindowLoss
-from .._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, padded_rows_refusal
+from .._checks import ROWS, Count, as_number, ignored_labels, item_count, padded_rows_refusal
 from .._gradients import AccumulationBuffers
 from .._patching import Swaps
 from .._settings import nonfinite_choice
@@ -92,7 +92,7 @@ class ExactAccumulation(Callback):
         self._window: Optional[WindowWeights] = None  # the open window (running R)
         self._count: Count = 0                    # the items the open window has weighed on this rank (its n_k summed)
         self._batch: Any = None                   # the micro-batch, for the leading-dimension count
-        self._rows_unchecked = False              # the open window's labels not yet checked for -100
+        self._padded: Optional[torch.Tensor] = None  # a bare mean's labels held -100 in the open window
         self.skipping = False                     #: the window that just closed takes no step
         self._hooks = Swaps()                     # the module's hooks wrapped for this fit
         self._nothing = contextlib.ExitStack()    # during a backward of a micro-batch that may hold no item
@@ -171,7 +171,7 @@ class ExactAccumulation(Callback):
         self.skipping, self._batch = False, batch
         if self._window is None:  # the window's first micro-batch: the running R (its count is known at its end)
             self._window, self._count = WindowWeights(self.state, trainer.world_size, buffers=self.buffers), 0
-            self._rows_unchecked = self.num_items is None  # a bare mean's labels: checked once per window
+            self._padded = None  # whether a bare mean's labels held -100 in this window, on their device
         # None: the leading dimension, unless training_step returns a count
         self.pending = None if self.num_items in (None, ROWS) else item_count("num_items(batch)", self.num_items(batch))
 
@@ -185,12 +185,9 @@ class ExactAccumulation(Callback):
                 raise ConfigurationError(f"ExactAccumulation counts a batch's items by its leading dimension, but the "
                                          f"{exc} Or pass num_items=lambda batch: <its item count>, or return "
                                          "(mean_loss, count) from training_step") from None
-            if self._rows_unchecked and holds_ignored_labels([self._batch]):  # a mean over targets, not rows
-                raise padded_rows_refusal(
-                    "ExactAccumulation: training_step", "Pass ExactAccumulation(num_items=lambda batch: gradaccum.count_targets("
-                    "batch['labels'])) (the targets of a causal LM; shift=False for other heads), or return (mean, "
-                    "count) from training_step; if the mean really is over the rows, say so: num_items='rows'")
-            self._rows_unchecked = False
+            padded = ignored_labels([self._batch]) if self.num_items is None else None  # read at the boundary
+            if padded is not None:
+                self._padded = padded if self._padded is None else self._padded | padded
         self.pending, self._batch = None, None
         window = self._window
         if window.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
@@ -206,6 +203,11 @@ class ExactAccumulation(Callback):
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         """The boundary, before Lightning clips (docs/architecture.md, "Lightning's ``ExactAccumulation``")."""
+        if self._padded is not None and bool(self._padded):  # a bare mean over targets, weighed by rows
+            raise padded_rows_refusal(
+                "ExactAccumulation: training_step", "Pass ExactAccumulation(num_items=lambda batch: gradaccum."
+                "count_targets(batch['labels'])) (the targets of a causal LM; shift=False for other heads), or "
+                "return (mean, count) from training_step; if the mean really is over the rows: num_items='rows'")
         window, self._window = self._window, None  # opened by on_train_batch_start
         total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and the "
                            "ranks)", _all_reduce(trainer, self._count))
