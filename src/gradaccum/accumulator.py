@@ -6,6 +6,7 @@ each window; docs/architecture.md ("One micro-batch's trip") walks ``acc.step`` 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -131,7 +132,9 @@ class Accumulator(Resumable):
                                      boundary=boundary, slot=OpenWindow(), state=state)
         stepped = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer a wrapper (Accelerate's) holds
         if isinstance(stepped, torch.optim.Optimizer):  # a step of the caller's own inside a window: refused
-            stepped.register_step_pre_hook(self.context.slot.refuse_a_step)
+            slot = weakref.ref(self.context.slot)  # the optimizer may outlive this Accumulator: its hook goes with it
+            hook = stepped.register_step_pre_hook(lambda *step: slot() is None or slot().refuse_a_step(*step))
+            weakref.finalize(self.context.slot, hook.remove)
 
     # -- the three ways in ----------------------------------------------------------------------
 
