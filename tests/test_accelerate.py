@@ -62,3 +62,27 @@ def test_an_optimizer_with_accelerates_grad_scaler_is_refused_with_the_fix(accel
     opt = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match=r"GradScaler.*precision='fp16'"):
         Accumulator(model, opt)
+
+
+def test_accelerates_own_accumulation_and_prepared_scheduler_are_refused_with_the_fix(accelerator):
+    """A script moved onto gradaccum that keeps ``Accelerator(gradient_accumulation_steps=2)``: the prepared
+    optimizer's ``step()`` does nothing off Accelerate's boundary, so half of gradaccum's steps were dropped while
+    ``StepResult.step`` counted them (a probe: 0.68 off one big batch). And the prepared scheduler steps the raw
+    one once per process: on 2 processes the schedule ran twice as fast. Both refused as the Accumulator is
+    built, naming the fix; the raw scheduler, and the optimizer prepared without accumulation, are taken."""
+    from accelerate.state import GradientState
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    p_model, p_opt, p_sched = accelerator.prepare(model, opt, sched)
+    with pytest.raises(ValueError, match=r"scheduler is Accelerate's prepared one \(AcceleratedScheduler\).*raw"):
+        Accumulator(p_model, p_opt, scheduler=p_sched)
+    Accumulator(p_model, p_opt, scheduler=sched)
+    GradientState._reset_state()
+    grouped = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(4, 1)
+    p_model, p_opt = grouped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"Accelerator\(gradient_accumulation_steps=2\).*without "
+                                         r"gradient_accumulation_steps.*accelerator.accumulate\(\)"):
+        Accumulator(p_model, p_opt)
