@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_helpers
 
-from gradaccum import Accumulator, count_targets  # noqa: E402
+from gradaccum import Accumulator, ConfigurationError, count_targets  # noqa: E402
 from gradaccum.sync import DDPSync  # noqa: E402
 from distributed.launch import Skip, run_modules  # noqa: E402
 from worker import close, counting_hook, data, make_opt, model_fn, mse, reference  # noqa: E402
@@ -162,9 +162,10 @@ def accelerate_prepared_exact_with_raw_scheduler():
     return "; ".join(notes) + "; raw scheduler once per step"
 
 
-def accelerate_prepared_scheduler_steps_once_per_process():
-    """Issue item 7, Accelerate's own behaviour: its prepared scheduler advances ``num_processes`` times
-    per call unless ``split_batches=True``. So the Accumulator must get the raw scheduler."""
+def accelerate_prepared_scheduler_is_refused_as_it_steps_once_per_process():
+    """Issue item 7, Accelerate's own behaviour: its prepared scheduler advances ``num_processes`` times per
+    call unless ``split_batches=True`` (measured here: one call, WORLD steps), so the schedule would run WORLD
+    times too fast. The Accumulator refuses it on every rank, naming the raw scheduler; given that, one step."""
     from accelerate.scheduler import AcceleratedScheduler
 
     accelerator = _accelerator()
@@ -172,15 +173,22 @@ def accelerate_prepared_scheduler_steps_once_per_process():
     opt = make_opt(model, "sgd")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     p_model, p_opt, p_sched = accelerator.prepare(model, opt, sched)
-    acc = Accumulator(p_model, p_opt, scheduler=p_sched)
-    for window in windows(300, 2):
-        acc.step(window[RANK], mse)
-    assert (acc.steps, sched.last_epoch) == (2, 2 * WORLD), (acc.steps, sched.last_epoch)
+    p_sched.step()
+    assert sched.last_epoch == WORLD, sched.last_epoch
+    try:
+        Accumulator(p_model, p_opt, scheduler=p_sched)
+    except ConfigurationError as e:
+        assert "Pass the raw scheduler" in str(e), e
+    else:
+        raise AssertionError("the prepared scheduler was taken")
+    acc = Accumulator(p_model, p_opt, scheduler=sched)
+    acc.step(windows(300, 1)[0][RANK], mse)
+    assert sched.last_epoch == WORLD + 1, sched.last_epoch
     split = AcceleratedScheduler(sched, p_opt, split_batches=True)
     split.step()
-    assert sched.last_epoch == 2 * WORLD + 1, sched.last_epoch
-    return (f"prepared scheduler: {sched.last_epoch - 1} scheduler steps for 2 optimizer steps "
-            f"(num_processes={WORLD}); split_batches=True: 1 per step")
+    assert sched.last_epoch == WORLD + 2, sched.last_epoch
+    return (f"prepared scheduler: {WORLD} scheduler steps per call (num_processes={WORLD}), refused; the raw one: "
+            "1 per optimizer step; split_batches=True: 1 per call")
 
 
 def accelerate_dynamo_backend_is_compiled_ddp_and_exact():
@@ -280,7 +288,7 @@ def hf_gpt2_ddp_uneven_data_train():
 
 
 SCENARIOS = [ddp_over_compiled_eager_and_aot_eager, ddp_over_compiled_inductor,
-             accelerate_prepared_exact_with_raw_scheduler, accelerate_prepared_scheduler_steps_once_per_process,
+             accelerate_prepared_exact_with_raw_scheduler, accelerate_prepared_scheduler_is_refused_as_it_steps_once_per_process,
              accelerate_dynamo_backend_is_compiled_ddp_and_exact,
              accelerate_prepared_window_sampler_is_refused_with_the_fix, zero_redundancy_optimizer_uneven_counts,
              hf_gpt2_ddp_uneven_data_train]
