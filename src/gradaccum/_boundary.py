@@ -275,7 +275,9 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
             "would step on its own gradient and the replicas would drift apart. loss_fn must run the model "
             "it is given (the DDP-wrapped one), not the module inside it (ddp.module, or self.net inside a "
             "LightningModule); in Lightning use gradaccum.integrations.lightning.ExactAccumulation, which "
-            "keeps Lightning's own DDP forward. No step was taken"
+            "keeps Lightning's own DDP forward. Or a parameter was unused in the window's last micro-batch (a "
+            "branch some micro-batches skip), so DDP never finished its reduction: wrap with "
+            "DistributedDataParallel(model, find_unused_parameters=True). No step was taken"
         )
 
 

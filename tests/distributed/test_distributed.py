@@ -27,6 +27,7 @@ SCENARIOS = [
     "ddp_a_rank_out_of_data_after_one_window_with_buffers",
     "ddp_a_fresh_rank_with_an_empty_first_share_needs_set_padding",
     "fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank",
+    "fsdp2_a_parameter_in_no_fully_shard_is_refused_on_every_rank",
     "compiled_ddp_exact_with_uneven_counts",
     "unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice",
     "ddp_step_costs_one_small_collective_per_window",

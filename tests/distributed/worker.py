@@ -478,6 +478,32 @@ def fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank():
     raise AssertionError("no error")
 
 
+def fsdp2_a_parameter_in_no_fully_shard_is_refused_on_every_rank():
+    """Submodules sharded, the root not: the last layer's parameters are plain tensors that no fully_shard
+    reduces, and the replicas drifted apart (a probe: 0.79 off one big batch, no word; with max_grad_norm an
+    error inside torch). Refused as the Accumulator is built on every rank, naming them and the fix; with the
+    root sharded too, the same model is exact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    fully_shard(model[0], mesh=mesh)
+    try:
+        Accumulator(model, make_opt(model, "sgd"))
+    except ConfigurationError as e:
+        assert "2 trainable parameter(s) of this Sequential are in no fully_shard module (2.weight, 2.bias)" in str(e)
+        assert "fully_shard(model, mesh=mesh)" in str(e), e
+    else:
+        raise AssertionError("a parameter no fully_shard reduces was taken")
+    fully_shard(model, mesh=mesh)
+    Accumulator(model, make_opt(model, "sgd"))
+    return "refused on every rank, naming 2.weight and 2.bias; taken once the root is sharded"
+
+
 def compiled_ddp_exact_with_uneven_counts():
     """torch.compile(DDP(model)) is what Accelerate builds with dynamo_backend: it must reduce once per
     window and normalize by the global count, with 3 micro-batches on one rank and 2 on the other."""
@@ -1153,7 +1179,8 @@ SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reducti
              fsdp2_train_uneven_windows, ddp_hand_written_window_with_no_data, ddp_empty_share_with_a_split_or_auto_size,
              ddp_a_rank_out_of_data_after_one_window_with_buffers,
              ddp_a_fresh_rank_with_an_empty_first_share_needs_set_padding,
-             fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank, compiled_ddp_exact_with_uneven_counts,
+             fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank,
+             fsdp2_a_parameter_in_no_fully_shard_is_refused_on_every_rank, compiled_ddp_exact_with_uneven_counts,
              unwrapped_model_is_refused_and_per_rank_is_an_explicit_choice,
              ddp_step_costs_one_small_collective_per_window, ddp_step_with_a_rank_without_data_costs_the_same,
              ddp_step_with_a_loss_one_rank_finds_not_finite_costs_one_collective_per_window,
