@@ -104,6 +104,10 @@ class Boundary:
         self.launch_before_last_backward = sync.shares_windows and not (self.measure and sync.sharded_grads)
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         self.wrapped_step = sync.owns_step or precision.scaler is not None  # else the optimizer's own step()
+        #: the first window compares the replicas' gradients: DDP's, and FSDP2's plain ones (a parameter in no
+        #: fully_shard module, which nothing reduces), where the model has one
+        self.compare_replicas = sync.replicated_grads or sync.sharded_grads and any(
+            p.requires_grad and not hasattr(p, "device_mesh") for p in grads.params)
 
     def check_scheduler(self) -> None:
         """Before a window opens: the scheduler must stand where this boundary's last step left it.
@@ -130,7 +134,7 @@ class Boundary:
         told each other and the window's result."""
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
-        first_check = self.sync.replicated_grads and not self.state.replicas_checked
+        first_check = self.compare_replicas and not self.state.replicas_checked
         # the gradient's tensors, where something reads them before the step (else listed below if it scales)
         grads = self.grads.tensors() if self.measure or first_check else None
         try:  # the gradient goes whatever happens here: stepped, skipped, or refused
@@ -260,7 +264,11 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
     """After the first window's reduction, the ranks' gradients must be equal: compare a fingerprint
     (the sum of the per-parameter norms, and a position-weighted sum) across ranks, once. A ``loss_fn``
     that runs the inner module (``ddp.module``) bypasses DDP's forward, so nothing is reduced and the
-    replicas drift apart in silence. Every rank sees every fingerprint, so every rank raises alike."""
+    replicas drift apart in silence; under FSDP2 the same holds for a parameter in no ``fully_shard``
+    module, whose gradient is a plain tensor (a DTensor's shards differ by design, and are left out; a
+    window loss's own parameter, equal on every rank by construction, passes). Every rank sees every
+    fingerprint, so every rank raises alike."""
+    grads = [g for g in grads if not hasattr(g, "device_mesh")]
     if grads:
         norms = tensor_norms(grads, torch.float64)
         weights = torch.arange(1, len(grads) + 1, dtype=torch.float64, device=norms.device)
@@ -269,6 +277,12 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
         mine = torch.zeros(2, dtype=torch.float64, device=device)
     rows = sync.all_gather(mine.to(device)).tolist()
     if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for row in rows[1:] for a, b in zip(rows[0], row)):
+        if sync.sharded_grads:
+            raise ConfigurationError(
+                "the ranks' gradients of the parameters in no fully_shard module differ after the window "
+                f"(fingerprints per rank: {[round(r[0], 8) for r in rows]}): nothing reduces them, so each rank would "
+                "step on its own and the replicas would drift apart. Shard the root too, fully_shard(model, "
+                "mesh=mesh), after its submodules. No step was taken")
         raise ConfigurationError(
             "the ranks' gradients differ after the window's reduction (gradient fingerprints per rank: "
             f"{[round(r[0], 8) for r in rows]}), so DistributedDataParallel never reduced them: each rank "

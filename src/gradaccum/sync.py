@@ -196,14 +196,6 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
     if ddps:
         return DDPSync(_outermost(ddps), reduce_every_micro_batch=reduce_every_micro_batch)  # type: ignore[arg-type]
     if fsdps:
-        loose = [name for name, p in model.named_parameters() if p.requires_grad and not hasattr(p, "device_mesh")]
-        if loose:  # not a DTensor: no fully_shard reduces it, and each rank would step on its own gradient
-            raise ConfigurationError(
-                f"{len(loose)} trainable parameter(s) of this {type(model).__name__} are in no fully_shard module "
-                f"({', '.join(loose[:4])}{', ...' if len(loose) > 4 else ''}): nothing reduces their gradients, so "
-                "each rank would step on its own and the replicas would drift apart. Shard the root too, "
-                "fully_shard(model, mesh=mesh), after its submodules (where a forward ran since, model.reshard() "
-                "first: it leaves the root's parameters unsharded)")
         return FSDP2Sync(_outermost(fsdps), reduce_every_micro_batch=reduce_every_micro_batch)
     if data_parallel == "auto" and is_distributed() and dist.get_world_size() > 1:
         raise ConfigurationError(

@@ -481,8 +481,10 @@ def fsdp2_hand_written_unequal_counts_is_one_error_on_every_rank():
 def fsdp2_a_parameter_in_no_fully_shard_is_refused_on_every_rank():
     """Submodules sharded, the root not: the last layer's parameters are plain tensors that no fully_shard
     reduces, and the replicas drifted apart (a probe: 0.79 off one big batch, no word; with max_grad_norm an
-    error inside torch). Refused as the Accumulator is built on every rank, naming them and the fix; with the
-    root sharded too, the same model is exact."""
+    error inside torch). Refused at the first window's boundary on every rank, before its step (the first
+    window's replica check covers FSDP2's plain gradients too); with the root sharded, the same model is
+    exact. A window loss's own parameter beside the sharded module is equal on every rank and passes
+    (cached_worker.py's cached_fsdp2_exact)."""
     from torch.distributed.device_mesh import init_device_mesh
     try:
         from torch.distributed.fsdp import fully_shard
@@ -490,18 +492,27 @@ def fsdp2_a_parameter_in_no_fully_shard_is_refused_on_every_rank():
         from torch.distributed._composable.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
-    fully_shard(model[0], mesh=mesh)
+    steps = [[[data(r, 50 + 10 * s + k, n) for k, n in enumerate(EQUAL_COUNTS[r])] for r in range(WORLD)]
+             for s in range(2)]
+    model = model_fn()
+    fully_shard(model.a, mesh=mesh)  # b in no fully_shard module
+    before = [p.detach().clone() for p in model.b.parameters()]
+    acc = Accumulator(model, make_opt(model, "sgd"))
     try:
-        Accumulator(model, make_opt(model, "sgd"))
+        acc.step(steps[0][RANK], mse)
     except ConfigurationError as e:
-        assert "2 trainable parameter(s) of this Sequential are in no fully_shard module (2.weight, 2.bias)" in str(e)
-        assert "fully_shard(model, mesh=mesh)" in str(e), e
+        assert "in no fully_shard module differ" in str(e) and "fully_shard(model, mesh=mesh)" in str(e), e
     else:
-        raise AssertionError("a parameter no fully_shard reduces was taken")
+        raise AssertionError("a parameter no fully_shard reduces was stepped")
+    assert all(torch.equal(p, q) for p, q in zip(model.b.parameters(), before)), "a step was taken"
+    model = model_fn()
+    fully_shard(model.a, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    Accumulator(model, make_opt(model, "sgd"))
-    return "refused on every rank, naming 2.weight and 2.bias; taken once the root is sharded"
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    for s in range(2):
+        acc.step(steps[s][RANK], mse)
+    close(model, reference(steps, "sgd"))
+    return "refused at the first window on every rank, no step taken; exact once the root is sharded"
 
 
 def compiled_ddp_exact_with_uneven_counts():
