@@ -2,6 +2,8 @@
 the Accumulator, the raw scheduler to ``scheduler=``. Two processes: distributed/stacks_worker.py."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -64,25 +66,39 @@ def test_an_optimizer_with_accelerates_grad_scaler_is_refused_with_the_fix(accel
         Accumulator(model, opt)
 
 
-def test_accelerates_own_accumulation_and_prepared_scheduler_are_refused_with_the_fix(accelerator):
-    """A script moved onto gradaccum that keeps ``Accelerator(gradient_accumulation_steps=2)``: the prepared
-    optimizer's ``step()`` does nothing off Accelerate's boundary, so half of gradaccum's steps were dropped while
-    ``StepResult.step`` counted them (a probe: 0.68 off one big batch). And the prepared scheduler steps the raw
-    one once per process: on 2 processes the schedule ran twice as fast. Both refused as the Accumulator is
-    built, naming the fix; the raw scheduler, and the optimizer prepared without accumulation, are taken."""
+def test_accelerates_own_accumulation_is_refused_and_its_prepared_scheduler_is_stepped_once(accelerator):
+    """A script moved onto gradaccum that keeps ``with accelerator.accumulate(model):`` around ``acc.step``: off
+    Accelerate's boundary the prepared optimizer's ``step()`` does nothing, so half of gradaccum's steps were
+    dropped while ``StepResult.step`` counted them (a probe: 0.68 off one big batch). Refused at the window's
+    boundary, before its step; ``Accelerator(gradient_accumulation_steps=2)`` without ``accumulate()`` is one big
+    batch per window. The prepared scheduler, which steps the one inside once per process, is unwrapped: one
+    scheduler step per optimizer step."""
     from accelerate.state import GradientState
 
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    p_model, p_opt, p_sched = accelerator.prepare(model, opt, sched)
-    with pytest.raises(ValueError, match=r"scheduler is Accelerate's prepared one \(AcceleratedScheduler\).*raw"):
-        Accumulator(p_model, p_opt, scheduler=p_sched)
-    Accumulator(p_model, p_opt, scheduler=sched)
     GradientState._reset_state()
     grouped = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
-    model = torch.nn.Linear(4, 1)
-    p_model, p_opt = grouped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match=r"Accelerator\(gradient_accumulation_steps=2\).*without "
-                                         r"gradient_accumulation_steps.*accelerator.accumulate\(\)"):
-        Accumulator(p_model, p_opt)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (s + 1))
+    p_model, p_opt, p_sched = grouped.prepare(model, opt, sched)
+    acc = Accumulator(p_model, p_opt, scheduler=p_sched)
+    assert acc.scheduler is sched
+    mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, 1, generator=g,
+                                                                             dtype=torch.float64)) for n in (7, 5)]
+    for batch in batches:
+        result = acc.step(batch, mse, micro_batch_size=3)
+        ref_opt.zero_grad()
+        mse(ref, batch).backward()
+        ref_opt.step()
+        ref_sched.step()
+    assert result.step == 2 and sched.last_epoch == ref_sched.last_epoch == 2
+    assert_params_close(model, ref)
+    with grouped.accumulate(p_model):  # its first call: off Accelerate's boundary
+        with pytest.raises(ValueError, match=r"sync_gradients is False.*leave out accelerator.accumulate\(\)"):
+            acc.step(batches[0], mse, micro_batch_size=3)
+    assert_params_close(model, ref)  # no step taken

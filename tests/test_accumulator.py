@@ -734,6 +734,26 @@ def test_an_optimizer_step_of_the_callers_own_inside_a_window_is_refused_and_the
     opt.step()  # between windows the optimizer is the caller's (no gradient is left to step on)
 
 
+def test_the_step_pre_hook_goes_with_the_accumulator_that_registered_it():
+    """Successive Accumulators over one optimizer (a new one after an unfreezing, as the DDP refusal says): each
+    registers its step pre-hook, held weakly and removed when the Accumulator goes, so hooks and slots do not pile
+    up on the optimizer."""
+    import gc
+
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    accs = [Accumulator(model, opt) for _ in range(3)]
+    assert len(opt._optimizer_step_pre_hooks) == 3  # torch's registry of the optimizer's step pre-hooks
+    del accs[:2]
+    gc.collect()
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    accs[0].step(regression_batch(6, seed=1), mse, micro_batch_size=4)
+    opt.step()  # between windows: the hook lets it through
+    del accs
+    gc.collect()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
 def test_fp16_with_trainable_parameters_outside_the_optimizer_is_refused_with_the_fix():
     """``precision="fp16"`` with an optimizer over the head while the body still requires grad: GradScaler
     unscales only the optimizer's gradients, so the body's entered the window's norm times the loss scale

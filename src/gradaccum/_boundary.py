@@ -104,10 +104,15 @@ class Boundary:
         self.launch_before_last_backward = sync.shares_windows and not (self.measure and sync.sharded_grads)
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         self.wrapped_step = sync.owns_step or precision.scaler is not None  # else the optimizer's own step()
-        #: the first window compares the replicas' gradients: DDP's, and FSDP2's plain ones (a parameter in no
-        #: fully_shard module, which nothing reduces), where the model has one
-        self.compare_replicas = sync.replicated_grads or sync.sharded_grads and any(
-            p.requires_grad and not hasattr(p, "device_mesh") for p in grads.params)
+        self.watch_replicas()
+
+    def watch_replicas(self) -> None:
+        """Whether the next boundary compares the replicas' gradients: DDP's, and FSDP2's plain ones (a parameter
+        in no fully_shard module, which nothing reduces) where the model trains one. Once, and again after a
+        ``requires_grad`` change (the window notices it as it opens)."""
+        self.compare_replicas = self.sync.replicated_grads or self.sync.sharded_grads and any(
+            p.requires_grad and not hasattr(p, "device_mesh") for p in self.grads.params)
+        self.state.replicas_checked = False
 
     def check_scheduler(self) -> None:
         """Before a window opens: the scheduler must stand where this boundary's last step left it.
@@ -132,6 +137,12 @@ class Boundary:
                micro_batch_size: Any = None) -> Tuple["Exchanged", StepResult]:
         """Take or skip the window's step (``in_flight``: :meth:`launch`'s all-reduce); returns what the ranks
         told each other and the window's result."""
+        if getattr(getattr(self.optimizer, "gradient_state", None), "sync_gradients", True) is False:
+            raise ConfigurationError(
+                "the optimizer is Accelerate's and its gradient_state.sync_gradients is False (inside "
+                "accelerator.accumulate(), off Accelerate's own boundary): its step() would do nothing while the "
+                "window counted a step. gradaccum accumulates: leave out accelerator.accumulate() (and "
+                "Accelerator(gradient_accumulation_steps=...)). No step was taken")
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.compare_replicas and not self.state.replicas_checked

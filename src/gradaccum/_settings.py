@@ -100,10 +100,10 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
 
 
 def _refuse_accelerate_accumulation(optimizer: Any, scheduler: Any) -> None:
-    """What Accelerate's prepared objects would do to gradaccum's window (docs/guides/accelerate.md, "What not to
-    combine"): a GradScaler of their own, an optimizer ``step()`` that does nothing off Accelerate's own boundary,
-    a scheduler stepped once per process."""
-    scaler = getattr(optimizer, "scaler", None)  # Accelerate's prepared optimizer under fp16 carries one
+    """Accelerate's prepared optimizer under fp16 (docs/guides/accelerate.md, "What not to combine"): a GradScaler
+    of its own. (Its step inside ``accelerator.accumulate()`` off Accelerate's boundary is refused at the window's
+    boundary, :meth:`gradaccum._boundary.Boundary.finish`; its prepared scheduler is unwrapped by the Accumulator.)"""
+    scaler = getattr(optimizer, "scaler", None)
     if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
         raise ConfigurationError(
             f"the optimizer ({type(optimizer).__name__}) carries its own enabled GradScaler, so its step() "
@@ -111,18 +111,6 @@ def _refuse_accelerate_accumulation(optimizer: Any, scheduler: Any) -> None:
             "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
             "precision='fp16' to Accumulator, which owns the scaler"
         )
-    steps = getattr(getattr(optimizer, "gradient_state", None), "num_steps", 1)
-    if isinstance(steps, int) and steps > 1:
-        raise ConfigurationError(
-            f"the optimizer is Accelerate's, prepared under Accelerator(gradient_accumulation_steps={steps}): its "
-            "step() does nothing off Accelerate's own boundary, so most of gradaccum's steps would be dropped while "
-            "the results count them. gradaccum accumulates: build Accelerator() without gradient_accumulation_steps "
-            "and leave out accelerator.accumulate() and accelerator.backward()")
-    if hasattr(scheduler, "scheduler") and hasattr(scheduler, "gradient_state"):  # accelerator.prepare's
-        raise ConfigurationError(
-            f"scheduler is Accelerate's prepared one ({type(scheduler).__name__}), which steps the scheduler "
-            "inside once per process (unless split_batches=True), so the schedule would run num_processes times "
-            "too fast. Pass the raw scheduler, the one you built, and leave it out of accelerator.prepare")
 
 
 def refuse_unscaled_fp16(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str) -> None:

@@ -67,7 +67,8 @@ class AccumulatorState:
             ``acc.set_padding`` gave.
         scheduler_at: the scheduler's ``last_epoch`` after the Accumulator last stepped it; None until a
             window opens and reads it (``Boundary.check_scheduler``), and after ``load_state_dict``.
-        replicas_checked: the ranks compared their first reduced gradient (DDP). The first boundary.
+        replicas_checked: the ranks compared their first reduced gradient (DDP; FSDP2's plain gradients), since
+            the Accumulator was built or a ``requires_grad`` changed. The first boundary after either.
         stop_requests: ``acc.request_stop()`` calls, at any time (a signal handler too).
         stops_carried: requests already carried to the ranks by a boundary's all-reduce. ``Boundary``.
         checked_replays: the :class:`~gradaccum.WindowLoss` objects whose second forward was compared with

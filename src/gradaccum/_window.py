@@ -72,6 +72,7 @@ class OpenWindow:
                     "word. After freezing or unfreezing, wrap the model in DDP again and build a new Accumulator "
                     "over it (acc.state_dict() carries the Accumulator's state over)")
             refuse_unscaled_fp16(model, window.ctx.boundary.optimizer, window.ctx.precision.precision)
+            window.ctx.boundary.watch_replicas()  # FSDP2: a plain parameter unfrozen is compared at this boundary
             state.trainable = trainable
         if model.training and "batchnorm" not in state.warned:
             if state.batchnorms is None:

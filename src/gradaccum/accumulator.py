@@ -103,6 +103,8 @@ class Accumulator(Resumable):
         data_parallel: str = "auto",
         compute_grad_norm: bool = False,
     ) -> None:
+        if hasattr(scheduler, "scheduler") and hasattr(scheduler, "gradient_state"):  # accelerator.prepare's:
+            scheduler = scheduler.scheduler  # it steps the one inside once per process; here once per step
         settings = Settings(max_grad_norm, precision, accum_dtype, nonfinite, reduce_every_micro_batch, data_parallel,
                             compute_grad_norm)  # each checked as it is made
         optimizer, params = check_training_objects(model, optimizer, scheduler, settings)
@@ -133,7 +135,7 @@ class Accumulator(Resumable):
         stepped = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer a wrapper (Accelerate's) holds
         if isinstance(stepped, torch.optim.Optimizer):  # a step of the caller's own inside a window: refused
             slot = weakref.ref(self.context.slot)  # the optimizer may outlive this Accumulator: its hook goes with it
-            hook = stepped.register_step_pre_hook(lambda *step: slot() is None or slot().refuse_a_step(*step))
+            hook = stepped.register_step_pre_hook(lambda *step: None if slot() is None else slot().refuse_a_step(*step))
             weakref.finalize(self.context.slot, hook.remove)
 
     # -- the three ways in ----------------------------------------------------------------------

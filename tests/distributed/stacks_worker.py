@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_helpers
 
-from gradaccum import Accumulator, ConfigurationError, count_targets  # noqa: E402
+from gradaccum import Accumulator, count_targets  # noqa: E402
 from gradaccum.sync import DDPSync  # noqa: E402
 from distributed.launch import Skip, run_modules  # noqa: E402
 from worker import close, counting_hook, data, make_opt, model_fn, mse, reference  # noqa: E402
@@ -162,10 +162,10 @@ def accelerate_prepared_exact_with_raw_scheduler():
     return "; ".join(notes) + "; raw scheduler once per step"
 
 
-def accelerate_prepared_scheduler_is_refused_as_it_steps_once_per_process():
+def accelerate_prepared_scheduler_is_stepped_once_per_step():
     """Issue item 7, Accelerate's own behaviour: its prepared scheduler advances ``num_processes`` times per
-    call unless ``split_batches=True`` (measured here: one call, WORLD steps), so the schedule would run WORLD
-    times too fast. The Accumulator refuses it on every rank, naming the raw scheduler; given that, one step."""
+    call unless ``split_batches=True`` (measured here: one call, WORLD steps), so through it the schedule ran
+    WORLD times too fast. The Accumulator unwraps it and steps the scheduler inside once per optimizer step."""
     from accelerate.scheduler import AcceleratedScheduler
 
     accelerator = _accelerator()
@@ -175,20 +175,16 @@ def accelerate_prepared_scheduler_is_refused_as_it_steps_once_per_process():
     p_model, p_opt, p_sched = accelerator.prepare(model, opt, sched)
     p_sched.step()
     assert sched.last_epoch == WORLD, sched.last_epoch
-    try:
-        Accumulator(p_model, p_opt, scheduler=p_sched)
-    except ConfigurationError as e:
-        assert "Pass the raw scheduler" in str(e), e
-    else:
-        raise AssertionError("the prepared scheduler was taken")
-    acc = Accumulator(p_model, p_opt, scheduler=sched)
-    acc.step(windows(300, 1)[0][RANK], mse)
-    assert sched.last_epoch == WORLD + 1, sched.last_epoch
+    acc = Accumulator(p_model, p_opt, scheduler=p_sched)
+    assert acc.scheduler is sched
+    for window in windows(300, 2):
+        acc.step(window[RANK], mse)
+    assert (acc.steps, sched.last_epoch) == (2, WORLD + 2), (acc.steps, sched.last_epoch)
     split = AcceleratedScheduler(sched, p_opt, split_batches=True)
     split.step()
-    assert sched.last_epoch == WORLD + 2, sched.last_epoch
-    return (f"prepared scheduler: {WORLD} scheduler steps per call (num_processes={WORLD}), refused; the raw one: "
-            "1 per optimizer step; split_batches=True: 1 per call")
+    assert sched.last_epoch == WORLD + 3, sched.last_epoch
+    return (f"prepared scheduler: {WORLD} scheduler steps per call (num_processes={WORLD}); through the "
+            "Accumulator: 1 per optimizer step; split_batches=True: 1 per call")
 
 
 def accelerate_dynamo_backend_is_compiled_ddp_and_exact():
@@ -288,7 +284,7 @@ def hf_gpt2_ddp_uneven_data_train():
 
 
 SCENARIOS = [ddp_over_compiled_eager_and_aot_eager, ddp_over_compiled_inductor,
-             accelerate_prepared_exact_with_raw_scheduler, accelerate_prepared_scheduler_is_refused_as_it_steps_once_per_process,
+             accelerate_prepared_exact_with_raw_scheduler, accelerate_prepared_scheduler_is_stepped_once_per_step,
              accelerate_dynamo_backend_is_compiled_ddp_and_exact,
              accelerate_prepared_window_sampler_is_refused_with_the_fix, zero_redundancy_optimizer_uneven_counts,
              hf_gpt2_ddp_uneven_data_train]

@@ -16,7 +16,7 @@ SCENARIOS = [
     "ddp_over_compiled_eager_and_aot_eager",
     "ddp_over_compiled_inductor",
     "accelerate_prepared_exact_with_raw_scheduler",
-    "accelerate_prepared_scheduler_is_refused_as_it_steps_once_per_process",
+    "accelerate_prepared_scheduler_is_stepped_once_per_step",
     "accelerate_dynamo_backend_is_compiled_ddp_and_exact",
     "accelerate_prepared_window_sampler_is_refused_with_the_fix",
     "zero_redundancy_optimizer_uneven_counts",

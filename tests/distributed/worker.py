@@ -505,6 +505,18 @@ def fsdp2_a_parameter_in_no_fully_shard_is_refused_on_every_rank():
     else:
         raise AssertionError("a parameter no fully_shard reduces was stepped")
     assert all(torch.equal(p, q) for p, q in zip(model.b.parameters(), before)), "a step was taken"
+    model = model_fn()  # b frozen as the Accumulator is built (no gradient to reduce), unfrozen after a window
+    fully_shard(model.a, mesh=mesh)
+    model.b.requires_grad_(False)
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    acc.step(steps[0][RANK], mse)
+    model.b.requires_grad_(True)
+    try:
+        acc.step(steps[1][RANK], mse)
+    except ConfigurationError as e:
+        assert "in no fully_shard module differ" in str(e), e
+    else:
+        raise AssertionError("a parameter unfrozen outside fully_shard was stepped")
     model = model_fn()
     fully_shard(model.a, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -512,7 +524,8 @@ def fsdp2_a_parameter_in_no_fully_shard_is_refused_on_every_rank():
     for s in range(2):
         acc.step(steps[s][RANK], mse)
     close(model, reference(steps, "sgd"))
-    return "refused at the first window on every rank, no step taken; exact once the root is sharded"
+    return ("refused at the first window on every rank, no step taken, and at the first after an unfreezing; "
+            "exact once the root is sharded")
 
 
 def compiled_ddp_exact_with_uneven_counts():

@@ -71,6 +71,24 @@ def lightning(make: Callable, name: str) -> str:
     return verdict(name, lit.model, nat.model, ref, f", last window N={cb.last_window_items:.0f}")
 
 
+def lightning_ddp_padded_labels_on_one_rank(name: str) -> str:
+    """``ExactAccumulation()`` counting rows, ``training_step`` a bare mean over targets: rank 0's micro-batches
+    are padded (labels -100), rank 1's one sequence each (none padded). The flag rides in the boundary's
+    all-reduce of the count, so both ranks refuse at the first window's boundary, before its step (a rank-local
+    check left rank 1 waiting in that all-reduce)."""
+    from gradaccum import NotExactError
+    from gradaccum.integrations.lightning import ExactAccumulation
+
+    mine = PER_RANK[0][:2] if RANK == 0 else [S.rank_micro_batches(1, [1])[0]] * 2
+    assert bool((mine[0]["labels"] == -100).any()) == (RANK == 0)
+    try:
+        S.lightning_fit(gpt2(), mine, exact=False, accum=2, world=WORLD, callbacks=[ExactAccumulation()])
+    except NotExactError as e:
+        assert "training_step returned a bare mean loss" in str(e), e
+        return f"PASS {name}: refused on rank {RANK} too"
+    return f"FAIL {name}: rank {RANK} took the window"
+
+
 def lightning_fsdp2(make: Callable, name: str) -> str:
     """Lightning's ModelParallelStrategy with FSDP2 (``fully_shard`` per block and on the root, every
     rank data-parallel): each rank holds a shard, so the parameters are gathered into plain copies
@@ -227,6 +245,8 @@ SCENARIOS: Dict[str, Callable[[], str]] = {
                                                                   "lightning_ddp_llama_float64_norm_clipped"),
     "lightning_fsdp2_gpt2_clipped": lambda: lightning_fsdp2(gpt2, "lightning_fsdp2_gpt2_clipped"),
     "lightning_ddp_zero_item_windows": lambda: lightning_zero_item_windows("lightning_ddp_zero_item_windows"),
+    "lightning_ddp_padded_labels_on_one_rank": lambda: lightning_ddp_padded_labels_on_one_rank(
+        "lightning_ddp_padded_labels_on_one_rank"),
     # not clipped: an engaged clip rescales the stock Trainer's uniform GPT-2 error away
     "hf_ddp_gpt2_stock_loss_type": lambda: hf(lambda: S.stock(gpt2()), "hf_ddp_gpt2_stock_loss_type", clip=None),
     "hf_ddp_llama_plain_forward_clipped": lambda: hf(lambda: S.PlainForward(llama()),

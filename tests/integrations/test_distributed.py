@@ -20,6 +20,7 @@ SCENARIOS = [
     "lightning_ddp_llama_float64_norm_clipped",
     "lightning_fsdp2_gpt2_clipped",
     "lightning_ddp_zero_item_windows",
+    "lightning_ddp_padded_labels_on_one_rank",
     "hf_ddp_gpt2_stock_loss_type",
     "hf_ddp_llama_plain_forward_clipped",
     "hf_fsdp2_llama_plain_forward_clipped",

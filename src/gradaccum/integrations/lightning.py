@@ -4,7 +4,7 @@ window core :class:`gradaccum._weights.WindowWeights` (the running R) from Light
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .._cached import WindowLoss
-from .._checks import ROWS, Count, as_number, ignored_labels, item_count, padded_rows_refusal
+from .._checks import ROWS, Count, ignored_labels, item_count, padded_rows_refusal
 from .._gradients import AccumulationBuffers
 from .._patching import Swaps
 from .._settings import nonfinite_choice
@@ -191,7 +191,7 @@ class ExactAccumulation(Callback):
         self.pending, self._batch = None, None
         window = self._window
         if window.reference is None:  # the ranks' first micro-batches: once per fit (then in the state)
-            window.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n))
+            window.fix_reference(trainer.accumulate_grad_batches * _all_reduce(trainer, n)[0])
         leaves = (pl_module.parameters if isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
                   else lambda: graph_leaves(loss))  # FSDP2: the unsharded parameters the forward ran on
         self._count = self._count + n
@@ -203,14 +203,15 @@ class ExactAccumulation(Callback):
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         """The boundary, before Lightning clips (docs/architecture.md, "Lightning's ``ExactAccumulation``")."""
-        if self._padded is not None and bool(self._padded):  # a bare mean over targets, weighed by rows
+        window, self._window = self._window, None  # opened by on_train_batch_start
+        count, padded = _all_reduce(trainer, self._count, self._padded)  # every rank learns of any rank's padding
+        if padded:  # a bare mean over targets, weighed by rows
             raise padded_rows_refusal(
                 "ExactAccumulation: training_step", "Pass ExactAccumulation(num_items=lambda batch: gradaccum."
                 "count_targets(batch['labels'])) (the targets of a causal LM; shift=False for other heads), or "
                 "return (mean, count) from training_step; if the mean really is over the rows: num_items='rows'")
-        window, self._window = self._window, None  # opened by on_train_batch_start
         total = item_count("ExactAccumulation: the window's item count (its counts summed over the window and the "
-                           "ranks)", _all_reduce(trainer, self._count))
+                           "ranks)", count)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         closing = window.hand_over(params, total)
         if getattr(trainer.precision_plugin, "scaler", None) is None:  # every rank holds the same reduced gradient
@@ -249,12 +250,17 @@ class ExactAccumulation(Callback):
         return training_step
 
 
-def _all_reduce(trainer: "pl.Trainer", count: Count) -> float:
-    """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact)."""
+def _all_reduce(trainer: "pl.Trainer", count: Count, flag: Optional[torch.Tensor] = None) -> Tuple[float, bool]:
+    """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact), and whether ``flag``
+    (a device bool, None: unset) is set on any rank, in the same all-reduce."""
     if trainer.world_size == 1:
-        return float(count)
-    local = torch.as_tensor(count, dtype=torch.float64).detach().to(trainer.strategy.root_device, copy=True).reshape(())
-    return as_number(trainer.strategy.reduce(local, reduce_op="sum"))
+        return float(count), flag is not None and bool(flag)
+    device = trainer.strategy.root_device
+    local = torch.stack([torch.as_tensor(count, dtype=torch.float64).detach().to(device).reshape(()),
+                         torch.zeros((), dtype=torch.float64, device=device) if flag is None
+                         else flag.detach().to(device, torch.float64).reshape(())])
+    total, flagged = trainer.strategy.reduce(local, reduce_op="sum").tolist()
+    return total, flagged > 0
 
 
 def _refuse_what_is_not_exact(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
