@@ -197,3 +197,27 @@ def test_a_class_weighted_mean_is_one_big_batch_as_the_window_loss_the_refusals_
     declared, _ = S.hf_fit(model, [mbs], exact=True, trainer_cls=rows)
     assert S.params_close(exact, ref) is None, S.params_close(exact, ref)
     assert S.max_diff(declared, ref) > 1e-3
+
+
+def test_labels_changed_before_super_are_refused_at_the_first_micro_batch():
+    """An override that masks each sequence's first targets (a prompt) and then returns ``super().compute_loss``
+    unchanged: the window's N was counted from the collated labels, so every step was off by their ratio (a
+    probe: 0.17 after one window, as the stock Trainer under the same override). Refused at the first
+    micro-batch, before its backward, naming the data collator; the same mask in the collator trains (its
+    exactness on labels with -100 anywhere is the padded windows' of test_hf_trainer.py)."""
+    def masked(inputs):
+        labels = inputs["labels"].clone()
+        labels[:, :3] = -100
+        return {**inputs, "labels": labels}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super(Masking, self).compute_loss(model, masked(inputs), return_outputs=return_outputs,
+                                                 num_items_in_batch=num_items_in_batch)
+
+    Masking = type("Masking", (ExactTrainer,), {"compute_loss": compute_loss})
+    model = gpt2()
+    with pytest.raises(NotExactError, match=r"Masking.compute_loss was handed \d+ items where the window counted "
+                                            r"\d+ .*in the data collator"):
+        S.hf_fit(model, [MICRO], exact=True, trainer_cls=Masking)
+    _, trainer = S.hf_fit(model, [[masked(mb) for mb in MICRO]], exact=True)
+    assert trainer.state.global_step == len(WINDOWS)

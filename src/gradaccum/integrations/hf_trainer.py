@@ -206,6 +206,8 @@ class ExactTrainer(TrainerDriver, Trainer):
         # (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
         self.router_balance = (trl_router_balance(self) if source == "tokens" else
                                aux_term(config) if self.items.head == "causal_lm" and self.own_loss is None else None)
+        self._collated: List[Any] = []  # the micro-batches get_batch_samples counted for the open window
+        self._inputs_unchecked = True
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
         self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(
             self, self._prepare_inputs, lambda module, batches: (self.window_loss, list(module.parameters()), module))
@@ -226,6 +228,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         if self._windows is not None:  # a WindowLoss: one mean over the window's rows, no count to hand over
             self._windows.begin(batch_samples)
             return batch_samples, None
+        self._collated = batch_samples  # what was counted: the first micro-batch's inputs are checked against it
         total = self.summed_over_ranks(self.items.count(batch_samples, device or self.args.device))
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
@@ -257,6 +260,8 @@ class ExactTrainer(TrainerDriver, Trainer):
             loss, outputs = self._trainer_loss(model, inputs, return_outputs, None)
             loss = loss * window.mean_weight(items.count([inputs]) if items.source == "head" else items.rows(inputs))
         elif items.source == "head":
+            if self._inputs_unchecked:  # once, at the first micro-batch: the labels are those counted
+                self._check_inputs(inputs)
             moe = {} if self.router_balance is None else {"output_router_logits": False}  # hooks read them
             outputs, part = self.balanced(model, inputs, lambda: model(**items.model_inputs(inputs), **moe))
             loss = items.loss_sum(outputs, inputs) * self._sum_weight  # W / N
@@ -269,6 +274,20 @@ class ExactTrainer(TrainerDriver, Trainer):
         if part is not None:  # coef * this micro-batch's part of the window's load balancing, times W
             loss = loss + part
         return (loss, outputs) if return_outputs else loss
+
+    def _check_inputs(self, inputs: Dict[str, Any]) -> None:
+        """The items of the inputs ``compute_loss`` was handed against those ``get_batch_samples`` counted for the
+        same micro-batch (one host synchronisation, once): an override that masks labels before calling
+        ``super().compute_loss`` would have every step off by their ratio."""
+        self._inputs_unchecked = False
+        counted = self.items.count([self._collated[self._ran]], self.args.device)
+        got = self.items.count([inputs], self.args.device)
+        if int(got) != int(counted):
+            raise NotExactError(
+                f"{type(self).__name__}.compute_loss was handed {int(got)} items where the window counted {int(counted)} "
+                "for this micro-batch: its labels were changed after the data collator (in a compute_loss or "
+                "training_step override, before super()), and the window's N, counted from the collated labels, "
+                "would weigh every step by the wrong total. Change the labels in the data collator instead")
 
     def _trainer_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool,
                       num_items: Optional[int]) -> Tuple[torch.Tensor, Any]:
