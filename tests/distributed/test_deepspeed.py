@@ -12,7 +12,8 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("deepspeed")
 
 WORKER = "tests/distributed/deepspeed_worker.py"
-SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "resume_exact", "refusals", "guide_example",
+SCENARIOS = ["zero1_exact", "zero2_exact", "zero3_exact", "zero2_cpu_offload_exact", "resume_exact", "refusals",
+             "guide_example",
              "nonfinite_window_raises", "low_precision_is_named_once", "window_loss_refused", "exact_trainer_stages",
              "exact_trainer_empty_window", "exact_trainer_resume", "exact_trl_trainers",
              "exact_trainer_moe_refused", "exact_trainer_nonfinite_window_skipped"]
