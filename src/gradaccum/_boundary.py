@@ -141,8 +141,8 @@ class Boundary:
             raise ConfigurationError(
                 "the optimizer is Accelerate's and its gradient_state.sync_gradients is False (inside "
                 "accelerator.accumulate(), off Accelerate's own boundary): its step() would do nothing while the "
-                "window counted a step. gradaccum accumulates: leave out accelerator.accumulate() (and "
-                "Accelerator(gradient_accumulation_steps=...)). No step was taken")
+                "window counted a step. gradaccum accumulates: leave out accelerator.accumulate() around acc.step "
+                "(Accelerator(gradient_accumulation_steps=...) alone changes nothing). No step was taken")
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.compare_replicas and not self.state.replicas_checked

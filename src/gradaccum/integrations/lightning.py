@@ -68,7 +68,8 @@ class ExactAccumulation(Callback):
 
     Raises:
         TypeError, ConfigurationError, NotExactError: as docs/guides/lightning.md ("Misuse that is
-            refused") lists, in ``__init__`` or ``setup``, before any step.
+            refused") lists, in ``__init__`` or ``setup``, before any step; a bare mean on padded labels
+            counted by rows at the window's boundary, before that window's step.
 
     Example:
         >>> from gradaccum import count_targets
