@@ -104,6 +104,8 @@ class Boundary:
         self.launch_before_last_backward = sync.shares_windows and not (self.measure and sync.sharded_grads)
         self.steps_on_loss = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         self.wrapped_step = sync.owns_step or precision.scaler is not None  # else the optimizer's own step()
+        #: Accelerate's prepared optimizer: its step() does nothing where this state's sync_gradients is False
+        self.accelerate = getattr(optimizer, "gradient_state", None)
         self.watch_replicas()
 
     def watch_replicas(self) -> None:
@@ -137,7 +139,7 @@ class Boundary:
                micro_batch_size: Any = None) -> Tuple["Exchanged", StepResult]:
         """Take or skip the window's step (``in_flight``: :meth:`launch`'s all-reduce); returns what the ranks
         told each other and the window's result."""
-        if getattr(getattr(self.optimizer, "gradient_state", None), "sync_gradients", True) is False:
+        if self.accelerate is not None and not self.accelerate.sync_gradients:
             raise ConfigurationError(
                 "the optimizer is Accelerate's and its gradient_state.sync_gradients is False (inside "
                 "accelerator.accumulate(), off Accelerate's own boundary): its step() would do nothing while the "

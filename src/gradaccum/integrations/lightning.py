@@ -254,13 +254,15 @@ class ExactAccumulation(Callback):
 def _all_reduce(trainer: "pl.Trainer", count: Count, flag: Optional[torch.Tensor] = None) -> Tuple[float, bool]:
     """The sum of ``count`` over the ranks, on the host (a float64 sum of counts is exact), and whether ``flag``
     (a device bool, None: unset) is set on any rank, in the same all-reduce."""
-    if trainer.world_size == 1:
-        return float(count), flag is not None and bool(flag)
+    if trainer.world_size == 1 and flag is None:
+        return float(count), False
     device = trainer.strategy.root_device
     local = torch.stack([torch.as_tensor(count, dtype=torch.float64).detach().to(device).reshape(()),
                          torch.zeros((), dtype=torch.float64, device=device) if flag is None
                          else flag.detach().to(device, torch.float64).reshape(())])
-    total, flagged = trainer.strategy.reduce(local, reduce_op="sum").tolist()
+    if trainer.world_size > 1:
+        local = trainer.strategy.reduce(local, reduce_op="sum")
+    total, flagged = local.tolist()  # one host synchronisation for both
     return total, flagged > 0
 
 
