@@ -1,9 +1,6 @@
-"""The maths of exact accumulation, and the one window core every driver holds.
-
-The formulas are written here once, as pure functions; :class:`WindowWeights` composes them into the window
-every loop runs (the Accumulator's :class:`~gradaccum._window.Window`, the pipeline's, and the windows
-``ExactTrainer`` and Lightning's ``ExactAccumulation`` run from their hooks), so that no driver derives a
-weight, a scale or a verdict again. What a loss's items are is :mod:`gradaccum._maths`'.
+"""The maths of exact accumulation, written once as pure functions, and :class:`WindowWeights`, the window core
+every driver holds (the Accumulator's :class:`~gradaccum._window.Window`, the pipeline's, ``ExactTrainer``'s and
+Lightning's ``ExactAccumulation``'s hooks), so that no driver derives a weight, a scale or a verdict again.
 
 Micro-batch k (on every rank) holds n_k items and the mean loss L_k; one step on the window is a step on
 ``L = sum_k n_k L_k / N`` with ``N = sum_{ranks, k} n_k``. W is the ranks the data-parallel reduction
@@ -21,8 +18,9 @@ Dividing each micro-batch by K instead is exact only when every n_k is equal, wh
 padded sequences and a short last window are not. A window of N = 0 is skipped (:func:`verdict`). Which R,
 when: docs/architecture.md ("The ranks' agreement and R").
 
-:class:`WindowWeights` is the window step by step: open, weigh each micro-batch, close at the boundary (in a
-framework's loop: hand over the gradient, judge the framework's norm), record what the state learns:
+:class:`WindowWeights` is the window step by step (each driver's hooks: docs/architecture.md, "One window, whoever
+runs the loop"): open, weigh each micro-batch, close at the boundary (in a framework's loop: hand over the gradient,
+judge the framework's norm), record what the state learns:
 
     >>> from gradaccum._state import AccumulatorState
     >>> state = AccumulatorState()
@@ -38,8 +36,6 @@ framework's loop: hand over the gradient, judge the framework's norm), record wh
     >>> empty = WindowWeights(state, 1.0, num_items=0)                 # known empty: weighs nothing
     >>> empty.sum_weight(), empty.record(empty.close(0)).verdict, state.skipped
     (0.0, <Verdict.SKIP_EMPTY: 'skip: no item'>, 1)
-
-docs/architecture.md ("One window, whoever runs the loop") walks each driver's hooks through it.
 """
 from __future__ import annotations
 
@@ -63,18 +59,15 @@ __all__ = ["CLIP_EPS", "backward_weight", "boundary_scale", "running_reference",
            "Verdict", "verdict", "Closing", "WindowWeights", "Gradients", "total_norm"]
 
 
-# -- the formulas ---------------------------------------------------------------------------------------
-
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
 
 
 def backward_weight(num_items: Count, reference: float, grad_divisor: float,
                     loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
-    """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward.
-
-    A Python count gives a Python float (no device tensor per micro-batch); a tensor count stays on
-    its device, in the loss's precision (an int64 count divided by a float would round to float32).
+    """``w_k = n_k * W / R``: what micro-batch k's mean loss is multiplied by before its backward. A Python count
+    gives a Python float (no device tensor per micro-batch); a tensor count stays on its device, in the loss's
+    precision (an int64 count divided by a float would round to float32).
 
     >>> backward_weight(3, reference=12.0, grad_divisor=2.0)
     0.5
@@ -96,9 +89,9 @@ def boundary_scale(reference: float, num_items: float) -> float:
 
 def running_reference(count: float) -> float:
     """The running R, for windows whose item count is not known before the first backward: the first count seen
-    (across ranks, the largest of them), never below 1 so that a first micro-batch of 0 items still
-    gives finite weights. Any positive R is exact (the boundary scale corrects it); one near N keeps
-    the gradients near their final size, which fp16's loss scale expects.
+    (across ranks, the largest of them), never below 1 so that a first micro-batch of 0 items still gives finite
+    weights. Any positive R is exact (the boundary scale corrects it); one near N keeps the gradients near their
+    final size, which fp16's loss scale expects.
 
     >>> running_reference(0.0), running_reference(37.0)
     (1.0, 37.0)
@@ -123,8 +116,7 @@ def clip_coefficient(grad_norm: Optional[float], max_grad_norm: Optional[float])
     """
     if max_grad_norm is None:
         return 1.0
-    assert grad_norm is not None, "the norm is measured whenever clipping"
-    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
+    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))  # type: ignore[operator]  # measured when clipping
 
 
 class Verdict(enum.Enum):
@@ -138,11 +130,10 @@ class Verdict(enum.Enum):
 
 def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[float], *, nonfinite: str,
             has_scaler: bool) -> Verdict:
-    """Step, skip or raise, from the window's global loss sum (None when the ranks did not exchange
-    it: then the norm, always measured, carries it), item count and (measured) norm.
-
-    A non-finite loss or norm skips (``nonfinite="skip"``) or raises; under fp16 it always skips,
-    since an overflow is how the loss scaler learns to back off. A window of 0 items is skipped.
+    """Step, skip or raise, from the window's global loss sum (None when the ranks did not exchange it: then the
+    norm, always measured, carries it), item count and (measured) norm. A non-finite loss or norm skips
+    (``nonfinite="skip"``) or raises; under fp16 it always skips, since an overflow is how the loss scaler learns
+    to back off. A window of 0 items is skipped.
 
     >>> verdict(1.0, 4, None, nonfinite="raise", has_scaler=False), verdict(1.0, 0, None, nonfinite="raise", has_scaler=False)
     (<Verdict.STEP: 'step'>, <Verdict.SKIP_EMPTY: 'skip: no item'>)
@@ -155,9 +146,8 @@ def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[flo
 
 @dataclass(frozen=True)
 class Closing:
-    """What a window's boundary decides: the verdict, the scale ``R / N`` that turns the reduced
-    gradient into the window's mean gradient (0 for a window of no item), the norm after that scale
-    (when measured), and the window's global item count N."""
+    """What a window's boundary decides: the verdict, the scale ``R / N`` that turns the reduced gradient into the
+    window's mean gradient (0 for a window of no item), the norm after that scale (when measured), and N."""
 
     verdict: Verdict
     scale: float
@@ -169,21 +159,19 @@ class Closing:
         object.__setattr__(self, "steps", self.verdict is Verdict.STEP)
 
 
-# -- the window core ------------------------------------------------------------------------------------
-
 class WindowWeights:
     """One window's weighting from its opening to its record.
 
     Args:
-        state: the driver's :class:`~gradaccum._state.AccumulatorState`: the running R is read from it
-            and fixed into it, and :meth:`record` writes the window's lesson into it.
+        state: the driver's :class:`~gradaccum._state.AccumulatorState`: the running R is read from it and fixed
+            into it, and :meth:`record` writes the window's lesson into it.
         grad_divisor: W, the ranks the gradient reduction averages over (1 on one process).
         num_items: the window's global N, when known before its first backward (count first).
-        reference: R, when the driver knows it up front (the Accumulator's: N times the last window's
-            ratio of the items ``loss_fn`` counted to those counted up front). Default: ``num_items``, else
-            the running R (None until :meth:`fix_reference`).
-        buffers: the float32 buffers a framework-driven window's bf16/fp16 gradients fold into, opened
-            now (None: the sum is in ``.grad``, or the Accumulator's boundary owns the buffers).
+        reference: R, when the driver knows it up front (the Accumulator's: N times the last window's ratio of the
+            items ``loss_fn`` counted to those counted up front). Default: ``num_items``, else the running R (None
+            until :meth:`fix_reference`).
+        buffers: the float32 buffers a framework-driven window's bf16/fp16 gradients fold into, opened now (None:
+            the sum is in ``.grad``, or the Accumulator's boundary owns the buffers).
     """
 
     __slots__ = ("state", "grad_divisor", "num_items", "reference", "weight_of", "buffers")
@@ -220,8 +208,6 @@ class WindowWeights:
             raise RuntimeError("WindowWeights: a weight asked for before R was fixed; call fix_reference(count) "
                                "at the window's first backward")
         return self.reference
-
-    # -- weigh each micro-batch ---------------------------------------------------------------------------
 
     def mean_weight(self, num_items: Count, loss_dtype: torch.dtype = torch.float64
                     ) -> Union[float, torch.Tensor]:
@@ -262,8 +248,6 @@ class WindowWeights:
         empty = None if type(num_items) is int and num_items > 0 else may_be_empty(num_items)
         return contextlib.nullcontext() if empty is None else weighing_nothing(leaves(), empty)
 
-    # -- the boundary ---------------------------------------------------------------------------------------
-
     def close(self, num_items: Count, *, loss_sum: Optional[float] = None, raw_norm: Optional[float] = None,
               nonfinite: str = "raise", has_scaler: bool = False) -> Closing:
         """The boundary's decision from the window's global N and, where the driver measured them, its global
@@ -288,12 +272,11 @@ class WindowWeights:
 
     def judge(self, closing: Closing, params: Iterable[torch.nn.Parameter] = (),
               grad_norm: Union[None, float, torch.Tensor] = None, *, nonfinite: str, who: str) -> Closing:
-        """The verdict (:func:`verdict`) on the gradient :meth:`hand_over` handed over, before the framework's
-        optimizer steps, from ``grad_norm`` where the framework measured it (a tensor), else measured over the
-        ``.grad`` of ``params``. A norm that is not finite (the same on every rank) drops that ``.grad`` and
-        skips the window under ``nonfinite="skip"`` (the driver ``who`` holds the optimizer and scheduler
-        back), or raises ``FloatingPointError`` under ``"raise"``. A window that takes no step is returned
-        as it was."""
+        """The verdict (:func:`verdict`) on the gradient :meth:`hand_over` handed over, before the framework's optimizer
+        steps, from ``grad_norm`` where the framework measured it (a tensor), else measured over the ``.grad`` of
+        ``params``. A norm that is not finite (the same on every rank) drops that ``.grad`` and skips the window
+        under ``nonfinite="skip"`` (the driver ``who`` holds the optimizer and scheduler back), or raises
+        ``FloatingPointError`` under ``"raise"``. A window that takes no step is returned as it was."""
         if not closing.steps:
             return closing
         params = list(params)
@@ -327,14 +310,12 @@ class WindowWeights:
                 f"gradient dropped, no optimizer or scheduler step; {counted}. Lower the learning rate, or pass "
                 f"{who}(nonfinite='raise') to stop at such a window")
 
-    # -- what the state learns ------------------------------------------------------------------------------
-
     def record(self, closing: Closing, *, applied: bool = True, warn_empty: Optional[str] = None,
                warn_nonfinite: Optional[str] = None, stacklevel: int = 2) -> Closing:
-        """What the state learns at the boundary: one more step or skipped window, and N as the last
-        window's (if it had items). ``warn_empty`` (how the driver counts a window of no item) and
-        ``warn_nonfinite`` are each said once per state. A step the stepper did not apply
-        (``applied=False``: a DeepSpeed engine that found the gradient not finite) counts as skipped. Returns the closing as recorded."""
+        """What the state learns at the boundary: one more step or skipped window, and N as the last window's (if it
+        had items). ``warn_empty`` (how the driver counts a window of no item) and ``warn_nonfinite`` are each said
+        once per state. A step the stepper did not apply (``applied=False``: a DeepSpeed engine that found the
+        gradient not finite) counts as skipped. Returns the closing as recorded."""
         state = self.state
         assert closing.verdict is not Verdict.RAISE, "a window that raises is not recorded: the driver raised"
         if closing.steps and not applied:
@@ -358,8 +339,6 @@ class WindowWeights:
         if self.buffers is not None:
             self.buffers.retire()
 
-
-# -- the window's gradient, wherever it lives -------------------------------------------------------------
 
 class Gradients:
     """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
