@@ -1,7 +1,6 @@
-"""The boundary of a window: from the accumulated gradient to one optimizer step (:meth:`Boundary.finish`,
-through :mod:`gradaccum._weights`' formulas), with the window's one all-reduce (:class:`ExchangeRow`) and its
-one host synchronisation. The order of its steps: docs/architecture.md ("One micro-batch's trip", step 5).
-"""
+"""The boundary of a window: from the accumulated gradient to one optimizer step (:meth:`Boundary.finish`), with
+the window's one all-reduce (:class:`ExchangeRow`) and its one host synchronisation. The order of its steps:
+docs/architecture.md ("One micro-batch's trip", step 5)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from ._weights import Closing, Gradients, Verdict, WindowWeights, clip_coefficie
 
 __all__ = ["Tally", "Totals", "Boundary", "InFlight", "ExchangeRow", "Exchanged", "read_on_host"]
 
-# -- the procedure ------------------------------------------------------------------------------------
 
 class Totals(NamedTuple):
     """What one rank's window hands the boundary."""
@@ -32,8 +30,7 @@ class Totals(NamedTuple):
     weights: WindowWeights  #: the window's weighting, which closes and records it
     ran: bool  #: this rank ran any micro-batch, padding included (for the empty-window warning)
     can_pad_next: bool = True  #: this rank has a micro-batch to pad its next window with
-    #: this rank counted its items before the first backward; exchanged, so that every rank learns whether
-    #: the next window counts first
+    #: this rank counted its items before the first backward (exchanged: every rank learns if the next counts first)
     counted_first: bool = False
 
 
@@ -74,7 +71,6 @@ class Tally:
         >>> t.read(), t.loss_sum.item()
         ((2.5, None), 2.5)
         """
-        assert self.device_items is None, "a tensor count is summed on the device, in the boundary's all-reduce"
         losses = self.losses
         stacked = (torch.stack(losses) if len(losses) > 1 else losses[0]) if losses else None
         losses_read, norm_read = read_on_host(stacked, norm)
@@ -109,17 +105,16 @@ class Boundary:
         self.watch_replicas()
 
     def watch_replicas(self) -> None:
-        """Whether the next boundary compares the replicas' gradients: DDP's, and FSDP2's plain ones (a parameter
-        in no fully_shard module, which nothing reduces) where the model trains one. Once, and again after a
-        ``requires_grad`` change (the window notices it as it opens)."""
+        """Whether the next boundary compares the replicas' gradients: DDP's, and FSDP2's plain ones (a parameter in
+        no fully_shard module, which nothing reduces) where the model trains one; again after a ``requires_grad``
+        change."""
         self.compare_replicas = self.sync.replicated_grads or self.sync.sharded_grads and any(
             p.requires_grad and not hasattr(p, "device_mesh") for p in self.grads.params)
         self.state.replicas_checked = False
 
     def check_scheduler(self) -> None:
-        """Before a window opens: the scheduler must stand where this boundary's last step left it.
-        Stepped elsewhere too (a ``scheduler.step()`` of the user's own, or another Accumulator given the
-        same scheduler), it would move the learning rate twice per step, in silence."""
+        """Before a window opens: the scheduler must stand where this boundary's last step left it. Stepped elsewhere
+        too (the user's own, or another Accumulator's), it would move the learning rate twice per step, in silence."""
         at, state = getattr(self.scheduler, "last_epoch", None), self.state
         if not isinstance(at, int) or isinstance(at, bool):
             return  # a scheduler without a step counter: nothing to compare
@@ -274,13 +269,12 @@ class InFlight(NamedTuple):
 
 
 def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.device) -> None:
-    """After the first window's reduction, the ranks' gradients must be equal: compare a fingerprint
-    (the sum of the per-parameter norms, and a position-weighted sum) across ranks, once. A ``loss_fn``
-    that runs the inner module (``ddp.module``) bypasses DDP's forward, so nothing is reduced and the
-    replicas drift apart in silence; under FSDP2 the same holds for a parameter in no ``fully_shard``
-    module, whose gradient is a plain tensor (a DTensor's shards differ by design, and are left out; a
-    window loss's own parameter, equal on every rank by construction, passes). Every rank sees every
-    fingerprint, so every rank raises alike."""
+    """After the first window's reduction, the ranks' gradients must be equal: compare a fingerprint (the sum of the
+    per-parameter norms, and a position-weighted sum) across ranks, once. A ``loss_fn`` that runs the inner module
+    (``ddp.module``) bypasses DDP's forward, so nothing is reduced and the replicas drift apart in silence; under
+    FSDP2 the same holds for a parameter in no ``fully_shard`` module, whose gradient is a plain tensor (a DTensor's
+    shards differ by design, and are left out; a window loss's own parameter, equal on every rank by construction,
+    passes). Every rank sees every fingerprint, so every rank raises alike."""
     grads = [g for g in grads if not hasattr(g, "device_mesh")]
     if grads:
         norms = tensor_norms(grads, torch.float64)
@@ -307,8 +301,6 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
             "DistributedDataParallel(model, find_unused_parameters=True). No step was taken"
         )
 
-
-# -- what the ranks exchange at the boundary ----------------------------------------------------------
 
 class ExchangeRow(NamedTuple):
     """The boundary's all-reduce, position by position: what each rank adds; after the sum, what
