@@ -40,45 +40,43 @@ class AccumulatorState:
     Attributes:
         steps: optimizer steps taken. ``WindowWeights.record``, at a step taken (before the scheduler's step).
         skipped: windows that took no step (non-finite, fp16 overflow, 0 items). ``WindowWeights.record``.
-        epoch: epochs ``train()`` finished: set when an epoch's loop ends (over a WindowSampler, already
-            at its last window, so that a checkpoint taken there says the epoch is done).
-        reference: the running R, for windows whose item count is not known before their first backward
-            (a hand-written window without ``num_items``, Lightning's automatic loop), fixed once by
+        epoch: epochs ``train()`` finished: set when an epoch's loop ends (over a WindowSampler, already at its last
+            window, so that a checkpoint taken there says the epoch is done).
+        reference: the running R, for windows whose item count is not known before their first backward (a
+            hand-written window without ``num_items``, Lightning's automatic loop), fixed once by
             ``WindowWeights.fix_reference`` (:func:`gradaccum._weights.running_reference`) and kept. (Saved as
             ``reference_items`` before.)
-        count_ratio: items ``loss_fn`` counted per item counted up front, in the last window with an
-            up-front count (1.0 when they are the same items). ``RankAgreement.learn``, at the boundary.
-        last_window_items: the previous window with items' global count N (the same on every rank), for
-            the drivers' reports (``ExactTrainer.last_window_items``). ``WindowWeights.record``. (Saved as
-            ``last_items`` before.)
+        count_ratio: items ``loss_fn`` counted per item counted up front, in the last window with an up-front count
+            (1.0 when they are the same items). ``RankAgreement.learn``, at the boundary.
+        last_window_items: the previous window with items' global count N (the same on every rank), for the drivers'
+            reports (``ExactTrainer.last_window_items``). ``WindowWeights.record``. (Saved as ``last_items`` before.)
         auto_micro_batch_size: the micro-batch size that last worked under ``micro_batch_size="auto"``.
             ``AutoMicroBatch.step``, after the first window and after any that backed off.
-        counts_first: across ranks, every rank counted its items up front in the last window, so the next
-            counts first (:meth:`gradaccum._ranks.RankAgreement.counts_first`); saved, so that a resumed
-            process counts where the uninterrupted one did.
+        counts_first: every rank counted its items up front in the last window, so the next counts first
+            (:meth:`gradaccum._ranks.RankAgreement.counts_first`); saved, so that a resumed process counts where
+            the uninterrupted one did.
 
     Start afresh in a new process:
 
     Attributes:
-        peers_can_pad: every rank had a micro-batch to pad with at the last boundary, so a DDP rank may
-            plan a window alone. ``learn``.
-        padding_batch: the micro-batch this rank repeats with zero weight in a window where it has none:
-            the last it ran (across ranks; ``RankAgreement.remember``, as a window runs), or the one
-            ``acc.set_padding`` gave.
-        scheduler_at: the scheduler's ``last_epoch`` after the Accumulator last stepped it; None until a
-            window opens and reads it (``Boundary.check_scheduler``), and after ``load_state_dict``.
-        replicas_checked: the ranks compared their first reduced gradient (DDP; FSDP2's plain gradients), since
-            the Accumulator was built or a ``requires_grad`` changed. The first boundary after either.
+        peers_can_pad: every rank had a micro-batch to pad with at the last boundary, so a DDP rank may plan a
+            window alone. ``learn``.
+        padding_batch: the micro-batch this rank repeats with zero weight in a window where it has none: the last it
+            ran (across ranks; ``RankAgreement.remember``, as a window runs), or the one ``acc.set_padding`` gave.
+        scheduler_at: the scheduler's ``last_epoch`` after the Accumulator last stepped it; None until a window
+            opens and reads it (``Boundary.check_scheduler``), and after ``load_state_dict``.
+        replicas_checked: the ranks compared their first reduced gradient (DDP; FSDP2's plain gradients), since the
+            Accumulator was built or a ``requires_grad`` changed. The first boundary after either.
         stop_requests: ``acc.request_stop()`` calls, at any time (a signal handler too).
         stops_carried: requests already carried to the ranks by a boundary's all-reduce. ``Boundary``.
-        checked_replays: the :class:`~gradaccum.WindowLoss` objects whose second forward was compared with
-            the first, held weakly by identity. The end of their first window (``_cached``).
-        warned: the one-time warnings already given (BatchNorm in training when a window opens; an empty
-            or non-finite window at the boundary).
+        checked_replays: the :class:`~gradaccum.WindowLoss` objects whose second forward was compared with the
+            first, held weakly by identity. The end of their first window (``_cached``).
+        warned: the one-time warnings already given (BatchNorm in training when a window opens; an empty or
+            non-finite window at the boundary).
         trainable: each model parameter's ``requires_grad`` when the last window opened (the Accumulator's
             construction before the first): a change under DDP is refused. ``OpenWindow.enter``.
-        batchnorms: the model's BatchNorm layers by name, found at the first window in training mode and
-            watched until one trains (none: nothing to watch). ``OpenWindow.enter``.
+        batchnorms: the model's BatchNorm layers by name, found at the first window in training mode and watched
+            until one trains (none: nothing to watch). ``OpenWindow.enter``.
     """
 
     steps: int = _saved(0, int)
