@@ -1,7 +1,5 @@
-"""One window: its micro-batches' forward and weighted backward, then one boundary (:class:`Window`), and
-what it needs from its Accumulator (:class:`Parts`). docs/architecture.md ("One micro-batch's trip") walks
-one micro-batch through it.
-"""
+"""One window (:class:`Window`): its micro-batches' forward and weighted backward, then one boundary; and what it
+needs from its Accumulator (:class:`Parts`). Walked through in docs/architecture.md ("One micro-batch's trip")."""
 
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ from .sync import GradSync
 from ._deepspeed import not_known_up_front
 from ._autosize import is_out_of_memory
 
-__all__ = ["Window", "Parts", "OpenWindow", "weighing_nothing", "graph_leaves"]
+__all__ = ["Window", "Parts", "OpenWindow"]
 
 _NOTHING = contextlib.nullcontext()  # a block that switches nothing, a backward that guards nothing
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -103,12 +101,9 @@ class Parts:
     boundary: Boundary
     slot: "OpenWindow"  # at most one window open at a time
     state: AccumulatorState
-    #: micro-batches enter a context (the sync switch, autocast): across ranks or under autocast
-    switches: bool = field(init=False)
-    #: one process in fp32: a micro-batch's backward is the seam's own, with nothing around it
-    direct: bool = field(init=False)
-    #: every micro-batch's block where it enters no context: one serves every window of this Accumulator
-    plain: "_MicroBatch" = field(init=False)
+    switches: bool = field(init=False)  #: micro-batches enter a context: the sync switch (across ranks), autocast
+    direct: bool = field(init=False)  #: one process in fp32: a micro-batch's backward is the seam's own, bare
+    plain: "_MicroBatch" = field(init=False)  #: the block where none enters a context: one for every window
 
     def __post_init__(self) -> None:
         switches = self.sync.shares_windows or self.precision.dtype is not None
@@ -133,10 +128,9 @@ class _MicroBatch:
         if window is None or (self.owner is not None and self.owner is not window):  # a block kept past its window
             raise RuntimeError(_NOT_OPEN.format(what="micro_batch"))
         if window.ctx.switches:
-            ctx = window.ctx
-            stack = self.stack = contextlib.ExitStack()
-            stack.enter_context(ctx.sync.micro_batch(last=self.reduces))
-            stack.enter_context(ctx.precision.autocast())
+            self.stack = stack = contextlib.ExitStack()
+            stack.enter_context(window.ctx.sync.micro_batch(last=self.reduces))
+            stack.enter_context(window.ctx.precision.autocast())
         window.current, window.entered_at = self, window.done
 
     def __exit__(self, *exc: Any) -> None:
@@ -146,9 +140,8 @@ class _MicroBatch:
 
 
 class Window:
-    """One open window: its micro-batches, each a forward and backward, then one ``step()``. Not built
-    directly: ``acc.window(micro_batches)`` opens one (the constructor's arguments are the
-    Accumulator's parts).
+    """One open window: its micro-batches, each a forward and backward, then one ``step()``. Not built directly:
+    ``acc.window(micro_batches)`` opens one (the constructor's arguments are the Accumulator's parts).
 
     For people who keep their own loop (``step`` and ``train`` run on it). Every micro-batch runs inside
     ``micro_batch()`` (which skips the reduction before the last one, and autocasts) and hands ``backward``
@@ -207,11 +200,9 @@ class Window:
     def weights(self) -> WindowWeights:
         """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or from the ranks' count at
         its first backward."""
-        if self._weights is None:
-            setup = self.setup
-            assert setup is not None, "the weighting is read inside `with acc.window(...)`"
+        if self._weights is None:  # read inside the window only: its setup is made
             self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
-                                          reference=self.ctx.ranks.reference(setup))
+                                          reference=self.ctx.ranks.reference(self.setup))  # type: ignore[arg-type]
         return self._weights
 
     def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:
