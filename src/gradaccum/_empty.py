@@ -27,8 +27,7 @@ def may_be_empty(num_items: Count) -> Union[None, bool, torch.Tensor]:
 
 
 def host_count(num_items: Count) -> Count:
-    """``num_items`` as the host reads it without waiting for a device: a number as it is, a CPU tensor
-    read (free); an accelerator's tensor stays a tensor."""
+    """``num_items`` as the host reads it without waiting: a CPU tensor read (free), an accelerator's left a tensor."""
     if isinstance(num_items, torch.Tensor) and num_items.device.type == "cpu":
         return num_items.item()
     return num_items
@@ -52,8 +51,7 @@ def weighing_nothing(params: Iterable[torch.Tensor], empty: Union[bool, torch.Te
 
 
 def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
-    """The tensors whose ``.grad`` a backward of ``loss`` accumulates into (its graph's leaves: under FSDP2
-    the unsharded parameters its forward ran on)."""
+    """The leaves a backward of ``loss`` accumulates into (under FSDP2: the unsharded parameters its forward ran on)."""
     leaves: List[torch.Tensor] = []
     seen = set()
     stack = [loss.grad_fn]
@@ -71,8 +69,7 @@ def graph_leaves(loss: torch.Tensor) -> List[torch.Tensor]:
 
 
 def clean_mean(loss: torch.Tensor, num_items: Count) -> torch.Tensor:
-    """``loss`` once ``num_items`` is checked: a mean over no item (nan) cleaned to 0, so that nothing of
-    it reaches the gradient (a tensor count is compared on the device: no host sync)."""
+    """``loss``, once ``num_items`` is checked, with a mean over no item (nan) cleaned to 0 (on the device, no sync)."""
     item_count("num_items", num_items)
     if isinstance(num_items, torch.Tensor):
         return torch.where(num_items.reshape(()) == 0, loss.nan_to_num(0.0), loss)

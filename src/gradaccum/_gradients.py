@@ -33,15 +33,11 @@ class AccumulationBuffers:
         self._hook_trainable()
 
     def _hook_trainable(self) -> None:
-        """Hook each parameter that requires grad (torch hooks no other): a frozen one as the first window
-        after it is unfrozen opens, so that gradual unfreezing sums in float32 too."""
-        unhooked = []
+        """Hook the trainable parameters (torch hooks no other); a frozen one as a window opens after its unfreezing."""
         for p in self._unhooked:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._fold)
-            else:
-                unhooked.append(p)
-        self._unhooked = unhooked
+        self._unhooked = [p for p in self._unhooked if not p.requires_grad]
 
     def _fold(self, p: torch.Tensor) -> None:
         if not self.active or p.grad is None:
@@ -55,8 +51,7 @@ class AccumulationBuffers:
 
     def tensors(self) -> List[torch.Tensor]:
         """The buffers holding gradient, in parameter order, then the ``.grad`` of a parameter unfrozen while the
-        window was open (summed in its own dtype this window, scaled and clipped with the rest; hooked as the
-        next window opens)."""
+        window was open (summed in its own dtype this window, scaled and clipped with the rest)."""
         return [self._buffers[p] for p in self.params if p in self._buffers] + [
             p.grad for p in self._unhooked if p.grad is not None]
 
@@ -75,7 +70,6 @@ class AccumulationBuffers:
             self._hook_trainable()
 
     def retire(self) -> None:
-        """A window failed or a fit ended: the hooks stay on the parameters, so the buffers stop folding and
-        keep nothing."""
+        """A window failed or a fit ended: the hooks stay, so the buffers stop folding and keep nothing."""
         self.active = False
         self._buffers.clear()
