@@ -35,8 +35,7 @@ class Totals(NamedTuple):
 
 
 class Tally:
-    """One rank's window as its boundary reads it (nothing is added up while the window runs), summed in
-    ``dtype`` (float64, :func:`count_dtype`)."""
+    """One rank's window as its boundary reads it (nothing is added while it runs), summed in :func:`count_dtype`."""
 
     __slots__ = ("losses", "counts", "host_items", "device_items", "dtype")
 
@@ -81,9 +80,8 @@ class Tally:
 
 
 class Boundary:
-    """Runs a window's boundary. In the :class:`~gradaccum._state.AccumulatorState` it changes the steps and
-    skipped windows (through ``WindowWeights.record``), the scheduler's position, the stops carried, and
-    whether the replicas were checked."""
+    """Runs a window's boundary. In the :class:`~gradaccum._state.AccumulatorState` it changes the steps and skipped
+    windows (``WindowWeights.record``), the scheduler's position, the stops carried, if the replicas were checked."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, state: AccumulatorState,
                  precision: MixedPrecision, sync: GradSync, grads: Gradients, max_grad_norm: Optional[float],
@@ -105,9 +103,8 @@ class Boundary:
         self.watch_replicas()
 
     def watch_replicas(self) -> None:
-        """Whether the next boundary compares the replicas' gradients: DDP's, and FSDP2's plain ones (a parameter in
-        no fully_shard module, which nothing reduces) where the model trains one; again after a ``requires_grad``
-        change."""
+        """Whether the next boundary compares the replicas' gradients: DDP's, and FSDP2's plain ones (a trainable
+        parameter in no fully_shard module, which nothing reduces); again after a ``requires_grad`` change."""
         self.compare_replicas = self.sync.replicated_grads or self.sync.sharded_grads and any(
             p.requires_grad and not hasattr(p, "device_mesh") for p in self.grads.params)
         self.state.replicas_checked = False

@@ -293,11 +293,10 @@ class WindowWeights:
         if decision is not Verdict.STEP:
             Gradients(params, None).drop()
         if decision is Verdict.RAISE:
-            state = self.state
             raise FloatingPointError(
-                f"{who}: the gradient of window {state.steps + state.skipped + 1} of this run (after "
-                f"{state.steps} optimizer steps and {state.skipped} skipped windows) has the norm {norm}, not "
-                "finite: a loss or a gradient of one of its micro-batches was nan or inf. No optimizer step was "
+                f"{who}: the gradient of window {self.state.steps + self.state.skipped + 1} of this run (after "
+                f"{self.state.steps} optimizer steps and {self.state.skipped} skipped windows) has the norm {norm}, "
+                "not finite: a loss or a gradient of one of its micro-batches was nan or inf. No optimizer step was "
                 "taken. Lower the learning rate, or look for the batch that overflows; or pass "
                 f"{who}(nonfinite='skip') to skip such windows (skipped counts them)")
         return closing
@@ -344,8 +343,7 @@ class Gradients:
     """The window's gradient: opened with the window, read and scaled at the boundary, cleared after."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Optional[AccumulationBuffers]) -> None:
-        self.params = list(params)
-        self.buffers = buffers
+        self.params, self.buffers = list(params), buffers
         folded = set() if buffers is None else {id(p) for p in buffers.params}
         #: the parameters whose gradient sums in ``.grad`` (with buffers: those already of the buffers' dtype)
         self.unbuffered = [p for p in self.params if id(p) not in folded]
