@@ -229,11 +229,9 @@ class Boundary:
         decision, grad_norm = closing.verdict, closing.grad_norm
         if decision is Verdict.RAISE:
             raise FloatingPointError(
-                f"the window's {_what(loss_sum)} is not finite "
-                f"(loss sum {loss_sum}, gradient norm {grad_norm}); "
-                "no step was taken and the gradients were cleared. Lower the learning rate, use "
-                "max_grad_norm, or pass nonfinite='skip' to skip such windows"
-            )
+                f"the window's {_what(loss_sum)} is not finite (loss sum {loss_sum}, gradient norm {grad_norm}); no "
+                "step was taken and the gradients were cleared. Lower the learning rate, use max_grad_norm, or pass "
+                "nonfinite='skip' to skip such windows")
         if decision is Verdict.SKIP_NONFINITE and self.sync.owns_step:
             raise FloatingPointError(
                 f"the window's {_what(loss_sum)} is not finite (loss sum {loss_sum}) and the DeepSpeed engine holds "
@@ -295,8 +293,7 @@ def check_replicas(grads: List[torch.Tensor], sync: GradSync, device: torch.devi
             "LightningModule); in Lightning use gradaccum.integrations.lightning.ExactAccumulation, which "
             "keeps Lightning's own DDP forward. Or a parameter was unused in the window's last micro-batch (a "
             "branch some micro-batches skip), so DDP never finished its reduction: wrap with "
-            "DistributedDataParallel(model, find_unused_parameters=True). No step was taken"
-        )
+            "DistributedDataParallel(model, find_unused_parameters=True). No step was taken")
 
 
 class ExchangeRow(NamedTuple):

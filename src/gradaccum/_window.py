@@ -52,10 +52,8 @@ class OpenWindow:
     def check_idle(self) -> None:
         if self.window is not None:
             raise RuntimeError(
-                "a window is already open on this Accumulator: finish it with window.step() before "
-                "calling step(), train() or window() again (a nested window would drop the open "
-                "window's gradients)"
-            )
+                "a window is already open on this Accumulator: finish it with window.step() before calling step(), "
+                "train() or window() again (a nested window would drop the open window's gradients)")
 
     def enter(self, window: "Window") -> None:
         if self.window is not None:  # before anything changes: a nested window would clear the open one
@@ -82,8 +80,7 @@ class OpenWindow:
                     f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "
                     "accumulation is not equivalent to one big batch. Check with "
                     "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.",
-                    stacklevel=4,  # acc.step's line (acc.window's block: one frame fewer)
-                )
+                    stacklevel=4)  # acc.step's line (acc.window's block: one frame fewer)
         self.window = window
 
 
