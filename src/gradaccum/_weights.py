@@ -209,8 +209,7 @@ class WindowWeights:
                                "at the window's first backward")
         return self.reference
 
-    def mean_weight(self, num_items: Count, loss_dtype: torch.dtype = torch.float64
-                    ) -> Union[float, torch.Tensor]:
+    def mean_weight(self, num_items: Count, loss_dtype: torch.dtype = torch.float64) -> Union[float, torch.Tensor]:
         """What micro-batch k's **mean** loss over ``num_items`` = n_k items is multiplied by: ``n_k * W / R``
         (:func:`backward_weight`), kept in :attr:`weight_of` for a Python count; 0 in a window known empty."""
         weight = 0.0 if self.num_items == 0 else backward_weight(  # 0 in a window known empty
@@ -220,16 +219,14 @@ class WindowWeights:
         return weight
 
     def sum_weight(self) -> float:
-        """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R``; 0 in a window
-        known to be empty."""
+        """What micro-batch k's **summed** loss ``S_k = n_k L_k`` is multiplied by: ``W / R`` (0 if known empty)."""
         if self.num_items == 0:  # known empty
             return 0.0
         return float(backward_weight(1, self.reference if self.reference is not None else self._r(), self.grad_divisor))
 
     def window_loss_weight(self, num_items: Count) -> float:
-        """What the gradient of a loss over the **whole window** (a ``WindowLoss`` over its ``num_items`` = N)
-        is multiplied by: ``N / R`` (:func:`backward_weight` with ``W`` = 1: the ranks' divisor rides in the
-        representations' gradient slices)."""
+        """What the gradient of a loss over the **whole window** (a ``WindowLoss`` over its ``num_items`` = N) is
+        multiplied by: ``N / R`` (``W`` = 1: the ranks' divisor rides in the representations' gradient slices)."""
         return 0.0 if self.empty else float(backward_weight(float(num_items), self._r(), 1.0))
 
     def weigh(self, loss: torch.Tensor, num_items: Count, leaves: Callable[[], Iterable[torch.Tensor]], *,
@@ -256,8 +253,7 @@ class WindowWeights:
         r = self.reference  # None only where no weighted backward ran: then any R scales a zero gradient
         scale = boundary_scale(r if r is not None else 1.0, n)
         grad_norm = raw_norm * scale if raw_norm is not None else None
-        return Closing(verdict(loss_sum, n, grad_norm, nonfinite=nonfinite, has_scaler=has_scaler), scale, n,
-                       grad_norm)
+        return Closing(verdict(loss_sum, n, grad_norm, nonfinite=nonfinite, has_scaler=has_scaler), scale, n, grad_norm)
 
     def hand_over(self, params: Iterable[torch.nn.Parameter] = (), num_items: Optional[Count] = None) -> Closing:
         """The boundary of a window a framework steps, before it clips: :meth:`close` on ``num_items`` (N,
@@ -388,8 +384,7 @@ class Gradients:
 
 
 def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The gradient's total 2-norm: one fused pass for plain tensors on one device; DTensors and mixed
-    devices take the general path."""
+    """The gradient's total 2-norm: one fused pass for plain tensors on one device, else (DTensors) the general path."""
     if not grads:
         return torch.zeros((), device=device)
     if all(type(g) is torch.Tensor and g.device == device for g in grads):

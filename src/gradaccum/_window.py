@@ -34,8 +34,7 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 @dataclass(eq=False)
 class OpenWindow:
-    """The slot a window enters and leaves: at most one window is open per Accumulator. Entering refuses a
-    second and warns once about BatchNorm layers in training mode, at the first window that has one."""
+    """The slot of the one window open per Accumulator: entering refuses a second, warns once of training BatchNorm."""
 
     window: Optional["Window"] = None
     stepping: bool = False  # the window's own optimizer step is under way
@@ -86,8 +85,7 @@ class OpenWindow:
 
 @dataclass(frozen=True)
 class Parts:
-    """What a window needs from its Accumulator, in one explicit place: the parts it runs through,
-    and the :class:`~gradaccum._state.AccumulatorState` it reads and leaves changed."""
+    """What a window needs from its Accumulator, in one place: the parts it runs through, the state it changes."""
 
     model: nn.Module
     device: torch.device
@@ -111,8 +109,7 @@ class Parts:
 
 @dataclass(eq=False)
 class _MicroBatch:
-    """One micro-batch's context: the sync switch (skip the reduction unless ``reduces``) and autocast,
-    each entered only where it does something (a local fp32 window pays for neither)."""
+    """One micro-batch's context: the sync switch (no reduction unless ``reduces``) and autocast, where they act."""
 
     slot: OpenWindow
     reduces: bool
@@ -157,8 +154,7 @@ class Window:
 
     def __init__(self, ctx: Parts, request: Request, *, micro_batch_size: Optional[Any] = None) -> None:
         self.ctx, self.request, self.micro_batch_size = ctx, request, micro_batch_size
-        #: what the ranks decided when the window opened (None before)
-        self.setup: Optional[Setup] = None
+        self.setup: Optional[Setup] = None  # what the ranks decided as the window opened
         self._weights: Optional[WindowWeights] = None  # see the weights property
         self.done = 0  # micro-batches run, flush and padding included
         self.tally: List[Tuple[torch.Tensor, Count]] = []  # per micro-batch: mean loss, count
@@ -195,8 +191,7 @@ class Window:
 
     @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or from the ranks' count at
-        its first backward."""
+        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or at its first backward."""
         if self._weights is None:  # read inside the window only: its setup is made
             self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
                                           reference=self.ctx.ranks.reference(self.setup))  # type: ignore[arg-type]
