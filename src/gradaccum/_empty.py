@@ -1,9 +1,7 @@
-"""The guard of a micro-batch of 0 items, the same in every driver.
-
-Its mean ``sum / count`` is ``0 / 0 = nan``, and so is its graph's gradient whatever weight multiplies the
-loss: the mean is cleaned to 0 (:func:`clean_mean`) and its backward brings each parameter exactly 0
-(:func:`weighing_nothing`). A count on an accelerator is compared on the device, with no host sync.
-"""
+"""The guard of a micro-batch of 0 items, the same in every driver. Its mean ``sum / count`` is ``0 / 0 = nan``, and
+so is its graph's gradient whatever weight multiplies the loss: the mean is cleaned to 0 (:func:`clean_mean`) and its
+backward brings each parameter exactly 0 (:func:`weighing_nothing`). A count on an accelerator is compared on the
+device, with no host sync."""
 
 from __future__ import annotations
 
