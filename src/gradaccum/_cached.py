@@ -1,6 +1,5 @@
-"""A :class:`WindowLoss`'s big-batch gradient in two passes, the representations cached (GradCache): the
-steps and their cost are docs/guides/contrastive.md's, the weights docs/architecture.md's ("The cached two
-passes")."""
+"""A :class:`WindowLoss`'s big-batch gradient in two passes, the representations cached (GradCache): steps
+and cost in docs/guides/contrastive.md, weights in docs/architecture.md ("The cached two passes")."""
 
 from __future__ import annotations
 
@@ -24,29 +23,23 @@ __all__ = ["WindowLoss", "Constant", "CachedPasses", "run_cached_window", "check
 
 class WindowLoss:
     """A loss over the whole window, for losses whose items depend on each other (in-batch negatives,
-    contrastive and CLIP losses): ``acc.step`` and ``acc.train`` take one instead of a ``loss_fn`` and
-    step on the big batch's gradient exactly.
+    contrastive and CLIP losses): ``acc.step`` and ``acc.train`` take one instead of a ``loss_fn`` and step on
+    the big batch's gradient exactly: ``loss(model, encode(model, whole_window))``, whatever the micro-batch
+    size, over any number of ranks. docs/guides/contrastive.md has the maths and the cost (one more forward per
+    micro-batch, its random draws, dropout's, replayed so that it equals the first).
 
     Args:
         encode: ``encode(model, micro_batch)`` -> the micro-batch's representations: a tensor, or a
             tuple/list/dict of tensors, each with the micro-batch's items along dim 0 (float tensors
             must depend on the model; integer ones, such as labels, ride along).
-        loss: ``loss(model, representations)`` -> a scalar: the loss of the whole window, given the
-            model (as ``encode`` is: the one the Accumulator holds, so its own parameters, such as a
-            learned temperature, are reached through it) and the same structure with every
-            micro-batch's representations on every rank joined along dim 0, in window order (rank 0's
-            micro-batches first, then rank 1's, ...).
-        keep_graphs: how many micro-batches' graphs pass 1 keeps, the first ones it runs (pass 2 runs
-            in order, so they are backpropagated before any forward runs again): their forward is not
-            run again in pass 2 (one forward saved each), at the memory of their activations held
-            through the loss. Default 1; 0 for the least memory. Under DDP at most
-            all but one (the last backward, which reduces, is a replayed forward), under FSDP2 and with
-            BatchNorm in training mode none.
-
-    The step equals one optimizer step on ``loss(model, encode(model, whole_window))`` whatever the
-    micro-batch size, over any number of ranks; the random draws of each micro-batch's forward
-    (dropout) are replayed, so its second forward equals its first. See docs/guides/contrastive.md for
-    the maths and what it costs (one more forward per micro-batch).
+        loss: ``loss(model, representations)`` -> a scalar: the whole window's loss, given the model
+            ``encode`` gets (its own parameters, such as a learned temperature, are reached through it)
+            and the same structure with every micro-batch's representations on every rank joined along
+            dim 0, in window order (rank 0's micro-batches first, then rank 1's, ...).
+        keep_graphs: how many micro-batches' graphs pass 1 keeps, the first ones (pass 2 runs in order):
+            each saves its forward in pass 2, at the memory of its activations held through the loss.
+            Default 1; 0 for the least memory. Under DDP at most all but one (the last backward, which
+            reduces, is a replayed forward); under FSDP2 and with BatchNorm in training mode none.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -77,7 +70,6 @@ class WindowLoss:
         self.encode, self.loss, self.keep_graphs = encode, loss, keep_graphs
 
     def __call__(self, model: nn.Module, micro_batch: Any) -> Any:
-        """Refused: run one micro-batch at a time, a WindowLoss would train another objective."""
         raise ConfigurationError(
             "WindowLoss was called as a loss_fn on one micro-batch; its loss couples the whole window's items, so "
             "pass it to acc.step(...) or acc.train(...), or ExactTrainer(compute_loss_func=...), which run the "
@@ -109,8 +101,7 @@ class Constant:
 
 
 def _flat(out: Any, count: Optional[int], k: int) -> List[torch.Tensor]:
-    """The representations' tensors, depth first, after checking each holds the micro-batch's ``count``
-    items (None: as many as the first tensor's rows)."""
+    """The representations' tensors, depth first, each checked to hold ``count`` rows (None: the first's)."""
     flat = []
     for path, leaf in leaves(out):
         if isinstance(leaf, Constant):
@@ -136,8 +127,7 @@ def _flat(out: Any, count: Optional[int], k: int) -> List[torch.Tensor]:
 
 @contextlib.contextmanager
 def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
-    """Pass 1 leaves BatchNorm's running statistics as it found them: they move once per micro-batch
-    (in pass 2), as under plain accumulation, not twice."""
+    """BatchNorm's running statistics put back after pass 1: they move once per micro-batch, not twice."""
     kept = [(t, t.clone()) for _, m in batchnorms(model) if m.training for t in m.buffers(recurse=False)]
     try:
         yield
@@ -148,8 +138,7 @@ def _batchnorm_stats_kept(model: nn.Module) -> Iterator[None]:
 
 
 def _checked_loss(out: Any, *, needs_grad: bool = True) -> torch.Tensor:
-    """``loss(model, representations)``'s result, refused unless a scalar that depends on them (where
-    ``needs_grad``: not in an evaluation under ``torch.no_grad()``)."""
+    """``loss``'s result, refused unless a scalar that depends on them (if ``needs_grad``: not under no_grad)."""
     if isinstance(out, (tuple, list)):
         raise ConfigurationError("WindowLoss: loss(model, representations) returned a tuple; it returns the window's "
                                  "loss, one scalar, which is already over every item (a (mean, count) pair is for "

@@ -1,9 +1,8 @@
 """Mixture-of-experts load balancing under accumulation: the router's auxiliary loss over the window.
 
-:class:`MoELoss` is the loss one passes to ``acc.step`` / ``acc.train``. Its ``mode="exact"`` is
-:class:`Routing`, the MoE guide's count, agree and train steps (docs/guides/moe.md, "The exact method"),
-driven by the Accumulator (:func:`run_moe_window`) and ExactTrainer
-(:class:`gradaccum.integrations.hf_moe.TrainerBalance`); the maths is
+:class:`MoELoss` is the loss one passes to ``acc.step`` / ``acc.train``. Its ``mode="exact"`` is :class:`Routing`,
+the MoE guide's count, agree and train steps (docs/guides/moe.md, "The exact method"), driven by the Accumulator
+(:func:`run_moe_window`) and ExactTrainer (:class:`gradaccum.integrations.hf_moe.TrainerBalance`); the maths is
 :func:`gradaccum._maths.router_statistics` and :func:`gradaccum._maths.balance_loss_part`.
 """
 from __future__ import annotations
@@ -50,10 +49,9 @@ class MoEOutput(NamedTuple):
 
 
 class MoELoss:
-    """A loss for ``acc.step`` / ``acc.train`` (in place of a ``loss_fn``): a token loss plus ``coef``
-    times a mixture-of-experts load-balancing loss over the **whole window**, every micro-batch on
-    every rank, as one big batch computes it (transformers' ``load_balancing_loss_func``: layers
-    pooled, top-k, padding masked)::
+    """A loss for ``acc.step`` / ``acc.train`` (in place of a ``loss_fn``): a token loss plus ``coef`` times a
+    mixture-of-experts load-balancing loss over the **whole window**, every micro-batch on every rank, as one
+    big batch computes it (transformers' ``load_balancing_loss_func``: layers pooled, top-k, padding masked)::
 
         L = sum_k n_k L_k / N + coef * E * sum_i f_i P_i,   f_i = C_i / T,  P_i = S_i / T  (window-wide)
 
@@ -61,25 +59,24 @@ class MoELoss:
     probability of expert i and ``T`` the routed rows (tokens times layers).
 
     Args:
-        forward: ``forward(model, micro_batch) -> MoEOutput``: the micro-batch's mean loss, its item
-            count, its router logits per layer and its token mask. In ``mode="exact"`` each
-            micro-batch also runs ``route`` once before, under ``torch.inference_mode()``, only to count.
+        forward: ``forward(model, micro_batch) -> MoEOutput``: the micro-batch's mean loss, item count, router
+            logits per layer and token mask. In ``mode="exact"`` each micro-batch also runs ``route`` once
+            before, under ``torch.inference_mode()``, only to count.
         num_experts: E; top_k: the experts chosen per token; coef: the load-balancing weight
             (transformers' ``router_aux_loss_coef``).
-        mode: ``"exact"`` (default: one more forward per micro-batch without a graph, one all-gather
-            of E + 4 numbers per rank per window), or a cheaper one, not the big batch, that runs no counting
-            pass and no collective of its own (each measured against the big batch in the guide):
-            ``"micro_batch"`` (each micro-batch's own loss, weighted by its share of the window's items, so
-            the objective does not change with the accumulation steps or the world size) or ``"prefix"``
-            (expert fractions from this rank's micro-batches so far, Megatron's running average).
-        route: optional ``route(model, micro_batch) -> MoEOutput`` for the counting pass: the same
-            routing and item count as ``forward`` gives, from a cheaper forward (the trunk without the
-            head, ``loss=None``). Default: ``forward``.
+        mode: ``"exact"`` (default: one more forward per micro-batch without a graph, one all-gather of E + 4
+            numbers per rank per window), or a cheaper one, not the big batch, with no counting pass nor
+            collective of its own (each measured against the big batch in the guide): ``"micro_batch"`` (each
+            micro-batch's own loss, weighted by its share of the window's items, so the objective does not change
+            with the accumulation steps or the world size) or ``"prefix"`` (expert fractions from this rank's
+            micro-batches so far, Megatron's running average).
+        route: optional ``route(model, micro_batch) -> MoEOutput`` for the counting pass: ``forward``'s routing
+            and item count from a cheaper forward (the trunk without the head, ``loss=None``). Default: ``forward``.
 
-    For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`.
-    An MoELoss runs through ``acc.step`` and ``acc.train`` (not ``acc.window``, nor as a plain
-    ``loss_fn``: refused); its item counts come from ``forward`` (``num_items=`` is not read). Exact
-    mode does not support ``micro_batch_size="auto"`` yet (refused); DDP and FSDP2 are tested.
+    For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`. An MoELoss
+    runs through ``acc.step`` and ``acc.train`` (not ``acc.window``, nor as a plain ``loss_fn``: refused); its
+    item counts come from ``forward`` (``num_items=`` is not read). Exact mode does not support
+    ``micro_batch_size="auto"`` yet (refused); DDP and FSDP2 are tested.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -117,18 +114,16 @@ class MoELoss:
                 f"coef={self.coef}, mode={self.mode!r})")
 
     def __call__(self, model: nn.Module, micro_batch: Any) -> Any:
-        """Refused: run one micro-batch at a time, an MoELoss would train another objective."""
         raise NotExactError("MoELoss was called as a loss_fn on one micro-batch; its load-balancing term is over the "
                             "whole window, so pass it to acc.step(...) or acc.train(...), which run the window")
 
     @classmethod
     def for_hf_model(cls, model: nn.Module, *, mode: str = "exact", ignore_index: int = -100) -> "MoELoss":
-        """The model's own loss for a Hugging Face MoE causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE,
-        OLMoE): next-token cross-entropy over ``labels[:, 1:] != ignore_index`` plus
-        ``router_aux_loss_coef`` times its load-balancing loss over the window, E, top-k and the
-        coefficient read from its config. Micro-batches are dicts with ``input_ids``, ``labels`` and
-        (for padding) ``attention_mask``. The counting pass runs the model's trunk (``base_model``)
-        without its LM head.
+        """The model's own loss for a Hugging Face MoE causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE):
+        next-token cross-entropy over ``labels[:, 1:] != ignore_index`` plus ``router_aux_loss_coef`` times its
+        load-balancing loss over the window, E, top-k and the coefficient read from its config. Micro-batches are
+        dicts with ``input_ids``, ``labels`` and (for padding) ``attention_mask``. The counting pass runs the
+        model's trunk (``base_model``) without its LM head.
 
         Raises:
             ConfigurationError: the model has no Hugging Face config, or its config has no load-balancing
@@ -148,10 +143,10 @@ class MoELoss:
         return _check_routing(_checked(out), self, "MoELoss")
 
     def per_micro_batch(self) -> Callable[[nn.Module, Any], Any]:
-        """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or ``"prefix"``
-        (see ``mode``): the token loss plus ``coef`` times the micro-batch's balance term, weighted by its
-        share ``n_k / N`` of the window's items like its token loss (``"prefix"``: the expert fractions of this
-        rank's micro-batches so far, this one included)."""
+        """A fresh ``(mean, count)`` ``loss_fn`` for one window of ``mode="micro_batch"`` or ``"prefix"``: the token
+        loss plus ``coef`` times the micro-batch's balance term, weighted by its share ``n_k / N`` of the window's
+        items like its token loss (``"prefix"``: the expert fractions of this rank's micro-batches so far, this one
+        included)."""
         seen: List[Any] = [0, 0]  # counts and rows of this rank's micro-batches so far
 
         def loss_fn(model: nn.Module, batch: Any) -> Any:
@@ -213,8 +208,7 @@ class Routing(Replay):
     is compared exactly, in every window: the counts are integers, and a near-tie in the router's top-k can
     flip in any window. Attributes (set by :meth:`open`): ``term`` (E, top-k and coef: the :class:`MoELoss`,
     or a config's ``RouterBalance``), ``counts`` (``C``, E float64), ``rows`` (``T``), ``items`` (``N``,
-    every rank's; ``local_items`` this rank's), ``sizes`` (each rank's micro-batches).
-    """
+    every rank's; ``local_items`` this rank's), ``sizes`` (each rank's micro-batches)."""
 
     @classmethod
     def open(cls, term: Any, micro_batches: Sequence[Any], *, route: Callable[[Any], MoEOutput],
@@ -257,9 +251,8 @@ class Routing(Replay):
         return routing
 
     def part(self, k: int, router_logits: Sequence[torch.Tensor], token_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """``balance_loss_part(S_k, C, T, T)``: micro-batch k's part of the window's load-balancing loss
-        (without ``coef``), from its training forward's (differentiable) router logits; its counts are
-        kept for :meth:`check`."""
+        """``balance_loss_part(S_k, C, T, T)``: micro-batch k's part of the window's load-balancing loss (without
+        ``coef``), from its training forward's (differentiable) router logits; its counts compared for :meth:`check`."""
         if torch.is_grad_enabled() and not all(t.requires_grad for t in router_logits):  # a detached copy, or a
             raise NotExactError(  # reentrant checkpoint, would drop the load-balancing gradient silently
                 f"{self.who}: the router logits of a training forward do not require grad, so the load-balancing "
