@@ -30,11 +30,10 @@ class RandomState:
 
 
 class Replay:
-    """One window's replay, in the order a driver calls it: :meth:`save` before each micro-batch's first
-    forward and :meth:`saved_all` after the last; :meth:`replay` ``k`` before its second forward and
-    :meth:`compare` (on the device); :meth:`check` on every rank alike (through ``sync``); :meth:`finish`.
-    ``who`` and ``what`` name the forward and what differed in the refusal; ``rtol`` how far a second
-    forward may be from the first (0: exactly equal)."""
+    """One window's replay, in the order a driver calls it: :meth:`save` before each micro-batch's first forward,
+    :meth:`saved_all` after the last; :meth:`replay` ``k`` before its second forward, :meth:`compare`; :meth:`check`
+    on every rank alike; :meth:`finish`. ``who`` and ``what`` name the forward and what differed in the refusal;
+    ``rtol``: how far a second forward may be from the first (0: exactly equal)."""
 
     def __init__(self, device: torch.device, sync: Any, who: str, what: str, *, rtol: float = 0.0) -> None:
         self.device, self.sync, self.who, self.what, self.rtol = device, sync, who, what, rtol
@@ -57,12 +56,10 @@ class Replay:
             self.differs |= ~torch.isclose(a.detach(), b, rtol=self.rtol, atol=0.0, equal_nan=True).all()
 
     def check(self) -> None:
-        """On every rank alike (one flag all-reduced, one host synchronisation): the refusal where any
-        rank's second forward differed from its first."""
+        """The refusal, on every rank alike (one flag all-reduced), where any rank's second forward differed."""
         if self.sync.any_rank(bool(self.differs), self.device):
             raise replay_differs(self.who, self.what)
 
     def finish(self) -> None:
         """After pass 2: the random state as pass 1 left it (the window drew its random numbers once)."""
-        assert self.end is not None, "saved_all() ran after pass 1"
         self.end.restore()

@@ -1,6 +1,5 @@
 """The Trainer drivers' glue to :class:`gradaccum.moe.Routing`: an MoE model's load-balancing term over the
-window (docs/guides/moe.md).
-"""
+window (docs/guides/moe.md)."""
 from __future__ import annotations
 
 import contextlib

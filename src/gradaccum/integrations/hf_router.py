@@ -1,7 +1,6 @@
 """A Hugging Face mixture-of-experts model, read from its config and outputs (transformers is not imported):
 the load-balancing term its config adds to its loss (:func:`aux_term`), its router logits and the tokens they
-balance, and the causal LM's loss that :meth:`gradaccum.MoELoss.for_hf_model` trains.
-"""
+balance, and the causal LM's loss that :meth:`gradaccum.MoELoss.for_hf_model` trains."""
 from __future__ import annotations
 
 import contextlib
@@ -43,9 +42,8 @@ def text_config(config: Any) -> Any:
 
 
 def aux_term(config: Any) -> Optional[RouterBalance]:
-    """The load-balancing term a Hugging Face config adds to the model's loss, or None: the model
-    returns its router logits (``output_router_logits``) and weighs them by a nonzero
-    ``router_aux_loss_coef``. A multimodal config is read through its text config.
+    """The load-balancing term a Hugging Face config adds to the model's loss, or None: the model returns its
+    router logits (``output_router_logits``) and weighs them by a nonzero ``router_aux_loss_coef``.
 
     >>> class Config: output_router_logits, router_aux_loss_coef, num_local_experts, num_experts_per_tok = True, 0.02, 8, 2
     >>> aux_term(Config())
@@ -106,10 +104,9 @@ def balance_hint(model: nn.Module) -> Optional[str]:
 
 @contextlib.contextmanager
 def router_logits_of(model: nn.Module) -> Iterator[List[torch.Tensor]]:
-    """The router logits of every forward of ``model`` inside the block, in layer order, for forwards
-    that do not return them (TRL's fused LM head) or that are asked not to (so that the model computes
-    no per-batch aux loss of its own): hooks on the router class the model's own output capture names
-    (``_can_record_outputs["router_logits"]``, transformers 5)."""
+    """The router logits of every forward of ``model`` inside the block, in layer order, for forwards that do
+    not return them (TRL's fused LM head) or are asked not to (so that the model computes no per-batch aux loss
+    of its own): hooks on the router class named by ``_can_record_outputs["router_logits"]`` (transformers 5)."""
     spec = next((m._can_record_outputs["router_logits"] for m in model.modules()
                  if "router_logits" in (getattr(m, "_can_record_outputs", None) or {})), None)
     if spec is None:
@@ -139,9 +136,8 @@ def hf_token_mask(inputs: Mapping[str, Any]) -> Optional[torch.Tensor]:
 
 
 def hf_routing(model: nn.Module, inputs: Mapping[str, Any]) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
-    """A Hugging Face MoE model's routing of a micro-batch's model inputs (the counting pass): its router
-    logits (``output_router_logits=True``) and :func:`hf_token_mask`. ``model`` is the trunk
-    (``base_model``) where the LM head is not needed."""
+    """A Hugging Face MoE model's routing of a micro-batch's inputs (the counting pass): its router logits
+    (``output_router_logits=True``) and :func:`hf_token_mask`; ``model`` the trunk (``base_model``) if no LM head."""
     return list(model(**inputs, output_router_logits=True).router_logits), hf_token_mask(inputs)
 
 
