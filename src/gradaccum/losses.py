@@ -1,14 +1,12 @@
 """Loss helpers that return ``(mean_loss, num_items)`` so windows are weighted by items, not batches.
 
-For a causal language model the items are the next-token targets that are not ``ignore_index``, which
-padded micro-batches hold different numbers of; the Accumulator weights each micro-batch's mean by its
-count and divides by the window's total count::
+For a causal language model the items are the next-token targets that are not ``ignore_index``, which padded
+micro-batches hold different numbers of; the Accumulator weights each micro-batch's mean by its count::
 
     window loss = sum_k count_k * mean_k / sum_k count_k
 
 A contrastive model's loss couples the batch's rows instead: :func:`contrastive_window_loss` is CLIP's and
-SigLIP's as a :class:`~gradaccum.WindowLoss`, computed once over the whole window.
-"""
+SigLIP's as a :class:`~gradaccum.WindowLoss`, computed once over the whole window."""
 
 from __future__ import annotations
 
@@ -30,10 +28,9 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_i
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over targets that are not ``ignore_index``, and their count.
 
-    ``logits`` is ``(..., vocab)``, ``targets`` the matching ``(...)``. The count stays a tensor on
-    the logits' device (no host synchronisation). A micro-batch with no counted target returns a
-    mean of 0 that carries no weight. The sum and the count are :func:`gradaccum._maths.token_loss_sum`
-    and :func:`gradaccum._maths.target_count`.
+    ``logits`` is ``(..., vocab)``, ``targets`` the matching ``(...)``. The count stays a tensor on the logits'
+    device (no host synchronisation). A micro-batch with no counted target returns a mean of 0 that carries no
+    weight. The sum and the count are :func:`gradaccum._maths.token_loss_sum` and :func:`gradaccum._maths.target_count`.
     """
     total = token_loss_sum(logits, targets, ignore_index=ignore_index)
     count = target_count(targets, ignore_index=ignore_index)
@@ -65,14 +62,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
 
 
 def count_targets(labels: torch.Tensor, *, shift: bool = True, ignore_index: int = -100) -> int:
-    """How many targets a causal LM's loss is a mean over, counted from the labels before any
-    forward pass: the ``labels[:, 1:]`` (``shift=True``) that are not ``ignore_index``.
+    """How many targets a causal LM's loss is a mean over, counted from the labels before any forward pass: the
+    ``labels[:, 1:]`` (``shift=True``) that are not ``ignore_index``.
 
-    Give it to ``Accumulator.step``/``train`` as ``num_items=lambda mb: count_targets(mb["labels"])``:
-    the window's token count is then known before the first backward, so each micro-batch's backward
-    weighs exactly ``tokens_k / tokens`` as the full batch does (float32 parts of a float64 model,
-    such as Llama's RMSNorm, then round as in one big batch) and no scaling pass is needed. It also
-    makes a bare mean-over-tokens loss, like Hugging Face's ``outputs.loss``, weighted by tokens.
+    Give it to ``Accumulator.step``/``train`` as ``num_items=lambda mb: count_targets(mb["labels"])``: the window's
+    token count is then known before the first backward, so each micro-batch's backward weighs exactly
+    ``tokens_k / tokens`` as the full batch does (float32 parts of a float64 model, such as Llama's RMSNorm, then
+    round as in one big batch) and no scaling pass is needed. It also makes a bare mean-over-tokens loss, like
+    Hugging Face's ``outputs.loss``, weighted by tokens.
 
     >>> count_targets(torch.tensor([[1, 2, 3, -100], [1, 2, -100, -100]]))
     3
@@ -83,11 +80,11 @@ def count_targets(labels: torch.Tensor, *, shift: bool = True, ignore_index: int
 
 
 def contrastive_window_loss(model: nn.Module) -> Optional[WindowLoss]:
-    """The loss of a contrastive Hugging Face model (``CLIPModel``, ``SiglipModel``) as a WindowLoss:
-    ``encode`` runs the model without its loss (``return_loss=False``) for the normalized text and
-    image embeddings; ``loss`` is the model's own over the whole window, its ``logit_scale`` (and
-    SigLIP's ``logit_bias``) reached through the model. None for another model. ``ExactTrainer`` trains
-    these models with it; in one's own loop: ``acc.step(batch, contrastive_window_loss(model), ...)``."""
+    """The loss of a contrastive Hugging Face model (``CLIPModel``, ``SiglipModel``) as a WindowLoss: ``encode``
+    runs the model without its loss (``return_loss=False``) for the normalized text and image embeddings; ``loss``
+    is the model's own over the whole window, its ``logit_scale`` (and SigLIP's ``logit_bias``) reached through
+    the model. None for another model. ``ExactTrainer`` trains these models with it; in one's own loop:
+    ``acc.step(batch, contrastive_window_loss(model), ...)``."""
     from ._cached import WindowLoss
 
     name = type(model).__name__
