@@ -42,8 +42,7 @@ class WindowLoss:
             reduces, is a replayed forward); under FSDP2 and with BatchNorm in training mode none.
 
     Example:
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <torch._C.Generator object at ...>
+        >>> _ = torch.manual_seed(0)
         >>> from gradaccum import Accumulator
         >>> model = nn.Linear(4, 3)
         >>> def in_batch_negatives(model, reps):
@@ -80,10 +79,10 @@ class WindowLoss:
 
 
 class Constant:
-    """A tensor in ``encode``'s output that is data, not a representation: joined across the window and
-    the ranks like the representations, handed to ``loss`` as the tensor itself, never differentiated.
-    For float labels and scores (CoSENT's similarity scores) or a frozen teacher's embeddings; integer
-    and boolean tensors (class labels, masks) ride along without it.
+    """A tensor in ``encode``'s output that is data, not a representation: joined across the window and the ranks
+    like the representations, handed to ``loss`` as the tensor itself, never differentiated. For float labels and
+    scores (CoSENT's similarity scores) or a frozen teacher's embeddings; integer and boolean tensors (class labels,
+    masks) ride along without it.
 
     Example:
         >>> encode = lambda m, b: {"pair": m(b["x"]), "score": Constant(b["score"])}  # doctest: +SKIP
@@ -191,11 +190,10 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
 
 
 class CachedPasses:
-    """One window of a :class:`WindowLoss`, step by step, in the order every driver calls it
-    (docs/architecture.md): :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or
-    :meth:`surrogate`) for ``k`` in ``range(parts)``, :meth:`finish`. ``sizes``: each micro-batch's items,
-    or None (read from the representations). ``checked``: the driver's ``checked_replays`` (None: never
-    check); in a loss's first window pass 2 is compared with pass 1 (to float rounding: one has a graph)."""
+    """One window of a :class:`WindowLoss`, in the order every driver calls it (docs/architecture.md):
+    :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or :meth:`surrogate`) for ``k`` in
+    ``range(parts)``, :meth:`finish`. ``checked``: the driver's ``checked_replays`` (None: never check); in a loss's
+    first window pass 2 is compared with pass 1 (to float rounding: one has a graph)."""
 
     def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,
                  sizes: Optional[List[int]] = None, padding: int = 0, padding_batch: Any = None, checked: Any = None,
@@ -234,8 +232,8 @@ class CachedPasses:
         return max(keep, 0)
 
     def first_pass(self, model: nn.Module, *, graph_model: Optional[nn.Module] = None) -> None:
-        """Each micro-batch's representations on ``model`` without a graph, the random state before each; the
-        first :meth:`graphs_to_keep` with their graph on ``graph_model`` (a Trainer's data-parallel wrapper)."""
+        """Each micro-batch's representations without a graph, the random state saved before each; the first
+        :meth:`graphs_to_keep` with their graph, on ``graph_model`` if given (a Trainer's data-parallel wrapper)."""
         keep = self.graphs_to_keep(model)
         with torch.no_grad(), _batchnorm_stats_kept(model), self.autocast():
             for k, mb in enumerate(self.micro_batches):
@@ -341,8 +339,7 @@ class CachedPasses:
         return total - total.detach() + value
 
     def finish(self) -> None:
-        """After the last part: the random state as after pass 1 alone (the window drew its random numbers
-        once); in a checked window, on every rank alike, the refusal where a replay differed."""
+        """The random state put back as pass 1 left it; in a checked window, the refusal where a replay differed."""
         self.replay.finish()
         if self.check:
             self.replay.check()
