@@ -33,13 +33,11 @@ class MoEOutput(NamedTuple):
     """What an :class:`MoELoss`'s ``forward(model, micro_batch)`` returns for one micro-batch.
 
     Attributes:
-        loss: the **mean** token (or other) loss over the micro-batch's ``num_items`` items, without
-            the load-balancing term.
+        loss: the **mean** token (or other) loss over the micro-batch's ``num_items`` items, without the balance term.
         num_items: how many items ``loss`` is a mean over (an int, or a count tensor).
         router_logits: one ``(tokens, experts)`` tensor per MoE layer, the router's logits before its
             softmax, as the model computed them in this forward (differentiable).
-        token_mask: ``(tokens,)`` 0/1, the tokens the balance is over (the flattened
-            ``attention_mask``); None: every token.
+        token_mask: ``(tokens,)`` 0/1, the tokens the balance is over (the flattened ``attention_mask``); None: all.
     """
 
     loss: torch.Tensor
@@ -235,12 +233,11 @@ class Routing(Replay):
                 bad = ((n == 0) & (rows > 0)).to(torch.float64) if out.num_items is not None else torch.zeros_like(n)
                 totals += torch.cat([c.to(torch.float64), torch.stack([rows.to(torch.float64), n, bad])])
         routing.saved_all()
-        # every rank's (C, T, N, itemless, micro-batches): one all-gather per window, before any backward
+        # every rank's (C, T, N, itemless, micro-batches): one all-gather per window before any backward, one host read
         every = sync.all_gather(torch.cat([totals, totals.new_tensor([len(micro_batches)])]))
         summed = every[:, :-1].sum(dim=0)
         routing.counts = summed[:-3]
-        read = torch.cat([summed[-3:], totals[-2:-1]]).tolist()  # one host synchronisation
-        routing.rows, routing.items, itemless, routing.local_items = read
+        routing.rows, routing.items, itemless, routing.local_items = torch.cat([summed[-3:], totals[-2:-1]]).tolist()
         routing.sizes = [int(m) for m in every[:, -1].tolist()]
         if itemless and routing.items > 0:  # only where route counts the items: MoELoss's
             raise NotExactError(

@@ -143,9 +143,8 @@ def hf_routing(model: nn.Module, inputs: Mapping[str, Any]) -> Tuple[List[torch.
 
 def causal_lm_parts(model: nn.Module, ignore_index: int) -> Tuple[RouterBalance, Callable[[nn.Module, Any], Routed],
                                                                    Callable[[nn.Module, Any], Routed]]:
-    """What :meth:`gradaccum.MoELoss.for_hf_model` is made of, for the unwrapped causal LM ``model``: its
-    config's term, and ``forward`` and ``route`` (the counting pass: the trunk, no LM head), each
-    ``(model, micro_batch) -> (loss, num_items, router_logits, token_mask)``; the refusals its docstring lists."""
+    """What :meth:`gradaccum.MoELoss.for_hf_model` is made of, for the unwrapped causal LM ``model``: its config's
+    term, ``forward`` and ``route`` (the counting pass: the trunk, no LM head); the refusals its docstring lists."""
     name, config = type(model).__name__, getattr(model, "config", None)
     if config is None:
         raise ConfigurationError(
