@@ -71,10 +71,9 @@ class MoELoss:
         route: optional ``route(model, micro_batch) -> MoEOutput`` for the counting pass: ``forward``'s routing
             and item count from a cheaper forward (the trunk without the head, ``loss=None``). Default: ``forward``.
 
-    For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`. An MoELoss
-    runs through ``acc.step`` and ``acc.train`` (not ``acc.window``, nor as a plain ``loss_fn``: refused); its
-    item counts come from ``forward`` (``num_items=`` is not read). Exact mode does not support
-    ``micro_batch_size="auto"`` yet (refused); DDP and FSDP2 are tested.
+    For a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE causal LM use :meth:`for_hf_model`. ``acc.window``
+    and a call as a plain ``loss_fn`` are refused; item counts come from ``forward`` (``num_items=`` is not read).
+    Exact mode does not support ``micro_batch_size="auto"`` yet (refused); DDP and FSDP2 are tested.
 
     Example:
         >>> _ = torch.manual_seed(0)
