@@ -34,8 +34,7 @@ from .result import StepResult
 from .schedule import AccumSteps
 from .sync import GradSync, sync_for
 
-#: ``driver_buffers`` and ``warn_low_precision_grad_sum`` are :mod:`gradaccum._accum_dtype`'s, importable
-#: here (the trainer drivers import them from here)
+#: the trainer drivers import ``driver_buffers`` and ``warn_low_precision_grad_sum`` from here
 __all__ = ["Accumulator", "LowPrecisionWarning", "driver_buffers", "warn_low_precision_grad_sum"]
 
 #: a learning-rate scheduler: anything with ``step()`` over the Accumulator's optimizer
@@ -54,19 +53,17 @@ class Accumulator(Resumable):
             (None, or the optimizer ``deepspeed.initialize`` returned, around a DeepSpeed engine).
         scheduler: stepped once per optimizer step taken, never on a skipped window. A
             ``ReduceLROnPlateau`` is stepped with the window's loss.
-        max_grad_norm: clip the window's gradient to this total 2-norm, after normalization and
-            unscaling.
+        max_grad_norm: clip the window's gradient to this total 2-norm, after normalization and unscaling.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
-        accum_dtype: where bf16/fp16 parameters' window gradient is summed. ``"auto"`` (the default):
-            in float32 buffers, one rounding of the window's gradient to the parameter's dtype for the
-            optimizer (single process; under DDP, FSDP2 or DeepSpeed the wrapper owns the sum, and a
-            setting that sums in bf16 there is named once in a warning). A dtype such as
-            ``torch.float64``: buffers of that dtype. ``"param"`` (or None) opts out: the sum is kept in
-            the parameter's own ``.grad``, rounded to 8 bits of mantissa (bf16) after every
-            micro-batch, so its error grows with the micro-batches (bf16 GPT-2, K = 64: about 2x the
-            floor; ``make bench``'s precision section) for 2 bytes per parameter less (float32
-            buffers hold 4 bytes per low-precision parameter while a window is open, the bf16 ``.grad``'s 2 bytes
-            more: measured in docs/guides/deepspeed.md's precision section).
+        accum_dtype: where bf16/fp16 parameters' window gradient is summed. ``"auto"`` (the default): in float32
+            buffers, one rounding of the window's gradient to the parameter's dtype for the optimizer (single
+            process; under DDP, FSDP2 or DeepSpeed the wrapper owns the sum, and a setting that sums in bf16 there
+            is named once in a warning). A dtype such as ``torch.float64``: buffers of that dtype. ``"param"`` (or
+            None) opts out: the sum is kept in the parameter's own ``.grad``, rounded to 8 bits of mantissa (bf16)
+            after every micro-batch, so its error grows with the micro-batches (bf16 GPT-2, K = 64: about 2x the
+            floor; ``make bench``'s precision section) for 2 bytes per parameter less (float32 buffers hold 4 bytes
+            per low-precision parameter while a window is open, the bf16 ``.grad``'s 2 bytes more: measured in
+            docs/guides/deepspeed.md's precision section).
         nonfinite: ``"skip"`` a window whose loss or measured gradient is not finite (with a warning
             the first time; ``acc.skipped`` counts them), or ``"raise"``.
         reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch
@@ -76,10 +73,9 @@ class Accumulator(Resumable):
             ``torch.distributed`` runs several ranks and none reduces the gradients, refuses the
             model (the replicas would drift apart). ``"none"`` trains each rank on its own items on
             purpose: no collective at all.
-        compute_grad_norm: measure the window's total gradient norm for ``StepResult.grad_norm``
-            (one pass over the gradient). It is always measured with ``max_grad_norm`` or fp16;
-            otherwise ``grad_norm`` is None and the non-finite check uses the window's loss, which
-            costs nothing.
+        compute_grad_norm: measure the window's total gradient norm for ``StepResult.grad_norm`` (one pass
+            over the gradient). It is always measured with ``max_grad_norm`` or fp16; otherwise ``grad_norm`` is
+            None and the non-finite check uses the window's loss, which costs nothing.
 
     Example:
         >>> model = torch.nn.Linear(3, 1)
@@ -129,9 +125,9 @@ class Accumulator(Resumable):
         rules = Rules(self.sync.shares_windows, self.sync.needs_equal_counts,
                       reference_is_count=self.sync.needs_count_first)
         self.auto = AutoMicroBatch(self.sync, device, state)
-        self.context = Parts(model=model, device=device, sync=self.sync, precision=self.precision,
-                                     grads=grads, ranks=RankAgreement(self.sync, device, state, rules),
-                                     boundary=boundary, slot=OpenWindow(), state=state)
+        self.context = Parts(model=model, device=device, sync=self.sync, precision=self.precision, grads=grads,
+                             ranks=RankAgreement(self.sync, device, state, rules), boundary=boundary,
+                             slot=OpenWindow(), state=state)
         stepped = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer a wrapper (Accelerate's) holds
         if isinstance(stepped, torch.optim.Optimizer):  # a step of the caller's own inside a window: refused
             slot = weakref.ref(self.context.slot)  # the optimizer may outlive this Accumulator: its hook goes with it
