@@ -1,11 +1,10 @@
 """Batches and micro-batches: split along dim 0, join, slice, count items, check leading dimensions.
 
-A *batch* is a Tensor, a tuple/list of batches, or a dict of batches. Its *leaves* are everything
-else it holds, and one walker (:func:`leaves` and :func:`rebuild`) serves every operation here.
-A leaf that is a tensor with at least one dimension is *split*: every such tensor of one batch shares
-its leading dimension, which is what gets split and what counts as items by default. Every other leaf
-(a 0-d tensor such as an index or a flag, a string, a number, ``None``) is *carried* to every chunk
-unchanged. Splitting returns views (slices), so no data is copied.
+A *batch* is a Tensor, a tuple/list of batches, or a dict of batches. Its *leaves* are everything else it holds,
+and one walker (:func:`leaves` and :func:`rebuild`) serves every operation here. A leaf that is a tensor with at
+least one dimension is *split*: every such tensor of one batch shares its leading dimension, which is what gets
+split and what counts as items by default. Every other leaf (a 0-d tensor such as an index or a flag, a string, a
+number, ``None``) is *carried* to every chunk unchanged. Splitting returns views (slices), so no data is copied.
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ def rebuild(template: Batch, values: Iterator[Any]) -> Batch:
 
 
 def _split(leaf: Any) -> bool:
-    """Whether a leaf is split along dim 0 (a tensor with a leading dimension) or carried."""
     return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
 
 
@@ -87,16 +85,14 @@ def leading_dim(batch: Batch, *, argument: str = "batch") -> int:
             raise SplitError(
                 f"tensors in {argument} disagree on their leading dimension: "
                 f"{argument}{split[0][0]} has {split[0][1]} items but {argument}{path} has "
-                f"{n}. Every tensor of one batch must hold the same items along dim 0."
-            )
+                f"{n}. Every tensor of one batch must hold the same items along dim 0.")
     if not split:
         scalars = [path for path, leaf in found if isinstance(leaf, torch.Tensor)]  # 0-d: carried, not split
         held = (f"only 0-d tensors ({', '.join(argument + p for p in scalars[:3])}), which are carried to every "
                 "micro-batch, not split" if scalars else f"no tensor (got {type(batch).__name__})")
         raise SplitError(
             f"{argument} holds {held}; a batch needs at least one tensor with a leading (item) dimension "
-            "to split and count: a Tensor, a tuple/list of Tensors, or a dict of Tensors of shape (n, ...)."
-        )
+            "to split and count: a Tensor, a tuple/list of Tensors, or a dict of Tensors of shape (n, ...).")
     return split[0][1]
 
 
@@ -105,14 +101,11 @@ def check_micro_batch_size(micro_batch_size: MicroBatchSize) -> None:
     if micro_batch_size is None or micro_batch_size == "auto":
         return
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise ConfigurationError(
-            f"micro_batch_size must be a positive int, 'auto' or None, got {micro_batch_size!r}"
-        )
+        raise ConfigurationError(f"micro_batch_size must be a positive int, 'auto' or None, got {micro_batch_size!r}")
     if micro_batch_size <= 0:
         raise ConfigurationError(
             f"micro_batch_size must be >= 1, got {micro_batch_size}; pass the number of items "
-            "per forward/backward pass, or 'auto' to find it on out-of-memory errors"
-        )
+            "per forward/backward pass, or 'auto' to find it on out-of-memory errors")
 
 
 def split_batch(batch: Batch, micro_batch_size: int) -> List[Batch]:
@@ -138,9 +131,8 @@ def _split_rows(batch: Batch, micro_batch_size: int) -> Tuple[List[Batch], List[
 
 
 def concat_batches(batches: Sequence[Batch]) -> Batch:
-    """The inverse of :func:`split_batch`: micro-batches joined along dim 0. A carried leaf (a 0-d
-    tensor, a string, a number) must be the same in every micro-batch, since the joined batch holds it
-    once.
+    """The inverse of :func:`split_batch`: micro-batches joined along dim 0. A carried leaf (a 0-d tensor, a
+    string, a number) must be the same in every micro-batch, since the joined batch holds it once.
 
     >>> concat_batches([torch.zeros(2, 3), torch.zeros(1, 3)]).shape[0]
     3
@@ -183,10 +175,9 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
     checked list of micro-batches, and their rows where the split made them (else None: :func:`count_items`
     measures and checks each micro-batch).
 
-    With ``micro_batch_size=None`` the window is a list of micro-batches; with an int it is one
-    batch to split. A tuple or list holding bare tensors is refused without ``micro_batch_size``:
-    ``(inputs, targets)`` would otherwise be read as two micro-batches, ``inputs`` and then
-    ``targets``; a list of micro-batches together with ``micro_batch_size`` is refused too.
+    With ``micro_batch_size=None`` the window is a list of micro-batches; with an int it is one batch to split.
+    A tuple or list holding bare tensors is refused without ``micro_batch_size`` (``(inputs, targets)`` would
+    otherwise be read as two micro-batches), and so is a list of micro-batches with it.
     """
     if micro_batch_size is not None:
         if isinstance(window, list) and window and all(isinstance(mb, (tuple, list, Mapping)) for mb in window):
@@ -194,8 +185,7 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
                 f"window is a list of {len(window)} micro-batches and micro_batch_size={micro_batch_size!r} was "
                 "given, which is ambiguous: a list of micro-batches is already split, and micro_batch_size splits "
                 "one batch. Drop micro_batch_size to run the list as it is, or pass one batch (a tensor, a tuple "
-                "(inputs, targets) or a dict) to split; a nested batch goes in a tuple, not a list"
-            )
+                "(inputs, targets) or a dict) to split; a nested batch goes in a tuple, not a list")
         if allow_empty and leading_dim(window) == 0:
             return [], []  # a rank whose share is empty: it takes part with zero items
         return _split_rows(window, micro_batch_size)
@@ -203,8 +193,7 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
         raise SplitError(
             f"window must be a list of micro-batches when micro_batch_size is None, got a "
             f"{type(window).__name__}; pass a list of micro-batches, or one batch together "
-            "with micro_batch_size=M to split it"
-        )
+            "with micro_batch_size=M to split it")
     if any(isinstance(mb, torch.Tensor) for mb in window):
         shapes = ", ".join(str(tuple(mb.shape)) if isinstance(mb, torch.Tensor) else type(mb).__name__
                            for mb in list(window)[:4])
@@ -213,8 +202,7 @@ def as_micro_batches(window: Union[Batch, Sequence[Batch]], micro_batch_size: Op
             "which is ambiguous: one batch such as (inputs, targets), or a window of micro-batches? "
             "For one batch pass micro_batch_size=M (step(batch, loss_fn, micro_batch_size=8)); for a "
             "window pass a list of micro-batches ([(x1, y1), (x2, y2)]; a micro-batch that is a single "
-            "tensor goes in a tuple: [(x1,), (x2,)])"
-        )
+            "tensor goes in a tuple: [(x1,), (x2,)])")
     micro_batches = list(window)
     if not micro_batches and not allow_empty:
         raise SplitError("window is empty (0 micro-batches); pass at least one micro-batch")
