@@ -22,8 +22,7 @@ NONFINITE = ("skip", "raise")
 
 
 def nonfinite_choice(who: str, value: Any) -> str:
-    """``nonfinite=`` as ``who`` (the Accumulator, ``ExactTrainer``, ``ExactAccumulation``) was given it, once it
-    is one of :data:`NONFINITE`."""
+    """``nonfinite=`` as ``who`` (the Accumulator, ``ExactTrainer``, ``ExactAccumulation``) was given it, checked."""
     if not isinstance(value, str) or value not in NONFINITE:
         raise ConfigurationError(
             f"{who}(nonfinite={value!r}): nonfinite must be 'skip' (a window whose loss or gradient is not finite "
@@ -34,8 +33,7 @@ def nonfinite_choice(who: str, value: Any) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), each checked as
-    it is made (``max_grad_norm`` kept as a float)."""
+    """The :class:`~gradaccum.Accumulator`'s keyword settings (its Args say what each does), checked as made."""
 
     max_grad_norm: Optional[float] = None
     precision: str = "fp32"
@@ -56,9 +54,8 @@ class Settings:
 
 def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
                            settings: Settings) -> Tuple[Any, List[nn.Parameter]]:
-    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable parameters, once
-    the model, optimizer and scheduler are checked (a DeepSpeed engine, and the settings it owns, by
-    :func:`gradaccum._deepspeed.check_engine_arguments`)."""
+    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable parameters, once the
+    model, optimizer and scheduler are checked (an engine and the settings it owns by ``check_engine_arguments``)."""
     refuse_pipeline(model)
     engine = deepspeed_engine(model)
     if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed
@@ -80,8 +77,7 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
         raise ConfigurationError(
             f"the optimizer holds none of the {type(model).__name__}'s {len(params)} trainable "
             "parameters, so its steps would never move the model: build it over this model's "
-            "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model"
-        )
+            "parameters, e.g. torch.optim.AdamW(model.parameters()) after wrapping/sharding the model")
     own = {id(p) for p in model.parameters()}
     outside = [p for p in held if id(p) not in own]  # a frozen one too: it may be unfrozen later
     if outside:
@@ -92,25 +88,21 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
             "and unclipped. Give the Accumulator a module that holds them all (e.g. nn.ModuleDict({'body': "
             "body, 'head': head}), the loss_fn calling its parts), or build the optimizer over model.parameters() "
             "(under FSDP2 after model.reshard(), where a forward ran since fully_shard and left the root's "
-            "parameters unsharded)"
-        )
+            "parameters unsharded)")
     refuse_unscaled_fp16(model, optimizer, settings.precision)
     _refuse_accelerate_accumulation(optimizer, scheduler)
     return optimizer, params
 
 
 def _refuse_accelerate_accumulation(optimizer: Any, scheduler: Any) -> None:
-    """Accelerate's prepared optimizer under fp16 (docs/guides/accelerate.md, "What not to combine"): a GradScaler
-    of its own. (Its step inside ``accelerator.accumulate()`` off Accelerate's boundary is refused at the window's
-    boundary, :meth:`gradaccum._boundary.Boundary.finish`; its prepared scheduler is unwrapped by the Accumulator.)"""
+    """Accelerate's prepared optimizer under fp16 brings a GradScaler of its own (docs/guides/accelerate.md)."""
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
         raise ConfigurationError(
             f"the optimizer ({type(optimizer).__name__}) carries its own enabled GradScaler, so its step() "
             "would unscale gradients gradaccum never scaled (Accelerate's prepared optimizer under "
             "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
-            "precision='fp16' to Accumulator, which owns the scaler"
-        )
+            "precision='fp16' to Accumulator, which owns the scaler")
 
 
 def refuse_unscaled_fp16(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str) -> None:
@@ -142,5 +134,4 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     raise ConfigurationError(
         f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the Accumulator's "
         f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
-        "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator"
-    )
+        "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator")
