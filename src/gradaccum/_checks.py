@@ -1,6 +1,5 @@
-"""Argument checks shared by the library and the command line (which passes its flag names as ``name``):
-each raises before anything changes, naming the argument, the value and the fix.
-"""
+"""Argument checks shared by the library and the command line (which passes its flag names as ``name``): each
+raises before anything changes, naming the argument, the value and the fix."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ def positive_number(name: str, value: Any, *, what: str = "a positive finite num
 
 
 def item_count(name: str, value: Any) -> Count:
-    """A count of items: a finite number >= 0, or a one-element tensor (left on its device, unchecked:
-    checking its value would synchronise with the device)."""
+    """A finite number >= 0, or a one-element tensor (left on its device, unchecked: reading it would synchronise)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ConfigurationError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
@@ -74,8 +72,7 @@ def as_number(count: Count) -> float:
 
 
 def split_loss_output(out: Any, count: Count) -> Tuple[Any, Count]:
-    """``loss_fn``'s output -> (mean loss, item count); a bare loss counts ``count`` (its rows, or
-    ``num_items``'s count). The loss itself is checked by :func:`scalar_loss`."""
+    """``loss_fn``'s output -> (mean loss, item count); a bare loss counts ``count`` (its rows, or ``num_items``')."""
     if isinstance(out, (tuple, list)) and len(out) == 2:
         return out[0], item_count("the count returned by loss_fn", out[1])
     if isinstance(out, torch.Tensor):
@@ -85,8 +82,8 @@ def split_loss_output(out: Any, count: Count) -> Tuple[Any, Count]:
 
 
 def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", where: str) -> torch.Tensor:
-    """A scalar loss that requires grad, or an error that says how to get one: ``subject`` opens it,
-    ``where`` names what the loss is computed inside (``"window.micro_batch()"``)."""
+    """A scalar loss that requires grad, or an error that says how to get one: ``subject`` opens it, ``where`` names
+    what the loss is computed inside (``"window.micro_batch()"``)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigurationError(f"{subject} (the mean over the micro-batch's items), got {shape}; "
