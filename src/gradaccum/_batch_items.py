@@ -1,6 +1,5 @@
 """What a labelled batch's items are, and its loss summed over them, by where the loss comes from (a model
-head, or a trainer's mean over pairs or rows), for ExactTrainer's training and ``eval_loss`` (:class:`SetMean`).
-"""
+head, or a trainer's mean over pairs or rows), for ExactTrainer's training and ``eval_loss`` (:class:`SetMean`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +40,7 @@ class BatchItems:
     device: torch.device
 
     def targets(self, batch: Dict[str, Any]) -> Tuple[torch.Tensor, str]:
-        """The labels the loss is over (a causal LM's shifted) and the :data:`gradaccum._maths.LOSSES` entry of
-        the loss over them."""
+        """The labels the loss is over (a causal LM's shifted) and their :data:`gradaccum._maths.LOSSES` entry."""
         shifted = self.head in (None, "causal_lm")
         if shifted and "shift_labels" in batch:
             targets = batch["shift_labels"]
