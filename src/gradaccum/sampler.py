@@ -65,8 +65,7 @@ class WindowSampler(Sampler[List[int]]):
             raise ConfigurationError(
                 f"WindowSampler(rank={rank!r}, world_size={world_size!r}) under a launcher of WORLD_SIZE="
                 f"{launched} before the process group exists would read this rank as the only one: create "
-                "it after torch.distributed.init_process_group, or pass rank= and world_size="
-            )
+                "it after torch.distributed.init_process_group, or pass rank= and world_size=")
         world = sync.world_size() if world_size is None else world_size
         positive_int("world_size", world)
         here = sync.rank() if rank is None else rank
@@ -98,8 +97,7 @@ class WindowSampler(Sampler[List[int]]):
         return full if self.drop_last or rest == 0 else full + 1
 
     def _order(self, epoch: int) -> List[int]:
-        """The epoch's permutation of the dataset, as a list (made once per epoch, so cutting windows
-        from it reads no tensor on the host; cached for the last epoch asked)."""
+        """The epoch's permutation as a list (cutting windows reads no tensor on the host), cached for the last one."""
         if self._cached_order[0] != epoch:
             n, g = self.dataset_size, torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(n, generator=g).tolist() if self.shuffle else range(n)
@@ -114,8 +112,8 @@ class WindowSampler(Sampler[List[int]]):
         return range(start + r * b // w, start + (r + 1) * b // w)
 
     def shares(self, window: int) -> List[int]:
-        """How many items every rank (in rank order) has in global window ``window`` of this epoch:
-        what each rank knows of the others without asking (``Accumulator.train`` needs no agreement)."""
+        """How many items every rank (in rank order) has in global window ``window`` of this epoch: what each rank
+        knows of the others without asking (``Accumulator.train`` needs no agreement)."""
         return [len(self._bounds(window, r)) for r in range(self.world_size)]
 
     def window_items(self, window: int, *, epoch: Optional[int] = None) -> List[int]:
@@ -126,8 +124,8 @@ class WindowSampler(Sampler[List[int]]):
         return order[window * self.global_batch_size:(window + 1) * self.global_batch_size]
 
     def windows(self) -> Iterator[List[List[int]]]:
-        """This rank's micro-batches (lists of dataset indices), one list per remaining window of
-        the epoch, from ``start_window`` on. A window may be empty on some ranks when B < W."""
+        """This rank's micro-batches (lists of dataset indices), one list per remaining window of the epoch, from
+        ``start_window`` on. A window may be empty on some ranks when B < W."""
         order, m = self._order(self.epoch), self.micro_batch_size
         for w in range(self.start_window, self.num_windows):
             span = self._bounds(w)
@@ -155,8 +153,8 @@ class WindowSampler(Sampler[List[int]]):
             self.epoch, self.start_window = epoch, 0
 
     def advance(self, windows: int = 1) -> None:
-        """Mark ``windows`` more windows of the epoch as done (``Accumulator.train`` calls it after
-        every step; a hand-written loop calls it after each ``window.step()``)."""
+        """Mark ``windows`` more windows of the epoch as done (``Accumulator.train`` calls it after every step; a
+        hand-written loop calls it after each ``window.step()``)."""
         self.start_window = min(self.start_window + windows, self.num_windows)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -167,8 +165,8 @@ class WindowSampler(Sampler[List[int]]):
         """Resume at ``state``'s position, on any rank of any world size and micro-batch size.
 
         Raises:
-            ValueError: the state was written for another data order (seed, global batch size,
-                dataset size, shuffle or drop_last differ), naming what differs.
+            ValueError: the state was written for another data order (seed, global batch size, dataset size,
+                shuffle or drop_last differ), naming what differs.
         """
         missing = [k for k in ("epoch", "window") if k not in state]
         if missing:
