@@ -29,9 +29,9 @@ _ROUNDS = ("rounds after every micro-batch, so its error grows with the window (
 
 
 class LowPrecisionWarning(UserWarning):
-    """The window's gradient is summed in bf16/fp16 where gradaccum cannot sum it in float32 (under a
-    data-parallel wrapper that owns the sum, or a loss scaler that unscales ``.grad`` before the
-    boundary): the warning names the setting that would."""
+    """The window's gradient is summed in bf16/fp16 where gradaccum cannot sum it in float32 (under a data-parallel
+    wrapper that owns the sum, or a loss scaler that unscales ``.grad`` before the boundary): it names the setting
+    that would."""
 
 
 def check_accum_dtype(accum_dtype: Any) -> None:
@@ -45,8 +45,7 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
                    params: Sequence[torch.nn.Parameter]) -> Optional[AccumulationBuffers]:
     """The Accumulator's window buffers: ``"auto"``, float32 ones for a single process's bf16/fp16 parameters
     (none, with a :class:`LowPrecisionWarning`, where a wrapper or GradScaler owns the sum); a dtype, its own
-    (refused under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``); ``"param"`` or None: none. ``params``:
-    every parameter of the model, a frozen one too (unfrozen later, it sums in the buffers)."""
+    (refused under DDP/FSDP2/DeepSpeed or with ``precision="fp16"``); ``"param"`` or None: none."""
     if accum_dtype is None or accum_dtype == "param":
         return None
     if accum_dtype == "auto":
@@ -86,11 +85,9 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
 
 def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,
                    fix: str) -> Optional[AccumulationBuffers]:
-    """The float32 buffers a trainer driver (ExactTrainer, Lightning's ExactAccumulation) opens with each
-    window, for its bf16/fp16 parameters (a frozen one too, summed there once unfrozen), under ``"auto"`` where
-    it ``owns_the_sum`` (one process, no data-parallel wrapper, no scaler unscaling ``.grad`` before the
-    boundary; elsewhere :func:`warn_low_precision_grad_sum` with ``fix``); None under ``"param"`` or without
-    such parameters."""
+    """The float32 buffers a trainer driver (ExactTrainer, Lightning's ExactAccumulation) opens with each window for
+    its bf16/fp16 parameters (a frozen one too), under ``"auto"`` where it ``owns_the_sum`` (one process, no
+    data-parallel wrapper, no scaler unscaling ``.grad`` before the boundary; else a warning naming ``fix``)."""
     if accum_dtype not in ACCUM_DTYPES:
         raise ConfigurationError(f"{who}(accum_dtype={accum_dtype!r}): accum_dtype must be 'auto' (float32 buffers for "
                                  "bf16/fp16 parameters, rounded once per window) or 'param' (the sum in the "
