@@ -69,10 +69,9 @@ class Accumulator(Resumable):
         reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch
             instead of once per window: for FSDP2 this keeps only sharded gradients between
             micro-batches (less memory, N times the communication).
-        data_parallel: ``"auto"`` finds the DDP or FSDP2 module in ``model`` and, when
-            ``torch.distributed`` runs several ranks and none reduces the gradients, refuses the
-            model (the replicas would drift apart). ``"none"`` trains each rank on its own items on
-            purpose: no collective at all.
+        data_parallel: ``"auto"`` finds the DDP or FSDP2 module in ``model`` and, when ``torch.distributed`` runs
+            several ranks and none reduces the gradients, refuses the model (the replicas would drift apart).
+            ``"none"`` trains each rank on its own items on purpose: no collective at all.
         compute_grad_norm: measure the window's total gradient norm for ``StepResult.grad_norm`` (one pass
             over the gradient). It is always measured with ``max_grad_norm`` or fp16; otherwise ``grad_norm`` is
             None and the non-finite check uses the window's loss, which costs nothing.
@@ -148,13 +147,12 @@ class Accumulator(Resumable):
                 be smaller; a batch smaller than it is one micro-batch, and ``StepResult.micro_batch_size``
                 says the batch's size); ``"auto"`` starts from the whole batch (or the last size that
                 worked) and halves on out-of-memory errors.
-            num_items: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted
-                before any forward pass (e.g. ``gradaccum.count_targets(mb["labels"])``). A bare
-                loss is then weighted by it instead of the leading dimension, and each backward
-                weighs exactly ``n_k / N``. ``"rows"`` says a bare loss is a mean over the rows (dim
-                0). Without either, a bare loss on mapping micro-batches whose ``labels`` hold -100
-                (a Hugging Face model's ``outputs.loss`` on padded batches: a mean over targets) is
-                refused before the first backward, with the fix.
+            num_items: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any
+                forward pass (e.g. ``gradaccum.count_targets(mb["labels"])``). A bare loss is then weighted by it
+                instead of the leading dimension, and each backward weighs exactly ``n_k / N``. ``"rows"`` says a
+                bare loss is a mean over the rows (dim 0). Without either, a bare loss on mapping micro-batches
+                whose ``labels`` hold -100 (a Hugging Face model's ``outputs.loss`` on padded batches: a mean over
+                targets) is refused before the first backward, with the fix.
         """
         ctx = self.context
         if ctx.slot.window is not None:
@@ -206,16 +204,14 @@ class Accumulator(Resumable):
         """Group the loader's micro-batches into windows and step once per window, for ``epochs`` epochs
         from where training stands (call it once per epoch, or once for all).
 
-        Windows come from the loader's :class:`~gradaccum.WindowSampler` (``batch_sampler=``), which
-        knows where each global window ends and where training stands, or from ``accum_steps``
-        consecutive micro-batches: an int, ``{epoch: N}`` or ``epoch -> N``, epochs counted by
-        ``acc.epoch`` (saved in ``state_dict``; an epoch left unfinished starts again). At the end of
-        each epoch a shorter window is stepped, normalized by its own item count, unless
-        ``drop_last=True``. A sampler with ``set_epoch`` is told each epoch. Under data parallelism
-        every rank steps as often as the rank with the most windows (with ``drop_last``, the fewest);
-        a rank whose data ran out contributes no items. ``micro_batch_size="auto"`` joins each
-        window's micro-batches into one batch and splits it as ``step(..., micro_batch_size="auto")``
-        does, halving on out-of-memory.
+        Windows come from the loader's :class:`~gradaccum.WindowSampler` (``batch_sampler=``), which knows where
+        each global window ends and where training stands, or from ``accum_steps`` consecutive micro-batches: an
+        int, ``{epoch: N}`` or ``epoch -> N``, epochs counted by ``acc.epoch`` (saved in ``state_dict``; an epoch
+        left unfinished starts again). At the end of each epoch a shorter window is stepped, normalized by its own
+        item count, unless ``drop_last=True``. A sampler with ``set_epoch`` is told each epoch. Under data
+        parallelism every rank steps as often as the rank with the most windows (with ``drop_last``, the fewest); a
+        rank whose data ran out contributes no items. ``micro_batch_size="auto"`` joins each window's micro-batches
+        into one batch and splits it as ``step(..., micro_batch_size="auto")`` does, halving on out-of-memory.
         """
         self.context.slot.check_idle()
         check_loss_call(self.sync, loss_fn, num_items, micro_batch_size)

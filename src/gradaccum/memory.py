@@ -5,10 +5,9 @@ the region's allocations and F(t) those of them freed by time t::
     retained_bytes = the same sum at the end of the region
 
 in the bytes asked of the allocator; memory held at entry is not counted. On CUDA: the caching allocator's
-high-water mark (free, but it resets the process's CUDA peak: CUDA meters must not be nested). On the CPU:
-the PyTorch profiler's memory events, replayed in time order (not inside another profiler; about half a
-millisecond per region plus 7 to 40 microseconds per allocation, docs/benchmarks.md section 3: measure some
-windows, not every one).
+high-water mark (free, but it resets the process's CUDA peak: CUDA meters must not be nested). On the CPU: the
+PyTorch profiler's memory events, replayed in time order (not inside another profiler; about half a millisecond per
+region plus 7 to 40 microseconds per allocation, docs/benchmarks.md section 3: measure some windows, not every one).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Mixed precision as one object: autocast, and the GradScaler's whole lifecycle.
 
-``"fp32"`` does nothing. ``"bf16"`` runs forward passes under autocast. ``"fp16"`` adds a dynamic
-loss scale S: every micro-batch's backward sees ``S * loss``; at the window boundary the summed
-gradient is unscaled once (divided by S), before normalization, clipping and the step; a window whose
-scaled gradient overflowed takes no step and S backs off. The autocast device follows the model's
-parameters, so one code path serves the CPU and CUDA.
+``"fp32"`` does nothing. ``"bf16"`` runs forward passes under autocast. ``"fp16"`` adds a dynamic loss scale S:
+every micro-batch's backward sees ``S * loss``; at the window boundary the summed gradient is unscaled once (divided
+by S), before normalization, clipping and the step; a window whose scaled gradient overflowed takes no step and S
+backs off. The autocast device follows the model's parameters, so one code path serves the CPU and CUDA.
 """
 
 from __future__ import annotations

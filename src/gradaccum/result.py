@@ -20,18 +20,16 @@ class StepResult:
         micro_batches: the micro-batches this rank **ran** in the window and counted (its forward and
             weighted backward; the zero-weight padding and flush are not counted). A short last window
             of ``train()`` runs fewer than ``accum_steps``, and shows here as fewer.
-        grad_norm: total gradient norm before clipping (after normalization and unscaling), when
-            measured: with ``max_grad_norm``, fp16 or ``Accumulator(compute_grad_norm=True)``; None
-            otherwise (measuring is a pass over the whole gradient). inf or nan when the
-            gradient was not finite (the window is then skipped).
+        grad_norm: total gradient norm before clipping (after normalization and unscaling), when measured: with
+            ``max_grad_norm``, fp16 or ``Accumulator(compute_grad_norm=True)``; None otherwise (measuring is a pass
+            over the whole gradient). inf or nan when the gradient was not finite (the window is then skipped).
         skipped: True when no optimizer step was taken (non-finite loss, non-finite measured
             gradient, fp16 overflow, or a window with 0 items).
         lr: learning rate of the first parameter group used for this window.
         step: optimizer steps taken so far, this one included.
-        micro_batch_size: the split used when the window was one batch: the size of its first
-            micro-batch, which is ``micro_batch_size`` or the batch's own size where that is smaller (10
-            rows at ``micro_batch_size=1000``: 10); with "auto", the size it settled on; None for a list
-            of micro-batches.
+        micro_batch_size: the split used when the window was one batch: the size of its first micro-batch, which is
+            ``micro_batch_size`` or the batch's own size where that is smaller (10 rows at
+            ``micro_batch_size=1000``: 10); with "auto", the size it settled on; None for a list of micro-batches.
         epoch: the epoch in ``train()``; None from ``step()``.
         window: the window's index within its epoch in ``train()`` (what a checkpoint saves to
             resume after it: ``window + 1``); None from ``step()``.
