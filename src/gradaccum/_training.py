@@ -36,10 +36,9 @@ class TrainSpec:
 
 def window_sampler(loader: Any) -> Optional[WindowSampler]:
     """The loader's WindowSampler, or None; one wrapped in another batch sampler (which shards it again) is refused."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
+    batch_sampler = inner = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, WindowSampler):
         return batch_sampler
-    inner = batch_sampler
     for _ in range(4):  # a few wrappers deep
         inner = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler", None)
         if isinstance(inner, WindowSampler):
@@ -52,8 +51,7 @@ def window_sampler(loader: Any) -> Optional[WindowSampler]:
 
 
 def train_windows(ctx: Parts, loader: Iterable[Batch], spec: TrainSpec) -> Iterator[StepResult]:
-    """Validate everything up front (nothing runs before the first ``next()`` otherwise), then loop.
-    ``ctx.state.epoch`` advances here, at each epoch's last window."""
+    """Checks everything now (a generator would check nothing before its first ``next()``), then loops."""
     non_negative_int("epochs", spec.epochs, hint=" (0 for a finished run: nothing to train)")
     sampler = window_sampler(loader)
     if sampler is not None:
@@ -83,9 +81,8 @@ def _step(ctx: Parts, pending: List[Batch], spec: TrainSpec, *, counts: Optional
             raise ConfigurationError("this rank's share of the window is empty and it has run no micro-batch yet: "
                              "give it one to pad with, acc.set_padding(micro_batch)")
         return run_auto(ctx, spec.auto, batch, spec.loss_fn, spec.num_items)
-    result = run_window(ctx, pending, spec.loss_fn, counts or count_items(pending, spec.num_items), plan=plan)
-    assert result is not None  # None only with catch_oom
-    return result
+    counts = counts or count_items(pending, spec.num_items)
+    return run_window(ctx, pending, spec.loss_fn, counts, plan=plan)  # type: ignore[return-value]  # None: catch_oom
 
 
 def _grouped_windows(ctx: Parts, loader: Iterable[Batch], schedule: AccumSchedule,
