@@ -1,6 +1,5 @@
-"""The window of ``Accumulator.train`` and of ``micro_batch_size="auto"`` (:func:`run_window`, :func:`run_auto`),
-run as ``Accumulator.step`` runs its own (``Window.run``, then ``step``), or handed to the loops of a
-:class:`~gradaccum.WindowLoss` and an exact :class:`~gradaccum.MoELoss`, which run their own passes."""
+"""The window of ``Accumulator.train`` and of ``micro_batch_size="auto"``, run as ``Accumulator.step`` runs its own,
+or handed to the loops of a :class:`~gradaccum.WindowLoss` and an exact :class:`~gradaccum.MoELoss`."""
 
 from __future__ import annotations
 
@@ -36,14 +35,12 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
         return run_cached_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, plan=plan)
     if isinstance(loss_fn, MoELoss):
         if loss_fn.mode == "exact":
-            # num_items and micro_batch_size="auto" are refused with it (check_moe_loss)
-            # its plan is the routing's: Routing.open all-gathers every rank's micro-batches and items
+            # counts and plan are the routing's (Routing.open all-gathers them; num_items and "auto" were refused)
             return run_moe_window(ctx, micro_batches, loss_fn, micro_batch_size=micro_batch_size)
         loss_fn = loss_fn.per_micro_batch()  # the cheaper modes: a (mean, count) loss_fn like any other
     defer = catch_oom and ctx.sync.shares_windows  # no collective before the ranks agree
-    # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild):
-    # under "auto", every rank first runs that forward on one item with zero weight, so that an
-    # out-of-memory error before a rank's forward cannot leave its peers waiting there
+    # DDP runs collectives in a window's first forward (its buffer broadcast, its one bucket rebuild): under "auto",
+    # every rank first runs it on one item with zero weight, so an out-of-memory error cannot leave peers waiting
     flush = ([split_batch(micro_batches[0], 1)[0]]
              if defer and ctx.sync.collectives_in_forward and micro_batches else [])
     request = Request(len(flush) + len(micro_batches), counts.total, can_pad=ctx.ranks.can_pad(bool(micro_batches)),
@@ -60,7 +57,6 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
 
 def run_auto(ctx: Parts, auto: AutoMicroBatch, batch: Batch, loss_fn: LossFn,
              count_fn: Optional[CountFn]) -> StepResult:
-    """One window of ``micro_batch_size="auto"`` (:mod:`gradaccum._autosize`'s back-off), each attempt a
-    :func:`run_window` that drops itself on every rank alike."""
+    """One window of ``micro_batch_size="auto"``, each attempt a :func:`run_window` dropped on every rank alike."""
     return auto.step(batch, lambda mbs, size: run_window(ctx, mbs, loss_fn, count_items(mbs, count_fn),
                                                          micro_batch_size=size, catch_oom=True))
