@@ -16,9 +16,6 @@ from .errors import ConfigurationError, SplitError
 
 __all__ = ["is_out_of_memory", "AutoMicroBatch"]
 
-#: ``attempt(micro_batches, size)`` -> the step, or None after an out-of-memory error on any rank
-Attempt = Callable[[List[Batch], int], Optional[StepResult]]
-
 
 def is_out_of_memory(error: BaseException) -> bool:
     """True for CUDA's ``torch.OutOfMemoryError`` and the CPU allocator's "can't allocate memory"."""
@@ -37,11 +34,11 @@ class AutoMicroBatch:
             raise ConfigurationError(
                 f"micro_batch_size='auto' is not supported with {type(self.sync).__name__}: its "
                 "gradients reduce only inside backward, so ranks cannot agree on an out-of-memory "
-                "error first. Pass an int micro_batch_size (found once, e.g. with DDP)"
-            )
+                "error first. Pass an int micro_batch_size (found once, e.g. with DDP)")
 
-    def step(self, batch: Batch, attempt: Attempt) -> StepResult:
-        """Step on ``batch``, halving the micro-batch size on out-of-memory until an attempt succeeds."""
+    def step(self, batch: Batch, attempt: Callable[[List[Batch], int], Optional[StepResult]]) -> StepResult:
+        """Step on ``batch``, halving the micro-batch size until ``attempt(micro_batches, size)`` is not None
+        (None: an out-of-memory error on some rank)."""
         self.check_supported()
         n = leading_dim(batch)
         if n == 0 and not self.sync.shares_windows:
@@ -60,6 +57,5 @@ class AutoMicroBatch:
             if size == 1:
                 raise torch.OutOfMemoryError(
                     "micro_batch_size='auto' ran out of memory with micro-batches of 1 item; "
-                    "the model does not fit: reduce its size, use precision='bf16', or shard it"
-                )
+                    "the model does not fit: reduce its size, use precision='bf16', or shard it")
             size //= 2  # >= 1: a size of 1 raised above
