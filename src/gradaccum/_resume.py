@@ -12,9 +12,7 @@ __all__ = ["Resumable"]
 
 
 class Resumable:
-    """The part of the :class:`~gradaccum.Accumulator` that reads and restores ``acc.state``: the
-    counters a loop reads (``steps``, ``skipped``, ``epoch``, ``auto_micro_batch_size``) and the
-    checkpoint (``state_dict``/``load_state_dict``). The Accumulator sets ``state`` and ``precision``."""
+    """The :class:`~gradaccum.Accumulator`'s counters and checkpoint, read from and restored to ``acc.state``."""
 
     #: what one window teaches the next (see :class:`~gradaccum._state.AccumulatorState`)
     state: AccumulatorState
