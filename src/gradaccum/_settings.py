@@ -1,5 +1,4 @@
-"""The Accumulator's arguments, every one checked before anything is built or called (``precision`` by
-:class:`~gradaccum.precision.MixedPrecision`, ``data_parallel`` by :func:`gradaccum.sync.sync_for`)."""
+"""The Accumulator's arguments, each checked before anything is built (``precision``, ``data_parallel`` where used)."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class Settings:
 
 def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
                            settings: Settings) -> Tuple[Any, List[nn.Parameter]]:
-    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable parameters, once the
-    model, optimizer and scheduler are checked (an engine and the settings it owns by ``check_engine_arguments``)."""
+    """The optimizer the boundary steps (a DeepSpeed engine's own) and the model's trainable parameters, all checked."""
     refuse_pipeline(model)
     engine = deepspeed_engine(model)
     if engine is not None:  # the engine steps its own optimizer: see gradaccum._deepspeed
@@ -106,8 +104,7 @@ def _refuse_accelerate_accumulation(optimizer: Any, scheduler: Any) -> None:
 
 
 def refuse_unscaled_fp16(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str) -> None:
-    """``precision="fp16"`` with trainable parameters the optimizer does not hold: refused as the Accumulator is
-    built, and as a window opens after a ``requires_grad`` change (an unfreezing without ``add_param_group``)."""
+    """fp16 with trainable parameters the optimizer does not hold: refused at build and as each window opens."""
     if precision != "fp16":
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
