@@ -1,9 +1,6 @@
-"""``accum_dtype``: where a window's gradient of bf16/fp16 parameters is summed, for every driver.
-
-A bf16 ``.grad`` rounds to 8 bits of mantissa after each micro-batch adds into it, so its error grows with the
-window. Where gradaccum owns the sum it sums in float32 :class:`~gradaccum._gradients.AccumulationBuffers`;
-where a framework owns it, a :class:`LowPrecisionWarning` names the setting that sums in float32.
-"""
+"""``accum_dtype``: where a window's gradient of bf16/fp16 parameters is summed, for every driver. A bf16 ``.grad``
+rounds to 8 bits of mantissa after each micro-batch adds into it, so its error grows with the window: gradaccum sums
+in float32 buffers where it owns the sum, and a :class:`LowPrecisionWarning` names the setting where it does not."""
 
 from __future__ import annotations
 
@@ -29,9 +26,8 @@ _ROUNDS = ("rounds after every micro-batch, so its error grows with the window (
 
 
 class LowPrecisionWarning(UserWarning):
-    """The window's gradient is summed in bf16/fp16 where gradaccum cannot sum it in float32 (under a data-parallel
-    wrapper that owns the sum, or a loss scaler that unscales ``.grad`` before the boundary): it names the setting
-    that would."""
+    """The window's gradient is summed in bf16/fp16 where a data-parallel wrapper, or a loss scaler unscaling
+    ``.grad`` before the boundary, owns the sum: it names the setting that sums in float32."""
 
 
 def check_accum_dtype(accum_dtype: Any) -> None:
@@ -75,8 +71,7 @@ def window_buffers(accum_dtype: AccumDtype, sync: GradSync, precision: str,
 
 
 def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
-    """The :class:`LowPrecisionWarning` of a driver whose framework sums bf16/fp16 gradients in their own
-    ``.grad``; ``fix`` names the framework's setting that sums in float32."""
+    """The warning of a driver whose framework sums bf16/fp16 gradients in ``.grad``; ``fix`` names its setting."""
     low = sorted({str(p.dtype) for p in params if p.requires_grad and p.dtype in LOW_PRECISION})
     if low:
         warnings.warn(f"{who}: the trainable parameters are {', '.join(low)}, so each window's gradient is summed in "
@@ -85,9 +80,8 @@ def warn_low_precision_grad_sum(who: str, params: Any, fix: str) -> None:
 
 def driver_buffers(who: str, params: Any, accum_dtype: str, *, owns_the_sum: bool,
                    fix: str) -> Optional[AccumulationBuffers]:
-    """The float32 buffers a trainer driver (ExactTrainer, Lightning's ExactAccumulation) opens with each window for
-    its bf16/fp16 parameters (a frozen one too), under ``"auto"`` where it ``owns_the_sum`` (one process, no
-    data-parallel wrapper, no scaler unscaling ``.grad`` before the boundary; else a warning naming ``fix``)."""
+    """A trainer driver's float32 buffers for its bf16/fp16 parameters (a frozen one too) under ``"auto"``, where it
+    ``owns_the_sum`` (one process, no data-parallel wrapper or scaler unscaling ``.grad``); else a warning."""
     if accum_dtype not in ACCUM_DTYPES:
         raise ConfigurationError(f"{who}(accum_dtype={accum_dtype!r}): accum_dtype must be 'auto' (float32 buffers for "
                                  "bf16/fp16 parameters, rounded once per window) or 'param' (the sum in the "
