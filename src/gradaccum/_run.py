@@ -27,9 +27,8 @@ LossFn = Union[Callable[[nn.Module, Batch], Union[torch.Tensor, Tuple[torch.Tens
 def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: Counts, *,
                micro_batch_size: Any = None, catch_oom: bool = False,
                plan: Optional[Plan] = None) -> Optional[StepResult]:
-    """Forward/backward every micro-batch (and the padding the ranks need), then step. With
-    ``catch_oom``, an out-of-memory error drops the window and returns None, after every rank has
-    agreed on it (their reductions are deferred to the boundary, so no rank waits in a backward)."""
+    """Forward/backward every micro-batch (and the padding the ranks need), then step. With ``catch_oom``, an
+    out-of-memory error on any rank drops the window on all and returns None (their reductions are deferred)."""
     ctx.slot.check_idle()  # before a two-pass loss's first pass: a window still open is refused first
     if isinstance(loss_fn, WindowLoss):
         return run_cached_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, plan=plan)
