@@ -1,5 +1,4 @@
-"""An attribute of an object replaced for a while and put back after, also on an exception (a loss's
-cached embeddings for one call, a LightningModule's hooks for one fit, a skipped window's optimizer)."""
+"""An attribute replaced for a while and put back after, also on an exception (a LightningModule's hooks)."""
 from __future__ import annotations
 
 import contextlib
