@@ -37,8 +37,7 @@ class AutoMicroBatch:
                 "error first. Pass an int micro_batch_size (found once, e.g. with DDP)")
 
     def step(self, batch: Batch, attempt: Callable[[List[Batch], int], Optional[StepResult]]) -> StepResult:
-        """Step on ``batch``, halving the micro-batch size until ``attempt(micro_batches, size)`` is not None
-        (None: an out-of-memory error on some rank)."""
+        """Step on ``batch``, halving the size until ``attempt(micro_batches, size)`` did not run out of memory."""
         self.check_supported()
         n = leading_dim(batch)
         if n == 0 and not self.sync.shares_windows:
