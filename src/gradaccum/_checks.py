@@ -1,5 +1,4 @@
-"""Argument checks shared by the library and the command line (which passes its flag names as ``name``): each
-raises before anything changes, naming the argument, the value and the fix."""
+"""Argument checks shared with the command line (its flags as ``name``): each raises before anything changes."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ def split_loss_output(out: Any, count: Count) -> Tuple[Any, Count]:
 
 
 def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", where: str) -> torch.Tensor:
-    """A scalar loss that requires grad, or an error that says how to get one: ``subject`` opens it, ``where`` names
-    what the loss is computed inside (``"window.micro_batch()"``)."""
+    """A scalar loss that requires grad, else an error opening with ``subject``; ``where`` it should be computed."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigurationError(f"{subject} (the mean over the micro-batch's items), got {shape}; "
@@ -97,8 +95,7 @@ def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", whe
 
 
 def batchnorms(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The model's BatchNorm layers by name: in training mode their statistics are per micro-batch, so
-    accumulation over them is not one big batch."""
+    """The BatchNorm layers by name: in training mode their statistics are per micro-batch, not one big batch's."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
@@ -108,8 +105,7 @@ def training_batchnorms(model: nn.Module) -> List[str]:
 
 
 def ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> Optional[torch.Tensor]:
-    """Whether a mapping micro-batch's integer ``labels`` hold ``ignore_index`` (then a mean over its targets
-    is not one over its rows), as a flag on the labels' device, read by nobody yet (None: no such labels)."""
+    """A flag on the labels' device: do mapping micro-batches' integer ``labels`` hold ``ignore_index`` (None: none)?"""
     labels = [mb.get("labels") for mb in micro_batches if isinstance(mb, Mapping)]
     found = [(t == ignore_index).any() for t in labels
              if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
@@ -123,8 +119,7 @@ def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> 
 
 
 def padded_rows_refusal(where: str, fix: str) -> NotExactError:
-    """The refusal of a bare mean loss on micro-batches whose ``labels`` hold -100: ``where`` names the call and
-    the function that returned it, ``fix`` how that call takes a count."""
+    """The refusal of a bare mean loss over labels holding -100: ``where`` names the call, ``fix`` its count."""
     return NotExactError(
         f"{where} returned a bare mean loss on micro-batches whose 'labels' hold the ignore index -100 "
         "(padding, masked prompts), and no num_items says what that mean is over, so each micro-batch would be "
