@@ -1,5 +1,4 @@
-"""What a labelled batch's items are, and its loss summed over them, by where the loss comes from (a model
-head, or a trainer's mean over pairs or rows), for ExactTrainer's training and ``eval_loss`` (:class:`SetMean`)."""
+"""A labelled batch's items and summed loss, by where the loss comes from, for ExactTrainer and ``eval_loss``."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +29,7 @@ def check_head(head: Optional[str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class BatchItems:
-    """The items of a batch under one loss source (``"head"``, ``"tokens"``, ``"pairs"`` or ``"rows"``);
-    ``config`` is the model's, ``device`` where counts are made."""
+    """The items of a batch under one loss source (``"head"``, ``"tokens"``, ``"pairs"`` or ``"rows"``)."""
 
     source: str
     head: Any  # one of HEADS, or None where the trainer computes the loss
