@@ -66,22 +66,15 @@ class WindowSampler(Sampler[List[int]]):
                 f"WindowSampler(rank={rank!r}, world_size={world_size!r}) under a launcher of WORLD_SIZE="
                 f"{launched} before the process group exists would read this rank as the only one: create "
                 "it after torch.distributed.init_process_group, or pass rank= and world_size=")
-        world = sync.world_size() if world_size is None else world_size
-        positive_int("world_size", world)
+        world = positive_int("world_size", sync.world_size() if world_size is None else world_size)
         here = sync.rank() if rank is None else rank
         if isinstance(here, bool) or not isinstance(here, int) or not 0 <= here < world:
             raise ConfigurationError(f"rank must be an int in [0, {world}), got {here!r}")
         if drop_last and dataset_size < global_batch_size:
             raise ConfigurationError(f"drop_last=True with dataset_size={dataset_size} < global_batch_size="
                              f"{global_batch_size} leaves no window: lower global_batch_size or keep the short window")
-        self.dataset_size = dataset_size
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.rank = here
-        self.world_size = world
-        self.drop_last = drop_last
+        self.dataset_size, self.global_batch_size, self.seed, self.shuffle = dataset_size, global_batch_size, seed, shuffle
+        self.micro_batch_size, self.rank, self.world_size, self.drop_last = micro_batch_size, here, world, drop_last
         #: the epoch being (or about to be) iterated
         self.epoch = 0
         #: the first window of ``epoch`` that the next iteration yields: windows before it are done
