@@ -73,8 +73,9 @@ class WindowSampler(Sampler[List[int]]):
         if drop_last and dataset_size < global_batch_size:
             raise ConfigurationError(f"drop_last=True with dataset_size={dataset_size} < global_batch_size="
                              f"{global_batch_size} leaves no window: lower global_batch_size or keep the short window")
-        self.dataset_size, self.global_batch_size, self.seed, self.shuffle = dataset_size, global_batch_size, seed, shuffle
-        self.micro_batch_size, self.rank, self.world_size, self.drop_last = micro_batch_size, here, world, drop_last
+        self.dataset_size, self.global_batch_size, self.seed = dataset_size, global_batch_size, seed
+        self.micro_batch_size, self.shuffle, self.drop_last = micro_batch_size, shuffle, drop_last
+        self.rank, self.world_size = here, world
         #: the epoch being (or about to be) iterated
         self.epoch = 0
         #: the first window of ``epoch`` that the next iteration yields: windows before it are done
