@@ -45,30 +45,29 @@ class Accumulator(Resumable):
     """Gradient accumulation that equals one optimizer step on the whole window.
 
     Args:
-        model: the module: plain, ``DistributedDataParallel``, FSDP2 ``fully_shard``-ed, or anything
-            holding one of them (``torch.compile(ddp_model)``, Accelerate's prepared model); or a
-            ``deepspeed.initialize`` engine (ZeRO 1-3) with ``"managed_gradient_accumulation": false``,
-            which owns the reduction, the optimizer, clipping and its scheduler (:mod:`gradaccum._deepspeed`).
-        optimizer: any ``torch.optim.Optimizer`` over (some of) the model's trainable parameters
-            (None, or the optimizer ``deepspeed.initialize`` returned, around a DeepSpeed engine).
-        scheduler: stepped once per optimizer step taken, never on a skipped window. A
-            ``ReduceLROnPlateau`` is stepped with the window's loss.
+        model: the module: plain, ``DistributedDataParallel``, FSDP2 ``fully_shard``-ed, or anything holding one of
+            them (``torch.compile(ddp_model)``, Accelerate's prepared model); or a ``deepspeed.initialize`` engine
+            (ZeRO 1-3) with ``"managed_gradient_accumulation": false``, which owns the reduction, the optimizer,
+            clipping and its scheduler (:mod:`gradaccum._deepspeed`).
+        optimizer: any ``torch.optim.Optimizer`` over (some of) the model's trainable parameters (None, or the
+            optimizer ``deepspeed.initialize`` returned, around a DeepSpeed engine).
+        scheduler: stepped once per optimizer step taken, never on a skipped window (a ``ReduceLROnPlateau`` with
+            the window's loss).
         max_grad_norm: clip the window's gradient to this total 2-norm, after normalization and unscaling.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
         accum_dtype: where bf16/fp16 parameters' window gradient is summed. ``"auto"`` (the default): in float32
-            buffers, one rounding of the window's gradient to the parameter's dtype for the optimizer (single
-            process; under DDP, FSDP2 or DeepSpeed the wrapper owns the sum, and a setting that sums in bf16 there
-            is named once in a warning). A dtype such as ``torch.float64``: buffers of that dtype. ``"param"`` (or
-            None) opts out: the sum is kept in the parameter's own ``.grad``, rounded to 8 bits of mantissa (bf16)
-            after every micro-batch, so its error grows with the micro-batches (bf16 GPT-2, K = 64: about 2x the
-            floor; ``make bench``'s precision section) for 2 bytes per parameter less (float32 buffers hold 4 bytes
-            per low-precision parameter while a window is open, the bf16 ``.grad``'s 2 bytes more: measured in
+            buffers, rounded once to the parameter's dtype for the optimizer (single process; under DDP, FSDP2 or
+            DeepSpeed the wrapper owns the sum, and a setting that sums in bf16 there is named in a warning). A
+            dtype such as ``torch.float64``: buffers of that dtype. ``"param"`` (or None): the sum stays in the
+            parameter's own ``.grad``, rounded to bf16's 8 bits of mantissa after every micro-batch, so its error
+            grows with the window (bf16 GPT-2, K = 64: about 2x the floor; ``make bench``), for 2 bytes per
+            parameter less while a window is open (float32 buffers' 4 against the bf16 ``.grad``'s 2 more:
             docs/guides/deepspeed.md's precision section).
-        nonfinite: ``"skip"`` a window whose loss or measured gradient is not finite (with a warning
-            the first time; ``acc.skipped`` counts them), or ``"raise"``.
-        reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch
-            instead of once per window: for FSDP2 this keeps only sharded gradients between
-            micro-batches (less memory, N times the communication).
+        nonfinite: ``"skip"`` a window whose loss or measured gradient is not finite (with a warning the first
+            time; ``acc.skipped`` counts them), or ``"raise"``.
+        reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch instead of once per
+            window: for FSDP2 this keeps only sharded gradients between micro-batches (less memory, N times the
+            communication).
         data_parallel: ``"auto"`` finds the DDP or FSDP2 module in ``model`` and, when ``torch.distributed`` runs
             several ranks and none reduces the gradients, refuses the model (the replicas would drift apart).
             ``"none"`` trains each rank on its own items on purpose: no collective at all.
@@ -140,13 +139,12 @@ class Accumulator(Resumable):
         """Run the window's micro-batches and take exactly one optimizer step (or skip it).
 
         Args:
-            window: a list of micro-batches, or one batch when ``micro_batch_size`` is given. Under
-                data parallelism a rank whose data ran out passes ``[]``.
+            window: a list of micro-batches, or one batch when ``micro_batch_size`` is given. Under data
+                parallelism a rank whose data ran out passes ``[]``.
             loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss, or ``(mean_loss, num_items)``.
-            micro_batch_size: split the batch along dim 0 into chunks of this size (the last may
-                be smaller; a batch smaller than it is one micro-batch, and ``StepResult.micro_batch_size``
-                says the batch's size); ``"auto"`` starts from the whole batch (or the last size that
-                worked) and halves on out-of-memory errors.
+            micro_batch_size: split the batch along dim 0 into chunks of this size (the last may be smaller; a
+                batch smaller than it is one micro-batch); ``"auto"`` starts from the whole batch (or the last size
+                that worked) and halves on out-of-memory errors.
             num_items: ``num_items(micro_batch)`` -> how many items its mean loss is over, counted before any
                 forward pass (e.g. ``gradaccum.count_targets(mb["labels"])``). A bare loss is then weighted by it
                 instead of the leading dimension, and each backward weighs exactly ``n_k / N``. ``"rows"`` says a
@@ -179,15 +177,15 @@ class Accumulator(Resumable):
         """Open a window for a hand-written loop (see :class:`~gradaccum.Window`).
 
         Args:
-            micro_batches: this rank's micro-batches in the window (0 on a rank whose data
-                ran out). Ranks agree on the counts when it opens.
+            micro_batches: this rank's micro-batches in the window (0 on a rank whose data ran out). Ranks agree
+                on the counts when it opens.
             num_items: this rank's items in the window, if known before the first backward: R = N, no
                 rescale (across ranks summed as the window opens; give it on every rank or on none).
             micro_batch_size: recorded in the window's ``StepResult.micro_batch_size`` (an int), for logs;
                 the loop itself decides how it splits its data.
-            pad: this loop runs ``window.padding`` zero-weight micro-batches when the ranks' counts
-                call for it (DDP: a rank with none runs one; FSDP2: every rank as many as the most).
-                Without it such a window is refused on every rank alike.
+            pad: this loop runs ``window.padding`` zero-weight micro-batches when the ranks' counts call for it
+                (DDP: a rank with none runs one; FSDP2: every rank as many as the most). Without it such a window is
+                refused on every rank alike.
         """
         ctx, n = self.context, micro_batches
         if ctx.slot.window is not None:
@@ -201,8 +199,8 @@ class Accumulator(Resumable):
     def train(self, loader: Iterable[Batch], loss_fn: LossFn, *, accum_steps: Optional[AccumSteps] = None,
               epochs: int = 1, drop_last: bool = False, num_items: Optional[CountFn] = None,
               micro_batch_size: Optional[str] = None) -> Iterator[StepResult]:
-        """Group the loader's micro-batches into windows and step once per window, for ``epochs`` epochs
-        from where training stands (call it once per epoch, or once for all).
+        """Group the loader's micro-batches into windows and step once per window, for ``epochs`` epochs from where
+        training stands (call it once per epoch, or once for all).
 
         Windows come from the loader's :class:`~gradaccum.WindowSampler` (``batch_sampler=``), which knows where
         each global window ends and where training stands, or from ``accum_steps`` consecutive micro-batches: an
@@ -221,24 +219,22 @@ class Accumulator(Resumable):
                                      "out-of-memory errors")
         if micro_batch_size == "auto":
             self.auto.check_supported()
-        spec = TrainSpec(loss_fn, accum_steps, epochs, drop_last, num_items,
-                         self.auto if micro_batch_size == "auto" else None)
-        return train_windows(self.context, loader, spec)
+        auto = self.auto if micro_batch_size == "auto" else None
+        return train_windows(self.context, loader, TrainSpec(loss_fn, accum_steps, epochs, drop_last, num_items, auto))
 
     def request_stop(self) -> None:
-        """Ask every rank to stop: the next window's ``StepResult.stop_requested`` is True on every
-        rank (the flag rides in the boundary's all-reduce, so asking costs no collective of its own).
-        Safe to call from a signal handler."""
+        """Ask every rank to stop: the next window's ``StepResult.stop_requested`` is True on every rank (the flag
+        rides in the boundary's all-reduce: no collective of its own). Safe to call from a signal handler."""
         self.state.stop_requests += 1
 
     def set_padding(self, micro_batch: Batch) -> None:
         """A micro-batch this rank may run with zero weight in a window where it has none.
 
-        Under DDP and FSDP2 every rank must run a forward in each window (they run collectives in
-        forward: DDP's buffer broadcast and bucket rebuild, FSDP2's all-gathers). ``step()`` and
-        ``train()`` repeat the last micro-batch a rank ran; a rank that has none yet (a fresh
-        process resumed at a window where its share is empty) needs this one. Its loss must depend
-        on the model as a real micro-batch's does; it adds nothing to the gradient or the counts.
+        Under DDP and FSDP2 every rank must run a forward in each window (they run collectives in forward: DDP's
+        buffer broadcast and bucket rebuild, FSDP2's all-gathers). ``step()`` and ``train()`` repeat the last
+        micro-batch a rank ran; a rank that has none yet (a fresh process resumed at a window where its share is
+        empty) needs this one. Its loss must depend on the model as a real micro-batch's does; it adds nothing to
+        the gradient or the counts.
         """
         leading_dim(micro_batch, argument="micro_batch")
         self.state.padding_batch = micro_batch
@@ -251,12 +247,11 @@ def check_loss_call(sync: GradSync, loss_fn: Any, num_items: Any, micro_batch_si
         check_window_loss(num_items, micro_batch_size)
     elif isinstance(loss_fn, MoELoss):
         check_moe_loss(loss_fn, num_items, micro_batch_size)
-    else:
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
-        if num_items is not None and num_items != ROWS and not callable(num_items):
-            raise TypeError(f"num_items must be a function micro_batch -> count or 'rows', got {num_items!r}; "
-                            "pass counts of a hand-written loop to window.backward(loss, num_items=...)")
+    elif not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {loss_fn!r}")
+    elif num_items is not None and num_items != ROWS and not callable(num_items):
+        raise TypeError(f"num_items must be a function micro_batch -> count or 'rows', got {num_items!r}; "
+                        "pass counts of a hand-written loop to window.backward(loss, num_items=...)")
     # a WindowLoss's cached passes and an exact MoELoss's counting pass run forwards and backwards of
     # their own (the unwrapped module, torch.autograd.backward) that a DeepSpeed engine would not see
     two_pass = isinstance(loss_fn, WindowLoss) or (isinstance(loss_fn, MoELoss) and loss_fn.mode == "exact")
