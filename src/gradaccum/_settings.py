@@ -88,19 +88,14 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
             "(under FSDP2 after model.reshard(), where a forward ran since fully_shard and left the root's "
             "parameters unsharded)")
     refuse_unscaled_fp16(model, optimizer, settings.precision)
-    _refuse_accelerate_accumulation(optimizer, scheduler)
-    return optimizer, params
-
-
-def _refuse_accelerate_accumulation(optimizer: Any, scheduler: Any) -> None:
-    """Accelerate's prepared optimizer under fp16 brings a GradScaler of its own (docs/guides/accelerate.md)."""
-    scaler = getattr(optimizer, "scaler", None)
+    scaler = getattr(optimizer, "scaler", None)  # Accelerate's prepared optimizer under fp16 brings its own
     if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
         raise ConfigurationError(
             f"the optimizer ({type(optimizer).__name__}) carries its own enabled GradScaler, so its step() "
             "would unscale gradients gradaccum never scaled (Accelerate's prepared optimizer under "
             "mixed_precision='fp16'). Prepare with Accelerator(mixed_precision='no') and pass "
             "precision='fp16' to Accumulator, which owns the scaler")
+    return optimizer, params
 
 
 def refuse_unscaled_fp16(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str) -> None:
