@@ -104,17 +104,17 @@ def training_batchnorms(model: nn.Module) -> List[str]:
     return [name for name, m in batchnorms(model) if m.training]
 
 
-def ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> Optional[torch.Tensor]:
-    """A flag on the labels' device: do mapping micro-batches' integer ``labels`` hold ``ignore_index`` (None: none)?"""
+def ignored_labels(micro_batches: List[Any]) -> Optional[torch.Tensor]:
+    """A flag on the labels' device: do mapping micro-batches' integer ``labels`` hold -100 (None: no labels)?"""
     labels = [mb.get("labels") for mb in micro_batches if isinstance(mb, Mapping)]
-    found = [(t == ignore_index).any() for t in labels
+    found = [(t == -100).any() for t in labels
              if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
     return torch.stack([f.to(found[0].device) for f in found]).any() if found else None
 
 
-def holds_ignored_labels(micro_batches: List[Any], ignore_index: int = -100) -> bool:
+def holds_ignored_labels(micro_batches: List[Any]) -> bool:
     """:func:`ignored_labels`, read in one host synchronisation for all of them."""
-    flag = ignored_labels(micro_batches, ignore_index)
+    flag = ignored_labels(micro_batches)
     return flag is not None and bool(flag)
 
 
