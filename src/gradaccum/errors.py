@@ -9,8 +9,7 @@ keeps working; catch :class:`GradaccumError` to tell gradaccum's refusals from a
      │    └── NotExactError    a route that cannot be one big batch (yet): refused, never run inexactly
      │         └── ReplayError a forward replayed with its random state gave other results: no step taken
      ├── SplitError            a batch or window that cannot be split, joined or counted as asked
-     └── RankAgreementError    the ranks cannot agree on a window; raised on every rank alike, so none
-                               waits in a collective
+     └── RankAgreementError    the ranks cannot agree on a window: raised on every rank alike, none waits
 """
 
 from __future__ import annotations
@@ -62,9 +61,8 @@ class SplitError(GradaccumError):
     """A batch or window that cannot be split, joined or counted as asked (tensors that disagree on
     their leading dimension, a window that is neither a list nor a batch with ``micro_batch_size``).
 
-    From :func:`~gradaccum.check_equivalence` it also says the split asked for and one that works:
-    ``micro_batch_size`` and ``items`` are the split asked for, ``suggestion`` a micro-batch size that
-    works (None: none does, or not known)."""
+    From :func:`~gradaccum.check_equivalence`, ``micro_batch_size`` and ``items`` are the split asked for,
+    ``suggestion`` a micro-batch size that works (None: none does, or not known)."""
 
     def __init__(self, message: str, *, micro_batch_size: Optional[int] = None, items: Optional[int] = None,
                  suggestion: Optional[int] = None) -> None:
