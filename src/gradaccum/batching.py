@@ -227,8 +227,7 @@ class Counts:
     unchecked: Optional[List[Batch]] = None
 
     def weigh_bare_mean(self) -> None:
-        """Before a bare mean loss is weighed by rows nobody declared: refused where the labels hold
-        -100, whose mean is over targets (checked once per window, before its first backward)."""
+        """A bare mean loss weighed by undeclared rows is refused where labels hold -100 (a mean over targets)."""
         batches, self.unchecked = self.unchecked, None
         if batches and holds_ignored_labels(batches):
             raise padded_rows_refusal(
