@@ -1,8 +1,5 @@
-"""``Accumulator``: a window of micro-batches -> weighted backward -> one reduction -> one optimizer step.
-
-The facade: it checks its arguments, builds the parts (the seam, the precision, the window's buffers) and runs
-each window; docs/architecture.md ("One micro-batch's trip") walks ``acc.step`` through them in order.
-"""
+"""``Accumulator``: a window of micro-batches -> weighted backward -> one reduction -> one optimizer step. The facade
+checks its arguments, builds the parts and runs each window (docs/architecture.md, "One micro-batch's trip")."""
 
 from __future__ import annotations
 
