@@ -1,6 +1,5 @@
 """The distributed seam's interface, :class:`GradSync` (the local answers as its defaults, the collectives
-every backend shares), and the rank helpers the command line uses. It imports no backend, so that they import
-it without a cycle (docs/architecture.md, "The map")."""
+every backend shares), and the rank helpers the command line uses; it imports no backend, so no cycle."""
 
 from __future__ import annotations
 
@@ -73,39 +72,33 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> tor
 class GradSync:
     """Local training: every backward keeps its gradient; nothing to reduce."""
 
-    #: the backward reduction divides the gradient sum by this many ranks
+    #: W: the backward reduction divides the gradient sum by this many ranks
     grad_divisor: float = 1.0
-    #: several ranks train each window together (DDP, FSDP2, DeepSpeed; not under ``data_parallel="none"``):
-    #: their counts are summed, they agree on the window, the last micro-batch's backward reduces its
-    #: gradient, and a rank without a micro-batch runs zero-weight padding
+    #: several ranks train each window together (DDP, FSDP2, DeepSpeed; not ``data_parallel="none"``): their
+    #: counts are summed, they agree on the window, a rank without a micro-batch runs zero-weight padding
     shares_windows: bool = False
-    #: whether reduce_gradients_ works; False: the wrapper reduces only inside its backward (FSDP2, DeepSpeed)
+    #: False: the wrapper reduces only inside its backward (FSDP2, DeepSpeed), so reduce_gradients_ refuses
     can_reduce_later: bool = True
-    #: whether every rank must run the same number of micro-batches per window (a collective in every
-    #: forward or every backward)
+    #: every rank runs as many micro-batches per window (a collective in every forward or backward)
     needs_equal_counts: bool = False
-    #: whether the wrapper runs collectives in a window's first forward (DDP's buffer broadcast), which
-    #: every rank must then reach
+    #: a collective in a window's first forward (DDP's buffer broadcast), which every rank must reach
     collectives_in_forward: bool = False
-    #: whether every rank holds the whole reduced gradient (DDP), so replicas can be compared
+    #: every rank holds the whole reduced gradient (DDP), so replicas can be compared
     replicated_grads: bool = False
-    #: whether each rank holds a shard of the parameters and of the reduced gradient (FSDP2): its norm
-    #: needs the ranks, and every forward all-gathers the shards (a collective every rank runs in order)
+    #: each rank holds a shard of the parameters and gradient (FSDP2): its norm needs the ranks, and every
+    #: forward all-gathers the shards (a collective every rank runs in order)
     sharded_grads: bool = False
-    #: the wrapper steps the optimizer itself (DeepSpeed's ``engine.step()``, which also clips and measures
-    #: the norm): the boundary asks :meth:`step` and measures no norm of its own
+    #: the wrapper steps (and clips, and measures the norm) itself (DeepSpeed's ``engine.step()``)
     owns_step: bool = False
-    #: the gradient lives where it cannot be rescaled at the boundary (DeepSpeed's partitions): every
-    #: window's item count must be known before its first backward, so that R = N and the scale is 1
+    #: the gradient cannot be rescaled at the boundary (DeepSpeed's partitions): N is known before the first
+    #: backward, so that R = N and the scale is 1
     needs_count_first: bool = False
-    #: whether a gradient computed outside the model's forward, the same on every rank (a
-    #: :class:`~gradaccum.WindowLoss`'s own parameters), rides in the backward that reduces rather than in
-    #: ``.grad`` before any backward: not under ``DistributedDataParallel(find_unused_parameters=True)``,
-    #: whose reducer reads the ``.grad`` of a parameter the forward did not use
+    #: a gradient outside the model's forward, the same on every rank (a WindowLoss's parameters), rides in
+    #: the reducing backward, not in ``.grad`` first: not under DDP(find_unused_parameters=True), whose
+    #: reducer reads the ``.grad`` of a parameter the forward did not use
     folds_outside_gradients: bool = True
     group: Any = None
-    #: ranks in the data-parallel group that reduces the gradient (1 on one process)
-    group_size: int = 1
+    group_size: int = 1  #: ranks in the data-parallel group (1 on one process)
 
     def micro_batch(self, *, last: bool) -> ContextManager[Any]:
         """Wraps one micro-batch's forward *and* backward; reduces gradients only when ``last``."""
@@ -156,9 +149,9 @@ class GradSync:
         return torch.stack(parts)
 
     def gather_items(self, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], int]:
-        """Every rank's ``tensors`` (their leading dimension: this rank's items, any number) joined along dim
-        0 in rank order, not differentiable, and where this rank's items start: one all-gather of the counts
-        and layouts (ranks whose layouts differ refuse alike), then one per tensor, padded to the most items."""
+        """Every rank's ``tensors`` (dim 0: this rank's items, any number) joined along dim 0 in rank order, not
+        differentiable, and where this rank's items start: one all-gather of the counts and layouts (ranks whose
+        layouts differ refuse alike), then one per tensor, padded to the most items."""
         if not self.shares_windows:
             return list(tensors), 0
         n = tensors[0].shape[0]
@@ -181,13 +174,11 @@ class GradSync:
         return joined, sum(counts[:dist.get_rank(self.group)])
 
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
-        """Average already-accumulated local gradients across ranks now (every backward of the window skipped
-        its reduction: the micro-batch size search). Nothing to do on one process."""
+        """Average the local gradients across ranks now; every backward of the window skipped it (the size search)."""
         if not self.can_reduce_later:  # never step on gradients that were not averaged across ranks
             raise NotImplementedError(f"{type(self).__name__} reduces the gradient only inside its backward")
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
-        """Where the wrapper sums the window's gradient in bf16/fp16 (its own accumulation, which
-        gradaccum's float32 buffers cannot replace), with the setting that would sum it in float32;
-        None where it sums in float32 (or gradaccum's buffers can, on one process)."""
+        """Where the wrapper sums the window's gradient in bf16/fp16 (which gradaccum's float32 buffers cannot
+        replace), with the setting that would sum it in float32; else None."""
         return None
