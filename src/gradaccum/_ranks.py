@@ -149,8 +149,7 @@ def _reference(state: AccumulatorState, rules: Rules, plan: Optional[Plan],
 
 
 class RankAgreement:
-    """When ranks talk about a window: as it opens, to fix the running R, and what its boundary told them
-    (kept in ``state``)."""
+    """When ranks talk about a window: as it opens, to fix the running R, and what its boundary told them."""
 
     def __init__(self, sync: GradSync, device: torch.device, state: AccumulatorState, rules: Rules) -> None:
         self.sync, self.device, self.state, self.rules = sync, device, state, rules
@@ -161,8 +160,7 @@ class RankAgreement:
             self.state.padding_batch = micro_batch
 
     def can_pad(self, will_pad: bool) -> bool:
-        """Whether this rank can run a zero-weight micro-batch: the caller pads itself (data of its own to
-        repeat, or ``pad=True``), or a micro-batch is kept to pad with (``state.padding_batch``)."""
+        """Whether this rank can run a zero-weight micro-batch: its own data to repeat (or pad=True), or a kept one."""
         return will_pad or self.state.padding_batch is not None
 
     def open(self, request: Request) -> Setup:
@@ -172,7 +170,10 @@ class RankAgreement:
             plan = (local_plan(self.state, self.rules, request)
                     or self.agree(request.micro_batches, request.items, request.can_pad))
         setup = window_setup(self.state, self.rules, request, plan)
-        if self.rules.shares_windows and self.counts_first(plan):  # every rank reads N at its first backward
+        # N summed across ranks now, read at the first backward: the plan lacks N, and every rank counted up
+        # front in the last window
+        if (self.rules.shares_windows and plan is not None and not plan.asked and plan.items is None and
+                self.state.counts_first and (self.rules.reference_is_count or self.state.last_window_items is None)):
             setup = setup._replace(counted=CountedFirst(self.sync, self.device, request.items))
         return setup
 
@@ -182,12 +183,6 @@ class RankAgreement:
             return setup.reference
         n = setup.counted.wait()
         return None if n is None else _reference(self.state, self.rules, setup.plan._replace(items=n), None)
-
-    def counts_first(self, plan: Optional[Plan]) -> bool:
-        """Whether the window's N is summed across ranks as it opens: its plan lacks N, and every rank counted
-        up front in the last window."""
-        return (self.rules.shares_windows and plan is not None and not plan.asked and plan.items is None
-                and self.state.counts_first and (self.rules.reference_is_count or self.state.last_window_items is None))
 
     def known_plan(self, mine: int, counts: Sequence[int], items: Optional[float]) -> Optional[Plan]:
         """The plan from every rank's micro-batch count, known without asking (a WindowSampler), or None when

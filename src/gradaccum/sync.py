@@ -1,9 +1,7 @@
-"""The distributed seam: :func:`sync_for`, its one factory, and its DDP and FSDP2 backends (the
-interface and local default: :mod:`gradaccum._seam`; DeepSpeed: :mod:`gradaccum._deepspeed`).
-
-The wrapper is found anywhere in the model (``torch.compile(DDP(model))``, Accelerate's wrappers, user
-modules holding one). Every switch a context flips is restored on the way out, also on an exception.
-"""
+"""The distributed seam: :func:`sync_for`, its one factory, and its DDP and FSDP2 backends (the interface and
+local default: :mod:`gradaccum._seam`; DeepSpeed: :mod:`gradaccum._deepspeed`). The wrapper is found anywhere in
+the model (``torch.compile(DDP(model))``, Accelerate's wrappers, user modules holding one). Every switch a
+context flips is restored on the way out, also on an exception."""
 
 from __future__ import annotations
 
