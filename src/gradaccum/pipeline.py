@@ -120,7 +120,16 @@ class PipelineWindow:
         self.micro_batch_size = None if micro_batch_size is None else positive_int("micro_batch_size", micro_batch_size)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigurationError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
-        self._check_data_parallel(dp_group)
+        sharded = [s for s in self.stages if sharded_stage(s.submod)]  # each stage in fully_shard, or none
+        if sharded and dp_group is None:
+            raise ConfigurationError(
+                f"stage {sharded[0].stage_index}'s module is in fully_shard but dp_group=None: pass dp_group= the "
+                "replicas' group (mesh['dp'].get_group()), over which the window's items are summed and the "
+                "gradient averaged")
+        if dp_group is not None and dp_group.size() > 1 and len(sharded) < len(self.stages):
+            raise ConfigurationError(
+                "dp_group has several replicas but a stage's module is not in fully_shard: its replicas would step "
+                "on their own gradients; wrap each stage's module in fully_shard(module, mesh=mesh['dp'])")
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
         self.reduction, self.max_grad_norm = reduction, max_grad_norm
         self.num_items = num_items or target_count
@@ -132,19 +141,6 @@ class PipelineWindow:
         #: steps, skipped windows and the last window's N, saved by :meth:`state_dict`
         self.state = AccumulatorState()
         self._tally: Optional[_Tally] = None  # the window in progress, inside step() only
-
-    def _check_data_parallel(self, dp_group: Any) -> None:
-        """Each stage in fully_shard over ``dp_group``, or none and no replicas (the seam refuses DDP)."""
-        sharded = [s for s in self.stages if sharded_stage(s.submod)]
-        if sharded and dp_group is None:
-            raise ConfigurationError(
-                f"stage {sharded[0].stage_index}'s module is in fully_shard but dp_group=None: pass dp_group= the "
-                "replicas' group (mesh['dp'].get_group()), over which the window's items are summed and the "
-                "gradient averaged")
-        if dp_group is not None and dp_group.size() > 1 and len(sharded) < len(self.stages):
-            raise ConfigurationError(
-                "dp_group has several replicas but a stage's module is not in fully_shard: its replicas would step "
-                "on their own gradients; wrap each stage's module in fully_shard(module, mesh=mesh['dp'])")
 
     # -- one window, in the order it runs ---------------------------------------------------------------
 
