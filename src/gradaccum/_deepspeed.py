@@ -1,11 +1,8 @@
-"""DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam (a
-:class:`~gradaccum._seam.GradSync`, which :func:`gradaccum.sync.sync_for` builds for an engine): the
-engine owns the reduction, the optimizer, clipping and its scheduler; gradaccum owns the window. An engine
-built with ``"managed_gradient_accumulation": false`` leaves the boundary to its caller; the window's N is
-counted before its first backward, so the boundary scale is 1 and the engine's clipping and norm see the
-window's gradient (why and how: docs/guides/deepspeed.md, "DeepSpeed ZeRO-1, ZeRO-2, ZeRO-3 with the
-Accumulator").
-"""
+"""DeepSpeed (ZeRO stages 1, 2 and 3; stage 0 untested) as a backend of the distributed seam, which
+:func:`gradaccum.sync.sync_for` builds for an engine: the engine owns the reduction, the optimizer, clipping and
+its scheduler; gradaccum owns the window. An engine built with ``"managed_gradient_accumulation": false`` leaves
+the boundary to its caller; the window's N is counted before its first backward, so the boundary scale is 1 and
+the engine's clipping and norm see the window's gradient (why and how: docs/guides/deepspeed.md)."""
 
 from __future__ import annotations
 
@@ -133,12 +130,11 @@ class DeepSpeedSync(GradSync):
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         """DeepSpeed sums the window in ``data_types.grad_accum_dtype`` (default: the model's dtype) and, under
         ZeRO-2/3, reduces every micro-batch's gradient in ``communication_data_type`` before summing it."""
-        engine = self.engine
-        model_dtype, accum = engine.get_data_types()
+        model_dtype, accum = self.engine.get_data_types()
         if model_dtype not in LOW_PRECISION:
             return None
-        comm = engine.communication_data_type
-        partitions = engine.zero_optimization_stage() >= 2
+        comm = self.engine.communication_data_type
+        partitions = self.engine.zero_optimization_stage() >= 2
         if accum in LOW_PRECISION or (partitions and comm in LOW_PRECISION):
             return (f"DeepSpeed sums the window's gradient in {accum} (data_types.grad_accum_dtype) and reduces each "
                     f"micro-batch's in {comm} (communication_data_type): set \"data_types\": {{\"grad_accum_dtype\": "
@@ -162,8 +158,7 @@ def engine_manages_accumulation(who: str, *, value: Any = None) -> Configuration
 
 
 def not_known_up_front(*, in_engine: bool = False) -> NotExactError:
-    """Under DeepSpeed the gradient lives in the engine, where gradaccum cannot rescale it at the boundary.
-    ``in_engine``: found at the boundary, once the window's backwards are in the engine's gradient."""
+    """The refusal of a window whose N is not known before its first backward; ``in_engine``: found at the boundary."""
     leak = (" The window's backwards are already in the engine's gradient, which gradaccum cannot drop: restore the "
             "last checkpoint (engine.load_checkpoint and acc.load_state_dict) before training on") if in_engine else ""
     return NotExactError(
