@@ -129,7 +129,6 @@ class GradSync:
         return flag if not self.shares_windows else self.min_across(not flag, device) == 0
 
     def min_across(self, value: int, device: torch.device) -> int:
-        """The smallest ``value`` of any rank, on every rank (``value`` itself on one process)."""
         if not self.shares_windows:
             return value
         return int(self.all_reduce_(torch.tensor([int(value)], device=device), "min").item())
@@ -163,11 +162,10 @@ class GradSync:
                 "dimension, or their dtypes), so they cannot be joined into one window: return the same structure "
                 "of tensors on every rank, padded to one length where a rank's sequences are shorter")
         counts = [int(row[0]) for row in rows]
-        most = max(counts)
         joined = []
         for t in tensors:
             sent = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool all-gather
-            padded = sent.new_zeros((most, *t.shape[1:]))
+            padded = sent.new_zeros((max(counts), *t.shape[1:]))
             padded[:n] = sent
             whole = torch.cat([part[:c] for part, c in zip(self.all_gather(padded), counts)])
             joined.append(whole.to(torch.bool) if t.dtype == torch.bool else whole)
