@@ -122,8 +122,7 @@ class FSDP2Sync(_WrapperSync):
             stack.callback(module.set_requires_gradient_sync, True, recurse=True)  # type: ignore[operator]
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
-        """FSDP2 keeps the unsharded gradient between micro-batches in ``MixedPrecisionPolicy.reduce_dtype``
-        (None: the ``param_dtype``, else the sharded parameters' dtype) and reduce-scatters in it."""
+        """FSDP2 keeps the unsharded gradient between micro-batches, and reduce-scatters it, in ``reduce_dtype``."""
         for module in self.modules:
             try:
                 policy = module._get_fsdp_state()._mp_policy  # type: ignore[operator]  # torch's private state
