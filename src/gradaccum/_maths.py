@@ -1,7 +1,6 @@
-"""What a loss's items n_k are (the weights they make: :mod:`gradaccum._weights`) and its sum over them, as
-pure functions: next-token targets, a Hugging Face head's targets, a mixture-of-experts router's statistics;
-and the numeric helpers.
-"""
+"""What a loss's items n_k are (the weights they make: :mod:`gradaccum._weights`) and its sum over them, as pure
+functions: next-token targets, a Hugging Face head's targets, a mixture-of-experts router's statistics; and the
+numeric helpers."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index:
     if logits.shape[:-1] != targets.shape:
         raise ConfigurationError(
             f"logits of shape {tuple(logits.shape)} do not match targets of shape "
-            f"{tuple(targets.shape)}: logits must be targets.shape + (vocab,)"
-        )
+            f"{tuple(targets.shape)}: logits must be targets.shape + (vocab,)")
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()

@@ -29,10 +29,9 @@ class MicroBatchFailed(Exception):
 
 def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any = None
                   ) -> Tuple[Dict[str, torch.Tensor], float, bool]:
-    """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64;
-    and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows). A loss
-    over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch, :func:`accumulated_grads`
-    on a split."""
+    """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64; and whether
+    ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows). A loss over the window
+    (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch, :func:`accumulated_grads` on a split."""
     for p in model.parameters():  # not model.zero_grad(): the oracle runs no override of the model's own
         p.grad = None
     coupled = isinstance(loss_fn, (WindowLoss, MoELoss))

@@ -214,8 +214,7 @@ class RankAgreement:
                 f"({', '.join(str(int(rows[r][0])) for r in stuck)} of up to {plan.most}) and cannot pad: in "
                 "a hand-written loop open the window with acc.window(n, pad=True) and run window.padding "
                 "zero-weight micro-batches (window.backward_padding); with step()/train(), a rank with no "
-                "data yet needs acc.set_padding(micro_batch)"
-            )
+                "data yet needs acc.set_padding(micro_batch)")
         return plan
 
     def equal_shares(self, loader: Any) -> bool:

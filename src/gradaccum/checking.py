@@ -189,8 +189,7 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
                    for name, gf in full.grads.items()), default=0.0)
     matched = max_rel <= rtol
     suspects, drawn = _suspects(model, full, acc, len(micro_batches), rtol, matched)
-    hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items, bool(suspects),
-                                      rtol)
+    hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items, bool(suspects), rtol)
     return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects,
                              loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
 
