@@ -225,8 +225,7 @@ class PipelineWindow:
         return loss * (weights.mean_weight(tally.counts[k]) if mean else weights.sum_weight())
 
     def _boundary(self, k_first: int) -> torch.Tensor:
-        """3. One all-reduce over the pipeline group (and the first two numbers over ``dp_group``), laid out as
-        ``SQUARE, LOSS, ITEMS, K_FIRST, K_LAST, MISCOUNTED``."""
+        """3. The boundary's one all-reduce over the pipeline group (its layout: ``SQUARE`` ... ``MISCOUNTED``)."""
         tally = self._tally
         told = torch.zeros(6, dtype=torch.float64, device=self.device)
         grads = self._gradients().tensors()

@@ -206,8 +206,7 @@ def sync_for(model: nn.Module, *, reduce_every_micro_batch: bool = False, data_p
 
 
 def sharded_stage(module: nn.Module) -> bool:
-    """Whether a pipeline stage's module is in ``fully_shard`` (its replicas reduce its gradient), False for
-    a plain module; ``DistributedDataParallel`` is refused."""
+    """Whether a pipeline stage's module is in ``fully_shard`` (its replicas reduce its gradient); DDP is refused."""
     if isinstance(module, DistributedDataParallel):
         raise NotExactError(
             "a stage's module is wrapped in DistributedDataParallel: a PipelineStage's shape inference runs a "
