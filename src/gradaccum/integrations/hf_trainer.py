@@ -1,7 +1,6 @@
-"""Hugging Face ``Trainer``: :class:`ExactTrainer`, every optimizer step one big batch, for every head and
-for the trainers built on it (``class ExactSFT(ExactTrainer, SFTTrainer)``, ExactTrainer first). This
-module says what a batch's items are; the window is :class:`~gradaccum.integrations.hf_driver.TrainerDriver`'s.
-"""
+"""Hugging Face ``Trainer``: :class:`ExactTrainer`, every optimizer step one big batch, for every head and for the
+trainers built on it (``class ExactSFT(ExactTrainer, SFTTrainer)``, ExactTrainer first). This module says what a
+batch's items are; the window is :class:`~gradaccum.integrations.hf_driver.TrainerDriver`'s."""
 from __future__ import annotations
 
 import itertools
@@ -277,9 +276,8 @@ class ExactTrainer(TrainerDriver, Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def _check_inputs(self, inputs: Dict[str, Any]) -> None:
-        """The items of the inputs ``compute_loss`` was handed against those ``get_batch_samples`` counted for the
-        same micro-batch (one host synchronisation, once): an override that masks labels before calling
-        ``super().compute_loss`` would have every step off by their ratio."""
+        """The handed inputs' items against those counted (one host synchronisation, once): an override that masks
+        labels before calling ``super().compute_loss`` would have every step off by their ratio."""
         self._inputs_unchecked = False
         counted = self.items.count([self._collated[self._ran]], self.args.device)
         self._collated = []
