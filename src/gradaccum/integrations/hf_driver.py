@@ -109,8 +109,7 @@ def serves_the_window(compute_loss: Callable[..., Any], checked: Optional[type] 
 
 class TrainerDriver:
     """Mixin before the Trainer class in the MRO: the window's lifecycle, written once (docs/architecture.md,
-    "The Hugging Face Trainer drivers"). ``nonfinite``: ``"skip"`` or ``"raise"``, a class
-    attribute or every driver's ``nonfinite=`` argument."""
+    "The Hugging Face Trainer drivers")."""
 
     loss_is_scaled_for_ga = True  # compute_loss returns the window-normalized loss (read by training_step)
     router_balance: Any = None  # an MoE model's load-balancing term over the window (hf_moe), set by the subclass
