@@ -142,11 +142,10 @@ class ExactTrainer(TrainerDriver, Trainer):
         accum_dtype: ``"auto"`` (default) or ``"param"``: where bf16/fp16 parameters sum the window
             (docs/guides/deepspeed.md, "bf16 and fp16 parameters").
         nonfinite: ``"skip"`` (default) a window whose loss or gradient is not finite (a nan or inf in any
-            micro-batch, read from the gradient norm the Trainer measures before it steps): no optimizer
-            or scheduler step, ``global_step`` not advanced, ``skipped`` counts it, a warning once; or
-            ``"raise"`` ``FloatingPointError`` at that window. None: the class attribute ``nonfinite``
-            (``"skip"``). With an fp16 loss scaler the scaler skips an overflowing step itself; under DeepSpeed
-            the engine.
+            micro-batch, read from the gradient norm the Trainer measures before it steps): no optimizer or
+            scheduler step, ``global_step`` not advanced, ``skipped`` counts it, a warning once; or ``"raise"``
+            ``FloatingPointError`` at that window. None: the class attribute ``nonfinite`` (``"skip"``). With an
+            fp16 loss scaler the scaler skips an overflowing step itself; under DeepSpeed the engine.
         **kwargs: As for the Trainer; ``compute_loss_func`` only as a :class:`~gradaccum.WindowLoss`
             (``CLIPModel`` and ``SiglipModel`` get theirs without it: docs/guides/hf-trainer.md, "CLIP,
             SigLIP and other losses that couple the batch").
@@ -271,8 +270,7 @@ class ExactTrainer(TrainerDriver, Trainer):
                                                   lambda: self._trainer_loss(model, inputs, return_outputs, n))
             loss = loss * (self._sum_weight * n / (self.grad_divisor if self.args.average_tokens_across_devices
                                                    else 1.0))
-        if part is not None:  # coef * this micro-batch's part of the window's load balancing, times W
-            loss = loss + part
+        loss = loss if part is None else loss + part  # coef * this micro-batch's part of the window's LBL, times W
         return (loss, outputs) if return_outputs else loss
 
     def _check_inputs(self, inputs: Dict[str, Any]) -> None:
