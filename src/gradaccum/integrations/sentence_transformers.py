@@ -52,9 +52,8 @@ class ExactSentenceTransformerTrainer(TrainerDriver, SentenceTransformerTrainer)
     rows first), whatever the loss couples. With ``gradient_accumulation_steps=1`` on one process it is
     the stock trainer's step (still cached).
 
-    What each loss gets (its own ``forward``, once per window, on every rank's cached embeddings) and
-    what is refused before training, with the fix: docs/guides/sentence-transformers.md ("What each
-    loss gets").
+    What each loss gets (its own ``forward``, once per window, on every rank's cached embeddings) and what is
+    refused before training, with the fix: docs/guides/sentence-transformers.md ("What each loss gets").
 
     Example:
         >>> args = SentenceTransformerTrainingArguments("out", per_device_train_batch_size=32,
