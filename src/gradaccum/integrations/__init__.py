@@ -9,8 +9,7 @@ gradient of the item-weighted mean loss over every item of the window on every r
     grad = sum_{ranks, k} n_k * grad(L_k) / N_global,
 
 where ``L_k`` is micro-batch k's mean loss over its ``n_k`` items. The frameworks are imported only
-when one of these names is used, so ``import gradaccum`` never needs them.
-"""
+when one of these names is used, so ``import gradaccum`` never needs them."""
 from __future__ import annotations
 
 from importlib import import_module

@@ -4,8 +4,7 @@
 ``make test-oldest`` installs them pinned (``python src/gradaccum/integrations/_versions.py`` prints the
 pins) and runs the integration tests there. What fails below them: docs/index.md.
 
-Standard library only, so that the Makefile can read it before anything is installed.
-"""
+Standard library only, so that the Makefile can read it before anything is installed."""
 from __future__ import annotations
 
 import re

@@ -1,6 +1,5 @@
 """``ExactTrainer`` under DeepSpeed: the engine owns the reduction, the optimizer and clipping, the window
-the boundary (docs/guides/deepspeed.md, "ExactTrainer with ``deepspeed=``").
-"""
+the boundary (docs/guides/deepspeed.md, "ExactTrainer with ``deepspeed=``")."""
 from __future__ import annotations
 
 import contextlib

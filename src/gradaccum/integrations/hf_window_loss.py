@@ -1,6 +1,5 @@
 """A :class:`~gradaccum.WindowLoss` inside a Hugging Face ``Trainer``'s window: the cached two passes
-(:class:`gradaccum._cached.CachedPasses`) driven from the Trainer's ``compute_loss`` (docs/guides/contrastive.md).
-"""
+(:class:`gradaccum._cached.CachedPasses`) driven from the Trainer's ``compute_loss`` (docs/guides/contrastive.md)."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple

@@ -1,6 +1,5 @@
 """sentence-transformers: :class:`ExactSentenceTransformerTrainer`, one big batch for any of its losses by the
-cached two passes, its loss served the cached embeddings (docs/guides/sentence-transformers.md).
-"""
+cached two passes, its loss served the cached embeddings (docs/guides/sentence-transformers.md)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,7 @@
 """TRL's trainers with exact gradient accumulation: SFT and DPO are ``class X(ExactTrainer, TRLTrainer)``
 (for another Trainer subclass write the same one line, ExactTrainer first); GRPO and RLOO generate their
 micro-batches inside the step, so their drop-ins count each step's completions first
-(:mod:`gradaccum.integrations.trl_rl`). Guide: docs/guides/trl.md.
-"""
+(:mod:`gradaccum.integrations.trl_rl`). Guide: docs/guides/trl.md."""
 from __future__ import annotations
 
 # first: RL has its own driver (count the step's completions first), and trl_rl refuses a TRL too old or missing

@@ -1,7 +1,6 @@
 """TRL's GRPO and RLOO with every optimizer step one big batch of the chosen ``loss_type``: drop-ins that
 generate and count each step's micro-batches first (:mod:`gradaccum.rl`), then drive the Trainer's one
-window (docs/guides/trl.md, "GRPO and RLOO").
-"""
+window (docs/guides/trl.md, "GRPO and RLOO")."""
 from __future__ import annotations
 
 import collections
