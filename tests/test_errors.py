@@ -213,6 +213,14 @@ def test_a_micro_batch_block_kept_after_its_window_closed_is_refused():
             pass
 
 
+def test_a_window_s_weights_read_before_it_opens_say_where_to_read_them():
+    """``window.weights`` is made from the window's setup: read before ``with`` opens it, it says where."""
+    model = regression_model()
+    window = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1)).window(1)
+    with pytest.raises(RuntimeError, match=r"read window.weights inside `with acc.window"):
+        window.weights
+
+
 def test_a_switching_micro_batch_block_kept_for_a_later_window_is_refused():
     """Under autocast (or across ranks) a block carries its window's switches (which micro-batch reduces):
     entered inside a later window it would switch that window wrongly, so it says where it must run."""

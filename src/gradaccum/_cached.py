@@ -36,10 +36,11 @@ class WindowLoss:
             ``encode`` gets (its own parameters, such as a learned temperature, are reached through it)
             and the same structure with every micro-batch's representations on every rank joined along
             dim 0, in window order (rank 0's micro-batches first, then rank 1's, ...).
-        keep_graphs: how many micro-batches' graphs pass 1 keeps, the first ones (pass 2 runs in order):
-            each saves its forward in pass 2, at the memory of its activations held through the loss.
-            Default 1; 0 for the least memory. Under DDP at most all but one (the last backward, which
-            reduces, is a replayed forward); under FSDP2 and with BatchNorm in training mode none.
+        keep_graphs: how many micro-batches' graphs pass 1 keeps, the first ones (pass 2 runs in order, so
+            they are backpropagated before any forward runs again): each saves its forward in pass 2, at the
+            memory of its activations held through the loss. Default 1; 0 for the least memory. Under DDP at most
+            all but one (the last backward, which reduces, is a replayed forward); under FSDP2 and with BatchNorm in
+            training mode none.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -192,7 +193,8 @@ def run_cached_window(ctx: Parts, micro_batches: List[Batch], window_loss: Windo
 class CachedPasses:
     """One window of a :class:`WindowLoss`, in the order every driver calls it (docs/architecture.md):
     :meth:`first_pass`, :meth:`gather`, :meth:`loss_gradient`, :meth:`part` (or :meth:`surrogate`) for ``k`` in
-    ``range(parts)``, :meth:`finish`. ``checked``: the driver's ``checked_replays`` (None: never check); in a loss's
+    ``range(parts)``, :meth:`finish`. ``sizes``: each micro-batch's items, or None (read from the representations).
+    ``checked``: the driver's ``checked_replays`` (None: never check); in a loss's
     first window pass 2 is compared with pass 1 (to float rounding: one has a graph)."""
 
     def __init__(self, window_loss: WindowLoss, micro_batches: Sequence[Batch], *, sync: Any, device: torch.device,

@@ -1,4 +1,5 @@
-"""Argument checks shared with the command line (its flags as ``name``): each raises before anything changes."""
+"""Argument checks shared with the command line (its flags as ``name``): each raises before anything changes,
+naming the argument, the value and the fix."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ class AccumulationBuffers:
         self._hook_trainable()
 
     def _hook_trainable(self) -> None:
-        """Hook the trainable parameters (torch hooks no other); a frozen one as a window opens after its unfreezing."""
+        """Hook the trainable parameters (torch hooks no other); a frozen one as a window opens after its unfreezing,
+        so that gradual unfreezing sums in float32 too."""
         for p in self._unhooked:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._fold)
@@ -51,7 +52,8 @@ class AccumulationBuffers:
 
     def tensors(self) -> List[torch.Tensor]:
         """The buffers holding gradient, in parameter order, then the ``.grad`` of a parameter unfrozen while the
-        window was open (summed in its own dtype this window, scaled and clipped with the rest)."""
+        window was open (summed in its own dtype this window, scaled and clipped with the rest;
+        hooked as the next window opens)."""
         return [self._buffers[p] for p in self.params if p in self._buffers] + [
             p.grad for p in self._unhooked if p.grad is not None]
 

@@ -28,7 +28,8 @@ def run_window(ctx: Parts, micro_batches: List[Batch], loss_fn: LossFn, counts: 
                micro_batch_size: Any = None, catch_oom: bool = False,
                plan: Optional[Plan] = None) -> Optional[StepResult]:
     """Forward/backward every micro-batch (and the padding the ranks need), then step. With ``catch_oom``, an
-    out-of-memory error on any rank drops the window on all and returns None (their reductions are deferred)."""
+    out-of-memory error on any rank drops the window on all and returns None (their reductions are deferred
+    to the boundary, so no rank waits in a backward)."""
     ctx.slot.check_idle()  # before a two-pass loss's first pass: a window still open is refused first
     if isinstance(loss_fn, WindowLoss):
         return run_cached_window(ctx, micro_batches, loss_fn, counts, micro_batch_size=micro_batch_size, plan=plan)

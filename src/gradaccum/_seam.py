@@ -178,5 +178,6 @@ class GradSync:
 
     def low_precision_sum(self, params: Sequence[nn.Parameter]) -> Optional[str]:
         """Where the wrapper sums the window's gradient in bf16/fp16 (which gradaccum's float32 buffers cannot
-        replace), with the setting that would sum it in float32; else None."""
+        replace), with the setting that would sum it in float32; None where it sums in float32 (or gradaccum's
+        buffers can, on one process)."""
         return None

@@ -53,7 +53,7 @@ class AccumulatorState:
         auto_micro_batch_size: the micro-batch size that last worked under ``micro_batch_size="auto"``.
             ``AutoMicroBatch.step``, after the first window and after any that backed off.
         counts_first: every rank counted its items up front in the last window, so the next counts first
-            (:meth:`gradaccum._ranks.RankAgreement.counts_first`); saved, so that a resumed process counts where
+            (:meth:`gradaccum._ranks.RankAgreement.open`); saved, so that a resumed process counts where
             the uninterrupted one did.
 
     Start afresh in a new process:

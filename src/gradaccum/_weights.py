@@ -384,7 +384,8 @@ class Gradients:
 
 
 def total_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The gradient's total 2-norm: one fused pass for plain tensors on one device, else (DTensors) the general path."""
+    """The gradient's total 2-norm: one fused pass for plain tensors on one device; DTensors and mixed
+    devices take the general path."""
     if not grads:
         return torch.zeros((), device=device)
     if all(type(g) is torch.Tensor and g.device == device for g in grads):

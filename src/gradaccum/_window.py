@@ -191,10 +191,13 @@ class Window:
 
     @property
     def weights(self) -> WindowWeights:
-        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or at its first backward."""
-        if self._weights is None:  # read inside the window only: its setup is made
+        """The window's :class:`~gradaccum._weights.WindowWeights`: made as it opens, or from the ranks' count at
+        its first backward."""
+        if self._weights is None:
+            if self.setup is None:
+                raise RuntimeError("read window.weights inside `with acc.window(...) as window:`")
             self._weights = WindowWeights(self.ctx.state, self.ctx.sync.grad_divisor,
-                                          reference=self.ctx.ranks.reference(self.setup))  # type: ignore[arg-type]
+                                          reference=self.ctx.ranks.reference(self.setup))
         return self._weights
 
     def micro_batch(self, *, last: Optional[bool] = None) -> _MicroBatch:

@@ -57,9 +57,9 @@ class Accumulator(Resumable):
             DeepSpeed the wrapper owns the sum, and a setting that sums in bf16 there is named in a warning). A
             dtype such as ``torch.float64``: buffers of that dtype. ``"param"`` (or None): the sum stays in the
             parameter's own ``.grad``, rounded to bf16's 8 bits of mantissa after every micro-batch, so its error
-            grows with the window (bf16 GPT-2, K = 64: about 2x the floor; ``make bench``), for 2 bytes per
-            parameter less while a window is open (float32 buffers' 4 against the bf16 ``.grad``'s 2 more:
-            docs/guides/deepspeed.md's precision section).
+            grows with the window (bf16 GPT-2, K = 64: about 2x the floor; ``make bench``'s precision section), for 2
+            bytes per parameter less while a window is open (float32 buffers hold 4 bytes, 2 more than the bf16
+            ``.grad``: docs/guides/deepspeed.md's precision section).
         nonfinite: ``"skip"`` a window whose loss or measured gradient is not finite (with a warning the first
             time; ``acc.skipped`` counts them), or ``"raise"``.
         reduce_every_micro_batch: reduce (all-reduce / reduce-scatter) after every micro-batch instead of once per

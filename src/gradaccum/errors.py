@@ -9,7 +9,8 @@ keeps working; catch :class:`GradaccumError` to tell gradaccum's refusals from a
      │    └── NotExactError    a route that cannot be one big batch (yet): refused, never run inexactly
      │         └── ReplayError a forward replayed with its random state gave other results: no step taken
      ├── SplitError            a batch or window that cannot be split, joined or counted as asked
-     └── RankAgreementError    the ranks cannot agree on a window: raised on every rank alike, none waits
+     └── RankAgreementError    the ranks cannot agree on a window: raised on every rank alike, none waits in a
+                               collective
 """
 
 from __future__ import annotations

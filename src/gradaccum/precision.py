@@ -43,7 +43,8 @@ class MixedPrecision:
 
     def backward(self, loss: torch.Tensor, *, autocast_off: bool = False,
                  run: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
-        """``run(scale(loss))`` outside autocast when the forward ran under it (or asked: a padding micro-batch)."""
+        """``run(scale(loss))`` (``.backward()``, or the seam's: DeepSpeed's ``engine.backward``) outside autocast
+        when the forward ran under it (or asked: a padding micro-batch)."""
         outside = self.dtype is not None or autocast_off  # the forward ran under autocast; its backward must not
         with torch.autocast(device_type=self.device_type, enabled=False) if outside else contextlib.nullcontext():
             run(self.scale(loss))

@@ -137,7 +137,8 @@ def hf_token_mask(inputs: Mapping[str, Any]) -> Optional[torch.Tensor]:
 
 def hf_routing(model: nn.Module, inputs: Mapping[str, Any]) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
     """A Hugging Face MoE model's routing of a micro-batch's inputs (the counting pass): its router logits
-    (``output_router_logits=True``) and :func:`hf_token_mask`; ``model`` the trunk (``base_model``) if no LM head."""
+    (``output_router_logits=True``) and :func:`hf_token_mask`; ``model`` is the trunk
+    (``base_model``) where the LM head is not needed."""
     return list(model(**inputs, output_router_logits=True).router_logits), hf_token_mask(inputs)
 
 
