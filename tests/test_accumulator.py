@@ -690,6 +690,45 @@ def test_a_scheduler_resumed_from_a_checkpoint_is_not_taken_for_a_second_stepper
     assert acc2.step(batch, mse, micro_batch_size=4).step == 1 and sched2.last_epoch == 2
 
 
+def test_a_resume_whose_scheduler_was_not_loaded_is_refused_and_one_that_was_goes_on_as_the_run():
+    """A checkpoint saved without the scheduler's state, resumed into a fresh scheduler: the learning rate would
+    restart its schedule in silence (a probe: 6.7e-3 off the uninterrupted run after five steps). The
+    Accumulator's state says where the scheduler stood; a resumed one elsewhere is refused before any forward,
+    naming the fix. Loaded as the guide shows, the resumed run is the uninterrupted one to the bit."""
+    batches = [regression_batch(7, seed=s) for s in range(4)]
+    model, opt, sched = _stepped_scheduler()
+    acc = Accumulator(model, opt, scheduler=sched)
+    for batch in batches[:2]:
+        acc.step(batch, mse, micro_batch_size=3)
+    saved = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(opt.state_dict()),
+             "scheduler": sched.state_dict(), "acc": acc.state_dict()}
+    for batch in batches[2:]:
+        acc.step(batch, mse, micro_batch_size=3)
+
+    def resumed(load_scheduler: bool, acc_state: dict):
+        model2, opt2, sched2 = _stepped_scheduler()
+        model2.load_state_dict(saved["model"])
+        opt2.load_state_dict(saved["optimizer"])
+        if load_scheduler:
+            sched2.load_state_dict(saved["scheduler"])
+        acc2 = Accumulator(model2, opt2, scheduler=sched2)
+        acc2.load_state_dict(acc_state)
+        return model2, acc2
+
+    model2, acc2 = resumed(False, saved["acc"])
+    before = copy.deepcopy(model2.state_dict())
+    with pytest.raises(ConfigurationError, match=r"has last_epoch=0, but the Accumulator's state was saved with it "
+                                                 r"at 2: .*Save the scheduler's state_dict\(\) with the checkpoint"):
+        acc2.step(batches[2], mse, micro_batch_size=3)
+    assert all(torch.equal(before[k], v) for k, v in model2.state_dict().items()) and acc2.steps == 2
+    model2, acc2 = resumed(True, saved["acc"])
+    for batch in batches[2:]:
+        acc2.step(batch, mse, micro_batch_size=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    model3, acc3 = resumed(False, {k: v for k, v in saved["acc"].items() if k != "scheduler_at"})  # a new schedule
+    assert acc3.step(batches[2], mse, micro_batch_size=3).step == 3
+
+
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_a_layer_unfrozen_after_the_accumulator_was_built_steps_as_one_big_batch(opt_name):
     """Gradual unfreezing: the first layer frozen when the Accumulator is built, unfrozen after one window.

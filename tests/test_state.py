@@ -24,7 +24,7 @@ def _distinct_values():
     """A value for every saved field, none its default, each of the field's type."""
     return {"steps": 7, "skipped": 2, "epoch": 3, "reference": 41.0, "count_ratio": 2.5,
             "last_window_items": 96.0, "auto_micro_batch_size": 16,
-            "counts_first": True}
+            "counts_first": True, "scheduler_at": 5}
 
 
 def test_every_saved_field_round_trips_through_state_dict():

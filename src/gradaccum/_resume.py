@@ -52,8 +52,9 @@ class Resumable:
         self.state.auto_micro_batch_size = value
 
     def state_dict(self) -> Dict[str, Any]:
-        """What resuming needs beyond the model and optimizer: the saved fields of ``acc.state``
-        (counters, R, the count ratio, the auto size; :data:`gradaccum._state.SAVED_KEYS`) and the scaler."""
+        """What resuming needs beyond the model, optimizer and scheduler: the saved fields of ``acc.state``
+        (counters, R, the count ratio, the auto size, where the scheduler stood: a resumed scheduler standing
+        elsewhere is refused at the first window; :data:`gradaccum._state.SAVED_KEYS`) and the scaler."""
         return {**self.state.saved(), "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

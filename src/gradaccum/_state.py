@@ -64,7 +64,8 @@ class AccumulatorState:
         padding_batch: the micro-batch this rank repeats with zero weight in a window where it has none: the last it
             ran (across ranks; ``RankAgreement.remember``, as a window runs), or the one ``acc.set_padding`` gave.
         scheduler_at: the scheduler's ``last_epoch`` after the Accumulator last stepped it; None until a window
-            opens and reads it (``Boundary.check_scheduler``), and after ``load_state_dict``.
+            opens and reads it (``Boundary.check_scheduler``). Saved: a resumed scheduler must stand there.
+        scheduler_loaded: ``scheduler_at`` came from ``load_state_dict`` and no window has checked it yet.
         replicas_checked: the ranks compared their first reduced gradient (DDP; FSDP2's plain gradients), since the
             Accumulator was built or a ``requires_grad`` changed. The first boundary after either.
         stop_requests: ``acc.request_stop()`` calls, at any time (a signal handler too).
@@ -87,10 +88,11 @@ class AccumulatorState:
     last_window_items: Optional[float] = _saved(None, float, old=("last_items",))
     auto_micro_batch_size: Optional[int] = _saved(None, int)
     counts_first: bool = _saved(False, bool)
+    scheduler_at: Optional[int] = _saved(None, int)
 
     peers_can_pad: bool = False
     padding_batch: Any = field(default=None, repr=False)
-    scheduler_at: Optional[int] = None
+    scheduler_loaded: bool = False
     replicas_checked: bool = False
     stop_requests: int = 0
     stops_carried: int = 0
@@ -118,10 +120,10 @@ class AccumulatorState:
         return values
 
     def load_saved(self, values: Dict[str, Any]) -> None:
-        """Set what :meth:`read_saved` returned; the scheduler is read anew when the next window opens."""
+        """Set what :meth:`read_saved` returned; the next window checks the scheduler stands where it was saved."""
         for name, value in values.items():
             setattr(self, name, value)
-        self.scheduler_at = None
+        self.scheduler_loaded = self.scheduler_at is not None
 
     def warn_once(self, key: str) -> bool:
         """True the first time ``key`` is asked for (then the caller warns), False after."""
