@@ -64,7 +64,7 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any,
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if engine is None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    _check_scheduler(scheduler, optimizer)
+    check_scheduler_optimizer(scheduler, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigurationError("model has no parameter that requires grad; there is nothing to accumulate")
@@ -112,18 +112,19 @@ def refuse_unscaled_fp16(model: nn.Module, optimizer: torch.optim.Optimizer, pre
             "scale. Freeze them (requires_grad_(False)) or give the optimizer all of them (optimizer.add_param_group)")
 
 
-def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+def check_scheduler_optimizer(scheduler: Any, optimizer: torch.optim.Optimizer, who: str = "Accumulator",
+                              name: str = "scheduler") -> None:
     """A scheduler steps once per window; it must change the learning rate of *this* optimizer."""
     if scheduler is None:
         return
     if not callable(getattr(scheduler, "step", None)):
-        raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+        raise TypeError(f"{name} must have a step() method, got {type(scheduler).__name__}")
     own, ours = getattr(scheduler, "optimizer", None), optimizer
     for _ in range(4):  # Accelerate's AcceleratedOptimizer holds the raw one
         if own is None or ours is own:  # a scheduler without an optimizer of its own is not compared
             return
         ours = getattr(ours, "optimizer", None)
     raise ConfigurationError(
-        f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the Accumulator's "
+        f"the scheduler ({type(scheduler).__name__}) is over another optimizer than the {who}'s "
         f"({type(optimizer).__name__}), so its learning-rate changes would never reach the model: build "
-        "it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to Accumulator")
+        f"it over the same optimizer, e.g. LinearLR(optimizer, ...) with the optimizer you pass to {who}")

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from ._checks import positive_int
+from ._checks import positive_int, positive_number
 from ._maths import target_count, tensor_norms
 from ._seam import all_reduce_
+from ._settings import check_scheduler_optimizer
 from ._state import AccumulatorState
 from ._weights import Gradients, WindowWeights, clip_coefficient, window_mean
 from .errors import ConfigurationError, NotExactError
@@ -47,6 +49,23 @@ def _check_loss(loss_fn: Any, reduction: str) -> None:
         raise NotExactError(f"the schedule's loss_fn is a {type(loss_fn).__name__} with class weights and reduction="
                             "'mean': it divides by the summed weights, not by the items num_items counts; build it "
                             "with reduction='sum' and declare reduction='sum'")
+
+
+def _check_groups(pp_group: Any, dp_group: Any) -> None:
+    """Refuse a group that is not a process group, and a pipeline group holding this rank's replicas too."""
+    for name, group in (("pp_group", pp_group), ("dp_group", dp_group)):
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ConfigurationError(f"{name}={group!r} is not a process group: pass one such as "
+                                     f"mesh[{name[:2]!r}].get_group(), or None")
+    if dp_group is None or dp_group.size() == 1:
+        return
+    shared = set(dist.get_process_group_ranks(pp_group or dist.group.WORLD)) & set(
+        dist.get_process_group_ranks(dp_group))
+    if len(shared) > 1:
+        raise ConfigurationError(
+            f"pp_group and dp_group share the ranks {sorted(shared)}: the pipeline group must hold this rank's "
+            "stages only, one rank per stage (the default, None, is the world, replicas included), else the "
+            "window's items and norm are summed over the replicas twice; pass pp_group=mesh['pp'].get_group()")
 
 
 def _pad(value: Any, rows: int, pad: int) -> Any:
@@ -93,7 +112,8 @@ class PipelineWindow:
             micro_batch_size`` (the short last window) is padded with repeats of its last micro-batch that
             weigh 0. Default: every window fills the schedule.
         max_grad_norm: clip by the global norm over every stage's parameters (and the replicas' shards).
-        pp_group: the pipeline's process group (the stages'); default the world.
+        pp_group: the pipeline's process group, one rank per stage (``mesh['pp'].get_group()``); default the
+            world, which then holds no replica (with ``dp_group``, one sharing more than this rank is refused).
         dp_group: the replicas' group, where each stage's module is in ``fully_shard`` over it (FSDP2, as
             torchtitan; ``DistributedDataParallel`` is refused: its reducer fails under a PipelineStage):
             N sums over it and W is its size. Default: no data parallelism, W = 1.
@@ -118,8 +138,16 @@ class PipelineWindow:
         _check_loss(loss_fn, reduction)
         self.n_microbatches = positive_int("n_microbatches", n_microbatches)
         self.micro_batch_size = None if micro_batch_size is None else positive_int("micro_batch_size", micro_batch_size)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ConfigurationError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer over this rank's stages' parameters, got "
+                            f"{type(optimizer).__name__}")
+        check_scheduler_optimizer(lr_scheduler, optimizer, "PipelineWindow", "lr_scheduler")
+        if num_items is not None and not callable(num_items):
+            raise ConfigurationError(f"num_items must be a function num_items(target) -> n_k, got {num_items!r}; "
+                                     "e.g. lambda target: (target != -100).sum()")
+        if max_grad_norm is not None:
+            max_grad_norm = positive_number("max_grad_norm", max_grad_norm, what="a positive finite number or None")
+        _check_groups(pp_group, dp_group)
         sharded = [s for s in self.stages if sharded_stage(s.submod)]  # each stage in fully_shard, or none
         if sharded and dp_group is None:
             raise ConfigurationError(

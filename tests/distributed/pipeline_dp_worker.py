@@ -43,14 +43,36 @@ def ddp_stage_is_refused_with_the_fix():
     stages, _ = build(full, "single", pp.get_group(), lambda m: DistributedDataParallel(m, process_group=dp.get_group()))
     try:
         PipelineWindow(stages, torch.optim.SGD(full.parameters(), lr=0.1), token_sum, n_microbatches=4, reduction="sum",
-                       dp_group=dp.get_group())
+                       pp_group=pp.get_group(), dp_group=dp.get_group())
     except NotExactError as e:
         assert "fully_shard(module, mesh=mesh['dp'])" in str(e), e
         return "refused"
     raise AssertionError("DDP stage not refused")
 
 
-SCENARIOS = [fsdp2_1f1b_uneven_items_across_replicas, ddp_stage_is_refused_with_the_fix]
+def a_pp_group_left_to_the_world_beside_dp_group_is_refused():
+    """A probe left pp_group to its default, the world, beside dp_group: every window's items and norm were
+    summed over the replicas twice (its clipped step 0.29 off one big batch; N and K doubled in the result).
+    Refused where the window is built, on every rank, naming mesh['pp']."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from gradaccum import ConfigurationError, PipelineWindow
+
+    dp, pp = MESH["dp"], MESH["pp"]
+    full = model()
+    stages, _ = build(full, "single", pp.get_group(), lambda module: fully_shard(module, mesh=dp))
+    try:
+        PipelineWindow(stages, torch.optim.SGD(full.parameters(), lr=0.1), token_sum, n_microbatches=4,
+                       reduction="sum", dp_group=dp.get_group(), max_grad_norm=0.05)
+    except ConfigurationError as e:
+        assert "pass pp_group=mesh['pp'].get_group()" in str(e), e
+        return "refused"
+    raise AssertionError("pp_group=None beside dp_group not refused")
+
+
+SCENARIOS = [fsdp2_1f1b_uneven_items_across_replicas, ddp_stage_is_refused_with_the_fix,
+             a_pp_group_left_to_the_world_beside_dp_group_is_refused]
 
 if __name__ == "__main__":
     from torch.distributed.device_mesh import init_device_mesh

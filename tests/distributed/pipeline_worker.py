@@ -374,6 +374,16 @@ def refusals_name_the_fix():
                                     "class weights"),
                                    (token_sum, "none", "per-item terms")]:
         refused(NotExactError, lambda: PipelineWindow(stages, opt, loss, n_microbatches=K, reduction=declared), expect)
+    # arguments that failed only inside a step (a probe: the optimizer stepped before a bad scheduler raised)
+    for kind, options, expect in [(TypeError, {"optimizer": None}, "optimizer must be a torch.optim.Optimizer"),
+                                  (TypeError, {"lr_scheduler": "cosine"}, "lr_scheduler must have a step() method"),
+                                  (ConfigurationError, {"num_items": 5}, "num_items must be a function"),
+                                  (ConfigurationError, {"max_grad_norm": True}, "max_grad_norm must be a positive"),
+                                  (ConfigurationError, {"max_grad_norm": "1.0"}, "max_grad_norm must be a positive"),
+                                  (ConfigurationError, {"pp_group": "world"}, "pp_group='world' is not a process")]:
+        arguments = {"optimizer": opt, **options}
+        refused(kind, lambda: PipelineWindow(stages, arguments.pop("optimizer"), token_sum, n_microbatches=K,
+                                             reduction="sum", **arguments), expect)
     schedule, pipe = window_over(ScheduleGPipe, stages, modules, opt, micro_batch_size=ROWS)
     x, y = window([3, 4, 5, 6], seed=1)
     refused(ConfigurationError, lambda: run_schedule(schedule, stages, x[:5], y[:5], pipe), "of micro_batch_size=2 rows")

@@ -11,7 +11,8 @@ from distributed.pipeline_worker import assert_guide_quotes
 pytestmark = pytest.mark.distributed
 
 WORKER = ROOT / "tests" / "distributed" / "pipeline_dp_worker.py"
-SCENARIOS = ["fsdp2_1f1b_uneven_items_across_replicas", "ddp_stage_is_refused_with_the_fix"]
+SCENARIOS = ["fsdp2_1f1b_uneven_items_across_replicas", "ddp_stage_is_refused_with_the_fix",
+             "a_pp_group_left_to_the_world_beside_dp_group_is_refused"]
 
 
 @pytest.fixture(scope="module")
