@@ -58,6 +58,21 @@ def test_resume_continues_completes_or_refuses_by_the_checkpoints_position():
         decide_run(found("last.pt", state=saved(3, 1, 13)), CFG, resume=True, overwrite=False)
 
 
+def test_resume_without_epochs_keeps_the_runs_length_and_a_given_one_grows_it():
+    """A probe resumed a 20-epoch run without --epochs: the task's default (15) ended it 5 epochs early, in
+    silence; 25 epochs stopped at 21 were refused naming an --epochs 15 the user never passed."""
+    then = TrainConfig(model="mlp", micro_batch_size=4, accum_steps=2, epochs=20)
+    flags = TrainConfig(model="mlp", micro_batch_size=4, accum_steps=2, epochs_given=False)  # the default: 15
+    plan = decide_run(found("last.pt", state=saved(12, 3, 40, then)), flags, resume=True, overwrite=False)
+    assert flags.epochs == 15 and plan.kind == "resume" and plan.config.epochs == 20
+    plan = decide_run(found("last.pt", state=saved(21, 0, 70, replace(then, epochs=25))), flags, resume=True,
+                      overwrite=False)
+    assert plan.kind == "resume" and plan.config.epochs == 25
+    grown = decide_run(found("last.pt", state=saved(12, 3, 40, then)), replace(flags, epochs=30, epochs_given=True),
+                       resume=True, overwrite=False)
+    assert grown.config.epochs == 30 and "epochs_given" not in grown.config.to_dict()
+
+
 def test_resume_keeps_the_checkpoints_global_batch_and_refuses_other_settings():
     flags = TrainConfig(model="mlp", micro_batch_size=2, epochs=3)  # says nothing about the global batch (8)
     then = TrainConfig(model="mlp", batch_size=32, epochs=3)

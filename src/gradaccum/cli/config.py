@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, NamedTuple, Optional, Union
 
 from ..errors import ConfigurationError
@@ -122,6 +122,8 @@ class TrainConfig:
     dtype: str = "float32"
     shard: bool = False
     world_size: int = 1  # the ranks this launch runs on (torchrun's WORLD_SIZE); may change on --resume
+    #: --epochs was on the command line (else the task's default filled it): a --resume without it keeps the run's
+    epochs_given: bool = field(default=True, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         from .._checks import check_int  # torch, as in window_shape
@@ -195,12 +197,13 @@ class TrainConfig:
     def training_settings(self) -> Dict[str, Any]:
         """What determines the trained model: the settings with the global batch resolved, without
         how it is cut (``-M 8 -N 4`` on 2 ranks and ``--batch-size 64 -M 16`` on 1 rank match)."""
-        d = {k: v for k, v in asdict(self).items() if k not in RESUMABLE_CHANGES}
+        d = {k: v for k, v in self.to_dict().items() if k not in RESUMABLE_CHANGES}
         d.update(batch_size=self.window_items)
         return d
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """The settings, as saved in the checkpoint and summary.json."""
+        return {k: v for k, v in asdict(self).items() if k != "epochs_given"}
 
 
 def saved_config(state: Dict[str, Any], *, where: str, fix: str) -> TrainConfig:

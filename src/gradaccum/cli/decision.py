@@ -119,12 +119,14 @@ def decide_run(found: Found, cfg: TrainConfig, *, resume: bool, overwrite: bool,
 
 
 def _same_settings(checkpoint: Path, cfg: TrainConfig, state: Dict[str, Any]) -> TrainConfig:
-    """The settings to resume with: the flags', with the checkpoint's global batch when they say
-    nothing about it; a one-line CLIError when they would train another model."""
+    """The settings to resume with: the flags', with the checkpoint's global batch and epochs when they say
+    nothing about them; a one-line CLIError when they would train another model."""
     saved = saved_config(state, where=f"--resume: {checkpoint}",
                          fix="resume with the gradaccum that wrote it, or pass another --out")
     if cfg.batch_size is None and cfg.accum_steps is None and cfg.window_items != saved.window_items:
         cfg = replace(cfg, batch_size=saved.window_items)  # the flags given say nothing about B: keep it
+    if not cfg.epochs_given:  # the task's default is not the run's: keep the run's length
+        cfg = replace(cfg, epochs=saved.epochs)
     mine, theirs = cfg.training_settings(), saved.training_settings()
     changed = [k for k in theirs if mine.get(k) != theirs[k]]
     if changed:

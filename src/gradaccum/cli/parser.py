@@ -204,7 +204,8 @@ def _train_parser(sub: Any) -> None:
                    help="also write last.pt every K optimizer steps; 0: only at the end and when stopped by "
                         "Ctrl-C or SIGTERM (default: 0)")
     t.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its last.pt, with the same flags (only --epochs may grow); "
+                   help="continue the run in --out from its last.pt, with the same flags (only --epochs may grow; "
+                        "without it, the run's own); "
                         "with no checkpoint yet it says so and starts fresh (default: off)")
     t.add_argument("--overwrite", action="store_true",
                    help="replace the run in --out: first remove its files (those above, compare.*, baseline/); "

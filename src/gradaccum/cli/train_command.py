@@ -74,7 +74,8 @@ def _settings(args: argparse.Namespace) -> Any:
                        f"(e.g. {flag} --out runs/version_0); a plain run gets a new folder of its own")
     return TrainConfig(task=args.task, data_path=args.data_path, model=args.model,
                        micro_batch_size=args.micro_batch_size, accum_steps=args.accum_steps,
-                       batch_size=args.batch_size, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr,
+                       batch_size=args.batch_size, epochs=args.epochs, epochs_given=args.epochs is not None,
+                       optimizer=args.optimizer, lr=args.lr,
                        precision=args.precision, max_grad_norm=args.max_grad_norm, seed=args.seed, out=args.out,
                        checkpoint_every=args.checkpoint_every, device=args.device,
                        dtype=args.dtype, shard=args.shard, world_size=launch().world_size)
