@@ -2,6 +2,8 @@
 and the model left exactly as found."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -49,6 +51,46 @@ def test_checker_names_batchnorm_and_restores_its_running_statistics():
     _assert_untouched(model, saved)
     assert "NOT equivalent" in str(report) and "suspect module '1': BatchNorm1d" in str(report)  # a name, not a list number
     assert report.hints == []  # a mean loss: no word about sums
+
+
+class _Tracked(nn.Module):
+    """Linear -> InstanceNorm1d over 2 channels of 3 -> Linear: each item normalized on its own."""
+
+    def __init__(self, track: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 6).double(), nn.Linear(6, 1).double()
+        self.n = nn.InstanceNorm1d(2, track_running_stats=track).double()
+
+    def forward(self, x):
+        return self.b(self.n(self.a(x).view(-1, 2, 3)).view(-1, 6))
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_an_instance_norm_tracking_running_statistics_is_named_and_the_accumulator_warns(track):
+    """A probe: InstanceNorm(track_running_stats=True) was reported equivalent, and trained without a word,
+    though its running statistics, updated once per micro-batch, end far from one big batch's (the gradient is
+    the big batch's). Now named, not equivalent, and warned about once; without tracking it is equivalent."""
+    from gradaccum import Accumulator
+
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    loss = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    model = _Tracked(track)
+    saved = _state(model)
+    report = check_equivalence(model, loss, (x, y), micro_batch_size=4)
+    _assert_untouched(model, saved)
+    assert report.max_rel_diff < 1e-12 and report.equivalent is not track, report
+    assert [name for name, _ in report.suspects] == (["n"] if track else []), report
+    big, acc = _Tracked(track), Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    big(x)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        acc.step((x, y), loss, micro_batch_size=4)
+    told = [str(w.message) for w in said if "track running statistics" in str(w.message)]
+    assert len(told) == (1 if track else 0), told
+    if track:
+        assert "(n)" in told[0] and "track_running_stats=False" in told[0]
+        assert not torch.allclose(model.n.running_mean, big.n.running_mean)  # what the warning is about
 
 
 def test_checker_names_dropout_and_functional_randomness():

@@ -13,7 +13,7 @@ from torch import nn
 from .errors import ConfigurationError, NotExactError
 
 __all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count",
-           "scalar_loss", "split_loss_output", "as_number", "batchnorms", "training_batchnorms", "ROWS",
+           "scalar_loss", "split_loss_output", "as_number", "batchnorms", "tracking_instance_norms", "training_batchnorms", "ROWS",
            "holds_ignored_labels", "ignored_labels", "padded_rows_refusal"]
 
 #: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
@@ -98,6 +98,13 @@ def scalar_loss(loss: Any, *, subject: str = "loss must be a scalar tensor", whe
 def batchnorms(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """The BatchNorm layers by name: in training mode their statistics are per micro-batch, not one big batch's."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def tracking_instance_norms(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The InstanceNorm layers that track running statistics, by name: in training mode their gradient is the big
+    batch's, but they update those statistics once per micro-batch."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats]
 
 
 def training_batchnorms(model: nn.Module) -> List[str]:

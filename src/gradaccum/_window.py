@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ._boundary import Boundary, InFlight, Totals
-from ._checks import Count, batchnorms, scalar_loss, split_loss_output
+from ._checks import Count, batchnorms, scalar_loss, split_loss_output, tracking_instance_norms
 from ._empty import clean_mean, graph_leaves, may_be_empty, weighing_nothing
 from ._ranks import RankAgreement, Request, Setup
 from ._settings import refuse_unscaled_fp16
@@ -71,9 +71,16 @@ class OpenWindow:
             state.trainable = trainable
         if model.training and "batchnorm" not in state.warned:
             if state.batchnorms is None:
-                state.batchnorms = batchnorms(model)
+                state.batchnorms = batchnorms(model) + tracking_instance_norms(model)
             names = [n for n, m in state.batchnorms if m.training]
-            if names and state.warn_once("batchnorm"):
+            if names and not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for _, m in state.batchnorms) \
+                    and state.warn_once("batchnorm"):
+                warnings.warn(
+                    f"the model holds InstanceNorm layers that track running statistics ({', '.join(names[:3])}"
+                    f"{', ...' if len(names) > 3 else ''}): the gradient is one big batch's, but they update those "
+                    "statistics once per micro-batch, so the statistics eval() normalizes with are not. Pass "
+                    "track_running_stats=False, or check with gradaccum.check_equivalence.", stacklevel=4)
+            elif names and state.warn_once("batchnorm"):
                 warnings.warn(
                     f"the model holds BatchNorm layers in training mode ({', '.join(names[:3])}"
                     f"{', ...' if len(names) > 3 else ''}): their statistics are per micro-batch, so "

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ._cached import WindowLoss
-from ._checks import ROWS, holds_ignored_labels, positive_int, positive_number, training_batchnorms
+from ._checks import (ROWS, holds_ignored_labels, positive_int, positive_number, tracking_instance_norms,
+                      training_batchnorms)
 from ._oracle import MicroBatchFailed, window_grads
 from .batching import Batch, first_tensor, leading_dim, split_batch
 from .errors import SplitError
@@ -28,8 +29,9 @@ class EquivalenceReport:
     """Outcome of :func:`check_equivalence`.
 
     Attributes:
-        equivalent: ``max_rel_diff <= rtol`` and no module draws random numbers in forward (their
-            draws depend on the split, whatever this one split gave).
+        equivalent: ``max_rel_diff <= rtol``, no module draws random numbers in forward (their draws depend
+            on the split, whatever this one split gave), and none in training mode updates running statistics
+            once per micro-batch with a gradient the split does not change (an InstanceNorm that tracks them).
         max_rel_diff: max over parameters of ``||g_acc - g_full|| / ||g_full||``.
         suspects: ``(module name, reason)`` for each module that breaks equivalence (``""`` is the
             model itself).
@@ -48,8 +50,10 @@ class EquivalenceReport:
     def __str__(self) -> str:
         difference = f"max relative gradient difference {self.max_rel_diff:.3e} (rtol {self.rtol:.1e})"
         verdict = "equivalent" if self.equivalent else "NOT equivalent"
-        if not self.equivalent and self.max_rel_diff <= self.rtol:  # although this split matched: random draws
-            verdict += " (the model draws random numbers in forward, which differ with the split; this split matched)"
+        if not self.equivalent and self.max_rel_diff <= self.rtol:  # although this split matched: the suspects say
+            verdict += (" (the model draws random numbers in forward, which differ with the split; this split matched)"
+                        if not any("running statistics once per micro-batch" in r for _, r in self.suspects) else
+                        " (the gradients match; running statistics update once per micro-batch)")
         lines = [f"{verdict}: {difference}; loss {self.loss_full:.6g} full vs {self.loss_accumulated:.6g} accumulated"]
         lines += [f"  suspect {_module(name)}: {reason}" for name, reason in self.suspects]
         lines += [f"  hint: {hint}" for hint in self.hints]
@@ -190,7 +194,8 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     matched = max_rel <= rtol
     suspects, drawn = _suspects(model, full, acc, len(micro_batches), rtol, matched)
     hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items, bool(suspects), rtol)
-    return EquivalenceReport(equivalent=matched and not drawn, max_rel_diff=max_rel, suspects=suspects,
+    tracking = any(m.training for _, m in tracking_instance_norms(model))
+    return EquivalenceReport(equivalent=matched and not drawn and not tracking, max_rel_diff=max_rel, suspects=suspects,
                              loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
 
 
@@ -239,6 +244,11 @@ def _suspects(model: nn.Module, full: "_Pass", acc: "_Pass", k: int, rtol: float
     for name in training_batchnorms(model):
         reasons[name].append(f"{type(modules[name]).__name__} in training mode normalizes with per-micro-batch "
                              "statistics (and updates its running statistics once per micro-batch)")
+    for name, module in tracking_instance_norms(model):
+        if module.training:
+            reasons[name].append(f"{type(module).__name__}(track_running_stats=True) in training mode updates its "
+                                 "running statistics once per micro-batch, not once per batch (the gradient is the "
+                                 "big batch's; the statistics eval() uses are not)")
     dropouts = [name for name, module in modules.items()
                 if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
     for name in dropouts:
