@@ -93,6 +93,23 @@ def test_an_instance_norm_tracking_running_statistics_is_named_and_the_accumulat
         assert not torch.allclose(model.n.running_mean, big.n.running_mean)  # what the warning is about
 
 
+@pytest.mark.parametrize("limit, equivalent", [(0.5, True), (0.05, False)])
+def test_a_gradient_hook_is_checked_at_the_size_the_window_gives_its_gradient(limit, equivalent):
+    """A probe: a clamping hook that never fires in training (each micro-batch's weighted gradient, and one big
+    batch's, stay under 0.5) was reported NOT equivalent (2.0 apart), because the check's big batch
+    backpropagated N times the mean loss, which the clamp cut. The check now weighs as training does; a clamp
+    that does fire (0.05) is still not equivalent, as training with it is not one big batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    for p in model.parameters():
+        p.register_hook(lambda g: g.clamp(-limit, limit))
+    x, y = torch.randn(32, 6, dtype=torch.float64), torch.randn(32, 1, dtype=torch.float64)
+    loss = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()  # noqa: E731
+    report = check_equivalence(model, loss, (x, y), micro_batch_size=8)
+    assert report.equivalent is equivalent, report
+    assert (report.max_rel_diff < 1e-12) is equivalent, report
+
+
 def test_checker_names_dropout_and_functional_randomness():
     class Noisy(nn.Module):
         def __init__(self):

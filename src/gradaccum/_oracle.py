@@ -29,31 +29,35 @@ class MicroBatchFailed(Exception):
 
 def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any = None
                   ) -> Tuple[Dict[str, torch.Tensor], float, bool]:
-    """The oracle: backpropagate ``n_k * L_k`` per micro-batch, divide once by ``sum n_k`` in float64; and whether
-    ``loss_fn`` returned a bare loss (weighed by what ``num_items`` counts, or by rows). A loss over the window
-    (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch, :func:`accumulated_grads` on a split."""
+    """The oracle: backpropagate ``n_k * L_k / N`` per micro-batch (N counted up front, so that a gradient hook of the
+    model's sees the gradient at the size it has in training), rescaled once in float64 by ``N / sum n_k`` where
+    ``loss_fn`` counts other items; and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items``
+    counts, or by rows). A loss over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch,
+    :func:`accumulated_grads` on a split."""
     for p in model.parameters():  # not model.zero_grad(): the oracle runs no override of the model's own
         p.grad = None
     coupled = isinstance(loss_fn, (WindowLoss, MoELoss))
     if coupled and len(micro_batches) > 1:
         return (*accumulated_grads(model, loss_fn, micro_batches), False)
+    counts = [None if coupled else (  # a loss over the window is one item: num_items is not asked
+        leading_dim(mb) if num_items is None or num_items == ROWS else
+        item_count("num_items(micro_batch)", num_items(mb))) for mb in micro_batches]
+    total = sum(1.0 if c is None else float(c) for c in counts) or 1.0
     loss_sum, items, bare = 0.0, 0.0, False
-    for index, mb in enumerate(micro_batches):
+    for index, (mb, count) in enumerate(zip(micro_batches, counts)):
         try:
             out = whole_batch_loss(model, loss_fn, mb) if coupled else loss_fn(model, mb)
         except Exception as e:  # noqa: BLE001 - which micro-batch failed decides whose fault it is
             raise MicroBatchFailed(index, leading_dim(mb), e) from e
         bare = type(out) is torch.Tensor  # under the Accumulator's contract: a bare loss counts num_items(mb), or rows
-        count = None if coupled else (  # a loss over the window is one item: num_items is not asked
-            leading_dim(mb) if num_items is None or num_items == ROWS else
-            item_count("num_items(micro_batch)", num_items(mb)))
         loss, n = split_loss_output(out, count)
         loss = scalar_loss(loss, subject="loss_fn must return a scalar loss",
                            where="loss_fn (check_equivalence compares gradients)")
-        (loss * n).backward()
+        (loss * (float(n) / total)).backward()
         loss_sum += float(loss.detach()) * float(n)
         items += float(n)
-    grads = {name: p.grad.detach().double() / items for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.detach().double() * (total / items) for name, p in model.named_parameters()
+             if p.grad is not None}
     return grads, loss_sum / items, bare
 
 
