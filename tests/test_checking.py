@@ -110,6 +110,21 @@ def test_a_gradient_hook_is_checked_at_the_size_the_window_gives_its_gradient(li
     assert (report.max_rel_diff < 1e-12) is equivalent, report
 
 
+def test_a_metric_returned_beside_the_loss_is_told_apart_from_a_count():
+    """A probe returned (loss, accuracy): the accuracy weighed each micro-batch (3.3e-2 off one big batch after
+    three steps) and the check's hint pointed at WindowLoss. It now says the pair's second value is the count."""
+    model = regression_model()
+    batch = regression_batch(12)
+
+    def loss_and_share(m, b):
+        out = m(b[0])
+        return nn.functional.mse_loss(out, b[1]), (out > b[1]).double().mean()
+
+    report = check_equivalence(model, loss_and_share, batch, micro_batch_size=4)
+    assert not report.equivalent and len(report.hints) == 1, report
+    assert "second value is taken as the count of items" in report.hints[0] and "WindowLoss" not in report.hints[0]
+
+
 def test_checker_names_dropout_and_functional_randomness():
     class Noisy(nn.Module):
         def __init__(self):

@@ -28,17 +28,17 @@ class MicroBatchFailed(Exception):
 
 
 def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num_items: Any = None
-                  ) -> Tuple[Dict[str, torch.Tensor], float, bool]:
+                  ) -> Tuple[Dict[str, torch.Tensor], float, bool, float]:
     """The oracle: backpropagate ``n_k * L_k / N`` per micro-batch (N counted up front, so that a gradient hook of the
     model's sees the gradient at the size it has in training), rescaled once in float64 by ``N / sum n_k`` where
-    ``loss_fn`` counts other items; and whether ``loss_fn`` returned a bare loss (weighed by what ``num_items``
-    counts, or by rows). A loss over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch,
+    ``loss_fn`` counts other items; whether ``loss_fn`` returned a bare loss (weighed by what ``num_items``
+    counts, or by rows); and ``sum n_k``. A loss over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch,
     :func:`accumulated_grads` on a split."""
     for p in model.parameters():  # not model.zero_grad(): the oracle runs no override of the model's own
         p.grad = None
     coupled = isinstance(loss_fn, (WindowLoss, MoELoss))
     if coupled and len(micro_batches) > 1:
-        return (*accumulated_grads(model, loss_fn, micro_batches), False)
+        return (*accumulated_grads(model, loss_fn, micro_batches), False, 1.0)
     counts = [None if coupled else (  # a loss over the window is one item: num_items is not asked
         leading_dim(mb) if num_items is None or num_items == ROWS else
         item_count("num_items(micro_batch)", num_items(mb))) for mb in micro_batches]
@@ -58,7 +58,7 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
         items += float(n)
     grads = {name: p.grad.detach().double() * (total / items) for name, p in model.named_parameters()
              if p.grad is not None}
-    return grads, loss_sum / items, bare
+    return grads, loss_sum / items, bare, items
 
 
 def whole_batch_loss(model: nn.Module, loss_fn: Any, batch: Batch) -> Tuple[torch.Tensor, int]:

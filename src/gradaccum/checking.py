@@ -208,6 +208,10 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
                 "weighed by their rows: count the targets, check_equivalence(..., num_items=lambda mb: "
                 "gradaccum.count_targets(mb['labels'])) and the same num_items= to Accumulator.step/train, or return "
                 "(mean, count) from loss_fn (gradaccum.causal_lm_loss)")
+    if not full.bare and not all(float(p.items).is_integer() for p in (full, acc)):
+        return (f"loss_fn returns a pair, whose second value is taken as the count of items its mean is over: it "
+                f"summed to {full.items:.6g} over the batch, not a whole number (an accuracy or another metric?). "
+                "Return (mean_loss, num_items), or the mean loss alone, and log other values from inside loss_fn")
     finite = math.isfinite(full.loss) and math.isfinite(acc.loss)
     sizes = [leading_dim(mb) for mb in micro_batches]
     # a loss_fn that returns the sum over its items: the full batch's loss is then about N^2 / sum n_k^2 times the
@@ -276,6 +280,7 @@ class _Pass:
     grads: Dict[str, torch.Tensor]
     loss: float
     bare: bool  # loss_fn returned a bare loss (weighed by num_items, or by rows)
+    items: float  # sum n_k
     recorder: _Recorder
 
 
