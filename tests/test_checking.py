@@ -110,6 +110,23 @@ def test_a_gradient_hook_is_checked_at_the_size_the_window_gives_its_gradient(li
     assert (report.max_rel_diff < 1e-12) is equivalent, report
 
 
+def test_a_module_drawing_from_its_own_generator_is_left_as_found():
+    """A probe: the check advanced a module's own torch.Generator, so the model was not left as found."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.gen = nn.Linear(5, 3).double(), torch.Generator().manual_seed(1)
+
+        def forward(self, x):
+            return self.linear(x) + 0.1 * torch.randn(x.shape[0], 3, generator=self.gen, dtype=x.dtype)
+
+    model = Noisy()
+    state = model.gen.get_state()
+    check_equivalence(model, mse, regression_batch(8), micro_batch_size=4)
+    assert torch.equal(model.gen.get_state(), state)
+
+
 def test_a_metric_returned_beside_the_loss_is_told_apart_from_a_count():
     """A probe returned (loss, accuracy): the accuracy weighed each micro-batch (3.3e-2 off one big batch after
     three steps) and the check's hint pointed at WindowLoss. It now says the pair's second value is the count."""

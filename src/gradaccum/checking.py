@@ -72,6 +72,8 @@ class _Snapshot:
         self.modes = [(m, m.training) for m in model.modules()]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.generators = [(g, g.get_state()) for m in model.modules() for g in vars(m).values()
+                           if isinstance(g, torch.Generator)]  # a module's own random numbers
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -82,6 +84,8 @@ class _Snapshot:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        for generator, state in self.generators:
+            generator.set_state(state)
         for p, grad in self.grads:  # before a pass too: window_grads clears them first
             p.grad = grad
 
