@@ -307,7 +307,7 @@ def test_load_state_dict_names_missing_and_unknown_keys_and_what_a_state_holds()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     acc.state.steps = 3
     holds = ("an Accumulator's state holds steps, skipped, epoch, reference, count_ratio, last_window_items, "
-             "auto_micro_batch_size, counts_first and precision: pass what Accumulator.state_dict() returned (e.g. "
+             "auto_micro_batch_size, counts_first, scheduler_at and precision: pass what Accumulator.state_dict() returned (e.g. "
              "checkpoint['accumulator'], not the whole checkpoint)")
     unknown = "which no Accumulator state holds"
     for state, said in (({"x": 1}, f"lacks 'steps', 'precision' and holds 'x', {unknown}"),
