@@ -324,10 +324,31 @@ def test_fp16_scaler_unscales_once_and_backs_off_on_overflow():
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)  # fp16 forward; unscaled exactly once
     before = [p.detach().clone() for p in model.parameters()]
-    result = acc.step((x * 1e30, y), mse, micro_batch_size=5)  # overflows in fp16
-    assert result.skipped
+    result = acc.step((x, y * 1e3), mse, micro_batch_size=5)  # a finite loss whose scaled gradient overflows fp16
+    assert result.skipped and math.isfinite(result.loss)
     assert acc.precision.scaler.get_scale() < scale0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_under_fp16_a_loss_that_is_not_finite_is_no_overflow_of_the_scale(nonfinite):
+    """A probe: under precision="fp16" a nan from the data (a nan input) was skipped in silence, window after
+    window, even with nonfinite="raise": every non-finite window was taken for the loss scaler's overflow. A
+    gradient that overflows behind a finite loss is how the scaler learns (skipped without a word, above); a
+    loss that is not finite is judged by nonfinite, as without fp16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", nonfinite=nonfinite)
+    x, y = (t.float() for t in regression_batch(12))
+    x[7, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    if nonfinite == "raise":
+        with pytest.raises(FloatingPointError, match="the window's loss is not finite"):
+            acc.step((x, y), mse, micro_batch_size=5)
+    else:
+        with pytest.warns(UserWarning, match="loss was not finite, so it was skipped"):
+            assert acc.step((x, y), mse, micro_batch_size=5).skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and acc.steps == 0
 
 
 def test_step_result_fields():

@@ -247,7 +247,8 @@ class Boundary:
                 "must not reach the next step. Restore the last checkpoint (engine.load_checkpoint and "
                 "acc.load_state_dict), and lower the learning rate or set \"gradient_clipping\" in the DeepSpeed "
                 "config")
-        said = None if decision is not Verdict.SKIP_NONFINITE or self.precision.scaler is not None else (
+        overflow = self.precision.scaler is not None and math.isfinite(loss_sum)  # the scaler backs off: routine
+        said = None if decision is not Verdict.SKIP_NONFINITE or overflow else (
             f"a window's {_what(loss_sum)} was not finite, so it was skipped (no step; StepResult.skipped is True, "
             "acc.skipped counts them). Lower the learning rate, use max_grad_norm, or pass nonfinite='raise' to stop")
         totals.weights.record(closing, warn_empty="its StepResult.loss is nan" if totals.ran else None,

@@ -132,15 +132,17 @@ def verdict(loss_sum: Optional[float], num_items: float, grad_norm: Optional[flo
             has_scaler: bool) -> Verdict:
     """Step, skip or raise, from the window's global loss sum (None when the ranks did not exchange it: then the
     norm, always measured, carries it), item count and (measured) norm. A non-finite loss or norm skips
-    (``nonfinite="skip"``) or raises; under fp16 it always skips, since an overflow is how the loss scaler learns
-    to back off. A window of 0 items is skipped.
+    (``nonfinite="skip"``) or raises; under fp16 a gradient that overflows behind a finite loss always skips, since
+    an overflow is how the loss scaler learns to back off (a loss that is not finite is no overflow of the scale's).
+    A window of 0 items is skipped.
 
     >>> verdict(1.0, 4, None, nonfinite="raise", has_scaler=False), verdict(1.0, 0, None, nonfinite="raise", has_scaler=False)
     (<Verdict.STEP: 'step'>, <Verdict.SKIP_EMPTY: 'skip: no item'>)
     """
-    finite = (loss_sum is None or math.isfinite(loss_sum)) and (grad_norm is None or math.isfinite(grad_norm))
-    if not finite:
-        return Verdict.RAISE if nonfinite == "raise" and not has_scaler else Verdict.SKIP_NONFINITE
+    finite_loss = loss_sum is None or math.isfinite(loss_sum)
+    if not (finite_loss and (grad_norm is None or math.isfinite(grad_norm))):
+        overflow = has_scaler and finite_loss
+        return Verdict.RAISE if nonfinite == "raise" and not overflow else Verdict.SKIP_NONFINITE
     return Verdict.STEP if num_items > 0 else Verdict.SKIP_EMPTY
 
 
