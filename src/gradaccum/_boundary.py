@@ -151,6 +151,8 @@ class Boundary:
         # the gradient's tensors, where something reads them before the step (else listed below if it scales)
         grads = self.grads.tensors() if self.measure or first_check else None
         try:  # the gradient goes whatever happens here: stepped, skipped, or refused
+            if self.sync.replicated_grads:
+                self.sync.check_reduced()
             if first_check:
                 self.state.replicas_checked = True
                 check_replicas(grads, self.sync, self.device)  # type: ignore[arg-type]

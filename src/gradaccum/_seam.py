@@ -104,6 +104,10 @@ class GradSync:
         """Wraps one micro-batch's forward *and* backward; reduces gradients only when ``last``."""
         return contextlib.nullcontext()
 
+    def check_reduced(self) -> None:
+        """With ``replicated_grads``, after the reducing backward and before the step: raise where the wrapper did
+        not reduce the whole gradient."""
+
     #: one micro-batch's backward of its weighted (and loss-scaled) loss: ``loss.backward()`` itself, with no
     #: frame of ours around it; a wrapper that owns the backward (DeepSpeed's ``engine.backward``) overrides it
     backward = staticmethod(torch.Tensor.backward)

@@ -87,6 +87,20 @@ class DDPSync(_WrapperSync):
         for ddp in self.modules:
             stack.enter_context(ddp.no_sync())  # restores require_backward_grad_sync on any exit
 
+    def check_reduced(self) -> None:
+        """After the reducing backward, before the step: every bucket was reduced. Without
+        ``find_unused_parameters=True``, a parameter the last micro-batch did not use leaves its bucket unreduced,
+        which DDP itself says only at the next forward with gradients, after the step (or never)."""
+        for ddp in self.modules:
+            try:
+                getattr(ddp, "_check_reducer_finalized", lambda: None)()  # torch's check for after a backward
+            except RuntimeError:
+                raise NotExactError(
+                    "a parameter of the DistributedDataParallel model got no gradient in this window's last "
+                    "micro-batch, the one that reduces, and DDP was built without find_unused_parameters=True: it "
+                    "did not reduce that parameter's bucket, so the ranks' gradients differ. No step was taken. Wrap "
+                    "the model in DistributedDataParallel(model, find_unused_parameters=True)") from None
+
     def reduce_gradients_(self, grads: List[torch.Tensor]) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)

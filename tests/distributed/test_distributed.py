@@ -14,6 +14,7 @@ SCENARIOS = [
     "ddp_loss_is_the_global_item_mean",
     "ddp_one_reduction_per_window",
     "ddp_find_unused_parameters_exact",
+    "ddp_a_branch_unused_in_a_later_windows_last_micro_batch_is_refused_before_its_step",
     "ddp_static_graph_is_a_clear_error",
     "ddp_reduce_every_micro_batch_exact",
     "ddp_exception_restores_sync",

@@ -204,6 +204,29 @@ def ddp_find_unused_parameters_exact():
     return "a parameter used by the first micro-batch only is reduced exactly"
 
 
+def ddp_a_branch_unused_in_a_later_windows_last_micro_batch_is_refused_before_its_step():
+    """A probe: without find_unused_parameters, a branch used in the first window's last micro-batch but only in
+    the first micro-batch of the second (the run's last) left its bucket unreduced: the step went 0.40 of its move
+    off one big batch and the replicas apart, and DDP said nothing, as no forward with gradients came after it.
+    Refused on every rank, before the step, from DDP's own check that its reducer finished."""
+    from gradaccum import NotExactError
+
+    model = DDP(model_fn(unused_branch=True))
+    acc = Accumulator(model, make_opt(model, "sgd"))
+    loss = lambda m, b: nn.functional.mse_loss(m(b[0], b[2]), b[1])  # noqa: E731 - b[2]: use .extra
+    first = [(x, y, True) for x, y in window_of(RANK, 20)]
+    acc.step(first, loss)
+    second = [(x, y, k == 0) for k, (x, y) in enumerate(window_of(RANK, 40))]
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        acc.step(second, loss)
+    except NotExactError as e:
+        assert "find_unused_parameters=True" in str(e) and "No step was taken" in str(e), e
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and acc.steps == 1
+        return "refused before the step, the parameters untouched"
+    raise AssertionError("a bucket left unreduced was stepped on")
+
+
 def ddp_static_graph_is_a_clear_error():
     model = DDP(model_fn(), static_graph=True)
     try:
@@ -1197,6 +1220,7 @@ def torchrun_guide_runs_as_written():
 
 
 SCENARIOS = [ddp_uneven_exact, ddp_loss_is_the_global_item_mean, ddp_one_reduction_per_window, ddp_find_unused_parameters_exact,
+             ddp_a_branch_unused_in_a_later_windows_last_micro_batch_is_refused_before_its_step,
              ddp_static_graph_is_a_clear_error, ddp_reduce_every_micro_batch_exact,
              ddp_exception_restores_sync, fsdp2_exact_and_one_reduce_scatter,
              ddp_auto_micro_batch_agrees_on_oom, ddp_train_uneven_windows, ddp_every_micro_batch_uneven_windows,
