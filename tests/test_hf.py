@@ -257,6 +257,34 @@ def test_a_bare_loss_on_labels_without_padding_is_weighed_by_rows_as_before():
     assert_params_close(model, ref, rtol=1e-6, atol=1e-9)  # outputs.loss is float32
 
 
+def test_a_bare_loss_on_labels_of_other_lengths_or_padded_tuples_is_refused_and_counting_is_exact():
+    """Two probes: micro-batches bucketed by length (no -100, but 4 and 9 targets a row) and padded micro-batches
+    handed over as tuples (as a TensorDataset gives them) escaped the padded-labels refusal: each micro-batch was
+    weighed by its rows, 0.82 and 0.18 of the step's move off one big batch, in silence. Both are refused before
+    any backward; counting the targets is exact (to outputs.loss's float32)."""
+    from gradaccum import NotExactError
+
+    seqs = sequences([4, 4, 9, 9, 9], seed=5)
+    bucketed = micro_batches(seqs, [2, 3])
+    assert not any((mb["labels"] == -100).any() for mb in bucketed)
+    model, ref = gpt2(), gpt2()
+    start = copy.deepcopy(model)
+    acc = Accumulator(model, make_optimizer("sgd", model.parameters()))
+    with pytest.raises(NotExactError, match=r"'labels' differ in length \(\[4\], \[9\] after the rows\).*"
+                                            r"num_items='rows'"):
+        acc.step(bucketed, hf_loss)
+    tuples = [(mb["input_ids"], mb["attention_mask"], mb["labels"]) for mb in micro_batches(WINDOWS[0], [2, 2, 2, 1])]
+    with pytest.raises(NotExactError, match=r"hold the ignore index -100.*wherever a tuple holds the labels"):
+        acc.step(tuples, lambda m, b: m(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss)
+    assert acc.steps == 0 and all(p.grad is None for p in model.parameters())
+    acc.step(bucketed, hf_loss, num_items=count)
+    reference_step(ref, make_optimizer("sgd", ref.parameters()), seqs)
+    assert update_error(model, ref, start) < 1e-5  # float32's rounding of outputs.loss
+    naive, naive_start = gpt2(), gpt2()
+    Accumulator(naive, make_optimizer("sgd", naive.parameters())).step(bucketed, hf_loss, num_items="rows")
+    assert update_error(naive, ref, naive_start) > 1e-2  # what the refusal saves
+
+
 def test_check_equivalence_names_the_token_count_and_takes_num_items():
     """The checker on ``outputs.loss`` over a padded batch names the count of targets as the cause (not
     a loss that couples the items), and with ``num_items=`` it reports equivalence."""

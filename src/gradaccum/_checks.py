@@ -14,7 +14,7 @@ from .errors import ConfigurationError, NotExactError
 
 __all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count",
            "scalar_loss", "split_loss_output", "as_number", "batchnorms", "tracking_instance_norms", "training_batchnorms", "ROWS",
-           "holds_ignored_labels", "ignored_labels", "padded_rows_refusal"]
+           "holds_ignored_labels", "ignored_labels", "label_tensors", "padded_rows_refusal"]
 
 #: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
 Count = Union[int, float, torch.Tensor]
@@ -112,11 +112,21 @@ def training_batchnorms(model: nn.Module) -> List[str]:
     return [name for name, m in batchnorms(model) if m.training]
 
 
+def label_tensors(micro_batch: Any) -> List[torch.Tensor]:
+    """Where a micro-batch's labels may be: a mapping's ``labels``; a tuple's integer tensors of two dimensions or
+    more (token labels; its inputs' ids hold no -100 either)."""
+    if isinstance(micro_batch, Mapping):
+        found = [micro_batch["labels"]] if "labels" in micro_batch else []
+    elif isinstance(micro_batch, (tuple, list)):
+        found = [t for t in micro_batch if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    else:
+        return []
+    return [t for t in found if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
+
+
 def ignored_labels(micro_batches: List[Any]) -> Optional[torch.Tensor]:
-    """A flag on the labels' device: do mapping micro-batches' integer ``labels`` hold -100 (None: no labels)?"""
-    labels = [mb.get("labels") for mb in micro_batches if isinstance(mb, Mapping)]
-    found = [(t == -100).any() for t in labels
-             if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
+    """A flag on the labels' device: do the micro-batches' labels (:func:`label_tensors`) hold -100 (None: none)?"""
+    found = [(t == -100).any() for mb in micro_batches for t in label_tensors(mb)]
     return torch.stack([f.to(found[0].device) for f in found]).any() if found else None
 
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
-from ._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, padded_rows_refusal
-from .errors import ConfigurationError, SplitError
+from ._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, label_tensors, padded_rows_refusal
+from .errors import ConfigurationError, NotExactError, SplitError
 
 #: a Tensor, a tuple/list of batches, or a dict of batches (other values ride along unchanged)
 Batch = Any
@@ -227,14 +227,25 @@ class Counts:
     unchecked: Optional[List[Batch]] = None
 
     def weigh_bare_mean(self) -> None:
-        """A bare mean loss weighed by undeclared rows is refused where labels hold -100 (a mean over targets)."""
+        """A bare mean loss weighed by undeclared rows is refused where labels hold -100, or where a mapping's labels
+        differ in length between micro-batches (a mean over targets)."""
         batches, self.unchecked = self.unchecked, None
         if batches and holds_ignored_labels(batches):
             raise padded_rows_refusal(
-                "Accumulator: loss_fn", "Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a "
-                "causal LM; shift=False for other heads), or return (mean, count) from loss_fn, e.g. "
-                "gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over the rows, say "
-                "so: num_items='rows'")
+                "Accumulator: loss_fn", "Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets "
+                "of a causal LM; shift=False for other heads; mb[2], or wherever a tuple holds the labels), or return "
+                "(mean, count) from loss_fn, e.g. gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean "
+                "really is over the rows, say so: num_items='rows'")
+        lengths = {tuple(t.shape[1:]) for mb in batches or () if isinstance(mb, Mapping)
+                   for t in label_tensors(mb) if t.dim() >= 2}
+        if len(lengths) > 1:
+            raise NotExactError(
+                "Accumulator: loss_fn returned a bare mean loss on micro-batches whose 'labels' differ in length "
+                f"({', '.join(str(list(n)) for n in sorted(lengths))} after the rows), and no num_items says what "
+                "that mean is over, so each micro-batch would be weighed by its rows, not by its targets (a Hugging "
+                "Face model's outputs.loss is a mean over the targets). Pass num_items=lambda mb: "
+                "gradaccum.count_targets(mb['labels']), or return (mean, count) from loss_fn; if the mean really is "
+                "over the rows, say so: num_items='rows'")
 
 
 def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn],
@@ -245,7 +256,7 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn],
     each: List[Count] = list(rows) if rows is not None else [
         leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
     if count_fn is None or count_fn == ROWS:
-        labelled = count_fn is None and any(isinstance(mb, Mapping) and "labels" in mb for mb in micro_batches)
+        labelled = count_fn is None and any(label_tensors(mb) for mb in micro_batches)
         return Counts(each, float(sum(each)), micro_batches if labelled else None)  # ints: no count to read
     each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]  # type: ignore[operator]
     return Counts(each, float(sum(as_number(c) for c in each)))
