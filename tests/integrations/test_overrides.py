@@ -210,14 +210,20 @@ def test_labels_changed_before_super_are_refused_at_the_first_micro_batch():
         labels[:, :3] = -100
         return {**inputs, "labels": labels}
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        return super(Masking, self).compute_loss(model, masked(inputs), return_outputs=return_outputs,
-                                                 num_items_in_batch=num_items_in_batch)
+    def in_place(inputs):  # a second probe: masked in place, the collated tensors are the handed ones (the CPU)
+        inputs["labels"][:, :3] = -100
+        return inputs
 
-    Masking = type("Masking", (ExactTrainer,), {"compute_loss": compute_loss})
-    model = gpt2()
-    with pytest.raises(NotExactError, match=r"Masking.compute_loss was handed \d+ items where the window counted "
-                                            r"\d+ .*in the data collator"):
-        S.hf_fit(model, [MICRO], exact=True, trainer_cls=Masking)
+    for mask in (masked, in_place):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, mask=mask):
+            return super(Masking, self).compute_loss(model, mask(inputs), return_outputs=return_outputs,
+                                                     num_items_in_batch=num_items_in_batch)
+
+        Masking = type("Masking", (ExactTrainer,), {"compute_loss": compute_loss})
+        model = gpt2()
+        with pytest.raises(NotExactError, match=r"Masking.compute_loss was handed \d+ items where the window counted "
+                                                r"\d+ .*in the data collator"):
+            S.hf_fit(model, [[{k: v.clone() for k, v in mb.items()} for mb in MICRO]], exact=True,
+                     trainer_cls=Masking)
     _, trainer = S.hf_fit(model, [[masked(mb) for mb in MICRO]], exact=True)
     assert trainer.state.global_step == len(WINDOWS)

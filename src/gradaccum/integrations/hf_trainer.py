@@ -204,7 +204,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         # (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
         self.router_balance = (trl_router_balance(self) if source == "tokens" else
                                aux_term(config) if self.items.head == "causal_lm" and self.own_loss is None else None)
-        self._collated: List[Any] = []  # the first window's micro-batches as get_batch_samples counted them
+        self._collated: List[Any] = []  # the first window's items per micro-batch, as get_batch_samples counted them
         self._inputs_unchecked = True
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
         self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(
@@ -226,8 +226,8 @@ class ExactTrainer(TrainerDriver, Trainer):
         if self._windows is not None:  # a WindowLoss: one mean over the window's rows, no count to hand over
             self._windows.begin(batch_samples)
             return batch_samples, None
-        if self._inputs_unchecked:  # what was counted: the first micro-batch's inputs are checked against it
-            self._collated = batch_samples
+        if self._inputs_unchecked:  # counted now: an override may mask the same label tensors in place later
+            self._collated = [self.items.count([b], device or self.args.device) for b in batch_samples]
         total = self.summed_over_ranks(self.items.count(batch_samples, device or self.args.device))
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
@@ -277,8 +277,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         """The handed inputs' items against those counted (one host synchronisation, once): an override that masks
         labels before calling ``super().compute_loss`` would have every step off by their ratio."""
         self._inputs_unchecked = False
-        counted = self.items.count([self._collated[self._ran]], self.args.device)
-        self._collated = []
+        counted, self._collated = self._collated[self._ran], []
         got = self.items.count([inputs], self.args.device)
         if int(got) != int(counted):
             raise NotExactError(
