@@ -177,6 +177,30 @@ def test_a_head_that_does_not_fit_the_model_is_refused_naming_it_and_the_head_th
     assert ExactTrainer(model=S.PlainForward(gpt2()), args=args, head="causal_lm").head == "causal_lm"
 
 
+@pytest.mark.parametrize("ignore_index", ["x", None, 0.5, True])
+def test_an_ignore_index_that_is_not_an_int_is_refused_as_the_trainer_is_built(ignore_index):
+    """A probe: ExactTrainer(ignore_index="x") was built, and failed at the first count, deep in the maths."""
+    from transformers import TrainingArguments
+
+    from gradaccum import ConfigurationError
+
+    args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    with pytest.raises(ConfigurationError, match=rf"^ExactTrainer\(ignore_index={ignore_index!r}\): the label value "
+                                                 "that is not a target is an int"):
+        ExactTrainer(model=gpt2(), args=args, ignore_index=ignore_index)
+
+
+def test_windows_skipped_under_max_steps_are_said_when_the_run_ends_short():
+    """A probe: windows of no item are skipped and global_step does not count them, so a run sized by max_steps
+    ended a step short (its schedule not run out), without a word. The run ends with a warning naming both."""
+    empty = {k: v.clone() for k, v in MICRO[0].items()}
+    empty["labels"][:] = -100
+    data = [MICRO[0], MICRO[1], MICRO[2], empty, empty, empty, MICRO[3], MICRO[4], MICRO[5]]
+    with pytest.warns(UserWarning, match=r"took 2 optimizer steps of max_steps=3: 1 windows were skipped"):
+        _, trainer = S.hf_fit(gpt2(), [data], exact=True, max_steps=3)
+    assert trainer.state.global_step == 2 and trainer.skipped == 1
+
+
 def test_a_trainer_subclass_before_exact_trainer_is_refused_with_the_fix():
     """Another Trainer before ExactTrainer in the MRO would run its compute_loss with ExactTrainer's
     window count; a compute_loss whose reduction is unknown cannot be weighted. Both refused where

@@ -199,6 +199,23 @@ def test_a_class_weighted_mean_is_one_big_batch_as_the_window_loss_the_refusals_
     assert S.max_diff(declared, ref) > 1e-3
 
 
+def test_a_training_step_that_skips_super_for_a_micro_batch_is_refused_before_the_step():
+    """A probe: a training_step override that returns zeros for long inputs (not calling super()) left those
+    micro-batches' items in the window's N (0.13 off one big batch, as the stock Trainer), the window never
+    closed, and a nan in a later window was stepped on. Refused at the window's step, before any parameter moves."""
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen = getattr(self, "seen", 0) + 1
+        if self.seen == 2:  # the first window's second micro-batch: "too long"
+            return torch.zeros(())
+        return super(Skipping, self).training_step(model, inputs, num_items_in_batch)
+
+    Skipping = type("Skipping", (ExactTrainer,), {"training_step": training_step})
+    model = gpt2()
+    with pytest.raises(NotExactError, match=r"Skipping: the Trainer's loop reached the window's optimizer step after 2 "
+                                            r"of its 3 micro-batches went through Skipping.training_step"):
+        S.hf_fit(model, [MICRO], exact=True, trainer_cls=Skipping)
+
+
 def test_labels_changed_before_super_are_refused_at_the_first_micro_batch():
     """An override that masks each sequence's first targets (a prompt) and then returns ``super().compute_loss``
     unchanged: the window's N was counted from the collated labels, so every step was off by their ratio (a

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -170,9 +171,12 @@ class TrainerDriver:
         """The window of N = ``num_items``, every rank's, counted first, and its float32 ``buffers``;
         ``routed()``: its micro-batches as an MoE model routes them."""
         if self._closed is not None:  # the last window stepped without its verdict: a loop that skips _get_grad_norm
-            raise RuntimeError(f"{type(self).__name__}: the Trainer's loop stepped a window without measuring its gradient "
-                               "norm (Trainer._get_grad_norm), which the window's verdict on a non-finite gradient reads; "
-                               "do not override _get_grad_norm or the training loop away")
+            raise RuntimeError(f"{type(self).__name__}: the Trainer's loop did not step the last window (its gradient "
+                               "norm, Trainer._get_grad_norm, which the window's verdict reads, was never measured), so "
+                               "its gradient would carry into this one. An IterableDataset whose micro-batches per "
+                               "epoch are not a multiple of gradient_accumulation_steps ends each epoch so: make them a "
+                               "multiple (or give the dataset a length); else do not override _get_grad_norm or the "
+                               "training loop away")
         window = self._window = WindowWeights(self.accumulator_state, self.grad_divisor, num_items=num_items,
                                               buffers=buffers)
         self._sum_weight, self._micro_batches, self._ran, self._balance = window.sum_weight(), micro_batches, 0, None
@@ -220,10 +224,17 @@ class TrainerDriver:
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         """The Trainer's norm of the window's gradient: the closed window's verdict on it, then its record."""
+        who = type(self).__name__
+        if self._window is not None and self._ran < self._micro_batches:  # before any step: nothing moved
+            raise NotExactError(
+                f"{who}: the Trainer's loop reached the window's optimizer step after {self._ran} of its "
+                f"{self._micro_batches} micro-batches went through {who}.training_step: a training_step override "
+                "that returns without calling super() for some micro-batches leaves their items in the window's N "
+                "(every step off) and the window unjudged. Drop such micro-batches in the data collator or sampler, "
+                "or call super().training_step for every one")
         norm = super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
         closing, window, self._closed = self._closed, self._window, None  # a closing comes from its window
-        if closing is not None:
-            who = type(self).__name__  # judged without params: the Trainer's zero_grad drops a skipped gradient
+        if closing is not None:  # judged without params: the Trainer's zero_grad drops a skipped gradient
             closing = window.judge(closing, grad_norm=norm, nonfinite=self.nonfinite, who=who)
             warning = None if closing.steps else window.judged_skip_warning(
                 who, closing, f"{who}.skipped counts them, global_step is not advanced")
@@ -238,7 +249,14 @@ class TrainerDriver:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
             with accumulation_off(self):  # DeepSpeed's engine built to leave the boundary to the window
-                return super().train(*args, **kwargs)  # type: ignore[misc]
+                output = super().train(*args, **kwargs)  # type: ignore[misc]
+            steps, planned = self.state.global_step, self.args.max_steps
+            if self.skipped and 0 < planned and steps < planned:
+                warnings.warn(f"{type(self).__name__} took {steps} optimizer steps of max_steps={planned}: "
+                              f"{self.skipped} windows were skipped (no item, or not finite), which global_step does "
+                              "not count, and the epochs the Trainer planned from max_steps ran out; raise max_steps "
+                              "by the skipped windows to train as many steps", UserWarning, stacklevel=2)
+            return output
         finally:
             self._state.release()
             if self._window is not None:  # the last window opened may not have run
