@@ -102,3 +102,39 @@ def test_accelerates_own_accumulation_is_refused_and_its_prepared_scheduler_is_s
         with pytest.raises(ValueError, match=r"sync_gradients is False.*leave out accelerator.accumulate\(\)"):
             acc.step(batches[0], mse, micro_batch_size=3)
     assert_params_close(model, ref)  # no step taken
+
+
+def test_a_resumed_run_reads_the_epoch_order_an_uninterrupted_one_reads():
+    """A probe: with use_seedable_sampler=True, Accelerate's prepared loader shuffles by a count of its own,
+    which starts again at 0 in a resumed process, so a run resumed at epoch 2 trained on epoch 0's order (9.0e-3
+    off the uninterrupted run, each step exact on the window it got). acc.train tells the loader itself the epoch."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import TensorDataset
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        accelerator = accelerate.Accelerator(
+            cpu=True, dataloader_config=accelerate.DataLoaderConfiguration(use_seedable_sampler=True))
+        dataset = TensorDataset(torch.arange(24, dtype=torch.float64)[:, None], torch.zeros(24, 1, dtype=torch.float64))
+
+        def orders(start_epoch: int, epochs: int):
+            model = torch.nn.Linear(1, 1).double()
+            loader = accelerator.prepare(DataLoader(dataset, batch_size=4, shuffle=True))
+            acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
+            acc.epoch = start_epoch  # as acc.load_state_dict would set it
+            seen = []
+
+            def loss(m, b):
+                seen.append(b[0][:, 0].tolist())
+                return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+            list(acc.train(loader, loss, accum_steps=3, epochs=epochs))
+            return [sum(seen[e * 6:(e + 1) * 6], []) for e in range(epochs)]
+
+        uninterrupted = orders(0, 3)
+        assert uninterrupted[0] != uninterrupted[2]
+        assert orders(2, 1) == [uninterrupted[2]]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

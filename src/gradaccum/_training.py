@@ -89,7 +89,8 @@ def _grouped_windows(ctx: Parts, loader: Iterable[Batch], schedule: AccumSchedul
                      spec: TrainSpec) -> Iterator[StepResult]:
     start = ctx.state.epoch
     for epoch in range(start, start + spec.epochs):
-        for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):  # told the epoch
+        # told the epoch: Accelerate's prepared loader itself (its own count would start again at 0 on a resume)
+        for holder in (loader, getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
             if callable(getattr(holder, "set_epoch", None)):
                 holder.set_epoch(epoch)  # type: ignore[union-attr]
                 break
