@@ -169,6 +169,28 @@ def test_checkpoint_resume_is_the_uninterrupted_run(tmp_path):
     assert S.params_close(straight.model, ref) is None
 
 
+def test_a_checkpoint_saved_inside_a_window_is_refused_on_resume(tmp_path):
+    """A probe: a ModelCheckpoint after a validation inside a window (val_check_interval=2 under
+    accumulate_grad_batches=3) holds none of that window's gradient, and a fit resumed from it ended 6e-2 to
+    1e-1 off the uninterrupted fit, in silence. Refused as it is loaded, naming the fix; one saved at a
+    window's end resumes (the test above)."""
+    import pytorch_lightning as pl
+
+    from gradaccum import ConfigurationError
+
+    class SaveInside(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:  # the first window's second micro-batch of 3
+                trainer.save_checkpoint(str(tmp_path / "inside.ckpt"))
+
+    model = gpt2()
+    S.lightning_fit(model, MICRO, exact=True, epochs=1, callbacks=[SaveInside()], root=str(tmp_path))
+    with pytest.raises(ConfigurationError, match=r"saved inside a window.*val_check_interval a multiple of "
+                                                 r"accumulate_grad_batches"):
+        S.lightning_fit(model, MICRO, exact=True, epochs=2, ckpt_path=str(tmp_path / "inside.ckpt"),
+                        root=str(tmp_path))
+
+
 def test_errors_name_the_argument_and_the_fix():
     with pytest.raises(TypeError, match=r"num_items=3.*callable"):
         ExactAccumulation(num_items=3)
