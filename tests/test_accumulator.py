@@ -750,6 +750,20 @@ def test_a_resume_whose_scheduler_was_not_loaded_is_refused_and_one_that_was_goe
     assert acc3.step(batches[2], mse, micro_batch_size=3).step == 3
 
 
+def test_a_numpy_count_is_a_count():
+    """A probe: num_items returning np.int64(3), a finite number >= 0, was refused as not one."""
+    import numpy as np
+
+    results = []
+    for as_count in (int, np.int64, np.float32):
+        model = regression_model()
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        results.append((acc.step(regression_batch(7), mse, micro_batch_size=3,
+                                 num_items=lambda mb: as_count(len(mb[0]))).num_items,
+                        [p.detach().clone() for p in model.parameters()]))
+    assert all(n == 7 and all(torch.equal(a, b) for a, b in zip(ps, results[0][1])) for n, ps in results)
+
+
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_a_layer_unfrozen_after_the_accumulator_was_built_steps_as_one_big_batch(opt_name):
     """Gradual unfreezing: the first layer frozen when the Accumulator is built, unfrozen after one window.

@@ -319,7 +319,8 @@ class CachedPasses:
         if k == 0 and self.check and self.sync.any_rank(detached, self.device):  # every rank refuses alike
             raise ConfigurationError("WindowLoss: a representation encode returned does not require grad (on this "
                                      "rank or another): it ran under torch.no_grad() or was detached. Return the "
-                                     "model's outputs as they are")
+                                     "model's outputs as they are; wrap data that is no output of the model (a float "
+                                     "label or score) in gradaccum.Constant")
         if own:
             at = sum(self.sizes[:k])
             pairs = [(o, g[at:at + self.sizes[k]]) for o, g in zip(outs, self.slices) if g is not None]

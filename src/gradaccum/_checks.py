@@ -4,6 +4,7 @@ naming the argument, the value and the fix."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple, Union
 
@@ -60,6 +61,8 @@ def item_count(name: str, value: Any) -> Count:
         if value.numel() != 1:
             raise ConfigurationError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
         return value
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)) and hasattr(value, "item"):
+        value = value.item()  # a NumPy number
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ConfigurationError(f"{name} must be a finite number >= 0 (how many items the loss is a mean over), "
                                  f"got {value!r}")

@@ -171,3 +171,17 @@ def test_a_batch_without_a_leading_dimension_to_count_says_how_to_count_it():
         pl.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=2, logger=False,
                    callbacks=[ExactAccumulation()], enable_progress_bar=False, enable_model_summary=False,
                    enable_checkpointing=False).fit(lit, DataLoader(batches, batch_size=None))
+
+
+def test_lbfgs_is_refused_naming_it_before_any_step():
+    """A probe: LBFGS, which the guide lists as unsupported (it calls its closure several times a step), failed
+    with an error about a batch holding no tensor, or an AttributeError, naming neither it nor the fix."""
+    class WithLBFGS(Regression):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    lit = WithLBFGS()
+    before = [p.detach().clone() for p in lit.parameters()]
+    with pytest.raises(ValueError, match=r"ExactAccumulation: LBFGS calls its closure.*first-order optimizer"):
+        _fit(lit, [ExactAccumulation()])
+    assert all(torch.equal(a, b) for a, b in zip(before, lit.parameters()))

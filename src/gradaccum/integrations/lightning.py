@@ -154,7 +154,11 @@ class ExactAccumulation(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A scheduler with ``interval="step"`` does not step after a skipped window (wrapped after Lightning
-        has validated the schedulers: an overridden hook would pass any scheduler)."""
+        has validated the schedulers: an overridden hook would pass any scheduler); LBFGS refused."""
+        if any(isinstance(o, torch.optim.LBFGS) for o in trainer.optimizers):
+            raise ConfigurationError("ExactAccumulation: LBFGS calls its closure, each micro-batch's forward and "
+                                     "backward, several times per step, which no window of micro-batches weighs as "
+                                     "one big batch; use a first-order optimizer (SGD, Adam, AdamW)")
 
         def unless_skipped(original: Callable[..., Any]) -> Callable[..., Any]:
             def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
