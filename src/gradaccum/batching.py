@@ -248,6 +248,20 @@ class Counts:
                 "over the rows, say so: num_items='rows'")
 
 
+def _labelled(micro_batches: List[Batch]) -> bool:
+    """Whether a micro-batch may hold labels (:func:`~gradaccum._checks.label_tensors`), in plain loops: a tuple of
+    float tensors, on every window's path, costs no call."""
+    for mb in micro_batches:
+        if isinstance(mb, Mapping):
+            if "labels" in mb:
+                return True
+        elif isinstance(mb, (tuple, list)):
+            for t in mb:
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point():
+                    return True
+    return False
+
+
 def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn],
                 rows: Optional[List[int]] = None) -> Counts:
     """What a bare mean loss is weighted by: the leading dimension (``count_fn`` None or ``"rows"``),
@@ -256,7 +270,6 @@ def count_items(micro_batches: List[Batch], count_fn: Optional[CountFn],
     each: List[Count] = list(rows) if rows is not None else [
         leading_dim(mb, argument=f"window[{i}]") for i, mb in enumerate(micro_batches)]
     if count_fn is None or count_fn == ROWS:
-        labelled = count_fn is None and any(label_tensors(mb) for mb in micro_batches)
-        return Counts(each, float(sum(each)), micro_batches if labelled else None)  # ints: no count to read
+        return Counts(each, float(sum(each)), micro_batches if count_fn is None and _labelled(micro_batches) else None)
     each = [item_count("num_items(micro_batch)", count_fn(mb)) for mb in micro_batches]  # type: ignore[operator]
     return Counts(each, float(sum(as_number(c) for c in each)))
