@@ -285,6 +285,16 @@ def test_a_bare_loss_on_labels_of_other_lengths_or_padded_tuples_is_refused_and_
     assert update_error(naive, ref, naive_start) > 1e-2  # what the refusal saves
 
 
+def test_uint8_images_in_a_tuple_are_no_labels():
+    """A review: a tuple of uint8 images (where -100 wraps to 156) and class labels was refused as padded labels."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 3)).double()
+    images = torch.full((8, 3, 4, 4), 156, dtype=torch.uint8)
+    batch = (images, torch.randint(0, 3, (8,)))
+    loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0].double() / 255), b[1])  # noqa: E731
+    assert Accumulator(model, make_optimizer("sgd", model.parameters())).step(batch, loss, micro_batch_size=3).step == 1
+
+
 def test_check_equivalence_names_the_token_count_and_takes_num_items():
     """The checker on ``outputs.loss`` over a padded batch names the count of targets as the cause (not
     a loss that couples the items), and with ``num_items=`` it reports equivalence."""

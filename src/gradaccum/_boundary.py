@@ -145,14 +145,14 @@ class Boundary:
                 "accelerator.accumulate(), off Accelerate's own boundary): its step() would do nothing while the "
                 "window counted a step. gradaccum accumulates: leave out accelerator.accumulate() around acc.step "
                 "(Accelerator(gradient_accumulation_steps=...) alone changes nothing). No step was taken")
+        if self.sync.replicated_grads:
+            self.sync.check_reduced()
         if self.precision.scaler is not None:
             self.precision.unscale_(self.optimizer)
         first_check = self.compare_replicas and not self.state.replicas_checked
         # the gradient's tensors, where something reads them before the step (else listed below if it scales)
         grads = self.grads.tensors() if self.measure or first_check else None
         try:  # the gradient goes whatever happens here: stepped, skipped, or refused
-            if self.sync.replicated_grads:
-                self.sync.check_reduced()
             if first_check:
                 self.state.replicas_checked = True
                 check_replicas(grads, self.sync, self.device)  # type: ignore[arg-type]
@@ -238,6 +238,7 @@ class Boundary:
     def _skip(self, closing: Closing, loss_sum: float, totals: Totals) -> None:
         decision, grad_norm = closing.verdict, closing.grad_norm
         if decision is Verdict.RAISE:
+            self.precision.skip()  # the scaler's unscale_ answered (fp16), so that a next window can run
             raise FloatingPointError(
                 f"the window's {_what(loss_sum)} is not finite (loss sum {loss_sum}, gradient norm {grad_norm}); no "
                 "step was taken and the gradients were cleared. Lower the learning rate, use max_grad_norm, or pass "

@@ -32,8 +32,8 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
     """The oracle: backpropagate ``n_k * L_k / N`` per micro-batch (N counted up front, so that a gradient hook of the
     model's sees the gradient at the size it has in training), rescaled once in float64 by ``N / sum n_k`` where
     ``loss_fn`` counts other items; whether ``loss_fn`` returned a bare loss (weighed by what ``num_items``
-    counts, or by rows); and ``sum n_k``. A loss over the window (WindowLoss, MoELoss) is :func:`whole_batch_loss` on the batch,
-    :func:`accumulated_grads` on a split."""
+    counts, or by rows); and ``sum n_k``. A loss over the window (WindowLoss, MoELoss) is
+    :func:`whole_batch_loss` on the batch, :func:`accumulated_grads` on a split."""
     for p in model.parameters():  # not model.zero_grad(): the oracle runs no override of the model's own
         p.grad = None
     coupled = isinstance(loss_fn, (WindowLoss, MoELoss))

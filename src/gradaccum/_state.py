@@ -77,7 +77,8 @@ class AccumulatorState:
         trainable: each model parameter's ``requires_grad`` when the last window opened (the Accumulator's
             construction before the first): a change under DDP is refused. ``OpenWindow.enter``.
         batchnorms: the model's BatchNorm layers (and InstanceNorm layers tracking running statistics) by name,
-            found at the first window in training mode and watched until one trains (none: nothing to watch). ``OpenWindow.enter``.
+            found at the first window in training mode and watched until one trains (none: nothing to watch).
+            ``OpenWindow.enter``.
     """
 
     steps: int = _saved(0, int)

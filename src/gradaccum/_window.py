@@ -73,7 +73,8 @@ class OpenWindow:
             if state.batchnorms is None:
                 state.batchnorms = batchnorms(model) + tracking_instance_norms(model)
             names = [n for n, m in state.batchnorms if m.training]
-            if names and not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for _, m in state.batchnorms) \
+            if names and not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+                                 for _, m in state.batchnorms) \
                     and state.warn_once("batchnorm"):
                 warnings.warn(
                     f"the model holds InstanceNorm layers that track running statistics ({', '.join(names[:3])}"

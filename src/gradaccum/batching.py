@@ -15,7 +15,8 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
-from ._checks import ROWS, Count, as_number, holds_ignored_labels, item_count, label_tensors, padded_rows_refusal
+from ._checks import (ROWS, SIGNED, Count, as_number, holds_ignored_labels, item_count, label_tensors,
+                      padded_rows_refusal)
 from .errors import ConfigurationError, NotExactError, SplitError
 
 #: a Tensor, a tuple/list of batches, or a dict of batches (other values ride along unchanged)
@@ -257,7 +258,7 @@ def _labelled(micro_batches: List[Batch]) -> bool:
                 return True
         elif isinstance(mb, (tuple, list)):
             for t in mb:
-                if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point():
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dtype in SIGNED:
                     return True
     return False
 

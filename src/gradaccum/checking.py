@@ -215,7 +215,8 @@ def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Ba
     if not full.bare and not all(float(p.items).is_integer() for p in (full, acc)):
         return (f"loss_fn returns a pair, whose second value is taken as the count of items its mean is over: it "
                 f"summed to {full.items:.6g} over the batch, not a whole number (an accuracy or another metric?). "
-                "Return (mean_loss, num_items), or the mean loss alone, and log other values from inside loss_fn")
+                "If it is a metric, return (mean_loss, num_items), or the mean loss alone, and log the metric from "
+                "inside loss_fn (a sum of weights is a count too)")
     finite = math.isfinite(full.loss) and math.isfinite(acc.loss)
     sizes = [leading_dim(mb) for mb in micro_batches]
     # a loss_fn that returns the sum over its items: the full batch's loss is then about N^2 / sum n_k^2 times the

@@ -208,7 +208,7 @@ def ddp_a_branch_unused_in_a_later_windows_last_micro_batch_is_refused_before_it
     """A probe: without find_unused_parameters, a branch used in the first window's last micro-batch but only in
     the first micro-batch of the second (the run's last) left its bucket unreduced: the step went 0.40 of its move
     off one big batch and the replicas apart, and DDP said nothing, as no forward with gradients came after it.
-    Refused on every rank, before the step, from DDP's own check that its reducer finished."""
+    Refused on every rank (each skips the branch), before the step, from DDP's own check that its reducer finished."""
     from gradaccum import NotExactError
 
     model = DDP(model_fn(unused_branch=True))

@@ -171,12 +171,12 @@ class TrainerDriver:
         """The window of N = ``num_items``, every rank's, counted first, and its float32 ``buffers``;
         ``routed()``: its micro-batches as an MoE model routes them."""
         if self._closed is not None:  # the last window stepped without its verdict: a loop that skips _get_grad_norm
-            raise RuntimeError(f"{type(self).__name__}: the Trainer's loop did not step the last window (its gradient "
-                               "norm, Trainer._get_grad_norm, which the window's verdict reads, was never measured), so "
-                               "its gradient would carry into this one. An IterableDataset whose micro-batches per "
-                               "epoch are not a multiple of gradient_accumulation_steps ends each epoch so: make them a "
-                               "multiple (or give the dataset a length); else do not override _get_grad_norm or the "
-                               "training loop away")
+            raise RuntimeError(f"{type(self).__name__}: the Trainer's loop did not step the last window (its "
+                               "gradient norm, Trainer._get_grad_norm, which the window's verdict reads, was never "
+                               "measured), so its gradient would carry into this one. An IterableDataset whose "
+                               "micro-batches per epoch are not a multiple of gradient_accumulation_steps ends each "
+                               "epoch so: make them a multiple (or give the dataset a length); else do not override "
+                               "_get_grad_norm or the training loop away")
         window = self._window = WindowWeights(self.accumulator_state, self.grad_divisor, num_items=num_items,
                                               buffers=buffers)
         self._sum_weight, self._micro_batches, self._ran, self._balance = window.sum_weight(), micro_batches, 0, None
@@ -251,7 +251,7 @@ class TrainerDriver:
             with accumulation_off(self):  # DeepSpeed's engine built to leave the boundary to the window
                 output = super().train(*args, **kwargs)  # type: ignore[misc]
             steps, planned = self.state.global_step, self.args.max_steps
-            if self.skipped and 0 < planned and steps < planned:
+            if self.skipped and 0 < planned and steps < planned and not self.control.should_training_stop:
                 warnings.warn(f"{type(self).__name__} took {steps} optimizer steps of max_steps={planned}: "
                               f"{self.skipped} windows were skipped (no item, or not finite), which global_step does "
                               "not count, and the epochs the Trainer planned from max_steps ran out; raise max_steps "

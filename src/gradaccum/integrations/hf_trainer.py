@@ -4,6 +4,7 @@ batch's items are; the window is :class:`~gradaccum.integrations.hf_driver.Train
 from __future__ import annotations
 
 import itertools
+import numbers
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -188,9 +189,11 @@ class ExactTrainer(TrainerDriver, Trainer):
         source = loss_source(type(self))
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, source)  # CLIP's, SigLIP's, a WindowLoss
         check_head(head)
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
             raise ConfigurationError(f"ExactTrainer(ignore_index={ignore_index!r}): the label value that is not a "
-                                     "target is an int (the data collator's padding of the labels, -100 by default)")
+                                     "target is an int, the data collator's padding of the labels: pass it, e.g. "
+                                     "ignore_index=-100 (the default)")
+        ignore_index = int(ignore_index)
         driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
         super().__init__(*args, nonfinite=nonfinite, **kwargs)
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)

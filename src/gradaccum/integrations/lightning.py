@@ -120,14 +120,14 @@ class ExactAccumulation(Callback):
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: Dict[str, Any]) -> None:
         """On resume (after ``setup``): the saved state, if the checkpoint holds one; one saved inside a window is
-        refused, before anything is loaded."""
+        refused, before any step."""
         if checkpoint.get(self.CHECKPOINT_KEY + ".mid_window"):
             raise ConfigurationError(
                 "ExactAccumulation: this checkpoint was saved inside a window, after some of its micro-batches (a "
                 "ModelCheckpoint after a validation that is not at a window's end): their gradient is not in it, so a "
                 "fit resumed from it would step on the rest of the window alone. Resume from a checkpoint saved at a "
-                "window's end: val_check_interval a multiple of accumulate_grad_batches, or "
-                "ModelCheckpoint(every_n_train_steps=...)")
+                "window's end (an earlier one, if this one came from a signal or an exception), and save them there: "
+                "val_check_interval a multiple of accumulate_grad_batches, or ModelCheckpoint(every_n_train_steps=...)")
         saved = checkpoint.get(self.CHECKPOINT_KEY)
         if isinstance(saved, dict):
             self.state.load_saved(self.state.read_saved(saved))
