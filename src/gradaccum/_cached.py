@@ -60,7 +60,7 @@ class WindowLoss:
         if not isinstance(keep_graphs, int) or isinstance(keep_graphs, bool) or keep_graphs < 0:
             raise ConfigurationError(f"WindowLoss(keep_graphs={keep_graphs!r}): how many micro-batches' graphs pass 1 "
                                      "keeps (their forward is not run again) is an int >= 0; 0 keeps none (the least "
-                                     "memory), 1 (the default) the last one's")
+                                     "memory), 1 (the default) the first one's")
         if not callable(encode):
             raise TypeError(f"WindowLoss(encode=...) must be callable as encode(model, micro_batch) -> "
                             f"representations, got {encode!r}")
