@@ -15,8 +15,8 @@ from .errors import ConfigurationError, NotExactError
 
 __all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count",
            "scalar_loss", "split_loss_output", "as_number", "batchnorms", "tracking_instance_norms",
-           "training_batchnorms", "ROWS",
-           "holds_ignored_labels", "ignored_labels", "label_tensors", "padded_rows_refusal"]
+           "training_batchnorms", "ROWS", "SIGNED", "holds_ignored_labels", "ignored_labels", "label_tensors",
+           "padded_rows_refusal"]
 
 #: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
 Count = Union[int, float, torch.Tensor]
