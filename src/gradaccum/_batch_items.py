@@ -103,6 +103,13 @@ class BatchItems:
         targets, loss = self.targets(batch)
         if self.head == "causal_lm" and "shift_labels" not in batch:
             logits = logits[..., :-1, :]
+        if self.head in ("causal_lm", "masked_lm", "token_classification") and (
+                targets.dim() < 2 or logits.shape[:-1] != targets.shape):  # a head that does not fit the model
+            raise ConfigurationError(
+                f"ExactTrainer(head={self.head!r}): the model's logits {tuple(logits.shape)} and its labels "
+                f"{tuple(targets.shape)}{' (shifted a token)' if self.head == 'causal_lm' else ''} are not that "
+                "head's (one row of logits per token label): pass the head "
+                "that fits the model, or declare exact_items in a compute_loss of your own")
         if not per_row:
             return _maths.summed_loss(logits, targets, loss=loss, ignore_index=self.ignore_index)
         return torch.stack([_maths.summed_loss(lg, t, loss=loss, ignore_index=self.ignore_index)

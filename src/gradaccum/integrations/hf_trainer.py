@@ -112,8 +112,10 @@ def head_of(model: nn.Module, head: Optional[str] = None) -> str:
         if any(name in ((v,) if isinstance(v, str) else v) for v in mapping.values())]
     if head is None and not heads:
         raise ConfigurationError(f"ExactTrainer cannot tell the head of {name}; pass head= one of {', '.join(HEADS)} "
-                                 "(ExactTrainer computes that head's standard loss from the model's logits; a loss the model's own "
-                                 "forward computes, with class weights or an extra term, is not what it trains)")
+                                 "(ExactTrainer computes that head's standard loss from the model's logits; a loss the "
+                                 "model's own forward computes, with class weights, an extra term or labels of its own "
+                                 "such as question answering's start_positions, is not what it trains: compute it in a "
+                                 "compute_loss of your own and declare exact_items)")
     if head is not None and heads and head not in heads:
         raise ConfigurationError(
             f"ExactTrainer(head={head!r}) does not fit the model, a {name}, whose head is {heads[0]} (its logits "
