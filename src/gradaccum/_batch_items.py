@@ -17,6 +17,8 @@ __all__ = ["HEADS", "BatchItems", "SetMean", "check_head"]
 #: (a sequence-classification head's depends on its problem type, resolved as the model resolves it)
 HEADS = {"causal_lm": "cross_entropy", "masked_lm": "cross_entropy", "token_classification": "cross_entropy",
          "sequence_classification": None}
+#: the heads whose logits hold one row per token label
+TOKEN_HEADS = ("causal_lm", "masked_lm", "token_classification")
 _PROBLEM_LOSS = {"single_label_classification": "cross_entropy", "regression": "squared_error",
                  "multi_label_classification": "binary_cross_entropy"}
 
@@ -103,7 +105,7 @@ class BatchItems:
         targets, loss = self.targets(batch)
         if self.head == "causal_lm" and "shift_labels" not in batch:
             logits = logits[..., :-1, :]
-        if self.head in ("causal_lm", "masked_lm", "token_classification") and (
+        if self.head in TOKEN_HEADS and (
                 targets.dim() < 2 or logits.shape[:-1] != targets.shape):  # a head that does not fit the model
             raise ConfigurationError(
                 f"ExactTrainer(head={self.head!r}): the model's logits {tuple(logits.shape)} and its labels "

@@ -117,14 +117,14 @@ class Boundary:
             return  # a scheduler without a step counter: nothing to compare
         if state.scheduler_at is None:
             state.scheduler_at = at
-        elif at != state.scheduler_at and state.scheduler_loaded:
-            raise ConfigurationError(
-                f"the scheduler given to the Accumulator ({type(self.scheduler).__name__}) has last_epoch={at}, but "
-                f"the Accumulator's state was saved with it at {state.scheduler_at}: resumed so, the learning rate "
-                "would follow another schedule than the run's. Save the scheduler's state_dict() with the checkpoint "
-                "and load it before training; or, to start a new schedule on purpose, load the Accumulator's state "
-                "without its 'scheduler_at' entry")
         elif at != state.scheduler_at:
+            if state.scheduler_at_restored:
+                raise ConfigurationError(
+                    f"the scheduler given to the Accumulator ({type(self.scheduler).__name__}) has last_epoch={at}, "
+                    f"but the Accumulator's state was saved with it at {state.scheduler_at}: resumed so, the learning "
+                    "rate would follow another schedule than the run's. Save the scheduler's state_dict() with the "
+                    "checkpoint and load it before training; or, to start a new schedule on purpose, load the "
+                    "Accumulator's state without its 'scheduler_at' entry")
             moved = at - state.scheduler_at
             raise ConfigurationError(
                 f"the scheduler given to the Accumulator ({type(self.scheduler).__name__}) was stepped outside it: "
@@ -133,7 +133,7 @@ class Boundary:
                 "once per optimizer step taken, so a scheduler.step() of your own (or another Accumulator "
                 "given the same scheduler) moves the learning rate twice as fast. Remove your own "
                 "scheduler.step() call, or do not pass scheduler= to the Accumulator")
-        state.scheduler_loaded = False
+        state.scheduler_at_restored = False
 
     def finish(self, totals: Totals, in_flight: Optional["InFlight"] = None, *, micro_batches: int = 0,
                micro_batch_size: Any = None) -> Tuple["Exchanged", StepResult]:

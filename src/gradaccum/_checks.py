@@ -15,8 +15,8 @@ from .errors import ConfigurationError, NotExactError
 
 __all__ = ["Count", "check_int", "positive_int", "non_negative_int", "positive_number", "item_count",
            "scalar_loss", "split_loss_output", "as_number", "batchnorms", "tracking_instance_norms",
-           "training_batchnorms", "ROWS", "SIGNED", "holds_ignored_labels", "ignored_labels", "label_tensors",
-           "padded_rows_refusal"]
+           "training_batchnorms", "ROWS", "LABEL_DTYPES", "holds_ignored_labels", "ignored_labels",
+           "label_tensors", "padded_rows_refusal"]
 
 #: how many items a mean loss is over: an int, a float weight, or a one-element tensor on the device
 Count = Union[int, float, torch.Tensor]
@@ -116,7 +116,7 @@ def training_batchnorms(model: nn.Module) -> List[str]:
     return [name for name, m in batchnorms(model) if m.training]
 
 
-SIGNED = (torch.int64, torch.int32)  #: the dtypes a tuple's labels may hold -100 in
+LABEL_DTYPES = (torch.int64, torch.int32)  #: the dtypes a tuple's labels may hold -100 in
 
 
 def label_tensors(micro_batch: Any) -> List[torch.Tensor]:
@@ -125,7 +125,8 @@ def label_tensors(micro_batch: Any) -> List[torch.Tensor]:
     if isinstance(micro_batch, Mapping):
         found = [micro_batch["labels"]] if "labels" in micro_batch else []
     elif isinstance(micro_batch, (tuple, list)):
-        found = [t for t in micro_batch if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dtype in SIGNED]
+        found = [t for t in micro_batch
+                 if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dtype in LABEL_DTYPES]
     else:
         return []
     return [t for t in found if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]

@@ -42,7 +42,7 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
     counts = [None if coupled else (  # a loss over the window is one item: num_items is not asked
         leading_dim(mb) if num_items is None or num_items == ROWS else
         item_count("num_items(micro_batch)", num_items(mb))) for mb in micro_batches]
-    total = sum(1.0 if c is None else float(c) for c in counts) or 1.0
+    counted = sum(1.0 if c is None else float(c) for c in counts) or 1.0  # N, counted up front
     loss_sum, items, bare = 0.0, 0.0, False
     for index, (mb, count) in enumerate(zip(micro_batches, counts)):
         try:
@@ -53,10 +53,10 @@ def window_grads(model: nn.Module, loss_fn: Any, micro_batches: List[Batch], num
         loss, n = split_loss_output(out, count)
         loss = scalar_loss(loss, subject="loss_fn must return a scalar loss",
                            where="loss_fn (check_equivalence compares gradients)")
-        (loss * (float(n) / total)).backward()
+        (loss * (float(n) / counted)).backward()
         loss_sum += float(loss.detach()) * float(n)
         items += float(n)
-    grads = {name: p.grad.detach().double() * (total / items) for name, p in model.named_parameters()
+    grads = {name: p.grad.detach().double() * (counted / items) for name, p in model.named_parameters()
              if p.grad is not None}
     return grads, loss_sum / items, bare, items
 

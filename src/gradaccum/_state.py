@@ -65,7 +65,7 @@ class AccumulatorState:
             ran (across ranks; ``RankAgreement.remember``, as a window runs), or the one ``acc.set_padding`` gave.
         scheduler_at: the scheduler's ``last_epoch`` after the Accumulator last stepped it; None until a window
             opens and reads it (``Boundary.check_scheduler``). Saved: a resumed scheduler must stand there.
-        scheduler_loaded: ``scheduler_at`` came from ``load_state_dict`` and no window has checked it yet.
+        scheduler_at_restored: ``scheduler_at`` came from ``load_state_dict`` and no window has checked it yet.
         replicas_checked: the ranks compared their first reduced gradient (DDP; FSDP2's plain gradients), since the
             Accumulator was built or a ``requires_grad`` changed. The first boundary after either.
         stop_requests: ``acc.request_stop()`` calls, at any time (a signal handler too).
@@ -76,7 +76,7 @@ class AccumulatorState:
             non-finite window at the boundary).
         trainable: each model parameter's ``requires_grad`` when the last window opened (the Accumulator's
             construction before the first): a change under DDP is refused. ``OpenWindow.enter``.
-        batchnorms: the model's BatchNorm layers (and InstanceNorm layers tracking running statistics) by name,
+        norms: the model's BatchNorm layers, and InstanceNorm layers tracking running statistics, by name,
             found at the first window in training mode and watched until one trains (none: nothing to watch).
             ``OpenWindow.enter``.
     """
@@ -93,14 +93,14 @@ class AccumulatorState:
 
     peers_can_pad: bool = False
     padding_batch: Any = field(default=None, repr=False)
-    scheduler_loaded: bool = False
+    scheduler_at_restored: bool = False
     replicas_checked: bool = False
     stop_requests: int = 0
     stops_carried: int = 0
     checked_replays: _Seen = field(default_factory=_Seen, repr=False)
     warned: Set[str] = field(default_factory=set)
     trainable: Tuple[bool, ...] = ()
-    batchnorms: Optional[List[Tuple[str, Any]]] = field(default=None, repr=False)
+    norms: Optional[List[Tuple[str, Any]]] = field(default=None, repr=False)
 
     def saved(self) -> Dict[str, Any]:
         """The saved fields, by their ``state_dict`` key (the field's name)."""
@@ -124,7 +124,7 @@ class AccumulatorState:
         """Set what :meth:`read_saved` returned; the next window checks the scheduler stands where it was saved."""
         for name, value in values.items():
             setattr(self, name, value)
-        self.scheduler_loaded = self.scheduler_at is not None
+        self.scheduler_at_restored = self.scheduler_at is not None
 
     def warn_once(self, key: str) -> bool:
         """True the first time ``key`` is asked for (then the caller warns), False after."""

@@ -70,22 +70,21 @@ class OpenWindow:
             window.ctx.boundary.watch_replicas()  # FSDP2: a plain parameter unfrozen is compared at this boundary
             state.trainable = trainable
         if model.training and "batchnorm" not in state.warned:
-            if state.batchnorms is None:
-                state.batchnorms = batchnorms(model) + tracking_instance_norms(model)
-            names = [n for n, m in state.batchnorms if m.training]
+            if state.norms is None:
+                state.norms = batchnorms(model) + tracking_instance_norms(model)
+            names = [n for n, m in state.norms if m.training]
             if names and state.warn_once("batchnorm"):
                 listed = f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-                batch_statistics = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-                                       for _, m in state.batchnorms)
-                warnings.warn(
-                    f"the model holds BatchNorm layers in training mode {listed}: their statistics are per "
-                    "micro-batch, so accumulation is not equivalent to one big batch. Check with "
-                    "gradaccum.check_equivalence, or use GroupNorm/LayerNorm." if batch_statistics else
-                    f"the model holds InstanceNorm layers that track running statistics {listed}: the gradient is one "
-                    "big batch's, but they update those statistics once per micro-batch, so the statistics eval() "
-                    "normalizes with are not. Pass track_running_stats=False, or check with "
-                    "gradaccum.check_equivalence.",
-                    stacklevel=4)  # acc.step's line (acc.window's block: one frame fewer)
+                if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for _, m in state.norms):
+                    said = (f"the model holds BatchNorm layers in training mode {listed}: their statistics are per "
+                            "micro-batch, so accumulation is not equivalent to one big batch. Check with "
+                            "gradaccum.check_equivalence, or use GroupNorm/LayerNorm.")
+                else:
+                    said = (f"the model holds InstanceNorm layers that track running statistics {listed}: the "
+                            "gradient is one big batch's, but they update those statistics once per micro-batch, so "
+                            "the statistics eval() normalizes with are not. Pass track_running_stats=False, or check "
+                            "with gradaccum.check_equivalence.")
+                warnings.warn(said, stacklevel=4)  # acc.step's line (acc.window's block: one frame fewer)
         self.window = window
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
-from ._checks import (ROWS, SIGNED, Count, as_number, holds_ignored_labels, item_count, label_tensors,
+from ._checks import (LABEL_DTYPES, ROWS, Count, as_number, holds_ignored_labels, item_count, label_tensors,
                       padded_rows_refusal)
 from .errors import ConfigurationError, NotExactError, SplitError
 
@@ -231,22 +231,22 @@ class Counts:
         """A bare mean loss weighed by undeclared rows is refused where labels hold -100, or where a mapping's labels
         differ in length between micro-batches (a mean over targets)."""
         batches, self.unchecked = self.unchecked, None
-        if batches and holds_ignored_labels(batches):
-            raise padded_rows_refusal(
-                "Accumulator: loss_fn", "Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets "
-                "of a causal LM; shift=False for other heads; mb[2], or wherever a tuple holds the labels), or return "
-                "(mean, count) from loss_fn, e.g. gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean "
-                "really is over the rows, say so: num_items='rows'")
-        lengths = {tuple(t.shape[1:]) for mb in batches or () if isinstance(mb, Mapping)
-                   for t in label_tensors(mb) if t.dim() >= 2}
+        if not batches:
+            return
+        fix = ("Pass num_items=lambda mb: gradaccum.count_targets(mb['labels']) (the targets of a causal LM; "
+               "shift=False for other heads; mb[2], or wherever a tuple holds the labels), or return (mean, count) "
+               "from loss_fn, e.g. gradaccum.causal_lm_loss(outputs.logits, mb['labels']); if the mean really is over "
+               "the rows, say so: num_items='rows'")
+        if holds_ignored_labels(batches):
+            raise padded_rows_refusal("Accumulator: loss_fn", fix)
+        lengths = {tuple(t.shape[1:]) for mb in batches if isinstance(mb, Mapping) for t in label_tensors(mb)
+                   if t.dim() >= 2}
         if len(lengths) > 1:
             raise NotExactError(
                 "Accumulator: loss_fn returned a bare mean loss on micro-batches whose 'labels' differ in length "
                 f"({', '.join(str(list(n)) for n in sorted(lengths))} after the rows), and no num_items says what "
                 "that mean is over, so each micro-batch would be weighed by its rows, not by its targets (a Hugging "
-                "Face model's outputs.loss is a mean over the targets). Pass num_items=lambda mb: "
-                "gradaccum.count_targets(mb['labels']), or return (mean, count) from loss_fn; if the mean really is "
-                "over the rows, say so: num_items='rows'")
+                f"Face model's outputs.loss is a mean over the targets). {fix}")
 
 
 def _labelled(micro_batches: List[Batch]) -> bool:
@@ -258,7 +258,7 @@ def _labelled(micro_batches: List[Batch]) -> bool:
                 return True
         elif isinstance(mb, (tuple, list)):
             for t in mb:
-                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dtype in SIGNED:
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dtype in LABEL_DTYPES:
                     return True
     return False
 

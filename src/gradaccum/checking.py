@@ -37,6 +37,8 @@ class EquivalenceReport:
             model itself).
         loss_full, loss_accumulated: the full-batch loss and the item-weighted window loss.
         hints: what the numbers suggest beyond the modules (a ``loss_fn`` that returns a sum).
+        matched_but: why the model is not equivalent although this split's gradients matched: ``"draws"``
+            (random numbers in forward) or ``"statistics"`` (running statistics updated per micro-batch); else ``""``.
     """
 
     equivalent: bool
@@ -46,14 +48,16 @@ class EquivalenceReport:
     loss_accumulated: float = 0.0
     rtol: float = 0.0
     hints: List[str] = field(default_factory=list)
+    matched_but: str = ""
 
     def __str__(self) -> str:
         difference = f"max relative gradient difference {self.max_rel_diff:.3e} (rtol {self.rtol:.1e})"
         verdict = "equivalent" if self.equivalent else "NOT equivalent"
-        if not self.equivalent and self.max_rel_diff <= self.rtol:  # although this split matched: the suspects say
-            verdict += (" (the model draws random numbers in forward, which differ with the split; this split matched)"
-                        if not any("running statistics once per micro-batch" in r for _, r in self.suspects) else
-                        " (the gradients match; running statistics update once per micro-batch)")
+        if self.matched_but:  # not equivalent although this split's gradients matched
+            verdict += {"draws": " (the model draws random numbers in forward, which differ with the split; this "
+                                 "split matched)",
+                        "statistics": " (the gradients match; running statistics update once per micro-batch)"}[
+                self.matched_but]
         lines = [f"{verdict}: {difference}; loss {self.loss_full:.6g} full vs {self.loss_accumulated:.6g} accumulated"]
         lines += [f"  suspect {_module(name)}: {reason}" for name, reason in self.suspects]
         lines += [f"  hint: {hint}" for hint in self.hints]
@@ -199,8 +203,10 @@ def check_equivalence(model: nn.Module, loss_fn: Any, batch: Batch, micro_batch_
     suspects, drawn = _suspects(model, full, acc, len(micro_batches), rtol, matched)
     hint = None if matched else _hint(model, loss_fn, full, acc, batch, micro_batches, num_items, bool(suspects), rtol)
     tracking = any(m.training for _, m in tracking_instance_norms(model))
+    but = "" if not matched else "draws" if drawn else "statistics" if tracking else ""
     return EquivalenceReport(equivalent=matched and not drawn and not tracking, max_rel_diff=max_rel, suspects=suspects,
-                             loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [])
+                             loss_full=full.loss, loss_accumulated=acc.loss, rtol=rtol, hints=[hint] if hint else [],
+                             matched_but=but)
 
 
 def _hint(model: nn.Module, loss_fn: Any, full: "_Pass", acc: "_Pass", batch: Batch, micro_batches: List[Batch],

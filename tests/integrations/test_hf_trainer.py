@@ -185,8 +185,8 @@ def test_an_ignore_index_that_is_not_an_int_is_refused_as_the_trainer_is_built(i
     from gradaccum import ConfigurationError
 
     args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
-    with pytest.raises(ConfigurationError, match=rf"^ExactTrainer\(ignore_index={ignore_index!r}\): the label value "
-                                                 "that is not a target is an int"):
+    with pytest.raises(ConfigurationError, match=rf"^ExactTrainer\(ignore_index={ignore_index!r}\) must be an int: "
+                                                 "the label value the data collator pads with"):
         ExactTrainer(model=gpt2(), args=args, ignore_index=ignore_index)
 
 

@@ -223,7 +223,8 @@ class TrainerDriver:
         return loss
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        """The Trainer's norm of the window's gradient: the closed window's verdict on it, then its record."""
+        """The Trainer's norm of the window's gradient: first a window whose micro-batches did not all go through
+        training_step is refused (the one hook before the step); then the closed window's verdict, and its record."""
         who = type(self).__name__
         if self._window is not None and self._ran < self._micro_batches:  # before any step: nothing moved
             raise NotExactError(
@@ -251,7 +252,8 @@ class TrainerDriver:
             with accumulation_off(self):  # DeepSpeed's engine built to leave the boundary to the window
                 output = super().train(*args, **kwargs)  # type: ignore[misc]
             steps, planned = self.state.global_step, self.args.max_steps
-            if self.skipped and 0 < planned and steps < planned and not self.control.should_training_stop:
+            fell_short = self.skipped and 0 < planned and steps < planned and not self.control.should_training_stop
+            if fell_short:
                 warnings.warn(f"{type(self).__name__} took {steps} optimizer steps of max_steps={planned}: "
                               f"{self.skipped} windows were skipped (no item, or not finite), which global_step does "
                               "not count, and the epochs the Trainer planned from max_steps ran out; raise max_steps "

@@ -192,9 +192,8 @@ class ExactTrainer(TrainerDriver, Trainer):
         self.window_loss = hf_window_loss.window_loss_of(kwargs, args, source)  # CLIP's, SigLIP's, a WindowLoss
         check_head(head)
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-            raise ConfigurationError(f"ExactTrainer(ignore_index={ignore_index!r}): the label value that is not a "
-                                     "target is an int, the data collator's padding of the labels: pass it, e.g. "
-                                     "ignore_index=-100 (the default)")
+            raise ConfigurationError(f"ExactTrainer(ignore_index={ignore_index!r}) must be an int: the label value "
+                                     "the data collator pads with (default -100)")
         ignore_index = int(ignore_index)
         driver_buffers("ExactTrainer", (), accum_dtype, owns_the_sum=True, fix="")  # a bad name, before the Trainer
         super().__init__(*args, nonfinite=nonfinite, **kwargs)
@@ -212,7 +211,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         # (its router_aux_loss_coef rewrites the config, so that argument is the fix a refusal names)
         self.router_balance = (trl_router_balance(self) if source == "tokens" else
                                aux_term(config) if self.items.head == "causal_lm" and self.own_loss is None else None)
-        self._collated: List[Any] = []  # the first window's items per micro-batch, as get_batch_samples counted them
+        self._first_counts: List[Any] = []  # the first window's items per micro-batch, as get_batch_samples counted them
         self._inputs_unchecked = True
         self._evaluation = SetMean(self.items, self.accelerator.gather_for_metrics)
         self._windows = None if self.window_loss is None else hf_window_loss.TrainerWindows(
@@ -235,7 +234,7 @@ class ExactTrainer(TrainerDriver, Trainer):
             self._windows.begin(batch_samples)
             return batch_samples, None
         if self._inputs_unchecked:  # counted now: an override may mask the same label tensors in place later
-            self._collated = [self.items.count([b], device or self.args.device) for b in batch_samples]
+            self._first_counts = [self.items.count([b], device or self.args.device) for b in batch_samples]
         total = self.summed_over_ranks(self.items.count(batch_samples, device or self.args.device))
         self.open_window(int(total), len(batch_samples), buffers=self.buffers, routed=lambda: [
             self.items.model_inputs(self._prepare_inputs(dict(b))) for b in batch_samples])
@@ -285,7 +284,7 @@ class ExactTrainer(TrainerDriver, Trainer):
         """The handed inputs' items against those counted (one host synchronisation, once): an override that masks
         labels before calling ``super().compute_loss`` would have every step off by their ratio."""
         self._inputs_unchecked = False
-        counted, self._collated = self._collated[self._ran], []
+        counted, self._first_counts = self._first_counts[self._ran], []
         got = self.items.count([inputs], self.args.device)
         if int(got) != int(counted):
             raise NotExactError(

@@ -109,19 +109,20 @@ class ExactAccumulation(Callback):
         return self.state.last_window_items
 
     CHECKPOINT_KEY = "gradaccum.ExactAccumulation"  #: where Lightning's checkpoint holds the state's saved fields
+    MID_WINDOW_KEY = CHECKPOINT_KEY + ".mid_window"  #: whether it was saved inside a window
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: Dict[str, Any]) -> None:
         """The :attr:`state`'s saved fields, under :attr:`CHECKPOINT_KEY` (a ``state_dict`` would have Lightning
         refuse two callbacks before :func:`_refuse_a_second_callback` names both and the fix)."""
         checkpoint[self.CHECKPOINT_KEY] = self.state.saved()
-        checkpoint[self.CHECKPOINT_KEY + ".mid_window"] = self._window is not None  # its gradient is not saved
+        checkpoint[self.MID_WINDOW_KEY] = self._window is not None  # that window's gradient is not saved
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: Dict[str, Any]) -> None:
         """On resume (after ``setup``): the saved state, if the checkpoint holds one; one saved inside a window is
         refused, before any step."""
-        if checkpoint.get(self.CHECKPOINT_KEY + ".mid_window"):
+        if checkpoint.get(self.MID_WINDOW_KEY):
             raise ConfigurationError(
                 "ExactAccumulation: this checkpoint was saved inside a window, after some of its micro-batches (a "
                 "ModelCheckpoint after a validation that is not at a window's end): their gradient is not in it, so a "
