@@ -93,6 +93,18 @@ def test_an_instance_norm_tracking_running_statistics_is_named_and_the_accumulat
         assert not torch.allclose(model.n.running_mean, big.n.running_mean)  # what the warning is about
 
 
+def test_a_batchnorm_in_eval_beside_a_tracking_instance_norm_gets_the_instance_norm_warning():
+    """A review: the warning's text was chosen by any BatchNorm, one in eval (a frozen backbone's) included."""
+    from gradaccum import Accumulator
+
+    model = _Tracked(True)
+    model.frozen = nn.BatchNorm1d(1).double().eval()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match=r"InstanceNorm layers that track running statistics \(n\)"):
+        acc.step((x, y), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), micro_batch_size=4)
+
+
 @pytest.mark.parametrize("limit, equivalent", [(0.5, True), (0.05, False)])
 def test_a_gradient_hook_is_checked_at_the_size_the_window_gives_its_gradient(limit, equivalent):
     """A probe: a clamping hook that never fires in training (each micro-batch's weighted gradient, and one big

@@ -16,7 +16,7 @@ from torch import nn
 from .errors import RankAgreementError
 
 __all__ = ["GradSync", "LOW_PRECISION", "loaded_type", "is_distributed", "rank", "world_size", "is_rank_zero",
-           "barrier", "broadcast_object", "all_reduce_"]
+           "barrier", "broadcast_object", "all_reduce_", "is_process_group", "shared_ranks"]
 
 #: floating dtypes whose running sum rounds to 8 (bf16) or 11 (fp16) bits of mantissa
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -51,6 +51,16 @@ def is_rank_zero() -> bool:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def is_process_group(group: Any) -> bool:
+    return isinstance(group, dist.ProcessGroup)
+
+
+def shared_ranks(a: Any, b: Any) -> List[int]:
+    """The global ranks two process groups (None: the world) both hold."""
+    ranks = [set(dist.get_process_group_ranks(dist.group.WORLD if g is None else g)) for g in (a, b)]
+    return sorted(ranks[0] & ranks[1])
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ._checks import positive_int, positive_number
 from ._maths import target_count, tensor_norms
-from ._seam import all_reduce_
+from ._seam import all_reduce_, is_process_group, shared_ranks
 from ._settings import check_scheduler_optimizer
 from ._state import AccumulatorState
 from ._weights import Gradients, WindowWeights, clip_coefficient, window_mean
@@ -53,17 +52,16 @@ def _check_loss(loss_fn: Any, reduction: str) -> None:
 
 def _check_groups(pp_group: Any, dp_group: Any) -> None:
     """Refuse a group that is not a process group, and a pipeline group holding this rank's replicas too."""
-    for name, group in (("pp_group", pp_group), ("dp_group", dp_group)):
-        if group is not None and not isinstance(group, dist.ProcessGroup):
+    for name, dim, group in (("pp_group", "pp", pp_group), ("dp_group", "dp", dp_group)):
+        if group is not None and not is_process_group(group):
             raise ConfigurationError(f"{name}={group!r} is not a process group: pass one such as "
-                                     f"mesh[{name[:2]!r}].get_group(), or None")
+                                     f"mesh[{dim!r}].get_group(), or None")
     if dp_group is None or dp_group.size() == 1:
         return
-    shared = set(dist.get_process_group_ranks(pp_group or dist.group.WORLD)) & set(
-        dist.get_process_group_ranks(dp_group))
+    shared = shared_ranks(pp_group, dp_group)
     if len(shared) > 1:
         raise ConfigurationError(
-            f"pp_group and dp_group share the ranks {sorted(shared)}: the pipeline group must hold this rank's "
+            f"pp_group and dp_group share the ranks {shared}: the pipeline group must hold this rank's "
             "stages only, one rank per stage (the default, None, is the world, replicas included), else the "
             "window's items and norm are summed over the replicas twice; pass pp_group=mesh['pp'].get_group()")
 

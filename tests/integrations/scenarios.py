@@ -410,7 +410,7 @@ def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool
            clip: Optional[float] = None, epochs: int = 1, out: Optional[str] = None,
            save: bool = False, resume: Optional[str] = None, max_steps: int = -1,
            trainer_cls: Optional[type] = None, head: Optional[str] = None, optimizer=make_optimizer,
-           fsdp_version: Optional[int] = None, **arguments):
+           fsdp_version: Optional[int] = None, callbacks: Sequence[Any] = (), **arguments):
     """Train a copy of ``model`` with the HF Trainer, one pre-padded micro-batch per dataset item
     (``per_device_train_batch_size=1`` and a collator that unwraps), so micro-batches keep their
     uneven sizes and paddings; sequential order (``train_sampling_strategy="sequential"``). ``head`` goes
@@ -441,7 +441,8 @@ def hf_fit(model: nn.Module, per_rank: Sequence[Sequence[Batch]], *, exact: bool
     extra = {"head": head} if head is not None and issubclass(cls, ExactTrainer) else {}
     with fsdp_state_restored() if fsdp_version is not None else contextlib.nullcontext():
         trainer = cls(model=model, args=args, train_dataset=ListDataset(interleaved(per_rank)),
-                      optimizers=optimizers, data_collator=lambda items: items[0], **extra)
+                      optimizers=optimizers, data_collator=lambda items: items[0], callbacks=list(callbacks),
+                      **extra)
         from transformers import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # it prints every log line

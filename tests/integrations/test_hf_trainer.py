@@ -200,6 +200,19 @@ def test_windows_skipped_under_max_steps_are_said_when_the_run_ends_short():
         _, trainer = S.hf_fit(gpt2(), [data], exact=True, max_steps=3)
     assert trainer.state.global_step == 2 and trainer.skipped == 1
 
+    from transformers import TrainerCallback
+
+    class StopAfterOne(TrainerCallback):  # early stopping: a run a callback ends is short on purpose (a review)
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 1
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, stopped = S.hf_fit(gpt2(), [[empty, empty, empty] + data[:6]], exact=True, max_steps=3,
+                              callbacks=[StopAfterOne()])
+    assert stopped.state.global_step == 1 and stopped.skipped == 1
+
 
 @pytest.mark.parametrize("head", ["causal_lm", "token_classification"])
 def test_a_token_head_on_a_model_whose_logits_are_one_per_row_is_refused_at_the_first_micro_batch(head):
